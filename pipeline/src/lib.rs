@@ -1,0 +1,1 @@
+//! birdtrain's input engine (work in progress).

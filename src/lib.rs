@@ -1,0 +1,1 @@
+//! birdtrain: a data-pipeline-centric ResNet trainer (work in progress).
