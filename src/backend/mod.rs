@@ -1,0 +1,1 @@
+//! backend (being written).

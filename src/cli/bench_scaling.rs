@@ -1,0 +1,1 @@
+//! `birdtrain bench_scaling` (being written).

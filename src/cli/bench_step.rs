@@ -1,0 +1,1 @@
+//! `birdtrain bench_step` (being written).

@@ -1,0 +1,1 @@
+//! `birdtrain kernels` (being written).
