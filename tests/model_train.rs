@@ -95,10 +95,10 @@ fn two_runs_give_identical_bits() {
     let run = || {
         let graph = Graph::new(Arch::ResNet8, 3);
         let (px, labels) = synth(6, 16, 3, 5);
-        let aug: Vec<Augment> = (0..6)
+        let aug: Vec<Augment> = (0..6i32)
             .map(|i| Augment {
-                dy: i as i32 % 3 - 1,
-                dx: 1 - i as i32 % 2,
+                dy: i % 3 - 1,
+                dx: 1 - i % 2,
                 flip: i % 2 == 0,
             })
             .collect();

@@ -90,7 +90,14 @@ fn adamw_decouples_decay_and_adam_adds_it_to_the_gradient() {
     let mut opt = Optimizer::new(OptimizerKind::Adam, hyper, &specs());
     let mut p = vec![1.0f32, 1.0, 1.0];
     opt.step(&mut p, &g, lr).unwrap();
-    close(&p, &[1.0 - lr * adam(0.7), 1.0 - lr * adam(0.1), 1.0 - lr * adam(0.3)]);
+    close(
+        &p,
+        &[
+            1.0 - lr * adam(0.7),
+            1.0 - lr * adam(0.1),
+            1.0 - lr * adam(0.3),
+        ],
+    );
     // step 2 with bias correction, computed by hand for one element (no decay)
     let mut opt = Optimizer::new(OptimizerKind::Adam, Hyper::default(), &specs());
     let mut p = vec![0.0f32; 3];
@@ -120,7 +127,8 @@ fn state_round_trip_continues_identically() {
     a.step(&mut p, &[0.1, 0.2, 0.3], 0.01).unwrap();
     let bytes = a.to_safetensors_bytes();
     let mut b = Optimizer::new(OptimizerKind::AdamW, Hyper::default(), &specs());
-    b.load_safetensors_bytes(&bytes, std::path::Path::new("opt.safetensors")).unwrap();
+    b.load_safetensors_bytes(&bytes, std::path::Path::new("opt.safetensors"))
+        .unwrap();
     assert_eq!(a, b);
     let mut pa = p.clone();
     let mut pb = p;
@@ -139,13 +147,22 @@ fn state_round_trip_continues_identically() {
         .load_safetensors_bytes(&bytes, std::path::Path::new("opt.safetensors"))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("adamw") && err.contains("opt.safetensors"), "{err}");
+    assert!(
+        err.contains("adamw") && err.contains("opt.safetensors"),
+        "{err}"
+    );
 }
 
 #[test]
 fn optimizer_names_parse() {
-    assert_eq!("adamw".parse::<OptimizerKind>().unwrap(), OptimizerKind::AdamW);
-    assert!(matches!("SGD".parse::<OptimizerKind>().unwrap(), OptimizerKind::Sgd { .. }));
+    assert_eq!(
+        "adamw".parse::<OptimizerKind>().unwrap(),
+        OptimizerKind::AdamW
+    );
+    assert!(matches!(
+        "SGD".parse::<OptimizerKind>().unwrap(),
+        OptimizerKind::Sgd { .. }
+    ));
     let err = "lion".parse::<OptimizerKind>().unwrap_err().to_string();
     assert!(err.contains("lion") && err.contains("adamw"), "{err}");
 }
@@ -163,7 +180,11 @@ fn schedules_warm_up_then_decay() {
     assert!((s.lr_at(4) - 0.2).abs() < 1e-7);
     assert!((s.lr_at(9) - 0.4).abs() < 1e-7);
     assert!((s.lr_at(10) - 0.4).abs() < 1e-7);
-    assert!((s.lr_at(30) - 0.2).abs() < 1e-6, "cosine midpoint {}", s.lr_at(30));
+    assert!(
+        (s.lr_at(30) - 0.2).abs() < 1e-6,
+        "cosine midpoint {}",
+        s.lr_at(30)
+    );
     assert!(s.lr_at(50).abs() < 1e-7);
     let st = Schedule {
         decay: Decay::Step {
