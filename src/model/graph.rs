@@ -384,6 +384,16 @@ impl Graph {
         dims
     }
 
+    /// Activation elements one image needs: every value of the graph (input and logits
+    /// included) at `image_size`. [`super::Network`] keeps this many activations plus as many
+    /// activation gradients per image; a backend sizing `--batch-size auto` starts from it.
+    pub fn activation_elements(&self, image_size: u32) -> usize {
+        self.value_dims(image_size)
+            .iter()
+            .map(ValueDims::per_image)
+            .sum()
+    }
+
     /// The convolution shape of a `Conv` node for `n` images (None for other nodes).
     pub fn conv_shape(&self, node: &Node, dims: &[ValueDims], n: usize) -> Option<ConvShape> {
         match *node {
