@@ -361,7 +361,9 @@ impl<B: Backend> Network<B> {
     }
 
     /// Inference on one batch (BN running statistics, no augmentation unless the batch
-    /// carries some): loss/accuracy sums and softmax probabilities (`len × classes`).
+    /// carries some): loss/accuracy sums (with the configured label smoothing) and softmax
+    /// probabilities (`len × classes`, row-major). For prediction without labels pass dummy
+    /// labels (e.g. zeros); only the statistics are then meaningless.
     pub fn eval_step(
         &mut self,
         input: &InputBatch<'_>,
