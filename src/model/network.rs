@@ -71,14 +71,16 @@ impl<B: Backend> std::fmt::Debug for Network<B> {
     }
 }
 
+/// Tensors are only taken out of their slots for the duration of one op call; finding a slot
+/// empty is a bug in this module (two roles aliasing one tensor), hence a panic.
+const BORROWED: &str = "Network: tensor already borrowed (graph aliasing bug)";
+
 fn take<T>(v: &mut [Option<T>], i: usize) -> T {
-    v[i].take()
-        .expect("Network: tensor already borrowed (graph aliasing bug)")
+    v[i].take().expect(BORROWED)
 }
 
 fn get<T>(v: &[Option<T>], i: usize) -> &T {
-    v[i].as_ref()
-        .expect("Network: tensor already borrowed (graph aliasing bug)")
+    v[i].as_ref().expect(BORROWED)
 }
 
 /// OIHW (torchvision) → OHWI (backend).
@@ -301,6 +303,68 @@ impl<B: Backend> Network<B> {
             }
         }
         Ok(())
+    }
+
+    /// The backend, mutably (e.g. to switch a device stream between steps).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Parameter tensors in graph order, in the backend's layout (OHWI convolutions): for
+    /// device-side work (a fused optimizer, a broadcast) without a host round trip.
+    pub fn param_tensors(&self) -> Vec<&B::Tensor> {
+        self.params
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect()
+    }
+
+    /// Parameter tensors, mutably (a device optimizer writes the new working copy here).
+    pub fn param_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.params
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradient tensors of the last [`Network::train_step`] in graph order, backend layout.
+    pub fn grad_tensors(&self) -> Vec<&B::Tensor> {
+        self.param_grads
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradient tensors, mutably (an all-reduce averages them in place).
+    pub fn grad_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.param_grads
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradients to read and parameters to write at once, for a fused update.
+    pub fn grads_and_params_mut(&mut self) -> (Vec<&B::Tensor>, Vec<&mut B::Tensor>) {
+        let grads = self
+            .param_grads
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect();
+        let params = self
+            .params
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect();
+        (grads, params)
+    }
+
+    /// BN running-statistics tensors in `graph.buffers()` order (the `num_batches_tracked`
+    /// entries are placeholders: the counts live on the host, see [`Network::state`]).
+    pub fn buffer_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.buffers
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
     }
 
     fn flat(&self, tensors: &[Option<B::Tensor>]) -> Result<Vec<f32>, ModelError> {
