@@ -282,3 +282,17 @@ fn tensor_accessors_expose_backend_layout() {
         .zip(&halved)
         .all(|((a, b), g)| *a == b - g));
 }
+
+#[test]
+fn gradient_buffers_are_shared() {
+    // One buffer per live gradient, not per value: well under twice the activations.
+    let graph = Graph::new(Arch::ResNet50, 10);
+    let net = Network::new(CpuBackend::new(1).unwrap(), &graph, 1, 64).unwrap();
+    let acts = graph.activation_elements(64);
+    let total = net.elements_per_image();
+    eprintln!("resnet50 at 64: {acts} activation + {} gradient elements per image", total - acts);
+    assert!(
+        total > acts && total < acts * 3 / 2,
+        "{total} elements for {acts} activations"
+    );
+}

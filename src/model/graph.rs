@@ -385,8 +385,8 @@ impl Graph {
     }
 
     /// Activation elements one image needs: every value of the graph (input and logits
-    /// included) at `image_size`. [`super::Network`] keeps this many activations plus as many
-    /// activation gradients per image; a backend sizing `--batch-size auto` starts from it.
+    /// included) at `image_size`. [`super::Network`] keeps this many activations per image,
+    /// plus its shared gradient buffers ([`super::Network::elements_per_image`] has the total).
     pub fn activation_elements(&self, image_size: u32) -> usize {
         self.value_dims(image_size)
             .iter()
