@@ -290,7 +290,10 @@ fn gradient_buffers_are_shared() {
     let net = Network::new(CpuBackend::new(1).unwrap(), &graph, 1, 64).unwrap();
     let acts = graph.activation_elements(64);
     let total = net.elements_per_image();
-    eprintln!("resnet50 at 64: {acts} activation + {} gradient elements per image", total - acts);
+    eprintln!(
+        "resnet50 at 64: {acts} activation + {} gradient elements per image",
+        total - acts
+    );
     assert!(
         total > acts && total < acts * 3 / 2,
         "{total} elements for {acts} activations"
