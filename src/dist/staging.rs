@@ -414,8 +414,8 @@ pub struct SimStreams {
     device: Vec<Vec<u8>>,
     /// Per slot: an upload is queued and has not run (the host buffer is still being read).
     upload_pending: Vec<bool>,
-    /// Per slot: the device buffer holds data a queued consume has not read yet.
-    device_unread: Vec<u32>,
+    /// Per slot: the device buffer holds an upload no consume has read yet.
+    device_unread: Vec<bool>,
     events: Vec<EventState>,
     copy: VecDeque<Op>,
     compute: VecDeque<Op>,
@@ -434,7 +434,7 @@ impl SimStreams {
             host: vec![vec![0; slot_bytes]; slots],
             device: vec![vec![0; slot_bytes]; slots],
             upload_pending: vec![false; slots],
-            device_unread: vec![0; slots],
+            device_unread: vec![false; slots],
             events: Vec::new(),
             copy: VecDeque::new(),
             compute: VecDeque::new(),
@@ -483,18 +483,24 @@ impl SimStreams {
                 e.completed = e.completed.max(generation);
             }
             Op::Upload { slot, bytes } => {
-                if self.device_unread[slot] > 0 {
+                if self.device_unread[slot] {
                     self.violations.push(format!(
-                        "device slot {slot} overwritten while a queued compute still had to read it"
+                        "device slot {slot} overwritten before the compute of its previous batch read it"
                     ));
                 }
+                self.device_unread[slot] = true;
                 let (src, dst) = (&self.host[slot], &mut self.device[slot]);
                 dst[..bytes].copy_from_slice(&src[..bytes]);
                 dst[bytes..].iter_mut().for_each(|b| *b = 0);
                 self.upload_pending[slot] = false;
             }
             Op::Consume { slot } => {
-                self.device_unread[slot] = self.device_unread[slot].saturating_sub(1);
+                if !self.device_unread[slot] {
+                    self.violations.push(format!(
+                        "compute read device slot {slot} before its upload ran (stale data)"
+                    ));
+                }
+                self.device_unread[slot] = false;
                 self.consumed.push(self.device[slot].clone());
             }
         }
@@ -518,7 +524,6 @@ impl SimStreams {
     /// does between `begin_compute` and `end_compute`).
     pub fn launch_consume(&mut self, slot: usize) -> Result<(), SimError> {
         self.check_slot(slot)?;
-        self.device_unread[slot] += 1;
         self.compute.push_back(Op::Consume { slot });
         self.wander();
         Ok(())
