@@ -197,3 +197,70 @@ pub fn project(
         images_per_s: (gpus * profile.batch_per_gpu) as f64 / step_s,
     })
 }
+
+/// A model's gradients as the projection needs them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelCost {
+    /// Gradient sizes, forward order.
+    pub params: Vec<super::buckets::ParamSpec>,
+    /// Per parameter (forward order): its share of backward work, in FLOPs per image.
+    pub backward_weights: Vec<f64>,
+}
+
+impl ModelCost {
+    /// Gradient sizes (`element_bytes` per element) and backward weights of `graph` at
+    /// `image_size`.
+    ///
+    /// Backward work per layer is taken proportional to its forward FLOPs (a convolution's
+    /// backward is two convolutions of the same size, the data and the weight gradient); batch
+    /// norm is elementwise (about 8 FLOPs per output element, split over γ and β).
+    pub fn from_graph(graph: &crate::model::Graph, image_size: u32, element_bytes: usize) -> Self {
+        use crate::model::Node;
+        let dims = graph.value_dims(image_size);
+        let mut weights = vec![0.0; graph.params().len()];
+        for node in graph.nodes() {
+            match *node {
+                Node::Conv { weight, .. } => {
+                    weights[weight] += graph.conv_shape(node, &dims, 1).map_or(0.0, |s| s.flops());
+                }
+                Node::BatchNorm {
+                    weight,
+                    bias,
+                    output,
+                    ..
+                } => {
+                    let elements = dims[output].per_image() as f64;
+                    weights[weight] += 4.0 * elements;
+                    weights[bias] += 4.0 * elements;
+                }
+                Node::Linear {
+                    weight,
+                    bias,
+                    inputs,
+                    outputs,
+                    ..
+                } => {
+                    weights[weight] += 2.0 * (inputs * outputs) as f64;
+                    weights[bias] += outputs as f64;
+                }
+                Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
+            }
+        }
+        ModelCost {
+            params: graph
+                .params()
+                .iter()
+                .map(|p| super::buckets::ParamSpec {
+                    name: p.name.clone(),
+                    bytes: p.numel() * element_bytes,
+                })
+                .collect(),
+            backward_weights: weights,
+        }
+    }
+
+    /// Gradient bytes per step (what one rank all-reduces, padding excluded).
+    pub fn gradient_bytes(&self) -> usize {
+        self.params.iter().map(|p| p.bytes).sum()
+    }
+}
