@@ -68,8 +68,16 @@ fn random_models_every_parameter_in_exactly_one_contiguous_bucket_in_backward_or
         let align: usize = [4, 16, 256][rng.random_range(0..3)];
         let plan = BucketPlan::new(&params, settings(target, align)).unwrap();
 
-        let order: Vec<usize> = plan.buckets().iter().flat_map(|b| b.params.clone()).collect();
-        assert_eq!(order, (0..n).rev().collect::<Vec<_>>(), "backward order, each once");
+        let order: Vec<usize> = plan
+            .buckets()
+            .iter()
+            .flat_map(|b| b.params.clone())
+            .collect();
+        assert_eq!(
+            order,
+            (0..n).rev().collect::<Vec<_>>(),
+            "backward order, each once"
+        );
 
         let mut end_of_previous: usize = 0;
         for (k, bucket) in plan.buckets().iter().enumerate() {
@@ -107,7 +115,11 @@ fn tracker_launches_buckets_in_order_even_when_gradients_arrive_out_of_order() {
     assert_eq!(plan.buckets().len(), 3);
     let mut t = BucketTracker::new(&plan);
     assert_eq!(t.mark_ready(3).unwrap(), Vec::<usize>::new());
-    assert_eq!(t.mark_ready(2).unwrap(), Vec::<usize>::new(), "bucket 1 waits for bucket 0");
+    assert_eq!(
+        t.mark_ready(2).unwrap(),
+        Vec::<usize>::new(),
+        "bucket 1 waits for bucket 0"
+    );
     assert_eq!(t.mark_ready(5).unwrap(), Vec::<usize>::new());
     assert_eq!(t.mark_ready(4).unwrap(), vec![0, 1]);
     assert!(!t.all_launched());
@@ -124,7 +136,10 @@ fn tracker_launches_buckets_in_order_even_when_gradients_arrive_out_of_order() {
     assert!(t.all_launched());
     t.reset();
     assert!(!t.all_launched() && !t.is_ready(1));
-    let launched: Vec<usize> = (0..6).rev().flat_map(|i| t.mark_ready(i).unwrap()).collect();
+    let launched: Vec<usize> = (0..6)
+        .rev()
+        .flat_map(|i| t.mark_ready(i).unwrap())
+        .collect();
     assert_eq!(launched, vec![0, 1, 2]);
 }
 
@@ -144,7 +159,10 @@ fn bad_inputs_are_errors() {
     ));
     let err = BucketPlan::new(&[spec("fc.bias", 6)], settings(64, 4)).unwrap_err();
     assert!(err.to_string().contains("fc.bias"), "{err}");
-    assert!(BucketPlan::new(&[], settings(64, 4)).unwrap().buckets().is_empty());
+    assert!(BucketPlan::new(&[], settings(64, 4))
+        .unwrap()
+        .buckets()
+        .is_empty());
 }
 
 #[test]

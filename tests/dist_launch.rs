@@ -45,7 +45,10 @@ fn single_node_defaults() {
     assert_eq!((plan.nodes, plan.node_rank), (1, 0));
     assert!(!plan.is_multi_node() && plan.is_master());
     // No GPU and no flag: the CPU.
-    assert!(run(LaunchFlags::default(), &[], 0).unwrap().devices.is_empty());
+    assert!(run(LaunchFlags::default(), &[], 0)
+        .unwrap()
+        .devices
+        .is_empty());
     assert_eq!(run(gpus("all"), &[], 3).unwrap().devices, vec![0, 1, 2]);
     assert_eq!(run(gpus("2"), &[], 3).unwrap().devices, vec![0, 1]);
     assert!(run(gpus("0"), &[], 3).unwrap().devices.is_empty());
@@ -55,8 +58,18 @@ fn single_node_defaults() {
 fn too_many_gpus_lists_the_devices() {
     let err = run(gpus("8"), &[], 2).unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, LaunchError::TooManyGpus { requested: 8, present: 2, .. }));
-    assert!(text.contains("0: Fake GPU 0") && text.contains("1: Fake GPU 1"), "{text}");
+    assert!(matches!(
+        err,
+        LaunchError::TooManyGpus {
+            requested: 8,
+            present: 2,
+            ..
+        }
+    ));
+    assert!(
+        text.contains("0: Fake GPU 0") && text.contains("1: Fake GPU 1"),
+        "{text}"
+    );
     let err = run(gpus("all"), &[], 0).unwrap_err();
     assert!(matches!(err, LaunchError::NoDevices { .. }), "{err}");
     assert!(err.to_string().contains("--gpus 0"), "hint missing: {err}");
@@ -112,7 +125,11 @@ fn conflicts_are_clear_errors() {
         ..LaunchFlags::default()
     };
     assert!(matches!(
-        run(two_nodes.clone(), &[("MASTER_ADDR", "h"), ("MASTER_PORT", "1")], 1),
+        run(
+            two_nodes.clone(),
+            &[("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+            1
+        ),
         Err(LaunchError::MissingNodeRank { nodes: 2 })
     ));
     assert!(matches!(
@@ -120,7 +137,11 @@ fn conflicts_are_clear_errors() {
         Err(LaunchError::MissingMaster { nodes: 2 })
     ));
     assert!(matches!(
-        run(two_nodes, &[("RANK", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")], 1),
+        run(
+            two_nodes,
+            &[("RANK", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+            1
+        ),
         Err(LaunchError::NodeRankOutOfRange {
             node_rank: 2,
             nodes: 2,
@@ -129,7 +150,10 @@ fn conflicts_are_clear_errors() {
     ));
     assert!(matches!(
         run(LaunchFlags::default(), &[("MASTER_ADDR", "h")], 1),
-        Err(LaunchError::PartialMasterEnv { set: "MASTER_ADDR", .. })
+        Err(LaunchError::PartialMasterEnv {
+            set: "MASTER_ADDR",
+            ..
+        })
     ));
     assert!(matches!(
         run(gpus("2"), &[("LOCAL_RANK", "0")], 2),
@@ -141,7 +165,10 @@ fn conflicts_are_clear_errors() {
     ));
     assert!(matches!(
         run(LaunchFlags::default(), &[("WORLD_SIZE", "two")], 1),
-        Err(LaunchError::InvalidEnv { var: "WORLD_SIZE", .. })
+        Err(LaunchError::InvalidEnv {
+            var: "WORLD_SIZE",
+            ..
+        })
     ));
     assert!(matches!(
         run(
@@ -152,7 +179,9 @@ fn conflicts_are_clear_errors() {
             &[],
             1
         ),
-        Err(LaunchError::ZeroNodes { source_name: "--nodes" })
+        Err(LaunchError::ZeroNodes {
+            source_name: "--nodes"
+        })
     ));
     let cpu_multi = LaunchFlags {
         gpus: Some(GpuCount::Count(0)),

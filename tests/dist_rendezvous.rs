@@ -35,9 +35,7 @@ fn run(
     client_timeout: Duration,
 ) -> (Outcome, Vec<Outcome>) {
     let (l, addr) = listener();
-    let server = thread::spawn(move || {
-        serve(&l, &me, server_timeout, || Ok((0u8..128).collect()))
-    });
+    let server = thread::spawn(move || serve(&l, &me, server_timeout, || Ok((0u8..128).collect())));
     let clients: Vec<_> = others
         .into_iter()
         .map(|info| {
@@ -146,7 +144,9 @@ fn assert_rejected(server: Outcome, clients: Vec<Outcome>, needle: &str) {
     let s = server.unwrap_err();
     assert!(s.to_string().contains(needle), "server: {s}");
     assert!(
-        clients.iter().any(|c| matches!(c, Err(RendezvousError::Rejected { reason }) if reason.contains(needle))),
+        clients.iter().any(
+            |c| matches!(c, Err(RendezvousError::Rejected { reason }) if reason.contains(needle))
+        ),
         "no client heard {needle:?}: {clients:?}"
     );
 }
@@ -193,7 +193,10 @@ fn unique_id_failure_reaches_every_node() {
         })
     });
     let client = join(&addr, &node(2, 1, 1), TIMEOUT).unwrap_err();
-    assert!(client.to_string().contains("libnccl.so.2 not found"), "{client}");
+    assert!(
+        client.to_string().contains("libnccl.so.2 not found"),
+        "{client}"
+    );
     assert!(matches!(
         server.join().unwrap(),
         Err(RendezvousError::UniqueId { .. })

@@ -54,7 +54,10 @@ fn ring_allreduce_time_is_two_n_minus_one_over_n_bytes_over_busbw() {
     // 2·3/4 · 400 / 400 = 1.5 s
     assert!(close(ring_allreduce_s(4, 400.0, &link(400.0)), 1.5));
     // 100 MB over 8 NVLink GPUs: 10 µs + 1.75 · 1e8 / 370e9 s
-    assert!(close(ring_allreduce_s(8, 1e8, &NVLINK), 10e-6 + 1.75e8 / 370e9));
+    assert!(close(
+        ring_allreduce_s(8, 1e8, &NVLINK),
+        10e-6 + 1.75e8 / 370e9
+    ));
 }
 
 #[test]
@@ -115,7 +118,10 @@ fn bad_inputs_are_errors() {
     ));
     assert!(matches!(
         project(&plan, &[1.0], &PROFILE, 2, &NVLINK),
-        Err(ScalingError::WeightCount { expected: 2, got: 1 })
+        Err(ScalingError::WeightCount {
+            expected: 2,
+            got: 1
+        })
     ));
     assert!(project(&plan, &[1.0, 1.0], &PROFILE, 2, &link(0.0)).is_err());
 }
@@ -128,7 +134,10 @@ fn model_cost_covers_every_parameter_of_the_graph() {
     assert_eq!(cost.gradient_bytes(), 4 * numel);
     assert_eq!(cost.params.len(), graph.params().len());
     assert_eq!(cost.backward_weights.len(), graph.params().len());
-    assert!(cost.backward_weights.iter().all(|&w| w > 0.0), "every parameter costs something");
+    assert!(
+        cost.backward_weights.iter().all(|&w| w > 0.0),
+        "every parameter costs something"
+    );
     // Convolutions dominate: the first conv alone outweighs all batch-norm parameters.
     let conv1 = graph.param_index("conv1.weight").unwrap();
     let bn1 = graph.param_index("bn1.weight").unwrap();
@@ -147,17 +156,38 @@ fn args(line: &[&str]) -> BenchScalingArgs {
 
 #[test]
 fn report_with_a_given_step_time() {
-    let a = args(&["--model", "resnet50", "--classes", "285", "--step-ms", "200", "--gpus", "1,4,8"]);
+    let a = args(&[
+        "--model",
+        "resnet50",
+        "--classes",
+        "285",
+        "--step-ms",
+        "200",
+        "--gpus",
+        "1,4,8",
+    ]);
     let r = compute(&a).unwrap();
     assert_eq!(r.step_source, StepSource::Given);
     assert!(close(r.step_s, 0.2));
     // ResNet-50 with a 285-class head: ~24.1 M parameters, ~96 MB of f32 gradients.
-    assert!((23_000_000..25_000_000).contains(&r.parameters), "{}", r.parameters);
+    assert!(
+        (23_000_000..25_000_000).contains(&r.parameters),
+        "{}",
+        r.parameters
+    );
     assert_eq!(r.gradient_bytes, 4 * r.parameters);
     assert!(r.buckets >= 4);
     assert_eq!(r.projections.len(), 6, "3 GPU counts x 2 links");
-    let nvlink4 = r.projections.iter().find(|p| p.link == "NVLink" && p.gpus == 4).unwrap();
-    let pcie4 = r.projections.iter().find(|p| p.link == "PCIe" && p.gpus == 4).unwrap();
+    let nvlink4 = r
+        .projections
+        .iter()
+        .find(|p| p.link == "NVLink" && p.gpus == 4)
+        .unwrap();
+    let pcie4 = r
+        .projections
+        .iter()
+        .find(|p| p.link == "PCIe" && p.gpus == 4)
+        .unwrap();
     assert!(nvlink4.efficiency > pcie4.efficiency);
     assert!(nvlink4.efficiency >= 0.97, "{nvlink4:?}");
     let text = render(&a, &r);
@@ -168,8 +198,18 @@ fn report_with_a_given_step_time() {
 #[test]
 fn report_measures_the_cpu_step_without_step_ms() {
     let a = args(&[
-        "--model", "resnet8", "--classes", "4", "--image-size", "8", "--batch-size", "2",
-        "--measure-steps", "1", "--gpus", "2",
+        "--model",
+        "resnet8",
+        "--classes",
+        "4",
+        "--image-size",
+        "8",
+        "--batch-size",
+        "2",
+        "--measure-steps",
+        "1",
+        "--gpus",
+        "2",
     ]);
     let r = compute(&a).unwrap();
     assert_eq!(r.step_source, StepSource::MeasuredCpu { steps: 1 });

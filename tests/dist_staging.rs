@@ -13,7 +13,9 @@ const SLOT: usize = 16;
 /// The bytes of batch `seq`: a variable length, every byte tagged with the batch.
 fn batch(seq: u64) -> Vec<u8> {
     let len = 4 + (seq as usize * 5) % (SLOT - 3);
-    (0..len).map(|i| (seq as u8).wrapping_mul(31).wrapping_add(i as u8)).collect()
+    (0..len)
+        .map(|i| (seq as u8).wrapping_mul(31).wrapping_add(i as u8))
+        .collect()
 }
 
 /// What the device slot holds after batch `seq` was uploaded (zero beyond the batch).
@@ -84,16 +86,22 @@ fn the_simulator_catches_an_upload_that_ignores_the_consumer() {
     let never_recorded = sim.new_event().unwrap();
     let consumed = sim.new_event().unwrap();
     sim.host_slot(0).unwrap().fill(1);
-    sim.enqueue_upload(0, SLOT, &never_recorded, &copied).unwrap();
+    sim.enqueue_upload(0, SLOT, &never_recorded, &copied)
+        .unwrap();
     sim.compute_wait(&copied).unwrap();
     sim.launch_consume(0).unwrap();
     sim.compute_record(&consumed).unwrap();
     // Wrong: the copy stream should wait on `consumed`, and the host on `copied`.
     sim.host_slot(0).unwrap().fill(2);
-    sim.enqueue_upload(0, SLOT, &never_recorded, &copied).unwrap();
+    sim.enqueue_upload(0, SLOT, &never_recorded, &copied)
+        .unwrap();
     sim.drain();
     assert!(!sim.violations().is_empty(), "the race went unnoticed");
-    assert_ne!(sim.consumed(), &[vec![1u8; SLOT]][..], "batch 0 was not corrupted?");
+    assert_ne!(
+        sim.consumed(),
+        &[vec![1u8; SLOT]][..],
+        "batch 0 was not corrupted?"
+    );
 }
 
 #[test]
@@ -136,12 +144,22 @@ fn the_ring_refuses_to_run_more_than_depth_ahead() {
     assert!(!ring.can_fill());
     let err = ring.begin_fill().unwrap_err();
     assert!(
-        matches!(err, StagingError::RingFull { slot: 0, holding: 0, .. }),
+        matches!(
+            err,
+            StagingError::RingFull {
+                slot: 0,
+                holding: 0,
+                ..
+            }
+        ),
         "{err}"
     );
     // Handing batch 0 to compute is not enough: its consumer must be recorded first.
     let b = ring.begin_compute().unwrap();
-    assert!(matches!(ring.begin_fill(), Err(StagingError::RingFull { .. })));
+    assert!(matches!(
+        ring.begin_fill(),
+        Err(StagingError::RingFull { .. })
+    ));
     assert!(matches!(
         ring.begin_compute(),
         Err(StagingError::OutOfOrder { .. })

@@ -27,7 +27,10 @@ fn spans_and_names_become_chrome_trace_events() {
     assert_eq!(events[0]["name"], "process_name");
     assert_eq!(events[0]["args"]["name"], "GPU 0");
     assert_eq!(events[1]["name"], "thread_name");
-    assert_eq!((events[1]["pid"].as_u64(), events[1]["tid"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(
+        (events[1]["pid"].as_u64(), events[1]["tid"].as_u64()),
+        (Some(0), Some(1))
+    );
     let x = &events[2];
     assert_eq!(x["ph"], "X");
     assert_eq!(x["name"], "h2d 3");
@@ -61,7 +64,10 @@ fn threads_record_concurrently_and_guards_time_their_scope() {
     for t in 0..4 {
         let mine: Vec<_> = spans.iter().filter(|s| s.tid == t).collect();
         for pair in mine.windows(2) {
-            assert!(pair[0].start + pair[0].duration <= pair[1].start, "{pair:?}");
+            assert!(
+                pair[0].start + pair[0].duration <= pair[1].start,
+                "{pair:?}"
+            );
         }
     }
 }
@@ -84,6 +90,8 @@ fn save_writes_parseable_json_and_disabled_writes_nothing() {
     off.save(&other).unwrap();
     assert!(!other.exists());
 
-    let err = trace.save(&dir.path().join("missing/dir/t.json")).unwrap_err();
+    let err = trace
+        .save(&dir.path().join("missing/dir/t.json"))
+        .unwrap_err();
     assert!(err.to_string().contains("missing/dir"), "{err}");
 }

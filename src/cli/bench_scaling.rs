@@ -16,7 +16,9 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::dist::buckets::{BucketPlan, BucketSettings};
 use crate::dist::launch::detect_cuda_devices;
-use crate::dist::scaling::{project, Interconnect, ModelCost, Projection, StepProfile, NVLINK, PCIE};
+use crate::dist::scaling::{
+    project, Interconnect, ModelCost, Projection, StepProfile, NVLINK, PCIE,
+};
 use crate::model::{Arch, Graph, InputBatch, Network};
 
 /// Flags of `birdtrain bench scaling`.
@@ -96,7 +98,9 @@ pub fn measure_step<B: Backend>(
     steps: usize,
 ) -> anyhow::Result<Duration> {
     let s = net.image_size() as usize;
-    let pixels: Vec<u8> = (0..batch_size * s * s * 3).map(|i| (i * 7 % 251) as u8).collect();
+    let pixels: Vec<u8> = (0..batch_size * s * s * 3)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
     let labels: Vec<u32> = (0..batch_size as u32).collect();
     let classes = net.graph().num_classes() as u32;
     let labels: Vec<u32> = labels.iter().map(|l| l % classes).collect();
@@ -218,7 +222,14 @@ pub fn render(args: &BenchScalingArgs, r: &ScalingReport) -> String {
     let _ = writeln!(
         out,
         "\n{:<7} {:>5} {:>14} {:>11} {:>12} {:>11} {:>11} {:>10}",
-        "link", "GPUs", "all-reduce ms", "hidden ms", "exposed ms", "step ms", "efficiency", "images/s"
+        "link",
+        "GPUs",
+        "all-reduce ms",
+        "hidden ms",
+        "exposed ms",
+        "step ms",
+        "efficiency",
+        "images/s"
     );
     for p in &r.projections {
         let _ = writeln!(
@@ -235,7 +246,11 @@ pub fn render(args: &BenchScalingArgs, r: &ScalingReport) -> String {
         );
     }
     for p in r.projections.iter().filter(|p| p.gpus == 4) {
-        let verdict = if p.efficiency >= 0.97 { "meets" } else { "misses" };
+        let verdict = if p.efficiency >= 0.97 {
+            "meets"
+        } else {
+            "misses"
+        };
         let _ = writeln!(
             out,
             "{}: {:.1}% at 4 GPUs {verdict} the 97% goal",
@@ -275,8 +290,7 @@ pub fn run(args: BenchScalingArgs) -> anyhow::Result<()> {
     print!("{}", render(&args, &report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&to_json(&report))?;
-        std::fs::write(path, text)
-            .with_context(|| format!("writing --json {}", path.display()))?;
+        std::fs::write(path, text).with_context(|| format!("writing --json {}", path.display()))?;
     }
     Ok(())
 }

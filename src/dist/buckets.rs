@@ -30,7 +30,9 @@ pub enum BucketError {
         name: String,
     },
     /// A parameter's size is not a multiple of the element size.
-    #[error("parameter {name:?} has {bytes} bytes, not a multiple of the {element_bytes}-byte element")]
+    #[error(
+        "parameter {name:?} has {bytes} bytes, not a multiple of the {element_bytes}-byte element"
+    )]
     Misaligned {
         /// Parameter name.
         name: String,

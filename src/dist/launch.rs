@@ -58,7 +58,9 @@ pub enum LaunchError {
         source_name: &'static str,
     },
     /// The node rank does not fit the world.
-    #[error("node rank {node_rank} (from {source_name}) is outside 0..{nodes}; node ranks count from 0")]
+    #[error(
+        "node rank {node_rank} (from {source_name}) is outside 0..{nodes}; node ranks count from 0"
+    )]
     NodeRankOutOfRange {
         /// The node rank.
         node_rank: usize,
@@ -191,7 +193,9 @@ impl MasterAddr {
         if host.is_empty() {
             return Err(bad("empty host"));
         }
-        let port: u16 = port.parse().map_err(|_| bad("the port is not a number 1-65535"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| bad("the port is not a number 1-65535"))?;
         if port == 0 {
             return Err(bad("port 0 cannot be connected to"));
         }
@@ -378,7 +382,9 @@ pub fn resolve(
     let master = match (flag_master, env_master) {
         (Some(f), Some(e)) => {
             if f != e {
-                overrides.push(format!("--master {f} overrides MASTER_ADDR/MASTER_PORT {e}"));
+                overrides.push(format!(
+                    "--master {f} overrides MASTER_ADDR/MASTER_PORT {e}"
+                ));
             }
             Some(f)
         }

@@ -23,9 +23,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError,
-};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError};
 use cudarc::nccl::{result, sys, NcclType};
 
 use super::buckets::{BucketError, BucketPlan, BucketTracker};
@@ -454,20 +452,22 @@ impl GradientSync {
                 source,
             })?;
         self.comm.broadcast_in_place(weights, 0)?;
-        let done = Arc::new(
-            self.comm
-                .stream
-                .record_event(None)
-                .map_err(|source| NcclError::Driver {
-                    op: "record broadcast event",
-                    rank,
-                    source,
-                })?,
-        );
+        let done =
+            Arc::new(
+                self.comm
+                    .stream
+                    .record_event(None)
+                    .map_err(|source| NcclError::Driver {
+                        op: "record broadcast event",
+                        rank,
+                        source,
+                    })?,
+            );
         let probe = done.clone();
-        self.watchdog.watch("broadcast of initial weights", move || {
-            probe.try_is_complete().map_err(|e| e.to_string())
-        })?;
+        self.watchdog
+            .watch("broadcast of initial weights", move || {
+                probe.try_is_complete().map_err(|e| e.to_string())
+            })?;
         self.compute
             .wait(&done)
             .map_err(|source| NcclError::Driver {

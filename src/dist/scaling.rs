@@ -134,7 +134,12 @@ pub fn project(
     gpus: usize,
     link: &Interconnect,
 ) -> Result<Projection, ScalingError> {
-    check("step time (s)", profile.step_s, profile.step_s > 0.0, "must be positive")?;
+    check(
+        "step time (s)",
+        profile.step_s,
+        profile.step_s > 0.0,
+        "must be positive",
+    )?;
     check(
         "backward share",
         profile.backward_share,
@@ -147,7 +152,12 @@ pub fn project(
         link.bus_bytes_per_s > 0.0,
         "must be positive",
     )?;
-    check("latency (s)", link.latency_s, link.latency_s >= 0.0, "must be >= 0")?;
+    check(
+        "latency (s)",
+        link.latency_s,
+        link.latency_s >= 0.0,
+        "must be >= 0",
+    )?;
     check("GPU count", gpus as f64, gpus >= 1, "at least 1")?;
     if backward_weights.len() != plan.param_count() {
         return Err(ScalingError::WeightCount {

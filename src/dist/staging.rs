@@ -36,7 +36,9 @@ pub enum StagingError {
         depth: usize,
     },
     /// `begin_compute` with no uploaded batch.
-    #[error("no staged batch to compute: batch {seq} has not been uploaded (finish_fill it first)")]
+    #[error(
+        "no staged batch to compute: batch {seq} has not been uploaded (finish_fill it first)"
+    )]
     NothingStaged {
         /// The batch expected next.
         seq: u64,
@@ -48,7 +50,9 @@ pub enum StagingError {
         what: &'static str,
     },
     /// A batch larger than a slot.
-    #[error("batch of {bytes} bytes does not fit a {slot_bytes}-byte staging slot; raise the slot size")]
+    #[error(
+        "batch of {bytes} bytes does not fit a {slot_bytes}-byte staging slot; raise the slot size"
+    )]
     TooLarge {
         /// Batch bytes.
         bytes: usize,
@@ -235,7 +239,11 @@ impl<S: StagingStreams> StagingRing<S> {
     pub fn begin_fill(&mut self) -> Result<(u64, &mut [u8]), StagingError> {
         let depth = self.depth();
         let index = (self.next_fill % depth as u64) as usize;
-        if self.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. })) {
+        if self
+            .slots
+            .iter()
+            .any(|s| matches!(s.state, SlotState::Filling { .. }))
+        {
             return Err(StagingError::OutOfOrder {
                 what: "begin_fill while another fill is open",
             });
@@ -387,10 +395,21 @@ pub enum SimError {
 #[derive(Debug, Clone, Copy)]
 enum Op {
     /// Blocks the stream until the event's completed generation reaches `generation`.
-    Wait { event: usize, generation: u64 },
-    Upload { slot: usize, bytes: usize },
-    Record { event: usize, generation: u64 },
-    Consume { slot: usize },
+    Wait {
+        event: usize,
+        generation: u64,
+    },
+    Upload {
+        slot: usize,
+        bytes: usize,
+    },
+    Record {
+        event: usize,
+        generation: u64,
+    },
+    Consume {
+        slot: usize,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Default)]

@@ -151,12 +151,16 @@ impl TraceRecorder {
         let mut events = Vec::new();
         self.with_state(|s| {
             for (pid, name) in &s.process_names {
-                events.push(json!({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                                   "args": {"name": name}}));
+                events.push(
+                    json!({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                                   "args": {"name": name}}),
+                );
             }
             for (pid, tid, name) in &s.thread_names {
-                events.push(json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                                   "args": {"name": name}}));
+                events.push(
+                    json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                                   "args": {"name": name}}),
+                );
             }
             for span in &s.spans {
                 events.push(json!({

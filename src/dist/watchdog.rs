@@ -158,7 +158,9 @@ impl Watchdog {
             .spawn(move || run(&worker, poll))
             .ok();
         if thread.is_none() {
-            tracing::warn!("rank {rank}: could not start the watchdog thread; collectives will not time out");
+            tracing::warn!(
+                "rank {rank}: could not start the watchdog thread; collectives will not time out"
+            );
         }
         Watchdog { shared, thread }
     }
