@@ -223,3 +223,71 @@ fn a_single_node_needs_no_network() {
     assert_eq!((a.world_size, a.rank_offset), (4, 0));
     assert_eq!(a.unique_id, vec![9; 128]);
 }
+
+const CHILD_ENV: &str = "BIRDTRAIN_RENDEZVOUS_CHILD";
+
+#[test]
+fn separate_processes_exchange_the_id_over_loopback() {
+    use std::process::{Command, Stdio};
+    let (l, addr) = listener();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = [1usize, 2]
+        .iter()
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "rendezvous_child_process",
+                    "--ignored",
+                    "--nocapture",
+                ])
+                .env(CHILD_ENV, format!("{addr} {rank}"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let id: Vec<u8> = (100u8..228).collect();
+    let served = serve(&l, &node(3, 0, 2), TIMEOUT, || Ok(id.clone()));
+    let outputs: Vec<String> = children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(
+                out.status.success(),
+                "child failed: {text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            text
+        })
+        .collect();
+    let served = served.unwrap();
+    assert_eq!(served.node_gpus, vec![2, 1, 2]);
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        outputs[0].contains(&format!("offset=2 world=5 id={hex}")),
+        "{}",
+        outputs[0]
+    );
+    assert!(
+        outputs[1].contains(&format!("offset=3 world=5 id={hex}")),
+        "{}",
+        outputs[1]
+    );
+}
+
+/// The joining node of `separate_processes_exchange_the_id_over_loopback`, run as a child
+/// process (ignored when run directly).
+#[test]
+#[ignore = "helper process of separate_processes_exchange_the_id_over_loopback"]
+fn rendezvous_child_process() {
+    let spec =
+        std::env::var(CHILD_ENV).expect("run by separate_processes_exchange_the_id_over_loopback");
+    let (addr, rank) = spec.split_once(' ').unwrap();
+    let rank: usize = rank.parse().unwrap();
+    let a = join(addr, &node(3, rank, rank), TIMEOUT).unwrap();
+    let hex: String = a.unique_id.iter().map(|b| format!("{b:02x}")).collect();
+    println!("offset={} world={} id={hex}", a.rank_offset, a.world_size);
+}
