@@ -283,8 +283,11 @@ fn separate_processes_exchange_the_id_over_loopback() {
 #[test]
 #[ignore = "helper process of separate_processes_exchange_the_id_over_loopback"]
 fn rendezvous_child_process() {
-    let spec =
-        std::env::var(CHILD_ENV).expect("run by separate_processes_exchange_the_id_over_loopback");
+    // Run directly (`--ignored` over the whole suite) there is no parent to talk to.
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        eprintln!("helper only: nothing to do without a parent test");
+        return;
+    };
     let (addr, rank) = spec.split_once(' ').unwrap();
     let rank: usize = rank.parse().unwrap();
     let a = join(addr, &node(3, rank, rank), TIMEOUT).unwrap();
