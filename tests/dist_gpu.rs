@@ -174,3 +174,55 @@ fn bad_unique_id_is_an_error() {
     let err = Communicator::init(stream, 3, 2, &[0u8; 128]).unwrap_err();
     assert!(matches!(err, NcclError::BadRank { .. }), "{err}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
+    use birdtrain::dist::launch::{detect_cuda_devices, resolve, GpuCount, LaunchFlags};
+    use birdtrain::dist::ranks::run_local_ranks;
+    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
+
+    let devices = detect_cuda_devices();
+    let flags = LaunchFlags {
+        gpus: Some(GpuCount::All),
+        ..LaunchFlags::default()
+    };
+    let plan = resolve(&flags, &|_| None, &devices).unwrap();
+    let me = NodeInfo {
+        nodes: 1,
+        node_rank: 0,
+        local_gpus: plan.devices.len(),
+        fingerprint: 1,
+        model: "resnet18".into(),
+    };
+    let assignment = rendezvous(None, &me, Duration::from_secs(10), || {
+        new_unique_id().map_err(|e| e.to_string())
+    })
+    .unwrap();
+    let plan_buckets = plan_for_ranks();
+    let sums = run_local_ranks(&plan, &assignment, move |rank| {
+        let sync = GradientSync::new(
+            rank.comm,
+            rank.compute.clone(),
+            plan_buckets.clone(),
+            Duration::from_secs(60),
+        )?;
+        let init: Vec<f32> = (0..4096).map(|i| (i + rank.rank * 1000) as f32).collect();
+        let mut weights = rank.compute.clone_htod(&init)?;
+        sync.broadcast_weights(&mut weights)?;
+        Ok((rank.rank, checksum(&rank.compute.clone_dtoh(&weights)?)))
+    })
+    .unwrap();
+    assert_eq!(sums.len(), plan.devices.len());
+    let expected = checksum(&(0..4096).map(|i| i as f32).collect::<Vec<_>>());
+    for (rank, sum) in sums {
+        assert_eq!(
+            sum, expected,
+            "rank {rank} did not receive rank 0's weights"
+        );
+    }
+}
+
+fn plan_for_ranks() -> BucketPlan {
+    plan(8)
+}

@@ -14,6 +14,7 @@
 //! - [`trace`]: a thread-safe Chrome trace (Perfetto) writer for `--trace`.
 //! - [`nccl`]: the NCCL communicator, weight broadcast and bucketed gradient all-reduce;
 //!   [`watchdog`] aborts a collective that exceeds its timeout.
+//! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling` (ring all-reduce time,
 //!   overlap with backward, projected efficiency).
 //! - [`checksum`]: a bit-exact weight checksum to prove replicas stay identical.
@@ -23,6 +24,7 @@ pub mod checksum;
 pub mod cuda_staging;
 pub mod launch;
 pub mod nccl;
+pub mod ranks;
 pub mod rendezvous;
 pub mod scaling;
 pub mod staging;

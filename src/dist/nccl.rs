@@ -199,11 +199,6 @@ pub struct Communicator {
     world_size: usize,
 }
 
-// SAFETY: the raw communicator is only reached through the atomic in `CommHandle`; NCCL allows
-// a communicator to be used from any thread as long as calls are not concurrent, and the
-// `&mut`/ownership rules of `Communicator` ensure that (the watchdog only aborts).
-unsafe impl Send for Communicator {}
-
 impl Communicator {
     /// Joins communicator `unique_id` as `rank` of `world_size`, collectives on `stream`.
     ///
@@ -374,13 +369,15 @@ impl Drop for Communicator {
 /// backward continues. [`GradientSync::finish_step`] makes the compute stream wait for the last
 /// bucket, so the optimizer (enqueued after it) sees averaged gradients.
 pub struct GradientSync {
+    // Declared first so it is dropped first: its thread must stop polling the communicator
+    // before the communicator is destroyed.
+    watchdog: Watchdog,
     comm: Communicator,
     compute: Arc<CudaStream>,
     plan: BucketPlan,
     tracker: BucketTracker,
     ready: Vec<CudaEvent>,
     done: Vec<Arc<CudaEvent>>,
-    watchdog: Watchdog,
     step: u64,
 }
 
