@@ -226,3 +226,44 @@ fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
 fn plan_for_ranks() -> BucketPlan {
     plan(8)
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_staging_uploads_engine_owned_pinned_batches() {
+    use birdtrain::dist::cuda_staging::PinnedBuffer;
+    let ctx = CudaContext::new(0).unwrap();
+    let compute = ctx.new_stream().unwrap();
+    let bytes = 256 * 1024;
+    let staging = CudaStaging::new(&ctx, compute.clone(), 2, bytes).unwrap();
+    let mut ring = StagingRing::new(staging).unwrap();
+    let n = 8usize;
+    let mut outputs: Vec<_> = (0..n)
+        .map(|_| compute.alloc_zeros::<u8>(bytes).unwrap())
+        .collect();
+    let mut next = 0;
+    for k in 0..n {
+        while next < n && ring.can_fill() {
+            let mut buf = PinnedBuffer::new(&ctx, bytes).unwrap();
+            buf.as_mut_slice()
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, b)| *b = (next * 7 + i) as u8);
+            ring.stage_external(Arc::new(buf)).unwrap();
+            next += 1;
+        }
+        let staged = ring.begin_compute().unwrap();
+        compute
+            .memcpy_dtod(ring.streams().device_slot(staged.slot), &mut outputs[k])
+            .unwrap();
+        ring.end_compute().unwrap();
+    }
+    for (k, out) in outputs.iter().enumerate() {
+        let host = compute.clone_dtoh(out).unwrap();
+        assert!(
+            host.iter()
+                .enumerate()
+                .all(|(i, &b)| b == (k * 7 + i) as u8),
+            "batch {k}"
+        );
+    }
+}

@@ -60,7 +60,7 @@ fn every_interleaving_delivers_every_batch_intact_and_in_order() {
                 let sim = SimStreams::new(depth, SLOT, seed, eagerness);
                 let mut ring = StagingRing::new(sim).unwrap();
                 drive(&mut ring, n, false);
-                let sim = ring.into_streams();
+                let sim = ring.streams();
                 assert!(
                     sim.violations().is_empty(),
                     "depth {depth} eagerness {eagerness} seed {seed}: {:?}",
@@ -129,7 +129,7 @@ fn a_fast_device_never_makes_the_step_wait_for_input() {
     // Only the very first batch is uploaded right before compute asks for it; from then on
     // each batch was uploaded while the previous one computed.
     assert!(stats.compute_stalls <= 1, "{stats:?}");
-    let sim = ring.into_streams();
+    let sim = ring.streams();
     assert!(sim.violations().is_empty());
     assert_eq!(sim.consumed().len(), n as usize);
 }
@@ -210,4 +210,84 @@ fn data_wait_share_is_waiting_over_wall_time() {
     meter.record(Duration::from_millis(50), Duration::from_millis(10));
     assert_eq!(meter.steps, 3);
     assert!((meter.share() - 14.0 / 50.0).abs() < 1e-12);
+}
+
+/// A batch in "engine-owned" memory, as the pipeline hands it over.
+struct EngineBatch(Vec<u8>);
+
+impl AsRef<[u8]> for EngineBatch {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+#[test]
+fn external_batches_stay_alive_until_uploaded_and_arrive_in_order() {
+    use std::sync::{Arc, Weak};
+    let n = 30u64;
+    for depth in 1..=3 {
+        for seed in 0..20 {
+            let mut ring = StagingRing::new(SimStreams::new(depth, SLOT, seed, 2)).unwrap();
+            let mut released: Vec<Weak<EngineBatch>> = Vec::new();
+            let mut next = 0;
+            for k in 0..n {
+                while next < n && ring.can_fill() {
+                    let batch = Arc::new(EngineBatch(batch(next)));
+                    released.push(Arc::downgrade(&batch));
+                    assert_eq!(ring.stage_external(batch).unwrap(), next);
+                    next += 1;
+                }
+                let staged = ring.begin_compute().unwrap();
+                assert_eq!(staged.seq, k);
+                ring.streams_mut().launch_consume(staged.slot).unwrap();
+                ring.end_compute().unwrap();
+            }
+            // The ring holds at most one batch per slot: older ones went back to the engine.
+            let alive = released.iter().filter(|w| w.upgrade().is_some()).count();
+            assert!(alive <= depth, "depth {depth}: {alive} batches still held");
+            ring.streams_mut().drain();
+            let sim = ring.streams();
+            assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+            let expected: Vec<Vec<u8>> = (0..n).map(slot_image).collect();
+            assert_eq!(sim.consumed(), &expected[..], "depth {depth} seed {seed}");
+        }
+    }
+}
+
+#[test]
+fn an_oversized_external_batch_is_refused() {
+    let mut ring = StagingRing::new(SimStreams::new(2, SLOT, 0, 1)).unwrap();
+    let err = ring
+        .stage_external(std::sync::Arc::new(EngineBatch(vec![0; SLOT + 1])))
+        .unwrap_err();
+    assert!(matches!(err, StagingError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn dropping_the_ring_waits_for_uploads_of_held_batches() {
+    use std::sync::Arc;
+    let held = Arc::new(EngineBatch(batch(0)));
+    {
+        let mut ring = StagingRing::new(SimStreams::new(2, SLOT, 0, 0)).unwrap();
+        ring.stage_external(held.clone()).unwrap();
+        assert_eq!(
+            Arc::strong_count(&held),
+            3,
+            "ring and queued upload hold it"
+        );
+    }
+    assert_eq!(Arc::strong_count(&held), 1, "released after its upload ran");
+}
+
+#[test]
+fn the_simulator_catches_a_batch_released_before_its_upload() {
+    use std::sync::Arc;
+    let mut sim = SimStreams::new(1, SLOT, 0, 0);
+    let (reuse, copied) = (sim.new_event().unwrap(), sim.new_event().unwrap());
+    let batch: birdtrain::dist::staging::ExternalBatch = Arc::new(EngineBatch(batch(0)));
+    sim.enqueue_upload_external(0, &batch, &reuse, &copied)
+        .unwrap();
+    drop(batch); // released while the upload is still queued
+    sim.drain();
+    assert_eq!(sim.violations().len(), 1, "{:?}", sim.violations());
 }

@@ -12,7 +12,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 
-use super::staging::StagingStreams;
+use super::staging::{ExternalBatch, StagingStreams};
 
 /// Pinned host + device staging slots on one GPU.
 pub struct CudaStaging {
@@ -150,11 +150,91 @@ impl StagingStreams for CudaStaging {
         copied.record(&self.copy)
     }
 
+    fn enqueue_upload_external(
+        &mut self,
+        slot: usize,
+        src: &ExternalBatch,
+        reuse: &CudaEvent,
+        copied: &CudaEvent,
+    ) -> Result<(), DriverError> {
+        self.check(slot)?;
+        let data: &[u8] = (**src).as_ref();
+        if data.len() > self.slot_bytes {
+            return Err(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+        }
+        self.copy.wait(reuse)?;
+        let (dst, record) = self.device[slot].device_ptr_mut(&self.copy);
+        // SAFETY: the ring keeps `src` alive and unmodified until `copied` completes. From
+        // pinned memory the copy is asynchronous; from pageable memory the driver stages it
+        // synchronously, which is slower but equally correct.
+        unsafe { result::memcpy_htod_async(dst, data, self.copy.cu_stream())? };
+        drop(record);
+        copied.record(&self.copy)
+    }
+
     fn compute_wait(&mut self, event: &CudaEvent) -> Result<(), DriverError> {
         self.compute.wait(event)
     }
 
     fn compute_record(&mut self, event: &CudaEvent) -> Result<(), DriverError> {
         event.record(&self.compute)
+    }
+}
+
+/// One page-locked host buffer, for the engine to assemble batches into (the pipeline's
+/// allocator hook hands these out), so uploads need no extra host copy.
+pub struct PinnedBuffer {
+    /// Owns the allocation that `ptr` points into.
+    _pinned: PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; shared access is read-only
+// (`&self`), writes need `&mut self`.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedBuffer {}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl PinnedBuffer {
+    /// `len` zeroed bytes of pinned memory, usable by every context (portable).
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DriverError> {
+        // SAFETY: the memory is zeroed below before anything can read it.
+        let mut pinned =
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(len, sys::CU_MEMHOSTALLOC_PORTABLE)? };
+        let ptr = pinned.as_mut_ptr()?;
+        // SAFETY: `ptr` addresses `len` bytes owned by `pinned`.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedBuffer {
+            _pinned: pinned,
+            ptr,
+            len,
+        })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` addresses `len` initialised bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl AsRef<[u8]> for PinnedBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
     }
 }

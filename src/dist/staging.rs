@@ -97,11 +97,26 @@ pub trait StagingStreams {
         reuse: &Self::Event,
         copied: &Self::Event,
     ) -> Result<(), Self::Error>;
+    /// Like [`StagingStreams::enqueue_upload`], but from a caller-owned buffer (a batch the
+    /// engine assembled in its own pinned memory) instead of the slot's host buffer. The ring
+    /// keeps a clone of `src` until `copied` has completed, so the buffer cannot return to the
+    /// engine's pool while the copy still reads it.
+    fn enqueue_upload_external(
+        &mut self,
+        slot: usize,
+        src: &ExternalBatch,
+        reuse: &Self::Event,
+        copied: &Self::Event,
+    ) -> Result<(), Self::Error>;
     /// Makes the compute stream wait for `event`.
     fn compute_wait(&mut self, event: &Self::Event) -> Result<(), Self::Error>;
     /// Records the compute stream's current work into `event`.
     fn compute_record(&mut self, event: &Self::Event) -> Result<(), Self::Error>;
 }
+
+/// A batch in caller-owned host memory (for CUDA: pinned), shared with the ring until its
+/// upload completed.
+pub type ExternalBatch = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotState {
@@ -138,6 +153,8 @@ struct Slot<E> {
     copied: E,
     consumed: E,
     state: SlotState,
+    /// The caller's buffer of the last external upload, released once that upload completed.
+    held: Option<ExternalBatch>,
 }
 
 /// Counters of how often and how long input held up the step.
@@ -190,6 +207,7 @@ impl<S: StagingStreams> StagingRing<S> {
                     copied: streams.new_event().map_err(wrap)?,
                     consumed: streams.new_event().map_err(wrap)?,
                     state: SlotState::Free,
+                    held: None,
                 })
             })
             .collect::<Result<Vec<_>, StagingError>>()?;
@@ -233,10 +251,9 @@ impl<S: StagingStreams> StagingRing<S> {
         matches!(slot.state, SlotState::Free | SlotState::Consumed { .. })
     }
 
-    /// Starts staging the next batch: returns its sequence number and the slot's host buffer.
-    ///
-    /// Blocks the host only while the previous upload from this slot is still reading it.
-    pub fn begin_fill(&mut self) -> Result<(u64, &mut [u8]), StagingError> {
+    /// Waits until the next slot may be refilled (its previous upload finished reading host
+    /// memory) and returns its index.
+    fn acquire_next(&mut self) -> Result<usize, StagingError> {
         let depth = self.depth();
         let index = (self.next_fill % depth as u64) as usize;
         if self
@@ -263,10 +280,41 @@ impl<S: StagingStreams> StagingRing<S> {
             self.stats.host_waits += 1;
             self.stats.host_wait_time += start.elapsed();
         }
+        // The previous external batch of this slot has been copied: give it back.
+        self.slots[index].held = None;
+        Ok(index)
+    }
+
+    /// Starts staging the next batch: returns its sequence number and the slot's host buffer.
+    ///
+    /// Blocks the host only while the previous upload from this slot is still reading it.
+    pub fn begin_fill(&mut self) -> Result<(u64, &mut [u8]), StagingError> {
+        let index = self.acquire_next()?;
         let seq = self.next_fill;
         self.slots[index].state = SlotState::Filling { seq };
         let buffer = self.streams.host_slot(index).map_err(wrap)?;
         Ok((seq, buffer))
+    }
+
+    /// Stages a batch the engine assembled in its own (pinned) buffer: uploads `batch` into the
+    /// next slot's device buffer and keeps `batch` alive until the upload completed. Returns
+    /// the batch's sequence number.
+    pub fn stage_external(&mut self, batch: ExternalBatch) -> Result<u64, StagingError> {
+        let bytes = (*batch).as_ref().len();
+        let slot_bytes = self.streams.slot_bytes();
+        if bytes > slot_bytes {
+            return Err(StagingError::TooLarge { bytes, slot_bytes });
+        }
+        let index = self.acquire_next()?;
+        let seq = self.next_fill;
+        let slot = &self.slots[index];
+        self.streams
+            .enqueue_upload_external(index, &batch, &slot.consumed, &slot.copied)
+            .map_err(wrap)?;
+        self.slots[index].state = SlotState::Uploaded { seq, bytes };
+        self.slots[index].held = Some(batch);
+        self.next_fill += 1;
+        Ok(seq)
     }
 
     /// Ends the open fill: `bytes` of the host buffer are uploaded on the copy stream once the
@@ -337,10 +385,20 @@ impl<S: StagingStreams> StagingRing<S> {
         self.next_compute += 1;
         Ok(())
     }
+}
 
-    /// Gives the stream implementation back (after the caller synchronised the streams).
-    pub fn into_streams(self) -> S {
-        self.streams
+impl<S: StagingStreams> Drop for StagingRing<S> {
+    /// Waits for the uploads still reading caller-owned batches before releasing them, so a
+    /// batch buffer never returns to the engine's pool while a copy reads it.
+    fn drop(&mut self) {
+        for slot in &mut self.slots {
+            if slot.held.is_some() {
+                if let Err(e) = self.streams.host_wait(&slot.copied) {
+                    tracing::error!("staging ring dropped while an upload failed: {e}");
+                }
+                slot.held = None;
+            }
+        }
     }
 }
 
@@ -392,7 +450,7 @@ pub enum SimError {
     },
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 enum Op {
     /// Blocks the stream until the event's completed generation reaches `generation`.
     Wait {
@@ -402,6 +460,12 @@ enum Op {
     Upload {
         slot: usize,
         bytes: usize,
+    },
+    /// Copies a caller-owned batch; the simulator holds its own clone, so it can tell when the
+    /// ring released the batch before the copy ran.
+    UploadExternal {
+        slot: usize,
+        src: ExternalBatch,
     },
     Record {
         event: usize,
@@ -427,7 +491,6 @@ struct EventState {
 /// moment they *run*, and [`SimStreams::launch_consume`] reads the device slot when it runs, so
 /// a reuse bug shows up as corrupted or reordered batches, and is also flagged in
 /// [`SimStreams::violations`].
-#[derive(Debug)]
 pub struct SimStreams {
     host: Vec<Vec<u8>>,
     device: Vec<Vec<u8>>,
@@ -443,6 +506,17 @@ pub struct SimStreams {
     eagerness: u32,
     consumed: Vec<Vec<u8>>,
     violations: Vec<String>,
+}
+
+impl std::fmt::Debug for SimStreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimStreams")
+            .field("slots", &self.host.len())
+            .field("queued_copy_ops", &self.copy.len())
+            .field("queued_compute_ops", &self.compute.len())
+            .field("violations", &self.violations)
+            .finish()
+    }
 }
 
 impl SimStreams {
@@ -512,6 +586,23 @@ impl SimStreams {
                 dst[..bytes].copy_from_slice(&src[..bytes]);
                 dst[bytes..].iter_mut().for_each(|b| *b = 0);
                 self.upload_pending[slot] = false;
+            }
+            Op::UploadExternal { slot, src } => {
+                if std::sync::Arc::strong_count(&src) < 2 {
+                    self.violations.push(format!(
+                        "external batch for slot {slot} released before its upload ran"
+                    ));
+                }
+                if self.device_unread[slot] {
+                    self.violations.push(format!(
+                        "device slot {slot} overwritten before the compute of its previous batch read it"
+                    ));
+                }
+                self.device_unread[slot] = true;
+                let data = (*src).as_ref();
+                let dst = &mut self.device[slot];
+                dst[..data.len()].copy_from_slice(data);
+                dst[data.len()..].iter_mut().for_each(|b| *b = 0);
             }
             Op::Consume { slot } => {
                 if !self.device_unread[slot] {
@@ -635,6 +726,34 @@ impl StagingStreams for SimStreams {
         });
         self.copy.push_back(Op::Upload { slot, bytes });
         self.upload_pending[slot] = true;
+        let e = &mut self.events[*copied];
+        e.recorded += 1;
+        let generation = e.recorded;
+        self.copy.push_back(Op::Record {
+            event: *copied,
+            generation,
+        });
+        self.wander();
+        Ok(())
+    }
+
+    fn enqueue_upload_external(
+        &mut self,
+        slot: usize,
+        src: &ExternalBatch,
+        reuse: &usize,
+        copied: &usize,
+    ) -> Result<(), SimError> {
+        self.check_slot(slot)?;
+        let generation = self.events[*reuse].recorded;
+        self.copy.push_back(Op::Wait {
+            event: *reuse,
+            generation,
+        });
+        self.copy.push_back(Op::UploadExternal {
+            slot,
+            src: src.clone(),
+        });
         let e = &mut self.events[*copied];
         e.recorded += 1;
         let generation = e.recorded;
