@@ -241,7 +241,7 @@ fn cuda_staging_uploads_engine_owned_pinned_batches() {
         .map(|_| compute.alloc_zeros::<u8>(bytes).unwrap())
         .collect();
     let mut next = 0;
-    for k in 0..n {
+    for (k, output) in outputs.iter_mut().enumerate() {
         while next < n && ring.can_fill() {
             let mut buf = PinnedBuffer::new(&ctx, bytes).unwrap();
             buf.as_mut_slice()
@@ -252,8 +252,9 @@ fn cuda_staging_uploads_engine_owned_pinned_batches() {
             next += 1;
         }
         let staged = ring.begin_compute().unwrap();
+        assert_eq!(staged.seq, k as u64);
         compute
-            .memcpy_dtod(ring.streams().device_slot(staged.slot), &mut outputs[k])
+            .memcpy_dtod(ring.streams().device_slot(staged.slot), output)
             .unwrap();
         ring.end_compute().unwrap();
     }
