@@ -205,3 +205,39 @@ fn master_addresses_parse() {
         assert!(err.to_string().contains("host:port"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn dist_flags_parse_with_defaults_and_feed_the_launch_plan() {
+    use birdtrain::dist::args::DistArgs;
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        dist: DistArgs,
+    }
+    let d = Cli::parse_from(["t"]).dist;
+    assert_eq!((d.bucket_mb, d.prefetch_depth), (25.0, 2));
+    assert_eq!(d.bucket_settings().target_bytes, 25 << 20);
+    assert!(d.trace.is_none());
+    let d = Cli::parse_from([
+        "t",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master",
+        "10.0.0.1:29500",
+        "--bucket-mb",
+        "8",
+        "--prefetch-depth",
+        "3",
+        "--trace",
+        "t.json",
+    ])
+    .dist;
+    let flags = d.launch_flags(Some("all")).unwrap();
+    assert_eq!(flags.gpus, Some(GpuCount::All));
+    let plan = resolve(&flags, &|_| None, &devices(2)).unwrap();
+    assert_eq!((plan.nodes, plan.node_rank, plan.devices.len()), (2, 1, 2));
+    assert!(d.launch_flags(Some("many")).is_err());
+}

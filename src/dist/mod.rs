@@ -1,5 +1,8 @@
 //! Data parallelism across GPUs and machines.
 //!
+//! [`args::DistArgs`] holds the flags (`--nodes`, `--node-rank`, `--master`, `--bucket-mb`,
+//! `--prefetch-depth`, `--trace`, timeouts) for the training command to flatten in.
+//!
 //! The pieces, each small and testable without a GPU where the logic allows it:
 //!
 //! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the torchrun
@@ -19,6 +22,7 @@
 //!   overlap with backward, projected efficiency).
 //! - [`checksum`]: a bit-exact weight checksum to prove replicas stay identical.
 
+pub mod args;
 pub mod buckets;
 pub mod checksum;
 pub mod cuda_staging;
