@@ -268,3 +268,32 @@ fn cuda_staging_uploads_engine_owned_pinned_batches() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_timeline_turns_stream_work_into_trace_spans() {
+    use birdtrain::dist::gpu_trace::{rows, GpuTimeline};
+    use birdtrain::dist::trace::TraceRecorder;
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let trace = TraceRecorder::new();
+    let mut timeline = GpuTimeline::new(trace.clone(), 0, &stream).unwrap();
+    let host = vec![1u8; 64 << 20];
+    let start = timeline.begin(&stream).unwrap();
+    let dev = stream.clone_htod(&host).unwrap();
+    timeline
+        .end(start, &stream, "h2d 0", "copy", rows::COPY)
+        .unwrap();
+    timeline.flush().unwrap();
+    drop(dev);
+    let spans = trace.spans();
+    assert_eq!(spans.len(), 1);
+    assert_eq!((spans[0].pid, spans[0].tid), (0, rows::COPY));
+    assert!(spans[0].duration > Duration::ZERO, "{:?}", spans[0]);
+    let json = trace.to_json();
+    assert_eq!(
+        json["traceEvents"].as_array().unwrap().len(),
+        6,
+        "process name, 4 thread names, 1 span"
+    );
+}

@@ -14,7 +14,8 @@
 //!   contiguously in one flat buffer, and launches them in a deterministic order.
 //! - [`staging`]: the ring of D host/device staging slots, generic over a small stream/event
 //!   trait; a simulated implementation tests the reuse logic on CPU, [`cuda_staging`] drives a GPU.
-//! - [`trace`]: a thread-safe Chrome trace (Perfetto) writer for `--trace`.
+//! - [`trace`]: a thread-safe Chrome trace (Perfetto) writer for `--trace`; [`gpu_trace`]
+//!   times stream work with CUDA events and adds it as per-GPU spans.
 //! - [`nccl`]: the NCCL communicator, weight broadcast and bucketed gradient all-reduce;
 //!   [`watchdog`] aborts a collective that exceeds its timeout.
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
@@ -26,6 +27,7 @@ pub mod args;
 pub mod buckets;
 pub mod checksum;
 pub mod cuda_staging;
+pub mod gpu_trace;
 pub mod launch;
 pub mod nccl;
 pub mod ranks;
