@@ -27,6 +27,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr,
 use cudarc::nccl::{result, sys, NcclType};
 
 use super::buckets::{BucketError, BucketPlan, BucketTracker};
+use super::gpu_trace::{rows, GpuTimeline};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
 
 /// Errors of the NCCL layer.
@@ -379,6 +380,7 @@ pub struct GradientSync {
     ready: Vec<CudaEvent>,
     done: Vec<Arc<CudaEvent>>,
     step: u64,
+    timeline: Option<GpuTimeline>,
 }
 
 impl std::fmt::Debug for GradientSync {
@@ -422,6 +424,7 @@ impl GradientSync {
             done,
             watchdog,
             step: 0,
+            timeline: None,
         })
     }
 
@@ -518,7 +521,31 @@ impl GradientSync {
                 })?;
             let range = self.plan.bucket_elements(k);
             let mut view = grads.slice_mut(range);
+            let span = match &self.timeline {
+                Some(t) => t
+                    .begin(&self.comm.stream)
+                    .map_err(|source| NcclError::Driver {
+                        op: "record trace event",
+                        rank,
+                        source,
+                    })?,
+                None => None,
+            };
             self.comm.all_reduce_avg_in_place(&mut view)?;
+            if let Some(t) = &mut self.timeline {
+                t.end(
+                    span,
+                    &self.comm.stream,
+                    format!("all-reduce bucket {k}"),
+                    "comm",
+                    rows::COMM,
+                )
+                .map_err(|source| NcclError::Driver {
+                    op: "record trace event",
+                    rank,
+                    source,
+                })?;
+            }
             self.done[k]
                 .record(&self.comm.stream)
                 .map_err(|source| NcclError::Driver {
@@ -561,6 +588,16 @@ impl GradientSync {
                 })?;
         }
         Ok(())
+    }
+
+    /// Traces every bucket's all-reduce on `timeline` (the `--trace` timeline of this GPU).
+    pub fn set_timeline(&mut self, timeline: Option<GpuTimeline>) {
+        self.timeline = timeline;
+    }
+
+    /// The timeline, to flush it at a step boundary.
+    pub fn timeline_mut(&mut self) -> Option<&mut GpuTimeline> {
+        self.timeline.as_mut()
     }
 
     /// Ok unless the watchdog aborted the communicator.
