@@ -297,3 +297,12 @@ fn gpu_timeline_turns_stream_work_into_trace_spans() {
         "process name, 4 thread names, 1 span"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn bench_scaling_measures_the_bucketed_allreduce_of_one_rank() {
+    use birdtrain::cli::bench_scaling::measure_allreduce;
+    let t = measure_allreduce(&plan(200), 1, 5).unwrap();
+    assert!(t > Duration::ZERO);
+    eprintln!("bucketed all-reduce, 1 rank, 200 params: {t:?}");
+}
