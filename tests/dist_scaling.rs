@@ -213,6 +213,7 @@ fn report_measures_the_cpu_step_without_step_ms() {
         "1",
         "--gpus",
         "2",
+        "--skip-allreduce",
     ]);
     let r = compute(&a).unwrap();
     assert_eq!(r.step_source, StepSource::MeasuredCpu { steps: 1 });
