@@ -324,6 +324,23 @@ impl Communicator {
         &self,
         buf: &mut impl DevicePtrMut<T>,
     ) -> Result<(), NcclError> {
+        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclAvg)
+    }
+
+    /// Sums `buf` over all ranks, in place, on the communication stream (synchronised batch
+    /// norm reduces its per-channel sums and counts this way).
+    pub fn all_reduce_sum_in_place<T: NcclType + DeviceRepr>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), NcclError> {
+        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclSum)
+    }
+
+    fn all_reduce_in_place<T: NcclType + DeviceRepr>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: sys::ncclRedOp_t,
+    ) -> Result<(), NcclError> {
         let comm = self.handle.get()?;
         let count = buf.len();
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
@@ -334,7 +351,7 @@ impl Communicator {
                 ptr as *mut _,
                 count,
                 T::as_nccl_type(),
-                sys::ncclRedOp_t::ncclAvg,
+                op,
                 comm,
                 self.stream.cu_stream() as _,
             )
