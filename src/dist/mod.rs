@@ -21,8 +21,8 @@
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling` (ring all-reduce time,
 //!   overlap with backward, projected efficiency).
-//! - [`checksum`]: a bit-exact weight checksum to prove replicas stay identical.
-
+//! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
+//!
 //! # How a multi-GPU run fits together
 //!
 //! ```text
