@@ -382,33 +382,38 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
     })?;
     let plan = plan.clone();
     let steps = steps.max(1);
-    let times = run_local_ranks(&launch, &assignment, move |rank| {
-        let compute = rank.compute.clone();
-        let mut sync = GradientSync::new(
-            rank.comm,
-            compute.clone(),
-            plan.clone(),
-            Duration::from_secs(120),
-        )?;
-        let mut grads = compute.alloc_zeros::<f32>(plan.total_elements())?;
-        let mut one_step = |sync: &mut GradientSync| -> anyhow::Result<()> {
-            sync.begin_step()?;
-            for p in (0..plan.param_count()).rev() {
-                sync.grad_ready(&mut grads, p)?;
-            }
-            sync.finish_step()?;
-            Ok(())
-        };
-        one_step(&mut sync)?;
-        compute.synchronize()?;
-        let start = Instant::now();
-        for _ in 0..steps {
+    let times = run_local_ranks(
+        &launch,
+        &assignment,
+        Duration::from_secs(120),
+        move |rank| {
+            let compute = rank.compute.clone();
+            let mut sync = GradientSync::new(
+                rank.comm,
+                compute.clone(),
+                plan.clone(),
+                Duration::from_secs(120),
+            )?;
+            let mut grads = compute.alloc_zeros::<f32>(plan.total_elements())?;
+            let mut one_step = |sync: &mut GradientSync| -> anyhow::Result<()> {
+                sync.begin_step()?;
+                for p in (0..plan.param_count()).rev() {
+                    sync.grad_ready(&mut grads, p)?;
+                }
+                sync.finish_step()?;
+                Ok(())
+            };
             one_step(&mut sync)?;
-        }
-        compute.synchronize()?;
-        sync.check()?;
-        Ok(start.elapsed() / steps as u32)
-    })?;
+            compute.synchronize()?;
+            let start = Instant::now();
+            for _ in 0..steps {
+                one_step(&mut sync)?;
+            }
+            compute.synchronize()?;
+            sync.check()?;
+            Ok(start.elapsed() / steps as u32)
+        },
+    )?;
     Ok(times.into_iter().max().unwrap_or_default())
 }
 

@@ -28,7 +28,7 @@
 //! ```text
 //! plan = launch::resolve(&dist_args.launch_flags(gpus)?, &launch::process_env, &detect_cuda_devices())
 //! assignment = rendezvous::rendezvous(master, &NodeInfo{..}, timeout, || nccl::new_unique_id())
-//! ranks::run_local_ranks(&plan, &assignment, |rank| {            // one thread per GPU
+//! ranks::run_local_ranks(&plan, &assignment, timeout, |rank| {   // one thread per GPU
 //!     sync = nccl::GradientSync::new(rank.comm, rank.compute, BucketPlan::new(..), timeout)
 //!     sync.broadcast_weights(&mut weights)                      // rank 0's initial weights
 //!     ring = StagingRing::new(CudaStaging::new(&rank.ctx, rank.compute, depth, bytes))

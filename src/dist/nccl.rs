@@ -79,6 +79,16 @@ pub enum NcclError {
     /// The communicator was aborted (by the watchdog or earlier failure).
     #[error(transparent)]
     Aborted(#[from] WatchdogError),
+    /// Not every rank joined the communicator in time.
+    #[error("rank {rank}: the NCCL communicator of {world_size} ranks was not complete after {waited:?}; a rank (or its node) never joined — check that every node is still running")]
+    InitTimeout {
+        /// This rank.
+        rank: usize,
+        /// Ranks expected.
+        world_size: usize,
+        /// Time waited.
+        waited: Duration,
+    },
     /// Using a communicator after it was aborted.
     #[error("rank {rank}: the NCCL communicator was aborted; no further collectives are possible")]
     UseAfterAbort {
@@ -143,6 +153,13 @@ pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
+/// A raw communicator handed from the init thread to its owner.
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: a freshly created communicator is not yet used by any thread; ownership moves to the
+// receiving thread, which is the only one using it from then on.
+unsafe impl Send for RawComm {}
+
 /// The raw communicator, shared with the watchdog so it can abort from its own thread.
 #[derive(Debug)]
 struct CommHandle {
@@ -203,13 +220,15 @@ pub struct Communicator {
 impl Communicator {
     /// Joins communicator `unique_id` as `rank` of `world_size`, collectives on `stream`.
     ///
-    /// Blocks until every rank has joined (NCCL's own bootstrap); call it from each rank's
-    /// driver thread concurrently.
+    /// Blocks until every rank has joined (NCCL's own bootstrap), at most `timeout`: a rank
+    /// that never arrives (its node died after the rendezvous) is an error, not a hang. Call it
+    /// from each rank's driver thread concurrently.
     pub fn init(
         stream: Arc<CudaStream>,
         rank: usize,
         world_size: usize,
         unique_id: &[u8],
+        timeout: Duration,
     ) -> Result<Self, NcclError> {
         ensure_available()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
@@ -225,29 +244,59 @@ impl Communicator {
         for (dst, &src) in internal.iter_mut().zip(unique_id) {
             *dst = src as std::ffi::c_char;
         }
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|source| NcclError::Driver {
-                op: "bind context",
+        // ncclCommInitRank blocks until all ranks join, with no timeout of its own: run it on a
+        // helper thread and give up after `timeout`. On timeout the helper stays blocked inside
+        // NCCL (nothing can cancel it); the caller is expected to exit with the error.
+        let ctx = stream.context().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("nccl-init-{rank}"))
+            .spawn(move || {
+                let outcome = ctx
+                    .bind_to_thread()
+                    .map_err(|source| NcclError::Driver {
+                        op: "bind context",
+                        rank,
+                        source,
+                    })
+                    .and_then(|()| {
+                        let mut comm: sys::ncclComm_t = ptr::null_mut();
+                        // SAFETY: `comm` is a valid out pointer; the id is NCCL's own 128-byte
+                        // layout.
+                        unsafe {
+                            result::comm_init_rank(
+                                &mut comm,
+                                world_size as i32,
+                                sys::ncclUniqueId { internal },
+                                rank as i32,
+                            )
+                        }
+                        .map(|_| RawComm(comm))
+                        .map_err(|e| NcclError::Call {
+                            op: "ncclCommInitRank",
+                            rank,
+                            code: nccl_code(e),
+                        })
+                    });
+                // The receiver may have given up already; then the communicator leaks, which is
+                // fine for a process that is exiting with an error.
+                let _ = tx.send(outcome);
+            })
+            .map_err(|e| NcclError::Call {
+                op: "spawn ncclCommInitRank thread",
                 rank,
-                source,
+                code: e.to_string(),
             })?;
-        let mut comm: sys::ncclComm_t = ptr::null_mut();
-        // SAFETY: `comm` is a valid out pointer; the id is NCCL's own 128-byte layout.
-        unsafe {
-            result::comm_init_rank(
-                &mut comm,
-                world_size as i32,
-                sys::ncclUniqueId { internal },
-                rank as i32,
-            )
-        }
-        .map_err(|e| NcclError::Call {
-            op: "ncclCommInitRank",
-            rank,
-            code: nccl_code(e),
-        })?;
+        let comm = match rx.recv_timeout(timeout) {
+            Ok(outcome) => outcome?.0,
+            Err(_) => {
+                return Err(NcclError::InitTimeout {
+                    rank,
+                    world_size,
+                    waited: timeout,
+                })
+            }
+        };
         Ok(Communicator {
             handle: Arc::new(CommHandle {
                 comm: AtomicPtr::new(comm),
