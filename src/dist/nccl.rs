@@ -34,8 +34,11 @@ use super::watchdog::{Abortable, Watchdog, WatchdogError};
 #[derive(Debug, thiserror::Error)]
 pub enum NcclError {
     /// libnccl could not be loaded.
-    #[error("the NCCL library (libnccl.so.2) is not installed or not on LD_LIBRARY_PATH; install NCCL (e.g. `pip install nvidia-nccl-cu13` and add its lib/ to LD_LIBRARY_PATH) or train on one GPU")]
-    LibraryMissing,
+    #[error("the NCCL library could not be loaded: {hint}")]
+    LibraryMissing {
+        /// What to do about it.
+        hint: String,
+    },
     /// libcuda could not be loaded.
     #[error("the CUDA driver library (libcuda.so) is not available; multi-GPU training needs an NVIDIA driver")]
     DriverMissing,
@@ -130,13 +133,42 @@ pub fn ensure_available() -> Result<i32, NcclError> {
         return Err(NcclError::DriverMissing);
     }
     if !unsafe { sys::is_culib_present() } {
-        return Err(NcclError::LibraryMissing);
+        return Err(NcclError::LibraryMissing {
+            hint: missing_library_hint(),
+        });
     }
     result::get_nccl_version().map_err(|e| NcclError::Call {
         op: "ncclGetVersion",
         rank: 0,
         code: nccl_code(e),
     })
+}
+
+/// Explains a missing NCCL. cudarc looks for `libnccl.so` (and a few versioned names), while
+/// NCCL's runtime packages (apt `libnccl2`, pip `nvidia-nccl-cu13`) ship only `libnccl.so.2`;
+/// when that file exists somewhere usual, say exactly which symlink to create.
+fn missing_library_hint() -> String {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/local/cuda/lib64",
+        "/usr/local/lib",
+        "/usr/lib64",
+        "/usr/lib",
+    ] {
+        dirs.push(d.into());
+    }
+    match dirs.iter().map(|d| d.join("libnccl.so.2")).find(|p| p.is_file()) {
+        Some(found) => format!(
+            "{} exists but the loader looks for libnccl.so; create it with `mkdir -p ~/.local/nccl && ln -sf {} ~/.local/nccl/libnccl.so` and add ~/.local/nccl to LD_LIBRARY_PATH",
+            found.display(),
+            found.display()
+        ),
+        None => "libnccl.so is not on LD_LIBRARY_PATH; install NCCL (apt `libnccl2 libnccl-dev`, or `pip install nvidia-nccl-cu13` and symlink its lib/libnccl.so.2 as libnccl.so in a directory on LD_LIBRARY_PATH), or train on one GPU without NCCL".to_string(),
+    }
 }
 
 /// Size of an NCCL unique id in bytes.
