@@ -161,6 +161,10 @@ fn missing_library_hint() -> String {
     ] {
         dirs.push(d.into());
     }
+    hint_for_dirs(&dirs)
+}
+
+fn hint_for_dirs(dirs: &[std::path::PathBuf]) -> String {
     match dirs.iter().map(|d| d.join("libnccl.so.2")).find(|p| p.is_file()) {
         Some(found) => format!(
             "{} exists but the loader looks for libnccl.so; create it with `mkdir -p ~/.local/nccl && ln -sf {} ~/.local/nccl/libnccl.so` and add ~/.local/nccl to LD_LIBRARY_PATH",
@@ -701,5 +705,25 @@ impl GradientSync {
     /// Ok unless the watchdog aborted the communicator.
     pub fn check(&self) -> Result<(), NcclError> {
         Ok(self.watchdog.check()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hint_for_dirs;
+
+    #[test]
+    fn a_versioned_nccl_gets_an_exact_symlink_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = tempfile::tempdir().unwrap();
+        let general = hint_for_dirs(&[empty.path().to_path_buf()]);
+        assert!(general.contains("install NCCL"), "{general}");
+        std::fs::write(dir.path().join("libnccl.so.2"), b"").unwrap();
+        let hint = hint_for_dirs(&[empty.path().to_path_buf(), dir.path().to_path_buf()]);
+        let so2 = dir.path().join("libnccl.so.2");
+        assert!(
+            hint.contains(&format!("ln -sf {}", so2.display())),
+            "{hint}"
+        );
     }
 }
