@@ -1,7 +1,7 @@
 // common.cuh: shared helpers for every birdtrain kernel file.
 //
 // birdtrain compiles each kernels/*.cu at run time with NVRTC; the loader replaces the line
-// `#include "common.cuh"` with this file's text, so every kernel file stays one translation
+// that includes this header with the header's text, so every kernel file stays one translation
 // unit and no include path is needed for our own headers (cuda_bf16.h still comes from the
 // CUDA include folder that src/cuda/nvrtc.rs finds).
 //
