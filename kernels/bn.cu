@@ -5,19 +5,22 @@
 //   1. bn_stats_partial: every block reduces a slab of rows to per-channel (mean, M2) with
 //      Welford's update in f32 (numerically safe over ~10^6 values, unlike sum/sum-of-squares);
 //   2. bn_stats_finalize: one thread per channel merges the slabs with Chan's formula, writes
-//      mean and 1/sqrt(var + eps) (biased variance, as PyTorch normalises with) and updates the
-//      running statistics with the unbiased variance and `momentum` (PyTorch's convention:
-//      running = (1 - momentum)·running + momentum·batch);
+//      the saved mean and 1/sqrt(var + eps) (biased variance, as PyTorch normalises with) and
+//      updates the running statistics with the unbiased variance and `momentum` (PyTorch's
+//      convention: running = (1 - momentum)·running + momentum·batch);
 //   3. bn_apply: y = [relu]((x - mean)·invstd·gamma + beta [+ residual]).
-// Inference uses bn_eval_prepare (running stats → mean, invstd) followed by bn_apply.
+// Frozen statistics and inference use bn_eval_prepare (running stats → saved mean, invstd)
+// followed by bn_apply.
 // Backward mirrors it: bn_bwd_partial reduces dbeta = Σ g and dgamma = Σ g·x̂ per slab, where
 // g = dy·[y > 0] when the forward had a ReLU (the mask is read back from the saved output);
-// bn_bwd_finalize merges the slabs, adds them to the parameter gradients (f32, +=) and keeps
-// the step's own sums; bn_bwd_apply writes
-//   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)  and, for a residual block, dres = g.
+// bn_bwd_finalize merges the slabs into dgamma and dbeta (f32, overwritten); bn_bwd_apply writes
+//   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)   (batch statistics), or
+//   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
+// and, for a residual block, dres = g (overwritten or accumulated).
 //
 // Data layout. x, y, residual, dy, dx, dres: NHWC bf16 viewed as an M×C matrix (M = N·H·W),
-// channels innermost. gamma, beta, mean, invstd, running stats, gradients: f32 [C].
+// channels innermost. gamma, beta: bf16 [C] (the working copy of the weights); mean, invstd,
+// running stats, dgamma, dbeta: f32 [C].
 // Partial buffers: f32 [slabs][C].
 //
 // Launch configuration. Reductions: block (32, 8): threadIdx.x walks 32 consecutive channels
@@ -102,12 +105,12 @@ extern "C" __global__ void bn_eval_prepare(const float* __restrict__ running_mea
 
 // `residual` may be null; `relu` is 0 or 1.
 extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const float* __restrict__ mean,
-                                    const float* __restrict__ invstd, const float* __restrict__ gamma,
-                                    const float* __restrict__ beta, const bf16* __restrict__ residual,
+                                    const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                    const bf16* __restrict__ beta, const bf16* __restrict__ residual,
                                     bf16* __restrict__ y, long total, int channels, int relu) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int c = (int)(i % channels);
-        float v = (bt_to_f32(x[i]) - mean[c]) * invstd[c] * gamma[c] + beta[c];
+        float v = (bt_to_f32(x[i]) - mean[c]) * invstd[c] * bt_to_f32(gamma[c]) + bt_to_f32(beta[c]);
         if (residual != nullptr) v += bt_to_f32(residual[i]);
         if (relu) v = fmaxf(v, 0.0f);
         y[i] = bt_to_bf16(v);
@@ -151,10 +154,8 @@ extern "C" __global__ void bn_bwd_partial(const bf16* __restrict__ dy, const bf1
 
 extern "C" __global__ void bn_bwd_finalize(const float* __restrict__ part_dbeta,
                                            const float* __restrict__ part_dgamma, int slabs,
-                                           int channels, float* __restrict__ dbeta_step,
-                                           float* __restrict__ dgamma_step,
-                                           float* __restrict__ grad_beta,
-                                           float* __restrict__ grad_gamma) {
+                                           int channels, float* __restrict__ dbeta,
+                                           float* __restrict__ dgamma) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float sb = 0.0f, sg = 0.0f;
@@ -162,26 +163,30 @@ extern "C" __global__ void bn_bwd_finalize(const float* __restrict__ part_dbeta,
         sb += part_dbeta[(long)b * channels + c];
         sg += part_dgamma[(long)b * channels + c];
     }
-    dbeta_step[c] = sb;
-    dgamma_step[c] = sg;
-    grad_beta[c] += sb;
-    grad_gamma[c] += sg;
+    dbeta[c] = sb;
+    dgamma[c] = sg;
 }
 
 // `dres` may be null (no residual input); when `accumulate_res` is 1 it is added into.
+// `batch_stats` is 0 when the forward normalised with fixed (running) statistics.
 extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16* __restrict__ y,
                                         const bf16* __restrict__ x, const float* __restrict__ mean,
-                                        const float* __restrict__ invstd, const float* __restrict__ gamma,
-                                        const float* __restrict__ dbeta_step,
-                                        const float* __restrict__ dgamma_step, long total,
-                                        int channels, int relu, bf16* __restrict__ dx,
+                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                        const float* __restrict__ dbeta,
+                                        const float* __restrict__ dgamma, long total,
+                                        int channels, int relu, int batch_stats, bf16* __restrict__ dx,
                                         bf16* __restrict__ dres, int accumulate_res) {
     const float inv_rows = (float)channels / (float)total;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int c = (int)(i % channels);
         const float g = bn_grad_in(dy, y, i, relu);
-        const float xhat = (bt_to_f32(x[i]) - mean[c]) * invstd[c];
-        dx[i] = bt_to_bf16(gamma[c] * invstd[c] * (g - (dbeta_step[c] + xhat * dgamma_step[c]) * inv_rows));
+        const float k = bt_to_f32(gamma[c]) * invstd[c];
+        float d = g;
+        if (batch_stats) {
+            const float xhat = (bt_to_f32(x[i]) - mean[c]) * invstd[c];
+            d = g - (dbeta[c] + xhat * dgamma[c]) * inv_rows;
+        }
+        dx[i] = bt_to_bf16(k * d);
         if (dres != nullptr) dres[i] = bt_to_bf16(accumulate_res ? g + bt_to_f32(dres[i]) : g);
     }
 }

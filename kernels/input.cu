@@ -1,43 +1,37 @@
 // input.cu: the input transform, u8 NHWC batch from the input engine → normalised bf16 NHWC,
-// with the training augmentation (random crop, horizontal flip) done on the GPU.
+// with the training augmentation (pad-and-crop shift, horizontal flip) done on the GPU.
 //
-// Algorithm. For output pixel (n, y, x, c) of an O_h×O_w crop, the source pixel is
-// (top_n + y, left_n + (flip_n ? O_w − 1 − x : x)) of the S_h×S_w stored image. A source pixel
-// outside the image (a crop offset into padding) reads as 0, the same zero padding as the CPU
-// backend's `Augment`. The value is normalised v = (u8/255 − mean_c) / std_c with the ImageNet
-// statistics (torchvision convention) and stored as bf16. Output channels beyond the source's
-// (padding the stem to a vector-friendly channel count) are written as zeros.
-// The host draws (top, left, flip) per sample from the same seeded generator as the CPU backend,
-// so both backends see identical crops.
+// Algorithm. Exactly the CPU backend's rule (model::Augment): output pixel (y, x) of image n
+// reads source pixel (y + dy_n, x' + dx_n) with x' = flip_n ? S − 1 − x : x; a source outside
+// the image gives 0 in normalised space (PyTorch pads the normalised tensor). Values are
+// normalised v = u8/255·(1/std_c) − mean_c/std_c with the ImageNet statistics (torchvision) and
+// stored as bf16. The host draws no randomness here: (dy, dx, flip) arrive per image from the
+// trainer, which draws them from (seed, epoch, sample), so every backend sees identical crops.
 //
-// Data layout. src: u8 [N, S_h, S_w, C_in]; params: i32 [N][3] = (top, left, flip);
-// mean, inv_std: f32 [C_in]; dst: bf16 [N, O_h, O_w, C_out] with C_out ≥ C_in.
+// Data layout. src: u8 [N,S,S,3]; aug: i32 [N][3] = (dy, dx, flip); scale, shift: f32 [3]
+// (1/(255·std_c) and −mean_c/std_c); dst: bf16 [N,S,S,3].
 //
 // Launch configuration. One thread per output element, 256 threads, grid-stride loop; adjacent
-// threads write adjacent channels and pixels, so stores are coalesced and the u8 reads mostly so.
+// threads write adjacent channels and pixels (coalesced stores, mostly coalesced u8 reads).
 #include "common.cuh"
 
-extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ params,
-                                           const float* __restrict__ mean,
-                                           const float* __restrict__ inv_std, bf16* __restrict__ dst,
-                                           int n, int src_h, int src_w, int c_in, int out_h,
-                                           int out_w, int c_out) {
-    const long total = (long)n * out_h * out_w * c_out;
+extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ aug,
+                                           int use_aug, const float* __restrict__ scale,
+                                           const float* __restrict__ shift, bf16* __restrict__ dst,
+                                           int n, int size) {
+    const long total = (long)n * size * size * 3;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int c = (int)(i % c_out);
-        long rest = i / c_out;
-        const int x = (int)(rest % out_w); rest /= out_w;
-        const int y = (int)(rest % out_h);
-        const int b = (int)(rest / out_h);
+        const int c = (int)(i % 3);
+        long rest = i / 3;
+        const int x = (int)(rest % size); rest /= size;
+        const int y = (int)(rest % size);
+        const int b = (int)(rest / size);
+        int dy = 0, dx = 0, flip = 0;
+        if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+        const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
         float v = 0.0f;
-        if (c < c_in) {
-            const int top = params[b * 3], left = params[b * 3 + 1], flip = params[b * 3 + 2];
-            const int sy = top + y, sx = left + (flip ? out_w - 1 - x : x);
-            const float raw = (sy >= 0 && sy < src_h && sx >= 0 && sx < src_w)
-                                  ? (float)src[(((long)b * src_h + sy) * src_w + sx) * c_in + c]
-                                  : 0.0f;
-            v = (raw * (1.0f / 255.0f) - mean[c]) * inv_std[c];
-        }
+        if (sy >= 0 && sy < size && sx >= 0 && sx < size)
+            v = (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
         dst[i] = bt_to_bf16(v);
     }
 }
