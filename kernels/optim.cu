@@ -6,9 +6,10 @@
 // its length and the tensor's weight-decay factor (0 for tensors exempt from decay). One launch
 // then updates every parameter of the model: block b walks chunk b. After the f32 update the
 // kernel writes the bf16 working copy the forward pass reads, so no separate cast is launched.
-//   SGD (PyTorch semantics): g = grad·grad_scale + wd·w; buf = momentum·buf + g (buf = g on the
-//     first step); step = nesterov ? g + momentum·buf : buf; w −= lr·step.
-//   AdamW (decoupled decay): w −= lr·wd·w; m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;
+//   SGD (PyTorch semantics): g = grad·grad_scale + wd·w; buf = momentum·buf + g (buf starts at
+//     0, so the first step is g); step = nesterov ? g + momentum·buf : buf; w −= lr·step.
+//   Adam / AdamW: g = grad·grad_scale (+ wd·w for Adam's L2 decay); AdamW first decays
+//     w ← w·(1 − lr·wd) (decoupled); m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;
 //     w −= lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + ε).
 // `grad_scale` folds the 1/world averaging of data parallelism into the update.
 //
@@ -24,7 +25,7 @@ extern "C" __global__ void sgd_update(float* __restrict__ master, const float* _
                                       const long* __restrict__ chunk_start,
                                       const int* __restrict__ chunk_len,
                                       const float* __restrict__ chunk_wd, float lr, float momentum,
-                                      float grad_scale, int first_step, int nesterov) {
+                                      float grad_scale, int nesterov) {
     const long start = chunk_start[blockIdx.x];
     const int len = chunk_len[blockIdx.x];
     const float wd = chunk_wd[blockIdx.x];
@@ -32,7 +33,7 @@ extern "C" __global__ void sgd_update(float* __restrict__ master, const float* _
         const long i = start + j;
         float w = master[i];
         const float g = grad[i] * grad_scale + wd * w;
-        const float b = first_step ? g : momentum * buf[i] + g;
+        const float b = momentum * buf[i] + g;
         buf[i] = b;
         w -= lr * (nesterov ? g + momentum * b : b);
         master[i] = w;
@@ -40,22 +41,23 @@ extern "C" __global__ void sgd_update(float* __restrict__ master, const float* _
     }
 }
 
-extern "C" __global__ void adamw_update(float* __restrict__ master, const float* __restrict__ grad,
+extern "C" __global__ void adam_update(float* __restrict__ master, const float* __restrict__ grad,
                                         float* __restrict__ m, float* __restrict__ v,
                                         bf16* __restrict__ working,
                                         const long* __restrict__ chunk_start,
                                         const int* __restrict__ chunk_len,
                                         const float* __restrict__ chunk_wd, float lr, float beta1,
                                         float beta2, float eps, float grad_scale, float bias_c1,
-                                        float bias_c2) {
+                                        float bias_c2, int decoupled) {
     // bias_c1 = 1 − β1^t and bias_c2 = 1 − β2^t, computed on the host in f64.
     const long start = chunk_start[blockIdx.x];
     const int len = chunk_len[blockIdx.x];
     const float wd = chunk_wd[blockIdx.x];
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const long i = start + j;
-        const float g = grad[i] * grad_scale;
-        float w = master[i] * (1.0f - lr * wd);
+        float w = master[i];
+        const float g = grad[i] * grad_scale + (decoupled ? 0.0f : wd * w);
+        if (decoupled) w *= 1.0f - lr * wd;
         const float mi = beta1 * m[i] + (1.0f - beta1) * g;
         const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
         m[i] = mi;

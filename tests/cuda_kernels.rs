@@ -676,3 +676,69 @@ fn input_transform_matches_cpu() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_optimizer_matches_cpu_optimizer() {
+    use birdtrain::cuda::optim::DeviceOptimizer;
+    use birdtrain::model::{Arch, Graph};
+    use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
+    let gb = gpu();
+    let graph = Graph::new(Arch::ResNet8, 10);
+    let n = graph.param_count();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let hyper = Hyper {
+        weight_decay: 0.01,
+        ..Hyper::default()
+    };
+    for kind in [
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: true,
+        },
+        OptimizerKind::Sgd {
+            momentum: 0.0,
+            nesterov: false,
+        },
+        OptimizerKind::Adam,
+        OptimizerKind::AdamW,
+    ] {
+        let init = data(&mut rng, n, 0.5);
+        let mut cpu_params = init.clone();
+        let mut cpu_opt = Optimizer::new(kind, hyper, graph.params());
+        let mut dev_opt = DeviceOptimizer::new(&gb, kind, hyper, graph.params(), &init).unwrap();
+        let mut working = gb.alloc(n, TensorRole::Weight).unwrap();
+        for step in 0..3 {
+            let grads = data(&mut rng, n, 1.0);
+            cpu_opt.step(&mut cpu_params, &grads, 0.05).unwrap();
+            let g = pair(&gb, &grads, TensorRole::WeightGrad).g;
+            dev_opt
+                .step(
+                    g.f32_slice().unwrap(),
+                    Some(working.bf16_slice_mut().unwrap()),
+                    0.05,
+                    1.0,
+                )
+                .unwrap();
+            let tag = format!("{kind:?} step {step}");
+            assert_close(
+                &format!("{tag} master"),
+                &dev_opt.master().unwrap(),
+                &cpu_params,
+                1e-6,
+                1e-5,
+            );
+            assert_close(
+                &format!("{tag} working bf16"),
+                &gb.download(&working).unwrap(),
+                &cpu_params,
+                1e-6,
+                1.0 / 256.0,
+            );
+        }
+    }
+}

@@ -70,7 +70,7 @@ fn resnet18_step_matches_cpu() {
     let mut gpu = Network::new(CudaBackend::new(0).unwrap(), &graph, n, size).unwrap();
     let mut cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
     let (pixels, labels) = synthetic(n, size as usize, 10, 11);
-    let aug = vec![
+    let aug = [
         Augment {
             dy: 3,
             dx: -2,

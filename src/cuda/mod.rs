@@ -12,7 +12,9 @@ pub mod cache;
 pub mod device;
 pub mod error;
 pub mod library;
+pub mod memory;
 pub mod nvrtc;
+pub mod optim;
 pub mod sources;
 pub mod tensor;
 

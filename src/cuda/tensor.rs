@@ -67,6 +67,23 @@ impl CudaTensor {
         self.dtype
     }
 
+    /// The f32 device buffer (`None` for bf16 or empty tensors), for device-side consumers
+    /// such as [`super::optim::DeviceOptimizer`].
+    pub fn f32_slice(&self) -> Option<&CudaSlice<f32>> {
+        match &self.storage {
+            Storage::F32(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The bf16 device buffer as raw bits (`None` for f32 or empty tensors).
+    pub fn bf16_slice_mut(&mut self) -> Option<&mut CudaSlice<u16>> {
+        match &mut self.storage {
+            Storage::Bf16(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The bf16 buffer, or a shape error naming `op` and `what` (a caller passed a tensor of
     /// another role).
     pub(crate) fn bf16(
