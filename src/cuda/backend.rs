@@ -254,7 +254,7 @@ impl CudaBackend {
         let ev = self
             .dev
             .context()
-            .new_event(None)
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(drv_err("profiler event"))?;
         ev.record(self.dev.stream())
             .map_err(drv_err("profiler event"))?;
@@ -270,7 +270,7 @@ impl CudaBackend {
         let end = self
             .dev
             .context()
-            .new_event(None)
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(drv_err("profiler event"))?;
         end.record(self.dev.stream())
             .map_err(drv_err("profiler event"))?;

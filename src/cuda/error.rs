@@ -20,7 +20,7 @@ pub enum CudaError {
         tried: String,
     },
     /// The CUDA driver library could not be loaded.
-    #[error("no CUDA driver found (libcuda.so, tried {tried}): use --gpus 0 to train on the CPU")]
+    #[error("no CUDA driver found (libcuda.so): use --gpus 0 to train on the CPU (tried {tried})")]
     DriverMissing {
         /// The library names that were tried, comma-separated.
         tried: String,
