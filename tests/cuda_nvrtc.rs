@@ -126,3 +126,22 @@ fn missing_nvrtc_gives_install_instructions() {
     );
     assert!(text.contains("nvidia-cuda-nvrtc==13.0.88"), "{text}");
 }
+
+#[test]
+fn kernels_check_rejects_bad_architectures() {
+    use birdtrain::cli::kernels::{run, KernelsArgs};
+    let err = run(KernelsArgs {
+        arch: "sm80".into(),
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("sm80") && err.contains("sm_80"), "{err}");
+    assert!(
+        run(KernelsArgs {
+            arch: "sm_70".into()
+        })
+        .is_err(),
+        "pre-Ampere has no bf16 mma"
+    );
+    assert!(run(KernelsArgs { arch: ",".into() }).is_err());
+}

@@ -3,27 +3,16 @@
 
 use std::io::Write;
 
-use clap::{Args, Subcommand};
+use clap::Args;
 
 use crate::cuda::{self, GpuArch, KERNEL_FILES};
 
-/// Arguments of `birdtrain kernels`.
-#[derive(Debug, Args)]
+/// Arguments of `birdtrain kernels check` (the CLI's `kernels` subcommand enum wraps them).
+#[derive(Debug, Clone, Args)]
 pub struct KernelsArgs {
-    /// What to do with the kernels.
-    #[command(subcommand)]
-    pub command: KernelsCommand,
-}
-
-/// The `kernels` subcommands.
-#[derive(Debug, Subcommand)]
-pub enum KernelsCommand {
-    /// Compile every kernel file with NVRTC, one line per file and architecture.
-    Check {
-        /// Comma-separated target architectures.
-        #[arg(long, default_value = "sm_80,sm_90")]
-        arch: String,
-    },
+    /// Comma-separated target architectures.
+    #[arg(long, default_value = "sm_80,sm_90")]
+    pub arch: String,
 }
 
 /// One compiled file × architecture, as `kernels check` reports it.
@@ -81,29 +70,27 @@ pub fn check(
     Ok(lines)
 }
 
-/// Runs `birdtrain kernels ...`.
+/// Runs `birdtrain kernels check`: one line per kernel file × architecture; an error (with
+/// the compiler's log, or the NVRTC install instructions) on any failure.
 pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
-    match args.command {
-        KernelsCommand::Check { arch } => {
-            let archs = GpuArch::parse_list(&arch)?;
-            let (major, minor) = {
-                cuda::library::require_nvrtc()?;
-                cuda::nvrtc::version()?
-            };
-            println!(
-                "NVRTC {major}.{minor}, headers from {}",
-                cuda::nvrtc::find_include()?.display()
-            );
-            let lines = check(&archs, |line| {
-                println!("{line}");
-                let _ = std::io::stdout().flush();
-            })?;
-            println!(
-                "ok: {} kernel files × {} architectures compiled",
-                lines.len() / archs.len().max(1),
-                archs.len()
-            );
-            Ok(())
-        }
+    let archs = GpuArch::parse_list(&args.arch)?;
+    if archs.is_empty() {
+        anyhow::bail!("--arch is empty: give architectures such as sm_80,sm_90");
     }
+    cuda::library::require_nvrtc()?;
+    let (major, minor) = cuda::nvrtc::version()?;
+    println!(
+        "NVRTC {major}.{minor}, headers from {}",
+        cuda::nvrtc::find_include()?.display()
+    );
+    let lines = check(&archs, |line| {
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    })?;
+    println!(
+        "ok: {} kernel files x {} architectures compiled",
+        lines.len() / archs.len(),
+        archs.len()
+    );
+    Ok(())
 }
