@@ -167,6 +167,9 @@ __device__ __forceinline__ unsigned pack2(const bf16* lo, const bf16* hi) {
     return (unsigned)l | ((unsigned)h << 16);
 }
 
+// Two consecutive bf16 at an even index of shared memory, as one 32-bit register.
+__device__ __forceinline__ unsigned word(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
 // D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
     asm volatile(
@@ -196,12 +199,16 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
 
     float acc[4][4][4];
+#pragma unroll
     for (int i = 0; i < 4; ++i)
+#pragma unroll
         for (int j = 0; j < 4; ++j)
+#pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
     uint4 ra[2], rb[2];
     auto fetch = [&](int k0) {
+#pragma unroll
         for (int i = 0; i < 2; ++i) {
             int outer, inner, chunk = tid + i * THREADS;
             chunk_coords<A_RED_INNER>(chunk, outer, inner);
@@ -213,6 +220,7 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
         }
     };
     auto stash = [&]() {
+#pragma unroll
         for (int i = 0; i < 2; ++i) {
             int outer, inner, chunk = tid + i * THREADS;
             chunk_coords<A_RED_INNER>(chunk, outer, inner);
@@ -231,29 +239,40 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
         stash();
         __syncthreads();
         if (k0 + BK < kd_end) fetch(k0 + BK);  // global loads overlap the mma below
+#pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned fa[4][4], fb[4][2];
+            // A (k, k+1) pair is one aligned 32-bit word when the reduction dim is innermost.
+            auto a_pair = [&](int m, int k) { return A_RED_INNER ? word(a_at(m, k)) : pack2(a_at(m, k), a_at(m, k + 1)); };
+            auto b_pair = [&](int k, int n) { return B_RED_INNER ? word(b_at(k, n)) : pack2(b_at(k, n), b_at(k + 1, n)); };
+#pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r0 = warp_m + i * 16 + g, c0 = kk + 2 * t;
-                fa[i][0] = pack2(a_at(r0, c0), a_at(r0, c0 + 1));
-                fa[i][1] = pack2(a_at(r0 + 8, c0), a_at(r0 + 8, c0 + 1));
-                fa[i][2] = pack2(a_at(r0, c0 + 8), a_at(r0, c0 + 9));
-                fa[i][3] = pack2(a_at(r0 + 8, c0 + 8), a_at(r0 + 8, c0 + 9));
+                fa[i][0] = a_pair(r0, c0);
+                fa[i][1] = a_pair(r0 + 8, c0);
+                fa[i][2] = a_pair(r0, c0 + 8);
+                fa[i][3] = a_pair(r0 + 8, c0 + 8);
             }
+#pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int n = warp_n + j * 8 + g, k = kk + 2 * t;
-                fb[j][0] = pack2(b_at(k, n), b_at(k + 1, n));
-                fb[j][1] = pack2(b_at(k + 8, n), b_at(k + 9, n));
+                fb[j][0] = b_pair(k, n);
+                fb[j][1] = b_pair(k + 8, n);
             }
+#pragma unroll
             for (int i = 0; i < 4; ++i)
+#pragma unroll
                 for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
         }
     }
 
     // Epilogue straight from the accumulator registers: element e of tile (i, j) sits at
     // row g (+8 for e >= 2), column 2t + (e & 1). M and N need not be multiples of 16.
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
+#pragma unroll
         for (int j = 0; j < 4; ++j) {
+#pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int m = m0 + warp_m + i * 16 + g + (e >= 2 ? 8 : 0);
                 const int n = n0 + warp_n + j * 8 + 2 * t + (e & 1);
@@ -271,21 +290,21 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 conv_fwd(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, ConvShape sh) {
     const int M = sh.n * sh.p * sh.q, N = sh.k, KD = sh.r * sh.s * sh.c;
     if (sh.c % 8 == 0) conv_gemm<MODE_FWD, true>(x, w, y, sh, M, N, KD, 0, KD);
     else conv_gemm<MODE_FWD, false>(x, w, y, sh, M, N, KD, 0, KD);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 conv_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w, bf16* dx, ConvShape sh) {
     const int M = sh.n * sh.h * sh.w, N = sh.c, KD = sh.r * sh.s * sh.k;
     if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_gemm<MODE_DGRAD, true>(dy, w, dx, sh, M, N, KD, 0, KD);
     else conv_gemm<MODE_DGRAD, false>(dy, w, dx, sh, M, N, KD, 0, KD);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 conv_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
     const int M = sh.k, N = sh.r * sh.s * sh.c, KD = sh.n * sh.p * sh.q;
     const int begin = blockIdx.z * sh.k_chunk;

@@ -685,11 +685,23 @@ fn fused_optimizer_matches_cpu_optimizer() {
     use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
     let gb = gpu();
     let graph = Graph::new(Arch::ResNet8, 10);
-    let n = graph.param_count();
+    let sizes: Vec<usize> = graph.params().iter().map(|p| p.numel()).collect();
+    let n: usize = sizes.iter().sum();
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let hyper = Hyper {
         weight_decay: 0.01,
         ..Hyper::default()
+    };
+    // The update is element-wise, so one flat layout serves both sides.
+    let split = |flat: &[f32]| -> Vec<Vec<f32>> {
+        let mut off = 0;
+        sizes
+            .iter()
+            .map(|&k| {
+                off += k;
+                flat[off - k..off].to_vec()
+            })
+            .collect()
     };
     for kind in [
         OptimizerKind::Sgd {
@@ -711,19 +723,20 @@ fn fused_optimizer_matches_cpu_optimizer() {
         let mut cpu_params = init.clone();
         let mut cpu_opt = Optimizer::new(kind, hyper, graph.params());
         let mut dev_opt = DeviceOptimizer::new(&gb, kind, hyper, graph.params(), &init).unwrap();
-        let mut working = gb.alloc(n, TensorRole::Weight).unwrap();
+        let mut working: Vec<_> = sizes
+            .iter()
+            .map(|&k| gb.alloc(k, TensorRole::Weight).unwrap())
+            .collect();
         for step in 0..3 {
             let grads = data(&mut rng, n, 1.0);
             cpu_opt.step(&mut cpu_params, &grads, 0.05).unwrap();
-            let g = pair(&gb, &grads, TensorRole::WeightGrad).g;
-            dev_opt
-                .step(
-                    g.f32_slice().unwrap(),
-                    Some(working.bf16_slice_mut().unwrap()),
-                    0.05,
-                    1.0,
-                )
-                .unwrap();
+            let g: Vec<_> = split(&grads)
+                .iter()
+                .map(|v| pair(&gb, v, TensorRole::WeightGrad).g)
+                .collect();
+            let g_refs: Vec<_> = g.iter().collect();
+            let mut w_refs: Vec<_> = working.iter_mut().collect();
+            dev_opt.step(&g_refs, &mut w_refs, 0.05, 1.0).unwrap();
             let tag = format!("{kind:?} step {step}");
             assert_close(
                 &format!("{tag} master"),
@@ -732,9 +745,13 @@ fn fused_optimizer_matches_cpu_optimizer() {
                 1e-6,
                 1e-5,
             );
+            let work: Vec<f32> = working
+                .iter()
+                .flat_map(|w| gb.download(w).unwrap())
+                .collect();
             assert_close(
                 &format!("{tag} working bf16"),
-                &gb.download(&working).unwrap(),
+                &work,
                 &cpu_params,
                 1e-6,
                 1.0 / 256.0,
