@@ -49,6 +49,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     uint32_t lsb = (u >> 16) & 1; u += 0x7fff + lsb;
     return __nv_bfloat16{(uint16_t)(u >> 16)};
 }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 
 // Warp-collective m16n8k16 emulation using the PTX fragment layout.
