@@ -26,7 +26,8 @@
 // Launch configuration. Reductions: block (32, 8): threadIdx.x walks 32 consecutive channels
 // (coalesced 64-byte rows), threadIdx.y strides over the slab's rows; grid (ceil(C/32), slabs)
 // with `rows_per_slab` rows per slab (the host picks slabs ≈ 4 per SM). Finalize: one thread
-// per channel, 128 per block. Element-wise kernels: grid-stride loops, 256 threads.
+// per channel, 128 per block. Element-wise kernels: grid-stride loops, 256 threads; the *_vec
+// variants (C % 8 == 0, every ResNet layer) move 16 bytes per thread and access.
 #include "common.cuh"
 
 #define RED_Y 8
@@ -188,5 +189,76 @@ extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16*
         }
         dx[i] = bt_to_bf16(k * d);
         if (dres != nullptr) dres[i] = bt_to_bf16(accumulate_res ? g + bt_to_f32(dres[i]) : g);
+    }
+}
+
+// ---- 16-byte variants (C % 8 == 0): each thread handles 8 consecutive channels of one row ----
+
+union Bf16x8 {
+    uint4 v;
+    bf16 e[8];
+};
+
+__device__ __forceinline__ Bf16x8 load8(const bf16* p) {
+    Bf16x8 u;
+    u.v = *reinterpret_cast<const uint4*>(p);
+    return u;
+}
+
+extern "C" __global__ void bn_apply_vec(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                        const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                        bf16* __restrict__ y, long total, int channels, int relu) {
+    const long groups = total / 8;
+    for (long gi = blockIdx.x * (long)blockDim.x + threadIdx.x; gi < groups; gi += (long)gridDim.x * blockDim.x) {
+        const long i = gi * 8;
+        const int c0 = (int)(i % channels);
+        const Bf16x8 xv = load8(x + i);
+        Bf16x8 rv, out;
+        if (residual != nullptr) rv = load8(residual + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int c = c0 + e;
+            float v = (bt_to_f32(xv.e[e]) - mean[c]) * invstd[c] * bt_to_f32(gamma[c]) + bt_to_f32(beta[c]);
+            if (residual != nullptr) v += bt_to_f32(rv.e[e]);
+            if (relu) v = fmaxf(v, 0.0f);
+            out.e[e] = bt_to_bf16(v);
+        }
+        *reinterpret_cast<uint4*>(y + i) = out.v;
+    }
+}
+
+extern "C" __global__ void bn_bwd_apply_vec(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+                                            const bf16* __restrict__ x, const float* __restrict__ mean,
+                                            const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                            const float* __restrict__ dbeta,
+                                            const float* __restrict__ dgamma, long total,
+                                            int channels, int relu, int batch_stats, bf16* __restrict__ dx,
+                                            bf16* __restrict__ dres, int accumulate_res) {
+    const float inv_rows = (float)channels / (float)total;
+    const long groups = total / 8;
+    for (long gi = blockIdx.x * (long)blockDim.x + threadIdx.x; gi < groups; gi += (long)gridDim.x * blockDim.x) {
+        const long i = gi * 8;
+        const int c0 = (int)(i % channels);
+        const Bf16x8 dyv = load8(dy + i), xv = load8(x + i);
+        Bf16x8 yv, dxo, dro, dri;
+        if (relu) yv = load8(y + i);
+        if (dres != nullptr && accumulate_res) dri = load8(dres + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int c = c0 + e;
+            float g = bt_to_f32(dyv.e[e]);
+            if (relu && !(bt_to_f32(yv.e[e]) > 0.0f)) g = 0.0f;
+            const float k = bt_to_f32(gamma[c]) * invstd[c];
+            float d = g;
+            if (batch_stats) {
+                const float xhat = (bt_to_f32(xv.e[e]) - mean[c]) * invstd[c];
+                d = g - (dbeta[c] + xhat * dgamma[c]) * inv_rows;
+            }
+            dxo.e[e] = bt_to_bf16(k * d);
+            dro.e[e] = bt_to_bf16(dres != nullptr && accumulate_res ? g + bt_to_f32(dri.e[e]) : g);
+        }
+        *reinterpret_cast<uint4*>(dx + i) = dxo.v;
+        if (dres != nullptr) *reinterpret_cast<uint4*>(dres + i) = dro.v;
     }
 }

@@ -59,6 +59,11 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
     }
     long total = (long)rows * C;
     emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_apply(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Y.data(), total, C, relu); });
+    if (C % 8 == 0) {
+        std::vector<bf16> Yv(x.size());
+        emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_apply_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Yv.data(), total, C, relu); });
+        check("y (vec)", fromb(Yv), y_ref, 1e-2, 1.0 / 128);
+    }
     check("saved_mean", sm, m_use, 1e-5, 1e-4);
     check("saved_invstd", si, is_use, 1e-5, 1e-3);
     check("running_mean", drm, rm_ref, 1e-5, 1e-4);
@@ -84,6 +89,13 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
         emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_bwd_partial(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb.data(), pg.data()); });
         emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, ddb.data(), ddg.data()); });
         emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DX.data(), residual ? DRES.data() : nullptr, acc); });
+        if (C % 8 == 0) {
+            auto DRESV = tobf(dres0);
+            std::vector<bf16> DXV(x.size());
+            emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_bwd_apply_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DXV.data(), residual ? DRESV.data() : nullptr, acc); });
+            check("dx (vec)", fromb(DXV), dx_ref, 1e-2, 1.0 / 64);
+            if (residual) check("dres (vec)", fromb(DRESV), dres_ref, 1e-2, 1.0 / 128);
+        }
         check("dbeta", ddb, db, 1e-4, 1e-4);
         check("dgamma", ddg, dg, 1e-4, 1e-4);
         check("dx", fromb(DX), dx_ref, 1e-2, 1.0 / 64);
@@ -243,6 +255,7 @@ int main(int argc, char** argv) {
     test_bn(150, 40, true, true, true);
     test_bn(77, 3, false, false, true);
     test_bn(64, 33, true, true, false);
+    test_bn(96, 16, false, true, false);
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
     test_linear(5, 37, 19);

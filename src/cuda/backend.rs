@@ -668,6 +668,10 @@ impl Backend for CudaBackend {
         );
         let (gamma, beta) = (a.gamma.bf16(op, "gamma")?, a.beta.bf16(op, "beta")?);
         let y = a.y.bf16_mut(op, "y")?;
+        // 16 bytes per thread when every row is whole groups of 8 channels.
+        let vec = c % 8 == 0;
+        let apply = if vec { "bn_apply_vec" } else { "bn_apply" };
+        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
         match a.residual {
             Some(r) => {
                 let r = r.bf16(op, "residual")?;
@@ -675,8 +679,8 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_apply",
-                    elementwise_cfg(rows * c),
+                    apply,
+                    cfg,
                     [x, mean, invstd, gamma, beta, r, y, &total, &c_i, &relu]
                 );
             }
@@ -685,8 +689,8 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_apply",
-                    elementwise_cfg(rows * c),
+                    apply,
+                    cfg,
                     [x, mean, invstd, gamma, beta, &NULL_PTR, y, &total, &c_i, &relu]
                 );
             }
@@ -778,7 +782,13 @@ impl Backend for CudaBackend {
         let batch_stats = i32::from(a.batch_stats);
         let (dbeta, dgamma) = (a.dbeta.f32(op, "dbeta")?, a.dgamma.f32(op, "dgamma")?);
         let dx = a.dx.bf16_mut(op, "dx")?;
-        let cfg = elementwise_cfg(rows * c);
+        let vec = c % 8 == 0;
+        let apply = if vec {
+            "bn_bwd_apply_vec"
+        } else {
+            "bn_bwd_apply"
+        };
+        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
         match a.dresidual {
             Some((dres, acc)) => {
                 let acc = i32::from(acc);
@@ -787,7 +797,7 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_bwd_apply",
+                    apply,
                     cfg,
                     [
                         dy,
@@ -814,7 +824,7 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_bwd_apply",
+                    apply,
                     cfg,
                     [
                         dy,
@@ -1302,7 +1312,8 @@ mod tests {
                 let from = before
                     .rfind(&format!("let {} =", parts[3]))
                     .expect("kernel variable");
-                before[from..].split('"').skip(1).step_by(2).collect()
+                let stmt = &before[from..from + before[from..].find(';').expect("let ends")];
+                stmt.split('"').skip(1).step_by(2).collect()
             };
             assert!(!names.is_empty());
             for kernel in names {
