@@ -161,15 +161,30 @@ __device__ __forceinline__ void chunk_coords(int chunk, int& outer, int& inner) 
     else { outer = chunk / (BM / 8); inner = (chunk % (BM / 8)) * 8; }
 }
 
-// Two bf16 from shared memory packed into one 32-bit register (low half = first element).
-__device__ __forceinline__ unsigned pack2(const bf16* lo, const bf16* hi) {
-    const unsigned short l = *reinterpret_cast<const unsigned short*>(lo);
-    const unsigned short h = *reinterpret_cast<const unsigned short*>(hi);
-    return (unsigned)l | ((unsigned)h << 16);
+// ldmatrix.x4: four 8×8 b16 matrices from shared memory; lane l gives the address of row l % 8
+// of matrix l / 8 and receives, per matrix, row lane / 4, columns 2·(lane % 4) and + 1 (the
+// .trans form: the same of the transposed matrix). sm_75+.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, false);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
 }
 
-// Two consecutive bf16 at an even index of shared memory, as one 32-bit register.
-__device__ __forceinline__ unsigned word(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, true);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
 
 // D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
@@ -202,7 +217,7 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     constexpr int LDB = B_RED_INNER ? LD_MK : LD_KM;
 
     const int tid = threadIdx.x, warp = tid / BT_WARP, lane = tid % BT_WARP;
-    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+    const int g = lane >> 2, t = lane & 3;  // accumulator fragment coordinates
     const int warp_m = (warp / 4) * 64, warp_n = (warp % 4) * 32;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
 
@@ -334,9 +349,6 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
             *reinterpret_cast<uint4*>(Bs + outer * LDB + inner) = rb[i];
         }
     };
-    // Element (m, k) of the A tile and (k, n) of the B tile, whatever their storage order.
-    auto a_at = [&](int m, int k) { return A_RED_INNER ? As + m * LDA + k : As + k * LDA + m; };
-    auto b_at = [&](int k, int n) { return B_RED_INNER ? Bs + n * LDB + k : Bs + k * LDB + n; };
 
     if (kd_begin < kd_end) fetch(kd_begin);
     for (int k0 = kd_begin; k0 < kd_end; k0 += BK) {
@@ -346,23 +358,30 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
         if (k0 + BK < kd_end) fetch(k0 + BK);  // global loads overlap the mma below
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
+            // Fragments straight from shared memory with ldmatrix: one instruction loads four
+            // 8×8 matrices (a whole 16×16 A tile, or two 16×8 B tiles); the .trans form serves
+            // tiles stored with the reduction dimension outermost. Lane l addresses one 8-element
+            // row of matrix q = l / 8.
             unsigned fa[4][4], fb[4][2];
-            // A (k, k+1) pair is one aligned 32-bit word when the reduction dim is innermost.
-            auto a_pair = [&](int m, int k) { return A_RED_INNER ? word(a_at(m, k)) : pack2(a_at(m, k), a_at(m, k + 1)); };
-            auto b_pair = [&](int k, int n) { return B_RED_INNER ? word(b_at(k, n)) : pack2(b_at(k, n), b_at(k + 1, n)); };
+            const int q = lane / 8, row8 = lane % 8;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int r0 = warp_m + i * 16 + g, c0 = kk + 2 * t;
-                fa[i][0] = a_pair(r0, c0);
-                fa[i][1] = a_pair(r0 + 8, c0);
-                fa[i][2] = a_pair(r0, c0 + 8);
-                fa[i][3] = a_pair(r0 + 8, c0 + 8);
+                const int mb = warp_m + i * 16;
+                // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+                if (A_RED_INNER) ldsm_x4(fa[i], As + (mb + (q % 2) * 8 + row8) * LDA + kk + (q / 2) * 8);
+                else ldsm_x4_trans(fa[i], As + (kk + (q / 2) * 8 + row8) * LDA + mb + (q % 2) * 8);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = warp_n + j * 8 + g, k = kk + 2 * t;
-                fb[j][0] = b_pair(k, n);
-                fb[j][1] = b_pair(k + 8, n);
+            for (int jj = 0; jj < 2; ++jj) {
+                const int nb = warp_n + jj * 16;
+                unsigned r[4];
+                // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                if (B_RED_INNER) ldsm_x4(r, Bs + (nb + (q / 2) * 8 + row8) * LDB + kk + (q % 2) * 8);
+                else ldsm_x4_trans(r, Bs + (kk + (q % 2) * 8 + row8) * LDB + nb + (q / 2) * 8);
+                fb[2 * jj][0] = r[0];
+                fb[2 * jj][1] = r[1];
+                fb[2 * jj + 1][0] = r[2];
+                fb[2 * jj + 1][1] = r[3];
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i)
