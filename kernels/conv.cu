@@ -25,7 +25,9 @@
 // NVRTC without the nvcc headers has no <mma.h>). grid = (ceil(M/128), ceil(N/128), splits),
 // splits = 1 except for wgrad. Operand tiles are 512 chunks of 8 consecutive bf16 (16 bytes):
 // every thread loads 2 chunks of A and 2 of B per BK step into registers while the tensor cores
-// work on the previous tile (register double buffering). The *_vec kernels need C % 8 == 0
+// work on the previous tile (register double buffering); fragments come out of shared memory
+// with ldmatrix.x4 (.trans for tiles stored reduction-outer; the +8-element row padding keeps
+// both layouts free of bank conflicts). The *_vec kernels need C % 8 == 0
 // (and K % 8 == 0 for dgrad and wgrad: every ResNet layer but the 3-channel stem); the others
 // gather element by element (the stem's forward with two divisions per element).
 #include "common.cuh"
