@@ -627,16 +627,12 @@ impl Backend for CudaBackend {
                     );
                     let per_i = to_i32(op, "rows per slab", per)?;
                     let slabs_i = to_i32(op, "slabs", slabs)?;
-                    let cfg = LaunchConfig {
-                        grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
-                        block_dim: (32, 8, 1),
-                        shared_mem_bytes: 0,
-                    };
+                    let (partial, cfg) = reduction_launch(c, slabs, "bn_stats_partial");
                     launch!(
                         self,
                         op,
                         "bn.cu",
-                        "bn_stats_partial",
+                        partial,
                         cfg,
                         [x, &rows_i, &c_i, &per_i, &mut *pm, &mut *pv]
                     );
@@ -755,16 +751,12 @@ impl Backend for CudaBackend {
                 w.f32a.as_mut().expect("ensured"),
                 w.f32b.as_mut().expect("ensured"),
             );
-            let cfg = LaunchConfig {
-                grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
+            let (partial, cfg) = reduction_launch(c, slabs, "bn_bwd_partial");
             launch!(
                 self,
                 op,
                 "bn.cu",
-                "bn_bwd_partial",
+                partial,
                 cfg,
                 [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
             );
@@ -1225,6 +1217,35 @@ fn linear_dims(op: &'static str, s: &LinearShape) -> Result<(i32, i32, i32), Bac
     ))
 }
 
+/// The per-slab reduction kernel (`base` or its 16-byte `_vec` form, which needs C % 8 == 0 and
+/// C ≤ 2048) and its launch configuration.
+fn reduction_launch(c: usize, slabs: usize, base: &'static str) -> (&'static str, LaunchConfig) {
+    if c % 8 == 0 && c / 8 <= 256 {
+        let name = if base == "bn_stats_partial" {
+            "bn_stats_partial_vec"
+        } else {
+            "bn_bwd_partial_vec"
+        };
+        (
+            name,
+            LaunchConfig {
+                grid_dim: (1, slabs as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    } else {
+        (
+            base,
+            LaunchConfig {
+                grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    }
+}
+
 fn tile16(cols: usize, rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (cols.div_ceil(16) as u32, rows.div_ceil(16) as u32, 1),
@@ -1311,19 +1332,30 @@ mod tests {
             assert_eq!(parts.len(), 6, "{parts:?}");
             let args = top_level(parts[5].trim_start_matches('[').trim_end_matches(']')).len();
             // A kernel chosen at run time (`kernel`): every name in its `let` statement.
-            let names: Vec<&str> = if parts[3].starts_with('"') {
-                vec![parts[3].trim_matches('"')]
+            let names: Vec<String> = if parts[3].starts_with('"') {
+                vec![parts[3].trim_matches('"').to_string()]
             } else {
                 let before = &body[..at];
                 let from = before
                     .rfind(&format!("let {} =", parts[3]))
+                    .or_else(|| before.rfind(&format!("let ({},", parts[3])))
                     .expect("kernel variable");
                 let stmt = &before[from..from + before[from..].find(';').expect("let ends")];
-                stmt.split('"').skip(1).step_by(2).collect()
+                let mut names: Vec<String> = stmt
+                    .split('"')
+                    .skip(1)
+                    .step_by(2)
+                    .map(String::from)
+                    .collect();
+                if stmt.contains("reduction_launch(") {
+                    // reduction_launch picks `base` or `base_vec`.
+                    names.push(format!("{}_vec", names[0]));
+                }
+                names
             };
             assert!(!names.is_empty());
             for kernel in names {
-                let arity = kernel_arity(kernel)
+                let arity = kernel_arity(&kernel)
                     .unwrap_or_else(|| panic!("kernel {kernel} not found in kernels/"));
                 assert_eq!(
                     args, arity,
