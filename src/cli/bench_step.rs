@@ -63,8 +63,10 @@ pub struct KernelShare {
     pub ms_per_step: f64,
     /// Share of the summed kernel time.
     pub percent: f64,
-    /// Achieved TFLOP/s for the convolution kernels (each pass does the forward's FLOPs).
+    /// Achieved TFLOP/s (the convolution kernels: 2 × multiply-adds of the GEMM).
     pub tflops: Option<f64>,
+    /// Achieved DRAM bandwidth in GB/s (compulsory bytes: inputs once, outputs once).
+    pub gb_per_s: Option<f64>,
 }
 
 /// The result of a step benchmark (the JSON line).
@@ -229,7 +231,7 @@ fn run_steps<B: Backend>(
             }
             let times = p.take_profile()?;
             p.set_profiling(false);
-            Some(shares(&times, profiled_steps, flops * n as f64))
+            Some(shares(&times, profiled_steps))
         }
         None => None,
     };
@@ -249,24 +251,21 @@ fn run_steps<B: Backend>(
     })
 }
 
-fn shares(times: &[KernelTime], steps: usize, conv_flops_per_step: f64) -> Vec<KernelShare> {
+fn shares(times: &[KernelTime], steps: usize) -> Vec<KernelShare> {
     let total: f64 = times.iter().map(|k| k.ms).sum();
     times
         .iter()
-        .map(|k| {
-            let ms = k.ms / steps as f64;
-            let is_conv = k.name.starts_with("conv_");
-            KernelShare {
-                kernel: k.name.to_string(),
-                calls_per_step: k.calls as f64 / steps as f64,
-                ms_per_step: ms,
-                percent: if total > 0.0 {
-                    100.0 * k.ms / total
-                } else {
-                    0.0
-                },
-                tflops: is_conv.then(|| conv_flops_per_step / (ms * 1e-3) / 1e12),
-            }
+        .map(|k| KernelShare {
+            kernel: k.name.to_string(),
+            calls_per_step: k.calls as f64 / steps as f64,
+            ms_per_step: k.ms / steps as f64,
+            percent: if total > 0.0 {
+                100.0 * k.ms / total
+            } else {
+                0.0
+            },
+            tflops: k.tflops(),
+            gb_per_s: k.gb_per_s(),
         })
         .collect()
 }
@@ -306,4 +305,37 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn breakdown_rates_and_shares() {
+        let times = [
+            KernelTime {
+                name: "conv_fwd_vec",
+                calls: 6,
+                ms: 3.0,
+                bytes: 3e9,
+                flops: 3e12,
+            },
+            KernelTime {
+                name: "bn_apply_vec",
+                calls: 6,
+                ms: 1.0,
+                bytes: 2e9,
+                flops: 0.0,
+            },
+        ];
+        let rows = shares(&times, 3);
+        assert_eq!(rows[0].calls_per_step, 2.0);
+        assert!((rows[0].ms_per_step - 1.0).abs() < 1e-12);
+        assert!((rows[0].percent - 75.0).abs() < 1e-9 && (rows[1].percent - 25.0).abs() < 1e-9);
+        // 3e12 FLOP in 3 ms = 1000 TFLOP/s; 2e9 B in 1 ms = 2000 GB/s.
+        assert!((rows[0].tflops.unwrap() - 1000.0).abs() < 1e-6);
+        assert!((rows[1].gb_per_s.unwrap() - 2000.0).abs() < 1e-6);
+        assert_eq!(rows[1].tflops, None);
+    }
 }

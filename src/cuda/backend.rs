@@ -69,7 +69,17 @@ struct Workspace {
 #[derive(Debug, Default)]
 struct Profiler {
     enabled: bool,
-    events: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    events: Vec<ProfiledLaunch>,
+}
+
+/// One timed launch and the work it did (when the op declared it).
+#[derive(Debug)]
+struct ProfiledLaunch {
+    name: &'static str,
+    start: CudaEvent,
+    end: CudaEvent,
+    bytes: f64,
+    flops: f64,
 }
 
 /// Time spent in one kernel over a profiled interval.
@@ -81,6 +91,23 @@ pub struct KernelTime {
     pub calls: usize,
     /// Total GPU milliseconds.
     pub ms: f64,
+    /// DRAM bytes the launches had to move at least (inputs read + outputs written), summed;
+    /// 0 when not declared.
+    pub bytes: f64,
+    /// Floating-point operations (2 × multiply-adds), summed; 0 when not declared.
+    pub flops: f64,
+}
+
+impl KernelTime {
+    /// Achieved bandwidth in GB/s (None when no bytes were declared).
+    pub fn gb_per_s(&self) -> Option<f64> {
+        (self.bytes > 0.0 && self.ms > 0.0).then(|| self.bytes / (self.ms * 1e-3) / 1e9)
+    }
+
+    /// Achieved TFLOP/s (None when no FLOPs were declared).
+    pub fn tflops(&self) -> Option<f64> {
+        (self.flops > 0.0 && self.ms > 0.0).then(|| self.flops / (self.ms * 1e-3) / 1e12)
+    }
 }
 
 /// The CUDA backend on one device.
@@ -227,18 +254,26 @@ impl CudaBackend {
                 .events,
         );
         let mut out: Vec<KernelTime> = Vec::new();
-        for (name, start, end) in events {
+        for e in events {
             let ms = f64::from(
-                start
-                    .elapsed_ms(&end)
+                e.start
+                    .elapsed_ms(&e.end)
                     .map_err(CudaError::driver("cuEventElapsedTime"))?,
             );
-            match out.iter_mut().find(|k| k.name == name) {
+            match out.iter_mut().find(|k| k.name == e.name) {
                 Some(k) => {
                     k.calls += 1;
                     k.ms += ms;
+                    k.bytes += e.bytes;
+                    k.flops += e.flops;
                 }
-                None => out.push(KernelTime { name, calls: 1, ms }),
+                None => out.push(KernelTime {
+                    name: e.name,
+                    calls: 1,
+                    ms,
+                    bytes: e.bytes,
+                    flops: e.flops,
+                }),
             }
         }
         out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
@@ -281,8 +316,25 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .events
-            .push((name, start, end));
+            .push(ProfiledLaunch {
+                name,
+                start,
+                end,
+                bytes: 0.0,
+                flops: 0.0,
+            });
         Ok(())
+    }
+
+    /// Declares the work of the launch just queued (for `--breakdown`'s GB/s and TFLOP/s).
+    fn note_work(&self, bytes: usize, flops: f64) {
+        let mut p = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
+        if p.enabled {
+            if let Some(last) = p.events.last_mut() {
+                last.bytes = bytes as f64;
+                last.flops = flops;
+            }
+        }
     }
 
     fn work(&self) -> std::sync::MutexGuard<'_, Workspace> {
@@ -491,6 +543,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(bytes),
             [pixels, aug, &use_aug, &scale, &shift, dst, &n_i, &s_i]
         );
+        self.note_work(3 * bytes, 0.0);
         Ok(())
     }
 
@@ -514,6 +567,7 @@ impl Backend for CudaBackend {
             "conv_fwd_scalar"
         };
         launch!(self, op, "conv.cu", kernel, cfg, [x, w, y, &args]);
+        self.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
         Ok(())
     }
 
@@ -539,6 +593,10 @@ impl Backend for CudaBackend {
             "conv_dgrad_scalar"
         };
         launch!(self, op, "conv.cu", kernel, cfg, [dy, w, dx, &args]);
+        self.note_work(
+            2 * (s.y_len() + s.w_len() + s.x_len() * (1 + usize::from(accumulate))),
+            s.flops(),
+        );
         Ok(())
     }
 
@@ -575,6 +633,7 @@ impl Backend for CudaBackend {
             _ => "conv_wgrad_scalar",
         };
         launch!(self, op, "conv.cu", kernel, cfg, [dy, x, dw, &args]);
+        self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
         Ok(())
     }
 
@@ -636,6 +695,7 @@ impl Backend for CudaBackend {
                         cfg,
                         [x, &rows_i, &c_i, &per_i, &mut *pm, &mut *pv]
                     );
+                    self.note_work(2 * rows * c, 0.0);
                     let (eps, momentum) = (a.eps, a.momentum);
                     launch!(
                         self,
@@ -685,6 +745,7 @@ impl Backend for CudaBackend {
                     cfg,
                     [x, mean, invstd, gamma, beta, r, y, &total, &c_i, &relu]
                 );
+                self.note_work(6 * rows * c, 0.0);
             }
             None => {
                 launch!(
@@ -695,6 +756,7 @@ impl Backend for CudaBackend {
                     cfg,
                     [x, mean, invstd, gamma, beta, &NULL_PTR, y, &total, &c_i, &relu]
                 );
+                self.note_work(4 * rows * c, 0.0);
             }
         }
         Ok(())
@@ -760,6 +822,7 @@ impl Backend for CudaBackend {
                 cfg,
                 [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
             );
+            self.note_work(2 * rows * c * (2 + usize::from(a.relu)), 0.0);
             let chan_cfg = LaunchConfig {
                 grid_dim: (c.div_ceil(128) as u32, 1, 1),
                 block_dim: (128, 1, 1),
@@ -815,6 +878,10 @@ impl Backend for CudaBackend {
                         &acc
                     ]
                 );
+                self.note_work(
+                    2 * rows * c * (4 + usize::from(a.relu) + usize::from(acc == 1)),
+                    0.0,
+                );
             }
             None => {
                 let acc = 0i32;
@@ -842,6 +909,7 @@ impl Backend for CudaBackend {
                         &acc
                     ]
                 );
+                self.note_work(2 * rows * c * (3 + usize::from(a.relu)), 0.0);
             }
         }
         Ok(())
@@ -868,6 +936,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(out),
             [x, y, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8]]
         );
+        self.note_work(2 * (s.n * s.h * s.w * s.c + out), 0.0);
         Ok(())
     }
 
@@ -895,6 +964,10 @@ impl Backend for CudaBackend {
             "maxpool_bwd",
             elementwise_cfg(input),
             [x, dy, dx, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8], &acc]
+        );
+        self.note_work(
+            2 * (input * (2 + usize::from(accumulate)) + s.n * s.out_h() * s.out_w() * s.c),
+            0.0,
         );
         Ok(())
     }
@@ -930,6 +1003,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(n * c),
             [x, y, &n_i, &hw_i, &c_i]
         );
+        self.note_work(2 * (n * hw * c + n * c), 0.0);
         Ok(())
     }
 
@@ -965,6 +1039,10 @@ impl Backend for CudaBackend {
             "gap_bwd",
             elementwise_cfg(n * hw * c),
             [dy, dx, &n_i, &hw_i, &c_i, &acc]
+        );
+        self.note_work(
+            2 * (n * c + n * hw * c * (1 + usize::from(accumulate))),
+            0.0,
         );
         Ok(())
     }
