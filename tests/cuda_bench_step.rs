@@ -29,6 +29,11 @@ fn cpu_bench_reports_a_full_json_line() {
     assert!(report.final_loss.is_finite() && report.final_loss > 0.0);
     assert!(report.device.starts_with("cpu"), "{}", report.device);
     assert_eq!(report.mfu, None, "no bf16 peak is claimed for a CPU");
+    assert_eq!(
+        report.device_update_ms, None,
+        "the fused device update is GPU-only"
+    );
+    assert_eq!(report.projected_images_per_sec_device_update, None);
     let json: serde_json::Value =
         serde_json::from_str(&serde_json::to_string(&report).unwrap()).unwrap();
     for key in [

@@ -15,7 +15,9 @@ use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::cuda::{CudaBackend, KernelTime};
+use crate::backend::TensorRole;
+use crate::cuda::optim::DeviceOptimizer;
+use crate::cuda::{CudaBackend, CudaTensor, KernelTime};
 use crate::model::{Arch, Graph, InputBatch, Network};
 use crate::optim::{Hyper, Optimizer, OptimizerKind};
 
@@ -86,6 +88,13 @@ pub struct StepReport {
     pub ms_per_step: f64,
     /// Of which forward + loss + backward (the backend's kernels).
     pub fwd_bwd_ms_per_step: f64,
+    /// GPU only: one fused device-side SGD update of every parameter (kernels/optim.cu,
+    /// `cuda::optim::DeviceOptimizer`), timed on buffers of the model's parameter shapes.
+    pub device_update_ms: Option<f64>,
+    /// GPU only, a projection, not a measurement of one loop: batch / (forward+backward +
+    /// device update), the throughput once `Network` lets the trainer update parameters on the
+    /// device instead of the host round trip timed in `ms_per_step`.
+    pub projected_images_per_sec_device_update: Option<f64>,
     /// Model FLOPs utilisation against the device's dense bf16 peak (`null` when unknown).
     pub mfu: Option<f64>,
     /// The backend's description.
@@ -143,8 +152,8 @@ pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
                 .map_err(|e| anyhow::anyhow!("allocating {bytes} bytes of pinned host memory: {e}"))?;
             let mut rng = ChaCha8Rng::seed_from_u64(0);
             pinned.as_mut_slice()?.iter_mut().for_each(|b| *b = rng.random());
-            let profiler = args.breakdown.then(|| backend.clone());
-            run_steps(backend, arch, args, Some(pinned.as_slice()?), peak, profiler)
+            let gpu = backend.clone();
+            run_steps(backend, arch, args, Some(pinned.as_slice()?), peak, Some(gpu))
         }
         n => anyhow::bail!("bench step measures one device: use --gpus 0 (CPU) or --gpus 1, not {n} (multi-GPU: `bench scaling`)"),
     }
@@ -156,7 +165,7 @@ fn run_steps<B: Backend>(
     args: &BenchStepArgs,
     pinned: Option<&[u8]>,
     peak_tflops: Option<f64>,
-    profiler: Option<CudaBackend>,
+    gpu: Option<CudaBackend>,
 ) -> anyhow::Result<StepReport> {
     let graph = Graph::new(arch, args.classes);
     let (n, size) = (args.batch_size, args.image_size);
@@ -222,7 +231,7 @@ fn run_steps<B: Backend>(
     let flops = graph.forward_flops(size);
     let mfu = peak_tflops.map(|p| 3.0 * flops * images_per_sec / (p * 1e12));
 
-    let breakdown = match profiler {
+    let breakdown = match gpu.as_ref().filter(|_| args.breakdown) {
         Some(p) => {
             let profiled_steps = 3usize;
             p.set_profiling(true);
@@ -235,6 +244,11 @@ fn run_steps<B: Backend>(
         }
         None => None,
     };
+    let fwd_bwd_ms = fwd_bwd * 1e3 / args.steps as f64;
+    let device_update_ms = match &gpu {
+        Some(b) => Some(time_device_update(b, &graph)?),
+        None => None,
+    };
     Ok(StepReport {
         model: arch.name().to_string(),
         batch_size: n,
@@ -242,13 +256,57 @@ fn run_steps<B: Backend>(
         steps: args.steps,
         images_per_sec,
         ms_per_step: seconds * 1e3 / args.steps as f64,
-        fwd_bwd_ms_per_step: fwd_bwd * 1e3 / args.steps as f64,
+        fwd_bwd_ms_per_step: fwd_bwd_ms,
+        device_update_ms,
+        projected_images_per_sec_device_update: device_update_ms
+            .map(|u| n as f64 * 1e3 / (fwd_bwd_ms + u)),
         mfu,
         device,
         optimizer: "host f32 master weights (Network has no device-side update hook yet)".into(),
         final_loss: loss,
         breakdown,
     })
+}
+
+/// Milliseconds of one fused SGD update over tensors shaped like `graph`'s parameters.
+fn time_device_update(backend: &CudaBackend, graph: &Graph) -> anyhow::Result<f64> {
+    let params = graph.params();
+    let grads = params
+        .iter()
+        .map(|p| backend.alloc(p.numel(), TensorRole::WeightGrad))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut working = params
+        .iter()
+        .map(|p| backend.alloc(p.numel(), TensorRole::Weight))
+        .collect::<Result<Vec<_>, _>>()?;
+    let hyper = Hyper {
+        weight_decay: 5e-5,
+        ..Hyper::default()
+    };
+    let kind = OptimizerKind::Sgd {
+        momentum: 0.9,
+        nesterov: false,
+    };
+    let mut opt = DeviceOptimizer::new(
+        backend,
+        kind,
+        hyper,
+        params,
+        &vec![0.0; graph.param_count()],
+    )?;
+    let grad_refs: Vec<&CudaTensor> = grads.iter().collect();
+    let mut run = |steps: usize| -> anyhow::Result<()> {
+        for _ in 0..steps {
+            let mut work_refs: Vec<&mut CudaTensor> = working.iter_mut().collect();
+            opt.step(&grad_refs, &mut work_refs, 0.1, 1.0)?;
+        }
+        backend.synchronize()?;
+        Ok(())
+    };
+    run(3)?;
+    let start = Instant::now();
+    run(20)?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
 }
 
 fn shares(times: &[KernelTime], steps: usize) -> Vec<KernelShare> {
@@ -288,6 +346,14 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         report.fwd_bwd_ms_per_step,
         report.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
     );
+    if let (Some(u), Some(p)) = (
+        report.device_update_ms,
+        report.projected_images_per_sec_device_update,
+    ) {
+        println!(
+            "fused device update: {u:.2} ms; projected with it instead of the host round trip: {p:.1} images/s"
+        );
+    }
     if let Some(rows) = &report.breakdown {
         println!(
             "{:<22} {:>8} {:>10} {:>7} {:>9}",
