@@ -249,7 +249,11 @@ impl Pipeline {
     /// The file behind a sample id (`Batch::sample_ids`), if the id is in range.
     pub fn sample_path(&self, id: u64) -> Option<&std::path::Path> {
         let index = usize::try_from(id).ok()?;
-        self.inner.shared.samples.get(index).map(|s| s.path.as_path())
+        self.inner
+            .shared
+            .samples
+            .get(index)
+            .map(|s| s.path.as_path())
     }
 
     /// Steps per epoch, the same for every replica.

@@ -27,8 +27,16 @@ fn add_bad_files(class_dir: &Path) {
     std::fs::write(class_dir.join("empty.jpg"), b"").unwrap();
     // Unreadable (tests run as root, so no chmod): a directory and a dangling link named like images.
     std::fs::create_dir(class_dir.join("folder.jpg")).unwrap();
-    std::os::unix::fs::symlink(class_dir.join("missing-target"), class_dir.join("dangling.jpg")).unwrap();
-    std::fs::write(class_dir.join("notes.jpg"), b"these are field notes, not a picture").unwrap();
+    std::os::unix::fs::symlink(
+        class_dir.join("missing-target"),
+        class_dir.join("dangling.jpg"),
+    )
+    .unwrap();
+    std::fs::write(
+        class_dir.join("notes.jpg"),
+        b"these are field notes, not a picture",
+    )
+    .unwrap();
     // Hidden files are ignored, not bad.
     std::fs::write(class_dir.join(".DS_Store"), b"junk").unwrap();
 }
@@ -38,15 +46,29 @@ fn every_bad_file_kind_is_skipped_counted_and_reported() {
     let fx = synth(2, 4, 0);
     add_bad_files(&fx.root().join("train/class_00"));
     let report = fx.cache.path().join("bad.jsonl");
-    let p = fx.builder().batch_size(3).bad_files_report(&report).build().unwrap();
-    assert_eq!(p.len(), 4 + 4 + 3, "zero-byte and unreadable entries are dropped at scan time");
+    let p = fx
+        .builder()
+        .batch_size(3)
+        .bad_files_report(&report)
+        .build()
+        .unwrap();
+    assert_eq!(
+        p.len(),
+        4 + 4 + 3,
+        "zero-byte and unreadable entries are dropped at scan time"
+    );
     let batches = collect(&p, 0, 0, 0);
     let images: usize = batches.iter().map(|b| b.ids.len()).sum();
     assert_eq!(images, 8, "only the good images are served");
     let mut kinds: Vec<(String, BadFileKind)> = p
         .bad_files()
         .into_iter()
-        .map(|b| (b.path.file_name().unwrap().to_string_lossy().into_owned(), b.kind))
+        .map(|b| {
+            (
+                b.path.file_name().unwrap().to_string_lossy().into_owned(),
+                b.kind,
+            )
+        })
         .collect();
     kinds.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(
@@ -75,7 +97,11 @@ fn every_bad_file_kind_is_skipped_counted_and_reported() {
 fn on_bad_image_fail_stops_at_scan_time_bad_files() {
     let fx = synth(2, 3, 0);
     std::fs::write(fx.root().join("train/class_01/empty.png"), b"").unwrap();
-    let err = fx.builder().on_bad_image(OnBadImage::Fail).build().unwrap_err();
+    let err = fx
+        .builder()
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap_err();
     match &err {
         PipelineError::BadImage { path, kind, .. } => {
             assert!(path.ends_with("empty.png"));
@@ -83,15 +109,27 @@ fn on_bad_image_fail_stops_at_scan_time_bad_files() {
         }
         other => panic!("unexpected {other:?}"),
     }
-    assert!(err.to_string().contains("--on-bad-image skip"), "the message gives a hint");
+    assert!(
+        err.to_string().contains("--on-bad-image skip"),
+        "the message gives a hint"
+    );
 }
 
 #[test]
 fn on_bad_image_fail_reaches_the_consumer_with_the_decoder_error() {
     let fx = synth(2, 3, 0);
     let png = valid_png(20, 20);
-    std::fs::write(fx.root().join("train/class_01/zz_truncated.png"), &png[..png.len() / 2]).unwrap();
-    let p = fx.builder().batch_size(2).on_bad_image(OnBadImage::Fail).build().unwrap();
+    std::fs::write(
+        fx.root().join("train/class_01/zz_truncated.png"),
+        &png[..png.len() / 2],
+    )
+    .unwrap();
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap();
     let results: Vec<_> = p.epoch(0, 0, 0).unwrap().collect();
     let errors: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
     assert_eq!(errors.len(), 1, "the epoch ends at the first error");
@@ -101,7 +139,10 @@ fn on_bad_image_fail_reaches_the_consumer_with_the_decoder_error() {
             assert!(path.ends_with("zz_truncated.png"));
             assert_eq!(*kind, BadFileKind::Corrupt);
             let source = source.as_ref().expect("the decoder's error is kept");
-            assert!(source.downcast_ref::<image::ImageError>().is_some(), "{source:?}");
+            assert!(
+                source.downcast_ref::<image::ImageError>().is_some(),
+                "{source:?}"
+            );
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -110,7 +151,12 @@ fn on_bad_image_fail_reaches_the_consumer_with_the_decoder_error() {
 #[test]
 fn a_worker_failure_reaches_the_consumer_as_an_error_keeping_its_cause() {
     let fx = synth(2, 3, 0);
-    let p = fx.builder().batch_size(2).on_bad_image(OnBadImage::Fail).build().unwrap();
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap();
     // The file vanishes after the scan: the worker's read fails with an I/O error.
     let victim = fx.root().join("train/class_00/train_00001.png");
     std::fs::remove_file(&victim).unwrap();
@@ -119,7 +165,9 @@ fn a_worker_failure_reaches_the_consumer_as_an_error_keeping_its_cause() {
         .unwrap()
         .find_map(|r| r.err())
         .expect("an error reaches the consumer");
-    let PipelineError::BadImage { path, kind, .. } = &err else { panic!("unexpected {err:?}") };
+    let PipelineError::BadImage { path, kind, .. } = &err else {
+        panic!("unexpected {err:?}")
+    };
     assert_eq!(path, &victim);
     assert_eq!(*kind, BadFileKind::Unreadable);
     let io = std::error::Error::source(&err)
@@ -137,7 +185,14 @@ fn a_failing_allocator_reaches_the_consumer() {
         }
     }
     let fx = synth(2, 2, 0);
-    let p = fx.builder().allocator(std::sync::Arc::new(Broken)).build().unwrap();
+    let p = fx
+        .builder()
+        .allocator(std::sync::Arc::new(Broken))
+        .build()
+        .unwrap();
     let first = p.epoch(0, 0, 0).unwrap().next().unwrap();
-    assert!(matches!(first, Err(PipelineError::Allocator { .. })), "{first:?}");
+    assert!(
+        matches!(first, Err(PipelineError::Allocator { .. })),
+        "{first:?}"
+    );
 }

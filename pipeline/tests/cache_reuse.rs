@@ -33,7 +33,11 @@ fn buffers_are_recycled_in_steady_state() {
     assert!(after_first > 0);
     collect(&p, 1, 0, 0);
     collect(&p, 2, 0, 0);
-    assert_eq!(p.free_buffers(), after_first, "no new buffer once the pool is warm");
+    assert_eq!(
+        p.free_buffers(),
+        after_first,
+        "no new buffer once the pool is warm"
+    );
 }
 
 #[test]
@@ -48,7 +52,8 @@ fn a_changed_file_invalidates_the_cache() {
     let victim = common::files_under(&fx.root().join("train"))[0].clone();
     let img = image::RgbImage::from_pixel(30, 30, image::Rgb([250, 10, 10]));
     std::thread::sleep(std::time::Duration::from_millis(20));
-    img.save_with_format(&victim, image::ImageFormat::Png).unwrap();
+    img.save_with_format(&victim, image::ImageFormat::Png)
+        .unwrap();
     let p2 = fx.builder().batch_size(8).build().unwrap();
     assert_ne!(p2.fingerprint(), fp);
     assert_eq!(p2.cache_path(), path, "same file name, rebuilt in place");
@@ -58,7 +63,9 @@ fn a_changed_file_invalidates_the_cache() {
     assert_eq!(batches.iter().map(|b| b.ids.len()).sum::<usize>(), 8);
     let q = fx.builder().batch_size(8).shuffle(false).build().unwrap();
     let first = q.epoch(0, 0, 0).unwrap().next().unwrap().unwrap();
-    assert!(first.pixels()[..16 * 16 * 3].chunks(3).all(|px| px == [250, 10, 10]));
+    assert!(first.pixels()[..16 * 16 * 3]
+        .chunks(3)
+        .all(|px| px == [250, 10, 10]));
 }
 
 /// Offsets of the documented cache layout for `count` records (see `cache.rs`).
@@ -75,11 +82,22 @@ fn a_stopped_fill_is_resumed() {
     let fx = synth(2, 6, 0); // 12 images
     let reference = {
         let other = tempfile::tempdir().unwrap();
-        let p = fx.builder().cache_dir(other.path()).batch_size(4).build().unwrap();
+        let p = fx
+            .builder()
+            .cache_dir(other.path())
+            .batch_size(4)
+            .build()
+            .unwrap();
         collect(&p, 0, 0, 0)
     };
     // Take one step and stop: the cache is left partly filled.
-    let p = fx.builder().batch_size(4).workers(1).prefetch(1).build().unwrap();
+    let p = fx
+        .builder()
+        .batch_size(4)
+        .workers(1)
+        .prefetch(1)
+        .build()
+        .unwrap();
     let mut it = p.epoch(0, 0, 0).unwrap();
     it.next().unwrap().unwrap();
     drop(it);
@@ -87,7 +105,10 @@ fn a_stopped_fill_is_resumed() {
     let p2 = fx.builder().batch_size(4).build().unwrap();
     assert_eq!(collect(&p2, 0, 0, 0), reference);
     let decoded = p2.stats().decoded;
-    assert!(decoded <= 8, "the records of the first step are reused (decoded {decoded})");
+    assert!(
+        decoded <= 8,
+        "the records of the first step are reused (decoded {decoded})"
+    );
 }
 
 #[test]
@@ -110,7 +131,11 @@ fn a_torn_cache_never_serves_records_whose_bit_is_unset() {
     std::fs::write(&path, &bytes).unwrap();
     let p2 = fx.builder().batch_size(4).build().unwrap();
     assert_eq!(collect(&p2, 0, 0, 0), reference);
-    assert_eq!(p2.stats().decoded, 6, "exactly the torn records are decoded again");
+    assert_eq!(
+        p2.stats().decoded,
+        6,
+        "exactly the torn records are decoded again"
+    );
 }
 
 #[test]
@@ -160,7 +185,11 @@ fn two_pipelines_on_one_cache_file_agree_and_do_not_corrupt_it() {
     assert_eq!(ra, rb);
     drop((a, b));
     let c = fx.builder().batch_size(3).build().unwrap();
-    assert_eq!(collect(&c, 0, 0, 0), ra, "the shared file holds correct records");
+    assert_eq!(
+        collect(&c, 0, 0, 0),
+        ra,
+        "the shared file holds correct records"
+    );
 }
 
 #[test]
@@ -179,5 +208,9 @@ fn a_cache_left_filling_by_a_killed_process_of_this_boot_is_resumed() {
     std::fs::write(&path, &bytes).unwrap();
     let p2 = fx.builder().batch_size(6).build().unwrap();
     assert_eq!(collect(&p2, 0, 0, 0), reference);
-    assert_eq!(p2.stats().decoded, 0, "a kill keeps the page cache: set bits are exact");
+    assert_eq!(
+        p2.stats().decoded,
+        0,
+        "a kill keeps the page cache: set bits are exact"
+    );
 }

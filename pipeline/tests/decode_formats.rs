@@ -39,13 +39,20 @@ fn pixel(pixels: &[u8], size: u32, x: u32, y: u32) -> [u8; 3] {
 }
 
 fn close(a: [u8; 3], b: [u8; 3], tol: i32) -> bool {
-    a.iter().zip(b).all(|(x, y)| (i32::from(*x) - i32::from(y)).abs() <= tol)
+    a.iter()
+        .zip(b)
+        .all(|(x, y)| (i32::from(*x) - i32::from(y)).abs() <= tol)
 }
 
 #[test]
 fn grayscale_becomes_equal_rgb_channels() {
     let img = image::GrayImage::from_fn(8, 8, |x, _| image::Luma([(x * 30) as u8]));
-    let px = decode_one(&encode(img, image::ImageFormat::Png), "g.png", 8, ResizeMode::Direct);
+    let px = decode_one(
+        &encode(img, image::ImageFormat::Png),
+        "g.png",
+        8,
+        ResizeMode::Direct,
+    );
     for x in 0..8 {
         let v = (x * 30) as u8;
         assert_eq!(pixel(&px, 8, x, 3), [v, v, v]);
@@ -55,11 +62,16 @@ fn grayscale_becomes_equal_rgb_channels() {
 #[test]
 fn rgba_is_composited_on_white() {
     let img = image::RgbaImage::from_fn(8, 8, |x, _| match x {
-        0..=1 => image::Rgba([200, 0, 0, 0]),     // fully transparent → white
-        2..=3 => image::Rgba([0, 0, 200, 255]),   // opaque → itself
-        _ => image::Rgba([0, 0, 0, 128]),         // half black over white → mid grey
+        0..=1 => image::Rgba([200, 0, 0, 0]), // fully transparent → white
+        2..=3 => image::Rgba([0, 0, 200, 255]), // opaque → itself
+        _ => image::Rgba([0, 0, 0, 128]),     // half black over white → mid grey
     });
-    let px = decode_one(&encode(img, image::ImageFormat::Png), "a.png", 8, ResizeMode::Direct);
+    let px = decode_one(
+        &encode(img, image::ImageFormat::Png),
+        "a.png",
+        8,
+        ResizeMode::Direct,
+    );
     assert_eq!(pixel(&px, 8, 0, 0), [255, 255, 255]);
     assert_eq!(pixel(&px, 8, 2, 0), [0, 0, 200]);
     assert_eq!(pixel(&px, 8, 5, 0), [127, 127, 127]);
@@ -85,8 +97,20 @@ fn cmyk_jpeg_becomes_rgb() {
 
 #[test]
 fn sixteen_bit_png_is_scaled_to_eight_bits() {
-    let img = image::ImageBuffer::<image::Rgb<u16>, Vec<u16>>::from_pixel(8, 8, image::Rgb([65535, 0, 32896]));
-    let px = decode_one(&encode(image::DynamicImage::ImageRgb16(img), image::ImageFormat::Png), "d.png", 8, ResizeMode::Direct);
+    let img = image::ImageBuffer::<image::Rgb<u16>, Vec<u16>>::from_pixel(
+        8,
+        8,
+        image::Rgb([65535, 0, 32896]),
+    );
+    let px = decode_one(
+        &encode(
+            image::DynamicImage::ImageRgb16(img),
+            image::ImageFormat::Png,
+        ),
+        "d.png",
+        8,
+        ResizeMode::Direct,
+    );
     assert_eq!(pixel(&px, 8, 4, 4), [255, 0, 128]);
 }
 
@@ -104,8 +128,18 @@ fn exif_orientation_is_applied() {
 #[test]
 fn format_comes_from_the_bytes_not_the_extension() {
     let img = image::RgbImage::from_pixel(8, 8, image::Rgb([1, 2, 3]));
-    for format in [image::ImageFormat::Png, image::ImageFormat::Bmp, image::ImageFormat::Gif, image::ImageFormat::WebP] {
-        let px = decode_one(&encode(img.clone(), format), "misnamed.jpg", 8, ResizeMode::Direct);
+    for format in [
+        image::ImageFormat::Png,
+        image::ImageFormat::Bmp,
+        image::ImageFormat::Gif,
+        image::ImageFormat::WebP,
+    ] {
+        let px = decode_one(
+            &encode(img.clone(), format),
+            "misnamed.jpg",
+            8,
+            ResizeMode::Direct,
+        );
         assert_eq!(pixel(&px, 8, 4, 4), [1, 2, 3], "{format:?}");
     }
 }
@@ -138,8 +172,16 @@ fn a_decompression_bomb_is_a_bad_file() {
     let cache = tempfile::tempdir().unwrap();
     let dir = data.path().join("train/c");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("ok.png"), encode(image::RgbImage::new(8, 8), image::ImageFormat::Png)).unwrap();
-    std::fs::write(dir.join("big.png"), encode(image::RgbImage::new(100, 100), image::ImageFormat::Png)).unwrap();
+    std::fs::write(
+        dir.join("ok.png"),
+        encode(image::RgbImage::new(8, 8), image::ImageFormat::Png),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("big.png"),
+        encode(image::RgbImage::new(100, 100), image::ImageFormat::Png),
+    )
+    .unwrap();
     let p = PipelineBuilder::new(DatasetSource::folder(data.path()))
         .image_size(8)
         .max_pixels(64 * 64)

@@ -16,13 +16,22 @@ fn same_batches_whatever_the_number_of_workers() {
     drop(one);
     // A fresh cache directory, so the second run decodes everything again.
     let other_cache = tempfile::tempdir().unwrap();
-    let three = fx.builder().cache_dir(other_cache.path()).workers(3).batch_size(4).build().unwrap();
+    let three = fx
+        .builder()
+        .cache_dir(other_cache.path())
+        .workers(3)
+        .batch_size(4)
+        .build()
+        .unwrap();
     let b = collect(&three, 0, 0, 0);
     assert_eq!(a, b);
     assert_eq!(three.stats().decoded, 21);
     // A different epoch is a different permutation.
     let c = collect(&three, 1, 0, 0);
-    assert_ne!(a.iter().map(|s| &s.ids).collect::<Vec<_>>(), c.iter().map(|s| &s.ids).collect::<Vec<_>>());
+    assert_ne!(
+        a.iter().map(|s| &s.ids).collect::<Vec<_>>(),
+        c.iter().map(|s| &s.ids).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -48,7 +57,13 @@ fn replicas_get_disjoint_shares_whose_union_is_the_epoch() {
 
 fn last_batch_lens(policy: LastBatch, n_per_class: usize) -> Vec<Vec<usize>> {
     let fx = synth(2, n_per_class, 0);
-    let p = fx.builder().replicas(3).batch_size(2).last_batch(policy).build().unwrap();
+    let p = fx
+        .builder()
+        .replicas(3)
+        .batch_size(2)
+        .last_batch(policy)
+        .build()
+        .unwrap();
     (0..3)
         .map(|r| {
             p.epoch(0, r, 0)
@@ -75,10 +90,19 @@ fn drop_last_batch_skips_it_on_every_replica() {
 #[test]
 fn pad_last_batch_wraps_to_the_permutation_start() {
     let fx = synth(2, 4, 0);
-    let p = fx.builder().replicas(3).batch_size(2).last_batch(LastBatch::Pad).build().unwrap();
+    let p = fx
+        .builder()
+        .replicas(3)
+        .batch_size(2)
+        .last_batch(LastBatch::Pad)
+        .build()
+        .unwrap();
     let reps: Vec<Vec<common::Seen>> = (0..3).map(|r| collect(&p, 0, r, 0)).collect();
     for r in &reps {
-        assert_eq!(r.iter().map(|b| b.ids.len()).collect::<Vec<_>>(), vec![2, 2]);
+        assert_eq!(
+            r.iter().map(|b| b.ids.len()).collect::<Vec<_>>(),
+            vec![2, 2]
+        );
     }
     // Global order of step 0 is the permutation's start; step 1 holds the last 2 then wraps.
     let step0: Vec<u64> = reps.iter().flat_map(|r| r[0].ids.clone()).collect();
@@ -97,15 +121,24 @@ fn a_mid_epoch_start_equals_the_tail_of_a_full_epoch() {
     let tail = collect(&p, 3, 0, 2);
     assert_eq!(tail, full[2..].to_vec());
     assert!(collect(&p, 3, 0, 5).is_empty());
-    assert!(matches!(p.epoch(3, 0, 6), Err(pipeline::PipelineError::StepOutOfRange { .. })));
+    assert!(matches!(
+        p.epoch(3, 0, 6),
+        Err(pipeline::PipelineError::StepOutOfRange { .. })
+    ));
 }
 
 #[test]
 fn unshuffled_order_is_file_order() {
     let fx = synth(2, 3, 0);
     let p = fx.builder().shuffle(false).batch_size(4).build().unwrap();
-    let ids: Vec<u64> = collect(&p, 9, 0, 0).into_iter().flat_map(|s| s.ids).collect();
+    let ids: Vec<u64> = collect(&p, 9, 0, 0)
+        .into_iter()
+        .flat_map(|s| s.ids)
+        .collect();
     assert_eq!(ids, (0..6).collect::<Vec<u64>>());
-    let labels: Vec<u32> = collect(&p, 9, 0, 0).into_iter().flat_map(|s| s.labels).collect();
+    let labels: Vec<u32> = collect(&p, 9, 0, 0)
+        .into_iter()
+        .flat_map(|s| s.labels)
+        .collect();
     assert_eq!(labels, vec![0, 0, 0, 1, 1, 1]);
 }

@@ -13,7 +13,9 @@ use futures_core::Stream;
 fn the_async_stream_equals_the_iterator() {
     let fx = synth(3, 5, 0);
     let p = fx.builder().batch_size(4).replicas(2).build().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     for replica in 0..2 {
         let blocking = collect(&p, 1, replica, 1);
         let streamed = rt.block_on(async {
@@ -35,12 +37,20 @@ fn replicas_run_concurrently_on_their_own_threads() {
     let p = fx.builder().batch_size(2).replicas(4).build().unwrap();
     let sequential: Vec<_> = (0..4).map(|r| collect(&p, 3, r, 0)).collect();
     let other_cache = tempfile::tempdir().unwrap();
-    let q = fx.builder().cache_dir(other_cache.path()).batch_size(2).replicas(4).build().unwrap();
+    let q = fx
+        .builder()
+        .cache_dir(other_cache.path())
+        .batch_size(2)
+        .replicas(4)
+        .build()
+        .unwrap();
     let concurrent: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..4).map(|r| {
-            let q = q.clone();
-            s.spawn(move || collect(&q, 3, r, 0))
-        }).collect();
+        let handles: Vec<_> = (0..4)
+            .map(|r| {
+                let q = q.clone();
+                s.spawn(move || collect(&q, 3, r, 0))
+            })
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(concurrent, sequential);
@@ -49,7 +59,13 @@ fn replicas_run_concurrently_on_their_own_threads() {
 #[test]
 fn dropping_iterators_and_the_pipeline_mid_epoch_does_not_hang() {
     let fx = synth(3, 10, 0);
-    let p = fx.builder().batch_size(2).prefetch(1).workers(1).build().unwrap();
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .prefetch(1)
+        .workers(1)
+        .build()
+        .unwrap();
     for _ in 0..3 {
         let mut it = p.epoch(0, 0, 0).unwrap();
         it.next().unwrap().unwrap();
@@ -79,20 +95,34 @@ fn batches_expose_the_caller_allocated_buffer() {
     }
     struct TaggedAlloc;
     impl pipeline::BatchAllocator for TaggedAlloc {
-        fn allocate(&self, n: usize) -> Result<Box<dyn pipeline::HostBuffer>, pipeline::PipelineError> {
+        fn allocate(
+            &self,
+            n: usize,
+        ) -> Result<Box<dyn pipeline::HostBuffer>, pipeline::PipelineError> {
             Ok(Box::new(Tagged(vec![0; n])))
         }
     }
     let fx = synth(2, 3, 0);
-    let p = fx.builder().batch_size(4).allocator(std::sync::Arc::new(TaggedAlloc)).build().unwrap();
+    let p = fx
+        .builder()
+        .batch_size(4)
+        .allocator(std::sync::Arc::new(TaggedAlloc))
+        .build()
+        .unwrap();
     for b in p.epoch(0, 0, 0).unwrap() {
         let b = b.unwrap();
-        let tagged = b.buffer().as_any().downcast_ref::<Tagged>().expect("the allocator's own type");
+        let tagged = b
+            .buffer()
+            .as_any()
+            .downcast_ref::<Tagged>()
+            .expect("the allocator's own type");
         assert_eq!(tagged.0.len(), 4 * 16 * 16 * 3);
         assert_eq!(&tagged.0[..b.pixels().len()], b.pixels());
     }
     let s = p.stats();
     assert_eq!(s.batches, 2);
     assert!(s.decode_seconds > 0.0 && s.decode_images_per_sec > 0.0);
-    assert!((0.0..=1.0).contains(&s.decode_queue_fill) && (0.0..=1.0).contains(&s.ready_queue_fill));
+    assert!(
+        (0.0..=1.0).contains(&s.decode_queue_fill) && (0.0..=1.0).contains(&s.ready_queue_fill)
+    );
 }
