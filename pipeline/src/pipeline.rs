@@ -396,7 +396,7 @@ impl Pipeline {
             pool_free: i.pool.returner(),
             cancel: Arc::clone(&cancel),
         };
-        let pool = PoolHandle(Arc::clone(&self.inner));
+        let pool = i.pool.clone();
         let runtime = i.runtime.as_ref().expect("runtime lives as long as Inner");
         runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
         let assembler = Assembler {
@@ -409,9 +409,6 @@ impl Pipeline {
         Ok((out_rx, steps - start_step))
     }
 }
-
-/// Lets the planner take buffers without owning the pipeline's runtime (no cycle on drop).
-struct PoolHandle(Arc<Inner>);
 
 /// A planned micro-batch whose images are being produced.
 struct Pending {
@@ -438,17 +435,13 @@ impl Planner {
         self,
         start_step: usize,
         steps: usize,
-        pool: PoolHandle,
+        pool: BufferPool,
         pending_tx: flume::Sender<Result<Pending, PipelineError>>,
     ) {
         let record = self.shared.record_bytes();
-        // Only a weak hold on the pipeline while waiting, so dropping it ends the epoch.
-        let weak = Arc::downgrade(&pool.0);
-        drop(pool);
+        // The planner holds the pool, never the pipeline: the runtime is not kept alive (or
+        // dropped) from inside its own tasks.
         for step in start_step..steps {
-            let Some(inner) = weak.upgrade() else { return };
-            let pool = inner.pool.clone();
-            drop(inner);
             let slot = match pool.take_async().await {
                 Ok(slot) => slot,
                 Err(e) => {
