@@ -398,14 +398,31 @@ impl Pipeline {
         };
         let pool = i.pool.clone();
         let runtime = i.runtime.as_ref().expect("runtime lives as long as Inner");
-        runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
+        let planned = runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
         let assembler = Assembler {
             shared: Arc::clone(&i.shared),
             cancel,
             prefetch: i.prefetch,
             returner: i.pool.returner(),
         };
-        runtime.spawn(assembler.run(pending_rx, out_tx));
+        let errors = out_tx.clone();
+        let assembled = runtime.spawn(assembler.run(pending_rx, out_tx));
+        // A panicking stage must reach the consumer as an error with its message, not as a
+        // silently short epoch: the supervisor holds a sender until both stages are done.
+        runtime.spawn(async move {
+            for (stage, handle) in [("planner", planned), ("assembler", assembled)] {
+                if let Err(e) = handle.await {
+                    let message = match e.try_into_panic() {
+                        Ok(payload) => crate::worker::panic_message(payload.as_ref()),
+                        Err(e) => e.to_string(),
+                    };
+                    let _ = errors
+                        .send_async(Err(PipelineError::StagePanicked { stage, message }))
+                        .await;
+                    return;
+                }
+            }
+        });
         Ok((out_rx, steps - start_step))
     }
 }
