@@ -722,3 +722,33 @@ impl futures_core::Stream for EpochStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_cache_lives_in_the_per_user_cache_directory() {
+        let b = PipelineBuilder::new(crate::DatasetSource::folder("/data/285birds")).image_size(96);
+        let path = cache_path(&b);
+        let expected = dirs::cache_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("birdtrain");
+        assert!(path.starts_with(&expected), "{}", path.display());
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("285birds-train-96-direct-"), "{name}");
+        // Another split or resize setting is another file.
+        assert_ne!(cache_path(&b.clone().split(crate::Split::Valid)), path);
+        assert_ne!(
+            cache_path(
+                &b.clone()
+                    .resize_mode(crate::ResizeMode::ShorterSideCenterCrop)
+            ),
+            path
+        );
+        assert_eq!(
+            cache_path(&b.clone().cache_dir("/x")).parent().unwrap(),
+            std::path::Path::new("/x")
+        );
+    }
+}

@@ -77,7 +77,13 @@ fn dropping_iterators_and_the_pipeline_mid_epoch_does_not_hang() {
     let rest = it.map(|b| b.unwrap().len).sum::<usize>();
     assert_eq!(kept.len + rest, 30);
     // Dropping the iterator and then the pipeline mid-epoch, with jobs queued, returns.
-    let q = fx.builder().batch_size(2).prefetch(1).workers(1).build().unwrap();
+    let q = fx
+        .builder()
+        .batch_size(2)
+        .prefetch(1)
+        .workers(1)
+        .build()
+        .unwrap();
     let mut it = q.epoch(0, 0, 0).unwrap();
     let batch = it.next().unwrap().unwrap();
     drop(it);
