@@ -281,3 +281,28 @@ fn a_truncated_cache_file_is_rebuilt() {
         assert_eq!(p2.stats().decoded, 6, "length {len}");
     }
 }
+
+#[test]
+fn touching_a_file_invalidates_the_cache_but_not_the_rendezvous_fingerprint() {
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    collect(&p, 0, 0, 0);
+    let fp = p.fingerprint();
+    drop(p);
+    let victim = common::files_under(&fx.root().join("train"))[2].clone();
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+    std::fs::File::options()
+        .write(true)
+        .open(&victim)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let p2 = fx.builder().batch_size(6).build().unwrap();
+    assert_eq!(
+        p2.fingerprint(),
+        fp,
+        "copies of the data on other nodes match"
+    );
+    collect(&p2, 0, 0, 0);
+    assert_eq!(p2.stats().decoded, 6, "the cache is keyed on mtimes too");
+}
