@@ -417,6 +417,7 @@ impl Pipeline {
             returner: i.pool.returner(),
         };
         let errors = out_tx.clone();
+        let supervised = Arc::clone(&i.shared);
         let assembled = runtime.spawn(assembler.run(pending_rx, out_tx));
         // A panicking stage must reach the consumer as an error with its message, not as a
         // silently short epoch: the supervisor holds a sender until both stages are done.
@@ -427,9 +428,13 @@ impl Pipeline {
                         Ok(payload) => crate::worker::panic_message(payload.as_ref()),
                         Err(e) => e.to_string(),
                     };
-                    let _ = errors
-                        .send_async(Err(PipelineError::StagePanicked { stage, message }))
-                        .await;
+                    // Counted as a ready item, as the consumer uncounts every item it takes.
+                    let counters = &supervised.counters;
+                    counters.ready_batches.fetch_add(1, Ordering::Relaxed);
+                    let error = PipelineError::StagePanicked { stage, message };
+                    if errors.send_async(Err(error)).await.is_err() {
+                        counters.ready_batches.fetch_sub(1, Ordering::Relaxed);
+                    }
                     return;
                 }
             }
