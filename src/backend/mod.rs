@@ -1,1 +1,261 @@
-//! backend (being written).
+//! The backend trait: every numeric op of the ResNet graph, forward and backward.
+//!
+//! The model (`crate::model::Network`) is written once against [`Backend`]; the CPU reference
+//! backend ([`cpu::CpuBackend`], f32 everywhere) and the CUDA backend (bf16 activations and
+//! weights, f32 statistics) implement it. Tensors are opaque to the model ([`Backend::Tensor`]);
+//! only f32 upload/download crosses the boundary, for tests and checkpoints.
+//!
+//! Conventions every implementation follows (the CPU backend is the reference):
+//! - Activations are NHWC, contiguous: element `(n, y, x, c)` at `((n*H + y)*W + x)*C + c`.
+//! - Convolution weights are OHWI (`[c_out][kh][kw][c_in]`); the model converts from
+//!   torchvision's OIHW when it uploads. Linear weights are `[out][in]` as in torch.
+//! - Every op works on the first `n` images of tensors sized for the network's maximum batch.
+//! - `accumulate: true` means "add into the destination" (a value with two consumers, such as a
+//!   residual block input, receives gradient from both); `false` overwrites.
+
+pub mod cpu;
+
+mod error;
+mod shapes;
+
+pub use error::BackendError;
+pub use shapes::{BnMode, BnShape, ConvShape, LinearShape, PoolShape};
+
+use crate::model::InputBatch;
+
+/// What a tensor holds; a backend may pick a storage type per role (CUDA: bf16 for
+/// activations and weights, f32 for statistics). The CPU backend stores f32 for every role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorRole {
+    /// Layer inputs/outputs and their gradients.
+    Activation,
+    /// Learnable parameters as the forward pass reads them.
+    Weight,
+    /// Parameter gradients.
+    WeightGrad,
+    /// Batch-norm running statistics and saved batch mean / inverse std (always f32).
+    Statistic,
+}
+
+/// Per-image results of the loss op, summed over the batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossStats {
+    /// Sum over images of the (label-smoothed) cross-entropy.
+    pub loss_sum: f64,
+    /// Images whose label is the arg-max logit.
+    pub correct_top1: usize,
+    /// Images whose label is among the five largest logits.
+    pub correct_top5: usize,
+}
+
+/// Inputs of a fused batch-norm forward: `y = act(bn(x) + residual)`.
+///
+/// Fusing the residual add and the ReLU into batch norm is what the CUDA kernels do, and it
+/// keeps the graph small: a BasicBlock is conv, bn+relu, conv, bn+add+relu.
+#[derive(Debug)]
+pub struct BnForward<'a, T> {
+    /// Shape of `x` seen as `rows × channels`.
+    pub shape: BnShape,
+    /// Pre-normalisation input (a convolution output).
+    pub x: &'a T,
+    /// Scale γ, `channels` values.
+    pub gamma: &'a T,
+    /// Shift β, `channels` values.
+    pub beta: &'a T,
+    /// Added after the affine transform, before the ReLU (a block's shortcut), same shape as x.
+    pub residual: Option<&'a T>,
+    /// Apply ReLU at the end.
+    pub relu: bool,
+    /// Output.
+    pub y: &'a mut T,
+    /// Saved mean used for normalisation (batch mean in `Train`, running mean otherwise).
+    pub saved_mean: &'a mut T,
+    /// Saved 1/sqrt(var + eps) used for normalisation.
+    pub saved_invstd: &'a mut T,
+    /// Running mean (updated in `Train` with momentum).
+    pub running_mean: &'a mut T,
+    /// Running variance, unbiased as torch (updated in `Train`).
+    pub running_var: &'a mut T,
+    /// Which statistics to use.
+    pub mode: BnMode,
+    /// Running-statistics momentum (torch: 0.1).
+    pub momentum: f32,
+    /// Variance epsilon (torch: 1e-5).
+    pub eps: f32,
+}
+
+/// Inputs of the fused batch-norm backward (inverse of [`BnForward`]).
+#[derive(Debug)]
+pub struct BnBackward<'a, T> {
+    /// Shape of `x` seen as `rows × channels`.
+    pub shape: BnShape,
+    /// The forward input.
+    pub x: &'a T,
+    /// The forward output (its sign is the ReLU mask).
+    pub y: &'a T,
+    /// Scale γ.
+    pub gamma: &'a T,
+    /// Saved mean from the forward.
+    pub saved_mean: &'a T,
+    /// Saved inverse std from the forward.
+    pub saved_invstd: &'a T,
+    /// Whether the forward used batch statistics (`BnMode::Train`): then the gradient flows
+    /// through the mean and variance too; otherwise the normalisation is a fixed affine map.
+    pub batch_stats: bool,
+    /// Whether the forward applied ReLU.
+    pub relu: bool,
+    /// Gradient of the loss with respect to `y`.
+    pub dy: &'a T,
+    /// Gradient with respect to `x` (overwritten).
+    pub dx: &'a mut T,
+    /// Gradient with respect to the residual input, and whether to accumulate into it.
+    pub dresidual: Option<(&'a mut T, bool)>,
+    /// Gradient of γ (overwritten).
+    pub dgamma: &'a mut T,
+    /// Gradient of β (overwritten).
+    pub dbeta: &'a mut T,
+}
+
+/// The ops of the ResNet graph. One implementation per device kind.
+///
+/// Errors are values ([`BackendError`]); implementations never panic on bad input (shape
+/// mismatches are reported as [`BackendError::Shape`]).
+pub trait Backend: Send {
+    /// Opaque device tensor (a flat buffer of a known element count).
+    type Tensor: Send;
+
+    /// A short human-readable name ("cpu (2 threads)", "cuda:0 NVIDIA H100").
+    fn name(&self) -> String;
+
+    /// A zero-filled tensor of `len` elements.
+    fn alloc(&self, len: usize, role: TensorRole) -> Result<Self::Tensor, BackendError>;
+
+    /// Element count of a tensor.
+    fn len(&self, t: &Self::Tensor) -> usize;
+
+    /// Copies host f32 values into a tensor of the same length (converting its storage type).
+    fn upload(&self, src: &[f32], dst: &mut Self::Tensor) -> Result<(), BackendError>;
+
+    /// Copies a tensor to host f32.
+    fn download(&self, src: &Self::Tensor) -> Result<Vec<f32>, BackendError>;
+
+    /// Turns a u8 NHWC batch into the normalised network input (ImageNet mean/std after /255,
+    /// as torchvision), applying each image's [`crate::model::Augment`] when given: the image is
+    /// shifted by (dy, dx) with zero padding (pad-and-crop at the stored size) and mirrored.
+    /// Padding is zero in normalised space, as torch pads the normalised tensor.
+    fn input(&self, batch: &InputBatch<'_>, out: &mut Self::Tensor) -> Result<(), BackendError>;
+
+    /// `y = conv(x, w)`, no bias. `x` NHWC, `w` OHWI, `y` NHWC.
+    fn conv_forward(
+        &self,
+        s: &ConvShape,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        y: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Gradient with respect to the convolution input.
+    fn conv_backward_data(
+        &self,
+        s: &ConvShape,
+        dy: &Self::Tensor,
+        w: &Self::Tensor,
+        dx: &mut Self::Tensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// Gradient with respect to the convolution weight (overwritten).
+    fn conv_backward_weight(
+        &self,
+        s: &ConvShape,
+        x: &Self::Tensor,
+        dy: &Self::Tensor,
+        dw: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Fused batch norm (+ residual add) (+ ReLU), see [`BnForward`].
+    fn bn_forward(&self, a: BnForward<'_, Self::Tensor>) -> Result<(), BackendError>;
+
+    /// Backward of [`Backend::bn_forward`], see [`BnBackward`].
+    fn bn_backward(&self, a: BnBackward<'_, Self::Tensor>) -> Result<(), BackendError>;
+
+    /// Max pooling (torch semantics: padding never wins a max).
+    fn maxpool_forward(
+        &self,
+        s: &PoolShape,
+        x: &Self::Tensor,
+        y: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Max-pool backward: each output gradient goes to the first maximum of its window
+    /// (row-major scan), recomputed from `x`.
+    fn maxpool_backward(
+        &self,
+        s: &PoolShape,
+        x: &Self::Tensor,
+        dy: &Self::Tensor,
+        dx: &mut Self::Tensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// Global average pool: `x` is `n × hw × c` → `y` is `n × c`.
+    fn gap_forward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        x: &Self::Tensor,
+        y: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Global average pool backward.
+    fn gap_backward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        dy: &Self::Tensor,
+        dx: &mut Self::Tensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// `y = x · wᵀ + b` with `w` `[out][in]`.
+    fn linear_forward(
+        &self,
+        s: &LinearShape,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+        y: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Linear backward: `dx` (overwritten or accumulated), `dw` and `db` (overwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        s: &LinearShape,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        dy: &Self::Tensor,
+        dx: &mut Self::Tensor,
+        dw: &mut Self::Tensor,
+        db: &mut Self::Tensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// Softmax cross-entropy over `n` rows of `classes` logits with label smoothing
+    /// `smoothing` (torch's definition: target = (1-ε)·onehot + ε/classes).
+    /// Writes `dlogits` (gradient of the *mean* loss over the `n` images) when given and the
+    /// softmax probabilities into `probs` (resized to `n × classes`) when given.
+    #[allow(clippy::too_many_arguments)]
+    fn softmax_cross_entropy(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &Self::Tensor,
+        labels: &[u32],
+        smoothing: f32,
+        dlogits: Option<&mut Self::Tensor>,
+        probs: Option<&mut Vec<f32>>,
+    ) -> Result<LossStats, BackendError>;
+}

@@ -1,0 +1,159 @@
+//! Batch norm fused with the residual add and ReLU, forward and backward, over `rows × C`.
+//!
+//! Per-channel reductions are computed per fixed block of rows (independent of the thread
+//! count) in f64 and combined in block order, so results are bit-identical run to run.
+
+use rayon::prelude::*;
+
+use crate::backend::{BnBackward, BnForward, BnMode};
+
+/// Rows per reduction block.
+const BLOCK_ROWS: usize = 256;
+
+/// Per-channel sums of `f(row, channel, value)` over `rows × c` data, deterministic.
+fn channel_sums(
+    data: &[f32],
+    rows: usize,
+    c: usize,
+    f: impl Fn(usize, f32) -> f64 + Sync,
+) -> Vec<f64> {
+    let partials: Vec<Vec<f64>> = data[..rows * c]
+        .par_chunks(BLOCK_ROWS * c)
+        .map(|block| {
+            let mut acc = vec![0.0f64; c];
+            for row in block.chunks_exact(c) {
+                for (ch, (a, &v)) in acc.iter_mut().zip(row).enumerate() {
+                    *a += f(ch, v);
+                }
+            }
+            acc
+        })
+        .collect();
+    let mut total = vec![0.0f64; c];
+    for p in partials {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total
+}
+
+pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
+    let (rows, c) = (a.shape.rows, a.shape.channels);
+    let x = &a.x[..rows * c];
+    match a.mode {
+        BnMode::Train => {
+            let sums = channel_sums(x, rows, c, |_, v| f64::from(v));
+            let mean: Vec<f64> = sums.iter().map(|s| s / rows as f64).collect();
+            let sq = channel_sums(x, rows, c, |ch, v| {
+                let d = f64::from(v) - mean[ch];
+                d * d
+            });
+            for ch in 0..c {
+                let var = sq[ch] / rows as f64;
+                a.saved_mean[ch] = mean[ch] as f32;
+                a.saved_invstd[ch] = (1.0 / (var + f64::from(a.eps)).sqrt()) as f32;
+                let unbiased = if rows > 1 {
+                    sq[ch] / (rows - 1) as f64
+                } else {
+                    var
+                };
+                let m = f64::from(a.momentum);
+                a.running_mean[ch] =
+                    ((1.0 - m) * f64::from(a.running_mean[ch]) + m * mean[ch]) as f32;
+                a.running_var[ch] =
+                    ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
+            }
+        }
+        BnMode::Frozen | BnMode::Eval => {
+            for ch in 0..c {
+                a.saved_mean[ch] = a.running_mean[ch];
+                a.saved_invstd[ch] = 1.0 / (a.running_var[ch] + a.eps).sqrt();
+            }
+        }
+    }
+    // y = x·scale + shift (+ residual) (ReLU)
+    let scale: Vec<f32> = (0..c).map(|ch| a.gamma[ch] * a.saved_invstd[ch]).collect();
+    let shift: Vec<f32> = (0..c)
+        .map(|ch| a.beta[ch] - a.saved_mean[ch] * scale[ch])
+        .collect();
+    let relu = a.relu;
+    let residual = a.residual.map(|r| &r[..rows * c]);
+    a.y[..rows * c]
+        .par_chunks_mut(BLOCK_ROWS * c)
+        .enumerate()
+        .for_each(|(b, yb)| {
+            let off = b * BLOCK_ROWS * c;
+            for (i, y) in yb.iter_mut().enumerate() {
+                let ch = i % c;
+                let mut v = x[off + i] * scale[ch] + shift[ch];
+                if let Some(r) = residual {
+                    v += r[off + i];
+                }
+                *y = if relu && v < 0.0 { 0.0 } else { v };
+            }
+        });
+}
+
+pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
+    let (rows, c) = (a.shape.rows, a.shape.channels);
+    let relu = a.relu;
+    let y = &a.y[..rows * c];
+    let dy = &a.dy[..rows * c];
+    let x = &a.x[..rows * c];
+    let dz = |i: usize| if relu && y[i] <= 0.0 { 0.0 } else { dy[i] };
+    let mean = a.saved_mean;
+    let invstd = a.saved_invstd;
+    // dz = dy masked by the ReLU; then Σ dz and Σ dz·x̂ per channel.
+    let masked: Vec<f32> = if relu {
+        (0..rows * c).into_par_iter().map(dz).collect()
+    } else {
+        dy.to_vec()
+    };
+    let dbeta = channel_sums(&masked, rows, c, |_, v| f64::from(v));
+    let prod: Vec<f32> = masked
+        .par_iter()
+        .zip(x.par_iter())
+        .enumerate()
+        .map(|(i, (&g, &xv))| {
+            let ch = i % c;
+            g * (xv - mean[ch]) * invstd[ch]
+        })
+        .collect();
+    let dgamma = channel_sums(&prod, rows, c, |_, v| f64::from(v));
+    for ch in 0..c {
+        a.dgamma[ch] = dgamma[ch] as f32;
+        a.dbeta[ch] = dbeta[ch] as f32;
+    }
+    if let Some((dres, acc)) = a.dresidual {
+        let dres = &mut dres[..rows * c];
+        if acc {
+            dres.par_iter_mut()
+                .zip(masked.par_iter())
+                .for_each(|(d, g)| *d += g);
+        } else {
+            dres.copy_from_slice(&masked);
+        }
+    }
+    let gamma = a.gamma;
+    let batch = a.batch_stats;
+    let mdb: Vec<f32> = dbeta.iter().map(|v| (*v / rows as f64) as f32).collect();
+    let mdg: Vec<f32> = dgamma.iter().map(|v| (*v / rows as f64) as f32).collect();
+    a.dx[..rows * c]
+        .par_chunks_mut(BLOCK_ROWS * c)
+        .enumerate()
+        .for_each(|(b, dxb)| {
+            let off = b * BLOCK_ROWS * c;
+            for (i, d) in dxb.iter_mut().enumerate() {
+                let ch = i % c;
+                let g = masked[off + i];
+                let k = gamma[ch] * invstd[ch];
+                *d = if batch {
+                    let xhat = (x[off + i] - mean[ch]) * invstd[ch];
+                    k * (g - mdb[ch] - xhat * mdg[ch])
+                } else {
+                    k * g
+                };
+            }
+        });
+}

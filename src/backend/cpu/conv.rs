@@ -1,0 +1,253 @@
+//! Convolution on NHWC activations with OHWI weights: im2col + GEMM, or a plain GEMM for 1×1
+//! stride-1 convolutions. Images are processed in chunks so the column buffer stays bounded.
+
+use rayon::prelude::*;
+
+use super::gemm::{matmul, MatRef};
+use crate::backend::ConvShape;
+
+/// Column buffer budget in f32 elements (~64 MiB).
+const COLS_BUDGET: usize = 16 << 20;
+
+fn is_pointwise(s: &ConvShape) -> bool {
+    s.kernel == 1 && s.stride == 1 && s.padding == 0
+}
+
+/// Images per chunk so that `chunk × Ho·Wo × K` stays within the budget (at least 1).
+fn images_per_chunk(s: &ConvShape) -> usize {
+    let per_image = s.out_h() * s.out_w() * s.kernel * s.kernel * s.c_in;
+    (COLS_BUDGET / per_image.max(1)).clamp(1, s.n.max(1))
+}
+
+/// Gathers patches of images `[first, first+count)` into `cols` (`count·Ho·Wo × K`,
+/// K ordered (ky, kx, ci) to match OHWI weights).
+fn im2col(s: &ConvShape, x: &[f32], first: usize, count: usize, cols: &mut [f32]) {
+    let (ho, wo) = (s.out_h(), s.out_w());
+    let k = s.kernel * s.kernel * s.c_in;
+    let ci = s.c_in;
+    cols[..count * ho * wo * k]
+        .par_chunks_mut(wo * k)
+        .enumerate()
+        .for_each(|(row, out)| {
+            let img = first + row / ho;
+            let oy = row % ho;
+            let xi = &x[img * s.h * s.w * ci..(img + 1) * s.h * s.w * ci];
+            for ox in 0..wo {
+                let patch = &mut out[ox * k..(ox + 1) * k];
+                for ky in 0..s.kernel {
+                    let iy = (oy * s.stride + ky) as isize - s.padding as isize;
+                    for kx in 0..s.kernel {
+                        let ix = (ox * s.stride + kx) as isize - s.padding as isize;
+                        let dst =
+                            &mut patch[(ky * s.kernel + kx) * ci..(ky * s.kernel + kx + 1) * ci];
+                        if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
+                            dst.fill(0.0);
+                        } else {
+                            let src = (iy as usize * s.w + ix as usize) * ci;
+                            dst.copy_from_slice(&xi[src..src + ci]);
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// Scatters-adds column gradients of images `[first, first+count)` back into `dx`
+/// (one image per task, so sums are in a fixed order).
+fn col2im(
+    s: &ConvShape,
+    dcols: &[f32],
+    first: usize,
+    count: usize,
+    dx: &mut [f32],
+    accumulate: bool,
+) {
+    let (ho, wo) = (s.out_h(), s.out_w());
+    let k = s.kernel * s.kernel * s.c_in;
+    let ci = s.c_in;
+    let img_len = s.h * s.w * ci;
+    dx[first * img_len..(first + count) * img_len]
+        .par_chunks_mut(img_len)
+        .enumerate()
+        .for_each(|(j, dxi)| {
+            if !accumulate {
+                dxi.fill(0.0);
+            }
+            let base = j * ho * wo * k;
+            for oy in 0..ho {
+                for ox in 0..wo {
+                    let patch = &dcols[base + (oy * wo + ox) * k..base + (oy * wo + ox + 1) * k];
+                    for ky in 0..s.kernel {
+                        let iy = (oy * s.stride + ky) as isize - s.padding as isize;
+                        if iy < 0 || iy >= s.h as isize {
+                            continue;
+                        }
+                        for kx in 0..s.kernel {
+                            let ix = (ox * s.stride + kx) as isize - s.padding as isize;
+                            if ix < 0 || ix >= s.w as isize {
+                                continue;
+                            }
+                            let dst = (iy as usize * s.w + ix as usize) * ci;
+                            let src =
+                                &patch[(ky * s.kernel + kx) * ci..(ky * s.kernel + kx + 1) * ci];
+                            for (d, v) in dxi[dst..dst + ci].iter_mut().zip(src) {
+                                *d += v;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// `w` viewed as `Wᵀ` (K × Co) for `cols · Wᵀ`.
+fn w_transposed<'a>(s: &ConvShape, w: &'a [f32]) -> MatRef<'a> {
+    let k = s.kernel * s.kernel * s.c_in;
+    MatRef {
+        data: w,
+        rows: k,
+        cols: s.c_out,
+        rs: 1,
+        cs: k,
+    }
+}
+
+pub(super) fn forward(s: &ConvShape, x: &[f32], w: &[f32], y: &mut [f32], threads: usize) {
+    let (ho, wo) = (s.out_h(), s.out_w());
+    let k = s.kernel * s.kernel * s.c_in;
+    if is_pointwise(s) {
+        let m = s.n * s.h * s.w;
+        let a = MatRef {
+            data: x,
+            rows: m,
+            cols: k,
+            rs: k,
+            cs: 1,
+        };
+        matmul(&mut y[..m * s.c_out], a, w_transposed(s, w), false, threads);
+        return;
+    }
+    let chunk = images_per_chunk(s);
+    let mut cols = vec![0.0f32; chunk * ho * wo * k];
+    let mut first = 0;
+    while first < s.n {
+        let count = chunk.min(s.n - first);
+        im2col(s, x, first, count, &mut cols);
+        let m = count * ho * wo;
+        let a = MatRef {
+            data: &cols,
+            rows: m,
+            cols: k,
+            rs: k,
+            cs: 1,
+        };
+        let out = &mut y[first * ho * wo * s.c_out..(first + count) * ho * wo * s.c_out];
+        matmul(out, a, w_transposed(s, w), false, threads);
+        first += count;
+    }
+}
+
+pub(super) fn backward_data(
+    s: &ConvShape,
+    dy: &[f32],
+    w: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+    threads: usize,
+) {
+    let (ho, wo) = (s.out_h(), s.out_w());
+    let k = s.kernel * s.kernel * s.c_in;
+    let wm = MatRef {
+        data: w,
+        rows: s.c_out,
+        cols: k,
+        rs: k,
+        cs: 1,
+    };
+    if is_pointwise(s) {
+        let m = s.n * s.h * s.w;
+        let a = MatRef {
+            data: dy,
+            rows: m,
+            cols: s.c_out,
+            rs: s.c_out,
+            cs: 1,
+        };
+        matmul(&mut dx[..m * k], a, wm, accumulate, threads);
+        return;
+    }
+    let chunk = images_per_chunk(s);
+    let mut dcols = vec![0.0f32; chunk * ho * wo * k];
+    let mut first = 0;
+    while first < s.n {
+        let count = chunk.min(s.n - first);
+        let m = count * ho * wo;
+        let dyc = &dy[first * ho * wo * s.c_out..(first + count) * ho * wo * s.c_out];
+        let a = MatRef {
+            data: dyc,
+            rows: m,
+            cols: s.c_out,
+            rs: s.c_out,
+            cs: 1,
+        };
+        matmul(&mut dcols, a, wm, false, threads);
+        col2im(s, &dcols, first, count, dx, accumulate);
+        first += count;
+    }
+}
+
+pub(super) fn backward_weight(
+    s: &ConvShape,
+    x: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    threads: usize,
+) {
+    let (ho, wo) = (s.out_h(), s.out_w());
+    let k = s.kernel * s.kernel * s.c_in;
+    let dw = &mut dw[..s.c_out * k];
+    if is_pointwise(s) {
+        let m = s.n * s.h * s.w;
+        let a = MatRef {
+            data: dy,
+            rows: s.c_out,
+            cols: m,
+            rs: 1,
+            cs: s.c_out,
+        };
+        let b = MatRef {
+            data: x,
+            rows: m,
+            cols: k,
+            rs: k,
+            cs: 1,
+        };
+        matmul(dw, a, b, false, threads);
+        return;
+    }
+    let chunk = images_per_chunk(s);
+    let mut cols = vec![0.0f32; chunk * ho * wo * k];
+    let mut first = 0;
+    while first < s.n {
+        let count = chunk.min(s.n - first);
+        im2col(s, x, first, count, &mut cols);
+        let m = count * ho * wo;
+        let dyc = &dy[first * ho * wo * s.c_out..(first + count) * ho * wo * s.c_out];
+        let a = MatRef {
+            data: dyc,
+            rows: s.c_out,
+            cols: m,
+            rs: 1,
+            cs: s.c_out,
+        };
+        let b = MatRef {
+            data: &cols,
+            rows: m,
+            cols: k,
+            rs: k,
+            cs: 1,
+        };
+        matmul(dw, a, b, first > 0, threads);
+        first += count;
+    }
+}

@@ -1,0 +1,57 @@
+//! The backend error type.
+
+/// Errors from a backend op.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A tensor does not have the length an op's shape requires (a caller bug or corrupt input).
+    #[error("{op}: {detail} (hint: tensors are sized for the network's max batch; check n and the shape)")]
+    Shape {
+        /// The op that checked.
+        op: &'static str,
+        /// What did not match.
+        detail: String,
+    },
+    /// An input value is out of range (a label ≥ classes, an augment shift beyond the padding).
+    #[error("{op}: invalid input: {detail}")]
+    InvalidInput {
+        /// The op that checked.
+        op: &'static str,
+        /// What was wrong, with the value.
+        detail: String,
+    },
+    /// The device could not allocate memory.
+    #[error("out of device memory allocating {bytes} bytes for {what} (hint: {hint})")]
+    OutOfMemory {
+        /// Requested size.
+        bytes: usize,
+        /// What the allocation was for.
+        what: String,
+        /// How to recover, e.g. the batch size that would fit.
+        hint: String,
+    },
+    /// A device/driver/kernel failure, with the underlying error.
+    #[error("{op}: device error: {source}")]
+    Device {
+        /// The op that failed.
+        op: &'static str,
+        /// The driver or runtime error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Checks that a tensor length equals what an op expects.
+pub(crate) fn check_len(
+    op: &'static str,
+    what: &str,
+    got: usize,
+    want: usize,
+) -> Result<(), BackendError> {
+    if got < want {
+        return Err(BackendError::Shape {
+            op,
+            detail: format!("{what} has {got} elements, needs at least {want}"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! The model error type.
+
+use std::path::PathBuf;
+
+use crate::backend::BackendError;
+
+/// Errors from building, loading, saving or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `--model` named no known architecture.
+    #[error("unknown model '{name}' (valid: {valid})")]
+    UnknownArch {
+        /// What was asked for.
+        name: String,
+        /// The valid names, comma separated.
+        valid: String,
+    },
+    /// Reading or writing a weights file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid safetensors.
+    #[error("{}: not a valid safetensors file: {source}", path.display())]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// A tensor the model needs is absent from the file.
+    #[error("{}: missing tensor '{name}' (hint: is this a {arch} checkpoint?)", path.display())]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        name: String,
+        /// The model we tried to load into.
+        arch: String,
+    },
+    /// A tensor has the wrong shape or element type.
+    #[error("{}: tensor '{name}' is {got}, expected {expected}{hint}", path.display())]
+    TensorMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        name: String,
+        /// What the model needs.
+        expected: String,
+        /// What the file holds.
+        got: String,
+        /// Extra advice (", hint: …") or empty.
+        hint: String,
+    },
+    /// A [`super::ModelState`] or flat vector does not match the graph.
+    #[error("state mismatch: {0}")]
+    StateMismatch(String),
+    /// A batch does not fit the network (too many images, wrong image size, short buffers).
+    #[error("bad batch: {0}")]
+    BadBatch(String),
+    /// A backend op failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}

@@ -1,0 +1,150 @@
+//! What the trainer hands a network each step, and what it gets back.
+
+use super::ModelError;
+
+/// torchvision's ImageNet channel means (RGB), applied after scaling pixels to [0, 1].
+pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// torchvision's ImageNet channel standard deviations (RGB).
+pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
+
+/// Per-image training augmentation, drawn by the trainer from (seed, epoch, sample id) so
+/// every backend and replica count sees identical inputs.
+///
+/// The output pixel `(y, x)` is the input pixel `(y + dy, x + dx)` (zero where that falls
+/// outside: CIFAR-style pad-and-crop at the stored size with padding `S/8`), then the row is
+/// mirrored when `flip`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Augment {
+    /// Vertical shift, |dy| ≤ S/8.
+    pub dy: i32,
+    /// Horizontal shift, |dx| ≤ S/8.
+    pub dx: i32,
+    /// Horizontal mirror.
+    pub flip: bool,
+}
+
+impl Augment {
+    /// The largest shift allowed for images of side `image_size` (S/8, at least 1).
+    pub fn max_shift(image_size: u32) -> i32 {
+        (image_size / 8).max(1) as i32
+    }
+}
+
+/// One micro-batch of u8 NHWC images with labels.
+#[derive(Debug, Clone, Copy)]
+pub struct InputBatch<'a> {
+    /// `len × S × S × 3` bytes, RGB, row-major NHWC (at least that many).
+    pub pixels: &'a [u8],
+    /// One label per image (at least `len`).
+    pub labels: &'a [u32],
+    /// Images in the batch.
+    pub len: usize,
+    /// S.
+    pub image_size: u32,
+    /// Training augmentation per image (`None`: images as stored).
+    pub augment: Option<&'a [Augment]>,
+}
+
+impl InputBatch<'_> {
+    /// Checks buffer lengths, augment ranges and that the batch fits a network built for
+    /// `max_batch` images of side `image_size`.
+    pub fn validate(&self, max_batch: usize, image_size: u32) -> Result<(), ModelError> {
+        let s = self.image_size as usize;
+        if self.image_size != image_size {
+            return Err(ModelError::BadBatch(format!(
+                "images are {0}x{0}, the network was built for {1}x{1}",
+                self.image_size, image_size
+            )));
+        }
+        if self.len == 0 || self.len > max_batch {
+            return Err(ModelError::BadBatch(format!(
+                "{} images, the network takes 1..={max_batch}",
+                self.len
+            )));
+        }
+        if self.pixels.len() < self.len * s * s * 3 {
+            return Err(ModelError::BadBatch(format!(
+                "{} pixel bytes for {} images of {s}x{s}x3",
+                self.pixels.len(),
+                self.len
+            )));
+        }
+        if self.labels.len() < self.len {
+            return Err(ModelError::BadBatch(format!(
+                "{} labels for {} images",
+                self.labels.len(),
+                self.len
+            )));
+        }
+        if let Some(aug) = self.augment {
+            if aug.len() < self.len {
+                return Err(ModelError::BadBatch(format!(
+                    "{} augment entries for {} images",
+                    aug.len(),
+                    self.len
+                )));
+            }
+            let m = Augment::max_shift(self.image_size);
+            if let Some(a) = aug[..self.len]
+                .iter()
+                .find(|a| a.dy.abs() > m || a.dx.abs() > m)
+            {
+                return Err(ModelError::BadBatch(format!(
+                    "augment shift ({}, {}) exceeds the padding {m}",
+                    a.dy, a.dx
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Loss and accuracy counts of one step (sums, so replicas and batches add up).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Sum of per-image losses.
+    pub loss_sum: f64,
+    /// Correct top-1 predictions.
+    pub correct_top1: usize,
+    /// Labels within the top five.
+    pub correct_top5: usize,
+    /// Images.
+    pub count: usize,
+}
+
+impl StepStats {
+    /// Adds another step's counts.
+    pub fn merge(&mut self, other: &StepStats) {
+        self.loss_sum += other.loss_sum;
+        self.correct_top1 += other.correct_top1;
+        self.correct_top5 += other.correct_top5;
+        self.count += other.count;
+    }
+
+    /// Mean loss per image (0 for an empty count).
+    pub fn mean_loss(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.loss_sum / self.count as f64
+        }
+    }
+
+    /// Top-1 accuracy.
+    pub fn accuracy(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.correct_top1 as f64 / self.count as f64
+        }
+    }
+
+    /// Top-5 accuracy.
+    pub fn top5(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.correct_top5 as f64 / self.count as f64
+        }
+    }
+}

@@ -1,0 +1,684 @@
+//! Executes a [`Graph`] forward and backward on a [`Backend`].
+
+use crate::backend::{
+    Backend, BnBackward, BnForward, BnMode, BnShape, LinearShape, PoolShape, TensorRole,
+};
+
+use super::graph::{BufferKind, Graph, Node, ParamKind, ValueDims};
+use super::{InputBatch, ModelError, ModelState, StepStats};
+
+/// Training options that change the math.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NetworkConfig {
+    /// Label smoothing ε of the cross-entropy (0 = none).
+    pub label_smoothing: f32,
+    /// Batch norm uses (and keeps) its running statistics during training, as when
+    /// fine-tuning. With it, R replicas × batch B compute exactly the gradient of one replica
+    /// on R·B; without it batch statistics are per replica (as in PyTorch DDP without SyncBN).
+    pub freeze_bn: bool,
+    /// Running-statistics momentum (torch: 0.1).
+    pub bn_momentum: f32,
+    /// Batch-norm epsilon (torch: 1e-5).
+    pub bn_eps: f32,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            label_smoothing: 0.0,
+            freeze_bn: false,
+            bn_momentum: 0.1,
+            bn_eps: 1e-5,
+        }
+    }
+}
+
+/// A model instantiated on a backend: parameters, gradients, BN statistics and every
+/// activation for `max_batch` images of side `image_size`, allocated once in [`Network::new`].
+///
+/// Parameters cross the API in torchvision layout (flat vectors follow `graph.params()`
+/// order); the network converts convolution weights to the backend's OHWI.
+pub struct Network<B: Backend> {
+    backend: B,
+    graph: Graph,
+    config: NetworkConfig,
+    max_batch: usize,
+    image_size: u32,
+    dims: Vec<ValueDims>,
+    acts: Vec<Option<B::Tensor>>,
+    act_grads: Vec<Option<B::Tensor>>,
+    params: Vec<Option<B::Tensor>>,
+    param_grads: Vec<Option<B::Tensor>>,
+    buffers: Vec<Option<B::Tensor>>,
+    /// `num_batches_tracked` per buffer index (host side; only BN counter entries are used).
+    batches_tracked: Vec<f32>,
+    /// Saved (mean, invstd) per node (BatchNorm nodes only).
+    saved: Vec<Option<(B::Tensor, B::Tensor)>>,
+    /// Images of the last training forward, whose gradients are held.
+    grads_for: Option<usize>,
+}
+
+impl<B: Backend> std::fmt::Debug for Network<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("backend", &self.backend.name())
+            .field("arch", &self.graph.arch())
+            .field("classes", &self.graph.num_classes())
+            .field("max_batch", &self.max_batch)
+            .field("image_size", &self.image_size)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+fn take<T>(v: &mut [Option<T>], i: usize) -> T {
+    v[i].take()
+        .expect("Network: tensor already borrowed (graph aliasing bug)")
+}
+
+fn get<T>(v: &[Option<T>], i: usize) -> &T {
+    v[i].as_ref()
+        .expect("Network: tensor already borrowed (graph aliasing bug)")
+}
+
+/// OIHW (torchvision) → OHWI (backend).
+fn oihw_to_ohwi(v: &[f32], shape: &[usize]) -> Vec<f32> {
+    let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
+    let mut out = vec![0.0; v.len()];
+    for a in 0..o {
+        for b in 0..i {
+            for y in 0..kh {
+                for x in 0..kw {
+                    out[((a * kh + y) * kw + x) * i + b] = v[((a * i + b) * kh + y) * kw + x];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// OHWI (backend) → OIHW (torchvision).
+fn ohwi_to_oihw(v: &[f32], shape: &[usize]) -> Vec<f32> {
+    let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
+    let mut out = vec![0.0; v.len()];
+    for a in 0..o {
+        for b in 0..i {
+            for y in 0..kh {
+                for x in 0..kw {
+                    out[((a * i + b) * kh + y) * kw + x] = v[((a * kh + y) * kw + x) * i + b];
+                }
+            }
+        }
+    }
+    out
+}
+
+impl<B: Backend> Network<B> {
+    /// Allocates everything for batches of up to `max_batch` images of side `image_size` and
+    /// loads torchvision's initialisation with seed 0 (call [`Network::load_state`] for
+    /// another).
+    pub fn new(
+        backend: B,
+        graph: &Graph,
+        max_batch: usize,
+        image_size: u32,
+    ) -> Result<Self, ModelError> {
+        if max_batch == 0 {
+            return Err(ModelError::BadBatch("max_batch must be at least 1".into()));
+        }
+        let min = if graph.arch().is_cifar() { 4 } else { 32 };
+        if image_size < min {
+            return Err(ModelError::BadBatch(format!(
+                "image size {image_size} is too small for {} (at least {min})",
+                graph.arch()
+            )));
+        }
+        let dims = graph.value_dims(image_size);
+        let mut acts = Vec::with_capacity(dims.len());
+        let mut act_grads = Vec::with_capacity(dims.len());
+        for (i, d) in dims.iter().enumerate() {
+            let len = max_batch * d.per_image();
+            acts.push(Some(backend.alloc(len, TensorRole::Activation)?));
+            // The input image needs no gradient.
+            let glen = if i == 0 { 0 } else { len };
+            act_grads.push(Some(backend.alloc(glen, TensorRole::Activation)?));
+        }
+        let mut params = Vec::new();
+        let mut param_grads = Vec::new();
+        for p in graph.params() {
+            params.push(Some(backend.alloc(p.numel(), TensorRole::Weight)?));
+            param_grads.push(Some(backend.alloc(p.numel(), TensorRole::WeightGrad)?));
+        }
+        let mut buffers = Vec::new();
+        for b in graph.buffers() {
+            buffers.push(Some(backend.alloc(b.numel(), TensorRole::Statistic)?));
+        }
+        let mut saved = Vec::new();
+        for node in graph.nodes() {
+            saved.push(match node {
+                Node::BatchNorm { channels, .. } => Some((
+                    backend.alloc(*channels, TensorRole::Statistic)?,
+                    backend.alloc(*channels, TensorRole::Statistic)?,
+                )),
+                _ => None,
+            });
+        }
+        let mut net = Network {
+            backend,
+            graph: graph.clone(),
+            config: NetworkConfig::default(),
+            max_batch,
+            image_size,
+            dims,
+            acts,
+            act_grads,
+            params,
+            param_grads,
+            buffers,
+            batches_tracked: vec![0.0; graph.buffers().len()],
+            saved,
+            grads_for: None,
+        };
+        net.load_state(&ModelState::init(graph, 0))?;
+        Ok(net)
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The graph.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Current options.
+    pub fn config(&self) -> NetworkConfig {
+        self.config
+    }
+
+    /// Changes options (label smoothing, frozen BN, BN momentum/eps).
+    pub fn set_config(&mut self, config: NetworkConfig) {
+        self.config = config;
+    }
+
+    /// Largest batch accepted.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Image side the network was built for.
+    pub fn image_size(&self) -> u32 {
+        self.image_size
+    }
+
+    /// Uploads parameters and buffers (converting convolution weights to the backend layout).
+    pub fn load_state(&mut self, s: &ModelState) -> Result<(), ModelError> {
+        s.validate(&self.graph)?;
+        for (i, spec) in self.graph.params().iter().enumerate() {
+            let t = self.params[i]
+                .as_mut()
+                .expect("params not borrowed between calls");
+            if spec.kind == ParamKind::ConvWeight {
+                self.backend
+                    .upload(&oihw_to_ohwi(&s.params[i], &spec.shape), t)?;
+            } else {
+                self.backend.upload(&s.params[i], t)?;
+            }
+        }
+        for (i, spec) in self.graph.buffers().iter().enumerate() {
+            let t = self.buffers[i]
+                .as_mut()
+                .expect("buffers not borrowed between calls");
+            self.backend.upload(&s.buffers[i], t)?;
+            if spec.kind == BufferKind::NumBatchesTracked {
+                self.batches_tracked[i] = s.buffers[i][0];
+            }
+        }
+        self.grads_for = None;
+        Ok(())
+    }
+
+    /// Downloads parameters and buffers into a host [`ModelState`] (torchvision layout).
+    pub fn state(&self) -> Result<ModelState, ModelError> {
+        let mut params = Vec::with_capacity(self.params.len());
+        for (i, spec) in self.graph.params().iter().enumerate() {
+            let v = self.backend.download(get(&self.params, i))?;
+            params.push(if spec.kind == ParamKind::ConvWeight {
+                ohwi_to_oihw(&v, &spec.shape)
+            } else {
+                v
+            });
+        }
+        let mut buffers = Vec::with_capacity(self.buffers.len());
+        for (i, spec) in self.graph.buffers().iter().enumerate() {
+            buffers.push(if spec.kind == BufferKind::NumBatchesTracked {
+                vec![self.batches_tracked[i]]
+            } else {
+                self.backend.download(get(&self.buffers, i))?
+            });
+        }
+        Ok(ModelState { params, buffers })
+    }
+
+    /// All parameters, flat, graph order, torchvision layout.
+    pub fn params_f32(&self) -> Result<Vec<f32>, ModelError> {
+        self.flat(&self.params)
+    }
+
+    /// Gradients of the mean loss of the last [`Network::train_step`], flat like
+    /// [`Network::params_f32`].
+    pub fn grads_f32(&self) -> Result<Vec<f32>, ModelError> {
+        if self.grads_for.is_none() {
+            return Err(ModelError::StateMismatch(
+                "no gradients: call train_step first".into(),
+            ));
+        }
+        self.flat(&self.param_grads)
+    }
+
+    /// Replaces all parameters from a flat vector (graph order, torchvision layout); buffers
+    /// are kept. This is how data-parallel replicas receive the updated master copy.
+    pub fn set_params_f32(&mut self, flat: &[f32]) -> Result<(), ModelError> {
+        let (offsets, total) = self.graph.param_offsets();
+        if flat.len() != total {
+            return Err(ModelError::StateMismatch(format!(
+                "flat vector has {} values, {} has {total}",
+                flat.len(),
+                self.graph.arch()
+            )));
+        }
+        for (i, spec) in self.graph.params().iter().enumerate() {
+            let v = &flat[offsets[i]..offsets[i] + spec.numel()];
+            let t = self.params[i]
+                .as_mut()
+                .expect("params not borrowed between calls");
+            if spec.kind == ParamKind::ConvWeight {
+                self.backend.upload(&oihw_to_ohwi(v, &spec.shape), t)?;
+            } else {
+                self.backend.upload(v, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flat(&self, tensors: &[Option<B::Tensor>]) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::with_capacity(self.graph.param_count());
+        for (i, spec) in self.graph.params().iter().enumerate() {
+            let v = self.backend.download(get(tensors, i))?;
+            if spec.kind == ParamKind::ConvWeight {
+                out.extend(ohwi_to_oihw(&v, &spec.shape));
+            } else {
+                out.extend(v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forward and backward on one batch: returns the loss/accuracy sums and keeps the
+    /// gradients of the batch's *mean* loss (read them with [`Network::grads_f32`]). BN running
+    /// statistics advance unless `freeze_bn`.
+    pub fn train_step(&mut self, input: &InputBatch<'_>) -> Result<StepStats, ModelError> {
+        input.validate(self.max_batch, self.image_size)?;
+        let n = input.len;
+        self.grads_for = None;
+        let mode = if self.config.freeze_bn {
+            BnMode::Frozen
+        } else {
+            BnMode::Train
+        };
+        self.forward(input, mode)?;
+        let logits = self.dims.len() - 1;
+        let classes = self.graph.num_classes();
+        let mut dlogits = take(&mut self.act_grads, logits);
+        let loss = self.backend.softmax_cross_entropy(
+            n,
+            classes,
+            get(&self.acts, logits),
+            &input.labels[..n],
+            self.config.label_smoothing,
+            Some(&mut dlogits),
+            None,
+        );
+        self.act_grads[logits] = Some(dlogits);
+        let loss = loss?;
+        self.backward(n, mode == BnMode::Train)?;
+        if mode == BnMode::Train {
+            for (i, b) in self.graph.buffers().iter().enumerate() {
+                if b.kind == BufferKind::NumBatchesTracked {
+                    self.batches_tracked[i] += 1.0;
+                }
+            }
+        }
+        self.grads_for = Some(n);
+        Ok(StepStats {
+            loss_sum: loss.loss_sum,
+            correct_top1: loss.correct_top1,
+            correct_top5: loss.correct_top5,
+            count: n,
+        })
+    }
+
+    /// Inference on one batch (BN running statistics, no augmentation unless the batch
+    /// carries some): loss/accuracy sums and softmax probabilities (`len × classes`).
+    pub fn eval_step(
+        &mut self,
+        input: &InputBatch<'_>,
+    ) -> Result<(StepStats, Vec<f32>), ModelError> {
+        input.validate(self.max_batch, self.image_size)?;
+        let n = input.len;
+        self.forward(input, BnMode::Eval)?;
+        let logits = self.dims.len() - 1;
+        let mut probs = Vec::new();
+        let loss = self.backend.softmax_cross_entropy(
+            n,
+            self.graph.num_classes(),
+            get(&self.acts, logits),
+            &input.labels[..n],
+            self.config.label_smoothing,
+            None,
+            Some(&mut probs),
+        )?;
+        let stats = StepStats {
+            loss_sum: loss.loss_sum,
+            correct_top1: loss.correct_top1,
+            correct_top5: loss.correct_top5,
+            count: n,
+        };
+        Ok((stats, probs))
+    }
+
+    fn forward(&mut self, input: &InputBatch<'_>, mode: BnMode) -> Result<(), ModelError> {
+        let n = input.len;
+        let mut x0 = take(&mut self.acts, 0);
+        let r = self.backend.input(input, &mut x0);
+        self.acts[0] = Some(x0);
+        r?;
+        for (k, node) in self.graph.nodes().iter().enumerate() {
+            match *node {
+                Node::Conv {
+                    input,
+                    output,
+                    weight,
+                    ..
+                } => {
+                    let s = self
+                        .graph
+                        .conv_shape(node, &self.dims, n)
+                        .expect("conv node");
+                    let mut y = take(&mut self.acts, output);
+                    let r = self.backend.conv_forward(
+                        &s,
+                        get(&self.acts, input),
+                        get(&self.params, weight),
+                        &mut y,
+                    );
+                    self.acts[output] = Some(y);
+                    r?;
+                }
+                Node::BatchNorm {
+                    input,
+                    output,
+                    residual,
+                    relu,
+                    weight,
+                    bias,
+                    running_mean,
+                    running_var,
+                    channels,
+                    ..
+                } => {
+                    let d = self.dims[input];
+                    let mut y = take(&mut self.acts, output);
+                    let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
+                    let mut rm = take(&mut self.buffers, running_mean);
+                    let mut rv = take(&mut self.buffers, running_var);
+                    let r = self.backend.bn_forward(BnForward {
+                        shape: BnShape {
+                            rows: n * d.h * d.w,
+                            channels,
+                        },
+                        x: get(&self.acts, input),
+                        gamma: get(&self.params, weight),
+                        beta: get(&self.params, bias),
+                        residual: residual.map(|v| get(&self.acts, v)),
+                        relu,
+                        y: &mut y,
+                        saved_mean: &mut mean,
+                        saved_invstd: &mut invstd,
+                        running_mean: &mut rm,
+                        running_var: &mut rv,
+                        mode,
+                        momentum: self.config.bn_momentum,
+                        eps: self.config.bn_eps,
+                    });
+                    self.acts[output] = Some(y);
+                    self.saved[k] = Some((mean, invstd));
+                    self.buffers[running_mean] = Some(rm);
+                    self.buffers[running_var] = Some(rv);
+                    r?;
+                }
+                Node::MaxPool {
+                    input,
+                    output,
+                    kernel,
+                    stride,
+                    padding,
+                } => {
+                    let d = self.dims[input];
+                    let s = PoolShape {
+                        n,
+                        h: d.h,
+                        w: d.w,
+                        c: d.c,
+                        kernel,
+                        stride,
+                        padding,
+                    };
+                    let mut y = take(&mut self.acts, output);
+                    let r = self
+                        .backend
+                        .maxpool_forward(&s, get(&self.acts, input), &mut y);
+                    self.acts[output] = Some(y);
+                    r?;
+                }
+                Node::GlobalAvgPool { input, output } => {
+                    let d = self.dims[input];
+                    let mut y = take(&mut self.acts, output);
+                    let r =
+                        self.backend
+                            .gap_forward(n, d.h * d.w, d.c, get(&self.acts, input), &mut y);
+                    self.acts[output] = Some(y);
+                    r?;
+                }
+                Node::Linear {
+                    input,
+                    output,
+                    weight,
+                    bias,
+                    inputs,
+                    outputs,
+                } => {
+                    let s = LinearShape { n, inputs, outputs };
+                    let mut y = take(&mut self.acts, output);
+                    let r = self.backend.linear_forward(
+                        &s,
+                        get(&self.acts, input),
+                        get(&self.params, weight),
+                        get(&self.params, bias),
+                        &mut y,
+                    );
+                    self.acts[output] = Some(y);
+                    r?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reverse pass. A value's gradient is complete before it is consumed, because every
+    /// consumer comes after its producer in node order; `written` says whether a gradient
+    /// buffer already holds a contribution (then the next one accumulates).
+    fn backward(&mut self, n: usize, batch_stats: bool) -> Result<(), ModelError> {
+        let mut written = vec![false; self.dims.len()];
+        written[self.dims.len() - 1] = true;
+        for (k, node) in self.graph.nodes().iter().enumerate().rev() {
+            match *node {
+                Node::Linear {
+                    input,
+                    output,
+                    weight,
+                    bias,
+                    inputs,
+                    outputs,
+                } => {
+                    let s = LinearShape { n, inputs, outputs };
+                    let mut dx = take(&mut self.act_grads, input);
+                    let mut dw = take(&mut self.param_grads, weight);
+                    let mut db = take(&mut self.param_grads, bias);
+                    let r = self.backend.linear_backward(
+                        &s,
+                        get(&self.acts, input),
+                        get(&self.params, weight),
+                        get(&self.act_grads, output),
+                        &mut dx,
+                        &mut dw,
+                        &mut db,
+                        written[input],
+                    );
+                    self.act_grads[input] = Some(dx);
+                    self.param_grads[weight] = Some(dw);
+                    self.param_grads[bias] = Some(db);
+                    r?;
+                    written[input] = true;
+                }
+                Node::GlobalAvgPool { input, output } => {
+                    let d = self.dims[input];
+                    let mut dx = take(&mut self.act_grads, input);
+                    let r = self.backend.gap_backward(
+                        n,
+                        d.h * d.w,
+                        d.c,
+                        get(&self.act_grads, output),
+                        &mut dx,
+                        written[input],
+                    );
+                    self.act_grads[input] = Some(dx);
+                    r?;
+                    written[input] = true;
+                }
+                Node::MaxPool {
+                    input,
+                    output,
+                    kernel,
+                    stride,
+                    padding,
+                } => {
+                    let d = self.dims[input];
+                    let s = PoolShape {
+                        n,
+                        h: d.h,
+                        w: d.w,
+                        c: d.c,
+                        kernel,
+                        stride,
+                        padding,
+                    };
+                    let mut dx = take(&mut self.act_grads, input);
+                    let r = self.backend.maxpool_backward(
+                        &s,
+                        get(&self.acts, input),
+                        get(&self.act_grads, output),
+                        &mut dx,
+                        written[input],
+                    );
+                    self.act_grads[input] = Some(dx);
+                    r?;
+                    written[input] = true;
+                }
+                Node::BatchNorm {
+                    input,
+                    output,
+                    residual,
+                    relu,
+                    weight,
+                    bias,
+                    channels,
+                    ..
+                } => {
+                    // A BN input is a convolution output with this single consumer.
+                    debug_assert!(!written[input]);
+                    let d = self.dims[input];
+                    let mut dx = take(&mut self.act_grads, input);
+                    let mut dres = residual.map(|v| take(&mut self.act_grads, v));
+                    let mut dgamma = take(&mut self.param_grads, weight);
+                    let mut dbeta = take(&mut self.param_grads, bias);
+                    let (mean, invstd) = self.saved[k].as_ref().expect("bn saved stats");
+                    let acc = residual.is_some_and(|v| written[v]);
+                    let r = self.backend.bn_backward(BnBackward {
+                        shape: BnShape {
+                            rows: n * d.h * d.w,
+                            channels,
+                        },
+                        x: get(&self.acts, input),
+                        y: get(&self.acts, output),
+                        gamma: get(&self.params, weight),
+                        saved_mean: mean,
+                        saved_invstd: invstd,
+                        batch_stats,
+                        relu,
+                        dy: get(&self.act_grads, output),
+                        dx: &mut dx,
+                        dresidual: dres.as_mut().map(|t| (t, acc)),
+                        dgamma: &mut dgamma,
+                        dbeta: &mut dbeta,
+                    });
+                    self.act_grads[input] = Some(dx);
+                    if let (Some(v), Some(t)) = (residual, dres) {
+                        self.act_grads[v] = Some(t);
+                        written[v] = true;
+                    }
+                    self.param_grads[weight] = Some(dgamma);
+                    self.param_grads[bias] = Some(dbeta);
+                    r?;
+                    written[input] = true;
+                }
+                Node::Conv {
+                    input,
+                    output,
+                    weight,
+                    ..
+                } => {
+                    let s = self
+                        .graph
+                        .conv_shape(node, &self.dims, n)
+                        .expect("conv node");
+                    let mut dw = take(&mut self.param_grads, weight);
+                    let r = self.backend.conv_backward_weight(
+                        &s,
+                        get(&self.acts, input),
+                        get(&self.act_grads, output),
+                        &mut dw,
+                    );
+                    self.param_grads[weight] = Some(dw);
+                    r?;
+                    if input != 0 {
+                        let mut dx = take(&mut self.act_grads, input);
+                        let r = self.backend.conv_backward_data(
+                            &s,
+                            get(&self.act_grads, output),
+                            get(&self.params, weight),
+                            &mut dx,
+                            written[input],
+                        );
+                        self.act_grads[input] = Some(dx);
+                        r?;
+                        written[input] = true;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

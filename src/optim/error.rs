@@ -1,0 +1,38 @@
+//! The optimizer error type.
+
+use std::path::PathBuf;
+
+/// Errors from optimizer steps and optimizer-state files.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// Parameter and gradient vectors do not match the optimizer's layout.
+    #[error("optimizer step: {what} has {got} values, the model has {want} (hint: grads and params must be flat in graph order)")]
+    Length {
+        /// Which vector.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// The expected length.
+        want: usize,
+    },
+    /// `--optimizer` named no known optimizer.
+    #[error("unknown optimizer '{0}' (valid: sgd, adam, adamw)")]
+    UnknownKind(String),
+    /// Reading or writing a state file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The state file is not valid safetensors or lacks a tensor.
+    #[error("{}: bad optimizer state: {detail}", path.display())]
+    BadState {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong (missing tensor, wrong length, another optimizer's state).
+        detail: String,
+    },
+}

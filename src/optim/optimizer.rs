@@ -1,0 +1,294 @@
+//! The optimizers, over flat f32 vectors in graph parameter order.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use super::OptimError;
+use crate::model::ParamSpec;
+
+/// Which update rule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerKind {
+    /// SGD as torch: `buf = μ·buf + g`, step `g + μ·buf` (Nesterov) or `buf`; L2 decay added to
+    /// the gradient.
+    Sgd {
+        /// Momentum μ (0 = plain SGD).
+        momentum: f32,
+        /// Nesterov momentum.
+        nesterov: bool,
+    },
+    /// Adam as torch, weight decay as L2 added to the gradient.
+    Adam,
+    /// AdamW: decoupled weight decay `p ← p·(1 − lr·wd)` before the Adam step.
+    AdamW,
+}
+
+impl OptimizerKind {
+    /// The command-line name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd { .. } => "sgd",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::AdamW => "adamw",
+        }
+    }
+}
+
+impl FromStr for OptimizerKind {
+    type Err = OptimError;
+
+    /// "sgd" (momentum 0.9, no Nesterov), "adam", "adamw".
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "sgd" => Ok(OptimizerKind::Sgd {
+                momentum: 0.9,
+                nesterov: false,
+            }),
+            "adam" => Ok(OptimizerKind::Adam),
+            "adamw" => Ok(OptimizerKind::AdamW),
+            _ => Err(OptimError::UnknownKind(s.to_string())),
+        }
+    }
+}
+
+/// Hyper-parameters other than the learning rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hyper {
+    /// Weight decay (applied only to parameters with `decay`).
+    pub weight_decay: f32,
+    /// Adam β₁.
+    pub beta1: f32,
+    /// Adam β₂.
+    pub beta2: f32,
+    /// Adam ε.
+    pub eps: f32,
+}
+
+impl Default for Hyper {
+    /// torch's defaults: no weight decay, β = (0.9, 0.999), ε = 1e-8.
+    fn default() -> Self {
+        Hyper {
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// An optimizer with its state (momentum buffer, or Adam's first and second moments).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Optimizer {
+    kind: OptimizerKind,
+    hyper: Hyper,
+    /// (offset, len, decay) per parameter.
+    segments: Vec<(usize, usize, bool)>,
+    len: usize,
+    /// Momentum buffer (SGD) or first moment (Adam).
+    m: Vec<f32>,
+    /// Second moment (Adam only; empty for SGD).
+    v: Vec<f32>,
+    steps: u64,
+}
+
+impl Optimizer {
+    /// A fresh optimizer for parameters `params` (graph order; their `decay` flags choose where
+    /// weight decay applies).
+    pub fn new(kind: OptimizerKind, hyper: Hyper, params: &[ParamSpec]) -> Optimizer {
+        let mut segments = Vec::with_capacity(params.len());
+        let mut len = 0;
+        for p in params {
+            segments.push((len, p.numel(), p.decay));
+            len += p.numel();
+        }
+        let v = match kind {
+            OptimizerKind::Sgd { .. } => Vec::new(),
+            _ => vec![0.0; len],
+        };
+        Optimizer {
+            kind,
+            hyper,
+            segments,
+            len,
+            m: vec![0.0; len],
+            v,
+            steps: 0,
+        }
+    }
+
+    /// The update rule.
+    pub fn kind(&self) -> OptimizerKind {
+        self.kind
+    }
+
+    /// Hyper-parameters.
+    pub fn hyper(&self) -> Hyper {
+        self.hyper
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// One update of `params` with `grads` (both flat, graph order) at learning rate `lr`.
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
+        if params.len() != self.len {
+            return Err(OptimError::Length {
+                what: "params",
+                got: params.len(),
+                want: self.len,
+            });
+        }
+        if grads.len() != self.len {
+            return Err(OptimError::Length {
+                what: "grads",
+                got: grads.len(),
+                want: self.len,
+            });
+        }
+        self.steps += 1;
+        let h = self.hyper;
+        let t = self.steps as i32;
+        for &(off, n, decay) in &self.segments {
+            let wd = if decay { h.weight_decay } else { 0.0 };
+            let p = &mut params[off..off + n];
+            let g = &grads[off..off + n];
+            let m = &mut self.m[off..off + n];
+            match self.kind {
+                OptimizerKind::Sgd { momentum, nesterov } => {
+                    for i in 0..n {
+                        let gi = g[i] + wd * p[i];
+                        let d = if momentum != 0.0 {
+                            m[i] = momentum * m[i] + gi;
+                            if nesterov {
+                                gi + momentum * m[i]
+                            } else {
+                                m[i]
+                            }
+                        } else {
+                            gi
+                        };
+                        p[i] -= lr * d;
+                    }
+                }
+                OptimizerKind::Adam | OptimizerKind::AdamW => {
+                    let v = &mut self.v[off..off + n];
+                    let decoupled = self.kind == OptimizerKind::AdamW;
+                    let bc1 = 1.0 - h.beta1.powi(t);
+                    let bc2 = 1.0 - h.beta2.powi(t);
+                    for i in 0..n {
+                        let gi = if decoupled { g[i] } else { g[i] + wd * p[i] };
+                        if decoupled {
+                            p[i] *= 1.0 - lr * wd;
+                        }
+                        m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
+                        v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
+                        let mhat = m[i] / bc1;
+                        let vhat = v[i] / bc2;
+                        p[i] -= lr * mhat / (vhat.sqrt() + h.eps);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The state as safetensors bytes (`m`, and `v` for Adam; kind and step count in the
+    /// metadata), for the trainer's checkpoint.
+    pub fn to_safetensors_bytes(&self) -> Vec<u8> {
+        let mb: Vec<u8> = self.m.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let vb: Vec<u8> = self.v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut tensors = vec![(
+            "m".to_string(),
+            TensorView::new(Dtype::F32, vec![self.len], &mb).expect("length matches shape"),
+        )];
+        if !self.v.is_empty() {
+            tensors.push((
+                "v".to_string(),
+                TensorView::new(Dtype::F32, vec![self.len], &vb).expect("length matches shape"),
+            ));
+        }
+        let meta = HashMap::from([
+            ("optimizer".to_string(), self.kind.name().to_string()),
+            ("steps".to_string(), self.steps.to_string()),
+        ]);
+        safetensors::serialize(tensors, Some(meta)).expect("in-memory serialisation of f32 vectors")
+    }
+
+    /// Restores the state saved by [`Optimizer::to_safetensors_bytes`] (`path` only names the
+    /// source in errors). The kind and parameter count must match.
+    pub fn load_safetensors_bytes(&mut self, bytes: &[u8], path: &Path) -> Result<(), OptimError> {
+        let bad = |detail: String| OptimError::BadState {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+        let info = meta.metadata().clone().unwrap_or_default();
+        let kind = info.get("optimizer").cloned().unwrap_or_default();
+        if kind != self.kind.name() {
+            return Err(bad(format!(
+                "state is for optimizer '{kind}', this run uses '{}'",
+                self.kind.name()
+            )));
+        }
+        let steps: u64 = info
+            .get("steps")
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| bad("no step count in metadata".into()))?;
+        let read = |name: &str| -> Result<Vec<f32>, OptimError> {
+            let t = st
+                .tensor(name)
+                .map_err(|_| bad(format!("missing tensor '{name}'")))?;
+            if t.dtype() != Dtype::F32 || t.shape() != [self.len] {
+                return Err(bad(format!(
+                    "tensor '{name}' is {:?} {:?}, expected F32 [{}]",
+                    t.dtype(),
+                    t.shape(),
+                    self.len
+                )));
+            }
+            Ok(t.data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        };
+        let m = read("m")?;
+        let v = if self.v.is_empty() {
+            Vec::new()
+        } else {
+            read("v")?
+        };
+        self.m = m;
+        self.v = v;
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// Writes the state to a file (temporary name, then rename).
+    pub fn save(&self, path: &Path) -> Result<(), OptimError> {
+        let io = |source| OptimError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut name = path.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".tmp{}", std::process::id()));
+        let tmp = path.with_file_name(name);
+        std::fs::write(&tmp, self.to_safetensors_bytes()).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Reads a state file written by [`Optimizer::save`].
+    pub fn load(&mut self, path: &Path) -> Result<(), OptimError> {
+        let bytes = std::fs::read(path).map_err(|source| OptimError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_safetensors_bytes(&bytes, path)
+    }
+}
