@@ -49,9 +49,11 @@ fn scratch_dir() -> Result<tempfile::TempDir, CliError> {
     tempfile::Builder::new()
         .prefix("birdtrain-predict-")
         .tempdir()
-        .map_err(|e| CliError::Train(crate::train::TrainError::Io {
-            path: std::env::temp_dir(),
-            what: "create a scratch folder in",
-            source: e,
-        }))
+        .map_err(|e| {
+            CliError::Train(crate::train::TrainError::Io {
+                path: std::env::temp_dir(),
+                what: "create a scratch folder in",
+                source: e,
+            })
+        })
 }

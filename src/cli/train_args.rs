@@ -13,9 +13,7 @@ use pipeline::{LastBatch, OnBadImage};
 use super::CliError;
 use crate::model::Arch;
 use crate::optim::Decay;
-use crate::train::{
-    self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError,
-};
+use crate::train::{self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError};
 
 /// Training flags. `--lr` is for a global batch of 256 and scales linearly.
 #[derive(Debug, Clone, Default, Args)]

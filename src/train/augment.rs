@@ -51,7 +51,10 @@ mod tests {
             assert!(a.dy.abs() <= 4 && a.dx.abs() <= 4);
             flips += a.flip as usize;
         }
-        assert!((60..140).contains(&flips), "flip share looks wrong: {flips}/200");
+        assert!(
+            (60..140).contains(&flips),
+            "flip share looks wrong: {flips}/200"
+        );
     }
 
     #[test]

@@ -175,7 +175,11 @@ impl TrainConfig {
             return bad("--epochs", "0".into(), "train for at least 1 epoch");
         }
         if self.batch_size == 0 {
-            return bad("--batch-size", "0".into(), "use at least 1 image per replica");
+            return bad(
+                "--batch-size",
+                "0".into(),
+                "use at least 1 image per replica",
+            );
         }
         if self.replicas == 0 {
             return bad("--replicas", "0".into(), "use at least 1 replica");
@@ -209,10 +213,18 @@ impl TrainConfig {
         }
         if let Some(f) = self.valid_fraction {
             if !(f > 0.0 && f < 1.0) {
-                return bad("--valid-fraction", f.to_string(), "strictly between 0 and 1");
+                return bad(
+                    "--valid-fraction",
+                    f.to_string(),
+                    "strictly between 0 and 1",
+                );
             }
         }
-        if let Decay::Step { every_epochs, gamma } = self.schedule {
+        if let Decay::Step {
+            every_epochs,
+            gamma,
+        } = self.schedule
+        {
             if every_epochs == 0 || !(gamma > 0.0 && gamma <= 1.0) {
                 return bad(
                     "--step-every",

@@ -42,7 +42,9 @@ pub enum TrainError {
         reason: String,
     },
     /// A checkpoint does not fit the requested run (another model, class list, image size).
-    #[error("checkpoint {path} is for {what} `{found}`, but this run has `{expected}` (hint: {hint})")]
+    #[error(
+        "checkpoint {path} is for {what} `{found}`, but this run has `{expected}` (hint: {hint})"
+    )]
     CheckpointMismatch {
         /// The run folder.
         path: PathBuf,

@@ -22,7 +22,10 @@ pub struct EvalReport {
 
 /// Runs `net` in eval mode over every batch of epoch 0 of `pipe` (build it with
 /// `shuffle(false)` and one replica).
-pub fn evaluate<B: Backend>(net: &mut Network<B>, pipe: &Pipeline) -> Result<EvalReport, TrainError> {
+pub fn evaluate<B: Backend>(
+    net: &mut Network<B>,
+    pipe: &Pipeline,
+) -> Result<EvalReport, TrainError> {
     let start = std::time::Instant::now();
     let classes = net.graph().num_classes();
     let mut totals = MetricsAccumulator::default();
@@ -63,7 +66,13 @@ pub fn evaluate<B: Backend>(net: &mut Network<B>, pipe: &Pipeline) -> Result<Eva
 fn argmax(row: &[f32]) -> usize {
     row.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &p)| if p > best.1 { (i, p) } else { best })
+        .fold((0, f32::NEG_INFINITY), |best, (i, &p)| {
+            if p > best.1 {
+                (i, p)
+            } else {
+                best
+            }
+        })
         .0
 }
 
@@ -89,15 +98,27 @@ impl std::fmt::Debug for InferenceModel {
 
 /// Loads `run/model.safetensors` with its sidecar onto the CPU, for batches of up to
 /// `max_batch` images (whatever replica count or device trained it).
-pub fn load_checkpoint_for_inference(run: &Path, max_batch: usize) -> Result<InferenceModel, TrainError> {
+pub fn load_checkpoint_for_inference(
+    run: &Path,
+    max_batch: usize,
+) -> Result<InferenceModel, TrainError> {
     let meta = CheckpointMeta::load(run)?;
-    let arch: Arch = meta.model.parse().map_err(|e: crate::model::ModelError| TrainError::BadRunDir {
-        path: run.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    let arch: Arch =
+        meta.model
+            .parse()
+            .map_err(|e: crate::model::ModelError| TrainError::BadRunDir {
+                path: run.to_path_buf(),
+                reason: e.to_string(),
+            })?;
     let graph = Graph::new(arch, meta.classes.len());
-    let state = ModelState::load_safetensors(&graph, &run.join(&meta.model_file), HeadPolicy::Strict)?;
-    let mut net = Network::new(CpuBackend::new(0)?, &graph, max_batch.max(1), meta.image_size)?;
+    let state =
+        ModelState::load_safetensors(&graph, &run.join(&meta.model_file), HeadPolicy::Strict)?;
+    let mut net = Network::new(
+        CpuBackend::new(0)?,
+        &graph,
+        max_batch.max(1),
+        meta.image_size,
+    )?;
     net.load_state(&state)?;
     debug_assert_eq!(MODEL_FILE, "model.safetensors");
     Ok(InferenceModel {

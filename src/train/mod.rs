@@ -26,7 +26,9 @@ pub use checkpoint::{CheckpointMeta, DataPosition};
 pub use config::{OptimizerChoice, TrainConfig};
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;
-pub use evaluate::{evaluate, load_checkpoint_for_inference, predict, EvalReport, InferenceModel, Prediction};
+pub use evaluate::{
+    evaluate, load_checkpoint_for_inference, predict, EvalReport, InferenceModel, Prediction,
+};
 pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use report::write_report;
 pub use run::{train, TrainOutcome};

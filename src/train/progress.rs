@@ -19,11 +19,9 @@ impl EpochBar {
             ProgressBar::hidden()
         };
         bar.set_style(
-            ProgressStyle::with_template(
-                "{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}",
-            )
-            .expect("the template is valid")
-            .progress_chars("=> "),
+            ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
+                .expect("the template is valid")
+                .progress_chars("=> "),
         );
         bar.set_prefix(label);
         bar.set_position(start as u64);

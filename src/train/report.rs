@@ -24,7 +24,11 @@ fn register_font() {
     });
 }
 
-fn series(lines: &[EpochMetrics], split: MetricsSplit, f: fn(&EpochMetrics) -> f64) -> Vec<(f64, f64)> {
+fn series(
+    lines: &[EpochMetrics],
+    split: MetricsSplit,
+    f: fn(&EpochMetrics) -> f64,
+) -> Vec<(f64, f64)> {
     lines
         .iter()
         .filter(|m| m.split == split)
@@ -54,7 +58,12 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
     let last_epoch = lines.iter().map(|m| m.epoch).max().unwrap_or(1).max(1) as f64;
     let x_range = 1.0..last_epoch.max(2.0);
 
-    let loss_max = lines.iter().map(|m| m.loss).fold(0.0f64, f64::max).max(1e-3) * 1.1;
+    let loss_max = lines
+        .iter()
+        .map(|m| m.loss)
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
     panel(
         &panels[0],
         "Loss per epoch",
@@ -62,7 +71,11 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
         x_range.clone(),
         0.0..loss_max,
         &[
-            ("train", BLUE, series(lines, MetricsSplit::Train, |m| m.loss)),
+            (
+                "train",
+                BLUE,
+                series(lines, MetricsSplit::Train, |m| m.loss),
+            ),
             ("valid", RED, series(lines, MetricsSplit::Valid, |m| m.loss)),
         ],
     )?;
@@ -73,8 +86,16 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
         x_range.clone(),
         0.0..1.0,
         &[
-            ("train", BLUE, series(lines, MetricsSplit::Train, |m| m.accuracy)),
-            ("valid", RED, series(lines, MetricsSplit::Valid, |m| m.accuracy)),
+            (
+                "train",
+                BLUE,
+                series(lines, MetricsSplit::Train, |m| m.accuracy),
+            ),
+            (
+                "valid",
+                RED,
+                series(lines, MetricsSplit::Valid, |m| m.accuracy),
+            ),
         ],
     )?;
     let speed_max = lines
@@ -125,9 +146,14 @@ fn panel(
     for (name, colour, points) in curves {
         let colour = *colour;
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), colour.stroke_width(2)))?
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                colour.stroke_width(2),
+            ))?
             .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled())))?;
     }
     chart

@@ -9,8 +9,7 @@ use pipeline::{DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::augment::augments_for;
 use super::checkpoint::{
-    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE,
-    SIDECAR_VERSION,
+    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
 };
 use super::config::{OptimizerChoice, TrainConfig};
 use super::device::DeviceChoice;
@@ -165,7 +164,11 @@ pub(crate) fn train_with<B: Backend>(
     let (state, position) = match &resumed {
         Some((run, meta)) => {
             check_resume(cfg, run, meta, &classes)?;
-            let state = ModelState::load_safetensors(&graph, &run.join(&meta.model_file), HeadPolicy::Strict)?;
+            let state = ModelState::load_safetensors(
+                &graph,
+                &run.join(&meta.model_file),
+                HeadPolicy::Strict,
+            )?;
             optimizer.load(&run.join(&meta.optimizer_state_file))?;
             let mut position = meta.data_position.clone();
             if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
@@ -207,7 +210,14 @@ pub(crate) fn train_with<B: Backend>(
         freeze_bn: cfg.freeze_bn,
         ..NetworkConfig::default()
     };
-    let replicas = Replicas::new(backends, &graph, cfg.batch_size, cfg.image_size, net_config, state)?;
+    let replicas = Replicas::new(
+        backends,
+        &graph,
+        cfg.batch_size,
+        cfg.image_size,
+        net_config,
+        state,
+    )?;
     std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Io {
         path: cfg.out.clone(),
         what: "create the run folder",
@@ -233,16 +243,19 @@ pub(crate) fn train_with<B: Backend>(
         cfg.replicas,
         if cfg.replicas == 1 { "" } else { "s" }
     );
-    say(cfg, format!(
-        "model {} ({} parameters) · {} · {} train / {} valid images at {}×{}",
-        cfg.arch,
-        graph.param_count(),
-        summarise(&classes),
-        train_pipe.len(),
-        valid_pipe.len(),
-        cfg.image_size,
-        cfg.image_size
-    ));
+    say(
+        cfg,
+        format!(
+            "model {} ({} parameters) · {} · {} train / {} valid images at {}×{}",
+            cfg.arch,
+            graph.param_count(),
+            summarise(&classes),
+            train_pipe.len(),
+            valid_pipe.len(),
+            cfg.image_size,
+            cfg.image_size
+        ),
+    );
     say(cfg, format!(
         "device {device_name} · global batch {} ({} per replica) · lr {} for batch 256 → {:.6} scaled · {} · {} steps per epoch",
         cfg.global_batch(),
@@ -275,16 +288,22 @@ pub(crate) fn train_with<B: Backend>(
         let finished = train_epoch(cfg, stop, &train_pipe, &schedule, &mut run, steps_per_epoch)?;
         if !finished {
             save_checkpoint(cfg, &graph, &classes, &run)?;
-            say(cfg, format!(
-                "stopped at epoch {}, step {} of {steps_per_epoch}: checkpoint saved in {}",
-                epoch + 1,
-                run.position.step_in_epoch,
-                cfg.out.display()
-            ));
+            say(
+                cfg,
+                format!(
+                    "stopped at epoch {}, step {} of {steps_per_epoch}: checkpoint saved in {}",
+                    epoch + 1,
+                    run.position.step_in_epoch,
+                    cfg.out.display()
+                ),
+            );
             interrupted = true;
             break;
         }
-        let train_line = run.position.partial_train.finish(epoch + 1, MetricsSplit::Train);
+        let train_line = run
+            .position
+            .partial_train
+            .finish(epoch + 1, MetricsSplit::Train);
         let valid_line = validate(cfg, &valid_pipe, &mut run, epoch + 1)?;
         append_metrics(&metrics_path, &train_line)?;
         append_metrics(&metrics_path, &valid_line)?;
@@ -337,7 +356,11 @@ pub(crate) fn train_with<B: Backend>(
         "\nweights checksum {:016x} on {} replica(s){}",
         replica_checksums[0],
         replica_checksums.len(),
-        if in_sync { ", identical" } else { ", MISMATCH (replicas diverged)" }
+        if in_sync {
+            ", identical"
+        } else {
+            ", MISMATCH (replicas diverged)"
+        }
     ));
     say(cfg, &summary);
     Ok(TrainOutcome {
@@ -360,7 +383,12 @@ fn reached_stop_step(cfg: &TrainConfig, pos: &DataPosition) -> bool {
 }
 
 /// Checks a resumed checkpoint against this run: model, image size, class list.
-fn check_resume(cfg: &TrainConfig, run: &Path, meta: &CheckpointMeta, classes: &[String]) -> Result<(), TrainError> {
+fn check_resume(
+    cfg: &TrainConfig,
+    run: &Path,
+    meta: &CheckpointMeta,
+    classes: &[String],
+) -> Result<(), TrainError> {
     let mismatch = |what, expected: String, found: String, hint| TrainError::CheckpointMismatch {
         path: run.to_path_buf(),
         what,

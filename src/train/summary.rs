@@ -22,10 +22,22 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
     let _ = writeln!(
         s,
         "{:>5} │ {:>10} {:>9} │ {:>10} {:>9} {:>6} │ {:>9} {:>8}",
-        "epoch", "train loss", "train acc", "valid loss", "valid acc", "top-5", "images/s", "seconds"
+        "epoch",
+        "train loss",
+        "train acc",
+        "valid loss",
+        "valid acc",
+        "top-5",
+        "images/s",
+        "seconds"
     );
     let epochs: std::collections::BTreeSet<u64> = lines.iter().map(|m| m.epoch).collect();
-    let find = |e: u64, split| lines.iter().rev().find(|m| m.epoch == e && m.split == split);
+    let find = |e: u64, split| {
+        lines
+            .iter()
+            .rev()
+            .find(|m| m.epoch == e && m.split == split)
+    };
     let (mut images, mut train_seconds) = (0.0, 0.0);
     for &e in &epochs {
         let t = find(e, MetricsSplit::Train);
