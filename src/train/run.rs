@@ -9,7 +9,8 @@ use pipeline::{DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::augment::augments_for;
 use super::checkpoint::{
-    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
+    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_FILE,
+    SIDECAR_VERSION,
 };
 use super::config::{OptimizerChoice, TrainConfig};
 use super::device::DeviceChoice;
@@ -49,6 +50,23 @@ pub struct TrainOutcome {
 /// finished, a checkpoint saved, and the run returns with `interrupted`.
 pub fn train(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
+    // The engine writes its bad-files reports into the run folder while it scans, so the
+    // folder exists from the start; a run that fails before its first checkpoint removes
+    // the folder it created ("nothing half-written").
+    let created = !cfg.out.exists();
+    std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Io {
+        path: cfg.out.clone(),
+        what: "create the run folder",
+        source,
+    })?;
+    let result = train_on_device(cfg, stop);
+    if result.is_err() && created && !cfg.out.join(SIDECAR_FILE).exists() {
+        let _ = std::fs::remove_dir_all(&cfg.out);
+    }
+    result
+}
+
+fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
     match cfg.device {
         DeviceChoice::Cpu => {
             // Replicas share one thread pool and run one after the other.
