@@ -9,9 +9,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::model::Augment;
 
-/// The shift range of the pad-and-crop augmentation: S/8 pixels each way (4 at 32×32).
+/// The shift range of the pad-and-crop augmentation: S/8 pixels each way (4 at 32×32), as
+/// the model's input op accepts it.
 pub fn max_shift(image_size: u32) -> i32 {
-    (image_size / 8) as i32
+    Augment::max_shift(image_size)
 }
 
 /// The augmentation of one training sample.

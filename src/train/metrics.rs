@@ -43,7 +43,10 @@ pub struct EpochMetrics {
 /// Running sums for one split of one epoch; turned into [`EpochMetrics`] at the end.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct MetricsAccumulator {
-    /// Sum of per-image losses.
+    /// Sum of per-image losses. Stored as a decimal string in checkpoints: Rust's float
+    /// parsing is exact, serde_json's default one is not, and a resumed epoch must add up to
+    /// the same bits as an uninterrupted one.
+    #[serde(with = "exact_f64")]
     pub loss_sum: f64,
     /// Images whose top-1 prediction was right.
     pub correct_top1: u64,
@@ -89,6 +92,20 @@ impl MetricsAccumulator {
             },
             seconds: self.seconds,
         }
+    }
+}
+
+/// An f64 as the shortest decimal string that parses back to the same bits.
+mod exact_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{v:?}"))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -179,6 +196,16 @@ mod tests {
             serde_json::to_string(&line).unwrap(),
             r#"{"epoch":3,"split":"valid","loss":0.41,"accuracy":0.91,"top5":0.99,"images_per_sec":812.0,"seconds":1.2}"#
         );
+    }
+
+    #[test]
+    fn accumulator_round_trips_exactly() {
+        let mut acc = MetricsAccumulator::default();
+        acc.add(0.1 + 0.2 + 1e-17 * 3.0, 1, 1, 1);
+        acc.add(std::f64::consts::PI / 7.0, 0, 1, 1);
+        let text = serde_json::to_string(&acc).unwrap();
+        let back: MetricsAccumulator = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.loss_sum.to_bits(), acc.loss_sum.to_bits());
     }
 
     #[test]
