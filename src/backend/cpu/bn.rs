@@ -101,39 +101,52 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
     let y = &a.y[..rows * c];
     let dy = &a.dy[..rows * c];
     let x = &a.x[..rows * c];
-    let dz = |i: usize| if relu && y[i] <= 0.0 { 0.0 } else { dy[i] };
     let mean = a.saved_mean;
     let invstd = a.saved_invstd;
-    // dz = dy masked by the ReLU; then Σ dz and Σ dz·x̂ per channel.
-    let masked: Vec<f32> = if relu {
-        (0..rows * c).into_par_iter().map(dz).collect()
-    } else {
-        dy.to_vec()
-    };
-    let dbeta = channel_sums(&masked, rows, c, |_, v| f64::from(v));
-    let prod: Vec<f32> = masked
-        .par_iter()
-        .zip(x.par_iter())
-        .enumerate()
-        .map(|(i, (&g, &xv))| {
-            let ch = i % c;
-            g * (xv - mean[ch]) * invstd[ch]
+    // dz = dy masked by the ReLU (recomputed where needed instead of stored).
+    let dz = |i: usize| if relu && y[i] <= 0.0 { 0.0 } else { dy[i] };
+    // Σ dz and Σ dz·x̂ per channel, per fixed block of rows, combined in block order.
+    let partials: Vec<(Vec<f64>, Vec<f64>)> = (0..rows.div_ceil(BLOCK_ROWS))
+        .into_par_iter()
+        .map(|b| {
+            let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+            for r in b * BLOCK_ROWS..((b + 1) * BLOCK_ROWS).min(rows) {
+                for ch in 0..c {
+                    let i = r * c + ch;
+                    let g = dz(i);
+                    sb[ch] += f64::from(g);
+                    sg[ch] += f64::from(g * (x[i] - mean[ch]) * invstd[ch]);
+                }
+            }
+            (sb, sg)
         })
         .collect();
-    let dgamma = channel_sums(&prod, rows, c, |_, v| f64::from(v));
+    let (mut dbeta, mut dgamma) = (vec![0.0f64; c], vec![0.0f64; c]);
+    for (sb, sg) in partials {
+        for ch in 0..c {
+            dbeta[ch] += sb[ch];
+            dgamma[ch] += sg[ch];
+        }
+    }
     for ch in 0..c {
         a.dgamma[ch] = dgamma[ch] as f32;
         a.dbeta[ch] = dbeta[ch] as f32;
     }
     if let Some((dres, acc)) = a.dresidual {
-        let dres = &mut dres[..rows * c];
-        if acc {
-            dres.par_iter_mut()
-                .zip(masked.par_iter())
-                .for_each(|(d, g)| *d += g);
-        } else {
-            dres.copy_from_slice(&masked);
-        }
+        dres[..rows * c]
+            .par_chunks_mut(BLOCK_ROWS * c)
+            .enumerate()
+            .for_each(|(b, db)| {
+                let off = b * BLOCK_ROWS * c;
+                for (i, d) in db.iter_mut().enumerate() {
+                    let g = dz(off + i);
+                    if acc {
+                        *d += g;
+                    } else {
+                        *d = g;
+                    }
+                }
+            });
     }
     let gamma = a.gamma;
     let batch = a.batch_stats;
@@ -146,7 +159,7 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
             let off = b * BLOCK_ROWS * c;
             for (i, d) in dxb.iter_mut().enumerate() {
                 let ch = i % c;
-                let g = masked[off + i];
+                let g = dz(off + i);
                 let k = gamma[ch] * invstd[ch];
                 *d = if batch {
                     let xhat = (x[off + i] - mean[ch]) * invstd[ch];

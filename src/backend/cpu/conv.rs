@@ -9,6 +9,15 @@ use crate::backend::ConvShape;
 /// Column buffer budget in f32 elements (~64 MiB).
 const COLS_BUDGET: usize = 16 << 20;
 
+/// The scratch buffer grown to at least `len` (kept between calls, so steady-state steps
+/// allocate nothing and touch no fresh pages).
+fn grow(scratch: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if scratch.len() < len {
+        scratch.resize(len, 0.0);
+    }
+    &mut scratch[..len]
+}
+
 fn is_pointwise(s: &ConvShape) -> bool {
     s.kernel == 1 && s.stride == 1 && s.padding == 0
 }
@@ -112,7 +121,14 @@ fn w_transposed<'a>(s: &ConvShape, w: &'a [f32]) -> MatRef<'a> {
     }
 }
 
-pub(super) fn forward(s: &ConvShape, x: &[f32], w: &[f32], y: &mut [f32], threads: usize) {
+pub(super) fn forward(
+    s: &ConvShape,
+    x: &[f32],
+    w: &[f32],
+    y: &mut [f32],
+    threads: usize,
+    scratch: &mut Vec<f32>,
+) {
     let (ho, wo) = (s.out_h(), s.out_w());
     let k = s.kernel * s.kernel * s.c_in;
     if is_pointwise(s) {
@@ -128,14 +144,14 @@ pub(super) fn forward(s: &ConvShape, x: &[f32], w: &[f32], y: &mut [f32], thread
         return;
     }
     let chunk = images_per_chunk(s);
-    let mut cols = vec![0.0f32; chunk * ho * wo * k];
+    let cols = grow(scratch, chunk * ho * wo * k);
     let mut first = 0;
     while first < s.n {
         let count = chunk.min(s.n - first);
-        im2col(s, x, first, count, &mut cols);
+        im2col(s, x, first, count, cols);
         let m = count * ho * wo;
         let a = MatRef {
-            data: &cols,
+            data: cols,
             rows: m,
             cols: k,
             rs: k,
@@ -154,6 +170,7 @@ pub(super) fn backward_data(
     dx: &mut [f32],
     accumulate: bool,
     threads: usize,
+    scratch: &mut Vec<f32>,
 ) {
     let (ho, wo) = (s.out_h(), s.out_w());
     let k = s.kernel * s.kernel * s.c_in;
@@ -177,7 +194,7 @@ pub(super) fn backward_data(
         return;
     }
     let chunk = images_per_chunk(s);
-    let mut dcols = vec![0.0f32; chunk * ho * wo * k];
+    let dcols = grow(scratch, chunk * ho * wo * k);
     let mut first = 0;
     while first < s.n {
         let count = chunk.min(s.n - first);
@@ -190,8 +207,8 @@ pub(super) fn backward_data(
             rs: s.c_out,
             cs: 1,
         };
-        matmul(&mut dcols, a, wm, false, threads);
-        col2im(s, &dcols, first, count, dx, accumulate);
+        matmul(&mut dcols[..m * k], a, wm, false, threads);
+        col2im(s, dcols, first, count, dx, accumulate);
         first += count;
     }
 }
@@ -202,6 +219,7 @@ pub(super) fn backward_weight(
     dy: &[f32],
     dw: &mut [f32],
     threads: usize,
+    scratch: &mut Vec<f32>,
 ) {
     let (ho, wo) = (s.out_h(), s.out_w());
     let k = s.kernel * s.kernel * s.c_in;
@@ -226,11 +244,11 @@ pub(super) fn backward_weight(
         return;
     }
     let chunk = images_per_chunk(s);
-    let mut cols = vec![0.0f32; chunk * ho * wo * k];
+    let cols = grow(scratch, chunk * ho * wo * k);
     let mut first = 0;
     while first < s.n {
         let count = chunk.min(s.n - first);
-        im2col(s, x, first, count, &mut cols);
+        im2col(s, x, first, count, cols);
         let m = count * ho * wo;
         let dyc = &dy[first * ho * wo * s.c_out..(first + count) * ho * wo * s.c_out];
         let a = MatRef {
@@ -241,7 +259,7 @@ pub(super) fn backward_weight(
             cs: s.c_out,
         };
         let b = MatRef {
-            data: &cols,
+            data: cols,
             rows: m,
             cols: k,
             rs: k,

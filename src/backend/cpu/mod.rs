@@ -9,7 +9,7 @@ mod gemm;
 mod input;
 mod pool;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::error::check_len;
 use super::{
@@ -18,11 +18,22 @@ use super::{
 };
 use crate::model::InputBatch;
 
-/// The CPU backend. Cheap to clone (clones share the thread pool).
-#[derive(Clone)]
+/// The CPU backend. Cheap to clone (clones share the thread pool, not the scratch buffer).
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     threads: usize,
+    /// im2col column buffer, reused across calls (a clone gets its own).
+    scratch: Arc<Mutex<Vec<f32>>>,
+}
+
+impl Clone for CpuBackend {
+    fn clone(&self) -> Self {
+        CpuBackend {
+            pool: Arc::clone(&self.pool),
+            threads: self.threads,
+            scratch: Arc::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -52,7 +63,13 @@ impl CpuBackend {
         Ok(CpuBackend {
             pool: Arc::new(pool),
             threads,
+            scratch: Arc::default(),
         })
+    }
+
+    fn scratch(&self) -> MutexGuard<'_, Vec<f32>> {
+        // A poisoned lock only means an earlier op panicked mid-write; the buffer is scratch.
+        self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Threads in the pool.
@@ -121,8 +138,10 @@ impl Backend for CpuBackend {
         check_len("conv_forward", "x", x.len(), s.x_len())?;
         check_len("conv_forward", "w", w.len(), s.w_len())?;
         check_len("conv_forward", "y", y.len(), s.y_len())?;
+        let mut guard = self.scratch();
+        let scratch: &mut Vec<f32> = &mut guard;
         self.pool
-            .install(|| conv::forward(s, x, w, y, self.threads));
+            .install(|| conv::forward(s, x, w, y, self.threads, scratch));
         Ok(())
     }
 
@@ -138,8 +157,10 @@ impl Backend for CpuBackend {
         check_len("conv_backward_data", "dy", dy.len(), s.y_len())?;
         check_len("conv_backward_data", "w", w.len(), s.w_len())?;
         check_len("conv_backward_data", "dx", dx.len(), s.x_len())?;
+        let mut guard = self.scratch();
+        let scratch: &mut Vec<f32> = &mut guard;
         self.pool
-            .install(|| conv::backward_data(s, dy, w, dx, accumulate, self.threads));
+            .install(|| conv::backward_data(s, dy, w, dx, accumulate, self.threads, scratch));
         Ok(())
     }
 
@@ -154,8 +175,10 @@ impl Backend for CpuBackend {
         check_len("conv_backward_weight", "x", x.len(), s.x_len())?;
         check_len("conv_backward_weight", "dy", dy.len(), s.y_len())?;
         check_len("conv_backward_weight", "dw", dw.len(), s.w_len())?;
+        let mut guard = self.scratch();
+        let scratch: &mut Vec<f32> = &mut guard;
         self.pool
-            .install(|| conv::backward_weight(s, x, dy, dw, self.threads));
+            .install(|| conv::backward_weight(s, x, dy, dw, self.threads, scratch));
         Ok(())
     }
 

@@ -1,0 +1,70 @@
+//! Bad input files: what is wrong with them and the report that lists them.
+
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::PipelineError;
+
+/// Why a file could not be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BadFileKind {
+    /// Zero bytes long.
+    Empty,
+    /// Cannot be opened or read (permissions, a directory or dangling link named like a file).
+    Unreadable,
+    /// The bytes are not a known image format.
+    NotAnImage,
+    /// A known format, but the decoder failed (corrupt or truncated data).
+    Corrupt,
+    /// More pixels than the decompression-bomb limit allows.
+    TooLarge,
+}
+
+impl fmt::Display for BadFileKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Empty => "empty file",
+            Self::Unreadable => "unreadable",
+            Self::NotAnImage => "not an image",
+            Self::Corrupt => "corrupt or truncated image",
+            Self::TooLarge => "too many pixels (decompression-bomb guard)",
+        })
+    }
+}
+
+/// One bad file, as listed in the bad-files report.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct BadFile {
+    /// The file.
+    pub path: PathBuf,
+    /// What is wrong.
+    pub kind: BadFileKind,
+    /// The decoder's or the OS's own words.
+    pub detail: String,
+}
+
+impl BadFile {
+    pub(crate) fn new(path: PathBuf, kind: BadFileKind, detail: String) -> Self {
+        Self { path, kind, detail }
+    }
+}
+
+/// Writes the report: one JSON object per line (`path`, `kind`, `detail`), via a temporary
+/// file renamed into place so a reader never sees half a report.
+pub(crate) fn write_report(path: &Path, files: &[BadFile]) -> Result<(), PipelineError> {
+    let err = |source| PipelineError::Report {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(err)?);
+    for file in files {
+        let line = serde_json::to_string(file).map_err(|e| err(std::io::Error::other(e)))?;
+        writeln!(out, "{line}").map_err(err)?;
+    }
+    out.flush().map_err(err)?;
+    drop(out);
+    std::fs::rename(&tmp, path).map_err(err)
+}

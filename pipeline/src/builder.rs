@@ -1,0 +1,179 @@
+//! [`PipelineBuilder`]: every setting of the engine, validated by [`PipelineBuilder::build`].
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::buffer::{BatchAllocator, VecAllocator};
+use crate::{DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, ResizeMode, Split};
+
+/// Configures and builds a [`Pipeline`].
+#[derive(Clone)]
+pub struct PipelineBuilder {
+    pub(crate) source: DatasetSource,
+    pub(crate) split: Split,
+    pub(crate) image_size: u32,
+    pub(crate) resize_mode: ResizeMode,
+    pub(crate) cache_dir: Option<PathBuf>,
+    pub(crate) seed: u64,
+    pub(crate) replicas: usize,
+    pub(crate) batch_size: usize,
+    pub(crate) workers: usize,
+    pub(crate) prefetch: usize,
+    pub(crate) shuffle: bool,
+    pub(crate) last_batch: LastBatch,
+    pub(crate) on_bad_image: OnBadImage,
+    pub(crate) bad_files_report: Option<PathBuf>,
+    pub(crate) max_pixels: u64,
+    pub(crate) allocator: Arc<dyn BatchAllocator>,
+}
+
+impl std::fmt::Debug for PipelineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineBuilder")
+            .field("source", &self.source)
+            .field("split", &self.split)
+            .field("image_size", &self.image_size)
+            .field("resize_mode", &self.resize_mode)
+            .field("cache_dir", &self.cache_dir)
+            .field("seed", &self.seed)
+            .field("replicas", &self.replicas)
+            .field("batch_size", &self.batch_size)
+            .field("workers", &self.workers)
+            .field("prefetch", &self.prefetch)
+            .field("shuffle", &self.shuffle)
+            .field("last_batch", &self.last_batch)
+            .field("on_bad_image", &self.on_bad_image)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PipelineBuilder {
+    /// A builder with defaults: train split, 224 px direct resize, seed 0, 1 replica,
+    /// batch 32, one worker per core, prefetch 4, shuffled, `partial` last batch, skip bad
+    /// images, cache in the per-user cache directory, heap buffers.
+    pub fn new(source: DatasetSource) -> Self {
+        Self {
+            source,
+            split: Split::Train,
+            image_size: 224,
+            resize_mode: ResizeMode::Direct,
+            cache_dir: None,
+            seed: 0,
+            replicas: 1,
+            batch_size: 32,
+            workers: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
+            prefetch: 4,
+            shuffle: true,
+            last_batch: LastBatch::Partial,
+            on_bad_image: OnBadImage::Skip,
+            bad_files_report: None,
+            max_pixels: crate::decode::DEFAULT_MAX_PIXELS,
+            allocator: Arc::new(VecAllocator),
+        }
+    }
+
+    /// Which split to read.
+    pub fn split(mut self, split: Split) -> Self {
+        self.split = split;
+        self
+    }
+    /// Side `S` of the stored square images.
+    pub fn image_size(mut self, size: u32) -> Self {
+        self.image_size = size;
+        self
+    }
+    /// How images become `S×S`.
+    pub fn resize_mode(mut self, mode: ResizeMode) -> Self {
+        self.resize_mode = mode;
+        self
+    }
+    /// Where the cache file lives (default: the per-user cache directory + `birdtrain`).
+    pub fn cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cache_dir = Some(dir.into());
+        self
+    }
+    /// Seed of the epoch permutations (and of the flat layout's valid split).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    /// Number of data-parallel replicas sharing each global batch.
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+    /// Images per replica per step.
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+    /// Decode threads.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+    /// Batches prepared ahead of the consumer, per epoch iterator.
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+    /// Shuffle each epoch (`false` keeps file order, for evaluation).
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+    /// Policy for the last, incomplete global batch.
+    pub fn last_batch(mut self, policy: LastBatch) -> Self {
+        self.last_batch = policy;
+        self
+    }
+    /// Policy for bad files.
+    pub fn on_bad_image(mut self, policy: OnBadImage) -> Self {
+        self.on_bad_image = policy;
+        self
+    }
+    /// Where to write the bad-files report (JSON lines), kept up to date as files are found.
+    pub fn bad_files_report(mut self, path: impl Into<PathBuf>) -> Self {
+        self.bad_files_report = Some(path.into());
+        self
+    }
+    /// Decompression-bomb guard: images with more pixels are bad files (default 64 Mi).
+    pub fn max_pixels(mut self, pixels: u64) -> Self {
+        self.max_pixels = pixels;
+        self
+    }
+    /// Who allocates batch buffers (the trainer passes pinned memory).
+    pub fn allocator(mut self, allocator: Arc<dyn BatchAllocator>) -> Self {
+        self.allocator = allocator;
+        self
+    }
+
+    /// Scans the dataset, opens (or builds) the cache and starts the decode pool.
+    pub fn build(self) -> Result<Pipeline, PipelineError> {
+        let positive = |name: &'static str, value: usize| {
+            if value == 0 {
+                Err(PipelineError::InvalidSetting {
+                    name,
+                    value: "0".into(),
+                    hint: "must be at least 1",
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("replicas", self.replicas)?;
+        positive("batch_size", self.batch_size)?;
+        positive("workers", self.workers)?;
+        positive("prefetch", self.prefetch)?;
+        if !(1..=8192).contains(&self.image_size) {
+            return Err(PipelineError::InvalidSetting {
+                name: "image_size",
+                value: self.image_size.to_string(),
+                hint: "expected 1..=8192 pixels",
+            });
+        }
+        Pipeline::start(self)
+    }
+}

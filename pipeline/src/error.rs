@@ -1,0 +1,153 @@
+//! The engine's error type: one enum, each variant carrying the file, flag or value involved
+//! and, where it helps, a hint on how to fix it.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while scanning, decoding, caching or batching.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipelineError {
+    /// The data directory (or one split inside it) does not exist.
+    #[error("data directory {path} does not exist (hint: {hint})")]
+    MissingDir {
+        /// The directory that was looked for.
+        path: PathBuf,
+        /// What the engine expected there.
+        hint: &'static str,
+    },
+    /// Listing a directory failed.
+    #[error("cannot list {path}: {source}")]
+    ReadDir {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The split holds no image at all.
+    #[error("split `{split}` under {root} is empty: no class folder with images (hint: expected <root>/{split}/<class>/<image files>)")]
+    EmptySplit {
+        /// The dataset root.
+        root: PathBuf,
+        /// The split's name.
+        split: String,
+    },
+    /// A class folder has no readable image.
+    #[error(
+        "class `{class}` ({path}) has no readable image (hint: remove the folder or add images)"
+    )]
+    ClassWithoutImages {
+        /// The class name.
+        class: String,
+        /// Its folder.
+        path: PathBuf,
+    },
+    /// Every image of the split is unreadable.
+    #[error("every image of split `{split}` under {root} is unreadable ({bad} bad files; see the bad-files report)")]
+    AllImagesBad {
+        /// The dataset root.
+        root: PathBuf,
+        /// The split's name.
+        split: String,
+        /// How many files were bad.
+        bad: usize,
+    },
+    /// A class folder in valid/test has no counterpart in train.
+    #[error("class `{class}` of split `{split}` does not exist in the train split (hint: the class index comes from train's folders; add {class} to train or remove it)")]
+    UnknownClass {
+        /// The class name.
+        class: String,
+        /// The split where it was found.
+        split: String,
+    },
+    /// A bad image while `--on-bad-image fail` is in force.
+    #[error("bad image {path}: {kind} (hint: fix or remove the file, or use --on-bad-image skip)")]
+    BadImage {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        kind: crate::BadFileKind,
+        /// The underlying decoder or I/O error, when there is one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// An invalid builder or command-line setting.
+    #[error("invalid setting {name} = {value}: {hint}")]
+    InvalidSetting {
+        /// The setting (builder method or flag).
+        name: &'static str,
+        /// The offending value.
+        value: String,
+        /// What would be valid.
+        hint: &'static str,
+    },
+    /// An I/O error on the cache file.
+    #[error(
+        "cache file {path}: {what}: {source} (hint: check --cache-dir is writable and has space)"
+    )]
+    CacheIo {
+        /// The cache file or directory.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the bad-files report failed.
+    #[error("cannot write bad-files report {path}: {source}")]
+    Report {
+        /// The report file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The batch allocator failed or returned a buffer of the wrong size.
+    #[error("batch allocator: {message}")]
+    Allocator {
+        /// What happened.
+        message: String,
+        /// The allocator's own error, if any.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A decode worker died (panicked or vanished) while holding a job.
+    #[error("decode worker failed on {path}: {message}")]
+    WorkerDied {
+        /// The file it was working on.
+        path: PathBuf,
+        /// The panic message or the reason.
+        message: String,
+    },
+    /// Resizing failed (an internal invariant; the source says which).
+    #[error("resizing {path} failed: {source}")]
+    Resize {
+        /// The file.
+        path: PathBuf,
+        /// The resizer's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A requested epoch step is out of range.
+    #[error("start step {step} is past the end of the epoch ({steps} steps)")]
+    StepOutOfRange {
+        /// The requested step.
+        step: usize,
+        /// Steps in an epoch.
+        steps: usize,
+    },
+    /// The engine's runtime could not start.
+    #[error("cannot start the engine runtime: {source}")]
+    Runtime {
+        /// The I/O error from tokio or the OS.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The engine stopped before the epoch ended (the pipeline was shut down).
+    #[error("the engine stopped before the epoch ended: {reason}")]
+    Stopped {
+        /// Why.
+        reason: String,
+    },
+}

@@ -1,0 +1,86 @@
+//! Which samples each replica gets at each step of an epoch.
+//!
+//! One global permutation per `(seed, epoch)`; global batch `s` is positions
+//! `[s·R·B, (s+1)·R·B)` of it and replica `r` takes the `r`-th micro-batch. The last,
+//! incomplete global batch follows the [`LastBatch`] policy identically on every replica.
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::LastBatch;
+
+/// The epoch plan: a permutation and the batching arithmetic over it.
+#[derive(Debug, Clone)]
+pub(crate) struct EpochPlan {
+    order: Vec<u32>,
+    replicas: usize,
+    batch_size: usize,
+    last_batch: LastBatch,
+}
+
+/// Number of steps in an epoch of `n` samples.
+pub(crate) fn steps_per_epoch(
+    n: usize,
+    replicas: usize,
+    batch_size: usize,
+    last: LastBatch,
+) -> usize {
+    let global = replicas * batch_size;
+    match last {
+        LastBatch::Drop => n / global,
+        LastBatch::Partial | LastBatch::Pad => n.div_ceil(global),
+    }
+}
+
+impl EpochPlan {
+    /// The plan for one epoch; `shuffle = false` keeps the scan (file) order.
+    pub(crate) fn new(
+        n: usize,
+        seed: u64,
+        epoch: u64,
+        shuffle: bool,
+        replicas: usize,
+        batch_size: usize,
+        last_batch: LastBatch,
+    ) -> Self {
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        if shuffle {
+            // Mix the epoch into the seed so consecutive epochs are unrelated streams.
+            let stream = seed ^ epoch.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(stream);
+            order.shuffle(&mut rng);
+        }
+        Self {
+            order,
+            replicas,
+            batch_size,
+            last_batch,
+        }
+    }
+
+    /// Sample indices of `replica`'s micro-batch at `step` (may be empty for `partial`).
+    pub(crate) fn micro_batch(&self, step: usize, replica: usize) -> Vec<u32> {
+        let n = self.order.len();
+        let b = self.batch_size;
+        let global = self.replicas * b;
+        let start = step * global;
+        let remaining = n.saturating_sub(start);
+        if remaining >= global || self.last_batch == LastBatch::Drop {
+            let lo = start + replica * b;
+            return self.order[lo.min(n)..(lo + b).min(n)].to_vec();
+        }
+        match self.last_batch {
+            LastBatch::Pad => (0..b)
+                .map(|j| self.order[(start + replica * b + j) % n])
+                .collect(),
+            _ => {
+                // Split the remainder as evenly as possible: the first `extra` replicas get one more.
+                let base = remaining / self.replicas;
+                let extra = remaining % self.replicas;
+                let lo = start + replica * base + replica.min(extra);
+                let len = base + usize::from(replica < extra);
+                self.order[lo..lo + len].to_vec()
+            }
+        }
+    }
+}

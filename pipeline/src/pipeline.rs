@@ -1,0 +1,704 @@
+//! [`Pipeline`]: the running engine, and the per-epoch iterator and stream it hands out.
+//!
+//! Stages of one epoch iterator, all async tasks on the pipeline's tokio runtime except the
+//! decode pool (OS threads), joined by bounded flume channels:
+//!
+//! ```text
+//! planner ─(Job per image, bounded)→ decode pool ─(done per image)→ assembler
+//! planner ─(pending batch, bounded by prefetch)→ assembler ─(Batch, bounded by prefetch)→ consumer
+//! ```
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use crate::bad::BadFile;
+use crate::batch::Batch;
+use crate::buffer::BufferPool;
+use crate::cache::{Cache, CacheKey};
+use crate::order::{steps_per_epoch, EpochPlan};
+use crate::stats::{Counters, EngineStats};
+use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Outcome, Shared};
+use crate::{LastBatch, OnBadImage, PipelineBuilder, PipelineError};
+
+/// The input engine for one split. Cheap to clone and share (`Arc` inside); `Send + Sync`.
+#[derive(Clone)]
+pub struct Pipeline {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    seed: u64,
+    replicas: usize,
+    batch_size: usize,
+    workers: usize,
+    prefetch: usize,
+    shuffle: bool,
+    last_batch: LastBatch,
+    fingerprint: u64,
+    pool: BufferPool,
+    jobs: flume::Sender<Job>,
+    job_capacity: usize,
+    runtime: Option<tokio::runtime::Runtime>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Dropping inside someone's async context must not block: let tasks wind down alone.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+        // Closing the job channel stops the workers once queued jobs are done.
+        let (closed, _) = flume::bounded(0);
+        self.jobs = closed;
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("split", &self.inner.shared.split)
+            .field("samples", &self.len())
+            .field("classes", &self.classes().len())
+            .field("image_size", &self.image_size())
+            .field("cache", &self.inner.shared.cache.path())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Fingerprint of the split's contents and of the resize settings.
+fn fingerprint(b: &PipelineBuilder, classes: &[String], samples: &[crate::scan::Sample]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"birdtrain-pipeline-v1");
+    h.update(b.split.as_str().as_bytes());
+    h.update(&b.image_size.to_le_bytes());
+    h.update(b.resize_mode.as_str().as_bytes());
+    for class in classes {
+        h.update(class.as_bytes());
+        h.update(&[0]);
+    }
+    let root = b.source.root();
+    for s in samples {
+        let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
+        h.update(rel.to_string_lossy().as_bytes());
+        h.update(&[0]);
+        h.update(&s.size.to_le_bytes());
+        h.update(&s.mtime_ns.to_le_bytes());
+        h.update(&s.label.to_le_bytes());
+    }
+    h.digest()
+}
+
+/// The cache file for this dataset root, split and resize setting (contents are checked by
+/// the fingerprint in the header, so an edited dataset reuses, and rebuilds, the same file).
+fn cache_path(b: &PipelineBuilder) -> PathBuf {
+    let dir = b.cache_dir.clone().unwrap_or_else(|| {
+        dirs::cache_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("birdtrain")
+    });
+    let root = b.source.root();
+    let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+    let layout = match &b.source {
+        crate::DatasetSource::Folder { .. } => "folder".to_string(),
+        crate::DatasetSource::Flat { valid_fraction, .. } => {
+            format!("flat-{valid_fraction}-{}", b.seed)
+        }
+    };
+    let key = format!("{}|{layout}", canonical.display());
+    let hash = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+    let name: String = root
+        .file_name()
+        .map(|n| {
+            n.to_string_lossy()
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect()
+        })
+        .unwrap_or_default();
+    dir.join(format!(
+        "{name}-{}-{}-{}-{hash:016x}.bcache",
+        b.split, b.image_size, b.resize_mode
+    ))
+}
+
+impl Pipeline {
+    pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
+        let scanned = crate::scan::scan(&b.source, b.split, b.seed)?;
+        if b.on_bad_image == OnBadImage::Fail {
+            if let Some(first) = scanned.bad.first() {
+                return Err(PipelineError::BadImage {
+                    path: first.path.clone(),
+                    kind: first.kind,
+                    source: Some(first.detail.clone().into()),
+                });
+            }
+        }
+        for file in &scanned.bad {
+            tracing::warn!(
+                "skipping bad file {}: {} ({})",
+                file.path.display(),
+                file.kind,
+                file.detail
+            );
+        }
+        let fp = fingerprint(&b, &scanned.classes, &scanned.samples);
+        let labels: Vec<u32> = scanned.samples.iter().map(|s| s.label).collect();
+        let key = CacheKey {
+            image_size: b.image_size,
+            count: scanned.samples.len(),
+            fingerprint: fp,
+        };
+        let cache = Cache::open(&cache_path(&b), key, &labels)?;
+        let mut class_totals = vec![0usize; scanned.classes.len()];
+        for &l in &labels {
+            class_totals[l as usize] += 1;
+        }
+        let mut log = BadLog {
+            files: scanned.bad.clone(),
+            per_class: vec![0; scanned.classes.len()],
+            class_totals,
+            ..BadLog::default()
+        };
+        // Bad files found by an earlier pass over this cache count from the start.
+        for (i, s) in scanned.samples.iter().enumerate() {
+            if cache.is_bad(i) {
+                log.seen.insert(i as u32);
+                log.per_class[s.label as usize] += 1;
+                log.files.push(BadFile::new(
+                    s.path.clone(),
+                    crate::BadFileKind::Corrupt,
+                    "marked bad in the cache by an earlier pass".into(),
+                ));
+            }
+        }
+        if let Some(path) = &b.bad_files_report {
+            crate::bad::write_report(path, &log.files)?;
+        }
+        let counters = Counters::new();
+        counters
+            .bad_files
+            .store(log.files.len() as u64, Ordering::Relaxed);
+        counters.ready_capacity.store(0, Ordering::Relaxed);
+        let shared = Arc::new(Shared {
+            root: b.source.root().to_path_buf(),
+            split: b.split.to_string(),
+            samples: scanned.samples,
+            class_names: scanned.classes,
+            image_size: b.image_size,
+            resize_mode: b.resize_mode,
+            on_bad: b.on_bad_image,
+            max_pixels: b.max_pixels,
+            cache,
+            counters,
+            bad: Mutex::new(log),
+            report: b.bad_files_report.clone(),
+        });
+        let job_capacity = (b.workers * 4).max(b.batch_size);
+        let (jobs, job_rx) = flume::bounded(job_capacity);
+        let threads = spawn_pool(b.workers, job_rx, b.image_size, b.resize_mode)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pipeline-orchestrator")
+            .build()
+            .map_err(|source| PipelineError::Runtime { source })?;
+        let record = shared.record_bytes();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                shared,
+                seed: b.seed,
+                replicas: b.replicas,
+                batch_size: b.batch_size,
+                workers: b.workers,
+                prefetch: b.prefetch,
+                shuffle: b.shuffle,
+                last_batch: b.last_batch,
+                fingerprint: fp,
+                pool: BufferPool::new(b.allocator, b.batch_size * record),
+                jobs,
+                job_capacity,
+                runtime: Some(runtime),
+                threads,
+            }),
+        })
+    }
+
+    /// Class names; index = label.
+    pub fn classes(&self) -> &[String] {
+        &self.inner.shared.class_names
+    }
+
+    /// Samples in the split (files that passed the scan; bad files found later still count).
+    pub fn len(&self) -> usize {
+        self.inner.shared.samples.len()
+    }
+
+    /// Whether the split has no samples (never true for a built pipeline).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Steps per epoch, the same for every replica.
+    pub fn steps_per_epoch(&self) -> usize {
+        let i = &self.inner;
+        steps_per_epoch(self.len(), i.replicas, i.batch_size, i.last_batch)
+    }
+
+    /// Side of the stored square images.
+    pub fn image_size(&self) -> u32 {
+        self.inner.shared.image_size
+    }
+
+    /// Images per replica per step.
+    pub fn batch_size(&self) -> usize {
+        self.inner.batch_size
+    }
+
+    /// Number of replicas.
+    pub fn replicas(&self) -> usize {
+        self.inner.replicas
+    }
+
+    /// Fingerprint of the dataset (paths, sizes, mtimes, labels) and resize settings; equal on
+    /// every node that sees the same data, for rendezvous checks.
+    pub fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
+    }
+
+    /// The cache file in use.
+    pub fn cache_path(&self) -> &std::path::Path {
+        self.inner.shared.cache.path()
+    }
+
+    /// A snapshot of the engine's statistics.
+    pub fn stats(&self) -> EngineStats {
+        let i = &self.inner;
+        let n = self.len().max(1);
+        let fill = i.shared.cache.resolved() as f64 / n as f64;
+        i.shared
+            .counters
+            .snapshot(i.workers, (i.jobs.len(), i.job_capacity), fill)
+    }
+
+    /// Bad files met so far (scan time, and decode time as epochs run).
+    pub fn bad_files(&self) -> Vec<BadFile> {
+        let log = self
+            .inner
+            .shared
+            .bad
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        log.files.clone()
+    }
+
+    /// Free batch buffers in the pool (buffers come back when batches are dropped).
+    pub fn free_buffers(&self) -> usize {
+        self.inner.pool.free()
+    }
+
+    /// Batches of `replica` for `epoch`, from `start_step` on, as a blocking iterator.
+    pub fn epoch(
+        &self,
+        epoch: u64,
+        replica: usize,
+        start_step: usize,
+    ) -> Result<EpochIter, PipelineError> {
+        let (rx, expected) = self.launch(epoch, replica, start_step)?;
+        Ok(EpochIter {
+            rx,
+            remaining: expected,
+            shared: Arc::clone(&self.inner.shared),
+            _inner: Arc::clone(&self.inner),
+        })
+    }
+
+    /// The same batches as [`Pipeline::epoch`], as an async stream.
+    pub fn epoch_stream(
+        &self,
+        epoch: u64,
+        replica: usize,
+        start_step: usize,
+    ) -> Result<EpochStream, PipelineError> {
+        let (rx, expected) = self.launch(epoch, replica, start_step)?;
+        Ok(EpochStream {
+            rx: rx.into_stream(),
+            remaining: expected,
+            shared: Arc::clone(&self.inner.shared),
+            _inner: Arc::clone(&self.inner),
+        })
+    }
+
+    /// Starts the planner and assembler tasks of one epoch iterator.
+    fn launch(
+        &self,
+        epoch: u64,
+        replica: usize,
+        start_step: usize,
+    ) -> Result<(flume::Receiver<Result<Batch, PipelineError>>, usize), PipelineError> {
+        let i = &self.inner;
+        if replica >= i.replicas {
+            return Err(PipelineError::InvalidSetting {
+                name: "replica",
+                value: replica.to_string(),
+                hint: "must be below the pipeline's replica count",
+            });
+        }
+        let steps = self.steps_per_epoch();
+        if start_step > steps {
+            return Err(PipelineError::StepOutOfRange {
+                step: start_step,
+                steps,
+            });
+        }
+        if let Some(fatal) = i.shared.fatal() {
+            return Err(i.shared.fatal_error(fatal));
+        }
+        let plan = EpochPlan::new(
+            self.len(),
+            i.seed,
+            epoch,
+            i.shuffle,
+            i.replicas,
+            i.batch_size,
+            i.last_batch,
+        );
+        let (out_tx, out_rx) = flume::bounded(i.prefetch);
+        let (pending_tx, pending_rx) = flume::bounded(i.prefetch);
+        let cancel = Arc::new(AtomicBool::new(false));
+        i.shared
+            .counters
+            .ready_capacity
+            .fetch_add(i.prefetch, Ordering::Relaxed);
+        let planner = Planner {
+            shared: Arc::clone(&i.shared),
+            plan,
+            epoch,
+            replica,
+            jobs: i.jobs.clone(),
+            pool_free: i.pool.returner(),
+            cancel: Arc::clone(&cancel),
+        };
+        let pool = PoolHandle(Arc::clone(&self.inner));
+        let runtime = i.runtime.as_ref().expect("runtime lives as long as Inner");
+        runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
+        let assembler = Assembler {
+            shared: Arc::clone(&i.shared),
+            cancel,
+            prefetch: i.prefetch,
+            returner: i.pool.returner(),
+        };
+        runtime.spawn(assembler.run(pending_rx, out_tx));
+        Ok((out_rx, steps - start_step))
+    }
+}
+
+/// Lets the planner take buffers without owning the pipeline's runtime (no cycle on drop).
+struct PoolHandle(Arc<Inner>);
+
+/// A planned micro-batch whose images are being produced.
+struct Pending {
+    epoch: u64,
+    step: usize,
+    replica: usize,
+    indices: Vec<u32>,
+    holder: Arc<BufferHolder>,
+    done: flume::Receiver<(usize, Result<Outcome, PipelineError>)>,
+}
+
+struct Planner {
+    shared: Arc<Shared>,
+    plan: EpochPlan,
+    epoch: u64,
+    replica: usize,
+    jobs: flume::Sender<Job>,
+    pool_free: flume::Sender<crate::buffer::Slot>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Planner {
+    async fn run(
+        self,
+        start_step: usize,
+        steps: usize,
+        pool: PoolHandle,
+        pending_tx: flume::Sender<Result<Pending, PipelineError>>,
+    ) {
+        let record = self.shared.record_bytes();
+        // Only a weak hold on the pipeline while waiting, so dropping it ends the epoch.
+        let weak = Arc::downgrade(&pool.0);
+        drop(pool);
+        for step in start_step..steps {
+            let Some(inner) = weak.upgrade() else { return };
+            let pool = inner.pool.clone();
+            drop(inner);
+            let slot = match pool.take_async().await {
+                Ok(slot) => slot,
+                Err(e) => {
+                    let _ = pending_tx.send_async(Err(e)).await;
+                    return;
+                }
+            };
+            let indices = self.plan.micro_batch(step, self.replica);
+            let holder = Arc::new(BufferHolder {
+                slot: Mutex::new(Some(slot)),
+                returner: self.pool_free.clone(),
+            });
+            let (done_tx, done_rx) = flume::bounded(indices.len().max(1));
+            let dests = holder.dests(indices.len(), record);
+            for (position, (&index, dest)) in indices.iter().zip(dests).enumerate() {
+                let job = Job {
+                    shared: Arc::clone(&self.shared),
+                    index,
+                    position,
+                    dest,
+                    holder: Arc::clone(&holder),
+                    cancel: Arc::clone(&self.cancel),
+                    done: done_tx.clone(),
+                };
+                if self.jobs.send_async(job).await.is_err() {
+                    return; // The pipeline is shutting down.
+                }
+            }
+            let pending = Pending {
+                epoch: self.epoch,
+                step,
+                replica: self.replica,
+                indices,
+                holder,
+                done: done_rx,
+            };
+            if pending_tx.send_async(Ok(pending)).await.is_err() {
+                self.cancel.store(true, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
+}
+
+impl BufferPool {
+    /// A slot without blocking the async worker: allocation (possibly pinned memory, slow)
+    /// runs on tokio's blocking pool.
+    async fn take_async(&self) -> Result<crate::buffer::Slot, PipelineError> {
+        if self.free() > 0 {
+            return self.take();
+        }
+        let (tx, rx) = flume::bounded(1);
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _ = tx.send(this.take());
+        });
+        rx.recv_async()
+            .await
+            .map_err(|_| PipelineError::Allocator {
+                message: "the allocation task ended without a result".into(),
+                source: None,
+            })?
+    }
+}
+
+struct Assembler {
+    shared: Arc<Shared>,
+    cancel: Arc<AtomicBool>,
+    prefetch: usize,
+    returner: flume::Sender<crate::buffer::Slot>,
+}
+
+impl Assembler {
+    async fn run(
+        self,
+        pending_rx: flume::Receiver<Result<Pending, PipelineError>>,
+        out_tx: flume::Sender<Result<Batch, PipelineError>>,
+    ) {
+        let counters = &self.shared.counters;
+        while let Ok(pending) = pending_rx.recv_async().await {
+            let result = match pending {
+                Ok(pending) => self.assemble(pending).await,
+                Err(e) => Err(e),
+            };
+            let failed = result.is_err();
+            let result = match result {
+                Ok(batch) => match self.shared.fatal() {
+                    Some(fatal) => Err(self.shared.fatal_error(fatal)),
+                    None => Ok(batch),
+                },
+                Err(e) => Err(e),
+            };
+            let failed = failed || result.is_err();
+            counters.ready_batches.fetch_add(1, Ordering::Relaxed);
+            let delivered = out_tx.send_async(result).await.is_ok();
+            if !delivered {
+                counters.ready_batches.fetch_sub(1, Ordering::Relaxed);
+            }
+            if !delivered || failed {
+                // Nothing more comes from this epoch: stop queued jobs from doing work.
+                self.cancel.store(true, Ordering::Relaxed);
+                break;
+            }
+        }
+        counters
+            .ready_capacity
+            .fetch_sub(self.prefetch, Ordering::Relaxed);
+    }
+
+    async fn assemble(&self, p: Pending) -> Result<Batch, PipelineError> {
+        let n = p.indices.len();
+        let mut outcomes = vec![Outcome::Cancelled; n];
+        for _ in 0..n {
+            match p.done.recv_async().await {
+                Ok((pos, Ok(outcome))) => outcomes[pos] = outcome,
+                Ok((_, Err(e))) => return Err(e),
+                Err(_) => {
+                    return Err(PipelineError::Stopped {
+                        reason:
+                            "a decode job was dropped without a result (pipeline shutting down)"
+                                .into(),
+                    })
+                }
+            }
+        }
+        let mut slot = p
+            .holder
+            .slot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("every job has reported, so the slot is back (programmer error otherwise)");
+        let record = self.shared.record_bytes();
+        let pixels = slot.pixels.as_mut_slice();
+        slot.labels.clear();
+        slot.ids.clear();
+        // Keep plan order; close the gaps of skipped bad files.
+        for (pos, &index) in p.indices.iter().enumerate() {
+            if outcomes[pos] == Outcome::Skipped {
+                continue;
+            }
+            let to = slot.labels.len();
+            if to != pos {
+                pixels.copy_within(pos * record..(pos + 1) * record, to * record);
+            }
+            slot.labels.push(self.shared.samples[index as usize].label);
+            slot.ids.push(u64::from(index));
+        }
+        self.shared.counters.batches.fetch_add(1, Ordering::Relaxed);
+        let sample_ids = std::mem::take(&mut slot.ids);
+        Ok(Batch {
+            epoch: p.epoch,
+            step: p.step,
+            replica: p.replica,
+            len: sample_ids.len(),
+            image_size: self.shared.image_size,
+            sample_ids,
+            slot: Some(slot),
+            returner: self.returner.clone(),
+        })
+    }
+}
+
+/// One replica's batches of one epoch, blocking. Ends after the last step or the first error.
+pub struct EpochIter {
+    rx: flume::Receiver<Result<Batch, PipelineError>>,
+    remaining: usize,
+    shared: Arc<Shared>,
+    _inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EpochIter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochIter")
+            .field("remaining", &self.remaining)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Turns one received item into the iterator's next value, ending after an error and
+/// reporting an early end (a crashed stage) as an error rather than a short epoch.
+fn next_item(
+    remaining: &mut usize,
+    shared: &Shared,
+    item: Option<Result<Batch, PipelineError>>,
+) -> Option<Result<Batch, PipelineError>> {
+    if *remaining == 0 {
+        return None;
+    }
+    match item {
+        Some(Ok(batch)) => {
+            shared
+                .counters
+                .ready_batches
+                .fetch_sub(1, Ordering::Relaxed);
+            *remaining -= 1;
+            Some(Ok(batch))
+        }
+        Some(Err(e)) => {
+            shared
+                .counters
+                .ready_batches
+                .fetch_sub(1, Ordering::Relaxed);
+            *remaining = 0;
+            Some(Err(e))
+        }
+        None => {
+            let left = std::mem::take(remaining);
+            Some(Err(PipelineError::Stopped {
+                reason: format!("the engine's stages ended with {left} steps of the epoch left"),
+            }))
+        }
+    }
+}
+
+impl Iterator for EpochIter {
+    type Item = Result<Batch, PipelineError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.remaining == 0 {
+            return None;
+        }
+        let started = Instant::now();
+        let item = self.rx.recv().ok();
+        Counters::add_nanos(&self.shared.counters.wait_nanos, started);
+        next_item(&mut self.remaining, &self.shared, item)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, Some(self.remaining))
+    }
+}
+
+/// One replica's batches of one epoch as an async stream; the same items as [`EpochIter`].
+pub struct EpochStream {
+    rx: flume::r#async::RecvStream<'static, Result<Batch, PipelineError>>,
+    remaining: usize,
+    shared: Arc<Shared>,
+    _inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EpochStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochStream")
+            .field("remaining", &self.remaining)
+            .finish_non_exhaustive()
+    }
+}
+
+impl futures_core::Stream for EpochStream {
+    type Item = Result<Batch, PipelineError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.remaining == 0 {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.rx).poll_next(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(item) => Poll::Ready(next_item(&mut this.remaining, &this.shared, item)),
+        }
+    }
+}

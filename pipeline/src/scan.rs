@@ -1,0 +1,295 @@
+//! Scanning a dataset folder into a sorted list of samples with class labels.
+//!
+//! Two layouts: the Kaggle "285 birds" `<root>/{train,valid,test}/<class>/<file>` and a flat
+//! `<root>/<class>/<file>` whose valid share is picked per file by a seeded hash, so the split
+//! is stable for a seed and does not move when files are added elsewhere. The class index is
+//! always the sorted folder names of the train split (flat: of the root).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use crate::bad::{BadFile, BadFileKind};
+use crate::{PipelineError, Split};
+
+/// Where a dataset lives and how it is laid out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DatasetSource {
+    /// `<root>/{train,valid,test}/<class>/<file>`.
+    Folder {
+        /// The dataset root.
+        root: PathBuf,
+    },
+    /// `<root>/<class>/<file>`; a `valid_fraction` of each class goes to the valid split.
+    Flat {
+        /// The dataset root.
+        root: PathBuf,
+        /// Share of files in the valid split, in `[0, 1)`.
+        valid_fraction: f32,
+    },
+}
+
+impl DatasetSource {
+    /// A dataset in the `train/valid/test` folder layout.
+    pub fn folder(root: impl Into<PathBuf>) -> Self {
+        Self::Folder { root: root.into() }
+    }
+
+    /// A flat `<root>/<class>/<file>` dataset split by a seeded hash.
+    pub fn flat(root: impl Into<PathBuf>, valid_fraction: f32) -> Self {
+        Self::Flat {
+            root: root.into(),
+            valid_fraction,
+        }
+    }
+
+    /// The dataset root.
+    pub fn root(&self) -> &Path {
+        match self {
+            Self::Folder { root } | Self::Flat { root, .. } => root,
+        }
+    }
+}
+
+/// One image file of a split.
+#[derive(Debug, Clone)]
+pub(crate) struct Sample {
+    pub(crate) path: PathBuf,
+    pub(crate) label: u32,
+    pub(crate) size: u64,
+    pub(crate) mtime_ns: u128,
+}
+
+/// The result of scanning one split.
+#[derive(Debug)]
+pub(crate) struct ScannedSplit {
+    pub(crate) classes: Vec<String>,
+    pub(crate) samples: Vec<Sample>,
+    /// Entries rejected at scan time (zero-byte, directories or dangling links named like files).
+    pub(crate) bad: Vec<BadFile>,
+}
+
+fn is_hidden(name: &std::ffi::OsStr) -> bool {
+    name.to_string_lossy().starts_with('.')
+}
+
+/// Sorted, non-hidden subdirectory names of `dir`.
+fn class_dirs(dir: &Path) -> Result<Vec<String>, PipelineError> {
+    let entries = fs::read_dir(dir).map_err(|source| PipelineError::ReadDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| PipelineError::ReadDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        if is_hidden(&entry.file_name()) {
+            continue;
+        }
+        // Follow symlinks: a linked class folder is still a class folder.
+        if fs::metadata(entry.path())
+            .map(|m| m.is_dir())
+            .unwrap_or(false)
+        {
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Files of one class folder, sorted by name; unusable entries go to `bad`.
+fn class_files(
+    dir: &Path,
+    label: u32,
+    out: &mut Vec<Sample>,
+    bad: &mut Vec<BadFile>,
+) -> Result<(), PipelineError> {
+    let entries = fs::read_dir(dir).map_err(|source| PipelineError::ReadDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut paths: Vec<PathBuf> = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| PipelineError::ReadDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        if !is_hidden(&entry.file_name()) {
+            paths.push(entry.path());
+        }
+    }
+    paths.sort();
+    for path in paths {
+        match fs::metadata(&path) {
+            Err(e) => bad.push(BadFile::new(path, BadFileKind::Unreadable, e.to_string())),
+            Ok(meta) if !meta.is_file() => bad.push(BadFile::new(
+                path,
+                BadFileKind::Unreadable,
+                "not a regular file".into(),
+            )),
+            Ok(meta) if meta.len() == 0 => {
+                bad.push(BadFile::new(path, BadFileKind::Empty, "zero bytes".into()))
+            }
+            Ok(meta) => {
+                let mtime_ns = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0);
+                out.push(Sample {
+                    path,
+                    label,
+                    size: meta.len(),
+                    mtime_ns,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn require_dir(path: &Path, hint: &'static str) -> Result<(), PipelineError> {
+    if path.is_dir() {
+        Ok(())
+    } else {
+        Err(PipelineError::MissingDir {
+            path: path.to_path_buf(),
+            hint,
+        })
+    }
+}
+
+/// Scans `split` of `source`. `seed` only matters for the flat layout's valid selection.
+pub(crate) fn scan(
+    source: &DatasetSource,
+    split: Split,
+    seed: u64,
+) -> Result<ScannedSplit, PipelineError> {
+    let root = source.root();
+    require_dir(root, "pass the dataset root with --data")?;
+    match source {
+        DatasetSource::Folder { root } => scan_folder(root, split),
+        DatasetSource::Flat {
+            root,
+            valid_fraction,
+        } => scan_flat(root, split, *valid_fraction, seed),
+    }
+}
+
+fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError> {
+    let train_dir = root.join(Split::Train.as_str());
+    require_dir(
+        &train_dir,
+        "the folder layout needs <root>/train/<class>/ (the class index comes from it); use the flat layout for <root>/<class>/",
+    )?;
+    let classes = class_dirs(&train_dir)?;
+    let split_dir = root.join(split.as_str());
+    require_dir(&split_dir, "expected <root>/{train,valid,test}/<class>/")?;
+    let split_classes = if split == Split::Train {
+        classes.clone()
+    } else {
+        class_dirs(&split_dir)?
+    };
+    if split_classes.is_empty() {
+        return Err(PipelineError::EmptySplit {
+            root: root.to_path_buf(),
+            split: split.to_string(),
+        });
+    }
+    let mut samples = Vec::new();
+    let mut bad = Vec::new();
+    for name in &split_classes {
+        let label = classes
+            .binary_search(name)
+            .map_err(|_| PipelineError::UnknownClass {
+                class: name.clone(),
+                split: split.to_string(),
+            })?;
+        let dir = split_dir.join(name);
+        let before = samples.len();
+        class_files(&dir, label as u32, &mut samples, &mut bad)?;
+        if samples.len() == before {
+            return Err(PipelineError::ClassWithoutImages {
+                class: name.clone(),
+                path: dir,
+            });
+        }
+    }
+    Ok(ScannedSplit {
+        classes,
+        samples,
+        bad,
+    })
+}
+
+/// A uniform number in `[0, 1)` from the seed and the file's path relative to the root.
+fn split_draw(seed: u64, relative: &Path) -> f64 {
+    let h = xxhash_rust::xxh3::xxh3_64_with_seed(relative.to_string_lossy().as_bytes(), seed);
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn scan_flat(
+    root: &Path,
+    split: Split,
+    valid_fraction: f32,
+    seed: u64,
+) -> Result<ScannedSplit, PipelineError> {
+    if !(0.0..1.0).contains(&valid_fraction) {
+        return Err(PipelineError::InvalidSetting {
+            name: "--valid-fraction",
+            value: valid_fraction.to_string(),
+            hint: "expected a fraction in [0, 1)",
+        });
+    }
+    if split == Split::Test {
+        return Err(PipelineError::InvalidSetting {
+            name: "--split",
+            value: "test".into(),
+            hint: "the flat layout has only train and valid splits",
+        });
+    }
+    let classes = class_dirs(root)?;
+    if classes.is_empty() {
+        return Err(PipelineError::EmptySplit {
+            root: root.to_path_buf(),
+            split: split.to_string(),
+        });
+    }
+    let mut samples = Vec::new();
+    let mut bad = Vec::new();
+    for (label, name) in classes.iter().enumerate() {
+        let dir = root.join(name);
+        let mut all = Vec::new();
+        class_files(&dir, label as u32, &mut all, &mut bad)?;
+        if all.is_empty() {
+            return Err(PipelineError::ClassWithoutImages {
+                class: name.clone(),
+                path: dir,
+            });
+        }
+        let want_valid = split == Split::Valid;
+        samples.extend(all.into_iter().filter(|s| {
+            let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
+            (split_draw(seed, rel) < f64::from(valid_fraction)) == want_valid
+        }));
+    }
+    bad.retain(|b| {
+        let rel = b.path.strip_prefix(root).unwrap_or(&b.path);
+        (split_draw(seed, rel) < f64::from(valid_fraction)) == (split == Split::Valid)
+    });
+    if samples.is_empty() {
+        return Err(PipelineError::EmptySplit {
+            root: root.to_path_buf(),
+            split: split.to_string(),
+        });
+    }
+    Ok(ScannedSplit {
+        classes,
+        samples,
+        bad,
+    })
+}

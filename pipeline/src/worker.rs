@@ -1,0 +1,337 @@
+//! The decode pool: plain OS threads that turn a sample index into `S×S×3` pixels in a batch
+//! slot, from the cache when the record is there, else by read → decode → resize → cache.
+
+use std::io::Read;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::bad::{BadFile, BadFileKind};
+use crate::buffer::Slot;
+use crate::cache::Cache;
+use crate::decode::decode_rgb8;
+use crate::resize::SquareResizer;
+use crate::scan::Sample;
+use crate::stats::Counters;
+use crate::{OnBadImage, PipelineError, ResizeMode};
+
+/// Everything workers and assemblers share; owned through `Arc`.
+pub(crate) struct Shared {
+    pub(crate) root: std::path::PathBuf,
+    pub(crate) split: String,
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) class_names: Vec<String>,
+    pub(crate) image_size: u32,
+    pub(crate) resize_mode: ResizeMode,
+    pub(crate) on_bad: OnBadImage,
+    pub(crate) max_pixels: u64,
+    pub(crate) cache: Cache,
+    pub(crate) counters: Counters,
+    pub(crate) bad: Mutex<BadLog>,
+    pub(crate) report: Option<std::path::PathBuf>,
+}
+
+/// Bad files met so far and the per-class tallies that detect a class with no good image.
+#[derive(Debug, Default)]
+pub(crate) struct BadLog {
+    pub(crate) files: Vec<BadFile>,
+    /// Sample indices already counted (decode-time bad files).
+    pub(crate) seen: std::collections::HashSet<u32>,
+    pub(crate) per_class: Vec<usize>,
+    pub(crate) class_totals: Vec<usize>,
+}
+
+/// A dataset-level failure discovered while decoding, re-created for each consumer.
+#[derive(Debug, Clone)]
+pub(crate) enum Fatal {
+    AllBad(usize),
+    Class(usize),
+}
+
+impl Shared {
+    pub(crate) fn record_bytes(&self) -> usize {
+        self.image_size as usize * self.image_size as usize * 3
+    }
+
+    /// Counts a decode-time bad file once, logs it and rewrites the report.
+    pub(crate) fn note_bad(&self, index: u32, file: BadFile) {
+        let mut log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
+        if !log.seen.insert(index) {
+            return;
+        }
+        tracing::warn!(
+            "skipping bad image {}: {} ({})",
+            file.path.display(),
+            file.kind,
+            file.detail
+        );
+        let label = self.samples[index as usize].label as usize;
+        log.per_class[label] += 1;
+        log.files.push(file);
+        self.counters.bad_files.fetch_add(1, Ordering::Relaxed);
+        if let Some(path) = &self.report {
+            if let Err(e) = crate::bad::write_report(path, &log.files) {
+                tracing::warn!("{e}");
+            }
+        }
+    }
+
+    /// Whether bad files have made the dataset unusable.
+    pub(crate) fn fatal(&self) -> Option<Fatal> {
+        let log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
+        if log.seen.len() == self.samples.len() {
+            return Some(Fatal::AllBad(log.files.len()));
+        }
+        log.per_class
+            .iter()
+            .zip(&log.class_totals)
+            .position(|(bad, total)| *total > 0 && bad == total)
+            .map(Fatal::Class)
+    }
+
+    pub(crate) fn fatal_error(&self, fatal: Fatal) -> PipelineError {
+        match fatal {
+            Fatal::AllBad(bad) => PipelineError::AllImagesBad {
+                root: self.root.clone(),
+                split: self.split.clone(),
+                bad,
+            },
+            Fatal::Class(class) => PipelineError::ClassWithoutImages {
+                class: self.class_names[class].clone(),
+                path: self.root.join(&self.split).join(&self.class_names[class]),
+            },
+        }
+    }
+}
+
+/// Where a job writes its pixels: one image's slot in a batch buffer.
+pub(crate) struct Dest {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: each Dest covers a distinct range of a buffer that the job's `BufferHolder` keeps
+// alive; no one else touches that range until the job reports completion over a channel.
+unsafe impl Send for Dest {}
+
+/// Keeps a batch buffer alive while jobs write into it; returns it to the pool if abandoned.
+pub(crate) struct BufferHolder {
+    pub(crate) slot: Mutex<Option<Slot>>,
+    pub(crate) returner: flume::Sender<Slot>,
+}
+
+impl BufferHolder {
+    /// Destination `j` of `count` in the held buffer.
+    pub(crate) fn dests(&self, count: usize, record_bytes: usize) -> Vec<Dest> {
+        let mut guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = guard
+            .as_mut()
+            .expect("a fresh holder has its slot (programmer error)");
+        let base = slot.pixels.as_mut_slice();
+        assert!(base.len() >= count * record_bytes, "pool checked the size");
+        let ptr = base.as_mut_ptr();
+        (0..count)
+            .map(|j| Dest {
+                // SAFETY: j·record_bytes + record_bytes ≤ the buffer length (asserted above).
+                ptr: unsafe { ptr.add(j * record_bytes) },
+                len: record_bytes,
+            })
+            .collect()
+    }
+}
+
+impl Drop for BufferHolder {
+    fn drop(&mut self) {
+        if let Some(slot) = self
+            .slot
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = self.returner.send(slot);
+        }
+    }
+}
+
+/// How one image turned out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Hit,
+    Decoded,
+    Skipped,
+    Cancelled,
+}
+
+/// One image to produce.
+pub(crate) struct Job {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) index: u32,
+    pub(crate) position: usize,
+    pub(crate) dest: Dest,
+    pub(crate) holder: Arc<BufferHolder>,
+    pub(crate) cancel: Arc<AtomicBool>,
+    pub(crate) done: flume::Sender<(usize, Result<Outcome, PipelineError>)>,
+}
+
+/// A worker's reusable state: its resizer and file buffer.
+struct Scratch {
+    resizer: SquareResizer,
+    bytes: Vec<u8>,
+}
+
+/// Starts `workers` decode threads reading jobs from `jobs`.
+pub(crate) fn spawn_pool(
+    workers: usize,
+    jobs: flume::Receiver<Job>,
+    image_size: u32,
+    mode: ResizeMode,
+) -> Result<Vec<std::thread::JoinHandle<()>>, PipelineError> {
+    (0..workers)
+        .map(|i| {
+            let jobs = jobs.clone();
+            std::thread::Builder::new()
+                .name(format!("pipeline-decode-{i}"))
+                .spawn(move || {
+                    let mut scratch = Scratch {
+                        resizer: SquareResizer::new(image_size, mode),
+                        bytes: Vec::new(),
+                    };
+                    while let Ok(job) = jobs.recv() {
+                        run(job, &mut scratch);
+                    }
+                })
+                .map_err(|source| PipelineError::Runtime { source })
+        })
+        .collect()
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+fn run(job: Job, scratch: &mut Scratch) {
+    let result = if job.cancel.load(Ordering::Relaxed) {
+        Ok(Outcome::Cancelled)
+    } else {
+        // A panic must not kill the thread (queued jobs would wait forever): it becomes an
+        // error value for the consumer, naming the file.
+        catch_unwind(AssertUnwindSafe(|| produce(&job, scratch))).unwrap_or_else(|payload| {
+            scratch.resizer = SquareResizer::new(job.shared.image_size, job.shared.resize_mode);
+            Err(PipelineError::WorkerDied {
+                path: job.shared.samples[job.index as usize].path.clone(),
+                message: panic_message(payload.as_ref()),
+            })
+        })
+    };
+    let _ = job.done.send((job.position, result));
+    drop(job.holder);
+}
+
+fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
+    let shared = &*job.shared;
+    let i = job.index as usize;
+    // SAFETY: see `Dest`; the holder in `job` keeps the buffer alive for this call.
+    let dest = unsafe { std::slice::from_raw_parts_mut(job.dest.ptr, job.dest.len) };
+    if let Some(record) = shared.cache.record(i) {
+        dest.copy_from_slice(record);
+        shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+        return Ok(Outcome::Hit);
+    }
+    let sample = &shared.samples[i];
+    if shared.cache.is_bad(i) {
+        let file = BadFile::new(
+            sample.path.clone(),
+            BadFileKind::Corrupt,
+            "marked bad in the cache by an earlier pass".into(),
+        );
+        return bad(shared, job.index, file, None);
+    }
+    let started = Instant::now();
+    let claim = shared.cache.claim(i);
+    scratch.bytes.clear();
+    let read =
+        std::fs::File::open(&sample.path).and_then(|mut f| f.read_to_end(&mut scratch.bytes));
+    if let Err(e) = read {
+        if let Some(claim) = claim {
+            claim.mark_bad();
+        }
+        let file = BadFile::new(sample.path.clone(), BadFileKind::Unreadable, e.to_string());
+        return bad(shared, job.index, file, Some(Box::new(e)));
+    }
+    let kind = if scratch.bytes.is_empty() {
+        Some(BadFileKind::Empty)
+    } else {
+        None
+    };
+    let image = match kind {
+        Some(kind) => Err(crate::decode::DecodeFailure {
+            kind,
+            source: "zero bytes".into(),
+        }),
+        None => decode_rgb8(&scratch.bytes, shared.max_pixels),
+    };
+    let image = match image {
+        Ok(image) => image,
+        Err(failure) => {
+            if let Some(claim) = claim {
+                claim.mark_bad();
+            }
+            let file = BadFile::new(
+                sample.path.clone(),
+                failure.kind,
+                failure.source.to_string(),
+            );
+            return bad(shared, job.index, file, Some(failure.source));
+        }
+    };
+    match claim {
+        Some(mut claim) => {
+            resize(scratch, &image, claim.pixels(), &sample.path)?;
+            dest.copy_from_slice(claim.pixels());
+            claim.commit();
+        }
+        None => resize(scratch, &image, dest, &sample.path)?,
+    }
+    Counters::add_nanos(&shared.counters.decode_nanos, started);
+    shared.counters.decoded.fetch_add(1, Ordering::Relaxed);
+    Ok(Outcome::Decoded)
+}
+
+fn resize(
+    scratch: &mut Scratch,
+    image: &image::RgbImage,
+    out: &mut [u8],
+    path: &std::path::Path,
+) -> Result<(), PipelineError> {
+    scratch
+        .resizer
+        .resize_into(image, out)
+        .map_err(|source| PipelineError::Resize {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+fn bad(
+    shared: &Shared,
+    index: u32,
+    file: BadFile,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+) -> Result<Outcome, PipelineError> {
+    match shared.on_bad {
+        OnBadImage::Skip => {
+            shared.note_bad(index, file);
+            Ok(Outcome::Skipped)
+        }
+        OnBadImage::Fail => Err(PipelineError::BadImage {
+            path: file.path,
+            kind: file.kind,
+            source,
+        }),
+    }
+}
