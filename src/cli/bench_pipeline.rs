@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use pipeline::bench::{run_pipeline_bench, PipelineBenchOptions};
-use pipeline::Split;
+use pipeline::bench::{run_pipeline_bench_with, EpochReport, PipelineBenchOptions};
+use pipeline::{ResizeMode, Split};
 
 use super::CliError;
 
@@ -32,6 +32,15 @@ pub struct BenchPipelineArgs {
     /// Pixel cache folder.
     #[arg(long, value_name = "C")]
     pub cache_dir: Option<PathBuf>,
+    /// Resize: direct (stretch to S×S) or center-crop (shorter side, centred square).
+    #[arg(long, value_name = "direct|center-crop", default_value = "direct")]
+    pub resize_mode: String,
+    /// Batches prefetched.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub prefetch: usize,
+    /// Seed of the epoch order.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -50,27 +59,39 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
             hint: "--data must be a dataset folder",
         });
     }
-    let opts = PipelineBenchOptions {
-        data: args.data.clone(),
-        split,
-        epochs: args.epochs,
-        batch_size: args.batch_size,
-        image_size: args.image_size,
-        workers: args.workers.unwrap_or(0),
-        cache_dir: args.cache_dir.clone(),
-    };
-    for report in run_pipeline_bench(&opts)? {
-        if args.json {
-            println!(
-                "{}",
-                serde_json::to_string(&report).expect("epoch reports serialise")
-            );
-        } else {
-            println!(
-                "epoch {}: {} images ({} decoded) in {:.2} s = {:.1} images/s",
-                report.epoch, report.images, report.decoded, report.seconds, report.images_per_sec
-            );
-        }
+    let resize_mode: ResizeMode = args.resize_mode.parse().map_err(|_| CliError::BadValue {
+        flag: "--resize-mode",
+        value: args.resize_mode.clone(),
+        hint: "expected direct or center-crop".into(),
+    })?;
+    let mut opts = PipelineBenchOptions::new(&args.data);
+    opts.split = split;
+    opts.epochs = args.epochs;
+    opts.batch_size = args.batch_size;
+    opts.image_size = args.image_size;
+    opts.resize_mode = resize_mode;
+    opts.cache_dir = args.cache_dir.clone();
+    opts.seed = args.seed;
+    opts.prefetch = args.prefetch;
+    if let Some(w) = args.workers {
+        opts.workers = w;
     }
+    // Each epoch is printed as soon as it is measured.
+    let json = args.json;
+    run_pipeline_bench_with(&opts, |report| print_report(report, json))?;
     Ok(())
+}
+
+fn print_report(report: &EpochReport, json: bool) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).expect("epoch reports serialise")
+        );
+    } else {
+        println!(
+            "epoch {}: {} images ({} decoded) in {:.2} s = {:.1} images/s",
+            report.epoch, report.images, report.decoded, report.seconds, report.images_per_sec
+        );
+    }
 }

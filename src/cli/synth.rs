@@ -93,15 +93,16 @@ pub fn run(args: SynthArgs) -> Result<(), CliError> {
     let cfg = to_config(&args)?;
     let summary = write_dataset(&cfg)?;
     println!(
-        "wrote {} classes × ({} train, {} valid, {} test) {}x{} {} images to {} ({summary:?})",
-        cfg.classes,
-        cfg.train_per_class,
-        cfg.valid_per_class,
-        cfg.test_per_class,
+        "wrote {} {}x{} {} images ({} train, {} valid, {} test) in {} classes to {}",
+        summary.files.iter().sum::<usize>(),
         cfg.width,
         cfg.height,
         args.format,
-        cfg.out.display()
+        summary.files[0],
+        summary.files[1],
+        summary.files[2],
+        summary.classes.len(),
+        summary.out.display()
     );
     Ok(())
 }
