@@ -1,1 +1,296 @@
-//! `birdtrain bench_scaling` (being written).
+//! `birdtrain bench scaling --gpus 1,2,4,8`: data-parallel scaling, measured where it can be
+//! and projected where it cannot.
+//!
+//! It reports the single-GPU step time (given with `--step-ms`, or measured), the gradient bytes
+//! every rank all-reduces per step, the bucket plan, and per GPU count and interconnect the
+//! ring all-reduce time, the part hidden behind backward, the exposed part and the projected
+//! efficiency and images/s; the arithmetic is documented in [`crate::dist::scaling`].
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::dist::buckets::{BucketPlan, BucketSettings};
+use crate::dist::launch::detect_cuda_devices;
+use crate::dist::scaling::{
+    project, Interconnect, ModelCost, Projection, StepProfile, NVLINK, PCIE,
+};
+use crate::model::{Arch, Graph, InputBatch, Network};
+
+/// Flags of `birdtrain bench scaling`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchScalingArgs {
+    /// GPU counts to report, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub gpus: Vec<usize>,
+    /// Model architecture (resnet18/34/50/101/152, resnet8/20/56).
+    #[arg(long, default_value = "resnet50")]
+    pub model: String,
+    /// Number of classes of the classifier.
+    #[arg(long, default_value_t = 285)]
+    pub classes: usize,
+    /// Image side in pixels.
+    #[arg(long, default_value_t = 224)]
+    pub image_size: u32,
+    /// Images per GPU per step.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Gradient bucket size in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Single-GPU step time in milliseconds (skips the measurement).
+    #[arg(long)]
+    pub step_ms: Option<f64>,
+    /// Steps to time when measuring (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    pub measure_steps: usize,
+    /// Fraction of the step spent in backward (backward is about twice forward).
+    #[arg(long, default_value_t = 0.62)]
+    pub backward_share: f64,
+    /// NVLink all-reduce bus bandwidth in GB/s (nccl-tests busbw).
+    #[arg(long, default_value_t = 370.0)]
+    pub nvlink_gbps: f64,
+    /// PCIe all-reduce bus bandwidth in GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub pcie_gbps: f64,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// How the single-GPU step time was obtained.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepSource {
+    /// `--step-ms`.
+    Given,
+    /// Timed on the CPU reference backend (no GPU backend in this path).
+    MeasuredCpu {
+        /// Steps timed.
+        steps: usize,
+    },
+}
+
+/// Everything the benchmark computed.
+#[derive(Debug, Clone)]
+pub struct ScalingReport {
+    /// Single-GPU step time in seconds.
+    pub step_s: f64,
+    /// Where it came from.
+    pub step_source: StepSource,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Gradient bytes all-reduced per step per rank.
+    pub gradient_bytes: usize,
+    /// Bucket count of the plan.
+    pub buckets: usize,
+    /// One projection per (interconnect, GPU count).
+    pub projections: Vec<Projection>,
+}
+
+/// Times `steps` training steps of `net` on a synthetic batch (after one warm-up step).
+pub fn measure_step<B: Backend>(
+    net: &mut Network<B>,
+    batch_size: usize,
+    steps: usize,
+) -> anyhow::Result<Duration> {
+    let s = net.image_size() as usize;
+    let pixels: Vec<u8> = (0..batch_size * s * s * 3)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let labels: Vec<u32> = (0..batch_size as u32).collect();
+    let classes = net.graph().num_classes() as u32;
+    let labels: Vec<u32> = labels.iter().map(|l| l % classes).collect();
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: batch_size,
+        image_size: net.image_size(),
+        augment: None,
+    };
+    net.train_step(&batch).context("warm-up step")?;
+    let start = Instant::now();
+    for _ in 0..steps.max(1) {
+        net.train_step(&batch).context("timed step")?;
+    }
+    Ok(start.elapsed() / steps.max(1) as u32)
+}
+
+fn links(args: &BenchScalingArgs) -> [Interconnect; 2] {
+    [
+        Interconnect {
+            bus_bytes_per_s: args.nvlink_gbps * 1e9,
+            ..NVLINK
+        },
+        Interconnect {
+            bus_bytes_per_s: args.pcie_gbps * 1e9,
+            ..PCIE
+        },
+    ]
+}
+
+/// Computes the report (measuring the step on the CPU backend when `--step-ms` is absent).
+pub fn compute(args: &BenchScalingArgs) -> anyhow::Result<ScalingReport> {
+    if args.gpus.is_empty() || args.gpus.contains(&0) {
+        bail!("--gpus needs GPU counts of at least 1, e.g. --gpus 1,2,4,8");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let arch: Arch = args
+        .model
+        .parse()
+        .with_context(|| format!("unknown --model {:?}", args.model))?;
+    let graph = Graph::new(arch, args.classes);
+    let cost = ModelCost::from_graph(&graph, args.image_size, 4);
+    let plan = BucketPlan::new(&cost.params, BucketSettings::f32_mb(args.bucket_mb))
+        .context("planning gradient buckets (check --bucket-mb)")?;
+
+    let (step_s, step_source) = match args.step_ms {
+        Some(ms) if ms > 0.0 && ms.is_finite() => (ms / 1000.0, StepSource::Given),
+        Some(ms) => bail!("--step-ms {ms} must be a positive number of milliseconds"),
+        None => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let backend = CpuBackend::new(threads).context("starting the CPU backend")?;
+            let mut net = Network::new(backend, &graph, args.batch_size, args.image_size)
+                .context("building the network for the measurement")?;
+            let t = measure_step(&mut net, args.batch_size, args.measure_steps)?;
+            (
+                t.as_secs_f64(),
+                StepSource::MeasuredCpu {
+                    steps: args.measure_steps.max(1),
+                },
+            )
+        }
+    };
+    let profile = StepProfile {
+        step_s,
+        backward_share: args.backward_share,
+        batch_per_gpu: args.batch_size,
+    };
+    let mut projections = Vec::new();
+    for link in links(args) {
+        for &n in &args.gpus {
+            projections.push(
+                project(&plan, &cost.backward_weights, &profile, n, &link)
+                    .context("projecting the step (check --backward-share and bandwidths)")?,
+            );
+        }
+    }
+    Ok(ScalingReport {
+        step_s,
+        step_source,
+        parameters: graph.params().iter().map(|p| p.numel()).sum(),
+        gradient_bytes: cost.gradient_bytes(),
+        buckets: plan.buckets().len(),
+        projections,
+    })
+}
+
+/// The report as the table the command prints.
+pub fn render(args: &BenchScalingArgs, r: &ScalingReport) -> String {
+    let mut out = String::new();
+    let source = match &r.step_source {
+        StepSource::Given => "given with --step-ms".to_string(),
+        StepSource::MeasuredCpu { steps } => format!(
+            "measured on the CPU backend over {steps} steps; pass --step-ms with a GPU step time for GPU projections"
+        ),
+    };
+    let _ = writeln!(
+        out,
+        "{} ({} classes, {} px), batch {} per GPU",
+        args.model, args.classes, args.image_size, args.batch_size
+    );
+    let _ = writeln!(out, "step time, 1 GPU: {:.2} ms ({source})", r.step_s * 1e3);
+    let _ = writeln!(
+        out,
+        "gradients: {:.2} M parameters, {:.1} MB per step (f32), {} bucket(s) of ~{} MiB",
+        r.parameters as f64 / 1e6,
+        r.gradient_bytes as f64 / 1e6,
+        r.buckets,
+        args.bucket_mb
+    );
+    let _ = writeln!(
+        out,
+        "backward window: {:.0}% of the step = {:.2} ms",
+        args.backward_share * 100.0,
+        r.step_s * args.backward_share * 1e3
+    );
+    let _ = writeln!(
+        out,
+        "\n{:<7} {:>5} {:>14} {:>11} {:>12} {:>11} {:>11} {:>10}",
+        "link",
+        "GPUs",
+        "all-reduce ms",
+        "hidden ms",
+        "exposed ms",
+        "step ms",
+        "efficiency",
+        "images/s"
+    );
+    for p in &r.projections {
+        let _ = writeln!(
+            out,
+            "{:<7} {:>5} {:>14.3} {:>11.3} {:>12.3} {:>11.2} {:>10.1}% {:>10.0}",
+            p.link,
+            p.gpus,
+            p.comm_s * 1e3,
+            p.hidden_s * 1e3,
+            p.exposed_s * 1e3,
+            p.step_s * 1e3,
+            p.efficiency * 100.0,
+            p.images_per_s
+        );
+    }
+    for p in r.projections.iter().filter(|p| p.gpus == 4) {
+        let verdict = if p.efficiency >= 0.97 {
+            "meets"
+        } else {
+            "misses"
+        };
+        let _ = writeln!(
+            out,
+            "{}: {:.1}% at 4 GPUs {verdict} the 97% goal",
+            p.link,
+            p.efficiency * 100.0
+        );
+    }
+    out
+}
+
+fn to_json(r: &ScalingReport) -> serde_json::Value {
+    serde_json::json!({
+        "step_ms": r.step_s * 1e3,
+        "step_source": format!("{:?}", r.step_source),
+        "parameters": r.parameters,
+        "gradient_bytes": r.gradient_bytes,
+        "buckets": r.buckets,
+        "projections": r.projections.iter().map(|p| serde_json::json!({
+            "link": p.link, "gpus": p.gpus, "allreduce_ms": p.comm_s * 1e3,
+            "hidden_ms": p.hidden_s * 1e3, "exposed_ms": p.exposed_s * 1e3,
+            "step_ms": p.step_s * 1e3, "efficiency": p.efficiency, "images_per_s": p.images_per_s,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Runs `birdtrain bench scaling`.
+pub fn run(args: BenchScalingArgs) -> anyhow::Result<()> {
+    let devices = detect_cuda_devices();
+    if devices.len() > 1 {
+        eprintln!(
+            "note: {} GPUs present; measured multi-GPU runs need the NCCL training path, which this \
+             command does not drive yet, so the rows below are projections",
+            devices.len()
+        );
+    }
+    let report = compute(&args)?;
+    print!("{}", render(&args, &report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&to_json(&report))?;
+        std::fs::write(path, text).with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,1 +1,307 @@
-//! `birdtrain bench_step` (being written).
+//! `birdtrain bench step`: times whole training steps on synthetic input.
+//!
+//! Semantics follow the PyTorch peer (`shared/peers/torch_resnet_step.py`): a u8 NHWC batch in
+//! pinned host memory (on the GPU path) is copied to the device every step, normalised there,
+//! then forward, loss, backward and the SGD update (momentum 0.9, weight decay 5e-5, lr 0.1)
+//! run; warm-up steps are excluded. `--gpus 0` times the CPU backend instead. MFU is
+//! `3 × forward FLOPs × images/s ÷ the device's dense bf16 peak` (looked up by device name).
+
+use std::time::Instant;
+
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::cuda::{CudaBackend, KernelTime};
+use crate::model::{Arch, Graph, InputBatch, Network};
+use crate::optim::{Hyper, Optimizer, OptimizerKind};
+
+/// Arguments of `birdtrain bench step`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchStepArgs {
+    /// Model architecture (resnet8/20/56, resnet18/34/50/101/152).
+    #[arg(long, default_value = "resnet50")]
+    pub model: String,
+    /// Images per step.
+    #[arg(long, default_value_t = 256)]
+    pub batch_size: usize,
+    /// Image side in pixels.
+    #[arg(long, default_value_t = 224)]
+    pub image_size: u32,
+    /// Classes of the classifier head (the 285-birds set by default).
+    #[arg(long, default_value_t = 285)]
+    pub classes: usize,
+    /// 0 = time the CPU backend; 1 = GPU 0 (multi-GPU scaling is `bench scaling`).
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
+    /// Untimed steps first (kernel compilation, allocation, clocks).
+    #[arg(long, default_value_t = 15)]
+    pub warmup: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Print one JSON line instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Also time every kernel launch (CUDA events) over a few extra steps and report the
+    /// per-kernel breakdown (GPU only).
+    #[arg(long)]
+    pub breakdown: bool,
+}
+
+/// One kernel's share of a step, for `--breakdown`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KernelShare {
+    /// Kernel name.
+    pub kernel: String,
+    /// Launches per step.
+    pub calls_per_step: f64,
+    /// Milliseconds per step.
+    pub ms_per_step: f64,
+    /// Share of the summed kernel time.
+    pub percent: f64,
+    /// Achieved TFLOP/s for the convolution kernels (each pass does the forward's FLOPs).
+    pub tflops: Option<f64>,
+}
+
+/// The result of a step benchmark (the JSON line).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StepReport {
+    /// Architecture name.
+    pub model: String,
+    /// Images per step.
+    pub batch_size: usize,
+    /// Image side.
+    pub image_size: u32,
+    /// Timed steps.
+    pub steps: usize,
+    /// Throughput.
+    pub images_per_sec: f64,
+    /// Mean wall time of a whole step (input copy, forward, backward, update).
+    pub ms_per_step: f64,
+    /// Of which forward + loss + backward (the backend's kernels).
+    pub fwd_bwd_ms_per_step: f64,
+    /// Model FLOPs utilisation against the device's dense bf16 peak (`null` when unknown).
+    pub mfu: Option<f64>,
+    /// The backend's description.
+    pub device: String,
+    /// Where the optimizer update ran.
+    pub optimizer: String,
+    /// Mean loss of the last timed step.
+    pub final_loss: f64,
+    /// Per-kernel breakdown (with `--breakdown`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breakdown: Option<Vec<KernelShare>>,
+}
+
+/// Dense (no sparsity) bf16 tensor-core peak in TFLOP/s for a device name, when known.
+pub fn bf16_peak_tflops(device_name: &str) -> Option<f64> {
+    let name = device_name.to_ascii_uppercase();
+    let table: [(&str, f64); 12] = [
+        ("GH200", 989.4),
+        ("H200", 989.4),
+        ("H100 PCIE", 756.5),
+        ("H100 NVL", 835.5),
+        ("H100", 989.4),
+        ("H800", 989.4),
+        ("B200", 2250.0),
+        ("A100", 312.0),
+        ("A800", 312.0),
+        ("L40S", 362.1),
+        ("RTX 4090", 165.2),
+        ("A10", 125.0),
+    ];
+    table
+        .iter()
+        .find(|(key, _)| name.contains(key))
+        .map(|&(_, peak)| peak)
+}
+
+/// Runs the benchmark and returns the report (no printing).
+pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
+    let arch: Arch = args.model.parse()?;
+    if args.batch_size == 0 || args.steps == 0 {
+        anyhow::bail!("--batch-size and --steps must be at least 1");
+    }
+    match args.gpus {
+        0 => run_steps(CpuBackend::new(0)?, arch, args, None, None, None),
+        1 => {
+            let backend = CudaBackend::new(0)?;
+            let peak = bf16_peak_tflops(backend.device().name());
+            let ctx = backend.device().context().clone();
+            let bytes = args.batch_size * (args.image_size as usize).pow(2) * 3;
+            // Pinned (page-locked) host memory, so the per-step copy is a real DMA as in the peer.
+            // SAFETY: freed by PinnedHostSlice's Drop; written once before the first copy.
+            let mut pinned = unsafe { ctx.alloc_pinned::<u8>(bytes) }
+                .map_err(|e| anyhow::anyhow!("allocating {bytes} bytes of pinned host memory: {e}"))?;
+            let mut rng = ChaCha8Rng::seed_from_u64(0);
+            pinned.as_mut_slice()?.iter_mut().for_each(|b| *b = rng.random());
+            let profiler = args.breakdown.then(|| backend.clone());
+            run_steps(backend, arch, args, Some(pinned.as_slice()?), peak, profiler)
+        }
+        n => anyhow::bail!("bench step measures one device: use --gpus 0 (CPU) or --gpus 1, not {n} (multi-GPU: `bench scaling`)"),
+    }
+}
+
+fn run_steps<B: Backend>(
+    backend: B,
+    arch: Arch,
+    args: &BenchStepArgs,
+    pinned: Option<&[u8]>,
+    peak_tflops: Option<f64>,
+    profiler: Option<CudaBackend>,
+) -> anyhow::Result<StepReport> {
+    let graph = Graph::new(arch, args.classes);
+    let (n, size) = (args.batch_size, args.image_size);
+    let mut net = Network::new(backend, &graph, n, size)?;
+    let device = net.backend().name();
+    let host_pixels: Vec<u8>;
+    let pixels = match pinned {
+        Some(p) => p,
+        None => {
+            let mut rng = ChaCha8Rng::seed_from_u64(0);
+            host_pixels = (0..n * (size as usize).pow(2) * 3)
+                .map(|_| rng.random())
+                .collect();
+            &host_pixels[..]
+        }
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let labels: Vec<u32> = (0..n)
+        .map(|_| rng.random_range(0..args.classes as u32))
+        .collect();
+    let hyper = Hyper {
+        weight_decay: 5e-5,
+        ..Hyper::default()
+    };
+    let mut opt = Optimizer::new(
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        hyper,
+        graph.params(),
+    );
+    let mut master = net.params_f32()?;
+    let batch = InputBatch {
+        pixels,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+    };
+
+    let mut step = |net: &mut Network<B>, fwd_bwd: &mut f64| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        let stats = net.train_step(&batch)?;
+        *fwd_bwd += t.elapsed().as_secs_f64();
+        let grads = net.grads_f32()?;
+        opt.step(&mut master, &grads, 0.1)?;
+        net.set_params_f32(&master)?;
+        Ok(stats.mean_loss())
+    };
+    let mut scratch = 0.0;
+    for _ in 0..args.warmup {
+        step(&mut net, &mut scratch)?;
+    }
+    let mut fwd_bwd = 0.0;
+    let mut loss = 0.0;
+    let start = Instant::now();
+    for _ in 0..args.steps {
+        loss = step(&mut net, &mut fwd_bwd)?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let images_per_sec = (n * args.steps) as f64 / seconds;
+    let flops = graph.forward_flops(size);
+    let mfu = peak_tflops.map(|p| 3.0 * flops * images_per_sec / (p * 1e12));
+
+    let breakdown = match profiler {
+        Some(p) => {
+            let profiled_steps = 3usize;
+            p.set_profiling(true);
+            for _ in 0..profiled_steps {
+                step(&mut net, &mut scratch)?;
+            }
+            let times = p.take_profile()?;
+            p.set_profiling(false);
+            Some(shares(&times, profiled_steps, flops * n as f64))
+        }
+        None => None,
+    };
+    Ok(StepReport {
+        model: arch.name().to_string(),
+        batch_size: n,
+        image_size: size,
+        steps: args.steps,
+        images_per_sec,
+        ms_per_step: seconds * 1e3 / args.steps as f64,
+        fwd_bwd_ms_per_step: fwd_bwd * 1e3 / args.steps as f64,
+        mfu,
+        device,
+        optimizer: "host f32 master weights (Network has no device-side update hook yet)".into(),
+        final_loss: loss,
+        breakdown,
+    })
+}
+
+fn shares(times: &[KernelTime], steps: usize, conv_flops_per_step: f64) -> Vec<KernelShare> {
+    let total: f64 = times.iter().map(|k| k.ms).sum();
+    times
+        .iter()
+        .map(|k| {
+            let ms = k.ms / steps as f64;
+            let is_conv = k.name.starts_with("conv_");
+            KernelShare {
+                kernel: k.name.to_string(),
+                calls_per_step: k.calls as f64 / steps as f64,
+                ms_per_step: ms,
+                percent: if total > 0.0 {
+                    100.0 * k.ms / total
+                } else {
+                    0.0
+                },
+                tflops: is_conv.then(|| conv_flops_per_step / (ms * 1e-3) / 1e12),
+            }
+        })
+        .collect()
+}
+
+/// Runs `birdtrain bench step ...` and prints the report.
+pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
+    let report = bench(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} batch {} at {}px on {}: {:.1} images/s, {:.2} ms/step ({:.2} ms forward+backward), MFU {}",
+        report.model,
+        report.batch_size,
+        report.image_size,
+        report.device,
+        report.images_per_sec,
+        report.ms_per_step,
+        report.fwd_bwd_ms_per_step,
+        report.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
+    );
+    if let Some(rows) = &report.breakdown {
+        println!(
+            "{:<22} {:>8} {:>10} {:>7} {:>9}",
+            "kernel", "calls", "ms/step", "%", "TFLOP/s"
+        );
+        for r in rows {
+            println!(
+                "{:<22} {:>8.1} {:>10.3} {:>6.1}% {:>9}",
+                r.kernel,
+                r.calls_per_step,
+                r.ms_per_step,
+                r.percent,
+                r.tflops.map_or(String::new(), |t| format!("{t:.1}"))
+            );
+        }
+    }
+    Ok(())
+}

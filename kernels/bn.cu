@@ -1,0 +1,192 @@
+// bn.cu: batch normalisation (training and inference) fused with the residual add and ReLU,
+// forward and backward.
+//
+// Algorithm. Training forward is three launches:
+//   1. bn_stats_partial: every block reduces a slab of rows to per-channel (mean, M2) with
+//      Welford's update in f32 (numerically safe over ~10^6 values, unlike sum/sum-of-squares);
+//   2. bn_stats_finalize: one thread per channel merges the slabs with Chan's formula, writes
+//      the saved mean and 1/sqrt(var + eps) (biased variance, as PyTorch normalises with) and
+//      updates the running statistics with the unbiased variance and `momentum` (PyTorch's
+//      convention: running = (1 - momentum)·running + momentum·batch);
+//   3. bn_apply: y = [relu]((x - mean)·invstd·gamma + beta [+ residual]).
+// Frozen statistics and inference use bn_eval_prepare (running stats → saved mean, invstd)
+// followed by bn_apply.
+// Backward mirrors it: bn_bwd_partial reduces dbeta = Σ g and dgamma = Σ g·x̂ per slab, where
+// g = dy·[y > 0] when the forward had a ReLU (the mask is read back from the saved output);
+// bn_bwd_finalize merges the slabs into dgamma and dbeta (f32, overwritten); bn_bwd_apply writes
+//   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)   (batch statistics), or
+//   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
+// and, for a residual block, dres = g (overwritten or accumulated).
+//
+// Data layout. x, y, residual, dy, dx, dres: NHWC bf16 viewed as an M×C matrix (M = N·H·W),
+// channels innermost. gamma, beta: bf16 [C] (the working copy of the weights); mean, invstd,
+// running stats, dgamma, dbeta: f32 [C].
+// Partial buffers: f32 [slabs][C].
+//
+// Launch configuration. Reductions: block (32, 8): threadIdx.x walks 32 consecutive channels
+// (coalesced 64-byte rows), threadIdx.y strides over the slab's rows; grid (ceil(C/32), slabs)
+// with `rows_per_slab` rows per slab (the host picks slabs ≈ 4 per SM). Finalize: one thread
+// per channel, 128 per block. Element-wise kernels: grid-stride loops, 256 threads.
+#include "common.cuh"
+
+#define RED_Y 8
+
+// Merges Welford state (nb, mb, m2b) into (na, ma, m2a).
+__device__ __forceinline__ void chan_merge(float& na, float& ma, float& m2a, float nb, float mb, float m2b) {
+    if (nb == 0.0f) return;
+    const float n = na + nb, delta = mb - ma;
+    ma += delta * (nb / n);
+    m2a += m2b + delta * delta * (na * nb / n);
+    na = n;
+}
+
+extern "C" __global__ void bn_stats_partial(const bf16* __restrict__ x, int rows, int channels,
+                                            int rows_per_slab, float* __restrict__ part_mean,
+                                            float* __restrict__ part_m2) {
+    __shared__ float s_n[RED_Y][32], s_mean[RED_Y][32], s_m2[RED_Y][32];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const int begin = blockIdx.y * rows_per_slab;
+    const int end = min(rows, begin + rows_per_slab);
+    float n = 0.0f, mean = 0.0f, m2 = 0.0f;
+    if (c < channels) {
+        for (int row = begin + threadIdx.y; row < end; row += RED_Y) {
+            const float v = bt_to_f32(x[(long)row * channels + c]);
+            n += 1.0f;
+            const float d = v - mean;
+            mean += d / n;
+            m2 += d * (v - mean);
+        }
+    }
+    s_n[threadIdx.y][threadIdx.x] = n;
+    s_mean[threadIdx.y][threadIdx.x] = mean;
+    s_m2[threadIdx.y][threadIdx.x] = m2;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < channels) {
+        for (int y = 1; y < RED_Y; ++y)
+            chan_merge(n, mean, m2, s_n[y][threadIdx.x], s_mean[y][threadIdx.x], s_m2[y][threadIdx.x]);
+        part_mean[(long)blockIdx.y * channels + c] = mean;
+        part_m2[(long)blockIdx.y * channels + c] = m2;
+    }
+}
+
+extern "C" __global__ void bn_stats_finalize(const float* __restrict__ part_mean,
+                                             const float* __restrict__ part_m2, int slabs,
+                                             int rows, int channels, int rows_per_slab, float eps,
+                                             float momentum, float* __restrict__ mean_out,
+                                             float* __restrict__ invstd_out,
+                                             float* __restrict__ running_mean,
+                                             float* __restrict__ running_var) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float n = 0.0f, mean = 0.0f, m2 = 0.0f;
+    for (int b = 0; b < slabs; ++b) {
+        const float nb = (float)max(0, min(rows, (b + 1) * rows_per_slab) - b * rows_per_slab);
+        chan_merge(n, mean, m2, nb, part_mean[(long)b * channels + c], part_m2[(long)b * channels + c]);
+    }
+    const float var = n > 0.0f ? m2 / n : 0.0f;
+    mean_out[c] = mean;
+    invstd_out[c] = rsqrtf(var + eps);
+    if (running_mean != nullptr) {
+        const float unbiased = n > 1.0f ? m2 / (n - 1.0f) : var;
+        running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean;
+        running_var[c] = (1.0f - momentum) * running_var[c] + momentum * unbiased;
+    }
+}
+
+extern "C" __global__ void bn_eval_prepare(const float* __restrict__ running_mean,
+                                           const float* __restrict__ running_var, int channels,
+                                           float eps, float* __restrict__ mean_out,
+                                           float* __restrict__ invstd_out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    mean_out[c] = running_mean[c];
+    invstd_out[c] = rsqrtf(running_var[c] + eps);
+}
+
+// `residual` may be null; `relu` is 0 or 1.
+extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                    const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                    const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                    bf16* __restrict__ y, long total, int channels, int relu) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % channels);
+        float v = (bt_to_f32(x[i]) - mean[c]) * invstd[c] * bt_to_f32(gamma[c]) + bt_to_f32(beta[c]);
+        if (residual != nullptr) v += bt_to_f32(residual[i]);
+        if (relu) v = fmaxf(v, 0.0f);
+        y[i] = bt_to_bf16(v);
+    }
+}
+
+// The gradient reaching the batch norm itself: dy masked by the ReLU (y > 0) when present.
+__device__ __forceinline__ float bn_grad_in(const bf16* dy, const bf16* y, long i, int relu) {
+    const float g = bt_to_f32(dy[i]);
+    return relu && !(bt_to_f32(y[i]) > 0.0f) ? 0.0f : g;
+}
+
+extern "C" __global__ void bn_bwd_partial(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+                                          const bf16* __restrict__ x, const float* __restrict__ mean,
+                                          const float* __restrict__ invstd, int rows, int channels,
+                                          int rows_per_slab, int relu, float* __restrict__ part_dbeta,
+                                          float* __restrict__ part_dgamma) {
+    __shared__ float s_b[RED_Y][32], s_g[RED_Y][32];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const int begin = blockIdx.y * rows_per_slab;
+    const int end = min(rows, begin + rows_per_slab);
+    float sb = 0.0f, sg = 0.0f;
+    if (c < channels) {
+        const float mu = mean[c], is = invstd[c];
+        for (int row = begin + threadIdx.y; row < end; row += RED_Y) {
+            const long i = (long)row * channels + c;
+            const float g = bn_grad_in(dy, y, i, relu);
+            sb += g;
+            sg += g * (bt_to_f32(x[i]) - mu) * is;
+        }
+    }
+    s_b[threadIdx.y][threadIdx.x] = sb;
+    s_g[threadIdx.y][threadIdx.x] = sg;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < channels) {
+        for (int k = 1; k < RED_Y; ++k) { sb += s_b[k][threadIdx.x]; sg += s_g[k][threadIdx.x]; }
+        part_dbeta[(long)blockIdx.y * channels + c] = sb;
+        part_dgamma[(long)blockIdx.y * channels + c] = sg;
+    }
+}
+
+extern "C" __global__ void bn_bwd_finalize(const float* __restrict__ part_dbeta,
+                                           const float* __restrict__ part_dgamma, int slabs,
+                                           int channels, float* __restrict__ dbeta,
+                                           float* __restrict__ dgamma) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float sb = 0.0f, sg = 0.0f;
+    for (int b = 0; b < slabs; ++b) {
+        sb += part_dbeta[(long)b * channels + c];
+        sg += part_dgamma[(long)b * channels + c];
+    }
+    dbeta[c] = sb;
+    dgamma[c] = sg;
+}
+
+// `dres` may be null (no residual input); when `accumulate_res` is 1 it is added into.
+// `batch_stats` is 0 when the forward normalised with fixed (running) statistics.
+extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+                                        const bf16* __restrict__ x, const float* __restrict__ mean,
+                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                        const float* __restrict__ dbeta,
+                                        const float* __restrict__ dgamma, long total,
+                                        int channels, int relu, int batch_stats, bf16* __restrict__ dx,
+                                        bf16* __restrict__ dres, int accumulate_res) {
+    const float inv_rows = (float)channels / (float)total;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % channels);
+        const float g = bn_grad_in(dy, y, i, relu);
+        const float k = bt_to_f32(gamma[c]) * invstd[c];
+        float d = g;
+        if (batch_stats) {
+            const float xhat = (bt_to_f32(x[i]) - mean[c]) * invstd[c];
+            d = g - (dbeta[c] + xhat * dgamma[c]) * inv_rows;
+        }
+        dx[i] = bt_to_bf16(k * d);
+        if (dres != nullptr) dres[i] = bt_to_bf16(accumulate_res ? g + bt_to_f32(dres[i]) : g);
+    }
+}

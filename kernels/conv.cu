@@ -1,0 +1,314 @@
+// conv.cu: 2-D convolution forward, data gradient and weight gradient as implicit GEMMs on the
+// tensor cores (bf16 inputs, f32 accumulation).
+//
+// Algorithm. No im2col buffer is materialised: each kernel is a tiled GEMM C = A·B whose
+// operand tiles are gathered straight from the NHWC activations while they are loaded into
+// shared memory ("implicit GEMM"). The three passes are three views of one GEMM:
+//   forward  y[m][k]  = sum_(r,s,c) x[n, p*st-pad+r, q*st-pad+s, c] · w[k][r][s][c]
+//            M = N·P·Q output pixels, N = K output channels, Kd = R·S·C
+//   dgrad    dx[m][c] = sum_(r,s,k) dy[n, p, q, k] · w[k][r][s][c]  with p·st = h+pad-r
+//            M = N·H·W input pixels, N = C input channels, Kd = R·S·K (taps with a
+//            fractional or out-of-range p or q contribute zero)
+//   wgrad    dw[k][(r,s,c)] = sum_(n,p,q) dy[n,p,q,k] · x[n, p*st-pad+r, q*st-pad+s, c]
+//            M = K, N = R·S·C, Kd = N·P·Q, split over gridDim.z with f32 atomics (the
+//            reduction dimension is huge, the output small).
+// A 1×1 stride-1 convolution degenerates into a plain GEMM over the NHWC matrix: the gather
+// becomes a contiguous row read, so 1×1 layers need no separate kernel.
+//
+// Data layout. x, y, dx, dy: NHWC bf16. w: KRSC bf16 (one output channel's filter is one
+// contiguous row). dw: KRSC f32, accumulated into (+=): the caller zeroes the gradient buffer
+// once per step. dgrad can also accumulate into dx (bf16) when a tensor feeds two branches.
+//
+// Launch configuration. 256 threads (8 warps, 2 along M × 4 along N), block tile
+// BM×BN×BK = 128×128×32; each warp owns a 64×32 sub-tile = 4×4 tiles of the m16n8k16
+// bf16 `mma.sync` instruction (inline PTX: NVRTC without the nvcc headers has no <mma.h>).
+// grid = (ceil(M/128), ceil(N/128), splits) with splits = 1 except for wgrad.
+// Operand tiles are 512 chunks of 8 consecutive bf16 (16 bytes): every thread loads 2 chunks
+// of A and 2 of B per BK step into registers while the tensor cores work on the previous
+// tile (register double buffering). The vector path (`VEC`) needs C % 8 == 0 and K % 8 == 0
+// (every layer but the 3-channel stem); otherwise each element is gathered on its own.
+#include "common.cuh"
+
+// Shape of one convolution; mirrors `ConvShape` in src/cuda/ops.rs (repr(C), 13 ints).
+struct ConvShape {
+    int n, h, w, c;   // input batch, height, width, channels
+    int k, r, s;      // output channels, filter height, filter width
+    int p, q;         // output height, width
+    int stride, pad;  // same in both spatial dimensions
+    int k_chunk;      // wgrad: reduction length per gridDim.z slice
+    int accumulate;   // dgrad: add into dx instead of overwriting
+};
+
+#define BM 128
+#define BN 128
+#define BK 32
+#define THREADS 256
+#define LD_MK (BK + 8)   // leading dimension of a tile stored with the reduction dim inner
+#define LD_KM (BM + 8)   // leading dimension of a tile stored with the reduction dim outer
+
+enum { MODE_FWD = 0, MODE_DGRAD = 1, MODE_WGRAD = 2 };
+
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+// ---- element gathers (scalar path and address of a vector chunk) -------------------------
+
+// Forward A[m][kk]: input pixel for output pixel m and filter tap kk = (r, s, c).
+__device__ __forceinline__ long fwd_a_index(const ConvShape& sh, int m, int kk) {
+    const int c = kk % sh.c, rs = kk / sh.c, r = rs / sh.s, s = rs % sh.s;
+    const int q = m % sh.q, np = m / sh.q, p = np % sh.p, n = np / sh.p;
+    const int h = p * sh.stride - sh.pad + r, w = q * sh.stride - sh.pad + s;
+    if (h < 0 || h >= sh.h || w < 0 || w >= sh.w) return -1;
+    return (((long)n * sh.h + h) * sh.w + w) * sh.c + c;
+}
+
+// Dgrad A[m][kk]: output-gradient element feeding input pixel m through tap kk = (r, s, k).
+__device__ __forceinline__ long dgrad_a_index(const ConvShape& sh, int m, int kk) {
+    const int k = kk % sh.k, rs = kk / sh.k, r = rs / sh.s, s = rs % sh.s;
+    const int w = m % sh.w, nh = m / sh.w, h = nh % sh.h, n = nh / sh.h;
+    const int ph = h + sh.pad - r, qw = w + sh.pad - s;
+    if (ph < 0 || qw < 0 || ph % sh.stride != 0 || qw % sh.stride != 0) return -1;
+    const int p = ph / sh.stride, q = qw / sh.stride;
+    if (p >= sh.p || q >= sh.q) return -1;
+    return (((long)n * sh.p + p) * sh.q + q) * sh.k + k;
+}
+
+// Dgrad B[kk][c] = w[k][r][s][c] with kk = (r, s, k).
+__device__ __forceinline__ long dgrad_b_index(const ConvShape& sh, int kk, int c) {
+    const int k = kk % sh.k, rs = kk / sh.k;
+    return ((long)k * sh.r * sh.s + rs) * sh.c + c;
+}
+
+// Wgrad B[pix][(r,s,c)]: input pixel under output pixel `pix` and tap (r, s, c).
+__device__ __forceinline__ long wgrad_b_index(const ConvShape& sh, int pix, int rsc) {
+    return fwd_a_index(sh, pix, rsc);
+}
+
+template <int MODE>
+__device__ __forceinline__ bf16 load_a_scalar(const bf16* a, const ConvShape& sh, int row, int col,
+                                              int M, int KD) {
+    // row/col in GEMM coordinates: row = m, col = kk.
+    if (row >= M || col >= KD) return bt_to_bf16(0.0f);
+    long idx;
+    if (MODE == MODE_FWD) idx = fwd_a_index(sh, row, col);
+    else if (MODE == MODE_DGRAD) idx = dgrad_a_index(sh, row, col);
+    else idx = (long)col * sh.k + row;  // wgrad: A[m=k][kk=pix] = dy[pix][k]
+    return idx < 0 ? bt_to_bf16(0.0f) : a[idx];
+}
+
+template <int MODE>
+__device__ __forceinline__ bf16 load_b_scalar(const bf16* b, const ConvShape& sh, int kk, int col,
+                                              int N, int KD) {
+    if (kk >= KD || col >= N) return bt_to_bf16(0.0f);
+    long idx;
+    if (MODE == MODE_FWD) idx = (long)col * KD + kk;  // w[k=col][kk]
+    else if (MODE == MODE_DGRAD) idx = dgrad_b_index(sh, kk, col);
+    else idx = wgrad_b_index(sh, kk, col);
+    return idx < 0 ? bt_to_bf16(0.0f) : b[idx];
+}
+
+// Loads the 8-element chunk starting at (outer, inner) of an operand tile, where `inner` is
+// the operand's contiguous dimension. Returns zeros outside the tensor.
+template <int MODE, bool IS_A, bool VEC>
+__device__ __forceinline__ uint4 load_chunk(const bf16* ptr, const ConvShape& sh, int outer,
+                                            int inner, int M, int N, int KD) {
+    // Map (outer, inner) back to GEMM (row, col) of the operand.
+    // A: FWD/DGRAD store m-major (outer = m, inner = kk); WGRAD stores kk-major (outer = kk,
+    //    inner = m). B: FWD stores n-major (outer = n, inner = kk); DGRAD/WGRAD kk-major.
+    if (VEC) {
+        long idx = -1;
+        if (IS_A) {
+            if (MODE == MODE_FWD) {
+                if (outer < M && inner < KD) idx = fwd_a_index(sh, outer, inner);
+            } else if (MODE == MODE_DGRAD) {
+                if (outer < M && inner < KD) idx = dgrad_a_index(sh, outer, inner);
+            } else {
+                if (outer < KD && inner < M) idx = (long)outer * sh.k + inner;
+            }
+        } else {
+            if (MODE == MODE_FWD) {
+                if (outer < N && inner < KD) idx = (long)outer * KD + inner;
+            } else if (MODE == MODE_DGRAD) {
+                if (outer < KD && inner < N) idx = dgrad_b_index(sh, outer, inner);
+            } else {
+                if (outer < KD && inner < N) idx = wgrad_b_index(sh, outer, inner);
+            }
+        }
+        return idx < 0 ? zero4() : *reinterpret_cast<const uint4*>(ptr + idx);
+    } else {
+        union { uint4 v; bf16 e[8]; } u;
+        for (int i = 0; i < 8; ++i) {
+            bf16 v;
+            if (IS_A) {
+                if (MODE == MODE_WGRAD) v = load_a_scalar<MODE>(ptr, sh, inner + i, outer, M, KD);
+                else v = load_a_scalar<MODE>(ptr, sh, outer, inner + i, M, KD);
+            } else {
+                if (MODE == MODE_FWD) v = load_b_scalar<MODE>(ptr, sh, inner + i, outer, N, KD);
+                else v = load_b_scalar<MODE>(ptr, sh, outer, inner + i, N, KD);
+            }
+            u.e[i] = v;
+        }
+        return u.v;
+    }
+}
+
+// Geometry of one operand tile in shared memory. "Reduction inner" tiles are [128][BK]
+// (ld LD_MK); "reduction outer" tiles are [BK][128] (ld LD_KM). Both hold 512 chunks.
+template <bool RED_INNER>
+__device__ __forceinline__ void chunk_coords(int chunk, int& outer, int& inner) {
+    if (RED_INNER) { outer = chunk / (BK / 8); inner = (chunk % (BK / 8)) * 8; }
+    else { outer = chunk / (BM / 8); inner = (chunk % (BM / 8)) * 8; }
+}
+
+// Two bf16 from shared memory packed into one 32-bit register (low half = first element).
+__device__ __forceinline__ unsigned pack2(const bf16* lo, const bf16* hi) {
+    const unsigned short l = *reinterpret_cast<const unsigned short*>(lo);
+    const unsigned short h = *reinterpret_cast<const unsigned short*>(hi);
+    return (unsigned)l | ((unsigned)h << 16);
+}
+
+// Two consecutive bf16 at an even index of shared memory, as one 32-bit register.
+__device__ __forceinline__ unsigned word(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+// D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <int MODE, bool VEC>
+__device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict__ b_ptr,
+                          void* out, const ConvShape sh, int M, int N, int KD, int kd_begin,
+                          int kd_end) {
+    // A tile stored reduction-inner for FWD/DGRAD, reduction-outer for WGRAD;
+    // B tile stored reduction-inner for FWD only.
+    constexpr bool A_RED_INNER = MODE != MODE_WGRAD;
+    constexpr bool B_RED_INNER = MODE == MODE_FWD;
+    constexpr int LDA = A_RED_INNER ? LD_MK : LD_KM;
+    constexpr int LDB = B_RED_INNER ? LD_MK : LD_KM;
+    constexpr int TILE = BM * LD_MK > BK * LD_KM ? BM * LD_MK : BK * LD_KM;
+    __shared__ __align__(16) bf16 As[TILE];
+    __shared__ __align__(16) bf16 Bs[TILE];
+
+    const int tid = threadIdx.x, warp = tid / BT_WARP, lane = tid % BT_WARP;
+    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+    const int warp_m = (warp / 4) * 64, warp_n = (warp % 4) * 32;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    uint4 ra[2], rb[2];
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int outer, inner, chunk = tid + i * THREADS;
+            chunk_coords<A_RED_INNER>(chunk, outer, inner);
+            if (A_RED_INNER) ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, m0 + outer, k0 + inner, M, N, kd_end);
+            else ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, k0 + outer, m0 + inner, M, N, kd_end);
+            chunk_coords<B_RED_INNER>(chunk, outer, inner);
+            if (B_RED_INNER) rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, n0 + outer, k0 + inner, M, N, kd_end);
+            else rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, k0 + outer, n0 + inner, M, N, kd_end);
+        }
+    };
+    auto stash = [&]() {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int outer, inner, chunk = tid + i * THREADS;
+            chunk_coords<A_RED_INNER>(chunk, outer, inner);
+            *reinterpret_cast<uint4*>(As + outer * LDA + inner) = ra[i];
+            chunk_coords<B_RED_INNER>(chunk, outer, inner);
+            *reinterpret_cast<uint4*>(Bs + outer * LDB + inner) = rb[i];
+        }
+    };
+    // Element (m, k) of the A tile and (k, n) of the B tile, whatever their storage order.
+    auto a_at = [&](int m, int k) { return A_RED_INNER ? As + m * LDA + k : As + k * LDA + m; };
+    auto b_at = [&](int k, int n) { return B_RED_INNER ? Bs + n * LDB + k : Bs + k * LDB + n; };
+
+    if (kd_begin < kd_end) fetch(kd_begin);
+    for (int k0 = kd_begin; k0 < kd_end; k0 += BK) {
+        __syncthreads();  // every warp is done with the previous tile
+        stash();
+        __syncthreads();
+        if (k0 + BK < kd_end) fetch(k0 + BK);  // global loads overlap the mma below
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned fa[4][4], fb[4][2];
+            // A (k, k+1) pair is one aligned 32-bit word when the reduction dim is innermost.
+            auto a_pair = [&](int m, int k) { return A_RED_INNER ? word(a_at(m, k)) : pack2(a_at(m, k), a_at(m, k + 1)); };
+            auto b_pair = [&](int k, int n) { return B_RED_INNER ? word(b_at(k, n)) : pack2(b_at(k, n), b_at(k + 1, n)); };
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r0 = warp_m + i * 16 + g, c0 = kk + 2 * t;
+                fa[i][0] = a_pair(r0, c0);
+                fa[i][1] = a_pair(r0 + 8, c0);
+                fa[i][2] = a_pair(r0, c0 + 8);
+                fa[i][3] = a_pair(r0 + 8, c0 + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = warp_n + j * 8 + g, k = kk + 2 * t;
+                fb[j][0] = b_pair(k, n);
+                fb[j][1] = b_pair(k + 8, n);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
+        }
+    }
+
+    // Epilogue straight from the accumulator registers: element e of tile (i, j) sits at
+    // row g (+8 for e >= 2), column 2t + (e & 1). M and N need not be multiples of 16.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = m0 + warp_m + i * 16 + g + (e >= 2 ? 8 : 0);
+                const int n = n0 + warp_n + j * 8 + 2 * t + (e & 1);
+                if (m >= M || n >= N) continue;
+                const float v = acc[i][j][e];
+                const long o = (long)m * N + n;
+                if (MODE == MODE_WGRAD) {
+                    atomicAdd(reinterpret_cast<float*>(out) + o, v);
+                } else {
+                    bf16* y = reinterpret_cast<bf16*>(out);
+                    y[o] = bt_to_bf16(MODE == MODE_DGRAD && sh.accumulate ? v + bt_to_f32(y[o]) : v);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_fwd(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, ConvShape sh) {
+    const int M = sh.n * sh.p * sh.q, N = sh.k, KD = sh.r * sh.s * sh.c;
+    if (sh.c % 8 == 0) conv_gemm<MODE_FWD, true>(x, w, y, sh, M, N, KD, 0, KD);
+    else conv_gemm<MODE_FWD, false>(x, w, y, sh, M, N, KD, 0, KD);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w, bf16* dx, ConvShape sh) {
+    const int M = sh.n * sh.h * sh.w, N = sh.c, KD = sh.r * sh.s * sh.k;
+    if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_gemm<MODE_DGRAD, true>(dy, w, dx, sh, M, N, KD, 0, KD);
+    else conv_gemm<MODE_DGRAD, false>(dy, w, dx, sh, M, N, KD, 0, KD);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
+    const int M = sh.k, N = sh.r * sh.s * sh.c, KD = sh.n * sh.p * sh.q;
+    const int begin = blockIdx.z * sh.k_chunk;
+    const int end = min(KD, begin + sh.k_chunk);
+    if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_gemm<MODE_WGRAD, true>(dy, x, dw, sh, M, N, KD, begin, end);
+    else conv_gemm<MODE_WGRAD, false>(dy, x, dw, sh, M, N, KD, begin, end);
+}

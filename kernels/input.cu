@@ -1,0 +1,37 @@
+// input.cu: the input transform, u8 NHWC batch from the input engine → normalised bf16 NHWC,
+// with the training augmentation (pad-and-crop shift, horizontal flip) done on the GPU.
+//
+// Algorithm. Exactly the CPU backend's rule (model::Augment): output pixel (y, x) of image n
+// reads source pixel (y + dy_n, x' + dx_n) with x' = flip_n ? S − 1 − x : x; a source outside
+// the image gives 0 in normalised space (PyTorch pads the normalised tensor). Values are
+// normalised v = u8/255·(1/std_c) − mean_c/std_c with the ImageNet statistics (torchvision) and
+// stored as bf16. The host draws no randomness here: (dy, dx, flip) arrive per image from the
+// trainer, which draws them from (seed, epoch, sample), so every backend sees identical crops.
+//
+// Data layout. src: u8 [N,S,S,3]; aug: i32 [N][3] = (dy, dx, flip); scale, shift: f32 [3]
+// (1/(255·std_c) and −mean_c/std_c); dst: bf16 [N,S,S,3].
+//
+// Launch configuration. One thread per output element, 256 threads, grid-stride loop; adjacent
+// threads write adjacent channels and pixels (coalesced stores, mostly coalesced u8 reads).
+#include "common.cuh"
+
+extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ aug,
+                                           int use_aug, const float* __restrict__ scale,
+                                           const float* __restrict__ shift, bf16* __restrict__ dst,
+                                           int n, int size) {
+    const long total = (long)n * size * size * 3;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % 3);
+        long rest = i / 3;
+        const int x = (int)(rest % size); rest /= size;
+        const int y = (int)(rest % size);
+        const int b = (int)(rest / size);
+        int dy = 0, dx = 0, flip = 0;
+        if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+        const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
+        float v = 0.0f;
+        if (sy >= 0 && sy < size && sx >= 0 && sx < size)
+            v = (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
+        dst[i] = bt_to_bf16(v);
+    }
+}

@@ -1,0 +1,116 @@
+// optim.cu: fused multi-tensor optimizer updates and parameter casts.
+//
+// Algorithm. Multi-tensor apply: the f32 master weights and optimizer state are flat buffers
+// (graph parameter order), while gradients and bf16 working copies stay in the model's own
+// per-tensor buffers. A host-built chunk table splits every parameter tensor into chunks of at
+// most CHUNK elements and records, per chunk, its flat start, its length, its tensor's weight
+// decay (0 for tensors exempt from decay) and the device addresses of its gradient and working
+// copy. One launch then updates every parameter of the model: block b walks chunk b. After the
+// f32 update the kernel writes the bf16 working copy the forward pass reads (no separate cast).
+//   SGD (PyTorch semantics): g = grad·grad_scale + wd·w; buf = momentum·buf + g (buf starts at
+//     0, so the first step is g); step = nesterov ? g + momentum·buf : buf; w −= lr·step.
+//   Adam / AdamW: g = grad·grad_scale (+ wd·w for Adam's L2 decay); AdamW first decays
+//     w ← w·(1 − lr·wd) (decoupled); m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;
+//     w −= lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + ε).
+// `grad_scale` folds the 1/world averaging of data parallelism into the update.
+//
+// Data layout. master, buf, m, v: f32 flat; gradients f32 and working copies bf16 wherever the
+// tensors live; chunk table: arrays [chunks] of u64 gradient address, u64 working address (or
+// 0), i64 flat start, i32 length, f32 weight decay.
+//
+// Launch configuration. grid = number of chunks, 256 threads; each thread strides over its
+// chunk (CHUNK = 65536 on the host side, so a ResNet-50 update is ~400 blocks, one launch).
+#include "common.cuh"
+
+// Per-chunk addresses: grad_ptr[b] and work_ptr[b] point at the chunk's first gradient (f32)
+// and working-copy (bf16) element; work_ptr[b] may be 0 (no working copy). Master and state are
+// flat, indexed from chunk_start[b].
+struct ChunkRef {
+    const float* grad;
+    bf16* work;
+    long start;
+    int len;
+    float wd;
+};
+
+__device__ __forceinline__ ChunkRef chunk_ref(const unsigned long long* grad_ptr,
+                                              const unsigned long long* work_ptr,
+                                              const long* chunk_start, const int* chunk_len,
+                                              const float* chunk_wd) {
+    const int b = blockIdx.x;
+    ChunkRef c;
+    c.grad = reinterpret_cast<const float*>(grad_ptr[b]);
+    c.work = reinterpret_cast<bf16*>(work_ptr[b]);
+    c.start = chunk_start[b];
+    c.len = chunk_len[b];
+    c.wd = chunk_wd[b];
+    return c;
+}
+
+extern "C" __global__ void sgd_update(float* __restrict__ master, float* __restrict__ buf,
+                                      const unsigned long long* __restrict__ grad_ptr,
+                                      const unsigned long long* __restrict__ work_ptr,
+                                      const long* __restrict__ chunk_start,
+                                      const int* __restrict__ chunk_len,
+                                      const float* __restrict__ chunk_wd, float lr, float momentum,
+                                      float grad_scale, int nesterov) {
+    const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
+    for (int j = threadIdx.x; j < c.len; j += blockDim.x) {
+        const long i = c.start + j;
+        float w = master[i];
+        const float g = c.grad[j] * grad_scale + c.wd * w;
+        const float b = momentum * buf[i] + g;
+        buf[i] = b;
+        w -= lr * (nesterov ? g + momentum * b : b);
+        master[i] = w;
+        if (c.work != nullptr) c.work[j] = bt_to_bf16(w);
+    }
+}
+
+extern "C" __global__ void adam_update(float* __restrict__ master, float* __restrict__ m,
+                                       float* __restrict__ v,
+                                       const unsigned long long* __restrict__ grad_ptr,
+                                       const unsigned long long* __restrict__ work_ptr,
+                                       const long* __restrict__ chunk_start,
+                                       const int* __restrict__ chunk_len,
+                                       const float* __restrict__ chunk_wd, float lr, float beta1,
+                                       float beta2, float eps, float grad_scale, float bias_c1,
+                                       float bias_c2, int decoupled) {
+    // bias_c1 = 1 − β1^t and bias_c2 = 1 − β2^t, computed on the host in f64.
+    const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
+    for (int j = threadIdx.x; j < c.len; j += blockDim.x) {
+        const long i = c.start + j;
+        float w = master[i];
+        const float g = c.grad[j] * grad_scale + (decoupled ? 0.0f : c.wd * w);
+        if (decoupled) w *= 1.0f - lr * c.wd;
+        const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        w -= lr * (mi / bias_c1) / (sqrtf(vi / bias_c2) + eps);
+        master[i] = w;
+        if (c.work != nullptr) c.work[j] = bt_to_bf16(w);
+    }
+}
+
+// working[i] = bf16(master[i]) for the whole flat buffer (after loading a checkpoint).
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = bt_to_bf16(src[i]);
+}
+
+// dst[i] = f32(src[i]) (reading bf16 activations or gradients back for checks and reports).
+extern "C" __global__ void cast_bf16_f32(const bf16* __restrict__ src, float* __restrict__ dst, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = bt_to_f32(src[i]);
+}
+
+// Σ g² over a flat f32 buffer into *out (+=, atomics; for gradient-norm reports and clipping).
+extern "C" __global__ void sum_squares(const float* __restrict__ src, long n, float* __restrict__ out) {
+    __shared__ float scratch[32];
+    float acc = 0.0f;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        acc += src[i] * src[i];
+    acc = bt_block_sum(acc, scratch);
+    if (threadIdx.x == 0) atomicAdd(out, acc);
+}

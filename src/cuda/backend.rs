@@ -1,0 +1,1203 @@
+//! [`CudaBackend`]: the [`Backend`] ops on one GPU, bf16 activations and weights, f32
+//! accumulation, f32 parameter gradients and batch-norm statistics, NHWC.
+//!
+//! Every op validates lengths like the CPU backend, then queues its kernels on the device's one
+//! compute stream; only `download` and the loss (which returns host statistics) wait for the
+//! GPU. Scratch buffers (BN partial sums, the staged u8 batch, labels, per-row losses) live in a
+//! workspace that grows to the largest batch seen and is then reused: no allocation per step.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::device::GpuDevice;
+use super::error::CudaError;
+use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
+use crate::backend::{
+    Backend, BackendError, BnBackward, BnForward, BnMode, ConvShape, LinearShape, LossStats,
+    PoolShape, TensorRole,
+};
+use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
+
+/// A null device pointer for optional kernel arguments.
+static NULL_PTR: u64 = 0;
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+/// Threads per block of the implicit-GEMM convolution kernels (kernels/conv.cu).
+const CONV_THREADS: u32 = 256;
+/// Output tile of the convolution kernels (BM = BN).
+const CONV_TILE: usize = 128;
+
+/// Kernel-side mirror of `struct ConvShape` in kernels/conv.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ConvArgs {
+    n: i32,
+    h: i32,
+    w: i32,
+    c: i32,
+    k: i32,
+    r: i32,
+    s: i32,
+    p: i32,
+    q: i32,
+    stride: i32,
+    pad: i32,
+    k_chunk: i32,
+    accumulate: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel declares.
+unsafe impl DeviceRepr for ConvArgs {}
+
+/// Scratch buffers reused across steps (grown, never shrunk).
+#[derive(Debug, Default)]
+struct Workspace {
+    f32a: Option<CudaSlice<f32>>,
+    f32b: Option<CudaSlice<f32>>,
+    pixels: Option<CudaSlice<u8>>,
+    ints: Option<CudaSlice<i32>>,
+    ints2: Option<CudaSlice<i32>>,
+    norm: Option<CudaSlice<f32>>,
+}
+
+/// Per-launch timing (the `--breakdown` of `bench step`).
+#[derive(Debug, Default)]
+struct Profiler {
+    enabled: bool,
+    events: Vec<(&'static str, CudaEvent, CudaEvent)>,
+}
+
+/// Time spent in one kernel over a profiled interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    /// Kernel name.
+    pub name: &'static str,
+    /// Launches.
+    pub calls: usize,
+    /// Total GPU milliseconds.
+    pub ms: f64,
+}
+
+/// The CUDA backend on one device.
+#[derive(Debug, Clone)]
+pub struct CudaBackend {
+    dev: Arc<GpuDevice>,
+    sms: u32,
+    work: Arc<Mutex<Workspace>>,
+    profiler: Arc<Mutex<Profiler>>,
+}
+
+fn dev_err(op: &'static str) -> impl Fn(CudaError) -> BackendError {
+    move |e| BackendError::Device {
+        op,
+        source: Box::new(e),
+    }
+}
+
+fn drv_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> BackendError {
+    move |e| BackendError::Device {
+        op,
+        source: Box::new(CudaError::Driver {
+            context: op.to_string(),
+            source: e,
+        }),
+    }
+}
+
+fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), BackendError> {
+    if got < want {
+        return Err(BackendError::Shape {
+            op,
+            detail: format!("{what} has {got} elements, needs at least {want}"),
+        });
+    }
+    Ok(())
+}
+
+fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, BackendError> {
+    i32::try_from(v).map_err(|_| BackendError::Shape {
+        op,
+        detail: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
+    })
+}
+
+/// Ensures `slot` holds at least `len` elements (allocating only when it must grow).
+fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    dev: &GpuDevice,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+    op: &'static str,
+) -> Result<(), BackendError> {
+    if slot.as_ref().is_none_or(|s| s.len() < len) {
+        *slot = None;
+        *slot = Some(
+            dev.stream()
+                .alloc_zeros::<T>(len.max(1))
+                .map_err(|e| oom_or_device(op, len * size_of::<T>(), e))?,
+        );
+    }
+    Ok(())
+}
+
+fn oom_or_device(op: &'static str, bytes: usize, e: cudarc::driver::DriverError) -> BackendError {
+    if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        BackendError::OutOfMemory {
+            bytes,
+            what: format!("{op} on the GPU"),
+            hint: "use a smaller --batch-size (or --batch-size auto)".into(),
+        }
+    } else {
+        drv_err(op)(e)
+    }
+}
+
+fn elementwise_cfg(total: usize) -> LaunchConfig {
+    let blocks = total.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `$name` of `$file` with the listed arguments, timed when profiling is on.
+macro_rules! launch {
+    ($self:expr, $op:expr, $file:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let f = $self.dev.function($file, $name).map_err(dev_err($op))?;
+        let stream = $self.dev.stream();
+        let mut b = stream.launch_builder(&f);
+        $( b.arg($arg); )*
+        let timing = $self.profile_begin()?;
+        // SAFETY: the arguments match the kernel's signature in kernels/$file (checked by the
+        // GPU tests against the CPU backend); every buffer was length-checked above.
+        unsafe { b.launch($cfg) }.map_err(drv_err($op))?;
+        $self.profile_end($name, timing)?;
+    }};
+}
+
+impl CudaBackend {
+    /// The backend on device `ordinal`; kernels compile (or load from the disk cache) now.
+    pub fn new(ordinal: usize) -> Result<CudaBackend, CudaError> {
+        let dev = GpuDevice::open(ordinal)?;
+        dev.warm_up()?;
+        let sms = dev
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(CudaError::driver("reading the SM count"))? as u32;
+        Ok(CudaBackend {
+            dev,
+            sms,
+            work: Arc::default(),
+            profiler: Arc::default(),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    /// Waits for every queued op.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.dev.synchronize()
+    }
+
+    /// Turns per-launch timing on or off (off by default: events cost a little per launch).
+    pub fn set_profiling(&self, on: bool) {
+        let mut p = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
+        p.enabled = on;
+        p.events.clear();
+    }
+
+    /// Per-kernel GPU time since profiling was turned on (or last taken), largest first.
+    pub fn take_profile(&self) -> Result<Vec<KernelTime>, CudaError> {
+        self.synchronize()?;
+        let events = std::mem::take(
+            &mut self
+                .profiler
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .events,
+        );
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (name, start, end) in events {
+            let ms = f64::from(
+                start
+                    .elapsed_ms(&end)
+                    .map_err(CudaError::driver("cuEventElapsedTime"))?,
+            );
+            match out.iter_mut().find(|k| k.name == name) {
+                Some(k) => {
+                    k.calls += 1;
+                    k.ms += ms;
+                }
+                None => out.push(KernelTime { name, calls: 1, ms }),
+            }
+        }
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(out)
+    }
+
+    fn profile_begin(&self) -> Result<Option<CudaEvent>, BackendError> {
+        if !self
+            .profiler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enabled
+        {
+            return Ok(None);
+        }
+        let ev = self
+            .dev
+            .context()
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("profiler event"))?;
+        ev.record(self.dev.stream())
+            .map_err(drv_err("profiler event"))?;
+        Ok(Some(ev))
+    }
+
+    fn profile_end(
+        &self,
+        name: &'static str,
+        start: Option<CudaEvent>,
+    ) -> Result<(), BackendError> {
+        let Some(start) = start else { return Ok(()) };
+        let end = self
+            .dev
+            .context()
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv_err("profiler event"))?;
+        end.record(self.dev.stream())
+            .map_err(drv_err("profiler event"))?;
+        self.profiler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .events
+            .push((name, start, end));
+        Ok(())
+    }
+
+    fn work(&self) -> std::sync::MutexGuard<'_, Workspace> {
+        self.work.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rows per slab and slab count of a per-channel reduction over `rows` rows.
+    fn slabs(&self, rows: usize) -> (usize, usize) {
+        let target = (4 * self.sms as usize).max(1);
+        let slabs = rows.div_ceil(64).clamp(1, target);
+        let per = rows.div_ceil(slabs);
+        (per, rows.div_ceil(per))
+    }
+
+    fn conv_args(op: &'static str, s: &ConvShape) -> Result<ConvArgs, BackendError> {
+        if s.kernel == 0
+            || s.stride == 0
+            || s.h + 2 * s.padding < s.kernel
+            || s.w + 2 * s.padding < s.kernel
+        {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!(
+                    "{s:?}: kernel larger than the padded input, or zero kernel/stride"
+                ),
+            });
+        }
+        Ok(ConvArgs {
+            n: to_i32(op, "n", s.n)?,
+            h: to_i32(op, "h", s.h)?,
+            w: to_i32(op, "w", s.w)?,
+            c: to_i32(op, "c_in", s.c_in)?,
+            k: to_i32(op, "c_out", s.c_out)?,
+            r: to_i32(op, "kernel", s.kernel)?,
+            s: to_i32(op, "kernel", s.kernel)?,
+            p: to_i32(op, "out_h", s.out_h())?,
+            q: to_i32(op, "out_w", s.out_w())?,
+            stride: to_i32(op, "stride", s.stride)?,
+            pad: to_i32(op, "padding", s.padding)?,
+            k_chunk: 0,
+            accumulate: 0,
+        })
+        .and_then(|a| {
+            // Flat indices of every operand must fit the kernels' 32-bit GEMM coordinates.
+            to_i32(op, "x elements", s.x_len())?;
+            to_i32(op, "y elements", s.y_len())?;
+            Ok(a)
+        })
+    }
+
+    fn pool_check(op: &'static str, s: &PoolShape) -> Result<(), BackendError> {
+        if s.kernel == 0
+            || s.stride == 0
+            || s.h + 2 * s.padding < s.kernel
+            || s.w + 2 * s.padding < s.kernel
+            || s.padding >= s.kernel
+        {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("{s:?}: window larger than the padded input, or padding ≥ kernel"),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn gemm_grid(m: usize, n: usize, z: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            m.div_ceil(CONV_TILE) as u32,
+            n.div_ceil(CONV_TILE) as u32,
+            z as u32,
+        ),
+        block_dim: (CONV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} {} ({})",
+            self.dev.context().ordinal(),
+            self.dev.name(),
+            self.dev.arch()
+        )
+    }
+
+    fn alloc(&self, len: usize, role: TensorRole) -> Result<CudaTensor, BackendError> {
+        let dtype = DType::for_role(role);
+        let storage = if len == 0 {
+            Storage::Empty
+        } else {
+            let stream = self.dev.stream();
+            let bytes = len * dtype.size();
+            match dtype {
+                DType::Bf16 => Storage::Bf16(
+                    stream
+                        .alloc_zeros::<u16>(len)
+                        .map_err(|e| oom_or_device("alloc", bytes, e))?,
+                ),
+                DType::F32 => Storage::F32(
+                    stream
+                        .alloc_zeros::<f32>(len)
+                        .map_err(|e| oom_or_device("alloc", bytes, e))?,
+                ),
+            }
+        };
+        Ok(CudaTensor {
+            len,
+            dtype,
+            storage,
+        })
+    }
+
+    fn len(&self, t: &CudaTensor) -> usize {
+        t.len
+    }
+
+    fn upload(&self, src: &[f32], dst: &mut CudaTensor) -> Result<(), BackendError> {
+        if src.len() != dst.len {
+            return Err(BackendError::Shape {
+                op: "upload",
+                detail: format!("{} values into a tensor of {}", src.len(), dst.len),
+            });
+        }
+        let stream = self.dev.stream().clone();
+        match &mut dst.storage {
+            Storage::Empty => Ok(()),
+            Storage::Bf16(d) => stream
+                .memcpy_htod(&to_bf16_bits(src), d)
+                .map_err(drv_err("upload")),
+            Storage::F32(d) => stream.memcpy_htod(src, d).map_err(drv_err("upload")),
+        }
+    }
+
+    fn download(&self, src: &CudaTensor) -> Result<Vec<f32>, BackendError> {
+        let stream = self.dev.stream();
+        let out = match &src.storage {
+            Storage::Empty => Vec::new(),
+            Storage::Bf16(s) => from_bf16_bits(&stream.clone_dtoh(s).map_err(drv_err("download"))?),
+            Storage::F32(s) => stream.clone_dtoh(s).map_err(drv_err("download"))?,
+        };
+        stream.synchronize().map_err(drv_err("download"))?;
+        Ok(out)
+    }
+
+    fn input(&self, batch: &InputBatch<'_>, out: &mut CudaTensor) -> Result<(), BackendError> {
+        let op = "input";
+        let s = batch.image_size as usize;
+        let n = batch.len;
+        let bytes = n * s * s * 3;
+        check_len(op, "pixels", batch.pixels.len(), bytes)?;
+        check_len(op, "output", out.len, bytes)?;
+        let mut work = self.work();
+        let w = &mut *work;
+        ensure(&self.dev, &mut w.pixels, bytes, op)?;
+        ensure(&self.dev, &mut w.norm, 6, op)?;
+        let stream = self.dev.stream().clone();
+        let pixels = w.pixels.as_mut().expect("ensured");
+        stream
+            .memcpy_htod(&batch.pixels[..bytes], pixels)
+            .map_err(drv_err(op))?;
+        let norm: Vec<f32> = (0..3)
+            .map(|c| 1.0 / (255.0 * IMAGENET_STD[c]))
+            .chain((0..3).map(|c| -IMAGENET_MEAN[c] / IMAGENET_STD[c]))
+            .collect();
+        let norm_buf = w.norm.as_mut().expect("ensured");
+        stream.memcpy_htod(&norm, norm_buf).map_err(drv_err(op))?;
+        let use_aug: i32 = match batch.augment {
+            Some(aug) => {
+                check_len(op, "augment", aug.len(), n)?;
+                let params: Vec<i32> = aug[..n]
+                    .iter()
+                    .flat_map(|a| [a.dy, a.dx, i32::from(a.flip)])
+                    .collect();
+                ensure(&self.dev, &mut w.ints, params.len(), op)?;
+                stream
+                    .memcpy_htod(&params, w.ints.as_mut().expect("ensured"))
+                    .map_err(drv_err(op))?;
+                1
+            }
+            None => {
+                ensure(&self.dev, &mut w.ints, 1, op)?;
+                0
+            }
+        };
+        let (n_i, s_i) = (to_i32(op, "n", n)?, to_i32(op, "image size", s)?);
+        let scale = norm_buf.slice(0..3);
+        let shift = norm_buf.slice(3..6);
+        let dst = out.bf16_mut(op, "output")?;
+        let (pixels, aug) = (
+            w.pixels.as_ref().expect("ensured"),
+            w.ints.as_ref().expect("ensured"),
+        );
+        launch!(
+            self,
+            op,
+            "input.cu",
+            "input_transform",
+            elementwise_cfg(bytes),
+            [pixels, aug, &use_aug, &scale, &shift, dst, &n_i, &s_i]
+        );
+        Ok(())
+    }
+
+    fn conv_forward(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "conv_forward";
+        let args = Self::conv_args(op, s)?;
+        check_len(op, "x", x.len, s.x_len())?;
+        check_len(op, "w", w.len, s.w_len())?;
+        check_len(op, "y", y.len, s.y_len())?;
+        let cfg = gemm_grid(s.n * s.out_h() * s.out_w(), s.c_out, 1);
+        let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+        launch!(self, op, "conv.cu", "conv_fwd", cfg, [x, w, y, &args]);
+        Ok(())
+    }
+
+    fn conv_backward_data(
+        &self,
+        s: &ConvShape,
+        dy: &CudaTensor,
+        w: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let op = "conv_backward_data";
+        let mut args = Self::conv_args(op, s)?;
+        args.accumulate = i32::from(accumulate);
+        check_len(op, "dy", dy.len, s.y_len())?;
+        check_len(op, "w", w.len, s.w_len())?;
+        check_len(op, "dx", dx.len, s.x_len())?;
+        let cfg = gemm_grid(s.n * s.h * s.w, s.c_in, 1);
+        let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+        launch!(self, op, "conv.cu", "conv_dgrad", cfg, [dy, w, dx, &args]);
+        Ok(())
+    }
+
+    fn conv_backward_weight(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        dw: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "conv_backward_weight";
+        let mut args = Self::conv_args(op, s)?;
+        check_len(op, "x", x.len, s.x_len())?;
+        check_len(op, "dy", dy.len, s.y_len())?;
+        check_len(op, "dw", dw.len, s.w_len())?;
+        // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
+        // in f32 atomics on a zeroed gradient.
+        let reduction = s.n * s.out_h() * s.out_w();
+        let tiles = s.c_out.div_ceil(CONV_TILE) * s.w_len().div_ceil(s.c_out).div_ceil(CONV_TILE);
+        let want = (2 * self.sms as usize).div_ceil(tiles.max(1)).max(1);
+        let splits = want.min(reduction.div_ceil(256)).max(1);
+        let chunk = reduction.div_ceil(splits).div_ceil(32) * 32;
+        let splits = reduction.div_ceil(chunk);
+        args.k_chunk = to_i32(op, "k_chunk", chunk)?;
+        let cfg = gemm_grid(s.c_out, s.w_len() / s.c_out, splits);
+        let stream = self.dev.stream().clone();
+        let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
+        let dw = dw.f32_mut(op, "dw")?;
+        let mut head = dw.slice_mut(0..s.w_len());
+        stream.memset_zeros(&mut head).map_err(drv_err(op))?;
+        launch!(self, op, "conv.cu", "conv_wgrad", cfg, [dy, x, dw, &args]);
+        Ok(())
+    }
+
+    fn bn_forward(&self, a: BnForward<'_, CudaTensor>) -> Result<(), BackendError> {
+        let op = "bn_forward";
+        let (rows, c) = (a.shape.rows, a.shape.channels);
+        if rows == 0 {
+            return Err(BackendError::Shape {
+                op,
+                detail: "zero rows".into(),
+            });
+        }
+        check_len(op, "x", a.x.len, rows * c)?;
+        check_len(op, "y", a.y.len, rows * c)?;
+        if let Some(r) = a.residual {
+            check_len(op, "residual", r.len, rows * c)?;
+        }
+        for (name, len) in [
+            ("gamma", a.gamma.len),
+            ("beta", a.beta.len),
+            ("saved_mean", a.saved_mean.len),
+            ("saved_invstd", a.saved_invstd.len),
+            ("running_mean", a.running_mean.len),
+            ("running_var", a.running_var.len),
+        ] {
+            check_len(op, name, len, c)?;
+        }
+        let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
+        let x = a.x.bf16(op, "x")?;
+        let chan_cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let mean = a.saved_mean.f32_mut(op, "saved_mean")?;
+            let invstd = a.saved_invstd.f32_mut(op, "saved_invstd")?;
+            let run_mean = a.running_mean.f32_mut(op, "running_mean")?;
+            let run_var = a.running_var.f32_mut(op, "running_var")?;
+            match a.mode {
+                BnMode::Train => {
+                    let (per, slabs) = self.slabs(rows);
+                    let mut work = self.work();
+                    let w = &mut *work;
+                    ensure(&self.dev, &mut w.f32a, slabs * c, op)?;
+                    ensure(&self.dev, &mut w.f32b, slabs * c, op)?;
+                    let (pm, pv) = (
+                        w.f32a.as_mut().expect("ensured"),
+                        w.f32b.as_mut().expect("ensured"),
+                    );
+                    let per_i = to_i32(op, "rows per slab", per)?;
+                    let slabs_i = to_i32(op, "slabs", slabs)?;
+                    let cfg = LaunchConfig {
+                        grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
+                        block_dim: (32, 8, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    launch!(
+                        self,
+                        op,
+                        "bn.cu",
+                        "bn_stats_partial",
+                        cfg,
+                        [x, &rows_i, &c_i, &per_i, &mut *pm, &mut *pv]
+                    );
+                    let (eps, momentum) = (a.eps, a.momentum);
+                    launch!(
+                        self,
+                        op,
+                        "bn.cu",
+                        "bn_stats_finalize",
+                        chan_cfg,
+                        [
+                            &*pm, &*pv, &slabs_i, &rows_i, &c_i, &per_i, &eps, &momentum, mean,
+                            invstd, run_mean, run_var
+                        ]
+                    );
+                }
+                BnMode::Frozen | BnMode::Eval => {
+                    let eps = a.eps;
+                    launch!(
+                        self,
+                        op,
+                        "bn.cu",
+                        "bn_eval_prepare",
+                        chan_cfg,
+                        [&*run_mean, &*run_var, &c_i, &eps, mean, invstd]
+                    );
+                }
+            }
+        }
+        let total = (rows * c) as i64;
+        let relu = i32::from(a.relu);
+        let (mean, invstd) = (
+            a.saved_mean.f32(op, "saved_mean")?,
+            a.saved_invstd.f32(op, "saved_invstd")?,
+        );
+        let (gamma, beta) = (a.gamma.bf16(op, "gamma")?, a.beta.bf16(op, "beta")?);
+        let y = a.y.bf16_mut(op, "y")?;
+        match a.residual {
+            Some(r) => {
+                let r = r.bf16(op, "residual")?;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    "bn_apply",
+                    elementwise_cfg(rows * c),
+                    [x, mean, invstd, gamma, beta, r, y, &total, &c_i, &relu]
+                );
+            }
+            None => {
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    "bn_apply",
+                    elementwise_cfg(rows * c),
+                    [x, mean, invstd, gamma, beta, &NULL_PTR, y, &total, &c_i, &relu]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn bn_backward(&self, a: BnBackward<'_, CudaTensor>) -> Result<(), BackendError> {
+        let op = "bn_backward";
+        let (rows, c) = (a.shape.rows, a.shape.channels);
+        if rows == 0 {
+            return Err(BackendError::Shape {
+                op,
+                detail: "zero rows".into(),
+            });
+        }
+        for (name, len) in [
+            ("x", a.x.len),
+            ("y", a.y.len),
+            ("dy", a.dy.len),
+            ("dx", a.dx.len),
+        ] {
+            check_len(op, name, len, rows * c)?;
+        }
+        if let Some((d, _)) = &a.dresidual {
+            check_len(op, "dresidual", d.len, rows * c)?;
+        }
+        for (name, len) in [
+            ("gamma", a.gamma.len),
+            ("saved_mean", a.saved_mean.len),
+            ("saved_invstd", a.saved_invstd.len),
+            ("dgamma", a.dgamma.len),
+            ("dbeta", a.dbeta.len),
+        ] {
+            check_len(op, name, len, c)?;
+        }
+        let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
+        let relu = i32::from(a.relu);
+        let (x, y, dy) = (a.x.bf16(op, "x")?, a.y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
+        let (mean, invstd) = (
+            a.saved_mean.f32(op, "saved_mean")?,
+            a.saved_invstd.f32(op, "saved_invstd")?,
+        );
+        let gamma = a.gamma.bf16(op, "gamma")?;
+        let (per, slabs) = self.slabs(rows);
+        let (per_i, slabs_i) = (
+            to_i32(op, "rows per slab", per)?,
+            to_i32(op, "slabs", slabs)?,
+        );
+        {
+            let mut work = self.work();
+            let w = &mut *work;
+            ensure(&self.dev, &mut w.f32a, slabs * c, op)?;
+            ensure(&self.dev, &mut w.f32b, slabs * c, op)?;
+            let (pb, pg) = (
+                w.f32a.as_mut().expect("ensured"),
+                w.f32b.as_mut().expect("ensured"),
+            );
+            let cfg = LaunchConfig {
+                grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                op,
+                "bn.cu",
+                "bn_bwd_partial",
+                cfg,
+                [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
+            );
+            let chan_cfg = LaunchConfig {
+                grid_dim: (c.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let dbeta = a.dbeta.f32_mut(op, "dbeta")?;
+            let dgamma = a.dgamma.f32_mut(op, "dgamma")?;
+            launch!(
+                self,
+                op,
+                "bn.cu",
+                "bn_bwd_finalize",
+                chan_cfg,
+                [&*pb, &*pg, &slabs_i, &c_i, dbeta, dgamma]
+            );
+        }
+        let total = (rows * c) as i64;
+        let batch_stats = i32::from(a.batch_stats);
+        let (dbeta, dgamma) = (a.dbeta.f32(op, "dbeta")?, a.dgamma.f32(op, "dgamma")?);
+        let dx = a.dx.bf16_mut(op, "dx")?;
+        let cfg = elementwise_cfg(rows * c);
+        match a.dresidual {
+            Some((dres, acc)) => {
+                let acc = i32::from(acc);
+                let dres = dres.bf16_mut(op, "dresidual")?;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    "bn_bwd_apply",
+                    cfg,
+                    [
+                        dy,
+                        y,
+                        x,
+                        mean,
+                        invstd,
+                        gamma,
+                        dbeta,
+                        dgamma,
+                        &total,
+                        &c_i,
+                        &relu,
+                        &batch_stats,
+                        dx,
+                        dres,
+                        &acc
+                    ]
+                );
+            }
+            None => {
+                let acc = 0i32;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    "bn_bwd_apply",
+                    cfg,
+                    [
+                        dy,
+                        y,
+                        x,
+                        mean,
+                        invstd,
+                        gamma,
+                        dbeta,
+                        dgamma,
+                        &total,
+                        &c_i,
+                        &relu,
+                        &batch_stats,
+                        dx,
+                        &NULL_PTR,
+                        &acc
+                    ]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn maxpool_forward(
+        &self,
+        s: &PoolShape,
+        x: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "maxpool_forward";
+        Self::pool_check(op, s)?;
+        let out = s.n * s.out_h() * s.out_w() * s.c;
+        check_len(op, "x", x.len, s.n * s.h * s.w * s.c)?;
+        check_len(op, "y", y.len, out)?;
+        let d = pool_dims(op, s)?;
+        let (x, y) = (x.bf16(op, "x")?, y.bf16_mut(op, "y")?);
+        launch!(
+            self,
+            op,
+            "pool.cu",
+            "maxpool_fwd",
+            elementwise_cfg(out),
+            [x, y, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8]]
+        );
+        Ok(())
+    }
+
+    fn maxpool_backward(
+        &self,
+        s: &PoolShape,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let op = "maxpool_backward";
+        Self::pool_check(op, s)?;
+        let input = s.n * s.h * s.w * s.c;
+        check_len(op, "x", x.len, input)?;
+        check_len(op, "dx", dx.len, input)?;
+        check_len(op, "dy", dy.len, s.n * s.out_h() * s.out_w() * s.c)?;
+        let d = pool_dims(op, s)?;
+        let acc = i32::from(accumulate);
+        let (x, dy, dx) = (x.bf16(op, "x")?, dy.bf16(op, "dy")?, dx.bf16_mut(op, "dx")?);
+        launch!(
+            self,
+            op,
+            "pool.cu",
+            "maxpool_bwd",
+            elementwise_cfg(input),
+            [x, dy, dx, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8], &acc]
+        );
+        Ok(())
+    }
+
+    fn gap_forward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        x: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "gap_forward";
+        check_len(op, "x", x.len, n * hw * c)?;
+        check_len(op, "y", y.len, n * c)?;
+        if hw == 0 {
+            return Err(BackendError::Shape {
+                op,
+                detail: "empty spatial extent".into(),
+            });
+        }
+        let (n_i, hw_i, c_i) = (
+            to_i32(op, "n", n)?,
+            to_i32(op, "hw", hw)?,
+            to_i32(op, "c", c)?,
+        );
+        let (x, y) = (x.bf16(op, "x")?, y.bf16_mut(op, "y")?);
+        launch!(
+            self,
+            op,
+            "pool.cu",
+            "gap_fwd",
+            elementwise_cfg(n * c),
+            [x, y, &n_i, &hw_i, &c_i]
+        );
+        Ok(())
+    }
+
+    fn gap_backward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let op = "gap_backward";
+        check_len(op, "dy", dy.len, n * c)?;
+        check_len(op, "dx", dx.len, n * hw * c)?;
+        if hw == 0 {
+            return Err(BackendError::Shape {
+                op,
+                detail: "empty spatial extent".into(),
+            });
+        }
+        let (n_i, hw_i, c_i) = (
+            to_i32(op, "n", n)?,
+            to_i32(op, "hw", hw)?,
+            to_i32(op, "c", c)?,
+        );
+        let acc = i32::from(accumulate);
+        let (dy, dx) = (dy.bf16(op, "dy")?, dx.bf16_mut(op, "dx")?);
+        launch!(
+            self,
+            op,
+            "pool.cu",
+            "gap_bwd",
+            elementwise_cfg(n * hw * c),
+            [dy, dx, &n_i, &hw_i, &c_i, &acc]
+        );
+        Ok(())
+    }
+
+    fn linear_forward(
+        &self,
+        s: &LinearShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        b: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "linear_forward";
+        check_len(op, "x", x.len, s.n * s.inputs)?;
+        check_len(op, "w", w.len, s.outputs * s.inputs)?;
+        check_len(op, "b", b.len, s.outputs)?;
+        check_len(op, "y", y.len, s.n * s.outputs)?;
+        let (n, i, o) = linear_dims(op, s)?;
+        let (x, w, b, y) = (
+            x.bf16(op, "x")?,
+            w.bf16(op, "w")?,
+            b.bf16(op, "b")?,
+            y.bf16_mut(op, "y")?,
+        );
+        launch!(
+            self,
+            op,
+            "linear.cu",
+            "linear_fwd",
+            tile16(s.outputs, s.n),
+            [x, w, b, y, &n, &i, &o]
+        );
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        s: &LinearShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        dw: &mut CudaTensor,
+        db: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let op = "linear_backward";
+        check_len(op, "x", x.len, s.n * s.inputs)?;
+        check_len(op, "dx", dx.len, s.n * s.inputs)?;
+        check_len(op, "w", w.len, s.outputs * s.inputs)?;
+        check_len(op, "dw", dw.len, s.outputs * s.inputs)?;
+        check_len(op, "db", db.len, s.outputs)?;
+        check_len(op, "dy", dy.len, s.n * s.outputs)?;
+        let (n, i, o) = linear_dims(op, s)?;
+        let acc = i32::from(accumulate);
+        let (x, w, dy) = (x.bf16(op, "x")?, w.bf16(op, "w")?, dy.bf16(op, "dy")?);
+        let dx = dx.bf16_mut(op, "dx")?;
+        launch!(
+            self,
+            op,
+            "linear.cu",
+            "linear_bwd_data",
+            tile16(s.inputs, s.n),
+            [dy, w, dx, &n, &i, &o, &acc]
+        );
+        let dw = dw.f32_mut(op, "dw")?;
+        launch!(
+            self,
+            op,
+            "linear.cu",
+            "linear_bwd_weight",
+            tile16(s.inputs, s.outputs),
+            [dy, x, dw, &n, &i, &o]
+        );
+        let db = db.f32_mut(op, "db")?;
+        let cfg = LaunchConfig {
+            grid_dim: (s.outputs.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            op,
+            "linear.cu",
+            "linear_bias_grad",
+            cfg,
+            [dy, db, &n, &o]
+        );
+        Ok(())
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &CudaTensor,
+        labels: &[u32],
+        smoothing: f32,
+        dlogits: Option<&mut CudaTensor>,
+        probs: Option<&mut Vec<f32>>,
+    ) -> Result<LossStats, BackendError> {
+        let op = "softmax_cross_entropy";
+        check_len(op, "logits", logits.len, n * classes)?;
+        check_len(op, "labels", labels.len(), n)?;
+        if let Some(d) = &dlogits {
+            check_len(op, "dlogits", d.len, n * classes)?;
+        }
+        if let Some(&bad) = labels[..n].iter().find(|&&l| l as usize >= classes) {
+            return Err(BackendError::InvalidInput {
+                op,
+                detail: format!("label {bad} is out of range for {classes} classes"),
+            });
+        }
+        if !(0.0..1.0).contains(&smoothing) {
+            return Err(BackendError::InvalidInput {
+                op,
+                detail: format!("label smoothing {smoothing} is outside [0, 1)"),
+            });
+        }
+        if n == 0 {
+            return Ok(LossStats::default());
+        }
+        let k = to_i32(op, "classes", classes)?;
+        let scale = 1.0 / n as f32;
+        let labels_i: Vec<i32> = labels[..n].iter().map(|&l| l as i32).collect();
+        let stream = self.dev.stream().clone();
+        let mut work = self.work();
+        let w = &mut *work;
+        ensure(&self.dev, &mut w.ints, n, op)?;
+        ensure(&self.dev, &mut w.ints2, n, op)?;
+        ensure(
+            &self.dev,
+            &mut w.f32a,
+            n + if probs.is_some() { n * classes } else { 0 },
+            op,
+        )?;
+        let lab = w.ints.as_mut().expect("ensured");
+        stream.memcpy_htod(&labels_i, lab).map_err(drv_err(op))?;
+        let rank = w.ints2.as_mut().expect("ensured");
+        let f = w.f32a.as_mut().expect("ensured");
+        let (mut loss, mut prob_buf) = f.split_at_mut(n);
+        let z = logits.bf16(op, "logits")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let lab = &*lab;
+        match (dlogits, probs.is_some()) {
+            (Some(d), true) => {
+                let d = d.bf16_mut(op, "dlogits")?;
+                launch!(
+                    self,
+                    op,
+                    "loss.cu",
+                    "softmax_xent",
+                    cfg,
+                    [
+                        z,
+                        lab,
+                        &k,
+                        &smoothing,
+                        &scale,
+                        &mut loss,
+                        &mut *rank,
+                        d,
+                        &mut prob_buf
+                    ]
+                );
+            }
+            (Some(d), false) => {
+                let d = d.bf16_mut(op, "dlogits")?;
+                launch!(
+                    self,
+                    op,
+                    "loss.cu",
+                    "softmax_xent",
+                    cfg,
+                    [z, lab, &k, &smoothing, &scale, &mut loss, &mut *rank, d, &NULL_PTR]
+                );
+            }
+            (None, true) => {
+                launch!(
+                    self,
+                    op,
+                    "loss.cu",
+                    "softmax_xent",
+                    cfg,
+                    [
+                        z,
+                        lab,
+                        &k,
+                        &smoothing,
+                        &scale,
+                        &mut loss,
+                        &mut *rank,
+                        &NULL_PTR,
+                        &mut prob_buf
+                    ]
+                );
+            }
+            (None, false) => {
+                launch!(
+                    self,
+                    op,
+                    "loss.cu",
+                    "softmax_xent",
+                    cfg,
+                    [z, lab, &k, &smoothing, &scale, &mut loss, &mut *rank, &NULL_PTR, &NULL_PTR]
+                );
+            }
+        }
+        let losses = stream.clone_dtoh(&loss).map_err(drv_err(op))?;
+        let ranks = stream.clone_dtoh(&rank.slice(0..n)).map_err(drv_err(op))?;
+        if let Some(p) = probs {
+            *p = stream
+                .clone_dtoh(&prob_buf.slice(0..n * classes))
+                .map_err(drv_err(op))?;
+        }
+        stream.synchronize().map_err(drv_err(op))?;
+        let mut stats = LossStats::default();
+        for (l, r) in losses.iter().zip(&ranks) {
+            stats.loss_sum += f64::from(*l);
+            stats.correct_top1 += usize::from(*r == 0);
+            stats.correct_top5 += usize::from(*r < 5);
+        }
+        Ok(stats)
+    }
+}
+
+fn pool_dims(op: &'static str, s: &PoolShape) -> Result<[i32; 9], BackendError> {
+    Ok([
+        to_i32(op, "n", s.n)?,
+        to_i32(op, "h", s.h)?,
+        to_i32(op, "w", s.w)?,
+        to_i32(op, "c", s.c)?,
+        to_i32(op, "out_h", s.out_h())?,
+        to_i32(op, "out_w", s.out_w())?,
+        to_i32(op, "kernel", s.kernel)?,
+        to_i32(op, "stride", s.stride)?,
+        to_i32(op, "padding", s.padding)?,
+    ])
+}
+
+fn linear_dims(op: &'static str, s: &LinearShape) -> Result<(i32, i32, i32), BackendError> {
+    Ok((
+        to_i32(op, "n", s.n)?,
+        to_i32(op, "inputs", s.inputs)?,
+        to_i32(op, "outputs", s.outputs)?,
+    ))
+}
+
+fn tile16(cols: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(16) as u32, rows.div_ceil(16) as u32, 1),
+        block_dim: (16, 16, 1),
+        shared_mem_bytes: 0,
+    }
+}

@@ -1,0 +1,357 @@
+//! The fused optimizer on the GPU: one launch updates every parameter of the model.
+//!
+//! [`DeviceOptimizer`] keeps the f32 master weights and the optimizer state on the device as
+//! flat buffers in graph parameter order, in the backend's layout (convolution weights OHWI, see
+//! [`to_backend_layout`]); gradients and bf16 working copies stay in the model's own tensors. A
+//! chunk table (multi-tensor apply, kernels/optim.cu) maps each block of the launch to a slice of
+//! one tensor, with that tensor's weight decay and the addresses of its gradient and working
+//! copy. The rules are exactly [`crate::optim::Optimizer`]'s (checked by the GPU tests).
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::backend::CudaBackend;
+use super::error::CudaError;
+use super::tensor::CudaTensor;
+use crate::model::{ParamKind, ParamSpec};
+use crate::optim::{Hyper, OptimizerKind};
+
+/// Elements per block of the update launch.
+pub const CHUNK: usize = 65_536;
+
+/// One chunk: (parameter index, offset inside the tensor, flat start, length, weight decay).
+pub type Chunk = (usize, usize, i64, i32, f32);
+
+/// The chunk table: every parameter split into chunks of at most [`CHUNK`] elements.
+pub fn chunk_table(params: &[ParamSpec], weight_decay: f32) -> Vec<Chunk> {
+    let mut table = Vec::new();
+    let mut offset = 0usize;
+    for (index, p) in params.iter().enumerate() {
+        let wd = if p.decay { weight_decay } else { 0.0 };
+        let mut done = 0;
+        while done < p.numel() {
+            let len = CHUNK.min(p.numel() - done);
+            table.push((index, done, (offset + done) as i64, len as i32, wd));
+            done += len;
+        }
+        offset += p.numel();
+    }
+    table
+}
+
+/// Flat parameters in torchvision layout (OIHW convolutions, as `Network::params_f32`) →
+/// the backend's layout (OHWI), which gradients and working copies use.
+pub fn to_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(flat.len());
+    let mut offset = 0;
+    for p in params {
+        let v = &flat[offset..offset + p.numel()];
+        if p.kind == ParamKind::ConvWeight && p.shape.len() == 4 {
+            let (o, i, kh, kw) = (p.shape[0], p.shape[1], p.shape[2], p.shape[3]);
+            let mut t = vec![0.0; v.len()];
+            for a in 0..o {
+                for b in 0..i {
+                    for y in 0..kh {
+                        for x in 0..kw {
+                            t[((a * kh + y) * kw + x) * i + b] = v[((a * i + b) * kh + y) * kw + x];
+                        }
+                    }
+                }
+            }
+            out.extend(t);
+        } else {
+            out.extend_from_slice(v);
+        }
+        offset += p.numel();
+    }
+    out
+}
+
+/// Master weights and optimizer state on the device.
+#[derive(Debug)]
+pub struct DeviceOptimizer {
+    backend: CudaBackend,
+    kind: OptimizerKind,
+    hyper: Hyper,
+    sizes: Vec<usize>,
+    table: Vec<Chunk>,
+    master: CudaSlice<f32>,
+    m: CudaSlice<f32>,
+    v: Option<CudaSlice<f32>>,
+    starts: CudaSlice<i64>,
+    lens: CudaSlice<i32>,
+    decays: CudaSlice<f32>,
+    /// Per-chunk gradient and working-copy addresses, and the host values they were built from.
+    grad_ptrs: CudaSlice<u64>,
+    work_ptrs: CudaSlice<u64>,
+    ptrs_for: Vec<u64>,
+    steps: u64,
+}
+
+fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + '_ {
+    move |source| CudaError::Driver {
+        context: context.to_string(),
+        source,
+    }
+}
+
+impl DeviceOptimizer {
+    /// An optimizer for `params` starting from `initial`, flat in the backend's layout.
+    pub fn new(
+        backend: &CudaBackend,
+        kind: OptimizerKind,
+        hyper: Hyper,
+        params: &[ParamSpec],
+        initial: &[f32],
+    ) -> Result<Self, CudaError> {
+        let sizes: Vec<usize> = params.iter().map(ParamSpec::numel).collect();
+        let len: usize = sizes.iter().sum();
+        if initial.len() != len {
+            return Err(CudaError::Unsupported {
+                what: format!("{} initial values for {len} parameters", initial.len()),
+            });
+        }
+        let stream = backend.device().stream().clone();
+        let table = chunk_table(params, hyper.weight_decay);
+        let starts: Vec<i64> = table.iter().map(|t| t.2).collect();
+        let lens: Vec<i32> = table.iter().map(|t| t.3).collect();
+        let decays: Vec<f32> = table.iter().map(|t| t.4).collect();
+        let adam = !matches!(kind, OptimizerKind::Sgd { .. });
+        let chunks = table.len().max(1);
+        Ok(DeviceOptimizer {
+            backend: backend.clone(),
+            kind,
+            hyper,
+            sizes,
+            master: stream
+                .clone_htod(initial)
+                .map_err(drv("uploading master weights"))?,
+            m: stream
+                .alloc_zeros(len.max(1))
+                .map_err(drv("allocating optimizer state"))?,
+            v: if adam {
+                Some(
+                    stream
+                        .alloc_zeros(len.max(1))
+                        .map_err(drv("allocating optimizer state"))?,
+                )
+            } else {
+                None
+            },
+            starts: stream
+                .clone_htod(&starts)
+                .map_err(drv("uploading the chunk table"))?,
+            lens: stream
+                .clone_htod(&lens)
+                .map_err(drv("uploading the chunk table"))?,
+            decays: stream
+                .clone_htod(&decays)
+                .map_err(drv("uploading the chunk table"))?,
+            grad_ptrs: stream
+                .alloc_zeros(chunks)
+                .map_err(drv("allocating the chunk table"))?,
+            work_ptrs: stream
+                .alloc_zeros(chunks)
+                .map_err(drv("allocating the chunk table"))?,
+            ptrs_for: Vec::new(),
+            table,
+            steps: 0,
+        })
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Points the chunk table at these tensors (re-uploaded only when an address changed).
+    fn bind(
+        &mut self,
+        grads: &[&CudaTensor],
+        working: &mut [&mut CudaTensor],
+    ) -> Result<(), CudaError> {
+        let bad = |what: &str| CudaError::Unsupported {
+            what: format!("DeviceOptimizer::step: {what}"),
+        };
+        if grads.len() != self.sizes.len() || working.len() != self.sizes.len() {
+            return Err(bad(&format!(
+                "{} gradients and {} working tensors for {} parameters",
+                grads.len(),
+                working.len(),
+                self.sizes.len()
+            )));
+        }
+        let stream = self.backend.device().stream().clone();
+        let mut bases = Vec::with_capacity(2 * self.sizes.len());
+        for (i, &n) in self.sizes.iter().enumerate() {
+            let g = grads[i]
+                .f32_slice()
+                .ok_or_else(|| bad("gradients must be f32 (TensorRole::WeightGrad)"))?;
+            let w = working[i]
+                .bf16_slice_mut()
+                .ok_or_else(|| bad("working copies must be bf16 (TensorRole::Weight)"))?;
+            if g.len() < n || w.len() < n {
+                return Err(bad(&format!("parameter {i} needs {n} elements")));
+            }
+            bases.push(g.device_ptr(&stream).0);
+            bases.push(w.device_ptr(&stream).0);
+        }
+        if bases == self.ptrs_for {
+            return Ok(());
+        }
+        let grad_ptrs: Vec<u64> = self
+            .table
+            .iter()
+            .map(|c| bases[2 * c.0] + 4 * c.1 as u64)
+            .collect();
+        let work_ptrs: Vec<u64> = self
+            .table
+            .iter()
+            .map(|c| bases[2 * c.0 + 1] + 2 * c.1 as u64)
+            .collect();
+        if !grad_ptrs.is_empty() {
+            stream
+                .memcpy_htod(&grad_ptrs, &mut self.grad_ptrs)
+                .map_err(drv("uploading gradient addresses"))?;
+            stream
+                .memcpy_htod(&work_ptrs, &mut self.work_ptrs)
+                .map_err(drv("uploading working-copy addresses"))?;
+        }
+        self.ptrs_for = bases;
+        Ok(())
+    }
+
+    /// One update: gradients `grads[i]` (f32, × `grad_scale`, e.g. 1/world) of parameter i at
+    /// learning rate `lr`; writes the new bf16 working copy into `working[i]`.
+    pub fn step(
+        &mut self,
+        grads: &[&CudaTensor],
+        working: &mut [&mut CudaTensor],
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<(), CudaError> {
+        self.bind(grads, working)?;
+        if self.table.is_empty() {
+            return Ok(());
+        }
+        self.steps += 1;
+        let dev = self.backend.device();
+        let stream = dev.stream();
+        let cfg = LaunchConfig {
+            grid_dim: (self.table.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let h = self.hyper;
+        match self.kind {
+            OptimizerKind::Sgd { momentum, nesterov } => {
+                let f = dev.function("optim.cu", "sgd_update")?;
+                let nesterov = i32::from(nesterov);
+                let mut b = stream.launch_builder(&f);
+                b.arg(&mut self.master)
+                    .arg(&mut self.m)
+                    .arg(&self.grad_ptrs)
+                    .arg(&self.work_ptrs);
+                b.arg(&self.starts)
+                    .arg(&self.lens)
+                    .arg(&self.decays)
+                    .arg(&lr)
+                    .arg(&momentum)
+                    .arg(&grad_scale)
+                    .arg(&nesterov);
+                // SAFETY: argument list matches sgd_update in kernels/optim.cu; the address table
+                // points into live tensors of the checked lengths (bind).
+                unsafe { b.launch(cfg) }.map_err(drv("sgd_update"))?;
+            }
+            OptimizerKind::Adam | OptimizerKind::AdamW => {
+                let f = dev.function("optim.cu", "adam_update")?;
+                let t = self.steps as i32;
+                let bc1 = (1.0 - f64::from(h.beta1).powi(t)) as f32;
+                let bc2 = (1.0 - f64::from(h.beta2).powi(t)) as f32;
+                let decoupled = i32::from(self.kind == OptimizerKind::AdamW);
+                let v = self.v.as_mut().expect("Adam state is allocated in new");
+                let mut b = stream.launch_builder(&f);
+                b.arg(&mut self.master)
+                    .arg(&mut self.m)
+                    .arg(v)
+                    .arg(&self.grad_ptrs)
+                    .arg(&self.work_ptrs);
+                b.arg(&self.starts)
+                    .arg(&self.lens)
+                    .arg(&self.decays)
+                    .arg(&lr)
+                    .arg(&h.beta1)
+                    .arg(&h.beta2)
+                    .arg(&h.eps)
+                    .arg(&grad_scale)
+                    .arg(&bc1)
+                    .arg(&bc2)
+                    .arg(&decoupled);
+                // SAFETY: as above, for adam_update.
+                unsafe { b.launch(cfg) }.map_err(drv("adam_update"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The f32 master weights, flat in the backend's layout (waits for the GPU).
+    pub fn master(&self) -> Result<Vec<f32>, CudaError> {
+        let stream = self.backend.device().stream();
+        let out = stream
+            .clone_dtoh(&self.master)
+            .map_err(drv("downloading master weights"))?;
+        stream
+            .synchronize()
+            .map_err(drv("downloading master weights"))?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Arch, Graph};
+
+    #[test]
+    fn chunk_table_covers_every_parameter_once_with_its_decay() {
+        let graph = Graph::new(Arch::ResNet18, 10);
+        let table = chunk_table(graph.params(), 0.5);
+        let total: usize = table.iter().map(|t| t.3 as usize).sum();
+        assert_eq!(total, graph.param_count());
+        let mut next = 0i64;
+        for &(index, local, start, len, _) in &table {
+            assert_eq!(start, next, "chunks are contiguous and ordered");
+            assert!(len as usize <= CHUNK && len > 0);
+            assert!(local + len as usize <= graph.params()[index].numel());
+            next += i64::from(len);
+        }
+        // BN weights are exempt from decay, conv weights are not.
+        let (offsets, _) = graph.param_offsets();
+        for (i, p) in graph.params().iter().enumerate() {
+            let chunk = table.iter().find(|t| t.2 as usize == offsets[i]).unwrap();
+            assert_eq!((chunk.0, chunk.1), (i, 0));
+            assert_eq!(chunk.4, if p.decay { 0.5 } else { 0.0 }, "{}", p.name);
+        }
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+    use crate::model::{Arch, Graph};
+
+    #[test]
+    fn backend_layout_moves_input_channels_innermost() {
+        let graph = Graph::new(Arch::ResNet8, 10);
+        let n = graph.param_count();
+        let flat: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let out = to_backend_layout(graph.params(), &flat);
+        assert_eq!(out.len(), n);
+        // conv1 is OIHW [16, 3, 3, 3]: element (o=1, i=2, y=0, x=1) → OHWI ((1·3+0)·3+1)·3+2.
+        let src = ((3 + 2) * 3) * 3 + 1;
+        assert_eq!(out[((3 + 0) * 3 + 1) * 3 + 2], src as f32);
+        // A permutation: nothing lost, nothing duplicated.
+        let mut sorted = out.clone();
+        sorted.sort_by(f32::total_cmp);
+        assert_eq!(sorted, flat);
+    }
+}

@@ -1,0 +1,184 @@
+//! Device tensors of the CUDA backend: bf16 for activations and weights, f32 for gradients of
+//! parameters and for statistics.
+
+use cudarc::driver::CudaSlice;
+
+use crate::backend::{BackendError, TensorRole};
+
+/// Storage type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// bfloat16, stored as its 16 raw bits.
+    Bf16,
+    /// IEEE f32.
+    F32,
+}
+
+impl DType {
+    /// The storage type the CUDA backend uses for `role`.
+    pub fn for_role(role: TensorRole) -> DType {
+        match role {
+            TensorRole::Activation | TensorRole::Weight => DType::Bf16,
+            TensorRole::WeightGrad | TensorRole::Statistic => DType::F32,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bf16 => 2,
+            DType::F32 => 4,
+        }
+    }
+}
+
+/// The buffer behind a [`CudaTensor`].
+#[derive(Debug)]
+pub(crate) enum Storage {
+    /// A zero-length tensor (no device allocation).
+    Empty,
+    /// bf16 bits.
+    Bf16(CudaSlice<u16>),
+    /// f32 values.
+    F32(CudaSlice<f32>),
+}
+
+/// A flat device tensor.
+#[derive(Debug)]
+pub struct CudaTensor {
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
+    pub(crate) storage: Storage,
+}
+
+impl CudaTensor {
+    /// Element count.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Storage type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The f32 device buffer (`None` for bf16 or empty tensors), for device-side consumers
+    /// such as [`super::optim::DeviceOptimizer`].
+    pub fn f32_slice(&self) -> Option<&CudaSlice<f32>> {
+        match &self.storage {
+            Storage::F32(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The bf16 device buffer as raw bits (`None` for f32 or empty tensors).
+    pub fn bf16_slice_mut(&mut self) -> Option<&mut CudaSlice<u16>> {
+        match &mut self.storage {
+            Storage::Bf16(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The bf16 buffer, or a shape error naming `op` and `what` (a caller passed a tensor of
+    /// another role).
+    pub(crate) fn bf16(
+        &self,
+        op: &'static str,
+        what: &str,
+    ) -> Result<&CudaSlice<u16>, BackendError> {
+        match &self.storage {
+            Storage::Bf16(s) => Ok(s),
+            _ => Err(wrong_type(op, what, "bf16", self.len, self.dtype)),
+        }
+    }
+
+    /// Mutable bf16 buffer.
+    pub(crate) fn bf16_mut(
+        &mut self,
+        op: &'static str,
+        what: &str,
+    ) -> Result<&mut CudaSlice<u16>, BackendError> {
+        let (len, dtype) = (self.len, self.dtype);
+        match &mut self.storage {
+            Storage::Bf16(s) => Ok(s),
+            _ => Err(wrong_type(op, what, "bf16", len, dtype)),
+        }
+    }
+
+    /// The f32 buffer.
+    pub(crate) fn f32(
+        &self,
+        op: &'static str,
+        what: &str,
+    ) -> Result<&CudaSlice<f32>, BackendError> {
+        match &self.storage {
+            Storage::F32(s) => Ok(s),
+            _ => Err(wrong_type(op, what, "f32", self.len, self.dtype)),
+        }
+    }
+
+    /// Mutable f32 buffer.
+    pub(crate) fn f32_mut(
+        &mut self,
+        op: &'static str,
+        what: &str,
+    ) -> Result<&mut CudaSlice<f32>, BackendError> {
+        let (len, dtype) = (self.len, self.dtype);
+        match &mut self.storage {
+            Storage::F32(s) => Ok(s),
+            _ => Err(wrong_type(op, what, "f32", len, dtype)),
+        }
+    }
+}
+
+fn wrong_type(op: &'static str, what: &str, want: &str, len: usize, dtype: DType) -> BackendError {
+    BackendError::Shape {
+        op,
+        detail: format!("{what} must be a {want} tensor, got {dtype:?} of {len} elements (wrong TensorRole at alloc)"),
+    }
+}
+
+/// f32 → bf16 bits, round to nearest even (as the GPU's __float2bfloat16_rn).
+pub fn to_bf16_bits(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// bf16 bits → f32 (exact).
+pub fn from_bf16_bits(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_rounds_to_nearest_even() {
+        let v = [1.0f32, -2.5, 3.140625, 1.0 + 1.0 / 256.0, 65504.0];
+        let back = from_bf16_bits(&to_bf16_bits(&v));
+        assert_eq!(back[0], 1.0);
+        assert_eq!(back[1], -2.5);
+        assert_eq!(back[2], 3.140625);
+        // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even mantissa wins.
+        assert_eq!(back[3], 1.0);
+        assert!((back[4] - 65504.0).abs() / 65504.0 < 1.0 / 128.0);
+    }
+
+    #[test]
+    fn roles_map_to_storage_types() {
+        assert_eq!(DType::for_role(TensorRole::Activation), DType::Bf16);
+        assert_eq!(DType::for_role(TensorRole::Weight), DType::Bf16);
+        assert_eq!(DType::for_role(TensorRole::WeightGrad), DType::F32);
+        assert_eq!(DType::for_role(TensorRole::Statistic), DType::F32);
+    }
+}

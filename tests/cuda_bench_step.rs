@@ -1,0 +1,81 @@
+//! `bench step` on the CPU backend (`--gpus 0`), and the device lookups behind MFU.
+
+use birdtrain::cli::bench_step::{bench, bf16_peak_tflops, BenchStepArgs};
+
+fn args(model: &str, gpus: usize) -> BenchStepArgs {
+    BenchStepArgs {
+        model: model.into(),
+        batch_size: 4,
+        image_size: 32,
+        classes: 10,
+        gpus,
+        warmup: 1,
+        steps: 2,
+        json: true,
+        breakdown: false,
+    }
+}
+
+#[test]
+fn cpu_bench_reports_a_full_json_line() {
+    let report = bench(&args("resnet8", 0)).unwrap();
+    assert_eq!(report.model, "resnet8");
+    assert_eq!(
+        (report.batch_size, report.image_size, report.steps),
+        (4, 32, 2)
+    );
+    assert!(report.images_per_sec > 0.0 && report.ms_per_step > 0.0);
+    assert!(report.fwd_bwd_ms_per_step > 0.0 && report.fwd_bwd_ms_per_step <= report.ms_per_step);
+    assert!(report.final_loss.is_finite() && report.final_loss > 0.0);
+    assert!(report.device.starts_with("cpu"), "{}", report.device);
+    assert_eq!(report.mfu, None, "no bf16 peak is claimed for a CPU");
+    let json: serde_json::Value =
+        serde_json::from_str(&serde_json::to_string(&report).unwrap()).unwrap();
+    for key in [
+        "model",
+        "batch_size",
+        "images_per_sec",
+        "ms_per_step",
+        "mfu",
+    ] {
+        assert!(json.get(key).is_some(), "{key} missing from {json}");
+    }
+    // images/s and ms/step describe the same measurement.
+    let implied = 4.0 * 1000.0 / report.ms_per_step;
+    assert!((implied - report.images_per_sec).abs() / implied < 1e-6);
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    assert!(bench(&args("resnet9000", 0)).is_err());
+    let err = bench(&args("resnet8", 3)).unwrap_err().to_string();
+    assert!(
+        err.contains("--gpus 0") && err.contains("bench scaling"),
+        "{err}"
+    );
+    let mut zero = args("resnet8", 0);
+    zero.batch_size = 0;
+    assert!(bench(&zero).is_err());
+}
+
+#[test]
+fn without_a_driver_gpu_bench_says_use_gpus_0() {
+    if birdtrain::cuda::library::require_driver().is_ok() {
+        eprintln!("skipped: a CUDA driver is present on this machine");
+        return;
+    }
+    let err = bench(&args("resnet8", 1)).unwrap_err().to_string();
+    assert!(
+        err.contains("no CUDA driver found (libcuda.so") && err.contains("use --gpus 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn peaks_are_known_for_datacenter_gpus() {
+    assert_eq!(bf16_peak_tflops("NVIDIA H100 80GB HBM3"), Some(989.4));
+    assert_eq!(bf16_peak_tflops("NVIDIA H100 PCIe"), Some(756.5));
+    assert_eq!(bf16_peak_tflops("NVIDIA H200"), Some(989.4));
+    assert_eq!(bf16_peak_tflops("NVIDIA A100-SXM4-80GB"), Some(312.0));
+    assert_eq!(bf16_peak_tflops("Some Future GPU"), None);
+}
