@@ -77,6 +77,14 @@ pub enum TrainError {
         /// Extra detail (why no device was found).
         extra: String,
     },
+    /// A GPU could not be opened.
+    #[error("cannot open {device}: {reason} (hint: --gpus 0 trains on the CPU)")]
+    Device {
+        /// The device ("cuda:0").
+        device: String,
+        /// The driver's answer.
+        reason: String,
+    },
     /// report.png could not be drawn.
     #[error("cannot draw report {path}: {reason}")]
     Report {

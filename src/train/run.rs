@@ -24,6 +24,7 @@ use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
+use crate::cuda::CudaBackend;
 use crate::model::{Graph, HeadPolicy, InputBatch, ModelState, NetworkConfig};
 use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
 
@@ -74,11 +75,19 @@ fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome,
             let backends = (0..cfg.replicas).map(|_| cpu.clone()).collect();
             train_with(cfg, stop, backends)
         }
-        DeviceChoice::Cuda(n) => Err(TrainError::InvalidConfig {
-            flag: "--gpus",
-            value: n.to_string(),
-            hint: "GPU training is not wired into this build yet; use --gpus 0 (CPU)".into(),
-        }),
+        DeviceChoice::Cuda(n) => {
+            // One replica per GPU, driven from this thread; gradients are averaged on the host
+            // (the NCCL path of `dist` overlaps this on real multi-GPU runs).
+            let backends = (0..n)
+                .map(|ordinal| {
+                    CudaBackend::new(ordinal).map_err(|e| TrainError::Device {
+                        device: format!("cuda:{ordinal}"),
+                        reason: e.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            train_with(cfg, stop, backends)
+        }
     }
 }
 
