@@ -74,7 +74,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         image_size: Some(32),
         epochs: Some(args.epochs),
         cache_dir: Some(data.join(".cache")),
-        out: Some(args.out.unwrap_or_else(|| next_demo_dir())),
+        out: Some(args.out.unwrap_or_else(next_demo_dir)),
         quiet: args.quiet,
         ..TrainArgs::default()
     };

@@ -40,14 +40,14 @@ pub struct Cli {
     pub command: Option<Command>,
     /// Training flags (the default command).
     #[command(flatten)]
-    pub train: TrainArgs,
+    pub train: Box<TrainArgs>,
 }
 
 /// The commands of `birdtrain`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model (the default command).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Evaluate a checkpoint on a split: loss, top-1, top-5 and per-class accuracy.
     Eval(eval::EvalArgs),
     /// Classify images with a checkpoint: top-k classes with probabilities.
@@ -105,8 +105,8 @@ where
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     init_tracing();
     match cli.command {
-        None => train_args::run(cli.train),
-        Some(Command::Train(args)) => train_args::run(args),
+        None => train_args::run(*cli.train),
+        Some(Command::Train(args)) => train_args::run(*args),
         Some(Command::Eval(args)) => eval::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Predict(args)) => predict::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Demo(args)) => demo::run(args),
@@ -116,13 +116,13 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Some(Command::Bench(BenchCommand::Step(args))) => bench_step::run(args)
             .map(|()| ExitCode::SUCCESS)
-            .map_err(|e| CliError::Other(e.into())),
+            .map_err(CliError::Other),
         Some(Command::Bench(BenchCommand::Scaling(args))) => bench_scaling::run(args)
             .map(|()| ExitCode::SUCCESS)
-            .map_err(|e| CliError::Other(e.into())),
+            .map_err(CliError::Other),
         Some(Command::Kernels(KernelsCommand::Check(args))) => kernels::run(args)
             .map(|()| ExitCode::SUCCESS)
-            .map_err(|e| CliError::Other(e.into())),
+            .map_err(CliError::Other),
     }
 }
 

@@ -123,13 +123,16 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 
+/// One curve: legend label, colour, (epoch, value) points.
+type Curve<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
 fn panel(
     area: &Area<'_>,
     title: &str,
     y_label: &str,
     x: std::ops::Range<f64>,
     y: std::ops::Range<f64>,
-    curves: &[(&str, RGBColor, Vec<(f64, f64)>)],
+    curves: &[Curve<'_>],
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut chart = ChartBuilder::on(area)
         .caption(title, (FONT, 22))
