@@ -13,7 +13,10 @@
 //   channel's filter is one contiguous row of a GEMM operand.
 // - Every kernel is `extern "C"` (no name mangling) so the host loads it by its plain name.
 #pragma once
+// BT_EMULATE: a host-side emulation build (tools, never NVRTC) brings its own bf16 type.
+#ifndef BT_EMULATE
 #include <cuda_bf16.h>
+#endif
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned char u8;

@@ -172,11 +172,15 @@ __device__ __forceinline__ unsigned word(const bf16* p) { return *reinterpret_ca
 
 // D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+#ifdef BT_EMULATE
+    bt_emu_mma(d, a, b);  // host-side emulation build (the warp-collective PTX semantics)
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 template <int MODE, bool VEC>
@@ -207,16 +211,95 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
     uint4 ra[2], rb[2];
-    auto fetch = [&](int k0) {
+
+    // Vector path: the output rows this thread gathers for A (FWD/DGRAD) and the filter column
+    // it gathers for B (WGRAD) are fixed for the whole reduction, so their integer divisions
+    // happen once here instead of on every BK step.
+    long row_base[2] = {0, 0};
+    int row_y[2] = {0, 0}, row_x[2] = {0, 0};
+    bool row_ok[2] = {false, false};
+    int col_c = 0, col_r = 0, col_s = 0;
+    bool col_ok = false;
+    if (VEC && A_RED_INNER) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            int outer, inner, chunk = tid + i * THREADS;
-            chunk_coords<A_RED_INNER>(chunk, outer, inner);
-            if (A_RED_INNER) ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, m0 + outer, k0 + inner, M, N, kd_end);
-            else ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, k0 + outer, m0 + inner, M, N, kd_end);
-            chunk_coords<B_RED_INNER>(chunk, outer, inner);
-            if (B_RED_INNER) rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, n0 + outer, k0 + inner, M, N, kd_end);
-            else rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, k0 + outer, n0 + inner, M, N, kd_end);
+            const int m = m0 + (tid + i * THREADS) / (BK / 8);
+            row_ok[i] = m < M;
+            if (MODE == MODE_FWD) {
+                const int q = m % sh.q, np = m / sh.q, p = np % sh.p, n = np / sh.p;
+                row_base[i] = (long)n * sh.h * sh.w * sh.c;
+                row_y[i] = p * sh.stride - sh.pad;
+                row_x[i] = q * sh.stride - sh.pad;
+            } else {
+                const int w = m % sh.w, nh = m / sh.w, h = nh % sh.h, n = nh / sh.h;
+                row_base[i] = (long)n * sh.p * sh.q * sh.k;
+                row_y[i] = h + sh.pad;
+                row_x[i] = w + sh.pad;
+            }
+        }
+    }
+    if (VEC && MODE == MODE_WGRAD) {
+        const int rsc = n0 + (tid % (BN / 8)) * 8;
+        col_ok = rsc < N;
+        col_c = rsc % sh.c;
+        const int rs = rsc / sh.c;
+        col_r = rs / sh.s;
+        col_s = rs % sh.s;
+    }
+
+    auto fetch = [&](int k0) {
+        if (VEC && A_RED_INNER) {
+            // Both A chunks of this thread share the reduction column kk.
+            const int kk = k0 + (tid % (BK / 8)) * 8;
+            const bool kk_ok = kk < kd_end;
+            const int inner_ch = MODE == MODE_FWD ? sh.c : sh.k;
+            const int ch = kk % inner_ch, rs = kk / inner_ch, r = rs / sh.s, s = rs - r * sh.s;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                long idx = -1;
+                if (kk_ok && row_ok[i]) {
+                    if (MODE == MODE_FWD) {
+                        const int h = row_y[i] + r, w = row_x[i] + s;
+                        if (h >= 0 && h < sh.h && w >= 0 && w < sh.w) idx = row_base[i] + ((long)h * sh.w + w) * sh.c + ch;
+                    } else {
+                        const int ph = row_y[i] - r, qw = row_x[i] - s;
+                        if (ph >= 0 && qw >= 0 && ph % sh.stride == 0 && qw % sh.stride == 0) {
+                            const int p = ph / sh.stride, q = qw / sh.stride;
+                            if (p < sh.p && q < sh.q) idx = row_base[i] + ((long)p * sh.q + q) * sh.k + ch;
+                        }
+                    }
+                }
+                ra[i] = idx < 0 ? zero4() : *reinterpret_cast<const uint4*>(a_ptr + idx);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                int outer, inner, chunk = tid + i * THREADS;
+                chunk_coords<A_RED_INNER>(chunk, outer, inner);
+                if (A_RED_INNER) ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, m0 + outer, k0 + inner, M, N, kd_end);
+                else ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, k0 + outer, m0 + inner, M, N, kd_end);
+            }
+        }
+        if (VEC && MODE == MODE_WGRAD) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int pix = k0 + (tid + i * THREADS) / (BN / 8);
+                long idx = -1;
+                if (col_ok && pix < kd_end) {
+                    const int q = pix % sh.q, np = pix / sh.q, p = np % sh.p, n = np / sh.p;
+                    const int h = p * sh.stride - sh.pad + col_r, w = q * sh.stride - sh.pad + col_s;
+                    if (h >= 0 && h < sh.h && w >= 0 && w < sh.w) idx = (((long)n * sh.h + h) * sh.w + w) * sh.c + col_c;
+                }
+                rb[i] = idx < 0 ? zero4() : *reinterpret_cast<const uint4*>(b_ptr + idx);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                int outer, inner, chunk = tid + i * THREADS;
+                chunk_coords<B_RED_INNER>(chunk, outer, inner);
+                if (B_RED_INNER) rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, n0 + outer, k0 + inner, M, N, kd_end);
+                else rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, k0 + outer, n0 + inner, M, N, kd_end);
+            }
         }
     };
     auto stash = [&]() {
@@ -266,24 +349,37 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
         }
     }
 
-    // Epilogue straight from the accumulator registers: element e of tile (i, j) sits at
-    // row g (+8 for e >= 2), column 2t + (e & 1). M and N need not be multiples of 16.
+    // Epilogue straight from the accumulator registers: elements (e, e+1) of tile (i, j) sit at
+    // row g (+8 for e = 2), columns 2t and 2t+1. M and N need not be multiples of 16; when N is
+    // even the pair is one aligned 32-bit bf16x2 store.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
+            for (int e = 0; e < 4; e += 2) {
                 const int m = m0 + warp_m + i * 16 + g + (e >= 2 ? 8 : 0);
-                const int n = n0 + warp_n + j * 8 + 2 * t + (e & 1);
+                const int n = n0 + warp_n + j * 8 + 2 * t;
                 if (m >= M || n >= N) continue;
-                const float v = acc[i][j][e];
                 const long o = (long)m * N + n;
+                const float v0 = acc[i][j][e], v1 = acc[i][j][e + 1];
+                const bool pair = n + 1 < N;
                 if (MODE == MODE_WGRAD) {
-                    atomicAdd(reinterpret_cast<float*>(out) + o, v);
+                    float* dw = reinterpret_cast<float*>(out);
+                    atomicAdd(dw + o, v0);
+                    if (pair) atomicAdd(dw + o + 1, v1);
                 } else {
                     bf16* y = reinterpret_cast<bf16*>(out);
-                    y[o] = bt_to_bf16(MODE == MODE_DGRAD && sh.accumulate ? v + bt_to_f32(y[o]) : v);
+                    const bool acc_in = MODE == MODE_DGRAD && sh.accumulate;
+                    const float w0 = acc_in ? v0 + bt_to_f32(y[o]) : v0;
+                    if (pair && N % 2 == 0) {
+                        const float w1 = acc_in ? v1 + bt_to_f32(y[o + 1]) : v1;
+                        const unsigned lo = __bfloat16_as_ushort(bt_to_bf16(w0)), hi = __bfloat16_as_ushort(bt_to_bf16(w1));
+                        *reinterpret_cast<unsigned*>(y + o) = lo | (hi << 16);
+                    } else {
+                        y[o] = bt_to_bf16(w0);
+                        if (pair) y[o + 1] = bt_to_bf16(acc_in ? v1 + bt_to_f32(y[o + 1]) : v1);
+                    }
                 }
             }
         }

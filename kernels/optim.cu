@@ -92,25 +92,3 @@ extern "C" __global__ void adam_update(float* __restrict__ master, float* __rest
         if (c.work != nullptr) c.work[j] = bt_to_bf16(w);
     }
 }
-
-// working[i] = bf16(master[i]) for the whole flat buffer (after loading a checkpoint).
-extern "C" __global__ void cast_f32_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        dst[i] = bt_to_bf16(src[i]);
-}
-
-// dst[i] = f32(src[i]) (reading bf16 activations or gradients back for checks and reports).
-extern "C" __global__ void cast_bf16_f32(const bf16* __restrict__ src, float* __restrict__ dst, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        dst[i] = bt_to_f32(src[i]);
-}
-
-// Σ g² over a flat f32 buffer into *out (+=, atomics; for gradient-norm reports and clipping).
-extern "C" __global__ void sum_squares(const float* __restrict__ src, long n, float* __restrict__ out) {
-    __shared__ float scratch[32];
-    float acc = 0.0f;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        acc += src[i] * src[i];
-    acc = bt_block_sum(acc, scratch);
-    if (threadIdx.x == 0) atomicAdd(out, acc);
-}

@@ -1,5 +1,9 @@
 //! Finite-difference gradient checks of every CPU backend op (the reference the GPU kernels
 //! are compared with). Each op's loss is Σ r·y with a fixed random r, so dy = r.
+//!
+//! ReLU and the residual add are fused into batch norm (as in the CUDA kernels), so they are
+//! checked through it: `relu=true` cases check the ReLU mask, `residual=true` cases check the
+//! add (its gradient `dresidual`), in training, frozen and eval modes.
 
 mod common;
 

@@ -4,6 +4,8 @@ use birdtrain::dist::launch::LaunchPlan;
 use birdtrain::dist::ranks::{run_local_ranks, RanksError};
 use birdtrain::dist::rendezvous::Assignment;
 
+const T: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn plan(devices: Vec<usize>) -> LaunchPlan {
     LaunchPlan {
         devices,
@@ -25,13 +27,14 @@ fn assignment(node_gpus: Vec<usize>) -> Assignment {
 
 #[test]
 fn a_cpu_plan_has_no_driver_threads() {
-    let err = run_local_ranks(&plan(vec![]), &assignment(vec![1, 1]), |_| Ok(())).unwrap_err();
+    let err = run_local_ranks(&plan(vec![]), &assignment(vec![1, 1]), T, |_| Ok(())).unwrap_err();
     assert!(matches!(err, RanksError::NoDevices), "{err}");
 }
 
 #[test]
 fn the_rendezvous_and_the_plan_must_agree_on_this_nodes_gpus() {
-    let err = run_local_ranks(&plan(vec![0, 1]), &assignment(vec![2, 3]), |_| Ok(())).unwrap_err();
+    let err =
+        run_local_ranks(&plan(vec![0, 1]), &assignment(vec![2, 3]), T, |_| Ok(())).unwrap_err();
     assert!(
         matches!(
             err,

@@ -190,7 +190,10 @@ fn report_with_a_given_step_time() {
         .unwrap();
     assert!(nvlink4.efficiency > pcie4.efficiency);
     assert!(nvlink4.efficiency >= 0.97, "{nvlink4:?}");
+    // Without a GPU and NCCL nothing is measured, and the report says why.
+    assert!(!r.measured_allreduce.is_empty() || r.allreduce_note.is_some());
     let text = render(&a, &r);
+    assert!(text.contains("measured"), "{text}");
     assert!(text.contains("at 4 GPUs"), "{text}");
     assert!(text.contains("given with --step-ms"), "{text}");
 }
@@ -210,10 +213,16 @@ fn report_measures_the_cpu_step_without_step_ms() {
         "1",
         "--gpus",
         "2",
+        "--skip-allreduce",
     ]);
     let r = compute(&a).unwrap();
     assert_eq!(r.step_source, StepSource::MeasuredCpu { steps: 1 });
     assert!(r.step_s > 0.0);
+    assert!(r.measured_allreduce.is_empty());
+    assert_eq!(
+        r.allreduce_note.as_deref(),
+        Some("skipped (--skip-allreduce)")
+    );
 }
 
 #[test]

@@ -104,6 +104,19 @@ fn cifar_family_layout() {
         ),
         (3, 9, 27)
     );
+    // conv1/bn1: 2 values of 32·32·16; each block: conv, bn, conv, bn (4 values) and, where the
+    // shape changes, a downsample conv + bn (2 more); then pool (64) and logits (10).
+    let per_block = |hw: usize, c: usize| 4 * hw * c;
+    let want = 32 * 32 * 3
+        + 2 * 32 * 32 * 16
+        + 3 * per_block(32 * 32, 16)
+        + 3 * per_block(16 * 16, 32)
+        + 2 * 16 * 16 * 32
+        + 3 * per_block(8 * 8, 64)
+        + 2 * 8 * 8 * 64
+        + 64
+        + 10;
+    assert_eq!(g.activation_elements(32), want);
     let dims = g.value_dims(32);
     let last = dims[dims.len() - 1];
     assert_eq!((last.h, last.w, last.c), (1, 1, 10));

@@ -239,3 +239,63 @@ fn imagenet_family_runs_and_resnet18_gradients_check() {
         );
     }
 }
+
+#[test]
+fn tensor_accessors_expose_backend_layout() {
+    let graph = Graph::new(Arch::ResNet8, 3);
+    let (px, labels) = synth(3, 8, 3, 4);
+    let mut net = Network::new(CpuBackend::new(1).unwrap(), &graph, 3, 8).unwrap();
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: 3,
+        image_size: 8,
+        augment: None,
+    };
+    net.train_step(&batch).unwrap();
+    let flat = net.grads_f32().unwrap();
+    let (offsets, _) = graph.param_offsets();
+    // fc.weight is stored as in torch; conv weights are OHWI in the backend.
+    let fc = graph.param_index("fc.weight").unwrap();
+    let tensors: Vec<Vec<f32>> = net.grad_tensors().into_iter().cloned().collect();
+    assert_eq!(tensors[fc], flat[offsets[fc]..offsets[fc] + 3 * 64]);
+    let conv = graph.param_index("layer1.0.conv1.weight").unwrap(); // [16,16,3,3]
+    let (o, i, ky, kx) = (5, 7, 2, 1);
+    let oihw = flat[offsets[conv] + ((o * 16 + i) * 3 + ky) * 3 + kx];
+    assert_eq!(tensors[conv][((o * 3 + ky) * 3 + kx) * 16 + i], oihw);
+    // halve every gradient in place, as an all-reduce would average them
+    for g in net.grad_tensors_mut() {
+        g.iter_mut().for_each(|v| *v *= 0.5);
+    }
+    let halved = net.grads_f32().unwrap();
+    assert!(halved.iter().zip(&flat).all(|(h, f)| *h == f * 0.5));
+    // a device-style update writes parameters in place
+    let before = net.params_f32().unwrap();
+    let (grads, params) = net.grads_and_params_mut();
+    for (p, g) in params.into_iter().zip(grads) {
+        p.iter_mut().zip(g).for_each(|(p, g)| *p -= g);
+    }
+    let after = net.params_f32().unwrap();
+    assert!(after
+        .iter()
+        .zip(&before)
+        .zip(&halved)
+        .all(|((a, b), g)| *a == b - g));
+}
+
+#[test]
+fn gradient_buffers_are_shared() {
+    // One buffer per live gradient, not per value: well under twice the activations.
+    let graph = Graph::new(Arch::ResNet50, 10);
+    let net = Network::new(CpuBackend::new(1).unwrap(), &graph, 1, 64).unwrap();
+    let acts = graph.activation_elements(64);
+    let total = net.elements_per_image();
+    eprintln!(
+        "resnet50 at 64: {acts} activation + {} gradient elements per image",
+        total - acts
+    );
+    assert!(
+        total > acts && total < acts * 3 / 2,
+        "{total} elements for {acts} activations"
+    );
+}

@@ -103,7 +103,7 @@ pub fn run_pipeline_bench_with(
             epoch,
             images,
             decoded: pipeline.stats().decoded - decoded_before,
-            seconds: (seconds * 1e4).round() / 1e4,
+            seconds: (seconds * 1e6).round() / 1e6,
             images_per_sec: if seconds > 0.0 {
                 (images as f64 / seconds * 10.0).round() / 10.0
             } else {

@@ -246,6 +246,16 @@ impl Pipeline {
         self.len() == 0
     }
 
+    /// The file behind a sample id (`Batch::sample_ids`), if the id is in range.
+    pub fn sample_path(&self, id: u64) -> Option<&std::path::Path> {
+        let index = usize::try_from(id).ok()?;
+        self.inner
+            .shared
+            .samples
+            .get(index)
+            .map(|s| s.path.as_path())
+    }
+
     /// Steps per epoch, the same for every replica.
     pub fn steps_per_epoch(&self) -> usize {
         let i = &self.inner;

@@ -29,6 +29,14 @@ pub enum BackendError {
         /// How to recover, e.g. the batch size that would fit.
         hint: String,
     },
+    /// A conformance check found a backend disagreeing with the CPU reference.
+    #[error("{check}: {detail}")]
+    Mismatch {
+        /// The comparison, e.g. `conv_forward k3 s2 p1 2x9x7x5→4`.
+        check: String,
+        /// The first element out of tolerance.
+        detail: String,
+    },
     /// A device/driver/kernel failure, with the underlying error.
     #[error("{op}: device error: {source}")]
     Device {

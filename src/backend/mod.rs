@@ -13,6 +13,7 @@
 //! - `accumulate: true` means "add into the destination" (a value with two consumers, such as a
 //!   residual block input, receives gradient from both); `false` overwrites.
 
+pub mod conformance;
 pub mod cpu;
 
 mod error;

@@ -57,6 +57,12 @@ pub struct BenchScalingArgs {
     /// PCIe all-reduce bus bandwidth in GB/s.
     #[arg(long, default_value_t = 25.0)]
     pub pcie_gbps: f64,
+    /// Skip timing the bucketed NCCL all-reduce on the GPUs present.
+    #[arg(long)]
+    pub skip_allreduce: bool,
+    /// All-reduce steps to time per GPU count (after one warm-up step).
+    #[arg(long, default_value_t = 20)]
+    pub allreduce_steps: usize,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -89,6 +95,10 @@ pub struct ScalingReport {
     pub buckets: usize,
     /// One projection per (interconnect, GPU count).
     pub projections: Vec<Projection>,
+    /// Measured bucketed all-reduce time per step, per GPU count present (seconds).
+    pub measured_allreduce: Vec<(usize, f64)>,
+    /// Why nothing was measured, when nothing was.
+    pub allreduce_note: Option<String>,
 }
 
 /// Times `steps` training steps of `net` on a synthetic batch (after one warm-up step).
@@ -180,7 +190,14 @@ pub fn compute(args: &BenchScalingArgs) -> anyhow::Result<ScalingReport> {
             );
         }
     }
+    let (measured_allreduce, allreduce_note) = if args.skip_allreduce {
+        (Vec::new(), Some("skipped (--skip-allreduce)".to_string()))
+    } else {
+        measure_allreduce_counts(&plan, &args.gpus, args.allreduce_steps)
+    };
     Ok(ScalingReport {
+        measured_allreduce,
+        allreduce_note,
         step_s,
         step_source,
         parameters: graph.params().iter().map(|p| p.numel()).sum(),
@@ -245,6 +262,34 @@ pub fn render(args: &BenchScalingArgs, r: &ScalingReport) -> String {
             p.images_per_s
         );
     }
+    match (&r.allreduce_note, r.measured_allreduce.is_empty()) {
+        (Some(note), true) => {
+            let _ = writeln!(out, "\nmeasured all-reduce: none ({note})");
+        }
+        _ => {
+            let _ = writeln!(
+                out,
+                "\nmeasured bucketed all-reduce per step (NCCL, this machine):"
+            );
+            for &(n, t) in &r.measured_allreduce {
+                let bus = if n > 1 {
+                    2.0 * (n as f64 - 1.0) / n as f64 * r.gradient_bytes as f64 / t / 1e9
+                } else {
+                    0.0
+                };
+                let _ = writeln!(
+                    out,
+                    "  {n} GPU(s): {:.3} ms{}",
+                    t * 1e3,
+                    if n > 1 {
+                        format!(" (bus bandwidth {bus:.1} GB/s)")
+                    } else {
+                        " (one rank: the fixed cost of the collective path)".to_string()
+                    }
+                );
+            }
+        }
+    }
     for p in r.projections.iter().filter(|p| p.gpus == 4) {
         let verdict = if p.efficiency >= 0.97 {
             "meets"
@@ -268,12 +313,108 @@ fn to_json(r: &ScalingReport) -> serde_json::Value {
         "parameters": r.parameters,
         "gradient_bytes": r.gradient_bytes,
         "buckets": r.buckets,
+        "measured_allreduce_ms": r.measured_allreduce.iter()
+            .map(|&(n, t)| serde_json::json!({"gpus": n, "ms": t * 1e3}))
+            .collect::<Vec<_>>(),
         "projections": r.projections.iter().map(|p| serde_json::json!({
             "link": p.link, "gpus": p.gpus, "allreduce_ms": p.comm_s * 1e3,
             "hidden_ms": p.hidden_s * 1e3, "exposed_ms": p.exposed_s * 1e3,
             "step_ms": p.step_s * 1e3, "efficiency": p.efficiency, "images_per_s": p.images_per_s,
         })).collect::<Vec<_>>(),
     })
+}
+
+/// Times the bucketed all-reduce for every requested GPU count the machine has; returns the
+/// timings, or a note on why none could be taken.
+fn measure_allreduce_counts(
+    plan: &BucketPlan,
+    counts: &[usize],
+    steps: usize,
+) -> (Vec<(usize, f64)>, Option<String>) {
+    if let Err(e) = crate::dist::nccl::ensure_available() {
+        return (Vec::new(), Some(e.to_string()));
+    }
+    let present = detect_cuda_devices().len();
+    let mut out = Vec::new();
+    let mut note = None;
+    for &n in counts.iter().filter(|&&n| n <= present) {
+        match measure_allreduce(plan, n, steps) {
+            Ok(t) => out.push((n, t.as_secs_f64())),
+            Err(e) => {
+                note = Some(format!("{n} GPU(s): {e:#}"));
+                break;
+            }
+        }
+    }
+    if out.is_empty() && note.is_none() {
+        note = Some(format!(
+            "no requested GPU count fits the {present} GPU(s) present"
+        ));
+    }
+    (out, note)
+}
+
+/// Times `steps` steps of bucketed gradient all-reduce (every bucket of `plan`, in backward
+/// order, as during training but without the backward compute) over the first `gpus` GPUs;
+/// returns the slowest rank's mean time per step.
+pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow::Result<Duration> {
+    use crate::dist::launch::LaunchPlan;
+    use crate::dist::nccl::{new_unique_id, GradientSync};
+    use crate::dist::ranks::run_local_ranks;
+    use crate::dist::rendezvous::{rendezvous, NodeInfo};
+
+    let launch = LaunchPlan {
+        devices: (0..gpus).collect(),
+        nodes: 1,
+        node_rank: 0,
+        master: None,
+        overrides: Vec::new(),
+    };
+    let me = NodeInfo {
+        nodes: 1,
+        node_rank: 0,
+        local_gpus: gpus,
+        fingerprint: 0,
+        model: String::new(),
+    };
+    let assignment = rendezvous(None, &me, Duration::from_secs(60), || {
+        new_unique_id().map_err(|e| e.to_string())
+    })?;
+    let plan = plan.clone();
+    let steps = steps.max(1);
+    let times = run_local_ranks(
+        &launch,
+        &assignment,
+        Duration::from_secs(120),
+        move |rank| {
+            let compute = rank.compute.clone();
+            let mut sync = GradientSync::new(
+                rank.comm,
+                compute.clone(),
+                plan.clone(),
+                Duration::from_secs(120),
+            )?;
+            let mut grads = compute.alloc_zeros::<f32>(plan.total_elements())?;
+            let mut one_step = |sync: &mut GradientSync| -> anyhow::Result<()> {
+                sync.begin_step()?;
+                for p in (0..plan.param_count()).rev() {
+                    sync.grad_ready(&mut grads, p)?;
+                }
+                sync.finish_step()?;
+                Ok(())
+            };
+            one_step(&mut sync)?;
+            compute.synchronize()?;
+            let start = Instant::now();
+            for _ in 0..steps {
+                one_step(&mut sync)?;
+            }
+            compute.synchronize()?;
+            sync.check()?;
+            Ok(start.elapsed() / steps as u32)
+        },
+    )?;
+    Ok(times.into_iter().max().unwrap_or_default())
 }
 
 /// Runs `birdtrain bench scaling`.

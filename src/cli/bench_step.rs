@@ -130,6 +130,8 @@ pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
         0 => run_steps(CpuBackend::new(0)?, arch, args, None, None, None),
         1 => {
             let backend = CudaBackend::new(0)?;
+            let graph = Graph::new(arch, args.classes);
+            crate::cuda::memory::check_batch_fits(&backend, &graph, args.image_size, args.batch_size)?;
             let peak = bf16_peak_tflops(backend.device().name());
             let ctx = backend.device().context().clone();
             let bytes = args.batch_size * (args.image_size as usize).pow(2) * 3;

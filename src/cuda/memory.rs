@@ -132,6 +132,18 @@ pub fn auto_batch_size(
     Ok((batch, footprint))
 }
 
+/// Checks, before anything is allocated, that `batch` images fit the device's free memory
+/// according to [`estimate`]; the error names the largest batch size that fits.
+pub fn check_batch_fits(
+    backend: &CudaBackend,
+    graph: &Graph,
+    image_size: u32,
+    batch: usize,
+) -> Result<(), CudaError> {
+    let (free, _) = backend.device().memory()?;
+    estimate(graph, image_size).check(batch, free as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,7 +21,25 @@
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling` (ring all-reduce time,
 //!   overlap with backward, projected efficiency).
-//! - [`checksum`]: a bit-exact weight checksum to prove replicas stay identical.
+//! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
+//!
+//! # How a multi-GPU run fits together
+//!
+//! ```text
+//! plan = launch::resolve(&dist_args.launch_flags(gpus)?, &launch::process_env, &detect_cuda_devices())
+//! assignment = rendezvous::rendezvous(master, &NodeInfo{..}, timeout, || nccl::new_unique_id())
+//! ranks::run_local_ranks(&plan, &assignment, timeout, |rank| {   // one thread per GPU
+//!     sync = nccl::GradientSync::new(rank.comm, rank.compute, BucketPlan::new(..), timeout)
+//!     sync.broadcast_weights(&mut weights)                      // rank 0's initial weights
+//!     ring = StagingRing::new(CudaStaging::new(&rank.ctx, rank.compute, depth, bytes))
+//!     loop {                                                    // per step
+//!         while ring.can_fill() { ring.stage_external(next engine batch) }
+//!         staged = ring.begin_compute(); forward(staged.slot) ... ring.end_compute()
+//!         sync.begin_step(); backward, calling sync.grad_ready(grads, i) per parameter;
+//!         sync.finish_step(); optimizer; every N steps compare checksum(weights)
+//!     }
+//! })
+//! ```
 
 pub mod args;
 pub mod buckets;

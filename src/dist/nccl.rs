@@ -27,14 +27,18 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr,
 use cudarc::nccl::{result, sys, NcclType};
 
 use super::buckets::{BucketError, BucketPlan, BucketTracker};
+use super::gpu_trace::{rows, GpuTimeline};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
 
 /// Errors of the NCCL layer.
 #[derive(Debug, thiserror::Error)]
 pub enum NcclError {
     /// libnccl could not be loaded.
-    #[error("the NCCL library (libnccl.so.2) is not installed or not on LD_LIBRARY_PATH; install NCCL (e.g. `pip install nvidia-nccl-cu13` and add its lib/ to LD_LIBRARY_PATH) or train on one GPU")]
-    LibraryMissing,
+    #[error("the NCCL library could not be loaded: {hint}")]
+    LibraryMissing {
+        /// What to do about it.
+        hint: String,
+    },
     /// libcuda could not be loaded.
     #[error("the CUDA driver library (libcuda.so) is not available; multi-GPU training needs an NVIDIA driver")]
     DriverMissing,
@@ -78,6 +82,16 @@ pub enum NcclError {
     /// The communicator was aborted (by the watchdog or earlier failure).
     #[error(transparent)]
     Aborted(#[from] WatchdogError),
+    /// Not every rank joined the communicator in time.
+    #[error("rank {rank}: the NCCL communicator of {world_size} ranks was not complete after {waited:?}; a rank (or its node) never joined — check that every node is still running")]
+    InitTimeout {
+        /// This rank.
+        rank: usize,
+        /// Ranks expected.
+        world_size: usize,
+        /// Time waited.
+        waited: Duration,
+    },
     /// Using a communicator after it was aborted.
     #[error("rank {rank}: the NCCL communicator was aborted; no further collectives are possible")]
     UseAfterAbort {
@@ -119,13 +133,46 @@ pub fn ensure_available() -> Result<i32, NcclError> {
         return Err(NcclError::DriverMissing);
     }
     if !unsafe { sys::is_culib_present() } {
-        return Err(NcclError::LibraryMissing);
+        return Err(NcclError::LibraryMissing {
+            hint: missing_library_hint(),
+        });
     }
     result::get_nccl_version().map_err(|e| NcclError::Call {
         op: "ncclGetVersion",
         rank: 0,
         code: nccl_code(e),
     })
+}
+
+/// Explains a missing NCCL. cudarc looks for `libnccl.so` (and a few versioned names), while
+/// NCCL's runtime packages (apt `libnccl2`, pip `nvidia-nccl-cu13`) ship only `libnccl.so.2`;
+/// when that file exists somewhere usual, say exactly which symlink to create.
+fn missing_library_hint() -> String {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/local/cuda/lib64",
+        "/usr/local/lib",
+        "/usr/lib64",
+        "/usr/lib",
+    ] {
+        dirs.push(d.into());
+    }
+    hint_for_dirs(&dirs)
+}
+
+fn hint_for_dirs(dirs: &[std::path::PathBuf]) -> String {
+    match dirs.iter().map(|d| d.join("libnccl.so.2")).find(|p| p.is_file()) {
+        Some(found) => format!(
+            "{} exists but the loader looks for libnccl.so; create it with `mkdir -p ~/.local/nccl && ln -sf {} ~/.local/nccl/libnccl.so` and add ~/.local/nccl to LD_LIBRARY_PATH",
+            found.display(),
+            found.display()
+        ),
+        None => "libnccl.so is not on LD_LIBRARY_PATH; install NCCL (apt `libnccl2 libnccl-dev`, or `pip install nvidia-nccl-cu13` and symlink its lib/libnccl.so.2 as libnccl.so in a directory on LD_LIBRARY_PATH), or train on one GPU without NCCL".to_string(),
+    }
 }
 
 /// Size of an NCCL unique id in bytes.
@@ -141,6 +188,13 @@ pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
     })?;
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
+
+/// A raw communicator handed from the init thread to its owner.
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: a freshly created communicator is not yet used by any thread; ownership moves to the
+// receiving thread, which is the only one using it from then on.
+unsafe impl Send for RawComm {}
 
 /// The raw communicator, shared with the watchdog so it can abort from its own thread.
 #[derive(Debug)]
@@ -202,13 +256,15 @@ pub struct Communicator {
 impl Communicator {
     /// Joins communicator `unique_id` as `rank` of `world_size`, collectives on `stream`.
     ///
-    /// Blocks until every rank has joined (NCCL's own bootstrap); call it from each rank's
-    /// driver thread concurrently.
+    /// Blocks until every rank has joined (NCCL's own bootstrap), at most `timeout`: a rank
+    /// that never arrives (its node died after the rendezvous) is an error, not a hang. Call it
+    /// from each rank's driver thread concurrently.
     pub fn init(
         stream: Arc<CudaStream>,
         rank: usize,
         world_size: usize,
         unique_id: &[u8],
+        timeout: Duration,
     ) -> Result<Self, NcclError> {
         ensure_available()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
@@ -224,29 +280,59 @@ impl Communicator {
         for (dst, &src) in internal.iter_mut().zip(unique_id) {
             *dst = src as std::ffi::c_char;
         }
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|source| NcclError::Driver {
-                op: "bind context",
+        // ncclCommInitRank blocks until all ranks join, with no timeout of its own: run it on a
+        // helper thread and give up after `timeout`. On timeout the helper stays blocked inside
+        // NCCL (nothing can cancel it); the caller is expected to exit with the error.
+        let ctx = stream.context().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("nccl-init-{rank}"))
+            .spawn(move || {
+                let outcome = ctx
+                    .bind_to_thread()
+                    .map_err(|source| NcclError::Driver {
+                        op: "bind context",
+                        rank,
+                        source,
+                    })
+                    .and_then(|()| {
+                        let mut comm: sys::ncclComm_t = ptr::null_mut();
+                        // SAFETY: `comm` is a valid out pointer; the id is NCCL's own 128-byte
+                        // layout.
+                        unsafe {
+                            result::comm_init_rank(
+                                &mut comm,
+                                world_size as i32,
+                                sys::ncclUniqueId { internal },
+                                rank as i32,
+                            )
+                        }
+                        .map(|_| RawComm(comm))
+                        .map_err(|e| NcclError::Call {
+                            op: "ncclCommInitRank",
+                            rank,
+                            code: nccl_code(e),
+                        })
+                    });
+                // The receiver may have given up already; then the communicator leaks, which is
+                // fine for a process that is exiting with an error.
+                let _ = tx.send(outcome);
+            })
+            .map_err(|e| NcclError::Call {
+                op: "spawn ncclCommInitRank thread",
                 rank,
-                source,
+                code: e.to_string(),
             })?;
-        let mut comm: sys::ncclComm_t = ptr::null_mut();
-        // SAFETY: `comm` is a valid out pointer; the id is NCCL's own 128-byte layout.
-        unsafe {
-            result::comm_init_rank(
-                &mut comm,
-                world_size as i32,
-                sys::ncclUniqueId { internal },
-                rank as i32,
-            )
-        }
-        .map_err(|e| NcclError::Call {
-            op: "ncclCommInitRank",
-            rank,
-            code: nccl_code(e),
-        })?;
+        let comm = match rx.recv_timeout(timeout) {
+            Ok(outcome) => outcome?.0,
+            Err(_) => {
+                return Err(NcclError::InitTimeout {
+                    rank,
+                    world_size,
+                    waited: timeout,
+                })
+            }
+        };
         Ok(Communicator {
             handle: Arc::new(CommHandle {
                 comm: AtomicPtr::new(comm),
@@ -323,6 +409,23 @@ impl Communicator {
         &self,
         buf: &mut impl DevicePtrMut<T>,
     ) -> Result<(), NcclError> {
+        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclAvg)
+    }
+
+    /// Sums `buf` over all ranks, in place, on the communication stream (synchronised batch
+    /// norm reduces its per-channel sums and counts this way).
+    pub fn all_reduce_sum_in_place<T: NcclType + DeviceRepr>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), NcclError> {
+        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclSum)
+    }
+
+    fn all_reduce_in_place<T: NcclType + DeviceRepr>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: sys::ncclRedOp_t,
+    ) -> Result<(), NcclError> {
         let comm = self.handle.get()?;
         let count = buf.len();
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
@@ -333,7 +436,7 @@ impl Communicator {
                 ptr as *mut _,
                 count,
                 T::as_nccl_type(),
-                sys::ncclRedOp_t::ncclAvg,
+                op,
                 comm,
                 self.stream.cu_stream() as _,
             )
@@ -379,6 +482,7 @@ pub struct GradientSync {
     ready: Vec<CudaEvent>,
     done: Vec<Arc<CudaEvent>>,
     step: u64,
+    timeline: Option<GpuTimeline>,
 }
 
 impl std::fmt::Debug for GradientSync {
@@ -422,6 +526,7 @@ impl GradientSync {
             done,
             watchdog,
             step: 0,
+            timeline: None,
         })
     }
 
@@ -518,7 +623,31 @@ impl GradientSync {
                 })?;
             let range = self.plan.bucket_elements(k);
             let mut view = grads.slice_mut(range);
+            let span = match &self.timeline {
+                Some(t) => t
+                    .begin(&self.comm.stream)
+                    .map_err(|source| NcclError::Driver {
+                        op: "record trace event",
+                        rank,
+                        source,
+                    })?,
+                None => None,
+            };
             self.comm.all_reduce_avg_in_place(&mut view)?;
+            if let Some(t) = &mut self.timeline {
+                t.end(
+                    span,
+                    &self.comm.stream,
+                    format!("all-reduce bucket {k}"),
+                    "comm",
+                    rows::COMM,
+                )
+                .map_err(|source| NcclError::Driver {
+                    op: "record trace event",
+                    rank,
+                    source,
+                })?;
+            }
             self.done[k]
                 .record(&self.comm.stream)
                 .map_err(|source| NcclError::Driver {
@@ -563,8 +692,38 @@ impl GradientSync {
         Ok(())
     }
 
+    /// Traces every bucket's all-reduce on `timeline` (the `--trace` timeline of this GPU).
+    pub fn set_timeline(&mut self, timeline: Option<GpuTimeline>) {
+        self.timeline = timeline;
+    }
+
+    /// The timeline, to flush it at a step boundary.
+    pub fn timeline_mut(&mut self) -> Option<&mut GpuTimeline> {
+        self.timeline.as_mut()
+    }
+
     /// Ok unless the watchdog aborted the communicator.
     pub fn check(&self) -> Result<(), NcclError> {
         Ok(self.watchdog.check()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hint_for_dirs;
+
+    #[test]
+    fn a_versioned_nccl_gets_an_exact_symlink_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = tempfile::tempdir().unwrap();
+        let general = hint_for_dirs(&[empty.path().to_path_buf()]);
+        assert!(general.contains("install NCCL"), "{general}");
+        std::fs::write(dir.path().join("libnccl.so.2"), b"").unwrap();
+        let hint = hint_for_dirs(&[empty.path().to_path_buf(), dir.path().to_path_buf()]);
+        let so2 = dir.path().join("libnccl.so.2");
+        assert!(
+            hint.contains(&format!("ln -sf {}", so2.display())),
+            "{hint}"
+        );
     }
 }

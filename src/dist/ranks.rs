@@ -102,12 +102,15 @@ pub struct RankContext {
 }
 
 /// Runs `body` on one thread per local GPU and returns each rank's result, in local order.
+/// Creating the communicator may take up to `init_timeout` (every rank of every node must
+/// join).
 ///
 /// The first error (in local order) is returned; every thread is joined first, so no thread
 /// outlives the call.
 pub fn run_local_ranks<R, F>(
     plan: &LaunchPlan,
     assignment: &Assignment,
+    init_timeout: std::time::Duration,
     body: F,
 ) -> Result<Vec<R>, RanksError>
 where
@@ -160,7 +163,7 @@ where
                 if t_failed.load(Ordering::SeqCst) {
                     return Err(RanksError::PeerFailed { rank });
                 }
-                let comm = Communicator::init(comm_stream, rank, world_size, &id)?;
+                let comm = Communicator::init(comm_stream, rank, world_size, &id, init_timeout)?;
                 t_body(RankContext {
                     rank,
                     local_index,

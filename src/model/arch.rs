@@ -14,15 +14,15 @@ pub enum Arch {
     ResNet20,
     /// CIFAR-style, 3 stages × 9 BasicBlocks.
     ResNet56,
-    /// torchvision resnet18 (BasicBlock [2,2,2,2]).
+    /// torchvision resnet18 (BasicBlock blocks 2,2,2,2).
     ResNet18,
-    /// torchvision resnet34 (BasicBlock [3,4,6,3]).
+    /// torchvision resnet34 (BasicBlock blocks 3,4,6,3).
     ResNet34,
-    /// torchvision resnet50 (Bottleneck [3,4,6,3], v1.5).
+    /// torchvision resnet50 (Bottleneck blocks 3,4,6,3, v1.5).
     ResNet50,
-    /// torchvision resnet101 (Bottleneck [3,4,23,3]).
+    /// torchvision resnet101 (Bottleneck blocks 3,4,23,3).
     ResNet101,
-    /// torchvision resnet152 (Bottleneck [3,8,36,3]).
+    /// torchvision resnet152 (Bottleneck blocks 3,8,36,3).
     ResNet152,
 }
 

@@ -384,6 +384,16 @@ impl Graph {
         dims
     }
 
+    /// Activation elements one image needs: every value of the graph (input and logits
+    /// included) at `image_size`. [`super::Network`] keeps this many activations per image,
+    /// plus its shared gradient buffers ([`super::Network::elements_per_image`] has the total).
+    pub fn activation_elements(&self, image_size: u32) -> usize {
+        self.value_dims(image_size)
+            .iter()
+            .map(ValueDims::per_image)
+            .sum()
+    }
+
     /// The convolution shape of a `Conv` node for `n` images (None for other nodes).
     pub fn conv_shape(&self, node: &Node, dims: &[ValueDims], n: usize) -> Option<ConvShape> {
         match *node {

@@ -46,7 +46,11 @@ pub struct Network<B: Backend> {
     image_size: u32,
     dims: Vec<ValueDims>,
     acts: Vec<Option<B::Tensor>>,
-    act_grads: Vec<Option<B::Tensor>>,
+    /// Activation-gradient buffers, shared by values whose gradients are never live at the
+    /// same time (see [`plan_grad_buffers`]).
+    grad_bufs: Vec<Option<B::Tensor>>,
+    /// Buffer of each value's gradient (`usize::MAX` for the input image, which needs none).
+    grad_slot: Vec<usize>,
     params: Vec<Option<B::Tensor>>,
     param_grads: Vec<Option<B::Tensor>>,
     buffers: Vec<Option<B::Tensor>>,
@@ -71,14 +75,20 @@ impl<B: Backend> std::fmt::Debug for Network<B> {
     }
 }
 
+/// Tensors are only taken out of their slots for the duration of one op call; finding a slot
+/// empty is a bug in this module (two roles aliasing one tensor), hence a panic.
+const BORROWED: &str = "Network: tensor already borrowed (graph aliasing bug)";
+
 fn take<T>(v: &mut [Option<T>], i: usize) -> T {
-    v[i].take()
-        .expect("Network: tensor already borrowed (graph aliasing bug)")
+    v[i].take().expect(BORROWED)
+}
+
+fn get_ref<T>(t: &Option<T>) -> &T {
+    t.as_ref().expect(BORROWED)
 }
 
 fn get<T>(v: &[Option<T>], i: usize) -> &T {
-    v[i].as_ref()
-        .expect("Network: tensor already borrowed (graph aliasing bug)")
+    v[i].as_ref().expect(BORROWED)
 }
 
 /// OIHW (torchvision) → OHWI (backend).
@@ -113,6 +123,71 @@ fn ohwi_to_oihw(v: &[f32], shape: &[usize]) -> Vec<f32> {
     out
 }
 
+/// The values a node's backward writes gradients into (its input unless that is the image,
+/// and its residual), and the value whose gradient it consumes.
+fn grad_flow(node: &Node) -> (Vec<usize>, usize) {
+    let (input, output, residual) = match *node {
+        Node::Conv { input, output, .. }
+        | Node::MaxPool { input, output, .. }
+        | Node::GlobalAvgPool { input, output }
+        | Node::Linear { input, output, .. } => (input, output, None),
+        Node::BatchNorm {
+            input,
+            output,
+            residual,
+            ..
+        } => (input, output, residual),
+    };
+    let writes = [Some(input), residual]
+        .into_iter()
+        .flatten()
+        .filter(|&v| v != 0)
+        .collect();
+    (writes, output)
+}
+
+/// Assigns activation gradients to shared buffers. In the reverse pass a value's gradient is
+/// live from the first contribution (at its last consumer) until its producer has consumed
+/// it, so a ResNet needs only a few buffers at a time instead of one per value (about half
+/// the activation memory). Returns each value's buffer and each buffer's per-image size.
+fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usize>) {
+    let mut slot = vec![usize::MAX; dims.len()];
+    let mut sizes: Vec<usize> = Vec::new();
+    let mut free: Vec<usize> = Vec::new();
+    let mut assign = |v: usize, slot: &mut Vec<usize>, free: &mut Vec<usize>| {
+        if slot[v] != usize::MAX {
+            return;
+        }
+        let need = dims[v].per_image();
+        // Best fit among free buffers; else grow the largest free one; else a new buffer.
+        let pick = free
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| sizes[b] >= need)
+            .min_by_key(|(_, &b)| sizes[b])
+            .or_else(|| free.iter().enumerate().max_by_key(|(_, &b)| sizes[b]))
+            .map(|(i, _)| i);
+        let b = match pick {
+            Some(i) => free.swap_remove(i),
+            None => {
+                sizes.push(0);
+                sizes.len() - 1
+            }
+        };
+        sizes[b] = sizes[b].max(need);
+        slot[v] = b;
+    };
+    assign(dims.len() - 1, &mut slot, &mut free);
+    for node in graph.nodes().iter().rev() {
+        let (writes, consumed) = grad_flow(node);
+        for v in writes {
+            assign(v, &mut slot, &mut free);
+        }
+        free.push(slot[consumed]);
+    }
+    (slot, sizes)
+}
+
 impl<B: Backend> Network<B> {
     /// Allocates everything for batches of up to `max_batch` images of side `image_size` and
     /// loads torchvision's initialisation with seed 0 (call [`Network::load_state`] for
@@ -135,13 +210,17 @@ impl<B: Backend> Network<B> {
         }
         let dims = graph.value_dims(image_size);
         let mut acts = Vec::with_capacity(dims.len());
-        let mut act_grads = Vec::with_capacity(dims.len());
-        for (i, d) in dims.iter().enumerate() {
-            let len = max_batch * d.per_image();
-            acts.push(Some(backend.alloc(len, TensorRole::Activation)?));
-            // The input image needs no gradient.
-            let glen = if i == 0 { 0 } else { len };
-            act_grads.push(Some(backend.alloc(glen, TensorRole::Activation)?));
+        for d in &dims {
+            acts.push(Some(
+                backend.alloc(max_batch * d.per_image(), TensorRole::Activation)?,
+            ));
+        }
+        let (grad_slot, sizes) = plan_grad_buffers(graph, &dims);
+        let mut grad_bufs = Vec::with_capacity(sizes.len());
+        for per_image in sizes {
+            grad_bufs.push(Some(
+                backend.alloc(max_batch * per_image, TensorRole::Activation)?,
+            ));
         }
         let mut params = Vec::new();
         let mut param_grads = Vec::new();
@@ -171,7 +250,8 @@ impl<B: Backend> Network<B> {
             image_size,
             dims,
             acts,
-            act_grads,
+            grad_bufs,
+            grad_slot,
             params,
             param_grads,
             buffers,
@@ -206,6 +286,19 @@ impl<B: Backend> Network<B> {
     /// Largest batch accepted.
     pub fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    /// Activation and activation-gradient elements held per image of `max_batch` (the part
+    /// of the memory that scales with the batch; parameters, gradients and optimizer state
+    /// come on top). Multiply by the backend's bytes per activation element.
+    pub fn elements_per_image(&self) -> usize {
+        let acts = self.graph.activation_elements(self.image_size);
+        let grads: usize = self
+            .grad_bufs
+            .iter()
+            .map(|t| self.backend.len(get_ref(t)))
+            .sum();
+        acts + grads / self.max_batch
     }
 
     /// Image side the network was built for.
@@ -303,6 +396,68 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
+    /// The backend, mutably (e.g. to switch a device stream between steps).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Parameter tensors in graph order, in the backend's layout (OHWI convolutions): for
+    /// device-side work (a fused optimizer, a broadcast) without a host round trip.
+    pub fn param_tensors(&self) -> Vec<&B::Tensor> {
+        self.params
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect()
+    }
+
+    /// Parameter tensors, mutably (a device optimizer writes the new working copy here).
+    pub fn param_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.params
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradient tensors of the last [`Network::train_step`] in graph order, backend layout.
+    pub fn grad_tensors(&self) -> Vec<&B::Tensor> {
+        self.param_grads
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradient tensors, mutably (an all-reduce averages them in place).
+    pub fn grad_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.param_grads
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
+    }
+
+    /// Gradients to read and parameters to write at once, for a fused update.
+    pub fn grads_and_params_mut(&mut self) -> (Vec<&B::Tensor>, Vec<&mut B::Tensor>) {
+        let grads = self
+            .param_grads
+            .iter()
+            .map(|t| t.as_ref().expect(BORROWED))
+            .collect();
+        let params = self
+            .params
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect();
+        (grads, params)
+    }
+
+    /// BN running-statistics tensors in `graph.buffers()` order (the `num_batches_tracked`
+    /// entries are placeholders: the counts live on the host, see [`Network::state`]).
+    pub fn buffer_tensors_mut(&mut self) -> Vec<&mut B::Tensor> {
+        self.buffers
+            .iter_mut()
+            .map(|t| t.as_mut().expect(BORROWED))
+            .collect()
+    }
+
     fn flat(&self, tensors: &[Option<B::Tensor>]) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::with_capacity(self.graph.param_count());
         for (i, spec) in self.graph.params().iter().enumerate() {
@@ -331,7 +486,7 @@ impl<B: Backend> Network<B> {
         self.forward(input, mode)?;
         let logits = self.dims.len() - 1;
         let classes = self.graph.num_classes();
-        let mut dlogits = take(&mut self.act_grads, logits);
+        let mut dlogits = take(&mut self.grad_bufs, self.grad_slot[logits]);
         let loss = self.backend.softmax_cross_entropy(
             n,
             classes,
@@ -341,7 +496,7 @@ impl<B: Backend> Network<B> {
             Some(&mut dlogits),
             None,
         );
-        self.act_grads[logits] = Some(dlogits);
+        self.grad_bufs[self.grad_slot[logits]] = Some(dlogits);
         let loss = loss?;
         self.backward(n, mode == BnMode::Train)?;
         if mode == BnMode::Train {
@@ -361,7 +516,9 @@ impl<B: Backend> Network<B> {
     }
 
     /// Inference on one batch (BN running statistics, no augmentation unless the batch
-    /// carries some): loss/accuracy sums and softmax probabilities (`len × classes`).
+    /// carries some): loss/accuracy sums (with the configured label smoothing) and softmax
+    /// probabilities (`len × classes`, row-major). For prediction without labels pass dummy
+    /// labels (e.g. zeros); only the statistics are then meaningless.
     pub fn eval_step(
         &mut self,
         input: &InputBatch<'_>,
@@ -534,20 +691,20 @@ impl<B: Backend> Network<B> {
                     outputs,
                 } => {
                     let s = LinearShape { n, inputs, outputs };
-                    let mut dx = take(&mut self.act_grads, input);
+                    let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                     let mut dw = take(&mut self.param_grads, weight);
                     let mut db = take(&mut self.param_grads, bias);
                     let r = self.backend.linear_backward(
                         &s,
                         get(&self.acts, input),
                         get(&self.params, weight),
-                        get(&self.act_grads, output),
+                        get(&self.grad_bufs, self.grad_slot[output]),
                         &mut dx,
                         &mut dw,
                         &mut db,
                         written[input],
                     );
-                    self.act_grads[input] = Some(dx);
+                    self.grad_bufs[self.grad_slot[input]] = Some(dx);
                     self.param_grads[weight] = Some(dw);
                     self.param_grads[bias] = Some(db);
                     r?;
@@ -555,16 +712,16 @@ impl<B: Backend> Network<B> {
                 }
                 Node::GlobalAvgPool { input, output } => {
                     let d = self.dims[input];
-                    let mut dx = take(&mut self.act_grads, input);
+                    let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                     let r = self.backend.gap_backward(
                         n,
                         d.h * d.w,
                         d.c,
-                        get(&self.act_grads, output),
+                        get(&self.grad_bufs, self.grad_slot[output]),
                         &mut dx,
                         written[input],
                     );
-                    self.act_grads[input] = Some(dx);
+                    self.grad_bufs[self.grad_slot[input]] = Some(dx);
                     r?;
                     written[input] = true;
                 }
@@ -585,15 +742,15 @@ impl<B: Backend> Network<B> {
                         stride,
                         padding,
                     };
-                    let mut dx = take(&mut self.act_grads, input);
+                    let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                     let r = self.backend.maxpool_backward(
                         &s,
                         get(&self.acts, input),
-                        get(&self.act_grads, output),
+                        get(&self.grad_bufs, self.grad_slot[output]),
                         &mut dx,
                         written[input],
                     );
-                    self.act_grads[input] = Some(dx);
+                    self.grad_bufs[self.grad_slot[input]] = Some(dx);
                     r?;
                     written[input] = true;
                 }
@@ -610,8 +767,8 @@ impl<B: Backend> Network<B> {
                     // A BN input is a convolution output with this single consumer.
                     debug_assert!(!written[input]);
                     let d = self.dims[input];
-                    let mut dx = take(&mut self.act_grads, input);
-                    let mut dres = residual.map(|v| take(&mut self.act_grads, v));
+                    let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
+                    let mut dres = residual.map(|v| take(&mut self.grad_bufs, self.grad_slot[v]));
                     let mut dgamma = take(&mut self.param_grads, weight);
                     let mut dbeta = take(&mut self.param_grads, bias);
                     let (mean, invstd) = self.saved[k].as_ref().expect("bn saved stats");
@@ -628,15 +785,15 @@ impl<B: Backend> Network<B> {
                         saved_invstd: invstd,
                         batch_stats,
                         relu,
-                        dy: get(&self.act_grads, output),
+                        dy: get(&self.grad_bufs, self.grad_slot[output]),
                         dx: &mut dx,
                         dresidual: dres.as_mut().map(|t| (t, acc)),
                         dgamma: &mut dgamma,
                         dbeta: &mut dbeta,
                     });
-                    self.act_grads[input] = Some(dx);
+                    self.grad_bufs[self.grad_slot[input]] = Some(dx);
                     if let (Some(v), Some(t)) = (residual, dres) {
-                        self.act_grads[v] = Some(t);
+                        self.grad_bufs[self.grad_slot[v]] = Some(t);
                         written[v] = true;
                     }
                     self.param_grads[weight] = Some(dgamma);
@@ -658,21 +815,21 @@ impl<B: Backend> Network<B> {
                     let r = self.backend.conv_backward_weight(
                         &s,
                         get(&self.acts, input),
-                        get(&self.act_grads, output),
+                        get(&self.grad_bufs, self.grad_slot[output]),
                         &mut dw,
                     );
                     self.param_grads[weight] = Some(dw);
                     r?;
                     if input != 0 {
-                        let mut dx = take(&mut self.act_grads, input);
+                        let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                         let r = self.backend.conv_backward_data(
                             &s,
-                            get(&self.act_grads, output),
+                            get(&self.grad_bufs, self.grad_slot[output]),
                             get(&self.params, weight),
                             &mut dx,
                             written[input],
                         );
-                        self.act_grads[input] = Some(dx);
+                        self.grad_bufs[self.grad_slot[input]] = Some(dx);
                         r?;
                         written[input] = true;
                     }

@@ -1,0 +1,255 @@
+// ops_check.cpp: every other kernel file (bn, pool, linear, loss, input, optim), run on the host
+// emulator (emu.h), against f64 references that follow the CPU backend's rules.
+#include "emu.h"
+#include "rest_x.cu"  // the other kernel files, one namespace each (written by the test)
+#include <cstdio>
+#include <random>
+
+static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+static std::mt19937 rng(7);
+static std::vector<float> rnd(size_t n, float s) { std::uniform_real_distribution<float> U(-s, s); std::vector<float> v(n); for (auto& x : v) x = rb(U(rng)); return v; }
+static std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __float2bfloat16_rn(v[i]); return o; }
+static std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __bfloat162float(v[i]); return o; }
+static int fails = 0;
+template <class G, class R>
+void check(const char* what, const G& got, const R& ref, double tol, double eps) {
+    int bad = 0; double worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        double g = got[i], r = ref[i], e = std::fabs(g - r) - (tol + std::fabs(r) * eps);
+        if (e > 0 || std::isnan(g)) { if (bad < 3) printf("    %s[%zu]: got %g want %g\n", what, i, g, r); ++bad; }
+        worst = std::max(worst, std::fabs(g - r));
+    }
+    printf("  %-28s %s (max err %.3g, %zu)\n", what, bad ? "FAIL" : "ok", worst, ref.size());
+    fails += bad > 0;
+}
+static dim3e ew(long total) { return {(unsigned)std::min<long>((total + 255) / 256, 8), 1, 1}; }
+
+void test_bn(int rows, int C, bool residual, bool relu, bool train) {
+    printf("bn rows=%d C=%d res=%d relu=%d train=%d\n", rows, C, residual, relu, train);
+    auto x = rnd((size_t)rows * C, 1.0f);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = rb(x[i] + (i % C) * 0.5f);
+    auto gamma = rnd(C, 1.0f), beta = rnd(C, 0.5f), res = rnd((size_t)rows * C, 1.0f);
+    std::vector<float> rm = rnd(C, 0.5f), rv(C);
+    for (auto& v : rv) v = 1.0f + std::fabs(rnd(1, 0.5f)[0]);
+    // reference
+    std::vector<double> mean(C, 0), var(C, 0);
+    for (int r = 0; r < rows; ++r) for (int c = 0; c < C; ++c) mean[c] += x[(size_t)r * C + c];
+    for (int c = 0; c < C; ++c) mean[c] /= rows;
+    for (int r = 0; r < rows; ++r) for (int c = 0; c < C; ++c) { double d = x[(size_t)r * C + c] - mean[c]; var[c] += d * d; }
+    std::vector<double> m_use(C), is_use(C), rm_ref(C), rv_ref(C);
+    for (int c = 0; c < C; ++c) {
+        double v = var[c] / rows;
+        if (train) { m_use[c] = mean[c]; is_use[c] = 1.0 / std::sqrt(v + 1e-5); rm_ref[c] = 0.9 * rm[c] + 0.1 * mean[c]; rv_ref[c] = 0.9 * rv[c] + 0.1 * var[c] / (rows - 1); }
+        else { m_use[c] = rm[c]; is_use[c] = 1.0 / std::sqrt(rv[c] + 1e-5); rm_ref[c] = rm[c]; rv_ref[c] = rv[c]; }
+    }
+    std::vector<double> y_ref((size_t)rows * C);
+    for (size_t i = 0; i < y_ref.size(); ++i) { int c = i % C; double v = (x[i] - m_use[c]) * is_use[c] * gamma[c] + beta[c]; if (residual) v += res[i]; if (relu && v < 0) v = 0; y_ref[i] = v; }
+    // device
+    auto X = tobf(x), G = tobf(gamma), B = tobf(beta), R = tobf(res);
+    std::vector<bf16> Y(x.size());
+    std::vector<float> sm(C), si(C), drm = rm, drv = rv;
+    int per = 37, slabs = (rows + per - 1) / per;
+    std::vector<float> pm((size_t)slabs * C), pv((size_t)slabs * C);
+    float eps = 1e-5f, mom = 0.1f;
+    if (train) {
+        emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_stats_partial(X.data(), rows, C, per, pm.data(), pv.data()); });
+        emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_stats_finalize(pm.data(), pv.data(), slabs, rows, C, per, eps, mom, sm.data(), si.data(), drm.data(), drv.data()); });
+    } else {
+        emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_eval_prepare(drm.data(), drv.data(), C, eps, sm.data(), si.data()); });
+    }
+    long total = (long)rows * C;
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_apply(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Y.data(), total, C, relu); });
+    check("saved_mean", sm, m_use, 1e-5, 1e-4);
+    check("saved_invstd", si, is_use, 1e-5, 1e-3);
+    check("running_mean", drm, rm_ref, 1e-5, 1e-4);
+    check("running_var", drv, rv_ref, 1e-5, 1e-3);
+    auto yf = fromb(Y);
+    check("y", yf, y_ref, 1e-2, 1.0 / 128);
+    // backward from the device y
+    auto dy = rnd(x.size(), 1.0f);
+    auto dres0 = rnd(x.size(), 1.0f);
+    for (int acc = 0; acc < 2; ++acc) {
+        std::vector<double> g(x.size()), db(C, 0), dg(C, 0);
+        for (size_t i = 0; i < g.size(); ++i) { int c = i % C; g[i] = (relu && !(yf[i] > 0)) ? 0 : dy[i]; db[c] += g[i]; dg[c] += g[i] * (x[i] - (double)sm[c]) * si[c]; }
+        std::vector<double> dx_ref(x.size()), dres_ref(x.size());
+        for (size_t i = 0; i < g.size(); ++i) {
+            int c = i % C; double k = rb(gamma[c]) * (double)si[c];
+            double xhat = (x[i] - (double)sm[c]) * si[c];
+            dx_ref[i] = train ? k * (g[i] - db[c] / rows - xhat * dg[c] / rows) : k * g[i];
+            dres_ref[i] = acc ? g[i] + dres0[i] : g[i];
+        }
+        auto DY = tobf(dy), DRES = tobf(dres0);
+        std::vector<bf16> DX(x.size());
+        std::vector<float> pb((size_t)slabs * C), pg((size_t)slabs * C), ddb(C, 9), ddg(C, 9);
+        emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_bwd_partial(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb.data(), pg.data()); });
+        emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, ddb.data(), ddg.data()); });
+        emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DX.data(), residual ? DRES.data() : nullptr, acc); });
+        check("dbeta", ddb, db, 1e-4, 1e-4);
+        check("dgamma", ddg, dg, 1e-4, 1e-4);
+        check("dx", fromb(DX), dx_ref, 1e-2, 1.0 / 64);
+        if (residual) check("dres", fromb(DRES), dres_ref, 1e-2, 1.0 / 128);
+    }
+}
+
+void test_pool(int n, int h, int w, int c, int win, int st, int pad) {
+    printf("maxpool n=%d h=%d w=%d c=%d win=%d stride=%d pad=%d\n", n, h, w, c, win, st, pad);
+    int p = (h + 2 * pad - win) / st + 1, q = (w + 2 * pad - win) / st + 1;
+    auto x = rnd((size_t)n * h * w * c, 1.0f);
+    // ties: quantise some values
+    for (size_t i = 0; i < x.size(); i += 3) x[i] = rb(std::round(x[i] * 2) / 2);
+    std::vector<double> y_ref((size_t)n * p * q * c), dx_ref(x.size(), 0);
+    auto dy = rnd(y_ref.size(), 1.0f);
+    auto dx0 = rnd(x.size(), 1.0f);
+    for (int b = 0; b < n; ++b) for (int op = 0; op < p; ++op) for (int oq = 0; oq < q; ++oq) for (int ch = 0; ch < c; ++ch) {
+        double best = -INFINITY; long at = -1;
+        for (int r = 0; r < win; ++r) for (int s = 0; s < win; ++s) {
+            int ih = op * st - pad + r, iw = oq * st - pad + s;
+            if (ih < 0 || ih >= h || iw < 0 || iw >= w) continue;
+            long i = (((long)b * h + ih) * w + iw) * c + ch;
+            if (x[i] > best) { best = x[i]; at = i; }
+        }
+        long o = (((long)b * p + op) * q + oq) * c + ch;
+        y_ref[o] = best; dx_ref[at] += dy[o];
+    }
+    auto X = tobf(x), DY = tobf(dy);
+    std::vector<bf16> Y(y_ref.size());
+    emu_launch(ew(y_ref.size()), {256, 1, 1}, [&] { k_pool::maxpool_fwd(X.data(), Y.data(), n, h, w, c, p, q, win, st, pad); });
+    check("maxpool y", fromb(Y), y_ref, 0, 0);
+    for (int acc = 0; acc < 2; ++acc) {
+        auto DX = tobf(dx0);
+        emu_launch(ew(x.size()), {256, 1, 1}, [&] { k_pool::maxpool_bwd(X.data(), DY.data(), DX.data(), n, h, w, c, p, q, win, st, pad, acc); });
+        std::vector<double> want(x.size());
+        for (size_t i = 0; i < x.size(); ++i) want[i] = dx_ref[i] + (acc ? dx0[i] : 0);
+        check(acc ? "maxpool dx (acc)" : "maxpool dx", fromb(DX), want, 1e-2, 1.0 / 128);
+    }
+    // gap over the same x as n × (h·w) × c
+    int hw = h * w;
+    std::vector<double> g_ref((size_t)n * c, 0);
+    for (int b = 0; b < n; ++b) for (int j = 0; j < hw; ++j) for (int ch = 0; ch < c; ++ch) g_ref[b * c + ch] += x[((size_t)b * hw + j) * c + ch] / hw;
+    std::vector<bf16> GY((size_t)n * c);
+    emu_launch(ew(n * c), {256, 1, 1}, [&] { k_pool::gap_fwd(X.data(), GY.data(), n, hw, c); });
+    check("gap y", fromb(GY), g_ref, 1e-3, 1.0 / 128);
+    auto gdy = rnd((size_t)n * c, 1.0f);
+    auto GDY = tobf(gdy);
+    for (int acc = 0; acc < 2; ++acc) {
+        auto DX = tobf(dx0);
+        emu_launch(ew(x.size()), {256, 1, 1}, [&] { k_pool::gap_bwd(GDY.data(), DX.data(), n, hw, c, acc); });
+        std::vector<double> want(x.size());
+        for (size_t i = 0; i < x.size(); ++i) { int ch = i % c; size_t b = i / ((size_t)hw * c); want[i] = gdy[b * c + ch] / hw + (acc ? dx0[i] : 0); }
+        check("gap dx", fromb(DX), want, 1e-3, 1.0 / 128);
+    }
+}
+
+void test_linear(int n, int in, int out) {
+    printf("linear n=%d in=%d out=%d\n", n, in, out);
+    auto x = rnd((size_t)n * in, 1), w = rnd((size_t)out * in, 0.1f), b = rnd(out, 0.1f), dy = rnd((size_t)n * out, 1), dx0 = rnd((size_t)n * in, 1);
+    std::vector<double> y((size_t)n * out), dx((size_t)n * in), dw((size_t)out * in, 0), db(out, 0);
+    for (int i = 0; i < n; ++i) for (int o = 0; o < out; ++o) { double a = b[o]; for (int k = 0; k < in; ++k) a += (double)x[i * in + k] * w[o * in + k]; y[i * out + o] = a; }
+    for (int i = 0; i < n; ++i) for (int k = 0; k < in; ++k) { double a = 0; for (int o = 0; o < out; ++o) a += (double)dy[i * out + o] * w[o * in + k]; dx[i * in + k] = a + dx0[i * in + k]; }
+    for (int o = 0; o < out; ++o) for (int k = 0; k < in; ++k) { double a = 0; for (int i = 0; i < n; ++i) a += (double)dy[i * out + o] * x[i * in + k]; dw[o * in + k] = a; }
+    for (int o = 0; o < out; ++o) for (int i = 0; i < n; ++i) db[o] += dy[i * out + o];
+    auto X = tobf(x), W = tobf(w), B = tobf(b), DY = tobf(dy), DX = tobf(dx0);
+    std::vector<bf16> Y((size_t)n * out);
+    std::vector<float> DW((size_t)out * in, 5), DB(out, 5);
+    emu_launch({(unsigned)((out + 15) / 16), (unsigned)((n + 15) / 16), 1}, {16, 16, 1}, [&] { k_linear::linear_fwd(X.data(), W.data(), B.data(), Y.data(), n, in, out); });
+    emu_launch({(unsigned)((in + 15) / 16), (unsigned)((n + 15) / 16), 1}, {16, 16, 1}, [&] { k_linear::linear_bwd_data(DY.data(), W.data(), DX.data(), n, in, out, 1); });
+    emu_launch({(unsigned)((in + 15) / 16), (unsigned)((out + 15) / 16), 1}, {16, 16, 1}, [&] { k_linear::linear_bwd_weight(DY.data(), X.data(), DW.data(), n, in, out); });
+    emu_launch({(unsigned)((out + 255) / 256), 1, 1}, {256, 1, 1}, [&] { k_linear::linear_bias_grad(DY.data(), DB.data(), n, out); });
+    check("linear y", fromb(Y), y, 1e-2, 1.0 / 128);
+    check("linear dx (acc)", fromb(DX), dx, 1e-2, 1.0 / 128);
+    check("linear dw", DW, dw, 1e-4, 1e-4);
+    check("linear db", DB, db, 1e-4, 1e-4);
+}
+
+void test_loss(int n, int k, float sm) {
+    printf("softmax n=%d k=%d smoothing=%g\n", n, k, sm);
+    auto z = rnd((size_t)n * k, 4);
+    std::vector<int> lab(n);
+    for (auto& l : lab) l = rng() % k;
+    std::vector<double> loss(n), dz((size_t)n * k), pr((size_t)n * k), rank(n);
+    for (int i = 0; i < n; ++i) {
+        double m = -INFINITY, tot = 0; for (int j = 0; j < k; ++j) { m = std::max(m, (double)z[i * k + j]); tot += z[i * k + j]; }
+        double s = 0; for (int j = 0; j < k; ++j) s += std::exp(z[i * k + j] - m);
+        double lse = m + std::log(s);
+        loss[i] = lse - (1 - sm) * z[i * k + lab[i]] - sm * tot / k;
+        int above = 0; for (int j = 0; j < k; ++j) above += z[i * k + j] > z[i * k + lab[i]];
+        rank[i] = above;
+        for (int j = 0; j < k; ++j) { double p = std::exp(z[i * k + j] - lse); pr[i * k + j] = p; dz[i * k + j] = (p - (sm / k + (j == lab[i] ? 1 - sm : 0))) / n; }
+    }
+    auto Z = tobf(z);
+    std::vector<float> L(n), P((size_t)n * k);
+    std::vector<int> RK(n);
+    std::vector<bf16> DZ((size_t)n * k);
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, sm, 1.0f / n, L.data(), RK.data(), DZ.data(), P.data()); });
+    check("loss", L, loss, 1e-5, 1e-5);
+    check("rank", RK, rank, 0, 0);
+    check("probs", P, pr, 1e-6, 1e-5);
+    check("dlogits", fromb(DZ), dz, 1e-6, 1.0 / 128);
+}
+
+void test_input(int n, int s) {
+    printf("input n=%d s=%d\n", n, s);
+    std::vector<unsigned char> px((size_t)n * s * s * 3);
+    for (auto& v : px) v = rng() & 255;
+    std::vector<int> aug(n * 3);
+    int m = std::max(1, s / 8);
+    for (int b = 0; b < n; ++b) { aug[b * 3] = (int)(rng() % (2 * m + 1)) - m; aug[b * 3 + 1] = (int)(rng() % (2 * m + 1)) - m; aug[b * 3 + 2] = rng() & 1; }
+    const float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
+    float scale[3], shift[3];
+    for (int c = 0; c < 3; ++c) { scale[c] = 1.0f / (255.0f * stdv[c]); shift[c] = -mean[c] / stdv[c]; }
+    std::vector<double> ref(px.size());
+    for (int b = 0; b < n; ++b) for (int y = 0; y < s; ++y) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c) {
+        int xs = aug[b * 3 + 2] ? s - 1 - x : x, sy = y + aug[b * 3], sx = xs + aug[b * 3 + 1];
+        double v = 0; if (sy >= 0 && sx >= 0 && sy < s && sx < s) v = px[(((size_t)b * s + sy) * s + sx) * 3 + c] * scale[c] + shift[c];
+        ref[(((size_t)b * s + y) * s + x) * 3 + c] = v;
+    }
+    std::vector<bf16> out(px.size());
+    emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, scale, shift, out.data(), n, s); });
+    check("input", fromb(out), ref, 1e-5, 1.0 / 256);
+}
+
+void test_optim() {
+    printf("optim (two tensors, chunked)\n");
+    // two "tensors" of 5 and 70000 elements: chunks 5 | 65536 | 4464
+    std::vector<int> sizes = {5, 70000};
+    int total = 70005;
+    auto w0 = rnd(total, 0.5f);
+    std::vector<std::vector<float>> grads = {rnd(5, 1), rnd(70000, 1)};
+    std::vector<std::vector<bf16>> work = {std::vector<bf16>(5), std::vector<bf16>(70000)};
+    std::vector<unsigned long long> gp, wp; std::vector<long> st; std::vector<int> ln; std::vector<float> wd;
+    float decay[2] = {0.0f, 0.01f};
+    long off = 0;
+    for (int t = 0; t < 2; ++t) { for (int d = 0; d < sizes[t]; d += 65536) { int l = std::min(65536, sizes[t] - d); gp.push_back((unsigned long long)(grads[t].data() + d)); wp.push_back((unsigned long long)(work[t].data() + d)); st.push_back(off + d); ln.push_back(l); wd.push_back(decay[t]); } off += sizes[t]; }
+    for (int kind = 0; kind < 3; ++kind) {
+        std::vector<float> master = w0, mbuf(total, 0), vbuf(total, 0);
+        std::vector<double> ref(w0.begin(), w0.end()), m(total, 0), v(total, 0);
+        for (int step = 1; step <= 2; ++step) {
+            for (int i = 0; i < total; ++i) {
+                int t = i < 5 ? 0 : 1; double g = grads[t][t ? i - 5 : i], wdd = decay[t];
+                if (kind == 0) { double gi = g + wdd * ref[i]; m[i] = 0.9 * m[i] + gi; ref[i] -= 0.05 * m[i]; }
+                else { bool dec = kind == 2; double gi = dec ? g : g + wdd * ref[i]; if (dec) ref[i] *= 1 - 0.05 * wdd; m[i] = 0.9 * m[i] + 0.1 * gi; v[i] = 0.999 * v[i] + 0.001 * gi * gi; ref[i] -= 0.05 * (m[i] / (1 - std::pow(0.9, step))) / (std::sqrt(v[i] / (1 - std::pow(0.999, step))) + 1e-8); }
+            }
+            float bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
+            if (kind == 0) emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::sgd_update(master.data(), mbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 1.0f, 0); });
+            else emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::adam_update(master.data(), mbuf.data(), vbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 0.999f, 1e-8f, 1.0f, bc1, bc2, kind == 2); });
+        }
+        check(kind == 0 ? "sgd master" : kind == 1 ? "adam master" : "adamw master", master, ref, 1e-6, 1e-5);
+        std::vector<float> wk; for (auto& t : work) for (auto v2 : fromb(t)) wk.push_back(v2);
+        check("working bf16", wk, ref, 1e-6, 1.0 / 256);
+    }
+}
+
+int main(int argc, char** argv) {
+    test_bn(150, 40, true, true, true);
+    test_bn(77, 3, false, false, true);
+    test_bn(64, 33, true, true, false);
+    test_pool(2, 9, 7, 5, 3, 2, 1);
+    test_pool(1, 7, 7, 3, 2, 2, 0);
+    test_linear(5, 37, 19);
+    test_loss(5, 10, 0.0f);
+    test_loss(3, 285, 0.1f);
+    test_input(2, 17);
+    test_optim();
+    printf(fails ? "FAILED (%d)\n" : "ALL OK\n", fails);
+    return fails ? 1 : 0;
+}

@@ -1,0 +1,198 @@
+//! Bad input files: every kind is skipped with a report (or fails when asked), and a worker
+//! failure reaches the consumer as an error that keeps its cause.
+
+mod common;
+
+use std::path::Path;
+
+use common::{collect, synth};
+use pipeline::{BadFileKind, OnBadImage, PipelineError};
+
+fn valid_png(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_pixel(w, h, image::Rgb([10, 200, 30]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+/// Adds one bad file of each kind to `class_dir`.
+fn add_bad_files(class_dir: &Path) {
+    // Corrupt: a PNG signature followed by garbage.
+    let mut corrupt = b"\x89PNG\r\n\x1a\n".to_vec();
+    corrupt.extend((0..200u32).map(|i| (i * 37 % 251) as u8));
+    std::fs::write(class_dir.join("corrupt.png"), corrupt).unwrap();
+    // Truncated: the first half of a valid PNG.
+    let png = valid_png(40, 40);
+    std::fs::write(class_dir.join("truncated.png"), &png[..png.len() / 2]).unwrap();
+    std::fs::write(class_dir.join("empty.jpg"), b"").unwrap();
+    // Unreadable (tests run as root, so no chmod): a directory and a dangling link named like images.
+    std::fs::create_dir(class_dir.join("folder.jpg")).unwrap();
+    std::os::unix::fs::symlink(
+        class_dir.join("missing-target"),
+        class_dir.join("dangling.jpg"),
+    )
+    .unwrap();
+    std::fs::write(
+        class_dir.join("notes.jpg"),
+        b"these are field notes, not a picture",
+    )
+    .unwrap();
+    // Hidden files are ignored, not bad.
+    std::fs::write(class_dir.join(".DS_Store"), b"junk").unwrap();
+}
+
+#[test]
+fn every_bad_file_kind_is_skipped_counted_and_reported() {
+    let fx = synth(2, 4, 0);
+    add_bad_files(&fx.root().join("train/class_00"));
+    let report = fx.cache.path().join("bad.jsonl");
+    let p = fx
+        .builder()
+        .batch_size(3)
+        .bad_files_report(&report)
+        .build()
+        .unwrap();
+    assert_eq!(
+        p.len(),
+        4 + 4 + 3,
+        "zero-byte and unreadable entries are dropped at scan time"
+    );
+    let batches = collect(&p, 0, 0, 0);
+    let images: usize = batches.iter().map(|b| b.ids.len()).sum();
+    assert_eq!(images, 8, "only the good images are served");
+    let mut kinds: Vec<(String, BadFileKind)> = p
+        .bad_files()
+        .into_iter()
+        .map(|b| {
+            (
+                b.path.file_name().unwrap().to_string_lossy().into_owned(),
+                b.kind,
+            )
+        })
+        .collect();
+    kinds.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        kinds,
+        vec![
+            ("corrupt.png".to_string(), BadFileKind::Corrupt),
+            ("dangling.jpg".to_string(), BadFileKind::Unreadable),
+            ("empty.jpg".to_string(), BadFileKind::Empty),
+            ("folder.jpg".to_string(), BadFileKind::Unreadable),
+            ("notes.jpg".to_string(), BadFileKind::NotAnImage),
+            ("truncated.png".to_string(), BadFileKind::Corrupt),
+        ]
+    );
+    assert_eq!(p.stats().bad_files, 6);
+    let lines = std::fs::read_to_string(&report).unwrap();
+    assert_eq!(lines.lines().count(), 6);
+    assert!(lines.contains("notes.jpg") && lines.contains("not-an-image"));
+    // The second epoch neither decodes nor re-reads the bad files, and still skips them.
+    let second = collect(&p, 1, 0, 0);
+    assert_eq!(second.iter().map(|b| b.ids.len()).sum::<usize>(), 8);
+    assert_eq!(p.stats().decoded, 8);
+    assert_eq!(p.stats().bad_files, 6, "each bad file is counted once");
+}
+
+#[test]
+fn on_bad_image_fail_stops_at_scan_time_bad_files() {
+    let fx = synth(2, 3, 0);
+    std::fs::write(fx.root().join("train/class_01/empty.png"), b"").unwrap();
+    let err = fx
+        .builder()
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap_err();
+    match &err {
+        PipelineError::BadImage { path, kind, .. } => {
+            assert!(path.ends_with("empty.png"));
+            assert_eq!(*kind, BadFileKind::Empty);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(
+        err.to_string().contains("--on-bad-image skip"),
+        "the message gives a hint"
+    );
+}
+
+#[test]
+fn on_bad_image_fail_reaches_the_consumer_with_the_decoder_error() {
+    let fx = synth(2, 3, 0);
+    let png = valid_png(20, 20);
+    std::fs::write(
+        fx.root().join("train/class_01/zz_truncated.png"),
+        &png[..png.len() / 2],
+    )
+    .unwrap();
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap();
+    let results: Vec<_> = p.epoch(0, 0, 0).unwrap().collect();
+    let errors: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(errors.len(), 1, "the epoch ends at the first error");
+    assert!(results.last().unwrap().is_err());
+    match errors[0] {
+        PipelineError::BadImage { path, kind, source } => {
+            assert!(path.ends_with("zz_truncated.png"));
+            assert_eq!(*kind, BadFileKind::Corrupt);
+            let source = source.as_ref().expect("the decoder's error is kept");
+            assert!(
+                source.downcast_ref::<image::ImageError>().is_some(),
+                "{source:?}"
+            );
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn a_worker_failure_reaches_the_consumer_as_an_error_keeping_its_cause() {
+    let fx = synth(2, 3, 0);
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .on_bad_image(OnBadImage::Fail)
+        .build()
+        .unwrap();
+    // The file vanishes after the scan: the worker's read fails with an I/O error.
+    let victim = fx.root().join("train/class_00/train_00001.png");
+    std::fs::remove_file(&victim).unwrap();
+    let err = p
+        .epoch(0, 0, 0)
+        .unwrap()
+        .find_map(|r| r.err())
+        .expect("an error reaches the consumer");
+    let PipelineError::BadImage { path, kind, .. } = &err else {
+        panic!("unexpected {err:?}")
+    };
+    assert_eq!(path, &victim);
+    assert_eq!(*kind, BadFileKind::Unreadable);
+    let io = std::error::Error::source(&err)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .expect("the io::Error is the source");
+    assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+}
+
+#[test]
+fn a_failing_allocator_reaches_the_consumer() {
+    struct Broken;
+    impl pipeline::BatchAllocator for Broken {
+        fn allocate(&self, _: usize) -> Result<Box<dyn pipeline::HostBuffer>, PipelineError> {
+            Ok(Box::new(vec![0u8; 3])) // far too small
+        }
+    }
+    let fx = synth(2, 2, 0);
+    let p = fx
+        .builder()
+        .allocator(std::sync::Arc::new(Broken))
+        .build()
+        .unwrap();
+    let first = p.epoch(0, 0, 0).unwrap().next().unwrap();
+    assert!(
+        matches!(first, Err(PipelineError::Allocator { .. })),
+        "{first:?}"
+    );
+}

@@ -1,0 +1,216 @@
+//! The memory-mapped cache: later epochs decode nothing, edits invalidate it, a torn cache is
+//! resumed without serving torn records, two pipelines share one file safely.
+
+mod common;
+
+use common::{collect, synth};
+
+#[test]
+fn second_epoch_decodes_zero_and_serves_identical_pixels() {
+    let fx = synth(3, 5, 0);
+    let p = fx.builder().batch_size(4).build().unwrap();
+    let first = collect(&p, 0, 0, 0);
+    assert_eq!(p.stats().decoded, 15);
+    let again = collect(&p, 0, 0, 0);
+    let s = p.stats();
+    assert_eq!(s.decoded, 15, "the second pass decodes nothing");
+    assert_eq!(s.cache_hits, 15);
+    assert_eq!(first, again, "cached pixels equal freshly decoded ones");
+    assert!((s.cache_fill - 1.0).abs() < 1e-9);
+    // A new pipeline (a new process, in effect) reuses the file.
+    drop(p);
+    let p2 = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), first);
+    assert_eq!(p2.stats().decoded, 0);
+}
+
+#[test]
+fn buffers_are_recycled_in_steady_state() {
+    let fx = synth(2, 8, 0);
+    let p = fx.builder().batch_size(2).prefetch(2).build().unwrap();
+    collect(&p, 0, 0, 0);
+    let after_first = p.free_buffers();
+    assert!(after_first > 0);
+    collect(&p, 1, 0, 0);
+    collect(&p, 2, 0, 0);
+    assert_eq!(
+        p.free_buffers(),
+        after_first,
+        "no new buffer once the pool is warm"
+    );
+}
+
+#[test]
+fn a_changed_file_invalidates_the_cache() {
+    let fx = synth(2, 4, 0);
+    let p = fx.builder().batch_size(8).build().unwrap();
+    let fp = p.fingerprint();
+    let path = p.cache_path().to_path_buf();
+    collect(&p, 0, 0, 0);
+    drop(p);
+    // Rewrite one image with other content (and so other size/mtime).
+    let victim = common::files_under(&fx.root().join("train"))[0].clone();
+    let img = image::RgbImage::from_pixel(30, 30, image::Rgb([250, 10, 10]));
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    img.save_with_format(&victim, image::ImageFormat::Png)
+        .unwrap();
+    let p2 = fx.builder().batch_size(8).build().unwrap();
+    assert_ne!(p2.fingerprint(), fp);
+    assert_eq!(p2.cache_path(), path, "same file name, rebuilt in place");
+    let batches = collect(&p2, 0, 0, 0);
+    assert_eq!(p2.stats().decoded, 8, "a mismatched cache is never served");
+    // The edited image (sample 0) is solid red after resizing.
+    assert_eq!(batches.iter().map(|b| b.ids.len()).sum::<usize>(), 8);
+    let q = fx.builder().batch_size(8).shuffle(false).build().unwrap();
+    let first = q.epoch(0, 0, 0).unwrap().next().unwrap().unwrap();
+    assert!(first.pixels()[..16 * 16 * 3]
+        .chunks(3)
+        .all(|px| px == [250, 10, 10]));
+}
+
+/// Offsets of the documented cache layout for `count` records (see `cache.rs`).
+fn filled_bitmap_offset(count: usize) -> usize {
+    (4096 + 4 * count).next_multiple_of(8)
+}
+
+fn records_offset(count: usize) -> usize {
+    (filled_bitmap_offset(count) + 16 * count.div_ceil(64)).next_multiple_of(4096)
+}
+
+#[test]
+fn a_stopped_fill_is_resumed() {
+    let fx = synth(2, 6, 0); // 12 images
+    let reference = {
+        let other = tempfile::tempdir().unwrap();
+        let p = fx
+            .builder()
+            .cache_dir(other.path())
+            .batch_size(4)
+            .build()
+            .unwrap();
+        collect(&p, 0, 0, 0)
+    };
+    // Take one step and stop: the cache is left partly filled.
+    let p = fx
+        .builder()
+        .batch_size(4)
+        .workers(1)
+        .prefetch(1)
+        .build()
+        .unwrap();
+    let mut it = p.epoch(0, 0, 0).unwrap();
+    it.next().unwrap().unwrap();
+    drop(it);
+    drop(p);
+    let p2 = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), reference);
+    let decoded = p2.stats().decoded;
+    assert!(
+        decoded <= 8,
+        "the records of the first step are reused (decoded {decoded})"
+    );
+}
+
+#[test]
+fn a_torn_cache_never_serves_records_whose_bit_is_unset() {
+    let fx = synth(2, 6, 0); // 12 images
+    let p = fx.builder().batch_size(4).build().unwrap();
+    let reference = collect(&p, 0, 0, 0);
+    let path = p.cache_path().to_path_buf();
+    drop(p);
+    // A kill between writing pixels and setting the bit: records 0..6 hold garbage and their
+    // bits are clear.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let bitmap = filled_bitmap_offset(12);
+    let word = u64::from_le_bytes(bytes[bitmap..bitmap + 8].try_into().unwrap());
+    assert_eq!(word, (1 << 12) - 1, "a full cache has all 12 bits set");
+    bytes[bitmap..bitmap + 8].copy_from_slice(&(word & !0b11_1111).to_le_bytes());
+    let rec = 16 * 16 * 3;
+    let start = records_offset(12);
+    bytes[start..start + 6 * rec].fill(0xAB);
+    std::fs::write(&path, &bytes).unwrap();
+    let p2 = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), reference);
+    assert_eq!(
+        p2.stats().decoded,
+        6,
+        "exactly the torn records are decoded again"
+    );
+}
+
+#[test]
+fn a_cache_left_filling_by_another_boot_is_rebuilt() {
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    let reference = collect(&p, 0, 0, 0);
+    let path = p.cache_path().to_path_buf();
+    drop(p);
+    // State `filling` (1) with a boot id that is not this machine's current one: after a
+    // crash, set bits may not be durable, so nothing may be trusted.
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[12..16].copy_from_slice(&1u32.to_le_bytes());
+    bytes[48..84].fill(b'0');
+    std::fs::write(&path, &bytes).unwrap();
+    let p2 = fx.builder().batch_size(6).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), reference);
+    assert_eq!(p2.stats().decoded, 6);
+}
+
+#[test]
+fn a_corrupt_header_is_rebuilt() {
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    let reference = collect(&p, 0, 0, 0);
+    let path = p.cache_path().to_path_buf();
+    drop(p);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[0] = b'X';
+    std::fs::write(&path, bytes).unwrap();
+    let p2 = fx.builder().batch_size(6).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), reference);
+    assert_eq!(p2.stats().decoded, 6);
+}
+
+#[test]
+fn two_pipelines_on_one_cache_file_agree_and_do_not_corrupt_it() {
+    let fx = synth(3, 6, 0);
+    let a = fx.builder().batch_size(3).build().unwrap();
+    let b = fx.builder().batch_size(3).build().unwrap();
+    assert_eq!(a.cache_path(), b.cache_path());
+    let (ra, rb) = std::thread::scope(|s| {
+        let ha = s.spawn(|| collect(&a, 0, 0, 0));
+        let hb = s.spawn(|| collect(&b, 0, 0, 0));
+        (ha.join().unwrap(), hb.join().unwrap())
+    });
+    assert_eq!(ra, rb);
+    drop((a, b));
+    let c = fx.builder().batch_size(3).build().unwrap();
+    assert_eq!(
+        collect(&c, 0, 0, 0),
+        ra,
+        "the shared file holds correct records"
+    );
+}
+
+#[test]
+fn a_cache_left_filling_by_a_killed_process_of_this_boot_is_resumed() {
+    let Ok(boot) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else {
+        return; // No boot id on this OS: such caches are always rebuilt (tested above).
+    };
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    let reference = collect(&p, 0, 0, 0);
+    let path = p.cache_path().to_path_buf();
+    drop(p);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[12..16].copy_from_slice(&1u32.to_le_bytes());
+    bytes[48..84].copy_from_slice(boot.trim().as_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let p2 = fx.builder().batch_size(6).build().unwrap();
+    assert_eq!(collect(&p2, 0, 0, 0), reference);
+    assert_eq!(
+        p2.stats().decoded,
+        0,
+        "a kill keeps the page cache: set bits are exact"
+    );
+}

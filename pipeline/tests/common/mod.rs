@@ -1,0 +1,89 @@
+//! Helpers shared by the pipeline's integration tests: tiny synthetic datasets.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+
+use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
+use pipeline::{Batch, DatasetSource, Pipeline, PipelineBuilder};
+
+/// A temporary dataset plus a temporary cache directory.
+pub struct Fixture {
+    pub data: tempfile::TempDir,
+    pub cache: tempfile::TempDir,
+}
+
+impl Fixture {
+    pub fn root(&self) -> &Path {
+        self.data.path()
+    }
+    pub fn builder(&self) -> PipelineBuilder {
+        PipelineBuilder::new(DatasetSource::folder(self.root()))
+            .image_size(16)
+            .cache_dir(self.cache.path())
+            .workers(2)
+            .seed(42)
+    }
+}
+
+/// `classes` classes, `train` / `valid` images each, 24×20 PNG (lossless, fast).
+pub fn synth(classes: usize, train: usize, valid: usize) -> Fixture {
+    let data = tempfile::tempdir().expect("tempdir");
+    let cache = tempfile::tempdir().expect("tempdir");
+    let cfg = SynthConfig {
+        out: data.path().to_path_buf(),
+        classes,
+        train_per_class: train,
+        valid_per_class: valid,
+        test_per_class: 0,
+        width: 24,
+        height: 20,
+        format: ImageFormatKind::Png,
+        seed: 5,
+    };
+    write_dataset(&cfg).expect("synth");
+    Fixture { data, cache }
+}
+
+/// What a batch holds, comparable across runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub step: usize,
+    pub replica: usize,
+    pub ids: Vec<u64>,
+    pub labels: Vec<u32>,
+    pub pixels_hash: u64,
+}
+
+pub fn seen(b: &Batch) -> Seen {
+    assert_eq!(b.labels().len(), b.len);
+    assert_eq!(b.sample_ids.len(), b.len);
+    Seen {
+        step: b.step,
+        replica: b.replica,
+        ids: b.sample_ids.clone(),
+        labels: b.labels().to_vec(),
+        pixels_hash: xxhash_rust::xxh3::xxh3_64(b.pixels()),
+    }
+}
+
+/// Every batch of one replica's epoch, panicking on an error.
+pub fn collect(p: &Pipeline, epoch: u64, replica: usize, start: usize) -> Vec<Seen> {
+    p.epoch(epoch, replica, start)
+        .expect("epoch")
+        .map(|b| seen(&b.expect("batch")))
+        .collect()
+}
+
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).expect("read_dir") {
+        let p = e.expect("entry").path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}

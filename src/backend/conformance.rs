@@ -1,0 +1,614 @@
+//! Conformance checks: run every op (and whole training steps) on a backend under test and on
+//! the CPU reference with identical random inputs, and compare with llm.c's rule
+//! `|got − ref| ≤ atol + rtol·|ref|`. The CUDA backend's tests call these with its own
+//! tolerance (bf16 storage needs a looser one than f32); the CPU backend's tests call them with
+//! another thread count, which must agree to f32 rounding.
+//!
+//! Backward ops are fed the *reference* forward results (uploaded), so each op is checked in
+//! isolation and a ReLU mask can never differ between the two sides.
+
+use std::fmt;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::cpu::CpuBackend;
+use super::{
+    Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
+    PoolShape, TensorRole,
+};
+use crate::model::{
+    Arch, Augment, Graph, InputBatch, ModelError, ModelState, Network, NetworkConfig,
+};
+
+/// Allowed difference: `atol + rtol·|ref|` per element.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    /// Absolute part.
+    pub atol: f32,
+    /// Relative part.
+    pub rtol: f32,
+}
+
+impl Tolerance {
+    /// For an f32 backend (summation order may differ).
+    pub const F32: Tolerance = Tolerance {
+        atol: 1e-4,
+        rtol: 1e-4,
+    };
+}
+
+/// The outcome of one comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckReport {
+    /// What was compared, e.g. `conv_forward k3 s2 p1 2x9x7x5→4`.
+    pub name: String,
+    /// Elements compared.
+    pub elements: usize,
+    /// Largest |got − ref|.
+    pub max_abs_err: f32,
+    /// Largest error / allowed error (≤ 1 passes).
+    pub worst_ratio: f32,
+}
+
+impl fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<48} {:>9} elems  max err {:.3e}  err/tol {:.3}",
+            self.name, self.elements, self.max_abs_err, self.worst_ratio
+        )
+    }
+}
+
+/// Compares `got` with the reference `want` element-wise.
+pub fn compare(
+    name: &str,
+    got: &[f32],
+    want: &[f32],
+    tol: Tolerance,
+) -> Result<CheckReport, BackendError> {
+    compare_scaled(name, got, want, tol, 1.0)
+}
+
+/// Like [`compare`], with the absolute part multiplied by `scale` (e.g. a tensor's largest
+/// reference magnitude, for gradients whose size varies by orders between layers).
+fn compare_scaled(
+    name: &str,
+    got: &[f32],
+    want: &[f32],
+    tol: Tolerance,
+    scale: f32,
+) -> Result<CheckReport, BackendError> {
+    if got.len() != want.len() {
+        return Err(BackendError::Mismatch {
+            check: name.to_string(),
+            detail: format!("{} values vs {} in the reference", got.len(), want.len()),
+        });
+    }
+    let mut report = CheckReport {
+        name: name.to_string(),
+        elements: got.len(),
+        max_abs_err: 0.0,
+        worst_ratio: 0.0,
+    };
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        let allowed = tol.atol * scale + tol.rtol * w.abs();
+        let ratio = if allowed > 0.0 {
+            err / allowed
+        } else if err == 0.0 {
+            0.0
+        } else {
+            f32::INFINITY
+        };
+        if ratio.is_nan() || ratio > 1.0 {
+            return Err(BackendError::Mismatch {
+                check: name.to_string(),
+                detail: format!("element {i}: got {g}, reference {w} (allowed ±{allowed:.3e})"),
+            });
+        }
+        report.max_abs_err = report.max_abs_err.max(err);
+        report.worst_ratio = report.worst_ratio.max(ratio);
+    }
+    Ok(report)
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Both backends with the data each side needs.
+struct Pair<'a, B: Backend> {
+    reference: CpuBackend,
+    test: &'a B,
+    tol: Tolerance,
+    reports: Vec<CheckReport>,
+}
+
+impl<B: Backend> Pair<'_, B> {
+    fn up(&self, data: &[f32], role: TensorRole) -> Result<B::Tensor, BackendError> {
+        let mut t = self.test.alloc(data.len(), role)?;
+        self.test.upload(data, &mut t)?;
+        Ok(t)
+    }
+
+    fn check(&mut self, name: String, got: &B::Tensor, want: &[f32]) -> Result<(), BackendError> {
+        let got = self.test.download(got)?;
+        let r = compare(&name, &got[..want.len()], want, self.tol)?;
+        self.reports.push(r);
+        Ok(())
+    }
+
+    fn conv(&mut self, s: ConvShape, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
+        let tag = format!(
+            "k{} s{} p{} {}x{}x{}x{}→{}",
+            s.kernel, s.stride, s.padding, s.n, s.h, s.w, s.c_in, s.c_out
+        );
+        let x = random(rng, s.x_len(), -1.0, 1.0);
+        let w = random(rng, s.w_len(), -0.5, 0.5);
+        let dy = random(rng, s.y_len(), -1.0, 1.0);
+        let dx0 = random(rng, s.x_len(), -1.0, 1.0);
+        let r = &self.reference;
+        let mut y = vec![0.0; s.y_len()];
+        r.conv_forward(&s, &x, &w, &mut y)?;
+        let mut dx = vec![0.0; s.x_len()];
+        r.conv_backward_data(&s, &dy, &w, &mut dx, false)?;
+        let mut dx_acc = dx0.clone();
+        r.conv_backward_data(&s, &dy, &w, &mut dx_acc, true)?;
+        let mut dw = vec![0.0; s.w_len()];
+        r.conv_backward_weight(&s, &x, &dy, &mut dw)?;
+
+        let (tx, tw, tdy) = (
+            self.up(&x, TensorRole::Activation)?,
+            self.up(&w, TensorRole::Weight)?,
+            self.up(&dy, TensorRole::Activation)?,
+        );
+        let mut ty = self.test.alloc(s.y_len(), TensorRole::Activation)?;
+        self.test.conv_forward(&s, &tx, &tw, &mut ty)?;
+        self.check(format!("conv_forward {tag}"), &ty, &y)?;
+        let mut tdx = self.test.alloc(s.x_len(), TensorRole::Activation)?;
+        self.test
+            .conv_backward_data(&s, &tdy, &tw, &mut tdx, false)?;
+        self.check(format!("conv_backward_data {tag}"), &tdx, &dx)?;
+        let mut tdx = self.up(&dx0, TensorRole::Activation)?;
+        self.test
+            .conv_backward_data(&s, &tdy, &tw, &mut tdx, true)?;
+        self.check(format!("conv_backward_data+acc {tag}"), &tdx, &dx_acc)?;
+        let mut tdw = self.test.alloc(s.w_len(), TensorRole::WeightGrad)?;
+        self.test.conv_backward_weight(&s, &tx, &tdy, &mut tdw)?;
+        self.check(format!("conv_backward_weight {tag}"), &tdw, &dw)
+    }
+
+    fn bn(
+        &mut self,
+        rows: usize,
+        c: usize,
+        residual: bool,
+        relu: bool,
+        mode: BnMode,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), BackendError> {
+        let tag = format!("{mode:?} {rows}x{c} res={residual} relu={relu}");
+        let shape = BnShape { rows, channels: c };
+        let x = random(rng, rows * c, -2.0, 2.5);
+        let gamma = random(rng, c, 0.5, 1.5);
+        let beta = random(rng, c, -0.5, 0.5);
+        let res = random(rng, rows * c, -1.0, 1.0);
+        let rm0 = random(rng, c, -0.5, 0.5);
+        let rv0 = random(rng, c, 0.5, 1.5);
+        let dy = random(rng, rows * c, -1.0, 1.0);
+        let dres0 = random(rng, rows * c, -1.0, 1.0);
+        let (mut y, mut m, mut is) = (vec![0.0; rows * c], vec![0.0; c], vec![0.0; c]);
+        let (mut rm, mut rv) = (rm0.clone(), rv0.clone());
+        self.reference.bn_forward(BnForward {
+            shape,
+            x: &x,
+            gamma: &gamma,
+            beta: &beta,
+            residual: residual.then_some(&res),
+            relu,
+            y: &mut y,
+            saved_mean: &mut m,
+            saved_invstd: &mut is,
+            running_mean: &mut rm,
+            running_var: &mut rv,
+            mode,
+            momentum: 0.1,
+            eps: 1e-5,
+        })?;
+        let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.0; c], vec![0.0; c]);
+        let mut dres = dres0.clone();
+        self.reference.bn_backward(BnBackward {
+            shape,
+            x: &x,
+            y: &y,
+            gamma: &gamma,
+            saved_mean: &m,
+            saved_invstd: &is,
+            batch_stats: mode == BnMode::Train,
+            relu,
+            dy: &dy,
+            dx: &mut dx,
+            dresidual: residual.then_some((&mut dres, true)),
+            dgamma: &mut dg,
+            dbeta: &mut db,
+        })?;
+
+        let act = TensorRole::Activation;
+        let stat = TensorRole::Statistic;
+        let (tx, tg, tb, tres) = (
+            self.up(&x, act)?,
+            self.up(&gamma, TensorRole::Weight)?,
+            self.up(&beta, TensorRole::Weight)?,
+            self.up(&res, act)?,
+        );
+        let mut ty = self.test.alloc(rows * c, act)?;
+        let (mut tm, mut tis) = (self.test.alloc(c, stat)?, self.test.alloc(c, stat)?);
+        let (mut trm, mut trv) = (self.up(&rm0, stat)?, self.up(&rv0, stat)?);
+        self.test.bn_forward(BnForward {
+            shape,
+            x: &tx,
+            gamma: &tg,
+            beta: &tb,
+            residual: residual.then_some(&tres),
+            relu,
+            y: &mut ty,
+            saved_mean: &mut tm,
+            saved_invstd: &mut tis,
+            running_mean: &mut trm,
+            running_var: &mut trv,
+            mode,
+            momentum: 0.1,
+            eps: 1e-5,
+        })?;
+        self.check(format!("bn_forward y {tag}"), &ty, &y)?;
+        self.check(format!("bn_forward running_mean {tag}"), &trm, &rm)?;
+        self.check(format!("bn_forward running_var {tag}"), &trv, &rv)?;
+        // Backward from the reference forward's outputs.
+        let (ty, tm, tis, tdy) = (
+            self.up(&y, act)?,
+            self.up(&m, stat)?,
+            self.up(&is, stat)?,
+            self.up(&dy, act)?,
+        );
+        let mut tdx = self.test.alloc(rows * c, act)?;
+        let mut tdres = self.up(&dres0, act)?;
+        let (mut tdg, mut tdb) = (
+            self.test.alloc(c, TensorRole::WeightGrad)?,
+            self.test.alloc(c, TensorRole::WeightGrad)?,
+        );
+        self.test.bn_backward(BnBackward {
+            shape,
+            x: &tx,
+            y: &ty,
+            gamma: &tg,
+            saved_mean: &tm,
+            saved_invstd: &tis,
+            batch_stats: mode == BnMode::Train,
+            relu,
+            dy: &tdy,
+            dx: &mut tdx,
+            dresidual: residual.then_some((&mut tdres, true)),
+            dgamma: &mut tdg,
+            dbeta: &mut tdb,
+        })?;
+        self.check(format!("bn_backward dx {tag}"), &tdx, &dx)?;
+        self.check(format!("bn_backward dgamma {tag}"), &tdg, &dg)?;
+        self.check(format!("bn_backward dbeta {tag}"), &tdb, &db)?;
+        if residual {
+            self.check(format!("bn_backward dresidual+acc {tag}"), &tdres, &dres)?;
+        }
+        Ok(())
+    }
+
+    fn pool(&mut self, s: PoolShape, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
+        let tag = format!(
+            "k{} s{} p{} {}x{}x{}x{}",
+            s.kernel, s.stride, s.padding, s.n, s.h, s.w, s.c
+        );
+        let xlen = s.n * s.h * s.w * s.c;
+        let ylen = s.n * s.out_h() * s.out_w() * s.c;
+        let x = random(rng, xlen, -1.0, 1.0);
+        let dy = random(rng, ylen, -1.0, 1.0);
+        let mut y = vec![0.0; ylen];
+        self.reference.maxpool_forward(&s, &x, &mut y)?;
+        let mut dx = vec![0.0; xlen];
+        self.reference
+            .maxpool_backward(&s, &x, &dy, &mut dx, false)?;
+        let (tx, tdy) = (
+            self.up(&x, TensorRole::Activation)?,
+            self.up(&dy, TensorRole::Activation)?,
+        );
+        let mut ty = self.test.alloc(ylen, TensorRole::Activation)?;
+        self.test.maxpool_forward(&s, &tx, &mut ty)?;
+        self.check(format!("maxpool_forward {tag}"), &ty, &y)?;
+        let mut tdx = self.test.alloc(xlen, TensorRole::Activation)?;
+        self.test.maxpool_backward(&s, &tx, &tdy, &mut tdx, false)?;
+        self.check(format!("maxpool_backward {tag}"), &tdx, &dx)
+    }
+
+    fn gap_linear_loss(&mut self, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
+        let (n, hw, c, classes) = (5, 9, 24, 13);
+        let x = random(rng, n * hw * c, -1.0, 2.0);
+        let dy = random(rng, n * c, -1.0, 1.0);
+        let mut y = vec![0.0; n * c];
+        self.reference.gap_forward(n, hw, c, &x, &mut y)?;
+        let mut dx = vec![0.0; n * hw * c];
+        self.reference.gap_backward(n, hw, c, &dy, &mut dx, false)?;
+        let (tx, tdy) = (
+            self.up(&x, TensorRole::Activation)?,
+            self.up(&dy, TensorRole::Activation)?,
+        );
+        let mut ty = self.test.alloc(n * c, TensorRole::Activation)?;
+        self.test.gap_forward(n, hw, c, &tx, &mut ty)?;
+        self.check(format!("gap_forward {n}x{hw}x{c}"), &ty, &y)?;
+        let mut tdx = self.test.alloc(n * hw * c, TensorRole::Activation)?;
+        self.test.gap_backward(n, hw, c, &tdy, &mut tdx, false)?;
+        self.check(format!("gap_backward {n}x{hw}x{c}"), &tdx, &dx)?;
+
+        let s = LinearShape {
+            n,
+            inputs: c,
+            outputs: classes,
+        };
+        let w = random(rng, classes * c, -0.3, 0.3);
+        let b = random(rng, classes, -0.1, 0.1);
+        let dz = random(rng, n * classes, -1.0, 1.0);
+        let mut z = vec![0.0; n * classes];
+        self.reference.linear_forward(&s, &y, &w, &b, &mut z)?;
+        let (mut lx, mut lw, mut lb) =
+            (vec![0.0; n * c], vec![0.0; classes * c], vec![0.0; classes]);
+        self.reference
+            .linear_backward(&s, &y, &w, &dz, &mut lx, &mut lw, &mut lb, false)?;
+        let (ty, tw, tb, tdz) = (
+            self.up(&y, TensorRole::Activation)?,
+            self.up(&w, TensorRole::Weight)?,
+            self.up(&b, TensorRole::Weight)?,
+            self.up(&dz, TensorRole::Activation)?,
+        );
+        let mut tz = self.test.alloc(n * classes, TensorRole::Activation)?;
+        self.test.linear_forward(&s, &ty, &tw, &tb, &mut tz)?;
+        self.check(format!("linear_forward {n}x{c}→{classes}"), &tz, &z)?;
+        let mut tlx = self.test.alloc(n * c, TensorRole::Activation)?;
+        let mut tlw = self.test.alloc(classes * c, TensorRole::WeightGrad)?;
+        let mut tlb = self.test.alloc(classes, TensorRole::WeightGrad)?;
+        self.test
+            .linear_backward(&s, &ty, &tw, &tdz, &mut tlx, &mut tlw, &mut tlb, false)?;
+        self.check(format!("linear_backward dx {n}x{c}→{classes}"), &tlx, &lx)?;
+        self.check(format!("linear_backward dw {n}x{c}→{classes}"), &tlw, &lw)?;
+        self.check(format!("linear_backward db {n}x{c}→{classes}"), &tlb, &lb)?;
+
+        let logits: Vec<f32> = random(rng, n * classes, -4.0, 4.0);
+        let labels: Vec<u32> = (0..n as u32).map(|i| (i * 5) % classes as u32).collect();
+        let mut d = vec![0.0; n * classes];
+        let mut p = Vec::new();
+        let stats = self.reference.softmax_cross_entropy(
+            n,
+            classes,
+            &logits,
+            &labels,
+            0.1,
+            Some(&mut d),
+            Some(&mut p),
+        )?;
+        let tl = self.up(&logits, TensorRole::Activation)?;
+        let mut td = self.test.alloc(n * classes, TensorRole::Activation)?;
+        let mut tp = Vec::new();
+        let tstats = self.test.softmax_cross_entropy(
+            n,
+            classes,
+            &tl,
+            &labels,
+            0.1,
+            Some(&mut td),
+            Some(&mut tp),
+        )?;
+        self.check(
+            format!("softmax_cross_entropy dlogits {n}x{classes}"),
+            &td,
+            &d,
+        )?;
+        self.reports.push(compare(
+            &format!("softmax_cross_entropy probs {n}x{classes}"),
+            &tp,
+            &p,
+            self.tol,
+        )?);
+        let loss = compare(
+            "softmax_cross_entropy loss",
+            &[tstats.loss_sum as f32],
+            &[stats.loss_sum as f32],
+            self.tol,
+        )?;
+        self.reports.push(loss);
+        if (tstats.correct_top1, tstats.correct_top5) != (stats.correct_top1, stats.correct_top5) {
+            return Err(BackendError::Mismatch {
+                check: "softmax_cross_entropy counts".into(),
+                detail: format!("{tstats:?} vs reference {stats:?}"),
+            });
+        }
+        Ok(())
+    }
+
+    fn input(&mut self, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
+        let (n, s) = (4usize, 17u32);
+        let px: Vec<u8> = (0..n * (s * s * 3) as usize)
+            .map(|_| rng.random())
+            .collect();
+        let labels = vec![0u32; n];
+        let m = Augment::max_shift(s);
+        let aug: Vec<Augment> = (0..n)
+            .map(|_| Augment {
+                dy: rng.random_range(-m..=m),
+                dx: rng.random_range(-m..=m),
+                flip: rng.random(),
+            })
+            .collect();
+        for augment in [None, Some(aug.as_slice())] {
+            let batch = InputBatch {
+                pixels: &px,
+                labels: &labels,
+                len: n,
+                image_size: s,
+                augment,
+            };
+            let len = n * (s * s * 3) as usize;
+            let mut want = vec![0.0; len];
+            self.reference.input(&batch, &mut want)?;
+            let mut got = self.test.alloc(len, TensorRole::Activation)?;
+            self.test.input(&batch, &mut got)?;
+            self.check(
+                format!("input {n}x{s}x{s} augment={}", augment.is_some()),
+                &got,
+                &want,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks every op of `backend` against the CPU reference at several shapes, odd sizes
+/// included. Returns one report per comparison, or the first mismatch as
+/// [`BackendError::Mismatch`].
+pub fn check_ops<B: Backend>(
+    backend: &B,
+    tol: Tolerance,
+) -> Result<Vec<CheckReport>, BackendError> {
+    let mut pair = Pair {
+        reference: CpuBackend::new(2)?,
+        test: backend,
+        tol,
+        reports: Vec::new(),
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let conv = |n, h, w, c_in, c_out, kernel, stride, padding| ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel,
+        stride,
+        padding,
+    };
+    for s in [
+        conv(2, 7, 6, 3, 8, 3, 1, 1),
+        conv(2, 9, 7, 5, 4, 3, 2, 1),
+        conv(3, 5, 5, 16, 8, 1, 1, 0),
+        conv(2, 7, 6, 8, 16, 1, 2, 0),
+        conv(2, 15, 13, 3, 16, 7, 2, 3),
+        conv(1, 8, 8, 64, 64, 3, 1, 1),
+        conv(2, 5, 4, 2, 3, 2, 1, 0),
+    ] {
+        pair.conv(s, &mut rng)?;
+    }
+    for (rows, c, residual, relu, mode) in [
+        (50, 3, false, false, BnMode::Train),
+        (64, 16, false, true, BnMode::Train),
+        (300, 8, true, true, BnMode::Train),
+        (40, 5, true, true, BnMode::Frozen),
+        (40, 5, false, true, BnMode::Eval),
+    ] {
+        pair.bn(rows, c, residual, relu, mode, &mut rng)?;
+    }
+    for (kernel, stride, padding, h, w) in [(3, 2, 1, 9, 8), (2, 2, 0, 6, 6), (3, 2, 1, 4, 4)] {
+        let s = PoolShape {
+            n: 2,
+            h,
+            w,
+            c: 5,
+            kernel,
+            stride,
+            padding,
+        };
+        pair.pool(s, &mut rng)?;
+    }
+    pair.gap_linear_loss(&mut rng)?;
+    pair.input(&mut rng)?;
+    Ok(pair.reports)
+}
+
+/// One whole training step (loss, every parameter gradient, BN running statistics) and one
+/// eval step (probabilities) of `arch` on `backend` against the CPU reference, on a random
+/// augmented batch of `batch` images of side `image_size`. Gradients use a per-tensor scale:
+/// `|got − ref| ≤ atol·max|ref| + rtol·|ref|`.
+pub fn check_network<B: Backend>(
+    backend: B,
+    arch: Arch,
+    image_size: u32,
+    batch: usize,
+    tol: Tolerance,
+) -> Result<Vec<CheckReport>, ModelError> {
+    let classes = 10;
+    let graph = Graph::new(arch, classes);
+    let state = ModelState::init(&graph, 1);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let s = image_size as usize;
+    let px: Vec<u8> = (0..batch * s * s * 3).map(|_| rng.random()).collect();
+    let labels: Vec<u32> = (0..batch as u32).map(|i| i % classes as u32).collect();
+    let m = Augment::max_shift(image_size);
+    let aug: Vec<Augment> = (0..batch)
+        .map(|_| Augment {
+            dy: rng.random_range(-m..=m),
+            dx: rng.random_range(-m..=m),
+            flip: rng.random(),
+        })
+        .collect();
+    let input = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: batch,
+        image_size,
+        augment: Some(&aug),
+    };
+    let config = NetworkConfig {
+        label_smoothing: 0.1,
+        ..NetworkConfig::default()
+    };
+    let mut reference = Network::new(CpuBackend::new(2)?, &graph, batch, image_size)?;
+    let mut test = Network::new(backend, &graph, batch, image_size)?;
+    let mut reports = Vec::new();
+    reference.load_state(&state)?;
+    reference.set_config(config);
+    test.load_state(&state)?;
+    test.set_config(config);
+    let want = reference.train_step(&input)?;
+    let got = test.train_step(&input)?;
+    reports.push(compare(
+        &format!("{arch} train loss"),
+        &[got.mean_loss() as f32],
+        &[want.mean_loss() as f32],
+        tol,
+    )?);
+    let (wg, gg) = (reference.grads_f32()?, test.grads_f32()?);
+    let (offsets, _) = graph.param_offsets();
+    for (i, spec) in graph.params().iter().enumerate() {
+        let r = offsets[i]..offsets[i] + spec.numel();
+        let scale = wg[r.clone()].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        reports.push(compare_scaled(
+            &format!("{arch} grad {}", spec.name),
+            &gg[r.clone()],
+            &wg[r],
+            tol,
+            scale.max(f32::MIN_POSITIVE),
+        )?);
+    }
+    let (ws, gs) = (reference.state()?, test.state()?);
+    for ((spec, w), g) in graph.buffers().iter().zip(&ws.buffers).zip(&gs.buffers) {
+        reports.push(compare(&format!("{arch} buffer {}", spec.name), g, w, tol)?);
+    }
+    let plain = InputBatch {
+        augment: None,
+        ..input
+    };
+    let (_, wp) = reference.eval_step(&plain)?;
+    let (_, gp) = test.eval_step(&plain)?;
+    reports.push(compare(
+        &format!("{arch} eval probabilities"),
+        &gp,
+        &wp,
+        tol,
+    )?);
+    Ok(reports)
+}
