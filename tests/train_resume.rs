@@ -167,3 +167,69 @@ fn checkpoint_from_two_replicas_resumes_on_one_and_loads_for_inference() {
     assert_eq!(model.meta.classes.len(), 3);
     assert_eq!(model.meta.replicas, 1);
 }
+
+#[test]
+fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"));
+    let cache = tmp.path().join("cache");
+    let (full, dir) = (tmp.path().join("full"), tmp.path().join("stopped"));
+    let cli = |extra: &[&str]| {
+        let mut args = vec![
+            "--data",
+            data.to_str().unwrap(),
+            "--gpus",
+            "0",
+            "--cache-dir",
+            cache.to_str().unwrap(),
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let settings = [
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.02",
+        "--label-smoothing",
+        "0.1",
+        "--no-augment",
+        "--schedule",
+        "step",
+        "--step-every",
+        "1",
+        "--step-gamma",
+        "0.5",
+        "--seed",
+        "4",
+    ];
+    let mut a = settings.to_vec();
+    a.extend(["--out", full.to_str().unwrap()]);
+    cli(&a);
+    let mut b = settings.to_vec();
+    b.extend(["--out", dir.to_str().unwrap(), "--stop-after-steps", "4"]);
+    cli(&b);
+    // Only --resume: every setting comes from the checkpoint.
+    cli(&["--resume", dir.to_str().unwrap()]);
+    assert!(
+        read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),
+        "the resumed run did not continue with the run's own settings"
+    );
+}

@@ -123,8 +123,9 @@ fn parse<T: FromStr>(flag: &'static str, value: &str, hint: &str) -> Result<T, C
 
 /// Turns the flags (and, with `--resume`, the checkpoint's settings) into a [`TrainConfig`].
 ///
-/// With `--resume RUN`, model, image size, seed, batch, replicas and epochs default to the
-/// checkpoint's; a flag that contradicts the checkpoint's model or image size is an error.
+/// With `--resume RUN`, every setting (model, image size, seed, batch, replicas, epochs,
+/// optimizer and its hyper-parameters, schedule, augmentation…) defaults to the checkpoint's;
+/// flags given again override them, except model and image size, which must match.
 pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliError> {
     let data = args.data.clone().ok_or(CliError::Missing {
         flag: "--data DIR",
@@ -150,6 +151,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.replicas = meta.replicas;
         cfg.epochs = meta.epochs;
         cfg.out = resume_dir.clone();
+        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(CliError::Train)?;
+        cfg.apply_settings(&meta.settings)
+            .map_err(CliError::Train)?;
         if let Some(model) = &args.model {
             let wanted = Arch::from_str(model).map_err(TrainError::from)?;
             if wanted != cfg.arch {
@@ -203,7 +207,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(v) = &args.optimizer {
         cfg.optimizer = OptimizerChoice::from_str(v).map_err(CliError::Train)?;
-        if cfg.optimizer != OptimizerChoice::Sgd && args.lr.is_none() {
+        if cfg.optimizer != OptimizerChoice::Sgd && args.lr.is_none() && resumed.is_none() {
             // Adam's usual 1e-3 at batch 32, expressed for the 256 reference batch.
             cfg.lr = 0.008;
         }
@@ -250,15 +254,21 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.threads = v;
     }
     cfg.cache_dir = args.cache_dir.clone();
-    cfg.valid_fraction = args.valid_fraction;
+    if args.valid_fraction.is_some() {
+        cfg.valid_fraction = args.valid_fraction;
+    }
     if let Some(v) = &args.last_batch {
         cfg.last_batch = parse::<LastBatch>("--last-batch", v, "expected partial, drop or pad")?;
     }
     if let Some(v) = &args.on_bad_image {
         cfg.on_bad_image = parse::<OnBadImage>("--on-bad-image", v, "expected skip or fail")?;
     }
-    cfg.augment = !args.no_augment;
-    cfg.freeze_bn = args.freeze_bn;
+    if args.no_augment {
+        cfg.augment = false;
+    }
+    if args.freeze_bn {
+        cfg.freeze_bn = true;
+    }
     cfg.init_from = args.init_from.clone();
     if let Some(path) = &cfg.init_from {
         if !path.is_file() {

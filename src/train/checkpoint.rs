@@ -38,6 +38,37 @@ pub struct DataPosition {
     pub partial_train: MetricsAccumulator,
 }
 
+/// The training settings a resumed run continues with (flags given on resume override them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSettings {
+    /// `--lr` (for a global batch of 256).
+    pub lr: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Weight decay.
+    pub weight_decay: f32,
+    /// Label smoothing.
+    pub label_smoothing: f32,
+    /// Warmup epochs.
+    pub warmup_epochs: u32,
+    /// `cosine`, `constant` or `step`.
+    pub schedule: String,
+    /// Step decay period in epochs (step schedule).
+    pub step_every: u32,
+    /// Step decay factor (step schedule).
+    pub step_gamma: f32,
+    /// Random crop + flip.
+    pub augment: bool,
+    /// Frozen batch norm.
+    pub freeze_bn: bool,
+    /// `partial`, `drop` or `pad`.
+    pub last_batch: String,
+    /// Flat layout validation share.
+    pub valid_fraction: Option<f32>,
+}
+
 /// The JSON sidecar of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointMeta {
@@ -71,6 +102,8 @@ pub struct CheckpointMeta {
     pub batch_size: usize,
     /// Epochs the run was asked for.
     pub epochs: u64,
+    /// Everything else a resumed run needs to continue the same way.
+    pub settings: RunSettings,
     /// xxh3-64 of the weights file, hex.
     pub model_checksum: String,
     /// xxh3-64 of the optimizer state file, hex.
@@ -218,6 +251,21 @@ mod tests {
             replicas: 2,
             batch_size: 8,
             epochs: 5,
+            settings: RunSettings {
+                lr: 0.8,
+                momentum: 0.9,
+                nesterov: true,
+                weight_decay: 5e-4,
+                label_smoothing: 0.0,
+                warmup_epochs: 1,
+                schedule: "cosine".into(),
+                step_every: 30,
+                step_gamma: 0.1,
+                augment: true,
+                freeze_bn: false,
+                last_batch: "partial".into(),
+                valid_fraction: None,
+            },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
             optimizer_checksum: file_checksum(&dir.join(OPTIMIZER_FILE)).unwrap(),
         }

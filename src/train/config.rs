@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use pipeline::{LastBatch, OnBadImage};
 
+use super::checkpoint::RunSettings;
 use super::device::DeviceChoice;
 use super::TrainError;
 use crate::model::Arch;
@@ -160,6 +161,63 @@ impl TrainConfig {
     /// `--lr` scaled linearly from a global batch of 256 to this run's.
     pub fn scaled_lr(&self) -> f32 {
         self.lr * self.global_batch() as f32 / 256.0
+    }
+
+    /// The settings a checkpoint records so that `--resume` continues the same way.
+    pub fn settings(&self) -> RunSettings {
+        let (schedule, step_every, step_gamma) = match self.schedule {
+            Decay::Cosine => ("cosine", 30, 0.1),
+            Decay::Constant => ("constant", 30, 0.1),
+            Decay::Step {
+                every_epochs,
+                gamma,
+            } => ("step", every_epochs, gamma),
+        };
+        RunSettings {
+            lr: self.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            label_smoothing: self.label_smoothing,
+            warmup_epochs: self.warmup_epochs,
+            schedule: schedule.into(),
+            step_every,
+            step_gamma,
+            augment: self.augment,
+            freeze_bn: self.freeze_bn,
+            last_batch: self.last_batch.as_str().into(),
+            valid_fraction: self.valid_fraction,
+        }
+    }
+
+    /// Takes over the settings of a checkpoint (before flags given on resume are applied).
+    pub fn apply_settings(&mut self, s: &RunSettings) -> Result<(), TrainError> {
+        self.lr = s.lr;
+        self.momentum = s.momentum;
+        self.nesterov = s.nesterov;
+        self.weight_decay = s.weight_decay;
+        self.label_smoothing = s.label_smoothing;
+        self.warmup_epochs = s.warmup_epochs;
+        self.schedule = match s.schedule.as_str() {
+            "cosine" => Decay::Cosine,
+            "constant" => Decay::Constant,
+            "step" => Decay::Step {
+                every_epochs: s.step_every,
+                gamma: s.step_gamma,
+            },
+            other => {
+                return Err(TrainError::InvalidConfig {
+                    flag: "--schedule",
+                    value: other.to_string(),
+                    hint: "the checkpoint names an unknown schedule".into(),
+                })
+            }
+        };
+        self.augment = s.augment;
+        self.freeze_bn = s.freeze_bn;
+        self.last_batch = s.last_batch.parse()?;
+        self.valid_fraction = s.valid_fraction;
+        Ok(())
     }
 
     /// Rejects values that cannot work, naming the flag.

@@ -22,7 +22,7 @@ mod run;
 mod summary;
 
 pub use augment::{augment_for, augments_for, max_shift};
-pub use checkpoint::{CheckpointMeta, DataPosition};
+pub use checkpoint::{CheckpointMeta, DataPosition, RunSettings};
 pub use config::{OptimizerChoice, TrainConfig};
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;

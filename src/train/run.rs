@@ -612,6 +612,7 @@ fn save_checkpoint<B: Backend>(
         replicas: cfg.replicas,
         batch_size: cfg.batch_size,
         epochs: cfg.epochs,
+        settings: cfg.settings(),
         model_checksum: checksum(&model_bytes),
         optimizer_checksum: checksum(&optim_bytes),
     };
