@@ -214,3 +214,40 @@ fn checkpoint_from_another_model_or_class_list() {
         before
     );
 }
+
+#[test]
+fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let bad = data.join("train").join("class_00").join("broken.png");
+    std::fs::write(&bad, b"\x89PNG\r\n\x1a\nnot really a png").unwrap();
+    let cache = tmp.path().join("cache");
+
+    let run = tmp.path().join("fail");
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--out",
+        s(&run),
+        "--cache-dir",
+        s(&cache),
+        "--on-bad-image",
+        "fail",
+        "--quiet",
+    ]);
+    assert_one_line_error(&out, &["broken.png"]);
+    assert!(!run.exists(), "a failed run leaves no run folder");
+
+    let run = tmp.path().join("skip");
+    tiny_run(&data, &run, &tmp.path().join("cache2"));
+    let report = std::fs::read_to_string(run.join("bad_files_train.txt")).unwrap();
+    assert!(report.contains("broken.png"), "bad-files report: {report}");
+}
