@@ -5,8 +5,9 @@
 //!
 //! Tolerances. After ~20 bf16 layers elementwise bounds are meaningless for tiny gradient
 //! entries, so each gradient tensor is compared as a whole: relative L2 error
-//! ‖g_gpu − g_cpu‖ / ‖g_cpu‖ ≤ 0.08 and cosine similarity ≥ 0.995 (bf16 keeps 8 bits of
-//! mantissa: ~0.4% per rounding, compounded over the depth). The loss: |Δ| ≤ 0.01 + 1%.
+//! ‖g_gpu − g_cpu‖ / ‖g_cpu‖ ≤ 0.15 and cosine similarity ≥ 0.99 (bf16 keeps 8 bits of
+//! mantissa: ~0.4% per rounding, compounded over the depth; a wrong kernel gives ~1). The loss:
+//! |Δ| ≤ 0.01 + 1%.
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
@@ -124,6 +125,9 @@ fn resnet18_step_matches_cpu() {
     }
 }
 
+/// SGD steps of batch 32 for the training tests (the CPU reaches 1.00 in 50 here).
+const TRAIN_STEPS: usize = 50;
+
 /// Trains `arch` on a synthetic 4-class 32×32 set and returns the validation accuracy.
 /// The f32 master weights stay on the host (the optimizer's copy); the backend holds its own
 /// working copy (bf16 on the GPU), refreshed after each update.
@@ -183,9 +187,18 @@ fn train_synthetic<B: Backend>(backend: B, arch: Arch, steps: usize) -> f64 {
     correct as f64 / 256.0
 }
 
+/// The same body on the CPU reference: proves the synthetic task and schedule reach the bar, so
+/// a GPU failure points at the GPU backend.
+#[test]
+fn resnet8_trains_to_the_bar_on_the_cpu() {
+    let acc = train_synthetic(CpuBackend::new(0).unwrap(), Arch::ResNet8, TRAIN_STEPS);
+    eprintln!("cpu valid accuracy {acc:.3}");
+    assert!(acc >= 0.90, "valid accuracy {acc:.3} < 0.90");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn resnet8_trains_to_the_cpu_bar_on_the_gpu() {
-    let acc = train_synthetic(CudaBackend::new(0).unwrap(), Arch::ResNet8, 300);
+    let acc = train_synthetic(CudaBackend::new(0).unwrap(), Arch::ResNet8, TRAIN_STEPS);
     assert!(acc >= 0.90, "valid accuracy {acc:.3} < 0.90");
 }

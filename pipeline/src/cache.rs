@@ -20,7 +20,7 @@
 //! this state, so bits are durable) or `complete` (every record resolved and flushed).
 //!
 //! **Two writers never share a file.** The writer holds an exclusive advisory lock
-//! (`File::try_lock`, flock on Unix) on the cache file for its whole life. A second pipeline
+//! (flock(2) on Unix) on the cache file for its whole life. A second pipeline
 //! or process that cannot get the lock opens the file read-only: it serves the records whose
 //! bits are set and decodes the rest in memory without writing. A cache that must be rebuilt
 //! (other fingerprint, wrong size, untrusted state) is built in a fresh temporary file and
@@ -119,6 +119,32 @@ fn io_err<'a>(
     }
 }
 
+/// Takes an exclusive advisory lock without waiting: `Ok(false)` when someone else holds it.
+/// flock(2) locks belong to the open file description, so a second handle in the same
+/// process is refused too, which is what keeps two pipelines from writing one file.
+#[cfg(unix)]
+fn try_lock(file: &File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a valid, open descriptor owned by `file`; no memory is passed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(err)
+    }
+}
+
+/// Without flock every pipeline is a writer; concurrent writers of one file are then the
+/// caller's responsibility (birdtrain targets Linux).
+#[cfg(not(unix))]
+fn try_lock(_file: &File) -> std::io::Result<bool> {
+    Ok(true)
+}
+
 fn current_boot_id() -> Option<[u8; BOOT_LEN]> {
     let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     text.trim().as_bytes().try_into().ok()
@@ -180,8 +206,8 @@ impl Cache {
             std::fs::create_dir_all(dir).map_err(io_err(dir, "creating the cache directory"))?;
         }
         match OpenOptions::new().read(true).write(true).open(path) {
-            Ok(file) => match file.try_lock() {
-                Ok(()) => {
+            Ok(file) => match try_lock(&file) {
+                Ok(true) => {
                     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
                     // SAFETY: we hold the exclusive lock, so no other writer changes the file;
                     // it is only grown or replaced by rename, never truncated in place.
@@ -202,10 +228,8 @@ impl Cache {
                         }
                     }
                 }
-                Err(std::fs::TryLockError::WouldBlock) => {
-                    Self::open_reader(path, file, key, layout)
-                }
-                Err(std::fs::TryLockError::Error(e)) => Err(io_err(path, "locking")(e)),
+                Ok(false) => Self::open_reader(path, file, key, layout),
+                Err(e) => Err(io_err(path, "locking")(e)),
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 Self::create(path, key, labels, layout)
@@ -258,8 +282,11 @@ impl Cache {
             .create_new(true)
             .open(&tmp)
             .map_err(io_err(&tmp, "creating"))?;
-        file.try_lock()
-            .map_err(|e| io_err(&tmp, "locking")(std::io::Error::other(e.to_string())))?;
+        if !try_lock(&file).map_err(io_err(&tmp, "locking"))? {
+            return Err(io_err(&tmp, "locking")(std::io::Error::other(
+                "a brand-new temporary file is locked by someone else",
+            )));
+        }
         file.set_len(layout.total as u64)
             .map_err(io_err(&tmp, "sizing"))?;
         // SAFETY: a file only this process knows about yet, locked by us.

@@ -1201,3 +1201,93 @@ fn tile16(cols: usize, rows: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cuda::sources::KERNEL_FILES;
+
+    /// The parameter count of kernel `name` in its source.
+    fn kernel_arity(name: &str) -> Option<usize> {
+        for file in KERNEL_FILES {
+            let text = file.text;
+            let Some(at) = text
+                .find(&format!(" {name}("))
+                .or_else(|| text.find(&format!("\n{name}(")))
+            else {
+                continue;
+            };
+            let open = at + text[at..].find('(')?;
+            let close = open + text[open..].find(')')?;
+            return Some(
+                text[open + 1..close]
+                    .split(',')
+                    .filter(|p| !p.trim().is_empty())
+                    .count(),
+            );
+        }
+        None
+    }
+
+    /// Splits `text` on commas outside any bracket.
+    fn top_level(text: &str) -> Vec<String> {
+        let (mut depth, mut parts, mut cur) = (0i32, Vec::new(), String::new());
+        for ch in text.chars() {
+            match ch {
+                '(' | '[' | '{' => depth += 1,
+                ')' | ']' | '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    parts.push(std::mem::take(&mut cur));
+                    continue;
+                }
+                _ => {}
+            }
+            cur.push(ch);
+        }
+        parts.push(cur);
+        parts
+            .into_iter()
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty())
+            .collect()
+    }
+
+    /// The text between the parenthesis opening at `open` and its match.
+    fn group(text: &str, open: usize) -> &str {
+        let mut depth = 0;
+        for (i, ch) in text[open..].char_indices() {
+            match ch {
+                '(' | '[' => depth += 1,
+                ')' | ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &text[open + 1..open + i];
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("unbalanced launch! invocation")
+    }
+
+    #[test]
+    fn every_launch_passes_as_many_arguments_as_its_kernel_takes() {
+        let source = include_str!("backend.rs");
+        let body = &source[..source.find("#[cfg(test)]").unwrap()];
+        let mut launches = 0;
+        for (at, _) in body.match_indices("launch!(") {
+            // launch!(self, op, file, kernel, cfg, [args...])
+            let parts = top_level(group(body, at + "launch!".len()));
+            assert_eq!(parts.len(), 6, "{parts:?}");
+            let kernel = parts[3].trim_matches('"');
+            let args = top_level(parts[5].trim_start_matches('[').trim_end_matches(']')).len();
+            let arity = kernel_arity(kernel)
+                .unwrap_or_else(|| panic!("kernel {kernel} not found in kernels/"));
+            assert_eq!(
+                args, arity,
+                "launch of {kernel} passes {args} arguments, the kernel takes {arity}"
+            );
+            launches += 1;
+        }
+        assert!(launches >= 20, "found only {launches} launches");
+    }
+}
