@@ -208,6 +208,11 @@ fn checkpoint_from_another_model_or_class_list() {
         s(&cache),
     ]);
     assert_one_line_error(&out, &["class list"]);
+    // predict on a file that is no image names that file.
+    let fake = tmp.path().join("holiday.jpg");
+    std::fs::write(&fake, b"plain text").unwrap();
+    let out = birdtrain(&["predict", "--checkpoint", s(&run), s(&fake)]);
+    assert_one_line_error(&out, &["holiday.jpg", "not an image"]);
     // Nothing was overwritten by the failed attempts.
     assert_eq!(
         std::fs::read(run.join("model.safetensors")).unwrap(),

@@ -77,6 +77,14 @@ pub enum TrainError {
         /// Extra detail (why no device was found).
         extra: String,
     },
+    /// An image given to `predict` cannot be decoded.
+    #[error("cannot classify {path}: {reason}")]
+    BadImage {
+        /// The file as the user named it.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A GPU could not be opened.
     #[error("cannot open {device}: {reason} (hint: --gpus 0 trains on the CPU)")]
     Device {

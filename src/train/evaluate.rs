@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pipeline::{DatasetSource, OnBadImage, Pipeline, PipelineBuilder, Split};
+use pipeline::{DatasetSource, OnBadImage, Pipeline, PipelineBuilder, PipelineError, Split};
 
 use super::checkpoint::{CheckpointMeta, MODEL_FILE};
 use super::metrics::MetricsAccumulator;
@@ -177,6 +177,7 @@ pub fn predict(
         move |source| TrainError::Io { path, what, source }
     };
     std::fs::create_dir_all(&class_dir).map_err(io(&class_dir, "create"))?;
+    let mut staged = Vec::with_capacity(images.len());
     for (i, image) in images.iter().enumerate() {
         let name = image
             .file_name()
@@ -185,7 +186,22 @@ pub fn predict(
         // The index prefix keeps the engine's file order equal to the argument order.
         let dst = class_dir.join(format!("{i:06}_{name}"));
         std::fs::copy(image, &dst).map_err(io(image, "read"))?;
+        staged.push(dst);
     }
+    // Errors name the user's file, not its staged copy.
+    let unstage = |e: PipelineError| match e {
+        PipelineError::BadImage { path, kind, .. } => {
+            let original = staged
+                .iter()
+                .position(|p| *p == path)
+                .map_or(path, |i| images[i].clone());
+            TrainError::BadImage {
+                path: original,
+                reason: kind.to_string(),
+            }
+        }
+        other => TrainError::Pipeline(other),
+    };
     let batch = model.net.max_batch();
     let pipe = PipelineBuilder::new(DatasetSource::folder(scratch))
         .split(Split::Train)
@@ -196,11 +212,12 @@ pub fn predict(
         .workers(1)
         .shuffle(false)
         .on_bad_image(OnBadImage::Fail)
-        .build()?;
+        .build()
+        .map_err(unstage)?;
     let classes = model.meta.classes.len();
     let mut out = Vec::with_capacity(images.len());
-    for b in pipe.epoch(0, 0, 0)? {
-        let b = b?;
+    for b in pipe.epoch(0, 0, 0).map_err(unstage)? {
+        let b = b.map_err(unstage)?;
         if b.len == 0 {
             continue;
         }
