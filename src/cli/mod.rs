@@ -189,6 +189,18 @@ mod tests {
     }
 
     #[test]
+    fn nesterov_is_a_switch_or_takes_a_value() {
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["birdtrain", "--data", "d"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).unwrap().train.nesterov
+        };
+        assert_eq!(parse(&[]), None);
+        assert_eq!(parse(&["--nesterov"]), Some(true));
+        assert_eq!(parse(&["--nesterov", "false"]), Some(false));
+    }
+
+    #[test]
     fn one_line_joins() {
         assert_eq!(one_line("a\n  b\n\nc"), "a b c");
     }

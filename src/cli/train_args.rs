@@ -45,8 +45,8 @@ pub struct TrainArgs {
     /// SGD momentum.
     #[arg(long, value_name = "M")]
     pub momentum: Option<f32>,
-    /// Use Nesterov momentum with SGD (true/false).
-    #[arg(long, value_name = "BOOL")]
+    /// Nesterov momentum with SGD (default on; `--nesterov false` for classical momentum).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub nesterov: Option<bool>,
     /// Weight decay (not applied to batch norm or biases).
     #[arg(long, value_name = "WD")]

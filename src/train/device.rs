@@ -77,3 +77,29 @@ impl DeviceChoice {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_flag_values() {
+        assert_eq!(
+            DeviceChoice::resolve(Some("0")).unwrap().0,
+            DeviceChoice::Cpu
+        );
+        let err = DeviceChoice::resolve(Some("two")).unwrap_err().to_string();
+        assert!(err.contains("--gpus") && err.contains("two"), "{err}");
+        let found = cuda_device_count().unwrap_or(0);
+        let err = DeviceChoice::resolve(Some(&(found + 1).to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--gpus 0 trains on the CPU"), "{err}");
+        if found == 0 {
+            let (choice, note) = DeviceChoice::resolve(None).unwrap();
+            assert_eq!(choice, DeviceChoice::Cpu);
+            assert!(note.unwrap().contains("training on the CPU"));
+            assert!(DeviceChoice::resolve(Some("all")).is_err());
+        }
+    }
+}
