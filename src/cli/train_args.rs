@@ -137,6 +137,16 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
             hint: "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction)",
         });
     }
+    if args.valid_fraction.is_some() && data.join("train").is_dir() {
+        return Err(CliError::BadValue {
+            flag: "--valid-fraction",
+            value: args.valid_fraction.unwrap_or_default().to_string(),
+            hint: format!(
+                "{} has a train/ folder, so its valid/ split is used; --valid-fraction is for flat <class>/<images> folders",
+                data.display()
+            ),
+        });
+    }
     let resumed = match &args.resume {
         Some(run) => Some(CheckpointMeta::load(run).map_err(CliError::Train)?),
         None => None,
