@@ -12,12 +12,14 @@ mod augment;
 pub mod checkpoint;
 mod config;
 mod device;
+mod epoch;
 mod error;
 mod evaluate;
 pub mod metrics;
 mod progress;
 mod replicas;
 mod report;
+mod resume;
 mod run;
 mod summary;
 

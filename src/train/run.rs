@@ -1,31 +1,28 @@
 //! The training loop: pipelines, replicas, optimizer, schedule, validation, checkpoints,
 //! metrics, report and summary.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipeline::{DatasetSource, Pipeline, PipelineBuilder, Split};
 
-use super::augment::augments_for;
-use super::checkpoint::{
-    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_FILE,
-    SIDECAR_VERSION,
-};
+use super::checkpoint::{CheckpointMeta, DataPosition, SIDECAR_FILE};
 use super::config::{OptimizerChoice, TrainConfig};
 use super::device::DeviceChoice;
-use super::evaluate::{evaluate, summarise};
+use super::epoch::{reached_stop_step, train_epoch, validate};
+use super::evaluate::summarise;
 use super::metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
 use super::metrics::{MetricsAccumulator, MetricsSplit};
-use super::progress::EpochBar;
 use super::replicas::Replicas;
 use super::report::write_report;
+use super::resume::{check_resume, copy_metrics, save_checkpoint};
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::cuda::CudaBackend;
-use crate::model::{Graph, HeadPolicy, InputBatch, ModelState, NetworkConfig};
+use crate::model::{Graph, HeadPolicy, ModelState, NetworkConfig};
 use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
 
 /// How a training run ended.
@@ -135,13 +132,16 @@ fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
 }
 
 /// Everything a run carries from step to step.
-struct RunState<B: Backend> {
-    replicas: Replicas<B>,
-    optimizer: Optimizer,
-    position: DataPosition,
+pub(super) struct RunState<B: Backend> {
+    /// The replicas and the master copy.
+    pub(super) replicas: Replicas<B>,
+    /// The optimizer and its state.
+    pub(super) optimizer: Optimizer,
+    /// Where the run is in the data.
+    pub(super) position: DataPosition,
 }
 
-fn say(cfg: &TrainConfig, line: impl AsRef<str>) {
+pub(super) fn say(cfg: &TrainConfig, line: impl AsRef<str>) {
     if cfg.verbose {
         println!("{}", line.as_ref());
     }
@@ -403,218 +403,4 @@ pub(crate) fn train_with<B: Backend>(
 
 fn replicas_backend_name<B: Backend>(r: &Replicas<B>) -> String {
     r.backend_name()
-}
-
-fn reached_stop_step(cfg: &TrainConfig, pos: &DataPosition) -> bool {
-    cfg.stop_after_steps.is_some_and(|n| pos.global_step >= n)
-}
-
-/// Checks a resumed checkpoint against this run: model, image size, class list.
-fn check_resume(
-    cfg: &TrainConfig,
-    run: &Path,
-    meta: &CheckpointMeta,
-    classes: &[String],
-) -> Result<(), TrainError> {
-    let mismatch = |what, expected: String, found: String, hint| TrainError::CheckpointMismatch {
-        path: run.to_path_buf(),
-        what,
-        expected,
-        found,
-        hint,
-    };
-    if meta.model != cfg.arch.name() {
-        return Err(mismatch(
-            "model",
-            cfg.arch.name().into(),
-            meta.model.clone(),
-            "resume with the checkpoint's --model, or start a new run",
-        ));
-    }
-    if meta.image_size != cfg.image_size {
-        return Err(mismatch(
-            "image size",
-            cfg.image_size.to_string(),
-            meta.image_size.to_string(),
-            "resume with the checkpoint's --image-size",
-        ));
-    }
-    if meta.classes != classes {
-        return Err(mismatch(
-            "class list",
-            summarise(classes),
-            summarise(&meta.classes),
-            "resume on the dataset the checkpoint was trained on",
-        ));
-    }
-    Ok(())
-}
-
-fn copy_metrics(from: &Path, to: &Path) -> Result<(), TrainError> {
-    if !from.exists() {
-        return Ok(());
-    }
-    let bytes = std::fs::read(from).map_err(|source| TrainError::Io {
-        path: from.to_path_buf(),
-        what: "read",
-        source,
-    })?;
-    write_atomic(to, &bytes)
-}
-
-/// Runs the rest of the current epoch. Returns false when stopped early (Ctrl-C or
-/// `stop_after_steps`) before the epoch's last step.
-fn train_epoch<B: Backend>(
-    cfg: &TrainConfig,
-    stop: &AtomicBool,
-    pipe: &Pipeline,
-    schedule: &Schedule,
-    run: &mut RunState<B>,
-    steps_per_epoch: usize,
-) -> Result<bool, TrainError> {
-    let epoch = run.position.epoch;
-    let start_step = run.position.step_in_epoch.min(steps_per_epoch);
-    let bar = EpochBar::new(
-        cfg.progress && cfg.verbose,
-        format!("epoch {}/{} train", epoch + 1, cfg.epochs),
-        steps_per_epoch,
-        start_step,
-    );
-    let mut iters = (0..run.replicas.len())
-        .map(|r| pipe.epoch(epoch, r, start_step))
-        .collect::<Result<Vec<_>, _>>()?;
-    let started = Instant::now();
-    let seconds_before = run.position.partial_train.seconds;
-    let mut images_this_session = 0u64;
-    let mut wait = 0.0f64;
-    for step in start_step..steps_per_epoch {
-        let t_wait = Instant::now();
-        let mut batches = Vec::with_capacity(iters.len());
-        for (r, it) in iters.iter_mut().enumerate() {
-            match it.next() {
-                Some(b) => batches.push(b?),
-                None => {
-                    return Err(TrainError::InvalidConfig {
-                        flag: "--replicas",
-                        value: cfg.replicas.to_string(),
-                        hint: format!(
-                            "replica {r} ran out of batches at step {step} of {steps_per_epoch} (input engine bug?)"
-                        ),
-                    })
-                }
-            }
-        }
-        wait += t_wait.elapsed().as_secs_f64();
-        let augments: Vec<Vec<_>> = batches
-            .iter()
-            .map(|b| {
-                if cfg.augment {
-                    augments_for(cfg.seed, epoch, &b.sample_ids[..b.len], cfg.image_size)
-                } else {
-                    Vec::new()
-                }
-            })
-            .collect();
-        let inputs: Vec<Option<InputBatch<'_>>> = batches
-            .iter()
-            .zip(&augments)
-            .map(|(b, aug)| {
-                (b.len > 0).then(|| InputBatch {
-                    pixels: b.pixels(),
-                    labels: b.labels(),
-                    len: b.len,
-                    image_size: b.image_size,
-                    augment: cfg.augment.then_some(aug.as_slice()),
-                })
-            })
-            .collect();
-        let (stats, grad) = run.replicas.forward_backward(&inputs)?;
-        drop(inputs);
-        drop(batches);
-        if let Some(grad) = grad {
-            let lr = schedule.lr_at(run.position.global_step);
-            run.optimizer.step(run.replicas.params_mut(), &grad, lr)?;
-            run.replicas.broadcast_params()?;
-        }
-        run.position.global_step += 1;
-        run.position.step_in_epoch = step + 1;
-        run.position.samples_in_epoch += stats.count as u64;
-        images_this_session += stats.count as u64;
-        let acc = &mut run.position.partial_train;
-        acc.add(
-            stats.loss_sum,
-            stats.correct_top1 as u64,
-            stats.correct_top5 as u64,
-            stats.count as u64,
-        );
-        let elapsed = started.elapsed().as_secs_f64();
-        acc.seconds = seconds_before + elapsed;
-        bar.update(
-            step + 1,
-            images_this_session as f64 / elapsed.max(1e-9),
-            acc.mean_loss(),
-            acc.accuracy(),
-            wait / elapsed.max(1e-9),
-        );
-        let last = step + 1 == steps_per_epoch;
-        if !last && (stop.load(Ordering::SeqCst) || reached_stop_step(cfg, &run.position)) {
-            bar.finish();
-            return Ok(false);
-        }
-    }
-    bar.finish();
-    Ok(true)
-}
-
-fn validate<B: Backend>(
-    cfg: &TrainConfig,
-    pipe: &Pipeline,
-    run: &mut RunState<B>,
-    epoch: u64,
-) -> Result<EpochMetrics, TrainError> {
-    let bar = EpochBar::new(
-        cfg.progress && cfg.verbose,
-        format!("epoch {epoch}/{} valid", cfg.epochs),
-        pipe.steps_per_epoch(),
-        0,
-    );
-    let report = evaluate(run.replicas.eval_net(), pipe)?;
-    bar.finish();
-    Ok(report.totals.finish(epoch, MetricsSplit::Valid))
-}
-
-/// Writes weights, optimizer state and sidecar (sidecar last, with checksums).
-fn save_checkpoint<B: Backend>(
-    cfg: &TrainConfig,
-    graph: &Graph,
-    classes: &[String],
-    run: &RunState<B>,
-) -> Result<(), TrainError> {
-    let state = run.replicas.master_state()?;
-    let model_bytes = state.to_safetensors_bytes(graph, None)?;
-    let optim_bytes = run.optimizer.to_safetensors_bytes();
-    write_atomic(&cfg.out.join(MODEL_FILE), &model_bytes)?;
-    write_atomic(&cfg.out.join(OPTIMIZER_FILE), &optim_bytes)?;
-    let checksum = |bytes: &[u8]| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));
-    let meta = CheckpointMeta {
-        version: SIDECAR_VERSION,
-        model: cfg.arch.name().into(),
-        classes: classes.to_vec(),
-        image_size: cfg.image_size,
-        epoch: run.position.epoch,
-        step: run.position.global_step,
-        optimizer: cfg.optimizer.name().into(),
-        optimizer_state_file: OPTIMIZER_FILE.into(),
-        model_file: MODEL_FILE.into(),
-        seed: cfg.seed,
-        data_position: run.position.clone(),
-        global_batch: cfg.global_batch(),
-        replicas: cfg.replicas,
-        batch_size: cfg.batch_size,
-        epochs: cfg.epochs,
-        settings: cfg.settings(),
-        model_checksum: checksum(&model_bytes),
-        optimizer_checksum: checksum(&optim_bytes),
-    };
-    meta.save(&cfg.out)
 }
