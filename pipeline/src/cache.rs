@@ -86,6 +86,8 @@ pub(crate) struct CacheKey {
 enum Map {
     Write(MmapMut),
     Read(Mmap),
+    /// No usable mapping (a read-only handle on a file of the wrong size).
+    None,
 }
 
 /// An open cache file (writer or read-only).
@@ -209,6 +211,10 @@ impl Cache {
             Ok(file) => match try_lock(&file) {
                 Ok(true) => {
                     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+                    if len != layout.total as u64 {
+                        // Truncated, or another shape: nothing in it can be trusted.
+                        return Self::create(path, key, labels, layout);
+                    }
                     // SAFETY: we hold the exclusive lock, so no other writer changes the file;
                     // it is only grown or replaced by rename, never truncated in place.
                     let map = unsafe { MmapOptions::new().map_mut(&file) }
@@ -246,6 +252,16 @@ impl Cache {
         layout: Layout,
     ) -> Result<Self, PipelineError> {
         let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        if len != layout.total as u64 {
+            // Not ours to rebuild: behave as an empty cache (decode in memory).
+            return Ok(Self::from_map(
+                path,
+                file,
+                Map::None,
+                Layout { count: 0, ..layout },
+                false,
+            ));
+        }
         // SAFETY: the writer never truncates a cache file in place (rebuilds are renamed over).
         let map = unsafe { MmapOptions::new().map(&file) }.map_err(io_err(path, "mapping"))?;
         let usable = len == layout.total as u64
@@ -317,6 +333,7 @@ impl Cache {
         let base = match &mut map {
             Map::Write(m) => m.as_mut_ptr(),
             Map::Read(m) => m.as_ptr().cast_mut(),
+            Map::None => std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
         };
         let words = layout.count.div_ceil(64);
         let cache = Self {

@@ -34,8 +34,22 @@
 //! # }
 //! ```
 //!
+//! ## Guarantees
+//!
+//! - The same `(seed, epoch, replica, step)` gives the same batch whatever the number of
+//!   decode workers; [`Pipeline::epoch`] can start at any step (exact mid-epoch resume).
+//! - Every replica yields the same number of steps; their shares are disjoint and their union
+//!   is the epoch ([`LastBatch`] decides the tail, identically everywhere).
+//! - A cache record is served only after it is completely written; a torn or mismatched cache
+//!   is resumed or rebuilt. One writer per cache file (an exclusive `flock`); other pipelines
+//!   or processes on the same file read what it published and decode the rest in memory.
+//! - Bad files never panic and never hang the engine; failures reach the consumer as
+//!   [`PipelineError`] values that keep their source.
+//!
+//! The crate's `README.md` has the design notes and the benchmark against PyTorch's DataLoader.
+//!
 //! See `examples/embed_pipeline.rs` at the workspace root for a runnable version on synthetic
-//! data, [`synth`] for the synthetic dataset writer and [`bench`] for the throughput benchmark.
+//! data, [`synth`] for the synthetic dataset writer and [`bench`](mod@bench) for the throughput benchmark.
 
 mod bad;
 mod batch;

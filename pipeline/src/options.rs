@@ -68,7 +68,7 @@ cli_enum!(
         /// Yield it, split as evenly as possible over replicas (some may get 0 images).
         #[default]
         Partial => "partial",
-        /// Skip it.
+        /// Skip it (a split smaller than one global batch then has no step at all).
         Drop => "drop",
         /// Fill it up by wrapping around to the start of the epoch's permutation.
         Pad => "pad",

@@ -84,3 +84,72 @@ impl EpochPlan {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every (n, R, B, policy) combination: equal steps on all replicas, disjoint shares, the
+    /// union is the epoch (partial), a prefix of it (drop) or the epoch plus a wrap (pad).
+    #[test]
+    fn plans_partition_the_epoch_for_every_shape() {
+        for n in 1..=23 {
+            for replicas in 1..=4 {
+                for batch in 1..=5 {
+                    for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
+                        let plan = EpochPlan::new(n, 3, 1, true, replicas, batch, policy);
+                        let steps = steps_per_epoch(n, replicas, batch, policy);
+                        let mut seen = Vec::new();
+                        for step in 0..steps {
+                            let sizes: Vec<usize> = (0..replicas)
+                                .map(|r| plan.micro_batch(step, r).len())
+                                .collect();
+                            let max = *sizes.iter().max().unwrap();
+                            let min = *sizes.iter().min().unwrap();
+                            assert!(max - min <= 1, "even split {sizes:?}");
+                            for r in 0..replicas {
+                                seen.extend(plan.micro_batch(step, r));
+                            }
+                        }
+                        let ctx = format!("n={n} R={replicas} B={batch} {policy:?}");
+                        let global = replicas * batch;
+                        match policy {
+                            LastBatch::Partial => {
+                                seen.sort_unstable();
+                                assert_eq!(seen, (0..n as u32).collect::<Vec<_>>(), "{ctx}");
+                            }
+                            LastBatch::Drop => {
+                                assert_eq!(seen.len(), n / global * global, "{ctx}");
+                                seen.sort_unstable();
+                                seen.dedup();
+                                assert_eq!(seen.len(), n / global * global, "{ctx}");
+                            }
+                            LastBatch::Pad => {
+                                assert_eq!(seen.len(), n.div_ceil(global) * global, "{ctx}");
+                                seen.sort_unstable();
+                                seen.dedup();
+                                assert_eq!(seen.len(), n, "{ctx}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_permutation_depends_on_seed_and_epoch_only() {
+        let a = EpochPlan::new(50, 1, 2, true, 1, 50, LastBatch::Partial).micro_batch(0, 0);
+        let b = EpochPlan::new(50, 1, 2, true, 2, 25, LastBatch::Partial);
+        let b: Vec<u32> = [b.micro_batch(0, 0), b.micro_batch(0, 1)].concat();
+        assert_eq!(a, b, "replicas cut the same global order");
+        assert_ne!(
+            a,
+            EpochPlan::new(50, 1, 3, true, 1, 50, LastBatch::Partial).micro_batch(0, 0)
+        );
+        assert_ne!(
+            a,
+            EpochPlan::new(50, 2, 2, true, 1, 50, LastBatch::Partial).micro_batch(0, 0)
+        );
+    }
+}

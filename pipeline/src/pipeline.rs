@@ -74,8 +74,15 @@ impl std::fmt::Debug for Pipeline {
     }
 }
 
-/// Fingerprint of the split's contents and of the resize settings.
-fn fingerprint(b: &PipelineBuilder, classes: &[String], samples: &[crate::scan::Sample]) -> u64 {
+/// Fingerprint of the split's files (relative paths, sizes, labels), class names and resize
+/// settings; with `mtimes`, modification times too (the cache key: an edited file that kept
+/// its size still invalidates). Without them it is equal on nodes holding copies of the data.
+fn fingerprint(
+    b: &PipelineBuilder,
+    classes: &[String],
+    samples: &[crate::scan::Sample],
+    mtimes: bool,
+) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(b"birdtrain-pipeline-v1");
     h.update(b.split.as_str().as_bytes());
@@ -91,7 +98,9 @@ fn fingerprint(b: &PipelineBuilder, classes: &[String], samples: &[crate::scan::
         h.update(rel.to_string_lossy().as_bytes());
         h.update(&[0]);
         h.update(&s.size.to_le_bytes());
-        h.update(&s.mtime_ns.to_le_bytes());
+        if mtimes {
+            h.update(&s.mtime_ns.to_le_bytes());
+        }
         h.update(&s.label.to_le_bytes());
     }
     h.digest()
@@ -150,12 +159,13 @@ impl Pipeline {
                 file.detail
             );
         }
-        let fp = fingerprint(&b, &scanned.classes, &scanned.samples);
+        let fp = fingerprint(&b, &scanned.classes, &scanned.samples, false);
+        let cache_fp = fingerprint(&b, &scanned.classes, &scanned.samples, true);
         let labels: Vec<u32> = scanned.samples.iter().map(|s| s.label).collect();
         let key = CacheKey {
             image_size: b.image_size,
             count: scanned.samples.len(),
-            fingerprint: fp,
+            fingerprint: cache_fp,
         };
         let cache = Cache::open(&cache_path(&b), key, &labels)?;
         let mut class_totals = vec![0usize; scanned.classes.len()];
@@ -277,8 +287,9 @@ impl Pipeline {
         self.inner.replicas
     }
 
-    /// Fingerprint of the dataset (paths, sizes, mtimes, labels) and resize settings; equal on
-    /// every node that sees the same data, for rendezvous checks.
+    /// Fingerprint of the dataset (relative paths, sizes, labels, classes) and the resize
+    /// settings, for rendezvous checks: equal on every node holding a copy of the same data
+    /// (modification times are left out; the cache's own key includes them).
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }
@@ -406,6 +417,7 @@ impl Pipeline {
             returner: i.pool.returner(),
         };
         let errors = out_tx.clone();
+        let supervised = Arc::clone(&i.shared);
         let assembled = runtime.spawn(assembler.run(pending_rx, out_tx));
         // A panicking stage must reach the consumer as an error with its message, not as a
         // silently short epoch: the supervisor holds a sender until both stages are done.
@@ -416,9 +428,13 @@ impl Pipeline {
                         Ok(payload) => crate::worker::panic_message(payload.as_ref()),
                         Err(e) => e.to_string(),
                     };
-                    let _ = errors
-                        .send_async(Err(PipelineError::StagePanicked { stage, message }))
-                        .await;
+                    // Counted as a ready item, as the consumer uncounts every item it takes.
+                    let counters = &supervised.counters;
+                    counters.ready_batches.fetch_add(1, Ordering::Relaxed);
+                    let error = PipelineError::StagePanicked { stage, message };
+                    if errors.send_async(Err(error)).await.is_err() {
+                        counters.ready_batches.fetch_sub(1, Ordering::Relaxed);
+                    }
                     return;
                 }
             }

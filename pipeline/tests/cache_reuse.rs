@@ -261,3 +261,48 @@ fn the_dataset_folder_is_never_written() {
         "nothing created or touched under the dataset"
     );
 }
+
+#[test]
+fn a_truncated_cache_file_is_rebuilt() {
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    let reference = collect(&p, 0, 0, 0);
+    let path = p.cache_path().to_path_buf();
+    drop(p);
+    for len in [0u64, 100, 5000] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+        let p2 = fx.builder().batch_size(6).build().unwrap();
+        assert_eq!(collect(&p2, 0, 0, 0), reference);
+        assert_eq!(p2.stats().decoded, 6, "length {len}");
+    }
+}
+
+#[test]
+fn touching_a_file_invalidates_the_cache_but_not_the_rendezvous_fingerprint() {
+    let fx = synth(2, 3, 0);
+    let p = fx.builder().batch_size(6).build().unwrap();
+    collect(&p, 0, 0, 0);
+    let fp = p.fingerprint();
+    drop(p);
+    let victim = common::files_under(&fx.root().join("train"))[2].clone();
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+    std::fs::File::options()
+        .write(true)
+        .open(&victim)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let p2 = fx.builder().batch_size(6).build().unwrap();
+    assert_eq!(
+        p2.fingerprint(),
+        fp,
+        "copies of the data on other nodes match"
+    );
+    collect(&p2, 0, 0, 0);
+    assert_eq!(p2.stats().decoded, 6, "the cache is keyed on mtimes too");
+}

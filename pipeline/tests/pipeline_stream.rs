@@ -181,3 +181,14 @@ fn a_panicking_stage_reaches_the_consumer_as_an_error_with_its_message() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<pipeline::Pipeline>();
+    send_sync::<pipeline::PipelineError>();
+    send::<pipeline::EpochIter>();
+    send::<pipeline::EpochStream>();
+    send::<pipeline::Batch>();
+}

@@ -129,3 +129,76 @@ fn bad_settings_are_errors() {
         ImageFormatKind::Png
     );
 }
+
+/// Features of one 32×32 image: the mean colour of its most saturated tenth (the shape's
+/// colour, whatever the background) and the share of strongly saturated pixels (its area).
+fn features_of(pixels: &[u8]) -> Vec<f32> {
+    let sat = |p: &[u8]| f32::from(*p.iter().max().unwrap()) - f32::from(*p.iter().min().unwrap());
+    let mut px: Vec<&[u8]> = pixels.chunks(3).collect();
+    px.sort_by(|a, b| sat(b).total_cmp(&sat(a)));
+    let top = &px[..px.len() / 10];
+    let mut f = vec![0f32; 4];
+    for p in top {
+        for c in 0..3 {
+            f[c] += f32::from(p[c]) / top.len() as f32 / 255.0;
+        }
+    }
+    f[3] = px.iter().filter(|p| sat(p) > 100.0).count() as f32 / px.len() as f32;
+    f
+}
+
+#[test]
+fn classes_are_learnable_at_32px_through_the_pipeline() {
+    use pipeline::{DatasetSource, PipelineBuilder, Split};
+    let data = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut cfg = config(data.path(), 11);
+    cfg.classes = 8;
+    cfg.train_per_class = 12;
+    cfg.valid_per_class = 8;
+    cfg.test_per_class = 0;
+    cfg.width = 64;
+    cfg.height = 48;
+    write_dataset(&cfg).unwrap();
+    let features = |split| {
+        let p = PipelineBuilder::new(DatasetSource::folder(data.path()))
+            .split(split)
+            .image_size(32)
+            .batch_size(16)
+            .cache_dir(cache.path())
+            .build()
+            .unwrap();
+        let mut out = Vec::new();
+        for b in p.epoch(0, 0, 0).unwrap() {
+            let b = b.unwrap();
+            for (img, &label) in b.pixels().chunks(32 * 32 * 3).zip(b.labels()) {
+                out.push((features_of(img), label));
+            }
+        }
+        out
+    };
+    let train = features(Split::Train);
+    let valid = features(Split::Valid);
+    // The simplest learner there is: nearest class centroid of two hand-made features.
+    let mut centroids = vec![vec![0f32; 4]; 8];
+    for (h, l) in &train {
+        for (c, v) in centroids[*l as usize].iter_mut().zip(h) {
+            *c += v / 12.0;
+        }
+    }
+    let correct = valid
+        .iter()
+        .filter(|(h, l)| {
+            let d = |c: &Vec<f32>| c.iter().zip(h).map(|(a, b)| (a - b).powi(2)).sum::<f32>();
+            let best = (0..8)
+                .min_by(|&a, &b| d(&centroids[a]).total_cmp(&d(&centroids[b])))
+                .unwrap();
+            best as u32 == *l
+        })
+        .count();
+    assert!(
+        correct * 10 >= valid.len() * 8,
+        "nearest-centroid accuracy {correct}/{}",
+        valid.len()
+    );
+}
