@@ -47,7 +47,6 @@ pub(super) fn train_epoch<B: Backend>(
     let started = Instant::now();
     let seconds_before = run.position.partial_train.seconds;
     let mut images_this_session = 0u64;
-    let mut wait = 0.0f64;
     for step in start_step..steps_per_epoch {
         let t_wait = Instant::now();
         let mut batches = Vec::with_capacity(iters.len());
@@ -65,7 +64,7 @@ pub(super) fn train_epoch<B: Backend>(
                 }
             }
         }
-        wait += t_wait.elapsed().as_secs_f64();
+        run.position.partial_train.wait_seconds += t_wait.elapsed().as_secs_f64();
         let augments: Vec<Vec<_>> = batches
             .iter()
             .map(|b| {
@@ -115,7 +114,7 @@ pub(super) fn train_epoch<B: Backend>(
             images_this_session as f64 / elapsed.max(1e-9),
             acc.mean_loss(),
             acc.accuracy(),
-            wait / elapsed.max(1e-9),
+            acc.wait_share(),
         );
         let last = step + 1 == steps_per_epoch;
         if !last && (stop.load(Ordering::SeqCst) || reached_stop_step(cfg, &run.position)) {

@@ -56,6 +56,9 @@ pub struct MetricsAccumulator {
     pub count: u64,
     /// Wall time accumulated so far (kept across a resume so the epoch line stays whole).
     pub seconds: f64,
+    /// Part of `seconds` spent waiting for the input engine (training only).
+    #[serde(default)]
+    pub wait_seconds: f64,
 }
 
 impl MetricsAccumulator {
@@ -70,6 +73,15 @@ impl MetricsAccumulator {
     /// Mean loss so far (0 when nothing was seen).
     pub fn mean_loss(&self) -> f64 {
         ratio(self.loss_sum, self.count)
+    }
+
+    /// Share of the wall time spent waiting for data (0 when no time passed).
+    pub fn wait_share(&self) -> f64 {
+        if self.seconds > 0.0 {
+            (self.wait_seconds / self.seconds).min(1.0)
+        } else {
+            0.0
+        }
     }
 
     /// Top-1 accuracy so far (0 when nothing was seen).

@@ -310,6 +310,8 @@ pub(crate) fn train_with<B: Backend>(
     };
     let mut last_valid = None;
     let mut interrupted = false;
+    // (seconds waiting for data, seconds training) over the epochs finished in this process.
+    let mut session_wait = (0.0f64, 0.0f64);
     while run.position.epoch < cfg.epochs {
         let epoch = run.position.epoch;
         let finished = train_epoch(cfg, stop, &train_pipe, &schedule, &mut run, steps_per_epoch)?;
@@ -331,6 +333,9 @@ pub(crate) fn train_with<B: Backend>(
             .position
             .partial_train
             .finish(epoch + 1, MetricsSplit::Train);
+        let wait_share = run.position.partial_train.wait_share();
+        session_wait.0 += run.position.partial_train.wait_seconds;
+        session_wait.1 += run.position.partial_train.seconds;
         let valid_line = validate(cfg, &valid_pipe, &mut run, epoch + 1)?;
         append_metrics(&metrics_path, &train_line)?;
         append_metrics(&metrics_path, &valid_line)?;
@@ -344,7 +349,7 @@ pub(crate) fn train_with<B: Backend>(
         save_checkpoint(cfg, &graph, &classes, &run)?;
         write_report(&cfg.out.join("report.png"), &read_metrics(&metrics_path)?)?;
         say(cfg, format!(
-            "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · {:.1} s",
+            "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.0}% · {:.1} s",
             epoch + 1,
             cfg.epochs,
             train_line.loss,
@@ -353,6 +358,7 @@ pub(crate) fn train_with<B: Backend>(
             valid_line.accuracy,
             valid_line.top5,
             train_line.images_per_sec,
+            wait_share * 100.0,
             train_line.seconds + valid_line.seconds
         ));
         last_valid = Some(valid_line);
@@ -375,6 +381,7 @@ pub(crate) fn train_with<B: Backend>(
         ),
         wall_seconds: wall.elapsed().as_secs_f64(),
         out: cfg.out.clone(),
+        data_wait_share: (session_wait.1 > 0.0).then(|| session_wait.0 / session_wait.1),
     };
     let replica_checksums = run.replicas.checksums()?;
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);

@@ -13,6 +13,8 @@ pub struct SummaryHeader {
     pub wall_seconds: f64,
     /// Run folder.
     pub out: std::path::PathBuf,
+    /// Share of training time spent waiting for the input engine, when measured.
+    pub data_wait_share: Option<f64>,
 }
 
 /// Formats the per-epoch table (train and valid side by side) and the headline figures.
@@ -89,9 +91,12 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
     } else {
         train_seconds / epochs.len() as f64
     };
+    let wait = header
+        .data_wait_share
+        .map_or(String::new(), |w| format!(" · data-wait {:.1}%", w * 100.0));
     let _ = writeln!(
         s,
-        "wall time {:.1} s · training {:.1} images/s · {:.2} s per epoch (training)",
+        "wall time {:.1} s · training {:.1} images/s · {:.2} s per epoch (training){wait}",
         header.wall_seconds, mean_speed, per_epoch
     );
     let _ = write!(
@@ -127,11 +132,13 @@ mod tests {
             title: "resnet8".into(),
             wall_seconds: 9.0,
             out: "runs/x".into(),
+            data_wait_share: Some(0.012),
         };
         let text = format_summary(&header, &lines);
         assert!(text.contains("valid accuracy 0.9000"), "{text}");
         assert!(text.contains("best 0.9000 at epoch 2"), "{text}");
         assert!(text.contains("training 100.0 images/s"), "{text}");
+        assert!(text.contains("data-wait 1.2%"), "{text}");
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
     }
 }
