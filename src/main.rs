@@ -1,1 +1,5 @@
-fn main() {}
+//! The `birdtrain` binary: see `birdtrain --help` and [`birdtrain::cli`].
+
+fn main() -> std::process::ExitCode {
+    birdtrain::cli::main_with_args(std::env::args_os())
+}

@@ -1,5 +1,207 @@
-//! Command-line interface (being written).
+//! The `birdtrain` command line: the clap tree and one `run` per command.
+//!
+//! Training is the default command (`birdtrain --data DIR …` ≡ `birdtrain train --data DIR …`).
+//! Every failure ends in one line on stderr (`error: …`) and a non-zero exit code: 2 for a
+//! usage error (unparsable flag), 1 for everything else, 130 after Ctrl-C (once the
+//! checkpoint is saved).
 
+pub mod bench_pipeline;
 pub mod bench_scaling;
 pub mod bench_step;
+pub mod demo;
+mod error;
+pub mod eval;
 pub mod kernels;
+pub mod predict;
+pub mod synth;
+pub mod train_args;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub use error::CliError;
+pub use train_args::TrainArgs;
+
+/// `birdtrain`: train ResNet image classifiers on an image folder.
+#[derive(Debug, Parser)]
+#[command(
+    name = "birdtrain",
+    version,
+    about = "Train ResNet image classifiers on an image folder (train/valid/test/<class>/…)",
+    long_about = None,
+    args_conflicts_with_subcommands = true,
+    after_help = "Start with `birdtrain demo`; train with `birdtrain --data ./285birds --gpus 4`."
+)]
+pub struct Cli {
+    /// A command; without one, birdtrain trains (the flags below).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Training flags (the default command).
+    #[command(flatten)]
+    pub train: Box<TrainArgs>,
+}
+
+/// The commands of `birdtrain`.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model (the default command).
+    Train(Box<TrainArgs>),
+    /// Evaluate a checkpoint on a split: loss, top-1, top-5 and per-class accuracy.
+    Eval(eval::EvalArgs),
+    /// Classify images with a checkpoint: top-k classes with probabilities.
+    Predict(predict::PredictArgs),
+    /// Generate a small synthetic dataset and train on it (the first thing to try).
+    Demo(demo::DemoArgs),
+    /// Write a synthetic dataset in the 285-birds layout.
+    Synth(synth::SynthArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// CUDA kernel tools.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
+}
+
+/// `birdtrain bench …`
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Run the input engine alone and print images/s per epoch.
+    Pipeline(bench_pipeline::BenchPipelineArgs),
+    /// Time training steps on the chosen device.
+    Step(bench_step::BenchStepArgs),
+    /// Measure data-parallel scaling over GPU counts.
+    Scaling(bench_scaling::BenchScalingArgs),
+}
+
+/// `birdtrain kernels …`
+#[derive(Debug, Subcommand)]
+pub enum KernelsCommand {
+    /// Compile every CUDA kernel with NVRTC for the given architectures.
+    Check(kernels::KernelsArgs),
+}
+
+/// Parses `args` (the program name first) and runs the command; prints errors as one line.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e.to_string()));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Runs a parsed command line. `Ok` carries the exit code (130 after Ctrl-C).
+pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    init_tracing();
+    match cli.command {
+        None => train_args::run(*cli.train),
+        Some(Command::Train(args)) => train_args::run(*args),
+        Some(Command::Eval(args)) => eval::run(args).map(|()| ExitCode::SUCCESS),
+        Some(Command::Predict(args)) => predict::run(args).map(|()| ExitCode::SUCCESS),
+        Some(Command::Demo(args)) => demo::run(args),
+        Some(Command::Synth(args)) => synth::run(args).map(|()| ExitCode::SUCCESS),
+        Some(Command::Bench(BenchCommand::Pipeline(args))) => {
+            bench_pipeline::run(args).map(|()| ExitCode::SUCCESS)
+        }
+        Some(Command::Bench(BenchCommand::Step(args))) => bench_step::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+        Some(Command::Bench(BenchCommand::Scaling(args))) => bench_scaling::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+        Some(Command::Kernels(KernelsCommand::Check(args))) => kernels::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+    }
+}
+
+/// Clap's usage errors, shortened to their first line (help and version print in full).
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        _ => {
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("error: bad command line");
+            eprintln!("{} (see birdtrain --help)", first.trim_end());
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Joins a multi-line message into one line.
+fn one_line(text: &str) -> String {
+    text.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Warnings (e.g. skipped bad images) go to stderr; `RUST_LOG` overrides the level.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_tree_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn training_is_the_default_command() {
+        let cli = Cli::try_parse_from(["birdtrain", "--data", "d", "--epochs", "3"]).unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.train.epochs, Some(3));
+        let cli = Cli::try_parse_from(["birdtrain", "train", "--data", "d"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::Train(_))));
+    }
+
+    #[test]
+    fn nesterov_is_a_switch_or_takes_a_value() {
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["birdtrain", "--data", "d"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).unwrap().train.nesterov
+        };
+        assert_eq!(parse(&[]), None);
+        assert_eq!(parse(&["--nesterov"]), Some(true));
+        assert_eq!(parse(&["--nesterov", "false"]), Some(false));
+    }
+
+    #[test]
+    fn one_line_joins() {
+        assert_eq!(one_line("a\n  b\n\nc"), "a b c");
+    }
+}

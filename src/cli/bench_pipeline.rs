@@ -1,0 +1,97 @@
+//! `birdtrain bench pipeline`: the input engine alone, one JSON line per epoch.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use pipeline::bench::{run_pipeline_bench_with, EpochReport, PipelineBenchOptions};
+use pipeline::{ResizeMode, Split};
+
+use super::CliError;
+
+/// Flags of `birdtrain bench pipeline`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchPipelineArgs {
+    /// Dataset root.
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    /// Split to read: train, valid or test.
+    #[arg(long, value_name = "SPLIT", default_value = "train")]
+    pub split: String,
+    /// Epochs (the first decodes and fills the cache, later ones read it).
+    #[arg(long, value_name = "E", default_value_t = 3)]
+    pub epochs: u64,
+    /// Images per batch.
+    #[arg(long, value_name = "B", default_value_t = 64)]
+    pub batch_size: usize,
+    /// Stored image size S.
+    #[arg(long, value_name = "S", default_value_t = 224)]
+    pub image_size: u32,
+    /// Decode workers (default: available cores).
+    #[arg(long, value_name = "W")]
+    pub workers: Option<usize>,
+    /// Pixel cache folder.
+    #[arg(long, value_name = "C")]
+    pub cache_dir: Option<PathBuf>,
+    /// Resize: direct (stretch to S×S) or center-crop (shorter side, centred square).
+    #[arg(long, value_name = "direct|center-crop", default_value = "direct")]
+    pub resize_mode: String,
+    /// Batches prefetched.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub prefetch: usize,
+    /// Seed of the epoch order.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON line per epoch (otherwise a readable line).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the benchmark and prints its epochs.
+pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
+    let split: Split = args.split.parse().map_err(|_| CliError::BadValue {
+        flag: "--split",
+        value: args.split.clone(),
+        hint: "expected train, valid or test".into(),
+    })?;
+    if !args.data.is_dir() {
+        return Err(CliError::MissingPath {
+            path: args.data.clone(),
+            hint: "--data must be a dataset folder",
+        });
+    }
+    let resize_mode: ResizeMode = args.resize_mode.parse().map_err(|_| CliError::BadValue {
+        flag: "--resize-mode",
+        value: args.resize_mode.clone(),
+        hint: "expected direct or center-crop".into(),
+    })?;
+    let mut opts = PipelineBenchOptions::new(&args.data);
+    opts.split = split;
+    opts.epochs = args.epochs;
+    opts.batch_size = args.batch_size;
+    opts.image_size = args.image_size;
+    opts.resize_mode = resize_mode;
+    opts.cache_dir = args.cache_dir.clone();
+    opts.seed = args.seed;
+    opts.prefetch = args.prefetch;
+    if let Some(w) = args.workers {
+        opts.workers = w;
+    }
+    // Each epoch is printed as soon as it is measured.
+    let json = args.json;
+    run_pipeline_bench_with(&opts, |report| print_report(report, json))?;
+    Ok(())
+}
+
+fn print_report(report: &EpochReport, json: bool) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).expect("epoch reports serialise")
+        );
+    } else {
+        println!(
+            "epoch {}: {} images ({} decoded) in {:.2} s = {:.1} images/s",
+            report.epoch, report.images, report.decoded, report.seconds, report.images_per_sec
+        );
+    }
+}

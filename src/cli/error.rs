@@ -1,0 +1,58 @@
+//! The CLI's error type.
+
+use std::path::PathBuf;
+
+use crate::train::TrainError;
+
+/// A command failed. Displayed as one line by [`super::main_with_args`].
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Training, evaluation or prediction failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// The input engine failed (synth, bench pipeline).
+    #[error(transparent)]
+    Pipeline(#[from] pipeline::PipelineError),
+    /// Writing the synthetic dataset failed.
+    #[error(transparent)]
+    Synth(#[from] pipeline::synth::SynthError),
+    /// A flag value that clap accepted but that makes no sense.
+    #[error("invalid value `{value}` for {flag}: {hint}")]
+    BadValue {
+        /// The flag.
+        flag: &'static str,
+        /// The value given.
+        value: String,
+        /// What would be valid.
+        hint: String,
+    },
+    /// A required flag is missing.
+    #[error("missing {flag} (hint: {hint})")]
+    Missing {
+        /// The flag.
+        flag: &'static str,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// An input file is missing.
+    #[error("{path} does not exist (hint: {hint})")]
+    MissingPath {
+        /// The path given.
+        path: PathBuf,
+        /// What was expected there.
+        hint: &'static str,
+    },
+    /// Another command's error (benchmarks and kernel tools owned by other modules).
+    #[error("{0:#}")]
+    Other(anyhow::Error),
+}
+
+impl CliError {
+    /// The process exit code: 2 for usage mistakes, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::BadValue { .. } | CliError::Missing { .. } => 2,
+            _ => 1,
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! `birdtrain [train] --data DIR …`: the training flags and their translation to
+//! [`TrainConfig`].
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use clap::Args;
+use pipeline::{LastBatch, OnBadImage};
+
+use super::CliError;
+use crate::model::Arch;
+use crate::optim::Decay;
+use crate::train::{self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError};
+
+/// Training flags. `--lr` is for a global batch of 256 and scales linearly.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TrainArgs {
+    /// Dataset root: train/valid[/test]/<class>/<images>, or <class>/<images> with --valid-fraction.
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
+    #[arg(long, value_name = "N|all")]
+    pub gpus: Option<String>,
+    /// CPU data-parallel replicas (each gets its own micro-batch of --batch-size images).
+    #[arg(long, value_name = "R")]
+    pub replicas: Option<usize>,
+    /// Network: resnet8, resnet20, resnet56 (small images), resnet18/34/50/101/152.
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+    /// Epochs to train in total.
+    #[arg(long, value_name = "E")]
+    pub epochs: Option<u64>,
+    /// Images per replica per step (the global batch is replicas × this).
+    #[arg(long, value_name = "B")]
+    pub batch_size: Option<usize>,
+    /// Learning rate for a global batch of 256 (scaled linearly to the real global batch).
+    #[arg(long, value_name = "X")]
+    pub lr: Option<f32>,
+    /// Optimizer: sgd, adam or adamw.
+    #[arg(long, value_name = "sgd|adam|adamw")]
+    pub optimizer: Option<String>,
+    /// SGD momentum.
+    #[arg(long, value_name = "M")]
+    pub momentum: Option<f32>,
+    /// Nesterov momentum with SGD (default on; `--nesterov false` for classical momentum).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub nesterov: Option<bool>,
+    /// Weight decay (not applied to batch norm or biases).
+    #[arg(long, value_name = "WD")]
+    pub weight_decay: Option<f32>,
+    /// Label smoothing of the cross-entropy loss, in [0, 1).
+    #[arg(long, value_name = "EPS")]
+    pub label_smoothing: Option<f32>,
+    /// Linear learning-rate warmup, in epochs.
+    #[arg(long, value_name = "E")]
+    pub warmup_epochs: Option<u32>,
+    /// Decay after warmup: cosine, step or constant.
+    #[arg(long, value_name = "cosine|step|constant")]
+    pub schedule: Option<String>,
+    /// With --schedule step: epochs between decays.
+    #[arg(long, value_name = "E", default_value_t = 30)]
+    pub step_every: u32,
+    /// With --schedule step: decay factor.
+    #[arg(long, value_name = "G", default_value_t = 0.1)]
+    pub step_gamma: f32,
+    /// Stored and training image size S (images become S×S).
+    #[arg(long, value_name = "S")]
+    pub image_size: Option<u32>,
+    /// Decode workers (default: available cores).
+    #[arg(long, value_name = "W")]
+    pub workers: Option<usize>,
+    /// CPU backend threads (default: available cores).
+    #[arg(long, value_name = "T")]
+    pub threads: Option<usize>,
+    /// Pixel cache folder (default: the per-user cache folder).
+    #[arg(long, value_name = "C")]
+    pub cache_dir: Option<PathBuf>,
+    /// Run folder for metrics.jsonl, report.png and checkpoints (default: runs/<model>-<n>).
+    #[arg(long, value_name = "RUN")]
+    pub out: Option<PathBuf>,
+    /// Seed of initialisation, data order and augmentation.
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+    /// Continue the run saved in RUN exactly where it stopped.
+    #[arg(long, value_name = "RUN")]
+    pub resume: Option<PathBuf>,
+    /// Turn off random crop and horizontal flip.
+    #[arg(long)]
+    pub no_augment: bool,
+    /// Start from these weights (torchvision names); the head is replaced if classes differ.
+    #[arg(long, value_name = "FILE")]
+    pub init_from: Option<PathBuf>,
+    /// Flat layout (<class>/<images>): share of each class held out for validation.
+    #[arg(long, value_name = "F")]
+    pub valid_fraction: Option<f32>,
+    /// The last incomplete batch: partial, drop or pad.
+    #[arg(long, value_name = "partial|drop|pad")]
+    pub last_batch: Option<String>,
+    /// A bad image file: skip (warn, count, report) or fail.
+    #[arg(long, value_name = "skip|fail")]
+    pub on_bad_image: Option<String>,
+    /// Batch norm uses its running statistics while training (fine-tuning).
+    #[arg(long)]
+    pub freeze_bn: bool,
+    /// No progress bars (epoch lines and the summary still print).
+    #[arg(long)]
+    pub quiet: bool,
+    /// Stop after this many optimizer steps in total, saving a checkpoint as Ctrl-C does.
+    #[arg(long, value_name = "N", hide = true)]
+    pub stop_after_steps: Option<u64>,
+}
+
+fn parse<T: FromStr>(flag: &'static str, value: &str, hint: &str) -> Result<T, CliError> {
+    value.parse().map_err(|_| CliError::BadValue {
+        flag,
+        value: value.to_string(),
+        hint: hint.to_string(),
+    })
+}
+
+/// Turns the flags (and, with `--resume`, the checkpoint's settings) into a [`TrainConfig`].
+///
+/// With `--resume RUN`, every setting (model, image size, seed, batch, replicas, epochs,
+/// optimizer and its hyper-parameters, schedule, augmentation…) defaults to the checkpoint's;
+/// flags given again override them, except model and image size, which must match.
+pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliError> {
+    let data = args.data.clone().ok_or(CliError::Missing {
+        flag: "--data DIR",
+        hint: "point it at a dataset folder, or try `birdtrain demo`",
+    })?;
+    if !data.is_dir() {
+        return Err(CliError::MissingPath {
+            path: data,
+            hint: "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction)",
+        });
+    }
+    if args.valid_fraction.is_some() && data.join("train").is_dir() {
+        return Err(CliError::BadValue {
+            flag: "--valid-fraction",
+            value: args.valid_fraction.unwrap_or_default().to_string(),
+            hint: format!(
+                "{} has a train/ folder, so its valid/ split is used; --valid-fraction is for flat <class>/<images> folders",
+                data.display()
+            ),
+        });
+    }
+    let resumed = match &args.resume {
+        Some(run) => Some(CheckpointMeta::load(run).map_err(CliError::Train)?),
+        None => None,
+    };
+    let mut cfg = TrainConfig::new(&data);
+    if let Some(meta) = &resumed {
+        let resume_dir = args.resume.as_ref().expect("resumed implies --resume");
+        cfg.arch = Arch::from_str(&meta.model).map_err(TrainError::from)?;
+        cfg.image_size = meta.image_size;
+        cfg.seed = meta.seed;
+        cfg.batch_size = meta.batch_size;
+        cfg.replicas = meta.replicas;
+        cfg.epochs = meta.epochs;
+        cfg.out = resume_dir.clone();
+        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(CliError::Train)?;
+        cfg.apply_settings(&meta.settings)
+            .map_err(CliError::Train)?;
+        if let Some(model) = &args.model {
+            let wanted = Arch::from_str(model).map_err(TrainError::from)?;
+            if wanted != cfg.arch {
+                return Err(TrainError::CheckpointMismatch {
+                    path: resume_dir.clone(),
+                    what: "model",
+                    expected: wanted.name().into(),
+                    found: meta.model.clone(),
+                    hint: "resume with the checkpoint's --model, or start a new run",
+                }
+                .into());
+            }
+        }
+        if let Some(size) = args.image_size {
+            if size != meta.image_size {
+                return Err(TrainError::CheckpointMismatch {
+                    path: resume_dir.clone(),
+                    what: "image size",
+                    expected: size.to_string(),
+                    found: meta.image_size.to_string(),
+                    hint: "resume with the checkpoint's --image-size",
+                }
+                .into());
+            }
+        }
+    } else {
+        if let Some(model) = &args.model {
+            cfg.arch = Arch::from_str(model).map_err(TrainError::from)?;
+        }
+        // CIFAR-style models are for small images: default to 32×32 with them.
+        cfg.image_size = args
+            .image_size
+            .unwrap_or(if cfg.arch.is_cifar() { 32 } else { 224 });
+    }
+    let (device, note) = DeviceChoice::resolve(args.gpus.as_deref()).map_err(CliError::Train)?;
+    cfg.device = device;
+    if let Some(v) = args.replicas {
+        cfg.replicas = v;
+    }
+    if let DeviceChoice::Cuda(n) = device {
+        cfg.replicas = n;
+    }
+    if let Some(v) = args.epochs {
+        cfg.epochs = v;
+    }
+    if let Some(v) = args.batch_size {
+        cfg.batch_size = v;
+    }
+    if let Some(v) = args.seed {
+        cfg.seed = v;
+    }
+    if let Some(v) = &args.optimizer {
+        cfg.optimizer = OptimizerChoice::from_str(v).map_err(CliError::Train)?;
+        if cfg.optimizer != OptimizerChoice::Sgd && args.lr.is_none() && resumed.is_none() {
+            // Adam's usual 1e-3 at batch 32, expressed for the 256 reference batch.
+            cfg.lr = 0.008;
+        }
+    }
+    if let Some(v) = args.lr {
+        cfg.lr = v;
+    }
+    if let Some(v) = args.momentum {
+        cfg.momentum = v;
+    }
+    if let Some(v) = args.nesterov {
+        cfg.nesterov = v;
+    }
+    if let Some(v) = args.weight_decay {
+        cfg.weight_decay = v;
+    }
+    if let Some(v) = args.label_smoothing {
+        cfg.label_smoothing = v;
+    }
+    if let Some(v) = args.warmup_epochs {
+        cfg.warmup_epochs = v;
+    }
+    if let Some(v) = &args.schedule {
+        cfg.schedule = match v.trim().to_ascii_lowercase().as_str() {
+            "cosine" => Decay::Cosine,
+            "constant" => Decay::Constant,
+            "step" => Decay::Step {
+                every_epochs: args.step_every,
+                gamma: args.step_gamma,
+            },
+            _ => {
+                return Err(CliError::BadValue {
+                    flag: "--schedule",
+                    value: v.clone(),
+                    hint: "expected cosine, step or constant".into(),
+                })
+            }
+        };
+    }
+    if let Some(v) = args.workers {
+        cfg.workers = v;
+    }
+    if let Some(v) = args.threads {
+        cfg.threads = v;
+    }
+    cfg.cache_dir = args.cache_dir.clone();
+    if args.valid_fraction.is_some() {
+        cfg.valid_fraction = args.valid_fraction;
+    }
+    if let Some(v) = &args.last_batch {
+        cfg.last_batch = parse::<LastBatch>("--last-batch", v, "expected partial, drop or pad")?;
+    }
+    if let Some(v) = &args.on_bad_image {
+        cfg.on_bad_image = parse::<OnBadImage>("--on-bad-image", v, "expected skip or fail")?;
+    }
+    if args.no_augment {
+        cfg.augment = false;
+    }
+    if args.freeze_bn {
+        cfg.freeze_bn = true;
+    }
+    cfg.init_from = args.init_from.clone();
+    if let Some(path) = &cfg.init_from {
+        if !path.is_file() {
+            return Err(CliError::MissingPath {
+                path: path.clone(),
+                hint: "--init-from takes a .safetensors weights file",
+            });
+        }
+    }
+    cfg.resume = args.resume.clone();
+    cfg.stop_after_steps = args.stop_after_steps;
+    cfg.progress = !args.quiet;
+    if resumed.is_none() {
+        cfg.out = match &args.out {
+            Some(out) => out.clone(),
+            None => next_run_dir(Path::new("runs"), cfg.arch.name()),
+        };
+    } else if let Some(out) = &args.out {
+        cfg.out = out.clone();
+    }
+    cfg.validate().map_err(CliError::Train)?;
+    Ok((cfg, note))
+}
+
+/// `runs/<model>-<n>` with the first n not taken.
+fn next_run_dir(root: &Path, model: &str) -> PathBuf {
+    (1..)
+        .map(|n| root.join(format!("{model}-{n}")))
+        .find(|p| !p.exists())
+        .expect("an unbounded range always has a free name")
+}
+
+/// Runs the training command. Ctrl-C finishes the current step, saves a checkpoint and
+/// exits with 130.
+pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
+    let (cfg, note) = to_config(&args)?;
+    if let Some(note) = note {
+        println!("{note}");
+    }
+    let stop = install_ctrlc();
+    let outcome = train::train(&cfg, &stop)?;
+    if outcome.interrupted && stop.load(Ordering::SeqCst) {
+        return Ok(ExitCode::from(130));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A flag set by Ctrl-C (the handler can be installed once per process; later calls reuse a
+/// fresh flag that is never set, which only happens in tests).
+pub(crate) fn install_ctrlc() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let installed = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            // Second Ctrl-C: the user does not want to wait for the checkpoint.
+            std::process::exit(130);
+        }
+        eprintln!("\nCtrl-C: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to quit now)");
+    });
+    if let Err(e) = installed {
+        tracing::warn!("Ctrl-C handler not installed ({e}); Ctrl-C will stop without a checkpoint");
+    }
+    stop
+}

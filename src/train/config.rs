@@ -1,0 +1,296 @@
+//! Everything a training run is asked to do, independent of how it was asked (CLI, test).
+
+use std::path::PathBuf;
+
+use pipeline::{LastBatch, OnBadImage};
+
+use super::checkpoint::RunSettings;
+use super::device::DeviceChoice;
+use super::TrainError;
+use crate::model::Arch;
+use crate::optim::Decay;
+
+/// The optimizer family (`--optimizer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerChoice {
+    /// SGD with momentum (`--momentum`, `--nesterov`).
+    Sgd,
+    /// Adam (L2 weight decay added to the gradient, as torch.optim.Adam).
+    Adam,
+    /// AdamW (decoupled weight decay).
+    AdamW,
+}
+
+impl OptimizerChoice {
+    /// The command-line spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sgd => "sgd",
+            Self::Adam => "adam",
+            Self::AdamW => "adamw",
+        }
+    }
+}
+
+impl std::str::FromStr for OptimizerChoice {
+    type Err = TrainError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "sgd" => Ok(Self::Sgd),
+            "adam" => Ok(Self::Adam),
+            "adamw" => Ok(Self::AdamW),
+            _ => Err(TrainError::InvalidConfig {
+                flag: "--optimizer",
+                value: s.to_string(),
+                hint: "expected sgd, adam or adamw".into(),
+            }),
+        }
+    }
+}
+
+/// A training run's settings. [`TrainConfig::new`] gives the CLI's defaults.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Dataset root (`train/valid/test/<class>/…`, or flat `<class>/…` with `valid_fraction`).
+    pub data: PathBuf,
+    /// Flat layout: the share of each class held out for validation.
+    pub valid_fraction: Option<f32>,
+    /// Where to train.
+    pub device: DeviceChoice,
+    /// Network.
+    pub arch: Arch,
+    /// Epochs to train in total (a resumed run counts those already done).
+    pub epochs: u64,
+    /// Images per replica per step.
+    pub batch_size: usize,
+    /// Data-parallel replicas (CPU) or GPUs.
+    pub replicas: usize,
+    /// Learning rate for a global batch of 256; scaled linearly to the real global batch.
+    pub lr: f32,
+    /// Optimizer family.
+    pub optimizer: OptimizerChoice,
+    /// SGD momentum; Adam's β1 stays 0.9.
+    pub momentum: f32,
+    /// Nesterov momentum for SGD.
+    pub nesterov: bool,
+    /// Weight decay (never on batch norm or biases).
+    pub weight_decay: f32,
+    /// Label smoothing of the cross-entropy.
+    pub label_smoothing: f32,
+    /// Linear warmup length in epochs.
+    pub warmup_epochs: u32,
+    /// Decay after warmup.
+    pub schedule: Decay,
+    /// Stored and training image size S (S×S).
+    pub image_size: u32,
+    /// Decode workers (0 = available cores).
+    pub workers: usize,
+    /// CPU backend threads (0 = available cores). Results are bit-reproducible for a given
+    /// thread count.
+    pub threads: usize,
+    /// Pixel cache folder (None = per-user cache dir).
+    pub cache_dir: Option<PathBuf>,
+    /// Run folder: metrics, report, checkpoints.
+    pub out: PathBuf,
+    /// Seed of the initialisation, the data order and the augmentation.
+    pub seed: u64,
+    /// Continue the run saved in this folder.
+    pub resume: Option<PathBuf>,
+    /// Random crop + flip on training images.
+    pub augment: bool,
+    /// Start from these weights (torchvision names); the head is replaced if classes differ.
+    pub init_from: Option<PathBuf>,
+    /// Last incomplete batch policy.
+    pub last_batch: LastBatch,
+    /// Bad image policy.
+    pub on_bad_image: OnBadImage,
+    /// Batch norm uses running statistics during training (fine-tuning; exact replica
+    /// equivalence).
+    pub freeze_bn: bool,
+    /// Stop (saving a checkpoint, as on Ctrl-C) once this many optimizer steps were taken in
+    /// total. For tests of resume and for quick looks.
+    pub stop_after_steps: Option<u64>,
+    /// Draw progress bars (they also hide themselves when stderr is not a terminal).
+    pub progress: bool,
+    /// Print the start lines, epoch lines and summary on stdout.
+    pub verbose: bool,
+}
+
+impl TrainConfig {
+    /// The defaults of `birdtrain --data DATA`.
+    pub fn new(data: impl Into<PathBuf>) -> Self {
+        Self {
+            data: data.into(),
+            valid_fraction: None,
+            device: DeviceChoice::Cpu,
+            arch: Arch::ResNet18,
+            epochs: 10,
+            batch_size: 32,
+            replicas: 1,
+            lr: 0.8,
+            optimizer: OptimizerChoice::Sgd,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 5e-4,
+            label_smoothing: 0.0,
+            warmup_epochs: 1,
+            schedule: Decay::Cosine,
+            image_size: 224,
+            workers: 0,
+            threads: 0,
+            cache_dir: None,
+            out: PathBuf::from("runs/run"),
+            seed: 0,
+            resume: None,
+            augment: true,
+            init_from: None,
+            last_batch: LastBatch::Partial,
+            on_bad_image: OnBadImage::Skip,
+            freeze_bn: false,
+            stop_after_steps: None,
+            progress: true,
+            verbose: true,
+        }
+    }
+
+    /// Replicas × per-replica batch.
+    pub fn global_batch(&self) -> usize {
+        self.replicas * self.batch_size
+    }
+
+    /// `--lr` scaled linearly from a global batch of 256 to this run's.
+    pub fn scaled_lr(&self) -> f32 {
+        self.lr * self.global_batch() as f32 / 256.0
+    }
+
+    /// The settings a checkpoint records so that `--resume` continues the same way.
+    pub fn settings(&self) -> RunSettings {
+        let (schedule, step_every, step_gamma) = match self.schedule {
+            Decay::Cosine => ("cosine", 30, 0.1),
+            Decay::Constant => ("constant", 30, 0.1),
+            Decay::Step {
+                every_epochs,
+                gamma,
+            } => ("step", every_epochs, gamma),
+        };
+        RunSettings {
+            lr: self.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            label_smoothing: self.label_smoothing,
+            warmup_epochs: self.warmup_epochs,
+            schedule: schedule.into(),
+            step_every,
+            step_gamma,
+            augment: self.augment,
+            freeze_bn: self.freeze_bn,
+            last_batch: self.last_batch.as_str().into(),
+            valid_fraction: self.valid_fraction,
+        }
+    }
+
+    /// Takes over the settings of a checkpoint (before flags given on resume are applied).
+    pub fn apply_settings(&mut self, s: &RunSettings) -> Result<(), TrainError> {
+        self.lr = s.lr;
+        self.momentum = s.momentum;
+        self.nesterov = s.nesterov;
+        self.weight_decay = s.weight_decay;
+        self.label_smoothing = s.label_smoothing;
+        self.warmup_epochs = s.warmup_epochs;
+        self.schedule = match s.schedule.as_str() {
+            "cosine" => Decay::Cosine,
+            "constant" => Decay::Constant,
+            "step" => Decay::Step {
+                every_epochs: s.step_every,
+                gamma: s.step_gamma,
+            },
+            other => {
+                return Err(TrainError::InvalidConfig {
+                    flag: "--schedule",
+                    value: other.to_string(),
+                    hint: "the checkpoint names an unknown schedule".into(),
+                })
+            }
+        };
+        self.augment = s.augment;
+        self.freeze_bn = s.freeze_bn;
+        self.last_batch = s.last_batch.parse()?;
+        self.valid_fraction = s.valid_fraction;
+        Ok(())
+    }
+
+    /// Rejects values that cannot work, naming the flag.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |flag: &'static str, value: String, hint: &str| {
+            Err(TrainError::InvalidConfig {
+                flag,
+                value,
+                hint: hint.to_string(),
+            })
+        };
+        if self.epochs == 0 {
+            return bad("--epochs", "0".into(), "train for at least 1 epoch");
+        }
+        if self.batch_size == 0 {
+            return bad(
+                "--batch-size",
+                "0".into(),
+                "use at least 1 image per replica",
+            );
+        }
+        if self.replicas == 0 {
+            return bad("--replicas", "0".into(), "use at least 1 replica");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("--lr", self.lr.to_string(), "a positive number, e.g. 0.1");
+        }
+        if self.image_size < 8 || self.image_size > 1024 {
+            return bad(
+                "--image-size",
+                self.image_size.to_string(),
+                "between 8 and 1024 pixels",
+            );
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad(
+                "--label-smoothing",
+                self.label_smoothing.to_string(),
+                "in [0, 1)",
+            );
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad(
+                "--weight-decay",
+                self.weight_decay.to_string(),
+                "a number ≥ 0",
+            );
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            return bad("--momentum", self.momentum.to_string(), "in [0, 1)");
+        }
+        if let Some(f) = self.valid_fraction {
+            if !(f > 0.0 && f < 1.0) {
+                return bad(
+                    "--valid-fraction",
+                    f.to_string(),
+                    "strictly between 0 and 1",
+                );
+            }
+        }
+        if let Decay::Step {
+            every_epochs,
+            gamma,
+        } = self.schedule
+        {
+            if every_epochs == 0 || !(gamma > 0.0 && gamma <= 1.0) {
+                return bad(
+                    "--step-every",
+                    format!("{every_epochs} (gamma {gamma})"),
+                    "decay every ≥ 1 epoch by a factor in (0, 1]",
+                );
+            }
+        }
+        Ok(())
+    }
+}

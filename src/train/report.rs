@@ -1,0 +1,198 @@
+//! `RUN/report.png`: loss and accuracy per epoch (train vs valid) and training throughput.
+//!
+//! Drawn with plotters' bitmap backend; text uses DejaVu Sans embedded from the `dejavu`
+//! crate, so the picture has labels on machines with no system fonts.
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use super::metrics::{EpochMetrics, MetricsSplit};
+use super::TrainError;
+
+const FONT: &str = "sans-serif";
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // The bytes are a known-good TTF shipped by the crate; failure would be a build bug.
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
+            .map_err(|_| ())
+            .expect("embedded DejaVu Sans parses");
+    });
+}
+
+fn series(
+    lines: &[EpochMetrics],
+    split: MetricsSplit,
+    f: fn(&EpochMetrics) -> f64,
+) -> Vec<(f64, f64)> {
+    lines
+        .iter()
+        .filter(|m| m.split == split)
+        .map(|m| (m.epoch as f64, f(m)))
+        .collect()
+}
+
+/// Draws the report of `lines` (as read from `metrics.jsonl`) into `path` (PNG), through a
+/// temporary file and a rename.
+pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), TrainError> {
+    register_font();
+    let tmp = super::checkpoint::temp_path(path).with_extension("png");
+    draw(&tmp, lines).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        TrainError::Report {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        }
+    })?;
+    super::checkpoint::commit_temp(&tmp, path)
+}
+
+fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::new(path, (1500, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((1, 3));
+    let last_epoch = lines.iter().map(|m| m.epoch).max().unwrap_or(1).max(1) as f64;
+    let x_range = 1.0..last_epoch.max(2.0);
+
+    let loss_max = lines
+        .iter()
+        .map(|m| m.loss)
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
+    panel(
+        &panels[0],
+        "Loss per epoch",
+        "loss",
+        x_range.clone(),
+        0.0..loss_max,
+        &[
+            (
+                "train",
+                BLUE,
+                series(lines, MetricsSplit::Train, |m| m.loss),
+            ),
+            ("valid", RED, series(lines, MetricsSplit::Valid, |m| m.loss)),
+        ],
+    )?;
+    panel(
+        &panels[1],
+        "Top-1 accuracy per epoch",
+        "accuracy",
+        x_range.clone(),
+        0.0..1.0,
+        &[
+            (
+                "train",
+                BLUE,
+                series(lines, MetricsSplit::Train, |m| m.accuracy),
+            ),
+            (
+                "valid",
+                RED,
+                series(lines, MetricsSplit::Valid, |m| m.accuracy),
+            ),
+        ],
+    )?;
+    let speed_max = lines
+        .iter()
+        .filter(|m| m.split == MetricsSplit::Train)
+        .map(|m| m.images_per_sec)
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.2;
+    panel(
+        &panels[2],
+        "Training throughput",
+        "images/s",
+        x_range,
+        0.0..speed_max,
+        &[(
+            "train images/s",
+            GREEN,
+            series(lines, MetricsSplit::Train, |m| m.images_per_sec),
+        )],
+    )?;
+    root.present()?;
+    Ok(())
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+
+/// One curve: legend label, colour, (epoch, value) points.
+type Curve<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
+fn panel(
+    area: &Area<'_>,
+    title: &str,
+    y_label: &str,
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+    curves: &[Curve<'_>],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, (FONT, 22))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(56)
+        .build_cartesian_2d(x, y)?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .y_desc(y_label)
+        .label_style((FONT, 14))
+        .draw()?;
+    for (name, colour, points) in curves {
+        let colour = *colour;
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                colour.stroke_width(2),
+            ))?
+            .label(*name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font((FONT, 14))
+        .draw()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_a_png() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut lines = Vec::new();
+        for epoch in 1..=3 {
+            for (split, acc) in [(MetricsSplit::Train, 0.3), (MetricsSplit::Valid, 0.25)] {
+                lines.push(EpochMetrics {
+                    epoch,
+                    split,
+                    loss: 2.0 / epoch as f64,
+                    accuracy: acc * epoch as f64,
+                    top5: 0.9,
+                    images_per_sec: 500.0 + epoch as f64,
+                    seconds: 1.0,
+                });
+            }
+        }
+        let path = dir.path().join("report.png");
+        write_report(&path, &lines).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        assert!(bytes.len() > 10_000, "a blank picture would be tiny");
+    }
+}

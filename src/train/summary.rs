@@ -1,0 +1,144 @@
+//! The one-screen summary printed at the end of a run.
+
+use std::fmt::Write;
+
+use super::metrics::{EpochMetrics, MetricsSplit};
+
+/// What the summary says besides the per-epoch table.
+#[derive(Debug, Clone)]
+pub struct SummaryHeader {
+    /// "resnet8 · 10 classes · cpu (2 threads) × 1 replica · global batch 32".
+    pub title: String,
+    /// Wall time of this process's run, seconds.
+    pub wall_seconds: f64,
+    /// Run folder.
+    pub out: std::path::PathBuf,
+    /// Share of training time spent waiting for the input engine, when measured.
+    pub data_wait_share: Option<f64>,
+}
+
+/// Formats the per-epoch table (train and valid side by side) and the headline figures.
+pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "\n── summary: {} ──", header.title);
+    let _ = writeln!(
+        s,
+        "{:>5} │ {:>10} {:>9} │ {:>10} {:>9} {:>6} │ {:>9} {:>8}",
+        "epoch",
+        "train loss",
+        "train acc",
+        "valid loss",
+        "valid acc",
+        "top-5",
+        "images/s",
+        "seconds"
+    );
+    let epochs: std::collections::BTreeSet<u64> = lines.iter().map(|m| m.epoch).collect();
+    let find = |e: u64, split| {
+        lines
+            .iter()
+            .rev()
+            .find(|m| m.epoch == e && m.split == split)
+    };
+    let (mut images, mut train_seconds) = (0.0, 0.0);
+    for &e in &epochs {
+        let t = find(e, MetricsSplit::Train);
+        let v = find(e, MetricsSplit::Valid);
+        let cell = |x: Option<f64>, w: usize, p: usize| match x {
+            Some(x) => format!("{x:>w$.p$}"),
+            None => format!("{:>w$}", "-"),
+        };
+        if let Some(t) = t {
+            images += t.images_per_sec * t.seconds;
+            train_seconds += t.seconds;
+        }
+        let _ = writeln!(
+            s,
+            "{:>5} │ {} {} │ {} {} {} │ {} {}",
+            e,
+            cell(t.map(|m| m.loss), 10, 4),
+            cell(t.map(|m| m.accuracy), 9, 4),
+            cell(v.map(|m| m.loss), 10, 4),
+            cell(v.map(|m| m.accuracy), 9, 4),
+            cell(v.map(|m| m.top5), 6, 3),
+            cell(t.map(|m| m.images_per_sec), 9, 1),
+            cell(t.map(|m| m.seconds + v.map_or(0.0, |v| v.seconds)), 8, 2),
+        );
+    }
+    let valid: Vec<&EpochMetrics> = lines
+        .iter()
+        .filter(|m| m.split == MetricsSplit::Valid)
+        .collect();
+    if let (Some(last), Some(best)) = (
+        valid.last(),
+        valid
+            .iter()
+            .max_by(|a, b| a.accuracy.total_cmp(&b.accuracy)),
+    ) {
+        let _ = writeln!(
+            s,
+            "valid accuracy {:.4} (top-5 {:.4}) · best {:.4} at epoch {}",
+            last.accuracy, last.top5, best.accuracy, best.epoch
+        );
+    }
+    let mean_speed = if train_seconds > 0.0 {
+        images / train_seconds
+    } else {
+        0.0
+    };
+    let per_epoch = if epochs.is_empty() {
+        0.0
+    } else {
+        train_seconds / epochs.len() as f64
+    };
+    let wait = header
+        .data_wait_share
+        .map_or(String::new(), |w| format!(" · data-wait {:.1}%", w * 100.0));
+    let _ = writeln!(
+        s,
+        "wall time {:.1} s · training {:.1} images/s · {:.2} s per epoch (training){wait}",
+        header.wall_seconds, mean_speed, per_epoch
+    );
+    let _ = write!(
+        s,
+        "run folder {}: model.safetensors, checkpoint.json, metrics.jsonl, report.png",
+        header.out.display()
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_every_epoch_and_headline() {
+        let mk = |epoch, split, acc| EpochMetrics {
+            epoch,
+            split,
+            loss: 1.0,
+            accuracy: acc,
+            top5: 1.0,
+            images_per_sec: 100.0,
+            seconds: 2.0,
+        };
+        let lines = vec![
+            mk(1, MetricsSplit::Train, 0.5),
+            mk(1, MetricsSplit::Valid, 0.6),
+            mk(2, MetricsSplit::Train, 0.7),
+            mk(2, MetricsSplit::Valid, 0.9),
+        ];
+        let header = SummaryHeader {
+            title: "resnet8".into(),
+            wall_seconds: 9.0,
+            out: "runs/x".into(),
+            data_wait_share: Some(0.012),
+        };
+        let text = format_summary(&header, &lines);
+        assert!(text.contains("valid accuracy 0.9000"), "{text}");
+        assert!(text.contains("best 0.9000 at epoch 2"), "{text}");
+        assert!(text.contains("training 100.0 images/s"), "{text}");
+        assert!(text.contains("data-wait 1.2%"), "{text}");
+        assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
+    }
+}

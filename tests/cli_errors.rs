@@ -1,0 +1,259 @@
+//! Every user mistake of issue 3 ends in one clear line on stderr, a non-zero exit, and
+//! nothing half-written (no run folder appears).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
+
+fn birdtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(args)
+        .output()
+        .expect("the birdtrain binary runs")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("temp paths are UTF-8")
+}
+
+/// Asserts a failure with exactly one non-empty stderr line containing every `needle`.
+fn assert_one_line_error(out: &Output, needles: &[&str]) -> String {
+    assert!(!out.status.success(), "expected a failure, got success");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line, got:\n{stderr}");
+    assert!(lines[0].starts_with("error"), "{stderr}");
+    for needle in needles {
+        assert!(
+            lines[0].to_lowercase().contains(&needle.to_lowercase()),
+            "`{needle}` missing from: {stderr}"
+        );
+    }
+    stderr
+}
+
+fn dataset(root: &Path, classes: usize, seed: u64) -> PathBuf {
+    write_dataset(&SynthConfig {
+        out: root.to_path_buf(),
+        classes,
+        train_per_class: 6,
+        valid_per_class: 2,
+        test_per_class: 0,
+        width: 16,
+        height: 16,
+        format: ImageFormatKind::Png,
+        seed,
+    })
+    .expect("synthetic dataset");
+    root.to_path_buf()
+}
+
+/// A finished one-epoch resnet8 run on `data`.
+fn tiny_run(data: &Path, run: &Path, cache: &Path) {
+    let out = birdtrain(&[
+        "--data",
+        s(data),
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--out",
+        s(run),
+        "--cache-dir",
+        s(cache),
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn unknown_model_lists_the_valid_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let run = tmp.path().join("run");
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--model",
+        "resnet9",
+        "--gpus",
+        "0",
+        "--out",
+        s(&run),
+    ]);
+    assert_one_line_error(&out, &["resnet9", "resnet18", "resnet8"]);
+    assert!(!run.exists(), "a failed start must write nothing");
+}
+
+#[test]
+fn bad_flag_values_are_usage_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let run = tmp.path().join("run");
+    for (args, needle) in [
+        (vec!["--epochs", "many"], "--epochs"),
+        (vec!["--optimizer", "rmsprop"], "--optimizer"),
+        (vec!["--last-batch", "sometimes"], "--last-batch"),
+        (vec!["--lr=-1"], "--lr"),
+        (vec!["--batch-size", "0"], "--batch-size"),
+        (vec!["--schedule", "linear"], "--schedule"),
+        (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
+    ] {
+        let mut all = vec!["--data", s(&data), "--gpus", "0", "--out", s(&run)];
+        all.extend(args);
+        let out = birdtrain(&all);
+        assert_one_line_error(&out, &[needle]);
+        assert!(!run.exists(), "{all:?} wrote a run folder");
+    }
+}
+
+#[test]
+fn missing_data_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-dataset");
+    let out = birdtrain(&["--data", s(&missing), "--gpus", "0"]);
+    assert_one_line_error(&out, &["no-such-dataset", "does not exist"]);
+    let out = birdtrain(&["--gpus", "0"]);
+    assert_one_line_error(&out, &["--data"]);
+}
+
+#[test]
+fn more_gpus_than_present() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let run = tmp.path().join("run");
+    let out = birdtrain(&["--data", s(&data), "--gpus", "4096", "--out", s(&run)]);
+    assert_one_line_error(&out, &["--gpus 4096", "--gpus 0"]);
+    assert!(!run.exists());
+}
+
+#[test]
+fn bad_resume_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = birdtrain(&["--data", s(&data), "--gpus", "0", "--resume", s(&empty)]);
+    assert_one_line_error(&out, &["bad run folder", "checkpoint.json"]);
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--resume",
+        s(&tmp.path().join("nope")),
+    ]);
+    assert_one_line_error(&out, &["bad run folder"]);
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+}
+
+#[test]
+fn checkpoint_from_another_model_or_class_list() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let other = dataset(&tmp.path().join("other"), 3, 1);
+    let run = tmp.path().join("run");
+    let cache = tmp.path().join("cache");
+    tiny_run(&data, &run, &cache);
+    let before = std::fs::read(run.join("model.safetensors")).unwrap();
+
+    // Another model on resume.
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--resume",
+        s(&run),
+        "--model",
+        "resnet20",
+        "--epochs",
+        "2",
+        "--cache-dir",
+        s(&cache),
+    ]);
+    assert_one_line_error(&out, &["model", "resnet20", "resnet8"]);
+    // Another class list on resume.
+    let out = birdtrain(&[
+        "--data",
+        s(&other),
+        "--gpus",
+        "0",
+        "--resume",
+        s(&run),
+        "--epochs",
+        "2",
+        "--cache-dir",
+        s(&cache),
+    ]);
+    assert_one_line_error(&out, &["class list"]);
+    // Another class list on eval.
+    let out = birdtrain(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&other),
+        "--cache-dir",
+        s(&cache),
+    ]);
+    assert_one_line_error(&out, &["class list"]);
+    // predict on a file that is no image names that file.
+    let fake = tmp.path().join("holiday.jpg");
+    std::fs::write(&fake, b"plain text").unwrap();
+    let out = birdtrain(&["predict", "--checkpoint", s(&run), s(&fake)]);
+    assert_one_line_error(&out, &["holiday.jpg", "not an image"]);
+    // Nothing was overwritten by the failed attempts.
+    assert_eq!(
+        std::fs::read(run.join("model.safetensors")).unwrap(),
+        before
+    );
+}
+
+#[test]
+fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let bad = data.join("train").join("class_00").join("broken.png");
+    std::fs::write(&bad, b"\x89PNG\r\n\x1a\nnot really a png").unwrap();
+    let cache = tmp.path().join("cache");
+
+    let run = tmp.path().join("fail");
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--out",
+        s(&run),
+        "--cache-dir",
+        s(&cache),
+        "--on-bad-image",
+        "fail",
+        "--quiet",
+    ]);
+    assert_one_line_error(&out, &["broken.png"]);
+    assert!(!run.exists(), "a failed run leaves no run folder");
+
+    let run = tmp.path().join("skip");
+    tiny_run(&data, &run, &tmp.path().join("cache2"));
+    let report = std::fs::read_to_string(run.join("bad_files_train.txt")).unwrap();
+    assert!(report.contains("broken.png"), "bad-files report: {report}");
+}
