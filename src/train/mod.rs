@@ -14,6 +14,7 @@ mod config;
 mod device;
 mod error;
 mod evaluate;
+mod gpu;
 pub mod metrics;
 mod progress;
 mod replicas;
@@ -32,4 +33,5 @@ pub use evaluate::{
 pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use report::write_report;
 pub use run::{train, TrainOutcome};
+pub(crate) use gpu::default_dist_args;
 pub use summary::{format_summary, SummaryHeader};

@@ -75,6 +75,7 @@ fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome,
             let backends = (0..cfg.replicas).map(|_| cpu.clone()).collect();
             train_with(cfg, stop, backends)
         }
+        DeviceChoice::Cuda(_) if cfg.dist.is_some() => super::gpu::train_on_gpus(cfg, stop),
         DeviceChoice::Cuda(n) => {
             // One replica per GPU, driven from this thread; gradients are averaged on the host
             // (the NCCL path of `dist` overlaps this on real multi-GPU runs).
@@ -91,7 +92,7 @@ fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome,
     }
 }
 
-fn source(cfg: &TrainConfig) -> DatasetSource {
+pub(super) fn source(cfg: &TrainConfig) -> DatasetSource {
     match cfg.valid_fraction {
         Some(f) => DatasetSource::flat(&cfg.data, f),
         None => DatasetSource::folder(&cfg.data),
@@ -123,7 +124,7 @@ fn pipeline_for(cfg: &TrainConfig, split: Split) -> Result<Pipeline, TrainError>
     Ok(b.build()?)
 }
 
-fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
+pub(super) fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
     match cfg.optimizer {
         OptimizerChoice::Sgd => OptimizerKind::Sgd {
             momentum: cfg.momentum,
@@ -410,7 +411,7 @@ fn reached_stop_step(cfg: &TrainConfig, pos: &DataPosition) -> bool {
 }
 
 /// Checks a resumed checkpoint against this run: model, image size, class list.
-fn check_resume(
+pub(super) fn check_resume(
     cfg: &TrainConfig,
     run: &Path,
     meta: &CheckpointMeta,
@@ -450,7 +451,7 @@ fn check_resume(
     Ok(())
 }
 
-fn copy_metrics(from: &Path, to: &Path) -> Result<(), TrainError> {
+pub(super) fn copy_metrics(from: &Path, to: &Path) -> Result<(), TrainError> {
     if !from.exists() {
         return Ok(());
     }
