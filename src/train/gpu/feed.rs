@@ -190,9 +190,11 @@ mod tests {
         })
     }
 
+    type Drive = (Vec<(u32, u64)>, Vec<Vec<u8>>, Vec<String>);
+
     /// Drives `n` steps the way the GPU driver does and returns, per step, the batch index
     /// compute got and how many batches had been staged when its compute was enqueued.
-    fn drive(depth: usize, n: usize, seed: u64, eagerness: u32) -> (Vec<(u32, u64)>, SimStreams) {
+    fn drive(depth: usize, n: usize, seed: u64, eagerness: u32) -> Drive {
         let ring = StagingRing::new(SimStreams::new(depth, BYTES, seed, eagerness)).unwrap();
         let mut feeder = Feeder::new(ring);
         let mut source = batches(n);
@@ -212,13 +214,12 @@ mod tests {
             feeder.done().unwrap();
             feeder.record(ready.waited, ready.waited + Duration::from_millis(1));
         }
-        let mut sim = std::mem::replace(
-            feeder.ring_mut().streams_mut(),
-            SimStreams::new(1, 1, 0, 0),
-        );
-        sim.drain();
+        feeder.ring_mut().streams_mut().drain();
+        let sim = feeder.ring().streams();
+        let consumed = sim.consumed().to_vec();
+        let violations = sim.violations().to_vec();
         assert_eq!(feeder.meter().steps, n as u64);
-        (seen, sim)
+        (seen, consumed, violations)
     }
 
     #[test]
@@ -227,7 +228,7 @@ mod tests {
             for seed in 0..16 {
                 for eagerness in [0, 1, 3, 50] {
                     let n = 9;
-                    let (seen, mut sim) = drive(depth, n, seed, eagerness);
+                    let (seen, consumed, violations) = drive(depth, n, seed, eagerness);
                     let order: Vec<u32> = seen.iter().map(|s| s.0).collect();
                     assert_eq!(order, (0..n as u32).collect::<Vec<_>>());
                     for (k, &(_, staged)) in seen.iter().enumerate() {
@@ -236,12 +237,11 @@ mod tests {
                         let want = (k + depth).min(n) as u64;
                         assert_eq!(staged, want, "depth {depth} step {k}");
                     }
-                    sim.drain();
-                    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+                    assert!(violations.is_empty(), "{violations:?}");
                     let want: Vec<Vec<u8>> = batches(n)
                         .map(|b| (*b.unwrap().pixels).as_ref().to_vec())
                         .collect();
-                    assert_eq!(sim.consumed(), &want[..], "depth {depth} seed {seed}");
+                    assert_eq!(consumed, want, "depth {depth} seed {seed}");
                 }
             }
         }
