@@ -139,10 +139,17 @@ pub(crate) fn launch_plan(n: usize, dist: &DistArgs) -> Result<LaunchPlan, Train
 }
 
 /// Trains on `n` GPUs of this node (and those of the other nodes, if any) through NCCL.
-pub(crate) fn train_on_gpus(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
+pub(crate) fn train_on_gpus(
+    cfg: &TrainConfig,
+    stop: &AtomicBool,
+) -> Result<TrainOutcome, TrainError> {
     let wall = Instant::now();
     let DeviceChoice::Cuda(n) = cfg.device else {
-        return Err(config_error("--gpus", 0, "the NCCL path needs at least one GPU"));
+        return Err(config_error(
+            "--gpus",
+            0,
+            "the NCCL path needs at least one GPU",
+        ));
     };
     let dist = cfg.dist.clone().unwrap_or_else(default_dist_args);
     if dist.prefetch_depth == 0 {
@@ -170,22 +177,24 @@ pub(crate) fn train_on_gpus(cfg: &TrainConfig, stop: &AtomicBool) -> Result<Trai
         model: cfg.arch.name().to_string(),
     };
     let master = plan.master.as_ref().map(ToString::to_string);
-    let assignment = rendezvous::rendezvous(
-        master.as_deref(),
-        &me,
-        dist.rendezvous_timeout(),
-        || nccl::new_unique_id().map_err(|e| e.to_string()),
-    )
-    .map_err(|e| TrainError::Device {
-        device: format!("node {} of {}", plan.node_rank, plan.nodes),
-        reason: format!("rendezvous failed: {e}"),
-    })?;
+    let assignment =
+        rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
+            nccl::new_unique_id().map_err(|e| e.to_string())
+        })
+        .map_err(|e| TrainError::Device {
+            device: format!("node {} of {}", plan.node_rank, plan.nodes),
+            reason: format!("rendezvous failed: {e}"),
+        })?;
     let world_size = assignment.world_size;
     let mut run_cfg = cfg.clone();
     // The global batch is every rank's micro-batch; the learning rate scales with it.
     run_cfg.replicas = world_size;
     let first = *plan.devices.first().ok_or_else(|| {
-        config_error("--gpus", n, "no GPU in the launch plan (--gpus 0 trains on the CPU)")
+        config_error(
+            "--gpus",
+            n,
+            "no GPU in the launch plan (--gpus 0 trains on the CPU)",
+        )
     })?;
     let ctx = cudarc::driver::CudaContext::new(first).map_err(|e| TrainError::Device {
         device: format!("cuda:{first}"),
@@ -338,8 +347,11 @@ fn initial_state(
     match resumed {
         Some((run, meta)) => {
             check_resume(cfg, run, meta, classes)?;
-            let state =
-                ModelState::load_safetensors(graph, &run.join(&meta.model_file), HeadPolicy::Strict)?;
+            let state = ModelState::load_safetensors(
+                graph,
+                &run.join(&meta.model_file),
+                HeadPolicy::Strict,
+            )?;
             let mut position = meta.data_position.clone();
             if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
                 // Another GPU count: continue from the same sample count (rounded down).
@@ -469,13 +481,25 @@ mod tests {
             rank: 1,
             source: anyhow::Error::new(config_error("--bucket-mb", 0, "positive")),
         });
-        assert!(matches!(e, TrainError::InvalidConfig { flag: "--bucket-mb", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                TrainError::InvalidConfig {
+                    flag: "--bucket-mb",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = ranks_error(ranks::RanksError::Body {
             rank: 2,
             source: anyhow::anyhow!("NCCL timed out"),
         });
         let text = e.to_string();
-        assert!(text.contains("GPU rank 2") && text.contains("NCCL timed out"), "{text}");
+        assert!(
+            text.contains("GPU rank 2") && text.contains("NCCL timed out"),
+            "{text}"
+        );
     }
 
     #[test]

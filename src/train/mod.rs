@@ -30,8 +30,8 @@ pub use error::TrainError;
 pub use evaluate::{
     evaluate, load_checkpoint_for_inference, predict, EvalReport, InferenceModel, Prediction,
 };
+pub(crate) use gpu::default_dist_args;
 pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use report::write_report;
 pub use run::{train, TrainOutcome};
-pub(crate) use gpu::default_dist_args;
 pub use summary::{format_summary, SummaryHeader};

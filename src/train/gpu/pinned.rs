@@ -85,7 +85,10 @@ where
         if got < pixel_bytes {
             // The pool checks this too; saying it here names the allocator at fault.
             return Err(PipelineError::Allocator {
-                message: format!("{} allocator returned {got} bytes, a batch needs {pixel_bytes}", self.what),
+                message: format!(
+                    "{} allocator returned {got} bytes, a batch needs {pixel_bytes}",
+                    self.what
+                ),
                 source: None,
             });
         }
@@ -129,7 +132,10 @@ mod tests {
             panic!("must fail")
         };
         let text = e.to_string();
-        assert!(text.contains("1048576 bytes of pinned host memory"), "{text}");
+        assert!(
+            text.contains("1048576 bytes of pinned host memory"),
+            "{text}"
+        );
         assert!(text.contains("--batch-size"), "{text}");
         assert!(std::error::Error::source(&e).is_some());
         assert_eq!(a.allocated(), (0, 0));
@@ -158,13 +164,15 @@ mod tests {
         let alloc = Arc::new(FnAllocator::new("test memory", |n| {
             Ok::<_, NoMemory>(vec![0u8; n])
         }));
-        let pipe = pipeline::PipelineBuilder::new(pipeline::DatasetSource::folder(root.path().join("data")))
-            .image_size(16)
-            .batch_size(2)
-            .cache_dir(root.path().join("cache"))
-            .allocator(alloc.clone())
-            .build()
-            .unwrap();
+        let pipe = pipeline::PipelineBuilder::new(pipeline::DatasetSource::folder(
+            root.path().join("data"),
+        ))
+        .image_size(16)
+        .batch_size(2)
+        .cache_dir(root.path().join("cache"))
+        .allocator(alloc.clone())
+        .build()
+        .unwrap();
         let mut seen = 0;
         for batch in pipe.epoch(0, 0, 0).unwrap() {
             let batch = batch.unwrap();

@@ -15,8 +15,9 @@
 //! 5. the averaged gradients are copied back and the fused optimizer updates every
 //!    parameter in one launch, after the last bucket (the compute stream waits for it);
 //! 6. a small all-reduce sums the step's loss and hits and agrees on stopping (Ctrl-C on any
-//!    rank stops every rank after the same step); every [`super::CHECKSUM_EVERY`] steps rank
-//!    0's weight checksum is broadcast and every rank compares its own.
+//!    rank stops every rank after the same step); every [`super::CHECKSUM_EVERY`] steps and at
+//!    the end of every epoch rank 0's weight checksum is broadcast and every rank compares its
+//!    own.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,9 +43,7 @@ use crate::dist::cuda_staging::CudaStaging;
 use crate::dist::gpu_trace::{rows, GpuTimeline};
 use crate::dist::nccl::{Communicator, GradientSync};
 use crate::dist::ranks::RankContext;
-use crate::dist::staging::{
-    ExternalBatch, StagingError, StagingRing,
-};
+use crate::dist::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::dist::watchdog::Watchdog;
 use crate::model::{InputBatch, Network, NetworkConfig, StepStats};
 use crate::optim::Optimizer;
@@ -53,8 +52,8 @@ use crate::train::checkpoint::{
     write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
 };
 use crate::train::evaluate::evaluate;
-use crate::train::metrics::{append_metrics, read_metrics, EpochMetrics, MetricsAccumulator};
 use crate::train::metrics::MetricsSplit;
+use crate::train::metrics::{append_metrics, read_metrics, EpochMetrics, MetricsAccumulator};
 use crate::train::progress::EpochBar;
 use crate::train::report::write_report;
 use crate::train::run::optimizer_kind;
@@ -160,10 +159,9 @@ impl Agreement {
         }
         let done = Arc::new(self.stream.record_event(None)?);
         let probe = done.clone();
-        self.watchdog
-            .watch(what.to_string(), move || {
-                probe.try_is_complete().map_err(|e| e.to_string())
-            })?;
+        self.watchdog.watch(what.to_string(), move || {
+            probe.try_is_complete().map_err(|e| e.to_string())
+        })?;
         self.watchdog.wait_idle(self.limit)?;
         let out = self.stream.clone_dtoh(&self.buf.slice(0..values.len()))?;
         self.stream.synchronize()?;
@@ -184,8 +182,7 @@ fn scale_in_place(
     let (ptr, _record) = buf.device_ptr_mut(stream);
     // SAFETY: `ptr` addresses `buf.len() >= len` f32 values on this device; the handle runs on
     // `stream` (the compute stream), after the kernels that wrote them.
-    let status =
-        unsafe { sys::cublasSscal_v2(*blas.handle(), n, &alpha, ptr as *mut f32, 1) };
+    let status = unsafe { sys::cublasSscal_v2(*blas.handle(), n, &alpha, ptr as *mut f32, 1) };
     anyhow::ensure!(
         status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
         "cublasSscal failed: {status:?}"
@@ -228,8 +225,7 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
     let cfg = &shared.cfg;
     let dist = &shared.dist;
     let graph = &shared.graph;
-    let backend =
-        CudaBackend::new(ordinal).with_context(|| format!("opening cuda:{ordinal}"))?;
+    let backend = CudaBackend::new(ordinal).with_context(|| format!("opening cuda:{ordinal}"))?;
     let mut net = Network::new(
         StagedBackend::new(backend),
         graph,
@@ -251,11 +247,13 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
         .iter()
         .map(|p| (p.name.clone(), p.numel()))
         .collect();
-    let plan = BucketPlan::new(&specs_from_numel(&names, 4), dist.bucket_settings())
-        .map_err(|e| TrainError::InvalidConfig {
-            flag: "--bucket-mb",
-            value: dist.bucket_mb.to_string(),
-            hint: e.to_string(),
+    let plan =
+        BucketPlan::new(&specs_from_numel(&names, 4), dist.bucket_settings()).map_err(|e| {
+            TrainError::InvalidConfig {
+                flag: "--bucket-mb",
+                value: dist.bucket_mb.to_string(),
+                hint: e.to_string(),
+            }
         })?;
     let mut sync = GradientSync::new(comm, stream.clone(), plan, dist.collective_timeout())?;
     if shared.trace.is_enabled() {
@@ -344,6 +342,10 @@ impl Rank<'_> {
                     }
                 }
                 return Ok((true, last_valid));
+            }
+            // Every epoch ends with a cross-rank comparison, however short the epoch.
+            if !checksum_due(self.position.global_step, self.shared.checksum_every) {
+                self.compare_checksums()?;
             }
             let train_line = self
                 .position
@@ -465,7 +467,8 @@ impl Rank<'_> {
                         t_step,
                     );
                 }
-                let global = self.step(&ready.batch, ready.staged.slot, ready.staged.bytes, epoch)?;
+                let global =
+                    self.step(&ready.batch, ready.staged.slot, ready.staged.bytes, epoch)?;
                 let (totals, agreed_stop) = global;
                 stop = agreed_stop;
                 self.position.samples_in_epoch += totals.count as u64;
@@ -543,9 +546,14 @@ impl Rank<'_> {
             // slot's `consumed` event (after every kernel of this step) before it lets the
             // copy stream overwrite it.
             unsafe { self.net.backend().set_staged(ptr, bytes) };
-            let augments = cfg
-                .augment
-                .then(|| augments_for(cfg.seed, epoch, &batch.sample_ids[..batch.len], cfg.image_size));
+            let augments = cfg.augment.then(|| {
+                augments_for(
+                    cfg.seed,
+                    epoch,
+                    &batch.sample_ids[..batch.len],
+                    cfg.image_size,
+                )
+            });
             let input = InputBatch {
                 pixels: (*batch.pixels).as_ref(),
                 labels: &batch.labels,
@@ -561,7 +569,13 @@ impl Rank<'_> {
         };
         self.feeder.done()?;
         if let Some(t) = self.sync.timeline_mut() {
-            t.end(span, &self.stream, "forward + backward", "compute", rows::COMPUTE)?;
+            t.end(
+                span,
+                &self.stream,
+                "forward + backward",
+                "compute",
+                rows::COMPUTE,
+            )?;
         }
         self.reduce_gradients(batch.len, total, world)?;
         if total > 0 {
@@ -655,9 +669,11 @@ impl Rank<'_> {
         let mut state = self.net.state().map_err(TrainError::from)?;
         let master = from_backend_layout(graph.params(), &self.opt.master()?);
         state.set_flat_params(&master).map_err(TrainError::from)?;
-        let model_bytes = state.to_safetensors_bytes(graph, None).map_err(TrainError::from)?;
-        let optim_bytes =
-            Optimizer::new(optimizer_kind(cfg), shared.hyper, graph.params()).to_safetensors_bytes();
+        let model_bytes = state
+            .to_safetensors_bytes(graph, None)
+            .map_err(TrainError::from)?;
+        let optim_bytes = Optimizer::new(optimizer_kind(cfg), shared.hyper, graph.params())
+            .to_safetensors_bytes();
         write_atomic(&cfg.out.join(MODEL_FILE), &model_bytes)?;
         write_atomic(&cfg.out.join(OPTIMIZER_FILE), &optim_bytes)?;
         let checksum = |bytes: &[u8]| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));

@@ -118,7 +118,14 @@ mod tests {
 
     #[test]
     fn checksums_survive_the_f64_round_trip_exactly() {
-        for sum in [0u64, 1, u64::MAX, 0x0123_4567_89ab_cdef, 1 << 32, (1 << 32) - 1] {
+        for sum in [
+            0u64,
+            1,
+            u64::MAX,
+            0x0123_4567_89ab_cdef,
+            1 << 32,
+            (1 << 32) - 1,
+        ] {
             assert_eq!(checksum_from_f64(checksum_to_f64(sum)), sum);
         }
     }
@@ -128,7 +135,10 @@ mod tests {
         assert_eq!(compare_checksum(1, 10, 5, 5), Ok(()));
         let e = compare_checksum(3, 40, 6, 5).unwrap_err();
         let text = e.to_string();
-        assert!(text.starts_with("rank 3: weights diverged from rank 0 at step 40"), "{text}");
+        assert!(
+            text.starts_with("rank 3: weights diverged from rank 0 at step 40"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -156,7 +166,12 @@ mod tests {
         let sum: Vec<f64> = pa.iter().zip(&pb).map(|(x, y)| x + y).collect();
         let (total, stop) = unpack_totals(sum.try_into().unwrap());
         assert_eq!(
-            (total.loss_sum, total.correct_top1, total.correct_top5, total.count),
+            (
+                total.loss_sum,
+                total.correct_top1,
+                total.correct_top5,
+                total.count
+            ),
             (4.0, 4, 15, 16)
         );
         assert!(stop);
@@ -174,7 +189,10 @@ mod tests {
             ..StagingStats::default()
         };
         let line = data_wait_line(1, 3, &meter, &stats, 2);
-        assert!(line.starts_with("GPU 3 (rank 1): data wait 0.5 % of 0.2 s over 2 steps"), "{line}");
+        assert!(
+            line.starts_with("GPU 3 (rank 1): data wait 0.5 % of 0.2 s over 2 steps"),
+            "{line}"
+        );
         assert!(line.contains("compute-bound"), "{line}");
         meter.record(Duration::from_millis(100), Duration::from_millis(100));
         assert!(data_wait_line(0, 0, &meter, &stats, 2).contains("input-bound"));

@@ -107,7 +107,10 @@ impl StagedBackend {
             )));
         }
         if out.len() < bytes {
-            return Err(shape(format!("output has {} elements, needs {bytes}", out.len())));
+            return Err(shape(format!(
+                "output has {} elements, needs {bytes}",
+                out.len()
+            )));
         }
         let to_i32 = |what: &str, v: usize| {
             i32::try_from(v).map_err(|_| shape(format!("{what} = {v} exceeds 32-bit indexing")))
@@ -131,9 +134,7 @@ impl StagedBackend {
                     .collect(),
                 1,
             ),
-            Some(aug) => {
-                return Err(shape(format!("{} augmentations for {n} images", aug.len())))
-            }
+            Some(aug) => return Err(shape(format!("{} augmentations for {n} images", aug.len()))),
             None => (vec![0], 0),
         };
         if work.aug.as_ref().is_none_or(|a| a.len() < params.len()) {
