@@ -440,7 +440,7 @@ fn outcome(
         interrupted: first.interrupted,
         epochs_done: first.position.epoch,
         global_step: first.position.global_step,
-        last_valid: first.last_valid.clone(),
+        last_valid: first.last_valid,
         out: cfg.out.clone(),
         summary,
         replica_checksums,
