@@ -80,3 +80,30 @@ fn a_cpu_run_keeps_the_generic_loop() {
     assert_eq!(cfg.device, DeviceChoice::Cpu);
     assert!(cfg.dist.is_none(), "the NCCL path is for GPUs only");
 }
+
+#[test]
+fn the_nccl_path_without_a_gpu_is_one_clear_error_and_leaves_nothing() {
+    if birdtrain::train::cuda_device_count().unwrap_or(0) > 0 {
+        return; // a GPU machine trains instead (tests/train_gpu.rs)
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for split in ["train", "valid"] {
+        std::fs::create_dir_all(tmp.path().join(split).join("a")).unwrap();
+    }
+    let cli = Cli::try_parse_from(["birdtrain", "--data", tmp.path().to_str().unwrap()]).unwrap();
+    let (mut cfg, _) = to_config(&cli.train).unwrap();
+    cfg.device = DeviceChoice::Cuda(1);
+    cfg.dist = Some(cli.train.dist.clone().unwrap_or_else(|| {
+        Cli::try_parse_from(["birdtrain", "--bucket-mb", "25"])
+            .unwrap()
+            .train
+            .dist
+            .unwrap()
+    }));
+    cfg.out = tmp.path().join("run");
+    let err = birdtrain::train::train(&cfg, &std::sync::atomic::AtomicBool::new(false))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--gpus"), "{err}");
+    assert!(!cfg.out.exists(), "a failed start leaves no run folder");
+}

@@ -433,7 +433,8 @@ fn outcome(
         },
         first.checks_passed
     ));
-    if cfg.verbose && plan.is_master() {
+    if cfg.verbose {
+        // Every node prints its own GPUs' lines; only node 0 has the metrics.
         println!("{summary}");
     }
     Ok(TrainOutcome {

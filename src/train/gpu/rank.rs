@@ -204,8 +204,9 @@ struct Rank<'a> {
     ordinal: usize,
     net: Network<StagedBackend>,
     stream: Arc<CudaStream>,
-    sync: GradientSync,
+    // Declared (so dropped) before `sync`: its watchdog polls the communicator `sync` owns.
     agree: Agreement,
+    sync: GradientSync,
     opt: DeviceOptimizer,
     grads: CudaSlice<f32>,
     feeder: Feeder<CudaStaging>,
@@ -303,9 +304,6 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
     let meter = me.feeder.meter();
     let staging = me.feeder.ring().stats();
     let line = data_wait_line(rank, ordinal, &meter, &staging, dist.prefetch_depth);
-    if cfg.verbose {
-        println!("{line}");
-    }
     Ok(RankReport {
         checksum,
         checks_passed: me.checks_passed,
