@@ -25,8 +25,10 @@
 //
 // Launch configuration. Reductions: block (32, 8): threadIdx.x walks 32 consecutive channels
 // (coalesced 64-byte rows), threadIdx.y strides over the slab's rows; grid (ceil(C/32), slabs)
-// with `rows_per_slab` rows per slab (the host picks slabs ≈ 4 per SM). Finalize: one thread
-// per channel, 128 per block. Element-wise kernels: grid-stride loops, 256 threads.
+// with `rows_per_slab` rows per slab (the host picks slabs ≈ 4 per SM); the *_vec reductions
+// (C % 8 == 0, C ≤ 2048) use 256 threads on 16-byte channel groups instead (see below). Finalize: one thread
+// per channel, 128 per block. Element-wise kernels: grid-stride loops, 256 threads; the *_vec
+// variants (C % 8 == 0, every ResNet layer) move 16 bytes per thread and access.
 #include "common.cuh"
 
 #define RED_Y 8
@@ -188,5 +190,179 @@ extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16*
         }
         dx[i] = bt_to_bf16(k * d);
         if (dres != nullptr) dres[i] = bt_to_bf16(accumulate_res ? g + bt_to_f32(dres[i]) : g);
+    }
+}
+
+// ---- 16-byte variants (C % 8 == 0): each thread handles 8 consecutive channels of one row ----
+
+union Bf16x8 {
+    uint4 v;
+    bf16 e[8];
+};
+
+__device__ __forceinline__ Bf16x8 load8(const bf16* p) {
+    Bf16x8 u;
+    u.v = *reinterpret_cast<const uint4*>(p);
+    return u;
+}
+
+extern "C" __global__ void bn_apply_vec(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                        const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                        bf16* __restrict__ y, long total, int channels, int relu) {
+    const long groups = total / 8;
+    for (long gi = blockIdx.x * (long)blockDim.x + threadIdx.x; gi < groups; gi += (long)gridDim.x * blockDim.x) {
+        const long i = gi * 8;
+        const int c0 = (int)(i % channels);
+        const Bf16x8 xv = load8(x + i);
+        Bf16x8 rv, out;
+        if (residual != nullptr) rv = load8(residual + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int c = c0 + e;
+            float v = (bt_to_f32(xv.e[e]) - mean[c]) * invstd[c] * bt_to_f32(gamma[c]) + bt_to_f32(beta[c]);
+            if (residual != nullptr) v += bt_to_f32(rv.e[e]);
+            if (relu) v = fmaxf(v, 0.0f);
+            out.e[e] = bt_to_bf16(v);
+        }
+        *reinterpret_cast<uint4*>(y + i) = out.v;
+    }
+}
+
+extern "C" __global__ void bn_bwd_apply_vec(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+                                            const bf16* __restrict__ x, const float* __restrict__ mean,
+                                            const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                            const float* __restrict__ dbeta,
+                                            const float* __restrict__ dgamma, long total,
+                                            int channels, int relu, int batch_stats, bf16* __restrict__ dx,
+                                            bf16* __restrict__ dres, int accumulate_res) {
+    const float inv_rows = (float)channels / (float)total;
+    const long groups = total / 8;
+    for (long gi = blockIdx.x * (long)blockDim.x + threadIdx.x; gi < groups; gi += (long)gridDim.x * blockDim.x) {
+        const long i = gi * 8;
+        const int c0 = (int)(i % channels);
+        const Bf16x8 dyv = load8(dy + i), xv = load8(x + i);
+        Bf16x8 yv, dxo, dro, dri;
+        if (relu) yv = load8(y + i);
+        if (dres != nullptr && accumulate_res) dri = load8(dres + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int c = c0 + e;
+            float g = bt_to_f32(dyv.e[e]);
+            if (relu && !(bt_to_f32(yv.e[e]) > 0.0f)) g = 0.0f;
+            const float k = bt_to_f32(gamma[c]) * invstd[c];
+            float d = g;
+            if (batch_stats) {
+                const float xhat = (bt_to_f32(xv.e[e]) - mean[c]) * invstd[c];
+                d = g - (dbeta[c] + xhat * dgamma[c]) * inv_rows;
+            }
+            dxo.e[e] = bt_to_bf16(k * d);
+            dro.e[e] = bt_to_bf16(dres != nullptr && accumulate_res ? g + bt_to_f32(dri.e[e]) : g);
+        }
+        *reinterpret_cast<uint4*>(dx + i) = dxo.v;
+        if (dres != nullptr) *reinterpret_cast<uint4*>(dres + i) = dro.v;
+    }
+}
+
+// Per-slab reductions for C % 8 == 0 and C ≤ 2048: a 1-D block of 256 threads; thread t owns
+// channel group t % G (G = C / 8, 8 channels read as one 16-byte load) and walks rows
+// t / G, t / G + R, ... with R = 256 / G rows in flight per step; the R partial states of a
+// group are then merged in shared memory by its first thread. Launch: grid (1, slabs), 256.
+#define RED_THREADS 256
+
+extern "C" __global__ void bn_stats_partial_vec(const bf16* __restrict__ x, int rows, int channels,
+                                                int rows_per_slab, float* __restrict__ part_mean,
+                                                float* __restrict__ part_m2) {
+    __shared__ float s_mean[RED_THREADS][8], s_m2[RED_THREADS][8], s_n[RED_THREADS];
+    const int groups = channels / 8, lanes = RED_THREADS / groups;
+    const int t = threadIdx.x, grp = t % groups, lane = t / groups;
+    const int begin = blockIdx.y * rows_per_slab;
+    const int end = min(rows, begin + rows_per_slab);
+    float n = 0.0f, mean[8], m2[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { mean[e] = 0.0f; m2[e] = 0.0f; }
+    if (lane < lanes) {
+        for (int row = begin + lane; row < end; row += lanes) {
+            const Bf16x8 v = load8(x + (long)row * channels + grp * 8);
+            n += 1.0f;
+            const float inv = 1.0f / n;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float xv = bt_to_f32(v.e[e]), d = xv - mean[e];
+                mean[e] += d * inv;
+                m2[e] += d * (xv - mean[e]);
+            }
+        }
+    }
+    s_n[t] = n;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { s_mean[t][e] = mean[e]; s_m2[t][e] = m2[e]; }
+    __syncthreads();
+    if (lane == 0) {
+        for (int l = 1; l < lanes; ++l) {
+            const int o = l * groups + grp;
+            float na = n;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float nn = na;
+                chan_merge(nn, mean[e], m2[e], s_n[o], s_mean[o][e], s_m2[o][e]);
+            }
+            n = na + s_n[o];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            part_mean[(long)blockIdx.y * channels + grp * 8 + e] = mean[e];
+            part_m2[(long)blockIdx.y * channels + grp * 8 + e] = m2[e];
+        }
+    }
+}
+
+extern "C" __global__ void bn_bwd_partial_vec(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+                                              const bf16* __restrict__ x, const float* __restrict__ mean,
+                                              const float* __restrict__ invstd, int rows, int channels,
+                                              int rows_per_slab, int relu, float* __restrict__ part_dbeta,
+                                              float* __restrict__ part_dgamma) {
+    __shared__ float s_b[RED_THREADS][8], s_g[RED_THREADS][8];
+    const int groups = channels / 8, lanes = RED_THREADS / groups;
+    const int t = threadIdx.x, grp = t % groups, lane = t / groups;
+    const int begin = blockIdx.y * rows_per_slab;
+    const int end = min(rows, begin + rows_per_slab);
+    float sb[8], sg[8], mu[8], is[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        sb[e] = 0.0f;
+        sg[e] = 0.0f;
+        mu[e] = mean[grp * 8 + e];
+        is[e] = invstd[grp * 8 + e];
+    }
+    if (lane < lanes) {
+        for (int row = begin + lane; row < end; row += lanes) {
+            const long i = (long)row * channels + grp * 8;
+            const Bf16x8 dyv = load8(dy + i), xv = load8(x + i);
+            Bf16x8 yv;
+            if (relu) yv = load8(y + i);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float g = bt_to_f32(dyv.e[e]);
+                if (relu && !(bt_to_f32(yv.e[e]) > 0.0f)) g = 0.0f;
+                sb[e] += g;
+                sg[e] += g * (bt_to_f32(xv.e[e]) - mu[e]) * is[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { s_b[t][e] = sb[e]; s_g[t][e] = sg[e]; }
+    __syncthreads();
+    if (lane == 0) {
+        for (int l = 1; l < lanes; ++l) {
+            const int o = l * groups + grp;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) { sb[e] += s_b[o][e]; sg[e] += s_g[o][e]; }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            part_dbeta[(long)blockIdx.y * channels + grp * 8 + e] = sb[e];
+            part_dgamma[(long)blockIdx.y * channels + grp * 8 + e] = sg[e];
+        }
     }
 }

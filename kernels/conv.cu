@@ -19,17 +19,20 @@
 // contiguous row). dw: KRSC f32, accumulated into (+=): the caller zeroes the gradient buffer
 // once per step. dgrad can also accumulate into dx (bf16) when a tensor feeds two branches.
 //
-// Launch configuration. 256 threads (8 warps, 2 along M × 4 along N), block tile
-// BM×BN×BK = 128×128×32; each warp owns a 64×32 sub-tile = 4×4 tiles of the m16n8k16
-// bf16 `mma.sync` instruction (inline PTX: NVRTC without the nvcc headers has no <mma.h>).
-// grid = (ceil(M/128), ceil(N/128), splits) with splits = 1 except for wgrad.
-// Operand tiles are 512 chunks of 8 consecutive bf16 (16 bytes): every thread loads 2 chunks
-// of A and 2 of B per BK step into registers while the tensor cores work on the previous
-// tile (register double buffering). The vector path (`VEC`) needs C % 8 == 0 and K % 8 == 0
-// (every layer but the 3-channel stem); otherwise each element is gathered on its own.
+// Launch configuration. Seven kernels: {fwd, dgrad, wgrad} × {vec, scalar}, plus wgrad_stem.
+// 256 threads (8 warps, 2 along M × 4 along N), block tile BM×BN×BK = 128×128×32; each warp
+// owns a 64×32 sub-tile = 4×4 tiles of the m16n8k16 bf16 `mma.sync` instruction (inline PTX:
+// NVRTC without the nvcc headers has no <mma.h>). grid = (ceil(M/128), ceil(N/128), splits),
+// splits = 1 except for wgrad. Operand tiles are 512 chunks of 8 consecutive bf16 (16 bytes):
+// every thread loads 2 chunks of A and 2 of B per BK step into registers while the tensor cores
+// work on the previous tile (register double buffering); fragments come out of shared memory
+// with ldmatrix.x4 (.trans for tiles stored reduction-outer; the +8-element row padding keeps
+// both layouts free of bank conflicts). The *_vec kernels need C % 8 == 0
+// (and K % 8 == 0 for dgrad and wgrad: every ResNet layer but the 3-channel stem); the others
+// gather element by element (the stem's forward with two divisions per element).
 #include "common.cuh"
 
-// Shape of one convolution; mirrors `ConvShape` in src/cuda/ops.rs (repr(C), 13 ints).
+// Shape of one convolution; mirrors `ConvArgs` in src/cuda/backend.rs (repr(C), 13 ints).
 struct ConvShape {
     int n, h, w, c;   // input batch, height, width, channels
     int k, r, s;      // output channels, filter height, filter width
@@ -160,15 +163,30 @@ __device__ __forceinline__ void chunk_coords(int chunk, int& outer, int& inner) 
     else { outer = chunk / (BM / 8); inner = (chunk % (BM / 8)) * 8; }
 }
 
-// Two bf16 from shared memory packed into one 32-bit register (low half = first element).
-__device__ __forceinline__ unsigned pack2(const bf16* lo, const bf16* hi) {
-    const unsigned short l = *reinterpret_cast<const unsigned short*>(lo);
-    const unsigned short h = *reinterpret_cast<const unsigned short*>(hi);
-    return (unsigned)l | ((unsigned)h << 16);
+// ldmatrix.x4: four 8×8 b16 matrices from shared memory; lane l gives the address of row l % 8
+// of matrix l / 8 and receives, per matrix, row lane / 4, columns 2·(lane % 4) and + 1 (the
+// .trans form: the same of the transposed matrix). sm_75+.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, false);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
 }
 
-// Two consecutive bf16 at an even index of shared memory, as one 32-bit register.
-__device__ __forceinline__ unsigned word(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, true);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
 
 // D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
@@ -183,22 +201,25 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, cons
 #endif
 }
 
-template <int MODE, bool VEC>
+// Elements of one operand tile in shared memory (the larger of the two tile geometries).
+#define TILE (BM * LD_MK > BK * LD_KM ? BM * LD_MK : BK * LD_KM)
+
+// VEC_A / VEC_B: the operand's contiguous dimension is a multiple of 8, so it loads in aligned
+// 16-byte chunks; otherwise element by element. `As`/`Bs`: TILE elements of shared memory each,
+// declared once per kernel (not per instantiation) to stay within the static 48 KiB.
+template <int MODE, bool VEC_A, bool VEC_B>
 __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict__ b_ptr,
                           void* out, const ConvShape sh, int M, int N, int KD, int kd_begin,
-                          int kd_end) {
+                          int kd_end, bf16* As, bf16* Bs) {
     // A tile stored reduction-inner for FWD/DGRAD, reduction-outer for WGRAD;
     // B tile stored reduction-inner for FWD only.
     constexpr bool A_RED_INNER = MODE != MODE_WGRAD;
     constexpr bool B_RED_INNER = MODE == MODE_FWD;
     constexpr int LDA = A_RED_INNER ? LD_MK : LD_KM;
     constexpr int LDB = B_RED_INNER ? LD_MK : LD_KM;
-    constexpr int TILE = BM * LD_MK > BK * LD_KM ? BM * LD_MK : BK * LD_KM;
-    __shared__ __align__(16) bf16 As[TILE];
-    __shared__ __align__(16) bf16 Bs[TILE];
 
     const int tid = threadIdx.x, warp = tid / BT_WARP, lane = tid % BT_WARP;
-    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+    const int g = lane >> 2, t = lane & 3;  // accumulator fragment coordinates
     const int warp_m = (warp / 4) * 64, warp_n = (warp % 4) * 32;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
 
@@ -220,7 +241,7 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     bool row_ok[2] = {false, false};
     int col_c = 0, col_r = 0, col_s = 0;
     bool col_ok = false;
-    if (VEC && A_RED_INNER) {
+    if (A_RED_INNER) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int m = m0 + (tid + i * THREADS) / (BK / 8);
@@ -238,7 +259,7 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
             }
         }
     }
-    if (VEC && MODE == MODE_WGRAD) {
+    if (VEC_B && MODE == MODE_WGRAD) {
         const int rsc = n0 + (tid % (BN / 8)) * 8;
         col_ok = rsc < N;
         col_c = rsc % sh.c;
@@ -248,7 +269,7 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     }
 
     auto fetch = [&](int k0) {
-        if (VEC && A_RED_INNER) {
+        if (VEC_A && A_RED_INNER) {
             // Both A chunks of this thread share the reduction column kk.
             const int kk = k0 + (tid % (BK / 8)) * 8;
             const bool kk_ok = kk < kd_end;
@@ -271,16 +292,34 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
                 }
                 ra[i] = idx < 0 ? zero4() : *reinterpret_cast<const uint4*>(a_ptr + idx);
             }
+        } else if (MODE == MODE_FWD) {
+            // The stem (3 channels): for a fixed filter row r the taps (s, c) are contiguous in
+            // NHWC memory, so an element needs two divisions, not the generic six.
+            const int kk0 = k0 + (tid % (BK / 8)) * 8;
+            const int sc = sh.s * sh.c;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                union { uint4 v; bf16 e[8]; } u;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int kk = kk0 + e;
+                    const int r = kk / sc, j = kk - r * sc;
+                    const int h = row_y[i] + r, w = row_x[i] + j / sh.c;
+                    const bool ok = row_ok[i] && kk < kd_end && h >= 0 && h < sh.h && w >= 0 && w < sh.w;
+                    u.e[e] = ok ? a_ptr[row_base[i] + ((long)h * sh.w + row_x[i]) * sh.c + j] : bt_to_bf16(0.0f);
+                }
+                ra[i] = u.v;
+            }
         } else {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 int outer, inner, chunk = tid + i * THREADS;
                 chunk_coords<A_RED_INNER>(chunk, outer, inner);
-                if (A_RED_INNER) ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, m0 + outer, k0 + inner, M, N, kd_end);
-                else ra[i] = load_chunk<MODE, true, VEC>(a_ptr, sh, k0 + outer, m0 + inner, M, N, kd_end);
+                if (A_RED_INNER) ra[i] = load_chunk<MODE, true, VEC_A>(a_ptr, sh, m0 + outer, k0 + inner, M, N, kd_end);
+                else ra[i] = load_chunk<MODE, true, VEC_A>(a_ptr, sh, k0 + outer, m0 + inner, M, N, kd_end);
             }
         }
-        if (VEC && MODE == MODE_WGRAD) {
+        if (VEC_B && MODE == MODE_WGRAD) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int pix = k0 + (tid + i * THREADS) / (BN / 8);
@@ -297,8 +336,8 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
             for (int i = 0; i < 2; ++i) {
                 int outer, inner, chunk = tid + i * THREADS;
                 chunk_coords<B_RED_INNER>(chunk, outer, inner);
-                if (B_RED_INNER) rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, n0 + outer, k0 + inner, M, N, kd_end);
-                else rb[i] = load_chunk<MODE, false, VEC>(b_ptr, sh, k0 + outer, n0 + inner, M, N, kd_end);
+                if (B_RED_INNER) rb[i] = load_chunk<MODE, false, VEC_B>(b_ptr, sh, n0 + outer, k0 + inner, M, N, kd_end);
+                else rb[i] = load_chunk<MODE, false, VEC_B>(b_ptr, sh, k0 + outer, n0 + inner, M, N, kd_end);
             }
         }
     };
@@ -312,9 +351,6 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
             *reinterpret_cast<uint4*>(Bs + outer * LDB + inner) = rb[i];
         }
     };
-    // Element (m, k) of the A tile and (k, n) of the B tile, whatever their storage order.
-    auto a_at = [&](int m, int k) { return A_RED_INNER ? As + m * LDA + k : As + k * LDA + m; };
-    auto b_at = [&](int k, int n) { return B_RED_INNER ? Bs + n * LDB + k : Bs + k * LDB + n; };
 
     if (kd_begin < kd_end) fetch(kd_begin);
     for (int k0 = kd_begin; k0 < kd_end; k0 += BK) {
@@ -324,23 +360,30 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
         if (k0 + BK < kd_end) fetch(k0 + BK);  // global loads overlap the mma below
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
+            // Fragments straight from shared memory with ldmatrix: one instruction loads four
+            // 8×8 matrices (a whole 16×16 A tile, or two 16×8 B tiles); the .trans form serves
+            // tiles stored with the reduction dimension outermost. Lane l addresses one 8-element
+            // row of matrix q = l / 8.
             unsigned fa[4][4], fb[4][2];
-            // A (k, k+1) pair is one aligned 32-bit word when the reduction dim is innermost.
-            auto a_pair = [&](int m, int k) { return A_RED_INNER ? word(a_at(m, k)) : pack2(a_at(m, k), a_at(m, k + 1)); };
-            auto b_pair = [&](int k, int n) { return B_RED_INNER ? word(b_at(k, n)) : pack2(b_at(k, n), b_at(k + 1, n)); };
+            const int q = lane / 8, row8 = lane % 8;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int r0 = warp_m + i * 16 + g, c0 = kk + 2 * t;
-                fa[i][0] = a_pair(r0, c0);
-                fa[i][1] = a_pair(r0 + 8, c0);
-                fa[i][2] = a_pair(r0, c0 + 8);
-                fa[i][3] = a_pair(r0 + 8, c0 + 8);
+                const int mb = warp_m + i * 16;
+                // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+                if (A_RED_INNER) ldsm_x4(fa[i], As + (mb + (q % 2) * 8 + row8) * LDA + kk + (q / 2) * 8);
+                else ldsm_x4_trans(fa[i], As + (kk + (q / 2) * 8 + row8) * LDA + mb + (q % 2) * 8);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = warp_n + j * 8 + g, k = kk + 2 * t;
-                fb[j][0] = b_pair(k, n);
-                fb[j][1] = b_pair(k + 8, n);
+            for (int jj = 0; jj < 2; ++jj) {
+                const int nb = warp_n + jj * 16;
+                unsigned r[4];
+                // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                if (B_RED_INNER) ldsm_x4(r, Bs + (nb + (q / 2) * 8 + row8) * LDB + kk + (q % 2) * 8);
+                else ldsm_x4_trans(r, Bs + (kk + (q % 2) * 8 + row8) * LDB + nb + (q / 2) * 8);
+                fb[2 * jj][0] = r[0];
+                fb[2 * jj][1] = r[1];
+                fb[2 * jj + 1][0] = r[2];
+                fb[2 * jj + 1][1] = r[3];
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -386,25 +429,58 @@ __device__ void conv_gemm(const bf16* __restrict__ a_ptr, const bf16* __restrict
     }
 }
 
+// Shapes of the three GEMM views, the wgrad split, and this kernel's shared memory (one
+// instantiation per kernel, so 20 KiB each).
+template <int MODE, bool VEC_A, bool VEC_B>
+__device__ __forceinline__ void conv_entry(const bf16* a, const bf16* b, void* out, const ConvShape& sh) {
+    __shared__ __align__(16) bf16 smem[2 * TILE];
+    int M, N, KD, begin = 0;
+    if (MODE == MODE_FWD) { M = sh.n * sh.p * sh.q; N = sh.k; KD = sh.r * sh.s * sh.c; }
+    else if (MODE == MODE_DGRAD) { M = sh.n * sh.h * sh.w; N = sh.c; KD = sh.r * sh.s * sh.k; }
+    else { M = sh.k; N = sh.r * sh.s * sh.c; KD = sh.n * sh.p * sh.q; }
+    int end = KD;
+    if (MODE == MODE_WGRAD) { begin = blockIdx.z * sh.k_chunk; end = min(KD, begin + sh.k_chunk); }
+    conv_gemm<MODE, VEC_A, VEC_B>(a, b, out, sh, M, N, KD, begin, end, smem, smem + TILE);
+}
+
+// One kernel per (pass, load path): each gets its own register allocation, so the element-wise
+// paths (the 3-channel stem, odd channel counts) cost the vector paths nothing. The host picks
+// by channel counts: *_vec needs C % 8 == 0 (and K % 8 == 0 for dgrad and wgrad).
+
+// y = conv(x, w)
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-conv_fwd(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, ConvShape sh) {
-    const int M = sh.n * sh.p * sh.q, N = sh.k, KD = sh.r * sh.s * sh.c;
-    if (sh.c % 8 == 0) conv_gemm<MODE_FWD, true>(x, w, y, sh, M, N, KD, 0, KD);
-    else conv_gemm<MODE_FWD, false>(x, w, y, sh, M, N, KD, 0, KD);
+conv_fwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, ConvShape sh) {
+    conv_entry<MODE_FWD, true, true>(x, w, y, sh);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-conv_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w, bf16* dx, ConvShape sh) {
-    const int M = sh.n * sh.h * sh.w, N = sh.c, KD = sh.r * sh.s * sh.k;
-    if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_gemm<MODE_DGRAD, true>(dy, w, dx, sh, M, N, KD, 0, KD);
-    else conv_gemm<MODE_DGRAD, false>(dy, w, dx, sh, M, N, KD, 0, KD);
+conv_fwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, ConvShape sh) {
+    conv_entry<MODE_FWD, false, false>(x, w, y, sh);
+}
+
+// dx = dgrad(dy, w), or dx += dgrad(dy, w) with sh.accumulate
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_dgrad_vec(const bf16* __restrict__ dy, const bf16* __restrict__ w, bf16* dx, ConvShape sh) {
+    conv_entry<MODE_DGRAD, true, true>(dy, w, dx, sh);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-conv_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
-    const int M = sh.k, N = sh.r * sh.s * sh.c, KD = sh.n * sh.p * sh.q;
-    const int begin = blockIdx.z * sh.k_chunk;
-    const int end = min(KD, begin + sh.k_chunk);
-    if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_gemm<MODE_WGRAD, true>(dy, x, dw, sh, M, N, KD, begin, end);
-    else conv_gemm<MODE_WGRAD, false>(dy, x, dw, sh, M, N, KD, begin, end);
+conv_dgrad_scalar(const bf16* __restrict__ dy, const bf16* __restrict__ w, bf16* dx, ConvShape sh) {
+    conv_entry<MODE_DGRAD, false, false>(dy, w, dx, sh);
+}
+
+// dw += wgrad(dy, x) (f32, split over gridDim.z); the stem variant keeps 16-byte dy loads.
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_wgrad_vec(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
+    conv_entry<MODE_WGRAD, true, true>(dy, x, dw, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_wgrad_stem(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
+    conv_entry<MODE_WGRAD, true, false>(dy, x, dw, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+conv_wgrad_scalar(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, ConvShape sh) {
+    conv_entry<MODE_WGRAD, false, false>(dy, x, dw, sh);
 }

@@ -29,6 +29,11 @@ fn cpu_bench_reports_a_full_json_line() {
     assert!(report.final_loss.is_finite() && report.final_loss > 0.0);
     assert!(report.device.starts_with("cpu"), "{}", report.device);
     assert_eq!(report.mfu, None, "no bf16 peak is claimed for a CPU");
+    assert_eq!(
+        report.device_update_ms, None,
+        "the fused device update is GPU-only"
+    );
+    assert_eq!(report.projected_images_per_sec_device_update, None);
     let json: serde_json::Value =
         serde_json::from_str(&serde_json::to_string(&report).unwrap()).unwrap();
     for key in [
@@ -78,4 +83,28 @@ fn peaks_are_known_for_datacenter_gpus() {
     assert_eq!(bf16_peak_tflops("NVIDIA H200"), Some(989.4));
     assert_eq!(bf16_peak_tflops("NVIDIA A100-SXM4-80GB"), Some(312.0));
     assert_eq!(bf16_peak_tflops("Some Future GPU"), None);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_bench_reports_breakdown_and_device_update() {
+    let mut a = args("resnet18", 1);
+    a.image_size = 64;
+    a.batch_size = 16;
+    a.breakdown = true;
+    let report = bench(&a).unwrap();
+    assert!(report.device.starts_with("cuda:0"), "{}", report.device);
+    assert!(report.images_per_sec > 0.0 && report.final_loss.is_finite());
+    assert!(report.device_update_ms.unwrap() > 0.0);
+    let rows = report.breakdown.expect("--breakdown");
+    let conv = rows
+        .iter()
+        .find(|r| r.kernel == "conv_fwd_vec")
+        .expect("conv_fwd_vec timed");
+    assert!(conv.tflops.unwrap() > 0.0 && conv.calls_per_step > 1.0);
+    assert!(rows
+        .iter()
+        .any(|r| r.kernel.starts_with("bn_") && r.gb_per_s.is_some()));
+    let total: f64 = rows.iter().map(|r| r.percent).sum();
+    assert!((total - 100.0).abs() < 1e-6);
 }

@@ -8,6 +8,11 @@
 
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// The host's dispatch (src/cuda/backend.rs).
+static void dgrad(const bf16* dy, const bf16* w, bf16* dx, ConvShape sh) {
+    if (sh.c % 8 == 0 && sh.k % 8 == 0) conv_dgrad_vec(dy, w, dx, sh); else conv_dgrad_scalar(dy, w, dx, sh);
+}
+
 struct Case { int n, h, w, c, k, r, stride, pad; };
 
 int run_case(Case cs, std::mt19937& rng) {
@@ -43,15 +48,15 @@ int run_case(Case cs, std::mt19937& rng) {
     for (int i = 0; i < xl; ++i) DXA[i] = __float2bfloat16_rn(dx0[i]);
     std::vector<float> DW(wl, 0.0f);
     const int M = sh.n * sh.p * sh.q;
-    emu_launch({(unsigned)((M + 127) / 128), (unsigned)((sh.k + 127) / 128), 1}, {256, 1, 1}, [&] { conv_fwd(X.data(), W.data(), Y.data(), sh); });
+    emu_launch({(unsigned)((M + 127) / 128), (unsigned)((sh.k + 127) / 128), 1}, {256, 1, 1}, [&] { if (sh.c % 8 == 0) conv_fwd_vec(X.data(), W.data(), Y.data(), sh); else conv_fwd_scalar(X.data(), W.data(), Y.data(), sh); });
     const int Md = sh.n * sh.h * sh.w;
-    emu_launch({(unsigned)((Md + 127) / 128), (unsigned)((sh.c + 127) / 128), 1}, {256, 1, 1}, [&] { conv_dgrad(DY.data(), W.data(), DX.data(), sh); });
+    emu_launch({(unsigned)((Md + 127) / 128), (unsigned)((sh.c + 127) / 128), 1}, {256, 1, 1}, [&] { dgrad(DY.data(), W.data(), DX.data(), sh); });
     ConvShape sa = sh; sa.accumulate = 1;
-    emu_launch({(unsigned)((Md + 127) / 128), (unsigned)((sh.c + 127) / 128), 1}, {256, 1, 1}, [&] { conv_dgrad(DY.data(), W.data(), DXA.data(), sa); });
+    emu_launch({(unsigned)((Md + 127) / 128), (unsigned)((sh.c + 127) / 128), 1}, {256, 1, 1}, [&] { dgrad(DY.data(), W.data(), DXA.data(), sa); });
     std::vector<double> dxa_ref(xl);
     for (int i = 0; i < xl; ++i) dxa_ref[i] = dx_ref[i] + dx0[i];
     ConvShape sw = sh; int red = M; int splits = 3; sw.k_chunk = ((red + splits - 1) / splits + 31) / 32 * 32; splits = (red + sw.k_chunk - 1) / sw.k_chunk;
-    emu_launch({(unsigned)((sh.k + 127) / 128), (unsigned)((wl / sh.k + 127) / 128), (unsigned)splits}, {256, 1, 1}, [&] { conv_wgrad(DY.data(), X.data(), DW.data(), sw); });
+    emu_launch({(unsigned)((sh.k + 127) / 128), (unsigned)((wl / sh.k + 127) / 128), (unsigned)splits}, {256, 1, 1}, [&] { if (sh.k % 8 == 0 && sh.c % 8 == 0) conv_wgrad_vec(DY.data(), X.data(), DW.data(), sw); else if (sh.k % 8 == 0) conv_wgrad_stem(DY.data(), X.data(), DW.data(), sw); else conv_wgrad_scalar(DY.data(), X.data(), DW.data(), sw); });
     auto check = [&](const char* what, auto get, const std::vector<double>& ref, float tol, float eps) {
         int bad = 0; double worst = 0;
         for (size_t i = 0; i < ref.size(); ++i) {

@@ -97,6 +97,22 @@ inline int __shfl_xor_sync(unsigned, int v, int off) {
 }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
+// Warp-collective ldmatrix.x4 (optionally .trans) on 16-bit elements.
+inline std::vector<std::array<const uint16_t*, 32>> g_ldsm;
+inline void bt_emu_ldmatrix(unsigned* r, const void* p, bool trans) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    g_ldsm[warp][lane] = static_cast<const uint16_t*>(p);
+    g_warp_barriers[warp]->arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    for (int m = 0; m < 4; ++m) {
+        uint16_t lo, hi;
+        if (!trans) { const uint16_t* row = g_ldsm[warp][m * 8 + g]; lo = row[2 * t]; hi = row[2 * t + 1]; }
+        else { lo = g_ldsm[warp][m * 8 + 2 * t][g]; hi = g_ldsm[warp][m * 8 + 2 * t + 1][g]; }
+        r[m] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    g_warp_barriers[warp]->arrive_and_wait();
+}
+
 // Runs kernel(args...) over the grid, one std::thread per CUDA thread, block by block.
 template <class F>
 void emu_launch(dim3e grid, dim3e block, F kernel) {
@@ -111,6 +127,7 @@ void emu_launch(dim3e grid, dim3e block, F kernel) {
         g_warp_mma.assign((nthreads + 31) / 32, WarpMma{});
         g_shfl_f.assign((nthreads + 31) / 32, {});
         g_shfl_i.assign((nthreads + 31) / 32, {});
+        g_ldsm.assign((nthreads + 31) / 32, {});
         std::vector<std::thread> ts;
         for (unsigned tz = 0; tz < block.z; ++tz)
         for (unsigned ty = 0; ty < block.y; ++ty)

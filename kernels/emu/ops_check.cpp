@@ -53,12 +53,27 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
     float eps = 1e-5f, mom = 0.1f;
     if (train) {
         emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_stats_partial(X.data(), rows, C, per, pm.data(), pv.data()); });
+        if (C % 8 == 0) {
+            // The 16-byte reduction must give the same statistics (its own finalize, copies of the
+            // running stats).
+            std::vector<float> pm2((size_t)slabs * C), pv2((size_t)slabs * C), sm2(C), si2(C), rm2 = rm, rv2 = rv;
+            emu_launch({1, (unsigned)slabs, 1}, {256, 1, 1}, [&] { k_bn::bn_stats_partial_vec(X.data(), rows, C, per, pm2.data(), pv2.data()); });
+            emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_stats_finalize(pm2.data(), pv2.data(), slabs, rows, C, per, eps, mom, sm2.data(), si2.data(), rm2.data(), rv2.data()); });
+            check("saved_mean (vec)", sm2, m_use, 1e-5, 1e-4);
+            check("saved_invstd (vec)", si2, is_use, 1e-5, 1e-3);
+            check("running_var (vec)", rv2, rv_ref, 1e-5, 1e-3);
+        }
         emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_stats_finalize(pm.data(), pv.data(), slabs, rows, C, per, eps, mom, sm.data(), si.data(), drm.data(), drv.data()); });
     } else {
         emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_eval_prepare(drm.data(), drv.data(), C, eps, sm.data(), si.data()); });
     }
     long total = (long)rows * C;
     emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_apply(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Y.data(), total, C, relu); });
+    if (C % 8 == 0) {
+        std::vector<bf16> Yv(x.size());
+        emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_apply_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Yv.data(), total, C, relu); });
+        check("y (vec)", fromb(Yv), y_ref, 1e-2, 1.0 / 128);
+    }
     check("saved_mean", sm, m_use, 1e-5, 1e-4);
     check("saved_invstd", si, is_use, 1e-5, 1e-3);
     check("running_mean", drm, rm_ref, 1e-5, 1e-4);
@@ -82,8 +97,22 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
         std::vector<bf16> DX(x.size());
         std::vector<float> pb((size_t)slabs * C), pg((size_t)slabs * C), ddb(C, 9), ddg(C, 9);
         emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_bwd_partial(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb.data(), pg.data()); });
+        if (C % 8 == 0) {
+            std::vector<float> pb2((size_t)slabs * C), pg2((size_t)slabs * C), db2(C), dg2(C);
+            emu_launch({1, (unsigned)slabs, 1}, {256, 1, 1}, [&] { k_bn::bn_bwd_partial_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb2.data(), pg2.data()); });
+            emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb2.data(), pg2.data(), slabs, C, db2.data(), dg2.data()); });
+            check("dbeta (vec)", db2, db, 1e-4, 1e-4);
+            check("dgamma (vec)", dg2, dg, 1e-4, 1e-4);
+        }
         emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, ddb.data(), ddg.data()); });
         emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DX.data(), residual ? DRES.data() : nullptr, acc); });
+        if (C % 8 == 0) {
+            auto DRESV = tobf(dres0);
+            std::vector<bf16> DXV(x.size());
+            emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_bwd_apply_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DXV.data(), residual ? DRESV.data() : nullptr, acc); });
+            check("dx (vec)", fromb(DXV), dx_ref, 1e-2, 1.0 / 64);
+            if (residual) check("dres (vec)", fromb(DRESV), dres_ref, 1e-2, 1.0 / 128);
+        }
         check("dbeta", ddb, db, 1e-4, 1e-4);
         check("dgamma", ddg, dg, 1e-4, 1e-4);
         check("dx", fromb(DX), dx_ref, 1e-2, 1.0 / 64);
@@ -243,6 +272,8 @@ int main(int argc, char** argv) {
     test_bn(150, 40, true, true, true);
     test_bn(77, 3, false, false, true);
     test_bn(64, 33, true, true, false);
+    test_bn(96, 16, false, true, false);
+    test_bn(45, 520, true, true, true);
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
     test_linear(5, 37, 19);

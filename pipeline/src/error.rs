@@ -120,6 +120,14 @@ pub enum PipelineError {
         /// The panic message or the reason.
         message: String,
     },
+    /// An engine stage (planner or assembler task) panicked; the epoch cannot go on.
+    #[error("the engine's {stage} stage panicked: {message}")]
+    StagePanicked {
+        /// Which stage.
+        stage: &'static str,
+        /// The panic message.
+        message: String,
+    },
     /// Resizing failed (an internal invariant; the source says which).
     #[error("resizing {path} failed: {source}")]
     Resize {

@@ -396,22 +396,36 @@ impl Pipeline {
             pool_free: i.pool.returner(),
             cancel: Arc::clone(&cancel),
         };
-        let pool = PoolHandle(Arc::clone(&self.inner));
+        let pool = i.pool.clone();
         let runtime = i.runtime.as_ref().expect("runtime lives as long as Inner");
-        runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
+        let planned = runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
         let assembler = Assembler {
             shared: Arc::clone(&i.shared),
             cancel,
             prefetch: i.prefetch,
             returner: i.pool.returner(),
         };
-        runtime.spawn(assembler.run(pending_rx, out_tx));
+        let errors = out_tx.clone();
+        let assembled = runtime.spawn(assembler.run(pending_rx, out_tx));
+        // A panicking stage must reach the consumer as an error with its message, not as a
+        // silently short epoch: the supervisor holds a sender until both stages are done.
+        runtime.spawn(async move {
+            for (stage, handle) in [("planner", planned), ("assembler", assembled)] {
+                if let Err(e) = handle.await {
+                    let message = match e.try_into_panic() {
+                        Ok(payload) => crate::worker::panic_message(payload.as_ref()),
+                        Err(e) => e.to_string(),
+                    };
+                    let _ = errors
+                        .send_async(Err(PipelineError::StagePanicked { stage, message }))
+                        .await;
+                    return;
+                }
+            }
+        });
         Ok((out_rx, steps - start_step))
     }
 }
-
-/// Lets the planner take buffers without owning the pipeline's runtime (no cycle on drop).
-struct PoolHandle(Arc<Inner>);
 
 /// A planned micro-batch whose images are being produced.
 struct Pending {
@@ -438,17 +452,13 @@ impl Planner {
         self,
         start_step: usize,
         steps: usize,
-        pool: PoolHandle,
+        pool: BufferPool,
         pending_tx: flume::Sender<Result<Pending, PipelineError>>,
     ) {
         let record = self.shared.record_bytes();
-        // Only a weak hold on the pipeline while waiting, so dropping it ends the epoch.
-        let weak = Arc::downgrade(&pool.0);
-        drop(pool);
+        // The planner holds the pool, never the pipeline: the runtime is not kept alive (or
+        // dropped) from inside its own tasks.
         for step in start_step..steps {
-            let Some(inner) = weak.upgrade() else { return };
-            let pool = inner.pool.clone();
-            drop(inner);
             let slot = match pool.take_async().await {
                 Ok(slot) => slot,
                 Err(e) => {
@@ -710,5 +720,35 @@ impl futures_core::Stream for EpochStream {
             Poll::Pending => Poll::Pending,
             Poll::Ready(item) => Poll::Ready(next_item(&mut this.remaining, &this.shared, item)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_cache_lives_in_the_per_user_cache_directory() {
+        let b = PipelineBuilder::new(crate::DatasetSource::folder("/data/285birds")).image_size(96);
+        let path = cache_path(&b);
+        let expected = dirs::cache_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("birdtrain");
+        assert!(path.starts_with(&expected), "{}", path.display());
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("285birds-train-96-direct-"), "{name}");
+        // Another split or resize setting is another file.
+        assert_ne!(cache_path(&b.clone().split(crate::Split::Valid)), path);
+        assert_ne!(
+            cache_path(
+                &b.clone()
+                    .resize_mode(crate::ResizeMode::ShorterSideCenterCrop)
+            ),
+            path
+        );
+        assert_eq!(
+            cache_path(&b.clone().cache_dir("/x")).parent().unwrap(),
+            std::path::Path::new("/x")
+        );
     }
 }

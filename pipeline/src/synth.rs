@@ -255,7 +255,7 @@ fn draw(k: usize, width: u32, height: u32, rng: &mut ChaCha8Rng) -> RgbImage {
     let radius = side * rng.random_range(0.22..0.36);
     let cx = width as f32 / 2.0 + rng.random_range(-0.2..0.2) * width as f32;
     let cy = height as f32 / 2.0 + rng.random_range(-0.2..0.2) * height as f32;
-    let noise = 18.0;
+    let noise = 8.0;
     let mut img = RgbImage::new(width, height);
     for (x, y, px) in img.enumerate_pixels_mut() {
         let (xf, yf) = (x as f32, y as f32);

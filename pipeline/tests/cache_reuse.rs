@@ -25,18 +25,41 @@ fn second_epoch_decodes_zero_and_serves_identical_pixels() {
 }
 
 #[test]
-fn buffers_are_recycled_in_steady_state() {
-    let fx = synth(2, 8, 0);
-    let p = fx.builder().batch_size(2).prefetch(2).build().unwrap();
-    collect(&p, 0, 0, 0);
-    let after_first = p.free_buffers();
-    assert!(after_first > 0);
-    collect(&p, 1, 0, 0);
-    collect(&p, 2, 0, 0);
+fn buffers_are_recycled_so_allocations_stay_bounded() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    struct Counting(AtomicUsize);
+    impl pipeline::BatchAllocator for Counting {
+        fn allocate(
+            &self,
+            n: usize,
+        ) -> Result<Box<dyn pipeline::HostBuffer>, pipeline::PipelineError> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(Box::new(vec![0u8; n]))
+        }
+    }
+    let fx = synth(2, 8, 0); // 16 images, 8 batches of 2 per epoch
+    let alloc = Arc::new(Counting(AtomicUsize::new(0)));
+    let p = fx
+        .builder()
+        .batch_size(2)
+        .prefetch(2)
+        .allocator(alloc.clone())
+        .build()
+        .unwrap();
+    for epoch in 0..5 {
+        collect(&p, epoch, 0, 0);
+    }
+    // In flight at most: planner 1 + pending 2 + assembler 1 + ready 2 + consumer 1.
+    let allocated = alloc.0.load(Ordering::Relaxed);
+    assert!(
+        allocated <= 7,
+        "{allocated} buffers for 40 batches: they are recycled"
+    );
     assert_eq!(
         p.free_buffers(),
-        after_first,
-        "no new buffer once the pool is warm"
+        allocated,
+        "every buffer is back in the pool"
     );
 }
 
@@ -212,5 +235,29 @@ fn a_cache_left_filling_by_a_killed_process_of_this_boot_is_resumed() {
         p2.stats().decoded,
         0,
         "a kill keeps the page cache: set bits are exact"
+    );
+}
+
+#[test]
+fn the_dataset_folder_is_never_written() {
+    let fx = synth(2, 3, 2);
+    let listing = |root: &std::path::Path| -> Vec<(std::path::PathBuf, std::time::SystemTime)> {
+        common::files_under(root)
+            .into_iter()
+            .map(|p| {
+                let m = std::fs::metadata(&p).unwrap().modified().unwrap();
+                (p, m)
+            })
+            .collect()
+    };
+    let before = listing(fx.root());
+    let p = fx.builder().batch_size(4).build().unwrap();
+    collect(&p, 0, 0, 0);
+    assert!(p.cache_path().starts_with(fx.cache.path()));
+    drop(p);
+    assert_eq!(
+        listing(fx.root()),
+        before,
+        "nothing created or touched under the dataset"
     );
 }

@@ -76,6 +76,19 @@ fn dropping_iterators_and_the_pipeline_mid_epoch_does_not_hang() {
     // The iterator keeps the engine alive: it still finishes its epoch.
     let rest = it.map(|b| b.unwrap().len).sum::<usize>();
     assert_eq!(kept.len + rest, 30);
+    // Dropping the iterator and then the pipeline mid-epoch, with jobs queued, returns.
+    let q = fx
+        .builder()
+        .batch_size(2)
+        .prefetch(1)
+        .workers(1)
+        .build()
+        .unwrap();
+    let mut it = q.epoch(0, 0, 0).unwrap();
+    let batch = it.next().unwrap().unwrap();
+    drop(it);
+    drop(q);
+    assert_eq!(batch.len, 2, "a batch outlives its pipeline");
 }
 
 #[test]
@@ -125,4 +138,46 @@ fn batches_expose_the_caller_allocated_buffer() {
     assert!(
         (0.0..=1.0).contains(&s.decode_queue_fill) && (0.0..=1.0).contains(&s.ready_queue_fill)
     );
+}
+
+#[test]
+fn a_panicking_stage_reaches_the_consumer_as_an_error_with_its_message() {
+    struct Lost;
+    impl pipeline::HostBuffer for Lost {
+        fn as_slice(&self) -> &[u8] {
+            &[0; 4096]
+        }
+        fn as_mut_slice(&mut self) -> &mut [u8] {
+            panic!("pinned buffer lost")
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+    struct LostAlloc;
+    impl pipeline::BatchAllocator for LostAlloc {
+        fn allocate(
+            &self,
+            _: usize,
+        ) -> Result<Box<dyn pipeline::HostBuffer>, pipeline::PipelineError> {
+            Ok(Box::new(Lost))
+        }
+    }
+    let fx = synth(2, 2, 0);
+    let p = fx
+        .builder()
+        .image_size(8)
+        .batch_size(2)
+        .allocator(std::sync::Arc::new(LostAlloc))
+        .build()
+        .unwrap();
+    let items: Vec<_> = p.epoch(0, 0, 0).unwrap().collect();
+    assert_eq!(items.len(), 1, "one error, then the epoch ends");
+    match &items[0] {
+        Err(pipeline::PipelineError::StagePanicked { stage, message }) => {
+            assert_eq!(*stage, "planner");
+            assert!(message.contains("pinned buffer lost"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
 }

@@ -15,7 +15,9 @@ use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::cuda::{CudaBackend, KernelTime};
+use crate::backend::TensorRole;
+use crate::cuda::optim::DeviceOptimizer;
+use crate::cuda::{CudaBackend, CudaTensor, KernelTime};
 use crate::model::{Arch, Graph, InputBatch, Network};
 use crate::optim::{Hyper, Optimizer, OptimizerKind};
 
@@ -63,8 +65,10 @@ pub struct KernelShare {
     pub ms_per_step: f64,
     /// Share of the summed kernel time.
     pub percent: f64,
-    /// Achieved TFLOP/s for the convolution kernels (each pass does the forward's FLOPs).
+    /// Achieved TFLOP/s (the convolution kernels: 2 × multiply-adds of the GEMM).
     pub tflops: Option<f64>,
+    /// Achieved DRAM bandwidth in GB/s (compulsory bytes: inputs once, outputs once).
+    pub gb_per_s: Option<f64>,
 }
 
 /// The result of a step benchmark (the JSON line).
@@ -84,6 +88,13 @@ pub struct StepReport {
     pub ms_per_step: f64,
     /// Of which forward + loss + backward (the backend's kernels).
     pub fwd_bwd_ms_per_step: f64,
+    /// GPU only: one fused device-side SGD update of every parameter (kernels/optim.cu,
+    /// `cuda::optim::DeviceOptimizer`), timed on buffers of the model's parameter shapes.
+    pub device_update_ms: Option<f64>,
+    /// GPU only, a projection, not a measurement of one loop: batch / (forward+backward +
+    /// device update), the throughput once `Network` lets the trainer update parameters on the
+    /// device instead of the host round trip timed in `ms_per_step`.
+    pub projected_images_per_sec_device_update: Option<f64>,
     /// Model FLOPs utilisation against the device's dense bf16 peak (`null` when unknown).
     pub mfu: Option<f64>,
     /// The backend's description.
@@ -141,8 +152,8 @@ pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
                 .map_err(|e| anyhow::anyhow!("allocating {bytes} bytes of pinned host memory: {e}"))?;
             let mut rng = ChaCha8Rng::seed_from_u64(0);
             pinned.as_mut_slice()?.iter_mut().for_each(|b| *b = rng.random());
-            let profiler = args.breakdown.then(|| backend.clone());
-            run_steps(backend, arch, args, Some(pinned.as_slice()?), peak, profiler)
+            let gpu = backend.clone();
+            run_steps(backend, arch, args, Some(pinned.as_slice()?), peak, Some(gpu))
         }
         n => anyhow::bail!("bench step measures one device: use --gpus 0 (CPU) or --gpus 1, not {n} (multi-GPU: `bench scaling`)"),
     }
@@ -154,7 +165,7 @@ fn run_steps<B: Backend>(
     args: &BenchStepArgs,
     pinned: Option<&[u8]>,
     peak_tflops: Option<f64>,
-    profiler: Option<CudaBackend>,
+    gpu: Option<CudaBackend>,
 ) -> anyhow::Result<StepReport> {
     let graph = Graph::new(arch, args.classes);
     let (n, size) = (args.batch_size, args.image_size);
@@ -220,7 +231,7 @@ fn run_steps<B: Backend>(
     let flops = graph.forward_flops(size);
     let mfu = peak_tflops.map(|p| 3.0 * flops * images_per_sec / (p * 1e12));
 
-    let breakdown = match profiler {
+    let breakdown = match gpu.as_ref().filter(|_| args.breakdown) {
         Some(p) => {
             let profiled_steps = 3usize;
             p.set_profiling(true);
@@ -229,8 +240,13 @@ fn run_steps<B: Backend>(
             }
             let times = p.take_profile()?;
             p.set_profiling(false);
-            Some(shares(&times, profiled_steps, flops * n as f64))
+            Some(shares(&times, profiled_steps))
         }
+        None => None,
+    };
+    let fwd_bwd_ms = fwd_bwd * 1e3 / args.steps as f64;
+    let device_update_ms = match &gpu {
+        Some(b) => Some(time_device_update(b, &graph)?),
         None => None,
     };
     Ok(StepReport {
@@ -240,7 +256,10 @@ fn run_steps<B: Backend>(
         steps: args.steps,
         images_per_sec,
         ms_per_step: seconds * 1e3 / args.steps as f64,
-        fwd_bwd_ms_per_step: fwd_bwd * 1e3 / args.steps as f64,
+        fwd_bwd_ms_per_step: fwd_bwd_ms,
+        device_update_ms,
+        projected_images_per_sec_device_update: device_update_ms
+            .map(|u| n as f64 * 1e3 / (fwd_bwd_ms + u)),
         mfu,
         device,
         optimizer: "host f32 master weights (Network has no device-side update hook yet)".into(),
@@ -249,24 +268,62 @@ fn run_steps<B: Backend>(
     })
 }
 
-fn shares(times: &[KernelTime], steps: usize, conv_flops_per_step: f64) -> Vec<KernelShare> {
+/// Milliseconds of one fused SGD update over tensors shaped like `graph`'s parameters.
+fn time_device_update(backend: &CudaBackend, graph: &Graph) -> anyhow::Result<f64> {
+    let params = graph.params();
+    let grads = params
+        .iter()
+        .map(|p| backend.alloc(p.numel(), TensorRole::WeightGrad))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut working = params
+        .iter()
+        .map(|p| backend.alloc(p.numel(), TensorRole::Weight))
+        .collect::<Result<Vec<_>, _>>()?;
+    let hyper = Hyper {
+        weight_decay: 5e-5,
+        ..Hyper::default()
+    };
+    let kind = OptimizerKind::Sgd {
+        momentum: 0.9,
+        nesterov: false,
+    };
+    let mut opt = DeviceOptimizer::new(
+        backend,
+        kind,
+        hyper,
+        params,
+        &vec![0.0; graph.param_count()],
+    )?;
+    let grad_refs: Vec<&CudaTensor> = grads.iter().collect();
+    let mut run = |steps: usize| -> anyhow::Result<()> {
+        for _ in 0..steps {
+            let mut work_refs: Vec<&mut CudaTensor> = working.iter_mut().collect();
+            opt.step(&grad_refs, &mut work_refs, 0.1, 1.0)?;
+        }
+        backend.synchronize()?;
+        Ok(())
+    };
+    run(3)?;
+    let start = Instant::now();
+    run(20)?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
+}
+
+fn shares(times: &[KernelTime], steps: usize) -> Vec<KernelShare> {
     let total: f64 = times.iter().map(|k| k.ms).sum();
     times
         .iter()
-        .map(|k| {
-            let ms = k.ms / steps as f64;
-            let is_conv = k.name.starts_with("conv_");
-            KernelShare {
-                kernel: k.name.to_string(),
-                calls_per_step: k.calls as f64 / steps as f64,
-                ms_per_step: ms,
-                percent: if total > 0.0 {
-                    100.0 * k.ms / total
-                } else {
-                    0.0
-                },
-                tflops: is_conv.then(|| conv_flops_per_step / (ms * 1e-3) / 1e12),
-            }
+        .map(|k| KernelShare {
+            kernel: k.name.to_string(),
+            calls_per_step: k.calls as f64 / steps as f64,
+            ms_per_step: k.ms / steps as f64,
+            percent: if total > 0.0 {
+                100.0 * k.ms / total
+            } else {
+                0.0
+            },
+            tflops: k.tflops(),
+            gb_per_s: k.gb_per_s(),
         })
         .collect()
 }
@@ -289,6 +346,14 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         report.fwd_bwd_ms_per_step,
         report.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
     );
+    if let (Some(u), Some(p)) = (
+        report.device_update_ms,
+        report.projected_images_per_sec_device_update,
+    ) {
+        println!(
+            "fused device update: {u:.2} ms; projected with it instead of the host round trip: {p:.1} images/s"
+        );
+    }
     if let Some(rows) = &report.breakdown {
         println!(
             "{:<22} {:>8} {:>10} {:>7} {:>9}",
@@ -306,4 +371,37 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn breakdown_rates_and_shares() {
+        let times = [
+            KernelTime {
+                name: "conv_fwd_vec",
+                calls: 6,
+                ms: 3.0,
+                bytes: 3e9,
+                flops: 3e12,
+            },
+            KernelTime {
+                name: "bn_apply_vec",
+                calls: 6,
+                ms: 1.0,
+                bytes: 2e9,
+                flops: 0.0,
+            },
+        ];
+        let rows = shares(&times, 3);
+        assert_eq!(rows[0].calls_per_step, 2.0);
+        assert!((rows[0].ms_per_step - 1.0).abs() < 1e-12);
+        assert!((rows[0].percent - 75.0).abs() < 1e-9 && (rows[1].percent - 25.0).abs() < 1e-9);
+        // 3e12 FLOP in 3 ms = 1000 TFLOP/s; 2e9 B in 1 ms = 2000 GB/s.
+        assert!((rows[0].tflops.unwrap() - 1000.0).abs() < 1e-6);
+        assert!((rows[1].gb_per_s.unwrap() - 2000.0).abs() < 1e-6);
+        assert_eq!(rows[1].tflops, None);
+    }
 }

@@ -60,13 +60,26 @@ struct Workspace {
     ints: Option<CudaSlice<i32>>,
     ints2: Option<CudaSlice<i32>>,
     norm: Option<CudaSlice<f32>>,
+    /// `norm` holds the ImageNet scale/shift (a pageable upload synchronises the stream, so
+    /// the constants go up once, not every step).
+    norm_ready: bool,
 }
 
 /// Per-launch timing (the `--breakdown` of `bench step`).
 #[derive(Debug, Default)]
 struct Profiler {
     enabled: bool,
-    events: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    events: Vec<ProfiledLaunch>,
+}
+
+/// One timed launch and the work it did (when the op declared it).
+#[derive(Debug)]
+struct ProfiledLaunch {
+    name: &'static str,
+    start: CudaEvent,
+    end: CudaEvent,
+    bytes: f64,
+    flops: f64,
 }
 
 /// Time spent in one kernel over a profiled interval.
@@ -78,6 +91,23 @@ pub struct KernelTime {
     pub calls: usize,
     /// Total GPU milliseconds.
     pub ms: f64,
+    /// DRAM bytes the launches had to move at least (inputs read + outputs written), summed;
+    /// 0 when not declared.
+    pub bytes: f64,
+    /// Floating-point operations (2 × multiply-adds), summed; 0 when not declared.
+    pub flops: f64,
+}
+
+impl KernelTime {
+    /// Achieved bandwidth in GB/s (None when no bytes were declared).
+    pub fn gb_per_s(&self) -> Option<f64> {
+        (self.bytes > 0.0 && self.ms > 0.0).then(|| self.bytes / (self.ms * 1e-3) / 1e9)
+    }
+
+    /// Achieved TFLOP/s (None when no FLOPs were declared).
+    pub fn tflops(&self) -> Option<f64> {
+        (self.flops > 0.0 && self.ms > 0.0).then(|| self.flops / (self.ms * 1e-3) / 1e12)
+    }
 }
 
 /// The CUDA backend on one device.
@@ -224,18 +254,26 @@ impl CudaBackend {
                 .events,
         );
         let mut out: Vec<KernelTime> = Vec::new();
-        for (name, start, end) in events {
+        for e in events {
             let ms = f64::from(
-                start
-                    .elapsed_ms(&end)
+                e.start
+                    .elapsed_ms(&e.end)
                     .map_err(CudaError::driver("cuEventElapsedTime"))?,
             );
-            match out.iter_mut().find(|k| k.name == name) {
+            match out.iter_mut().find(|k| k.name == e.name) {
                 Some(k) => {
                     k.calls += 1;
                     k.ms += ms;
+                    k.bytes += e.bytes;
+                    k.flops += e.flops;
                 }
-                None => out.push(KernelTime { name, calls: 1, ms }),
+                None => out.push(KernelTime {
+                    name: e.name,
+                    calls: 1,
+                    ms,
+                    bytes: e.bytes,
+                    flops: e.flops,
+                }),
             }
         }
         out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
@@ -278,8 +316,25 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .events
-            .push((name, start, end));
+            .push(ProfiledLaunch {
+                name,
+                start,
+                end,
+                bytes: 0.0,
+                flops: 0.0,
+            });
         Ok(())
+    }
+
+    /// Declares the work of the launch just queued (for `--breakdown`'s GB/s and TFLOP/s).
+    fn note_work(&self, bytes: usize, flops: f64) {
+        let mut p = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
+        if p.enabled {
+            if let Some(last) = p.events.last_mut() {
+                last.bytes = bytes as f64;
+                last.flops = flops;
+            }
+        }
     }
 
     fn work(&self) -> std::sync::MutexGuard<'_, Workspace> {
@@ -445,12 +500,15 @@ impl Backend for CudaBackend {
         stream
             .memcpy_htod(&batch.pixels[..bytes], pixels)
             .map_err(drv_err(op))?;
-        let norm: Vec<f32> = (0..3)
-            .map(|c| 1.0 / (255.0 * IMAGENET_STD[c]))
-            .chain((0..3).map(|c| -IMAGENET_MEAN[c] / IMAGENET_STD[c]))
-            .collect();
         let norm_buf = w.norm.as_mut().expect("ensured");
-        stream.memcpy_htod(&norm, norm_buf).map_err(drv_err(op))?;
+        if !w.norm_ready {
+            let norm: Vec<f32> = (0..3)
+                .map(|c| 1.0 / (255.0 * IMAGENET_STD[c]))
+                .chain((0..3).map(|c| -IMAGENET_MEAN[c] / IMAGENET_STD[c]))
+                .collect();
+            stream.memcpy_htod(&norm, norm_buf).map_err(drv_err(op))?;
+            w.norm_ready = true;
+        }
         let use_aug: i32 = match batch.augment {
             Some(aug) => {
                 check_len(op, "augment", aug.len(), n)?;
@@ -485,6 +543,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(bytes),
             [pixels, aug, &use_aug, &scale, &shift, dst, &n_i, &s_i]
         );
+        self.note_work(3 * bytes, 0.0);
         Ok(())
     }
 
@@ -502,7 +561,13 @@ impl Backend for CudaBackend {
         check_len(op, "y", y.len, s.y_len())?;
         let cfg = gemm_grid(s.n * s.out_h() * s.out_w(), s.c_out, 1);
         let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
-        launch!(self, op, "conv.cu", "conv_fwd", cfg, [x, w, y, &args]);
+        let kernel = if s.c_in % 8 == 0 {
+            "conv_fwd_vec"
+        } else {
+            "conv_fwd_scalar"
+        };
+        launch!(self, op, "conv.cu", kernel, cfg, [x, w, y, &args]);
+        self.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
         Ok(())
     }
 
@@ -522,7 +587,16 @@ impl Backend for CudaBackend {
         check_len(op, "dx", dx.len, s.x_len())?;
         let cfg = gemm_grid(s.n * s.h * s.w, s.c_in, 1);
         let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
-        launch!(self, op, "conv.cu", "conv_dgrad", cfg, [dy, w, dx, &args]);
+        let kernel = if s.c_in % 8 == 0 && s.c_out % 8 == 0 {
+            "conv_dgrad_vec"
+        } else {
+            "conv_dgrad_scalar"
+        };
+        launch!(self, op, "conv.cu", kernel, cfg, [dy, w, dx, &args]);
+        self.note_work(
+            2 * (s.y_len() + s.w_len() + s.x_len() * (1 + usize::from(accumulate))),
+            s.flops(),
+        );
         Ok(())
     }
 
@@ -553,7 +627,13 @@ impl Backend for CudaBackend {
         let dw = dw.f32_mut(op, "dw")?;
         let mut head = dw.slice_mut(0..s.w_len());
         stream.memset_zeros(&mut head).map_err(drv_err(op))?;
-        launch!(self, op, "conv.cu", "conv_wgrad", cfg, [dy, x, dw, &args]);
+        let kernel = match (s.c_out % 8 == 0, s.c_in % 8 == 0) {
+            (true, true) => "conv_wgrad_vec",
+            (true, false) => "conv_wgrad_stem",
+            _ => "conv_wgrad_scalar",
+        };
+        launch!(self, op, "conv.cu", kernel, cfg, [dy, x, dw, &args]);
+        self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
         Ok(())
     }
 
@@ -606,19 +686,16 @@ impl Backend for CudaBackend {
                     );
                     let per_i = to_i32(op, "rows per slab", per)?;
                     let slabs_i = to_i32(op, "slabs", slabs)?;
-                    let cfg = LaunchConfig {
-                        grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
-                        block_dim: (32, 8, 1),
-                        shared_mem_bytes: 0,
-                    };
+                    let (partial, cfg) = reduction_launch(c, slabs, "bn_stats_partial");
                     launch!(
                         self,
                         op,
                         "bn.cu",
-                        "bn_stats_partial",
+                        partial,
                         cfg,
                         [x, &rows_i, &c_i, &per_i, &mut *pm, &mut *pv]
                     );
+                    self.note_work(2 * rows * c, 0.0);
                     let (eps, momentum) = (a.eps, a.momentum);
                     launch!(
                         self,
@@ -653,6 +730,10 @@ impl Backend for CudaBackend {
         );
         let (gamma, beta) = (a.gamma.bf16(op, "gamma")?, a.beta.bf16(op, "beta")?);
         let y = a.y.bf16_mut(op, "y")?;
+        // 16 bytes per thread when every row is whole groups of 8 channels.
+        let vec = c % 8 == 0;
+        let apply = if vec { "bn_apply_vec" } else { "bn_apply" };
+        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
         match a.residual {
             Some(r) => {
                 let r = r.bf16(op, "residual")?;
@@ -660,20 +741,22 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_apply",
-                    elementwise_cfg(rows * c),
+                    apply,
+                    cfg,
                     [x, mean, invstd, gamma, beta, r, y, &total, &c_i, &relu]
                 );
+                self.note_work(6 * rows * c, 0.0);
             }
             None => {
                 launch!(
                     self,
                     op,
                     "bn.cu",
-                    "bn_apply",
-                    elementwise_cfg(rows * c),
+                    apply,
+                    cfg,
                     [x, mean, invstd, gamma, beta, &NULL_PTR, y, &total, &c_i, &relu]
                 );
+                self.note_work(4 * rows * c, 0.0);
             }
         }
         Ok(())
@@ -730,19 +813,16 @@ impl Backend for CudaBackend {
                 w.f32a.as_mut().expect("ensured"),
                 w.f32b.as_mut().expect("ensured"),
             );
-            let cfg = LaunchConfig {
-                grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
+            let (partial, cfg) = reduction_launch(c, slabs, "bn_bwd_partial");
             launch!(
                 self,
                 op,
                 "bn.cu",
-                "bn_bwd_partial",
+                partial,
                 cfg,
                 [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
             );
+            self.note_work(2 * rows * c * (2 + usize::from(a.relu)), 0.0);
             let chan_cfg = LaunchConfig {
                 grid_dim: (c.div_ceil(128) as u32, 1, 1),
                 block_dim: (128, 1, 1),
@@ -763,7 +843,13 @@ impl Backend for CudaBackend {
         let batch_stats = i32::from(a.batch_stats);
         let (dbeta, dgamma) = (a.dbeta.f32(op, "dbeta")?, a.dgamma.f32(op, "dgamma")?);
         let dx = a.dx.bf16_mut(op, "dx")?;
-        let cfg = elementwise_cfg(rows * c);
+        let vec = c % 8 == 0;
+        let apply = if vec {
+            "bn_bwd_apply_vec"
+        } else {
+            "bn_bwd_apply"
+        };
+        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
         match a.dresidual {
             Some((dres, acc)) => {
                 let acc = i32::from(acc);
@@ -772,7 +858,7 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_bwd_apply",
+                    apply,
                     cfg,
                     [
                         dy,
@@ -792,6 +878,10 @@ impl Backend for CudaBackend {
                         &acc
                     ]
                 );
+                self.note_work(
+                    2 * rows * c * (4 + usize::from(a.relu) + usize::from(acc == 1)),
+                    0.0,
+                );
             }
             None => {
                 let acc = 0i32;
@@ -799,7 +889,7 @@ impl Backend for CudaBackend {
                     self,
                     op,
                     "bn.cu",
-                    "bn_bwd_apply",
+                    apply,
                     cfg,
                     [
                         dy,
@@ -819,6 +909,7 @@ impl Backend for CudaBackend {
                         &acc
                     ]
                 );
+                self.note_work(2 * rows * c * (3 + usize::from(a.relu)), 0.0);
             }
         }
         Ok(())
@@ -845,6 +936,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(out),
             [x, y, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8]]
         );
+        self.note_work(2 * (s.n * s.h * s.w * s.c + out), 0.0);
         Ok(())
     }
 
@@ -872,6 +964,10 @@ impl Backend for CudaBackend {
             "maxpool_bwd",
             elementwise_cfg(input),
             [x, dy, dx, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8], &acc]
+        );
+        self.note_work(
+            2 * (input * (2 + usize::from(accumulate)) + s.n * s.out_h() * s.out_w() * s.c),
+            0.0,
         );
         Ok(())
     }
@@ -907,6 +1003,7 @@ impl Backend for CudaBackend {
             elementwise_cfg(n * c),
             [x, y, &n_i, &hw_i, &c_i]
         );
+        self.note_work(2 * (n * hw * c + n * c), 0.0);
         Ok(())
     }
 
@@ -942,6 +1039,10 @@ impl Backend for CudaBackend {
             "gap_bwd",
             elementwise_cfg(n * hw * c),
             [dy, dx, &n_i, &hw_i, &c_i, &acc]
+        );
+        self.note_work(
+            2 * (n * c + n * hw * c * (1 + usize::from(accumulate))),
+            0.0,
         );
         Ok(())
     }
@@ -1194,6 +1295,35 @@ fn linear_dims(op: &'static str, s: &LinearShape) -> Result<(i32, i32, i32), Bac
     ))
 }
 
+/// The per-slab reduction kernel (`base` or its 16-byte `_vec` form, which needs C % 8 == 0 and
+/// C ≤ 2048) and its launch configuration.
+fn reduction_launch(c: usize, slabs: usize, base: &'static str) -> (&'static str, LaunchConfig) {
+    if c % 8 == 0 && c / 8 <= 256 {
+        let name = if base == "bn_stats_partial" {
+            "bn_stats_partial_vec"
+        } else {
+            "bn_bwd_partial_vec"
+        };
+        (
+            name,
+            LaunchConfig {
+                grid_dim: (1, slabs as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    } else {
+        (
+            base,
+            LaunchConfig {
+                grid_dim: (c.div_ceil(32) as u32, slabs as u32, 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    }
+}
+
 fn tile16(cols: usize, rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (cols.div_ceil(16) as u32, rows.div_ceil(16) as u32, 1),
@@ -1278,15 +1408,39 @@ mod tests {
             // launch!(self, op, file, kernel, cfg, [args...])
             let parts = top_level(group(body, at + "launch!".len()));
             assert_eq!(parts.len(), 6, "{parts:?}");
-            let kernel = parts[3].trim_matches('"');
             let args = top_level(parts[5].trim_start_matches('[').trim_end_matches(']')).len();
-            let arity = kernel_arity(kernel)
-                .unwrap_or_else(|| panic!("kernel {kernel} not found in kernels/"));
-            assert_eq!(
-                args, arity,
-                "launch of {kernel} passes {args} arguments, the kernel takes {arity}"
-            );
-            launches += 1;
+            // A kernel chosen at run time (`kernel`): every name in its `let` statement.
+            let names: Vec<String> = if parts[3].starts_with('"') {
+                vec![parts[3].trim_matches('"').to_string()]
+            } else {
+                let before = &body[..at];
+                let from = before
+                    .rfind(&format!("let {} =", parts[3]))
+                    .or_else(|| before.rfind(&format!("let ({},", parts[3])))
+                    .expect("kernel variable");
+                let stmt = &before[from..from + before[from..].find(';').expect("let ends")];
+                let mut names: Vec<String> = stmt
+                    .split('"')
+                    .skip(1)
+                    .step_by(2)
+                    .map(String::from)
+                    .collect();
+                if stmt.contains("reduction_launch(") {
+                    // reduction_launch picks `base` or `base_vec`.
+                    names.push(format!("{}_vec", names[0]));
+                }
+                names
+            };
+            assert!(!names.is_empty());
+            for kernel in names {
+                let arity = kernel_arity(&kernel)
+                    .unwrap_or_else(|| panic!("kernel {kernel} not found in kernels/"));
+                assert_eq!(
+                    args, arity,
+                    "launch of {kernel} passes {args} arguments, the kernel takes {arity}"
+                );
+                launches += 1;
+            }
         }
         assert!(launches >= 20, "found only {launches} launches");
     }

@@ -110,7 +110,15 @@ mod tests {
         let conv = KernelFile::by_name("conv.cu").unwrap();
         assert_eq!(
             conv.kernel_names(),
-            ["conv_fwd", "conv_dgrad", "conv_wgrad"]
+            [
+                "conv_fwd_vec",
+                "conv_fwd_scalar",
+                "conv_dgrad_vec",
+                "conv_dgrad_scalar",
+                "conv_wgrad_vec",
+                "conv_wgrad_stem",
+                "conv_wgrad_scalar"
+            ]
         );
         let bn = KernelFile::by_name("bn.cu").unwrap();
         assert!(bn.kernel_names().contains(&"bn_bwd_apply".to_string()));
