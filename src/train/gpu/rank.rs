@@ -201,6 +201,8 @@ fn pipeline_error(e: FeedError<pipeline::PipelineError>) -> anyhow::Error {
 struct Rank<'a> {
     shared: &'a Shared,
     rank: usize,
+    /// Index among this node's GPUs (0 traces the node's input engine).
+    local_index: usize,
     ordinal: usize,
     net: Network<StagedBackend>,
     stream: Arc<CudaStream>,
@@ -219,6 +221,7 @@ struct Rank<'a> {
 pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankReport> {
     let RankContext {
         rank,
+        local_index,
         ordinal,
         comm,
         ..
@@ -286,6 +289,7 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
     let mut me = Rank {
         shared,
         rank,
+        local_index,
         ordinal,
         net,
         stream,
@@ -435,6 +439,14 @@ impl Rank<'_> {
         let seconds_before = self.position.partial_train.seconds;
         let mut images = 0u64;
         let mut stop = false;
+        let trace_engine = shared.trace.is_enabled() && self.local_index == 0;
+        if trace_engine {
+            shared.trace.name_process(ENGINE_PID, "input engine");
+            shared
+                .trace
+                .name_thread(ENGINE_PID, 0, "decode, cache, assembly");
+        }
+        let mut engine_before = trace_engine.then(|| shared.train_pipe.stats());
         for step in start_step..steps {
             let t_step = Instant::now();
             let waited = {
@@ -487,6 +499,17 @@ impl Rank<'_> {
             }
             if let Some(t) = self.sync.timeline_mut() {
                 t.flush()?;
+            }
+            if let Some(before) = &mut engine_before {
+                let now = shared.train_pipe.stats();
+                shared.trace.record_since(
+                    &engine_span_name(before, &now),
+                    "engine",
+                    ENGINE_PID,
+                    0,
+                    t_step,
+                );
+                *before = now;
             }
             self.feeder.record(waited, t_step.elapsed());
             let elapsed = started.elapsed().as_secs_f64();
@@ -700,6 +723,21 @@ impl Rank<'_> {
     }
 }
 
+/// Trace process id of the input engine's row (GPUs use their rank).
+const ENGINE_PID: u32 = 10_000;
+
+/// What the engine did during one step, as a trace span name.
+fn engine_span_name(before: &pipeline::EngineStats, now: &pipeline::EngineStats) -> String {
+    format!(
+        "engine: {} decoded · {} cache hits · {:.1} s decode work · ready queue {:.0} % · cache {:.0} % filled",
+        now.decoded.saturating_sub(before.decoded),
+        now.cache_hits.saturating_sub(before.cache_hits),
+        (now.decode_seconds - before.decode_seconds).max(0.0),
+        100.0 * now.ready_queue_fill,
+        100.0 * now.cache_fill
+    )
+}
+
 /// Stages one batch, timing its upload on the copy stream when tracing.
 fn stage_traced(
     ring: &mut StagingRing<CudaStaging>,
@@ -724,4 +762,68 @@ fn stage_traced(
         )
         .map_err(wrap)?;
     Ok(seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_span_names_what_the_engine_did_during_the_step() {
+        let before = pipeline::EngineStats {
+            decoded: 10,
+            cache_hits: 5,
+            bad_files: 0,
+            batches: 3,
+            decode_seconds: 1.0,
+            decode_images_per_sec: 0.0,
+            consumer_wait_seconds: 0.0,
+            decode_queue_fill: 0.0,
+            ready_queue_fill: 0.0,
+            cache_fill: 0.0,
+            elapsed_seconds: 2.0,
+        };
+        let now = pipeline::EngineStats {
+            decoded: 14,
+            cache_hits: 9,
+            decode_seconds: 1.5,
+            ready_queue_fill: 0.5,
+            cache_fill: 1.0,
+            ..before.clone()
+        };
+        assert_eq!(
+            engine_span_name(&before, &now),
+            "engine: 4 decoded · 4 cache hits · 0.5 s decode work · ready queue 50 % · cache 100 % filled"
+        );
+    }
+
+    #[test]
+    fn an_engine_batch_exposes_exactly_its_pixels() {
+        let root = tempfile::tempdir().unwrap();
+        let mut synth = pipeline::synth::SynthConfig::new(root.path().join("data"));
+        synth.classes = 2;
+        synth.train_per_class = 3;
+        synth.valid_per_class = 1;
+        synth.test_per_class = 0;
+        synth.width = 8;
+        synth.height = 8;
+        pipeline::synth::write_dataset(&synth).unwrap();
+        let pipe = pipeline::PipelineBuilder::new(pipeline::DatasetSource::folder(
+            root.path().join("data"),
+        ))
+        .image_size(8)
+        .batch_size(4)
+        .cache_dir(root.path().join("cache"))
+        .build()
+        .unwrap();
+        for batch in pipe.epoch(0, 0, 0).unwrap() {
+            let batch = batch.unwrap();
+            let (pixels, labels, len) =
+                (batch.pixels().to_vec(), batch.labels().to_vec(), batch.len);
+            let host = host_batch(batch);
+            assert_eq!((*host.pixels).as_ref(), &pixels[..]);
+            assert_eq!(host.labels, labels);
+            assert_eq!((host.len, host.image_size), (len, 8));
+        }
+    }
 }
