@@ -126,6 +126,7 @@ fn the_staging_ring_keeps_the_data_wait_low_with_a_warm_cache() {
     let cache = tmp.path().join("cache");
     let mut warm = config(&data, &cache, &tmp.path().join("warm"), true);
     warm.epochs = 1;
+    warm.image_size = 64; // the cache is per image size: warm the one the run reads
     train::train(&warm, &AtomicBool::new(false)).unwrap();
     let mut cfg = config(&data, &cache, &tmp.path().join("run"), true);
     cfg.arch = Arch::ResNet18;
@@ -162,4 +163,34 @@ fn ctrl_c_stops_after_one_step_with_a_checkpoint() {
     let done = train::train(&resume, &AtomicBool::new(false)).unwrap();
     assert!(!done.interrupted);
     assert_eq!(done.epochs_done, 2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn the_trace_shows_copies_compute_buckets_waits_and_the_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let mut cfg = config(
+        &data,
+        &tmp.path().join("cache"),
+        &tmp.path().join("run"),
+        true,
+    );
+    cfg.epochs = 1;
+    let trace = tmp.path().join("trace.json");
+    cfg.dist.as_mut().unwrap().trace = Some(trace.clone());
+    train::train(&cfg, &AtomicBool::new(false)).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let text = json.to_string();
+    for name in [
+        "H2D batch",
+        "forward + backward",
+        "all-reduce bucket 0",
+        "optimizer",
+        "input wait",
+        "engine: ",
+    ] {
+        assert!(text.contains(name), "no {name:?} span in the trace");
+    }
 }

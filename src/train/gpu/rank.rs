@@ -738,7 +738,8 @@ fn engine_span_name(before: &pipeline::EngineStats, now: &pipeline::EngineStats)
     )
 }
 
-/// Stages one batch, timing its upload on the copy stream when tracing.
+/// Stages one batch, timing its upload on the copy stream when tracing (the span starts when
+/// the copy stream reaches it, so it includes the copy's wait for the slot to be consumed).
 fn stage_traced(
     ring: &mut StagingRing<CudaStaging>,
     batch: ExternalBatch,
