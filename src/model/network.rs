@@ -188,6 +188,29 @@ fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usiz
     (slot, sizes)
 }
 
+/// The gradient-ready callback of [`Network::train_step_with`]: parameter index (into
+/// `graph.params()`) and its final gradient tensor.
+pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError> + 'a;
+
+/// What a gradient-ready hook may fail with (e.g. an NCCL launch error); it is carried to
+/// the caller inside [`ModelError::GradHook`].
+pub type GradHookError = Box<dyn std::error::Error + Send + Sync>;
+
+/// See [`Network::grad_ready_order`].
+fn grad_ready_order(graph: &Graph) -> Vec<usize> {
+    let mut order = Vec::with_capacity(graph.params().len());
+    for node in graph.nodes().iter().rev() {
+        match *node {
+            Node::Conv { weight, .. } => order.push(weight),
+            Node::BatchNorm { weight, bias, .. } | Node::Linear { weight, bias, .. } => {
+                order.extend([weight, bias])
+            }
+            Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
+        }
+    }
+    order
+}
+
 impl<B: Backend> Network<B> {
     /// Allocates everything for batches of up to `max_batch` images of side `image_size` and
     /// loads torchvision's initialisation with seed 0 (call [`Network::load_state`] for
@@ -475,6 +498,24 @@ impl<B: Backend> Network<B> {
     /// gradients of the batch's *mean* loss (read them with [`Network::grads_f32`]). BN running
     /// statistics advance unless `freeze_bn`.
     pub fn train_step(&mut self, input: &InputBatch<'_>) -> Result<StepStats, ModelError> {
+        self.train_step_with(input, &mut |_, _| Ok(()))
+    }
+
+    /// [`Network::train_step`] that also calls `on_grad_ready(param, gradient)` as soon as
+    /// each parameter's gradient is final during backward: exactly once per parameter, in the
+    /// order backward produces them ([`Network::grad_ready_order`]), right after the backend
+    /// op that writes it was issued (on an asynchronous backend the op is enqueued, not
+    /// necessarily finished: the hook must order its own work after it, e.g. on the same
+    /// stream). `param` indexes `graph.params()`; the tensor is in the backend's layout.
+    ///
+    /// This is what lets a data-parallel driver start each gradient bucket's all-reduce while
+    /// backward is still computing the earlier layers. An error from the hook stops backward
+    /// and is returned as [`ModelError::GradHook`]; the gradients are then incomplete.
+    pub fn train_step_with(
+        &mut self,
+        input: &InputBatch<'_>,
+        on_grad_ready: &mut GradReadyHook<'_, B::Tensor>,
+    ) -> Result<StepStats, ModelError> {
         input.validate(self.max_batch, self.image_size)?;
         let n = input.len;
         self.grads_for = None;
@@ -498,7 +539,7 @@ impl<B: Backend> Network<B> {
         );
         self.grad_bufs[self.grad_slot[logits]] = Some(dlogits);
         let loss = loss?;
-        self.backward(n, mode == BnMode::Train)?;
+        self.backward(n, mode == BnMode::Train, on_grad_ready)?;
         if mode == BnMode::Train {
             for (i, b) in self.graph.buffers().iter().enumerate() {
                 if b.kind == BufferKind::NumBatchesTracked {
@@ -674,10 +715,37 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
+    /// Hands parameter `p`'s (final) gradient to the hook. Every parameter belongs to exactly
+    /// one node and backend ops overwrite parameter gradients, so a gradient is final as soon
+    /// as its node's backward has written it.
+    fn grad_final(
+        &self,
+        p: usize,
+        hook: &mut GradReadyHook<'_, B::Tensor>,
+    ) -> Result<(), ModelError> {
+        hook(p, get(&self.param_grads, p)).map_err(|source| ModelError::GradHook {
+            param: self.graph.params()[p].name.clone(),
+            source,
+        })
+    }
+
+    /// Parameter indices in the order [`Network::train_step_with`] reports their gradients
+    /// (nodes in reverse, a node's weight before its bias). It is close to, but not exactly,
+    /// reverse parameter order: a downsampling block's residual BN is reported before its
+    /// shortcut, which torchvision registers after it.
+    pub fn grad_ready_order(&self) -> Vec<usize> {
+        grad_ready_order(&self.graph)
+    }
+
     /// Reverse pass. A value's gradient is complete before it is consumed, because every
     /// consumer comes after its producer in node order; `written` says whether a gradient
     /// buffer already holds a contribution (then the next one accumulates).
-    fn backward(&mut self, n: usize, batch_stats: bool) -> Result<(), ModelError> {
+    fn backward(
+        &mut self,
+        n: usize,
+        batch_stats: bool,
+        hook: &mut GradReadyHook<'_, B::Tensor>,
+    ) -> Result<(), ModelError> {
         let mut written = vec![false; self.dims.len()];
         written[self.dims.len() - 1] = true;
         for (k, node) in self.graph.nodes().iter().enumerate().rev() {
@@ -709,6 +777,8 @@ impl<B: Backend> Network<B> {
                     self.param_grads[bias] = Some(db);
                     r?;
                     written[input] = true;
+                    self.grad_final(weight, hook)?;
+                    self.grad_final(bias, hook)?;
                 }
                 Node::GlobalAvgPool { input, output } => {
                     let d = self.dims[input];
@@ -800,6 +870,8 @@ impl<B: Backend> Network<B> {
                     self.param_grads[bias] = Some(dbeta);
                     r?;
                     written[input] = true;
+                    self.grad_final(weight, hook)?;
+                    self.grad_final(bias, hook)?;
                 }
                 Node::Conv {
                     input,
@@ -820,6 +892,9 @@ impl<B: Backend> Network<B> {
                     );
                     self.param_grads[weight] = Some(dw);
                     r?;
+                    // Reported before the data gradient is computed: the earlier the bucket
+                    // completes, the more of backward its all-reduce hides behind.
+                    self.grad_final(weight, hook)?;
                     if input != 0 {
                         let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                         let r = self.backend.conv_backward_data(
