@@ -347,8 +347,9 @@ mod layout_tests {
         let out = to_backend_layout(graph.params(), &flat);
         assert_eq!(out.len(), n);
         // conv1 is OIHW [16, 3, 3, 3]: element (o=1, i=2, y=0, x=1) → OHWI ((1·3+0)·3+1)·3+2.
-        let src = ((3 + 2) * 3) * 3 + 1;
-        assert_eq!(out[((3 + 0) * 3 + 1) * 3 + 2], src as f32);
+        let (o, i, y, x) = (1, 2, 0, 1);
+        let src = ((o * 3 + i) * 3 + y) * 3 + x;
+        assert_eq!(out[((o * 3 + y) * 3 + x) * 3 + i], src as f32);
         // A permutation: nothing lost, nothing duplicated.
         let mut sorted = out.clone();
         sorted.sort_by(f32::total_cmp);
