@@ -16,9 +16,10 @@
 //! - each replica keeps its own batch-norm running statistics (as PyTorch DDP); the
 //!   checkpoint holds rank 0's;
 //! - the checkpoint's weights are the optimizer's f32 master weights;
-//! - the optimizer's momentum lives on the GPU and `DeviceOptimizer` offers no way to read
-//!   it back, so the checkpoint's optimizer file holds a fresh state and a resumed GPU run
-//!   restarts momentum (said in a warning).
+//! - the optimizer's state (momentum / Adam moments, step count) lives on the GPU; rank 0
+//!   downloads it for each checkpoint and writes it in the host optimizer's format and
+//!   layout ([`crate::cuda::optim::DeviceState`]), so a checkpoint's optimizer file means
+//!   the same to the CPU and GPU paths and a resumed run continues with its momentum.
 
 mod feed;
 mod layout;
@@ -39,7 +40,7 @@ use super::checkpoint::{CheckpointMeta, DataPosition};
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
 use super::metrics::{read_metrics, truncate_metrics_from, MetricsAccumulator};
-use super::run::{check_resume, copy_metrics, source, TrainOutcome};
+use super::run::{check_resume, copy_metrics, optimizer_kind, source, TrainOutcome};
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
 use crate::dist::args::DistArgs;
@@ -48,7 +49,7 @@ use crate::dist::rendezvous::{self, NodeInfo};
 use crate::dist::trace::TraceRecorder;
 use crate::dist::{nccl, ranks};
 use crate::model::{Graph, HeadPolicy, ModelState};
-use crate::optim::{Hyper, Schedule};
+use crate::optim::{Hyper, Optimizer, Schedule};
 
 pub(crate) use rank::RankReport;
 
@@ -64,6 +65,8 @@ pub(crate) struct Shared {
     pub(crate) train_pipe: Pipeline,
     pub(crate) valid_pipe: Pipeline,
     pub(crate) state: ModelState,
+    /// The resumed checkpoint's optimizer state (host layout); `None` starts fresh.
+    pub(crate) optimizer: Option<Optimizer>,
     pub(crate) position: DataPosition,
     pub(crate) schedule: Schedule,
     pub(crate) hyper: Hyper,
@@ -227,7 +230,8 @@ pub(crate) fn train_on_gpus(
         weight_decay: cfg.weight_decay,
         ..Hyper::default()
     };
-    let (state, position) = initial_state(&run_cfg, &graph, &classes, resumed.as_ref())?;
+    let (state, optimizer, position) =
+        initial_state(&run_cfg, &graph, &classes, hyper, resumed.as_ref())?;
     let metrics_path = cfg.out.join("metrics.jsonl");
     if plan.is_master() {
         match &resumed {
@@ -270,6 +274,7 @@ pub(crate) fn train_on_gpus(
         train_pipe,
         valid_pipe,
         state,
+        optimizer,
         position,
         schedule,
         hyper,
@@ -337,13 +342,15 @@ fn ranks_error(e: ranks::RanksError) -> TrainError {
     }
 }
 
-/// The starting weights and data position: a checkpoint, `--init-from` or a fresh init.
+/// The starting weights, optimizer state (resume only) and data position: a checkpoint,
+/// `--init-from` or a fresh init.
 fn initial_state(
     cfg: &TrainConfig,
     graph: &Graph,
     classes: &[String],
+    hyper: Hyper,
     resumed: Option<&(PathBuf, CheckpointMeta)>,
-) -> Result<(ModelState, DataPosition), TrainError> {
+) -> Result<(ModelState, Option<Optimizer>, DataPosition), TrainError> {
     match resumed {
         Some((run, meta)) => {
             check_resume(cfg, run, meta, classes)?;
@@ -358,10 +365,9 @@ fn initial_state(
                 let gb = cfg.global_batch() as u64;
                 position.step_in_epoch = (position.samples_in_epoch / gb) as usize;
             }
-            tracing::warn!(
-                "resuming on the GPU path: optimizer momentum restarts (the device optimizer's state is not checkpointed)"
-            );
-            Ok((state, position))
+            let mut optimizer = Optimizer::new(optimizer_kind(cfg), hyper, graph.params());
+            optimizer.load(&run.join(&meta.optimizer_state_file))?;
+            Ok((state, Some(optimizer), position))
         }
         None => {
             let state = match &cfg.init_from {
@@ -374,6 +380,7 @@ fn initial_state(
             };
             Ok((
                 state,
+                None,
                 DataPosition {
                     epoch: 0,
                     step_in_epoch: 0,

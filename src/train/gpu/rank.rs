@@ -46,7 +46,7 @@ use super::report::{
 };
 use super::staged::StagedBackend;
 use super::Shared;
-use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
+use crate::cuda::optim::{to_backend_layout, DeviceOptimizer, DeviceState};
 use crate::cuda::{CudaBackend, CudaTensor};
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::dist::cuda_staging::CudaStaging;
@@ -56,7 +56,6 @@ use crate::dist::ranks::RankContext;
 use crate::dist::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::dist::watchdog::Watchdog;
 use crate::model::{GradHookError, InputBatch, Network, NetworkConfig, StepStats};
-use crate::optim::Optimizer;
 use crate::train::augment::augments_for;
 use crate::train::checkpoint::{
     write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
@@ -323,13 +322,19 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
     stream.synchronize()?;
     drop(weights);
     net.set_params_f32(&flat).map_err(TrainError::from)?;
-    let opt = DeviceOptimizer::new(
+    let mut opt = DeviceOptimizer::new(
         net.backend().inner(),
         optimizer_kind(cfg),
         shared.hyper,
         graph.params(),
         &to_backend_layout(graph.params(), &flat),
     )?;
+    if let Some(host) = &shared.optimizer {
+        // Every rank reads the same checkpoint file, so the state agrees across ranks as the
+        // (broadcast) weights do.
+        opt.load_state(&DeviceState::from_host(graph.params(), host))
+            .context("loading the checkpoint's optimizer state onto the GPU")?;
+    }
     let grads = stream.alloc_zeros::<f32>(sync.plan().total_elements().max(1))?;
     let slot_bytes = cfg.batch_size * (cfg.image_size as usize).pow(2) * 3;
     let staging = CudaStaging::new(&device_ctx, stream.clone(), dist.prefetch_depth, slot_bytes)
@@ -741,7 +746,7 @@ impl Rank<'_> {
         Ok(())
     }
 
-    /// Writes rank 0's weights (f32 master), a fresh optimizer state and the sidecar.
+    /// Writes rank 0's weights (f32 master), its optimizer state (host format) and the sidecar.
     fn save_checkpoint(&mut self) -> anyhow::Result<()> {
         let shared = self.shared;
         let cfg = &shared.cfg;
@@ -752,7 +757,11 @@ impl Rank<'_> {
         let model_bytes = state
             .to_safetensors_bytes(graph, None)
             .map_err(TrainError::from)?;
-        let optim_bytes = Optimizer::new(optimizer_kind(cfg), shared.hyper, graph.params())
+        let optim_bytes = self
+            .opt
+            .state()?
+            .to_host(optimizer_kind(cfg), shared.hyper, graph.params())
+            .map_err(TrainError::from)?
             .to_safetensors_bytes();
         write_atomic(&cfg.out.join(MODEL_FILE), &model_bytes)?;
         write_atomic(&cfg.out.join(OPTIMIZER_FILE), &optim_bytes)?;
