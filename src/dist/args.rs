@@ -33,6 +33,10 @@ pub struct DistArgs {
     /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Synchronised batch norm: normalise with the statistics of the global batch (every
+    /// GPU's images) instead of each GPU's own; costs two small all-reduces per BN layer.
+    #[arg(long)]
+    pub sync_bn: bool,
 }
 
 impl DistArgs {

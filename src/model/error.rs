@@ -73,6 +73,15 @@ pub enum ModelError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The cross-replica reduction of synchronised batch norm failed.
+    #[error("synchronised batch norm failed at layer '{layer}': {source}")]
+    BnSync {
+        /// The BN layer (torchvision name without `.weight`).
+        layer: String,
+        /// The reduction's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A backend op failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -40,7 +40,8 @@ impl Default for NetworkConfig {
 /// order); the network converts convolution weights to the backend's OHWI.
 pub struct Network<B: Backend> {
     backend: B,
-    graph: Graph,
+    /// Shared so a pass can walk the nodes while calling `&mut self` helpers.
+    graph: std::sync::Arc<Graph>,
     config: NetworkConfig,
     max_batch: usize,
     image_size: u32,
@@ -60,6 +61,11 @@ pub struct Network<B: Backend> {
     saved: Vec<Option<(B::Tensor, B::Tensor)>>,
     /// Images of the last training forward, whose gradients are held.
     grads_for: Option<usize>,
+    /// Global (mean, biased variance) scratch of synchronised batch norm, `max_channels`
+    /// values each: the frozen-statistics op reads them as its "running" statistics.
+    bn_scratch: Option<(B::Tensor, B::Tensor)>,
+    /// Rows over every replica per node, from the last synchronised forward.
+    bn_global_rows: Vec<f64>,
 }
 
 impl<B: Backend> std::fmt::Debug for Network<B> {
@@ -196,6 +202,25 @@ pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError
 /// the caller inside [`ModelError::GradHook`].
 pub type GradHookError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Cross-replica sums for synchronised batch norm ([`Network::train_step_synced`]).
+///
+/// Every replica calls [`BnAllReduce::sum_in_place`] the same number of times, in the same
+/// order (once per BN layer in forward, once per BN layer in backward), with vectors of the
+/// same length; each call returns when every replica's values are summed into `values`.
+pub trait BnAllReduce {
+    /// Sums `values` element-wise over every replica, in place.
+    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError>;
+}
+
+/// A shorter-lived handle on an optional reducer (`Option::as_deref_mut` cannot shorten the
+/// trait object's lifetime, which `&mut` makes invariant).
+fn reborrow<'a>(r: &'a mut Option<&mut dyn BnAllReduce>) -> Option<&'a mut dyn BnAllReduce> {
+    match r {
+        Some(r) => Some(&mut **r),
+        None => None,
+    }
+}
+
 /// See [`Network::grad_ready_order`].
 fn grad_ready_order(graph: &Graph) -> Vec<usize> {
     let mut order = Vec::with_capacity(graph.params().len());
@@ -265,9 +290,22 @@ impl<B: Backend> Network<B> {
                 _ => None,
             });
         }
+        let max_channels = graph
+            .nodes()
+            .iter()
+            .filter_map(|node| match node {
+                Node::BatchNorm { channels, .. } => Some(*channels),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1);
+        let bn_scratch = Some((
+            backend.alloc(max_channels, TensorRole::Statistic)?,
+            backend.alloc(max_channels, TensorRole::Statistic)?,
+        ));
         let mut net = Network {
             backend,
-            graph: graph.clone(),
+            graph: std::sync::Arc::new(graph.clone()),
             config: NetworkConfig::default(),
             max_batch,
             image_size,
@@ -281,6 +319,8 @@ impl<B: Backend> Network<B> {
             batches_tracked: vec![0.0; graph.buffers().len()],
             saved,
             grads_for: None,
+            bn_scratch,
+            bn_global_rows: vec![0.0; graph.nodes().len()],
         };
         net.load_state(&ModelState::init(graph, 0))?;
         Ok(net)
@@ -516,6 +556,29 @@ impl<B: Backend> Network<B> {
         input: &InputBatch<'_>,
         on_grad_ready: &mut GradReadyHook<'_, B::Tensor>,
     ) -> Result<StepStats, ModelError> {
+        self.train_step_synced(input, on_grad_ready, None)
+    }
+
+    /// [`Network::train_step_with`] with synchronised batch norm when `sync_bn` is given (and
+    /// BN is not frozen): every BN layer normalises with the statistics of the *global* batch
+    /// (all replicas' images, each replica weighted by its rows), and its backward uses the
+    /// global sums of the two backward reductions, as PyTorch's SyncBatchNorm.
+    ///
+    /// How: forward sums per-channel Σx, Σx² and the row count over replicas, then runs the
+    /// backend's fused op in frozen mode with those statistics and advances the running
+    /// statistics itself (unbiased variance over the global rows). Backward runs the fused op
+    /// in frozen mode (local Σdz and Σdz·x̂ come back as dβ and dγ), sums them over replicas
+    /// and adds the cross-replica correction `dx += a + b·x` per channel. The parameter
+    /// gradients stay local, to be averaged with every other gradient.
+    ///
+    /// The per-channel vectors cross to the host (a device round trip per BN layer on a GPU):
+    /// exact, not fast.
+    pub fn train_step_synced(
+        &mut self,
+        input: &InputBatch<'_>,
+        on_grad_ready: &mut GradReadyHook<'_, B::Tensor>,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<StepStats, ModelError> {
         input.validate(self.max_batch, self.image_size)?;
         let n = input.len;
         self.grads_for = None;
@@ -524,7 +587,12 @@ impl<B: Backend> Network<B> {
         } else {
             BnMode::Train
         };
-        self.forward(input, mode)?;
+        let mut bn_sync = if mode == BnMode::Train {
+            sync_bn.take()
+        } else {
+            None
+        };
+        self.forward(input, mode, reborrow(&mut bn_sync))?;
         let logits = self.dims.len() - 1;
         let classes = self.graph.num_classes();
         let mut dlogits = take(&mut self.grad_bufs, self.grad_slot[logits]);
@@ -539,7 +607,7 @@ impl<B: Backend> Network<B> {
         );
         self.grad_bufs[self.grad_slot[logits]] = Some(dlogits);
         let loss = loss?;
-        self.backward(n, mode == BnMode::Train, on_grad_ready)?;
+        self.backward(n, mode == BnMode::Train, on_grad_ready, bn_sync)?;
         if mode == BnMode::Train {
             for (i, b) in self.graph.buffers().iter().enumerate() {
                 if b.kind == BufferKind::NumBatchesTracked {
@@ -566,7 +634,7 @@ impl<B: Backend> Network<B> {
     ) -> Result<(StepStats, Vec<f32>), ModelError> {
         input.validate(self.max_batch, self.image_size)?;
         let n = input.len;
-        self.forward(input, BnMode::Eval)?;
+        self.forward(input, BnMode::Eval, None)?;
         let logits = self.dims.len() - 1;
         let mut probs = Vec::new();
         let loss = self.backend.softmax_cross_entropy(
@@ -587,13 +655,19 @@ impl<B: Backend> Network<B> {
         Ok((stats, probs))
     }
 
-    fn forward(&mut self, input: &InputBatch<'_>, mode: BnMode) -> Result<(), ModelError> {
+    fn forward(
+        &mut self,
+        input: &InputBatch<'_>,
+        mode: BnMode,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<(), ModelError> {
         let n = input.len;
         let mut x0 = take(&mut self.acts, 0);
         let r = self.backend.input(input, &mut x0);
         self.acts[0] = Some(x0);
         r?;
-        for (k, node) in self.graph.nodes().iter().enumerate() {
+        let graph = self.graph.clone();
+        for (k, node) in graph.nodes().iter().enumerate() {
             match *node {
                 Node::Conv {
                     input,
@@ -628,15 +702,26 @@ impl<B: Backend> Network<B> {
                     ..
                 } => {
                     let d = self.dims[input];
+                    let shape = BnShape {
+                        rows: n * d.h * d.w,
+                        channels,
+                    };
+                    let global = match reborrow(&mut sync_bn) {
+                        Some(r) => Some(self.global_bn_stats(k, weight, input, shape, r)?),
+                        None => None,
+                    };
                     let mut y = take(&mut self.acts, output);
                     let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
-                    let mut rm = take(&mut self.buffers, running_mean);
-                    let mut rv = take(&mut self.buffers, running_var);
+                    // Synchronised: the global statistics stand in for the running ones.
+                    let (mut rm, mut rv) = match global {
+                        Some(_) => self.bn_scratch.take().expect(BORROWED),
+                        None => (
+                            take(&mut self.buffers, running_mean),
+                            take(&mut self.buffers, running_var),
+                        ),
+                    };
                     let r = self.backend.bn_forward(BnForward {
-                        shape: BnShape {
-                            rows: n * d.h * d.w,
-                            channels,
-                        },
+                        shape,
                         x: get(&self.acts, input),
                         gamma: get(&self.params, weight),
                         beta: get(&self.params, bias),
@@ -647,15 +732,26 @@ impl<B: Backend> Network<B> {
                         saved_invstd: &mut invstd,
                         running_mean: &mut rm,
                         running_var: &mut rv,
-                        mode,
+                        mode: if global.is_some() {
+                            BnMode::Frozen
+                        } else {
+                            mode
+                        },
                         momentum: self.config.bn_momentum,
                         eps: self.config.bn_eps,
                     });
                     self.acts[output] = Some(y);
                     self.saved[k] = Some((mean, invstd));
-                    self.buffers[running_mean] = Some(rm);
-                    self.buffers[running_var] = Some(rv);
+                    if global.is_some() {
+                        self.bn_scratch = Some((rm, rv));
+                    } else {
+                        self.buffers[running_mean] = Some(rm);
+                        self.buffers[running_var] = Some(rv);
+                    }
                     r?;
+                    if let Some((mean, var)) = global {
+                        self.advance_running_stats(k, running_mean, running_var, &mean, &var)?;
+                    }
                 }
                 Node::MaxPool {
                     input,
@@ -715,6 +811,162 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
+    /// Name of a BN node (its weight's name without `.weight`), for errors.
+    fn bn_name(&self, weight: usize) -> String {
+        let name = &self.graph.params()[weight].name;
+        name.strip_suffix(".weight").unwrap_or(name).to_string()
+    }
+
+    /// Synchronised BN forward, part 1: sums Σx, Σx² and the rows over replicas, writes the
+    /// global mean and biased variance into the scratch pair and returns them.
+    fn global_bn_stats(
+        &mut self,
+        k: usize,
+        weight: usize,
+        input: usize,
+        shape: BnShape,
+        reduce: &mut dyn BnAllReduce,
+    ) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+        let c = shape.channels;
+        let (sum, sumsq) = self
+            .backend
+            .bn_channel_moments(shape, get(&self.acts, input))?;
+        let mut buf = Vec::with_capacity(2 * c + 1);
+        buf.extend(sum);
+        buf.extend(sumsq);
+        buf.push(shape.rows as f64);
+        reduce
+            .sum_in_place(&mut buf)
+            .map_err(|source| ModelError::BnSync {
+                layer: self.bn_name(weight),
+                source,
+            })?;
+        let rows = buf[2 * c];
+        if rows < 1.0 {
+            return Err(ModelError::BadBatch(format!(
+                "synchronised batch norm at {}: the replicas hold {rows} rows in all",
+                self.bn_name(weight)
+            )));
+        }
+        let mean: Vec<f64> = buf[..c].iter().map(|s| s / rows).collect();
+        let var: Vec<f64> = (0..c)
+            .map(|ch| (buf[c + ch] / rows - mean[ch] * mean[ch]).max(0.0))
+            .collect();
+        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
+        let len = self.backend.len(&tm);
+        let mut hm = vec![0.0f32; len];
+        let mut hv = vec![1.0f32; len];
+        for ch in 0..c {
+            hm[ch] = mean[ch] as f32;
+            hv[ch] = var[ch] as f32;
+        }
+        let r = self
+            .backend
+            .upload(&hm, &mut tm)
+            .and_then(|()| self.backend.upload(&hv, &mut tv));
+        self.bn_scratch = Some((tm, tv));
+        r?;
+        self.bn_global_rows[k] = rows;
+        Ok((mean, var))
+    }
+
+    /// Synchronised BN forward, part 2: running statistics advance with the global batch's
+    /// mean and unbiased variance (as the local op does with its own batch).
+    fn advance_running_stats(
+        &mut self,
+        k: usize,
+        running_mean: usize,
+        running_var: usize,
+        mean: &[f64],
+        var: &[f64],
+    ) -> Result<(), ModelError> {
+        let rows = self.bn_global_rows[k];
+        let unbias = if rows > 1.0 { rows / (rows - 1.0) } else { 1.0 };
+        let m = f64::from(self.config.bn_momentum);
+        let mut rm = self.backend.download(get(&self.buffers, running_mean))?;
+        let mut rv = self.backend.download(get(&self.buffers, running_var))?;
+        for ch in 0..mean.len().min(rm.len()).min(rv.len()) {
+            rm[ch] = ((1.0 - m) * f64::from(rm[ch]) + m * mean[ch]) as f32;
+            rv[ch] = ((1.0 - m) * f64::from(rv[ch]) + m * var[ch] * unbias) as f32;
+        }
+        let t = self.buffers[running_mean].as_mut().expect(BORROWED);
+        self.backend.upload(&rm, t)?;
+        let t = self.buffers[running_var].as_mut().expect(BORROWED);
+        self.backend.upload(&rv, t)?;
+        Ok(())
+    }
+
+    /// Synchronised BN backward: after the frozen-statistics op, sums dγ = Σdz·x̂ and
+    /// dβ = Σdz over replicas (weighted by image share) and adds `−γ·invstd·(Σdβ/N + x̂·Σdγ/N)` to dx, written as the
+    /// per-channel affine map `a + b·x` of the input.
+    fn sync_bn_backward(
+        &mut self,
+        k: usize,
+        node: &Node,
+        shape: BnShape,
+        reduce: &mut dyn BnAllReduce,
+    ) -> Result<(), ModelError> {
+        let Node::BatchNorm {
+            input,
+            weight,
+            bias,
+            ..
+        } = *node
+        else {
+            unreachable!("sync_bn_backward is only called for BatchNorm nodes");
+        };
+        let c = shape.channels;
+        // Each replica's dz is the gradient of its *own* mean loss; the step's gradient is
+        // the image-weighted mean of the replicas' (the NCCL path scales by the image share).
+        // So replica r contributes its sums × rows_r/rows, which puts everyone on the global
+        // loss's scale, and reads the sums back × rows/rows_r, on its own scale again.
+        let share = shape.rows as f64 / self.bn_global_rows[k];
+        let mut buf: Vec<f64> = Vec::with_capacity(2 * c);
+        buf.extend(
+            self.backend
+                .download(get(&self.param_grads, weight))?
+                .iter()
+                .take(c)
+                .map(|&v| f64::from(v) * share),
+        );
+        buf.extend(
+            self.backend
+                .download(get(&self.param_grads, bias))?
+                .iter()
+                .take(c)
+                .map(|&v| f64::from(v) * share),
+        );
+        reduce
+            .sum_in_place(&mut buf)
+            .map_err(|source| ModelError::BnSync {
+                layer: self.bn_name(weight),
+                source,
+            })?;
+        // Global mean = (sum on this replica's scale) / global rows = sum / rows_r.
+        let rows = shape.rows as f64;
+        let gamma = self.backend.download(get(&self.params, weight))?;
+        let (mean_t, invstd_t) = self.saved[k].as_ref().expect("bn saved stats");
+        let mean = self.backend.download(mean_t)?;
+        let invstd = self.backend.download(invstd_t)?;
+        let mut a = vec![0.0f32; c];
+        let mut b = vec![0.0f32; c];
+        for ch in 0..c {
+            let mdg = buf[ch] / rows;
+            let mdb = buf[c + ch] / rows;
+            let is = f64::from(invstd[ch]);
+            let kk = f64::from(gamma[ch]) * is;
+            a[ch] = (-kk * mdb + kk * is * f64::from(mean[ch]) * mdg) as f32;
+            b[ch] = (-kk * is * mdg) as f32;
+        }
+        let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
+        let r =
+            self.backend
+                .channel_affine_accumulate(shape, get(&self.acts, input), &a, &b, &mut dx);
+        self.grad_bufs[self.grad_slot[input]] = Some(dx);
+        r?;
+        Ok(())
+    }
+
     /// Hands parameter `p`'s (final) gradient to the hook. Every parameter belongs to exactly
     /// one node and backend ops overwrite parameter gradients, so a gradient is final as soon
     /// as its node's backward has written it.
@@ -745,10 +997,12 @@ impl<B: Backend> Network<B> {
         n: usize,
         batch_stats: bool,
         hook: &mut GradReadyHook<'_, B::Tensor>,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
     ) -> Result<(), ModelError> {
         let mut written = vec![false; self.dims.len()];
         written[self.dims.len() - 1] = true;
-        for (k, node) in self.graph.nodes().iter().enumerate().rev() {
+        let graph = self.graph.clone();
+        for (k, node) in graph.nodes().iter().enumerate().rev() {
             match *node {
                 Node::Linear {
                     input,
@@ -843,17 +1097,21 @@ impl<B: Backend> Network<B> {
                     let mut dbeta = take(&mut self.param_grads, bias);
                     let (mean, invstd) = self.saved[k].as_ref().expect("bn saved stats");
                     let acc = residual.is_some_and(|v| written[v]);
+                    let shape = BnShape {
+                        rows: n * d.h * d.w,
+                        channels,
+                    };
+                    let synced = batch_stats && sync_bn.is_some();
                     let r = self.backend.bn_backward(BnBackward {
-                        shape: BnShape {
-                            rows: n * d.h * d.w,
-                            channels,
-                        },
+                        shape,
                         x: get(&self.acts, input),
                         y: get(&self.acts, output),
                         gamma: get(&self.params, weight),
                         saved_mean: mean,
                         saved_invstd: invstd,
-                        batch_stats,
+                        // Synchronised: the local op gives the frozen part and the two local
+                        // reductions (dγ, dβ); the global correction follows.
+                        batch_stats: batch_stats && !synced,
                         relu,
                         dy: get(&self.grad_bufs, self.grad_slot[output]),
                         dx: &mut dx,
@@ -870,6 +1128,9 @@ impl<B: Backend> Network<B> {
                     self.param_grads[bias] = Some(dbeta);
                     r?;
                     written[input] = true;
+                    if let (true, Some(r)) = (synced, reborrow(&mut sync_bn)) {
+                        self.sync_bn_backward(k, node, shape, r)?;
+                    }
                     self.grad_final(weight, hook)?;
                     self.grad_final(bias, hook)?;
                 }
