@@ -9,7 +9,8 @@ use std::time::Duration;
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::dist::sync_bn::LocalBnGroup;
 use birdtrain::model::{
-    Arch, BnAllReduce, Graph, InputBatch, ModelState, Network, NetworkConfig, StepStats,
+    Arch, BnAllReduce, GradHookError, Graph, InputBatch, ModelState, Network, NetworkConfig,
+    StepStats, SyncEvent,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -199,4 +200,62 @@ fn frozen_bn_ignores_the_reducer() {
     let pixels = vec![7u8; 2 * PX];
     let out = step(&mut net, &pixels, &[0, 1], Some(&mut group[0]));
     assert_eq!(out.stats.count, 2);
+}
+
+/// Records the reducer's calls into a shared log (one replica: sums are the identity).
+struct Recorder<'a>(&'a std::cell::RefCell<Vec<SyncEvent>>);
+
+impl BnAllReduce for Recorder<'_> {
+    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
+        let mut log = self.0.borrow_mut();
+        let backward = log
+            .iter()
+            .any(|e| matches!(e, SyncEvent::GradReady(_) | SyncEvent::BnBackward { .. }));
+        // Forward sends 2c+1 values (Σx, Σx², rows), backward 2c (Σdz·x̂, Σdz).
+        log.push(if backward || values.len() % 2 == 0 {
+            SyncEvent::BnBackward {
+                channels: values.len() / 2,
+            }
+        } else {
+            SyncEvent::BnForward {
+                channels: values.len() / 2,
+            }
+        });
+        Ok(())
+    }
+}
+
+#[test]
+fn the_announced_event_sequence_is_what_a_synced_step_issues() {
+    // An empty replica replays `synced_step_events` instead of stepping: it must match the
+    // real order exactly or NCCL collectives would pair up wrongly.
+    for arch in [Arch::ResNet8, Arch::ResNet18] {
+        let graph = Graph::new(arch, 3);
+        let size = if arch.is_cifar() { SIZE } else { 32 };
+        let mut net = Network::new(CpuBackend::new(2).unwrap(), &graph, 2, size).unwrap();
+        let log = std::cell::RefCell::new(Vec::new());
+        let pixels = vec![100u8; 2 * (size * size * 3) as usize];
+        let batch = InputBatch {
+            pixels: &pixels,
+            labels: &[0, 2],
+            len: 2,
+            image_size: size,
+            augment: None,
+        };
+        let mut rec = Recorder(&log);
+        net.train_step_synced(
+            &batch,
+            &mut |p, _| {
+                log.borrow_mut().push(SyncEvent::GradReady(p));
+                Ok(())
+            },
+            Some(&mut rec),
+        )
+        .unwrap();
+        let expected = net.synced_step_events();
+        assert_eq!(log.into_inner(), expected, "{arch}");
+        assert!(expected
+            .iter()
+            .any(|e| matches!(e, SyncEvent::BnBackward { .. })));
+    }
 }

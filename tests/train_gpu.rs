@@ -272,3 +272,22 @@ fn a_resumed_gpu_run_continues_with_its_optimizer_state() {
     println!("largest relative weight difference after resume {worst:.3e}");
     assert!(worst < 5e-2, "weights differ by {worst}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
+    // One rank: the global batch is the local one, so --sync-bn (statistics through NCCL and
+    // the host, frozen-mode kernels plus the correction) must train like the fused kernels.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let plain = config(&data, &cache, &tmp.path().join("plain"), true);
+    let mut synced = config(&data, &cache, &tmp.path().join("synced"), true);
+    synced.dist.as_mut().unwrap().sync_bn = true;
+    let a = train::train(&plain, &AtomicBool::new(false)).unwrap();
+    let b = train::train(&synced, &AtomicBool::new(false)).unwrap();
+    assert!(b.summary.contains("identical"), "{}", b.summary);
+    let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
+    println!("largest relative weight difference, sync BN vs per-GPU BN {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+}

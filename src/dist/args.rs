@@ -65,3 +65,23 @@ impl DistArgs {
         BucketSettings::f32_mb(self.bucket_mb)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        dist: DistArgs,
+    }
+
+    #[test]
+    fn sync_bn_is_off_unless_asked_for() {
+        let off = Wrap::try_parse_from(["t"]).unwrap().dist;
+        assert!(!off.sync_bn);
+        let on = Wrap::try_parse_from(["t", "--sync-bn"]).unwrap().dist;
+        assert!(on.sync_bn);
+    }
+}

@@ -221,6 +221,58 @@ fn reborrow<'a>(r: &'a mut Option<&mut dyn BnAllReduce>) -> Option<&'a mut dyn B
     }
 }
 
+/// One cross-replica event of a synchronised training step, in the order
+/// [`Network::train_step_synced`] issues them (see [`Network::synced_step_events`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncEvent {
+    /// Forward BN statistics: a [`BnAllReduce::sum_in_place`] of `2·channels + 1` values.
+    BnForward {
+        /// Channels of the layer.
+        channels: usize,
+    },
+    /// Backward BN reductions: a [`BnAllReduce::sum_in_place`] of `2·channels` values.
+    BnBackward {
+        /// Channels of the layer.
+        channels: usize,
+    },
+    /// The gradient-ready hook for this parameter.
+    GradReady(usize),
+}
+
+/// See [`Network::synced_step_events`].
+fn synced_step_events(graph: &Graph) -> Vec<SyncEvent> {
+    let mut events: Vec<SyncEvent> = graph
+        .nodes()
+        .iter()
+        .filter_map(|node| match node {
+            Node::BatchNorm { channels, .. } => Some(SyncEvent::BnForward {
+                channels: *channels,
+            }),
+            _ => None,
+        })
+        .collect();
+    for node in graph.nodes().iter().rev() {
+        match *node {
+            Node::Conv { weight, .. } => events.push(SyncEvent::GradReady(weight)),
+            Node::BatchNorm {
+                weight,
+                bias,
+                channels,
+                ..
+            } => events.extend([
+                SyncEvent::BnBackward { channels },
+                SyncEvent::GradReady(weight),
+                SyncEvent::GradReady(bias),
+            ]),
+            Node::Linear { weight, bias, .. } => {
+                events.extend([SyncEvent::GradReady(weight), SyncEvent::GradReady(bias)])
+            }
+            Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
+        }
+    }
+    events
+}
+
 /// See [`Network::grad_ready_order`].
 fn grad_ready_order(graph: &Graph) -> Vec<usize> {
     let mut order = Vec::with_capacity(graph.params().len());
@@ -987,6 +1039,14 @@ impl<B: Backend> Network<B> {
     /// shortcut, which torchvision registers after it.
     pub fn grad_ready_order(&self) -> Vec<usize> {
         grad_ready_order(&self.graph)
+    }
+
+    /// The cross-replica events of a synchronised BN step in issue order (BN forward sums,
+    /// then backward with BN reductions interleaved with gradient-ready reports). A replica
+    /// with no images in a step replays this with zeros, so every replica issues the same
+    /// collectives in the same order (NCCL's requirement).
+    pub fn synced_step_events(&self) -> Vec<SyncEvent> {
+        synced_step_events(&self.graph)
     }
 
     /// Reverse pass. A value's gradient is complete before it is consumed, because every

@@ -14,7 +14,9 @@
 //!
 //! Differences from the generic loop of `run.rs`, on purpose:
 //! - each replica keeps its own batch-norm running statistics (as PyTorch DDP); the
-//!   checkpoint holds rank 0's;
+//!   checkpoint holds rank 0's. With `--sync-bn` every GPU normalises with the global batch's
+//!   statistics ([`crate::model::Network::train_step_synced`], summed over NCCL through the
+//!   host), so the running statistics agree too;
 //! - the checkpoint's weights are the optimizer's f32 master weights;
 //! - the optimizer's state (momentum / Adam moments, step count) lives on the GPU; rank 0
 //!   downloads it for each checkpoint and writes it in the host optimizer's format and
@@ -248,7 +250,7 @@ pub(crate) fn train_on_gpus(
     }
     if cfg.verbose && plan.is_master() {
         println!(
-            "model {} ({} parameters) · {} GPU(s) on {} node(s) through NCCL · global batch {} ({} per GPU) · lr {:.6} · prefetch depth {} · buckets of {} MiB · {} steps per epoch",
+            "model {} ({} parameters) · {} GPU(s) on {} node(s) through NCCL · global batch {} ({} per GPU) · lr {:.6} · prefetch depth {} · buckets of {} MiB · batch norm {} · {} steps per epoch",
             cfg.arch,
             graph.param_count(),
             world_size,
@@ -258,6 +260,11 @@ pub(crate) fn train_on_gpus(
             schedule.base_lr,
             dist.prefetch_depth,
             dist.bucket_mb,
+            if dist.sync_bn && !cfg.freeze_bn {
+                "synchronised across GPUs"
+            } else {
+                "per GPU"
+            },
             steps_per_epoch
         );
     }

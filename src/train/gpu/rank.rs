@@ -29,6 +29,7 @@
 //!    the end of every epoch rank 0's weight checksum is broadcast and every rank compares its
 //!    own.
 
+use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,7 +56,9 @@ use crate::dist::nccl::{Communicator, GradientSync};
 use crate::dist::ranks::RankContext;
 use crate::dist::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::dist::watchdog::Watchdog;
-use crate::model::{GradHookError, InputBatch, Network, NetworkConfig, StepStats};
+use crate::model::{
+    BnAllReduce, GradHookError, InputBatch, Network, NetworkConfig, StepStats, SyncEvent,
+};
 use crate::train::augment::augments_for;
 use crate::train::checkpoint::{
     write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
@@ -140,11 +143,12 @@ struct Agreement {
 }
 
 impl Agreement {
-    fn new(comm: &Communicator, timeout: Duration) -> anyhow::Result<Self> {
+    /// Room for `capacity` values per exchange (at least the step totals).
+    fn new(comm: &Communicator, timeout: Duration, capacity: usize) -> anyhow::Result<Self> {
         let stream = comm.stream().clone();
         Ok(Agreement {
             buf: stream
-                .alloc_zeros::<f64>(TOTALS_LEN)
+                .alloc_zeros::<f64>(capacity.max(TOTALS_LEN))
                 .context("allocating the step-totals buffer")?,
             watchdog: comm.watchdog(timeout),
             limit: timeout + Duration::from_secs(5),
@@ -160,6 +164,12 @@ impl Agreement {
         root: Option<usize>,
         what: &str,
     ) -> anyhow::Result<Vec<f64>> {
+        anyhow::ensure!(
+            values.len() <= self.buf.len(),
+            "{what}: {} values exceed the exchange buffer of {}",
+            values.len(),
+            self.buf.len()
+        );
         let mut view = self.buf.slice_mut(0..values.len());
         self.stream.memcpy_htod(values, &mut view)?;
         match root {
@@ -209,6 +219,8 @@ fn pipeline_error(e: FeedError<pipeline::PipelineError>) -> anyhow::Error {
 /// buffer and lets [`GradientSync`] launch every bucket that became complete.
 struct BucketLauncher<'a> {
     sync: &'a mut GradientSync,
+    /// The small host-value all-reduces (synchronised BN statistics).
+    agree: &'a mut Agreement,
     grads: &'a mut CudaSlice<f32>,
     /// Present when `share != 1`.
     blas: Option<&'a cudarc::cublas::CudaBlas>,
@@ -242,6 +254,46 @@ impl BucketLauncher<'_> {
         }
         self.sync.grad_ready(self.grads, param)?;
         Ok(())
+    }
+
+    /// Sums synchronised-BN statistics over every rank (NCCL, through the host).
+    fn bn_sum(&mut self, values: &mut [f64]) -> anyhow::Result<()> {
+        let out = self.agree.exchange(
+            self.sync.communicator(),
+            values,
+            None,
+            "synchronised batch-norm all-reduce",
+        )?;
+        values.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// A rank without images this step replays a synchronised step's collectives with zeros
+    /// (and its zero gradients' bucket launches), in exactly the order a stepping rank issues
+    /// them ([`Network::synced_step_events`]).
+    fn replay_empty(&mut self, events: &[SyncEvent]) -> anyhow::Result<()> {
+        for e in events {
+            match *e {
+                SyncEvent::BnForward { channels } => {
+                    self.bn_sum(&mut vec![0.0; 2 * channels + 1])?
+                }
+                SyncEvent::BnBackward { channels } => self.bn_sum(&mut vec![0.0; 2 * channels])?,
+                SyncEvent::GradReady(p) => {
+                    self.sync.grad_ready(self.grads, p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// [`BnAllReduce`] over the launcher shared with the gradient hook (never re-entered: the
+/// network calls one or the other).
+struct BnOverNccl<'l, 'a>(&'l RefCell<BucketLauncher<'a>>);
+
+impl BnAllReduce for BnOverNccl<'_, '_> {
+    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
+        Ok(self.0.borrow_mut().bn_sum(values)?)
     }
 }
 
@@ -312,7 +364,21 @@ pub(crate) fn drive(shared: &Shared, ctx: RankContext) -> anyhow::Result<RankRep
         let timeline = GpuTimeline::new(shared.trace.clone(), rank as u32, &stream)?;
         sync.set_timeline(Some(timeline));
     }
-    let agree = Agreement::new(sync.communicator(), dist.collective_timeout())?;
+    // --sync-bn exchanges Σx, Σx² and the rows of the widest BN layer (2c + 1 values).
+    let widest_bn = graph
+        .nodes()
+        .iter()
+        .filter_map(|n| match n {
+            crate::model::Node::BatchNorm { channels, .. } => Some(*channels),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let agree = Agreement::new(
+        sync.communicator(),
+        dist.collective_timeout(),
+        2 * widest_bn + 1,
+    )?;
 
     // Rank 0's initial weights everywhere (same seed gives the same init, but --init-from or a
     // checkpoint read on one node only must not be trusted to agree).
@@ -618,6 +684,7 @@ impl Rank<'_> {
             self.blas = Some(cudarc::cublas::CudaBlas::new(self.stream.clone())?);
         }
         self.sync.begin_step()?;
+        let sync_bn = shared.dist.sync_bn && !cfg.freeze_bn;
         let span = match self.sync.timeline_mut() {
             Some(t) => t.begin(&self.stream)?,
             None => None,
@@ -647,35 +714,53 @@ impl Rank<'_> {
                 image_size: batch.image_size,
                 augment: augments.as_deref(),
             };
-            let mut launcher = BucketLauncher {
+            let launcher = RefCell::new(BucketLauncher {
                 sync: &mut self.sync,
+                agree: &mut self.agree,
                 grads: &mut self.grads,
                 blas: self.blas.as_ref(),
                 stream: &self.stream,
                 share,
-            };
+            });
+            let mut bn = BnOverNccl(&launcher);
             let stats = self
                 .net
-                .train_step_with(&input, &mut |i, g| {
-                    launcher.gradient_ready(i, g).map_err(GradHookError::from)
-                })
+                .train_step_synced(
+                    &input,
+                    &mut |i, g| {
+                        launcher
+                            .borrow_mut()
+                            .gradient_ready(i, g)
+                            .map_err(GradHookError::from)
+                    },
+                    sync_bn.then_some(&mut bn as &mut dyn BnAllReduce),
+                )
                 .map_err(TrainError::from);
             self.net.backend().clear_staged();
             stats?
         } else {
-            // No images on this rank this step: it contributes zeros to every bucket (NCCL
-            // needs every rank in every collective, in the same order).
+            // No images on this rank this step: it contributes zeros to every bucket and, with
+            // --sync-bn, to every BN exchange (NCCL needs every rank in every collective, in
+            // the same order).
             self.stream.memset_zeros(&mut self.grads)?;
-            let order: Vec<usize> = self
-                .sync
-                .plan()
-                .buckets()
-                .iter()
-                .flat_map(|b| b.params.iter().copied())
-                .collect();
-            for i in order {
-                self.sync.grad_ready(&mut self.grads, i)?;
+            let events = if sync_bn {
+                self.net.synced_step_events()
+            } else {
+                self.net
+                    .grad_ready_order()
+                    .into_iter()
+                    .map(SyncEvent::GradReady)
+                    .collect()
+            };
+            BucketLauncher {
+                sync: &mut self.sync,
+                agree: &mut self.agree,
+                grads: &mut self.grads,
+                blas: self.blas.as_ref(),
+                stream: &self.stream,
+                share,
             }
+            .replay_empty(&events)?;
             StepStats::default()
         };
         self.feeder.done()?;
