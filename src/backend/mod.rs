@@ -180,43 +180,12 @@ pub trait Backend: Send {
     /// Backward of [`Backend::bn_forward`], see [`BnBackward`].
     fn bn_backward(&self, a: BnBackward<'_, Self::Tensor>) -> Result<(), BackendError>;
 
-    /// Per-channel Σx and Σx² (f64) over the first `shape.rows` rows of `x`: the forward
-    /// statistics synchronised batch norm sums over replicas.
-    ///
-    /// The default downloads `x` and reduces on the host: exact and backend-independent, but a
-    /// device round trip per call (a backend may override it with a kernel).
-    fn bn_channel_moments(
-        &self,
-        shape: BnShape,
-        x: &Self::Tensor,
-    ) -> Result<(Vec<f64>, Vec<f64>), BackendError> {
-        let (rows, c) = (shape.rows, shape.channels);
-        let v = self.download(x)?;
-        if v.len() < rows * c {
-            return Err(BackendError::Shape {
-                op: "bn_channel_moments",
-                detail: format!(
-                    "{rows}×{c} rows×channels but the tensor has {} values",
-                    v.len()
-                ),
-            });
-        }
-        let (mut sum, mut sumsq) = (vec![0.0f64; c], vec![0.0f64; c]);
-        for row in v[..rows * c].chunks_exact(c.max(1)) {
-            for (ch, &x) in row.iter().enumerate() {
-                let x = f64::from(x);
-                sum[ch] += x;
-                sumsq[ch] += x * x;
-            }
-        }
-        Ok((sum, sumsq))
-    }
-
     /// `dx[r, c] += a[c] + b[c]·x[r, c]` over the first `shape.rows` rows: the cross-replica
     /// correction synchronised batch norm adds to a frozen-statistics backward.
     ///
-    /// The default works on the host through download/upload (see
-    /// [`Backend::bn_channel_moments`]).
+    /// The default works on the host through download/upload: exact and
+    /// backend-independent, but a device round trip per call on a GPU (the CUDA backend
+    /// overrides it with a kernel).
     fn channel_affine_accumulate(
         &self,
         shape: BnShape,

@@ -759,7 +759,7 @@ impl<B: Backend> Network<B> {
                         channels,
                     };
                     let global = match reborrow(&mut sync_bn) {
-                        Some(r) => Some(self.global_bn_stats(k, weight, input, shape, r)?),
+                        Some(r) => Some(self.global_bn_stats(k, node, shape, r)?),
                         None => None,
                     };
                     let mut y = take(&mut self.acts, output);
@@ -871,22 +871,66 @@ impl<B: Backend> Network<B> {
 
     /// Synchronised BN forward, part 1: sums Σx, Σx² and the rows over replicas, writes the
     /// global mean and biased variance into the scratch pair and returns them.
+    ///
+    /// The local moments come from the backend's own fused op in training mode with
+    /// momentum 1 on the scratch pair (running mean ← batch mean, running variance ← unbiased
+    /// batch variance): no extra backend op, and on a GPU only `2·channels` values cross to
+    /// the host. It also writes `y`, which the frozen-mode call right after overwrites.
     fn global_bn_stats(
         &mut self,
         k: usize,
-        weight: usize,
-        input: usize,
+        node: &Node,
         shape: BnShape,
         reduce: &mut dyn BnAllReduce,
     ) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+        let Node::BatchNorm {
+            input,
+            output,
+            weight,
+            bias,
+            ..
+        } = *node
+        else {
+            unreachable!("global_bn_stats is only called for BatchNorm nodes");
+        };
         let c = shape.channels;
-        let (sum, sumsq) = self
-            .backend
-            .bn_channel_moments(shape, get(&self.acts, input))?;
+        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
+        let mut y = take(&mut self.acts, output);
+        let (mut mean_t, mut invstd_t) = self.saved[k].take().expect("bn saved stats");
+        let r = self.backend.bn_forward(BnForward {
+            shape,
+            x: get(&self.acts, input),
+            gamma: get(&self.params, weight),
+            beta: get(&self.params, bias),
+            residual: None,
+            relu: false,
+            y: &mut y,
+            saved_mean: &mut mean_t,
+            saved_invstd: &mut invstd_t,
+            running_mean: &mut tm,
+            running_var: &mut tv,
+            mode: BnMode::Train,
+            momentum: 1.0,
+            eps: self.config.bn_eps,
+        });
+        self.acts[output] = Some(y);
+        self.saved[k] = Some((mean_t, invstd_t));
+        let local = r
+            .map_err(ModelError::from)
+            .and_then(|()| Ok((self.backend.download(&tm)?, self.backend.download(&tv)?)));
+        self.bn_scratch = Some((tm, tv));
+        let (local_mean, local_var) = local?;
+        let n = shape.rows as f64;
+        let sum = (0..c).map(|ch| n * f64::from(local_mean[ch]));
+        // Σx² = (n − 1)·unbiased variance + n·mean² (for n = 1 the variance is 0).
+        let sumsq = (0..c).map(|ch| {
+            let m = f64::from(local_mean[ch]);
+            (n - 1.0).max(0.0) * f64::from(local_var[ch]) + n * m * m
+        });
         let mut buf = Vec::with_capacity(2 * c + 1);
         buf.extend(sum);
         buf.extend(sumsq);
-        buf.push(shape.rows as f64);
+        buf.push(n);
         reduce
             .sum_in_place(&mut buf)
             .map_err(|source| ModelError::BnSync {
