@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, ConvShape, LinearShape, LossStats, PoolShape,
-    TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
+    PoolShape, TensorRole,
 };
 use crate::cuda::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
@@ -248,6 +248,16 @@ impl Backend for StagedBackend {
     }
     fn bn_backward(&self, a: BnBackward<'_, CudaTensor>) -> Result<(), BackendError> {
         self.inner.bn_backward(a)
+    }
+    fn channel_affine_accumulate(
+        &self,
+        shape: BnShape,
+        x: &CudaTensor,
+        a: &[f32],
+        b: &[f32],
+        dx: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.channel_affine_accumulate(shape, x, a, b, dx)
     }
     fn maxpool_forward(
         &self,
