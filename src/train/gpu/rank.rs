@@ -6,7 +6,9 @@
 //!    slot) and hands batch k to compute, whose stream waits for its upload;
 //! 2. a one-value all-reduce gives the step's global image count (a short last batch may be
 //!    split unevenly; a rank's gradient is then weighted by its share);
-//! 3. forward and backward on the compute stream, the input kernel reading the device slot;
+//! 3. forward and backward on the compute stream, the input kernel reading the device slot
+//!    (with `--sync-bn`, every BN layer sums its statistics over the ranks through a small
+//!    host-side NCCL exchange, [`Network::train_step_synced`]);
 //! 4. backward runs through [`Network::train_step_with`]: as soon as a parameter's gradient
 //!    kernel is enqueued, the hook copies it (scaled by this rank's share of the step's images
 //!    when the split is uneven) into its range of the flat bucket buffer on the compute stream
