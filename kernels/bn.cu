@@ -17,6 +17,9 @@
 //   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)   (batch statistics), or
 //   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
 // and, for a residual block, dres = g (overwritten or accumulated).
+// Synchronised batch norm (--sync-bn) runs the frozen-statistics backward with the global
+// statistics and then adds the cross-replica correction with bn_affine_accumulate:
+//   dx += a[c] + b[c]·x   (a, b: f32 [C], computed on the host from the replicas' sums).
 //
 // Data layout. x, y, residual, dy, dx, dres: NHWC bf16 viewed as an M×C matrix (M = N·H·W),
 // channels innermost. gamma, beta: bf16 [C] (the working copy of the weights); mean, invstd,
@@ -116,6 +119,17 @@ extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const float* __r
         if (residual != nullptr) v += bt_to_f32(residual[i]);
         if (relu) v = fmaxf(v, 0.0f);
         y[i] = bt_to_bf16(v);
+    }
+}
+
+// dx[i] += a[c] + b[c]·x[i], c = i mod channels (grid-stride, 256 threads; f32 arithmetic,
+// one bf16 rounding of the result).
+extern "C" __global__ void bn_affine_accumulate(const bf16* __restrict__ x, const float* __restrict__ a,
+                                                const float* __restrict__ b, bf16* __restrict__ dx,
+                                                long total, int channels) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % channels);
+        dx[i] = bt_to_bf16(bt_to_f32(dx[i]) + a[c] + b[c] * bt_to_f32(x[i]));
     }
 }
 

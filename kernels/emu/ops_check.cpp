@@ -268,12 +268,26 @@ void test_optim() {
     }
 }
 
+void test_bn_affine(int rows, int C) {
+    printf("bn_affine_accumulate rows=%d C=%d\n", rows, C);
+    auto x = rnd((size_t)rows * C, 2.0f), dx = rnd((size_t)rows * C, 1.0f);
+    auto a = rnd(C, 0.5f), b = rnd(C, 0.5f);
+    std::vector<double> ref(x.size());
+    for (size_t i = 0; i < x.size(); ++i) { int c = i % C; ref[i] = (double)dx[i] + a[c] + (double)b[c] * x[i]; }
+    auto X = tobf(x), DX = tobf(dx);
+    long total = (long)rows * C;
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_affine_accumulate(X.data(), a.data(), b.data(), DX.data(), total, C); });
+    check("dx += a + b·x", fromb(DX), ref, 1e-6, 1.0 / 128);
+}
+
 int main(int argc, char** argv) {
     test_bn(150, 40, true, true, true);
     test_bn(77, 3, false, false, true);
     test_bn(64, 33, true, true, false);
     test_bn(96, 16, false, true, false);
     test_bn(45, 520, true, true, true);
+    test_bn_affine(33, 40);
+    test_bn_affine(7, 3);
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
     test_linear(5, 37, 19);

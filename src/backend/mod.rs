@@ -180,6 +180,42 @@ pub trait Backend: Send {
     /// Backward of [`Backend::bn_forward`], see [`BnBackward`].
     fn bn_backward(&self, a: BnBackward<'_, Self::Tensor>) -> Result<(), BackendError>;
 
+    /// `dx[r, c] += a[c] + b[c]·x[r, c]` over the first `shape.rows` rows: the cross-replica
+    /// correction synchronised batch norm adds to a frozen-statistics backward.
+    ///
+    /// The default works on the host through download/upload: exact and
+    /// backend-independent, but a device round trip per call on a GPU (the CUDA backend
+    /// overrides it with a kernel).
+    fn channel_affine_accumulate(
+        &self,
+        shape: BnShape,
+        x: &Self::Tensor,
+        a: &[f32],
+        b: &[f32],
+        dx: &mut Self::Tensor,
+    ) -> Result<(), BackendError> {
+        let (rows, c) = (shape.rows, shape.channels);
+        let xv = self.download(x)?;
+        let mut dv = self.download(dx)?;
+        if xv.len() < rows * c || dv.len() < rows * c || a.len() != c || b.len() != c {
+            return Err(BackendError::Shape {
+                op: "channel_affine_accumulate",
+                detail: format!(
+                    "{rows}×{c} with x {} dx {} a {} b {} values",
+                    xv.len(),
+                    dv.len(),
+                    a.len(),
+                    b.len()
+                ),
+            });
+        }
+        for (i, d) in dv[..rows * c].iter_mut().enumerate() {
+            let ch = i % c;
+            *d += a[ch] + b[ch] * xv[i];
+        }
+        self.upload(&dv, dx)
+    }
+
     /// Max pooling (torch semantics: padding never wins a max).
     fn maxpool_forward(
         &self,

@@ -24,6 +24,9 @@ pub struct TrainArgs {
     /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
     #[arg(long, value_name = "N|all")]
     pub gpus: Option<String>,
+    /// Multi-GPU and multi-node flags (None: none given, their defaults apply).
+    #[command(flatten)]
+    pub dist: Option<crate::dist::args::DistArgs>,
     /// CPU data-parallel replicas (each gets its own micro-batch of --batch-size images).
     #[arg(long, value_name = "R")]
     pub replicas: Option<usize>,
@@ -205,6 +208,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let DeviceChoice::Cuda(n) = device {
         cfg.replicas = n;
+        cfg.dist = Some(args.dist.clone().unwrap_or_else(train::default_dist_args));
     }
     if let Some(v) = args.epochs {
         cfg.epochs = v;

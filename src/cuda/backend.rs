@@ -14,8 +14,8 @@ use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnMode, ConvShape, LinearShape, LossStats,
-    PoolShape, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
+    LossStats, PoolShape, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -634,6 +634,46 @@ impl Backend for CudaBackend {
         };
         launch!(self, op, "conv.cu", kernel, cfg, [dy, x, dw, &args]);
         self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
+        Ok(())
+    }
+
+    fn channel_affine_accumulate(
+        &self,
+        shape: BnShape,
+        x: &CudaTensor,
+        a: &[f32],
+        b: &[f32],
+        dx: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "channel_affine_accumulate";
+        let (rows, c) = (shape.rows, shape.channels);
+        check_len(op, "x", x.len, rows * c)?;
+        check_len(op, "dx", dx.len, rows * c)?;
+        if a.len() != c || b.len() != c || c == 0 {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("{c} channels but {} and {} coefficients", a.len(), b.len()),
+            });
+        }
+        let c_i = to_i32(op, "channels", c)?;
+        let total = (rows * c) as i64;
+        let stream = self.dev.stream();
+        let da = stream.clone_htod(a).map_err(drv_err(op))?;
+        let db = stream.clone_htod(b).map_err(drv_err(op))?;
+        let xs = x.bf16(op, "x")?;
+        let dxs = dx.bf16_mut(op, "dx")?;
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_affine_accumulate",
+            elementwise_cfg(rows * c),
+            [xs, &da, &db, dxs, &total, &c_i]
+        );
+        self.note_work(6 * rows * c, 0.0);
+        // `da`/`db` are freed at the end of scope; with event tracking off, wait for the
+        // kernel first (this op is on the slow, host-assisted --sync-bn path anyway).
+        stream.synchronize().map_err(drv_err(op))?;
         Ok(())
     }
 

@@ -13,7 +13,7 @@ use super::backend::CudaBackend;
 use super::error::CudaError;
 use super::tensor::CudaTensor;
 use crate::model::{ParamKind, ParamSpec};
-use crate::optim::{Hyper, OptimizerKind};
+use crate::optim::{Hyper, OptimError, Optimizer, OptimizerKind};
 
 /// Elements per block of the update launch.
 pub const CHUNK: usize = 65_536;
@@ -64,6 +64,99 @@ pub fn to_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
         offset += p.numel();
     }
     out
+}
+
+/// The inverse of [`to_backend_layout`]: OHWI convolutions → torchvision's OIHW.
+pub fn from_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(flat.len());
+    let mut offset = 0;
+    for p in params {
+        let v = &flat[offset..offset + p.numel()];
+        if p.kind == ParamKind::ConvWeight && p.shape.len() == 4 {
+            let (o, i, kh, kw) = (p.shape[0], p.shape[1], p.shape[2], p.shape[3]);
+            let mut t = vec![0.0; v.len()];
+            for a in 0..o {
+                for y in 0..kh {
+                    for x in 0..kw {
+                        for b in 0..i {
+                            t[((a * i + b) * kh + y) * kw + x] = v[((a * kh + y) * kw + x) * i + b];
+                        }
+                    }
+                }
+            }
+            out.extend(t);
+        } else {
+            out.extend_from_slice(v);
+        }
+        offset += p.numel();
+    }
+    out
+}
+
+/// A [`DeviceOptimizer`]'s state on the host, in the **backend's** layout (OHWI
+/// convolutions): what [`DeviceOptimizer::state`] downloads and
+/// [`DeviceOptimizer::load_state`] uploads.
+///
+/// Checkpoints hold the host [`Optimizer`]'s file (safetensors `m`, `v`, metadata
+/// `optimizer` and `steps`) in torchvision layout, whichever device wrote it;
+/// [`DeviceState::from_host`] and [`DeviceState::to_host`] are the (pure) conversions, so a
+/// state file means the same on the CPU and the GPU. The update rules are elementwise, so
+/// permuting parameters, gradients and state alike changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceState {
+    /// Momentum buffer (SGD) or first moment (Adam).
+    pub m: Vec<f32>,
+    /// Second moment (Adam; empty for SGD).
+    pub v: Vec<f32>,
+    /// Steps taken (Adam's bias correction depends on it).
+    pub steps: u64,
+}
+
+impl DeviceState {
+    /// A host optimizer's state (torchvision layout) → device layout.
+    pub fn from_host(params: &[ParamSpec], host: &Optimizer) -> DeviceState {
+        let (m, v) = host.moments();
+        DeviceState {
+            m: to_backend_layout(params, m),
+            v: if v.is_empty() {
+                Vec::new()
+            } else {
+                to_backend_layout(params, v)
+            },
+            steps: host.steps(),
+        }
+    }
+
+    /// Device layout → a host optimizer of `kind` (the one whose file a checkpoint stores).
+    pub fn to_host(
+        &self,
+        kind: OptimizerKind,
+        hyper: Hyper,
+        params: &[ParamSpec],
+    ) -> Result<Optimizer, OptimError> {
+        let len: usize = params.iter().map(ParamSpec::numel).sum();
+        if self.m.len() != len {
+            return Err(OptimError::Length {
+                what: "device optimizer state",
+                got: self.m.len(),
+                want: len,
+            });
+        }
+        let mut host = Optimizer::new(kind, hyper, params);
+        let v = if self.v.is_empty() {
+            Vec::new()
+        } else if self.v.len() == len {
+            from_backend_layout(params, &self.v)
+        } else {
+            return Err(OptimError::Length {
+                what: "device optimizer second moment",
+                got: self.v.len(),
+                want: len,
+            });
+        };
+        host.set_state(from_backend_layout(params, &self.m), v, self.steps)?;
+        Ok(host)
+    }
 }
 
 /// Master weights and optimizer state on the device.
@@ -291,6 +384,70 @@ impl DeviceOptimizer {
             }
         }
         Ok(())
+    }
+
+    /// Downloads the optimizer state (momentum / moments and step count, backend layout);
+    /// waits for the GPU. Convert it with [`DeviceState::to_host`] to write a checkpoint.
+    pub fn state(&self) -> Result<DeviceState, CudaError> {
+        let len: usize = self.sizes.iter().sum();
+        let stream = self.backend.device().stream();
+        let what = "downloading optimizer state";
+        let mut m = stream.clone_dtoh(&self.m).map_err(drv(what))?;
+        let mut v = match &self.v {
+            Some(v) => stream.clone_dtoh(v).map_err(drv(what))?,
+            None => Vec::new(),
+        };
+        stream.synchronize().map_err(drv(what))?;
+        // Buffers hold at least one element (an empty model still allocates).
+        m.truncate(len);
+        v.truncate(len);
+        Ok(DeviceState {
+            m,
+            v,
+            steps: self.steps,
+        })
+    }
+
+    /// Uploads an optimizer state (backend layout, e.g. [`DeviceState::from_host`] of a
+    /// checkpoint's file): the next [`DeviceOptimizer::step`] continues with its momentum and
+    /// step count.
+    pub fn load_state(&mut self, state: &DeviceState) -> Result<(), CudaError> {
+        let len: usize = self.sizes.iter().sum();
+        let adam = self.v.is_some();
+        let want_v = if adam { len } else { 0 };
+        if state.m.len() != len || state.v.len() != want_v {
+            return Err(CudaError::Unsupported {
+                what: format!(
+                    "optimizer state with {} + {} values for a {} optimizer of {len} parameters (expected {len} + {want_v}); was it saved for another model or optimizer?",
+                    state.m.len(),
+                    state.v.len(),
+                    self.kind.name()
+                ),
+            });
+        }
+        if len == 0 {
+            self.steps = state.steps;
+            return Ok(());
+        }
+        let stream = self.backend.device().stream().clone();
+        let what = "uploading optimizer state";
+        stream
+            .memcpy_htod(&state.m, &mut self.m.slice_mut(0..len))
+            .map_err(drv(what))?;
+        if let Some(v) = &mut self.v {
+            stream
+                .memcpy_htod(&state.v, &mut v.slice_mut(0..len))
+                .map_err(drv(what))?;
+        }
+        // The host slices are borrowed only for this call: wait for the copies.
+        stream.synchronize().map_err(drv(what))?;
+        self.steps = state.steps;
+        Ok(())
+    }
+
+    /// The optimizer kind.
+    pub fn kind(&self) -> OptimizerKind {
+        self.kind
     }
 
     /// The f32 master weights, flat in the backend's layout (waits for the GPU).

@@ -33,6 +33,10 @@ pub struct DistArgs {
     /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Synchronised batch norm: normalise with the statistics of the global batch (every
+    /// GPU's images) instead of each GPU's own; costs two small all-reduces per BN layer.
+    #[arg(long)]
+    pub sync_bn: bool,
 }
 
 impl DistArgs {
@@ -59,5 +63,25 @@ impl DistArgs {
     /// The bucket planner settings for f32 gradients.
     pub fn bucket_settings(&self) -> BucketSettings {
         BucketSettings::f32_mb(self.bucket_mb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        dist: DistArgs,
+    }
+
+    #[test]
+    fn sync_bn_is_off_unless_asked_for() {
+        let off = Wrap::try_parse_from(["t"]).unwrap().dist;
+        assert!(!off.sync_bn);
+        let on = Wrap::try_parse_from(["t", "--sync-bn"]).unwrap().dist;
+        assert!(on.sync_bn);
     }
 }

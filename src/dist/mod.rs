@@ -1,7 +1,7 @@
 //! Data parallelism across GPUs and machines.
 //!
 //! [`args::DistArgs`] holds the flags (`--nodes`, `--node-rank`, `--master`, `--bucket-mb`,
-//! `--prefetch-depth`, `--trace`, timeouts) for the training command to flatten in.
+//! `--prefetch-depth`, `--trace`, `--sync-bn`, timeouts) for the training command to flatten in.
 //!
 //! The pieces, each small and testable without a GPU where the logic allows it:
 //!
@@ -21,6 +21,8 @@
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling` (ring all-reduce time,
 //!   overlap with backward, projected efficiency).
+//! - [`sync_bn`]: synchronised batch norm's cross-replica sums (`--sync-bn`); the model does
+//!   the math, a reducer sums per-channel vectors (in-process for CPU replicas, NCCL on GPUs).
 //! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
 //!
 //! # How a multi-GPU run fits together
@@ -35,7 +37,7 @@
 //!     loop {                                                    // per step
 //!         while ring.can_fill() { ring.stage_external(next engine batch) }
 //!         staged = ring.begin_compute(); forward(staged.slot) ... ring.end_compute()
-//!         sync.begin_step(); backward, calling sync.grad_ready(grads, i) per parameter;
+//!         sync.begin_step(); net.train_step_with(batch, |i, g| sync.grad_ready(..i..));
 //!         sync.finish_step(); optimizer; every N steps compare checksum(weights)
 //!     }
 //! })
@@ -52,6 +54,7 @@ pub mod ranks;
 pub mod rendezvous;
 pub mod scaling;
 pub mod staging;
+pub mod sync_bn;
 pub mod trace;
 pub mod watchdog;
 

@@ -469,7 +469,10 @@ impl Drop for Communicator {
 /// (`plan.param_elements(i)` is parameter i's range). After launching the kernels that produce
 /// parameter i's gradient on the compute stream it calls [`GradientSync::grad_ready`]; each
 /// bucket whose parameters are all written is then all-reduced on the communication stream while
-/// backward continues. [`GradientSync::finish_step`] makes the compute stream wait for the last
+/// backward continues. (The training driver, `train::gpu`, does this from
+/// [`crate::model::Network::train_step_with`]'s gradient-ready hook: the CUDA backend keeps each
+/// gradient in its own tensor, so the hook copies it into its range of the flat buffer on the
+/// compute stream, then reports it; the averaged values are copied back after the last bucket.) [`GradientSync::finish_step`] makes the compute stream wait for the last
 /// bucket, so the optimizer (enqueued after it) sees averaged gradients.
 pub struct GradientSync {
     // Declared first so it is dropped first: its thread must stop polling the communicator

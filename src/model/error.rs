@@ -63,6 +63,25 @@ pub enum ModelError {
     /// A batch does not fit the network (too many images, wrong image size, short buffers).
     #[error("bad batch: {0}")]
     BadBatch(String),
+    /// A gradient-ready hook of [`super::Network::train_step_with`] failed (backward stopped
+    /// there; the step's gradients are incomplete).
+    #[error("gradient hook failed at parameter '{param}': {source}")]
+    GradHook {
+        /// The parameter whose gradient was being reported.
+        param: String,
+        /// The hook's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The cross-replica reduction of synchronised batch norm failed.
+    #[error("synchronised batch norm failed at layer '{layer}': {source}")]
+    BnSync {
+        /// The BN layer (torchvision name without `.weight`).
+        layer: String,
+        /// The reduction's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A backend op failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -40,7 +40,8 @@ impl Default for NetworkConfig {
 /// order); the network converts convolution weights to the backend's OHWI.
 pub struct Network<B: Backend> {
     backend: B,
-    graph: Graph,
+    /// Shared so a pass can walk the nodes while calling `&mut self` helpers.
+    graph: std::sync::Arc<Graph>,
     config: NetworkConfig,
     max_batch: usize,
     image_size: u32,
@@ -60,6 +61,11 @@ pub struct Network<B: Backend> {
     saved: Vec<Option<(B::Tensor, B::Tensor)>>,
     /// Images of the last training forward, whose gradients are held.
     grads_for: Option<usize>,
+    /// Global (mean, biased variance) scratch of synchronised batch norm, `max_channels`
+    /// values each: the frozen-statistics op reads them as its "running" statistics.
+    bn_scratch: Option<(B::Tensor, B::Tensor)>,
+    /// Rows over every replica per node, from the last synchronised forward.
+    bn_global_rows: Vec<f64>,
 }
 
 impl<B: Backend> std::fmt::Debug for Network<B> {
@@ -188,6 +194,100 @@ fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usiz
     (slot, sizes)
 }
 
+/// The gradient-ready callback of [`Network::train_step_with`]: parameter index (into
+/// `graph.params()`) and its final gradient tensor.
+pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError> + 'a;
+
+/// What a gradient-ready hook may fail with (e.g. an NCCL launch error); it is carried to
+/// the caller inside [`ModelError::GradHook`].
+pub type GradHookError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Cross-replica sums for synchronised batch norm ([`Network::train_step_synced`]).
+///
+/// Every replica calls [`BnAllReduce::sum_in_place`] the same number of times, in the same
+/// order (once per BN layer in forward, once per BN layer in backward), with vectors of the
+/// same length; each call returns when every replica's values are summed into `values`.
+pub trait BnAllReduce {
+    /// Sums `values` element-wise over every replica, in place.
+    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError>;
+}
+
+/// A shorter-lived handle on an optional reducer (`Option::as_deref_mut` cannot shorten the
+/// trait object's lifetime, which `&mut` makes invariant).
+fn reborrow<'a>(r: &'a mut Option<&mut dyn BnAllReduce>) -> Option<&'a mut dyn BnAllReduce> {
+    match r {
+        Some(r) => Some(&mut **r),
+        None => None,
+    }
+}
+
+/// One cross-replica event of a synchronised training step, in the order
+/// [`Network::train_step_synced`] issues them (see [`Network::synced_step_events`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncEvent {
+    /// Forward BN statistics: a [`BnAllReduce::sum_in_place`] of `2·channels + 1` values.
+    BnForward {
+        /// Channels of the layer.
+        channels: usize,
+    },
+    /// Backward BN reductions: a [`BnAllReduce::sum_in_place`] of `2·channels` values.
+    BnBackward {
+        /// Channels of the layer.
+        channels: usize,
+    },
+    /// The gradient-ready hook for this parameter.
+    GradReady(usize),
+}
+
+/// See [`Network::synced_step_events`].
+fn synced_step_events(graph: &Graph) -> Vec<SyncEvent> {
+    let mut events: Vec<SyncEvent> = graph
+        .nodes()
+        .iter()
+        .filter_map(|node| match node {
+            Node::BatchNorm { channels, .. } => Some(SyncEvent::BnForward {
+                channels: *channels,
+            }),
+            _ => None,
+        })
+        .collect();
+    for node in graph.nodes().iter().rev() {
+        match *node {
+            Node::Conv { weight, .. } => events.push(SyncEvent::GradReady(weight)),
+            Node::BatchNorm {
+                weight,
+                bias,
+                channels,
+                ..
+            } => events.extend([
+                SyncEvent::BnBackward { channels },
+                SyncEvent::GradReady(weight),
+                SyncEvent::GradReady(bias),
+            ]),
+            Node::Linear { weight, bias, .. } => {
+                events.extend([SyncEvent::GradReady(weight), SyncEvent::GradReady(bias)])
+            }
+            Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
+        }
+    }
+    events
+}
+
+/// See [`Network::grad_ready_order`].
+fn grad_ready_order(graph: &Graph) -> Vec<usize> {
+    let mut order = Vec::with_capacity(graph.params().len());
+    for node in graph.nodes().iter().rev() {
+        match *node {
+            Node::Conv { weight, .. } => order.push(weight),
+            Node::BatchNorm { weight, bias, .. } | Node::Linear { weight, bias, .. } => {
+                order.extend([weight, bias])
+            }
+            Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
+        }
+    }
+    order
+}
+
 impl<B: Backend> Network<B> {
     /// Allocates everything for batches of up to `max_batch` images of side `image_size` and
     /// loads torchvision's initialisation with seed 0 (call [`Network::load_state`] for
@@ -242,9 +342,22 @@ impl<B: Backend> Network<B> {
                 _ => None,
             });
         }
+        let max_channels = graph
+            .nodes()
+            .iter()
+            .filter_map(|node| match node {
+                Node::BatchNorm { channels, .. } => Some(*channels),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1);
+        let bn_scratch = Some((
+            backend.alloc(max_channels, TensorRole::Statistic)?,
+            backend.alloc(max_channels, TensorRole::Statistic)?,
+        ));
         let mut net = Network {
             backend,
-            graph: graph.clone(),
+            graph: std::sync::Arc::new(graph.clone()),
             config: NetworkConfig::default(),
             max_batch,
             image_size,
@@ -258,6 +371,8 @@ impl<B: Backend> Network<B> {
             batches_tracked: vec![0.0; graph.buffers().len()],
             saved,
             grads_for: None,
+            bn_scratch,
+            bn_global_rows: vec![0.0; graph.nodes().len()],
         };
         net.load_state(&ModelState::init(graph, 0))?;
         Ok(net)
@@ -475,6 +590,47 @@ impl<B: Backend> Network<B> {
     /// gradients of the batch's *mean* loss (read them with [`Network::grads_f32`]). BN running
     /// statistics advance unless `freeze_bn`.
     pub fn train_step(&mut self, input: &InputBatch<'_>) -> Result<StepStats, ModelError> {
+        self.train_step_with(input, &mut |_, _| Ok(()))
+    }
+
+    /// [`Network::train_step`] that also calls `on_grad_ready(param, gradient)` as soon as
+    /// each parameter's gradient is final during backward: exactly once per parameter, in the
+    /// order backward produces them ([`Network::grad_ready_order`]), right after the backend
+    /// op that writes it was issued (on an asynchronous backend the op is enqueued, not
+    /// necessarily finished: the hook must order its own work after it, e.g. on the same
+    /// stream). `param` indexes `graph.params()`; the tensor is in the backend's layout.
+    ///
+    /// This is what lets a data-parallel driver start each gradient bucket's all-reduce while
+    /// backward is still computing the earlier layers. An error from the hook stops backward
+    /// and is returned as [`ModelError::GradHook`]; the gradients are then incomplete.
+    pub fn train_step_with(
+        &mut self,
+        input: &InputBatch<'_>,
+        on_grad_ready: &mut GradReadyHook<'_, B::Tensor>,
+    ) -> Result<StepStats, ModelError> {
+        self.train_step_synced(input, on_grad_ready, None)
+    }
+
+    /// [`Network::train_step_with`] with synchronised batch norm when `sync_bn` is given (and
+    /// BN is not frozen): every BN layer normalises with the statistics of the *global* batch
+    /// (all replicas' images, each replica weighted by its rows), and its backward uses the
+    /// global sums of the two backward reductions, as PyTorch's SyncBatchNorm.
+    ///
+    /// How: forward sums per-channel Σx, Σx² and the row count over replicas, then runs the
+    /// backend's fused op in frozen mode with those statistics and advances the running
+    /// statistics itself (unbiased variance over the global rows). Backward runs the fused op
+    /// in frozen mode (local Σdz and Σdz·x̂ come back as dβ and dγ), sums them over replicas
+    /// and adds the cross-replica correction `dx += a + b·x` per channel. The parameter
+    /// gradients stay local, to be averaged with every other gradient.
+    ///
+    /// The per-channel vectors cross to the host (a device round trip per BN layer on a GPU):
+    /// exact, not fast.
+    pub fn train_step_synced(
+        &mut self,
+        input: &InputBatch<'_>,
+        on_grad_ready: &mut GradReadyHook<'_, B::Tensor>,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<StepStats, ModelError> {
         input.validate(self.max_batch, self.image_size)?;
         let n = input.len;
         self.grads_for = None;
@@ -483,7 +639,12 @@ impl<B: Backend> Network<B> {
         } else {
             BnMode::Train
         };
-        self.forward(input, mode)?;
+        let mut bn_sync = if mode == BnMode::Train {
+            sync_bn.take()
+        } else {
+            None
+        };
+        self.forward(input, mode, reborrow(&mut bn_sync))?;
         let logits = self.dims.len() - 1;
         let classes = self.graph.num_classes();
         let mut dlogits = take(&mut self.grad_bufs, self.grad_slot[logits]);
@@ -498,7 +659,7 @@ impl<B: Backend> Network<B> {
         );
         self.grad_bufs[self.grad_slot[logits]] = Some(dlogits);
         let loss = loss?;
-        self.backward(n, mode == BnMode::Train)?;
+        self.backward(n, mode == BnMode::Train, on_grad_ready, bn_sync)?;
         if mode == BnMode::Train {
             for (i, b) in self.graph.buffers().iter().enumerate() {
                 if b.kind == BufferKind::NumBatchesTracked {
@@ -525,7 +686,7 @@ impl<B: Backend> Network<B> {
     ) -> Result<(StepStats, Vec<f32>), ModelError> {
         input.validate(self.max_batch, self.image_size)?;
         let n = input.len;
-        self.forward(input, BnMode::Eval)?;
+        self.forward(input, BnMode::Eval, None)?;
         let logits = self.dims.len() - 1;
         let mut probs = Vec::new();
         let loss = self.backend.softmax_cross_entropy(
@@ -546,13 +707,19 @@ impl<B: Backend> Network<B> {
         Ok((stats, probs))
     }
 
-    fn forward(&mut self, input: &InputBatch<'_>, mode: BnMode) -> Result<(), ModelError> {
+    fn forward(
+        &mut self,
+        input: &InputBatch<'_>,
+        mode: BnMode,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<(), ModelError> {
         let n = input.len;
         let mut x0 = take(&mut self.acts, 0);
         let r = self.backend.input(input, &mut x0);
         self.acts[0] = Some(x0);
         r?;
-        for (k, node) in self.graph.nodes().iter().enumerate() {
+        let graph = self.graph.clone();
+        for (k, node) in graph.nodes().iter().enumerate() {
             match *node {
                 Node::Conv {
                     input,
@@ -587,15 +754,26 @@ impl<B: Backend> Network<B> {
                     ..
                 } => {
                     let d = self.dims[input];
+                    let shape = BnShape {
+                        rows: n * d.h * d.w,
+                        channels,
+                    };
+                    let global = match reborrow(&mut sync_bn) {
+                        Some(r) => Some(self.global_bn_stats(k, node, shape, r)?),
+                        None => None,
+                    };
                     let mut y = take(&mut self.acts, output);
                     let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
-                    let mut rm = take(&mut self.buffers, running_mean);
-                    let mut rv = take(&mut self.buffers, running_var);
+                    // Synchronised: the global statistics stand in for the running ones.
+                    let (mut rm, mut rv) = match global {
+                        Some(_) => self.bn_scratch.take().expect(BORROWED),
+                        None => (
+                            take(&mut self.buffers, running_mean),
+                            take(&mut self.buffers, running_var),
+                        ),
+                    };
                     let r = self.backend.bn_forward(BnForward {
-                        shape: BnShape {
-                            rows: n * d.h * d.w,
-                            channels,
-                        },
+                        shape,
                         x: get(&self.acts, input),
                         gamma: get(&self.params, weight),
                         beta: get(&self.params, bias),
@@ -606,15 +784,26 @@ impl<B: Backend> Network<B> {
                         saved_invstd: &mut invstd,
                         running_mean: &mut rm,
                         running_var: &mut rv,
-                        mode,
+                        mode: if global.is_some() {
+                            BnMode::Frozen
+                        } else {
+                            mode
+                        },
                         momentum: self.config.bn_momentum,
                         eps: self.config.bn_eps,
                     });
                     self.acts[output] = Some(y);
                     self.saved[k] = Some((mean, invstd));
-                    self.buffers[running_mean] = Some(rm);
-                    self.buffers[running_var] = Some(rv);
+                    if global.is_some() {
+                        self.bn_scratch = Some((rm, rv));
+                    } else {
+                        self.buffers[running_mean] = Some(rm);
+                        self.buffers[running_var] = Some(rv);
+                    }
                     r?;
+                    if let Some((mean, var)) = global {
+                        self.advance_running_stats(k, running_mean, running_var, &mean, &var)?;
+                    }
                 }
                 Node::MaxPool {
                     input,
@@ -674,13 +863,250 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
+    /// Name of a BN node (its weight's name without `.weight`), for errors.
+    fn bn_name(&self, weight: usize) -> String {
+        let name = &self.graph.params()[weight].name;
+        name.strip_suffix(".weight").unwrap_or(name).to_string()
+    }
+
+    /// Synchronised BN forward, part 1: sums Σx, Σx² and the rows over replicas, writes the
+    /// global mean and biased variance into the scratch pair and returns them.
+    ///
+    /// The local moments come from the backend's own fused op in training mode with
+    /// momentum 1 on the scratch pair (running mean ← batch mean, running variance ← unbiased
+    /// batch variance): no extra backend op, and on a GPU only `2·channels` values cross to
+    /// the host. It also writes `y`, which the frozen-mode call right after overwrites.
+    fn global_bn_stats(
+        &mut self,
+        k: usize,
+        node: &Node,
+        shape: BnShape,
+        reduce: &mut dyn BnAllReduce,
+    ) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+        let Node::BatchNorm {
+            input,
+            output,
+            weight,
+            bias,
+            ..
+        } = *node
+        else {
+            unreachable!("global_bn_stats is only called for BatchNorm nodes");
+        };
+        let c = shape.channels;
+        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
+        let mut y = take(&mut self.acts, output);
+        let (mut mean_t, mut invstd_t) = self.saved[k].take().expect("bn saved stats");
+        let r = self.backend.bn_forward(BnForward {
+            shape,
+            x: get(&self.acts, input),
+            gamma: get(&self.params, weight),
+            beta: get(&self.params, bias),
+            residual: None,
+            relu: false,
+            y: &mut y,
+            saved_mean: &mut mean_t,
+            saved_invstd: &mut invstd_t,
+            running_mean: &mut tm,
+            running_var: &mut tv,
+            mode: BnMode::Train,
+            momentum: 1.0,
+            eps: self.config.bn_eps,
+        });
+        self.acts[output] = Some(y);
+        self.saved[k] = Some((mean_t, invstd_t));
+        let local = r
+            .map_err(ModelError::from)
+            .and_then(|()| Ok((self.backend.download(&tm)?, self.backend.download(&tv)?)));
+        self.bn_scratch = Some((tm, tv));
+        let (local_mean, local_var) = local?;
+        let n = shape.rows as f64;
+        let sum = (0..c).map(|ch| n * f64::from(local_mean[ch]));
+        // Σx² = (n − 1)·unbiased variance + n·mean² (for n = 1 the variance is 0).
+        let sumsq = (0..c).map(|ch| {
+            let m = f64::from(local_mean[ch]);
+            (n - 1.0).max(0.0) * f64::from(local_var[ch]) + n * m * m
+        });
+        let mut buf = Vec::with_capacity(2 * c + 1);
+        buf.extend(sum);
+        buf.extend(sumsq);
+        buf.push(n);
+        reduce
+            .sum_in_place(&mut buf)
+            .map_err(|source| ModelError::BnSync {
+                layer: self.bn_name(weight),
+                source,
+            })?;
+        let rows = buf[2 * c];
+        if rows < 1.0 {
+            return Err(ModelError::BadBatch(format!(
+                "synchronised batch norm at {}: the replicas hold {rows} rows in all",
+                self.bn_name(weight)
+            )));
+        }
+        let mean: Vec<f64> = buf[..c].iter().map(|s| s / rows).collect();
+        let var: Vec<f64> = (0..c)
+            .map(|ch| (buf[c + ch] / rows - mean[ch] * mean[ch]).max(0.0))
+            .collect();
+        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
+        let len = self.backend.len(&tm);
+        let mut hm = vec![0.0f32; len];
+        let mut hv = vec![1.0f32; len];
+        for ch in 0..c {
+            hm[ch] = mean[ch] as f32;
+            hv[ch] = var[ch] as f32;
+        }
+        let r = self
+            .backend
+            .upload(&hm, &mut tm)
+            .and_then(|()| self.backend.upload(&hv, &mut tv));
+        self.bn_scratch = Some((tm, tv));
+        r?;
+        self.bn_global_rows[k] = rows;
+        Ok((mean, var))
+    }
+
+    /// Synchronised BN forward, part 2: running statistics advance with the global batch's
+    /// mean and unbiased variance (as the local op does with its own batch).
+    fn advance_running_stats(
+        &mut self,
+        k: usize,
+        running_mean: usize,
+        running_var: usize,
+        mean: &[f64],
+        var: &[f64],
+    ) -> Result<(), ModelError> {
+        let rows = self.bn_global_rows[k];
+        let unbias = if rows > 1.0 { rows / (rows - 1.0) } else { 1.0 };
+        let m = f64::from(self.config.bn_momentum);
+        let mut rm = self.backend.download(get(&self.buffers, running_mean))?;
+        let mut rv = self.backend.download(get(&self.buffers, running_var))?;
+        for ch in 0..mean.len().min(rm.len()).min(rv.len()) {
+            rm[ch] = ((1.0 - m) * f64::from(rm[ch]) + m * mean[ch]) as f32;
+            rv[ch] = ((1.0 - m) * f64::from(rv[ch]) + m * var[ch] * unbias) as f32;
+        }
+        let t = self.buffers[running_mean].as_mut().expect(BORROWED);
+        self.backend.upload(&rm, t)?;
+        let t = self.buffers[running_var].as_mut().expect(BORROWED);
+        self.backend.upload(&rv, t)?;
+        Ok(())
+    }
+
+    /// Synchronised BN backward: after the frozen-statistics op, sums dγ = Σdz·x̂ and
+    /// dβ = Σdz over replicas (weighted by image share) and adds `−γ·invstd·(Σdβ/N + x̂·Σdγ/N)` to dx, written as the
+    /// per-channel affine map `a + b·x` of the input.
+    fn sync_bn_backward(
+        &mut self,
+        k: usize,
+        node: &Node,
+        shape: BnShape,
+        reduce: &mut dyn BnAllReduce,
+    ) -> Result<(), ModelError> {
+        let Node::BatchNorm {
+            input,
+            weight,
+            bias,
+            ..
+        } = *node
+        else {
+            unreachable!("sync_bn_backward is only called for BatchNorm nodes");
+        };
+        let c = shape.channels;
+        // Each replica's dz is the gradient of its *own* mean loss; the step's gradient is
+        // the image-weighted mean of the replicas' (the NCCL path scales by the image share).
+        // So replica r contributes its sums × rows_r/rows, which puts everyone on the global
+        // loss's scale, and reads the sums back × rows/rows_r, on its own scale again.
+        let share = shape.rows as f64 / self.bn_global_rows[k];
+        let mut buf: Vec<f64> = Vec::with_capacity(2 * c);
+        buf.extend(
+            self.backend
+                .download(get(&self.param_grads, weight))?
+                .iter()
+                .take(c)
+                .map(|&v| f64::from(v) * share),
+        );
+        buf.extend(
+            self.backend
+                .download(get(&self.param_grads, bias))?
+                .iter()
+                .take(c)
+                .map(|&v| f64::from(v) * share),
+        );
+        reduce
+            .sum_in_place(&mut buf)
+            .map_err(|source| ModelError::BnSync {
+                layer: self.bn_name(weight),
+                source,
+            })?;
+        // Global mean = (sum on this replica's scale) / global rows = sum / rows_r.
+        let rows = shape.rows as f64;
+        let gamma = self.backend.download(get(&self.params, weight))?;
+        let (mean_t, invstd_t) = self.saved[k].as_ref().expect("bn saved stats");
+        let mean = self.backend.download(mean_t)?;
+        let invstd = self.backend.download(invstd_t)?;
+        let mut a = vec![0.0f32; c];
+        let mut b = vec![0.0f32; c];
+        for ch in 0..c {
+            let mdg = buf[ch] / rows;
+            let mdb = buf[c + ch] / rows;
+            let is = f64::from(invstd[ch]);
+            let kk = f64::from(gamma[ch]) * is;
+            a[ch] = (-kk * mdb + kk * is * f64::from(mean[ch]) * mdg) as f32;
+            b[ch] = (-kk * is * mdg) as f32;
+        }
+        let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
+        let r =
+            self.backend
+                .channel_affine_accumulate(shape, get(&self.acts, input), &a, &b, &mut dx);
+        self.grad_bufs[self.grad_slot[input]] = Some(dx);
+        r?;
+        Ok(())
+    }
+
+    /// Hands parameter `p`'s (final) gradient to the hook. Every parameter belongs to exactly
+    /// one node and backend ops overwrite parameter gradients, so a gradient is final as soon
+    /// as its node's backward has written it.
+    fn grad_final(
+        &self,
+        p: usize,
+        hook: &mut GradReadyHook<'_, B::Tensor>,
+    ) -> Result<(), ModelError> {
+        hook(p, get(&self.param_grads, p)).map_err(|source| ModelError::GradHook {
+            param: self.graph.params()[p].name.clone(),
+            source,
+        })
+    }
+
+    /// Parameter indices in the order [`Network::train_step_with`] reports their gradients
+    /// (nodes in reverse, a node's weight before its bias). It is close to, but not exactly,
+    /// reverse parameter order: a downsampling block's residual BN is reported before its
+    /// shortcut, which torchvision registers after it.
+    pub fn grad_ready_order(&self) -> Vec<usize> {
+        grad_ready_order(&self.graph)
+    }
+
+    /// The cross-replica events of a synchronised BN step in issue order (BN forward sums,
+    /// then backward with BN reductions interleaved with gradient-ready reports). A replica
+    /// with no images in a step replays this with zeros, so every replica issues the same
+    /// collectives in the same order (NCCL's requirement).
+    pub fn synced_step_events(&self) -> Vec<SyncEvent> {
+        synced_step_events(&self.graph)
+    }
+
     /// Reverse pass. A value's gradient is complete before it is consumed, because every
     /// consumer comes after its producer in node order; `written` says whether a gradient
     /// buffer already holds a contribution (then the next one accumulates).
-    fn backward(&mut self, n: usize, batch_stats: bool) -> Result<(), ModelError> {
+    fn backward(
+        &mut self,
+        n: usize,
+        batch_stats: bool,
+        hook: &mut GradReadyHook<'_, B::Tensor>,
+        mut sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<(), ModelError> {
         let mut written = vec![false; self.dims.len()];
         written[self.dims.len() - 1] = true;
-        for (k, node) in self.graph.nodes().iter().enumerate().rev() {
+        let graph = self.graph.clone();
+        for (k, node) in graph.nodes().iter().enumerate().rev() {
             match *node {
                 Node::Linear {
                     input,
@@ -709,6 +1135,8 @@ impl<B: Backend> Network<B> {
                     self.param_grads[bias] = Some(db);
                     r?;
                     written[input] = true;
+                    self.grad_final(weight, hook)?;
+                    self.grad_final(bias, hook)?;
                 }
                 Node::GlobalAvgPool { input, output } => {
                     let d = self.dims[input];
@@ -773,17 +1201,21 @@ impl<B: Backend> Network<B> {
                     let mut dbeta = take(&mut self.param_grads, bias);
                     let (mean, invstd) = self.saved[k].as_ref().expect("bn saved stats");
                     let acc = residual.is_some_and(|v| written[v]);
+                    let shape = BnShape {
+                        rows: n * d.h * d.w,
+                        channels,
+                    };
+                    let synced = batch_stats && sync_bn.is_some();
                     let r = self.backend.bn_backward(BnBackward {
-                        shape: BnShape {
-                            rows: n * d.h * d.w,
-                            channels,
-                        },
+                        shape,
                         x: get(&self.acts, input),
                         y: get(&self.acts, output),
                         gamma: get(&self.params, weight),
                         saved_mean: mean,
                         saved_invstd: invstd,
-                        batch_stats,
+                        // Synchronised: the local op gives the frozen part and the two local
+                        // reductions (dγ, dβ); the global correction follows.
+                        batch_stats: batch_stats && !synced,
                         relu,
                         dy: get(&self.grad_bufs, self.grad_slot[output]),
                         dx: &mut dx,
@@ -800,6 +1232,11 @@ impl<B: Backend> Network<B> {
                     self.param_grads[bias] = Some(dbeta);
                     r?;
                     written[input] = true;
+                    if let (true, Some(r)) = (synced, reborrow(&mut sync_bn)) {
+                        self.sync_bn_backward(k, node, shape, r)?;
+                    }
+                    self.grad_final(weight, hook)?;
+                    self.grad_final(bias, hook)?;
                 }
                 Node::Conv {
                     input,
@@ -820,6 +1257,9 @@ impl<B: Backend> Network<B> {
                     );
                     self.param_grads[weight] = Some(dw);
                     r?;
+                    // Reported before the data gradient is computed: the earlier the bucket
+                    // completes, the more of backward its all-reduce hides behind.
+                    self.grad_final(weight, hook)?;
                     if input != 0 {
                         let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                         let r = self.backend.conv_backward_data(

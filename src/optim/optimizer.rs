@@ -135,6 +135,35 @@ impl Optimizer {
         self.steps
     }
 
+    /// The state: momentum buffer (SGD) or first moment (Adam), second moment (Adam; empty for
+    /// SGD), flat in the layout of the parameters it was stepped with (graph order).
+    pub fn moments(&self) -> (&[f32], &[f32]) {
+        (&self.m, &self.v)
+    }
+
+    /// Replaces the state (see [`Optimizer::moments`]) and the step count, e.g. with a device
+    /// optimizer's state converted to this layout. `v` must be empty for SGD.
+    pub fn set_state(&mut self, m: Vec<f32>, v: Vec<f32>, steps: u64) -> Result<(), OptimError> {
+        if m.len() != self.len {
+            return Err(OptimError::Length {
+                what: "first moment / momentum",
+                got: m.len(),
+                want: self.len,
+            });
+        }
+        if v.len() != self.v.len() {
+            return Err(OptimError::Length {
+                what: "second moment",
+                got: v.len(),
+                want: self.v.len(),
+            });
+        }
+        self.m = m;
+        self.v = v;
+        self.steps = steps;
+        Ok(())
+    }
+
     /// One update of `params` with `grads` (both flat, graph order) at learning rate `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
         if params.len() != self.len {

@@ -114,6 +114,9 @@ pub struct TrainConfig {
     pub progress: bool,
     /// Print the start lines, epoch lines and summary on stdout.
     pub verbose: bool,
+    /// GPUs through NCCL (one driver thread per GPU, staging ring, bucketed all-reduce) with
+    /// these flags; `None` drives the GPUs from one thread through the generic loop.
+    pub dist: Option<crate::dist::args::DistArgs>,
 }
 
 impl TrainConfig {
@@ -150,6 +153,7 @@ impl TrainConfig {
             stop_after_steps: None,
             progress: true,
             verbose: true,
+            dist: None,
         }
     }
 

@@ -15,6 +15,7 @@ mod device;
 mod epoch;
 mod error;
 mod evaluate;
+mod gpu;
 pub mod metrics;
 mod progress;
 mod replicas;
@@ -31,6 +32,7 @@ pub use error::TrainError;
 pub use evaluate::{
     evaluate, load_checkpoint_for_inference, predict, EvalReport, InferenceModel, Prediction,
 };
+pub(crate) use gpu::default_dist_args;
 pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use report::write_report;
 pub use run::{train, TrainOutcome};

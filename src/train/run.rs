@@ -72,9 +72,11 @@ fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome,
             let backends = (0..cfg.replicas).map(|_| cpu.clone()).collect();
             train_with(cfg, stop, backends)
         }
+        // The CLI always sets `dist` for CUDA: one driver thread per GPU, NCCL gradient sync.
+        DeviceChoice::Cuda(_) if cfg.dist.is_some() => super::gpu::train_on_gpus(cfg, stop),
         DeviceChoice::Cuda(n) => {
-            // One replica per GPU, driven from this thread; gradients are averaged on the host
-            // (the NCCL path of `dist` overlaps this on real multi-GPU runs).
+            // Library callers without `dist`: one replica per GPU driven from this thread,
+            // gradients averaged on the host.
             let backends = (0..n)
                 .map(|ordinal| {
                     CudaBackend::new(ordinal).map_err(|e| TrainError::Device {
@@ -88,7 +90,7 @@ fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome,
     }
 }
 
-fn source(cfg: &TrainConfig) -> DatasetSource {
+pub(super) fn source(cfg: &TrainConfig) -> DatasetSource {
     match cfg.valid_fraction {
         Some(f) => DatasetSource::flat(&cfg.data, f),
         None => DatasetSource::folder(&cfg.data),
@@ -120,7 +122,7 @@ fn pipeline_for(cfg: &TrainConfig, split: Split) -> Result<Pipeline, TrainError>
     Ok(b.build()?)
 }
 
-fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
+pub(super) fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
     match cfg.optimizer {
         OptimizerChoice::Sgd => OptimizerKind::Sgd {
             momentum: cfg.momentum,

@@ -1,0 +1,280 @@
+//! Feeding one GPU: engine batches → staging ring → compute, with the data wait measured.
+//!
+//! Per step the driver thread calls [`Feeder::next`]: it first tops the ring up (staging
+//! batches k+1 … k+D−1 while their slots are free, each upload enqueued on the copy stream and
+//! ordered after the compute that last read the slot), then hands batch k to compute (the
+//! compute stream waits for its upload). The compute of batch k therefore overlaps the upload
+//! of batch k+1. Time the host spends blocked on the engine or on a busy slot is the step's
+//! *data wait*, accumulated in a [`DataWaitMeter`].
+//!
+//! Generic over [`StagingStreams`], so the ordering is tested on CPU with
+//! [`crate::dist::staging::SimStreams`].
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::dist::staging::{
+    DataWaitMeter, ExternalBatch, StagedBatch, StagingError, StagingRing, StagingStreams,
+};
+
+/// Errors of the feeder: the engine's or the ring's.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FeedError<E: std::error::Error + 'static> {
+    /// The input engine failed.
+    #[error("input engine: {0}")]
+    Source(#[source] E),
+    /// The staging ring failed (a CUDA error or a reuse-order bug).
+    #[error("staging ring: {0}")]
+    Staging(#[from] StagingError),
+}
+
+/// One replica's micro-batch as the feeder carries it: pixels in (pinned) host memory and
+/// what compute needs besides them.
+#[derive(Clone)]
+pub(crate) struct HostBatch {
+    /// `len × S × S × 3` u8 NHWC bytes, kept alive until their upload has completed.
+    pub(crate) pixels: ExternalBatch,
+    /// Labels of the `len` images.
+    pub(crate) labels: Vec<u32>,
+    /// Sample ids (for augmentation).
+    pub(crate) sample_ids: Vec<u64>,
+    /// Images (may be 0 on a replica that got none of a short last batch).
+    pub(crate) len: usize,
+    /// Side S.
+    pub(crate) image_size: u32,
+}
+
+impl std::fmt::Debug for HostBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("bytes", &(*self.pixels).as_ref().len())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A batch handed to compute.
+#[derive(Debug)]
+pub(crate) struct Ready {
+    /// Where its pixels are on the device.
+    pub(crate) staged: StagedBatch,
+    /// The host side (labels, ids, length).
+    pub(crate) batch: HostBatch,
+    /// Host time this step waited for input before compute could start.
+    pub(crate) waited: Duration,
+}
+
+/// The ring of one GPU plus the batches in flight through it.
+pub(crate) struct Feeder<S: StagingStreams> {
+    ring: StagingRing<S>,
+    in_flight: VecDeque<HostBatch>,
+    source_done: bool,
+    meter: DataWaitMeter,
+}
+
+impl<S: StagingStreams> Feeder<S> {
+    /// Feeds through `ring`.
+    pub(crate) fn new(ring: StagingRing<S>) -> Self {
+        Feeder {
+            ring,
+            in_flight: VecDeque::new(),
+            source_done: false,
+            meter: DataWaitMeter::default(),
+        }
+    }
+
+    /// The ring (for compute to reach the device slots).
+    pub(crate) fn ring(&self) -> &StagingRing<S> {
+        &self.ring
+    }
+
+    /// The ring, mutable (for tests and simulators).
+    #[cfg(test)]
+    pub(crate) fn ring_mut(&mut self) -> &mut StagingRing<S> {
+        &mut self.ring
+    }
+
+    /// Data-wait accounting so far.
+    pub(crate) fn meter(&self) -> DataWaitMeter {
+        self.meter
+    }
+
+    /// Stages batches from `source` while a slot is free; `stage` enqueues one upload (usually
+    /// `StagingRing::stage_external`, wrapped in trace spans on a GPU).
+    fn top_up<E, I, F>(&mut self, source: &mut I, stage: &mut F) -> Result<(), FeedError<E>>
+    where
+        E: std::error::Error + 'static,
+        I: Iterator<Item = Result<HostBatch, E>>,
+        F: FnMut(&mut StagingRing<S>, ExternalBatch) -> Result<u64, StagingError>,
+    {
+        while !self.source_done && self.ring.can_fill() {
+            match source.next() {
+                None => self.source_done = true,
+                Some(batch) => {
+                    let batch = batch.map_err(FeedError::Source)?;
+                    stage(&mut self.ring, batch.pixels.clone())?;
+                    self.in_flight.push_back(batch);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next batch for compute (None once the source is exhausted and every batch was
+    /// computed). Call [`Feeder::done`] after the kernels that read it are enqueued.
+    pub(crate) fn next<E, I, F>(
+        &mut self,
+        source: &mut I,
+        mut stage: F,
+    ) -> Result<Option<Ready>, FeedError<E>>
+    where
+        E: std::error::Error + 'static,
+        I: Iterator<Item = Result<HostBatch, E>>,
+        F: FnMut(&mut StagingRing<S>, ExternalBatch) -> Result<u64, StagingError>,
+    {
+        let start = Instant::now();
+        self.top_up(source, &mut stage)?;
+        let Some(batch) = self.in_flight.pop_front() else {
+            return Ok(None);
+        };
+        let staged = self.ring.begin_compute()?;
+        Ok(Some(Ready {
+            staged,
+            batch,
+            waited: start.elapsed(),
+        }))
+    }
+
+    /// Marks the current batch's device slot as consumed: call it once the kernels that read
+    /// the slot are enqueued (the `consumed` event is recorded after them).
+    pub(crate) fn done(&mut self) -> Result<(), StagingError> {
+        self.ring.end_compute()
+    }
+
+    /// Records a finished step: `waited` of its `total` wall time went to input.
+    pub(crate) fn record(&mut self, waited: Duration, total: Duration) {
+        self.meter.record(waited, total);
+    }
+
+    /// Starts a new source (the next epoch). Every batch of the previous one must have been
+    /// computed, or dropped with an interrupted epoch.
+    pub(crate) fn restart(&mut self) {
+        self.in_flight.clear();
+        self.source_done = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::dist::staging::SimStreams;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("engine broke at batch {0}")]
+    struct EngineBroke(usize);
+
+    const BYTES: usize = 24;
+
+    fn batches(n: usize) -> impl Iterator<Item = Result<HostBatch, EngineBroke>> {
+        (0..n).map(|k| {
+            let pixels: Vec<u8> = (0..BYTES).map(|i| (k * 31 + i) as u8).collect();
+            Ok(HostBatch {
+                pixels: Arc::new(pixels),
+                labels: vec![k as u32],
+                sample_ids: vec![k as u64],
+                len: 1,
+                image_size: 2,
+            })
+        })
+    }
+
+    type Drive = (Vec<(u32, u64)>, Vec<Vec<u8>>, Vec<String>);
+
+    /// Drives `n` steps the way the GPU driver does and returns, per step, the batch index
+    /// compute got and how many batches had been staged when its compute was enqueued.
+    fn drive(depth: usize, n: usize, seed: u64, eagerness: u32) -> Drive {
+        let ring = StagingRing::new(SimStreams::new(depth, BYTES, seed, eagerness)).unwrap();
+        let mut feeder = Feeder::new(ring);
+        let mut source = batches(n);
+        let mut seen = Vec::new();
+        while let Some(ready) = feeder
+            .next(&mut source, |r, b| r.stage_external(b))
+            .unwrap()
+        {
+            let staged_total = feeder.ring().staged() + ready.staged.seq;
+            seen.push((ready.batch.labels[0], staged_total));
+            assert_eq!(ready.staged.seq, u64::from(ready.batch.labels[0]));
+            feeder
+                .ring_mut()
+                .streams_mut()
+                .launch_consume(ready.staged.slot)
+                .unwrap();
+            feeder.done().unwrap();
+            feeder.record(ready.waited, ready.waited + Duration::from_millis(1));
+        }
+        feeder.ring_mut().streams_mut().drain();
+        let sim = feeder.ring().streams();
+        let consumed = sim.consumed().to_vec();
+        let violations = sim.violations().to_vec();
+        assert_eq!(feeder.meter().steps, n as u64);
+        (seen, consumed, violations)
+    }
+
+    #[test]
+    fn compute_gets_every_batch_in_order_with_the_next_one_already_uploading() {
+        for depth in 1..=4 {
+            for seed in 0..16 {
+                for eagerness in [0, 1, 3, 50] {
+                    let n = 9;
+                    let (seen, consumed, violations) = drive(depth, n, seed, eagerness);
+                    let order: Vec<u32> = seen.iter().map(|s| s.0).collect();
+                    assert_eq!(order, (0..n as u32).collect::<Vec<_>>());
+                    for (k, &(_, staged)) in seen.iter().enumerate() {
+                        // Before batch k computes, batches up to k + depth − 1 are staged
+                        // (fewer at the end of the source): the prefetch runs ahead.
+                        let want = (k + depth).min(n) as u64;
+                        assert_eq!(staged, want, "depth {depth} step {k}");
+                    }
+                    assert!(violations.is_empty(), "{violations:?}");
+                    let want: Vec<Vec<u8>> = batches(n)
+                        .map(|b| (*b.unwrap().pixels).as_ref().to_vec())
+                        .collect();
+                    assert_eq!(consumed, want, "depth {depth} seed {seed}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_engine_error_stops_the_feed_with_the_engines_error() {
+        let ring = StagingRing::new(SimStreams::new(2, BYTES, 1, 1)).unwrap();
+        let mut feeder = Feeder::new(ring);
+        let mut source = batches(1).chain(std::iter::once(Err(EngineBroke(1))));
+        let err = feeder
+            .next(&mut source, |r, b| r.stage_external(b))
+            .unwrap_err();
+        assert!(matches!(err, FeedError::Source(EngineBroke(1))), "{err}");
+    }
+
+    #[test]
+    fn the_meter_reports_the_share_of_time_spent_waiting() {
+        let ring = StagingRing::new(SimStreams::new(2, BYTES, 1, 1)).unwrap();
+        let mut feeder = Feeder::new(ring);
+        let mut source = batches(2);
+        let ready = feeder
+            .next(&mut source, |r, b| r.stage_external(b))
+            .unwrap()
+            .unwrap();
+        feeder
+            .ring_mut()
+            .streams_mut()
+            .launch_consume(ready.staged.slot)
+            .unwrap();
+        feeder.done().unwrap();
+        feeder.record(Duration::from_millis(1), Duration::from_millis(4));
+        assert_eq!(feeder.meter().steps, 1);
+        assert!((feeder.meter().share() - 0.25).abs() < 1e-9);
+    }
+}

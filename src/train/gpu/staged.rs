@@ -1,0 +1,338 @@
+//! [`StagedBackend`]: the CUDA backend reading its input batch from a staging-ring device slot.
+//!
+//! [`crate::model::Network::train_step`] hands the backend's `input` op a host batch. On the
+//! GPU path the batch is already on the device (the staging ring uploaded it on the copy
+//! stream while the previous step computed), so this wrapper's `input` runs the transform
+//! kernel (kernels/input.cu: crop, flip, normalise → bf16 NHWC) straight from the slot set by
+//! [`StagedBackend::set_staged`]; with no slot set (validation) it falls back to the wrapped
+//! backend's host upload. Every other op is the wrapped [`CudaBackend`]'s.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use crate::backend::{
+    Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
+    PoolShape, TensorRole,
+};
+use crate::cuda::{CudaBackend, CudaError, CudaTensor, GpuDevice};
+use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
+
+/// Threads per block of the input kernel (a grid-stride loop, as the backend launches it).
+const THREADS: u32 = 256;
+
+/// Where the current batch lies on the device.
+#[derive(Debug, Clone, Copy)]
+struct StagedInput {
+    /// Raw device address of the slot.
+    ptr: u64,
+    /// Bytes valid at `ptr`.
+    bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct InputWork {
+    norm: Option<CudaSlice<f32>>,
+    aug: Option<CudaSlice<i32>>,
+}
+
+/// A [`CudaBackend`] whose `input` reads the staged device slot.
+#[derive(Debug)]
+pub(crate) struct StagedBackend {
+    inner: CudaBackend,
+    staged: Mutex<Option<StagedInput>>,
+    work: Mutex<InputWork>,
+}
+
+fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> BackendError {
+    move |source| BackendError::Device {
+        op,
+        source: Box::new(CudaError::Driver {
+            context: op.to_string(),
+            source,
+        }),
+    }
+}
+
+impl StagedBackend {
+    /// Wraps `inner`.
+    pub(crate) fn new(inner: CudaBackend) -> Self {
+        StagedBackend {
+            inner,
+            staged: Mutex::new(None),
+            work: Mutex::new(InputWork::default()),
+        }
+    }
+
+    /// The wrapped backend.
+    pub(crate) fn inner(&self) -> &CudaBackend {
+        &self.inner
+    }
+
+    /// The device.
+    pub(crate) fn device(&self) -> &Arc<GpuDevice> {
+        self.inner.device()
+    }
+
+    /// The next `input` reads `bytes` at device address `ptr` instead of the host batch.
+    ///
+    /// # Safety
+    /// `ptr` must address at least `bytes` bytes of this device's memory that stay allocated and
+    /// unmodified until the kernels enqueued by the next `input` call have run (the staging ring
+    /// guarantees this: the slot's `consumed` event is recorded after them).
+    pub(crate) unsafe fn set_staged(&self, ptr: u64, bytes: usize) {
+        *lock(&self.staged) = Some(StagedInput { ptr, bytes });
+    }
+
+    /// Back to host input (validation, inference).
+    pub(crate) fn clear_staged(&self) {
+        *lock(&self.staged) = None;
+    }
+
+    fn input_from_slot(
+        &self,
+        slot: StagedInput,
+        batch: &InputBatch<'_>,
+        out: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "input (staged)";
+        let s = batch.image_size as usize;
+        let n = batch.len;
+        let bytes = n * s * s * 3;
+        let shape = |detail: String| BackendError::Shape { op, detail };
+        if slot.bytes < bytes {
+            return Err(shape(format!(
+                "the staged slot holds {} bytes, the batch needs {bytes}",
+                slot.bytes
+            )));
+        }
+        if out.len() < bytes {
+            return Err(shape(format!(
+                "output has {} elements, needs {bytes}",
+                out.len()
+            )));
+        }
+        let to_i32 = |what: &str, v: usize| {
+            i32::try_from(v).map_err(|_| shape(format!("{what} = {v} exceeds 32-bit indexing")))
+        };
+        let (n_i, s_i) = (to_i32("n", n)?, to_i32("image size", s)?);
+        let dev = self.inner.device();
+        let stream = dev.stream().clone();
+        let mut work = lock(&self.work);
+        if work.norm.is_none() {
+            let norm: Vec<f32> = (0..3)
+                .map(|c| 1.0 / (255.0 * IMAGENET_STD[c]))
+                .chain((0..3).map(|c| -IMAGENET_MEAN[c] / IMAGENET_STD[c]))
+                .collect();
+            work.norm = Some(stream.clone_htod(&norm).map_err(drv(op))?);
+        }
+        let (params, use_aug): (Vec<i32>, i32) = match batch.augment {
+            Some(aug) if aug.len() >= n => (
+                aug[..n]
+                    .iter()
+                    .flat_map(|a| [a.dy, a.dx, i32::from(a.flip)])
+                    .collect(),
+                1,
+            ),
+            Some(aug) => return Err(shape(format!("{} augmentations for {n} images", aug.len()))),
+            None => (vec![0], 0),
+        };
+        if work.aug.as_ref().is_none_or(|a| a.len() < params.len()) {
+            work.aug = None;
+            work.aug = Some(
+                stream
+                    .alloc_zeros::<i32>(params.len().max(3 * n).max(1))
+                    .map_err(drv(op))?,
+            );
+        }
+        let InputWork { norm, aug } = &mut *work;
+        let aug = aug.as_mut().expect("allocated above");
+        stream
+            .memcpy_htod(&params, &mut aug.slice_mut(0..params.len()))
+            .map_err(drv(op))?;
+        let norm = norm.as_ref().expect("allocated above");
+        let (scale, shift) = (norm.slice(0..3), norm.slice(3..6));
+        let dst = out.bf16_slice_mut().ok_or_else(|| {
+            shape("the input tensor must be bf16 (TensorRole::Activation)".into())
+        })?;
+        let f = dev
+            .function("input.cu", "input_transform")
+            .map_err(|e| BackendError::Device {
+                op,
+                source: Box::new(e),
+            })?;
+        let blocks = bytes.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let src = slot.ptr;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&src)
+            .arg(&*aug)
+            .arg(&use_aug)
+            .arg(&scale)
+            .arg(&shift)
+            .arg(dst)
+            .arg(&n_i)
+            .arg(&s_i);
+        // SAFETY: the arguments match input_transform(const u8*, const int*, int, const float*,
+        // const float*, bf16*, int, int) in kernels/input.cu; `src` addresses `slot.bytes >=
+        // bytes` live bytes (set_staged's contract), `dst` at least `bytes` elements.
+        unsafe { b.launch(cfg) }.map_err(drv(op))?;
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Backend for StagedBackend {
+    type Tensor = CudaTensor;
+
+    fn name(&self) -> String {
+        format!("{} · NCCL · staged input", self.inner.name())
+    }
+    fn alloc(&self, len: usize, role: TensorRole) -> Result<CudaTensor, BackendError> {
+        self.inner.alloc(len, role)
+    }
+    fn len(&self, t: &CudaTensor) -> usize {
+        self.inner.len(t)
+    }
+    fn upload(&self, src: &[f32], dst: &mut CudaTensor) -> Result<(), BackendError> {
+        self.inner.upload(src, dst)
+    }
+    fn download(&self, src: &CudaTensor) -> Result<Vec<f32>, BackendError> {
+        self.inner.download(src)
+    }
+    fn input(&self, batch: &InputBatch<'_>, out: &mut CudaTensor) -> Result<(), BackendError> {
+        // Taken, not copied: a slot serves exactly one step.
+        let staged = lock(&self.staged).take();
+        match staged {
+            Some(slot) => self.input_from_slot(slot, batch, out),
+            None => self.inner.input(batch, out),
+        }
+    }
+    fn conv_forward(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_forward(s, x, w, y)
+    }
+    fn conv_backward_data(
+        &self,
+        s: &ConvShape,
+        dy: &CudaTensor,
+        w: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_backward_data(s, dy, w, dx, accumulate)
+    }
+    fn conv_backward_weight(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        dw: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_backward_weight(s, x, dy, dw)
+    }
+    fn bn_forward(&self, a: BnForward<'_, CudaTensor>) -> Result<(), BackendError> {
+        self.inner.bn_forward(a)
+    }
+    fn bn_backward(&self, a: BnBackward<'_, CudaTensor>) -> Result<(), BackendError> {
+        self.inner.bn_backward(a)
+    }
+    fn channel_affine_accumulate(
+        &self,
+        shape: BnShape,
+        x: &CudaTensor,
+        a: &[f32],
+        b: &[f32],
+        dx: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.channel_affine_accumulate(shape, x, a, b, dx)
+    }
+    fn maxpool_forward(
+        &self,
+        s: &PoolShape,
+        x: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.maxpool_forward(s, x, y)
+    }
+    fn maxpool_backward(
+        &self,
+        s: &PoolShape,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        self.inner.maxpool_backward(s, x, dy, dx, accumulate)
+    }
+    fn gap_forward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        x: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.gap_forward(n, hw, c, x, y)
+    }
+    fn gap_backward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        self.inner.gap_backward(n, hw, c, dy, dx, accumulate)
+    }
+    fn linear_forward(
+        &self,
+        s: &LinearShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        b: &CudaTensor,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.linear_forward(s, x, w, b, y)
+    }
+    fn linear_backward(
+        &self,
+        s: &LinearShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        dy: &CudaTensor,
+        dx: &mut CudaTensor,
+        dw: &mut CudaTensor,
+        db: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .linear_backward(s, x, w, dy, dx, dw, db, accumulate)
+    }
+    fn softmax_cross_entropy(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &CudaTensor,
+        labels: &[u32],
+        smoothing: f32,
+        dlogits: Option<&mut CudaTensor>,
+        probs: Option<&mut Vec<f32>>,
+    ) -> Result<LossStats, BackendError> {
+        self.inner
+            .softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs)
+    }
+}

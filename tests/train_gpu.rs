@@ -1,0 +1,293 @@
+//! The NCCL training path on a GPU (`#[ignore]`: needs a CUDA GPU, NVRTC and NCCL).
+//!
+//! Run on a GPU machine with:
+//! `cargo test --test train_gpu -- --ignored --test-threads=1 --nocapture`
+//!
+//! - `--gpus 1` through the full NCCL path (communicator, broadcast, bucketed all-reduce,
+//!   staging ring, fused optimizer) ends with the same weights as the single-GPU generic loop.
+//! - With a warm cache the staging ring keeps the data wait near zero.
+//! - Ctrl-C before the first step stops after one step with a checkpoint.
+//!
+//! One GPU cannot show two ranks (NCCL refuses two ranks on one device): multi-GPU agreement
+//! is checked by the cross-rank checksum at run time on real multi-GPU machines.
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+
+use birdtrain::model::{Arch, Graph, HeadPolicy, ModelState};
+use birdtrain::train::{self, DeviceChoice, TrainConfig, TrainOutcome};
+use clap::Parser;
+use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
+
+/// The CLI's defaults of the distributed flags (what `birdtrain --gpus 1` uses).
+fn default_dist() -> birdtrain::dist::args::DistArgs {
+    let cli = birdtrain::cli::Cli::try_parse_from(["birdtrain", "--prefetch-depth", "2"]).unwrap();
+    cli.train.dist.expect("flag given")
+}
+
+fn dataset(root: &Path, per_class: usize, size: u32) -> std::path::PathBuf {
+    let data = root.join("d");
+    write_dataset(&SynthConfig {
+        out: data.clone(),
+        classes: 4,
+        train_per_class: per_class,
+        valid_per_class: 4,
+        test_per_class: 0,
+        width: size,
+        height: size,
+        format: ImageFormatKind::Png,
+        seed: 5,
+    })
+    .unwrap();
+    data
+}
+
+fn config(data: &Path, cache: &Path, out: &Path, nccl: bool) -> TrainConfig {
+    let mut cfg = TrainConfig::new(data);
+    cfg.device = DeviceChoice::Cuda(1);
+    cfg.replicas = 1;
+    cfg.arch = Arch::ResNet8;
+    cfg.image_size = 32;
+    cfg.epochs = 2;
+    cfg.batch_size = 16;
+    cfg.cache_dir = Some(cache.to_path_buf());
+    cfg.out = out.to_path_buf();
+    cfg.seed = 11;
+    cfg.lr = 0.4;
+    cfg.warmup_epochs = 0;
+    cfg.progress = false;
+    cfg.verbose = true;
+    cfg.dist = nccl.then(default_dist);
+    cfg
+}
+
+fn weights(out: &Path, classes: usize) -> Vec<f32> {
+    let graph = Graph::new(Arch::ResNet8, classes);
+    ModelState::load_safetensors(&graph, &out.join("model.safetensors"), HeadPolicy::Strict)
+        .unwrap()
+        .flat_params()
+}
+
+fn data_wait_share(outcome: &TrainOutcome) -> f64 {
+    let line = outcome
+        .summary
+        .lines()
+        .find(|l| l.contains("data wait"))
+        .unwrap_or_else(|| panic!("no data-wait line in\n{}", outcome.summary));
+    let after = line.split("data wait ").nth(1).unwrap();
+    after.split(' ').next().unwrap().parse::<f64>().unwrap() / 100.0
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn one_gpu_through_nccl_matches_the_generic_single_gpu_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let generic = config(&data, &cache, &tmp.path().join("generic"), false);
+    let nccl = config(&data, &cache, &tmp.path().join("nccl"), true);
+    let a = train::train(&generic, &AtomicBool::new(false)).unwrap();
+    let b = train::train(&nccl, &AtomicBool::new(false)).unwrap();
+    println!("{}", b.summary);
+    assert_eq!(a.global_step, b.global_step);
+    assert!(
+        b.summary.contains("cross-rank checks passed"),
+        "{}",
+        b.summary
+    );
+    assert!(
+        !b.summary.contains(" 0 cross-rank checks passed"),
+        "{}",
+        b.summary
+    );
+    let (wa, wb) = (weights(&a.out, 4), weights(&b.out, 4));
+    assert_eq!(wa.len(), wb.len());
+    // The generic loop's checkpoint holds the bf16 working copy, the NCCL path's the f32
+    // master: they agree to bf16 precision (2^-8 relative) plus accumulated rounding.
+    let mut worst = 0.0f32;
+    for (x, y) in wa.iter().zip(&wb) {
+        let err = (x - y).abs() / (1e-3 + x.abs());
+        worst = worst.max(err);
+    }
+    println!("largest relative weight difference {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+    let (va, vb) = (a.last_valid.unwrap(), b.last_valid.unwrap());
+    assert!(
+        (va.loss - vb.loss).abs() < 0.05 * va.loss.max(1.0),
+        "{va:?} vs {vb:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn the_staging_ring_keeps_the_data_wait_low_with_a_warm_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 256, 64);
+    let cache = tmp.path().join("cache");
+    let mut warm = config(&data, &cache, &tmp.path().join("warm"), true);
+    warm.epochs = 1;
+    warm.image_size = 64; // the cache is per image size: warm the one the run reads
+    train::train(&warm, &AtomicBool::new(false)).unwrap();
+    let mut cfg = config(&data, &cache, &tmp.path().join("run"), true);
+    cfg.arch = Arch::ResNet18;
+    cfg.image_size = 64;
+    cfg.batch_size = 64;
+    cfg.epochs = 2;
+    let outcome = train::train(&cfg, &AtomicBool::new(false)).unwrap();
+    println!("{}", outcome.summary);
+    let share = data_wait_share(&outcome);
+    // A share, not a time; generous so a busy machine passes, yet far below input-bound.
+    assert!(share < 0.25, "data wait {:.1} %", 100.0 * share);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn ctrl_c_stops_after_one_step_with_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cfg = config(
+        &data,
+        &tmp.path().join("cache"),
+        &tmp.path().join("run"),
+        true,
+    );
+    let outcome = train::train(&cfg, &AtomicBool::new(true)).unwrap();
+    assert!(outcome.interrupted);
+    assert_eq!(outcome.global_step, 1);
+    assert!(cfg.out.join("model.safetensors").exists());
+    let meta = train::CheckpointMeta::load(&cfg.out).unwrap();
+    assert_eq!(meta.step, 1);
+    // The checkpoint resumes (here on the same single GPU) and finishes the run.
+    let mut resume = cfg.clone();
+    resume.resume = Some(cfg.out.clone());
+    let done = train::train(&resume, &AtomicBool::new(false)).unwrap();
+    assert!(!done.interrupted);
+    assert_eq!(done.epochs_done, 2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn the_trace_shows_copies_compute_buckets_waits_and_the_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let mut cfg = config(
+        &data,
+        &tmp.path().join("cache"),
+        &tmp.path().join("run"),
+        true,
+    );
+    cfg.epochs = 1;
+    let trace = tmp.path().join("trace.json");
+    cfg.dist.as_mut().unwrap().trace = Some(trace.clone());
+    train::train(&cfg, &AtomicBool::new(false)).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let text = json.to_string();
+    for name in [
+        "H2D batch",
+        "forward + backward",
+        "all-reduce bucket 0",
+        "optimizer",
+        "input wait",
+        "engine: ",
+    ] {
+        assert!(text.contains(name), "no {name:?} span in the trace");
+    }
+}
+
+/// Largest relative difference between two weight vectors.
+fn worst_relative(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1e-3 + x.abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn many_small_buckets_launched_during_backward_give_the_same_weights() {
+    // 0.02 MiB buckets split resnet8 into a dozen all-reduces, each launched from the
+    // backward hook while the earlier layers are still computing.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let one = config(&data, &cache, &tmp.path().join("one"), true);
+    let mut many = config(&data, &cache, &tmp.path().join("many"), true);
+    many.dist.as_mut().unwrap().bucket_mb = 0.02;
+    let trace = tmp.path().join("trace.json");
+    many.dist.as_mut().unwrap().trace = Some(trace.clone());
+    let a = train::train(&one, &AtomicBool::new(false)).unwrap();
+    let b = train::train(&many, &AtomicBool::new(false)).unwrap();
+    assert_eq!(a.global_step, b.global_step);
+    // Averaging over one rank is exact and the bucket copies move bits unchanged, but the
+    // split-K weight-gradient kernel accumulates with atomics (not bit-reproducible), hence
+    // the same tolerance as the NCCL-vs-generic comparison above.
+    let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
+    println!("largest relative weight difference, 1 vs many buckets {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert!(
+        text.contains("all-reduce bucket 5"),
+        "expected many buckets"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn a_resumed_gpu_run_continues_with_its_optimizer_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let straight = config(&data, &cache, &tmp.path().join("straight"), true);
+    let a = train::train(&straight, &AtomicBool::new(false)).unwrap();
+    let mut first = config(&data, &cache, &tmp.path().join("split"), true);
+    first.stop_after_steps = Some(3);
+    let stopped = train::train(&first, &AtomicBool::new(false)).unwrap();
+    assert!(stopped.interrupted && stopped.global_step == 3);
+    // The checkpoint's optimizer file is the device state, in the host format.
+    let graph = Graph::new(Arch::ResNet8, 4);
+    let mut host = birdtrain::optim::Optimizer::new(
+        birdtrain::optim::OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        birdtrain::optim::Hyper {
+            weight_decay: first.weight_decay,
+            ..Default::default()
+        },
+        graph.params(),
+    );
+    host.load(&first.out.join("optimizer.safetensors")).unwrap();
+    assert_eq!(host.steps(), 3);
+    assert!(host.moments().0.iter().any(|&m| m != 0.0), "momentum saved");
+    let mut resume = first.clone();
+    resume.stop_after_steps = None;
+    resume.resume = Some(first.out.clone());
+    let b = train::train(&resume, &AtomicBool::new(false)).unwrap();
+    assert_eq!(a.global_step, b.global_step);
+    // Continuing the momentum keeps the weights with the uninterrupted run's (up to the
+    // atomics of the weight-gradient kernel, as above).
+    let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
+    println!("largest relative weight difference after resume {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
+    // One rank: the global batch is the local one, so --sync-bn (statistics through NCCL and
+    // the host, frozen-mode kernels plus the correction) must train like the fused kernels.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let plain = config(&data, &cache, &tmp.path().join("plain"), true);
+    let mut synced = config(&data, &cache, &tmp.path().join("synced"), true);
+    synced.dist.as_mut().unwrap().sync_bn = true;
+    let a = train::train(&plain, &AtomicBool::new(false)).unwrap();
+    let b = train::train(&synced, &AtomicBool::new(false)).unwrap();
+    assert!(b.summary.contains("identical"), "{}", b.summary);
+    let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
+    println!("largest relative weight difference, sync BN vs per-GPU BN {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+}
