@@ -200,3 +200,41 @@ fn schedules_warm_up_then_decay() {
     assert!((st.lr_at(45) - 0.004).abs() < 1e-7);
     assert!((scaled_lr(0.1, 512) - 0.2).abs() < 1e-7);
 }
+
+#[test]
+fn identical_states_serialise_to_identical_bytes() {
+    // safetensors' metadata is a HashMap whose iteration order differs between instances;
+    // without a canonical header, 20 serialisations would almost surely not all agree.
+    let graph = birdtrain::model::Graph::new(birdtrain::model::Arch::ResNet8, 3);
+    let mut opt = birdtrain::optim::Optimizer::new(
+        birdtrain::optim::OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        birdtrain::optim::Hyper::default(),
+        graph.params(),
+    );
+    let n = graph.param_count();
+    let mut params = vec![0.5f32; n];
+    opt.step(&mut params, &vec![0.25f32; n], 0.1).unwrap();
+    let first = opt.to_safetensors_bytes();
+    for _ in 0..20 {
+        assert_eq!(opt.to_safetensors_bytes(), first);
+    }
+    let mut again = birdtrain::optim::Optimizer::new(
+        birdtrain::optim::OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        birdtrain::optim::Hyper::default(),
+        graph.params(),
+    );
+    again
+        .load_safetensors_bytes(&first, std::path::Path::new("optimizer.safetensors"))
+        .unwrap();
+    assert_eq!(
+        again.to_safetensors_bytes(),
+        first,
+        "round trip keeps the bytes"
+    );
+}

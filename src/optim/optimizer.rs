@@ -246,7 +246,9 @@ impl Optimizer {
             ("optimizer".to_string(), self.kind.name().to_string()),
             ("steps".to_string(), self.steps.to_string()),
         ]);
-        safetensors::serialize(tensors, Some(meta)).expect("in-memory serialisation of f32 vectors")
+        let bytes = safetensors::serialize(tensors, Some(meta))
+            .expect("in-memory serialisation of f32 vectors");
+        with_sorted_header(bytes)
     }
 
     /// Restores the state saved by [`Optimizer::to_safetensors_bytes`] (`path` only names the
@@ -320,4 +322,49 @@ impl Optimizer {
         })?;
         self.load_safetensors_bytes(&bytes, path)
     }
+}
+
+/// safetensors writes its `__metadata__` from a `HashMap`, whose order changes from process to
+/// process; rewriting the JSON header with sorted keys makes identical states give identical
+/// files (a resumed run's checkpoint compares equal byte for byte). The header keeps its
+/// length, so the tensor offsets stay valid.
+fn with_sorted_header(mut bytes: Vec<u8>) -> Vec<u8> {
+    use serde_json::{Map, Value};
+    fn sorted(v: Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut entries: Vec<(String, Value)> = m.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                Value::Object(
+                    entries
+                        .into_iter()
+                        .map(|(k, v)| (k, sorted(v)))
+                        .collect::<Map<_, _>>(),
+                )
+            }
+            other => other,
+        }
+    }
+    let Some(len) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+    else {
+        return bytes;
+    };
+    let Some(header) = bytes.get(8..8 + len) else {
+        return bytes;
+    };
+    let Ok(parsed) = serde_json::from_slice::<Value>(header) else {
+        return bytes;
+    };
+    let Ok(mut canonical) = serde_json::to_vec(&sorted(parsed)) else {
+        return bytes;
+    };
+    if canonical.len() > len {
+        return bytes;
+    }
+    // safetensors pads headers with spaces; same content, so normally the same length.
+    canonical.resize(len, b' ');
+    bytes[8..8 + len].copy_from_slice(&canonical);
+    bytes
 }
