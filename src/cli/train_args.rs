@@ -210,6 +210,15 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.replicas = n;
         cfg.dist = Some(args.dist.clone().unwrap_or_else(train::default_dist_args));
     }
+    if device == DeviceChoice::Cpu && args.dist.as_ref().is_some_and(|d| d.sync_bn) {
+        return Err(CliError::Train(TrainError::InvalidConfig {
+            flag: "--sync-bn",
+            value: "on".into(),
+            hint: "synchronised batch norm spans GPUs (--gpus N); CPU replicas keep \
+                   per-replica statistics"
+                .into(),
+        }));
+    }
     if let Some(v) = args.epochs {
         cfg.epochs = v;
     }
