@@ -30,7 +30,7 @@ pub struct TrainArgs {
     /// CPU data-parallel replicas (each gets its own micro-batch of --batch-size images).
     #[arg(long, value_name = "R")]
     pub replicas: Option<usize>,
-    /// Network: resnet8, resnet20, resnet56 (small images), resnet18/34/50/101/152.
+    /// Network: resnet8, resnet20, resnet56 (small images), resnet18/34/50/101/152 (default resnet50).
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
     /// Epochs to train in total.

@@ -126,7 +126,7 @@ impl TrainConfig {
             data: data.into(),
             valid_fraction: None,
             device: DeviceChoice::Cpu,
-            arch: Arch::ResNet18,
+            arch: Arch::ResNet50,
             epochs: 10,
             batch_size: 32,
             replicas: 1,
