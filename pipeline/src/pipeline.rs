@@ -47,11 +47,23 @@ struct Inner {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// How long dropping a pipeline waits for its runtime's tasks (see `Drop for Inner`).
+const RUNTIME_SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Dropping inside someone's async context must not block: let tasks wind down alone.
         if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
+            if tokio::runtime::Handle::try_current().is_ok() {
+                // Inside someone's async context blocking is forbidden (tokio panics): the
+                // tasks wind down alone and release the cache a moment later.
+                rt.shutdown_background();
+            } else {
+                // Wait until the stage tasks are dropped: they hold the mapped cache, and a
+                // caller may rewrite or delete its file as soon as the pipeline is gone (a
+                // late header write into a file cut meanwhile is a SIGBUS). The tasks never
+                // block, so this returns at once; the bound only guards a stuck allocator.
+                rt.shutdown_timeout(RUNTIME_SHUTDOWN_WAIT);
+            }
         }
         // Closing the job channel stops the workers once queued jobs are done.
         let (closed, _) = flume::bounded(0);
