@@ -93,8 +93,9 @@ enum Map {
 /// An open cache file (writer or read-only).
 pub(crate) struct Cache {
     path: PathBuf,
-    // Kept open: as the writer, its lock lives as long as this handle.
-    _file: File,
+    // Kept open: as the writer, its lock lives as long as this handle; records are written
+    // through it (see `RecordWriter::write_and_commit`).
+    file: File,
     map: Map,
     base: *mut u8,
     layout: Layout,
@@ -338,7 +339,7 @@ impl Cache {
         let words = layout.count.div_ceil(64);
         let cache = Self {
             path: path.to_path_buf(),
-            _file: file,
+            file,
             map,
             base,
             layout,
@@ -475,18 +476,28 @@ pub(crate) struct RecordWriter<'a> {
 }
 
 impl RecordWriter<'_> {
-    /// The record's bytes, to be written in full before `commit`.
-    pub(crate) fn pixels(&mut self) -> &mut [u8] {
-        let at = self.cache.layout.records + self.index * self.cache.layout.record_bytes;
-        // SAFETY: the claim bit gives this writer exclusive access to the record within the
-        // process, the lock excludes other processes, and the map is writable (claim checks).
-        unsafe {
-            std::slice::from_raw_parts_mut(self.cache.base.add(at), self.cache.layout.record_bytes)
+    /// Writes the whole record with one positioned write, then publishes it. Writing through
+    /// the file rather than the shared map spares a page fault per page of a fresh record
+    /// (about 8 % of a first epoch); the kernel keeps the map coherent with the file's page
+    /// cache, so readers see the bytes through the map once the bit is published. On an error
+    /// nothing is published and the claim is released (a later pass decodes the image again).
+    pub(crate) fn write_and_commit(self, pixels: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let bytes = self.cache.layout.record_bytes;
+        if pixels.len() != bytes {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("record of {} bytes, expected {bytes}", pixels.len()),
+            ));
         }
+        let at = self.cache.layout.records + self.index * bytes;
+        self.cache.file.write_all_at(pixels, at as u64)?;
+        self.commit();
+        Ok(())
     }
 
     /// Publishes the record: every byte written so far becomes visible before the bit.
-    pub(crate) fn commit(mut self) {
+    fn commit(mut self) {
         fence(Ordering::Release);
         self.cache.publish(self.cache.layout.filled, self.index);
         self.published = true;

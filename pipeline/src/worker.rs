@@ -178,6 +178,8 @@ pub(crate) struct Job {
 struct Scratch {
     resizer: SquareResizer,
     bytes: Vec<u8>,
+    /// One resized record, reused from image to image.
+    record: Vec<u8>,
 }
 
 /// Starts `workers` decode threads reading jobs from `jobs`.
@@ -196,6 +198,7 @@ pub(crate) fn spawn_pool(
                     let mut scratch = Scratch {
                         resizer: SquareResizer::new(image_size, mode),
                         bytes: Vec::new(),
+                        record: Vec::new(),
                     };
                     while let Ok(job) = jobs.recv() {
                         run(job, &mut scratch);
@@ -290,10 +293,20 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         }
     };
     match claim {
-        Some(mut claim) => {
-            resize(scratch, &image, claim.pixels(), &sample.path)?;
-            dest.copy_from_slice(claim.pixels());
-            claim.commit();
+        Some(claim) => {
+            // Resized into ordinary memory first: `dest` may be write-combined pinned memory,
+            // which is very slow for the CPU to read back for the cache write.
+            let mut record = std::mem::take(&mut scratch.record);
+            record.resize(dest.len(), 0);
+            resize(scratch, &image, &mut record, &sample.path)?;
+            dest.copy_from_slice(&record);
+            if let Err(e) = claim.write_and_commit(&record) {
+                tracing::warn!(
+                    "cache write of {} failed ({e}); it will be decoded again next epoch",
+                    sample.path.display()
+                );
+            }
+            scratch.record = record;
         }
         None => resize(scratch, &image, dest, &sample.path)?,
     }
