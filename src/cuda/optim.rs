@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use super::backend::CudaBackend;
 use super::error::CudaError;
 use super::tensor::CudaTensor;
-use crate::model::{ParamKind, ParamSpec};
+use crate::model::{ohwi_to_oihw, oihw_to_ohwi, ParamKind, ParamSpec};
 use crate::optim::{Hyper, OptimError, Optimizer, OptimizerKind};
 
 /// Elements per block of the update launch.
@@ -41,50 +41,27 @@ pub fn chunk_table(params: &[ParamSpec], weight_decay: f32) -> Vec<Chunk> {
 /// Flat parameters in torchvision layout (OIHW convolutions, as `Network::params_f32`) →
 /// the backend's layout (OHWI), which gradients and working copies use.
 pub fn to_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(flat.len());
-    let mut offset = 0;
-    for p in params {
-        let v = &flat[offset..offset + p.numel()];
-        if p.kind == ParamKind::ConvWeight && p.shape.len() == 4 {
-            let (o, i, kh, kw) = (p.shape[0], p.shape[1], p.shape[2], p.shape[3]);
-            let mut t = vec![0.0; v.len()];
-            for a in 0..o {
-                for b in 0..i {
-                    for y in 0..kh {
-                        for x in 0..kw {
-                            t[((a * kh + y) * kw + x) * i + b] = v[((a * i + b) * kh + y) * kw + x];
-                        }
-                    }
-                }
-            }
-            out.extend(t);
-        } else {
-            out.extend_from_slice(v);
-        }
-        offset += p.numel();
-    }
-    out
+    convert_convolutions(params, flat, oihw_to_ohwi)
 }
 
 /// The inverse of [`to_backend_layout`]: OHWI convolutions → torchvision's OIHW.
 pub fn from_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
+    convert_convolutions(params, flat, ohwi_to_oihw)
+}
+
+/// Applies `convert` to every convolution weight of a flat parameter vector; other
+/// parameters are copied as they are.
+fn convert_convolutions(
+    params: &[ParamSpec],
+    flat: &[f32],
+    convert: fn(&[f32], &[usize]) -> Vec<f32>,
+) -> Vec<f32> {
     let mut out = Vec::with_capacity(flat.len());
     let mut offset = 0;
     for p in params {
         let v = &flat[offset..offset + p.numel()];
         if p.kind == ParamKind::ConvWeight && p.shape.len() == 4 {
-            let (o, i, kh, kw) = (p.shape[0], p.shape[1], p.shape[2], p.shape[3]);
-            let mut t = vec![0.0; v.len()];
-            for a in 0..o {
-                for y in 0..kh {
-                    for x in 0..kw {
-                        for b in 0..i {
-                            t[((a * i + b) * kh + y) * kw + x] = v[((a * kh + y) * kw + x) * i + b];
-                        }
-                    }
-                }
-            }
-            out.extend(t);
+            out.extend(convert(v, &p.shape));
         } else {
             out.extend_from_slice(v);
         }

@@ -98,7 +98,7 @@ fn get<T>(v: &[Option<T>], i: usize) -> &T {
 }
 
 /// OIHW (torchvision) → OHWI (backend).
-fn oihw_to_ohwi(v: &[f32], shape: &[usize]) -> Vec<f32> {
+pub(crate) fn oihw_to_ohwi(v: &[f32], shape: &[usize]) -> Vec<f32> {
     let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
     let mut out = vec![0.0; v.len()];
     for a in 0..o {
@@ -114,7 +114,7 @@ fn oihw_to_ohwi(v: &[f32], shape: &[usize]) -> Vec<f32> {
 }
 
 /// OHWI (backend) → OIHW (torchvision).
-fn ohwi_to_oihw(v: &[f32], shape: &[usize]) -> Vec<f32> {
+pub(crate) fn ohwi_to_oihw(v: &[f32], shape: &[usize]) -> Vec<f32> {
     let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
     let mut out = vec![0.0; v.len()];
     for a in 0..o {
