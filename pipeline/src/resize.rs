@@ -2,7 +2,6 @@
 
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
-use image::RgbImage;
 
 use crate::ResizeMode;
 
@@ -23,19 +22,19 @@ impl SquareResizer {
         }
     }
 
-    /// Resizes `src` into `dst` (exactly `S·S·3` bytes, NHWC RGB).
+    /// Resizes `src` (`w·h·3` bytes, RGB8) into `dst` (exactly `S·S·3` bytes, NHWC RGB).
     pub(crate) fn resize_into(
         &mut self,
-        src: &RgbImage,
+        (w, h): (u32, u32),
+        src: &[u8],
         dst: &mut [u8],
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let (w, h) = src.dimensions();
         let s = self.size;
         if w == s && h == s && self.mode == ResizeMode::Direct {
-            dst.copy_from_slice(src.as_raw());
+            dst.copy_from_slice(src);
             return Ok(());
         }
-        let src_view = ImageRef::new(w, h, src.as_raw(), PixelType::U8x3)?;
+        let src_view = ImageRef::new(w, h, src, PixelType::U8x3)?;
         let mut dst_view = Image::from_slice_u8(s, s, dst, PixelType::U8x3)?;
         // Bilinear with antialiasing, as Keras' default interpolation.
         let mut options =

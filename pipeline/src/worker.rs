@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::bad::{BadFile, BadFileKind};
 use crate::buffer::Slot;
 use crate::cache::Cache;
-use crate::decode::decode_rgb8;
+use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
@@ -174,10 +174,12 @@ pub(crate) struct Job {
     pub(crate) done: flume::Sender<(usize, Result<Outcome, PipelineError>)>,
 }
 
-/// A worker's reusable state: its resizer and file buffer.
+/// A worker's reusable state: its resizer, file buffer and decoded pixels.
 struct Scratch {
     resizer: SquareResizer,
     bytes: Vec<u8>,
+    /// The decoded image, reused from image to image.
+    pixels: Pixels,
     /// One resized record, reused from image to image.
     record: Vec<u8>,
 }
@@ -198,6 +200,7 @@ pub(crate) fn spawn_pool(
                     let mut scratch = Scratch {
                         resizer: SquareResizer::new(image_size, mode),
                         bytes: Vec::new(),
+                        pixels: Pixels::default(),
                         record: Vec::new(),
                     };
                     while let Ok(job) = jobs.recv() {
@@ -271,34 +274,31 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     } else {
         None
     };
-    let image = match kind {
+    let decoded = match kind {
         Some(kind) => Err(crate::decode::DecodeFailure {
             kind,
             source: "zero bytes".into(),
         }),
-        None => decode_rgb8(&scratch.bytes, shared.max_pixels),
+        None => decode_rgb8_into(&scratch.bytes, shared.max_pixels, &mut scratch.pixels),
     };
-    let image = match image {
-        Ok(image) => image,
-        Err(failure) => {
-            if let Some(claim) = claim {
-                claim.mark_bad();
-            }
-            let file = BadFile::new(
-                sample.path.clone(),
-                failure.kind,
-                failure.source.to_string(),
-            );
-            return bad(shared, job.index, file, Some(failure.source));
+    if let Err(failure) = decoded {
+        if let Some(claim) = claim {
+            claim.mark_bad();
         }
-    };
+        let file = BadFile::new(
+            sample.path.clone(),
+            failure.kind,
+            failure.source.to_string(),
+        );
+        return bad(shared, job.index, file, Some(failure.source));
+    }
     match claim {
         Some(claim) => {
             // Resized into ordinary memory first: `dest` may be write-combined pinned memory,
             // which is very slow for the CPU to read back for the cache write.
             let mut record = std::mem::take(&mut scratch.record);
             record.resize(dest.len(), 0);
-            resize(scratch, &image, &mut record, &sample.path)?;
+            resize(scratch, &mut record, &sample.path)?;
             dest.copy_from_slice(&record);
             if let Err(e) = claim.write_and_commit(&record) {
                 tracing::warn!(
@@ -308,22 +308,23 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
             }
             scratch.record = record;
         }
-        None => resize(scratch, &image, dest, &sample.path)?,
+        None => resize(scratch, dest, &sample.path)?,
     }
     Counters::add_nanos(&shared.counters.decode_nanos, started);
     shared.counters.decoded.fetch_add(1, Ordering::Relaxed);
     Ok(Outcome::Decoded)
 }
 
+/// Resizes the worker's decoded pixels into `out`.
 fn resize(
     scratch: &mut Scratch,
-    image: &image::RgbImage,
     out: &mut [u8],
     path: &std::path::Path,
 ) -> Result<(), PipelineError> {
+    let pixels = &scratch.pixels;
     scratch
         .resizer
-        .resize_into(image, out)
+        .resize_into((pixels.width, pixels.height), pixels.as_slice(), out)
         .map_err(|source| PipelineError::Resize {
             path: path.to_path_buf(),
             source,
