@@ -99,34 +99,54 @@ fn get<T>(v: &[Option<T>], i: usize) -> &T {
 
 /// OIHW (torchvision) → OHWI (backend).
 pub(crate) fn oihw_to_ohwi(v: &[f32], shape: &[usize]) -> Vec<f32> {
-    let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
     let mut out = vec![0.0; v.len()];
-    for a in 0..o {
-        for b in 0..i {
-            for y in 0..kh {
-                for x in 0..kw {
-                    out[((a * kh + y) * kw + x) * i + b] = v[((a * i + b) * kh + y) * kw + x];
-                }
-            }
-        }
-    }
+    permute_conv_weight(v, shape, &mut out, false);
     out
 }
 
 /// OHWI (backend) → OIHW (torchvision).
 pub(crate) fn ohwi_to_oihw(v: &[f32], shape: &[usize]) -> Vec<f32> {
-    let (o, i, kh, kw) = (shape[0], shape[1], shape[2], shape[3]);
     let mut out = vec![0.0; v.len()];
-    for a in 0..o {
-        for b in 0..i {
-            for y in 0..kh {
-                for x in 0..kw {
-                    out[((a * i + b) * kh + y) * kw + x] = v[((a * kh + y) * kw + x) * i + b];
+    ohwi_to_oihw_into(v, shape, &mut out);
+    out
+}
+
+/// OHWI (backend) → OIHW (torchvision), written into `out` (`v.len()` values).
+fn ohwi_to_oihw_into(v: &[f32], shape: &[usize], out: &mut [f32]) {
+    permute_conv_weight(v, shape, out, true);
+}
+
+/// Transposes each output channel's `I × (H·W)` block between OIHW and OHWI (`to_oihw` picks
+/// the direction). Output channels are independent, so they are done in parallel; a pure
+/// permutation, hence the same bits whatever the thread count. Per parameter update this runs
+/// over every convolution weight twice, which made it a visible share of a CPU step.
+fn permute_conv_weight(v: &[f32], shape: &[usize], out: &mut [f32], to_oihw: bool) {
+    use rayon::prelude::*;
+    let (i, hw) = (shape[1], shape[2] * shape[3]);
+    let block = i * hw;
+    if block == 0 {
+        return;
+    }
+    out[..v.len()]
+        .par_chunks_mut(block)
+        .zip(v.par_chunks(block))
+        .for_each(|(dst, src)| {
+            if to_oihw {
+                // src is (hw × i), dst is (i × hw).
+                for (p, row) in src.chunks_exact(i).enumerate() {
+                    for (b, &val) in row.iter().enumerate() {
+                        dst[b * hw + p] = val;
+                    }
+                }
+            } else {
+                // src is (i × hw), dst is (hw × i).
+                for (b, row) in src.chunks_exact(hw).enumerate() {
+                    for (p, &val) in row.iter().enumerate() {
+                        dst[p * i + b] = val;
+                    }
                 }
             }
-        }
-    }
-    out
+        });
 }
 
 /// The values a node's backward writes gradients into (its input unless that is the image,
@@ -454,7 +474,9 @@ impl<B: Backend> Network<B> {
         for (i, spec) in self.graph.params().iter().enumerate() {
             let v = self.backend.download(get(&self.params, i))?;
             params.push(if spec.kind == ParamKind::ConvWeight {
-                ohwi_to_oihw(&v, &spec.shape)
+                let mut t = vec![0.0; v.len()];
+                ohwi_to_oihw_into(&v, &spec.shape, &mut t);
+                t
             } else {
                 v
             });
@@ -578,7 +600,10 @@ impl<B: Backend> Network<B> {
         for (i, spec) in self.graph.params().iter().enumerate() {
             let v = self.backend.download(get(tensors, i))?;
             if spec.kind == ParamKind::ConvWeight {
-                out.extend(ohwi_to_oihw(&v, &spec.shape));
+                // Straight into the flat vector: no temporary per weight.
+                let start = out.len();
+                out.resize(start + v.len(), 0.0);
+                ohwi_to_oihw_into(&v, &spec.shape, &mut out[start..]);
             } else {
                 out.extend(v);
             }

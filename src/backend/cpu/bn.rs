@@ -79,18 +79,23 @@ pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
         .collect();
     let relu = a.relu;
     let residual = a.residual.map(|r| &r[..rows * c]);
+    // Row by row so the channel index comes from the position, not a division per element.
     a.y[..rows * c]
         .par_chunks_mut(BLOCK_ROWS * c)
         .enumerate()
         .for_each(|(b, yb)| {
             let off = b * BLOCK_ROWS * c;
-            for (i, y) in yb.iter_mut().enumerate() {
-                let ch = i % c;
-                let mut v = x[off + i] * scale[ch] + shift[ch];
-                if let Some(r) = residual {
-                    v += r[off + i];
+            let xb = &x[off..off + yb.len()];
+            let rb = residual.map(|r| &r[off..off + yb.len()]);
+            for (r, (yr, xr)) in yb.chunks_exact_mut(c).zip(xb.chunks_exact(c)).enumerate() {
+                let res = rb.map(|rb| &rb[r * c..(r + 1) * c]);
+                for ch in 0..c {
+                    let mut v = xr[ch] * scale[ch] + shift[ch];
+                    if let Some(res) = res {
+                        v += res[ch];
+                    }
+                    yr[ch] = if relu && v < 0.0 { 0.0 } else { v };
                 }
-                *y = if relu && v < 0.0 { 0.0 } else { v };
             }
         });
 }
@@ -111,11 +116,15 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
         .map(|b| {
             let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
             for r in b * BLOCK_ROWS..((b + 1) * BLOCK_ROWS).min(rows) {
+                let (yr, dyr, xr) = (
+                    &y[r * c..(r + 1) * c],
+                    &dy[r * c..(r + 1) * c],
+                    &x[r * c..(r + 1) * c],
+                );
                 for ch in 0..c {
-                    let i = r * c + ch;
-                    let g = dz(i);
+                    let g = if relu && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
                     sb[ch] += f64::from(g);
-                    sg[ch] += f64::from(g * (x[i] - mean[ch]) * invstd[ch]);
+                    sg[ch] += f64::from(g * (xr[ch] - mean[ch]) * invstd[ch]);
                 }
             }
             (sb, sg)
@@ -152,21 +161,24 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
     let batch = a.batch_stats;
     let mdb: Vec<f32> = dbeta.iter().map(|v| (*v / rows as f64) as f32).collect();
     let mdg: Vec<f32> = dgamma.iter().map(|v| (*v / rows as f64) as f32).collect();
+    let k: Vec<f32> = (0..c).map(|ch| gamma[ch] * invstd[ch]).collect();
     a.dx[..rows * c]
         .par_chunks_mut(BLOCK_ROWS * c)
         .enumerate()
         .for_each(|(b, dxb)| {
             let off = b * BLOCK_ROWS * c;
-            for (i, d) in dxb.iter_mut().enumerate() {
-                let ch = i % c;
-                let g = dz(off + i);
-                let k = gamma[ch] * invstd[ch];
-                *d = if batch {
-                    let xhat = (x[off + i] - mean[ch]) * invstd[ch];
-                    k * (g - mdb[ch] - xhat * mdg[ch])
-                } else {
-                    k * g
-                };
+            for (r, dxr) in dxb.chunks_exact_mut(c).enumerate() {
+                let base = off + r * c;
+                let (yr, dyr, xr) = (&y[base..base + c], &dy[base..base + c], &x[base..base + c]);
+                for ch in 0..c {
+                    let g = if relu && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
+                    dxr[ch] = if batch {
+                        let xhat = (xr[ch] - mean[ch]) * invstd[ch];
+                        k[ch] * (g - mdb[ch] - xhat * mdg[ch])
+                    } else {
+                        k[ch] * g
+                    };
+                }
             }
         });
 }
