@@ -6,23 +6,8 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn birdtrain(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_birdtrain"))
-        .args(args)
-        .output()
-        .expect("the birdtrain binary runs");
-    assert!(
-        out.status.success(),
-        "birdtrain {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("temp paths are UTF-8")
-}
+mod cli_support;
+use cli_support::{birdtrain, s};
 
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()

@@ -2,20 +2,12 @@
 //! nothing half-written (no run folder appears).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 
-fn birdtrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_birdtrain"))
-        .args(args)
-        .output()
-        .expect("the birdtrain binary runs")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("temp paths are UTF-8")
-}
+mod cli_support;
+use cli_support::{birdtrain_output as birdtrain, s};
 
 /// Asserts a failure with exactly one non-empty stderr line containing every `needle`.
 fn assert_one_line_error(out: &Output, needles: &[&str]) -> String {

@@ -2,26 +2,8 @@
 //! 20 valid per class), `birdtrain --data D --gpus 0 --model resnet8 --image-size 32
 //! --epochs 5` reaches at least 0.90 validation accuracy in metrics.jsonl.
 
-use std::path::Path;
-use std::process::Command;
-
-fn birdtrain(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_birdtrain"))
-        .args(args)
-        .output()
-        .expect("the birdtrain binary runs");
-    assert!(
-        out.status.success(),
-        "birdtrain {args:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("temp paths are UTF-8")
-}
+mod cli_support;
+use cli_support::{birdtrain, s};
 
 #[test]
 fn resnet8_reaches_90_percent_valid_accuracy_in_5_epochs() {

@@ -3,27 +3,11 @@
 //! split by `--valid-fraction`.
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use safetensors::SafeTensors;
 
-fn birdtrain(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_birdtrain"))
-        .args(args)
-        .output()
-        .expect("the birdtrain binary runs");
-    assert!(
-        out.status.success(),
-        "birdtrain {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("temp paths are UTF-8")
-}
+mod cli_support;
+use cli_support::{birdtrain, s};
 
 fn tensor(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
     let bytes = std::fs::read(file).unwrap();

@@ -1,0 +1,30 @@
+//! Helpers shared by the tests that drive the `birdtrain` binary.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Runs the binary and returns its output, whatever the exit status.
+pub(crate) fn birdtrain_output(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(args)
+        .output()
+        .expect("the birdtrain binary runs")
+}
+
+/// Runs the binary and asserts it succeeded (its stdout and stderr are shown if not).
+pub(crate) fn birdtrain(args: &[&str]) -> Output {
+    let out = birdtrain_output(args);
+    assert!(
+        out.status.success(),
+        "birdtrain {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A temp path as `&str` for the command line.
+pub(crate) fn s(p: &Path) -> &str {
+    p.to_str().expect("temp paths are UTF-8")
+}
