@@ -46,7 +46,7 @@ impl Pixels {
     }
 }
 
-/// Decodes `bytes` like [`decode_rgb8`] into `out`. Plain baseline/progressive YCbCr or RGB
+/// Decodes `bytes` (any supported format, detected from the content) to upright RGB8 into `out`. Plain baseline/progressive YCbCr or RGB
 /// JPEGs (nearly every photo) go straight through zune-jpeg into the reused buffer, with one
 /// header parse instead of the three `image` makes and no zero-filled fresh allocation;
 /// everything else (other formats, CMYK, grayscale, errors) takes the general path, so
@@ -56,10 +56,11 @@ pub(crate) fn decode_rgb8_into(
     max_pixels: u64,
     out: &mut Pixels,
 ) -> Result<(), DecodeFailure> {
+    refuse_truncated_jpeg(bytes, max_pixels)?;
     if decode_plain_jpeg(bytes, max_pixels, out) {
         return Ok(());
     }
-    let img = decode_rgb8(bytes, max_pixels)?;
+    let img = decode_general(bytes, max_pixels)?;
     out.width = img.width();
     out.height = img.height();
     out.buf = img.into_raw();
@@ -123,8 +124,115 @@ fn decode_plain_jpeg(bytes: &[u8], max_pixels: u64, out: &mut Pixels) -> bool {
     true
 }
 
-/// Decodes `bytes` (any supported format, detected from the content) to upright RGB8.
+/// Decodes `bytes` (any supported format, detected from the content) to upright RGB8: the
+/// general path alone (the tests compare the JPEG fast path with it).
+#[cfg(test)]
 pub(crate) fn decode_rgb8(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, DecodeFailure> {
+    refuse_truncated_jpeg(bytes, max_pixels)?;
+    decode_general(bytes, max_pixels)
+}
+
+/// Where a JPEG's marker segments lead, read by their lengths from the start of the file.
+#[derive(Debug, PartialEq, Eq)]
+enum JpegWalk {
+    /// The first start-of-scan segment begins at this offset (its entropy data follows).
+    Scan(usize),
+    /// The file ends inside the headers.
+    Ended,
+    /// Something other than a marker where one must be: corrupt, for the decoder to report.
+    Malformed,
+}
+
+fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
+    let mut at = 2; // after SOI
+    loop {
+        match bytes.get(at) {
+            None => return JpegWalk::Ended,
+            Some(0xFF) => {}
+            Some(_) => return JpegWalk::Malformed,
+        }
+        // A marker may be preceded by any number of 0xFF fill bytes.
+        while bytes.get(at) == Some(&0xFF) {
+            at += 1;
+        }
+        let Some(&marker) = bytes.get(at) else {
+            return JpegWalk::Ended;
+        };
+        at += 1;
+        match marker {
+            0xDA => return JpegWalk::Scan(at),
+            // Stand-alone markers carry no length.
+            0x01 | 0xD0..=0xD8 => {}
+            0xD9 | 0x00 => return JpegWalk::Malformed,
+            _ => {
+                let Some(len) = bytes.get(at..at + 2) else {
+                    return JpegWalk::Ended;
+                };
+                let len = usize::from(u16::from_be_bytes([len[0], len[1]]));
+                if len < 2 {
+                    return JpegWalk::Malformed;
+                }
+                at += len;
+                if at > bytes.len() {
+                    return JpegWalk::Ended;
+                }
+            }
+        }
+    }
+}
+
+/// Refuses a JPEG whose data ends early, which the decoders would otherwise finish by
+/// filling the missing rows with grey. A complete JPEG has an end-of-image marker (FF D9)
+/// after its first scan: entropy-coded data never holds one (a data byte FF is followed by
+/// 00), and the headers before the scan are skipped by their lengths, so an EXIF
+/// thumbnail's own FF D9 does not count. A file without it is decoded once in strict mode,
+/// which accepts it only when no data is missing (some encoders drop the final marker).
+fn refuse_truncated_jpeg(bytes: &[u8], max_pixels: u64) -> Result<(), DecodeFailure> {
+    if !bytes.starts_with(&[0xFF, 0xD8]) {
+        return Ok(());
+    }
+    let scan = match walk_to_first_scan(bytes) {
+        JpegWalk::Scan(at) => at,
+        JpegWalk::Malformed => return Ok(()),
+        JpegWalk::Ended => {
+            return Err(DecodeFailure::new(
+                BadFileKind::Truncated,
+                format!(
+                    "the file ends inside the JPEG headers after {} bytes",
+                    bytes.len()
+                ),
+            ))
+        }
+    };
+    if bytes[scan..].windows(2).any(|w| w == [0xFF, 0xD9]) {
+        return Ok(());
+    }
+    let strict = DecoderOptions::default()
+        .set_strict_mode(true)
+        .set_max_width(usize::MAX)
+        .set_max_height(usize::MAX);
+    let mut decoder = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), strict);
+    if decoder.decode_headers().is_ok() {
+        // Too many pixels is reported as such by the general path, without decoding here.
+        let pixels = decoder.dimensions().map_or(0, |(w, h)| w as u64 * h as u64);
+        if pixels > max_pixels {
+            return Ok(());
+        }
+    }
+    match decoder.decode() {
+        Ok(_) => Ok(()),
+        Err(e) => Err(DecodeFailure::new(
+            BadFileKind::Truncated,
+            format!(
+                "no end-of-image marker after {} bytes and the image data is incomplete ({e})",
+                bytes.len()
+            ),
+        )),
+    }
+}
+
+/// The general path (every format) without the truncation check, done by the callers.
+fn decode_general(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, DecodeFailure> {
     let reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| DecodeFailure::new(BadFileKind::Unreadable, e))?;
@@ -134,9 +242,7 @@ pub(crate) fn decode_rgb8(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, Dec
             "unrecognised leading bytes (not JPEG, PNG, BMP, WebP or GIF)",
         ));
     }
-    let mut decoder = reader
-        .into_decoder()
-        .map_err(|e| DecodeFailure::new(BadFileKind::Corrupt, e))?;
+    let mut decoder = reader.into_decoder().map_err(failed)?;
     let (w, h) = decoder.dimensions();
     if u64::from(w) * u64::from(h) > max_pixels || w == 0 || h == 0 {
         return Err(DecodeFailure::new(
@@ -148,10 +254,29 @@ pub(crate) fn decode_rgb8(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, Dec
     let orientation = decoder
         .orientation()
         .unwrap_or(image::metadata::Orientation::NoTransforms);
-    let mut img = DynamicImage::from_decoder(decoder)
-        .map_err(|e| DecodeFailure::new(BadFileKind::Corrupt, e))?;
+    let mut img = DynamicImage::from_decoder(decoder).map_err(failed)?;
     img.apply_orientation(orientation);
     Ok(to_rgb8_on_white(img))
+}
+
+/// A decoder error: `truncated` when the data ran out (an unexpected end of file anywhere in
+/// the error's chain), else `corrupt`.
+fn failed(e: image::ImageError) -> DecodeFailure {
+    // `ImageError::IoError` passes its I/O error's own source on, not the error itself.
+    let mut ran_out = matches!(&e, image::ImageError::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof);
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = cause {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            ran_out |= io.kind() == std::io::ErrorKind::UnexpectedEof;
+        }
+        cause = err.source();
+    }
+    let kind = if ran_out {
+        BadFileKind::Truncated
+    } else {
+        BadFileKind::Corrupt
+    };
+    DecodeFailure::new(kind, e)
 }
 
 /// Converts any colour type to RGB8; transparent pixels are composited on white (the usual
@@ -205,6 +330,93 @@ mod tests {
     fn exif_rotated_jpeg_fast_path_is_bit_identical() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/exif_rot6.jpg");
         assert_fast_matches_general(&std::fs::read(path).unwrap());
+    }
+
+    fn jpeg(w: u32, h: u32) -> Vec<u8> {
+        let img = RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([(x * 5) as u8, (y * 9) as u8, ((x ^ y) * 3) as u8])
+        });
+        let mut bytes = Vec::new();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90)
+            .encode_image(&img)
+            .unwrap();
+        bytes
+    }
+
+    fn kind_of(bytes: &[u8]) -> Option<BadFileKind> {
+        let mut out = Pixels::default();
+        let fast = decode_rgb8_into(bytes, DEFAULT_MAX_PIXELS, &mut out).err();
+        let general = decode_rgb8(bytes, DEFAULT_MAX_PIXELS).err();
+        assert_eq!(
+            fast.as_ref().map(|f| f.kind),
+            general.as_ref().map(|f| f.kind),
+            "both entry points agree"
+        );
+        fast.map(|f| f.kind)
+    }
+
+    #[test]
+    fn the_first_half_of_a_jpeg_is_truncated_not_filled_in() {
+        let bytes = jpeg(64, 48);
+        assert_eq!(kind_of(&bytes), None);
+        for cut in [bytes.len() / 2, bytes.len() - 40, 300, 20, 3] {
+            assert_eq!(
+                kind_of(&bytes[..cut]),
+                Some(BadFileKind::Truncated),
+                "cut at {cut} of {}",
+                bytes.len()
+            );
+        }
+    }
+
+    #[test]
+    fn complete_jpegs_with_extras_are_not_truncated() {
+        let bytes = jpeg(40, 24);
+        // Bytes after the end-of-image marker (camera trailers, padding).
+        let mut trailer = bytes.clone();
+        trailer.extend_from_slice(b"\0\0trailing maker data");
+        assert_eq!(kind_of(&trailer), None);
+        // A complete image whose encoder left out the final marker.
+        assert_eq!(&bytes[bytes.len() - 2..], &[0xFF, 0xD9]);
+        assert_eq!(kind_of(&bytes[..bytes.len() - 2]), None);
+        // An EXIF-rotated camera JPEG.
+        let exif = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/exif_rot6.jpg"
+        ))
+        .unwrap();
+        assert_eq!(kind_of(&exif), None);
+        assert_eq!(
+            kind_of(&exif[..exif.len() / 2]),
+            Some(BadFileKind::Truncated)
+        );
+    }
+
+    #[test]
+    fn a_thumbnails_end_marker_does_not_hide_a_cut_main_image() {
+        // SOI, an APP1 segment carrying a whole small JPEG (with its own FF D9), then the
+        // main image's segments: the walk skips the APP1 by its length.
+        let thumb = jpeg(8, 8);
+        let main = jpeg(64, 64);
+        let mut bytes = vec![0xFF, 0xD8, 0xFF, 0xE1];
+        bytes.extend_from_slice(&((thumb.len() + 2) as u16).to_be_bytes());
+        bytes.extend_from_slice(&thumb);
+        bytes.extend_from_slice(&main[2..]);
+        assert_eq!(kind_of(&bytes), None);
+        let cut = bytes.len() - (main.len() / 2);
+        assert_eq!(kind_of(&bytes[..cut]), Some(BadFileKind::Truncated));
+    }
+
+    #[test]
+    fn a_cut_png_is_truncated_and_garbage_is_corrupt() {
+        let img = RgbImage::from_fn(40, 40, |x, y| image::Rgb([x as u8, y as u8, 7]));
+        let mut png = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut png, image::ImageFormat::Png).unwrap();
+        let png = png.into_inner();
+        assert_eq!(kind_of(&png[..png.len() / 2]), Some(BadFileKind::Truncated));
+        let mut garbage = png[..33].to_vec();
+        garbage.extend((0..300u32).map(|i| (i * 37 % 251) as u8));
+        assert_eq!(kind_of(&garbage), Some(BadFileKind::Corrupt));
     }
 
     #[test]

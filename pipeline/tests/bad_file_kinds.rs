@@ -15,15 +15,25 @@ fn valid_png(w: u32, h: u32) -> Vec<u8> {
     out.into_inner()
 }
 
+fn valid_jpeg(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8 * 3, y as u8 * 5, 90]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Jpeg).unwrap();
+    out.into_inner()
+}
+
 /// Adds one bad file of each kind to `class_dir`.
 fn add_bad_files(class_dir: &Path) {
     // Corrupt: a PNG signature followed by garbage.
     let mut corrupt = b"\x89PNG\r\n\x1a\n".to_vec();
     corrupt.extend((0..200u32).map(|i| (i * 37 % 251) as u8));
     std::fs::write(class_dir.join("corrupt.png"), corrupt).unwrap();
-    // Truncated: the first half of a valid PNG.
+    // Truncated: the first half of a valid PNG, and of a valid JPEG (which the decoder
+    // would happily finish with grey rows).
     let png = valid_png(40, 40);
     std::fs::write(class_dir.join("truncated.png"), &png[..png.len() / 2]).unwrap();
+    let jpg = valid_jpeg(64, 48);
+    std::fs::write(class_dir.join("truncated.jpg"), &jpg[..jpg.len() / 2]).unwrap();
     std::fs::write(class_dir.join("empty.jpg"), b"").unwrap();
     // Unreadable (tests run as root, so no chmod): a directory and a dangling link named like images.
     std::fs::create_dir(class_dir.join("folder.jpg")).unwrap();
@@ -54,7 +64,7 @@ fn every_bad_file_kind_is_skipped_counted_and_reported() {
         .unwrap();
     assert_eq!(
         p.len(),
-        4 + 4 + 3,
+        4 + 4 + 4,
         "zero-byte and unreadable entries are dropped at scan time"
     );
     let batches = collect(&p, 0, 0, 0);
@@ -79,18 +89,38 @@ fn every_bad_file_kind_is_skipped_counted_and_reported() {
             ("empty.jpg".to_string(), BadFileKind::Empty),
             ("folder.jpg".to_string(), BadFileKind::Unreadable),
             ("notes.jpg".to_string(), BadFileKind::NotAnImage),
-            ("truncated.png".to_string(), BadFileKind::Corrupt),
+            ("truncated.jpg".to_string(), BadFileKind::Truncated),
+            ("truncated.png".to_string(), BadFileKind::Truncated),
         ]
     );
-    assert_eq!(p.stats().bad_files, 6);
+    assert_eq!(p.stats().bad_files, 7);
     let lines = std::fs::read_to_string(&report).unwrap();
-    assert_eq!(lines.lines().count(), 6);
+    assert_eq!(lines.lines().count(), 7);
     assert!(lines.contains("notes.jpg") && lines.contains("not-an-image"));
+    assert!(lines.contains(r#""kind":"truncated""#), "{lines}");
     // The second epoch neither decodes nor re-reads the bad files, and still skips them.
     let second = collect(&p, 1, 0, 0);
     assert_eq!(second.iter().map(|b| b.ids.len()).sum::<usize>(), 8);
     assert_eq!(p.stats().decoded, 8);
-    assert_eq!(p.stats().bad_files, 6, "each bad file is counted once");
+    assert_eq!(p.stats().bad_files, 7, "each bad file is counted once");
+    drop(p);
+    // A later pipeline on the same cache knows them from the start, each with its kind.
+    let again = fx.builder().batch_size(3).build().unwrap();
+    let mut kinds_again: Vec<(String, BadFileKind)> = again
+        .bad_files()
+        .into_iter()
+        .map(|b| {
+            (
+                b.path.file_name().unwrap().to_string_lossy().into_owned(),
+                b.kind,
+            )
+        })
+        .collect();
+    kinds_again.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(kinds_again, kinds);
+    let third = collect(&again, 2, 0, 0);
+    assert_eq!(third.iter().map(|b| b.ids.len()).sum::<usize>(), 8);
+    assert_eq!(again.stats().decoded, 0, "everything came from the cache");
 }
 
 #[test]
@@ -137,7 +167,7 @@ fn on_bad_image_fail_reaches_the_consumer_with_the_decoder_error() {
     match errors[0] {
         PipelineError::BadImage { path, kind, source } => {
             assert!(path.ends_with("zz_truncated.png"));
-            assert_eq!(*kind, BadFileKind::Corrupt);
+            assert_eq!(*kind, BadFileKind::Truncated);
             let source = source.as_ref().expect("the decoder's error is kept");
             assert!(
                 source.downcast_ref::<image::ImageError>().is_some(),
