@@ -16,10 +16,38 @@ pub enum BadFileKind {
     Unreadable,
     /// The bytes are not a known image format.
     NotAnImage,
-    /// A known format, but the decoder failed (corrupt or truncated data).
+    /// A known format, but the decoder failed (corrupt data).
     Corrupt,
+    /// A known format whose data ends early (a partial download or copy): the decoder would
+    /// fill the missing rows, so the file is refused instead.
+    Truncated,
     /// More pixels than the decompression-bomb limit allows.
     TooLarge,
+}
+
+impl BadFileKind {
+    /// Every kind, in code order (the cache stores a bad record's kind as its index here).
+    const ALL: [Self; 6] = [
+        Self::Empty,
+        Self::Unreadable,
+        Self::NotAnImage,
+        Self::Corrupt,
+        Self::TooLarge,
+        Self::Truncated,
+    ];
+
+    /// A stable one-byte code (kept in the cache file; never reorder [`Self::ALL`]).
+    pub(crate) fn code(self) -> u8 {
+        Self::ALL
+            .iter()
+            .position(|k| *k == self)
+            .expect("every kind is listed in ALL") as u8
+    }
+
+    /// The kind of a code written by [`BadFileKind::code`].
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code)).copied()
+    }
 }
 
 impl fmt::Display for BadFileKind {
@@ -28,7 +56,8 @@ impl fmt::Display for BadFileKind {
             Self::Empty => "empty file",
             Self::Unreadable => "unreadable",
             Self::NotAnImage => "not an image",
-            Self::Corrupt => "corrupt or truncated image",
+            Self::Corrupt => "corrupt image",
+            Self::Truncated => "truncated image (the file ends before the image data does)",
             Self::TooLarge => "too many pixels (decompression-bomb guard)",
         })
     }

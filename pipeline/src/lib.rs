@@ -76,4 +76,4 @@ pub use error::PipelineError;
 pub use options::{LastBatch, OnBadImage, ResizeMode, Split};
 pub use pipeline::{EpochIter, EpochStream, Pipeline};
 pub use scan::DatasetSource;
-pub use stats::EngineStats;
+pub use stats::{CacheHealth, EngineStats};

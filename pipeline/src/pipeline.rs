@@ -20,7 +20,7 @@ use crate::batch::Batch;
 use crate::buffer::BufferPool;
 use crate::cache::{Cache, CacheKey};
 use crate::order::{steps_per_epoch, EpochPlan};
-use crate::stats::{Counters, EngineStats};
+use crate::stats::{CacheHealth, Counters, EngineStats};
 use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Outcome, Shared};
 use crate::{LastBatch, OnBadImage, PipelineBuilder, PipelineError};
 
@@ -192,13 +192,13 @@ impl Pipeline {
         };
         // Bad files found by an earlier pass over this cache count from the start.
         for (i, s) in scanned.samples.iter().enumerate() {
-            if cache.is_bad(i) {
+            if let Some(kind) = cache.bad_kind(i) {
                 log.seen.insert(i as u32);
                 log.per_class[s.label as usize] += 1;
                 log.files.push(BadFile::new(
                     s.path.clone(),
-                    crate::BadFileKind::Corrupt,
-                    "marked bad in the cache by an earlier pass".into(),
+                    kind,
+                    crate::worker::FOUND_EARLIER.into(),
                 ));
             }
         }
@@ -319,6 +319,15 @@ impl Pipeline {
         i.shared
             .counters
             .snapshot(i.workers, (i.jobs.len(), i.job_capacity), fill)
+    }
+
+    /// Damaged records and failed writes of the pixel cache so far in this process.
+    pub fn cache_health(&self) -> CacheHealth {
+        let cache = &self.inner.shared.cache;
+        CacheHealth {
+            damaged_records: cache.damaged(),
+            write_failures: cache.write_failures(),
+        }
     }
 
     /// Bad files met so far (scan time, and decode time as epochs run).
@@ -754,6 +763,66 @@ impl futures_core::Stream for EpochStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiny_dataset(root: &std::path::Path) {
+        let mut cfg = crate::synth::SynthConfig::new(root);
+        cfg.classes = 2;
+        cfg.train_per_class = 6;
+        cfg.valid_per_class = 0;
+        cfg.test_per_class = 0;
+        cfg.width = 20;
+        cfg.height = 20;
+        crate::synth::write_dataset(&cfg).unwrap();
+    }
+
+    fn served(p: &Pipeline, epoch: u64) -> usize {
+        p.epoch(epoch, 0, 0).unwrap().map(|b| b.unwrap().len).sum()
+    }
+
+    #[test]
+    fn a_full_cache_disk_serves_every_image_and_stops_trying_after_one_failure() {
+        let data = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        tiny_dataset(data.path());
+        let build = || {
+            PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
+                .image_size(16)
+                .cache_dir(cache.path())
+                .workers(1)
+                .batch_size(4)
+                .build()
+                .unwrap()
+        };
+        let p = build();
+        let path = p.cache_path().to_path_buf();
+        // Room for five records, then every write fails with ENOSPC.
+        crate::cache::faults::fill_disk_after(&path, 5);
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 12);
+        assert_eq!(
+            p.cache_health().write_failures,
+            1,
+            "no write is tried after the first failure"
+        );
+        assert_eq!(served(&p, 1), 12, "later epochs still serve every image");
+        assert_eq!(
+            p.stats().decoded,
+            12 + 7,
+            "the five cached records are hits"
+        );
+        assert_eq!(p.cache_health().write_failures, 1);
+        drop(p);
+        // Space again: the next pipeline keeps the five and writes the rest.
+        crate::cache::faults::clear(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 7);
+        assert_eq!(p.cache_health().write_failures, 0);
+        drop(p);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 0);
+    }
 
     #[test]
     fn the_default_cache_lives_in_the_per_user_cache_directory() {

@@ -31,6 +31,16 @@ pub struct EngineStats {
     pub elapsed_seconds: f64,
 }
 
+/// What went wrong with the pixel cache in this process; the engine served every image
+/// regardless (damaged records and unwritable ones are decoded instead).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheHealth {
+    /// Records that failed verification (a damaged cache file) and were decoded again.
+    pub damaged_records: u64,
+    /// Record writes that failed (a full disk); after the first, no more are tried.
+    pub write_failures: u64,
+}
+
 /// The live counters, updated by workers, assemblers and iterators.
 #[derive(Debug)]
 pub(crate) struct Counters {

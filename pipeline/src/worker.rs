@@ -9,12 +9,15 @@ use std::time::Instant;
 
 use crate::bad::{BadFile, BadFileKind};
 use crate::buffer::Slot;
-use crate::cache::Cache;
+use crate::cache::{Cache, Lookup};
 use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
 use crate::{OnBadImage, PipelineError, ResizeMode};
+
+/// The detail of a bad file known from an earlier pass over the cache.
+pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
 
 /// Everything workers and assemblers share; owned through `Arc`.
 pub(crate) struct Shared {
@@ -243,19 +246,18 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     let i = job.index as usize;
     // SAFETY: see `Dest`; the holder in `job` keeps the buffer alive for this call.
     let dest = unsafe { std::slice::from_raw_parts_mut(job.dest.ptr, job.dest.len) };
-    if let Some(record) = shared.cache.record(i) {
-        dest.copy_from_slice(record);
-        shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
-        return Ok(Outcome::Hit);
-    }
     let sample = &shared.samples[i];
-    if shared.cache.is_bad(i) {
-        let file = BadFile::new(
-            sample.path.clone(),
-            BadFileKind::Corrupt,
-            "marked bad in the cache by an earlier pass".into(),
-        );
-        return bad(shared, job.index, file, None);
+    match shared.cache.lookup(i) {
+        Lookup::Hit(record) => {
+            dest.copy_from_slice(record);
+            shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome::Hit);
+        }
+        Lookup::Bad(kind) => {
+            let file = BadFile::new(sample.path.clone(), kind, FOUND_EARLIER.into());
+            return bad(shared, job.index, file, None);
+        }
+        Lookup::Miss => {}
     }
     let started = Instant::now();
     let claim = shared.cache.claim(i);
@@ -264,7 +266,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         std::fs::File::open(&sample.path).and_then(|mut f| f.read_to_end(&mut scratch.bytes));
     if let Err(e) = read {
         if let Some(claim) = claim {
-            claim.mark_bad();
+            claim.mark_bad(BadFileKind::Unreadable);
         }
         let file = BadFile::new(sample.path.clone(), BadFileKind::Unreadable, e.to_string());
         return bad(shared, job.index, file, Some(Box::new(e)));
@@ -283,7 +285,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     };
     if let Err(failure) = decoded {
         if let Some(claim) = claim {
-            claim.mark_bad();
+            claim.mark_bad(failure.kind);
         }
         let file = BadFile::new(
             sample.path.clone(),
@@ -301,10 +303,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
             resize(scratch, &mut record, &sample.path)?;
             dest.copy_from_slice(&record);
             if let Err(e) = claim.write_and_commit(&record) {
-                tracing::warn!(
-                    "cache write of {} failed ({e}); it will be decoded again next epoch",
-                    sample.path.display()
-                );
+                shared.cache.note_write_failure(&e);
             }
             scratch.record = record;
         }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{collect, synth};
+use common::{collect, synth, CacheLayout};
 
 #[test]
 fn second_epoch_decodes_zero_and_serves_identical_pixels() {
@@ -91,15 +91,6 @@ fn a_changed_file_invalidates_the_cache() {
         .all(|px| px == [250, 10, 10]));
 }
 
-/// Offsets of the documented cache layout for `count` records (see `cache.rs`).
-fn filled_bitmap_offset(count: usize) -> usize {
-    (4096 + 4 * count).next_multiple_of(8)
-}
-
-fn records_offset(count: usize) -> usize {
-    (filled_bitmap_offset(count) + 16 * count.div_ceil(64)).next_multiple_of(4096)
-}
-
 #[test]
 fn a_stopped_fill_is_resumed() {
     let fx = synth(2, 6, 0); // 12 images
@@ -142,14 +133,16 @@ fn a_torn_cache_never_serves_records_whose_bit_is_unset() {
     let path = p.cache_path().to_path_buf();
     drop(p);
     // A kill between writing pixels and setting the bit: records 0..6 hold garbage and their
-    // bits are clear.
+    // bits are clear, and the header still says `filling` (this boot).
     let mut bytes = std::fs::read(&path).unwrap();
-    let bitmap = filled_bitmap_offset(12);
+    bytes[12..16].copy_from_slice(&1u32.to_le_bytes());
+    let layout = CacheLayout::new(12, 16);
+    let bitmap = layout.filled;
     let word = u64::from_le_bytes(bytes[bitmap..bitmap + 8].try_into().unwrap());
     assert_eq!(word, (1 << 12) - 1, "a full cache has all 12 bits set");
     bytes[bitmap..bitmap + 8].copy_from_slice(&(word & !0b11_1111).to_le_bytes());
     let rec = 16 * 16 * 3;
-    let start = records_offset(12);
+    let start = layout.records;
     bytes[start..start + 6 * rec].fill(0xAB);
     std::fs::write(&path, &bytes).unwrap();
     let p2 = fx.builder().batch_size(4).build().unwrap();

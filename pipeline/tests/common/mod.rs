@@ -87,3 +87,34 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// Offsets of the documented cache file layout (see the pipeline's `cache.rs`) for `count`
+/// records of `size`×`size` pixels.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheLayout {
+    pub labels: usize,
+    pub filled: usize,
+    pub bad: usize,
+    pub checks: usize,
+    pub records: usize,
+    pub record_bytes: usize,
+}
+
+impl CacheLayout {
+    pub fn new(count: usize, size: usize) -> Self {
+        let words = count.div_ceil(64);
+        let labels = 4096;
+        let filled = (labels + 4 * count).next_multiple_of(8);
+        let bad = filled + 8 * words;
+        let checks = bad + 8 * words;
+        let records = (checks + 8 * count).next_multiple_of(4096);
+        Self {
+            labels,
+            filled,
+            bad,
+            checks,
+            records,
+            record_bytes: size * size * 3,
+        }
+    }
+}
