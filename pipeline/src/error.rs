@@ -52,6 +52,16 @@ pub enum PipelineError {
         /// How many files were bad.
         bad: usize,
     },
+    /// Two class folders whose names differ only in bytes that are not UTF-8.
+    #[error("class folders {first:?} and {second:?} in {dir} have the same name once their non-UTF-8 bytes are replaced (hint: rename one of them, e.g. to UTF-8)")]
+    ClassNameClash {
+        /// The folder holding both.
+        dir: PathBuf,
+        /// One folder name.
+        first: std::ffi::OsString,
+        /// The other.
+        second: std::ffi::OsString,
+    },
     /// A class folder in valid/test has no counterpart in train.
     #[error("class `{class}` of split `{split}` does not exist in the train split (hint: the class index comes from train's folders; add {class} to train or remove it)")]
     UnknownClass {

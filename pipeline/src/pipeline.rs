@@ -107,7 +107,7 @@ fn fingerprint(
     let root = b.source.root();
     for s in samples {
         let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
-        h.update(rel.to_string_lossy().as_bytes());
+        h.update(rel.as_os_str().as_encoded_bytes());
         h.update(&[0]);
         h.update(&s.size.to_le_bytes());
         if mtimes {

@@ -73,8 +73,17 @@ fn is_hidden(name: &std::ffi::OsStr) -> bool {
     name.to_string_lossy().starts_with('.')
 }
 
-/// Sorted, non-hidden subdirectory names of `dir`.
-fn class_dirs(dir: &Path) -> Result<Vec<String>, PipelineError> {
+/// A class folder: its name as shown (non-UTF-8 bytes replaced by U+FFFD) and as stored.
+#[derive(Debug, Clone)]
+struct ClassDir {
+    name: String,
+    folder: std::ffi::OsString,
+}
+
+/// Sorted, non-hidden subdirectory names of `dir`. A name that is not UTF-8 is supported: it
+/// is shown with its invalid bytes replaced, and the folder is still read by its real name;
+/// two folders whose shown names would be equal are refused.
+fn class_dirs(dir: &Path) -> Result<Vec<ClassDir>, PipelineError> {
     let entries = fs::read_dir(dir).map_err(|source| PipelineError::ReadDir {
         path: dir.to_path_buf(),
         source,
@@ -93,11 +102,26 @@ fn class_dirs(dir: &Path) -> Result<Vec<String>, PipelineError> {
             .map(|m| m.is_dir())
             .unwrap_or(false)
         {
-            names.push(entry.file_name().to_string_lossy().into_owned());
+            let folder = entry.file_name();
+            names.push(ClassDir {
+                name: folder.to_string_lossy().into_owned(),
+                folder,
+            });
         }
     }
-    names.sort();
+    names.sort_by(|a, b| a.name.cmp(&b.name).then_with(|| a.folder.cmp(&b.folder)));
+    if let Some(pair) = names.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(PipelineError::ClassNameClash {
+            dir: dir.to_path_buf(),
+            first: pair[0].folder.clone(),
+            second: pair[1].folder.clone(),
+        });
+    }
     Ok(names)
+}
+
+fn names(dirs: &[ClassDir]) -> Vec<String> {
+    dirs.iter().map(|d| d.name.clone()).collect()
 }
 
 /// Files of one class folder, sorted by name; unusable entries go to `bad`.
@@ -186,11 +210,12 @@ fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError>
         &train_dir,
         "the folder layout needs <root>/train/<class>/ (the class index comes from it); use the flat layout for <root>/<class>/",
     )?;
-    let classes = class_dirs(&train_dir)?;
+    let train_classes = class_dirs(&train_dir)?;
+    let classes = names(&train_classes);
     let split_dir = root.join(split.as_str());
     require_dir(&split_dir, "expected <root>/{train,valid,test}/<class>/")?;
     let split_classes = if split == Split::Train {
-        classes.clone()
+        train_classes
     } else {
         class_dirs(&split_dir)?
     };
@@ -202,19 +227,20 @@ fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError>
     }
     let mut samples = Vec::new();
     let mut bad = Vec::new();
-    for name in &split_classes {
-        let label = classes
-            .binary_search(name)
-            .map_err(|_| PipelineError::UnknownClass {
-                class: name.clone(),
-                split: split.to_string(),
-            })?;
-        let dir = split_dir.join(name);
+    for class in &split_classes {
+        let label =
+            classes
+                .binary_search(&class.name)
+                .map_err(|_| PipelineError::UnknownClass {
+                    class: class.name.clone(),
+                    split: split.to_string(),
+                })?;
+        let dir = split_dir.join(&class.folder);
         let before = samples.len();
         class_files(&dir, label as u32, &mut samples, &mut bad)?;
         if samples.len() == before {
             return Err(PipelineError::ClassWithoutImages {
-                class: name.clone(),
+                class: class.name.clone(),
                 path: dir,
             });
         }
@@ -228,7 +254,7 @@ fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError>
 
 /// A uniform number in `[0, 1)` from the seed and the file's path relative to the root.
 fn split_draw(seed: u64, relative: &Path) -> f64 {
-    let h = xxhash_rust::xxh3::xxh3_64_with_seed(relative.to_string_lossy().as_bytes(), seed);
+    let h = xxhash_rust::xxh3::xxh3_64_with_seed(relative.as_os_str().as_encoded_bytes(), seed);
     (h >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -252,7 +278,8 @@ fn scan_flat(
             hint: "the flat layout has only train and valid splits",
         });
     }
-    let classes = class_dirs(root)?;
+    let class_folders = class_dirs(root)?;
+    let classes = names(&class_folders);
     if classes.is_empty() {
         return Err(PipelineError::EmptySplit {
             root: root.to_path_buf(),
@@ -261,13 +288,13 @@ fn scan_flat(
     }
     let mut samples = Vec::new();
     let mut bad = Vec::new();
-    for (label, name) in classes.iter().enumerate() {
-        let dir = root.join(name);
+    for (label, class) in class_folders.iter().enumerate() {
+        let dir = root.join(&class.folder);
         let mut all = Vec::new();
         class_files(&dir, label as u32, &mut all, &mut bad)?;
         if all.is_empty() {
             return Err(PipelineError::ClassWithoutImages {
-                class: name.clone(),
+                class: class.name.clone(),
                 path: dir,
             });
         }

@@ -227,3 +227,82 @@ fn build_err(root: &std::path::Path, cache: &std::path::Path) -> PipelineError {
         .build()
         .unwrap_err()
 }
+
+/// `caf\xE9` (Latin-1 "café"): a folder name that is not UTF-8.
+fn latin1_name() -> std::ffi::OsString {
+    use std::os::unix::ffi::OsStringExt;
+    std::ffi::OsString::from_vec(b"caf\xE9".to_vec())
+}
+
+#[test]
+fn a_class_folder_whose_name_is_not_utf8_is_read() {
+    let fx = synth(2, 3, 2);
+    for split in ["train", "valid"] {
+        let dir = fx.root().join(split);
+        std::fs::rename(dir.join("class_01"), dir.join(latin1_name())).unwrap();
+    }
+    // A file name that is not UTF-8 inside it, too.
+    let class_dir = fx.root().join("train").join(latin1_name());
+    use std::os::unix::ffi::OsStringExt;
+    std::fs::rename(
+        class_dir.join("train_00002.png"),
+        class_dir.join(std::ffi::OsString::from_vec(b"p\xF6\xF6.png".to_vec())),
+    )
+    .unwrap();
+    for (split, images) in [(Split::Train, 6), (Split::Valid, 4)] {
+        let p = fx
+            .builder()
+            .split(split)
+            .shuffle(false)
+            .batch_size(8)
+            .build()
+            .unwrap();
+        assert_eq!(p.classes(), ["caf\u{FFFD}", "class_00"]);
+        let batches = collect(&p, 0, 0, 0);
+        let labels: Vec<u32> = batches.iter().flat_map(|b| b.labels.clone()).collect();
+        assert_eq!(labels.len(), images, "{split}: every image is served");
+        assert_eq!(labels.iter().filter(|&&l| l == 0).count(), images / 2);
+        assert!(p.bad_files().is_empty(), "{:?}", p.bad_files());
+    }
+}
+
+#[test]
+fn two_class_folders_equal_but_for_non_utf8_bytes_are_refused() {
+    use std::os::unix::ffi::OsStringExt;
+    let fx = synth(2, 2, 0);
+    let train = fx.root().join("train");
+    std::fs::rename(train.join("class_00"), train.join(latin1_name())).unwrap();
+    std::fs::rename(
+        train.join("class_01"),
+        train.join(std::ffi::OsString::from_vec(b"caf\xE8".to_vec())),
+    )
+    .unwrap();
+    let err = fx.builder().build().unwrap_err();
+    assert!(
+        matches!(&err, PipelineError::ClassNameClash { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("caf\\xE9") && text.contains("caf\\xE8") && text.contains("rename"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_flat_dataset_with_a_non_utf8_class_folder_is_read() {
+    let (flat, cache) = flat_fixture();
+    std::fs::rename(
+        flat.path().join("class_02"),
+        flat.path().join(latin1_name()),
+    )
+    .unwrap();
+    let p = PipelineBuilder::new(DatasetSource::flat(flat.path(), 0.25))
+        .image_size(8)
+        .cache_dir(cache.path())
+        .build()
+        .unwrap();
+    assert_eq!(p.classes(), ["caf\u{FFFD}", "class_00", "class_01"]);
+    let served: usize = collect(&p, 0, 0, 0).iter().map(|b| b.ids.len()).sum();
+    assert_eq!(served, p.len());
+}
