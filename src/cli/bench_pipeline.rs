@@ -64,6 +64,16 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         value: args.resize_mode.clone(),
         hint: "expected direct or center-crop".into(),
     })?;
+    if args.epochs == 0 {
+        return Err(CliError::BadValue {
+            flag: "--epochs",
+            value: "0".into(),
+            hint: "measure at least 1 epoch (the first decodes, later ones read the cache)".into(),
+        });
+    }
+    if let Some(w) = args.workers {
+        super::counts::check_workers(w)?;
+    }
     let mut opts = PipelineBenchOptions::new(&args.data);
     opts.split = split;
     opts.epochs = args.epochs;

@@ -57,6 +57,9 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
             hint: "at least 1".into(),
         });
     }
+    if let Some(w) = args.workers {
+        super::counts::check_workers(w)?;
+    }
     let mut model = load_checkpoint_for_inference(&args.checkpoint, args.batch_size)?;
     let source = match args.valid_fraction {
         Some(f) => DatasetSource::flat(&args.data, f),

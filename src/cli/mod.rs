@@ -8,6 +8,7 @@
 pub mod bench_pipeline;
 pub mod bench_scaling;
 pub mod bench_step;
+mod counts;
 pub mod demo;
 mod error;
 pub mod eval;

@@ -322,6 +322,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.out = out.clone();
     }
     cfg.validate().map_err(CliError::Train)?;
+    super::counts::check_train_counts(&cfg)?;
     Ok((cfg, note))
 }
 
