@@ -120,3 +120,255 @@ fn bench_pipeline_counts() {
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(stdout.contains("6 images"), "{stdout}");
 }
+
+/// A finished one-epoch resnet8 run on `data`.
+fn tiny_run(data: &Path, run: &Path, cache: &Path) {
+    let args = train_args(data, run, &["--cache-dir", s(cache), "--threads", "1"]);
+    let out = birdtrain(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn paths_of_the_wrong_kind_say_what_they_are() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 3);
+    let out = tmp.path().join("run");
+    let file = tmp.path().join("file.txt");
+    std::fs::write(&file, b"x").unwrap();
+    let run = birdtrain(&train_args(&file, &out, &[]));
+    assert_one_line_error(&run, &["file.txt", "is a file, not a folder", "--data"]);
+    let run = birdtrain(&train_args(&data, &out, &["--init-from", s(tmp.path())]));
+    assert_one_line_error(&run, &["is a folder, not a file", "--init-from"]);
+    let run = birdtrain(&train_args(&data, &out, &["--init-from", "/dev/null"]));
+    assert_one_line_error(&run, &["/dev/null", "character device", "--init-from"]);
+    let run = birdtrain(&["predict", "--checkpoint", s(&out), s(tmp.path())]);
+    assert_one_line_error(&run, &["is a folder, not a file", "image files"]);
+    let run = birdtrain(&["bench", "pipeline", "--data", s(&file)]);
+    assert_one_line_error(&run, &["is a file, not a folder"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn inference_needs_the_weights_only_and_checks_its_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let run = tmp.path().join("run");
+    let cache = tmp.path().join("cache");
+    tiny_run(&data, &run, &cache);
+    let image = data.join("valid").join("class_00");
+    let image = std::fs::read_dir(&image)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    // A run folder copied without its optimizer state still evaluates and predicts.
+    for entry in std::fs::read_dir(&run).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("optimizer") {
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+    let eval = birdtrain(&["eval", "--checkpoint", s(&run), "--data", s(&data)]);
+    assert!(
+        eval.status.success(),
+        "{}",
+        String::from_utf8_lossy(&eval.stderr)
+    );
+    let predict = birdtrain(&["predict", "--checkpoint", s(&run), s(&image)]);
+    assert!(
+        predict.status.success(),
+        "{}",
+        String::from_utf8_lossy(&predict.stderr)
+    );
+    let run_predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", s(&run)];
+        args.extend_from_slice(extra);
+        birdtrain(&args)
+    };
+    assert_one_line_error(&run_predict(&["--top-k", "0", s(&image)]), &["--top-k"]);
+    // An empty file is named as the user gave it, not as a scratch copy.
+    let empty = tmp.path().join("empty.jpg");
+    std::fs::write(&empty, b"").unwrap();
+    let stderr = assert_one_line_error(&run_predict(&[s(&empty)]), &[s(&empty)]);
+    assert!(!stderr.contains("birdtrain-predict-"), "{stderr}");
+}
+
+#[test]
+fn damaged_sidecar_fields_name_checkpoint_json_and_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let run = tmp.path().join("run");
+    let cache = tmp.path().join("cache");
+    tiny_run(&data, &run, &cache);
+    let sidecar = run.join("checkpoint.json");
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+    let image = tmp.path().join("i.png");
+    let first = std::fs::read_dir(data.join("valid").join("class_00"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::copy(first, &image).unwrap();
+    let cases: [(&str, serde_json::Value, &str); 6] = [
+        ("/classes", serde_json::json!([]), "classes"),
+        ("/image_size", serde_json::json!(0), "image_size"),
+        ("/model_file", serde_json::json!("../x"), "model_file"),
+        ("/batch_size", serde_json::json!(0), "batch_size"),
+        ("/settings/lr", serde_json::json!(-1.0), "lr"),
+        (
+            "/settings/schedule",
+            serde_json::json!("zigzag"),
+            "schedule",
+        ),
+    ];
+    for (pointer, value, field) in cases {
+        let mut edited = original.clone();
+        *edited.pointer_mut(pointer).unwrap() = value;
+        std::fs::write(&sidecar, serde_json::to_string(&edited).unwrap()).unwrap();
+        let resume = birdtrain(&[
+            "--resume",
+            s(&run),
+            "--data",
+            s(&data),
+            "--gpus",
+            "0",
+            "--epochs",
+            "2",
+            "--quiet",
+        ]);
+        let line = assert_one_line_error(&resume, &["checkpoint.json", field]);
+        assert!(
+            !line.contains("--"),
+            "names a flag the user never passed: {line}"
+        );
+        if matches!(field, "classes" | "image_size" | "model_file") {
+            let predict = birdtrain(&["predict", "--checkpoint", s(&run), s(&image)]);
+            assert_one_line_error(&predict, &["checkpoint.json", field]);
+        }
+    }
+}
+
+#[test]
+fn class_names_with_a_newline_stay_on_their_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    for split in ["train", "valid"] {
+        let dir = data.join(split);
+        std::fs::rename(dir.join("class_01"), dir.join("two\nlines")).unwrap();
+    }
+    let run = tmp.path().join("run");
+    tiny_run(&data, &run, &tmp.path().join("cache"));
+    let image = data.join("valid").join("two\nlines");
+    let image = std::fs::read_dir(&image)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let predict = birdtrain(&[
+        "predict",
+        "--checkpoint",
+        s(&run),
+        "--top-k",
+        "2",
+        s(&image),
+    ]);
+    assert!(predict.status.success());
+    let stdout = String::from_utf8_lossy(&predict.stdout);
+    // The image's path line, then one line per class.
+    assert_eq!(stdout.lines().count(), 3, "{stdout}");
+    assert!(stdout.contains("two\\nlines"), "{stdout}");
+    let eval = birdtrain(&["eval", "--checkpoint", s(&run), "--data", s(&data)]);
+    assert!(eval.status.success());
+    let stdout = String::from_utf8_lossy(&eval.stdout);
+    // Summary, header, two classes.
+    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+}
+
+#[test]
+fn synth_and_demo_refuse_a_non_empty_folder_without_overwrite() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("data");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let synth = |extra: &[&str]| {
+        let mut args = vec![
+            "synth",
+            "--out",
+            s(&out),
+            "--classes",
+            "2",
+            "--train-per-class",
+            "2",
+            "--valid-per-class",
+            "1",
+            "--size",
+            "16x16",
+        ];
+        args.extend_from_slice(extra);
+        birdtrain(&args)
+    };
+    assert_one_line_error(&synth(&[]), &["not empty", "--overwrite"]);
+    assert!(!out.join("train").exists());
+    let first = synth(&["--overwrite"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    // Overwriting with fewer classes leaves no stale class behind; other files stay.
+    std::fs::create_dir(out.join("train").join("stale")).unwrap();
+    let again = synth(&["--overwrite"]);
+    assert!(again.status.success());
+    assert!(!out.join("train").join("stale").exists());
+    assert!(out.join("keep.txt").exists());
+    let demo = birdtrain(&[
+        "demo",
+        "--data-dir",
+        s(tmp.path()),
+        "--out",
+        s(&tmp.path().join("run")),
+        "--epochs",
+        "1",
+        "--quiet",
+    ]);
+    assert_one_line_error(&demo, &["not empty", "--data-dir", "--overwrite"]);
+    let size = birdtrain(&[
+        "synth",
+        "--out",
+        s(&tmp.path().join("x")),
+        "--size",
+        "9000x64",
+    ]);
+    assert_one_line_error(&size, &["--size", "8192"]);
+}
+
+#[test]
+fn a_panic_is_one_line_naming_a_bug_and_exit_101() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(["synth", "--out", "/nonexistent/never-written"])
+        .env("BIRDTRAIN_FAULT", "panic")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(101));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].starts_with("error: birdtrain panicked at src/"),
+        "{stderr}"
+    );
+    assert!(
+        lines[0].contains(birdtrain::cli::panic_hook::BUG_MARKER),
+        "{stderr}"
+    );
+    assert!(lines[0].contains("report it"), "{stderr}");
+}

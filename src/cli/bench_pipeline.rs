@@ -53,12 +53,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected train, valid or test".into(),
     })?;
-    if !args.data.is_dir() {
-        return Err(CliError::MissingPath {
-            path: args.data.clone(),
-            hint: "--data must be a dataset folder",
-        });
-    }
+    super::paths::expect_dir(&args.data, "--data must be a dataset folder")?;
     let resize_mode: ResizeMode = args.resize_mode.parse().map_err(|_| CliError::BadValue {
         flag: "--resize-mode",
         value: args.resize_mode.clone(),

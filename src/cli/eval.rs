@@ -44,12 +44,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected valid or test (or train)".into(),
     })?;
-    if !args.data.is_dir() {
-        return Err(CliError::MissingPath {
-            path: args.data.clone(),
-            hint: "--data must be the dataset folder",
-        });
-    }
+    super::paths::expect_dir(&args.data, "--data must be the dataset folder")?;
     if args.batch_size == 0 {
         return Err(CliError::BadValue {
             flag: "--batch-size",
@@ -98,7 +93,8 @@ pub fn format_eval(model: &str, split: &str, classes: &[String], r: &EvalReport)
         "{model} on {split}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
         r.totals.count, t.loss, t.accuracy, t.top5, t.images_per_sec
     );
-    let width = classes.iter().map(String::len).max().unwrap_or(5).max(5);
+    let classes: Vec<_> = classes.iter().map(|c| super::paths::printable(c)).collect();
+    let width = classes.iter().map(|c| c.len()).max().unwrap_or(5).max(5);
     let _ = writeln!(s, "{:<width$}  {:>7}  {:>8}", "class", "images", "accuracy");
     for (name, &(correct, total)) in classes.iter().zip(&r.per_class) {
         let acc = if total == 0 {

@@ -102,7 +102,8 @@ pub fn load_checkpoint_for_inference(
     run: &Path,
     max_batch: usize,
 ) -> Result<InferenceModel, TrainError> {
-    let meta = CheckpointMeta::load(run)?;
+    // Inference needs the weights only: a run folder copied without its optimizer state works.
+    let meta = CheckpointMeta::load_weights_only(run)?;
     let arch: Arch =
         meta.model
             .parse()
@@ -185,7 +186,15 @@ pub fn predict(
             .unwrap_or_else(|| "image".into());
         // The index prefix keeps the engine's file order equal to the argument order.
         let dst = class_dir.join(format!("{i:06}_{name}"));
-        std::fs::copy(image, &dst).map_err(io(image, "read"))?;
+        let bytes = std::fs::copy(image, &dst).map_err(io(image, "read"))?;
+        // The engine skips an empty file when it lists the folder, before any error could
+        // name it: name the user's file here.
+        if bytes == 0 {
+            return Err(TrainError::BadImage {
+                path: image.clone(),
+                reason: "the file is empty (zero bytes)".into(),
+            });
+        }
         staged.push(dst);
     }
     // Errors name the user's file, not its staged copy.
