@@ -889,6 +889,60 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_in_a_read_only_place_is_served_not_refused() {
+        let data = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        tiny_dataset(data.path());
+        let build = || {
+            PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
+                .image_size(16)
+                .cache_dir(cache.path())
+                .workers(1)
+                .batch_size(4)
+                .build()
+                .unwrap()
+        };
+        // Half a cache (a process stopped mid-epoch), then the place turns read-only.
+        let p = build();
+        let path = p.cache_path().to_path_buf();
+        let half: usize = p
+            .epoch(0, 0, 0)
+            .unwrap()
+            .take(2)
+            .map(|b| b.unwrap().len)
+            .sum();
+        assert_eq!(half, 8);
+        drop(p);
+        crate::cache::faults::read_only(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12, "every image is served");
+        let decoded = p.stats().decoded;
+        assert!(
+            decoded < 12,
+            "the cached records are read: {decoded} decoded"
+        );
+        assert_eq!(p.cache_health().write_failures, 0, "nothing is written");
+        drop(p);
+        // Complete it with write access, then read it read-only: nothing is decoded.
+        crate::cache::faults::clear(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        drop(p);
+        crate::cache::faults::read_only(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(
+            p.stats().decoded,
+            0,
+            "a complete read-only cache is read, not refused"
+        );
+        assert_eq!(served(&p, 1), 12);
+        assert_eq!(p.stats().decoded, 0);
+        drop(p);
+        crate::cache::faults::clear(&path);
+    }
+
+    #[test]
     fn the_default_cache_lives_in_the_per_user_cache_directory() {
         let b = PipelineBuilder::new(crate::DatasetSource::folder("/data/285birds")).image_size(96);
         let path = cache_path(&b);
