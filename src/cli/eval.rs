@@ -6,7 +6,7 @@ use clap::Args;
 use pipeline::{DatasetSource, PipelineBuilder, Split};
 
 use super::CliError;
-use crate::train::{evaluate, load_checkpoint_for_inference, EvalReport};
+use crate::train::{evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport};
 
 /// Flags of `birdtrain eval`.
 #[derive(Debug, Clone, Args)]
@@ -55,15 +55,17 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if let Some(w) = args.workers {
         super::counts::check_workers(w)?;
     }
-    let mut model = load_checkpoint_for_inference(&args.checkpoint, args.batch_size)?;
+    // The split is listed first, so the network is sized for the batches that can really
+    // come (a --batch-size beyond the split would otherwise allocate for images never seen).
+    let meta = CheckpointMeta::load_weights_only(&args.checkpoint)?;
     let source = match args.valid_fraction {
         Some(f) => DatasetSource::flat(&args.data, f),
         None => DatasetSource::folder(&args.data),
     };
     let mut b = PipelineBuilder::new(source)
         .split(split)
-        .image_size(model.meta.image_size)
-        .seed(args.seed.unwrap_or(model.meta.seed))
+        .image_size(meta.image_size)
+        .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)
         .shuffle(false);
@@ -74,6 +76,8 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         b = b.cache_dir(c.clone());
     }
     let pipe = b.build()?;
+    let mut model =
+        load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()))?;
     model.check_classes(&pipe)?;
     let report = evaluate(&mut model.net, &pipe)?;
     print!(
