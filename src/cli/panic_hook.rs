@@ -15,7 +15,12 @@ pub const PANIC_FAULT: &str = "panic";
 
 /// Installs the one-line panic report for this process (the binary calls it first thing).
 pub fn install() {
-    std::panic::set_hook(Box::new(|info| eprintln!("{}", report(info))));
+    std::panic::set_hook(Box::new(|info| {
+        // A panic its caller expects and handles (see `crate::panics`) is not a bug.
+        if !crate::panics::expected() {
+            eprintln!("{}", report(info));
+        }
+    }));
 }
 
 fn report(info: &PanicHookInfo<'_>) -> String {
