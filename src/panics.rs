@@ -29,7 +29,7 @@ mod tests {
     #[test]
     fn only_panics_inside_catch_expected_are_expected() {
         assert!(!expected());
-        let seen = catch_expected(|| expected()).unwrap();
+        let seen = catch_expected(expected).unwrap();
         assert!(seen);
         let caught = catch_expected(|| -> u32 { panic!("a probe failed") });
         assert!(caught.is_err());
