@@ -381,3 +381,68 @@ fn a_panic_is_one_line_naming_a_bug_and_exit_101() {
     );
     assert!(lines[0].contains("report it"), "{stderr}");
 }
+
+/// A real full disk under the pixel cache: a tmpfs too small for it. Every epoch still serves
+/// every image, and stderr has one warning naming the cache file, not one per image or epoch.
+/// Needs permission to mount (root, as on the project's machines); elsewhere the engine's
+/// fault-hook test covers the same path.
+#[test]
+fn a_cache_folder_on_a_full_disk_warns_once_and_serves_every_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 40);
+    let mount = tmp.path().join("small");
+    std::fs::create_dir(&mount).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs", s(&mount)])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        eprintln!("skipped: cannot mount a tmpfs here (not root?)");
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mount.clone());
+    // 120 records of 64×64×3 bytes (1.4 MiB) on a 256 KiB disk.
+    let bench = birdtrain(&[
+        "bench",
+        "pipeline",
+        "--data",
+        s(&data),
+        "--image-size",
+        "64",
+        "--epochs",
+        "3",
+        "--workers",
+        "2",
+        "--cache-dir",
+        s(&mount),
+    ]);
+    let stderr = String::from_utf8_lossy(&bench.stderr);
+    assert!(bench.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&bench.stdout);
+    assert_eq!(
+        stdout.matches("120 images").count(),
+        3,
+        "every epoch serves every image: {stdout}"
+    );
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one warning, got:\n{stderr}");
+    assert!(
+        lines[0].contains(s(&mount)),
+        "names the cache file: {stderr}"
+    );
+    // Later epochs read the records that fit and decode only the rest.
+    let decoded: Vec<usize> = stdout
+        .lines()
+        .filter_map(|l| l.split('(').nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(decoded.len(), 3, "{stdout}");
+    assert_eq!(decoded[0], 120, "{stdout}");
+    assert!(decoded[1] < 120 && decoded[2] == decoded[1], "{stdout}");
+}
