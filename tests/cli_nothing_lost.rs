@@ -226,8 +226,9 @@ fn damaged_sidecar_fields_name_checkpoint_json_and_the_field() {
         .unwrap()
         .path();
     std::fs::copy(first, &image).unwrap();
-    let cases: [(&str, serde_json::Value, &str); 6] = [
+    let cases: [(&str, serde_json::Value, &str); 7] = [
         ("/classes", serde_json::json!([]), "classes"),
+        ("/image_size", serde_json::json!("big"), "image_size"),
         ("/image_size", serde_json::json!(0), "image_size"),
         ("/model_file", serde_json::json!("../x"), "model_file"),
         ("/batch_size", serde_json::json!(0), "batch_size"),
@@ -241,7 +242,8 @@ fn damaged_sidecar_fields_name_checkpoint_json_and_the_field() {
     for (pointer, value, field) in cases {
         let mut edited = original.clone();
         *edited.pointer_mut(pointer).unwrap() = value;
-        std::fs::write(&sidecar, serde_json::to_string(&edited).unwrap()).unwrap();
+        // Pretty, as birdtrain writes it.
+        std::fs::write(&sidecar, serde_json::to_string_pretty(&edited).unwrap()).unwrap();
         let resume = birdtrain(&[
             "--resume",
             s(&run),

@@ -172,7 +172,12 @@ impl CheckpointMeta {
         let meta: CheckpointMeta =
             serde_json::from_str(&text).map_err(|e| TrainError::BadRunDir {
                 path: run.to_path_buf(),
-                reason: format!("{SIDECAR_FILE} is not a valid checkpoint sidecar: {e}"),
+                reason: format!(
+                    "{SIDECAR_FILE} is not a valid checkpoint sidecar{}: {e}",
+                    field_on_line(&text, e.line())
+                        .map(|k| format!(" (field `{k}`)"))
+                        .unwrap_or_default()
+                ),
             })?;
         if meta.version != SIDECAR_VERSION {
             return Err(TrainError::BadRunDir {
@@ -248,6 +253,14 @@ impl CheckpointMeta {
         let text = serde_json::to_string_pretty(self).expect("sidecar serialises");
         write_atomic(&run.join(SIDECAR_FILE), text.as_bytes())
     }
+}
+
+/// The key on 1-based `line` of a pretty-printed JSON object (`  "image_size": 32,`), so a
+/// parse error can name the field (the sidecar is written one field per line).
+fn field_on_line(text: &str, line: usize) -> Option<&str> {
+    let rest = text.lines().nth(line.checked_sub(1)?)?.trim_start();
+    let (key, after) = rest.strip_prefix('"')?.split_once('"')?;
+    after.trim_start().starts_with(':').then_some(key)
 }
 
 /// The stages of [`write_checkpoint`], in order (fault-injection points of the tests).
