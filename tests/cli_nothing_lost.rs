@@ -276,7 +276,15 @@ fn class_names_with_a_newline_stay_on_their_line() {
         std::fs::rename(dir.join("class_01"), dir.join("two\nlines")).unwrap();
     }
     let run = tmp.path().join("run");
-    tiny_run(&data, &run, &tmp.path().join("cache"));
+    let cache = tmp.path().join("cache");
+    let args = train_args(&data, &run, &["--cache-dir", s(&cache)]);
+    let train = birdtrain(&args);
+    assert!(train.status.success());
+    let stdout = String::from_utf8_lossy(&train.stdout);
+    assert!(
+        stdout.contains("2 classes: class_00, two\\nlines"),
+        "{stdout}"
+    );
     let image = data.join("valid").join("two\nlines");
     let image = std::fs::read_dir(&image)
         .unwrap()

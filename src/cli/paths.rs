@@ -62,23 +62,7 @@ pub(crate) fn expect_dir(path: &Path, hint: &'static str) -> Result<(), CliError
     }
 }
 
-/// A name for one line of output: control characters (a newline in a class folder's name)
-/// are written as escapes, so each record stays on its line.
-pub(crate) fn printable(name: &str) -> std::borrow::Cow<'_, str> {
-    if !name.chars().any(char::is_control) {
-        return name.into();
-    }
-    name.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect::<String>()
-        .into()
-}
+pub(crate) use crate::train::printable;
 
 #[cfg(test)]
 mod tests {

@@ -145,9 +145,27 @@ impl InferenceModel {
     }
 }
 
+/// A name for one line of output: control characters (a newline in a class folder's name)
+/// are written as escapes, so each record stays on its line.
+pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.chars().any(char::is_control) {
+        return name.into();
+    }
+    name.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// "10 classes: a, b, c, …".
 pub(crate) fn summarise(classes: &[String]) -> String {
-    let shown: Vec<&str> = classes.iter().take(4).map(String::as_str).collect();
+    let shown: Vec<_> = classes.iter().take(4).map(|c| printable(c)).collect();
     let more = if classes.len() > 4 { ", …" } else { "" };
     format!("{} classes: {}{more}", classes.len(), shown.join(", "))
 }
