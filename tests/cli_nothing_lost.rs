@@ -149,6 +149,19 @@ fn paths_of_the_wrong_kind_say_what_they_are() {
     assert_one_line_error(&run, &["is a folder, not a file", "image files"]);
     let run = birdtrain(&["bench", "pipeline", "--data", s(&file)]);
     assert_one_line_error(&run, &["is a file, not a folder"]);
+    let run = birdtrain(&train_args(&data, &out, &["--cache-dir", s(&file)]));
+    assert_one_line_error(&run, &["is a file, not a folder", "--cache-dir"]);
+    let run = birdtrain(&train_args(&data, &file, &[]));
+    assert_one_line_error(&run, &["is a file, not a folder", "--out"]);
+    let run = birdtrain(&[
+        "bench",
+        "pipeline",
+        "--data",
+        s(&data),
+        "--cache-dir",
+        "/dev/null",
+    ]);
+    assert_one_line_error(&run, &["character device", "--cache-dir"]);
     assert!(!out.exists());
 }
 

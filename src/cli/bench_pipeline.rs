@@ -69,6 +69,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     if let Some(w) = args.workers {
         super::counts::check_workers(w)?;
     }
+    super::paths::check_cache_dir(args.cache_dir.as_deref())?;
     let mut opts = PipelineBenchOptions::new(&args.data);
     opts.split = split;
     opts.epochs = args.epochs;

@@ -55,6 +55,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if let Some(w) = args.workers {
         super::counts::check_workers(w)?;
     }
+    super::paths::check_cache_dir(args.cache_dir.as_deref())?;
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint)?;

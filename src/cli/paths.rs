@@ -64,6 +64,26 @@ pub(crate) fn expect_dir(path: &Path, hint: &'static str) -> Result<(), CliError
 
 pub(crate) use crate::train::printable;
 
+/// `--cache-dir`, when given and present, is a folder (it is created when missing).
+pub(crate) fn check_cache_dir(dir: Option<&Path>) -> Result<(), CliError> {
+    match dir {
+        Some(dir) if kind_of(dir).is_some() => expect_dir(
+            dir,
+            "--cache-dir takes a folder for the pixel cache (created when missing)",
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The training paths that must be folders when they exist: `--cache-dir` and `--out`.
+pub(crate) fn check_train_paths(cfg: &crate::train::TrainConfig) -> Result<(), CliError> {
+    check_cache_dir(cfg.cache_dir.as_deref())?;
+    if kind_of(&cfg.out).is_some() {
+        expect_dir(&cfg.out, "--out takes a run folder (created when missing)")?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -317,6 +317,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     cfg.validate().map_err(CliError::Train)?;
     super::counts::check_train_counts(&cfg)?;
+    super::paths::check_train_paths(&cfg)?;
     Ok((cfg, note))
 }
 
