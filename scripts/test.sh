@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command; CI runs it through .ci/run).
 # 1. installs NVRTC + CUDA headers from PyPI wheels (no GPU needed),
-# 2. runs every test of the workspace (GPU tests are #[ignore]d),
+# 2. runs every test of the workspace (GPU tests are #[ignore]d) and fails on any panic
+#    message in its output,
 # 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-cuda-tools.sh
 . scripts/cuda-env.sh
-cargo test --workspace
+# Every panic is a bug. CLI tests fail on a panic of the binary themselves; this catches the
+# rest: a "panicked at" line in the output of a run where every test passed comes from a
+# thread whose output the harness did not capture (and whose error may have been swallowed).
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+cargo test --workspace 2>&1 | tee "$log"
+if grep -n "panicked at" "$log"; then
+    echo "error: the test output shows a panic (lines above) although the tests passed" >&2
+    exit 1
+fi
 cargo run --quiet -- kernels check --arch sm_80,sm_90

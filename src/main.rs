@@ -1,5 +1,10 @@
 //! The `birdtrain` binary: see `birdtrain --help` and [`birdtrain::cli`].
 
-fn main() -> std::process::ExitCode {
-    birdtrain::cli::main_with_args(std::env::args_os())
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    birdtrain::cli::panic_hook::install();
+    // The hook has printed the one-line report; 101 is Rust's exit code for a panic.
+    std::panic::catch_unwind(|| birdtrain::cli::main_with_args(std::env::args_os()))
+        .unwrap_or(ExitCode::from(101))
 }

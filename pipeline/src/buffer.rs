@@ -42,7 +42,19 @@ pub struct VecAllocator;
 
 impl BatchAllocator for VecAllocator {
     fn allocate(&self, pixel_bytes: usize) -> Result<Box<dyn HostBuffer>, PipelineError> {
-        Ok(Box::new(vec![0u8; pixel_bytes]))
+        // A refused allocation is an error value, not an abort.
+        let mut buffer = Vec::new();
+        buffer
+            .try_reserve_exact(pixel_bytes)
+            .map_err(|e| PipelineError::Allocator {
+                message: format!(
+                    "cannot allocate a batch buffer of {}",
+                    crate::limits::human_bytes(pixel_bytes as u64)
+                ),
+                source: Some(Box::new(e)),
+            })?;
+        buffer.resize(pixel_bytes, 0);
+        Ok(Box::new(buffer))
     }
 }
 

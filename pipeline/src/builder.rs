@@ -167,6 +167,19 @@ impl PipelineBuilder {
         positive("batch_size", self.batch_size)?;
         positive("workers", self.workers)?;
         positive("prefetch", self.prefetch)?;
+        let max_workers = crate::limits::max_workers();
+        if self.workers > max_workers {
+            return Err(PipelineError::Limit {
+                name: "workers",
+                value: self.workers.to_string(),
+                limit: format!(
+                    "at most {max_workers} decode threads ({} per core, {} cores available)",
+                    crate::limits::WORKERS_PER_CORE,
+                    crate::limits::cores()
+                ),
+                hint: format!("use at most {max_workers}; more threads than that only wait"),
+            });
+        }
         if !(1..=8192).contains(&self.image_size) {
             return Err(PipelineError::InvalidSetting {
                 name: "image_size",

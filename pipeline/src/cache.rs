@@ -341,7 +341,10 @@ impl Cache {
                 return Err(io_err(dir, "creating the cache directory")(e));
             }
         }
-        match OpenOptions::new().read(true).write(true).open(path) {
+        let opened = OpenOptions::new().read(true).write(true).open(path);
+        #[cfg(test)]
+        let opened = faults::deny_write(path, opened);
+        match opened {
             Ok(file) => match try_lock(&file) {
                 Ok(true) => {
                     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
@@ -946,10 +949,32 @@ pub(crate) mod faults {
         plans.push((path.to_path_buf(), successes));
     }
 
-    /// The disk has room again.
+    /// The disk has room again (and is writable again).
     pub(crate) fn clear(path: &Path) {
         let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
         plans.retain(|(p, _)| p != path);
+        let mut read_only = READ_ONLY.lock().unwrap_or_else(|p| p.into_inner());
+        read_only.retain(|p| p != path);
+    }
+
+    static READ_ONLY: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Opening `path` for writing fails with EROFS, as on a read-only mount (the tests run
+    /// as root, which chmod cannot stop).
+    pub(crate) fn read_only(path: &Path) {
+        let mut read_only = READ_ONLY.lock().unwrap_or_else(|p| p.into_inner());
+        read_only.push(path.to_path_buf());
+    }
+
+    pub(super) fn deny_write(
+        path: &Path,
+        opened: std::io::Result<std::fs::File>,
+    ) -> std::io::Result<std::fs::File> {
+        let read_only = READ_ONLY.lock().unwrap_or_else(|p| p.into_inner());
+        if read_only.iter().any(|p| p == path) {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        }
+        opened
     }
 
     pub(super) fn check(path: &Path) -> std::io::Result<()> {

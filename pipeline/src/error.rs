@@ -91,6 +91,18 @@ pub enum PipelineError {
         /// What would be valid.
         hint: &'static str,
     },
+    /// A count larger than this machine or this dataset can serve.
+    #[error("{name} = {value} is too large: {limit} (hint: {hint})")]
+    Limit {
+        /// The setting (builder method).
+        name: &'static str,
+        /// The value asked for.
+        value: String,
+        /// What it exceeds, with the numbers.
+        limit: String,
+        /// What to do instead.
+        hint: String,
+    },
     /// An I/O error on the cache file.
     #[error(
         "cache file {path}: {what}: {source} (hint: check --cache-dir is writable and has space)"

@@ -59,6 +59,7 @@ mod builder;
 mod cache;
 mod decode;
 mod error;
+pub mod limits;
 mod options;
 mod order;
 mod pipeline;

@@ -151,6 +151,70 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
     ))
 }
 
+/// Checks the counts that depend on the dataset and the machine; returns the bytes of one
+/// batch buffer. A micro-batch never holds more images than the split (except with `pad`,
+/// which repeats images to fill it), so buffers are sized for what can really come.
+fn check_counts(b: &PipelineBuilder, images: usize) -> Result<usize, PipelineError> {
+    // Training replicas each need an image per step; evaluation (partial batches) may leave
+    // some replicas empty, which the consumer already handles.
+    if b.split == crate::Split::Train && b.replicas > images {
+        return Err(PipelineError::Limit {
+            name: "replicas",
+            value: b.replicas.to_string(),
+            limit: format!("the split `{}` has {images} images", b.split),
+            hint: format!(
+                "every replica needs at least one image per step; use at most {images} replicas"
+            ),
+        });
+    }
+    if b.replicas.checked_mul(b.batch_size).is_none() {
+        return Err(PipelineError::Limit {
+            name: "batch_size",
+            value: b.batch_size.to_string(),
+            limit: format!(
+                "{} replicas × {} images overflows",
+                b.replicas, b.batch_size
+            ),
+            hint: "use a smaller batch size".into(),
+        });
+    }
+    let per_batch = match b.last_batch {
+        LastBatch::Pad => b.batch_size,
+        LastBatch::Partial | LastBatch::Drop => b.batch_size.min(images),
+    };
+    let record = b.image_size as usize * b.image_size as usize * 3;
+    // Buffers alive per epoch iterator: pending and ready batches (prefetch each), the one
+    // being assembled and the one the consumer holds. At most half the available memory,
+    // so the consumer (a model) keeps the rest.
+    let in_flight = b.prefetch.saturating_mul(2).saturating_add(2);
+    let bytes = per_batch.checked_mul(record);
+    let need = bytes.map(|bytes| (bytes as u64).saturating_mul(in_flight as u64));
+    let budget = crate::limits::available_memory().map(|m| m / 2);
+    match (bytes, need, budget) {
+        (Some(bytes), Some(need), Some(budget)) if need <= budget => Ok(bytes),
+        (Some(bytes), Some(_), None) => Ok(bytes),
+        (_, need, budget) => {
+            let need = need.map_or("more bytes than exist".into(), crate::limits::human_bytes);
+            let budget = budget.map_or("unknown".into(), crate::limits::human_bytes);
+            let (name, value) = if b.prefetch > 64 && per_batch <= 4096 {
+                ("prefetch", b.prefetch.to_string())
+            } else {
+                ("batch_size", b.batch_size.to_string())
+            };
+            Err(PipelineError::Limit {
+                name,
+                value,
+                limit: format!(
+                    "{in_flight} batch buffers of {per_batch} images of {s}×{s} need {need}, and \
+                     batch buffers may take half the available memory ({budget})",
+                    s = b.image_size
+                ),
+                hint: format!("use a smaller {name}"),
+            })
+        }
+    }
+}
+
 impl Pipeline {
     pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
         let scanned = crate::scan::scan(&b.source, b.split, b.seed)?;
@@ -171,6 +235,7 @@ impl Pipeline {
                 file.detail
             );
         }
+        let buffer_bytes = check_counts(&b, scanned.samples.len())?;
         let fp = fingerprint(&b, &scanned.classes, &scanned.samples, false);
         let cache_fp = fingerprint(&b, &scanned.classes, &scanned.samples, true);
         let labels: Vec<u32> = scanned.samples.iter().map(|s| s.label).collect();
@@ -224,7 +289,7 @@ impl Pipeline {
             bad: Mutex::new(log),
             report: b.bad_files_report.clone(),
         });
-        let job_capacity = (b.workers * 4).max(b.batch_size);
+        let job_capacity = (b.workers * 4).max(buffer_bytes / shared.record_bytes());
         let (jobs, job_rx) = flume::bounded(job_capacity);
         let threads = spawn_pool(b.workers, job_rx, b.image_size, b.resize_mode)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -232,7 +297,6 @@ impl Pipeline {
             .thread_name("pipeline-orchestrator")
             .build()
             .map_err(|source| PipelineError::Runtime { source })?;
-        let record = shared.record_bytes();
         Ok(Self {
             inner: Arc::new(Inner {
                 shared,
@@ -244,7 +308,7 @@ impl Pipeline {
                 shuffle: b.shuffle,
                 last_batch: b.last_batch,
                 fingerprint: fp,
-                pool: BufferPool::new(b.allocator, b.batch_size * record),
+                pool: BufferPool::new(b.allocator, buffer_bytes),
                 jobs,
                 job_capacity,
                 runtime: Some(runtime),
@@ -822,6 +886,60 @@ mod tests {
         let p = build();
         assert_eq!(served(&p, 0), 12);
         assert_eq!(p.stats().decoded, 0);
+    }
+
+    #[test]
+    fn a_cache_in_a_read_only_place_is_served_not_refused() {
+        let data = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        tiny_dataset(data.path());
+        let build = || {
+            PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
+                .image_size(16)
+                .cache_dir(cache.path())
+                .workers(1)
+                .batch_size(4)
+                .build()
+                .unwrap()
+        };
+        // Half a cache (a process stopped mid-epoch), then the place turns read-only.
+        let p = build();
+        let path = p.cache_path().to_path_buf();
+        let half: usize = p
+            .epoch(0, 0, 0)
+            .unwrap()
+            .take(2)
+            .map(|b| b.unwrap().len)
+            .sum();
+        assert_eq!(half, 8);
+        drop(p);
+        crate::cache::faults::read_only(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12, "every image is served");
+        let decoded = p.stats().decoded;
+        assert!(
+            decoded < 12,
+            "the cached records are read: {decoded} decoded"
+        );
+        assert_eq!(p.cache_health().write_failures, 0, "nothing is written");
+        drop(p);
+        // Complete it with write access, then read it read-only: nothing is decoded.
+        crate::cache::faults::clear(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        drop(p);
+        crate::cache::faults::read_only(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(
+            p.stats().decoded,
+            0,
+            "a complete read-only cache is read, not refused"
+        );
+        assert_eq!(served(&p, 1), 12);
+        assert_eq!(p.stats().decoded, 0);
+        drop(p);
+        crate::cache::faults::clear(&path);
     }
 
     #[test]

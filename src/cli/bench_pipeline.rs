@@ -53,17 +53,23 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected train, valid or test".into(),
     })?;
-    if !args.data.is_dir() {
-        return Err(CliError::MissingPath {
-            path: args.data.clone(),
-            hint: "--data must be a dataset folder",
-        });
-    }
+    super::paths::expect_dir(&args.data, "--data must be a dataset folder")?;
     let resize_mode: ResizeMode = args.resize_mode.parse().map_err(|_| CliError::BadValue {
         flag: "--resize-mode",
         value: args.resize_mode.clone(),
         hint: "expected direct or center-crop".into(),
     })?;
+    if args.epochs == 0 {
+        return Err(CliError::BadValue {
+            flag: "--epochs",
+            value: "0".into(),
+            hint: "measure at least 1 epoch (the first decodes, later ones read the cache)".into(),
+        });
+    }
+    if let Some(w) = args.workers {
+        super::counts::check_workers(w)?;
+    }
+    super::paths::check_cache_dir(args.cache_dir.as_deref())?;
     let mut opts = PipelineBenchOptions::new(&args.data);
     opts.split = split;
     opts.epochs = args.epochs;

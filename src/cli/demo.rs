@@ -26,6 +26,10 @@ pub struct DemoArgs {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+    /// Replace an existing --data-dir that is not a finished demo dataset, and an existing
+    /// --out run.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// The demo dataset: 10 classes, 100 train / 20 valid PNGs of 64×64 each (the CI set).
@@ -45,16 +49,22 @@ pub fn demo_dataset(out: PathBuf) -> SynthConfig {
 
 /// Writes the dataset (once; reused afterwards) and trains resnet8 at 32×32 on it.
 pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
-    let data = match args.data_dir {
-        Some(d) => d,
-        None => dirs::cache_dir()
-            .unwrap_or_else(std::env::temp_dir)
-            .join("birdtrain")
-            .join("demo-data-v1"),
+    // The default folder is birdtrain's own: whatever an interrupted synthesis left there is
+    // replaced. A folder the user names is only written into when empty (or --overwrite).
+    let (data, ours) = match args.data_dir {
+        Some(d) => (d, false),
+        None => (
+            dirs::cache_dir()
+                .unwrap_or_else(std::env::temp_dir)
+                .join("birdtrain")
+                .join("demo-data-v1"),
+            true,
+        ),
     };
     // The marker is written last, so an interrupted synthesis is redone.
     let marker = data.join(".complete");
     if !marker.exists() {
+        super::synth::prepare_out(&data, "--data-dir", ours || args.overwrite)?;
         println!("writing a synthetic 10-class dataset to {}", data.display());
         write_dataset(&demo_dataset(data.clone()))?;
         std::fs::write(&marker, b"ok\n").map_err(|source| {
@@ -76,6 +86,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         cache_dir: Some(data.join(".cache")),
         out: Some(args.out.unwrap_or_else(next_demo_dir)),
         quiet: args.quiet,
+        overwrite: args.overwrite,
         ..TrainArgs::default()
     };
     train_args::run(train)

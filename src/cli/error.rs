@@ -42,6 +42,28 @@ pub enum CliError {
         /// What was expected there.
         hint: &'static str,
     },
+    /// A path of the wrong kind (a folder where a file is expected, a device…).
+    #[error("{path} is {kind}, not {expected} (hint: {hint})")]
+    WrongKind {
+        /// The path given.
+        path: PathBuf,
+        /// What it is.
+        kind: &'static str,
+        /// What it should be.
+        expected: &'static str,
+        /// What was expected there.
+        hint: &'static str,
+    },
+    /// A folder to write into already holds files.
+    #[error(
+        "{path} already exists and is not empty (hint: choose a new {flag}, or pass --overwrite to replace it)"
+    )]
+    NotEmpty {
+        /// The folder given.
+        path: PathBuf,
+        /// Its flag.
+        flag: &'static str,
+    },
     /// Another command's error (benchmarks and kernel tools owned by other modules).
     #[error("{0:#}")]
     Other(anyhow::Error),

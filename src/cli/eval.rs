@@ -6,7 +6,7 @@ use clap::Args;
 use pipeline::{DatasetSource, PipelineBuilder, Split};
 
 use super::CliError;
-use crate::train::{evaluate, load_checkpoint_for_inference, EvalReport};
+use crate::train::{evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport};
 
 /// Flags of `birdtrain eval`.
 #[derive(Debug, Clone, Args)]
@@ -44,12 +44,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected valid or test (or train)".into(),
     })?;
-    if !args.data.is_dir() {
-        return Err(CliError::MissingPath {
-            path: args.data.clone(),
-            hint: "--data must be the dataset folder",
-        });
-    }
+    super::paths::expect_dir(&args.data, "--data must be the dataset folder")?;
     if args.batch_size == 0 {
         return Err(CliError::BadValue {
             flag: "--batch-size",
@@ -57,15 +52,21 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
             hint: "at least 1".into(),
         });
     }
-    let mut model = load_checkpoint_for_inference(&args.checkpoint, args.batch_size)?;
+    if let Some(w) = args.workers {
+        super::counts::check_workers(w)?;
+    }
+    super::paths::check_cache_dir(args.cache_dir.as_deref())?;
+    // The split is listed first, so the network is sized for the batches that can really
+    // come (a --batch-size beyond the split would otherwise allocate for images never seen).
+    let meta = CheckpointMeta::load_weights_only(&args.checkpoint)?;
     let source = match args.valid_fraction {
         Some(f) => DatasetSource::flat(&args.data, f),
         None => DatasetSource::folder(&args.data),
     };
     let mut b = PipelineBuilder::new(source)
         .split(split)
-        .image_size(model.meta.image_size)
-        .seed(args.seed.unwrap_or(model.meta.seed))
+        .image_size(meta.image_size)
+        .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)
         .shuffle(false);
@@ -76,6 +77,8 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         b = b.cache_dir(c.clone());
     }
     let pipe = b.build()?;
+    let mut model =
+        load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()))?;
     model.check_classes(&pipe)?;
     let report = evaluate(&mut model.net, &pipe)?;
     print!(
@@ -95,7 +98,8 @@ pub fn format_eval(model: &str, split: &str, classes: &[String], r: &EvalReport)
         "{model} on {split}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
         r.totals.count, t.loss, t.accuracy, t.top5, t.images_per_sec
     );
-    let width = classes.iter().map(String::len).max().unwrap_or(5).max(5);
+    let classes: Vec<_> = classes.iter().map(|c| super::paths::printable(c)).collect();
+    let width = classes.iter().map(|c| c.len()).max().unwrap_or(5).max(5);
     let _ = writeln!(s, "{:<width$}  {:>7}  {:>8}", "class", "images", "accuracy");
     for (name, &(correct, total)) in classes.iter().zip(&r.per_class) {
         let acc = if total == 0 {

@@ -3,16 +3,20 @@
 //! Training is the default command (`birdtrain --data DIR …` ≡ `birdtrain train --data DIR …`).
 //! Every failure ends in one line on stderr (`error: …`) and a non-zero exit code: 2 for a
 //! usage error (unparsable flag), 1 for everything else, 130 after Ctrl-C (once the
-//! checkpoint is saved).
+//! checkpoint is saved), 101 after a panic (a bug, reported as one line by [`panic_hook`]).
 
 pub mod bench_pipeline;
 pub mod bench_scaling;
 pub mod bench_step;
+mod counts;
 pub mod demo;
 mod error;
 pub mod eval;
 pub mod kernels;
+pub mod panic_hook;
+mod paths;
 pub mod predict;
+mod sidecar;
 pub mod synth;
 pub mod train_args;
 
@@ -104,6 +108,7 @@ where
 /// Runs a parsed command line. `Ok` carries the exit code (130 after Ctrl-C).
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     init_tracing();
+    panic_hook::inject_if_asked();
     match cli.command {
         None => train_args::run(*cli.train),
         Some(Command::Train(args)) => train_args::run(*args),

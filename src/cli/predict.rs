@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use super::paths::printable;
 use super::CliError;
 use crate::train::{load_checkpoint_for_inference, predict};
 
@@ -23,22 +24,24 @@ pub struct PredictArgs {
 
 /// Prints the top-k classes with probabilities for each image.
 pub fn run(args: PredictArgs) -> Result<(), CliError> {
+    if args.top_k == 0 {
+        return Err(CliError::BadValue {
+            flag: "--top-k",
+            value: "0".into(),
+            hint: "show at least 1 class per image".into(),
+        });
+    }
     for image in &args.images {
-        if !image.is_file() {
-            return Err(CliError::MissingPath {
-                path: image.clone(),
-                hint: "predict takes image files",
-            });
-        }
+        super::paths::expect_file(image, "predict takes image files")?;
     }
     let mut model = load_checkpoint_for_inference(&args.checkpoint, args.images.len().min(64))?;
     let scratch = scratch_dir()?;
     let result = predict(&mut model, &args.images, args.top_k, scratch.path());
     let predictions = result?;
     for p in predictions {
-        println!("{}", p.path.display());
+        println!("{}", printable(&p.path.to_string_lossy()));
         for (class, prob) in p.top {
-            println!("  {prob:>7.4}  {class}");
+            println!("  {prob:>7.4}  {}", printable(&class));
         }
     }
     Ok(())

@@ -25,7 +25,7 @@ pub struct SynthArgs {
     /// Test images per class.
     #[arg(long, value_name = "T", default_value_t = 0)]
     pub test_per_class: usize,
-    /// Image size, WIDTHxHEIGHT.
+    /// Image size, WIDTHxHEIGHT, each side from 8 to 8192 pixels.
     #[arg(long, value_name = "WxH", default_value = "64x64")]
     pub size: String,
     /// Image format: jpg or png.
@@ -34,19 +34,65 @@ pub struct SynthArgs {
     /// Seed (the same seed writes the same images).
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// Write into an existing, non-empty --out: its train/, valid/ and test/ folders are
+    /// replaced (nothing else in it is touched).
+    #[arg(long)]
+    pub overwrite: bool,
 }
+
+/// Refuses to write a dataset into an existing non-empty folder unless `overwrite` is set;
+/// with it, removes the split folders a previous dataset left (so no stale class or image
+/// survives next to the new ones). `flag` names the folder's flag in the message.
+pub(crate) fn prepare_out(
+    out: &std::path::Path,
+    flag: &'static str,
+    overwrite: bool,
+) -> Result<(), CliError> {
+    let io = |what: &'static str, path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| CliError::Train(crate::train::TrainError::Io { path, what, source })
+    };
+    let mut entries = match std::fs::read_dir(out) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(_) => return super::paths::expect_dir(out, "the dataset is written into a folder"),
+    };
+    if entries.next().is_none() {
+        return Ok(());
+    }
+    if !overwrite {
+        return Err(CliError::NotEmpty {
+            path: out.to_path_buf(),
+            flag,
+        });
+    }
+    for split in ["train", "valid", "test"] {
+        let dir = out.join(split);
+        if dir.is_dir() {
+            std::fs::remove_dir_all(&dir).map_err(io("remove", &dir))?;
+        }
+    }
+    Ok(())
+}
+
+/// Smallest side of a synthetic image, in pixels.
+pub const MIN_SIDE: u32 = 8;
+/// Largest side of a synthetic image, in pixels (the input engine's largest stored size).
+pub const MAX_SIDE: u32 = 8192;
 
 /// Parses `WxH` (e.g. `64x64`).
 pub fn parse_size(text: &str) -> Result<(u32, u32), CliError> {
     let bad = || CliError::BadValue {
         flag: "--size",
         value: text.to_string(),
-        hint: "expected WIDTHxHEIGHT with both at least 8, e.g. 64x64".into(),
+        hint: format!(
+            "expected WIDTHxHEIGHT, each from {MIN_SIDE} to {MAX_SIDE} pixels, e.g. 64x64"
+        ),
     };
     let (w, h) = text.trim().split_once(['x', 'X']).ok_or_else(bad)?;
     let w: u32 = w.trim().parse().map_err(|_| bad())?;
     let h: u32 = h.trim().parse().map_err(|_| bad())?;
-    if w < 8 || h < 8 || w > 8192 || h > 8192 {
+    if !(MIN_SIDE..=MAX_SIDE).contains(&w) || !(MIN_SIDE..=MAX_SIDE).contains(&h) {
         return Err(bad());
     }
     Ok((w, h))
@@ -91,6 +137,7 @@ pub fn to_config(args: &SynthArgs) -> Result<SynthConfig, CliError> {
 /// Writes the dataset and prints what was written.
 pub fn run(args: SynthArgs) -> Result<(), CliError> {
     let cfg = to_config(&args)?;
+    prepare_out(&args.out, "--out", args.overwrite)?;
     let summary = write_dataset(&cfg)?;
     println!(
         "wrote {} {}x{} {} images ({} train, {} valid, {} test) in {} classes to {}",

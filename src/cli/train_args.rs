@@ -141,12 +141,10 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         flag: "--data DIR",
         hint: "point it at a dataset folder, or try `birdtrain demo`",
     })?;
-    if !data.is_dir() {
-        return Err(CliError::MissingPath {
-            path: data,
-            hint: "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction)",
-        });
-    }
+    super::paths::expect_dir(
+        &data,
+        "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction)",
+    )?;
     if args.valid_fraction.is_some() && data.join("train").is_dir() {
         return Err(CliError::BadValue {
             flag: "--valid-fraction",
@@ -171,9 +169,10 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.replicas = meta.replicas;
         cfg.epochs = meta.epochs;
         cfg.out = resume_dir.clone();
-        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(CliError::Train)?;
-        cfg.apply_settings(&meta.settings)
-            .map_err(CliError::Train)?;
+        let from_sidecar = |e| super::sidecar::sidecar_error(resume_dir, e);
+        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(from_sidecar)?;
+        cfg.apply_settings(&meta.settings).map_err(from_sidecar)?;
+        cfg.validate().map_err(from_sidecar)?;
         if let Some(model) = &args.model {
             let wanted = Arch::from_str(model).map_err(TrainError::from)?;
             if wanted != cfg.arch {
@@ -301,12 +300,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     cfg.init_from = args.init_from.clone();
     if let Some(path) = &cfg.init_from {
-        if !path.is_file() {
-            return Err(CliError::MissingPath {
-                path: path.clone(),
-                hint: "--init-from takes a .safetensors weights file",
-            });
-        }
+        super::paths::expect_file(path, "--init-from takes a .safetensors weights file")?;
     }
     cfg.resume = args.resume.clone();
     cfg.allow_data_change = args.allow_data_change;
@@ -322,6 +316,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.out = out.clone();
     }
     cfg.validate().map_err(CliError::Train)?;
+    super::counts::check_train_counts(&cfg)?;
+    super::paths::check_train_paths(&cfg)?;
     Ok((cfg, note))
 }
 

@@ -145,9 +145,19 @@ pub struct CheckpointMeta {
 }
 
 impl CheckpointMeta {
-    /// Reads and checks the sidecar of run folder `run`: it must exist, parse, and match the
-    /// checksums of the tensor files beside it.
+    /// Reads and checks the sidecar of run folder `run`: it must exist, parse, hold usable
+    /// values, and match the checksums of the tensor files beside it.
     pub fn load(run: &Path) -> Result<Self, TrainError> {
+        Self::load_checked(run, true)
+    }
+
+    /// [`CheckpointMeta::load`] for inference (`eval`, `predict`, `--init-from`-like uses):
+    /// only the weights file must be present and match; the optimizer state may be absent.
+    pub fn load_weights_only(run: &Path) -> Result<Self, TrainError> {
+        Self::load_checked(run, false)
+    }
+
+    fn load_checked(run: &Path, with_optimizer: bool) -> Result<Self, TrainError> {
         if !run.is_dir() {
             return Err(TrainError::BadRunDir {
                 path: run.to_path_buf(),
@@ -162,7 +172,12 @@ impl CheckpointMeta {
         let meta: CheckpointMeta =
             serde_json::from_str(&text).map_err(|e| TrainError::BadRunDir {
                 path: run.to_path_buf(),
-                reason: format!("{SIDECAR_FILE} is not a valid checkpoint sidecar: {e}"),
+                reason: format!(
+                    "{SIDECAR_FILE} is not a valid checkpoint sidecar{}: {e}",
+                    field_on_line(&text, e.line())
+                        .map(|k| format!(" (field `{k}`)"))
+                        .unwrap_or_default()
+                ),
             })?;
         if meta.version != SIDECAR_VERSION {
             return Err(TrainError::BadRunDir {
@@ -173,10 +188,17 @@ impl CheckpointMeta {
                 ),
             });
         }
-        for (file, want) in [
+        meta.check_fields()
+            .map_err(|reason| TrainError::BadRunDir {
+                path: run.to_path_buf(),
+                reason: format!("{SIDECAR_FILE}: {reason}; the file is damaged or was edited"),
+            })?;
+        let tensors = [
             (&meta.model_file, &meta.model_checksum),
             (&meta.optimizer_state_file, &meta.optimizer_checksum),
-        ] {
+        ];
+        let needed = if with_optimizer { 2 } else { 1 };
+        for (file, want) in tensors.into_iter().take(needed) {
             let got = file_checksum(&run.join(file)).map_err(|e| TrainError::BadRunDir {
                 path: run.to_path_buf(),
                 reason: format!("cannot read {file}: {e}"),
@@ -193,12 +215,52 @@ impl CheckpointMeta {
         Ok(meta)
     }
 
+    /// The values no run can have, as "field `name` …" (the sidecar's own field names).
+    fn check_fields(&self) -> Result<(), String> {
+        if self.classes.is_empty() {
+            return Err("field `classes` is empty (a model needs at least one class)".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = self.classes.iter().find(|c| !seen.insert(c.as_str())) {
+            return Err(format!("field `classes` names `{dup}` twice"));
+        }
+        if !(8..=1024).contains(&self.image_size) {
+            return Err(format!(
+                "field `image_size` is {} (training uses 8 to 1024 pixels)",
+                self.image_size
+            ));
+        }
+        for (name, file) in [
+            ("model_file", &self.model_file),
+            ("optimizer_state_file", &self.optimizer_state_file),
+        ] {
+            // Tensor files live inside the run folder: a bare file name.
+            let bare = Path::new(file)
+                .file_name()
+                .is_some_and(|n| n == file.as_str());
+            if !bare {
+                return Err(format!(
+                    "field `{name}` is `{file}` (expected a file name inside the run folder)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the sidecar atomically into `run` (the tensor files it names must be in place;
     /// [`write_checkpoint`] is the whole protocol).
     pub fn save(&self, run: &Path) -> Result<(), TrainError> {
         let text = serde_json::to_string_pretty(self).expect("sidecar serialises");
         write_atomic(&run.join(SIDECAR_FILE), text.as_bytes())
     }
+}
+
+/// The key on 1-based `line` of a pretty-printed JSON object (`  "image_size": 32,`), so a
+/// parse error can name the field (the sidecar is written one field per line).
+fn field_on_line(text: &str, line: usize) -> Option<&str> {
+    let rest = text.lines().nth(line.checked_sub(1)?)?.trim_start();
+    let (key, after) = rest.strip_prefix('"')?.split_once('"')?;
+    after.trim_start().starts_with(':').then_some(key)
 }
 
 /// The stages of [`write_checkpoint`], in order (fault-injection points of the tests).

@@ -19,7 +19,7 @@ pub fn cuda_device_count() -> Result<usize, String> {
         return Err("no CUDA driver library (libcuda) on this machine".into());
     }
     // The driver library exists; a failing init is reported, never unwrapped.
-    match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
+    match crate::panics::catch_expected(cudarc::driver::CudaContext::device_count) {
         Ok(Ok(n)) => Ok(n.max(0) as usize),
         Ok(Err(e)) => Err(format!("the CUDA driver reports {e}")),
         Err(_) => Err("the CUDA driver library could not be used".into()),

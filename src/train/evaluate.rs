@@ -102,7 +102,8 @@ pub fn load_checkpoint_for_inference(
     run: &Path,
     max_batch: usize,
 ) -> Result<InferenceModel, TrainError> {
-    let meta = CheckpointMeta::load(run)?;
+    // Inference needs the weights only: a run folder copied without its optimizer state works.
+    let meta = CheckpointMeta::load_weights_only(run)?;
     let arch: Arch =
         meta.model
             .parse()
@@ -144,9 +145,27 @@ impl InferenceModel {
     }
 }
 
+/// A name for one line of output: control characters (a newline in a class folder's name)
+/// are written as escapes, so each record stays on its line.
+pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.chars().any(char::is_control) {
+        return name.into();
+    }
+    name.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// "10 classes: a, b, c, …".
 pub(crate) fn summarise(classes: &[String]) -> String {
-    let shown: Vec<&str> = classes.iter().take(4).map(String::as_str).collect();
+    let shown: Vec<_> = classes.iter().take(4).map(|c| printable(c)).collect();
     let more = if classes.len() > 4 { ", …" } else { "" };
     format!("{} classes: {}{more}", classes.len(), shown.join(", "))
 }
@@ -185,7 +204,15 @@ pub fn predict(
             .unwrap_or_else(|| "image".into());
         // The index prefix keeps the engine's file order equal to the argument order.
         let dst = class_dir.join(format!("{i:06}_{name}"));
-        std::fs::copy(image, &dst).map_err(io(image, "read"))?;
+        let bytes = std::fs::copy(image, &dst).map_err(io(image, "read"))?;
+        // The engine skips an empty file when it lists the folder, before any error could
+        // name it: name the user's file here.
+        if bytes == 0 {
+            return Err(TrainError::BadImage {
+                path: image.clone(),
+                reason: "the file is empty (zero bytes)".into(),
+            });
+        }
         staged.push(dst);
     }
     // Errors name the user's file, not its staged copy.

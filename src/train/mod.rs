@@ -31,7 +31,8 @@ pub use config::{OptimizerChoice, TrainConfig};
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;
 pub use evaluate::{
-    evaluate, load_checkpoint_for_inference, predict, EvalReport, InferenceModel, Prediction,
+    evaluate, load_checkpoint_for_inference, predict, printable, EvalReport, InferenceModel,
+    Prediction,
 };
 pub(crate) use gpu::default_dist_args;
 pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};

@@ -4,12 +4,24 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-/// Runs the binary and returns its output, whatever the exit status.
+/// Runs the binary and returns its output, whatever the exit status; a panic of the binary
+/// (its one-line bug report, or Rust's own message) fails the test whatever it expected.
 pub(crate) fn birdtrain_output(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+    let out = Command::new(env!("CARGO_BIN_EXE_birdtrain"))
         .args(args)
         .output()
-        .expect("the birdtrain binary runs")
+        .expect("the birdtrain binary runs");
+    assert_no_panic(args, &out);
+    out
+}
+
+/// Fails when the binary's stderr shows a panic: every panic is a bug.
+pub(crate) fn assert_no_panic(args: &[&str], out: &Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("panicked") && out.status.code() != Some(101),
+        "birdtrain {args:?} panicked:\n{stderr}"
+    );
 }
 
 /// Runs the binary and asserts it succeeded (its stdout and stderr are shown if not).

@@ -1,0 +1,117 @@
+//! Paths given on the command line checked for their kind before use: a folder where a file
+//! is expected (or a device, a pipe, a socket) is named as such, instead of a later
+//! "Is a directory" or "No such file or directory" from deep inside a command.
+
+use std::path::Path;
+
+use super::CliError;
+
+/// What is at `path`, for a message: "a folder", "a character device", … (`None`: nothing).
+pub(crate) fn kind_of(path: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = std::fs::metadata(path).ok()?;
+    let t = meta.file_type();
+    Some(if t.is_dir() {
+        "a folder"
+    } else if t.is_file() {
+        "a file"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_fifo() {
+        "a named pipe"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    })
+}
+
+/// `path` must be a regular file (symbolic links followed); `hint` says what was expected.
+pub(crate) fn expect_file(path: &Path, hint: &'static str) -> Result<(), CliError> {
+    match kind_of(path) {
+        Some("a file") => Ok(()),
+        None => Err(CliError::MissingPath {
+            path: path.to_path_buf(),
+            hint,
+        }),
+        Some(kind) => Err(CliError::WrongKind {
+            path: path.to_path_buf(),
+            kind,
+            expected: "a file",
+            hint,
+        }),
+    }
+}
+
+/// `path` must be a folder (symbolic links followed); `hint` says what was expected.
+pub(crate) fn expect_dir(path: &Path, hint: &'static str) -> Result<(), CliError> {
+    match kind_of(path) {
+        Some("a folder") => Ok(()),
+        None => Err(CliError::MissingPath {
+            path: path.to_path_buf(),
+            hint,
+        }),
+        Some(kind) => Err(CliError::WrongKind {
+            path: path.to_path_buf(),
+            kind,
+            expected: "a folder",
+            hint,
+        }),
+    }
+}
+
+pub(crate) use crate::train::printable;
+
+/// `--cache-dir`, when given and present, is a folder (it is created when missing).
+pub(crate) fn check_cache_dir(dir: Option<&Path>) -> Result<(), CliError> {
+    match dir {
+        Some(dir) if kind_of(dir).is_some() => expect_dir(
+            dir,
+            "--cache-dir takes a folder for the pixel cache (created when missing)",
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The training paths that must be folders when they exist: `--cache-dir` and `--out`.
+pub(crate) fn check_train_paths(cfg: &crate::train::TrainConfig) -> Result<(), CliError> {
+    check_cache_dir(cfg.cache_dir.as_deref())?;
+    if kind_of(&cfg.out).is_some() {
+        expect_dir(&cfg.out, "--out takes a run folder (created when missing)")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(expect_file(&file, "h").is_ok());
+        assert!(expect_dir(dir.path(), "h").is_ok());
+        let e = expect_file(dir.path(), "h").unwrap_err().to_string();
+        assert!(e.contains("is a folder, not a file"), "{e}");
+        let e = expect_dir(&file, "h").unwrap_err().to_string();
+        assert!(e.contains("is a file, not a folder"), "{e}");
+        let e = expect_file(Path::new("/dev/null"), "h")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("character device"), "{e}");
+        let e = expect_file(&dir.path().join("nope"), "h")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not exist"), "{e}");
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(printable("plain name"), "plain name");
+        assert_eq!(printable("two\nlines\t"), "two\\nlines\\t");
+    }
+}
