@@ -143,7 +143,11 @@ fn a_full_cache_disk_gives_one_warning_and_every_image_is_still_served() {
     );
     let warnings = stderr_lines_naming_the_cache(&out);
     assert_eq!(warnings.len(), 1, "one warning for the run: {warnings:#?}");
-    assert!(warnings[0].contains("cache file"), "{}", warnings[0]);
+    assert!(
+        warnings[0].contains(s(&disk.0)),
+        "names the cache file: {}",
+        warnings[0]
+    );
     assert!(warnings[0].contains("hint"), "{}", warnings[0]);
 }
 
