@@ -18,6 +18,9 @@ pub enum OptimError {
     /// `--optimizer` named no known optimizer.
     #[error("unknown optimizer '{0}' (valid: sgd, adam, adamw)")]
     UnknownKind(String),
+    /// `--schedule` named no known schedule.
+    #[error("unknown schedule '{0}' (valid: cosine, step, constant)")]
+    UnknownSchedule(String),
     /// Reading or writing a state file failed.
     #[error("{}: {source}", path.display())]
     Io {
@@ -27,6 +30,12 @@ pub enum OptimError {
         #[source]
         source: std::io::Error,
     },
+    /// A device optimizer's operation failed.
+    #[error("device optimizer: {0}")]
+    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The model failed (uploading updated weights).
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
     /// The state file is not valid safetensors or lacks a tensor.
     #[error("{}: bad optimizer state: {detail}", path.display())]
     BadState {
