@@ -10,4 +10,5 @@ pub mod cuda;
 pub mod dist;
 pub mod model;
 pub mod optim;
+pub mod trace;
 pub mod train;

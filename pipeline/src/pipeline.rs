@@ -289,7 +289,14 @@ impl Pipeline {
     /// without asking the others. (A batch may hold fewer when files turn out unreadable.)
     pub fn micro_batch_len(&self, step: usize, replica: usize) -> Option<usize> {
         let i = &self.inner;
-        micro_batch_len(self.len(), i.replicas, i.batch_size, i.last_batch, step, replica)
+        micro_batch_len(
+            self.len(),
+            i.replicas,
+            i.batch_size,
+            i.last_batch,
+            step,
+            replica,
+        )
     }
 
     /// Side of the stored square images.

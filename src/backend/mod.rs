@@ -117,6 +117,9 @@ pub struct BnBackward<'a, T> {
     pub dbeta: &'a mut T,
 }
 
+/// A buffer's device address and the tensors viewing ranges of it ([`Backend::alloc_views`]).
+pub type GradientViews<T> = (u64, Vec<T>);
+
 /// The ops of the ResNet graph. One implementation per device kind.
 ///
 /// Errors are values ([`BackendError`]); implementations never panic on bad input (shape
@@ -141,7 +144,7 @@ pub trait Backend: Send {
         total: usize,
         ranges: &[std::ops::Range<usize>],
         role: TensorRole,
-    ) -> Result<Option<(u64, Vec<Self::Tensor>)>, BackendError> {
+    ) -> Result<Option<GradientViews<Self::Tensor>>, BackendError> {
         let _ = (total, ranges, role);
         Ok(None)
     }

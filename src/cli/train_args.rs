@@ -4,16 +4,91 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
 use pipeline::{LastBatch, OnBadImage};
 
 use super::CliError;
+use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::Decay;
+use crate::optim::ScheduleChoice;
 use crate::train::{self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError};
+
+/// Multi-GPU and multi-node flags (`--gpus` itself belongs to the training flags). Their
+/// defaults are [`DistSettings::default`]'s: the settings own them, the flags only spell them.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct DistArgs {
+    /// Number of nodes (processes) in a multi-node run [default: WORLD_SIZE, else 1].
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// This node's rank, 0..nodes; node 0 serves the rendezvous [default: RANK, else 0].
+    #[arg(long)]
+    pub node_rank: Option<usize>,
+    /// Rendezvous address host:port of node 0 [default: MASTER_ADDR:MASTER_PORT].
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Seconds to wait for every node at the rendezvous.
+    #[arg(long, default_value_t = DistSettings::default().rendezvous_timeout)]
+    pub rendezvous_timeout: u64,
+    /// Seconds a collective may take before every rank aborts (a rank stopped answering).
+    #[arg(long, default_value_t = DistSettings::default().collective_timeout)]
+    pub collective_timeout: u64,
+    /// Gradient bucket size in MiB (one average per bucket, started during backward).
+    #[arg(long, default_value_t = DistSettings::default().bucket_mb)]
+    pub bucket_mb: f64,
+    /// Staging slots per GPU (batch k+1 uploads while batch k computes).
+    #[arg(long, default_value_t = DistSettings::default().prefetch_depth)]
+    pub prefetch_depth: usize,
+    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Synchronised batch norm: normalise with the statistics of the global batch (every
+    /// GPU's images) instead of each GPU's own; costs two small all-reduces per BN layer.
+    #[arg(long)]
+    pub sync_bn: bool,
+}
+
+impl Default for DistArgs {
+    fn default() -> Self {
+        DistArgs::from(&DistSettings::default())
+    }
+}
+
+impl From<&DistSettings> for DistArgs {
+    fn from(d: &DistSettings) -> Self {
+        DistArgs {
+            nodes: d.nodes,
+            node_rank: d.node_rank,
+            master: d.master.clone(),
+            rendezvous_timeout: d.rendezvous_timeout,
+            collective_timeout: d.collective_timeout,
+            bucket_mb: d.bucket_mb,
+            prefetch_depth: d.prefetch_depth,
+            trace: d.trace.clone(),
+            sync_bn: d.sync_bn,
+        }
+    }
+}
+
+impl DistArgs {
+    /// The settings these flags ask for.
+    pub fn to_settings(&self) -> DistSettings {
+        DistSettings {
+            nodes: self.nodes,
+            node_rank: self.node_rank,
+            master: self.master.clone(),
+            rendezvous_timeout: self.rendezvous_timeout,
+            collective_timeout: self.collective_timeout,
+            bucket_mb: self.bucket_mb,
+            prefetch_depth: self.prefetch_depth,
+            trace: self.trace.clone(),
+            sync_bn: self.sync_bn,
+            ..DistSettings::default()
+        }
+    }
+}
 
 /// Training flags. `--lr` is for a global batch of 256 and scales linearly.
 #[derive(Debug, Clone, Default, Args)]
@@ -24,9 +99,9 @@ pub struct TrainArgs {
     /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
     #[arg(long, value_name = "N|all")]
     pub gpus: Option<String>,
-    /// Multi-GPU and multi-node flags (None: none given, their defaults apply).
+    /// Multi-GPU and multi-node flags.
     #[command(flatten)]
-    pub dist: Option<crate::dist::args::DistArgs>,
+    pub dist: DistArgs,
     /// CPU data-parallel replicas (each gets its own micro-batch of --batch-size images).
     #[arg(long, value_name = "R")]
     pub replicas: Option<usize>,
@@ -111,6 +186,13 @@ pub struct TrainArgs {
     /// No progress bars (epoch lines and the summary still print).
     #[arg(long)]
     pub quiet: bool,
+    /// With --resume: if the training images changed since the checkpoint, restart the
+    /// interrupted epoch on the new set instead of refusing.
+    #[arg(long)]
+    pub allow_data_change: bool,
+    /// Replace the run already in --out (its checkpoint and metrics) instead of refusing.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Stop after this many optimizer steps in total, saving a checkpoint as Ctrl-C does.
     #[arg(long, value_name = "N", hide = true)]
     pub stop_after_steps: Option<u64>,
@@ -151,7 +233,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         });
     }
     let resumed = match &args.resume {
-        Some(run) => Some(CheckpointMeta::load(run).map_err(CliError::Train)?),
+        Some(run) => Some(CheckpointMeta::load(run).map_err(TrainError::from)?),
         None => None,
     };
     let mut cfg = TrainConfig::new(&data);
@@ -164,9 +246,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.replicas = meta.replicas;
         cfg.epochs = meta.epochs;
         cfg.out = resume_dir.clone();
-        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(CliError::Train)?;
-        cfg.apply_settings(&meta.settings)
-            .map_err(CliError::Train)?;
+        cfg.optimizer = meta.optimizer;
+        cfg.apply_settings(&meta.settings);
         if let Some(model) = &args.model {
             let wanted = Arch::from_str(model).map_err(TrainError::from)?;
             if wanted != cfg.arch {
@@ -208,9 +289,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let DeviceChoice::Cuda(n) = device {
         cfg.replicas = n;
-        cfg.dist = Some(args.dist.clone().unwrap_or_else(train::default_dist_args));
     }
-    if device == DeviceChoice::Cpu && args.dist.as_ref().is_some_and(|d| d.sync_bn) {
+    cfg.dist = args.dist.to_settings();
+    if device == DeviceChoice::Cpu && args.dist.sync_bn {
         return Err(CliError::Train(TrainError::InvalidConfig {
             flag: "--sync-bn",
             value: "on".into(),
@@ -229,7 +310,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.seed = v;
     }
     if let Some(v) = &args.optimizer {
-        cfg.optimizer = OptimizerChoice::from_str(v).map_err(CliError::Train)?;
+        cfg.optimizer = parse::<OptimizerChoice>("--optimizer", v, "expected sgd, adam or adamw")?;
         if cfg.optimizer != OptimizerChoice::Sgd && args.lr.is_none() && resumed.is_none() {
             // Adam's usual 1e-3 at batch 32, expressed for the 256 reference batch.
             cfg.lr = 0.008;
@@ -254,21 +335,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.warmup_epochs = v;
     }
     if let Some(v) = &args.schedule {
-        cfg.schedule = match v.trim().to_ascii_lowercase().as_str() {
-            "cosine" => Decay::Cosine,
-            "constant" => Decay::Constant,
-            "step" => Decay::Step {
-                every_epochs: args.step_every,
-                gamma: args.step_gamma,
-            },
-            _ => {
-                return Err(CliError::BadValue {
-                    flag: "--schedule",
-                    value: v.clone(),
-                    hint: "expected cosine, step or constant".into(),
-                })
-            }
-        };
+        cfg.schedule =
+            parse::<ScheduleChoice>("--schedule", v, "expected cosine, step or constant")?
+                .decay(args.step_every, args.step_gamma);
     }
     if let Some(v) = args.workers {
         cfg.workers = v;
@@ -302,6 +371,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         }
     }
     cfg.resume = args.resume.clone();
+    cfg.allow_data_change = args.allow_data_change;
+    cfg.overwrite = args.overwrite;
     cfg.stop_after_steps = args.stop_after_steps;
     cfg.progress = !args.quiet;
     if resumed.is_none() {
@@ -324,35 +395,71 @@ fn next_run_dir(root: &Path, model: &str) -> PathBuf {
         .expect("an unbounded range always has a free name")
 }
 
-/// Runs the training command. Ctrl-C finishes the current step, saves a checkpoint and
-/// exits with 130.
+/// Runs the training command. Ctrl-C or SIGTERM finishes the current step, saves a checkpoint
+/// and exits with 128 + the signal's number (130 after Ctrl-C, 143 after SIGTERM).
 pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     let (cfg, note) = to_config(&args)?;
     if let Some(note) = note {
         println!("{note}");
     }
-    let stop = install_ctrlc();
-    let outcome = train::train(&cfg, &stop)?;
-    if outcome.interrupted && stop.load(Ordering::SeqCst) {
-        return Ok(ExitCode::from(130));
+    let stop = install_stop_signals();
+    let outcome = train::train(&cfg, &stop.flag)?;
+    match stop.signal() {
+        Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
+        _ => Ok(ExitCode::SUCCESS),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
-/// A flag set by Ctrl-C (the handler can be installed once per process; later calls reuse a
-/// fresh flag that is never set, which only happens in tests).
-pub(crate) fn install_ctrlc() -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let installed = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            // Second Ctrl-C: the user does not want to wait for the checkpoint.
-            std::process::exit(130);
+/// Set by Ctrl-C (SIGINT) or SIGTERM: the run finishes its step, saves and stops.
+pub(crate) struct StopSignals {
+    /// Polled by the training loop after every step.
+    pub(crate) flag: Arc<AtomicBool>,
+    /// The first signal received (0: none).
+    received: Arc<AtomicI32>,
+}
+
+impl StopSignals {
+    /// The signal that asked to stop, if any.
+    pub(crate) fn signal(&self) -> Option<i32> {
+        match self.received.load(Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
         }
-        eprintln!("\nCtrl-C: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to quit now)");
-    });
-    if let Err(e) = installed {
-        tracing::warn!("Ctrl-C handler not installed ({e}); Ctrl-C will stop without a checkpoint");
+    }
+}
+
+/// Installs the handlers of SIGINT and SIGTERM (what Slurm, Kubernetes and systemd send before
+/// they kill): the first one sets the stop flag, a second one exits at once.
+pub(crate) fn install_stop_signals() -> StopSignals {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = StopSignals {
+        flag: Arc::new(AtomicBool::new(false)),
+        received: Arc::new(AtomicI32::new(0)),
+    };
+    let (flag, received) = (stop.flag.clone(), stop.received.clone());
+    match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
+        Ok(mut signals) => {
+            std::thread::spawn(move || {
+                for signal in signals.forever() {
+                    let name = if signal == SIGTERM {
+                        "SIGTERM"
+                    } else {
+                        "Ctrl-C"
+                    };
+                    if flag.swap(true, Ordering::SeqCst) {
+                        // A second signal: the user does not want to wait for the checkpoint
+                        // (the previous one stays intact: checkpoints commit atomically).
+                        eprintln!("\n{name} again: exiting now");
+                        std::process::exit(128 + signal);
+                    }
+                    received.store(signal, Ordering::SeqCst);
+                    eprintln!("\n{name}: finishing this step, saving a checkpoint, then exiting ({name} again to quit now)");
+                }
+            });
+        }
+        Err(e) => tracing::warn!(
+            "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop without a checkpoint"
+        ),
     }
     stop
 }

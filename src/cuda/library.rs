@@ -337,9 +337,8 @@ pub fn require_nvrtc() -> Result<(), CudaError> {
             if any_loadable(&names) {
                 return Ok(());
             }
-            let loaded = load(Lib::Nvrtc).map_err(|e| {
-                format!("{}; looked in {}", names.join(", "), e.places)
-            })?;
+            let loaded = load(Lib::Nvrtc)
+                .map_err(|e| format!("{}; looked in {}", names.join(", "), e.places))?;
             if any_loadable(&names) {
                 Ok(())
             } else {
@@ -418,7 +417,11 @@ mod tests {
     }
 
     fn env_of(vars: Vec<(&'static str, String)>) -> impl Fn(&str) -> Option<String> {
-        move |name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.clone())
+        }
     }
 
     #[test]

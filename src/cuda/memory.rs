@@ -74,7 +74,8 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
         + (1 + STAGING_SLOTS) * pixels
         + 4 * graph.num_classes();
     let optimizer = 3 * 4 * plan.params;
-    let fixed = plan.params * (2 + 4) + optimizer + 4 * (plan.buffers + plan.statistics) + (1 << 20);
+    let fixed =
+        plan.params * (2 + 4) + optimizer + 4 * (plan.buffers + plan.statistics) + (1 << 20);
     Footprint {
         fixed_bytes: fixed as u64,
         per_image_bytes: per_image as u64,
@@ -92,7 +93,8 @@ pub fn measure(
     let dev = backend.device();
     let probe = |batch: usize| -> Result<u64, CudaError> {
         let before = dev.allocated_bytes();
-        let mut net = Network::new(backend.clone(), graph, batch, image_size).map_err(probe_error)?;
+        let mut net =
+            Network::new(backend.clone(), graph, batch, image_size).map_err(probe_error)?;
         let s = image_size as usize;
         let pixels = vec![0u8; batch * s * s * 3];
         let labels = vec![0u32; batch];

@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
     PoolShape, TensorRole,
 };
-use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
 /// Threads per block of the input kernel (a grid-stride loop, as the backend launches it).

@@ -69,16 +69,6 @@ impl Drop for CudaTensor {
 }
 
 impl CudaTensor {
-    /// An f32 tensor owning `slice`.
-    pub(crate) fn from_f32(slice: CudaSlice<f32>) -> CudaTensor {
-        CudaTensor {
-            len: slice.len(),
-            dtype: DType::F32,
-            storage: Storage::F32(slice),
-            view_of: None,
-        }
-    }
-
     /// `len` f32 elements at element `offset` of `arena`, as a tensor that frees nothing.
     ///
     /// # Safety
@@ -102,7 +92,7 @@ impl CudaTensor {
 
     /// The device address of element 0 (0 for an empty tensor).
     pub fn device_address(&self) -> u64 {
-        use cudarc::driver::{DevicePtr, DeviceSlice};
+        use cudarc::driver::DevicePtr;
         match &self.storage {
             Storage::Empty => 0,
             Storage::Bf16(s) => s.device_ptr(s.stream()).0,

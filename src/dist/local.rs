@@ -167,7 +167,7 @@ unsafe impl Send for SharedRange {}
 impl SharedRange {
     /// # Safety
     /// The caller must be the only thread accessing the range (see `HostGrads::lend`).
-    unsafe fn slice(&self) -> &mut [f32] {
+    unsafe fn slice<'a>(self) -> &'a mut [f32] {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
@@ -338,10 +338,7 @@ impl Group {
                         });
                     }
                 }
-                state = self
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(|p| p.into_inner());
+                state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
             }
         }
         let round = state.rounds.get_mut(&seq).expect("a done round stays");
@@ -440,7 +437,7 @@ pub struct LocalGroup;
 impl LocalGroup {
     /// One [`LocalCollective`] per rank of a group of `world` ranks (hand one to each rank's
     /// thread); a call that waits longer than `timeout` for the other ranks aborts the group.
-    pub fn new(world: usize, timeout: Duration) -> Vec<LocalCollective> {
+    pub fn ranks(world: usize, timeout: Duration) -> Vec<LocalCollective> {
         let group = Arc::new(Group {
             world: world.max(1),
             state: Mutex::new(GroupState::default()),
@@ -769,7 +766,7 @@ mod tests {
     use super::*;
 
     fn group(world: usize) -> Vec<LocalCollective> {
-        LocalGroup::new(world, Duration::from_secs(30))
+        LocalGroup::ranks(world, Duration::from_secs(30))
     }
 
     #[test]
@@ -801,7 +798,7 @@ mod tests {
         });
         let step = 19.0f32;
         for got in &results {
-            for i in 0..10 {
+            for (i, &value) in got.iter().enumerate().take(10) {
                 let want = if i < 4 {
                     (0..3)
                         .map(|r| (r as f32 + i as f32 + step) * (r as f32 + 1.0))
@@ -810,7 +807,7 @@ mod tests {
                 } else {
                     (0..3).map(|r| r as f32 + i as f32 + step).sum::<f32>() / 3.0
                 };
-                assert_eq!(got[i], want, "element {i}");
+                assert_eq!(value, want, "element {i}");
             }
             assert_eq!(got, &results[0], "every rank has the same bits");
         }
@@ -837,7 +834,7 @@ mod tests {
 
     #[test]
     fn a_rank_that_never_joins_is_named_when_the_watchdog_aborts() {
-        let mut ranks = LocalGroup::new(3, Duration::from_millis(200));
+        let mut ranks = LocalGroup::ranks(3, Duration::from_millis(200));
         let _absent = ranks.pop().unwrap(); // rank 2 never calls
         let start = std::time::Instant::now();
         let errors: Vec<String> = std::thread::scope(|s| {
@@ -852,7 +849,9 @@ mod tests {
             assert!(e.contains("rank 2 never joined"), "{e}");
         }
         assert!(
-            errors.iter().all(|e| e.contains("did not complete within 200ms")),
+            errors
+                .iter()
+                .all(|e| e.contains("did not complete within 200ms")),
             "{errors:?}"
         );
     }
@@ -895,7 +894,9 @@ mod tests {
     fn one_rank_needs_no_thread_and_keeps_its_values() {
         let mut c = group(1).pop().unwrap();
         let mut buf = HostGrads::zeros(4);
-        buf.range_mut(0..4).unwrap().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        buf.range_mut(0..4)
+            .unwrap()
+            .copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
         c.start_average(&mut buf, 0, 0..4, 1.0).unwrap();
         c.finish_averages(&mut buf).unwrap();
         let mut v = [5.0];

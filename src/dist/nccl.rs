@@ -250,7 +250,9 @@ pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
         internal: [0; UNIQUE_ID_BYTES],
     };
     // SAFETY: out-parameter of NCCL's 128-byte id type.
-    lib.check("ncclGetUniqueId", 0, unsafe { (lib.get_unique_id)(&mut id) })?;
+    lib.check("ncclGetUniqueId", 0, unsafe {
+        (lib.get_unique_id)(&mut id)
+    })?;
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
@@ -515,9 +517,10 @@ impl Communicator {
         buf: &mut CudaSlice<T>,
         root: usize,
     ) -> Result<(), NcclError> {
+        let len = buf.len();
         let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
         // SAFETY: `p` addresses the whole live buffer; the communication stream orders it.
-        unsafe { self.broadcast_raw::<T>(p, buf.len(), root) }
+        unsafe { self.broadcast_raw::<T>(p, len, root) }
     }
 
     /// The average of a whole device buffer over every rank, in place.
@@ -525,9 +528,10 @@ impl Communicator {
         &self,
         buf: &mut CudaSlice<T>,
     ) -> Result<(), NcclError> {
+        let len = buf.len();
         let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
         // SAFETY: as above.
-        unsafe { self.all_reduce_raw::<T>(p, buf.len(), true) }
+        unsafe { self.all_reduce_raw::<T>(p, len, true) }
     }
 
     /// The sum of a whole device buffer over every rank, in place.
@@ -535,9 +539,10 @@ impl Communicator {
         &self,
         buf: &mut CudaSlice<T>,
     ) -> Result<(), NcclError> {
+        let len = buf.len();
         let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
         // SAFETY: as above.
-        unsafe { self.all_reduce_raw::<T>(p, buf.len(), false) }
+        unsafe { self.all_reduce_raw::<T>(p, len, false) }
     }
 }
 
@@ -575,7 +580,11 @@ struct Scratch<T> {
 }
 
 impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T> {
-    fn get(&mut self, stream: &Arc<CudaStream>, len: usize) -> Result<&mut CudaSlice<T>, DriverError> {
+    fn get(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<&mut CudaSlice<T>, DriverError> {
         if self.buf.as_ref().is_none_or(|b| b.len() < len) {
             self.buf = None;
             self.buf = Some(stream.alloc_zeros::<T>(len.max(16))?);
@@ -654,14 +663,18 @@ impl NcclCollective {
     }
 
     fn event(&self, op: &'static str) -> Result<CudaEvent, NcclError> {
-        self.compute().context().new_event(None).map_err(self.driver(op))
+        self.compute()
+            .context()
+            .new_event(None)
+            .map_err(self.driver(op))
     }
 
     /// Registers `event` (recorded after a collective) with the watchdog.
     fn watch(&self, label: String, event: &Arc<CudaEvent>) -> Result<(), NcclError> {
         let probe = event.clone();
-        self.watchdog
-            .watch(label, move || probe.try_is_complete().map_err(|e| e.to_string()))?;
+        self.watchdog.watch(label, move || {
+            probe.try_is_complete().map_err(|e| e.to_string())
+        })?;
         Ok(())
     }
 
@@ -705,6 +718,43 @@ impl NcclCollective {
             .map_err(self.driver("record a device sum"))?;
         self.watch(format!("{label} in step {}", self.step + 1), &done)?;
         Ok(done)
+    }
+
+    /// A collective on host `values`: uploads them into `scratch` on the communication
+    /// stream, runs `collective` on the device copy (address, length), waits for it (watched
+    /// under `label`), and downloads the result into `values`.
+    fn host_exchange<
+        T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    >(
+        &self,
+        scratch: &mut Scratch<T>,
+        values: &mut [T],
+        label: String,
+        collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
+    ) -> Result<(), NcclError> {
+        let stream = self.comm.stream.clone();
+        let n = values.len();
+        let buf = scratch
+            .get(&stream, n)
+            .map_err(self.driver("allocate a host exchange buffer"))?;
+        stream
+            .memcpy_htod(values, &mut buf.slice_mut(0..n))
+            .map_err(self.driver("upload host values"))?;
+        {
+            let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
+            collective(&self.comm, p, n)?;
+        }
+        let done = Arc::new(self.event("record a host exchange")?);
+        done.record(&stream)
+            .map_err(self.driver("record a host exchange"))?;
+        self.watch(label, &done)?;
+        self.wait(&done, "wait for a host exchange")?;
+        stream
+            .memcpy_dtoh(&buf.slice(0..n), values)
+            .map_err(self.driver("download host values"))?;
+        stream
+            .synchronize()
+            .map_err(self.driver("download host values"))
     }
 
     /// Waits for an event returned by [`NcclCollective::sum_on_device`].
@@ -761,7 +811,9 @@ impl Collective for NcclCollective {
             .wait(&self.ready[bucket])
             .map_err(self.driver("wait bucket-ready event"))?;
         let span = match &self.timeline {
-            Some(t) => t.begin(&stream).map_err(self.driver("record trace event"))?,
+            Some(t) => t
+                .begin(&stream)
+                .map_err(self.driver("record trace event"))?,
             None => None,
         };
         // SAFETY: the range lies inside the arena (checked), which the network keeps alive;
@@ -804,66 +856,26 @@ impl Collective for NcclCollective {
     }
 
     fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
-        let stream = self.comm.stream.clone();
-        let n = values.len();
-        let buf = self
-            .small_f32
-            .get(&stream, n)
-            .map_err(|source| NcclError::Driver {
-                op: "allocate a broadcast buffer",
-                rank: self.comm.rank,
-                source,
-            })?;
-        stream
-            .memcpy_htod(values, &mut buf.slice_mut(0..n))
-            .map_err(self.driver("upload broadcast values"))?;
-        let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
-        // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by this stream
-        // only.
-        unsafe { self.comm.broadcast_raw::<f32>(p, n, root) }?;
-        let done = Arc::new(self.event("record a broadcast")?);
-        done.record(&stream).map_err(self.driver("record a broadcast"))?;
-        self.watch(format!("broadcast of {n} values from rank {root}"), &done)?;
-        self.wait(&done, "wait for a broadcast")?;
-        let buf = self.small_f32.buf.as_ref().expect("allocated above");
-        stream
-            .memcpy_dtoh(&buf.slice(0..n), values)
-            .map_err(self.driver("download broadcast values"))?;
-        stream
-            .synchronize()
-            .map_err(self.driver("download broadcast values"))?;
-        Ok(())
+        let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
+        let label = format!("broadcast of {} values from rank {root}", values.len());
+        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+            // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
+            // communication stream only.
+            unsafe { comm.broadcast_raw::<f32>(p, n, root) }
+        });
+        self.small_f32 = scratch;
+        Ok(result?)
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
-        let stream = self.comm.stream.clone();
-        let n = values.len();
-        let buf = self
-            .small_f64
-            .get(&stream, n)
-            .map_err(|source| NcclError::Driver {
-                op: "allocate a sum buffer",
-                rank: self.comm.rank,
-                source,
-            })?;
-        stream
-            .memcpy_htod(values, &mut buf.slice_mut(0..n))
-            .map_err(self.driver("upload values to sum"))?;
-        let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
-        // SAFETY: as in `broadcast`.
-        unsafe { self.comm.all_reduce_raw::<f64>(p, n, false) }?;
-        let done = Arc::new(self.event("record a sum")?);
-        done.record(&stream).map_err(self.driver("record a sum"))?;
-        self.watch(format!("sum of {n} values in step {}", self.step + 1), &done)?;
-        self.wait(&done, "wait for a sum")?;
-        let buf = self.small_f64.buf.as_ref().expect("allocated above");
-        stream
-            .memcpy_dtoh(&buf.slice(0..n), values)
-            .map_err(self.driver("download summed values"))?;
-        stream
-            .synchronize()
-            .map_err(self.driver("download summed values"))?;
-        Ok(())
+        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+            // SAFETY: as in `broadcast`.
+            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+        });
+        self.small_f64 = scratch;
+        Ok(result?)
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
@@ -871,7 +883,10 @@ impl Collective for NcclCollective {
     }
 
     fn abort(&self, reason: &str) {
-        tracing::error!("rank {}: aborting the NCCL communicator: {reason}", self.comm.rank);
+        tracing::error!(
+            "rank {}: aborting the NCCL communicator: {reason}",
+            self.comm.rank
+        );
         if let Err(e) = self.comm.handle.abort() {
             tracing::warn!("rank {}: ncclCommAbort: {e}", self.comm.rank);
         }

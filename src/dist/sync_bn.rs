@@ -33,7 +33,7 @@ impl LocalBnGroup {
     /// Handles for `replicas` replicas (give one to each replica's thread). A replica that
     /// waits longer than `timeout` for the others gets an error instead of hanging.
     pub fn new(replicas: usize, timeout: Duration) -> Vec<LocalBnGroup> {
-        LocalGroup::new(replicas, timeout)
+        LocalGroup::ranks(replicas, timeout)
             .into_iter()
             .map(|comm| LocalBnGroup { comm })
             .collect()

@@ -586,9 +586,9 @@ impl<B: Backend> Network<B> {
                 self.graph.arch()
             )));
         }
-        let Some((base, views)) = self
-            .backend
-            .alloc_views(total, ranges, TensorRole::WeightGrad)?
+        let Some((base, views)) =
+            self.backend
+                .alloc_views(total, ranges, TensorRole::WeightGrad)?
         else {
             return Ok(None);
         };

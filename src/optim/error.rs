@@ -33,9 +33,9 @@ pub enum OptimError {
     /// A device optimizer's operation failed.
     #[error("device optimizer: {0}")]
     Device(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The model failed (uploading updated weights).
+    /// The model failed (uploading updated weights); boxed, so that the error stays small.
     #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
+    Model(Box<crate::model::ModelError>),
     /// The state file is not valid safetensors or lacks a tensor.
     #[error("{}: bad optimizer state: {detail}", path.display())]
     BadState {
@@ -44,4 +44,10 @@ pub enum OptimError {
         /// What is wrong (missing tensor, wrong length, another optimizer's state).
         detail: String,
     },
+}
+
+impl From<crate::model::ModelError> for OptimError {
+    fn from(e: crate::model::ModelError) -> Self {
+        OptimError::Model(Box::new(e))
+    }
 }

@@ -136,7 +136,10 @@ impl ParamLayout {
         let mut at = 0;
         for (i, spec) in params.iter().enumerate() {
             let n = spec.numel();
-            let v = match (spec.kind == ParamKind::ConvWeight && spec.shape.len() == 4, self.conv) {
+            let v = match (
+                spec.kind == ParamKind::ConvWeight && spec.shape.len() == 4,
+                self.conv,
+            ) {
                 (true, ConvOrder::Backend) => oihw_to_ohwi(&graph[at..at + n], &spec.shape),
                 _ => graph[at..at + n].to_vec(),
             };

@@ -22,9 +22,6 @@ mod run;
 mod setup;
 mod summary;
 
-#[cfg(test)]
-mod multirank_tests;
-
 pub use augment::{augment_for, augments_for, max_shift};
 pub use config::TrainConfig;
 pub use device::{cuda_device_count, DeviceChoice};
@@ -34,7 +31,10 @@ pub use evaluate::{
 };
 pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use folder::report::write_report;
-pub use folder::{CheckpointMeta, DataPosition, FolderError, RunFolder, RunSettings};
+pub use folder::{
+    checkpoint, fault, CheckpointMeta, DataPosition, DatasetStamp, FolderError, RunFolder,
+    RunSettings,
+};
 pub use run::{train, TrainOutcome};
 pub use summary::{format_summary, SummaryHeader};
 

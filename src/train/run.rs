@@ -17,10 +17,11 @@ use super::evaluate::evaluate;
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{CheckpointMeta, DataPosition, RunFolder};
 use super::progress::EpochBar;
-use super::rank::{account, Device, Rank, StepPlan};
+use super::rank::{account, Device, PendingStep, Rank, StepPlan};
 use super::setup::Shared;
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
+use crate::model::{ModelState, StepStats};
 use crate::optim::RankOptimizer;
 
 /// How a training run ended.
@@ -58,16 +59,108 @@ pub(crate) fn train_until(
     stop: &StopWish<'_>,
 ) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
+    refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
     // folder exists from the start; a run that fails before its first checkpoint removes the
     // folder it created ("nothing half-written").
     let folder = RunFolder::new(&cfg.out);
     let created = folder.create()?;
+    // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
+    // files) goes before anything new is written.
+    folder.clean();
     let result = run(cfg, &folder, stop);
     if result.is_err() {
         folder.discard_if_unused(created);
     }
     result
+}
+
+/// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
+/// unless `--overwrite` says so.
+fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if cfg.overwrite || cfg.resume.as_deref() == Some(cfg.out.as_path()) {
+        return Ok(());
+    }
+    let found = RunFolder::new(&cfg.out).existing_run();
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::RunExists {
+        path: cfg.out.clone(),
+        found: found.join(", "),
+    })
+}
+
+/// Stops the run on a NaN or infinite training loss (the sum over a step's `count` images,
+/// the same on every rank), before the diverged weights reach a checkpoint. `step_index` is
+/// the 0-based global step the loss belongs to.
+fn check_loss(
+    shared: &Shared,
+    totals: &StepStats,
+    step_index: u64,
+    epoch: u64,
+) -> Result<(), TrainError> {
+    if totals.count == 0 || totals.loss_sum.is_finite() {
+        return Ok(());
+    }
+    Err(TrainError::NonFiniteLoss {
+        what: "training loss",
+        loss: totals.loss_sum / totals.count as f64,
+        step: step_index + 1,
+        epoch: epoch + 1,
+        lr: shared.schedule.lr_at(step_index),
+        out: shared.cfg.out.clone(),
+    })
+}
+
+/// Stops the run when validation gives a NaN or infinite loss: the weights overflowed
+/// although each step's loss still looked finite.
+fn check_valid_loss(
+    shared: &Shared,
+    valid: &EpochMetrics,
+    global_step: u64,
+) -> Result<(), TrainError> {
+    if valid.loss.is_finite() {
+        return Ok(());
+    }
+    Err(TrainError::NonFiniteLoss {
+        what: "validation loss",
+        loss: valid.loss,
+        step: global_step,
+        epoch: valid.epoch,
+        lr: shared.schedule.lr_at(global_step.saturating_sub(1)),
+        out: shared.cfg.out.clone(),
+    })
+}
+
+/// Refuses to checkpoint weights or statistics that overflowed (a loss can stay finite while
+/// a batch-norm variance already reached infinity).
+fn check_finite_state(
+    shared: &Shared,
+    state: &ModelState,
+    position: &DataPosition,
+) -> Result<(), TrainError> {
+    let graph = &shared.graph;
+    let names = graph
+        .params()
+        .iter()
+        .map(|p| &p.name)
+        .zip(&state.params)
+        .chain(graph.buffers().iter().map(|b| &b.name).zip(&state.buffers));
+    for (name, values) in names {
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(TrainError::NonFiniteWeights {
+                tensor: name.clone(),
+                step: position.global_step,
+                epoch: position.epoch + u64::from(position.step_in_epoch > 0),
+                lr: shared
+                    .schedule
+                    .lr_at(position.global_step.saturating_sub(1)),
+                out: shared.cfg.out.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn run(
@@ -83,9 +176,7 @@ fn run(
     };
     let launched = match cfg.device {
         DeviceChoice::Cpu => super::rank::cpu::launch(cfg, folder, resumed.as_ref(), stop)?,
-        DeviceChoice::Cuda(n) => {
-            super::rank::cuda::launch(cfg, n, folder, resumed.as_ref(), stop)?
-        }
+        DeviceChoice::Cuda(n) => super::rank::cuda::launch(cfg, n, folder, resumed.as_ref(), stop)?,
     };
     outcome(launched, wall.elapsed())
 }
@@ -94,7 +185,7 @@ fn run(
 /// summary says about the devices.
 pub(crate) struct Launched {
     /// The run's shared state.
-    pub shared: Shared,
+    pub shared: std::sync::Arc<Shared>,
     /// One report per local rank, in rank order.
     pub reports: Vec<RankReport>,
     /// "cpu (2 threads) × 3 ranks".
@@ -267,9 +358,7 @@ fn train_epoch<D: Device>(
             stop_agreed = true;
         }
         if let Some(earlier) = pending.replace(issued) {
-            let (totals, wish) = rank.settle(earlier)?;
-            account(&mut rank.position.partial_train, &totals);
-            stop_agreed |= wish;
+            stop_agreed |= settle(shared, rank, earlier)?;
         }
         let pos = &mut rank.position;
         pos.global_step += 1;
@@ -297,9 +386,7 @@ fn train_epoch<D: Device>(
         let early = !last && (stop_agreed || reached_stop_step(cfg, &rank.position));
         if last || early {
             if let Some(earlier) = pending.take() {
-                let (totals, wish) = rank.settle(earlier)?;
-                account(&mut rank.position.partial_train, &totals);
-                stop_agreed |= wish;
+                stop_agreed |= settle(shared, rank, earlier)?;
             }
         }
         let elapsed = started.elapsed().as_secs_f64();
@@ -321,6 +408,21 @@ fn train_epoch<D: Device>(
     Ok((true, stop_agreed))
 }
 
+/// Reads the totals of the step before the last one issued (global step index
+/// `position.global_step - 1`), stops on a non-finite loss, adds them to the epoch's figures;
+/// returns whether any rank asked to stop.
+fn settle<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    earlier: PendingStep<D::Pending>,
+) -> Result<bool, TrainError> {
+    let (totals, wish) = rank.settle(earlier)?;
+    let index = rank.position.global_step.saturating_sub(1);
+    check_loss(shared, &totals, index, rank.position.epoch)?;
+    account(&mut rank.position.partial_train, &totals);
+    Ok(wish)
+}
+
 /// Validation, metrics, checkpoint and report after an epoch (rank 0).
 fn end_epoch<D: Device>(
     shared: &Shared,
@@ -339,6 +441,7 @@ fn end_epoch<D: Device>(
     let report = evaluate(&mut rank.net, &shared.valid_pipe)?;
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
+    check_valid_loss(shared, &valid_line, rank.position.global_step)?;
     shared.folder.record_epoch(train_line, &valid_line)?;
     save_checkpoint(shared, rank)?;
     shared.folder.write_report()?;
@@ -359,9 +462,11 @@ fn end_epoch<D: Device>(
 }
 
 /// Writes the checkpoint: the optimizer's f32 master weights with the network's buffers, the
-/// optimizer state in the host format, the sidecar.
+/// optimizer state in the host format, the sidecar (the commit point). Overflowed weights
+/// are refused instead.
 fn save_checkpoint<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
     let state = rank.master_state(shared)?;
+    check_finite_state(shared, &state, &rank.position)?;
     let model = state.to_safetensors_bytes(&shared.graph, None)?;
     let optimizer = rank.opt.to_host()?.to_safetensors_bytes();
     let meta = shared.checkpoint_meta(&rank.position);

@@ -9,7 +9,7 @@ use pipeline::{BatchAllocator, DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::config::TrainConfig;
 use super::evaluate::summarise;
-use super::folder::{CheckpointMeta, DataPosition, RunFolder};
+use super::folder::{CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::model::{Graph, HeadPolicy, ModelState};
@@ -93,6 +93,8 @@ pub(crate) struct Shared {
     pub bucket_plan: BucketPlan,
     /// The run folder (written by rank 0 of node 0).
     pub folder: RunFolder,
+    /// What the checkpoints record of the training data.
+    pub dataset: DatasetStamp,
     /// `--trace` spans.
     pub trace: TraceRecorder,
     /// Steps between cross-rank checksum comparisons.
@@ -104,7 +106,7 @@ impl Shared {
     /// the checkpoint to continue; `writer` says whether this process writes the run folder
     /// (node 0).
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         cfg: &TrainConfig,
         ranks: usize,
         resumed: Option<&(PathBuf, CheckpointMeta)>,
@@ -129,8 +131,10 @@ impl Shared {
                 ),
             });
         }
+        let dataset = DatasetStamp::of(&train_pipe);
+        warn_about_dataset(&cfg, classes.len(), train_pipe.len());
         let schedule = Schedule {
-            base_lr: cfg.scaled_lr(),
+            base_lr: cfg.scaled_lr_for(train_pipe.len()),
             steps_per_epoch: steps_per_epoch as u64,
             warmup_epochs: cfg.warmup_epochs,
             total_epochs: cfg.epochs as u32,
@@ -151,7 +155,8 @@ impl Shared {
                 )?;
                 let mut optimizer = Optimizer::new(kind, hyper, graph.params());
                 optimizer.load(&run.join(&meta.optimizer_state_file))?;
-                (state, Some(optimizer), resumed_position(&cfg, meta))
+                let position = resume_position(&cfg, run, meta, &dataset)?;
+                (state, Some(optimizer), position)
             }
             None => {
                 let state = match &cfg.init_from {
@@ -177,10 +182,7 @@ impl Shared {
                 hint: e.to_string(),
             })?;
         if writer {
-            folder.start_metrics(
-                resumed.map(|(run, _)| run.as_path()),
-                position.epoch,
-            )?;
+            folder.start_metrics(resumed.map(|(run, _)| run.as_path()), position.epoch)?;
         }
         let trace = if cfg.dist.trace.is_some() {
             TraceRecorder::new()
@@ -202,28 +204,29 @@ impl Shared {
             steps_per_epoch,
             bucket_plan,
             folder,
+            dataset,
             trace,
             checksum_every: CHECKSUM_EVERY,
         })
     }
 
     /// Ranks in the run.
-    pub fn ranks(&self) -> usize {
+    pub(crate) fn ranks(&self) -> usize {
         self.cfg.replicas
     }
 
     /// Rank `rank`'s images at `step`, from the data order.
-    pub fn rank_images(&self, step: usize, rank: usize) -> usize {
+    pub(crate) fn rank_images(&self, step: usize, rank: usize) -> usize {
         self.train_pipe.micro_batch_len(step, rank).unwrap_or(0)
     }
 
     /// Every rank's images at `step`, from the data order.
-    pub fn step_images(&self, step: usize) -> usize {
+    pub(crate) fn step_images(&self, step: usize) -> usize {
         (0..self.ranks()).map(|r| self.rank_images(step, r)).sum()
     }
 
     /// Prints a line when the run is verbose.
-    pub fn say(&self, line: impl AsRef<str>) {
+    pub(crate) fn say(&self, line: impl AsRef<str>) {
         if self.cfg.verbose {
             println!("{}", line.as_ref());
         }
@@ -231,7 +234,7 @@ impl Shared {
 
     /// The sidecar of a checkpoint at `position` (file names and checksums are filled in by
     /// [`RunFolder::save_checkpoint`]).
-    pub fn checkpoint_meta(&self, position: &DataPosition) -> CheckpointMeta {
+    pub(crate) fn checkpoint_meta(&self, position: &DataPosition) -> CheckpointMeta {
         let cfg = &self.cfg;
         CheckpointMeta {
             version: 0,
@@ -252,11 +255,12 @@ impl Shared {
             settings: cfg.settings(),
             model_checksum: String::new(),
             optimizer_checksum: String::new(),
+            dataset: Some(self.dataset.clone()),
         }
     }
 
     /// The lines that open a run.
-    pub fn say_start(&self, device: &str, resumed: Option<&(PathBuf, CheckpointMeta)>) {
+    pub(crate) fn say_start(&self, device: &str, resumed: Option<&(PathBuf, CheckpointMeta)>) {
         let cfg = &self.cfg;
         self.say(format!(
             "model {} ({} parameters) · {} · {} train / {} valid images at {}×{}",
@@ -291,10 +295,53 @@ impl Shared {
     }
 }
 
-/// Where a resumed run continues. With another global batch (another rank count or batch
-/// size) it continues from the same sample count, and says so when that repeats samples.
-fn resumed_position(cfg: &TrainConfig, meta: &CheckpointMeta) -> DataPosition {
+/// Warnings about a training set that makes the figures misleading (the run goes on).
+fn warn_about_dataset(cfg: &TrainConfig, classes: usize, train_images: usize) {
+    if classes == 1 {
+        tracing::warn!(
+            "the training set has a single class: every prediction is that class, so accuracy is 1.0 by construction (add at least one more class folder)"
+        );
+    }
+    let global = cfg.global_batch();
+    if global > train_images && cfg.last_batch != pipeline::LastBatch::Pad {
+        tracing::warn!(
+            "a global batch of {global} is larger than the {train_images} training images: each step holds all {train_images}, and the learning rate is scaled for {train_images} (hint: a smaller --batch-size)"
+        );
+    }
+}
+
+/// Where a resumed run continues: the checkpoint's data position, moved to the same sample
+/// count when the global batch changed (another rank count or batch size, saying so when
+/// that repeats samples), and back to the start of the interrupted epoch when the training
+/// data changed and `--allow-data-change` allows going on (otherwise a changed training set
+/// is refused, saying what changed).
+fn resume_position(
+    cfg: &TrainConfig,
+    run: &std::path::Path,
+    meta: &CheckpointMeta,
+    now: &DatasetStamp,
+) -> Result<DataPosition, TrainError> {
     let mut position = meta.data_position.clone();
+    if let Some(then) = &meta.dataset {
+        if then != now {
+            if !cfg.allow_data_change {
+                return Err(TrainError::DataChanged {
+                    path: run.to_path_buf(),
+                    change: describe_change(then, now),
+                    epoch: position.epoch + 1,
+                });
+            }
+            tracing::warn!(
+                "the training data changed since the checkpoint ({}): --allow-data-change restarts epoch {} on the new data",
+                describe_change(then, now),
+                position.epoch + 1
+            );
+            position.step_in_epoch = 0;
+            position.samples_in_epoch = 0;
+            position.partial_train = Default::default();
+            return Ok(position);
+        }
+    }
     if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
         let gb = cfg.global_batch() as u64;
         position.step_in_epoch = (position.samples_in_epoch / gb) as usize;
@@ -307,7 +354,20 @@ fn resumed_position(cfg: &TrainConfig, meta: &CheckpointMeta) -> DataPosition {
             );
         }
     }
-    position
+    Ok(position)
+}
+
+/// What differs between two stamps of the training data, in words.
+fn describe_change(then: &DatasetStamp, now: &DatasetStamp) -> String {
+    use std::cmp::Ordering;
+    let (a, b) = (then.train_images, now.train_images);
+    match b.cmp(&a) {
+        Ordering::Less => format!("{a} training images then, {b} now: {} removed", a - b),
+        Ordering::Greater => format!("{a} training images then, {b} now: {} added", b - a),
+        Ordering::Equal => format!(
+            "{a} training images then and now, but file names, sizes, labels or the image size differ"
+        ),
+    }
 }
 
 /// Checks a resumed checkpoint against this run: model, image size, class list.

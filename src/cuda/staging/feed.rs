@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 
 use pipeline::Batch;
 
-use super::{
-    DataWaitMeter, ExternalBatch, StagedBatch, StagingError, StagingRing, StagingStreams,
-};
+use super::{DataWaitMeter, ExternalBatch, StagedBatch, StagingError, StagingRing, StagingStreams};
 
 /// Errors of the feeder: the engine's or the ring's.
 #[derive(Debug, thiserror::Error)]

@@ -43,7 +43,14 @@ pub enum FolderError {
         /// The plotting error.
         reason: String,
     },
-    /// The weights could not be serialised (a state of another model).
+    /// The weights could not be serialised (a state of another model); boxed, so that the
+    /// error stays small.
     #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
+    Model(Box<crate::model::ModelError>),
+}
+
+impl From<crate::model::ModelError> for FolderError {
+    fn from(e: crate::model::ModelError) -> Self {
+        FolderError::Model(Box::new(e))
+    }
 }

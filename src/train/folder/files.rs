@@ -27,21 +27,37 @@ pub fn temp_path(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` through a synced temporary file and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FolderError> {
+    let tmp = write_temp(path, bytes)?;
+    commit_temp(&tmp, path)
+}
+
+/// Writes `bytes` to a synced temporary sibling of `path` and returns its name (removed
+/// again on failure, so a full disk leaves nothing behind).
+pub fn write_temp(path: &Path, bytes: &[u8]) -> Result<PathBuf, FolderError> {
     let tmp = temp_path(path);
     let result = (|| {
         let mut file = File::create(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()
     })();
-    if let Err(source) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(FolderError::Io {
-            path: path.to_path_buf(),
-            what: "write",
-            source,
-        });
+    match result {
+        Ok(()) => Ok(tmp),
+        Err(source) => {
+            let _ = fs::remove_file(&tmp);
+            Err(FolderError::Io {
+                path: path.to_path_buf(),
+                what: "write",
+                source,
+            })
+        }
     }
-    commit_temp(&tmp, path)
+}
+
+/// Makes the renames in `dir` durable (best effort: not every file system syncs folders).
+pub fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
 }
 
 /// Renames a finished temporary file onto its final name.

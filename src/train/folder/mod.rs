@@ -9,15 +9,16 @@
 
 pub mod checkpoint;
 mod error;
+pub mod fault;
 pub mod files;
 pub mod metrics;
 pub mod report;
 
 use std::path::{Path, PathBuf};
 
-pub use checkpoint::{CheckpointMeta, DataPosition, RunSettings};
+pub use checkpoint::{CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
 pub use error::FolderError;
-use files::{bytes_checksum, write_atomic};
+use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
 
 /// File name of the metrics inside a run folder.
@@ -136,22 +137,32 @@ impl RunFolder {
         report::write_report(&self.report_path(), &self.metrics()?)
     }
 
-    /// Commits a checkpoint: the weights and optimizer state (safetensors bytes), then the
-    /// sidecar `meta` with their file names and checksums filled in, renamed last.
+    /// Commits a checkpoint ([`checkpoint::write_checkpoint`]): the weights and optimizer
+    /// state (safetensors bytes) under names of their own, then the sidecar `meta` with
+    /// their file names and checksums filled in, the single commit point.
     pub fn save_checkpoint(
         &self,
         mut meta: CheckpointMeta,
         model: &[u8],
         optimizer: &[u8],
     ) -> Result<(), FolderError> {
-        write_atomic(&self.root.join(checkpoint::MODEL_FILE), model)?;
-        write_atomic(&self.root.join(checkpoint::OPTIMIZER_FILE), optimizer)?;
         meta.version = checkpoint::SIDECAR_VERSION;
-        meta.model_file = checkpoint::MODEL_FILE.into();
-        meta.optimizer_state_file = checkpoint::OPTIMIZER_FILE.into();
-        meta.model_checksum = bytes_checksum(model);
-        meta.optimizer_checksum = bytes_checksum(optimizer);
-        meta.save(&self.root)
+        checkpoint::write_checkpoint(&self.root, meta, model, optimizer)
+    }
+
+    /// Removes what an interrupted checkpoint or run left behind (temporary files, tensor
+    /// files no sidecar names) before anything new is written.
+    pub fn clean(&self) {
+        checkpoint::clean_run_folder(&self.root);
+    }
+
+    /// What in the folder shows that a run is there already (the sidecar, metrics), in
+    /// words; empty when nothing does.
+    pub fn existing_run(&self) -> Vec<&'static str> {
+        [checkpoint::SIDECAR_FILE, METRICS_FILE]
+            .into_iter()
+            .filter(|f| self.root.join(f).exists())
+            .collect()
     }
 }
 

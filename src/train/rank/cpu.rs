@@ -83,7 +83,11 @@ impl<C: Collective<Buffer = HostGrads>> Device for CpuDevice<C> {
         }
     }
 
-    fn before_compute(&mut self, _net: &Network<CpuBackend>, _stop: bool) -> Result<(), TrainError> {
+    fn before_compute(
+        &mut self,
+        _net: &Network<CpuBackend>,
+        _stop: bool,
+    ) -> Result<(), TrainError> {
         Ok(())
     }
 
@@ -292,11 +296,10 @@ pub(crate) fn launch(
         if ranks == 1 { "" } else { "s" }
     );
     shared.say_start(&devices, resumed);
-    let comms: Vec<LocalCollective> =
-        LocalGroup::new(ranks, shared.cfg.dist.collective_timeout());
+    let comms: Vec<LocalCollective> = LocalGroup::ranks(ranks, shared.cfg.dist.collective_timeout());
     let reports = run_cpu_ranks(&shared, comms, stop)?;
     Ok(Launched {
-        shared,
+        shared: std::sync::Arc::new(shared),
         reports,
         devices,
         notes: Vec::new(),

@@ -34,7 +34,7 @@ use crate::cuda::staging::pinned::{is_pinned, pinned_allocator};
 use crate::cuda::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::cuda::timeline::{rows, GpuTimeline};
 use crate::cuda::{CudaBackend, CudaTensor, GpuDevice};
-use crate::dist::collective::Collective;
+use crate::dist::collective::{Collective, CollectiveError};
 use crate::dist::launch::{self, LaunchPlan};
 use crate::dist::nccl::{self, Communicator, DeviceGrads, NcclCollective};
 use crate::dist::ranks::{self, RankContext};
@@ -50,7 +50,7 @@ use crate::train::TrainError;
 /// The step totals of the last two steps: on the device (written by the loss kernels, summed
 /// by NCCL) and in page-locked host memory (copied there after the sum), one slot per step.
 struct DeviceTotals {
-    device: CudaSlice<f64>,
+    _device: CudaSlice<f64>,
     base: u64,
     _host: PinnedHostSlice<f64>,
     host: *mut f64,
@@ -74,7 +74,7 @@ impl DeviceTotals {
             .map_err(cuda("step totals (host)"))?;
         let ptr = host.as_mut_ptr().map_err(cuda("step totals (host)"))?;
         Ok(DeviceTotals {
-            device: dev,
+            _device: dev,
             base,
             _host: host,
             host: ptr,
@@ -178,7 +178,9 @@ where
             b.map(|b| {
                 static WARNED: AtomicBool = AtomicBool::new(false);
                 if !is_pinned(b.buffer()) && !WARNED.swap(true, Ordering::Relaxed) {
-                    tracing::warn!("the engine's batch buffer is not pinned: uploads are synchronous");
+                    tracing::warn!(
+                        "the engine's batch buffer is not pinned: uploads are synchronous"
+                    );
                 }
                 HostBatch::from_engine(b)
             })
@@ -302,9 +304,8 @@ where
         comm.wait_device_sum(&pending.done)?;
         let mut out = [0.0; TOTALS_LEN];
         // SAFETY: the copy into this host slot completed (the event above).
-        let src = unsafe {
-            std::slice::from_raw_parts(self.totals.host_slot(pending.slot), TOTALS_LEN)
-        };
+        let src =
+            unsafe { std::slice::from_raw_parts(self.totals.host_slot(pending.slot), TOTALS_LEN) };
         out.copy_from_slice(src);
         Ok(out)
     }
@@ -384,11 +385,12 @@ impl GpuCollective for NcclCollective {
         len: usize,
         host: *mut f64,
     ) -> Result<Arc<CudaEvent>, TrainError> {
-        Ok(NcclCollective::sum_on_device(self, ptr, len, host, "step totals sum")?)
+        NcclCollective::sum_on_device(self, ptr, len, host, "step totals sum")
+            .map_err(|e| CollectiveError::from(e).into())
     }
 
     fn wait_device_sum(&self, event: &CudaEvent) -> Result<(), TrainError> {
-        Ok(NcclCollective::wait_device_sum(self, event)?)
+        NcclCollective::wait_device_sum(self, event).map_err(|e| CollectiveError::from(e).into())
     }
 
     fn timeline(&mut self) -> Option<&mut GpuTimeline> {
@@ -418,12 +420,15 @@ impl GpuCollective for SingleRank<DeviceGrads> {
                 .new_event(None)
                 .map_err(cuda("record the step totals"))?,
         );
-        done.record(stream).map_err(cuda("record the step totals"))?;
+        done.record(stream)
+            .map_err(cuda("record the step totals"))?;
         Ok(done)
     }
 
     fn wait_device_sum(&self, event: &CudaEvent) -> Result<(), TrainError> {
-        event.synchronize().map_err(cuda("wait for the step totals"))
+        event
+            .synchronize()
+            .map_err(cuda("wait for the step totals"))
     }
 
     fn timeline(&mut self) -> Option<&mut GpuTimeline> {
@@ -490,7 +495,7 @@ where
     let device = backend.device().clone();
     // The optimizer works on the same device and stream as the network.
     let opt_backend = backend.clone();
-    let mut comm = make_comm(&device);
+    let comm = make_comm(&device);
     let built = (|| -> Result<_, TrainError> {
         let mut net = Network::new(
             StagedBackend::new(backend),
@@ -518,7 +523,8 @@ where
             slot_bytes,
         )
         .map_err(cuda("allocating the staging ring"))?;
-        let ring = StagingRing::new(staging).map_err(|e| config_error("--prefetch-depth", dist.prefetch_depth, e))?;
+        let ring = StagingRing::new(staging)
+            .map_err(|e| config_error("--prefetch-depth", dist.prefetch_depth, e))?;
         let gpu = CudaDevice::<C> {
             feeder: Feeder::new(ring),
             source: None,

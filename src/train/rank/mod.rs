@@ -16,8 +16,8 @@
 //! 5. the step's loss and hit counts and this rank's wish to stop start a small sum over the
 //!    ranks, read one step later ([`Rank::settle`]), so a step never waits for the host.
 
-pub mod cpu;
-pub mod cuda;
+pub(crate) mod cpu;
+pub(crate) mod cuda;
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -233,7 +233,7 @@ impl<D: Device> Rank<D> {
     /// rank read the same checkpoint or seed, but another node's file must not be trusted to
     /// agree) and the checkpoint's optimizer state, if any.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         shared: &Shared,
         rank: usize,
         local_index: usize,
@@ -279,12 +279,12 @@ impl<D: Device> Rank<D> {
     }
 
     /// Rank 0 validates and writes the run folder.
-    pub fn is_writer(&self) -> bool {
+    pub(crate) fn is_writer(&self) -> bool {
         self.rank == 0
     }
 
     /// Issues one training step; its totals are read by [`Rank::settle`] later.
-    pub fn step(
+    pub(crate) fn step(
         &mut self,
         shared: &Shared,
         plan: &StepPlan,
@@ -339,7 +339,8 @@ impl<D: Device> Rank<D> {
             self.device.after_compute(&self.net)?;
             StepStats::default()
         };
-        self.device.span(&mut self.comm, mark, "forward + backward")?;
+        self.device
+            .span(&mut self.comm, mark, "forward + backward")?;
         self.sync.finish_step(&mut self.comm, &mut self.grads)?;
         if plan.global_images > 0 {
             let mark = self.device.mark(&mut self.comm)?;
@@ -433,7 +434,7 @@ impl<D: Device> Rank<D> {
     }
 
     /// The global totals of a step issued earlier, and whether any rank asked to stop.
-    pub fn settle(
+    pub(crate) fn settle(
         &mut self,
         pending: PendingStep<D::Pending>,
     ) -> Result<(StepStats, bool), TrainError> {
@@ -442,7 +443,7 @@ impl<D: Device> Rank<D> {
     }
 
     /// Broadcasts rank 0's weight checksum; every rank compares its own.
-    pub fn compare_checksums(&mut self) -> Result<u64, TrainError> {
+    pub(crate) fn compare_checksums(&mut self) -> Result<u64, TrainError> {
         let mine = crate::dist::checksum(&self.opt.master()?);
         let reference = broadcast_checksum(&mut self.comm, mine, 0)?;
         if mine != reference {
@@ -462,7 +463,7 @@ impl<D: Device> Rank<D> {
     /// every rank goes on from it. The running statistics advance linearly, so averaging at
     /// the end equals averaging at every step up to rounding. The counters are rank 0's
     /// (it has images at every step).
-    pub fn average_bn_statistics(&mut self, shared: &Shared) -> Result<(), TrainError> {
+    pub(crate) fn average_bn_statistics(&mut self, shared: &Shared) -> Result<(), TrainError> {
         if self.world == 1 {
             return Ok(());
         }
@@ -493,7 +494,7 @@ impl<D: Device> Rank<D> {
 
     /// The replica's state as a checkpoint stores it: the optimizer's f32 master weights and
     /// the network's buffers.
-    pub fn master_state(&mut self, shared: &Shared) -> Result<ModelState, TrainError> {
+    pub(crate) fn master_state(&mut self, shared: &Shared) -> Result<ModelState, TrainError> {
         let mut state = ModelState {
             params: shared
                 .graph
@@ -508,7 +509,7 @@ impl<D: Device> Rank<D> {
     }
 
     /// Aborts the collective (this rank failed: nobody may wait for it).
-    pub fn abort(&self, reason: &str) {
+    pub(crate) fn abort(&self, reason: &str) {
         self.comm.abort(reason);
     }
 }
