@@ -22,6 +22,9 @@ mod run;
 mod setup;
 mod summary;
 
+#[cfg(test)]
+mod multirank_tests;
+
 pub use augment::{augment_for, augments_for, max_shift};
 pub use config::TrainConfig;
 pub use device::{cuda_device_count, DeviceChoice};

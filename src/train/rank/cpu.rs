@@ -296,7 +296,8 @@ pub(crate) fn launch(
         if ranks == 1 { "" } else { "s" }
     );
     shared.say_start(&devices, resumed);
-    let comms: Vec<LocalCollective> = LocalGroup::ranks(ranks, shared.cfg.dist.collective_timeout());
+    let comms: Vec<LocalCollective> =
+        LocalGroup::ranks(ranks, shared.cfg.dist.collective_timeout());
     let reports = run_cpu_ranks(&shared, comms, stop)?;
     Ok(Launched {
         shared: std::sync::Arc::new(shared),

@@ -299,7 +299,9 @@ impl<D: Device> Rank<D> {
                 ),
             });
         };
-        if batch.len != plan.local_images {
+        // Fewer images than the data order gives: the engine skipped unreadable files
+        // (`--on-bad-image skip`). More would be an engine bug.
+        if batch.len > plan.local_images {
             return Err(TrainError::InvalidConfig {
                 flag: "--last-batch",
                 value: shared.cfg.last_batch.as_str().into(),
@@ -319,8 +321,10 @@ impl<D: Device> Rank<D> {
             );
         }
         // The step's gradient is the image-weighted mean of the ranks' mean-loss gradients;
-        // the collective averages over ranks, so each rank first scales by its share.
-        let scale = if plan.global_images > 0 {
+        // the collective averages over ranks, so each rank first scales by its share, known
+        // from the data order without an exchange. An image the engine skipped as unreadable
+        // counts as a zero gradient in that share; a rank alone keeps the mean of what it got.
+        let scale = if self.world > 1 && plan.global_images > 0 {
             (batch.len * self.world) as f32 / plan.global_images as f32
         } else {
             1.0
