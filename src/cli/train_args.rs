@@ -139,10 +139,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "cosine|step|constant")]
     pub schedule: Option<String>,
     /// With --schedule step: epochs between decays.
-    #[arg(long, value_name = "E", default_value_t = 30)]
+    #[arg(long, value_name = "E", default_value_t = TrainConfig::DEFAULT_STEP_EVERY)]
     pub step_every: u32,
     /// With --schedule step: decay factor.
-    #[arg(long, value_name = "G", default_value_t = 0.1)]
+    #[arg(long, value_name = "G", default_value_t = TrainConfig::DEFAULT_STEP_GAMMA)]
     pub step_gamma: f32,
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
