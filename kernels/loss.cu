@@ -13,6 +13,15 @@
 //
 // Launch configuration. One block of 128 threads per row (grid N); block-wide max and sum
 // reductions through warp shuffles, f32 throughout.
+//
+// loss_totals turns the per-row outputs into the step's figures without leaving the device:
+// totals = [Σ loss, rows with rank 0 (top-1 hits), rows with rank < 5 (top-5 hits), N, stop],
+// f64, where `stop` (0 or 1, a kernel argument) is this rank's wish to stop after the step;
+// with N = 0 (a rank without images) the loss and rank pointers are not read.
+// One block of 256 threads: each thread sums a strided share of the rows in f64, then a
+// shared-memory tree halves the partial sums (a fixed order: the same bits every run). The
+// trainer all-reduces `totals` on the device and reads it one step later, so a training step
+// needs no host synchronisation.
 #include "common.cuh"
 
 extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const int* __restrict__ labels,
@@ -52,5 +61,35 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
     if (threadIdx.x == 0) {
         loss[row] = lse - (1.0f - smoothing) * z_label - smoothing * total / (float)k;
         rank[row] = nonfinite > 0.0f ? 0x7fffffff : (int)above;
+    }
+}
+
+#define BT_TOTALS_THREADS 256
+
+extern "C" __global__ void loss_totals(const float* __restrict__ loss, const int* __restrict__ rank,
+                                       int n, int stop, double* __restrict__ totals) {
+    __shared__ double part[3][BT_TOTALS_THREADS];
+    double l = 0.0, top1 = 0.0, top5 = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        l += (double)loss[i];
+        top1 += rank[i] == 0 ? 1.0 : 0.0;
+        top5 += rank[i] < 5 ? 1.0 : 0.0;
+    }
+    part[0][threadIdx.x] = l;
+    part[1][threadIdx.x] = top1;
+    part[2][threadIdx.x] = top5;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) {
+            for (int k = 0; k < 3; ++k) part[k][threadIdx.x] += part[k][threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        totals[0] = part[0][0];
+        totals[1] = part[1][0];
+        totals[2] = part[2][0];
+        totals[3] = (double)n;
+        totals[4] = (double)stop;
     }
 }

@@ -13,6 +13,8 @@
 //     w ← w·(1 − lr·wd) (decoupled); m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;
 //     w −= lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + ε).
 // `grad_scale` folds the 1/world averaging of data parallelism into the update.
+//   scale_f32: x ← alpha·x over a flat f32 range (a rank's gradient bucket times its share of
+//     the step's images before the average, when a short last batch is split unevenly).
 //
 // Data layout. master, buf, m, v: f32 flat; gradients f32 and working copies bf16 wherever the
 // tensors live; chunk table: arrays [chunks] of u64 gradient address, u64 working address (or
@@ -20,6 +22,7 @@
 //
 // Launch configuration. grid = number of chunks, 256 threads; each thread strides over its
 // chunk (CHUNK = 65536 on the host side, so a ResNet-50 update is ~400 blocks, one launch).
+// scale_f32: a grid-stride loop, 256 threads, at most 1024 blocks.
 #include "common.cuh"
 
 // Per-chunk addresses: grad_ptr[b] and work_ptr[b] point at the chunk's first gradient (f32)
@@ -91,4 +94,10 @@ extern "C" __global__ void adam_update(float* __restrict__ master, float* __rest
         master[i] = w;
         if (c.work != nullptr) c.work[j] = bt_to_bf16(w);
     }
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ x, long n, float alpha) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x)
+        x[i] *= alpha;
 }

@@ -11,4 +11,5 @@ pub mod dist;
 pub mod model;
 pub mod optim;
 pub mod panics;
+pub mod trace;
 pub mod train;

@@ -83,6 +83,16 @@ fn absurd_counts_name_the_flag_and_the_limit() {
     ));
     assert_one_line_error(&run, &["replicas", "100000", "90 images"]);
     assert!(!out.join("checkpoint.json").exists());
+    // A batch beyond the data is one step of every image: the network is sized for the
+    // images that can come, not for a billion.
+    let mut args = train_args(&data, &out, &["--cache-dir", s(&cache)]);
+    let at = args.iter().position(|a| *a == "--batch-size").unwrap();
+    args[at + 1] = "1000000000";
+    let run = birdtrain(&args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(stderr.contains("larger than the 90 training images"), "{stderr}");
+    assert!(out.join("checkpoint.json").exists());
 }
 
 #[test]

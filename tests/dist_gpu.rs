@@ -6,14 +6,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use birdtrain::cuda::staging::device::CudaStaging;
+use birdtrain::cuda::staging::StagingRing;
+use birdtrain::cuda::GpuDevice;
+use birdtrain::dist::buckets::GradientSync;
 use birdtrain::dist::buckets::{BucketPlan, BucketSettings, ParamSpec};
 use birdtrain::dist::checksum;
-use birdtrain::dist::cuda_staging::CudaStaging;
+use birdtrain::dist::collective::Collective;
 use birdtrain::dist::nccl::{
-    ensure_available, new_unique_id, Communicator, GradientSync, NcclError,
+    ensure_available, new_unique_id, Communicator, DeviceGrads, NcclCollective, NcclError,
 };
-use birdtrain::dist::staging::StagingRing;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, DevicePtr};
 
 #[test]
 fn nccl_availability_is_an_error_not_a_panic() {
@@ -61,32 +64,34 @@ fn run_ranks(world: usize) {
             let id = id.clone();
             let plan = plan.clone();
             std::thread::spawn(move || {
-                let ctx = CudaContext::new(rank).unwrap();
-                let compute = ctx.new_stream().unwrap();
-                let comm_stream = ctx.new_stream().unwrap();
+                let device = GpuDevice::open(rank).unwrap();
+                let compute = device.stream().clone();
+                let comm_stream = device.context().new_stream().unwrap();
                 let comm =
                     Communicator::init(comm_stream, rank, world, &id, Duration::from_secs(60))
                         .unwrap();
-                let mut sync =
-                    GradientSync::new(comm, compute.clone(), plan.clone(), Duration::from_secs(60))
-                        .unwrap();
+                let mut coll = NcclCollective::new(comm, device.clone(), Duration::from_secs(60));
+                let mut sync = GradientSync::new(plan.clone());
 
-                let weights_host: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
-                let mut weights = compute.clone_htod(&weights_host).unwrap();
-                sync.broadcast_weights(&mut weights).unwrap();
-                let weights = compute.clone_dtoh(&weights).unwrap();
+                let mut weights: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
+                coll.broadcast(&mut weights, 0).unwrap();
                 let expected: Vec<f32> = (0..1000).map(|i| i as f32).collect();
                 assert_eq!(weights, expected, "rank {rank}: broadcast from rank 0");
 
                 let n = plan.total_elements();
-                let mut grads = compute.clone_htod(&vec![(rank + 1) as f32; n]).unwrap();
-                sync.begin_step().unwrap();
+                let grads = compute.clone_htod(&vec![(rank + 1) as f32; n]).unwrap();
+                let ptr = {
+                    let (p, _record) = grads.device_ptr(&compute);
+                    p
+                };
+                let mut buffer = DeviceGrads { ptr, len: n };
+                sync.begin_step(1.0);
                 let mut launched = Vec::new();
                 // Backward order: last parameter first.
                 for p in (0..plan.param_count()).rev() {
-                    launched.extend(sync.grad_ready(&mut grads, p).unwrap());
+                    launched.extend(sync.grad_ready(&mut coll, &mut buffer, p).unwrap());
                 }
-                sync.finish_step().unwrap();
+                sync.finish_step(&mut coll, &mut buffer).unwrap();
                 assert_eq!(launched, (0..plan.buckets().len()).collect::<Vec<_>>());
                 let out = compute.clone_dtoh(&grads).unwrap();
                 let mean = (1..=world).sum::<usize>() as f32 / world as f32;
@@ -95,7 +100,7 @@ fn run_ranks(world: usize) {
                         assert_eq!(v, mean, "rank {rank} parameter {p}");
                     }
                 }
-                sync.check().unwrap();
+                coll.check().unwrap();
                 checksum(&out)
             })
         })
@@ -205,18 +210,12 @@ fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
         new_unique_id().map_err(|e| e.to_string())
     })
     .unwrap();
-    let plan_buckets = plan_for_ranks();
     let sums = run_local_ranks(&plan, &assignment, Duration::from_secs(60), move |rank| {
-        let sync = GradientSync::new(
-            rank.comm,
-            rank.compute.clone(),
-            plan_buckets.clone(),
-            Duration::from_secs(60),
-        )?;
-        let init: Vec<f32> = (0..4096).map(|i| (i + rank.rank * 1000) as f32).collect();
-        let mut weights = rank.compute.clone_htod(&init)?;
-        sync.broadcast_weights(&mut weights)?;
-        Ok((rank.rank, checksum(&rank.compute.clone_dtoh(&weights)?)))
+        let device = GpuDevice::open(rank.ordinal)?;
+        let mut coll = NcclCollective::new(rank.comm, device, Duration::from_secs(60));
+        let mut weights: Vec<f32> = (0..4096).map(|i| (i + rank.rank * 1000) as f32).collect();
+        coll.broadcast(&mut weights, 0)?;
+        Ok((rank.rank, checksum(&weights)))
     })
     .unwrap();
     assert_eq!(sums.len(), plan.devices.len());
@@ -229,14 +228,10 @@ fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
     }
 }
 
-fn plan_for_ranks() -> BucketPlan {
-    plan(8)
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_staging_uploads_engine_owned_pinned_batches() {
-    use birdtrain::dist::cuda_staging::PinnedBuffer;
+    use birdtrain::cuda::staging::device::PinnedBuffer;
     let ctx = CudaContext::new(0).unwrap();
     let compute = ctx.new_stream().unwrap();
     let bytes = 256 * 1024;
@@ -278,8 +273,8 @@ fn cuda_staging_uploads_engine_owned_pinned_batches() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_timeline_turns_stream_work_into_trace_spans() {
-    use birdtrain::dist::gpu_trace::{rows, GpuTimeline};
-    use birdtrain::dist::trace::TraceRecorder;
+    use birdtrain::cuda::timeline::{rows, GpuTimeline};
+    use birdtrain::trace::TraceRecorder;
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let trace = TraceRecorder::new();

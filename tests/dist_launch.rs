@@ -208,14 +208,14 @@ fn master_addresses_parse() {
 
 #[test]
 fn dist_flags_parse_with_defaults_and_feed_the_launch_plan() {
-    use birdtrain::dist::args::DistArgs;
+    use birdtrain::cli::train_args::DistArgs;
     use clap::Parser;
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
         dist: DistArgs,
     }
-    let d = Cli::parse_from(["t"]).dist;
+    let d = Cli::parse_from(["t"]).dist.to_settings();
     assert_eq!((d.bucket_mb, d.prefetch_depth), (25.0, 2));
     assert_eq!(d.bucket_settings().target_bytes, 25 << 20);
     assert!(d.trace.is_none());
@@ -234,7 +234,8 @@ fn dist_flags_parse_with_defaults_and_feed_the_launch_plan() {
         "--trace",
         "t.json",
     ])
-    .dist;
+    .dist
+    .to_settings();
     let flags = d.launch_flags(Some("all")).unwrap();
     assert_eq!(flags.gpus, Some(GpuCount::All));
     let plan = resolve(&flags, &|_| None, &devices(2)).unwrap();

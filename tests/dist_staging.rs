@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use birdtrain::dist::staging::{
+use birdtrain::cuda::staging::{
     DataWaitMeter, SimStreams, StagingError, StagingRing, StagingStreams,
 };
 
@@ -284,7 +284,7 @@ fn the_simulator_catches_a_batch_released_before_its_upload() {
     use std::sync::Arc;
     let mut sim = SimStreams::new(1, SLOT, 0, 0);
     let (reuse, copied) = (sim.new_event().unwrap(), sim.new_event().unwrap());
-    let batch: birdtrain::dist::staging::ExternalBatch = Arc::new(EngineBatch(batch(0)));
+    let batch: birdtrain::cuda::staging::ExternalBatch = Arc::new(EngineBatch(batch(0)));
     sim.enqueue_upload_external(0, &batch, &reuse, &copied)
         .unwrap();
     drop(batch); // released while the upload is still queued

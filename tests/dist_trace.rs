@@ -3,7 +3,7 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use birdtrain::dist::trace::{Span, TraceRecorder, ENGINE_PID};
+use birdtrain::trace::{Span, TraceRecorder, ENGINE_PID};
 use serde_json::Value;
 
 #[test]

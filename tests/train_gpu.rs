@@ -20,9 +20,9 @@ use clap::Parser;
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 
 /// The CLI's defaults of the distributed flags (what `birdtrain --gpus 1` uses).
-fn default_dist() -> birdtrain::dist::args::DistArgs {
+fn default_dist() -> birdtrain::dist::DistSettings {
     let cli = birdtrain::cli::Cli::try_parse_from(["birdtrain", "--prefetch-depth", "2"]).unwrap();
-    cli.train.dist.expect("flag given")
+    cli.train.dist.to_settings()
 }
 
 fn dataset(root: &Path, per_class: usize, size: u32) -> std::path::PathBuf {
@@ -57,7 +57,11 @@ fn config(data: &Path, cache: &Path, out: &Path, nccl: bool) -> TrainConfig {
     cfg.warmup_epochs = 0;
     cfg.progress = false;
     cfg.verbose = true;
-    cfg.dist = nccl.then(default_dist);
+    // Without NCCL: one GPU and no communication library.
+    cfg.dist = birdtrain::dist::DistSettings {
+        nccl,
+        ..default_dist()
+    };
     cfg
 }
 
@@ -178,7 +182,7 @@ fn the_trace_shows_copies_compute_buckets_waits_and_the_engine() {
     );
     cfg.epochs = 1;
     let trace = tmp.path().join("trace.json");
-    cfg.dist.as_mut().unwrap().trace = Some(trace.clone());
+    cfg.dist.trace = Some(trace.clone());
     train::train(&cfg, &AtomicBool::new(false)).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
@@ -214,9 +218,9 @@ fn many_small_buckets_launched_during_backward_give_the_same_weights() {
     let cache = tmp.path().join("cache");
     let one = config(&data, &cache, &tmp.path().join("one"), true);
     let mut many = config(&data, &cache, &tmp.path().join("many"), true);
-    many.dist.as_mut().unwrap().bucket_mb = 0.02;
+    many.dist.bucket_mb = 0.02;
     let trace = tmp.path().join("trace.json");
-    many.dist.as_mut().unwrap().trace = Some(trace.clone());
+    many.dist.trace = Some(trace.clone());
     let a = train::train(&one, &AtomicBool::new(false)).unwrap();
     let b = train::train(&many, &AtomicBool::new(false)).unwrap();
     assert_eq!(a.global_step, b.global_step);
@@ -283,7 +287,7 @@ fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
     let cache = tmp.path().join("cache");
     let plain = config(&data, &cache, &tmp.path().join("plain"), true);
     let mut synced = config(&data, &cache, &tmp.path().join("synced"), true);
-    synced.dist.as_mut().unwrap().sync_bn = true;
+    synced.dist.sync_bn = true;
     let a = train::train(&plain, &AtomicBool::new(false)).unwrap();
     let b = train::train(&synced, &AtomicBool::new(false)).unwrap();
     assert!(b.summary.contains("identical"), "{}", b.summary);

@@ -28,7 +28,7 @@ fn the_distributed_flags_reach_the_training_args() {
         "30",
     ])
     .unwrap();
-    let dist = cli.train.dist.clone().expect("flags given");
+    let dist = cli.train.dist.to_settings();
     assert_eq!(dist.prefetch_depth, 3);
     assert_eq!(dist.bucket_mb, 8.0);
     assert_eq!(
@@ -43,12 +43,12 @@ fn the_distributed_flags_reach_the_training_args() {
 #[test]
 fn without_distributed_flags_their_defaults_apply() {
     let cli = Cli::try_parse_from(["birdtrain", "--data", "d"]).unwrap();
-    if let Some(dist) = &cli.train.dist {
-        // clap may materialise the group with its defaults: they must be the documented ones.
-        assert_eq!(dist.prefetch_depth, 2);
-        assert_eq!(dist.bucket_mb, 25.0);
-        assert!(dist.trace.is_none());
-    }
+    let dist = &cli.train.dist;
+    // The documented defaults, which are the settings' own.
+    assert_eq!(dist.prefetch_depth, 2);
+    assert_eq!(dist.bucket_mb, 25.0);
+    assert!(dist.trace.is_none());
+    assert_eq!(dist.to_settings(), birdtrain::dist::DistSettings::default());
 }
 
 #[test]
@@ -60,7 +60,7 @@ fn a_bad_distributed_flag_is_a_parse_error_naming_it() {
 }
 
 #[test]
-fn a_cpu_run_keeps_the_generic_loop() {
+fn a_cpu_run_is_one_loop_on_cpu_ranks_with_the_same_settings() {
     let tmp = tempfile::tempdir().unwrap();
     for split in ["train", "valid"] {
         std::fs::create_dir_all(tmp.path().join(split).join("a")).unwrap();
@@ -78,7 +78,10 @@ fn a_cpu_run_keeps_the_generic_loop() {
     .unwrap();
     let (cfg, _) = to_config(&cli.train).unwrap();
     assert_eq!(cfg.device, DeviceChoice::Cpu);
-    assert!(cfg.dist.is_none(), "the NCCL path is for GPUs only");
+    // One loop for every device: the CPU ranks take the same settings (the staging depth
+    // only matters to GPUs).
+    assert_eq!(cfg.dist.prefetch_depth, 4);
+    assert_eq!(cfg.replicas, 1);
 }
 
 #[test]
@@ -93,13 +96,7 @@ fn the_nccl_path_without_a_gpu_is_one_clear_error_and_leaves_nothing() {
     let cli = Cli::try_parse_from(["birdtrain", "--data", tmp.path().to_str().unwrap()]).unwrap();
     let (mut cfg, _) = to_config(&cli.train).unwrap();
     cfg.device = DeviceChoice::Cuda(1);
-    cfg.dist = Some(cli.train.dist.clone().unwrap_or_else(|| {
-        Cli::try_parse_from(["birdtrain", "--bucket-mb", "25"])
-            .unwrap()
-            .train
-            .dist
-            .unwrap()
-    }));
+    cfg.dist = cli.train.dist.to_settings();
     cfg.out = tmp.path().join("run");
     let err = birdtrain::train::train(&cfg, &std::sync::atomic::AtomicBool::new(false))
         .unwrap_err()

@@ -216,6 +216,30 @@ void test_loss(int n, int k, float sm) {
     check("dlogits", fromb(DZ), dz, 1e-6, 1.0 / 128);
 }
 
+void test_loss_totals(int n) {
+    printf("loss_totals n=%d\n", n);
+    auto loss = rnd(n, 3.0f);
+    std::vector<int> rank(n);
+    for (auto& r : rank) r = rng() % 9;
+    double l = 0, t1 = 0, t5 = 0;
+    for (int i = 0; i < n; ++i) { l += loss[i]; t1 += rank[i] == 0; t5 += rank[i] < 5; }
+    std::vector<double> tot(5, -1.0);
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), n, n % 2, tot.data()); });
+    check("loss_totals", tot, std::vector<double>{l, t1, t5, (double)n, (double)(n % 2)}, 1e-9, 1e-12);
+    std::vector<double> none(5, -1.0);
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(nullptr, nullptr, 0, 1, none.data()); });
+    check("loss_totals (no images)", none, std::vector<double>{0, 0, 0, 0, 1}, 0, 0);
+}
+
+void test_scale(long n, float alpha) {
+    printf("scale_f32 n=%ld alpha=%g\n", n, alpha);
+    auto x = rnd(n, 2.0f);
+    std::vector<double> ref(n);
+    for (long i = 0; i < n; ++i) ref[i] = (double)(x[i] * alpha);
+    emu_launch(ew(n), {256, 1, 1}, [&] { k_optim::scale_f32(x.data(), n, alpha); });
+    check("scale_f32", x, ref, 0, 0);
+}
+
 // Rows holding a NaN or infinite logit are never counted correct (rank = INT_MAX).
 void test_loss_nonfinite() {
     printf("softmax with non-finite logits\n");
@@ -311,6 +335,9 @@ int main(int argc, char** argv) {
     test_linear(5, 37, 19);
     test_loss(5, 10, 0.0f);
     test_loss(3, 285, 0.1f);
+    test_loss_totals(1);
+    test_loss_totals(700);
+    test_scale(3000, 0.75f);
     test_loss_nonfinite();
     test_input(2, 17);
     test_optim();

@@ -32,6 +32,30 @@ pub(crate) fn steps_per_epoch(
     }
 }
 
+/// How many samples `replica` gets at `step` of an epoch of `n` samples: the length of its
+/// micro-batch, known without the permutation (every rank computes a step's image count from
+/// it instead of exchanging it). `None` past the epoch's last step.
+pub(crate) fn micro_batch_len(
+    n: usize,
+    replicas: usize,
+    batch_size: usize,
+    last: LastBatch,
+    step: usize,
+    replica: usize,
+) -> Option<usize> {
+    if step >= steps_per_epoch(n, replicas, batch_size, last) || replica >= replicas {
+        return None;
+    }
+    let global = replicas * batch_size;
+    let remaining = n.saturating_sub(step * global);
+    Some(if remaining >= global || last != LastBatch::Partial {
+        batch_size
+    } else {
+        // The remainder split as evenly as possible: the first `extra` replicas get one more.
+        remaining / replicas + usize::from(replica < remaining % replicas)
+    })
+}
+
 impl EpochPlan {
     /// The plan for one epoch; `shuffle = false` keeps the scan (file) order.
     pub(crate) fn new(
@@ -74,11 +98,12 @@ impl EpochPlan {
                 .map(|j| self.order[(start + replica * b + j) % n])
                 .collect(),
             _ => {
-                // Split the remainder as evenly as possible: the first `extra` replicas get one more.
+                // Split the remainder as evenly as possible (see `micro_batch_len`).
                 let base = remaining / self.replicas;
                 let extra = remaining % self.replicas;
                 let lo = start + replica * base + replica.min(extra);
-                let len = base + usize::from(replica < extra);
+                let len = micro_batch_len(n, self.replicas, b, self.last_batch, step, replica)
+                    .unwrap_or(0);
                 self.order[lo..lo + len].to_vec()
             }
         }
@@ -88,6 +113,30 @@ impl EpochPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_counted_lengths_are_the_micro_batches_lengths() {
+        for n in [1, 7, 12, 13, 31] {
+            for replicas in 1..=4 {
+                for batch in 1..=5 {
+                    for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
+                        let plan = EpochPlan::new(n, 9, 0, true, replicas, batch, policy);
+                        let steps = steps_per_epoch(n, replicas, batch, policy);
+                        for step in 0..steps {
+                            for r in 0..replicas {
+                                assert_eq!(
+                                    micro_batch_len(n, replicas, batch, policy, step, r),
+                                    Some(plan.micro_batch(step, r).len()),
+                                    "n {n} R {replicas} B {batch} {policy:?} step {step}"
+                                );
+                            }
+                        }
+                        assert_eq!(micro_batch_len(n, replicas, batch, policy, steps, 0), None);
+                    }
+                }
+            }
+        }
+    }
 
     /// Every (n, R, B, policy) combination: equal steps on all replicas, disjoint shares, the
     /// union is the epoch (partial), a prefix of it (drop) or the epoch plus a wrap (pad).

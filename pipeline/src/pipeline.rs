@@ -19,7 +19,7 @@ use crate::bad::BadFile;
 use crate::batch::Batch;
 use crate::buffer::BufferPool;
 use crate::cache::{Cache, CacheKey};
-use crate::order::{steps_per_epoch, EpochPlan};
+use crate::order::{micro_batch_len, steps_per_epoch, EpochPlan};
 use crate::stats::{CacheHealth, Counters, EngineStats};
 use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Outcome, Shared};
 use crate::{LastBatch, OnBadImage, PipelineBuilder, PipelineError};
@@ -346,6 +346,21 @@ impl Pipeline {
     pub fn steps_per_epoch(&self) -> usize {
         let i = &self.inner;
         steps_per_epoch(self.len(), i.replicas, i.batch_size, i.last_batch)
+    }
+
+    /// How many samples `replica`'s micro-batch at `step` holds by the data order (`None`
+    /// past the last step), the same in every epoch: every replica can count a step's images
+    /// without asking the others. (A batch may hold fewer when files turn out unreadable.)
+    pub fn micro_batch_len(&self, step: usize, replica: usize) -> Option<usize> {
+        let i = &self.inner;
+        micro_batch_len(
+            self.len(),
+            i.replicas,
+            i.batch_size,
+            i.last_batch,
+            step,
+            replica,
+        )
     }
 
     /// Side of the stored square images.

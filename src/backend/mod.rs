@@ -117,6 +117,9 @@ pub struct BnBackward<'a, T> {
     pub dbeta: &'a mut T,
 }
 
+/// A buffer's device address and the tensors viewing ranges of it ([`Backend::alloc_views`]).
+pub type GradientViews<T> = (u64, Vec<T>);
+
 /// The ops of the ResNet graph. One implementation per device kind.
 ///
 /// Errors are values ([`BackendError`]); implementations never panic on bad input (shape
@@ -130,6 +133,21 @@ pub trait Backend: Send {
 
     /// A zero-filled tensor of `len` elements.
     fn alloc(&self, len: usize, role: TensorRole) -> Result<Self::Tensor, BackendError>;
+
+    /// Zero-filled tensors of `role` that are views of one buffer of `total` elements, tensor
+    /// i at `ranges[i]` (writing through a view writes the buffer), and the buffer's device
+    /// address, so that a collective can reduce whole ranges of it in place: a network's
+    /// parameter gradients laid out by a bucket plan. `None` (the default) when the backend
+    /// has no views; the caller then copies each gradient into its own flat buffer.
+    fn alloc_views(
+        &self,
+        total: usize,
+        ranges: &[std::ops::Range<usize>],
+        role: TensorRole,
+    ) -> Result<Option<GradientViews<Self::Tensor>>, BackendError> {
+        let _ = (total, ranges, role);
+        Ok(None)
+    }
 
     /// Element count of a tensor.
     fn len(&self, t: &Self::Tensor) -> usize;

@@ -358,10 +358,14 @@ fn measure_allreduce_counts(
 /// order, as during training but without the backward compute) over the first `gpus` GPUs;
 /// returns the slowest rank's mean time per step.
 pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow::Result<Duration> {
+    use crate::cuda::GpuDevice;
+    use crate::dist::buckets::GradientSync;
+    use crate::dist::collective::{Collective, CollectiveError};
     use crate::dist::launch::LaunchPlan;
-    use crate::dist::nccl::{new_unique_id, GradientSync};
+    use crate::dist::nccl::{new_unique_id, DeviceGrads, NcclCollective};
     use crate::dist::ranks::run_local_ranks;
     use crate::dist::rendezvous::{rendezvous, NodeInfo};
+    use cudarc::driver::DevicePtr;
 
     let launch = LaunchPlan {
         devices: (0..gpus).collect(),
@@ -387,30 +391,35 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
         &assignment,
         Duration::from_secs(120),
         move |rank| {
-            let compute = rank.compute.clone();
-            let mut sync = GradientSync::new(
-                rank.comm,
-                compute.clone(),
-                plan.clone(),
-                Duration::from_secs(120),
-            )?;
-            let mut grads = compute.alloc_zeros::<f32>(plan.total_elements())?;
-            let mut one_step = |sync: &mut GradientSync| -> anyhow::Result<()> {
-                sync.begin_step()?;
-                for p in (0..plan.param_count()).rev() {
-                    sync.grad_ready(&mut grads, p)?;
-                }
-                sync.finish_step()?;
-                Ok(())
+            let device = GpuDevice::open(rank.ordinal)?;
+            let stream = device.stream().clone();
+            let grads = stream.alloc_zeros::<f32>(plan.total_elements())?;
+            let ptr = {
+                let (p, _record) = grads.device_ptr(&stream);
+                p
             };
-            one_step(&mut sync)?;
-            compute.synchronize()?;
+            let mut buffer = DeviceGrads {
+                ptr,
+                len: plan.total_elements(),
+            };
+            let mut comm = NcclCollective::new(rank.comm, device.clone(), Duration::from_secs(120));
+            let mut sync = GradientSync::new(plan.clone());
+            let mut one_step = |comm: &mut NcclCollective| -> Result<(), CollectiveError> {
+                sync.begin_step(1.0);
+                for p in (0..plan.param_count()).rev() {
+                    sync.grad_ready(comm, &mut buffer, p)?;
+                }
+                sync.finish_step(comm, &mut buffer)
+            };
+            one_step(&mut comm)?;
+            stream.synchronize()?;
             let start = Instant::now();
             for _ in 0..steps {
-                one_step(&mut sync)?;
+                one_step(&mut comm)?;
             }
-            compute.synchronize()?;
-            sync.check()?;
+            stream.synchronize()?;
+            comm.check()?;
+            drop(grads);
             Ok(start.elapsed() / steps as u32)
         },
     )?;

@@ -6,7 +6,9 @@ use clap::Args;
 use pipeline::{DatasetSource, PipelineBuilder, Split};
 
 use super::CliError;
-use crate::train::{evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport};
+use crate::train::{
+    evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport, TrainError,
+};
 
 /// Flags of `birdtrain eval`.
 #[derive(Debug, Clone, Args)]
@@ -58,7 +60,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     super::paths::check_cache_dir(args.cache_dir.as_deref())?;
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
-    let meta = CheckpointMeta::load_weights_only(&args.checkpoint)?;
+    let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
     let source = match args.valid_fraction {
         Some(f) => DatasetSource::flat(&args.data, f),
         None => DatasetSource::folder(&args.data),

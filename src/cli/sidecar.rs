@@ -5,6 +5,7 @@ use std::path::Path;
 
 use super::CliError;
 use crate::train::checkpoint::SIDECAR_FILE;
+use crate::train::folder::FolderError;
 use crate::train::TrainError;
 
 /// Fields of `settings` in the sidecar (the others sit at its top level).
@@ -37,8 +38,8 @@ pub(crate) fn sidecar_error(run: &Path, e: TrainError) -> CliError {
         }
         other => format!("{SIDECAR_FILE}: {other}"),
     };
-    CliError::Train(TrainError::BadRunDir {
+    CliError::Train(TrainError::Folder(FolderError::BadRunDir {
         path: run.to_path_buf(),
         reason: format!("{reason}; the file is damaged or was edited"),
-    })
+    }))
 }

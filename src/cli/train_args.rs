@@ -11,9 +11,84 @@ use clap::Args;
 use pipeline::{LastBatch, OnBadImage};
 
 use super::CliError;
+use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::Decay;
+use crate::optim::ScheduleChoice;
 use crate::train::{self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError};
+
+/// Multi-GPU and multi-node flags (`--gpus` itself belongs to the training flags). Their
+/// defaults are [`DistSettings::default`]'s: the settings own them, the flags only spell them.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct DistArgs {
+    /// Number of nodes (processes) in a multi-node run [default: WORLD_SIZE, else 1].
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// This node's rank, 0..nodes; node 0 serves the rendezvous [default: RANK, else 0].
+    #[arg(long)]
+    pub node_rank: Option<usize>,
+    /// Rendezvous address host:port of node 0 [default: MASTER_ADDR:MASTER_PORT].
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Seconds to wait for every node at the rendezvous.
+    #[arg(long, default_value_t = DistSettings::default().rendezvous_timeout)]
+    pub rendezvous_timeout: u64,
+    /// Seconds a collective may take before every rank aborts (a rank stopped answering).
+    #[arg(long, default_value_t = DistSettings::default().collective_timeout)]
+    pub collective_timeout: u64,
+    /// Gradient bucket size in MiB (one average per bucket, started during backward).
+    #[arg(long, default_value_t = DistSettings::default().bucket_mb)]
+    pub bucket_mb: f64,
+    /// Staging slots per GPU (batch k+1 uploads while batch k computes).
+    #[arg(long, default_value_t = DistSettings::default().prefetch_depth)]
+    pub prefetch_depth: usize,
+    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Synchronised batch norm: normalise with the statistics of the global batch (every
+    /// GPU's images) instead of each GPU's own; costs two small all-reduces per BN layer.
+    #[arg(long)]
+    pub sync_bn: bool,
+}
+
+impl Default for DistArgs {
+    fn default() -> Self {
+        DistArgs::from(&DistSettings::default())
+    }
+}
+
+impl From<&DistSettings> for DistArgs {
+    fn from(d: &DistSettings) -> Self {
+        DistArgs {
+            nodes: d.nodes,
+            node_rank: d.node_rank,
+            master: d.master.clone(),
+            rendezvous_timeout: d.rendezvous_timeout,
+            collective_timeout: d.collective_timeout,
+            bucket_mb: d.bucket_mb,
+            prefetch_depth: d.prefetch_depth,
+            trace: d.trace.clone(),
+            sync_bn: d.sync_bn,
+        }
+    }
+}
+
+impl DistArgs {
+    /// The settings these flags ask for.
+    pub fn to_settings(&self) -> DistSettings {
+        DistSettings {
+            nodes: self.nodes,
+            node_rank: self.node_rank,
+            master: self.master.clone(),
+            rendezvous_timeout: self.rendezvous_timeout,
+            collective_timeout: self.collective_timeout,
+            bucket_mb: self.bucket_mb,
+            prefetch_depth: self.prefetch_depth,
+            trace: self.trace.clone(),
+            sync_bn: self.sync_bn,
+            ..DistSettings::default()
+        }
+    }
+}
 
 /// Training flags. `--lr` is for a global batch of 256 and scales linearly.
 #[derive(Debug, Clone, Default, Args)]
@@ -24,9 +99,9 @@ pub struct TrainArgs {
     /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
     #[arg(long, value_name = "N|all")]
     pub gpus: Option<String>,
-    /// Multi-GPU and multi-node flags (None: none given, their defaults apply).
+    /// Multi-GPU and multi-node flags.
     #[command(flatten)]
-    pub dist: Option<crate::dist::args::DistArgs>,
+    pub dist: DistArgs,
     /// CPU data-parallel replicas (each gets its own micro-batch of --batch-size images).
     #[arg(long, value_name = "R")]
     pub replicas: Option<usize>,
@@ -64,10 +139,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "cosine|step|constant")]
     pub schedule: Option<String>,
     /// With --schedule step: epochs between decays.
-    #[arg(long, value_name = "E", default_value_t = 30)]
+    #[arg(long, value_name = "E", default_value_t = TrainConfig::DEFAULT_STEP_EVERY)]
     pub step_every: u32,
     /// With --schedule step: decay factor.
-    #[arg(long, value_name = "G", default_value_t = 0.1)]
+    #[arg(long, value_name = "G", default_value_t = TrainConfig::DEFAULT_STEP_GAMMA)]
     pub step_gamma: f32,
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
@@ -156,7 +231,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         });
     }
     let resumed = match &args.resume {
-        Some(run) => Some(CheckpointMeta::load(run).map_err(CliError::Train)?),
+        Some(run) => Some(CheckpointMeta::load(run).map_err(TrainError::from)?),
         None => None,
     };
     let mut cfg = TrainConfig::new(&data);
@@ -170,8 +245,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.epochs = meta.epochs;
         cfg.out = resume_dir.clone();
         let from_sidecar = |e| super::sidecar::sidecar_error(resume_dir, e);
-        cfg.optimizer = OptimizerChoice::from_str(&meta.optimizer).map_err(from_sidecar)?;
-        cfg.apply_settings(&meta.settings).map_err(from_sidecar)?;
+        cfg.optimizer = meta.optimizer;
+        cfg.apply_settings(&meta.settings);
         cfg.validate().map_err(from_sidecar)?;
         if let Some(model) = &args.model {
             let wanted = Arch::from_str(model).map_err(TrainError::from)?;
@@ -214,9 +289,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let DeviceChoice::Cuda(n) = device {
         cfg.replicas = n;
-        cfg.dist = Some(args.dist.clone().unwrap_or_else(train::default_dist_args));
     }
-    if device == DeviceChoice::Cpu && args.dist.as_ref().is_some_and(|d| d.sync_bn) {
+    cfg.dist = args.dist.to_settings();
+    if device == DeviceChoice::Cpu && args.dist.sync_bn {
         return Err(CliError::Train(TrainError::InvalidConfig {
             flag: "--sync-bn",
             value: "on".into(),
@@ -235,7 +310,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.seed = v;
     }
     if let Some(v) = &args.optimizer {
-        cfg.optimizer = OptimizerChoice::from_str(v).map_err(CliError::Train)?;
+        cfg.optimizer = parse::<OptimizerChoice>("--optimizer", v, "expected sgd, adam or adamw")?;
         if cfg.optimizer != OptimizerChoice::Sgd && args.lr.is_none() && resumed.is_none() {
             // Adam's usual 1e-3 at batch 32, expressed for the 256 reference batch.
             cfg.lr = 0.008;
@@ -260,21 +335,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.warmup_epochs = v;
     }
     if let Some(v) = &args.schedule {
-        cfg.schedule = match v.trim().to_ascii_lowercase().as_str() {
-            "cosine" => Decay::Cosine,
-            "constant" => Decay::Constant,
-            "step" => Decay::Step {
-                every_epochs: args.step_every,
-                gamma: args.step_gamma,
-            },
-            _ => {
-                return Err(CliError::BadValue {
-                    flag: "--schedule",
-                    value: v.clone(),
-                    hint: "expected cosine, step or constant".into(),
-                })
-            }
-        };
+        cfg.schedule =
+            parse::<ScheduleChoice>("--schedule", v, "expected cosine, step or constant")?
+                .decay(args.step_every, args.step_gamma);
     }
     if let Some(v) = args.workers {
         cfg.workers = v;

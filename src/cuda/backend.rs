@@ -167,6 +167,7 @@ fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
                 .alloc_zeros::<T>(len.max(1))
                 .map_err(|e| oom_or_device(op, len * size_of::<T>(), e))?,
         );
+        dev.note_allocation(len.max(1) * size_of::<T>());
     }
     Ok(())
 }
@@ -432,6 +433,7 @@ impl Backend for CudaBackend {
         } else {
             let stream = self.dev.stream();
             let bytes = len * dtype.size();
+            self.dev.note_allocation(bytes);
             match dtype {
                 DType::Bf16 => Storage::Bf16(
                     stream
@@ -449,7 +451,47 @@ impl Backend for CudaBackend {
             len,
             dtype,
             storage,
+            view_of: None,
         })
+    }
+
+    fn alloc_views(
+        &self,
+        total: usize,
+        ranges: &[std::ops::Range<usize>],
+        role: TensorRole,
+    ) -> Result<Option<(u64, Vec<CudaTensor>)>, BackendError> {
+        let op = "alloc_views";
+        if DType::for_role(role) != DType::F32 {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("views are f32 ({role:?} is stored as bf16)"),
+            });
+        }
+        if let Some(bad) = ranges.iter().find(|r| r.start > r.end || r.end > total) {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("range {bad:?} is outside the {total}-element buffer"),
+            });
+        }
+        let stream = self.dev.stream().clone();
+        let arena = Arc::new(
+            stream
+                .alloc_zeros::<f32>(total.max(1))
+                .map_err(|e| oom_or_device(op, 4 * total, e))?,
+        );
+        self.dev.note_allocation(4 * total.max(1));
+        let base = {
+            let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*arena, &stream);
+            p
+        };
+        let views = ranges
+            .iter()
+            // SAFETY: every range lies inside the arena (checked above); the views and the
+            // arena are used on this backend's one stream (or ordered by events).
+            .map(|r| unsafe { CudaTensor::f32_view(&arena, &stream, r.start, r.len()) })
+            .collect();
+        Ok(Some((base, views)))
     }
 
     fn len(&self, t: &CudaTensor) -> usize {
@@ -1184,6 +1226,26 @@ impl Backend for CudaBackend {
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError> {
+        self.softmax_impl(n, classes, logits, labels, smoothing, dlogits, probs, None)
+    }
+}
+
+impl CudaBackend {
+    /// The loss op; with `totals`, the step's figures go to the device address `totals`
+    /// (four f64: loss sum, top-1 hits, top-5 hits, rows; kernels/loss.cu `loss_totals`) and
+    /// nothing waits for the GPU.
+    #[allow(clippy::too_many_arguments)]
+    fn softmax_impl(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &CudaTensor,
+        labels: &[u32],
+        smoothing: f32,
+        dlogits: Option<&mut CudaTensor>,
+        probs: Option<&mut Vec<f32>>,
+        totals: Option<(u64, bool)>,
+    ) -> Result<LossStats, BackendError> {
         let op = "softmax_cross_entropy";
         check_len(op, "logits", logits.len, n * classes)?;
         check_len(op, "labels", labels.len(), n)?;
@@ -1295,6 +1357,24 @@ impl Backend for CudaBackend {
                 );
             }
         }
+        if let Some((totals, stop)) = totals {
+            let n_i = to_i32(op, "n", n)?;
+            let stop = i32::from(stop);
+            let one_block = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                op,
+                "loss.cu",
+                "loss_totals",
+                one_block,
+                [&mut loss, &mut *rank, &n_i, &stop, &totals]
+            );
+            return Ok(LossStats::default());
+        }
         let losses = stream.clone_dtoh(&loss).map_err(drv_err(op))?;
         let ranks = stream.clone_dtoh(&rank.slice(0..n)).map_err(drv_err(op))?;
         if let Some(p) = probs {
@@ -1310,6 +1390,62 @@ impl Backend for CudaBackend {
             stats.correct_top5 += usize::from(*r < 5);
         }
         Ok(stats)
+    }
+
+    /// [`Backend::softmax_cross_entropy`] that leaves the step's figures on the device: the
+    /// five f64 at `totals` receive the loss sum, top-1 and top-5 hits, the row count and
+    /// `stop`, and nothing waits for the GPU (the trainer reads them a step later).
+    ///
+    /// # Safety
+    /// `totals` must address five f64 of this device's memory, alive until the kernels queued
+    /// now have run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn softmax_cross_entropy_on_device(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &CudaTensor,
+        labels: &[u32],
+        smoothing: f32,
+        dlogits: Option<&mut CudaTensor>,
+        totals: u64,
+        stop: bool,
+    ) -> Result<(), BackendError> {
+        self.softmax_impl(
+            n,
+            classes,
+            logits,
+            labels,
+            smoothing,
+            dlogits,
+            None,
+            Some((totals, stop)),
+        )
+        .map(|_| ())
+    }
+
+    /// The step figures of a rank without images: zeros and `stop`, written to the five f64
+    /// at `totals` on the device (see [`CudaBackend::softmax_cross_entropy_on_device`]).
+    ///
+    /// # Safety
+    /// As [`CudaBackend::softmax_cross_entropy_on_device`].
+    pub unsafe fn empty_step_totals(&self, totals: u64, stop: bool) -> Result<(), BackendError> {
+        let op = "empty step totals";
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n, stop) = (0i32, i32::from(stop));
+        launch!(
+            self,
+            op,
+            "loss.cu",
+            "loss_totals",
+            one_block,
+            [&NULL_PTR, &NULL_PTR, &n, &stop, &totals]
+        );
+        Ok(())
     }
 }
 

@@ -41,6 +41,8 @@ pub struct GpuDevice {
     compiler: KernelCompiler,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Bytes of every allocation the backend made on this device (tensors and workspace).
+    allocated: std::sync::atomic::AtomicU64,
 }
 
 impl GpuDevice {
@@ -87,6 +89,7 @@ impl GpuDevice {
             compiler,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            allocated: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -108,6 +111,17 @@ impl GpuDevice {
     /// The device's marketing name (`NVIDIA H100 80GB HBM3`).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Counts an allocation of `bytes` (the backend calls this for every buffer it makes).
+    pub fn note_allocation(&self, bytes: usize) {
+        self.allocated
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes allocated by the backend so far (a running total; frees are not subtracted).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// (free, total) device memory in bytes.

@@ -1,13 +1,18 @@
 //! Memory planning for the CUDA backend: the footprint of a network (fixed bytes + bytes per
 //! image), `--batch-size auto`, and an out-of-memory error that names a batch size that fits.
 //!
-//! [`Network`] allocates every activation, activation gradient, parameter, gradient and
-//! statistic once, for its maximum batch; the backend adds a workspace that grows to the
-//! largest batch and is then reused. So the footprint is affine in the batch size, and two
-//! probe networks (batch 1 and 2) measure it exactly on the device ([`measure`]); [`estimate`]
-//! computes the same from the graph without a GPU.
+//! [`Network`] allocates every activation, the shared activation-gradient buffers, every
+//! parameter, gradient and statistic once, for its maximum batch; the backend adds a
+//! workspace that grows to the largest batch and is then reused. So the footprint is affine
+//! in the batch size. [`estimate`] computes it from the network's own buffer plan
+//! ([`crate::model::buffer_plan`], the one `Network::new` allocates from: activation
+//! gradients share a few buffers), plus the optimizer's f32 master weights and state and the
+//! staging slots; [`measure`] adds up the sizes of what the backend really allocates for
+//! probe networks of batch 1 and 2 (the device counts every allocation), which, unlike
+//! differencing the driver's free memory, is not disturbed by other processes, pool caching
+//! or the driver's own reservations.
 
-use crate::model::{Graph, InputBatch, Network};
+use crate::model::{buffer_plan, Graph, InputBatch, Network};
 
 use super::backend::CudaBackend;
 use super::error::CudaError;
@@ -15,14 +20,17 @@ use super::error::CudaError;
 /// Bytes a network needs: `fixed + per_image × batch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Footprint {
-    /// Parameters, gradients, statistics, per-layer constants, module images.
+    /// Parameters, gradients, statistics, optimizer state, per-layer constants.
     pub fixed_bytes: u64,
-    /// Activations, their gradients and the per-image workspace.
+    /// Activations, their gradients, the staged batch and the per-image workspace.
     pub per_image_bytes: u64,
 }
 
-/// Fraction of the free memory left unplanned (allocator granularity, cuBLAS/driver pools).
+/// Fraction of the free memory left unplanned (allocator granularity, driver pools, modules).
 pub const HEADROOM: f64 = 0.08;
+
+/// Staging slots the estimate assumes (the default `--prefetch-depth`).
+const STAGING_SLOTS: usize = 2;
 
 impl Footprint {
     /// Bytes for `batch` images.
@@ -55,18 +63,19 @@ impl Footprint {
     }
 }
 
-/// The footprint computed from the graph: bf16 activations and activation gradients (the
-/// input image has no gradient), bf16 weights, f32 gradients and statistics, the staged u8
-/// batch and BN partial sums (≤ 4 per SM × channels × 2, counted generously as 1 MiB).
+/// The footprint from the network's buffer plan: bf16 activations and activation gradients,
+/// bf16 weights and f32 gradients, f32 buffers and statistics; the optimizer's f32 master
+/// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
+/// slots and the loss rows; 1 MiB of kernel scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
-    let dims = graph.value_dims(image_size);
-    let acts: usize = dims.iter().map(|d| d.per_image()).sum();
-    let grads: usize = acts - dims.first().map_or(0, |d| d.per_image());
+    let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
-    let per_image = 2 * (acts + grads) + pixels + 4 * graph.num_classes();
-    let params = graph.param_count();
-    let buffers: usize = graph.buffers().iter().map(|b| b.numel()).sum();
-    let fixed = params * (2 + 4) + buffers * 4 * 2 + (1 << 20);
+    let per_image = 2 * (plan.activations_per_image + plan.activation_grads_per_image)
+        + (1 + STAGING_SLOTS) * pixels
+        + 4 * graph.num_classes();
+    let optimizer = 3 * 4 * plan.params;
+    let fixed =
+        plan.params * (2 + 4) + optimizer + 4 * (plan.buffers + plan.statistics) + (1 << 20);
     Footprint {
         fixed_bytes: fixed as u64,
         per_image_bytes: per_image as u64,
@@ -74,21 +83,18 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
 }
 
 /// Measures the footprint on device `backend` by building probe networks of batch 1 and 2 and
-/// running one training step on each (so the workspace is sized too). Needs a GPU.
+/// running one training step on each (so the workspace is sized too), adding up what the
+/// backend allocated for each. Needs a GPU.
 pub fn measure(
     backend: &CudaBackend,
     graph: &Graph,
     image_size: u32,
-) -> Result<Footprint, anyhow::Error> {
+) -> Result<Footprint, CudaError> {
     let dev = backend.device();
-    let used = |b: &CudaBackend| -> Result<u64, CudaError> {
-        b.synchronize()?;
-        let (free, total) = dev.memory()?;
-        Ok((total - free) as u64)
-    };
-    let base = used(backend)?;
-    let probe = |batch: usize| -> Result<u64, anyhow::Error> {
-        let mut net = Network::new(backend.clone(), graph, batch, image_size)?;
+    let probe = |batch: usize| -> Result<u64, CudaError> {
+        let before = dev.allocated_bytes();
+        let mut net =
+            Network::new(backend.clone(), graph, batch, image_size).map_err(probe_error)?;
         let s = image_size as usize;
         let pixels = vec![0u8; batch * s * s * 3];
         let labels = vec![0u32; batch];
@@ -98,8 +104,10 @@ pub fn measure(
             len: batch,
             image_size,
             augment: None,
-        })?;
-        Ok(used(backend)?.saturating_sub(base))
+        })
+        .map_err(probe_error)?;
+        backend.synchronize()?;
+        Ok(dev.allocated_bytes() - before)
     };
     let one = probe(1)?;
     let two = probe(2)?;
@@ -110,24 +118,32 @@ pub fn measure(
     })
 }
 
+fn probe_error(e: crate::model::ModelError) -> CudaError {
+    CudaError::Unsupported {
+        what: format!("a memory probe network: {e}"),
+    }
+}
+
 /// `--batch-size auto`: the largest per-GPU batch that fits the device's free memory, from
 /// the measured footprint. Returns the batch and the footprint (for the printed figure).
 pub fn auto_batch_size(
     backend: &CudaBackend,
     graph: &Graph,
     image_size: u32,
-) -> Result<(usize, Footprint), anyhow::Error> {
+) -> Result<(usize, Footprint), CudaError> {
     let footprint = measure(backend, graph, image_size)?;
     let (free, _) = backend.device().memory()?;
     let batch = footprint.largest_batch(free as u64);
     if batch == 0 {
-        anyhow::bail!(
-            "{} at {image_size}px does not fit this GPU even at batch size 1 ({} MiB fixed + {} MiB per image, {} MiB free): use a smaller --image-size or model",
-            graph.arch(),
-            footprint.fixed_bytes >> 20,
-            footprint.per_image_bytes >> 20,
-            free >> 20
-        );
+        return Err(CudaError::Unsupported {
+            what: format!(
+                "{} at {image_size}px does not fit this GPU even at batch size 1 ({} MiB fixed + {} MiB per image, {} MiB free): use a smaller --image-size or model",
+                graph.arch(),
+                footprint.fixed_bytes >> 20,
+                footprint.per_image_bytes >> 20,
+                free >> 20
+            ),
+        });
     }
     Ok((batch, footprint))
 }
@@ -173,6 +189,24 @@ mod tests {
             text.contains("--batch-size 82") && text.contains("batch size 200"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_estimate_counts_the_shared_gradient_buffers_not_one_per_value() {
+        let graph = Graph::new(Arch::ResNet50, 285);
+        let plan = buffer_plan(&graph, 224);
+        // The reverse pass keeps a few gradient buffers live at a time: far fewer than the
+        // activations (a gradient per value would equal them, less the input image).
+        assert!(
+            plan.activation_grads_per_image * 3 < plan.activations_per_image,
+            "{plan:?}"
+        );
+        let est = estimate(&graph, 224);
+        let pixels = 224 * 224 * 3;
+        let per_value_grads = 2 * (2 * plan.activations_per_image - pixels);
+        assert!((est.per_image_bytes as usize) < per_value_grads, "{est:?}");
+        // Fixed: bf16 weights, f32 gradients and at most three f32 optimizer vectors.
+        assert!(est.fixed_bytes as usize >= plan.params * (2 + 4 + 12));
     }
 
     #[test]

@@ -1,22 +1,30 @@
 //! The CUDA backend: kernels/*.cu compiled at run time by NVRTC (cached on disk), a context,
 //! a compute stream and a module cache per device, and [`CudaBackend`], the bf16 training
-//! backend built on them.
+//! backend built on them; and what only a GPU rank needs around it: the staging ring that
+//! uploads batches from pinned memory on a copy stream ([`staging`]), the backend wrapper
+//! that reads them and leaves the loss on the device ([`staged`]), the fused optimizer with
+//! f32 master weights ([`optim`]), the gradient scale kernel ([`grad`]), memory planning
+//! ([`memory`]) and the `--trace` timeline of stream work ([`timeline`]).
 //!
 //! Nothing here needs CUDA at build time: cudarc loads libnvrtc and libcuda dynamically, and
-//! [`library`] checks their presence first so that a missing library is an error with a hint,
-//! never a panic.
+//! [`library`] finds and checks them first so that a missing library is an error naming every
+//! place searched, never a panic.
 
 pub mod arch;
 pub mod backend;
 pub mod cache;
 pub mod device;
 pub mod error;
+pub mod grad;
 pub mod library;
 pub mod memory;
 pub mod nvrtc;
 pub mod optim;
 pub mod sources;
+pub mod staged;
+pub mod staging;
 pub mod tensor;
+pub mod timeline;
 
 pub use arch::GpuArch;
 pub use backend::{CudaBackend, KernelTime};

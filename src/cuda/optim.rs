@@ -12,8 +12,11 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use super::backend::CudaBackend;
 use super::error::CudaError;
 use super::tensor::CudaTensor;
-use crate::model::{ohwi_to_oihw, oihw_to_ohwi, ParamKind, ParamSpec};
-use crate::optim::{Hyper, OptimError, Optimizer, OptimizerKind};
+use crate::backend::Backend;
+use crate::model::{Network, ParamSpec};
+use crate::optim::{
+    ConvOrder, Hyper, OptimError, Optimizer, OptimizerKind, ParamLayout, RankOptimizer,
+};
 
 /// Elements per block of the update launch.
 pub const CHUNK: usize = 65_536;
@@ -41,33 +44,12 @@ pub fn chunk_table(params: &[ParamSpec], weight_decay: f32) -> Vec<Chunk> {
 /// Flat parameters in torchvision layout (OIHW convolutions, as `Network::params_f32`) →
 /// the backend's layout (OHWI), which gradients and working copies use.
 pub fn to_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
-    convert_convolutions(params, flat, oihw_to_ohwi)
+    ParamLayout::graph(params, ConvOrder::Backend).from_torchvision(params, flat)
 }
 
 /// The inverse of [`to_backend_layout`]: OHWI convolutions → torchvision's OIHW.
 pub fn from_backend_layout(params: &[ParamSpec], flat: &[f32]) -> Vec<f32> {
-    convert_convolutions(params, flat, ohwi_to_oihw)
-}
-
-/// Applies `convert` to every convolution weight of a flat parameter vector; other
-/// parameters are copied as they are.
-fn convert_convolutions(
-    params: &[ParamSpec],
-    flat: &[f32],
-    convert: fn(&[f32], &[usize]) -> Vec<f32>,
-) -> Vec<f32> {
-    let mut out = Vec::with_capacity(flat.len());
-    let mut offset = 0;
-    for p in params {
-        let v = &flat[offset..offset + p.numel()];
-        if p.kind == ParamKind::ConvWeight && p.shape.len() == 4 {
-            out.extend(convert(v, &p.shape));
-        } else {
-            out.extend_from_slice(v);
-        }
-        offset += p.numel();
-    }
-    out
+    ParamLayout::graph(params, ConvOrder::Backend).to_torchvision(params, flat)
 }
 
 /// A [`DeviceOptimizer`]'s state on the host, in the **backend's** layout (OHWI
@@ -142,6 +124,7 @@ pub struct DeviceOptimizer {
     backend: CudaBackend,
     kind: OptimizerKind,
     hyper: Hyper,
+    params: Vec<ParamSpec>,
     sizes: Vec<usize>,
     table: Vec<Chunk>,
     master: CudaSlice<f32>,
@@ -191,6 +174,7 @@ impl DeviceOptimizer {
             backend: backend.clone(),
             kind,
             hyper,
+            params: params.to_vec(),
             sizes,
             master: stream
                 .clone_htod(initial)
@@ -437,6 +421,40 @@ impl DeviceOptimizer {
             .synchronize()
             .map_err(drv("downloading master weights"))?;
         Ok(out)
+    }
+}
+
+fn device_error(e: CudaError) -> OptimError {
+    OptimError::Device(Box::new(e))
+}
+
+/// The GPU rank's optimizer: it reads the network's gradient tensors (the flat buffer the
+/// collective averaged) and writes the bf16 working copy into its parameter tensors.
+impl<B: Backend<Tensor = CudaTensor>> RankOptimizer<B> for DeviceOptimizer {
+    fn step(
+        &mut self,
+        net: &mut Network<B>,
+        _grads: Option<&[f32]>,
+        lr: f32,
+    ) -> Result<(), OptimError> {
+        let (grads, mut params) = net.grads_and_params_mut();
+        DeviceOptimizer::step(self, &grads, &mut params, lr, 1.0).map_err(device_error)
+    }
+
+    fn master(&self) -> Result<Vec<f32>, OptimError> {
+        let master = DeviceOptimizer::master(self).map_err(device_error)?;
+        Ok(from_backend_layout(&self.params, &master))
+    }
+
+    fn to_host(&self) -> Result<Optimizer, OptimError> {
+        self.state()
+            .map_err(device_error)?
+            .to_host(self.kind, self.hyper, &self.params)
+    }
+
+    fn load_host(&mut self, host: &Optimizer) -> Result<(), OptimError> {
+        let state = DeviceState::from_host(&self.params, host);
+        self.load_state(&state).map_err(device_error)
     }
 }
 

@@ -1,6 +1,8 @@
 //! Device tensors of the CUDA backend: bf16 for activations and weights, f32 for gradients of
 //! parameters and for statistics.
 
+use std::sync::Arc;
+
 use cudarc::driver::CudaSlice;
 
 use crate::backend::{BackendError, TensorRole};
@@ -49,9 +51,55 @@ pub struct CudaTensor {
     pub(crate) len: usize,
     pub(crate) dtype: DType,
     pub(crate) storage: Storage,
+    /// Set for a view into a larger allocation ([`crate::backend::Backend::alloc_views`]):
+    /// keeps that allocation alive; the view's own slice must not free anything.
+    pub(crate) view_of: Option<Arc<CudaSlice<f32>>>,
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        if self.view_of.is_some() {
+            // A view's slice was made from a raw address inside `view_of`: forget it instead
+            // of freeing it (the arena frees its memory once its last view is gone).
+            if let Storage::F32(view) = std::mem::replace(&mut self.storage, Storage::Empty) {
+                let _ = view.leak();
+            }
+        }
+    }
 }
 
 impl CudaTensor {
+    /// `len` f32 elements at element `offset` of `arena`, as a tensor that frees nothing.
+    ///
+    /// # Safety
+    /// `offset + len` must not exceed `arena.len()`. Writes through the view change the
+    /// arena: the caller orders every access (one stream, or events).
+    pub(crate) unsafe fn f32_view(
+        arena: &Arc<CudaSlice<f32>>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        offset: usize,
+        len: usize,
+    ) -> CudaTensor {
+        let (base, _record) = cudarc::driver::DevicePtr::device_ptr(&**arena, stream);
+        let view = stream.upgrade_device_ptr::<f32>(base + 4 * offset as u64, len);
+        CudaTensor {
+            len,
+            dtype: DType::F32,
+            storage: Storage::F32(view),
+            view_of: Some(arena.clone()),
+        }
+    }
+
+    /// The device address of element 0 (0 for an empty tensor).
+    pub fn device_address(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        match &self.storage {
+            Storage::Empty => 0,
+            Storage::Bf16(s) => s.device_ptr(s.stream()).0,
+            Storage::F32(s) => s.device_ptr(s.stream()).0,
+        }
+    }
+
     /// Element count.
     pub fn len(&self) -> usize {
         self.len

@@ -8,7 +8,11 @@
 //!
 //! [`BucketTracker`] turns "parameter i's gradient is ready" into "launch bucket k now", always
 //! in bucket order: NCCL requires every rank to issue collectives in the same order, and the
-//! order in which gradients become ready may differ between ranks.
+//! order in which gradients become ready may differ between ranks. [`GradientSync`] is what a
+//! rank calls from its backward hook: it starts each complete bucket's average on the rank's
+//! [`Collective`] (in-process or NCCL alike), while backward goes on.
+
+use super::collective::{Collective, CollectiveError};
 
 /// Errors from planning buckets or tracking readiness.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -56,6 +60,14 @@ pub enum BucketError {
         index: usize,
         /// Parameter name.
         name: String,
+    },
+    /// A step ended with gradients never reported, so some buckets were never averaged.
+    #[error("the step ended but the gradients of {missing} parameter(s) were never reported ready (first: {first:?}); every backward must report every parameter")]
+    IncompleteStep {
+        /// How many parameters are missing.
+        missing: usize,
+        /// The first missing parameter.
+        first: String,
     },
 }
 
@@ -318,4 +330,76 @@ pub fn specs_from_numel(params: &[(String, usize)], element_bytes: usize) -> Vec
             bytes: numel * element_bytes,
         })
         .collect()
+}
+
+/// One rank's gradient averaging over any [`Collective`]: the backward hook reports each
+/// parameter's gradient ([`GradientSync::grad_ready`]) and every bucket that became complete
+/// starts averaging at once, in plan order; [`GradientSync::finish_step`] then waits for them.
+#[derive(Debug, Clone)]
+pub struct GradientSync {
+    plan: BucketPlan,
+    tracker: BucketTracker,
+    scale: f32,
+}
+
+impl GradientSync {
+    /// Averaging of gradients laid out by `plan`.
+    pub fn new(plan: BucketPlan) -> Self {
+        GradientSync {
+            tracker: BucketTracker::new(&plan),
+            plan,
+            scale: 1.0,
+        }
+    }
+
+    /// The bucket plan (the gradient buffer's layout).
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
+    /// Starts a step: this rank's gradients are multiplied by `scale` before averaging (its
+    /// share of the step's images × ranks; 1 for an even split).
+    pub fn begin_step(&mut self, scale: f32) {
+        self.tracker.reset();
+        self.scale = scale;
+    }
+
+    /// Parameter `param`'s gradient is in its range of `buffer` (on a GPU: its kernel is
+    /// enqueued on the compute stream): starts every bucket that became complete. Returns the
+    /// buckets started.
+    pub fn grad_ready<C: Collective + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        buffer: &mut C::Buffer,
+        param: usize,
+    ) -> Result<Vec<usize>, CollectiveError> {
+        let launch = self.tracker.mark_ready(param)?;
+        for &k in &launch {
+            comm.start_average(buffer, k, self.plan.bucket_elements(k), self.scale)?;
+        }
+        Ok(launch)
+    }
+
+    /// Ends the step: every gradient must have been reported; then waits for the averages
+    /// (on a GPU: orders the compute stream after them).
+    pub fn finish_step<C: Collective + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        buffer: &mut C::Buffer,
+    ) -> Result<(), CollectiveError> {
+        let finished = comm.finish_averages(buffer);
+        if !self.tracker.all_launched() {
+            let missing: Vec<usize> = (0..self.plan.param_count())
+                .filter(|&i| !self.tracker.is_ready(i))
+                .collect();
+            return Err(BucketError::IncompleteStep {
+                missing: missing.len(),
+                first: missing
+                    .first()
+                    .map_or_else(String::new, |&i| self.plan.param_name(i).to_string()),
+            }
+            .into());
+        }
+        finished
+    }
 }

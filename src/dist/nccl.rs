@@ -1,42 +1,52 @@
-//! NCCL data parallelism: the communicator, the initial weight broadcast and the bucketed
-//! gradient all-reduce that overlaps backward.
+//! NCCL: the communicator and [`NcclCollective`], the [`Collective`] of GPU ranks.
 //!
 //! One communicator rank per GPU, one driver thread per rank (`Communicator::init` with the id
 //! from [`new_unique_id`] on rank 0, handed to the others in-process or through the
-//! [`super::rendezvous`]). Collectives run on the rank's communication stream; ordering against
-//! the compute stream is explicit, through events:
+//! [`super::rendezvous`]). Collectives run on the rank's communication stream; ordering
+//! against the compute stream is explicit, through events:
 //!
 //! ```text
-//! compute: ..backward layers L..k.. [record ready_k] ..backward k-1..0.. [wait comm_done] optimizer
-//! comm:                       [wait ready_k] all-reduce(avg) bucket k [record comm_done]
+//! compute: ..backward layers L..k.. [scale k] [record ready_k] ..backward k-1..0.. [wait done_last] optimizer
+//! comm:                              [wait ready_k] all-reduce(avg) bucket k [record done_k]
 //! ```
 //!
-//! Every collective is registered with a [`Watchdog`]; a collective that exceeds the timeout
-//! (a rank stopped answering) or an asynchronous NCCL error aborts the communicator
-//! (`ncclCommAbort`) and surfaces as an error naming the rank, never as a hang.
+//! Gradients are written by the backward kernels straight into their bucket's range of one
+//! flat device buffer (the network's gradient tensors are views of it) and averaged there in
+//! place: no copies. Every collective is registered with a [`Watchdog`]; one that exceeds the
+//! timeout (a rank stopped answering) or an asynchronous NCCL error aborts the communicator
+//! (`ncclCommAbort`, which makes the pending kernels return) and surfaces as an error naming
+//! the rank, never as a hang. Host exchanges wait on their own completion event, never on the
+//! watchdog's polling tick.
 //!
-//! The NCCL library is loaded at run time: [`ensure_available`] checks for it (and for the CUDA
-//! driver) before anything calls into it, so a missing library is an error, not a panic.
+//! libnccl is loaded at run time from wherever [`crate::cuda::library`] finds it (the CUDA
+//! toolkit, `LD_LIBRARY_PATH`, or NVIDIA's pip wheel `nvidia/nccl/lib/libnccl.so.2`), so a
+//! missing library is one clear error, never a panic, and no symlink is needed.
 
+use std::ffi::{c_char, c_int, c_void};
+use std::ops::Range;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError};
-use cudarc::nccl::{result, sys, NcclType};
+use cudarc::driver::{result as drv, CudaEvent, CudaSlice, CudaStream, DriverError};
+use cudarc::nccl::sys::{
+    cudaStream_t, ncclComm, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+};
 
-use super::buckets::{BucketError, BucketPlan, BucketTracker};
-use super::gpu_trace::{rows, GpuTimeline};
+use super::collective::{Collective, CollectiveError};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
+use crate::cuda::library::{self, Lib};
+use crate::cuda::timeline::{rows, GpuTimeline};
+use crate::cuda::{grad, GpuDevice};
 
 /// Errors of the NCCL layer.
 #[derive(Debug, thiserror::Error)]
 pub enum NcclError {
-    /// libnccl could not be loaded.
+    /// libnccl could not be found or loaded.
     #[error("the NCCL library could not be loaded: {hint}")]
     LibraryMissing {
-        /// What to do about it.
+        /// Where it was looked for, and what to do about it.
         hint: String,
     },
     /// libcuda could not be loaded.
@@ -62,6 +72,15 @@ pub enum NcclError {
         /// The driver error.
         #[source]
         source: DriverError,
+    },
+    /// A kernel around a collective (the gradient scale) failed.
+    #[error("rank {rank}: {source}")]
+    Kernel {
+        /// The rank.
+        rank: usize,
+        /// The backend's error.
+        #[source]
+        source: crate::cuda::CudaError,
     },
     /// The unique id has the wrong size (a corrupted rendezvous).
     #[error("NCCL unique id must be {expected} bytes, got {got}")]
@@ -98,81 +117,126 @@ pub enum NcclError {
         /// The rank.
         rank: usize,
     },
-    /// Gradient bookkeeping failed (a parameter reported twice, or never).
-    #[error(transparent)]
-    Buckets(#[from] BucketError),
-    /// A step ended with buckets never launched.
-    #[error("rank {rank}: step ended but gradients of {missing} parameter(s) were never reported ready (first: {first:?}); every backward must report every parameter")]
-    IncompleteStep {
+    /// A buffer range outside the gradient buffer.
+    #[error("rank {rank}: range {range:?} is outside the {len}-element gradient buffer")]
+    OutOfRange {
         /// The rank.
         rank: usize,
-        /// How many parameters are missing.
-        missing: usize,
-        /// The first missing parameter.
-        first: String,
-    },
-    /// The gradient buffer does not match the bucket plan.
-    #[error("gradient buffer has {got} elements but the bucket plan needs {expected}")]
-    BufferSize {
-        /// Plan size.
-        expected: usize,
-        /// Buffer size.
-        got: usize,
+        /// The range asked for.
+        range: Range<usize>,
+        /// The buffer's length.
+        len: usize,
     },
 }
 
-fn nccl_code(e: result::NcclError) -> String {
-    format!("{:?}", e.0)
+/// The NCCL entry points birdtrain uses, from the library [`library::load`] found.
+struct NcclLib {
+    _lib: libloading::Library,
+    get_version: unsafe extern "C" fn(*mut c_int) -> ncclResult_t,
+    get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> ncclResult_t,
+    comm_init_rank:
+        unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> ncclResult_t,
+    comm_abort: unsafe extern "C" fn(ncclComm_t) -> ncclResult_t,
+    comm_destroy: unsafe extern "C" fn(ncclComm_t) -> ncclResult_t,
+    comm_get_async_error: unsafe extern "C" fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        ncclRedOp_t,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> ncclResult_t,
+    broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        c_int,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> ncclResult_t,
+    error_string: unsafe extern "C" fn(ncclResult_t) -> *const c_char,
+}
+
+impl NcclLib {
+    fn open() -> Result<NcclLib, String> {
+        let path = library::load(Lib::Nccl).map_err(|e| e.to_string())?;
+        // SAFETY: loading NCCL runs its initialisers, which are safe to run.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .map_err(|e| format!("{} does not load: {e}", path.display()))?;
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol is NCCL's C function of this signature (nccl.h); the
+                // library stays loaded as long as this struct.
+                *unsafe { lib.get($name) }.map_err(|e| {
+                    format!(
+                        "{} has no {}: {e} (an NCCL older than 2.12?)",
+                        path.display(),
+                        String::from_utf8_lossy(&$name[..$name.len() - 1])
+                    )
+                })?
+            };
+        }
+        Ok(NcclLib {
+            get_version: sym!(b"ncclGetVersion\0"),
+            get_unique_id: sym!(b"ncclGetUniqueId\0"),
+            comm_init_rank: sym!(b"ncclCommInitRank\0"),
+            comm_abort: sym!(b"ncclCommAbort\0"),
+            comm_destroy: sym!(b"ncclCommDestroy\0"),
+            comm_get_async_error: sym!(b"ncclCommGetAsyncError\0"),
+            all_reduce: sym!(b"ncclAllReduce\0"),
+            broadcast: sym!(b"ncclBroadcast\0"),
+            error_string: sym!(b"ncclGetErrorString\0"),
+            _lib: lib,
+        })
+    }
+
+    fn describe(&self, code: ncclResult_t) -> String {
+        // SAFETY: NCCL returns a static NUL-terminated string for every result code.
+        let text = unsafe { (self.error_string)(code) };
+        if text.is_null() {
+            return format!("{code:?}");
+        }
+        // SAFETY: non-null, NUL-terminated, static.
+        let s = unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy();
+        format!("{code:?} ({s})")
+    }
+
+    fn check(&self, op: &'static str, rank: usize, code: ncclResult_t) -> Result<(), NcclError> {
+        match code {
+            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => Ok(()),
+            other => Err(NcclError::Call {
+                op,
+                rank,
+                code: self.describe(other),
+            }),
+        }
+    }
+}
+
+fn nccl() -> Result<&'static NcclLib, NcclError> {
+    static LIB: OnceLock<Result<NcclLib, String>> = OnceLock::new();
+    LIB.get_or_init(NcclLib::open)
+        .as_ref()
+        .map_err(|hint| NcclError::LibraryMissing { hint: hint.clone() })
 }
 
 /// Checks that the CUDA driver and NCCL can be loaded; returns NCCL's version code
 /// (e.g. 22703 for 2.27.3).
 pub fn ensure_available() -> Result<i32, NcclError> {
-    // SAFETY: these only try to dlopen the libraries; nothing is called through them.
+    // SAFETY: only tries to dlopen the driver library; nothing is called through it.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(NcclError::DriverMissing);
     }
-    if !unsafe { sys::is_culib_present() } {
-        return Err(NcclError::LibraryMissing {
-            hint: missing_library_hint(),
-        });
-    }
-    result::get_nccl_version().map_err(|e| NcclError::Call {
-        op: "ncclGetVersion",
-        rank: 0,
-        code: nccl_code(e),
-    })
-}
-
-/// Explains a missing NCCL. cudarc looks for `libnccl.so` (and a few versioned names), while
-/// NCCL's runtime packages (apt `libnccl2`, pip `nvidia-nccl-cu13`) ship only `libnccl.so.2`;
-/// when that file exists somewhere usual, say exactly which symlink to create.
-fn missing_library_hint() -> String {
-    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
-        .map(|v| std::env::split_paths(&v).collect())
-        .unwrap_or_default();
-    for d in [
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/lib/aarch64-linux-gnu",
-        "/usr/local/cuda/lib64",
-        "/usr/local/lib",
-        "/usr/lib64",
-        "/usr/lib",
-    ] {
-        dirs.push(d.into());
-    }
-    hint_for_dirs(&dirs)
-}
-
-fn hint_for_dirs(dirs: &[std::path::PathBuf]) -> String {
-    match dirs.iter().map(|d| d.join("libnccl.so.2")).find(|p| p.is_file()) {
-        Some(found) => format!(
-            "{} exists but the loader looks for libnccl.so; create it with `mkdir -p ~/.local/nccl && ln -sf {} ~/.local/nccl/libnccl.so` and add ~/.local/nccl to LD_LIBRARY_PATH",
-            found.display(),
-            found.display()
-        ),
-        None => "libnccl.so is not on LD_LIBRARY_PATH; install NCCL (apt `libnccl2 libnccl-dev`, or `pip install nvidia-nccl-cu13` and symlink its lib/libnccl.so.2 as libnccl.so in a directory on LD_LIBRARY_PATH), or train on one GPU without NCCL".to_string(),
-    }
+    let lib = nccl()?;
+    let mut version = 0;
+    // SAFETY: out-parameter.
+    lib.check("ncclGetVersion", 0, unsafe {
+        (lib.get_version)(&mut version)
+    })?;
+    Ok(version)
 }
 
 /// Size of an NCCL unique id in bytes.
@@ -181,16 +245,19 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 /// Creates a new NCCL unique id (rank 0 does this once per communicator).
 pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
     ensure_available()?;
-    let id = result::get_uniqueid().map_err(|e| NcclError::Call {
-        op: "ncclGetUniqueId",
-        rank: 0,
-        code: nccl_code(e),
+    let lib = nccl()?;
+    let mut id = ncclUniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    // SAFETY: out-parameter of NCCL's 128-byte id type.
+    lib.check("ncclGetUniqueId", 0, unsafe {
+        (lib.get_unique_id)(&mut id)
     })?;
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
 /// A raw communicator handed from the init thread to its owner.
-struct RawComm(sys::ncclComm_t);
+struct RawComm(ncclComm_t);
 
 // SAFETY: a freshly created communicator is not yet used by any thread; ownership moves to the
 // receiving thread, which is the only one using it from then on.
@@ -199,12 +266,12 @@ unsafe impl Send for RawComm {}
 /// The raw communicator, shared with the watchdog so it can abort from its own thread.
 #[derive(Debug)]
 struct CommHandle {
-    comm: AtomicPtr<sys::ncclComm>,
+    comm: AtomicPtr<ncclComm>,
     rank: usize,
 }
 
 impl CommHandle {
-    fn get(&self) -> Result<sys::ncclComm_t, NcclError> {
+    fn get(&self) -> Result<ncclComm_t, NcclError> {
         let p = self.comm.load(Ordering::Acquire);
         if p.is_null() {
             Err(NcclError::UseAfterAbort { rank: self.rank })
@@ -220,11 +287,11 @@ impl Abortable for CommHandle {
         if p.is_null() {
             return Ok(());
         }
+        let lib = nccl().map_err(|e| e.to_string())?;
         // SAFETY: `p` came from ncclCommInitRank and is no longer reachable through the
         // handle, so it is aborted exactly once and never used again by this handle.
-        unsafe { result::comm_abort(p) }
-            .map(|_| ())
-            .map_err(nccl_code)
+        lib.check("ncclCommAbort", self.rank, unsafe { (lib.comm_abort)(p) })
+            .map_err(|e| e.to_string())
     }
 
     fn async_error(&self) -> Option<String> {
@@ -232,16 +299,33 @@ impl Abortable for CommHandle {
         if p.is_null() {
             return None;
         }
-        let mut code = sys::ncclResult_t::ncclSuccess;
+        let lib = nccl().ok()?;
+        let mut code = ncclResult_t::ncclSuccess;
         // SAFETY: `p` is a live communicator (non-null) and `code` a valid out pointer.
-        let r = unsafe { sys::ncclCommGetAsyncError(p, &mut code) };
+        let r = unsafe { (lib.comm_get_async_error)(p, &mut code) };
         match (r, code) {
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
-            | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => None,
-            (sys::ncclResult_t::ncclSuccess, c) => Some(format!("asynchronous NCCL error {c:?}")),
-            (e, _) => Some(format!("ncclCommGetAsyncError failed: {e:?}")),
+            (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess)
+            | (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => None,
+            (ncclResult_t::ncclSuccess, c) => {
+                Some(format!("asynchronous NCCL error {}", lib.describe(c)))
+            }
+            (e, _) => Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(e))),
         }
     }
+}
+
+/// Element types NCCL reduces.
+pub trait NcclElement: cudarc::driver::DeviceRepr {
+    /// NCCL's name for the type.
+    const TYPE: ncclDataType_t;
+}
+
+impl NcclElement for f32 {
+    const TYPE: ncclDataType_t = ncclDataType_t::ncclFloat32;
+}
+
+impl NcclElement for f64 {
+    const TYPE: ncclDataType_t = ncclDataType_t::ncclFloat64;
 }
 
 /// One rank of an NCCL communicator, bound to its communication stream.
@@ -276,9 +360,9 @@ impl Communicator {
                 got: unique_id.len(),
             });
         }
-        let mut internal = [0 as std::ffi::c_char; UNIQUE_ID_BYTES];
+        let mut internal = [0 as c_char; UNIQUE_ID_BYTES];
         for (dst, &src) in internal.iter_mut().zip(unique_id) {
-            *dst = src as std::ffi::c_char;
+            *dst = src as c_char;
         }
         // ncclCommInitRank blocks until all ranks join, with no timeout of its own: run it on a
         // helper thread and give up after `timeout`. On timeout the helper stays blocked inside
@@ -296,23 +380,20 @@ impl Communicator {
                         source,
                     })
                     .and_then(|()| {
-                        let mut comm: sys::ncclComm_t = ptr::null_mut();
+                        let lib = nccl()?;
+                        let mut comm: ncclComm_t = ptr::null_mut();
                         // SAFETY: `comm` is a valid out pointer; the id is NCCL's own 128-byte
                         // layout.
-                        unsafe {
-                            result::comm_init_rank(
+                        let code = unsafe {
+                            (lib.comm_init_rank)(
                                 &mut comm,
-                                world_size as i32,
-                                sys::ncclUniqueId { internal },
-                                rank as i32,
+                                world_size as c_int,
+                                ncclUniqueId { internal },
+                                rank as c_int,
                             )
-                        }
-                        .map(|_| RawComm(comm))
-                        .map_err(|e| NcclError::Call {
-                            op: "ncclCommInitRank",
-                            rank,
-                            code: nccl_code(e),
-                        })
+                        };
+                        lib.check("ncclCommInitRank", rank, code)?;
+                        Ok(RawComm(comm))
                     });
                 // The receiver may have given up already; then the communicator leaks, which is
                 // fine for a process that is exiting with an error.
@@ -374,168 +455,187 @@ impl Communicator {
         )
     }
 
-    /// Broadcasts `buf` from `root` to every rank, in place, on the communication stream.
-    pub fn broadcast_in_place<T: NcclType + DeviceRepr>(
+    /// Broadcasts `len` elements at device address `ptr` from `root` to every rank, in place,
+    /// on the communication stream.
+    ///
+    /// # Safety
+    /// `ptr` must address `len` live elements of `T` on this rank's device, untouched by other
+    /// streams until the broadcast has completed.
+    pub unsafe fn broadcast_raw<T: NcclElement>(
         &self,
-        buf: &mut impl DevicePtrMut<T>,
+        ptr: u64,
+        len: usize,
         root: usize,
     ) -> Result<(), NcclError> {
+        let lib = nccl()?;
         let comm = self.handle.get()?;
-        let count = buf.len();
-        let (ptr, _record) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: `ptr` addresses `count` elements of T on this rank's device, kept alive and
-        // ordered by cudarc's stream tracking (`_record`) until the call is enqueued.
-        unsafe {
-            result::broadcast(
-                ptr as *const _,
-                ptr as *mut _,
-                count,
-                T::as_nccl_type(),
-                root as i32,
-                comm,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| NcclError::Call {
-            op: "ncclBroadcast",
-            rank: self.rank,
-            code: nccl_code(e),
-        })
+        let code = (lib.broadcast)(
+            ptr as *const c_void,
+            ptr as *mut c_void,
+            len,
+            T::TYPE,
+            root as c_int,
+            comm,
+            self.stream.cu_stream() as cudaStream_t,
+        );
+        lib.check("ncclBroadcast", self.rank, code)
     }
 
-    /// Averages `buf` over all ranks, in place, on the communication stream.
-    pub fn all_reduce_avg_in_place<T: NcclType + DeviceRepr>(
+    /// Reduces `len` elements at `ptr` over every rank, in place, on the communication stream:
+    /// the average when `average`, else the sum.
+    ///
+    /// # Safety
+    /// As [`Communicator::broadcast_raw`].
+    pub unsafe fn all_reduce_raw<T: NcclElement>(
         &self,
-        buf: &mut impl DevicePtrMut<T>,
+        ptr: u64,
+        len: usize,
+        average: bool,
     ) -> Result<(), NcclError> {
-        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclAvg)
-    }
-
-    /// Sums `buf` over all ranks, in place, on the communication stream (synchronised batch
-    /// norm reduces its per-channel sums and counts this way).
-    pub fn all_reduce_sum_in_place<T: NcclType + DeviceRepr>(
-        &self,
-        buf: &mut impl DevicePtrMut<T>,
-    ) -> Result<(), NcclError> {
-        self.all_reduce_in_place(buf, sys::ncclRedOp_t::ncclSum)
-    }
-
-    fn all_reduce_in_place<T: NcclType + DeviceRepr>(
-        &self,
-        buf: &mut impl DevicePtrMut<T>,
-        op: sys::ncclRedOp_t,
-    ) -> Result<(), NcclError> {
+        let lib = nccl()?;
         let comm = self.handle.get()?;
-        let count = buf.len();
-        let (ptr, _record) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: as in `broadcast_in_place`.
-        unsafe {
-            result::all_reduce(
-                ptr as *const _,
-                ptr as *mut _,
-                count,
-                T::as_nccl_type(),
-                op,
-                comm,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| NcclError::Call {
-            op: "ncclAllReduce",
-            rank: self.rank,
-            code: nccl_code(e),
-        })
+        let op = if average {
+            ncclRedOp_t::ncclAvg
+        } else {
+            ncclRedOp_t::ncclSum
+        };
+        let code = (lib.all_reduce)(
+            ptr as *const c_void,
+            ptr as *mut c_void,
+            len,
+            T::TYPE,
+            op,
+            comm,
+            self.stream.cu_stream() as cudaStream_t,
+        );
+        lib.check("ncclAllReduce", self.rank, code)
+    }
+
+    /// [`Communicator::broadcast_raw`] of a whole device buffer.
+    pub fn broadcast_in_place<T: NcclElement>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        root: usize,
+    ) -> Result<(), NcclError> {
+        let len = buf.len();
+        let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
+        // SAFETY: `p` addresses the whole live buffer; the communication stream orders it.
+        unsafe { self.broadcast_raw::<T>(p, len, root) }
+    }
+
+    /// The average of a whole device buffer over every rank, in place.
+    pub fn all_reduce_avg_in_place<T: NcclElement>(
+        &self,
+        buf: &mut CudaSlice<T>,
+    ) -> Result<(), NcclError> {
+        let len = buf.len();
+        let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
+        // SAFETY: as above.
+        unsafe { self.all_reduce_raw::<T>(p, len, true) }
+    }
+
+    /// The sum of a whole device buffer over every rank, in place.
+    pub fn all_reduce_sum_in_place<T: NcclElement>(
+        &self,
+        buf: &mut CudaSlice<T>,
+    ) -> Result<(), NcclError> {
+        let len = buf.len();
+        let (p, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &self.stream);
+        // SAFETY: as above.
+        unsafe { self.all_reduce_raw::<T>(p, len, false) }
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
         let p = self.handle.comm.swap(ptr::null_mut(), Ordering::AcqRel);
-        if !p.is_null() {
+        if p.is_null() {
+            return;
+        }
+        if let Ok(lib) = nccl() {
             // SAFETY: `p` is live and owned by this communicator; after the swap nothing else
             // (the watchdog included) can reach it.
-            if let Err(e) = unsafe { result::comm_destroy(p) } {
-                tracing::warn!("rank {}: ncclCommDestroy failed: {:?}", self.rank, e.0);
+            let code = unsafe { (lib.comm_destroy)(p) };
+            if let Err(e) = lib.check("ncclCommDestroy", self.rank, code) {
+                tracing::warn!("{e}");
             }
         }
     }
 }
 
-/// Bucketed gradient averaging for one rank, overlapping backward.
-///
-/// The backend writes gradients into one flat f32 buffer laid out by the [`BucketPlan`]
-/// (`plan.param_elements(i)` is parameter i's range). After launching the kernels that produce
-/// parameter i's gradient on the compute stream it calls [`GradientSync::grad_ready`]; each
-/// bucket whose parameters are all written is then all-reduced on the communication stream while
-/// backward continues. (The training driver, `train::gpu`, does this from
-/// [`crate::model::Network::train_step_with`]'s gradient-ready hook: the CUDA backend keeps each
-/// gradient in its own tensor, so the hook copies it into its range of the flat buffer on the
-/// compute stream, then reports it; the averaged values are copied back after the last bucket.) [`GradientSync::finish_step`] makes the compute stream wait for the last
-/// bucket, so the optimizer (enqueued after it) sees averaged gradients.
-pub struct GradientSync {
+/// A rank's flat gradient buffer on its GPU: the device address and length of the f32 arena
+/// the network's gradient tensors are views of. It does not own the memory: the network does,
+/// and outlives every collective on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceGrads {
+    /// Device address of element 0.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
+}
+
+/// A host exchange's device buffer (grown on demand).
+struct Scratch<T> {
+    buf: Option<CudaSlice<T>>,
+}
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T> {
+    fn get(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<&mut CudaSlice<T>, DriverError> {
+        if self.buf.as_ref().is_none_or(|b| b.len() < len) {
+            self.buf = None;
+            self.buf = Some(stream.alloc_zeros::<T>(len.max(16))?);
+        }
+        Ok(self.buf.as_mut().expect("allocated above"))
+    }
+}
+
+/// The [`Collective`] of one GPU rank: bucket averages on the communication stream ordered
+/// against the compute stream by events, host exchanges that wait on their own event.
+pub struct NcclCollective {
     // Declared first so it is dropped first: its thread must stop polling the communicator
     // before the communicator is destroyed.
     watchdog: Watchdog,
     comm: Communicator,
-    compute: Arc<CudaStream>,
-    plan: BucketPlan,
-    tracker: BucketTracker,
+    device: Arc<GpuDevice>,
     ready: Vec<CudaEvent>,
     done: Vec<Arc<CudaEvent>>,
+    last: Option<usize>,
     step: u64,
+    small_f64: Scratch<f64>,
+    small_f32: Scratch<f32>,
     timeline: Option<GpuTimeline>,
 }
 
-impl std::fmt::Debug for GradientSync {
+impl std::fmt::Debug for NcclCollective {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GradientSync")
+        f.debug_struct("NcclCollective")
             .field("rank", &self.comm.rank)
-            .field("buckets", &self.plan.buckets().len())
+            .field("world", &self.comm.world_size)
             .field("step", &self.step)
             .finish()
     }
 }
 
-impl GradientSync {
-    /// Synchronises gradients laid out by `plan` over `comm`; backward runs on `compute`.
-    /// A collective pending longer than `timeout` aborts the communicator.
-    pub fn new(
-        comm: Communicator,
-        compute: Arc<CudaStream>,
-        plan: BucketPlan,
-        timeout: Duration,
-    ) -> Result<Self, NcclError> {
-        let rank = comm.rank;
-        let ctx = compute.context().clone();
-        let event = |op| {
-            ctx.new_event(None)
-                .map_err(|source| NcclError::Driver { op, rank, source })
-        };
-        let ready = (0..plan.buckets().len())
-            .map(|_| event("create bucket-ready event"))
-            .collect::<Result<Vec<_>, _>>()?;
-        let done = (0..plan.buckets().len())
-            .map(|_| event("create bucket-done event").map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()?;
-        let watchdog = comm.watchdog(timeout);
-        Ok(GradientSync {
-            tracker: BucketTracker::new(&plan),
+impl NcclCollective {
+    /// The collective of `comm`'s rank; compute runs on `device`'s stream. A collective pending
+    /// longer than `timeout` aborts the communicator.
+    pub fn new(comm: Communicator, device: Arc<GpuDevice>, timeout: Duration) -> Self {
+        NcclCollective {
+            watchdog: comm.watchdog(timeout),
             comm,
-            compute,
-            plan,
-            ready,
-            done,
-            watchdog,
+            device,
+            ready: Vec::new(),
+            done: Vec::new(),
+            last: None,
             step: 0,
+            small_f64: Scratch { buf: None },
+            small_f32: Scratch { buf: None },
             timeline: None,
-        })
-    }
-
-    /// The bucket plan (the gradient buffer layout).
-    pub fn plan(&self) -> &BucketPlan {
-        &self.plan
+        }
     }
 
     /// The communicator.
@@ -543,190 +643,252 @@ impl GradientSync {
         &self.comm
     }
 
-    /// Broadcasts rank 0's weights to every rank and waits (bounded by the watchdog) until
-    /// they have arrived; call once before training.
-    pub fn broadcast_weights(&self, weights: &mut CudaSlice<f32>) -> Result<(), NcclError> {
-        let rank = self.comm.rank;
-        // The weights were written on the compute stream; the broadcast must see them.
-        self.comm
-            .stream
-            .join(&self.compute)
-            .map_err(|source| NcclError::Driver {
-                op: "order broadcast after compute",
-                rank,
-                source,
-            })?;
-        self.comm.broadcast_in_place(weights, 0)?;
-        let done =
-            Arc::new(
-                self.comm
-                    .stream
-                    .record_event(None)
-                    .map_err(|source| NcclError::Driver {
-                        op: "record broadcast event",
-                        rank,
-                        source,
-                    })?,
-            );
-        let probe = done.clone();
-        self.watchdog
-            .watch("broadcast of initial weights", move || {
-                probe.try_is_complete().map_err(|e| e.to_string())
-            })?;
-        self.compute
-            .wait(&done)
-            .map_err(|source| NcclError::Driver {
-                op: "order compute after broadcast",
-                rank,
-                source,
-            })?;
-        // Bounded: the watchdog aborts (and wait_idle returns) once the timeout passes.
-        self.watchdog.wait_idle(Duration::from_secs(24 * 3600))?;
-        Ok(())
-    }
-
-    /// Starts a step's gradient bookkeeping.
-    pub fn begin_step(&mut self) -> Result<(), NcclError> {
-        self.watchdog.check()?;
-        self.tracker.reset();
-        self.step += 1;
-        Ok(())
-    }
-
-    /// Reports that parameter `param`'s gradient kernels are enqueued on the compute stream;
-    /// launches every bucket that became complete. Returns the buckets launched.
-    pub fn grad_ready(
-        &mut self,
-        grads: &mut CudaSlice<f32>,
-        param: usize,
-    ) -> Result<Vec<usize>, NcclError> {
-        if grads.len() < self.plan.total_elements() {
-            return Err(NcclError::BufferSize {
-                expected: self.plan.total_elements(),
-                got: grads.len(),
-            });
-        }
-        let launch = self.tracker.mark_ready(param)?;
-        let rank = self.comm.rank;
-        for &k in &launch {
-            self.ready[k]
-                .record(&self.compute)
-                .map_err(|source| NcclError::Driver {
-                    op: "record bucket-ready event",
-                    rank,
-                    source,
-                })?;
-            self.comm
-                .stream
-                .wait(&self.ready[k])
-                .map_err(|source| NcclError::Driver {
-                    op: "wait bucket-ready event",
-                    rank,
-                    source,
-                })?;
-            let range = self.plan.bucket_elements(k);
-            let mut view = grads.slice_mut(range);
-            let span = match &self.timeline {
-                Some(t) => t
-                    .begin(&self.comm.stream)
-                    .map_err(|source| NcclError::Driver {
-                        op: "record trace event",
-                        rank,
-                        source,
-                    })?,
-                None => None,
-            };
-            self.comm.all_reduce_avg_in_place(&mut view)?;
-            if let Some(t) = &mut self.timeline {
-                t.end(
-                    span,
-                    &self.comm.stream,
-                    format!("all-reduce bucket {k}"),
-                    "comm",
-                    rows::COMM,
-                )
-                .map_err(|source| NcclError::Driver {
-                    op: "record trace event",
-                    rank,
-                    source,
-                })?;
-            }
-            self.done[k]
-                .record(&self.comm.stream)
-                .map_err(|source| NcclError::Driver {
-                    op: "record bucket-done event",
-                    rank,
-                    source,
-                })?;
-            let probe = self.done[k].clone();
-            self.watchdog.watch(
-                format!("all-reduce of bucket {k} in step {}", self.step),
-                move || probe.try_is_complete().map_err(|e| e.to_string()),
-            )?;
-        }
-        Ok(launch)
-    }
-
-    /// Ends the step: every gradient must have been reported; the compute stream then waits
-    /// for the last bucket, so whatever is enqueued next (the optimizer) sees averaged values.
-    pub fn finish_step(&mut self) -> Result<(), NcclError> {
-        self.watchdog.check()?;
-        if !self.tracker.all_launched() {
-            let missing: Vec<usize> = (0..self.plan.param_count())
-                .filter(|&i| !self.tracker.is_ready(i))
-                .collect();
-            return Err(NcclError::IncompleteStep {
-                rank: self.comm.rank,
-                missing: missing.len(),
-                first: missing
-                    .first()
-                    .map_or_else(String::new, |&i| self.plan.param_name(i).to_string()),
-            });
-        }
-        if let Some(last) = self.done.last() {
-            self.compute
-                .wait(last)
-                .map_err(|source| NcclError::Driver {
-                    op: "wait for the last bucket",
-                    rank: self.comm.rank,
-                    source,
-                })?;
-        }
-        Ok(())
-    }
-
-    /// Traces every bucket's all-reduce on `timeline` (the `--trace` timeline of this GPU).
+    /// Times every bucket's all-reduce on `timeline` (the `--trace` timeline of this GPU).
     pub fn set_timeline(&mut self, timeline: Option<GpuTimeline>) {
         self.timeline = timeline;
     }
 
-    /// The timeline, to flush it at a step boundary.
+    /// The timeline, to add spans or flush it at a step boundary.
     pub fn timeline_mut(&mut self) -> Option<&mut GpuTimeline> {
         self.timeline.as_mut()
     }
 
-    /// Ok unless the watchdog aborted the communicator.
-    pub fn check(&self) -> Result<(), NcclError> {
-        Ok(self.watchdog.check()?)
+    fn driver(&self, op: &'static str) -> impl Fn(DriverError) -> NcclError {
+        let rank = self.comm.rank;
+        move |source| NcclError::Driver { op, rank, source }
+    }
+
+    fn compute(&self) -> &Arc<CudaStream> {
+        self.device.stream()
+    }
+
+    fn event(&self, op: &'static str) -> Result<CudaEvent, NcclError> {
+        self.compute()
+            .context()
+            .new_event(None)
+            .map_err(self.driver(op))
+    }
+
+    /// Registers `event` (recorded after a collective) with the watchdog.
+    fn watch(&self, label: String, event: &Arc<CudaEvent>) -> Result<(), NcclError> {
+        let probe = event.clone();
+        self.watchdog.watch(label, move || {
+            probe.try_is_complete().map_err(|e| e.to_string())
+        })?;
+        Ok(())
+    }
+
+    /// Waits for `event` itself (the host blocks in the driver until the collective is done;
+    /// an abort by the watchdog ends the wait too), then reports a fault if there was one.
+    fn wait(&self, event: &CudaEvent, op: &'static str) -> Result<(), NcclError> {
+        let waited = event.synchronize().map_err(self.driver(op));
+        self.watchdog.check()?;
+        waited
+    }
+
+    /// Sums `len` f64 values at device address `ptr` over every rank, after the compute work
+    /// issued so far, and copies the result to host memory at `host` on the communication
+    /// stream. Returns the event that completes with the copy: the host reads `host` after
+    /// waiting for it (one step later, so a step has no host synchronisation).
+    ///
+    /// # Safety
+    /// `ptr` must address `len` live f64 on this device and `host` `len` f64 of page-locked
+    /// host memory; neither may be touched until the returned event has completed.
+    pub unsafe fn sum_on_device(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        host: *mut f64,
+        label: &str,
+    ) -> Result<Arc<CudaEvent>, NcclError> {
+        let after = self.event("record compute for a device sum")?;
+        after
+            .record(self.compute())
+            .map_err(self.driver("record compute for a device sum"))?;
+        let stream = self.comm.stream.clone();
+        stream
+            .wait(&after)
+            .map_err(self.driver("order a device sum after compute"))?;
+        self.comm.all_reduce_raw::<f64>(ptr, len, false)?;
+        let dst = std::slice::from_raw_parts_mut(host, len);
+        drv::memcpy_dtoh_async(dst, ptr, stream.cu_stream())
+            .map_err(self.driver("copy a device sum to the host"))?;
+        let done = Arc::new(self.event("record a device sum")?);
+        done.record(&stream)
+            .map_err(self.driver("record a device sum"))?;
+        self.watch(format!("{label} in step {}", self.step + 1), &done)?;
+        Ok(done)
+    }
+
+    /// A collective on host `values`: uploads them into `scratch` on the communication
+    /// stream, runs `collective` on the device copy (address, length), waits for it (watched
+    /// under `label`), and downloads the result into `values`.
+    fn host_exchange<
+        T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    >(
+        &self,
+        scratch: &mut Scratch<T>,
+        values: &mut [T],
+        label: String,
+        collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
+    ) -> Result<(), NcclError> {
+        let stream = self.comm.stream.clone();
+        let n = values.len();
+        let buf = scratch
+            .get(&stream, n)
+            .map_err(self.driver("allocate a host exchange buffer"))?;
+        stream
+            .memcpy_htod(values, &mut buf.slice_mut(0..n))
+            .map_err(self.driver("upload host values"))?;
+        {
+            let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
+            collective(&self.comm, p, n)?;
+        }
+        let done = Arc::new(self.event("record a host exchange")?);
+        done.record(&stream)
+            .map_err(self.driver("record a host exchange"))?;
+        self.watch(label, &done)?;
+        self.wait(&done, "wait for a host exchange")?;
+        stream
+            .memcpy_dtoh(&buf.slice(0..n), values)
+            .map_err(self.driver("download host values"))?;
+        stream
+            .synchronize()
+            .map_err(self.driver("download host values"))
+    }
+
+    /// Waits for an event returned by [`NcclCollective::sum_on_device`].
+    pub fn wait_device_sum(&self, event: &CudaEvent) -> Result<(), NcclError> {
+        self.wait(event, "wait for a device sum")
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::hint_for_dirs;
+impl Collective for NcclCollective {
+    type Buffer = DeviceGrads;
 
-    #[test]
-    fn a_versioned_nccl_gets_an_exact_symlink_hint() {
-        let dir = tempfile::tempdir().unwrap();
-        let empty = tempfile::tempdir().unwrap();
-        let general = hint_for_dirs(&[empty.path().to_path_buf()]);
-        assert!(general.contains("install NCCL"), "{general}");
-        std::fs::write(dir.path().join("libnccl.so.2"), b"").unwrap();
-        let hint = hint_for_dirs(&[empty.path().to_path_buf(), dir.path().to_path_buf()]);
-        let so2 = dir.path().join("libnccl.so.2");
-        assert!(
-            hint.contains(&format!("ln -sf {}", so2.display())),
-            "{hint}"
+    fn rank(&self) -> usize {
+        self.comm.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size
+    }
+
+    fn start_average(
+        &mut self,
+        buffer: &mut DeviceGrads,
+        bucket: usize,
+        range: Range<usize>,
+        scale: f32,
+    ) -> Result<(), CollectiveError> {
+        let rank = self.comm.rank;
+        self.watchdog.check().map_err(NcclError::from)?;
+        if range.start > range.end || range.end > buffer.len {
+            return Err(NcclError::OutOfRange {
+                rank,
+                range,
+                len: buffer.len,
+            }
+            .into());
+        }
+        let ptr = buffer.ptr + 4 * range.start as u64;
+        if scale != 1.0 {
+            // On the compute stream, after the kernels that wrote the bucket.
+            grad::scale_f32(&self.device, ptr, range.len(), scale)
+                .map_err(|source| NcclError::Kernel { rank, source })?;
+        }
+        while self.ready.len() <= bucket {
+            let ready = self.event("create bucket-ready event")?;
+            let done = Arc::new(self.event("create bucket-done event")?);
+            self.ready.push(ready);
+            self.done.push(done);
+        }
+        self.ready[bucket]
+            .record(self.compute())
+            .map_err(self.driver("record bucket-ready event"))?;
+        let stream = self.comm.stream.clone();
+        stream
+            .wait(&self.ready[bucket])
+            .map_err(self.driver("wait bucket-ready event"))?;
+        let span = match &self.timeline {
+            Some(t) => t
+                .begin(&stream)
+                .map_err(self.driver("record trace event"))?,
+            None => None,
+        };
+        // SAFETY: the range lies inside the arena (checked), which the network keeps alive;
+        // the compute stream writes it only before `ready` and after `done` (finish_averages).
+        unsafe { self.comm.all_reduce_raw::<f32>(ptr, range.len(), true) }?;
+        if let Some(t) = &mut self.timeline {
+            t.end(
+                span,
+                &stream,
+                format!("all-reduce bucket {bucket}"),
+                "comm",
+                rows::COMM,
+            )
+            .map_err(|source| NcclError::Driver {
+                op: "record trace event",
+                rank,
+                source,
+            })?;
+        }
+        self.done[bucket]
+            .record(&stream)
+            .map_err(self.driver("record bucket-done event"))?;
+        let label = format!("all-reduce of bucket {bucket} in step {}", self.step + 1);
+        let done = self.done[bucket].clone();
+        self.watch(label, &done)?;
+        self.last = Some(bucket);
+        Ok(())
+    }
+
+    fn finish_averages(&mut self, _buffer: &mut DeviceGrads) -> Result<(), CollectiveError> {
+        self.step += 1;
+        self.watchdog.check().map_err(NcclError::from)?;
+        // The communication stream runs buckets in order: the last one done means all are.
+        if let Some(last) = self.last.take() {
+            self.compute()
+                .wait(&self.done[last])
+                .map_err(self.driver("wait for the last bucket"))?;
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
+        let label = format!("broadcast of {} values from rank {root}", values.len());
+        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+            // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
+            // communication stream only.
+            unsafe { comm.broadcast_raw::<f32>(p, n, root) }
+        });
+        self.small_f32 = scratch;
+        Ok(result?)
+    }
+
+    fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+            // SAFETY: as in `broadcast`.
+            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+        });
+        self.small_f64 = scratch;
+        Ok(result?)
+    }
+
+    fn check(&self) -> Result<(), CollectiveError> {
+        Ok(self.watchdog.check().map_err(NcclError::from)?)
+    }
+
+    fn abort(&self, reason: &str) {
+        tracing::error!(
+            "rank {}: aborting the NCCL communicator: {reason}",
+            self.comm.rank
         );
+        if let Err(e) = self.comm.handle.abort() {
+            tracing::warn!("rank {}: ncclCommAbort: {e}", self.comm.rank);
+        }
     }
 }

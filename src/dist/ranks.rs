@@ -16,6 +16,10 @@ use super::launch::LaunchPlan;
 use super::nccl::{Communicator, NcclError};
 use super::rendezvous::Assignment;
 
+/// The error a rank's body returns (any error; the trainer returns its own and finds it
+/// again by downcasting).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Errors of the per-GPU threads.
 #[derive(Debug, thiserror::Error)]
 pub enum RanksError {
@@ -59,7 +63,7 @@ pub enum RanksError {
         rank: usize,
         /// The body's error.
         #[source]
-        source: anyhow::Error,
+        source: BodyError,
     },
     /// A rank's thread panicked (a bug).
     #[error("rank {rank}: driver thread panicked: {message}")]
@@ -115,7 +119,7 @@ pub fn run_local_ranks<R, F>(
 ) -> Result<Vec<R>, RanksError>
 where
     R: Send + 'static,
-    F: Fn(RankContext) -> anyhow::Result<R> + Send + Sync + 'static,
+    F: Fn(RankContext) -> Result<R, BodyError> + Send + Sync + 'static,
 {
     if plan.devices.is_empty() {
         return Err(RanksError::NoDevices);

@@ -22,6 +22,9 @@ pub use arch::Arch;
 pub use error::ModelError;
 pub use graph::{BufferKind, BufferSpec, Graph, Node, ParamKind, ParamSpec, ValueDims};
 pub use input::{Augment, InputBatch, StepStats, IMAGENET_MEAN, IMAGENET_STD};
+pub use network::{
+    buffer_plan, BnAllReduce, BufferPlan, GradHookError, GradReadyHook, Network, NetworkConfig,
+    SyncEvent,
+};
 pub(crate) use network::{ohwi_to_oihw, oihw_to_ohwi};
-pub use network::{BnAllReduce, GradHookError, GradReadyHook, Network, NetworkConfig, SyncEvent};
 pub use state::{HeadPolicy, ModelState};

@@ -214,6 +214,45 @@ fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usiz
     (slot, sizes)
 }
 
+/// The elements a [`Network`] allocates (see [`Network::new`]), from the same buffer plan it
+/// uses: for memory estimates that match what is really allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferPlan {
+    /// Activations, per image (every value of the graph, the input included).
+    pub activations_per_image: usize,
+    /// Activation gradients, per image: the shared buffers of the reverse pass, far fewer
+    /// than one per value (see [`Network`]).
+    pub activation_grads_per_image: usize,
+    /// Parameters (and as many parameter gradients).
+    pub params: usize,
+    /// Buffers (batch-norm running statistics and counters).
+    pub buffers: usize,
+    /// Saved batch mean and inverse std of every BN layer, and the synchronised-BN scratch.
+    pub statistics: usize,
+}
+
+/// The [`BufferPlan`] of `graph` at images of side `image_size`.
+pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
+    let dims = graph.value_dims(image_size);
+    let (_, grad_sizes) = plan_grad_buffers(graph, &dims);
+    let channels: Vec<usize> = graph
+        .nodes()
+        .iter()
+        .filter_map(|node| match node {
+            Node::BatchNorm { channels, .. } => Some(*channels),
+            _ => None,
+        })
+        .collect();
+    let widest = channels.iter().copied().max().unwrap_or(1);
+    BufferPlan {
+        activations_per_image: dims.iter().map(|d| d.per_image()).sum(),
+        activation_grads_per_image: grad_sizes.iter().sum(),
+        params: graph.param_count(),
+        buffers: graph.buffers().iter().map(|b| b.numel()).sum(),
+        statistics: 2 * channels.iter().sum::<usize>() + 2 * widest,
+    }
+}
+
 /// The gradient-ready callback of [`Network::train_step_with`]: parameter index (into
 /// `graph.params()`) and its final gradient tensor.
 pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError> + 'a;
@@ -455,17 +494,107 @@ impl<B: Backend> Network<B> {
                 self.backend.upload(&s.params[i], t)?;
             }
         }
+        self.set_buffers(&s.buffers)?;
+        self.grads_for = None;
+        Ok(())
+    }
+
+    /// The buffers (batch-norm running statistics and counters) in `graph.buffers()` order,
+    /// as [`Network::state`] returns them, without downloading the parameters.
+    pub fn buffers(&self) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut out = Vec::with_capacity(self.buffers.len());
         for (i, spec) in self.graph.buffers().iter().enumerate() {
+            out.push(if spec.kind == BufferKind::NumBatchesTracked {
+                vec![self.batches_tracked[i]]
+            } else {
+                self.backend.download(get(&self.buffers, i))?
+            });
+        }
+        Ok(out)
+    }
+
+    /// Replaces the buffers (see [`Network::buffers`]); parameters are kept.
+    pub fn set_buffers(&mut self, buffers: &[Vec<f32>]) -> Result<(), ModelError> {
+        let specs = self.graph.buffers();
+        if buffers.len() != specs.len() {
+            return Err(ModelError::StateMismatch(format!(
+                "{} buffers given, {} has {}",
+                buffers.len(),
+                self.graph.arch(),
+                specs.len()
+            )));
+        }
+        for (i, spec) in specs.iter().enumerate() {
+            if buffers[i].len() != spec.numel() {
+                return Err(ModelError::StateMismatch(format!(
+                    "buffer {} has {} values, expected {}",
+                    spec.name,
+                    buffers[i].len(),
+                    spec.numel()
+                )));
+            }
             let t = self.buffers[i]
                 .as_mut()
                 .expect("buffers not borrowed between calls");
-            self.backend.upload(&s.buffers[i], t)?;
+            self.backend.upload(&buffers[i], t)?;
             if spec.kind == BufferKind::NumBatchesTracked {
-                self.batches_tracked[i] = s.buffers[i][0];
+                self.batches_tracked[i] = buffers[i][0];
             }
         }
-        self.grads_for = None;
         Ok(())
+    }
+
+    /// Uploads parameter `index`'s values given in the backend's layout (convolutions OHWI),
+    /// e.g. from an optimizer that keeps its master weights that way (no permutation).
+    pub fn set_param_backend_layout(
+        &mut self,
+        index: usize,
+        values: &[f32],
+    ) -> Result<(), ModelError> {
+        let t = self
+            .params
+            .get_mut(index)
+            .ok_or_else(|| {
+                ModelError::StateMismatch(format!(
+                    "parameter {index} of {} does not exist",
+                    self.graph.arch()
+                ))
+            })?
+            .as_mut()
+            .expect("params not borrowed between calls");
+        self.backend.upload(values, t)?;
+        Ok(())
+    }
+
+    /// Puts the parameter gradients into one flat buffer of `total` elements, parameter i at
+    /// `ranges[i]` (a bucket plan's layout), so backward writes each gradient straight into
+    /// its bucket and a collective reduces whole buckets in place. Returns the buffer's device
+    /// address, or `None` when the backend has no views (the gradients stay separate).
+    pub fn flatten_gradients(
+        &mut self,
+        total: usize,
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<Option<u64>, ModelError> {
+        let params = self.graph.params();
+        if ranges.len() != params.len()
+            || ranges.iter().zip(params).any(|(r, p)| r.len() != p.numel())
+        {
+            return Err(ModelError::StateMismatch(format!(
+                "a gradient layout of {} ranges does not fit the {} parameters of {}",
+                ranges.len(),
+                params.len(),
+                self.graph.arch()
+            )));
+        }
+        let Some((base, views)) =
+            self.backend
+                .alloc_views(total, ranges, TensorRole::WeightGrad)?
+        else {
+            return Ok(None);
+        };
+        self.param_grads = views.into_iter().map(Some).collect();
+        self.grads_for = None;
+        Ok(Some(base))
     }
 
     /// Downloads parameters and buffers into a host [`ModelState`] (torchvision layout).

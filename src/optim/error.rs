@@ -18,6 +18,9 @@ pub enum OptimError {
     /// `--optimizer` named no known optimizer.
     #[error("unknown optimizer '{0}' (valid: sgd, adam, adamw)")]
     UnknownKind(String),
+    /// `--schedule` named no known schedule.
+    #[error("unknown schedule '{0}' (valid: cosine, step, constant)")]
+    UnknownSchedule(String),
     /// Reading or writing a state file failed.
     #[error("{}: {source}", path.display())]
     Io {
@@ -27,6 +30,12 @@ pub enum OptimError {
         #[source]
         source: std::io::Error,
     },
+    /// A device optimizer's operation failed.
+    #[error("device optimizer: {0}")]
+    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The model failed (uploading updated weights); boxed, so that the error stays small.
+    #[error(transparent)]
+    Model(Box<crate::model::ModelError>),
     /// The state file is not valid safetensors or lacks a tensor.
     #[error("{}: bad optimizer state: {detail}", path.display())]
     BadState {
@@ -35,4 +44,10 @@ pub enum OptimError {
         /// What is wrong (missing tensor, wrong length, another optimizer's state).
         detail: String,
     },
+}
+
+impl From<crate::model::ModelError> for OptimError {
+    fn from(e: crate::model::ModelError) -> Self {
+        OptimError::Model(Box::new(e))
+    }
 }

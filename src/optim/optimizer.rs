@@ -7,6 +7,7 @@ use std::str::FromStr;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
+use super::layout::{ConvOrder, ParamLayout};
 use super::OptimError;
 use crate::model::ParamSpec;
 
@@ -99,12 +100,28 @@ impl Optimizer {
     /// A fresh optimizer for parameters `params` (graph order; their `decay` flags choose where
     /// weight decay applies).
     pub fn new(kind: OptimizerKind, hyper: Hyper, params: &[ParamSpec]) -> Optimizer {
-        let mut segments = Vec::with_capacity(params.len());
-        let mut len = 0;
-        for p in params {
-            segments.push((len, p.numel(), p.decay));
-            len += p.numel();
-        }
+        Self::with_layout(
+            kind,
+            hyper,
+            params,
+            &ParamLayout::graph(params, ConvOrder::Torchvision),
+        )
+    }
+
+    /// A fresh optimizer for parameters laid out as `layout` says in the vectors it steps
+    /// (its state follows the same layout; padding between parameters is never touched).
+    pub fn with_layout(
+        kind: OptimizerKind,
+        hyper: Hyper,
+        params: &[ParamSpec],
+        layout: &ParamLayout,
+    ) -> Optimizer {
+        let segments: Vec<(usize, usize, bool)> = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (layout.range(i).start, p.numel(), p.decay))
+            .collect();
+        let len = layout.len();
         let v = match kind {
             OptimizerKind::Sgd { .. } => Vec::new(),
             _ => vec![0.0; len],

@@ -1,5 +1,65 @@
 //! Learning-rate schedules.
 
+use serde::{Deserialize, Serialize};
+
+use super::OptimError;
+
+/// The decay family (`--schedule`), as a typed setting; [`ScheduleChoice::decay`] adds the
+/// step schedule's period and factor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleChoice {
+    /// Half-cosine to 0.
+    Cosine,
+    /// Constant after warmup.
+    Constant,
+    /// Step decay (`--step-every`, `--step-gamma`).
+    Step,
+}
+
+impl ScheduleChoice {
+    /// Every choice, in the order `--help` lists them.
+    pub const ALL: [ScheduleChoice; 3] = [Self::Cosine, Self::Step, Self::Constant];
+
+    /// The command-line spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cosine => "cosine",
+            Self::Constant => "constant",
+            Self::Step => "step",
+        }
+    }
+
+    /// The decay, with the step schedule's period (epochs) and factor.
+    pub fn decay(self, every_epochs: u32, gamma: f32) -> Decay {
+        match self {
+            Self::Cosine => Decay::Cosine,
+            Self::Constant => Decay::Constant,
+            Self::Step => Decay::Step {
+                every_epochs,
+                gamma,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for ScheduleChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ScheduleChoice {
+    type Err = OptimError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim().to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or(OptimError::UnknownSchedule(s))
+    }
+}
+
 /// The decay after warmup.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Decay {
@@ -31,6 +91,17 @@ pub struct Schedule {
     pub total_epochs: u32,
     /// Decay after warmup.
     pub decay: Decay,
+}
+
+impl Decay {
+    /// The family of this decay.
+    pub fn choice(&self) -> ScheduleChoice {
+        match self {
+            Decay::Cosine => ScheduleChoice::Cosine,
+            Decay::Constant => ScheduleChoice::Constant,
+            Decay::Step { .. } => ScheduleChoice::Step,
+        }
+    }
 }
 
 impl Schedule {

@@ -4,51 +4,15 @@ use std::path::PathBuf;
 
 use pipeline::{LastBatch, OnBadImage};
 
-use super::checkpoint::RunSettings;
 use super::device::DeviceChoice;
+use super::folder::RunSettings;
 use super::TrainError;
+use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::Decay;
+use crate::optim::{Decay, OptimizerChoice};
 
-/// The optimizer family (`--optimizer`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OptimizerChoice {
-    /// SGD with momentum (`--momentum`, `--nesterov`).
-    Sgd,
-    /// Adam (L2 weight decay added to the gradient, as torch.optim.Adam).
-    Adam,
-    /// AdamW (decoupled weight decay).
-    AdamW,
-}
-
-impl OptimizerChoice {
-    /// The command-line spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Sgd => "sgd",
-            Self::Adam => "adam",
-            Self::AdamW => "adamw",
-        }
-    }
-}
-
-impl std::str::FromStr for OptimizerChoice {
-    type Err = TrainError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "sgd" => Ok(Self::Sgd),
-            "adam" => Ok(Self::Adam),
-            "adamw" => Ok(Self::AdamW),
-            _ => Err(TrainError::InvalidConfig {
-                flag: "--optimizer",
-                value: s.to_string(),
-                hint: "expected sgd, adam or adamw".into(),
-            }),
-        }
-    }
-}
-
-/// A training run's settings. [`TrainConfig::new`] gives the CLI's defaults.
+/// A training run's settings. [`TrainConfig::new`] holds every default (the command line
+/// takes its defaults from it).
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
     /// Dataset root (`train/valid/test/<class>/…`, or flat `<class>/…` with `valid_fraction`).
@@ -119,9 +83,9 @@ pub struct TrainConfig {
     pub progress: bool,
     /// Print the start lines, epoch lines and summary on stdout.
     pub verbose: bool,
-    /// GPUs through NCCL (one driver thread per GPU, staging ring, bucketed all-reduce) with
-    /// these flags; `None` drives the GPUs from one thread through the generic loop.
-    pub dist: Option<crate::dist::args::DistArgs>,
+    /// How the ranks are launched and joined (buckets, timeouts, trace; GPUs: staging depth,
+    /// nodes, synchronised batch norm).
+    pub dist: DistSettings,
 }
 
 impl TrainConfig {
@@ -160,9 +124,14 @@ impl TrainConfig {
             stop_after_steps: None,
             progress: true,
             verbose: true,
-            dist: None,
+            dist: DistSettings::default(),
         }
     }
+
+    /// `--step-every` when the schedule is not step decay (what a checkpoint records).
+    pub const DEFAULT_STEP_EVERY: u32 = 30;
+    /// `--step-gamma` when the schedule is not step decay.
+    pub const DEFAULT_STEP_GAMMA: f32 = 0.1;
 
     /// Replicas × per-replica batch.
     pub fn global_batch(&self) -> usize {
@@ -190,13 +159,12 @@ impl TrainConfig {
 
     /// The settings a checkpoint records so that `--resume` continues the same way.
     pub fn settings(&self) -> RunSettings {
-        let (schedule, step_every, step_gamma) = match self.schedule {
-            Decay::Cosine => ("cosine", 30, 0.1),
-            Decay::Constant => ("constant", 30, 0.1),
+        let (step_every, step_gamma) = match self.schedule {
             Decay::Step {
                 every_epochs,
                 gamma,
-            } => ("step", every_epochs, gamma),
+            } => (every_epochs, gamma),
+            _ => (Self::DEFAULT_STEP_EVERY, Self::DEFAULT_STEP_GAMMA),
         };
         RunSettings {
             lr: self.lr,
@@ -205,44 +173,29 @@ impl TrainConfig {
             weight_decay: self.weight_decay,
             label_smoothing: self.label_smoothing,
             warmup_epochs: self.warmup_epochs,
-            schedule: schedule.into(),
+            schedule: self.schedule.choice(),
             step_every,
             step_gamma,
             augment: self.augment,
             freeze_bn: self.freeze_bn,
-            last_batch: self.last_batch.as_str().into(),
+            last_batch: self.last_batch,
             valid_fraction: self.valid_fraction,
         }
     }
 
     /// Takes over the settings of a checkpoint (before flags given on resume are applied).
-    pub fn apply_settings(&mut self, s: &RunSettings) -> Result<(), TrainError> {
+    pub fn apply_settings(&mut self, s: &RunSettings) {
         self.lr = s.lr;
         self.momentum = s.momentum;
         self.nesterov = s.nesterov;
         self.weight_decay = s.weight_decay;
         self.label_smoothing = s.label_smoothing;
         self.warmup_epochs = s.warmup_epochs;
-        self.schedule = match s.schedule.as_str() {
-            "cosine" => Decay::Cosine,
-            "constant" => Decay::Constant,
-            "step" => Decay::Step {
-                every_epochs: s.step_every,
-                gamma: s.step_gamma,
-            },
-            other => {
-                return Err(TrainError::InvalidConfig {
-                    flag: "--schedule",
-                    value: other.to_string(),
-                    hint: "the checkpoint names an unknown schedule".into(),
-                })
-            }
-        };
+        self.schedule = s.decay();
         self.augment = s.augment;
         self.freeze_bn = s.freeze_bn;
-        self.last_batch = s.last_batch.parse()?;
+        self.last_batch = s.last_batch;
         self.valid_fraction = s.valid_fraction;
-        Ok(())
     }
 
     /// Rejects values that cannot work, naming the flag.
@@ -266,6 +219,13 @@ impl TrainConfig {
         }
         if self.replicas == 0 {
             return bad("--replicas", "0".into(), "use at least 1 replica");
+        }
+        if !(self.dist.bucket_mb.is_finite() && self.dist.bucket_mb > 0.0) {
+            return bad(
+                "--bucket-mb",
+                self.dist.bucket_mb.to_string(),
+                "a positive size in MiB, such as 25",
+            );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("--lr", self.lr.to_string(), "a positive number, e.g. 0.1");

@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
+use super::folder::FolderError;
 use crate::backend::BackendError;
+use crate::dist::collective::CollectiveError;
 use crate::model::ModelError;
 use crate::optim::OptimError;
 use pipeline::PipelineError;
@@ -21,25 +23,6 @@ pub enum TrainError {
         /// The I/O error.
         #[source]
         source: std::io::Error,
-    },
-    /// A line of metrics.jsonl does not parse.
-    #[error("{path}:{line}: not a metrics line: {source}")]
-    BadMetricsLine {
-        /// The metrics file.
-        path: PathBuf,
-        /// 1-based line number.
-        line: usize,
-        /// The parse error.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A `--resume` or `--checkpoint` folder is not a usable run folder.
-    #[error("bad run folder {path}: {reason}")]
-    BadRunDir {
-        /// The folder given.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
     },
     /// A checkpoint does not fit the requested run (another model, class list, image size).
     #[error(
@@ -142,14 +125,6 @@ pub enum TrainError {
         /// The driver's answer.
         reason: String,
     },
-    /// report.png could not be drawn.
-    #[error("cannot draw report {path}: {reason}")]
-    Report {
-        /// The picture's path.
-        path: PathBuf,
-        /// The plotting error.
-        reason: String,
-    },
     /// The input engine failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
@@ -162,4 +137,50 @@ pub enum TrainError {
     /// The optimizer failed (state file from another model…).
     #[error(transparent)]
     Optim(#[from] OptimError),
+    /// The run folder could not be read or written.
+    #[error(transparent)]
+    Folder(#[from] FolderError),
+    /// A collective failed: a rank stopped answering, failed, or the group was aborted.
+    #[error(transparent)]
+    Collective(Box<CollectiveError>),
+    /// A rank's weights differ from rank 0's: the data-parallel invariant broke.
+    #[error(
+        "rank {rank}: weights diverged from rank 0 at step {step} (checksum {mine:016x} vs {reference:016x}); \
+         hint: a non-deterministic kernel or a missed all-reduce bucket"
+    )]
+    Diverged {
+        /// The rank that noticed.
+        rank: usize,
+        /// Optimizer step.
+        step: u64,
+        /// Its checksum.
+        mine: u64,
+        /// Rank 0's.
+        reference: u64,
+    },
+    /// The `--trace` file could not be written.
+    #[error("{0}")]
+    Trace(String),
+    /// A broken invariant of the trainer itself (a bug), with what was found.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+}
+
+impl TrainError {
+    /// Whether this error only reports that another rank aborted the group (its own error is
+    /// the cause worth showing).
+    pub fn is_abort_consequence(&self) -> bool {
+        fn aborted(e: &(dyn std::error::Error + 'static)) -> bool {
+            matches!(
+                e.downcast_ref::<CollectiveError>(),
+                Some(CollectiveError::Aborted { .. })
+            )
+        }
+        match self {
+            TrainError::Collective(e) => matches!(**e, CollectiveError::Aborted { .. }),
+            TrainError::Model(ModelError::GradHook { source, .. })
+            | TrainError::Model(ModelError::BnSync { source, .. }) => aborted(source.as_ref()),
+            _ => false,
+        }
+    }
 }

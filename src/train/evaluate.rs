@@ -4,8 +4,9 @@ use std::path::{Path, PathBuf};
 
 use pipeline::{DatasetSource, OnBadImage, Pipeline, PipelineBuilder, PipelineError, Split};
 
-use super::checkpoint::{CheckpointMeta, MODEL_FILE};
-use super::metrics::MetricsAccumulator;
+use super::folder::checkpoint::{CheckpointMeta, MODEL_FILE};
+use super::folder::metrics::MetricsAccumulator;
+use super::folder::FolderError;
 use super::TrainError;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
@@ -107,7 +108,7 @@ pub fn load_checkpoint_for_inference(
     let arch: Arch =
         meta.model
             .parse()
-            .map_err(|e: crate::model::ModelError| TrainError::BadRunDir {
+            .map_err(|e: crate::model::ModelError| FolderError::BadRunDir {
                 path: run.to_path_buf(),
                 reason: e.to_string(),
             })?;

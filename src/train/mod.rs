@@ -1,41 +1,45 @@
-//! The trainer: data-parallel replicas on one backend fed by the input engine, the optimizer
-//! step on a master copy, validation each epoch, checkpoints, metrics, report and summary.
+//! The trainer: one training loop for every device and rank count.
 //!
-//! Data parallelism on the CPU uses R [`crate::model::Network`] replicas that run one after
-//! the other on the same thread pool: each takes its micro-batch (slice r of the global batch
-//! from the pipeline), gradients are averaged weighted by image count, one optimizer step
-//! updates the master parameters, and every replica reloads them. Batch-norm statistics are
-//! per replica (as in PyTorch DDP); the master's running statistics are the count-weighted
-//! mean of the replicas'.
+//! A run is R ranks ([`rank`]): each owns a backend, a model replica, its share of every
+//! global batch and its optimizer, and they are joined by a collective
+//! ([`crate::dist::collective::Collective`]): in-process for CPU ranks on threads
+//! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines). The loop ([`run`])
+//! is the same code for all of them: setup and resume ([`setup`]), epochs and steps, the
+//! agreement on stopping, validation, metrics, checkpoints and report in the run folder
+//! ([`folder`], written by rank 0 alone), the summary. Batch-norm statistics are kept per
+//! rank during an epoch (as in PyTorch DDP) and averaged over the ranks at every epoch end
+//! and checkpoint.
 
 mod augment;
-pub mod checkpoint;
 mod config;
 mod device;
-mod epoch;
 mod error;
 mod evaluate;
-pub mod fault;
-mod gpu;
-pub mod metrics;
+pub mod folder;
 mod progress;
-mod replicas;
-mod report;
-mod resume;
+mod rank;
 mod run;
+mod setup;
 mod summary;
 
+#[cfg(test)]
+mod multirank_tests;
+
 pub use augment::{augment_for, augments_for, max_shift};
-pub use checkpoint::{CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
-pub use config::{OptimizerChoice, TrainConfig};
+pub use config::TrainConfig;
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;
 pub use evaluate::{
     evaluate, load_checkpoint_for_inference, predict, printable, EvalReport, InferenceModel,
     Prediction,
 };
-pub(crate) use gpu::default_dist_args;
-pub use metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
-pub use report::write_report;
+pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
+pub use folder::report::write_report;
+pub use folder::{
+    checkpoint, fault, CheckpointMeta, DataPosition, DatasetStamp, FolderError, RunFolder,
+    RunSettings,
+};
 pub use run::{train, TrainOutcome};
 pub use summary::{format_summary, SummaryHeader};
+
+pub use crate::optim::OptimizerChoice;

@@ -1,31 +1,28 @@
-//! The training loop: pipelines, replicas, optimizer, schedule, validation, checkpoints,
-//! metrics, report and summary.
+//! The training loop: one for every device and rank count.
+//!
+//! [`train`] prepares the run folder, lets the device's launcher ([`super::rank::cpu`] or
+//! [`super::rank::cuda`]) set up the shared state and start one thread per local rank, and
+//! each rank runs [`run_rank`]: the epochs, each step ([`super::rank::Rank::step`]), the
+//! agreement on stopping, cross-rank checksums, and at every epoch end the batch-norm
+//! average, then (rank 0) validation, metrics, checkpoint and report. The summary is built
+//! from every rank's report.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use pipeline::{DatasetSource, Pipeline, PipelineBuilder, Split};
-
-use super::checkpoint::{
-    clean_run_folder, CheckpointMeta, DataPosition, DatasetStamp, SIDECAR_FILE,
-};
-use super::config::{OptimizerChoice, TrainConfig};
+use super::config::TrainConfig;
 use super::device::DeviceChoice;
-use super::epoch::{reached_stop_step, train_epoch, validate};
-use super::evaluate::summarise;
-use super::metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
-use super::metrics::{MetricsAccumulator, MetricsSplit};
-use super::replicas::Replicas;
-use super::report::write_report;
-use super::resume::{check_resume, copy_metrics, resume_position, save_checkpoint};
+use super::evaluate::evaluate;
+use super::folder::metrics::{EpochMetrics, MetricsSplit};
+use super::folder::{CheckpointMeta, DataPosition, RunFolder};
+use super::progress::EpochBar;
+use super::rank::{account, Device, PendingStep, Rank, StepPlan};
+use super::setup::Shared;
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
-use crate::backend::cpu::CpuBackend;
-use crate::backend::Backend;
-use crate::cuda::CudaBackend;
-use crate::model::{Graph, HeadPolicy, ModelState, NetworkConfig};
-use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
+use crate::model::{ModelState, StepStats};
+use crate::optim::RankOptimizer;
 
 /// How a training run ended.
 #[derive(Debug, Clone)]
@@ -42,30 +39,38 @@ pub struct TrainOutcome {
     pub out: PathBuf,
     /// The summary as printed.
     pub summary: String,
-    /// xxh3-64 of each replica's final parameters (all equal when replicas stay in sync).
+    /// xxh3-64 of each local rank's final master weights (all equal when ranks stay in sync).
     pub replica_checksums: Vec<u64>,
 }
 
-/// Trains as `cfg` says. `stop` is polled after every step (Ctrl-C sets it): the step is
-/// finished, a checkpoint saved, and the run returns with `interrupted`.
+/// Whether a rank wants to stop before global step `step` (Ctrl-C, or a test's plan): asked
+/// with the rank and the step.
+pub(crate) type StopWish<'a> = dyn Fn(usize, u64) -> bool + Sync + 'a;
+
+/// Trains as `cfg` says. `stop` is polled before every step (Ctrl-C sets it): every rank
+/// finishes the same step, a checkpoint is saved, and the run returns with `interrupted`.
 pub fn train(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
+    train_until(cfg, &|_, _| stop.load(Ordering::SeqCst))
+}
+
+/// [`train`] with a stop wish per rank and step.
+pub(crate) fn train_until(
+    cfg: &TrainConfig,
+    stop: &StopWish<'_>,
+) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
     refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
-    // folder exists from the start; a run that fails before its first checkpoint removes
-    // the folder it created ("nothing half-written").
-    let created = !cfg.out.exists();
-    std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Io {
-        path: cfg.out.clone(),
-        what: "create the run folder",
-        source,
-    })?;
+    // folder exists from the start; a run that fails before its first checkpoint removes the
+    // folder it created ("nothing half-written").
+    let folder = RunFolder::new(&cfg.out);
+    let created = folder.create()?;
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
-    clean_run_folder(&cfg.out);
-    let result = train_on_device(cfg, stop);
-    if result.is_err() && created && !cfg.out.join(SIDECAR_FILE).exists() {
-        let _ = std::fs::remove_dir_all(&cfg.out);
+    folder.clean();
+    let result = run(cfg, &folder, stop);
+    if result.is_err() {
+        folder.discard_if_unused(created);
     }
     result
 }
@@ -76,10 +81,7 @@ fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
     if cfg.overwrite || cfg.resume.as_deref() == Some(cfg.out.as_path()) {
         return Ok(());
     }
-    let found: Vec<&str> = [SIDECAR_FILE, "metrics.jsonl"]
-        .into_iter()
-        .filter(|f| cfg.out.join(f).exists())
-        .collect();
+    let found = RunFolder::new(&cfg.out).existing_run();
     if found.is_empty() {
         return Ok(());
     }
@@ -89,51 +91,34 @@ fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
     })
 }
 
-/// Warnings about a training set that makes the figures misleading (the run goes on).
-pub(super) fn warn_about_dataset(cfg: &TrainConfig, classes: usize, train_images: usize) {
-    if classes == 1 {
-        tracing::warn!(
-            "the training set has a single class: every prediction is that class, so accuracy is 1.0 by construction (add at least one more class folder)"
-        );
-    }
-    let global = cfg.global_batch();
-    if global > train_images && cfg.last_batch != pipeline::LastBatch::Pad {
-        tracing::warn!(
-            "a global batch of {global} is larger than the {train_images} training images: each step holds all {train_images}, and the learning rate is scaled for {train_images} (hint: a smaller --batch-size)"
-        );
-    }
-}
-
-/// Stops the run on a NaN or infinite training loss (the sum over a step's `count` images),
-/// before the diverged weights reach a checkpoint.
-pub(super) fn check_loss(
-    cfg: &TrainConfig,
-    loss_sum: f64,
-    count: usize,
-    global_step: u64,
+/// Stops the run on a NaN or infinite training loss (the sum over a step's `count` images,
+/// the same on every rank), before the diverged weights reach a checkpoint. `step_index` is
+/// the 0-based global step the loss belongs to.
+fn check_loss(
+    shared: &Shared,
+    totals: &StepStats,
+    step_index: u64,
     epoch: u64,
-    lr: f32,
 ) -> Result<(), TrainError> {
-    if count == 0 || loss_sum.is_finite() {
+    if totals.count == 0 || totals.loss_sum.is_finite() {
         return Ok(());
     }
     Err(TrainError::NonFiniteLoss {
         what: "training loss",
-        loss: loss_sum / count as f64,
-        step: global_step + 1,
+        loss: totals.loss_sum / totals.count as f64,
+        step: step_index + 1,
         epoch: epoch + 1,
-        lr,
-        out: cfg.out.clone(),
+        lr: shared.schedule.lr_at(step_index),
+        out: shared.cfg.out.clone(),
     })
 }
 
-/// Stops the run when validation after epoch `epoch` (counted from 1) gives a NaN or infinite
-/// loss: the weights overflowed although each step's loss still looked finite.
-pub(super) fn check_valid_loss(
-    cfg: &TrainConfig,
+/// Stops the run when validation gives a NaN or infinite loss: the weights overflowed
+/// although each step's loss still looked finite.
+fn check_valid_loss(
+    shared: &Shared,
     valid: &EpochMetrics,
     global_step: u64,
-    lr: f32,
 ) -> Result<(), TrainError> {
     if valid.loss.is_finite() {
         return Ok(());
@@ -143,20 +128,19 @@ pub(super) fn check_valid_loss(
         loss: valid.loss,
         step: global_step,
         epoch: valid.epoch,
-        lr,
-        out: cfg.out.clone(),
+        lr: shared.schedule.lr_at(global_step.saturating_sub(1)),
+        out: shared.cfg.out.clone(),
     })
 }
 
 /// Refuses to checkpoint weights or statistics that overflowed (a loss can stay finite while
 /// a batch-norm variance already reached infinity).
-pub(super) fn check_finite_state(
-    cfg: &TrainConfig,
-    graph: &Graph,
+fn check_finite_state(
+    shared: &Shared,
     state: &ModelState,
     position: &DataPosition,
-    lr: f32,
 ) -> Result<(), TrainError> {
+    let graph = &shared.graph;
     let names = graph
         .params()
         .iter()
@@ -169,104 +153,20 @@ pub(super) fn check_finite_state(
                 tensor: name.clone(),
                 step: position.global_step,
                 epoch: position.epoch + u64::from(position.step_in_epoch > 0),
-                lr,
-                out: cfg.out.clone(),
+                lr: shared
+                    .schedule
+                    .lr_at(position.global_step.saturating_sub(1)),
+                out: shared.cfg.out.clone(),
             });
         }
     }
     Ok(())
 }
 
-fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
-    match cfg.device {
-        DeviceChoice::Cpu => {
-            // Replicas share one thread pool and run one after the other.
-            let cpu = CpuBackend::new(cfg.threads)?;
-            let backends = (0..cfg.replicas).map(|_| cpu.clone()).collect();
-            train_with(cfg, stop, backends)
-        }
-        // The CLI always sets `dist` for CUDA: one driver thread per GPU, NCCL gradient sync.
-        DeviceChoice::Cuda(_) if cfg.dist.is_some() => super::gpu::train_on_gpus(cfg, stop),
-        DeviceChoice::Cuda(n) => {
-            // Library callers without `dist`: one replica per GPU driven from this thread,
-            // gradients averaged on the host.
-            let backends = (0..n)
-                .map(|ordinal| {
-                    CudaBackend::new(ordinal).map_err(|e| TrainError::Device {
-                        device: format!("cuda:{ordinal}"),
-                        reason: e.to_string(),
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            train_with(cfg, stop, backends)
-        }
-    }
-}
-
-pub(super) fn source(cfg: &TrainConfig) -> DatasetSource {
-    match cfg.valid_fraction {
-        Some(f) => DatasetSource::flat(&cfg.data, f),
-        None => DatasetSource::folder(&cfg.data),
-    }
-}
-
-fn pipeline_for(cfg: &TrainConfig, split: Split) -> Result<Pipeline, TrainError> {
-    let training = split == Split::Train;
-    let mut b = PipelineBuilder::new(source(cfg))
-        .split(split)
-        .image_size(cfg.image_size)
-        .seed(cfg.seed)
-        .replicas(if training { cfg.replicas } else { 1 })
-        .batch_size(cfg.batch_size)
-        .shuffle(training)
-        .last_batch(if training {
-            cfg.last_batch
-        } else {
-            pipeline::LastBatch::Partial
-        })
-        .on_bad_image(cfg.on_bad_image)
-        .bad_files_report(cfg.out.join(format!("bad_files_{}.txt", split)));
-    if cfg.workers > 0 {
-        b = b.workers(cfg.workers);
-    }
-    if let Some(dir) = &cfg.cache_dir {
-        b = b.cache_dir(dir.clone());
-    }
-    Ok(b.build()?)
-}
-
-pub(super) fn optimizer_kind(cfg: &TrainConfig) -> OptimizerKind {
-    match cfg.optimizer {
-        OptimizerChoice::Sgd => OptimizerKind::Sgd {
-            momentum: cfg.momentum,
-            nesterov: cfg.nesterov,
-        },
-        OptimizerChoice::Adam => OptimizerKind::Adam,
-        OptimizerChoice::AdamW => OptimizerKind::AdamW,
-    }
-}
-
-/// Everything a run carries from step to step.
-pub(super) struct RunState<B: Backend> {
-    /// The replicas and the master copy.
-    pub(super) replicas: Replicas<B>,
-    /// The optimizer and its state.
-    pub(super) optimizer: Optimizer,
-    /// Where the run is in the data.
-    pub(super) position: DataPosition,
-}
-
-pub(super) fn say(cfg: &TrainConfig, line: impl AsRef<str>) {
-    if cfg.verbose {
-        println!("{}", line.as_ref());
-    }
-}
-
-/// The training loop on given backends (one per replica).
-pub(crate) fn train_with<B: Backend>(
+fn run(
     cfg: &TrainConfig,
-    stop: &AtomicBool,
-    backends: Vec<B>,
+    folder: &RunFolder,
+    stop: &StopWish<'_>,
 ) -> Result<TrainOutcome, TrainError> {
     let wall = Instant::now();
     // Read the checkpoint before anything is written, so a bad --resume leaves no trace.
@@ -274,264 +174,430 @@ pub(crate) fn train_with<B: Backend>(
         Some(run) => Some((run.clone(), CheckpointMeta::load(run)?)),
         None => None,
     };
-    let train_pipe = pipeline_for(cfg, Split::Train)?;
-    let valid_pipe = pipeline_for(cfg, Split::Valid)?;
-    let classes = train_pipe.classes().to_vec();
-    let graph = Graph::new(cfg.arch, classes.len());
-    let steps_per_epoch = train_pipe.steps_per_epoch();
-    if steps_per_epoch == 0 {
-        return Err(TrainError::InvalidConfig {
-            flag: "--batch-size",
-            value: cfg.batch_size.to_string(),
-            hint: format!(
-                "with --last-batch drop the {} training images make no full global batch of {}",
-                train_pipe.len(),
-                cfg.global_batch()
-            ),
-        });
-    }
-    let dataset = DatasetStamp::of(&train_pipe);
-    warn_about_dataset(cfg, classes.len(), train_pipe.len());
-    let lr = cfg.scaled_lr_for(train_pipe.len());
-    let schedule = Schedule {
-        base_lr: lr,
-        steps_per_epoch: steps_per_epoch as u64,
-        warmup_epochs: cfg.warmup_epochs,
-        total_epochs: cfg.epochs as u32,
-        decay: cfg.schedule,
+    let launched = match cfg.device {
+        DeviceChoice::Cpu => super::rank::cpu::launch(cfg, folder, resumed.as_ref(), stop)?,
+        DeviceChoice::Cuda(n) => super::rank::cuda::launch(cfg, n, folder, resumed.as_ref(), stop)?,
     };
-    let hyper = Hyper {
-        weight_decay: cfg.weight_decay,
-        ..Hyper::default()
-    };
-    let mut optimizer = Optimizer::new(optimizer_kind(cfg), hyper, graph.params());
-    let (state, position) = match &resumed {
-        Some((run, meta)) => {
-            check_resume(cfg, run, meta, &classes)?;
-            let state = ModelState::load_safetensors(
-                &graph,
-                &run.join(&meta.model_file),
-                HeadPolicy::Strict,
-            )?;
-            optimizer.load(&run.join(&meta.optimizer_state_file))?;
-            let position = resume_position(cfg, run, meta, &dataset)?;
-            (state, position)
-        }
-        None => {
-            let state = match &cfg.init_from {
-                Some(path) => ModelState::load_safetensors(
-                    &graph,
-                    path,
-                    HeadPolicy::ReplaceMismatched { seed: cfg.seed },
-                )?,
-                None => ModelState::init(&graph, cfg.seed),
-            };
-            let position = DataPosition {
-                epoch: 0,
-                step_in_epoch: 0,
-                samples_in_epoch: 0,
-                global_step: 0,
-                partial_train: MetricsAccumulator::default(),
-            };
-            (state, position)
-        }
-    };
-    let net_config = NetworkConfig {
-        label_smoothing: cfg.label_smoothing,
-        freeze_bn: cfg.freeze_bn,
-        ..NetworkConfig::default()
-    };
-    let replicas = Replicas::new(
-        backends,
-        &graph,
-        cfg.batch_size,
-        cfg.image_size,
-        net_config,
-        state,
-    )?;
-    std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Io {
-        path: cfg.out.clone(),
-        what: "create the run folder",
-        source,
-    })?;
-    let metrics_path = cfg.out.join("metrics.jsonl");
-    match &resumed {
-        Some((run, _)) => {
-            if run != &cfg.out {
-                copy_metrics(&run.join("metrics.jsonl"), &metrics_path)?;
-            }
-            truncate_metrics_from(&metrics_path, position.epoch + 1)?;
-        }
-        None => {
-            // A fresh run starts a fresh metrics file.
-            let _ = std::fs::remove_file(&metrics_path);
-        }
-    }
+    outcome(launched, wall.elapsed())
+}
 
-    let device_name = format!(
-        "{} × {} replica{}",
-        replicas_backend_name(&replicas),
-        cfg.replicas,
-        if cfg.replicas == 1 { "" } else { "s" }
-    );
-    say(
-        cfg,
-        format!(
-            "model {} ({} parameters) · {} · {} train / {} valid images at {}×{}",
-            cfg.arch,
-            graph.param_count(),
-            summarise(&classes),
-            train_pipe.len(),
-            valid_pipe.len(),
-            cfg.image_size,
-            cfg.image_size
-        ),
-    );
-    say(cfg, format!(
-        "device {device_name} · global batch {} ({} per replica) · lr {} for batch 256 → {:.6} scaled · {} · {} steps per epoch",
-        cfg.global_batch(),
-        cfg.batch_size,
-        cfg.lr,
-        lr,
-        cfg.optimizer.name(),
-        steps_per_epoch
-    ));
-    if let Some((run, meta)) = &resumed {
-        say(cfg, format!(
-            "resuming {} at epoch {}, step {} of {steps_per_epoch} (global step {}, {} epochs done)",
-            run.display(),
-            position.epoch + 1,
-            position.step_in_epoch,
-            position.global_step,
-            meta.epoch
-        ));
-    }
+/// What a launcher hands back: the shared state, every local rank's report, and what the
+/// summary says about the devices.
+pub(crate) struct Launched {
+    /// The run's shared state.
+    pub shared: std::sync::Arc<Shared>,
+    /// One report per local rank, in rank order.
+    pub reports: Vec<RankReport>,
+    /// "cpu (2 threads) × 3 ranks".
+    pub devices: String,
+    /// Extra summary lines (pinned memory, …).
+    pub notes: Vec<String>,
+    /// Whether this process writes the run folder (node 0).
+    pub writer: bool,
+}
 
-    let mut run = RunState {
-        replicas,
-        optimizer,
-        position,
-    };
+/// What a rank reports when it ends.
+#[derive(Debug, Clone)]
+pub(crate) struct RankReport {
+    /// xxh3-64 of its final master weights.
+    pub checksum: u64,
+    /// Cross-rank checksum comparisons passed.
+    pub checks_passed: u64,
+    /// Its input report, when the device measures one.
+    pub input_line: Option<String>,
+    /// Stopped before the last epoch ended.
+    pub interrupted: bool,
+    /// Where training stands.
+    pub position: DataPosition,
+    /// The last validation line (rank 0).
+    pub last_valid: Option<EpochMetrics>,
+    /// Seconds waiting for input and seconds training, over the epochs of this process.
+    pub session: (f64, f64),
+}
+
+/// The first error of the ranks, preferring a cause over the aborts it caused elsewhere.
+pub(crate) fn first_cause(errors: Vec<TrainError>) -> Option<TrainError> {
+    let mut errors = errors;
+    let cause = errors.iter().position(|e| !e.is_abort_consequence());
+    match cause {
+        Some(i) => Some(errors.swap_remove(i)),
+        None => errors.into_iter().next(),
+    }
+}
+
+/// Runs one rank to the end of training. On an error it aborts the collective first, so no
+/// other rank waits for it.
+pub(crate) fn run_rank<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    stop: &dyn Fn(u64) -> bool,
+) -> Result<RankReport, TrainError> {
+    let result = epochs(shared, rank, stop);
+    if let Err(e) = &result {
+        if !e.is_abort_consequence() {
+            rank.abort(&format!("rank {} failed: {e}", rank.rank));
+        }
+    }
+    result
+}
+
+fn reached_stop_step(cfg: &TrainConfig, pos: &DataPosition) -> bool {
+    cfg.stop_after_steps.is_some_and(|n| pos.global_step >= n)
+}
+
+fn checksum_due(step: u64, every: u64) -> bool {
+    every > 0 && step > 0 && step % every == 0
+}
+
+fn epochs<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    stop: &dyn Fn(u64) -> bool,
+) -> Result<RankReport, TrainError> {
+    let cfg = &shared.cfg;
     let mut last_valid = None;
     let mut interrupted = false;
-    // (seconds waiting for data, seconds training) over the epochs finished in this process.
-    let mut session_wait = (0.0f64, 0.0f64);
-    while run.position.epoch < cfg.epochs {
-        let epoch = run.position.epoch;
-        let finished = train_epoch(cfg, stop, &train_pipe, &schedule, &mut run, steps_per_epoch)?;
+    let mut session = (0.0f64, 0.0f64);
+    while rank.position.epoch < cfg.epochs {
+        let epoch = rank.position.epoch;
+        let (finished, stop_agreed) = train_epoch(shared, rank, stop)?;
         if !finished {
-            save_checkpoint(
-                cfg,
-                &graph,
-                &classes,
-                &dataset,
-                &run,
-                schedule.lr_at(run.position.global_step.saturating_sub(1)),
-            )?;
-            say(
-                cfg,
-                format!(
-                    "stopped at epoch {}, step {} of {steps_per_epoch}: checkpoint saved in {}",
+            rank.average_bn_statistics(shared)?;
+            if rank.is_writer() {
+                save_checkpoint(shared, rank)?;
+                shared.say(format!(
+                    "stopped at epoch {}, step {} of {}: checkpoint saved in {}",
                     epoch + 1,
-                    run.position.step_in_epoch,
+                    rank.position.step_in_epoch,
+                    shared.steps_per_epoch,
                     cfg.out.display()
-                ),
-            );
+                ));
+            }
             interrupted = true;
             break;
         }
-        let train_line = run
-            .position
-            .partial_train
-            .finish(epoch + 1, MetricsSplit::Train);
-        let wait_share = run.position.partial_train.wait_share();
-        session_wait.0 += run.position.partial_train.wait_seconds;
-        session_wait.1 += run.position.partial_train.seconds;
-        let valid_line = validate(cfg, &valid_pipe, &mut run, epoch + 1)?;
-        check_valid_loss(
-            cfg,
-            &valid_line,
-            run.position.global_step,
-            schedule.lr_at(run.position.global_step.saturating_sub(1)),
-        )?;
-        append_metrics(&metrics_path, &train_line)?;
-        append_metrics(&metrics_path, &valid_line)?;
-        run.position = DataPosition {
-            epoch: epoch + 1,
-            step_in_epoch: 0,
-            samples_in_epoch: 0,
-            global_step: run.position.global_step,
-            partial_train: MetricsAccumulator::default(),
-        };
-        save_checkpoint(
-            cfg,
-            &graph,
-            &classes,
-            &dataset,
-            &run,
-            schedule.lr_at(run.position.global_step.saturating_sub(1)),
-        )?;
-        write_report(&cfg.out.join("report.png"), &read_metrics(&metrics_path)?)?;
-        say(cfg, format!(
-            "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.0}% · {:.1} s",
-            epoch + 1,
-            cfg.epochs,
-            train_line.loss,
-            train_line.accuracy,
-            valid_line.loss,
-            valid_line.accuracy,
-            valid_line.top5,
-            train_line.images_per_sec,
-            wait_share * 100.0,
-            train_line.seconds + valid_line.seconds
-        ));
-        last_valid = Some(valid_line);
-        if stop.load(Ordering::SeqCst) || reached_stop_step(cfg, &run.position) {
-            interrupted = run.position.epoch < cfg.epochs;
+        // Every epoch ends with a cross-rank comparison, however short the epoch.
+        if !checksum_due(rank.position.global_step, shared.checksum_every) {
+            rank.compare_checksums()?;
+        }
+        let acc = rank.position.partial_train;
+        let train_line = acc.finish(epoch + 1, MetricsSplit::Train);
+        session.0 += acc.wait_seconds;
+        session.1 += acc.seconds;
+        rank.average_bn_statistics(shared)?;
+        rank.position = rank.position.next_epoch();
+        if rank.is_writer() {
+            last_valid = Some(end_epoch(shared, rank, &train_line, acc.wait_share())?);
+        }
+        if let Some(line) = rank.device.input_line(rank.rank) {
+            shared.say(line);
+        }
+        if stop_agreed || reached_stop_step(cfg, &rank.position) {
+            interrupted = rank.position.epoch < cfg.epochs;
             break;
         }
     }
-    let lines = if metrics_path.exists() {
-        read_metrics(&metrics_path)?
+    let checksum = crate::dist::checksum(&rank.opt.master()?);
+    Ok(RankReport {
+        checksum,
+        checks_passed: rank.checks_passed,
+        input_line: rank.device.input_line(rank.rank),
+        interrupted,
+        position: rank.position.clone(),
+        last_valid,
+        session,
+    })
+}
+
+/// The rest of the current epoch. Returns (finished, stop agreed): not finished when the
+/// ranks stopped before the epoch's last step.
+fn train_epoch<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    stop: &dyn Fn(u64) -> bool,
+) -> Result<(bool, bool), TrainError> {
+    let cfg = &shared.cfg;
+    let steps = shared.steps_per_epoch;
+    let epoch = rank.position.epoch;
+    let start_step = rank.position.step_in_epoch.min(steps);
+    let bar = EpochBar::new(
+        rank.is_writer() && cfg.progress && cfg.verbose,
+        format!("epoch {}/{} train", epoch + 1, cfg.epochs),
+        steps,
+        start_step,
+    );
+    rank.device
+        .begin_epoch(&shared.train_pipe, epoch, rank.rank, start_step)?;
+    let started = Instant::now();
+    let seconds_before = rank.position.partial_train.seconds;
+    let mut images = 0u64;
+    let mut stop_agreed = false;
+    let mut pending = None;
+    let trace_engine = shared.trace.is_enabled() && rank.local_index == 0;
+    if trace_engine {
+        shared.trace.name_process(ENGINE_PID, "input engine");
+        shared
+            .trace
+            .name_thread(ENGINE_PID, 0, "decode, cache, assembly");
+    }
+    let mut engine_before = trace_engine.then(|| shared.train_pipe.stats());
+    for step in start_step..steps {
+        let t_step = Instant::now();
+        let plan = StepPlan {
+            epoch,
+            step,
+            lr: shared.schedule.lr_at(rank.position.global_step),
+            local_images: shared.rank_images(step, rank.rank),
+            global_images: shared.step_images(step),
+            stop: stop(rank.position.global_step),
+        };
+        let (issued, waited) = rank.step(shared, &plan)?;
+        // A rank alone decides by itself; ranks agree through the step totals, read one step
+        // later, so every rank stops after the same step.
+        if rank.world == 1 && plan.stop {
+            stop_agreed = true;
+        }
+        if let Some(earlier) = pending.replace(issued) {
+            stop_agreed |= settle(shared, rank, earlier)?;
+        }
+        let pos = &mut rank.position;
+        pos.global_step += 1;
+        pos.step_in_epoch = step + 1;
+        pos.samples_in_epoch += plan.global_images as u64;
+        pos.partial_train.wait_seconds += waited.as_secs_f64();
+        images += plan.global_images as u64;
+        if checksum_due(pos.global_step, shared.checksum_every) {
+            rank.compare_checksums()?;
+        }
+        if let Some(before) = &mut engine_before {
+            let now = shared.train_pipe.stats();
+            shared.trace.record_since(
+                &engine_span_name(before, &now),
+                "engine",
+                ENGINE_PID,
+                0,
+                t_step,
+            );
+            *before = now;
+        }
+        rank.device
+            .end_step(&mut rank.comm, waited, t_step.elapsed())?;
+        let last = step + 1 == steps;
+        let early = !last && (stop_agreed || reached_stop_step(cfg, &rank.position));
+        if last || early {
+            if let Some(earlier) = pending.take() {
+                stop_agreed |= settle(shared, rank, earlier)?;
+            }
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let acc = &mut rank.position.partial_train;
+        acc.seconds = seconds_before + elapsed;
+        bar.update(
+            step + 1,
+            images as f64 / elapsed.max(1e-9),
+            acc.mean_loss(),
+            acc.accuracy(),
+            acc.wait_share(),
+        );
+        if early {
+            bar.finish();
+            return Ok((false, true));
+        }
+    }
+    bar.finish();
+    Ok((true, stop_agreed))
+}
+
+/// Reads the totals of the step before the last one issued (global step index
+/// `position.global_step - 1`), stops on a non-finite loss, adds them to the epoch's figures;
+/// returns whether any rank asked to stop.
+fn settle<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    earlier: PendingStep<D::Pending>,
+) -> Result<bool, TrainError> {
+    let (totals, wish) = rank.settle(earlier)?;
+    let index = rank.position.global_step.saturating_sub(1);
+    check_loss(shared, &totals, index, rank.position.epoch)?;
+    account(&mut rank.position.partial_train, &totals);
+    Ok(wish)
+}
+
+/// Validation, metrics, checkpoint and report after an epoch (rank 0).
+fn end_epoch<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    train_line: &EpochMetrics,
+    wait_share: f64,
+) -> Result<EpochMetrics, TrainError> {
+    let cfg = &shared.cfg;
+    let epoch = train_line.epoch;
+    let bar = EpochBar::new(
+        cfg.progress && cfg.verbose,
+        format!("epoch {epoch}/{} valid", cfg.epochs),
+        shared.valid_pipe.steps_per_epoch(),
+        0,
+    );
+    let report = evaluate(&mut rank.net, &shared.valid_pipe)?;
+    bar.finish();
+    let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
+    check_valid_loss(shared, &valid_line, rank.position.global_step)?;
+    shared.folder.record_epoch(train_line, &valid_line)?;
+    save_checkpoint(shared, rank)?;
+    shared.folder.write_report()?;
+    shared.say(format!(
+        "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.0}% · {:.1} s",
+        epoch,
+        cfg.epochs,
+        train_line.loss,
+        train_line.accuracy,
+        valid_line.loss,
+        valid_line.accuracy,
+        valid_line.top5,
+        train_line.images_per_sec,
+        wait_share * 100.0,
+        train_line.seconds + valid_line.seconds
+    ));
+    Ok(valid_line)
+}
+
+/// Writes the checkpoint: the optimizer's f32 master weights with the network's buffers, the
+/// optimizer state in the host format, the sidecar (the commit point). Overflowed weights
+/// are refused instead.
+fn save_checkpoint<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
+    let state = rank.master_state(shared)?;
+    check_finite_state(shared, &state, &rank.position)?;
+    let model = state.to_safetensors_bytes(&shared.graph, None)?;
+    let optimizer = rank.opt.to_host()?.to_safetensors_bytes();
+    let meta = shared.checkpoint_meta(&rank.position);
+    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
+    Ok(())
+}
+
+/// Trace process id of the input engine's row (ranks use their rank).
+const ENGINE_PID: u32 = 10_000;
+
+/// What the engine did during one step, as a trace span name.
+fn engine_span_name(before: &pipeline::EngineStats, now: &pipeline::EngineStats) -> String {
+    format!(
+        "engine: {} decoded · {} cache hits · {:.1} s decode work · ready queue {:.0} % · cache {:.0} % filled",
+        now.decoded.saturating_sub(before.decoded),
+        now.cache_hits.saturating_sub(before.cache_hits),
+        (now.decode_seconds - before.decode_seconds).max(0.0),
+        100.0 * now.ready_queue_fill,
+        100.0 * now.cache_fill
+    )
+}
+
+fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainError> {
+    let Launched {
+        shared,
+        reports,
+        devices,
+        notes,
+        writer,
+    } = launched;
+    let cfg = &shared.cfg;
+    let first = reports.first().ok_or_else(|| TrainError::InvalidConfig {
+        flag: "--gpus",
+        value: "0".into(),
+        hint: "no rank reported".into(),
+    })?;
+    if let Some(path) = &cfg.dist.trace {
+        shared
+            .trace
+            .save(path)
+            .map_err(|e| TrainError::Trace(e.to_string()))?;
+    }
+    let lines = if writer {
+        shared.folder.metrics()?
     } else {
         Vec::new()
     };
     let header = SummaryHeader {
         title: format!(
-            "{} · {} classes · {device_name} · global batch {}",
+            "{} · {} classes · {devices} · global batch {}",
             cfg.arch,
-            classes.len(),
+            shared.classes.len(),
             cfg.global_batch()
         ),
-        wall_seconds: wall.elapsed().as_secs_f64(),
+        wall_seconds: wall.as_secs_f64(),
         out: cfg.out.clone(),
-        data_wait_share: (session_wait.1 > 0.0).then(|| session_wait.0 / session_wait.1),
+        data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
     };
-    let replica_checksums = run.replicas.checksums()?;
+    let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);
     let mut summary = format_summary(&header, &lines);
+    for r in &reports {
+        if let Some(line) = &r.input_line {
+            summary.push('\n');
+            summary.push_str(line);
+        }
+    }
+    for note in &notes {
+        summary.push('\n');
+        summary.push_str(note);
+    }
     summary.push_str(&format!(
-        "\nweights checksum {:016x} on {} replica(s){}",
+        "\nweights checksum {:016x} on {} rank(s){} · {} cross-rank checks passed",
         replica_checksums[0],
         replica_checksums.len(),
         if in_sync {
             ", identical"
         } else {
-            ", MISMATCH (replicas diverged)"
-        }
+            ", MISMATCH (ranks diverged)"
+        },
+        first.checks_passed
     ));
-    say(cfg, &summary);
+    shared.say(&summary);
     Ok(TrainOutcome {
-        interrupted,
-        epochs_done: run.position.epoch,
-        global_step: run.position.global_step,
-        last_valid,
+        interrupted: first.interrupted,
+        epochs_done: first.position.epoch,
+        global_step: first.position.global_step,
+        last_valid: first.last_valid,
         out: cfg.out.clone(),
         summary,
         replica_checksums,
     })
 }
 
-fn replicas_backend_name<B: Backend>(r: &Replicas<B>) -> String {
-    r.backend_name()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_span_names_what_the_engine_did_during_the_step() {
+        let before = pipeline::EngineStats {
+            decoded: 10,
+            cache_hits: 5,
+            bad_files: 0,
+            batches: 3,
+            decode_seconds: 1.0,
+            decode_images_per_sec: 0.0,
+            consumer_wait_seconds: 0.0,
+            decode_queue_fill: 0.0,
+            ready_queue_fill: 0.0,
+            cache_fill: 0.0,
+            elapsed_seconds: 2.0,
+        };
+        let now = pipeline::EngineStats {
+            decoded: 14,
+            cache_hits: 9,
+            decode_seconds: 1.5,
+            ready_queue_fill: 0.5,
+            cache_fill: 1.0,
+            ..before.clone()
+        };
+        assert_eq!(
+            engine_span_name(&before, &now),
+            "engine: 4 decoded · 4 cache hits · 0.5 s decode work · ready queue 50 % · cache 100 % filled"
+        );
+    }
+
+    #[test]
+    fn checksums_are_due_every_n_steps_and_never_with_zero() {
+        let due: Vec<u64> = (0..=10).filter(|&s| checksum_due(s, 4)).collect();
+        assert_eq!(due, vec![4, 8]);
+        assert!(!(0..100).any(|s| checksum_due(s, 0)));
+    }
 }

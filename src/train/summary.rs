@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::metrics::{EpochMetrics, MetricsSplit};
+use super::folder::metrics::{EpochMetrics, MetricsSplit};
 
 /// What the summary says besides the per-epoch table.
 #[derive(Debug, Clone)]

@@ -14,15 +14,19 @@
 //! current files (hard links, refreshed after each commit), for PyTorch users and scripts;
 //! birdtrain itself always reads the files the sidecar names.
 
-use std::fs::{self, File};
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::fs;
+use std::path::Path;
 
+use pipeline::LastBatch;
 use serde::{Deserialize, Serialize};
 
 use super::fault;
+use super::files::{
+    bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
+};
 use super::metrics::MetricsAccumulator;
-use super::TrainError;
+use super::FolderError;
+use crate::optim::{Decay, OptimizerChoice, ScheduleChoice};
 
 /// Stable name of the current weights inside a run folder (a link to the file the sidecar
 /// names).
@@ -49,6 +53,44 @@ pub struct DataPosition {
     pub partial_train: MetricsAccumulator,
 }
 
+impl DataPosition {
+    /// The start of training.
+    pub fn start() -> DataPosition {
+        DataPosition {
+            epoch: 0,
+            step_in_epoch: 0,
+            samples_in_epoch: 0,
+            global_step: 0,
+            partial_train: MetricsAccumulator::default(),
+        }
+    }
+
+    /// The start of the next epoch (the global step carries on).
+    pub fn next_epoch(&self) -> DataPosition {
+        DataPosition {
+            epoch: self.epoch + 1,
+            global_step: self.global_step,
+            ..DataPosition::start()
+        }
+    }
+}
+
+/// `--last-batch` as its command-line word in the sidecar.
+mod last_batch_name {
+    use pipeline::LastBatch;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &LastBatch, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_str())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<LastBatch, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse()
+            .map_err(|_| serde::de::Error::custom(format!("unknown last-batch policy {text:?}")))
+    }
+}
+
 /// The training settings a resumed run continues with (flags given on resume override them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunSettings {
@@ -64,8 +106,8 @@ pub struct RunSettings {
     pub label_smoothing: f32,
     /// Warmup epochs.
     pub warmup_epochs: u32,
-    /// `cosine`, `constant` or `step`.
-    pub schedule: String,
+    /// The decay family.
+    pub schedule: ScheduleChoice,
     /// Step decay period in epochs (step schedule).
     pub step_every: u32,
     /// Step decay factor (step schedule).
@@ -74,10 +116,18 @@ pub struct RunSettings {
     pub augment: bool,
     /// Frozen batch norm.
     pub freeze_bn: bool,
-    /// `partial`, `drop` or `pad`.
-    pub last_batch: String,
+    /// The last incomplete batch.
+    #[serde(with = "last_batch_name")]
+    pub last_batch: LastBatch,
     /// Flat layout validation share.
     pub valid_fraction: Option<f32>,
+}
+
+impl RunSettings {
+    /// The schedule's decay.
+    pub fn decay(&self) -> Decay {
+        self.schedule.decay(self.step_every, self.step_gamma)
+    }
 }
 
 /// What a checkpoint records of its training data, so that a resumed run notices a changed set.
@@ -115,8 +165,8 @@ pub struct CheckpointMeta {
     pub epoch: u64,
     /// Optimizer steps taken.
     pub step: u64,
-    /// Optimizer name (`sgd`, `adam`, `adamw`).
-    pub optimizer: String,
+    /// The optimizer family.
+    pub optimizer: OptimizerChoice,
     /// File of the optimizer state, relative to the run folder.
     pub optimizer_state_file: String,
     /// File of the weights, relative to the run folder.
@@ -127,7 +177,7 @@ pub struct CheckpointMeta {
     pub data_position: DataPosition,
     /// Global batch (replicas × per-replica batch).
     pub global_batch: usize,
-    /// Replicas the run used (a checkpoint resumes on any count).
+    /// Replicas (ranks) the run used (a checkpoint resumes on any count).
     pub replicas: usize,
     /// Per-replica batch size.
     pub batch_size: usize,
@@ -147,69 +197,61 @@ pub struct CheckpointMeta {
 impl CheckpointMeta {
     /// Reads and checks the sidecar of run folder `run`: it must exist, parse, hold usable
     /// values, and match the checksums of the tensor files beside it.
-    pub fn load(run: &Path) -> Result<Self, TrainError> {
+    pub fn load(run: &Path) -> Result<Self, FolderError> {
         Self::load_checked(run, true)
     }
 
-    /// [`CheckpointMeta::load`] for inference (`eval`, `predict`, `--init-from`-like uses):
-    /// only the weights file must be present and match; the optimizer state may be absent.
-    pub fn load_weights_only(run: &Path) -> Result<Self, TrainError> {
+    /// [`CheckpointMeta::load`] for inference (`eval`, `predict`): only the weights file must
+    /// be present and match; the optimizer state may be absent.
+    pub fn load_weights_only(run: &Path) -> Result<Self, FolderError> {
         Self::load_checked(run, false)
     }
 
-    fn load_checked(run: &Path, with_optimizer: bool) -> Result<Self, TrainError> {
+    fn load_checked(run: &Path, with_optimizer: bool) -> Result<Self, FolderError> {
+        let bad = |reason: String| FolderError::BadRunDir {
+            path: run.to_path_buf(),
+            reason,
+        };
         if !run.is_dir() {
-            return Err(TrainError::BadRunDir {
-                path: run.to_path_buf(),
-                reason: "it is not a folder".into(),
-            });
+            return Err(bad("it is not a folder".into()));
         }
         let path = run.join(SIDECAR_FILE);
-        let text = fs::read_to_string(&path).map_err(|e| TrainError::BadRunDir {
-            path: run.to_path_buf(),
-            reason: format!("cannot read {SIDECAR_FILE} ({e}); is this a birdtrain run folder?"),
+        let text = fs::read_to_string(&path).map_err(|e| {
+            bad(format!(
+                "cannot read {SIDECAR_FILE} ({e}); is this a birdtrain run folder?"
+            ))
         })?;
-        let meta: CheckpointMeta =
-            serde_json::from_str(&text).map_err(|e| TrainError::BadRunDir {
-                path: run.to_path_buf(),
-                reason: format!(
-                    "{SIDECAR_FILE} is not a valid checkpoint sidecar{}: {e}",
-                    field_on_line(&text, e.line())
-                        .map(|k| format!(" (field `{k}`)"))
-                        .unwrap_or_default()
-                ),
-            })?;
+        let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| {
+            bad(format!(
+                "{SIDECAR_FILE} is not a valid checkpoint sidecar{}: {e}",
+                field_on_line(&text, e.line())
+                    .map(|k| format!(" (field `{k}`)"))
+                    .unwrap_or_default()
+            ))
+        })?;
         if meta.version != SIDECAR_VERSION {
-            return Err(TrainError::BadRunDir {
-                path: run.to_path_buf(),
-                reason: format!(
-                    "sidecar version {} is not supported (expected {SIDECAR_VERSION})",
-                    meta.version
-                ),
-            });
+            return Err(bad(format!(
+                "sidecar version {} is not supported (expected {SIDECAR_VERSION})",
+                meta.version
+            )));
         }
-        meta.check_fields()
-            .map_err(|reason| TrainError::BadRunDir {
-                path: run.to_path_buf(),
-                reason: format!("{SIDECAR_FILE}: {reason}; the file is damaged or was edited"),
-            })?;
+        meta.check_fields().map_err(|reason| {
+            bad(format!(
+                "{SIDECAR_FILE}: {reason}; the file is damaged or was edited"
+            ))
+        })?;
         let tensors = [
             (&meta.model_file, &meta.model_checksum),
             (&meta.optimizer_state_file, &meta.optimizer_checksum),
         ];
         let needed = if with_optimizer { 2 } else { 1 };
         for (file, want) in tensors.into_iter().take(needed) {
-            let got = file_checksum(&run.join(file)).map_err(|e| TrainError::BadRunDir {
-                path: run.to_path_buf(),
-                reason: format!("cannot read {file}: {e}"),
-            })?;
+            let got = file_checksum(&run.join(file))
+                .map_err(|e| bad(format!("cannot read {file}: {e}")))?;
             if &got != want {
-                return Err(TrainError::BadRunDir {
-                    path: run.to_path_buf(),
-                    reason: format!(
-                        "{file} does not match the checksum in {SIDECAR_FILE} (torn or edited checkpoint)"
-                    ),
-                });
+                return Err(bad(format!(
+                    "{file} does not match the checksum in {SIDECAR_FILE} (torn or edited checkpoint)"
+                )));
             }
         }
         Ok(meta)
@@ -249,7 +291,7 @@ impl CheckpointMeta {
 
     /// Writes the sidecar atomically into `run` (the tensor files it names must be in place;
     /// [`write_checkpoint`] is the whole protocol).
-    pub fn save(&self, run: &Path) -> Result<(), TrainError> {
+    pub fn save(&self, run: &Path) -> Result<(), FolderError> {
         let text = serde_json::to_string_pretty(self).expect("sidecar serialises");
         write_atomic(&run.join(SIDECAR_FILE), text.as_bytes())
     }
@@ -282,18 +324,18 @@ pub fn write_checkpoint(
     mut meta: CheckpointMeta,
     model: &[u8],
     optimizer: &[u8],
-) -> Result<(), TrainError> {
+) -> Result<(), FolderError> {
     let nth = fault::begin_checkpoint();
     let stage = |name: &'static str, path: &Path| {
-        fault::at(name, nth).map_err(|source| TrainError::Io {
+        fault::at(name, nth).map_err(|source| FolderError::Io {
             path: path.to_path_buf(),
             what: "write",
             source,
         })
     };
     let step = meta.data_position.global_step;
-    let model_sum = checksum(model);
-    let optimizer_sum = checksum(optimizer);
+    let model_sum = bytes_checksum(model);
+    let optimizer_sum = bytes_checksum(optimizer);
     meta.model_file = format!("model-s{step:08}-{model_sum}.safetensors");
     meta.optimizer_state_file = format!("optimizer-s{step:08}-{optimizer_sum}.safetensors");
     meta.model_checksum = model_sum;
@@ -402,81 +444,6 @@ fn link_stable(run: &Path, stable: &str, current: &str) -> std::io::Result<()> {
     })
 }
 
-/// Makes the renames in `dir` durable (best effort: not every file system syncs folders).
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
-
-fn checksum(bytes: &[u8]) -> String {
-    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
-}
-
-/// xxh3-64 of a file's bytes as 16 hex digits.
-pub fn file_checksum(path: &Path) -> std::io::Result<String> {
-    let bytes = fs::read(path)?;
-    Ok(format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)))
-}
-
-/// A temporary sibling of `path` (same folder, so the rename is atomic).
-pub fn temp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp{}", std::process::id()));
-    path.with_file_name(name)
-}
-
-/// Writes `bytes` to `path` through a synced temporary file and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let tmp = write_temp(path, bytes)?;
-    commit_temp(&tmp, path)
-}
-
-/// Writes `bytes` to a synced temporary sibling of `path` and returns its name (removed
-/// again on failure, so a full disk leaves nothing behind).
-fn write_temp(path: &Path, bytes: &[u8]) -> Result<PathBuf, TrainError> {
-    let tmp = temp_path(path);
-    let result = (|| {
-        let mut file = File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    })();
-    match result {
-        Ok(()) => Ok(tmp),
-        Err(source) => {
-            let _ = fs::remove_file(&tmp);
-            Err(TrainError::Io {
-                path: path.to_path_buf(),
-                what: "write",
-                source,
-            })
-        }
-    }
-}
-
-/// Renames a finished temporary file onto its final name.
-pub fn commit_temp(tmp: &Path, path: &Path) -> Result<(), TrainError> {
-    fs::rename(tmp, path).map_err(|source| {
-        let _ = fs::remove_file(tmp);
-        TrainError::Io {
-            path: path.to_path_buf(),
-            what: "rename into place",
-            source,
-        }
-    })
-}
-
-/// Syncs a file written by someone else (the safetensors writers) before it is renamed.
-pub fn sync_file(path: &Path) -> Result<(), TrainError> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|source| TrainError::Io {
-            path: path.to_path_buf(),
-            what: "sync",
-            source,
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -491,7 +458,7 @@ mod tests {
             image_size: 32,
             epoch: 1,
             step: 10,
-            optimizer: "sgd".into(),
+            optimizer: OptimizerChoice::Sgd,
             optimizer_state_file: OPTIMIZER_FILE.into(),
             model_file: MODEL_FILE.into(),
             seed: 7,
@@ -513,12 +480,12 @@ mod tests {
                 weight_decay: 5e-4,
                 label_smoothing: 0.0,
                 warmup_epochs: 1,
-                schedule: "cosine".into(),
+                schedule: ScheduleChoice::Cosine,
                 step_every: 30,
                 step_gamma: 0.1,
                 augment: true,
                 freeze_bn: false,
-                last_batch: "partial".into(),
+                last_batch: LastBatch::Partial,
                 valid_fraction: None,
             },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
@@ -536,6 +503,23 @@ mod tests {
         // No temporary file is left behind.
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 3);
+    }
+
+    #[test]
+    fn typed_settings_keep_the_command_line_words_in_the_sidecar() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = meta(dir.path());
+        let text = serde_json::to_string(&m).unwrap();
+        for word in [
+            r#""optimizer":"sgd""#,
+            r#""schedule":"cosine""#,
+            r#""last_batch":"partial""#,
+        ] {
+            assert!(text.contains(word), "{word} missing from {text}");
+        }
+        let bad = text.replace(r#""last_batch":"partial""#, r#""last_batch":"sometimes""#);
+        let err = serde_json::from_str::<CheckpointMeta>(&bad).unwrap_err();
+        assert!(err.to_string().contains("sometimes"), "{err}");
     }
 
     #[test]
@@ -620,6 +604,6 @@ mod tests {
     fn missing_sidecar_is_a_bad_run_dir() {
         let dir = tempfile::tempdir().unwrap();
         let err = CheckpointMeta::load(dir.path()).unwrap_err();
-        assert!(matches!(err, TrainError::BadRunDir { .. }));
+        assert!(matches!(err, FolderError::BadRunDir { .. }));
     }
 }

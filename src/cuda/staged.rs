@@ -1,21 +1,24 @@
-//! [`StagedBackend`]: the CUDA backend reading its input batch from a staging-ring device slot.
+//! [`StagedBackend`]: the CUDA backend of a training rank, reading its input batch from a
+//! staging-ring device slot and leaving the step's loss figures on the device.
 //!
-//! [`crate::model::Network::train_step`] hands the backend's `input` op a host batch. On the
-//! GPU path the batch is already on the device (the staging ring uploaded it on the copy
+//! [`crate::model::Network::train_step`] hands the backend's `input` op a host batch. On a
+//! GPU rank the batch is already on the device (the staging ring uploaded it on the copy
 //! stream while the previous step computed), so this wrapper's `input` runs the transform
 //! kernel (kernels/input.cu: crop, flip, normalise → bf16 NHWC) straight from the slot set by
 //! [`StagedBackend::set_staged`]; with no slot set (validation) it falls back to the wrapped
-//! backend's host upload. Every other op is the wrapped [`CudaBackend`]'s.
+//! backend's host upload. Likewise, after [`StagedBackend::defer_loss`] the next loss op
+//! writes its sums to a device address instead of returning them (no host synchronisation in
+//! a step). Every other op is the wrapped [`CudaBackend`]'s.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
     PoolShape, TensorRole,
 };
-use crate::cuda::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
 /// Threads per block of the input kernel (a grid-stride loop, as the backend launches it).
@@ -38,9 +41,10 @@ struct InputWork {
 
 /// A [`CudaBackend`] whose `input` reads the staged device slot.
 #[derive(Debug)]
-pub(crate) struct StagedBackend {
+pub struct StagedBackend {
     inner: CudaBackend,
     staged: Mutex<Option<StagedInput>>,
+    deferred_loss: Mutex<Option<(u64, bool)>>,
     work: Mutex<InputWork>,
 }
 
@@ -56,21 +60,22 @@ fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> BackendError
 
 impl StagedBackend {
     /// Wraps `inner`.
-    pub(crate) fn new(inner: CudaBackend) -> Self {
+    pub fn new(inner: CudaBackend) -> Self {
         StagedBackend {
             inner,
             staged: Mutex::new(None),
+            deferred_loss: Mutex::new(None),
             work: Mutex::new(InputWork::default()),
         }
     }
 
     /// The wrapped backend.
-    pub(crate) fn inner(&self) -> &CudaBackend {
+    pub fn inner(&self) -> &CudaBackend {
         &self.inner
     }
 
     /// The device.
-    pub(crate) fn device(&self) -> &Arc<GpuDevice> {
+    pub fn device(&self) -> &Arc<GpuDevice> {
         self.inner.device()
     }
 
@@ -80,13 +85,25 @@ impl StagedBackend {
     /// `ptr` must address at least `bytes` bytes of this device's memory that stay allocated and
     /// unmodified until the kernels enqueued by the next `input` call have run (the staging ring
     /// guarantees this: the slot's `consumed` event is recorded after them).
-    pub(crate) unsafe fn set_staged(&self, ptr: u64, bytes: usize) {
+    pub unsafe fn set_staged(&self, ptr: u64, bytes: usize) {
         *lock(&self.staged) = Some(StagedInput { ptr, bytes });
     }
 
-    /// Back to host input (validation, inference).
-    pub(crate) fn clear_staged(&self) {
+    /// Back to host input (validation, inference), and loss figures returned to the host.
+    pub fn clear_staged(&self) {
         *lock(&self.staged) = None;
+        *lock(&self.deferred_loss) = None;
+    }
+
+    /// The next loss op writes the step's figures (five f64: loss sum, top-1 hits, top-5
+    /// hits, rows, `stop`) to device address `totals` and returns zeros instead of waiting for
+    /// the GPU.
+    ///
+    /// # Safety
+    /// `totals` must address five f64 of this device's memory that stay allocated until the
+    /// kernels queued by the next loss op have run.
+    pub unsafe fn defer_loss(&self, totals: u64, stop: bool) {
+        *lock(&self.deferred_loss) = Some((totals, stop));
     }
 
     fn input_from_slot(
@@ -193,7 +210,7 @@ impl Backend for StagedBackend {
     type Tensor = CudaTensor;
 
     fn name(&self) -> String {
-        format!("{} · NCCL · staged input", self.inner.name())
+        format!("{} · staged input", self.inner.name())
     }
     fn alloc(&self, len: usize, role: TensorRole) -> Result<CudaTensor, BackendError> {
         self.inner.alloc(len, role)
@@ -332,7 +349,21 @@ impl Backend for StagedBackend {
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError> {
-        self.inner
-            .softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs)
+        // Taken, not copied: one step's figures per `defer_loss`.
+        let deferred = lock(&self.deferred_loss).take();
+        match (deferred, probs) {
+            (Some((totals, stop)), None) => {
+                // SAFETY: `defer_loss`'s contract.
+                unsafe {
+                    self.inner.softmax_cross_entropy_on_device(
+                        n, classes, logits, labels, smoothing, dlogits, totals, stop,
+                    )
+                }?;
+                Ok(LossStats::default())
+            }
+            (_, probs) => self
+                .inner
+                .softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs),
+        }
     }
 }

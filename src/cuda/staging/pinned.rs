@@ -16,11 +16,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, DriverError};
 use pipeline::{BatchAllocator, HostBuffer, PipelineError};
 
-use crate::dist::cuda_staging::PinnedBuffer;
+use super::device::PinnedBuffer;
 
 /// A [`PinnedBuffer`] as the engine's [`HostBuffer`].
 #[derive(Debug)]
-pub(crate) struct PinnedHostBuffer(pub(crate) PinnedBuffer);
+pub struct PinnedHostBuffer(pub PinnedBuffer);
 
 impl HostBuffer for PinnedHostBuffer {
     fn as_slice(&self) -> &[u8] {
@@ -35,12 +35,12 @@ impl HostBuffer for PinnedHostBuffer {
 }
 
 /// True when the engine assembled `buffer` in pinned memory (the copy is then asynchronous).
-pub(crate) fn is_pinned(buffer: &dyn HostBuffer) -> bool {
+pub fn is_pinned(buffer: &dyn HostBuffer) -> bool {
     buffer.as_any().is::<PinnedHostBuffer>()
 }
 
 /// A [`BatchAllocator`] from an allocation function; counts what it allocated.
-pub(crate) struct FnAllocator<F> {
+pub struct FnAllocator<F> {
     alloc: F,
     what: &'static str,
     buffers: AtomicUsize,
@@ -49,7 +49,7 @@ pub(crate) struct FnAllocator<F> {
 
 impl<F> FnAllocator<F> {
     /// Allocates with `alloc`; `what` names the memory in errors ("pinned host memory").
-    pub(crate) fn new(what: &'static str, alloc: F) -> Self {
+    pub fn new(what: &'static str, alloc: F) -> Self {
         FnAllocator {
             alloc,
             what,
@@ -59,7 +59,7 @@ impl<F> FnAllocator<F> {
     }
 
     /// Buffers and bytes handed out so far (the engine recycles buffers, so this stays small).
-    pub(crate) fn allocated(&self) -> (usize, usize) {
+    pub fn allocated(&self) -> (usize, usize) {
         (
             self.buffers.load(Ordering::Relaxed),
             self.bytes.load(Ordering::Relaxed),
@@ -99,7 +99,7 @@ where
 }
 
 /// The engine's allocator for GPU training: portable pinned memory of `ctx`'s device.
-pub(crate) fn pinned_allocator(
+pub fn pinned_allocator(
     ctx: Arc<CudaContext>,
 ) -> Arc<FnAllocator<impl Fn(usize) -> Result<PinnedHostBuffer, DriverError> + Send + Sync>> {
     Arc::new(FnAllocator::new("pinned host memory", move |bytes| {

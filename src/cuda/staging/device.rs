@@ -12,7 +12,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 
-use super::staging::{ExternalBatch, StagingStreams};
+use super::{ExternalBatch, StagingStreams};
 
 /// Pinned host + device staging slots on one GPU.
 pub struct CudaStaging {
@@ -60,7 +60,9 @@ impl CudaStaging {
             };
             host_ptrs.push(host.as_mut_ptr()?);
             pinned.push(host);
-            device.push(compute.alloc_zeros::<u8>(slot_bytes)?);
+            // Zeroed on the copy stream, so the memset is ordered before the first upload
+            // into the slot (event tracking is off: nothing else orders the two streams).
+            device.push(copy.alloc_zeros::<u8>(slot_bytes)?);
         }
         Ok(CudaStaging {
             copy,

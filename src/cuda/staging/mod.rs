@@ -14,8 +14,12 @@
 //! letting an upload race the compute that still reads the slot.
 //!
 //! The ring is generic over [`StagingStreams`] (record, wait, query, upload), implemented for
-//! CUDA in [`super::cuda_staging`] and by [`SimStreams`], a deterministic simulator of two
+//! CUDA in [`device`] and by [`SimStreams`], a deterministic simulator of two
 //! asynchronous streams that checks every reuse rule on CPU.
+
+pub mod device;
+pub mod feed;
+pub mod pinned;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -9,7 +9,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::TrainError;
+use super::files::write_atomic;
+use super::FolderError;
 
 /// Which split a metrics line describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,8 +137,8 @@ fn ratio(num: f64, count: u64) -> f64 {
 }
 
 /// Appends one line to `path` (created if missing) and flushes it.
-pub fn append_metrics(path: &Path, line: &EpochMetrics) -> Result<(), TrainError> {
-    let io = |source| TrainError::Io {
+pub fn append_metrics(path: &Path, line: &EpochMetrics) -> Result<(), FolderError> {
+    let io = |source| FolderError::Io {
         path: path.to_path_buf(),
         what: "append to the metrics file",
         source,
@@ -154,8 +155,8 @@ pub fn append_metrics(path: &Path, line: &EpochMetrics) -> Result<(), TrainError
 }
 
 /// Reads every line of a `metrics.jsonl` file (for the report and the summary).
-pub fn read_metrics(path: &Path) -> Result<Vec<EpochMetrics>, TrainError> {
-    let io = |source| TrainError::Io {
+pub fn read_metrics(path: &Path) -> Result<Vec<EpochMetrics>, FolderError> {
+    let io = |source| FolderError::Io {
         path: path.to_path_buf(),
         what: "read the metrics file",
         source,
@@ -167,7 +168,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<EpochMetrics>, TrainError> {
         if line.trim().is_empty() {
             continue;
         }
-        let parsed = serde_json::from_str(&line).map_err(|source| TrainError::BadMetricsLine {
+        let parsed = serde_json::from_str(&line).map_err(|source| FolderError::BadMetricsLine {
             path: path.to_path_buf(),
             line: index + 1,
             source,
@@ -179,7 +180,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<EpochMetrics>, TrainError> {
 
 /// Rewrites `path` keeping only the lines of epochs before `epoch` (a resumed run re-emits
 /// the epoch it was stopped in, so no epoch appears twice).
-pub fn truncate_metrics_from(path: &Path, epoch: u64) -> Result<(), TrainError> {
+pub fn truncate_metrics_from(path: &Path, epoch: u64) -> Result<(), FolderError> {
     if !path.exists() {
         return Ok(());
     }
@@ -192,7 +193,7 @@ pub fn truncate_metrics_from(path: &Path, epoch: u64) -> Result<(), TrainError> 
         text.push_str(&serde_json::to_string(line).expect("metrics serialise"));
         text.push('\n');
     }
-    super::checkpoint::write_atomic(path, text.as_bytes())
+    write_atomic(path, text.as_bytes())
 }
 
 #[cfg(test)]

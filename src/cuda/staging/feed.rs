@@ -8,18 +8,19 @@
 //! *data wait*, accumulated in a [`DataWaitMeter`].
 //!
 //! Generic over [`StagingStreams`], so the ordering is tested on CPU with
-//! [`crate::dist::staging::SimStreams`].
+//! [`super::SimStreams`].
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::dist::staging::{
-    DataWaitMeter, ExternalBatch, StagedBatch, StagingError, StagingRing, StagingStreams,
-};
+use pipeline::Batch;
+
+use super::{DataWaitMeter, ExternalBatch, StagedBatch, StagingError, StagingRing, StagingStreams};
 
 /// Errors of the feeder: the engine's or the ring's.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum FeedError<E: std::error::Error + 'static> {
+pub enum FeedError<E: std::error::Error + 'static> {
     /// The input engine failed.
     #[error("input engine: {0}")]
     Source(#[source] E),
@@ -31,17 +32,87 @@ pub(crate) enum FeedError<E: std::error::Error + 'static> {
 /// One replica's micro-batch as the feeder carries it: pixels in (pinned) host memory and
 /// what compute needs besides them.
 #[derive(Clone)]
-pub(crate) struct HostBatch {
+pub struct HostBatch {
     /// `len × S × S × 3` u8 NHWC bytes, kept alive until their upload has completed.
-    pub(crate) pixels: ExternalBatch,
+    pub pixels: ExternalBatch,
     /// Labels of the `len` images.
-    pub(crate) labels: Vec<u32>,
+    pub labels: Vec<u32>,
     /// Sample ids (for augmentation).
-    pub(crate) sample_ids: Vec<u64>,
+    pub sample_ids: Vec<u64>,
     /// Images (may be 0 on a replica that got none of a short last batch).
-    pub(crate) len: usize,
+    pub len: usize,
     /// Side S.
-    pub(crate) image_size: u32,
+    pub image_size: u32,
+}
+
+/// An engine batch as the staging ring's external buffer.
+struct EngineBatch {
+    /// Owns the buffer `ptr` points into; returns it to the engine's pool on drop.
+    _batch: Batch,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `ptr`/`len` address the pixels owned by `_batch`, which is never touched again while
+// this value lives (only read through `as_ref`); moving a `Batch` between threads is allowed
+// (it is `Send`), and shared access is read-only.
+unsafe impl Send for EngineBatch {}
+// SAFETY: as above: `&EngineBatch` only reads immutable bytes.
+unsafe impl Sync for EngineBatch {}
+
+impl AsRef<[u8]> for EngineBatch {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: see the Send impl: the bytes stay allocated and unmodified while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl HostBatch {
+    /// An engine batch, its pixels left where the engine assembled them (for a GPU: pinned
+    /// memory the copy stream reads directly); the buffer returns to the engine's pool once
+    /// the last clone is dropped.
+    pub fn from_engine(batch: Batch) -> HostBatch {
+        let pixels = batch.pixels();
+        let (ptr, len) = (pixels.as_ptr(), pixels.len());
+        let labels = batch.labels().to_vec();
+        let sample_ids = batch.sample_ids.clone();
+        let (n, image_size) = (batch.len, batch.image_size);
+        HostBatch {
+            pixels: Arc::new(EngineBatch {
+                _batch: batch,
+                ptr,
+                len,
+            }),
+            labels,
+            sample_ids,
+            len: n,
+            image_size,
+        }
+    }
+}
+
+/// One GPU's input report: `GPU 0 (rank 0): data wait 0.4 % of 120 steps (…)`.
+pub fn data_wait_line(
+    rank: usize,
+    ordinal: usize,
+    meter: &DataWaitMeter,
+    staging: &super::StagingStats,
+    depth: usize,
+) -> String {
+    let verdict = match meter.share() {
+        s if s < 0.02 => "compute-bound: input keeps up",
+        s if s < 0.10 => "input mostly keeps up",
+        _ => "input-bound: more --workers, a warm cache or a larger --prefetch-depth",
+    };
+    format!(
+        "GPU {ordinal} (rank {rank}): data wait {:.1} % of {:.1} s over {} steps · {} of {} batches not uploaded when compute wanted them · {} host waits on a busy slot (depth {depth}) · {verdict}",
+        100.0 * meter.share(),
+        meter.total.as_secs_f64(),
+        meter.steps,
+        staging.compute_stalls,
+        staging.batches,
+        staging.host_waits,
+    )
 }
 
 impl std::fmt::Debug for HostBatch {
@@ -55,17 +126,17 @@ impl std::fmt::Debug for HostBatch {
 
 /// A batch handed to compute.
 #[derive(Debug)]
-pub(crate) struct Ready {
+pub struct Ready {
     /// Where its pixels are on the device.
-    pub(crate) staged: StagedBatch,
+    pub staged: StagedBatch,
     /// The host side (labels, ids, length).
-    pub(crate) batch: HostBatch,
+    pub batch: HostBatch,
     /// Host time this step waited for input before compute could start.
-    pub(crate) waited: Duration,
+    pub waited: Duration,
 }
 
 /// The ring of one GPU plus the batches in flight through it.
-pub(crate) struct Feeder<S: StagingStreams> {
+pub struct Feeder<S: StagingStreams> {
     ring: StagingRing<S>,
     in_flight: VecDeque<HostBatch>,
     source_done: bool,
@@ -74,7 +145,7 @@ pub(crate) struct Feeder<S: StagingStreams> {
 
 impl<S: StagingStreams> Feeder<S> {
     /// Feeds through `ring`.
-    pub(crate) fn new(ring: StagingRing<S>) -> Self {
+    pub fn new(ring: StagingRing<S>) -> Self {
         Feeder {
             ring,
             in_flight: VecDeque::new(),
@@ -84,18 +155,18 @@ impl<S: StagingStreams> Feeder<S> {
     }
 
     /// The ring (for compute to reach the device slots).
-    pub(crate) fn ring(&self) -> &StagingRing<S> {
+    pub fn ring(&self) -> &StagingRing<S> {
         &self.ring
     }
 
     /// The ring, mutable (for tests and simulators).
     #[cfg(test)]
-    pub(crate) fn ring_mut(&mut self) -> &mut StagingRing<S> {
+    pub fn ring_mut(&mut self) -> &mut StagingRing<S> {
         &mut self.ring
     }
 
     /// Data-wait accounting so far.
-    pub(crate) fn meter(&self) -> DataWaitMeter {
+    pub fn meter(&self) -> DataWaitMeter {
         self.meter
     }
 
@@ -122,7 +193,7 @@ impl<S: StagingStreams> Feeder<S> {
 
     /// The next batch for compute (None once the source is exhausted and every batch was
     /// computed). Call [`Feeder::done`] after the kernels that read it are enqueued.
-    pub(crate) fn next<E, I, F>(
+    pub fn next<E, I, F>(
         &mut self,
         source: &mut I,
         mut stage: F,
@@ -147,18 +218,18 @@ impl<S: StagingStreams> Feeder<S> {
 
     /// Marks the current batch's device slot as consumed: call it once the kernels that read
     /// the slot are enqueued (the `consumed` event is recorded after them).
-    pub(crate) fn done(&mut self) -> Result<(), StagingError> {
+    pub fn done(&mut self) -> Result<(), StagingError> {
         self.ring.end_compute()
     }
 
     /// Records a finished step: `waited` of its `total` wall time went to input.
-    pub(crate) fn record(&mut self, waited: Duration, total: Duration) {
+    pub fn record(&mut self, waited: Duration, total: Duration) {
         self.meter.record(waited, total);
     }
 
     /// Starts a new source (the next epoch). Every batch of the previous one must have been
     /// computed, or dropped with an interrupted epoch.
-    pub(crate) fn restart(&mut self) {
+    pub fn restart(&mut self) {
         self.in_flight.clear();
         self.source_done = false;
     }
@@ -166,10 +237,8 @@ impl<S: StagingStreams> Feeder<S> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::dist::staging::SimStreams;
+    use crate::cuda::staging::SimStreams;
 
     #[derive(Debug, thiserror::Error)]
     #[error("engine broke at batch {0}")]
@@ -276,5 +345,54 @@ mod tests {
         feeder.record(Duration::from_millis(1), Duration::from_millis(4));
         assert_eq!(feeder.meter().steps, 1);
         assert!((feeder.meter().share() - 0.25).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_data_wait_line_gives_the_share_and_a_verdict() {
+        let mut meter = DataWaitMeter::default();
+        meter.record(Duration::from_millis(1), Duration::from_millis(100));
+        meter.record(Duration::from_millis(0), Duration::from_millis(100));
+        let stats = crate::cuda::staging::StagingStats {
+            batches: 2,
+            ..Default::default()
+        };
+        let line = data_wait_line(1, 3, &meter, &stats, 2);
+        assert!(
+            line.starts_with("GPU 3 (rank 1): data wait 0.5 % of 0.2 s over 2 steps"),
+            "{line}"
+        );
+        assert!(line.contains("compute-bound"), "{line}");
+        meter.record(Duration::from_millis(100), Duration::from_millis(100));
+        assert!(data_wait_line(0, 0, &meter, &stats, 2).contains("input-bound"));
+    }
+
+    #[test]
+    fn an_engine_batch_exposes_exactly_its_pixels() {
+        let root = tempfile::tempdir().unwrap();
+        let mut synth = pipeline::synth::SynthConfig::new(root.path().join("data"));
+        synth.classes = 2;
+        synth.train_per_class = 3;
+        synth.valid_per_class = 1;
+        synth.test_per_class = 0;
+        synth.width = 8;
+        synth.height = 8;
+        pipeline::synth::write_dataset(&synth).unwrap();
+        let pipe = pipeline::PipelineBuilder::new(pipeline::DatasetSource::folder(
+            root.path().join("data"),
+        ))
+        .image_size(8)
+        .batch_size(4)
+        .cache_dir(root.path().join("cache"))
+        .build()
+        .unwrap();
+        for batch in pipe.epoch(0, 0, 0).unwrap() {
+            let batch = batch.unwrap();
+            let (pixels, labels, len) =
+                (batch.pixels().to_vec(), batch.labels().to_vec(), batch.len);
+            let host = HostBatch::from_engine(batch);
+            assert_eq!((*host.pixels).as_ref(), &pixels[..]);
+            assert_eq!(host.labels, labels);
+            assert_eq!((host.len, host.image_size), (len, 8));
+        }
     }
 }

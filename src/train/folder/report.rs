@@ -9,8 +9,9 @@ use std::sync::Once;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
+use super::files::{commit_temp, temp_path};
 use super::metrics::{EpochMetrics, MetricsSplit};
-use super::TrainError;
+use super::FolderError;
 
 const FONT: &str = "sans-serif";
 
@@ -38,17 +39,17 @@ fn series(
 
 /// Draws the report of `lines` (as read from `metrics.jsonl`) into `path` (PNG), through a
 /// temporary file and a rename.
-pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), TrainError> {
+pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), FolderError> {
     register_font();
-    let tmp = super::checkpoint::temp_path(path).with_extension("png");
+    let tmp = temp_path(path).with_extension("png");
     draw(&tmp, lines).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        TrainError::Report {
+        FolderError::Report {
             path: path.to_path_buf(),
             reason: e.to_string(),
         }
     })?;
-    super::checkpoint::commit_temp(&tmp, path)
+    commit_temp(&tmp, path)
 }
 
 fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::Error>> {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaEvent, CudaStream, DriverError};
 
-use super::trace::{Span, TraceRecorder};
+use crate::trace::{Span, TraceRecorder};
 
 /// Thread ids of a GPU's rows in the trace.
 pub mod rows {

@@ -1,0 +1,212 @@
+//! The run folder (`--out RUN`): checkpoint, metrics and report, in one place.
+//!
+//! A run folder holds `model.safetensors`, `optimizer.safetensors`, the `checkpoint.json`
+//! sidecar ([`checkpoint`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]) and
+//! the input engine's `bad_files_<split>.txt`. [`RunFolder`] is the only writer; every file
+//! is written atomically ([`files`]). The module depends on nothing else of the trainer (it
+//! takes serialised tensors and plain values), so the loop and any later change to the
+//! folder's format meet in one place.
+
+pub mod checkpoint;
+mod error;
+pub mod fault;
+pub mod files;
+pub mod metrics;
+pub mod report;
+
+use std::path::{Path, PathBuf};
+
+pub use checkpoint::{CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
+pub use error::FolderError;
+use files::write_atomic;
+use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
+
+/// File name of the metrics inside a run folder.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// File name of the report picture inside a run folder.
+pub const REPORT_FILE: &str = "report.png";
+
+/// A run folder and the operations the trainer performs on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunFolder {
+    root: PathBuf,
+}
+
+impl RunFolder {
+    /// The folder at `root` (nothing is created yet).
+    pub fn new(root: impl Into<PathBuf>) -> RunFolder {
+        RunFolder { root: root.into() }
+    }
+
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// `metrics.jsonl`.
+    pub fn metrics_path(&self) -> PathBuf {
+        self.root.join(METRICS_FILE)
+    }
+
+    /// `report.png`.
+    pub fn report_path(&self) -> PathBuf {
+        self.root.join(REPORT_FILE)
+    }
+
+    /// The input engine's list of unreadable files of `split`.
+    pub fn bad_files_path(&self, split: impl std::fmt::Display) -> PathBuf {
+        self.root.join(format!("bad_files_{split}.txt"))
+    }
+
+    /// Whether a checkpoint has been committed here.
+    pub fn has_checkpoint(&self) -> bool {
+        self.root.join(checkpoint::SIDECAR_FILE).exists()
+    }
+
+    /// Creates the folder; returns whether it did not exist before.
+    pub fn create(&self) -> Result<bool, FolderError> {
+        let created = !self.root.exists();
+        std::fs::create_dir_all(&self.root).map_err(|source| FolderError::Io {
+            path: self.root.clone(),
+            what: "create the run folder",
+            source,
+        })?;
+        Ok(created)
+    }
+
+    /// Removes a folder this run created but never committed a checkpoint to ("nothing
+    /// half-written" after a failed start).
+    pub fn discard_if_unused(&self, created: bool) {
+        if created && !self.has_checkpoint() {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
+    /// Prepares `metrics.jsonl` for a run that continues with epoch `next_epoch` (0-based):
+    /// a fresh run starts an empty file; a resumed one keeps the lines of the epochs before
+    /// (copied from `resumed_from` when that is another folder), so no epoch appears twice.
+    pub fn start_metrics(
+        &self,
+        resumed_from: Option<&Path>,
+        next_epoch: u64,
+    ) -> Result<(), FolderError> {
+        let path = self.metrics_path();
+        match resumed_from {
+            None => {
+                let _ = std::fs::remove_file(&path);
+                Ok(())
+            }
+            Some(run) => {
+                let from = run.join(METRICS_FILE);
+                if run != self.root && from.exists() {
+                    let bytes = std::fs::read(&from).map_err(|source| FolderError::Io {
+                        path: from.clone(),
+                        what: "read",
+                        source,
+                    })?;
+                    write_atomic(&path, &bytes)?;
+                }
+                truncate_metrics_from(&path, next_epoch + 1)
+            }
+        }
+    }
+
+    /// Appends an epoch's train and validation lines.
+    pub fn record_epoch(
+        &self,
+        train: &EpochMetrics,
+        valid: &EpochMetrics,
+    ) -> Result<(), FolderError> {
+        let path = self.metrics_path();
+        append_metrics(&path, train)?;
+        append_metrics(&path, valid)
+    }
+
+    /// Every metrics line so far (none when the file does not exist yet).
+    pub fn metrics(&self) -> Result<Vec<EpochMetrics>, FolderError> {
+        let path = self.metrics_path();
+        if path.exists() {
+            read_metrics(&path)
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    /// Redraws `report.png` from the metrics.
+    pub fn write_report(&self) -> Result<(), FolderError> {
+        report::write_report(&self.report_path(), &self.metrics()?)
+    }
+
+    /// Commits a checkpoint ([`checkpoint::write_checkpoint`]): the weights and optimizer
+    /// state (safetensors bytes) under names of their own, then the sidecar `meta` with
+    /// their file names and checksums filled in, the single commit point.
+    pub fn save_checkpoint(
+        &self,
+        mut meta: CheckpointMeta,
+        model: &[u8],
+        optimizer: &[u8],
+    ) -> Result<(), FolderError> {
+        meta.version = checkpoint::SIDECAR_VERSION;
+        checkpoint::write_checkpoint(&self.root, meta, model, optimizer)
+    }
+
+    /// Removes what an interrupted checkpoint or run left behind (temporary files, tensor
+    /// files no sidecar names) before anything new is written.
+    pub fn clean(&self) {
+        checkpoint::clean_run_folder(&self.root);
+    }
+
+    /// What in the folder shows that a run is there already (the sidecar, metrics), in
+    /// words; empty when nothing does.
+    pub fn existing_run(&self) -> Vec<&'static str> {
+        [checkpoint::SIDECAR_FILE, METRICS_FILE]
+            .into_iter()
+            .filter(|f| self.root.join(f).exists())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metrics::{MetricsAccumulator, MetricsSplit};
+    use super::*;
+
+    fn line(epoch: u64, split: MetricsSplit) -> EpochMetrics {
+        let mut acc = MetricsAccumulator::default();
+        acc.add(1.0, 1, 1, 2);
+        acc.finish(epoch, split)
+    }
+
+    #[test]
+    fn a_resumed_folder_keeps_the_epochs_before_and_a_fresh_one_starts_empty() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = RunFolder::new(tmp.path().join("first"));
+        assert!(first.create().unwrap());
+        for e in 1..=3 {
+            first
+                .record_epoch(&line(e, MetricsSplit::Train), &line(e, MetricsSplit::Valid))
+                .unwrap();
+        }
+        // Resumed elsewhere at epoch index 2 (epochs 1 and 2 done): lines of 1 and 2 stay.
+        let second = RunFolder::new(tmp.path().join("second"));
+        second.create().unwrap();
+        second.start_metrics(Some(first.path()), 2).unwrap();
+        let kept: Vec<u64> = second.metrics().unwrap().iter().map(|m| m.epoch).collect();
+        assert_eq!(kept, vec![1, 1, 2, 2]);
+        first.start_metrics(None, 0).unwrap();
+        assert!(first.metrics().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_unused_new_folder_is_discarded_and_a_committed_one_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunFolder::new(tmp.path().join("run"));
+        let created = run.create().unwrap();
+        run.discard_if_unused(created);
+        assert!(!run.path().exists());
+        let created = run.create().unwrap();
+        std::fs::write(run.path().join(checkpoint::SIDECAR_FILE), b"{}").unwrap();
+        run.discard_if_unused(created);
+        assert!(run.path().exists());
+    }
+}

@@ -1,0 +1,351 @@
+//! The one loop with several CPU ranks on threads (real concurrency: each rank its own thread,
+//! the collective's reductions on communication threads): ranks against one rank on the whole
+//! batch, uneven last batches, a stop wished by one rank, resume onto another rank count, a
+//! rank that stops answering, and bucket averages overlapping backward.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
+use pipeline::LastBatch;
+
+use super::evaluate::load_checkpoint_for_inference;
+use super::folder::{CheckpointMeta, RunFolder};
+use super::rank::cpu::{run_cpu_ranks, shared_for_cpu};
+use super::run::{train_until, RankReport};
+use super::{TrainConfig, TrainError, TrainOutcome};
+use crate::dist::collective::{Collective, CollectiveError};
+use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
+use crate::model::Arch;
+
+const CLASSES: usize = 4;
+
+fn dataset(root: &Path, per_class: usize) -> PathBuf {
+    let data = root.join("d");
+    write_dataset(&SynthConfig {
+        out: data.clone(),
+        classes: CLASSES,
+        train_per_class: per_class,
+        valid_per_class: 2,
+        test_per_class: 0,
+        width: 16,
+        height: 16,
+        format: ImageFormatKind::Png,
+        seed: 9,
+    })
+    .unwrap();
+    data
+}
+
+/// resnet8 on 16-pixel images with frozen batch norm (so that the ranks' split of a batch
+/// changes nothing but the order of sums).
+fn config(data: &Path, root: &Path, name: &str, ranks: usize, batch: usize) -> TrainConfig {
+    let mut cfg = TrainConfig::new(data);
+    cfg.arch = Arch::ResNet8;
+    cfg.image_size = 16;
+    cfg.epochs = 1;
+    cfg.batch_size = batch;
+    cfg.replicas = ranks;
+    cfg.threads = 2;
+    cfg.workers = 1;
+    cfg.cache_dir = Some(root.join("cache"));
+    cfg.out = root.join(name);
+    cfg.freeze_bn = true;
+    cfg.seed = 3;
+    cfg.lr = 1.6;
+    cfg.warmup_epochs = 0;
+    cfg.progress = false;
+    cfg.verbose = false;
+    cfg
+}
+
+fn train(cfg: &TrainConfig) -> TrainOutcome {
+    train_until(cfg, &|_, _| false).unwrap()
+}
+
+fn weights(run: &Path) -> Vec<f32> {
+    load_checkpoint_for_inference(run, 4)
+        .unwrap()
+        .net
+        .params_f32()
+        .unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
+fn assert_ranks_agree(outcome: &TrainOutcome, ranks: usize) {
+    assert_eq!(outcome.replica_checksums.len(), ranks);
+    assert!(
+        outcome.replica_checksums.windows(2).all(|w| w[0] == w[1]),
+        "ranks disagree: {:x?}",
+        outcome.replica_checksums
+    );
+}
+
+#[test]
+fn two_three_and_four_ranks_equal_one_rank_on_the_whole_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    let one = config(&data, tmp.path(), "one", 1, 12);
+    let reference = train(&one);
+    let w1 = weights(&one.out);
+    for (ranks, batch) in [(2, 6), (3, 4), (4, 3)] {
+        let cfg = config(&data, tmp.path(), &format!("r{ranks}"), ranks, batch);
+        let outcome = train(&cfg);
+        assert_eq!(outcome.global_step, reference.global_step, "{ranks} ranks");
+        assert_ranks_agree(&outcome, ranks);
+        let d = max_diff(&weights(&cfg.out), &w1);
+        assert!(d < 1e-4, "{ranks}×{batch} and 1×12 differ by {d}");
+    }
+}
+
+#[test]
+fn uneven_last_batches_match_one_rank_on_every_policy() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 40 training images in global batches of 12: a last batch of 4 (3 ranks × 4 leave two
+    // ranks without images in it unless padded).
+    let data = dataset(tmp.path(), 10);
+    for (policy, steps) in [
+        (LastBatch::Partial, 4),
+        (LastBatch::Drop, 3),
+        (LastBatch::Pad, 4),
+    ] {
+        let mut one = config(&data, tmp.path(), &format!("one-{policy:?}"), 1, 12);
+        one.last_batch = policy;
+        let mut three = config(&data, tmp.path(), &format!("three-{policy:?}"), 3, 4);
+        three.last_batch = policy;
+        let a = train(&one);
+        let b = train(&three);
+        assert_eq!(a.global_step, steps, "{policy:?}");
+        assert_eq!(b.global_step, steps, "{policy:?}");
+        assert_ranks_agree(&b, 3);
+        let d = max_diff(&weights(&one.out), &weights(&three.out));
+        assert!(d < 1e-4, "{policy:?}: 3×4 and 1×12 differ by {d}");
+    }
+}
+
+#[test]
+fn a_stop_wished_by_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    // 48 images, 3 ranks × 2: 8 steps in the epoch.
+    let cfg = config(&data, tmp.path(), "run", 3, 2);
+    let outcome = train_until(&cfg, &|rank, step| rank == 2 && step >= 2).unwrap();
+    assert!(outcome.interrupted);
+    // Rank 2 wishes to stop while issuing step index 2; every rank reads the wish with that
+    // step's totals, one step later, and stops after step index 3.
+    assert_eq!(outcome.global_step, 4);
+    assert_ranks_agree(&outcome, 3);
+    let meta = CheckpointMeta::load(&cfg.out).unwrap();
+    assert_eq!(meta.data_position.global_step, 4);
+    assert_eq!(meta.data_position.step_in_epoch, 4);
+    let tensor_files: Vec<String> = std::fs::read_dir(&cfg.out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("model-s"))
+        .collect();
+    assert_eq!(tensor_files.len(), 1, "{tensor_files:?}");
+}
+
+#[test]
+fn a_run_stopped_on_two_ranks_resumes_on_three_as_if_never_stopped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    let mut reference = config(&data, tmp.path(), "reference", 2, 6);
+    reference.epochs = 2;
+    let whole = train(&reference);
+    assert_eq!(whole.global_step, 8);
+
+    let mut first = config(&data, tmp.path(), "run", 2, 6);
+    first.epochs = 2;
+    first.stop_after_steps = Some(3);
+    let stopped = train(&first);
+    assert!(stopped.interrupted);
+    assert_eq!(stopped.global_step, 3);
+
+    let mut second = config(&data, tmp.path(), "run", 3, 4);
+    second.epochs = 2;
+    second.resume = Some(first.out.clone());
+    let resumed = train(&second);
+    assert_eq!(resumed.global_step, 8);
+    assert_ranks_agree(&resumed, 3);
+    let d = max_diff(&weights(&second.out), &weights(&reference.out));
+    assert!(
+        d < 1e-4,
+        "resumed 2 → 3 ranks differs from the whole run by {d}"
+    );
+}
+
+/// A collective that behaves, except as the test tells it.
+struct Scripted {
+    inner: LocalCollective,
+    /// This rank stops answering at its n-th sum (0-based): it waits until the group is
+    /// aborted, as a rank stuck in a kernel or a dead peer would look to the others.
+    stall_at_sum: Option<usize>,
+    sums: usize,
+    /// Buckets of a step; with `watch_overlap`, the last one's start waits (10 s at most)
+    /// for an earlier one's average and counts in `overlapped` when it came.
+    buckets: usize,
+    watch_overlap: bool,
+    averages_before_step: usize,
+    overlapped: Arc<AtomicUsize>,
+}
+
+impl Scripted {
+    fn new(inner: LocalCollective, buckets: usize, overlapped: Arc<AtomicUsize>) -> Self {
+        let averages_before_step = inner.averages_done().load(Ordering::Acquire);
+        Scripted {
+            inner,
+            stall_at_sum: None,
+            sums: 0,
+            buckets,
+            watch_overlap: false,
+            averages_before_step,
+            overlapped,
+        }
+    }
+}
+
+impl Collective for Scripted {
+    type Buffer = HostGrads;
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn start_average(
+        &mut self,
+        buffer: &mut HostGrads,
+        bucket: usize,
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Result<(), CollectiveError> {
+        if self.watch_overlap && bucket + 1 == self.buckets {
+            // Still inside backward (this is the hook of its last gradient): an earlier
+            // bucket's average must complete on the communication thread meanwhile.
+            let done = self.inner.averages_done();
+            let until = Instant::now() + Duration::from_secs(10);
+            while done.load(Ordering::Acquire) == self.averages_before_step
+                && Instant::now() < until
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if done.load(Ordering::Acquire) > self.averages_before_step {
+                self.overlapped.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        self.inner.start_average(buffer, bucket, range, scale)
+    }
+
+    fn finish_averages(&mut self, buffer: &mut HostGrads) -> Result<(), CollectiveError> {
+        let result = self.inner.finish_averages(buffer);
+        self.averages_before_step = self.inner.averages_done().load(Ordering::Acquire);
+        result
+    }
+
+    fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        self.inner.broadcast(values, root)
+    }
+
+    fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
+        let n = self.sums;
+        self.sums += 1;
+        if self.stall_at_sum == Some(n) {
+            let until = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < until {
+                self.inner.check()?;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            panic!("the group was never aborted");
+        }
+        self.inner.sum(values)
+    }
+
+    fn check(&self) -> Result<(), CollectiveError> {
+        self.inner.check()
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+/// Runs `cfg`'s ranks on scripted collectives (`script` adjusts each; the group's watchdog
+/// timeout is `timeout`).
+fn run_scripted(
+    cfg: &TrainConfig,
+    timeout: Duration,
+    overlapped: &Arc<AtomicUsize>,
+    script: impl Fn(&mut Scripted),
+) -> Result<Vec<RankReport>, TrainError> {
+    let folder = RunFolder::new(&cfg.out);
+    folder.create().unwrap();
+    let shared = shared_for_cpu(cfg, &folder, None)?;
+    let buckets = shared.bucket_plan.buckets().len();
+    let comms: Vec<Scripted> = LocalGroup::ranks(cfg.replicas, timeout)
+        .into_iter()
+        .map(|c| {
+            let mut s = Scripted::new(c, buckets, overlapped.clone());
+            script(&mut s);
+            s
+        })
+        .collect();
+    let stop = AtomicBool::new(false);
+    run_cpu_ranks(&shared, comms, &|_, _| stop.load(Ordering::SeqCst))
+}
+
+#[test]
+fn a_rank_that_stops_answering_is_aborted_by_the_watchdog_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 6);
+    let cfg = config(&data, tmp.path(), "run", 3, 2);
+    let timeout = Duration::from_millis(300);
+    let start = Instant::now();
+    let overlapped = Arc::new(AtomicUsize::new(0));
+    let err = run_scripted(&cfg, timeout, &overlapped, |c| {
+        if c.rank() == 2 {
+            c.stall_at_sum = Some(2);
+        }
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(err.contains("rank 2 never joined"), "{err}");
+    assert!(err.contains("300ms"), "{err}");
+}
+
+#[test]
+fn a_bucket_is_averaged_while_backward_still_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 6);
+    // 24 images, 2 ranks × 4: 3 steps; buckets of 50 kB: several per step.
+    let mut cfg = config(&data, tmp.path(), "run", 2, 4);
+    cfg.dist.bucket_mb = 0.05;
+    let overlapped = Arc::new(AtomicUsize::new(0));
+    let reports = run_scripted(&cfg, Duration::from_secs(60), &overlapped, |c| {
+        assert!(c.buckets >= 2, "{} bucket(s)", c.buckets);
+        c.watch_overlap = true;
+    })
+    .unwrap();
+    let steps = reports[0].position.global_step as usize;
+    assert_eq!(steps, 3);
+    // Every rank, every step: an earlier bucket's average finished before the last bucket
+    // was started from the backward hook.
+    assert_eq!(overlapped.load(Ordering::SeqCst), 2 * steps);
+}

@@ -1,0 +1,314 @@
+//! CPU ranks: R threads in this process, each with its own replica on the shared CPU thread
+//! pool, joined by the in-process collective ([`LocalCollective`]).
+//!
+//! A CPU rank's batches come straight from the engine; the backward hook copies each
+//! finished gradient into its bucket's range of the rank's host gradient buffer, and the
+//! collective's communication thread averages a bucket while backward computes the layers
+//! before it. The optimizer ([`HostOptimizer`]) keeps the master weights in that buffer's
+//! layout, so its update needs no permutation.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use pipeline::{EpochIter, Pipeline, Split};
+
+use super::{pack_totals, Device, Rank, TOTALS_LEN};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::cuda::staging::feed::HostBatch;
+use crate::dist::collective::Collective;
+use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
+use crate::model::{GradHookError, Network, NetworkConfig, StepStats};
+use crate::optim::{ConvOrder, HostOptimizer, ParamLayout};
+use crate::train::config::TrainConfig;
+use crate::train::folder::{CheckpointMeta, RunFolder};
+use crate::train::run::{first_cause, run_rank, Launched, RankReport, StopWish};
+use crate::train::setup::{pipeline_for, Shared};
+use crate::train::TrainError;
+
+/// The CPU side of a rank, over any collective of host gradient buffers.
+pub(crate) struct CpuDevice<C> {
+    batches: Option<EpochIter>,
+    trace: crate::trace::TraceRecorder,
+    pid: u32,
+    _comm: std::marker::PhantomData<fn() -> C>,
+}
+
+impl<C> CpuDevice<C> {
+    fn new(shared: &Shared, rank: usize) -> Self {
+        if shared.trace.is_enabled() {
+            shared
+                .trace
+                .name_process(rank as u32, &format!("CPU rank {rank}"));
+            shared.trace.name_thread(rank as u32, 0, "rank thread");
+        }
+        CpuDevice {
+            batches: None,
+            trace: shared.trace.clone(),
+            pid: rank as u32,
+            _comm: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<C: Collective<Buffer = HostGrads>> Device for CpuDevice<C> {
+    type Backend = CpuBackend;
+    type Comm = C;
+    type Optim = HostOptimizer;
+    type Pending = [f64; TOTALS_LEN];
+    type Mark = Instant;
+
+    fn begin_epoch(
+        &mut self,
+        pipe: &Pipeline,
+        epoch: u64,
+        rank: usize,
+        start_step: usize,
+    ) -> Result<(), TrainError> {
+        self.batches = Some(pipe.epoch(epoch, rank, start_step)?);
+        Ok(())
+    }
+
+    fn next_batch(
+        &mut self,
+        _net: &Network<CpuBackend>,
+        _comm: &mut C,
+    ) -> Result<Option<(HostBatch, Duration)>, TrainError> {
+        let t = Instant::now();
+        let next = self.batches.as_mut().and_then(Iterator::next);
+        match next {
+            Some(batch) => Ok(Some((HostBatch::from_engine(batch?), t.elapsed()))),
+            None => Ok(None),
+        }
+    }
+
+    fn before_compute(
+        &mut self,
+        _net: &Network<CpuBackend>,
+        _stop: bool,
+    ) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    fn after_compute(&mut self, _net: &Network<CpuBackend>) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    fn place_gradient(
+        grads: &mut HostGrads,
+        range: Range<usize>,
+        grad: &Vec<f32>,
+    ) -> Result<(), GradHookError> {
+        let n = range.len();
+        let dst = grads.range_mut(range)?;
+        let src = grad
+            .get(..n)
+            .ok_or_else(|| format!("a gradient of {} values for a range of {n}", grad.len()))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn zero_gradients(&mut self, grads: &mut HostGrads) -> Result<(), TrainError> {
+        grads.fill_zero().map_err(TrainError::Internal)
+    }
+
+    fn host_gradients(grads: &HostGrads) -> Result<Option<&[f32]>, TrainError> {
+        grads.as_slice().map(Some).map_err(TrainError::Internal)
+    }
+
+    fn start_totals(
+        &mut self,
+        _net: &Network<CpuBackend>,
+        comm: &mut C,
+        local: &StepStats,
+        stop: bool,
+        _had_images: bool,
+    ) -> Result<[f64; TOTALS_LEN], TrainError> {
+        let mut v = pack_totals(local, stop);
+        comm.sum(&mut v)?;
+        Ok(v)
+    }
+
+    fn finish_totals(
+        &mut self,
+        _comm: &mut C,
+        pending: [f64; TOTALS_LEN],
+    ) -> Result<[f64; TOTALS_LEN], TrainError> {
+        Ok(pending)
+    }
+
+    fn mark(&mut self, _comm: &mut C) -> Result<Instant, TrainError> {
+        Ok(Instant::now())
+    }
+
+    fn span(&mut self, _comm: &mut C, start: Instant, name: &str) -> Result<(), TrainError> {
+        self.trace.record_since(name, "compute", self.pid, 0, start);
+        Ok(())
+    }
+
+    fn end_step(
+        &mut self,
+        _comm: &mut C,
+        _waited: Duration,
+        _total: Duration,
+    ) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    fn input_line(&self, _rank: usize) -> Option<String> {
+        None
+    }
+}
+
+/// Builds rank `rank` of a CPU run on `backend` with `comm` and runs it to the end.
+pub(crate) fn run_cpu_rank<C: Collective<Buffer = HostGrads>>(
+    shared: &Shared,
+    backend: CpuBackend,
+    comm: C,
+    stop: &dyn Fn(u64) -> bool,
+) -> Result<RankReport, TrainError> {
+    let cfg = &shared.cfg;
+    let rank = comm.rank();
+    let mut net = match Network::new(
+        backend,
+        &shared.graph,
+        shared.network_batch(),
+        cfg.image_size,
+    ) {
+        Ok(net) => net,
+        Err(e) => {
+            comm.abort(&format!("rank {rank} failed: {e}"));
+            return Err(e.into());
+        }
+    };
+    net.set_config(network_config(cfg));
+    let plan = &shared.bucket_plan;
+    let layout = ParamLayout::with_offsets(
+        shared.graph.params(),
+        (0..plan.param_count())
+            .map(|i| plan.param_elements(i).start)
+            .collect(),
+        plan.total_elements(),
+        ConvOrder::Backend,
+    );
+    let grads = HostGrads::zeros(plan.total_elements());
+    let device = CpuDevice::new(shared, rank);
+    let mut r = Rank::new(shared, rank, rank, device, comm, grads, net, |flat| {
+        Ok(HostOptimizer::new(
+            shared.kind,
+            shared.hyper,
+            shared.graph.params(),
+            layout,
+            flat,
+        )?)
+    })?;
+    run_rank(shared, &mut r, stop)
+}
+
+/// The options of the replica's network.
+pub(crate) fn network_config(cfg: &TrainConfig) -> NetworkConfig {
+    NetworkConfig {
+        label_smoothing: cfg.label_smoothing,
+        freeze_bn: cfg.freeze_bn,
+        ..NetworkConfig::default()
+    }
+}
+
+/// Runs `shared`'s ranks on threads, one per collective of `comms`, on one CPU thread pool.
+pub(crate) fn run_cpu_ranks<C: Collective<Buffer = HostGrads>>(
+    shared: &Shared,
+    comms: Vec<C>,
+    stop: &StopWish<'_>,
+) -> Result<Vec<RankReport>, TrainError> {
+    let cpu = CpuBackend::new(shared.cfg.threads)?;
+    let results: Vec<Result<RankReport, TrainError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let backend = cpu.clone();
+                let rank = comm.rank();
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(s, move || {
+                        run_cpu_rank(shared, backend, comm, &|step| stop(rank, step))
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|panic| {
+                    Err(TrainError::Internal(format!(
+                        "rank {rank} panicked: {}",
+                        panic_text(&panic)
+                    )))
+                }),
+                Err(e) => Err(TrainError::Internal(format!(
+                    "cannot start the thread of rank {rank}: {e}"
+                ))),
+            })
+            .collect()
+    });
+    let mut reports = Vec::with_capacity(results.len());
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(report) => reports.push(report),
+            Err(e) => errors.push(e),
+        }
+    }
+    match first_cause(errors) {
+        Some(e) => Err(e),
+        None => Ok(reports),
+    }
+}
+
+/// A panic's message.
+pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+/// The shared state of a CPU run of `cfg.replicas` ranks.
+pub(crate) fn shared_for_cpu(
+    cfg: &TrainConfig,
+    folder: &RunFolder,
+    resumed: Option<&(PathBuf, CheckpointMeta)>,
+) -> Result<Shared, TrainError> {
+    let ranks = cfg.replicas;
+    let train = pipeline_for(cfg, folder, Split::Train, ranks, None)?;
+    let valid = pipeline_for(cfg, folder, Split::Valid, 1, None)?;
+    Shared::new(cfg, ranks, resumed, train, valid, folder.clone(), true)
+}
+
+/// Trains on the CPU: `cfg.replicas` ranks on threads, the in-process collective.
+pub(crate) fn launch(
+    cfg: &TrainConfig,
+    folder: &RunFolder,
+    resumed: Option<&(PathBuf, CheckpointMeta)>,
+    stop: &StopWish<'_>,
+) -> Result<Launched, TrainError> {
+    let shared = shared_for_cpu(cfg, folder, resumed)?;
+    let ranks = shared.ranks();
+    let devices = format!(
+        "{} × {ranks} rank{}",
+        CpuBackend::new(cfg.threads)?.name(),
+        if ranks == 1 { "" } else { "s" }
+    );
+    shared.say_start(&devices, resumed);
+    let comms: Vec<LocalCollective> =
+        LocalGroup::ranks(ranks, shared.cfg.dist.collective_timeout());
+    let reports = run_cpu_ranks(&shared, comms, stop)?;
+    Ok(Launched {
+        shared: std::sync::Arc::new(shared),
+        reports,
+        devices,
+        notes: Vec::new(),
+        writer: true,
+    })
+}

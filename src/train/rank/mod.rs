@@ -1,0 +1,535 @@
+//! One rank of a run: a backend, a model replica, its share of every global batch, its
+//! optimizer and its end of the [`Collective`]. [`Rank`] is the same code on every device;
+//! what differs between a CPU rank and a GPU rank is a [`Device`]: where batches wait for
+//! compute, where gradients are reduced, where the step's figures are summed.
+//!
+//! One training step ([`Rank::step`]), in order:
+//! 1. the next micro-batch from the device's feed (a GPU stages it on its copy stream ahead);
+//! 2. forward and backward; as soon as a parameter's gradient is final the backward hook puts
+//!    it into its range of the flat gradient buffer (a GPU's backward writes it there itself)
+//!    and every bucket that became complete starts averaging on the collective, scaled by
+//!    this rank's share of the step's images (computed from the data order, no exchange);
+//!    with synchronised batch norm each BN layer sums its statistics over the ranks;
+//! 3. a rank without images this step issues the same collectives with zeros (every rank must
+//!    take part in every collective, in the same order);
+//! 4. the step's averages finish, the optimizer updates the master weights and the replica;
+//! 5. the step's loss and hit counts and this rank's wish to stop start a small sum over the
+//!    ranks, read one step later ([`Rank::settle`]), so a step never waits for the host.
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use pipeline::Pipeline;
+
+use super::augment::augments_for;
+use super::folder::metrics::MetricsAccumulator;
+use super::folder::DataPosition;
+use super::setup::Shared;
+use super::TrainError;
+use crate::backend::Backend;
+use crate::cuda::staging::feed::HostBatch;
+use crate::dist::buckets::GradientSync;
+use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
+use crate::model::{
+    BnAllReduce, BufferKind, GradHookError, InputBatch, ModelState, Network, StepStats, SyncEvent,
+};
+use crate::optim::RankOptimizer;
+
+/// Values in a step's totals: loss sum, top-1 hits, top-5 hits, images, stop wishes.
+pub(crate) const TOTALS_LEN: usize = 5;
+
+/// The step's figures and stop wish as the vector the ranks sum.
+pub(crate) fn pack_totals(stats: &StepStats, stop: bool) -> [f64; TOTALS_LEN] {
+    [
+        stats.loss_sum,
+        stats.correct_top1 as f64,
+        stats.correct_top5 as f64,
+        stats.count as f64,
+        if stop { 1.0 } else { 0.0 },
+    ]
+}
+
+/// The summed vector as the step's global figures and whether any rank asked to stop.
+pub(crate) fn unpack_totals(v: [f64; TOTALS_LEN]) -> (StepStats, bool) {
+    let stats = StepStats {
+        loss_sum: v[0],
+        correct_top1: v[1].round() as usize,
+        correct_top5: v[2].round() as usize,
+        count: v[3].round() as usize,
+    };
+    (stats, v[4] > 0.5)
+}
+
+/// What one device brings to a rank.
+pub(crate) trait Device {
+    /// The backend the replica computes on.
+    type Backend: Backend;
+    /// The collective joining this rank to the others.
+    type Comm: Collective;
+    /// The optimizer that owns the master weights.
+    type Optim: RankOptimizer<Self::Backend>;
+    /// A step's totals on their way.
+    type Pending;
+    /// The start of a traced span.
+    type Mark;
+
+    /// Starts epoch `epoch`'s input for `rank` at step `start_step`.
+    fn begin_epoch(
+        &mut self,
+        pipe: &Pipeline,
+        epoch: u64,
+        rank: usize,
+        start_step: usize,
+    ) -> Result<(), TrainError>;
+
+    /// The next micro-batch (`None` once the epoch's input is exhausted) and how long the
+    /// host waited for it. A GPU device makes the backend read it from its staging slot.
+    fn next_batch(
+        &mut self,
+        net: &Network<Self::Backend>,
+        comm: &mut Self::Comm,
+    ) -> Result<Option<(HostBatch, Duration)>, TrainError>;
+
+    /// Prepares the backend for a step with images (a GPU leaves the loss, and this rank's
+    /// wish to `stop`, on the device).
+    fn before_compute(
+        &mut self,
+        net: &Network<Self::Backend>,
+        stop: bool,
+    ) -> Result<(), TrainError>;
+
+    /// The step's forward and backward are issued: the batch's input is no longer read.
+    fn after_compute(&mut self, net: &Network<Self::Backend>) -> Result<(), TrainError>;
+
+    /// Puts a parameter's final gradient into `range` of the flat buffer (a no-op where the
+    /// backward wrote it there).
+    fn place_gradient(
+        grads: &mut <Self::Comm as Collective>::Buffer,
+        range: Range<usize>,
+        grad: &<Self::Backend as Backend>::Tensor,
+    ) -> Result<(), GradHookError>;
+
+    /// Zeros the flat buffer (a rank without images contributes zeros).
+    fn zero_gradients(
+        &mut self,
+        grads: &mut <Self::Comm as Collective>::Buffer,
+    ) -> Result<(), TrainError>;
+
+    /// The averaged gradients as the optimizer reads them: host values, or `None` when the
+    /// optimizer reads the network's own gradient tensors.
+    fn host_gradients(
+        grads: &<Self::Comm as Collective>::Buffer,
+    ) -> Result<Option<&[f32]>, TrainError>;
+
+    /// Starts summing the step's totals over the ranks (`local`: this rank's figures where
+    /// the host has them; `had_images`: whether the step ran forward and backward).
+    fn start_totals(
+        &mut self,
+        net: &Network<Self::Backend>,
+        comm: &mut Self::Comm,
+        local: &StepStats,
+        stop: bool,
+        had_images: bool,
+    ) -> Result<Self::Pending, TrainError>;
+
+    /// The summed totals of a step started earlier.
+    fn finish_totals(
+        &mut self,
+        comm: &mut Self::Comm,
+        pending: Self::Pending,
+    ) -> Result<[f64; TOTALS_LEN], TrainError>;
+
+    /// Marks the start of a traced span.
+    fn mark(&mut self, comm: &mut Self::Comm) -> Result<Self::Mark, TrainError>;
+
+    /// Ends a traced span begun at `start`.
+    fn span(
+        &mut self,
+        comm: &mut Self::Comm,
+        start: Self::Mark,
+        name: &str,
+    ) -> Result<(), TrainError>;
+
+    /// A step is over: `waited` of its `total` wall time went to input.
+    fn end_step(
+        &mut self,
+        comm: &mut Self::Comm,
+        waited: Duration,
+        total: Duration,
+    ) -> Result<(), TrainError>;
+
+    /// A line on how well the input kept up, when the device measures it in detail.
+    fn input_line(&self, rank: usize) -> Option<String>;
+}
+
+/// What the loop asks of one step.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepPlan {
+    /// The epoch (for augmentation).
+    pub epoch: u64,
+    /// The step within the epoch.
+    pub step: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// This rank's images, from the data order.
+    pub local_images: usize,
+    /// Every rank's images together.
+    pub global_images: usize,
+    /// This rank would like to stop after this step.
+    pub stop: bool,
+}
+
+/// A step whose totals are on their way.
+pub(crate) struct PendingStep<P> {
+    pending: P,
+}
+
+/// [`BnAllReduce`] over the collective the gradient hook also uses (never re-entered: the
+/// network calls one or the other).
+struct BnOverCollective<'c, 'a, C: Collective> {
+    state: &'c RefCell<HookState<'a, C>>,
+}
+
+struct HookState<'a, C: Collective> {
+    comm: &'a mut C,
+    grads: &'a mut C::Buffer,
+    sync: &'a mut GradientSync,
+}
+
+impl<C: Collective> BnAllReduce for BnOverCollective<'_, '_, C> {
+    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
+        Ok(self.state.borrow_mut().comm.sum(values)?)
+    }
+}
+
+/// One rank: see the module docs. Fields are dropped in declaration order: the device and
+/// the collective (whose threads may still touch the gradient buffer) before the buffer, the
+/// buffer (which may point into the network's memory) before the network.
+pub(crate) struct Rank<D: Device> {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the run.
+    pub world: usize,
+    /// Index among this machine's ranks (0 traces the machine's input engine).
+    pub local_index: usize,
+    pub(crate) device: D,
+    pub(crate) comm: D::Comm,
+    grads: <D::Comm as Collective>::Buffer,
+    sync: GradientSync,
+    pub(crate) opt: D::Optim,
+    /// Where training stands.
+    pub position: DataPosition,
+    /// Cross-rank checksum comparisons passed.
+    pub checks_passed: u64,
+    pub(crate) net: Network<D::Backend>,
+}
+
+impl<D: Device> Rank<D> {
+    /// Assembles a rank and makes its replica start from rank 0's weights (broadcast: every
+    /// rank read the same checkpoint or seed, but another node's file must not be trusted to
+    /// agree) and the checkpoint's optimizer state, if any.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        shared: &Shared,
+        rank: usize,
+        local_index: usize,
+        device: D,
+        mut comm: D::Comm,
+        grads: <D::Comm as Collective>::Buffer,
+        mut net: Network<D::Backend>,
+        make_optimizer: impl FnOnce(&[f32]) -> Result<D::Optim, TrainError>,
+    ) -> Result<Self, TrainError> {
+        let setup = (|| -> Result<D::Optim, TrainError> {
+            let mut flat = shared.initial.flat_params();
+            comm.broadcast(&mut flat, 0)?;
+            net.load_state(&shared.initial)?;
+            net.set_params_f32(&flat)?;
+            let mut opt = make_optimizer(&flat)?;
+            if let Some(host) = &shared.optimizer {
+                opt.load_host(host)?;
+            }
+            Ok(opt)
+        })();
+        let opt = match setup {
+            Ok(opt) => opt,
+            Err(e) => {
+                if !e.is_abort_consequence() {
+                    comm.abort(&format!("rank {rank} failed: {e}"));
+                }
+                return Err(e);
+            }
+        };
+        Ok(Rank {
+            rank,
+            world: comm.world_size(),
+            local_index,
+            device,
+            comm,
+            grads,
+            sync: GradientSync::new(shared.bucket_plan.clone()),
+            opt,
+            position: shared.position.clone(),
+            checks_passed: 0,
+            net,
+        })
+    }
+
+    /// Rank 0 validates and writes the run folder.
+    pub(crate) fn is_writer(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Issues one training step; its totals are read by [`Rank::settle`] later.
+    pub(crate) fn step(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+    ) -> Result<(PendingStep<D::Pending>, Duration), TrainError> {
+        let Some((batch, waited)) = self.device.next_batch(&self.net, &mut self.comm)? else {
+            return Err(TrainError::InvalidConfig {
+                flag: "--batch-size",
+                value: shared.cfg.batch_size.to_string(),
+                hint: format!(
+                    "rank {} ran out of batches at step {} of {} (input engine bug?)",
+                    self.rank, plan.step, shared.steps_per_epoch
+                ),
+            });
+        };
+        // Fewer images than the data order gives: the engine skipped unreadable files
+        // (`--on-bad-image skip`). More would be an engine bug.
+        if batch.len > plan.local_images {
+            return Err(TrainError::InvalidConfig {
+                flag: "--last-batch",
+                value: shared.cfg.last_batch.as_str().into(),
+                hint: format!(
+                    "rank {} got {} images at step {}, the data order gives it {} (input engine bug?)",
+                    self.rank, batch.len, plan.step, plan.local_images
+                ),
+            });
+        }
+        if shared.trace.is_enabled() && !waited.is_zero() {
+            shared.trace.record_since(
+                "input wait",
+                "wait",
+                self.rank as u32,
+                crate::cuda::timeline::rows::HOST,
+                Instant::now() - waited,
+            );
+        }
+        // The step's gradient is the image-weighted mean of the ranks' mean-loss gradients;
+        // the collective averages over ranks, so each rank first scales by its share, known
+        // from the data order without an exchange. An image the engine skipped as unreadable
+        // counts as a zero gradient in that share; a rank alone keeps the mean of what it got.
+        let scale = if self.world > 1 && plan.global_images > 0 {
+            (batch.len * self.world) as f32 / plan.global_images as f32
+        } else {
+            1.0
+        };
+        self.sync.begin_step(scale);
+        let sync_bn = shared.cfg.dist.sync_bn && !shared.cfg.freeze_bn;
+        let mark = self.device.mark(&mut self.comm)?;
+        let stats = if batch.len > 0 {
+            self.device.before_compute(&self.net, plan.stop)?;
+            let stats = self.forward_backward(shared, plan, &batch, sync_bn);
+            self.device.after_compute(&self.net)?;
+            stats?
+        } else {
+            self.device.zero_gradients(&mut self.grads)?;
+            self.replay_empty(sync_bn)?;
+            self.device.after_compute(&self.net)?;
+            StepStats::default()
+        };
+        self.device
+            .span(&mut self.comm, mark, "forward + backward")?;
+        self.sync.finish_step(&mut self.comm, &mut self.grads)?;
+        if plan.global_images > 0 {
+            let mark = self.device.mark(&mut self.comm)?;
+            let grads = D::host_gradients(&self.grads)?;
+            self.opt.step(&mut self.net, grads, plan.lr)?;
+            self.device.span(&mut self.comm, mark, "optimizer")?;
+        }
+        let pending = self.device.start_totals(
+            &self.net,
+            &mut self.comm,
+            &stats,
+            plan.stop,
+            batch.len > 0,
+        )?;
+        Ok((PendingStep { pending }, waited))
+    }
+
+    fn forward_backward(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+        batch: &HostBatch,
+        sync_bn: bool,
+    ) -> Result<StepStats, TrainError> {
+        let cfg = &shared.cfg;
+        let augments = cfg.augment.then(|| {
+            augments_for(
+                cfg.seed,
+                plan.epoch,
+                &batch.sample_ids[..batch.len],
+                cfg.image_size,
+            )
+        });
+        let input = InputBatch {
+            pixels: (*batch.pixels).as_ref(),
+            labels: &batch.labels,
+            len: batch.len,
+            image_size: batch.image_size,
+            augment: augments.as_deref(),
+        };
+        let Rank {
+            net,
+            comm,
+            grads,
+            sync,
+            ..
+        } = self;
+        let state = RefCell::new(HookState::<D::Comm> { comm, grads, sync });
+        let mut bn = BnOverCollective { state: &state };
+        let stats = net.train_step_synced(
+            &input,
+            &mut |param, grad| {
+                let mut st = state.borrow_mut();
+                let st = &mut *st;
+                let range = st.sync.plan().param_elements(param);
+                D::place_gradient(st.grads, range, grad)?;
+                st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
+                Ok(())
+            },
+            sync_bn.then_some(&mut bn as &mut dyn BnAllReduce),
+        )?;
+        Ok(stats)
+    }
+
+    /// A rank without images replays a step's collectives with zeros, in exactly the order a
+    /// rank with images issues them ([`Network::synced_step_events`]).
+    fn replay_empty(&mut self, sync_bn: bool) -> Result<(), TrainError> {
+        let events = if sync_bn {
+            self.net.synced_step_events()
+        } else {
+            self.net
+                .grad_ready_order()
+                .into_iter()
+                .map(SyncEvent::GradReady)
+                .collect()
+        };
+        for e in events {
+            match e {
+                SyncEvent::BnForward { channels } => {
+                    self.comm.sum(&mut vec![0.0; 2 * channels + 1])?;
+                }
+                SyncEvent::BnBackward { channels } => {
+                    self.comm.sum(&mut vec![0.0; 2 * channels])?;
+                }
+                SyncEvent::GradReady(p) => {
+                    self.sync.grad_ready(&mut self.comm, &mut self.grads, p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The global totals of a step issued earlier, and whether any rank asked to stop.
+    pub(crate) fn settle(
+        &mut self,
+        pending: PendingStep<D::Pending>,
+    ) -> Result<(StepStats, bool), TrainError> {
+        let v = self.device.finish_totals(&mut self.comm, pending.pending)?;
+        Ok(unpack_totals(v))
+    }
+
+    /// Broadcasts rank 0's weight checksum; every rank compares its own.
+    pub(crate) fn compare_checksums(&mut self) -> Result<u64, TrainError> {
+        let mine = crate::dist::checksum(&self.opt.master()?);
+        let reference = broadcast_checksum(&mut self.comm, mine, 0)?;
+        if mine != reference {
+            return Err(TrainError::Diverged {
+                rank: self.rank,
+                step: self.position.global_step,
+                mine,
+                reference,
+            });
+        }
+        self.checks_passed += 1;
+        Ok(mine)
+    }
+
+    /// Averages the batch-norm running statistics over the ranks (each rank kept its own
+    /// during the epoch, as in DDP), so that validation and the checkpoint see the mean and
+    /// every rank goes on from it. The running statistics advance linearly, so averaging at
+    /// the end equals averaging at every step up to rounding. The counters are rank 0's
+    /// (it has images at every step).
+    pub(crate) fn average_bn_statistics(&mut self, shared: &Shared) -> Result<(), TrainError> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let mut buffers = self.net.buffers()?;
+        let specs = shared.graph.buffers();
+        let mut flat: Vec<f64> = Vec::new();
+        for (spec, b) in specs.iter().zip(&buffers) {
+            let take = spec.kind != BufferKind::NumBatchesTracked || self.rank == 0;
+            flat.extend(b.iter().map(|&v| if take { f64::from(v) } else { 0.0 }));
+        }
+        self.comm.sum(&mut flat)?;
+        let world = self.world as f64;
+        let mut at = 0;
+        for (spec, b) in specs.iter().zip(&mut buffers) {
+            for v in b.iter_mut() {
+                let sum = flat[at];
+                at += 1;
+                *v = if spec.kind == BufferKind::NumBatchesTracked {
+                    sum as f32
+                } else {
+                    (sum / world) as f32
+                };
+            }
+        }
+        self.net.set_buffers(&buffers)?;
+        Ok(())
+    }
+
+    /// The replica's state as a checkpoint stores it: the optimizer's f32 master weights and
+    /// the network's buffers.
+    pub(crate) fn master_state(&mut self, shared: &Shared) -> Result<ModelState, TrainError> {
+        let mut state = ModelState {
+            params: shared
+                .graph
+                .params()
+                .iter()
+                .map(|p| vec![0.0; p.numel()])
+                .collect(),
+            buffers: self.net.buffers()?,
+        };
+        state.set_flat_params(&self.opt.master()?)?;
+        Ok(state)
+    }
+
+    /// Aborts the collective (this rank failed: nobody may wait for it).
+    pub(crate) fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
+    }
+}
+
+/// Accumulates a settled step into the epoch's figures.
+pub(crate) fn account(acc: &mut MetricsAccumulator, totals: &StepStats) {
+    acc.add(
+        totals.loss_sum,
+        totals.correct_top1 as u64,
+        totals.correct_top5 as u64,
+        totals.count as u64,
+    );
+}
+
+impl From<CollectiveError> for TrainError {
+    fn from(e: CollectiveError) -> Self {
+        TrainError::Collective(Box::new(e))
+    }
+}

@@ -1,0 +1,419 @@
+//! What every rank of a run shares, set up once: the input engines, the graph, the starting
+//! weights and optimizer state (a checkpoint, `--init-from` or a fresh init), the data
+//! position, the schedule, the bucket plan and the run folder.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pipeline::{BatchAllocator, DatasetSource, Pipeline, PipelineBuilder, Split};
+
+use super::config::TrainConfig;
+use super::evaluate::summarise;
+use super::folder::{CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
+use super::TrainError;
+use crate::dist::buckets::{specs_from_numel, BucketPlan};
+use crate::model::{Graph, HeadPolicy, ModelState};
+use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
+use crate::trace::TraceRecorder;
+
+/// Steps between two comparisons of the ranks' weight checksums (and at every epoch end).
+pub(crate) const CHECKSUM_EVERY: u64 = 50;
+
+/// The dataset as the engine reads it.
+pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
+    match cfg.valid_fraction {
+        Some(f) => DatasetSource::flat(&cfg.data, f),
+        None => DatasetSource::folder(&cfg.data),
+    }
+}
+
+/// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
+/// file order on one; batches in memory from `allocator` when given (pinned, for GPUs).
+pub(crate) fn pipeline_for(
+    cfg: &TrainConfig,
+    folder: &RunFolder,
+    split: Split,
+    ranks: usize,
+    allocator: Option<Arc<dyn BatchAllocator>>,
+) -> Result<Pipeline, TrainError> {
+    let training = split == Split::Train;
+    let mut b = PipelineBuilder::new(source(cfg))
+        .split(split)
+        .image_size(cfg.image_size)
+        .seed(cfg.seed)
+        .replicas(if training { ranks } else { 1 })
+        .batch_size(cfg.batch_size)
+        .shuffle(training)
+        .last_batch(if training {
+            cfg.last_batch
+        } else {
+            pipeline::LastBatch::Partial
+        })
+        .on_bad_image(cfg.on_bad_image)
+        .bad_files_report(folder.bad_files_path(split));
+    if cfg.workers > 0 {
+        b = b.workers(cfg.workers);
+    }
+    if let Some(dir) = &cfg.cache_dir {
+        b = b.cache_dir(dir.clone());
+    }
+    if let Some(a) = allocator {
+        b = b.allocator(a);
+    }
+    Ok(b.build()?)
+}
+
+/// Everything the ranks share (read-only).
+pub(crate) struct Shared {
+    /// The run's settings; `replicas` is the number of ranks.
+    pub cfg: TrainConfig,
+    /// The model.
+    pub graph: Graph,
+    /// Class names, index = label.
+    pub classes: Vec<String>,
+    /// The training engine (every rank reads its own slice).
+    pub train_pipe: Pipeline,
+    /// The validation engine (rank 0).
+    pub valid_pipe: Pipeline,
+    /// The starting weights and buffers.
+    pub initial: ModelState,
+    /// The resumed checkpoint's optimizer state (graph order, torchvision layout).
+    pub optimizer: Option<Optimizer>,
+    /// Where training starts in the data.
+    pub position: DataPosition,
+    /// The learning-rate schedule.
+    pub schedule: Schedule,
+    /// The update rule.
+    pub kind: OptimizerKind,
+    /// Its hyper-parameters.
+    pub hyper: Hyper,
+    /// Steps per epoch (every rank the same).
+    pub steps_per_epoch: usize,
+    /// The gradient buffer's layout and the buckets averaged together.
+    pub bucket_plan: BucketPlan,
+    /// The run folder (written by rank 0 of node 0).
+    pub folder: RunFolder,
+    /// What the checkpoints record of the training data.
+    pub dataset: DatasetStamp,
+    /// `--trace` spans.
+    pub trace: TraceRecorder,
+    /// Steps between cross-rank checksum comparisons.
+    pub checksum_every: u64,
+}
+
+impl Shared {
+    /// The images a rank's network must hold at once: the largest micro-batch either engine
+    /// can really deliver (the first step's), not `--batch-size` when the data is smaller.
+    pub(crate) fn network_batch(&self) -> usize {
+        let first = |p: &Pipeline| p.micro_batch_len(0, 0).unwrap_or(0);
+        first(&self.train_pipe).max(first(&self.valid_pipe)).max(1)
+    }
+
+    /// The shared state of a run of `ranks` ranks (`cfg.replicas` is set to it). `resumed` is
+    /// the checkpoint to continue; `writer` says whether this process writes the run folder
+    /// (node 0).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        cfg: &TrainConfig,
+        ranks: usize,
+        resumed: Option<&(PathBuf, CheckpointMeta)>,
+        train_pipe: Pipeline,
+        valid_pipe: Pipeline,
+        folder: RunFolder,
+        writer: bool,
+    ) -> Result<Shared, TrainError> {
+        let mut cfg = cfg.clone();
+        cfg.replicas = ranks;
+        let classes = train_pipe.classes().to_vec();
+        let graph = Graph::new(cfg.arch, classes.len());
+        let steps_per_epoch = train_pipe.steps_per_epoch();
+        if steps_per_epoch == 0 {
+            return Err(TrainError::InvalidConfig {
+                flag: "--batch-size",
+                value: cfg.batch_size.to_string(),
+                hint: format!(
+                    "with --last-batch drop the {} training images make no full global batch of {}",
+                    train_pipe.len(),
+                    cfg.global_batch()
+                ),
+            });
+        }
+        let dataset = DatasetStamp::of(&train_pipe);
+        warn_about_dataset(&cfg, classes.len(), train_pipe.len());
+        let schedule = Schedule {
+            base_lr: cfg.scaled_lr_for(train_pipe.len()),
+            steps_per_epoch: steps_per_epoch as u64,
+            warmup_epochs: cfg.warmup_epochs,
+            total_epochs: cfg.epochs as u32,
+            decay: cfg.schedule,
+        };
+        let hyper = Hyper {
+            weight_decay: cfg.weight_decay,
+            ..Hyper::default()
+        };
+        let kind = cfg.optimizer.kind(cfg.momentum, cfg.nesterov);
+        let (initial, optimizer, position) = match resumed {
+            Some((run, meta)) => {
+                check_resume(&cfg, run, meta, &classes)?;
+                let state = ModelState::load_safetensors(
+                    &graph,
+                    &run.join(&meta.model_file),
+                    HeadPolicy::Strict,
+                )?;
+                let mut optimizer = Optimizer::new(kind, hyper, graph.params());
+                optimizer.load(&run.join(&meta.optimizer_state_file))?;
+                let position = resume_position(&cfg, run, meta, &dataset)?;
+                (state, Some(optimizer), position)
+            }
+            None => {
+                let state = match &cfg.init_from {
+                    Some(path) => ModelState::load_safetensors(
+                        &graph,
+                        path,
+                        HeadPolicy::ReplaceMismatched { seed: cfg.seed },
+                    )?,
+                    None => ModelState::init(&graph, cfg.seed),
+                };
+                (state, None, DataPosition::start())
+            }
+        };
+        let names: Vec<(String, usize)> = graph
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), p.numel()))
+            .collect();
+        let bucket_plan = BucketPlan::new(&specs_from_numel(&names, 4), cfg.dist.bucket_settings())
+            .map_err(|e| TrainError::InvalidConfig {
+                flag: "--bucket-mb",
+                value: cfg.dist.bucket_mb.to_string(),
+                hint: e.to_string(),
+            })?;
+        if writer {
+            folder.start_metrics(resumed.map(|(run, _)| run.as_path()), position.epoch)?;
+        }
+        let trace = if cfg.dist.trace.is_some() {
+            TraceRecorder::new()
+        } else {
+            TraceRecorder::disabled()
+        };
+        Ok(Shared {
+            cfg,
+            graph,
+            classes,
+            train_pipe,
+            valid_pipe,
+            initial,
+            optimizer,
+            position,
+            schedule,
+            kind,
+            hyper,
+            steps_per_epoch,
+            bucket_plan,
+            folder,
+            dataset,
+            trace,
+            checksum_every: CHECKSUM_EVERY,
+        })
+    }
+
+    /// Ranks in the run.
+    pub(crate) fn ranks(&self) -> usize {
+        self.cfg.replicas
+    }
+
+    /// Rank `rank`'s images at `step`, from the data order.
+    pub(crate) fn rank_images(&self, step: usize, rank: usize) -> usize {
+        self.train_pipe.micro_batch_len(step, rank).unwrap_or(0)
+    }
+
+    /// Every rank's images at `step`, from the data order.
+    pub(crate) fn step_images(&self, step: usize) -> usize {
+        (0..self.ranks()).map(|r| self.rank_images(step, r)).sum()
+    }
+
+    /// Prints a line when the run is verbose.
+    pub(crate) fn say(&self, line: impl AsRef<str>) {
+        if self.cfg.verbose {
+            println!("{}", line.as_ref());
+        }
+    }
+
+    /// The sidecar of a checkpoint at `position` (file names and checksums are filled in by
+    /// [`RunFolder::save_checkpoint`]).
+    pub(crate) fn checkpoint_meta(&self, position: &DataPosition) -> CheckpointMeta {
+        let cfg = &self.cfg;
+        CheckpointMeta {
+            version: 0,
+            model: cfg.arch.name().into(),
+            classes: self.classes.clone(),
+            image_size: cfg.image_size,
+            epoch: position.epoch,
+            step: position.global_step,
+            optimizer: cfg.optimizer,
+            optimizer_state_file: String::new(),
+            model_file: String::new(),
+            seed: cfg.seed,
+            data_position: position.clone(),
+            global_batch: cfg.global_batch(),
+            replicas: cfg.replicas,
+            batch_size: cfg.batch_size,
+            epochs: cfg.epochs,
+            settings: cfg.settings(),
+            model_checksum: String::new(),
+            optimizer_checksum: String::new(),
+            dataset: Some(self.dataset.clone()),
+        }
+    }
+
+    /// The lines that open a run.
+    pub(crate) fn say_start(&self, device: &str, resumed: Option<&(PathBuf, CheckpointMeta)>) {
+        let cfg = &self.cfg;
+        self.say(format!(
+            "model {} ({} parameters) · {} · {} train / {} valid images at {}×{}",
+            cfg.arch,
+            self.graph.param_count(),
+            summarise(&self.classes),
+            self.train_pipe.len(),
+            self.valid_pipe.len(),
+            cfg.image_size,
+            cfg.image_size
+        ));
+        self.say(format!(
+            "device {device} · global batch {} ({} per rank) · lr {} for batch 256 → {:.6} scaled · {} · {} steps per epoch",
+            cfg.global_batch(),
+            cfg.batch_size,
+            cfg.lr,
+            self.schedule.base_lr,
+            cfg.optimizer.name(),
+            self.steps_per_epoch
+        ));
+        if let Some((run, meta)) = resumed {
+            self.say(format!(
+                "resuming {} at epoch {}, step {} of {} (global step {}, {} epochs done)",
+                run.display(),
+                self.position.epoch + 1,
+                self.position.step_in_epoch,
+                self.steps_per_epoch,
+                self.position.global_step,
+                meta.epoch
+            ));
+        }
+    }
+}
+
+/// Warnings about a training set that makes the figures misleading (the run goes on).
+fn warn_about_dataset(cfg: &TrainConfig, classes: usize, train_images: usize) {
+    if classes == 1 {
+        tracing::warn!(
+            "the training set has a single class: every prediction is that class, so accuracy is 1.0 by construction (add at least one more class folder)"
+        );
+    }
+    let global = cfg.global_batch();
+    if global > train_images && cfg.last_batch != pipeline::LastBatch::Pad {
+        tracing::warn!(
+            "a global batch of {global} is larger than the {train_images} training images: each step holds all {train_images}, and the learning rate is scaled for {train_images} (hint: a smaller --batch-size)"
+        );
+    }
+}
+
+/// Where a resumed run continues: the checkpoint's data position, moved to the same sample
+/// count when the global batch changed (another rank count or batch size, saying so when
+/// that repeats samples), and back to the start of the interrupted epoch when the training
+/// data changed and `--allow-data-change` allows going on (otherwise a changed training set
+/// is refused, saying what changed).
+fn resume_position(
+    cfg: &TrainConfig,
+    run: &std::path::Path,
+    meta: &CheckpointMeta,
+    now: &DatasetStamp,
+) -> Result<DataPosition, TrainError> {
+    let mut position = meta.data_position.clone();
+    if let Some(then) = &meta.dataset {
+        if then != now {
+            if !cfg.allow_data_change {
+                return Err(TrainError::DataChanged {
+                    path: run.to_path_buf(),
+                    change: describe_change(then, now),
+                    epoch: position.epoch + 1,
+                });
+            }
+            tracing::warn!(
+                "the training data changed since the checkpoint ({}): --allow-data-change restarts epoch {} on the new data",
+                describe_change(then, now),
+                position.epoch + 1
+            );
+            position.step_in_epoch = 0;
+            position.samples_in_epoch = 0;
+            position.partial_train = Default::default();
+            return Ok(position);
+        }
+    }
+    if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
+        let gb = cfg.global_batch() as u64;
+        position.step_in_epoch = (position.samples_in_epoch / gb) as usize;
+        if position.samples_in_epoch % gb != 0 {
+            tracing::warn!(
+                "resuming with global batch {gb} (was {}): {} samples of epoch {} are seen again",
+                meta.global_batch,
+                position.samples_in_epoch % gb,
+                position.epoch + 1
+            );
+        }
+    }
+    Ok(position)
+}
+
+/// What differs between two stamps of the training data, in words.
+fn describe_change(then: &DatasetStamp, now: &DatasetStamp) -> String {
+    use std::cmp::Ordering;
+    let (a, b) = (then.train_images, now.train_images);
+    match b.cmp(&a) {
+        Ordering::Less => format!("{a} training images then, {b} now: {} removed", a - b),
+        Ordering::Greater => format!("{a} training images then, {b} now: {} added", b - a),
+        Ordering::Equal => format!(
+            "{a} training images then and now, but file names, sizes, labels or the image size differ"
+        ),
+    }
+}
+
+/// Checks a resumed checkpoint against this run: model, image size, class list.
+fn check_resume(
+    cfg: &TrainConfig,
+    run: &std::path::Path,
+    meta: &CheckpointMeta,
+    classes: &[String],
+) -> Result<(), TrainError> {
+    let mismatch = |what, expected: String, found: String, hint| TrainError::CheckpointMismatch {
+        path: run.to_path_buf(),
+        what,
+        expected,
+        found,
+        hint,
+    };
+    if meta.model != cfg.arch.name() {
+        return Err(mismatch(
+            "model",
+            cfg.arch.name().into(),
+            meta.model.clone(),
+            "resume with the checkpoint's --model, or start a new run",
+        ));
+    }
+    if meta.image_size != cfg.image_size {
+        return Err(mismatch(
+            "image size",
+            cfg.image_size.to_string(),
+            meta.image_size.to_string(),
+            "resume with the checkpoint's --image-size",
+        ));
+    }
+    if meta.classes != classes {
+        return Err(mismatch(
+            "class list",
+            summarise(classes),
+            summarise(&meta.classes),
+            "resume on the dataset the checkpoint was trained on",
+        ));
+    }
+    Ok(())
+}
