@@ -91,7 +91,10 @@ fn absurd_counts_name_the_flag_and_the_limit() {
     let run = birdtrain(&args);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
-    assert!(stderr.contains("larger than the 90 training images"), "{stderr}");
+    assert!(
+        stderr.contains("larger than the 90 training images"),
+        "{stderr}"
+    );
     assert!(out.join("checkpoint.json").exists());
 }
 
