@@ -73,7 +73,9 @@ struct Conv2Args {
 #define SKEW 8  // row padding of every shared-memory tile, in elements
 
 enum { FWD = 0, DGRAD = 1, WGRAD = 2 };
-enum { GENERAL = 0, UNIT = 1 };  // gather: any filter / 1×1 without padding
+// Gathers: GENERAL (any filter), UNIT (1×1 without padding: plain GEMM rows), and for wgrad
+// SMALL_C (C % 8 == 0 but not % 32: a thread's columns may lie in different taps).
+enum { GENERAL = 0, UNIT = 1, SMALL_C = 2 };
 
 // Dynamic shared memory (the emulator has no `extern __shared__`).
 #ifdef BT_EMULATE
@@ -109,7 +111,7 @@ struct Geometry {
     static constexpr int CB = T::BN * BK / 8 / T::THREADS;
 };
 
-// Bits max(lo, 0)..hi-1 set (empty when hi <= lo); hi ≤ 16, the filter extent.
+// Bits max(lo, 0)..hi-1 set (empty when hi <= lo); hi ≤ 15, the filter extent.
 __device__ __forceinline__ unsigned bit_range(int lo, int hi) {
     lo = max(lo, 0);
     return hi > lo ? ((1u << hi) - 1u) & ~((1u << lo) - 1u) : 0u;
@@ -148,69 +150,69 @@ __device__ __forceinline__ Phase dgrad_phase(const Conv2Args& a, int phase) {
     return f;
 }
 
-// The reduction column of one thread for GENERAL gathers: tap (r, s) and channel ch. A k-step
-// moves it by BK = (dtr·S + dts)·C + dc, applied digit by digit with one carry each (no
-// division, no branch); the element offset from a row's base is r·dr + s·ds + ch, with
-// (ds, dr) = (C, W·C) forward and (-K, -Q·K) in dgrad (its taps walk dy backwards).
+// Taps of a GENERAL gather, one entry per filter position t = r·S + s (forward; in dgrad the
+// phase's own taps): the element offset r·dr + s·ds from a row's base, with (ds, dr) = (C, W·C)
+// forward and (-K, -Q·K) in dgrad (its taps walk dy backwards), and the tap as one bit among
+// the filter rows (bits 0-15) and one among the filter columns (bits 16-31). Entries past the
+// filter, which the pipeline's look-ahead reaches (at most STAGES + 1 k-steps of up to BK/8
+// taps), hold bit 15: a row that no mask has (R ≤ 15), so they read nothing.
+#define TAP_TABLE 128
+#define MAX_TAPS (TAP_TABLE - (4 + 1) * BK / 8)
+
+// The reduction column of one thread: tap index t and channel ch. A k-step moves it by
+// BK = dt·C + dc taps and channels, with one carry (no division, no branch).
 struct TapCursor {
-    int ch, r, s;
-    int channels, taps_s, dc, dts, dtr, ds, dr;
-    __device__ __forceinline__ void init(int channels_, int taps_s_, int ds_, int dr_, int start) {
+    int ch, t, channels, dc, dt;
+    __device__ __forceinline__ void init(int channels_, int start) {
         channels = channels_;
-        taps_s = taps_s_;
-        ds = ds_;
-        dr = dr_;
         dc = BK % channels;
-        const int dt = BK / channels;
-        dts = dt % taps_s;
-        dtr = dt / taps_s;
+        dt = BK / channels;
         ch = start % channels;
-        const int t = start / channels;
-        s = t % taps_s;
-        r = t / taps_s;
+        t = start / channels;
     }
     __device__ __forceinline__ void step() {
         ch += dc;
         const int cc = ch >= channels;
         ch -= cc ? channels : 0;
-        s += dts + cc;
-        const int cs = s >= taps_s;
-        s -= cs ? taps_s : 0;
-        r += dtr + cs;
+        t += dt + cc;
     }
-    __device__ __forceinline__ int off() const { return r * dr + s * ds + ch; }
-    // Whether a row with validity masks (filter rows, filter columns; no bit at 16 or above)
-    // reads inside the tensor at the current tap. Past the filter (the pipeline's look-ahead
-    // beyond the reduction) no bit is set; r is clamped so the shift stays defined.
-    __device__ __forceinline__ int valid(unsigned mask_r, unsigned mask_s) const {
-        return (int)((mask_r >> min(r, 16)) & (mask_s >> s) & 1u);
-    }
+    // Whether a row whose mask (rows inside the image | columns inside << 16) holds both bits
+    // of the tap reads inside the tensor: one logic instruction per row.
+    static __device__ __forceinline__ int valid(unsigned mask, unsigned onehot) { return (~mask & onehot) == 0u; }
 };
 
-// The pixel a wgrad thread gathers for: image n, output (p, q), and its top-left input
-// coordinates hy = p·stride - pad, wx = q·stride - pad. A k-step moves it by BK pixels =
-// (dn, dp, dq) in mixed radix (N, P, Q), one carry per digit.
+// The pixel a wgrad thread gathers for: output (p, q) of some image, its top-left input
+// coordinates hy = p·stride - pad, wx = q·stride - pad, and `base`, the offset of input pixel
+// (image, hy, wx). A k-step moves it by BK pixels = (dn, dp, dq) in mixed radix (N, P, Q):
+// the digits carry once each, and base moves by a constant plus one correction per carry.
 struct PixelCursor {
-    int n, p, q;
+    int p, q, hy, wx, base;
+    int dp, dq, inc, inc_q, inc_p;
     __device__ __forceinline__ void init(const Conv2Args& a, int pixel) {
         q = pixel % a.q;
         const int np = pixel / a.q;
         p = np % a.p;
-        n = np / a.p;
+        const int n = np / a.p;
+        hy = p * a.stride - a.pad;
+        wx = q * a.stride - a.pad;
+        base = ((n * a.h + hy) * a.w + wx) * a.c;
+        const int pq = a.p * a.q, dn = BK / pq, rem = BK - dn * pq;
+        dp = rem / a.q;
+        dq = rem - dp * a.q;
+        inc = ((dn * a.h + dp * a.stride) * a.w + dq * a.stride) * a.c;
+        inc_q = (a.stride * a.w - a.q * a.stride) * a.c;        // q wrapped: next row
+        inc_p = (a.h * a.w - a.p * a.stride * a.w) * a.c;      // p wrapped: next image
     }
-    __device__ __forceinline__ void step(const Conv2Args& a, int dn, int dp, int dq) {
+    __device__ __forceinline__ void step(const Conv2Args& a) {
         q += dq;
         const int cq = q >= a.q;
         q -= cq ? a.q : 0;
         p += dp + cq;
         const int cp = p >= a.p;
         p -= cp ? a.p : 0;
-        n += dn + cp;
-    }
-    __device__ __forceinline__ int hy(const Conv2Args& a) const { return p * a.stride - a.pad; }
-    __device__ __forceinline__ int wx(const Conv2Args& a) const { return q * a.stride - a.pad; }
-    __device__ __forceinline__ int base(const Conv2Args& a) const {
-        return ((n * a.h + hy(a)) * a.w + wx(a)) * a.c;
+        base += inc + (cq ? inc_q : 0) + (cp ? inc_p : 0);
+        hy = p * a.stride - a.pad;
+        wx = q * a.stride - a.pad;
     }
 };
 
@@ -231,6 +233,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     typedef Geometry<MODE, T> G;
     CONV2_SMEM(smem_raw);
     __shared__ int row_out[T::BM];  // dgrad: dx offset of each tile row (phases scatter rows)
+    __shared__ int2 taps[TAP_TABLE];  // GENERAL forward/dgrad: (offset, one-hot) per tap
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
@@ -252,6 +255,20 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     }
     const int ksteps = (KD - kd_begin + BK - 1) / BK;
 
+    if (MODE == DGRAD) {
+        // Where each tile row goes in dx (phase rows are strided), for the epilogue; made here
+        // so that the phase geometry need not stay in registers through the main loop.
+        for (int row = tid; row < T::BM; row += T::THREADS) {
+            const int m = m0 + row;
+            int o = -1;
+            if (m < M) {
+                const int x = m % f.wn, t = m / f.wn, y = t % f.hn, n_ = t / f.hn;
+                o = ((n_ * a.h + f.ph + a.stride * y) * a.w + f.pw + a.stride * x) * a.c;
+            }
+            row_out[row] = o;
+        }
+    }
+
     // ---- where this thread's 16-byte chunks come from and land ----------------------------
     // A, reduction inner (forward, dgrad): chunk i is tile row a_row0 + i·A_STEP, reduction
     //   columns a_col..+7. A, reduction outer (wgrad): reduction row (pixel) a_row0 + i·A_STEP,
@@ -264,13 +281,14 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     constexpr int B_TPR = MODE == FWD ? BK / 8 : MODE == DGRAD ? T::BN / 8 : T::THREADS / BK;
     constexpr int B_STEP = MODE == WGRAD ? 0 : T::THREADS / B_TPR;
     const int a_row0 = tid / A_TPR, a_col = (tid % A_TPR) * 8;  // (a_col: A's first reduction column)
-    const int b_row0 = tid / B_TPR, b_col = (tid % B_TPR) * 8;
+    // wgrad: a thread's CB chunks are consecutive columns, so with C % 32 == 0 they share a tap.
+    const int b_row0 = tid / B_TPR, b_col = (tid % B_TPR) * 8 * (MODE == WGRAD ? G::CB : 1);
     const bt_saddr s_base = bt_shared_addr(smem_raw);
     const bt_saddr a_dst = s_base + (a_row0 * G::LDA + a_col) * 2;
     const bt_saddr b_dst = s_base + G::A_ELEMS * 2 + (b_row0 * G::LDB + b_col) * 2;
     // Byte distance between a thread's consecutive chunks in a stage.
     constexpr int A_DST_STEP = A_STEP * G::LDA * 2;
-    constexpr int B_DST_STEP = MODE == WGRAD ? B_TPR * 8 * 2 : B_STEP * G::LDB * 2;
+    constexpr int B_DST_STEP = MODE == WGRAD ? 8 * 2 : B_STEP * G::LDB * 2;
 
     // Sources: a fixed pointer per chunk (its row) plus one running element offset shared by
     // all chunks of an operand, so each copy's address is a single wide multiply-add.
@@ -279,12 +297,12 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     int a_ok[G::CA], b_ok[G::CB];
     int a_run = 0, b_run = 0;  // running offsets (elements) of A and B
     // GENERAL forward/dgrad: validity masks of each row, and the shared tap cursor.
-    unsigned a_mask_r[G::CA], a_mask_s[G::CA];
+    unsigned a_mask[G::CA];
     TapCursor cur;
+    int2 tap = make_int2(0, 0);  // the table entry of the cursor's tap
     // wgrad GENERAL: the (r, s) of each column; b_ptr[j] then points at the column's offset.
     int b_tap_r[G::CB], b_tap_s[G::CB];
     PixelCursor pc;
-    int pdn = 0, pdp = 0, pdq = 0, b_hy = 0, b_wx = 0;
 
     if (MODE != WGRAD) {
 #pragma unroll
@@ -296,26 +314,31 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                 const int x = m % a.q, t = m / a.q, y = t % a.p, n_ = t / a.p;
                 const int hy = y * a.stride - a.pad, wx = x * a.stride - a.pad;
                 base = ((n_ * a.h + hy) * a.w + wx) * a.c;
-                a_mask_r[i] = ok ? bit_range(-hy, min(a.r, a.h - hy)) : 0u;
-                a_mask_s[i] = bit_range(-wx, min(a.s, a.w - wx));
+                a_mask[i] = ok ? bit_range(-hy, min(a.r, a.h - hy)) | bit_range(-wx, min(a.s, a.w - wx)) << 16 : 0u;
             } else {
                 // Input row h = ph + stride·y meets dy row p = y + oh - i for its tap i: inside
                 // for i in (y + oh - P, y + oh].
                 const int x = m % f.wn, t = m / f.wn, y = t % f.hn, n_ = t / f.hn;
                 const int hy = y + f.oh, wx = x + f.ow;
                 base = ((n_ * a.p + hy) * a.q + wx) * a.k;
-                a_mask_r[i] = ok ? bit_range(hy - a.p + 1, min(f.rn, hy + 1)) : 0u;
-                a_mask_s[i] = bit_range(wx - a.q + 1, min(f.sn, wx + 1));
+                a_mask[i] = ok ? bit_range(hy - a.p + 1, min(f.rn, hy + 1)) | bit_range(wx - a.q + 1, min(f.sn, wx + 1)) << 16
+                               : 0u;
             }
             // (an out-of-range row keeps a pointer it never reads through)
             a_ptr[i] = opaque(a_src + base);
             a_ok[i] = ok;
         }
         if (GATHER == GENERAL) {
-            if (MODE == FWD) cur.init(a.c, a.s, a.c, a.w * a.c, a_col);
-            else cur.init(a.k, max(f.sn, 1), -a.k, -a.q * a.k, a_col);
-#pragma unroll
-            for (int i = 0; i < G::CA; ++i) a_ok[i] = cur.valid(a_mask_r[i], a_mask_s[i]);
+            const int taps_r = MODE == FWD ? a.r : f.rn, taps_s = MODE == FWD ? a.s : max(f.sn, 1);
+            const int ds = MODE == FWD ? a.c : -a.k, dr = MODE == FWD ? a.w * a.c : -a.q * a.k;
+            for (int t = tid; t < TAP_TABLE; t += T::THREADS) {
+                const int r = t / taps_s, s_ = t - r * taps_s;
+                taps[t] = r < taps_r ? make_int2(r * dr + s_ * ds, (int)((1u << r) | (0x10000u << s_)))
+                                     : make_int2(0, (int)(1u << 15));
+            }
+            cur.init(MODE == FWD ? a.c : a.k, a_col);
+            __syncthreads();  // the table is complete before the first copy
+            tap = taps[cur.t];
         } else {
             a_run = a_col;
         }
@@ -341,24 +364,17 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
             b_ptr[j] = opaque(b_src + (GATHER == GENERAL ? f.w_offset : 0) + (long)(b_row0 + j * B_STEP) * a.c + n0 + b_col);
         }
     } else {
-        if (GATHER == GENERAL) {
-            pc.init(a, kd_begin + b_row0);
-            const int pq = a.p * a.q, step_n = BK / pq, rem = BK - step_n * pq;
-            pdn = step_n; pdp = rem / a.q; pdq = rem - pdp * a.q;
-            b_run = pc.base(a);
-            b_hy = pc.hy(a);
-            b_wx = pc.wx(a);
-        }
+        if (GATHER != UNIT) pc.init(a, kd_begin + b_row0);
 #pragma unroll
         for (int j = 0; j < G::CB; ++j) {
-            const int n = n0 + b_col + j * B_TPR * 8;  // column (r, s, c)
+            const int n = n0 + b_col + j * 8;  // column (r, s, c)
             b_ok[j] = n < N;
             const int c = n % a.c, rs = n / a.c, r = rs / a.s, s = rs - r * a.s;
             b_tap_r[j] = r;
             b_tap_s[j] = s;
-            // GENERAL: the column's offset from a pixel's base (b_run). UNIT (1×1, stride 1,
+            // GENERAL, SMALL_C: the column's offset from a pixel's base. UNIT (1×1, stride 1,
             // no padding): x's pixel rows are the GEMM's rows.
-            b_ptr[j] = opaque(GATHER == GENERAL ? b_src + (r * a.w + s) * a.c + c : b_src + (long)(kd_begin + b_row0) * a.c + n);
+            b_ptr[j] = opaque(GATHER != UNIT ? b_src + (r * a.w + s) * a.c + c : b_src + (long)(kd_begin + b_row0) * a.c + n);
         }
     }
 
@@ -370,25 +386,31 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     auto load = [&](int stage) {
         const bt_saddr ad = a_dst + stage * (G::STAGE_ELEMS * 2);
         const bt_saddr bd = b_dst + stage * (G::STAGE_ELEMS * 2);
-        const int a_off = GATHER == GENERAL && MODE != WGRAD ? cur.off() : a_run;
+        const int a_off = GATHER == GENERAL && MODE != WGRAD ? tap.x + cur.ch : a_run;
 #pragma unroll
         for (int i = 0; i < G::CA; ++i) {
             int ok;
             if (MODE == WGRAD) ok = a_ok[i] & (a_row0 + i * A_STEP < left);
-            else if (GATHER == GENERAL) ok = a_ok[i];
+            else if (GATHER == GENERAL) ok = TapCursor::valid(a_mask[i], (unsigned)tap.y);
             else ok = a_ok[i] & (a_col < left);
             bt_cp_async16(ad + i * A_DST_STEP, a_ptr[i] + a_off, ok ? 16 : 0);
         }
+        // wgrad GENERAL: the thread's chunks share chunk 0's tap and its N bound (C % 32 == 0).
+        const int pixel_ok = MODE == WGRAD && GATHER == GENERAL
+                                 ? (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[0]) < (unsigned)a.h) &
+                                       ((unsigned)(pc.wx + b_tap_s[0]) < (unsigned)a.w)
+                                 : 0;
 #pragma unroll
         for (int j = 0; j < G::CB; ++j) {
             int ok;
             if (MODE == FWD) ok = b_ok[j] & (b_col < left);
             else if (MODE == DGRAD) ok = b_ok[j] & (b_row0 + j * B_STEP < left);
             else if (GATHER == UNIT) ok = b_ok[j] & (b_row0 < left);
+            else if (GATHER == GENERAL) ok = b_ok[0] & pixel_ok;  // N % 32 == 0: one test for all
             else
-                ok = b_ok[j] & (b_row0 < left) & ((unsigned)(b_hy + b_tap_r[j]) < (unsigned)a.h) &
-                     ((unsigned)(b_wx + b_tap_s[j]) < (unsigned)a.w);
-            bt_cp_async16(bd + j * B_DST_STEP, b_ptr[j] + b_run, ok ? 16 : 0);
+                ok = b_ok[j] & (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[j]) < (unsigned)a.h) &
+                     ((unsigned)(pc.wx + b_tap_s[j]) < (unsigned)a.w);
+            bt_cp_async16(bd + j * B_DST_STEP, b_ptr[j] + (MODE == WGRAD && GATHER != UNIT ? pc.base : b_run), ok ? 16 : 0);
         }
     };
     // Moves every source to the next k-step.
@@ -396,16 +418,12 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         left -= BK;
         if (MODE != WGRAD && GATHER == GENERAL) {
             cur.step();
-#pragma unroll
-            for (int i = 0; i < G::CA; ++i) a_ok[i] = cur.valid(a_mask_r[i], a_mask_s[i]);
+            tap = taps[cur.t];
         } else {
             a_run += MODE == WGRAD ? BK * a.k : BK;
         }
-        if (MODE == WGRAD && GATHER == GENERAL) {
-            pc.step(a, pdn, pdp, pdq);
-            b_run = pc.base(a);
-            b_hy = pc.hy(a);
-            b_wx = pc.wx(a);
+        if (MODE == WGRAD && GATHER != UNIT) {
+            pc.step(a);
         } else {
             b_run += MODE == FWD ? BK : BK * a.c;
         }
@@ -436,37 +454,40 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         advance();
         bt_cp_async_commit();
     }
-    static_assert((T::STAGES & (T::STAGES - 1)) == 0, "stage indices wrap with a mask");
-    for (int kt = 0; kt < ksteps; ++kt) {
-        bt_cp_async_wait<T::STAGES - 2>();
-        __syncthreads();  // stage kt has landed for every thread; stage kt-1 is free
-        load((kt + T::STAGES - 1) & (T::STAGES - 1));
-        advance();
-        bt_cp_async_commit();
-        const int read_off = (kt & (T::STAGES - 1)) * (G::STAGE_ELEMS * 2);
-        const bt_saddr fa_base = a_frag + read_off, fb_base = b_frag + read_off;
+    // Unrolled by STAGES so that every stage offset is an immediate; one exit test per k-step.
+    for (int k0 = 0; k0 < ksteps; k0 += T::STAGES) {
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned fa[T::MI][4], fb[T::NI][2];
+        for (int u = 0; u < T::STAGES; ++u) {
+            if (k0 + u >= ksteps) break;
+            bt_cp_async_wait<T::STAGES - 2>();
+            __syncthreads();  // stage k has landed for every thread; stage k-1 is free
+            load((u + T::STAGES - 1) % T::STAGES);
+            advance();
+            bt_cp_async_commit();
+            const bt_saddr fa_base = a_frag + u * (G::STAGE_ELEMS * 2), fb_base = b_frag + u * (G::STAGE_ELEMS * 2);
 #pragma unroll
-            for (int i = 0; i < T::MI; ++i) {
-                if (G::A_INNER) ldsm_x4_at(fa[i], fa_base + 2 * (i * 16 * G::LDA + kk));
-                else ldsm_x4_trans_at(fa[i], fa_base + 2 * (kk * G::LDA + i * 16));
+            for (int kk = 0; kk < BK; kk += 16) {
+                unsigned fa[T::MI][4], fb[T::NI][2];
+#pragma unroll
+                for (int i = 0; i < T::MI; ++i) {
+                    if (G::A_INNER) ldsm_x4_at(fa[i], fa_base + 2 * (i * 16 * G::LDA + kk));
+                    else ldsm_x4_trans_at(fa[i], fa_base + 2 * (kk * G::LDA + i * 16));
+                }
+#pragma unroll
+                for (int jj = 0; jj < T::NI / 2; ++jj) {
+                    unsigned r[4];
+                    if (G::B_INNER) ldsm_x4_at(r, fb_base + 2 * (jj * 16 * G::LDB + kk));
+                    else ldsm_x4_trans_at(r, fb_base + 2 * (kk * G::LDB + jj * 16));
+                    fb[2 * jj][0] = r[0];
+                    fb[2 * jj][1] = r[1];
+                    fb[2 * jj + 1][0] = r[2];
+                    fb[2 * jj + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < T::NI; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
             }
-#pragma unroll
-            for (int jj = 0; jj < T::NI / 2; ++jj) {
-                unsigned r[4];
-                if (G::B_INNER) ldsm_x4_at(r, fb_base + 2 * (jj * 16 * G::LDB + kk));
-                else ldsm_x4_trans_at(r, fb_base + 2 * (kk * G::LDB + jj * 16));
-                fb[2 * jj][0] = r[0];
-                fb[2 * jj][1] = r[1];
-                fb[2 * jj + 1][0] = r[2];
-                fb[2 * jj + 1][1] = r[3];
-            }
-#pragma unroll
-            for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-                for (int j = 0; j < T::NI; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
         }
     }
     bt_cp_async_wait<0>();
@@ -507,18 +528,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
 
     // forward / dgrad: stage the bf16 tile in shared memory, then write whole 16-byte chunks
     // (coalesced rows; dgrad rows go to their phase's pixels through row_out).
-    if (MODE == DGRAD) {
-        for (int row = tid; row < T::BM; row += T::THREADS) {
-            const int m = m0 + row;
-            int o = -1;
-            if (m < M) {
-                const int x = m % f.wn, t = m / f.wn, y = t % f.hn, n_ = t / f.hn;
-                o = ((n_ * a.h + f.ph + a.stride * y) * a.w + f.pw + a.stride * x) * a.c;
-            }
-            row_out[row] = o;
-        }
-    }
-    __syncthreads();  // every warp is done with the pipeline stages (and row_out is written)
+    __syncthreads();  // every warp is done with the pipeline stages
     constexpr int LDC = T::BN + SKEW;
     bf16* Cs = reinterpret_cast<bf16*>(smem_raw);
 #pragma unroll
@@ -569,7 +579,7 @@ conv2_fwd_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* 
     conv2_gemm<FWD, GENERAL, T128x128>(x, w, y, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_fwd_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
     conv2_gemm<FWD, GENERAL, T128x64>(x, w, y, args);
 }
@@ -579,7 +589,7 @@ conv2_fwd_1x1_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf
     conv2_gemm<FWD, UNIT, T128x128>(x, w, y, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_fwd_1x1_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
     conv2_gemm<FWD, UNIT, T128x64>(x, w, y, args);
 }
@@ -591,7 +601,7 @@ conv2_dgrad_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf
     conv2_gemm<DGRAD, GENERAL, T128x128>(dy, wt, dx, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_dgrad_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
     conv2_gemm<DGRAD, GENERAL, T128x64>(dy, wt, dx, args);
 }
@@ -601,20 +611,27 @@ conv2_dgrad_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt
     conv2_gemm<DGRAD, UNIT, T128x128>(dy, wt, dx, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_dgrad_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
     conv2_gemm<DGRAD, UNIT, T128x64>(dy, wt, dx, args);
 }
 
-// dw += wgrad(dy, x) (f32); grid.z = reduction slices of args.k_chunk pixels
+// dw += wgrad(dy, x) (f32); grid.z = reduction slices of args.k_chunk pixels; C % 32 == 0
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
 conv2_wgrad_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
     conv2_gemm<WGRAD, GENERAL, T128x128>(dy, x, dw, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
 conv2_wgrad_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
     conv2_gemm<WGRAD, GENERAL, T64x128>(dy, x, dw, args);
+}
+
+// C % 8 == 0 only (the padded stem, 16-channel layers, whose K is at most 64 in every
+// supported model; larger K takes more 64-row tiles): every column checks its own tap
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_c8_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, SMALL_C, T64x128>(dy, x, dw, args);
 }
 
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
@@ -622,7 +639,7 @@ conv2_wgrad_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ x,
     conv2_gemm<WGRAD, UNIT, T128x128>(dy, x, dw, args);
 }
 
-extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 4)
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
 conv2_wgrad_1x1_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
     conv2_gemm<WGRAD, UNIT, T64x128>(dy, x, dw, args);
 }

@@ -133,11 +133,14 @@ static void run_case(Case cs, std::mt19937& rng) {
     sw.k_chunk = ((red + splits - 1) / splits + 31) / 32 * 32;
     splits = (red + sw.k_chunk - 1) / sw.k_chunk;
     const int Nw = a.r * a.s * cp;
-    const Kernel wg[] = {{"conv2_wgrad_128x128", 128, 128, 256}, {"conv2_wgrad_64x128", 64, 128, 128},
+    const Kernel wg[] = {{"conv2_wgrad_c8_64x128", 64, 128, 128},
+                         {"conv2_wgrad_128x128", 128, 128, 256}, {"conv2_wgrad_64x128", 64, 128, 128},
                          {"conv2_wgrad_1x1_128x128", 128, 128, 256}, {"conv2_wgrad_1x1_64x128", 64, 128, 128}};
-    const WgradFn wg_fn[] = {conv2_wgrad_128x128, conv2_wgrad_64x128, conv2_wgrad_1x1_128x128, conv2_wgrad_1x1_64x128};
-    for (int v = 0; v < 4; ++v) {
-        if (v >= 2 && !(unit && a.stride == 1)) continue;
+    const WgradFn wg_fn[] = {conv2_wgrad_c8_64x128, conv2_wgrad_128x128, conv2_wgrad_64x128,
+                             conv2_wgrad_1x1_128x128, conv2_wgrad_1x1_64x128};
+    for (int v = 0; v < 5; ++v) {
+        if (v >= 1 && v < 3 && cp % 32 != 0) continue;
+        if (v >= 3 && !(unit && a.stride == 1)) continue;
         std::vector<float> DW(wl, 0.0f);
         run(wg[v], {(unsigned)((a.k + wg[v].bm - 1) / wg[v].bm), (unsigned)((Nw + wg[v].bn - 1) / wg[v].bn), (unsigned)splits},
             [&] { wg_fn[v](DY.data(), X.data(), DW.data(), sw); });
@@ -154,6 +157,8 @@ int main() {
         {1, 5, 5, 8, 136, 1, 2, 0},   // 1×1 stride 2: strided rows, three tapless phases, N > 128
         {3, 12, 12, 40, 8, 1, 1, 0},  // 1×1 stride 1: plain GEMM, M > 128, 40 = 32 + 8 channels
         {1, 10, 13, 72, 72, 3, 1, 1}, // 72 channels: taps change inside a k-step, N tails
+        {2, 7, 6, 64, 24, 3, 2, 1},   // 64 channels (wgrad's shared-tap gather), stride 2
+        {1, 6, 7, 32, 16, 1, 2, 0},   // 1×1 stride 2 wgrad on the general gather, C = 32
         {1, 11, 8, 8, 16, 5, 3, 2},   // stride 3: nine phases, 8 channels (four taps per k-step)
         {1, 9, 9, 16, 64, 7, 2, 3},   // 7×7 stride 2 on 16 channels, phases of 16, 12, 12, 9 taps
     };

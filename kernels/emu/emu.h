@@ -195,6 +195,8 @@ inline float atomicAdd(float* p, float v) { float o = *p; *p += v; return o; }
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct alignas(8) int2 { int x, y; };
+inline int2 make_int2(int a, int b) { return {a, b}; }
 
 struct __nv_bfloat16 { uint16_t bits; };
 inline float __bfloat162float(__nv_bfloat16 v) { uint32_t u = (uint32_t)v.bits << 16; float f; memcpy(&f, &u, 4); return f; }
