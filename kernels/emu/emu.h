@@ -48,7 +48,7 @@ inline dim3e blockDim, gridDim;
 #define BT_EMULATE 1
 #define BT_EMU_DYN_SMEM (160 * 1024)
 
-using std::min; using std::max;
+using std::min; using std::max; using std::isfinite;
 
 // ---- fibers ------------------------------------------------------------------------------
 
