@@ -44,16 +44,16 @@
 // Launch configuration. Every warp owns a 64×32 sub-tile (4×4 mma tiles, 32 mma per k-step).
 // Tile shapes, by kernel suffix (threads, stages, shared memory, blocks per SM by design):
 //   _128x128  8 warps (2×4), 4 stages, 80 KiB, 2 per SM
-//   _128x64   4 warps (2×2), 3 stages, 45 KiB, 4 per SM   (forward, dgrad)
-//   _64x128   4 warps (1×4), 3 stages, 51 KiB, 4 per SM   (wgrad, whose M is K)
+//   _128x64   4 warps (2×2), 4 stages, 58-60 KiB, 3 per SM (forward, dgrad)
+//   _64x128   4 warps (1×4), 4 stages, 52 KiB, 3 per SM    (wgrad, whose M is K)
 // Shared memory is dynamic (> 48 KiB: the host raises the function's limit). The rule that
 // picks a shape per layer lives in src/cuda/conv.rs (`choose_tile`), and is: the 64-wide
 // shapes whenever the GEMM's N (forward, dgrad) or M (wgrad) is at most 64 (a 64-channel
 // layer wastes half of every 128-wide tile: 64 of the 53 resnet50 launches per pass are such
 // layers or their neighbours), otherwise the shape with the smaller modelled time
-// ceil(blocks / (blocks per SM × SMs)) × tile work, so a launch whose 128×128 grid would leave
+// ceil(blocks / (blocks per SM × SMs)) × blocks per SM × tile work, so a launch whose 128×128 grid would leave
 // a mostly empty last wave (resnet50's 7×7 stage: 392 tiles over 264 slots) takes the
-// half-size tiles instead (784 tiles: 2.97 waves). wgrad splits its reduction over gridDim.z
+// half-size tiles instead (784 tiles over 396 slots: 1.98 waves). wgrad splits its reduction over gridDim.z
 // so that the blocks fill whole waves (the same time model; src/cuda/conv.rs, `wgrad_splits`).
 // grid = (ceil(M/BM), ceil(N/BN), splits or phases).
 #include "common.cuh"

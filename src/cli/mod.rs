@@ -6,6 +6,7 @@
 //! checkpoint is saved).
 
 pub mod bench_pipeline;
+pub mod bench_plan;
 pub mod bench_scaling;
 pub mod bench_step;
 pub mod demo;

@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod backend;
 pub mod cache;
+pub mod conv;
 pub mod device;
 pub mod error;
 pub mod library;
