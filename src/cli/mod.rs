@@ -13,6 +13,7 @@ pub mod demo;
 mod error;
 pub mod eval;
 pub mod kernels;
+pub mod kernels_report;
 pub mod predict;
 pub mod synth;
 pub mod train_args;
@@ -81,6 +82,9 @@ pub enum BenchCommand {
 pub enum KernelsCommand {
     /// Compile every CUDA kernel with NVRTC for the given architectures.
     Check(kernels::KernelsArgs),
+    /// Registers, spills, shared memory, occupancy and the main loops' instruction mix of the
+    /// convolution kernels, v1 and v2 side by side (needs nvdisasm and cuobjdump).
+    Report(kernels_report::ReportArgs),
 }
 
 /// Parses `args` (the program name first) and runs the command; prints errors as one line.
@@ -122,6 +126,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
         Some(Command::Kernels(KernelsCommand::Check(args))) => kernels::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+        Some(Command::Kernels(KernelsCommand::Report(args))) => kernels_report::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
     }
