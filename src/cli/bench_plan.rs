@@ -73,12 +73,17 @@ fn row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> PlanRow {
         Ok(l) => {
             let (bm, bn) = l.tile.dims();
             let slots = l.blocks_per_sm * gpu.sms;
+            // dgrad: the phases' mean reduction (R·S·K / stride² taps·channels); a phase
+            // with fewer taps ends sooner and frees its slots.
             let red = match pass {
-                Pass::Wgrad => l.args.k_chunk as usize,
-                _ => l.gemm.2,
+                Pass::Wgrad => l.args.k_chunk as f64,
+                Pass::Dgrad => {
+                    (s.kernel * s.kernel * s.c_out) as f64 / (s.stride * s.stride) as f64
+                }
+                Pass::Forward => l.gemm.2 as f64,
             };
             let launched =
-                (l.blocks().div_ceil(slots) * slots) as f64 * 2.0 * (bm * bn * red) as f64;
+                (l.blocks().div_ceil(slots) * slots) as f64 * 2.0 * (bm * bn) as f64 * red;
             PlanRow {
                 layer: layer.to_string(),
                 pass: pass.name(),

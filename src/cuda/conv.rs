@@ -304,11 +304,15 @@ fn wave_cost(blocks: usize, per_sm: usize, gpu: &GpuLimits, work: usize) -> usiz
     blocks.div_ceil(per_sm * gpu.sms) * per_sm * work
 }
 
-/// wgrad's reduction split: the slice count (≤ 64, slices of at least 256 pixels unless the
-/// reduction is shorter) minimising waves × slice length, ties to fewer slices (fewer
-/// atomics). Returns (splits, k_chunk).
+/// wgrad's reduction split: the slice count (at most four waves' worth of blocks, slices of at
+/// least 256 pixels unless the reduction is shorter) minimising waves × slice length, ties to
+/// fewer slices (fewer atomics: each slice adds M×N f32 atomics). Returns (splits, k_chunk).
 pub fn wgrad_splits(tiles: usize, reduction: usize, slots: usize) -> (usize, usize) {
-    let max = reduction.div_ceil(256).clamp(1, 64);
+    let tiles = tiles.max(1);
+    let max = reduction
+        .div_ceil(256)
+        .min(4 * slots.div_ceil(tiles))
+        .max(1);
     let mut best = (usize::MAX, 1, reduction.div_ceil(BK) * BK);
     for s in 1..=max {
         let chunk = reduction.div_ceil(s).div_ceil(BK) * BK;
