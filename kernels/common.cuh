@@ -64,3 +64,110 @@ __device__ __forceinline__ float bt_block_max(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : BT_NEG_INF;
     return bt_warp_max(v);
 }
+
+// ---- tensor-core helpers (conv.cu, conv2.cu) ---------------------------------------------
+
+// ldmatrix.x4: four 8×8 b16 matrices from shared memory; lane l gives the address of row l % 8
+// of matrix l / 8 and receives, per matrix, row lane / 4, columns 2·(lane % 4) and + 1 (the
+// .trans form: the same of the transposed matrix). sm_75+.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, false);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, p, true);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+// D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+#ifdef BT_EMULATE
+    bt_emu_mma(d, a, b);  // host-side emulation build (the warp-collective PTX semantics)
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// A shared-memory address as the tensor-core and copy instructions take it: 32 bits of the
+// shared window on the GPU (computed once per kernel, then plain integer arithmetic), the host
+// address in the emulator.
+#ifdef BT_EMULATE
+typedef unsigned long bt_saddr;
+__device__ __forceinline__ bt_saddr bt_shared_addr(const void* p) { return (bt_saddr)p; }
+#else
+typedef unsigned bt_saddr;
+// (asm volatile: computed once, where it is written, instead of rematerialised in a loop)
+__device__ __forceinline__ bt_saddr bt_shared_addr(const void* p) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+#endif
+
+// ldmatrix.x4 (.trans) from a shared address (see ldsm_x4).
+__device__ __forceinline__ void ldsm_x4_at(unsigned* r, bt_saddr a) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, (const void*)a, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans_at(unsigned* r, bt_saddr a) {
+#ifdef BT_EMULATE
+    bt_emu_ldmatrix(r, (const void*)a, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+// cp.async.cg: a 16-byte global → shared copy that bypasses L1 and the registers (sm_80+).
+// `src_bytes` < 16 fills the rest of the 16 bytes with zeros; 0 reads nothing, so an
+// out-of-range source needs no valid address. Copies complete in commit groups.
+__device__ __forceinline__ void bt_cp_async16(bt_saddr dst, const void* gmem, int src_bytes) {
+#ifdef BT_EMULATE
+    bt_emu_cp_async((void*)dst, gmem, src_bytes);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+#endif
+}
+
+// Closes the group of this thread's cp.async issued since the last commit.
+__device__ __forceinline__ void bt_cp_async_commit() {
+#ifdef BT_EMULATE
+    bt_emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void bt_cp_async_wait() {
+#ifdef BT_EMULATE
+    bt_emu_cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}

@@ -163,44 +163,6 @@ __device__ __forceinline__ void chunk_coords(int chunk, int& outer, int& inner) 
     else { outer = chunk / (BM / 8); inner = (chunk % (BM / 8)) * 8; }
 }
 
-// ldmatrix.x4: four 8×8 b16 matrices from shared memory; lane l gives the address of row l % 8
-// of matrix l / 8 and receives, per matrix, row lane / 4, columns 2·(lane % 4) and + 1 (the
-// .trans form: the same of the transposed matrix). sm_75+.
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
-#ifdef BT_EMULATE
-    bt_emu_ldmatrix(r, p, false);
-#else
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-#endif
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
-#ifdef BT_EMULATE
-    bt_emu_ldmatrix(r, p, true);
-#else
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-#endif
-}
-
-// D = A·B + D for one m16n8k16 tile (bf16 inputs, f32 accumulators), PTX ISA 7.0+, sm_80+.
-__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-#ifdef BT_EMULATE
-    bt_emu_mma(d, a, b);  // host-side emulation build (the warp-collective PTX semantics)
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
 // Elements of one operand tile in shared memory (the larger of the two tile geometries).
 #define TILE (BM * LD_MK > BK * LD_KM ? BM * LD_MK : BK * LD_KM)
 

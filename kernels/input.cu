@@ -11,8 +11,13 @@
 // Data layout. src: u8 [N,S,S,3]; aug: i32 [N][3] = (dy, dx, flip); scale, shift: f32 [3]
 // (1/(255·std_c) and −mean_c/std_c); dst: bf16 [N,S,S,3].
 //
-// Launch configuration. One thread per output element, 256 threads, grid-stride loop; adjacent
-// threads write adjacent channels and pixels (coalesced stores, mostly coalesced u8 reads).
+// input_transform_pad8 does the same and also writes the 8-channel copy of the batch that the
+// v2 stem convolution reads with 16-byte copies (kernels/conv2.cu): channels 3..7 are zero.
+//
+// Launch configuration. input_transform: one thread per output element, 256 threads,
+// grid-stride loop; adjacent threads write adjacent channels and pixels (coalesced stores,
+// mostly coalesced u8 reads). input_transform_pad8: one thread per pixel, 256 threads,
+// grid-stride; each writes its 3 channels and one 16-byte padded pixel.
 #include "common.cuh"
 
 extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ aug,
@@ -33,5 +38,34 @@ extern "C" __global__ void input_transform(const u8* __restrict__ src, const int
         if (sy >= 0 && sy < size && sx >= 0 && sx < size)
             v = (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
         dst[i] = bt_to_bf16(v);
+    }
+}
+
+// dst as input_transform; dst8: bf16 [N,S,S,8], the same values in channels 0..2, zeros after.
+extern "C" __global__ void input_transform_pad8(const u8* __restrict__ src, const int* __restrict__ aug,
+                                                int use_aug, const float* __restrict__ scale,
+                                                const float* __restrict__ shift, bf16* __restrict__ dst,
+                                                bf16* __restrict__ dst8, int n, int size) {
+    const long pixels = (long)n * size * size;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pixels; i += (long)gridDim.x * blockDim.x) {
+        const int x = (int)(i % size);
+        const long rest = i / size;
+        const int y = (int)(rest % size);
+        const int b = (int)(rest / size);
+        int dy = 0, dx = 0, flip = 0;
+        if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+        const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
+        const bool inside = sy >= 0 && sy < size && sx >= 0 && sx < size;
+        const long from = (((long)b * size + sy) * size + sx) * 3;
+        union { uint4 v; bf16 e[8]; } u;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) u.e[c] = bt_to_bf16(0.0f);
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+            const bf16 v = bt_to_bf16(inside ? (float)src[from + c] * scale[c] + shift[c] : 0.0f);
+            dst[i * 3 + c] = v;
+            u.e[c] = v;
+        }
+        *reinterpret_cast<uint4*>(dst8 + i * 8) = u.v;
     }
 }

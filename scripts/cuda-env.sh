@@ -2,3 +2,4 @@
 _bt_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export LD_LIBRARY_PATH="$_bt_root/.tools/cuda/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BIRDTRAIN_CUDA_INCLUDE="$_bt_root/.tools/cuda/nvidia/cu13/include"
+export BIRDTRAIN_CUDA_BIN="$_bt_root/.tools/cuda-bin/nvidia/cu13/bin"

@@ -26,6 +26,8 @@ for m in resnet50 resnet18; do
   timeout 200 .gpu/birdtrain bench step --model $m --batch-size 256 --json --breakdown 2>&1 | tail -1 | tee -a "$out/bench.jsonl"
   timeout 200 python3 .gpu/torch_resnet_step.py --model $m --batch-size 256 2>&1 | tail -1 | tee -a "$out/bench.jsonl"
 done
+# The v1 convolutions (BIRDTRAIN_CONV=v1) beside v2 (the default, above): per-kernel breakdown.
+BIRDTRAIN_CONV=v1 timeout 200 .gpu/birdtrain bench step --model resnet50 --batch-size 256 --json --breakdown 2>&1 | tail -1 | tee "$out/bench-conv-v1.jsonl"
 .gpu/birdtrain synth --out /tmp/s --classes 8 --train-per-class 200 --valid-per-class 20 --size 64x64 >/dev/null
 timeout 300 .gpu/birdtrain --data /tmp/s --gpus 1 --model resnet18 --image-size 64 --batch-size 64 --epochs 2 \
   --out /tmp/run1 --cache-dir /tmp/cache --trace "$out/trace.json" 2>&1 | tail -20 | tee "$out/train.log"

@@ -13,6 +13,7 @@ fn args(model: &str, gpus: usize) -> BenchStepArgs {
         steps: 2,
         json: true,
         breakdown: false,
+        plan: false,
     }
 }
 

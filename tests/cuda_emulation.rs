@@ -2,6 +2,8 @@
 //! emulator in kernels/emu/ (threads, barriers, warp shuffles and the bf16 `mma.sync` fragment
 //! layouts emulated) and checks every kernel against f64 references that follow the CPU
 //! backend's rules. Catches indexing, tiling, masking and reduction bugs before a GPU session.
+//! The v2 convolutions (conv2.cu) run with their cp.async pipeline emulated, and a copy with
+//! one index deliberately broken must fail, so the check is known to catch such bugs.
 //! Skips (printing why) when no C++20 compiler is installed.
 
 use std::path::{Path, PathBuf};
@@ -32,7 +34,9 @@ fn cxx20_available(dir: &Path) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-fn build_and_run(dir: &Path, check: &str) -> String {
+/// Compiles kernels/emu/`check`.cpp against the translation units in `dir` and runs it:
+/// (whether it passed, its output).
+fn build_and_try(dir: &Path, check: &str) -> (bool, String) {
     let emu = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu");
     let exe: PathBuf = dir.join(check);
     let out = Command::new(compiler())
@@ -51,14 +55,22 @@ fn build_and_run(dir: &Path, check: &str) -> String {
     let run = Command::new(&exe)
         .output()
         .expect("run the emulated kernels");
-    let text = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert!(
-        run.status.success(),
-        "{check} found kernel errors:\n{text}{}",
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
         String::from_utf8_lossy(&run.stderr)
     );
+    (run.status.success(), text)
+}
+
+fn build_and_run(dir: &Path, check: &str) -> String {
+    let (ok, text) = build_and_try(dir, check);
+    assert!(ok, "{check} found kernel errors:\n{text}");
     text
 }
+
+/// The v1 and v2 convolution files are emulated alone (they share helper names).
+const ALONE: [&str; 2] = ["conv.cu", "conv2.cu"];
 
 #[test]
 fn kernels_match_references_under_emulation() {
@@ -74,7 +86,9 @@ fn kernels_match_references_under_emulation() {
     let conv = KernelFile::by_name("conv.cu").unwrap();
     std::fs::write(dir.path().join("conv_x.cu"), conv.expanded()).unwrap();
     let mut rest = expand_common(INCLUDE);
-    for file in KERNEL_FILES.iter().filter(|f| f.name != "conv.cu") {
+    let conv2 = KernelFile::by_name("conv2.cu").unwrap();
+    std::fs::write(dir.path().join("conv2_x.cu"), conv2.expanded()).unwrap();
+    for file in KERNEL_FILES.iter().filter(|f| !ALONE.contains(&f.name)) {
         let stem = file.name.trim_end_matches(".cu");
         rest.push_str(&format!(
             "namespace k_{stem} {{\n{}\n}}\n",
@@ -82,16 +96,46 @@ fn kernels_match_references_under_emulation() {
         ));
     }
     std::fs::write(dir.path().join("rest_x.cu"), rest).unwrap();
-    let (conv_out, ops_out) = std::thread::scope(|s| {
+    // A copy of conv2.cu with one index broken (the epilogue's fragment row: the lower 8 rows
+    // of every 16-row mma tile are never staged), which the v2 check must catch.
+    let broken = dir.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    let correct_row = "g + (e >= 2 ? 8 : 0), col";
+    assert!(
+        conv2.text.contains(correct_row),
+        "conv2.cu's epilogue changed: update this test"
+    );
+    std::fs::write(
+        broken.join("conv2_x.cu"),
+        expand_common(&conv2.text.replace(correct_row, "g, col")),
+    )
+    .unwrap();
+    let (conv_out, conv2_out, ops_out, (broken_ok, broken_out)) = std::thread::scope(|s| {
         let conv = s.spawn(|| build_and_run(dir.path(), "conv_check"));
+        let conv2 = s.spawn(|| build_and_run(dir.path(), "conv2_check"));
         let ops = s.spawn(|| build_and_run(dir.path(), "ops_check"));
-        (conv.join().unwrap(), ops.join().unwrap())
+        let broken = s.spawn(|| build_and_try(&broken, "conv2_check"));
+        (
+            conv.join().unwrap(),
+            conv2.join().unwrap(),
+            ops.join().unwrap(),
+            broken.join().unwrap(),
+        )
     });
     assert!(conv_out.contains("ALL OK"), "{conv_out}");
+    assert!(conv2_out.contains("ALL OK"), "{conv2_out}");
+    assert!(
+        !broken_ok && broken_out.contains("FAIL"),
+        "a broken conv2.cu passed its emulated check:\n{broken_out}"
+    );
     assert!(ops_out.contains("ALL OK"), "{ops_out}");
     // Every kernel of every file was exercised.
     let all = format!(
-        "{}{}",
+        "{}{}{}",
+        std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv2_check.cpp")
+        )
+        .unwrap(),
         std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv_check.cpp")
         )
@@ -104,7 +148,10 @@ fn kernels_match_references_under_emulation() {
     for file in KERNEL_FILES {
         for kernel in file.kernel_names() {
             assert!(
-                all.contains(&format!("{kernel}(")),
+                // called directly, or through a table of kernel pointers
+                ["(", ",", "}"]
+                    .iter()
+                    .any(|end| all.contains(&format!("{kernel}{end}"))),
                 "{kernel} ({}) has no emulated check",
                 file.name
             );

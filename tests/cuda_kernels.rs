@@ -10,6 +10,7 @@ use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
     Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, TensorRole,
 };
+use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
 use birdtrain::model::{Augment, InputBatch};
 use rand::{Rng, SeedableRng};
@@ -20,6 +21,19 @@ const EPS_BF16: f32 = 1.0 / 128.0;
 
 fn gpu() -> CudaBackend {
     CudaBackend::new(0).expect("a CUDA device (these tests are for the GPU machine)")
+}
+
+/// The GPU backend once per convolution generation (v1 conv.cu, v2 conv2.cu), same tolerances.
+fn gpu_per_conv_version() -> Vec<(ConvVersion, CudaBackend)> {
+    let base = gpu();
+    [ConvVersion::V1, ConvVersion::V2]
+        .into_iter()
+        .map(|v| {
+            let mut b = base.clone();
+            b.set_conv_version(v);
+            (v, b)
+        })
+        .collect()
 }
 
 fn cpu() -> CpuBackend {
@@ -82,55 +96,77 @@ fn conv_shapes() -> Vec<ConvShape> {
         c(2, 9, 11, 24, 40, 3, 2, 1), // strided 3×3, odd spatial sizes
         c(1, 5, 5, 8, 136, 1, 2, 0),  // 1×1 stride 2, output channels > one 128 tile
         c(2, 6, 6, 20, 12, 3, 1, 1),  // channels not multiples of 8 (scalar path)
+        // v2 paths (kernels/conv2.cu): a k-step spanning taps, stride-3 phases, 1×1 GEMM rows
+        // with a channel tail, the 7×7 filter on 16 channels, several waves of 128×128 tiles.
+        c(1, 10, 13, 72, 72, 3, 1, 1),
+        c(1, 11, 8, 8, 16, 5, 3, 2),
+        c(3, 12, 12, 40, 8, 1, 1, 0),
+        c(1, 9, 9, 16, 64, 7, 2, 3),
+        c(4, 28, 28, 128, 256, 3, 1, 1),
     ]
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv_forward_matches_cpu() {
-    let (gb, cb) = (gpu(), cpu());
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    for s in conv_shapes() {
-        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
-        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
-        let mut yc = vec![0.0; s.y_len()];
-        cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
-        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
-        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
-        // tol: f32 sums of up to 1k bf16 products, summed in another order.
-        assert_close(
-            &format!("conv_forward {s:?}"),
-            &gb.download(&yg).unwrap(),
-            &yc,
-            1e-2,
-            EPS_BF16,
-        );
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for s in conv_shapes() {
+            let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+            let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+            let mut yc = vec![0.0; s.y_len()];
+            cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
+            let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+            gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+            // tol: f32 sums of up to 1k bf16 products, summed in another order.
+            assert_close(
+                &format!("conv_forward {version:?} {s:?}"),
+                &gb.download(&yg).unwrap(),
+                &yc,
+                1e-2,
+                EPS_BF16,
+            );
+        }
+        // The selected generation is the one that ran.
+        let ran: Vec<String> = gb
+            .take_profile()
+            .unwrap()
+            .into_iter()
+            .map(|k| k.name.to_string())
+            .collect();
+        gb.set_profiling(false);
+        let v2 = ran.iter().any(|k| k.starts_with("conv2_fwd"));
+        assert_eq!(v2, version == ConvVersion::V2, "{version:?} ran {ran:?}");
     }
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv_backward_data_matches_cpu() {
-    let (gb, cb) = (gpu(), cpu());
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for s in conv_shapes() {
-        for accumulate in [false, true] {
-            let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-            let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
-            let dx0 = data(&mut rng, s.x_len(), 1.0);
-            let mut dxc = dx0.clone();
-            cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
-                .unwrap();
-            let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
-            gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
-                .unwrap();
-            assert_close(
-                &format!("conv_backward_data {s:?} acc={accumulate}"),
-                &gb.download(&dxg).unwrap(),
-                &dxc,
-                1e-2,
-                EPS_BF16,
-            );
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for s in conv_shapes() {
+            for accumulate in [false, true] {
+                let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+                let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+                let dx0 = data(&mut rng, s.x_len(), 1.0);
+                let mut dxc = dx0.clone();
+                cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
+                    .unwrap();
+                let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
+                gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
+                    .unwrap();
+                assert_close(
+                    &format!("conv_backward_data {version:?} {s:?} acc={accumulate}"),
+                    &gb.download(&dxg).unwrap(),
+                    &dxc,
+                    1e-2,
+                    EPS_BF16,
+                );
+            }
         }
     }
 }
@@ -138,24 +174,26 @@ fn conv_backward_data_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv_backward_weight_matches_cpu() {
-    let (gb, cb) = (gpu(), cpu());
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    for s in conv_shapes() {
-        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
-        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        let mut dwc = vec![0.0; s.w_len()];
-        cb.conv_backward_weight(&s, &x.c, &dy.c, &mut dwc).unwrap();
-        // Garbage in the destination must be overwritten, not accumulated into.
-        let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
-        gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
-        // f32 output: only the summation order differs (split-K atomics over ~1k terms).
-        assert_close(
-            &format!("conv_backward_weight {s:?}"),
-            &gb.download(&dwg).unwrap(),
-            &dwc,
-            2e-3,
-            1e-4,
-        );
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for s in conv_shapes() {
+            let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+            let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+            let mut dwc = vec![0.0; s.w_len()];
+            cb.conv_backward_weight(&s, &x.c, &dy.c, &mut dwc).unwrap();
+            // Garbage in the destination must be overwritten, not accumulated into.
+            let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+            gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
+            // f32 output: only the summation order differs (split-K atomics over ~1k terms).
+            assert_close(
+                &format!("conv_backward_weight {version:?} {s:?}"),
+                &gb.download(&dwg).unwrap(),
+                &dwc,
+                2e-3,
+                1e-4,
+            );
+        }
     }
 }
 

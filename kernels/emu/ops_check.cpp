@@ -277,6 +277,13 @@ void test_input(int n, int s) {
     std::vector<bf16> out(px.size());
     emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, scale, shift, out.data(), n, s); });
     check("input", fromb(out), ref, 1e-5, 1.0 / 256);
+    // The v2 stem's 8-channel copy: the same values, zeros in channels 3..7.
+    std::vector<bf16> out3(px.size()), out8((size_t)n * s * s * 8, bf16{0x7fc0});
+    emu_launch(ew((long)n * s * s), {256, 1, 1}, [&] { k_input::input_transform_pad8(px.data(), aug.data(), 1, scale, shift, out3.data(), out8.data(), n, s); });
+    check("input_pad8 (3 channels)", fromb(out3), ref, 1e-5, 1.0 / 256);
+    std::vector<double> ref8(out8.size(), 0.0);
+    for (size_t p = 0; p < (size_t)n * s * s; ++p) for (int c = 0; c < 3; ++c) ref8[p * 8 + c] = ref[p * 3 + c];
+    check("input_pad8 (8 channels)", fromb(out8), ref8, 1e-5, 1.0 / 256);
 }
 
 void test_optim() {

@@ -51,6 +51,10 @@ pub struct BenchStepArgs {
     /// per-kernel breakdown (GPU only).
     #[arg(long)]
     pub breakdown: bool,
+    /// Print the step model of the v2 convolutions instead (per layer and pass: GEMM, FLOPs,
+    /// bytes, kernel, blocks, waves, padding; modelled on an H100, no GPU needed) and exit.
+    #[arg(long)]
+    pub plan: bool,
 }
 
 /// One kernel's share of a step, for `--breakdown`.
@@ -336,6 +340,17 @@ fn shares(times: &[KernelTime], steps: usize) -> Vec<KernelShare> {
 
 /// Runs `birdtrain bench step ...` and prints the report.
 pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
+    if args.plan {
+        let arch: Arch = args.model.parse()?;
+        let gpu = crate::cuda::conv::GpuLimits::H100;
+        let rows = super::bench_plan::conv_plan(arch, args.batch_size, args.image_size, &gpu);
+        if args.json {
+            println!("{}", serde_json::to_string(&rows)?);
+        } else {
+            super::bench_plan::print(&args.model, args.batch_size, args.image_size, &rows);
+        }
+        return Ok(());
+    }
     let report = bench(&args)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

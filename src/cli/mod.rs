@@ -6,6 +6,7 @@
 //! checkpoint is saved), 101 after a panic (a bug, reported as one line by [`panic_hook`]).
 
 pub mod bench_pipeline;
+pub mod bench_plan;
 pub mod bench_scaling;
 pub mod bench_step;
 mod counts;
@@ -13,6 +14,7 @@ pub mod demo;
 mod error;
 pub mod eval;
 pub mod kernels;
+pub mod kernels_report;
 pub mod panic_hook;
 mod paths;
 pub mod predict;
@@ -84,6 +86,9 @@ pub enum BenchCommand {
 pub enum KernelsCommand {
     /// Compile every CUDA kernel with NVRTC for the given architectures.
     Check(kernels::KernelsArgs),
+    /// Registers, spills, shared memory, occupancy and the main loops' instruction mix of the
+    /// convolution kernels, v1 and v2 side by side (needs nvdisasm and cuobjdump).
+    Report(kernels_report::ReportArgs),
 }
 
 /// Parses `args` (the program name first) and runs the command; prints errors as one line.
@@ -126,6 +131,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
         Some(Command::Kernels(KernelsCommand::Check(args))) => kernels::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+        Some(Command::Kernels(KernelsCommand::Report(args))) => kernels_report::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
     }

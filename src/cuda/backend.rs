@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::conv::{self, Conv2Launch, ConvVersion, GpuLimits, Pass};
 use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
@@ -50,6 +51,14 @@ struct ConvArgs {
 
 // SAFETY: plain-old-data with the C layout the kernel declares.
 unsafe impl DeviceRepr for ConvArgs {}
+
+/// Scratch of the v2 convolutions (grown, never shrunk).
+#[derive(Debug, Default)]
+struct Conv2Scratch {
+    x8: Option<CudaSlice<u16>>,
+    w8: Option<CudaSlice<u16>>,
+    wt: Option<CudaSlice<u16>>,
+}
 
 /// Scratch buffers reused across steps (grown, never shrunk).
 #[derive(Debug, Default)]
@@ -115,6 +124,12 @@ impl KernelTime {
 pub struct CudaBackend {
     dev: Arc<GpuDevice>,
     sms: u32,
+    /// Which convolution kernels run (`BIRDTRAIN_CONV`, see [`conv`]).
+    conv: ConvVersion,
+    /// What the v2 tile choice models.
+    limits: GpuLimits,
+    /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
+    conv2: Arc<Mutex<Conv2Scratch>>,
     work: Arc<Mutex<Workspace>>,
     profiler: Arc<Mutex<Profiler>>,
 }
@@ -219,11 +234,84 @@ impl CudaBackend {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .map_err(CudaError::driver("reading the SM count"))? as u32;
+        let smem_per_sm = dev
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )
+            .map_err(CudaError::driver("reading the shared memory per SM"))? as usize;
         Ok(CudaBackend {
             dev,
             sms,
+            conv: ConvVersion::from_env()?,
+            limits: GpuLimits {
+                sms: sms as usize,
+                smem_per_sm,
+            },
+            conv2: Arc::default(),
             work: Arc::default(),
             profiler: Arc::default(),
+        })
+    }
+
+    /// Which convolution kernels this backend launches.
+    pub fn conv_version(&self) -> ConvVersion {
+        self.conv
+    }
+
+    /// Switches the convolution kernels (tests compare v1 and v2 on one device).
+    pub fn set_conv_version(&mut self, version: ConvVersion) {
+        self.conv = version;
+    }
+
+    /// The v2 launch of `pass`, when v2 is selected and takes this shape (else v1 runs).
+    fn conv2_plan(&self, pass: Pass, s: &ConvShape) -> Option<Conv2Launch> {
+        (self.conv == ConvVersion::V2)
+            .then(|| conv::plan(pass, s, &self.limits).ok())
+            .flatten()
+    }
+
+    /// `dst` = the `rows` rows of `src` (`c_from` channels) widened to 8 channels with zeros.
+    fn pad_to_8(
+        &self,
+        op: &'static str,
+        src: &CudaSlice<u16>,
+        rows: usize,
+        c_from: usize,
+        dst: &mut Option<CudaSlice<u16>>,
+    ) -> Result<(), BackendError> {
+        ensure(&self.dev, dst, rows * 8, op)?;
+        let dst = dst.as_mut().expect("ensured");
+        let (rows_i, from, to) = (rows as i64, to_i32(op, "c_in", c_from)?, 8i32);
+        launch!(
+            self,
+            op,
+            "conv2.cu",
+            "conv2_pad_channels",
+            elementwise_cfg(rows),
+            [src, dst, &rows_i, &from, &to]
+        );
+        Ok(())
+    }
+
+    /// Raises the kernel's dynamic shared memory limit to what `l` needs (> 48 KiB).
+    fn conv2_prepare(
+        &self,
+        op: &'static str,
+        l: &Conv2Launch,
+    ) -> Result<LaunchConfig, BackendError> {
+        self.dev
+            .function("conv2.cu", l.kernel)
+            .map_err(dev_err(op))?
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                l.smem_bytes as i32,
+            )
+            .map_err(drv_err(op))?;
+        Ok(LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: (l.tile.threads(), 1, 1),
+            shared_mem_bytes: l.smem_bytes,
         })
     }
 
@@ -601,6 +689,24 @@ impl Backend for CudaBackend {
         check_len(op, "x", x.len, s.x_len())?;
         check_len(op, "w", w.len, s.w_len())?;
         check_len(op, "y", y.len, s.y_len())?;
+        if let Some(l) = self.conv2_plan(Pass::Forward, s) {
+            let cfg = self.conv2_prepare(op, &l)?;
+            let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+            let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+            let Conv2Scratch { x8, w8, .. } = &mut *scratch;
+            let (x, w) = if l.pad_channels {
+                self.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
+                let rows_w = s.c_out * s.kernel * s.kernel;
+                self.pad_to_8(op, w, rows_w, s.c_in, w8)?;
+                (x8.as_ref().expect("padded"), w8.as_ref().expect("padded"))
+            } else {
+                (x, w)
+            };
+            let kernel = l.kernel; // conv::V2_GEMM_KERNELS
+            launch!(self, op, "conv2.cu", kernel, cfg, [x, w, y, &l.args]);
+            self.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
+            return Ok(());
+        }
         let cfg = gemm_grid(s.n * s.out_h() * s.out_w(), s.c_out, 1);
         let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
         let kernel = if s.c_in % 8 == 0 {
@@ -627,6 +733,34 @@ impl Backend for CudaBackend {
         check_len(op, "dy", dy.len, s.y_len())?;
         check_len(op, "w", w.len, s.w_len())?;
         check_len(op, "dx", dx.len, s.x_len())?;
+        if let Some(mut l) = self.conv2_plan(Pass::Dgrad, s) {
+            l.args.accumulate = i32::from(accumulate);
+            let cfg = self.conv2_prepare(op, &l)?;
+            let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+            let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+            let w = if l.rearrange_weight {
+                ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
+                let wt = scratch.wt.as_mut().expect("ensured");
+                launch!(
+                    self,
+                    op,
+                    "conv2.cu",
+                    "conv2_dgrad_weights",
+                    elementwise_cfg(s.w_len() / 8),
+                    [w, wt, &l.args]
+                );
+                scratch.wt.as_ref().expect("ensured")
+            } else {
+                w
+            };
+            let kernel = l.kernel; // conv::V2_GEMM_KERNELS
+            launch!(self, op, "conv2.cu", kernel, cfg, [dy, w, dx, &l.args]);
+            self.note_work(
+                2 * (s.y_len() + s.w_len() + s.x_len() * (1 + usize::from(accumulate))),
+                s.flops(),
+            );
+            return Ok(());
+        }
         let cfg = gemm_grid(s.n * s.h * s.w, s.c_in, 1);
         let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
         let kernel = if s.c_in % 8 == 0 && s.c_out % 8 == 0 {
@@ -654,6 +788,25 @@ impl Backend for CudaBackend {
         check_len(op, "x", x.len, s.x_len())?;
         check_len(op, "dy", dy.len, s.y_len())?;
         check_len(op, "dw", dw.len, s.w_len())?;
+        if let Some(l) = self.conv2_plan(Pass::Wgrad, s) {
+            let cfg = self.conv2_prepare(op, &l)?;
+            let stream = self.dev.stream().clone();
+            let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
+            let dw = dw.f32_mut(op, "dw")?;
+            let mut head = dw.slice_mut(0..s.w_len());
+            stream.memset_zeros(&mut head).map_err(drv_err(op))?;
+            let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+            let x = if l.pad_channels {
+                self.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, &mut scratch.x8)?;
+                scratch.x8.as_ref().expect("padded")
+            } else {
+                x
+            };
+            let kernel = l.kernel; // conv::V2_GEMM_KERNELS
+            launch!(self, op, "conv2.cu", kernel, cfg, [dy, x, dw, &l.args]);
+            self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
+            return Ok(());
+        }
         // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
         // in f32 atomics on a zeroed gradient.
         let reduction = s.n * s.out_h() * s.out_w();
@@ -1601,6 +1754,14 @@ mod tests {
                     .step_by(2)
                     .map(String::from)
                     .collect();
+                if stmt.contains("l.kernel") {
+                    // A v2 convolution GEMM: any kernel the planner names.
+                    names.extend(
+                        crate::cuda::conv::V2_GEMM_KERNELS
+                            .iter()
+                            .map(|k| k.to_string()),
+                    );
+                }
                 if stmt.contains("reduction_launch(") {
                     // reduction_launch picks `base` or `base_vec`.
                     names.push(format!("{}_vec", names[0]));

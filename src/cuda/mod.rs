@@ -13,6 +13,7 @@
 pub mod arch;
 pub mod backend;
 pub mod cache;
+pub mod conv;
 pub mod device;
 pub mod error;
 pub mod grad;

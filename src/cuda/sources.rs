@@ -29,6 +29,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         text: include_str!("../../kernels/conv.cu"),
     },
     KernelFile {
+        name: "conv2.cu",
+        text: include_str!("../../kernels/conv2.cu"),
+    },
+    KernelFile {
         name: "bn.cu",
         text: include_str!("../../kernels/bn.cu"),
     },

@@ -1,0 +1,684 @@
+// conv2.cu: the second generation of the convolution kernels: implicit GEMMs on the tensor
+// cores fed by a multi-stage cp.async pipeline, with the gather precomputed so that the main
+// loop does no division, and tile shapes chosen per layer. conv.cu (v1) stays selectable
+// (BIRDTRAIN_CONV=v1) until this file has been measured faster on a GPU.
+//
+// Algorithm. The three passes are GEMMs C[M][N] = Σ_kd A[M][kd] · B[kd][N] (bf16 operands,
+// f32 accumulation in m16n8k16 `mma.sync`), with the reduction ordered filter taps outer,
+// channels inner, so a 16-byte chunk (8 channels) never straddles a tap:
+//   forward  M = N·P·Q output pixels, N = K, kd = (r, s, c): A = x gathered, B = w (KRSC rows)
+//   dgrad    split into stride² phases: input pixels (h, w) with h ≡ ph, w ≡ pw (mod stride)
+//            only meet taps r ≡ ph + pad, s ≡ pw + pad (mod stride), so each phase is a
+//            stride-1 correlation of dy with its own sub-filter: M = N·Hφ·Wφ, N = C,
+//            kd = (i, j, k) over the phase's taps. No mma is spent on structural zeros (the
+//            stride-2 layers would otherwise spend 3/4 of it there); a phase with no tap (the
+//            1×1 stride-2 shortcut has three) writes zeros. B is the weight rearranged per
+//            phase into [tap][k][c] rows by conv2_dgrad_weights (1×1: the weight itself).
+//   wgrad    M = K, N = R·S·C, kd = N·P·Q pixels split over gridDim.z (f32 atomics into a
+//            zeroed dw); A = dy rows, B = x gathered per pixel.
+// The gather is precomputed. In the prologue (the only place with divisions) every thread
+// resolves the output rows it loads into a base offset and two validity masks (the filter
+// rows, and the filter columns, that stay inside the image). In the k-loop it keeps its
+// reduction column as (r, s, channel) plus a running offset, advanced by BK with a compare and
+// additions; the predicates are recomputed from the masks only when the tap changes. The
+// wgrad gather of x tracks each thread's pixel (image, p, q) with constant-time carries.
+// 1×1 convolutions take plain GEMM paths: forward and dgrad move a pointer along the
+// channels (stride 2: the row bases are strided, the loop is the same; dgrad writes strided
+// rows); wgrad at stride 1 walks both operands as contiguous rows.
+//
+// Pipeline. STAGES shared-memory stages, each holding one BK = 32 slice of A and B. Stages
+// 0..STAGES-2 are issued before the loop; iteration kt waits for its stage
+// (cp.async.wait_group STAGES-2), crosses the one barrier of the k-step (which also tells
+// every warp that the stage read in iteration kt-1 is free), issues the copies of k-step
+// kt+STAGES-1 into that free stage, then runs 2 × 16 mma per warp fragment pair with
+// fragments from ldmatrix. Copies are 16-byte cp.async.cg with zero fill for everything outside
+// the tensors (padding, tails), so no thread ever branches around a load.
+//
+// Data layout. x, y, dx, dy: NHWC bf16, C % 8 == 0 and K % 8 == 0 (the host pads the 3-channel
+// stem input and weight to 8 channels: the input kernel writes the padded copy, the stem's
+// wgrad writes only the real channels back, see c_real). w: KRSC bf16. dw: KRSC f32 with
+// c_real channels, accumulated into (+=) by atomics. Shared memory rows are padded by 8
+// elements (16 bytes), so ldmatrix rows and cp.async chunks are free of bank conflicts in both
+// tile orientations (reduction inner [rows][BK+8], reduction outer [BK][cols+8]).
+//
+// Launch configuration. Every warp owns a 64×32 sub-tile (4×4 mma tiles, 32 mma per k-step).
+// Tile shapes, by kernel suffix (threads, stages, shared memory, blocks per SM by design):
+//   _128x128  8 warps (2×4), 4 stages, 80 KiB, 2 per SM
+//   _128x64   4 warps (2×2), 4 stages, 58-60 KiB, 3 per SM (forward, dgrad)
+//   _64x128   4 warps (1×4), 4 stages, 52 KiB, 3 per SM    (wgrad, whose M is K)
+// Shared memory is dynamic (> 48 KiB: the host raises the function's limit). The rule that
+// picks a shape per layer lives in src/cuda/conv.rs (`choose_tile`), and is: the 64-wide
+// shapes whenever the GEMM's N (forward, dgrad) or M (wgrad) is at most 64 (a 64-channel
+// layer wastes half of every 128-wide tile: 64 of the 53 resnet50 launches per pass are such
+// layers or their neighbours), otherwise the shape with the smaller modelled time
+// ceil(blocks / (blocks per SM × SMs)) × blocks per SM × tile work, so a launch whose 128×128 grid would leave
+// a mostly empty last wave (resnet50's 7×7 stage: 392 tiles over 264 slots) takes the
+// half-size tiles instead (784 tiles over 396 slots: 1.98 waves). wgrad splits its reduction over gridDim.z
+// so that the blocks fill whole waves (the same time model; src/cuda/conv.rs, `wgrad_splits`).
+// grid = (ceil(M/BM), ceil(N/BN), splits or phases).
+#include "common.cuh"
+
+// Shape of one convolution; mirrors `Conv2Args` in src/cuda/conv.rs (repr(C), 14 ints).
+struct Conv2Args {
+    int n, h, w, c;   // input batch, height, width, channels as stored (C % 8 == 0)
+    int k, r, s;      // output channels (K % 8 == 0), filter height, filter width (≤ 16)
+    int p, q;         // output height, width
+    int stride, pad;  // same in both spatial dimensions
+    int c_real;       // wgrad: channels of dw (the padded stem: 3 of 8); c otherwise
+    int k_chunk;      // wgrad: reduction pixels per gridDim.z slice (a multiple of BK)
+    int accumulate;   // dgrad: add into dx instead of overwriting
+};
+
+#define BK 32
+#define SKEW 8  // row padding of every shared-memory tile, in elements
+
+enum { FWD = 0, DGRAD = 1, WGRAD = 2 };
+// Gathers: GENERAL (any filter), UNIT (1×1 without padding: plain GEMM rows), and for wgrad
+// SMALL_C (C % 8 == 0 but not % 32: a thread's columns may lie in different taps).
+enum { GENERAL = 0, UNIT = 1, SMALL_C = 2 };
+
+// Dynamic shared memory (the emulator has no `extern __shared__`).
+#ifdef BT_EMULATE
+#define CONV2_SMEM(name) static unsigned char name[BT_EMU_DYN_SMEM] __attribute__((aligned(16)))
+#else
+#define CONV2_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct Tile {
+    static constexpr int BM = BM_, BN = BN_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // 64 × 32 per warp
+    static constexpr int MI = WM / 16, NI = WN / 8;
+};
+typedef Tile<128, 128, 2, 4, 4> T128x128;
+typedef Tile<128, 64, 2, 2, 4> T128x64;
+typedef Tile<64, 128, 1, 4, 4> T64x128;
+
+// Operand tile geometry per pass: A is stored reduction-inner ([BM][BK+SKEW]) for forward and
+// dgrad, reduction-outer ([BK][BM+SKEW]) for wgrad; B reduction-inner for forward only.
+template <int MODE, class T>
+struct Geometry {
+    static constexpr bool A_INNER = MODE != WGRAD, B_INNER = MODE == FWD;
+    static constexpr int LDA = A_INNER ? BK + SKEW : T::BM + SKEW;
+    static constexpr int LDB = B_INNER ? BK + SKEW : T::BN + SKEW;
+    static constexpr int A_ELEMS = A_INNER ? T::BM * LDA : BK * LDA;
+    static constexpr int B_ELEMS = B_INNER ? T::BN * LDB : BK * LDB;
+    static constexpr int STAGE_ELEMS = A_ELEMS + B_ELEMS;
+    // 16-byte chunks each thread copies per k-step.
+    static constexpr int CA = T::BM * BK / 8 / T::THREADS;
+    static constexpr int CB = T::BN * BK / 8 / T::THREADS;
+};
+
+// Bits max(lo, 0)..hi-1 set (empty when hi <= lo); hi ≤ 15, the filter extent.
+__device__ __forceinline__ unsigned bit_range(int lo, int hi) {
+    lo = max(lo, 0);
+    return hi > lo ? ((1u << hi) - 1u) & ~((1u << lo) - 1u) : 0u;
+}
+
+// Geometry of dgrad phase `phase` (= ph·stride + pw): its taps r = r0 + stride·i (i < rn),
+// its output rows p = hh + oh - i for input rows h = ph + stride·hh (hh < hn), the same along
+// the width, and where its weights start in the rearranged [phase][tap][k][c] buffer.
+struct Phase {
+    int ph, pw, r0, s0, rn, sn, oh, ow, hn, wn;
+    long w_offset;
+};
+
+__device__ __forceinline__ int phase_taps(int first, int extent, int stride) {
+    return first < extent ? (extent - first + stride - 1) / stride : 0;
+}
+
+__device__ __forceinline__ Phase dgrad_phase(const Conv2Args& a, int phase) {
+    Phase f;
+    f.ph = phase / a.stride;
+    f.pw = phase - f.ph * a.stride;
+    f.r0 = (f.ph + a.pad) % a.stride;
+    f.s0 = (f.pw + a.pad) % a.stride;
+    f.rn = phase_taps(f.r0, a.r, a.stride);
+    f.sn = phase_taps(f.s0, a.s, a.stride);
+    f.oh = (f.ph + a.pad - f.r0) / a.stride;
+    f.ow = (f.pw + a.pad - f.s0) / a.stride;
+    f.hn = f.ph < a.h ? (a.h - f.ph + a.stride - 1) / a.stride : 0;
+    f.wn = f.pw < a.w ? (a.w - f.pw + a.stride - 1) / a.stride : 0;
+    f.w_offset = 0;
+    for (int e = 0; e < phase; ++e) {
+        const int eh = e / a.stride, ew = e - eh * a.stride;
+        f.w_offset += (long)phase_taps((eh + a.pad) % a.stride, a.r, a.stride) *
+                      phase_taps((ew + a.pad) % a.stride, a.s, a.stride) * a.k * a.c;
+    }
+    return f;
+}
+
+// Taps of a GENERAL gather, one entry per filter position t = r·S + s (forward; in dgrad the
+// phase's own taps): the element offset r·dr + s·ds from a row's base, with (ds, dr) = (C, W·C)
+// forward and (-K, -Q·K) in dgrad (its taps walk dy backwards), and the tap as one bit among
+// the filter rows (bits 0-15) and one among the filter columns (bits 16-31). Entries past the
+// filter, which the pipeline's look-ahead reaches (at most STAGES + 1 k-steps of up to BK/8
+// taps), hold bit 15: a row that no mask has (R ≤ 15), so they read nothing.
+#define TAP_TABLE 128
+#define MAX_TAPS (TAP_TABLE - (4 + 1) * BK / 8)
+
+// The reduction column of one thread: tap index t and channel ch. A k-step moves it by
+// BK = dt·C + dc taps and channels, with one carry (no division, no branch).
+struct TapCursor {
+    int ch, t, channels, dc, dt;
+    __device__ __forceinline__ void init(int channels_, int start) {
+        channels = channels_;
+        dc = BK % channels;
+        dt = BK / channels;
+        ch = start % channels;
+        t = start / channels;
+    }
+    __device__ __forceinline__ void step() {
+        ch += dc;
+        const int cc = ch >= channels;
+        ch -= cc ? channels : 0;
+        t += dt + cc;
+    }
+    // Whether a row whose mask (rows inside the image | columns inside << 16) holds both bits
+    // of the tap reads inside the tensor: one logic instruction per row.
+    static __device__ __forceinline__ int valid(unsigned mask, unsigned onehot) { return (~mask & onehot) == 0u; }
+};
+
+// The pixel a wgrad thread gathers for: output (p, q) of some image, its top-left input
+// coordinates hy = p·stride - pad, wx = q·stride - pad, and `base`, the offset of input pixel
+// (image, hy, wx). A k-step moves it by BK pixels = (dn, dp, dq) in mixed radix (N, P, Q):
+// the digits carry once each, and base moves by a constant plus one correction per carry.
+struct PixelCursor {
+    int p, q, hy, wx, base;
+    int dp, dq, inc, inc_q, inc_p;
+    __device__ __forceinline__ void init(const Conv2Args& a, int pixel) {
+        q = pixel % a.q;
+        const int np = pixel / a.q;
+        p = np % a.p;
+        const int n = np / a.p;
+        hy = p * a.stride - a.pad;
+        wx = q * a.stride - a.pad;
+        base = ((n * a.h + hy) * a.w + wx) * a.c;
+        const int pq = a.p * a.q, dn = BK / pq, rem = BK - dn * pq;
+        dp = rem / a.q;
+        dq = rem - dp * a.q;
+        inc = ((dn * a.h + dp * a.stride) * a.w + dq * a.stride) * a.c;
+        inc_q = (a.stride * a.w - a.q * a.stride) * a.c;        // q wrapped: next row
+        inc_p = (a.h * a.w - a.p * a.stride * a.w) * a.c;      // p wrapped: next image
+    }
+    __device__ __forceinline__ void step(const Conv2Args& a) {
+        q += dq;
+        const int cq = q >= a.q;
+        q -= cq ? a.q : 0;
+        p += dp + cq;
+        const int cp = p >= a.p;
+        p -= cp ? a.p : 0;
+        base += inc + (cq ? inc_q : 0) + (cp ? inc_p : 0);
+        hy = p * a.stride - a.pad;
+        wx = q * a.stride - a.pad;
+    }
+};
+
+// Hides a pointer's origin from the optimiser, so that `p + offset` in the loop stays one
+// wide multiply-add on a fixed register pair instead of being re-derived from its parts.
+template <class P>
+__device__ __forceinline__ P opaque(P p) {
+#ifndef BT_EMULATE
+    asm("" : "+l"(p));
+#endif
+    return p;
+}
+
+// The GEMM with its gathers, pipeline and epilogue. One instantiation per extern "C" kernel.
+template <int MODE, int GATHER, class T>
+__device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const bf16* __restrict__ b_src,
+                                           void* out, const Conv2Args& a) {
+    typedef Geometry<MODE, T> G;
+    CONV2_SMEM(smem_raw);
+    __shared__ int row_out[T::BM];  // dgrad: dx offset of each tile row (phases scatter rows)
+    __shared__ int2 taps[TAP_TABLE];  // GENERAL forward/dgrad: (offset, one-hot) per tap
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
+
+    // ---- the GEMM view of this block -----------------------------------------------------
+    int M, N, KD, kd_begin = 0;
+    Phase f;
+    if (MODE == FWD) {
+        M = a.n * a.p * a.q; N = a.k; KD = a.r * a.s * a.c;
+    } else if (MODE == DGRAD) {
+        f = dgrad_phase(a, blockIdx.z);
+        M = a.n * f.hn * f.wn; N = a.c; KD = f.rn * f.sn * a.k;
+        if (m0 >= M) return;                  // this phase has fewer rows than the largest one
+        if (KD == 0 && a.accumulate) return;  // a phase without taps adds nothing
+    } else {
+        M = a.k; N = a.r * a.s * a.c;
+        kd_begin = blockIdx.z * a.k_chunk;
+        KD = min(a.n * a.p * a.q, kd_begin + a.k_chunk);  // end of this slice
+    }
+    const int ksteps = (KD - kd_begin + BK - 1) / BK;
+
+    if (MODE == DGRAD) {
+        // Where each tile row goes in dx (phase rows are strided), for the epilogue; made here
+        // so that the phase geometry need not stay in registers through the main loop.
+        for (int row = tid; row < T::BM; row += T::THREADS) {
+            const int m = m0 + row;
+            int o = -1;
+            if (m < M) {
+                const int x = m % f.wn, t = m / f.wn, y = t % f.hn, n_ = t / f.hn;
+                o = ((n_ * a.h + f.ph + a.stride * y) * a.w + f.pw + a.stride * x) * a.c;
+            }
+            row_out[row] = o;
+        }
+    }
+
+    // ---- where this thread's 16-byte chunks come from and land ----------------------------
+    // A, reduction inner (forward, dgrad): chunk i is tile row a_row0 + i·A_STEP, reduction
+    //   columns a_col..+7. A, reduction outer (wgrad): reduction row (pixel) a_row0 + i·A_STEP,
+    //   output channels a_col..+7.
+    // B, forward: weight row (output channel) b_row0 + j·B_STEP, reduction columns b_col.
+    //   dgrad: reduction row b_row0 + j·B_STEP, input channels b_col. wgrad: one pixel row
+    //   b_row0 per thread, columns (r, s, c) at b_col + j·B_TPR·8.
+    constexpr int A_TPR = G::A_INNER ? BK / 8 : T::BM / 8;  // threads per tile row
+    constexpr int A_STEP = T::THREADS / A_TPR;
+    constexpr int B_TPR = MODE == FWD ? BK / 8 : MODE == DGRAD ? T::BN / 8 : T::THREADS / BK;
+    constexpr int B_STEP = MODE == WGRAD ? 0 : T::THREADS / B_TPR;
+    const int a_row0 = tid / A_TPR, a_col = (tid % A_TPR) * 8;  // (a_col: A's first reduction column)
+    // wgrad: a thread's CB chunks are consecutive columns, so with C % 32 == 0 they share a tap.
+    const int b_row0 = tid / B_TPR, b_col = (tid % B_TPR) * 8 * (MODE == WGRAD ? G::CB : 1);
+    const bt_saddr s_base = bt_shared_addr(smem_raw);
+    const bt_saddr a_dst = s_base + (a_row0 * G::LDA + a_col) * 2;
+    const bt_saddr b_dst = s_base + G::A_ELEMS * 2 + (b_row0 * G::LDB + b_col) * 2;
+    // Byte distance between a thread's consecutive chunks in a stage.
+    constexpr int A_DST_STEP = A_STEP * G::LDA * 2;
+    constexpr int B_DST_STEP = MODE == WGRAD ? 8 * 2 : B_STEP * G::LDB * 2;
+
+    // Sources: a fixed pointer per chunk (its row) plus one running element offset shared by
+    // all chunks of an operand, so each copy's address is a single wide multiply-add.
+    const bf16* a_ptr[G::CA];
+    const bf16* b_ptr[G::CB];
+    int a_ok[G::CA], b_ok[G::CB];
+    int a_run = 0, b_run = 0;  // running offsets (elements) of A and B
+    // GENERAL forward/dgrad: validity masks of each row, and the shared tap cursor.
+    unsigned a_mask[G::CA];
+    TapCursor cur;
+    int2 tap = make_int2(0, 0);  // the table entry of the cursor's tap
+    // wgrad GENERAL: the (r, s) of each column; b_ptr[j] then points at the column's offset.
+    int b_tap_r[G::CB], b_tap_s[G::CB];
+    PixelCursor pc;
+
+    if (MODE != WGRAD) {
+#pragma unroll
+        for (int i = 0; i < G::CA; ++i) {
+            const int m = m0 + a_row0 + i * A_STEP;
+            const bool ok = m < M;
+            int base;
+            if (MODE == FWD) {
+                const int x = m % a.q, t = m / a.q, y = t % a.p, n_ = t / a.p;
+                const int hy = y * a.stride - a.pad, wx = x * a.stride - a.pad;
+                base = ((n_ * a.h + hy) * a.w + wx) * a.c;
+                a_mask[i] = ok ? bit_range(-hy, min(a.r, a.h - hy)) | bit_range(-wx, min(a.s, a.w - wx)) << 16 : 0u;
+            } else {
+                // Input row h = ph + stride·y meets dy row p = y + oh - i for its tap i: inside
+                // for i in (y + oh - P, y + oh].
+                const int x = m % f.wn, t = m / f.wn, y = t % f.hn, n_ = t / f.hn;
+                const int hy = y + f.oh, wx = x + f.ow;
+                base = ((n_ * a.p + hy) * a.q + wx) * a.k;
+                a_mask[i] = ok ? bit_range(hy - a.p + 1, min(f.rn, hy + 1)) | bit_range(wx - a.q + 1, min(f.sn, wx + 1)) << 16
+                               : 0u;
+            }
+            // (an out-of-range row keeps a pointer it never reads through)
+            a_ptr[i] = opaque(a_src + base);
+            a_ok[i] = ok;
+        }
+        if (GATHER == GENERAL) {
+            const int taps_r = MODE == FWD ? a.r : f.rn, taps_s = MODE == FWD ? a.s : max(f.sn, 1);
+            const int ds = MODE == FWD ? a.c : -a.k, dr = MODE == FWD ? a.w * a.c : -a.q * a.k;
+            for (int t = tid; t < TAP_TABLE; t += T::THREADS) {
+                const int r = t / taps_s, s_ = t - r * taps_s;
+                taps[t] = r < taps_r ? make_int2(r * dr + s_ * ds, (int)((1u << r) | (0x10000u << s_)))
+                                     : make_int2(0, (int)(1u << 15));
+            }
+            cur.init(MODE == FWD ? a.c : a.k, a_col);
+            __syncthreads();  // the table is complete before the first copy
+            tap = taps[cur.t];
+        } else {
+            a_run = a_col;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < G::CA; ++i) {
+            a_ptr[i] = opaque(a_src + (long)(kd_begin + a_row0 + i * A_STEP) * a.k + m0 + a_col);
+            a_ok[i] = m0 + a_col < M;
+        }
+    }
+
+    if (MODE == FWD) {
+#pragma unroll
+        for (int j = 0; j < G::CB; ++j) {
+            const int n = n0 + b_row0 + j * B_STEP;
+            b_ok[j] = n < N;
+            b_ptr[j] = opaque(b_src + (long)n * KD + b_col);
+        }
+    } else if (MODE == DGRAD) {
+#pragma unroll
+        for (int j = 0; j < G::CB; ++j) {
+            b_ok[j] = n0 + b_col < N;
+            b_ptr[j] = opaque(b_src + (GATHER == GENERAL ? f.w_offset : 0) + (long)(b_row0 + j * B_STEP) * a.c + n0 + b_col);
+        }
+    } else {
+        if (GATHER != UNIT) pc.init(a, kd_begin + b_row0);
+#pragma unroll
+        for (int j = 0; j < G::CB; ++j) {
+            const int n = n0 + b_col + j * 8;  // column (r, s, c)
+            b_ok[j] = n < N;
+            const int c = n % a.c, rs = n / a.c, r = rs / a.s, s = rs - r * a.s;
+            b_tap_r[j] = r;
+            b_tap_s[j] = s;
+            // GENERAL, SMALL_C: the column's offset from a pixel's base. UNIT (1×1, stride 1,
+            // no padding): x's pixel rows are the GEMM's rows.
+            b_ptr[j] = opaque(GATHER != UNIT ? b_src + (r * a.w + s) * a.c + c : b_src + (long)(kd_begin + b_row0) * a.c + n);
+        }
+    }
+
+    // ---- the copies of one k-step ----------------------------------------------------------
+    // Past the end of the reduction every predicate below is false (the cursor's masks have no
+    // bit beyond the filter, `left` is ≤ 0), so the last STAGES-1 iterations issue zero fills
+    // into stages nobody reads, and the loop needs no branch around its loads.
+    int left = KD - kd_begin;  // reduction elements from the next k-step to load on
+    auto load = [&](int stage) {
+        const bt_saddr ad = a_dst + stage * (G::STAGE_ELEMS * 2);
+        const bt_saddr bd = b_dst + stage * (G::STAGE_ELEMS * 2);
+        const int a_off = GATHER == GENERAL && MODE != WGRAD ? tap.x + cur.ch : a_run;
+#pragma unroll
+        for (int i = 0; i < G::CA; ++i) {
+            int ok;
+            if (MODE == WGRAD) ok = a_ok[i] & (a_row0 + i * A_STEP < left);
+            else if (GATHER == GENERAL) ok = TapCursor::valid(a_mask[i], (unsigned)tap.y);
+            else ok = a_ok[i] & (a_col < left);
+            bt_cp_async16(ad + i * A_DST_STEP, a_ptr[i] + a_off, ok ? 16 : 0);
+        }
+        // wgrad GENERAL: the thread's chunks share chunk 0's tap and its N bound (C % 32 == 0).
+        const int pixel_ok = MODE == WGRAD && GATHER == GENERAL
+                                 ? (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[0]) < (unsigned)a.h) &
+                                       ((unsigned)(pc.wx + b_tap_s[0]) < (unsigned)a.w)
+                                 : 0;
+#pragma unroll
+        for (int j = 0; j < G::CB; ++j) {
+            int ok;
+            if (MODE == FWD) ok = b_ok[j] & (b_col < left);
+            else if (MODE == DGRAD) ok = b_ok[j] & (b_row0 + j * B_STEP < left);
+            else if (GATHER == UNIT) ok = b_ok[j] & (b_row0 < left);
+            else if (GATHER == GENERAL) ok = b_ok[0] & pixel_ok;  // N % 32 == 0: one test for all
+            else
+                ok = b_ok[j] & (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[j]) < (unsigned)a.h) &
+                     ((unsigned)(pc.wx + b_tap_s[j]) < (unsigned)a.w);
+            bt_cp_async16(bd + j * B_DST_STEP, b_ptr[j] + (MODE == WGRAD && GATHER != UNIT ? pc.base : b_run), ok ? 16 : 0);
+        }
+    };
+    // Moves every source to the next k-step.
+    auto advance = [&]() {
+        left -= BK;
+        if (MODE != WGRAD && GATHER == GENERAL) {
+            cur.step();
+            tap = taps[cur.t];
+        } else {
+            a_run += MODE == WGRAD ? BK * a.k : BK;
+        }
+        if (MODE == WGRAD && GATHER != UNIT) {
+            pc.step(a);
+        } else {
+            b_run += MODE == FWD ? BK : BK * a.c;
+        }
+    };
+
+    // ---- accumulators and fragment addresses -----------------------------------------------
+    const int warp_m = (warp / T::WARPS_N) * T::WM, warp_n = (warp % T::WARPS_N) * T::WN;
+    float acc[T::MI][T::NI][4];
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    // ldmatrix: lane l addresses row l % 8 of matrix l / 8. A matrices: (m 0-7, k 0-7),
+    // (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15); B: (n 0-7, k 0-7), (n 0-7, k 8-15),
+    // (n 8-15, k 0-7), (n 8-15, k 8-15). Per mma tile and k half only an immediate changes.
+    const int lq = lane / 8, row8 = lane % 8;
+    const bt_saddr a_frag = s_base + 2 * (G::A_INNER ? (warp_m + (lq % 2) * 8 + row8) * G::LDA + (lq / 2) * 8
+                                                    : ((lq / 2) * 8 + row8) * G::LDA + warp_m + (lq % 2) * 8);
+    const bt_saddr b_frag = s_base + 2 * (G::A_ELEMS + (G::B_INNER ? (warp_n + (lq / 2) * 8 + row8) * G::LDB + (lq % 2) * 8
+                                                                  : ((lq % 2) * 8 + row8) * G::LDB + warp_n + (lq / 2) * 8));
+
+    // ---- the pipeline ---------------------------------------------------------------------
+#pragma unroll
+    for (int st = 0; st < T::STAGES - 1; ++st) {
+        load(st);
+        advance();
+        bt_cp_async_commit();
+    }
+    // Unrolled by STAGES so that every stage offset is an immediate; one exit test per k-step.
+    for (int k0 = 0; k0 < ksteps; k0 += T::STAGES) {
+#pragma unroll
+        for (int u = 0; u < T::STAGES; ++u) {
+            if (k0 + u >= ksteps) break;
+            bt_cp_async_wait<T::STAGES - 2>();
+            __syncthreads();  // stage k has landed for every thread; stage k-1 is free
+            load((u + T::STAGES - 1) % T::STAGES);
+            advance();
+            bt_cp_async_commit();
+            const bt_saddr fa_base = a_frag + u * (G::STAGE_ELEMS * 2), fb_base = b_frag + u * (G::STAGE_ELEMS * 2);
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 16) {
+                unsigned fa[T::MI][4], fb[T::NI][2];
+#pragma unroll
+                for (int i = 0; i < T::MI; ++i) {
+                    if (G::A_INNER) ldsm_x4_at(fa[i], fa_base + 2 * (i * 16 * G::LDA + kk));
+                    else ldsm_x4_trans_at(fa[i], fa_base + 2 * (kk * G::LDA + i * 16));
+                }
+#pragma unroll
+                for (int jj = 0; jj < T::NI / 2; ++jj) {
+                    unsigned r[4];
+                    if (G::B_INNER) ldsm_x4_at(r, fb_base + 2 * (jj * 16 * G::LDB + kk));
+                    else ldsm_x4_trans_at(r, fb_base + 2 * (kk * G::LDB + jj * 16));
+                    fb[2 * jj][0] = r[0];
+                    fb[2 * jj][1] = r[1];
+                    fb[2 * jj + 1][0] = r[2];
+                    fb[2 * jj + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < T::NI; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
+            }
+        }
+    }
+    bt_cp_async_wait<0>();
+
+    // ---- epilogue ---------------------------------------------------------------------------
+    const int g = lane >> 2, t4 = lane & 3;
+    if (MODE == WGRAD) {
+        // f32 partial sums of this reduction slice, added into dw (zeroed by the host). The
+        // padded stem keeps only its c_real real channels: column (rs, c) → rs·c_real + c.
+        float* dw = reinterpret_cast<float*>(out);
+        const int n_out = a.r * a.s * a.c_real;
+#pragma unroll
+        for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+            for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const int m = m0 + warp_m + i * 16 + g + (e >= 2 ? 8 : 0);
+                    int n = n0 + warp_n + j * 8 + 2 * t4;
+                    if (m >= M || n >= N) continue;
+                    if (a.c_real != a.c) {
+                        const int rs = n / a.c, c = n - rs * a.c;
+                        if (c >= a.c_real) continue;  // c_real is even: the pair stays together
+                        n = rs * a.c_real + c;
+                    }
+                    float* o = dw + (long)m * n_out + n;
+#if !defined(BT_EMULATE) && __CUDA_ARCH__ >= 900
+                    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(o), "f"(acc[i][j][e]),
+                                 "f"(acc[i][j][e + 1])
+                                 : "memory");
+#else
+                    atomicAdd(o, acc[i][j][e]);
+                    atomicAdd(o + 1, acc[i][j][e + 1]);
+#endif
+                }
+        return;
+    }
+
+    // forward / dgrad: stage the bf16 tile in shared memory, then write whole 16-byte chunks
+    // (coalesced rows; dgrad rows go to their phase's pixels through row_out).
+    __syncthreads();  // every warp is done with the pipeline stages
+    constexpr int LDC = T::BN + SKEW;
+    bf16* Cs = reinterpret_cast<bf16*>(smem_raw);
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int row = warp_m + i * 16 + g + (e >= 2 ? 8 : 0), col = warp_n + j * 8 + 2 * t4;
+                const unsigned lo = __bfloat16_as_ushort(bt_to_bf16(acc[i][j][e]));
+                const unsigned hi = __bfloat16_as_ushort(bt_to_bf16(acc[i][j][e + 1]));
+                *reinterpret_cast<unsigned*>(Cs + row * LDC + col) = lo | (hi << 16);
+            }
+    __syncthreads();
+    bf16* y = reinterpret_cast<bf16*>(out);
+    constexpr int CHUNKS_PER_ROW = T::BN / 8;
+    for (int ch = tid; ch < T::BM * CHUNKS_PER_ROW; ch += T::THREADS) {
+        const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+        const int m = m0 + row, n = n0 + col;
+        if (m >= M || n >= N) continue;
+        const long o = MODE == FWD ? (long)m * N + n : (long)row_out[row] + n;
+        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
+        if (MODE == DGRAD && a.accumulate) {
+            const uint4 old = *reinterpret_cast<const uint4*>(y + o);
+            const unsigned* pv = reinterpret_cast<const unsigned*>(&v);
+            const unsigned* po = reinterpret_cast<const unsigned*>(&old);
+            unsigned sum[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float s0 = __uint_as_float(pv[e] << 16) + __uint_as_float(po[e] << 16);
+                const float s1 = __uint_as_float(pv[e] & 0xffff0000u) + __uint_as_float(po[e] & 0xffff0000u);
+                sum[e] = (unsigned)__bfloat16_as_ushort(bt_to_bf16(s0)) |
+                         ((unsigned)__bfloat16_as_ushort(bt_to_bf16(s1)) << 16);
+            }
+            v = make_uint4(sum[0], sum[1], sum[2], sum[3]);
+        }
+        *reinterpret_cast<uint4*>(y + o) = v;
+    }
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+// Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}. The host (src/cuda/conv.rs) picks one per
+// layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
+
+// y = conv(x, w)
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
+    conv2_gemm<FWD, GENERAL, T128x128>(x, w, y, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
+    conv2_gemm<FWD, GENERAL, T128x64>(x, w, y, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_1x1_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
+    conv2_gemm<FWD, UNIT, T128x128>(x, w, y, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_1x1_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args) {
+    conv2_gemm<FWD, UNIT, T128x64>(x, w, y, args);
+}
+
+// dx = dgrad(dy, wt) (+ dx with args.accumulate); wt: the phase-ordered weight (1×1: w
+// itself); grid.z = stride² phases
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_dgrad_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
+    conv2_gemm<DGRAD, GENERAL, T128x128>(dy, wt, dx, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_dgrad_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
+    conv2_gemm<DGRAD, GENERAL, T128x64>(dy, wt, dx, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_dgrad_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
+    conv2_gemm<DGRAD, UNIT, T128x128>(dy, wt, dx, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_dgrad_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
+    conv2_gemm<DGRAD, UNIT, T128x64>(dy, wt, dx, args);
+}
+
+// dw += wgrad(dy, x) (f32); grid.z = reduction slices of args.k_chunk pixels; C % 32 == 0
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_wgrad_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, GENERAL, T128x128>(dy, x, dw, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, GENERAL, T64x128>(dy, x, dw, args);
+}
+
+// C % 8 == 0 only (the padded stem, 16-channel layers, whose K is at most 64 in every
+// supported model; larger K takes more 64-row tiles): every column checks its own tap
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_c8_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, SMALL_C, T64x128>(dy, x, dw, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_wgrad_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, UNIT, T128x128>(dy, x, dw, args);
+}
+
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_1x1_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
+    conv2_gemm<WGRAD, UNIT, T64x128>(dy, x, dw, args);
+}
+
+// The dgrad weight, rearranged per phase: phase φ's block holds, for each of its taps (i, j)
+// (filter position (r0 + stride·i, s0 + stride·j)), the K×C matrix w[k][r][s][c] with k as
+// rows, so the GEMM's B rows are contiguous. One thread per 8-channel chunk of w; reads and
+// writes 16 bytes. Launch: 256 threads, grid-stride over K·R·S·C/8 chunks.
+extern "C" __global__ void conv2_dgrad_weights(const bf16* __restrict__ w, bf16* __restrict__ wt,
+                                               Conv2Args a) {
+    const long chunks = (long)a.k * a.r * a.s * a.c / 8;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < chunks; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % (a.c / 8)) * 8;
+        long t = i / (a.c / 8);
+        const int s = (int)(t % a.s); t /= a.s;
+        const int r = (int)(t % a.r);
+        const int k = (int)(t / a.r);
+        // The phase whose taps include (r, s): r ≡ ph + pad (mod stride).
+        const int ph = ((r - a.pad) % a.stride + a.stride) % a.stride;
+        const int pw = ((s - a.pad) % a.stride + a.stride) % a.stride;
+        const Phase f = dgrad_phase(a, ph * a.stride + pw);
+        const int ti = r / a.stride, tj = s / a.stride;
+        const long o = f.w_offset + ((long)(ti * f.sn + tj) * a.k + k) * a.c + c;
+        *reinterpret_cast<uint4*>(wt + o) = *reinterpret_cast<const uint4*>(w + i * 8);
+    }
+}
+
+// dst[row][0..c_to) = src[row][0..c_from) followed by zeros (c_to % 8 == 0): the 3-channel
+// stem weight (and an input whose channels are not a multiple of 8) widened for the 16-byte
+// paths. One thread per row, 16-byte stores; grid-stride over `rows`.
+extern "C" __global__ void conv2_pad_channels(const bf16* __restrict__ src, bf16* __restrict__ dst,
+                                              long rows, int c_from, int c_to) {
+    for (long row = blockIdx.x * (long)blockDim.x + threadIdx.x; row < rows; row += (long)gridDim.x * blockDim.x) {
+        for (int c0 = 0; c0 < c_to; c0 += 8) {
+            union { uint4 v; bf16 e[8]; } u;
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                u.e[e] = c0 + e < c_from ? src[row * c_from + c0 + e] : bt_to_bf16(0.0f);
+            *reinterpret_cast<uint4*>(dst + row * c_to + c0) = u.v;
+        }
+    }
+}

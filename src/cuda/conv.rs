@@ -1,0 +1,580 @@
+//! Convolution dispatch for the CUDA backend: which generation runs (v1, kernels/conv.cu, or
+//! v2, kernels/conv2.cu, chosen by `BIRDTRAIN_CONV`), and for v2 which kernel, tile shape,
+//! grid, reduction split and shared memory each layer gets, from a wave model of the GPU.
+//!
+//! Everything here is planning without a device, so the rule is unit-tested and
+//! `birdtrain bench step --plan` prints the same choices the backend makes.
+//!
+//! The wave model: a launch of B blocks on S SMs holding b blocks each runs in
+//! ceil(B / (b·S)) waves, each as long as b tiles' work (BM·BN per k-step: the resident blocks
+//! share the SM's tensor cores). A shape is chosen
+//! to minimise waves × tile work, so a grid that leaves most of its last wave empty takes the
+//! smaller tiles; layers whose GEMM N (forward, dgrad) or M (wgrad) is at most 64 always take
+//! the 64-wide tiles, since a 128-wide tile would be half padding.
+
+use crate::backend::ConvShape;
+use cudarc::driver::DeviceRepr;
+
+use super::CudaError;
+
+/// The environment variable that selects the convolution kernels (`v1` or `v2`).
+pub const CONV_ENV: &str = "BIRDTRAIN_CONV";
+
+/// Which generation of convolution kernels the backend launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvVersion {
+    /// kernels/conv.cu: register-blocked implicit GEMM, one barrier pair per k-step.
+    V1,
+    /// kernels/conv2.cu: cp.async pipeline, per-layer tiles, phased dgrad, split wgrad.
+    V2,
+}
+
+impl ConvVersion {
+    /// Parses the value of `BIRDTRAIN_CONV` (unset: v2).
+    pub fn parse(value: Option<&str>) -> Result<ConvVersion, CudaError> {
+        match value.map(str::trim) {
+            None | Some("") | Some("v2") => Ok(ConvVersion::V2),
+            Some("v1") => Ok(ConvVersion::V1),
+            Some(other) => Err(CudaError::Unsupported {
+                what: format!("{CONV_ENV}={other:?}: expected v1 or v2 (unset means v2)"),
+            }),
+        }
+    }
+
+    /// The version selected by the environment.
+    pub fn from_env() -> Result<ConvVersion, CudaError> {
+        ConvVersion::parse(std::env::var(CONV_ENV).ok().as_deref())
+    }
+}
+
+/// Kernel-side mirror of `struct Conv2Args` in kernels/conv2.cu (14 ints, C layout).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2Args {
+    /// Batch.
+    pub n: i32,
+    /// Input height.
+    pub h: i32,
+    /// Input width.
+    pub w: i32,
+    /// Input channels as stored (a multiple of 8).
+    pub c: i32,
+    /// Output channels (a multiple of 8).
+    pub k: i32,
+    /// Filter height.
+    pub r: i32,
+    /// Filter width.
+    pub s: i32,
+    /// Output height.
+    pub p: i32,
+    /// Output width.
+    pub q: i32,
+    /// Stride.
+    pub stride: i32,
+    /// Padding.
+    pub pad: i32,
+    /// wgrad: channels of dw (3 for the padded stem), `c` otherwise.
+    pub c_real: i32,
+    /// wgrad: reduction pixels per gridDim.z slice (a multiple of 32).
+    pub k_chunk: i32,
+    /// dgrad: add into dx instead of overwriting.
+    pub accumulate: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel declares.
+unsafe impl DeviceRepr for Conv2Args {}
+
+/// One of the three passes of a convolution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// y = conv(x, w).
+    Forward,
+    /// dx (= or +=) conv_transpose(dy, w), split into stride² phases.
+    Dgrad,
+    /// dw = Σ dy ⊗ x, the reduction split over gridDim.z.
+    Wgrad,
+}
+
+impl Pass {
+    /// Short name used in kernel names and plans.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "fwd",
+            Pass::Dgrad => "dgrad",
+            Pass::Wgrad => "wgrad",
+        }
+    }
+}
+
+/// The v2 tile shapes (kernels/conv2.cu, `Tile<...>`): every warp owns 64×32 of the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conv2Tile {
+    /// 8 warps, 4 stages.
+    T128x128,
+    /// 4 warps, 4 stages (forward, dgrad with N ≤ 64 or a ragged last wave).
+    T128x64,
+    /// 4 warps, 4 stages (wgrad, whose M is K).
+    T64x128,
+}
+
+/// Pipeline depth of every tile shape (`STAGES` in kernels/conv2.cu).
+const STAGES: usize = 4;
+/// Reduction columns per k-step (`BK`).
+const BK: usize = 32;
+/// Row padding of shared-memory tiles in elements (`SKEW`).
+const SKEW: usize = 8;
+/// Filter taps the kernel's tap table holds (`MAX_TAPS`).
+const MAX_TAPS: usize = 128 - (4 + 1) * BK / 8;
+
+impl Conv2Tile {
+    /// (BM, BN).
+    pub fn dims(self) -> (usize, usize) {
+        match self {
+            Conv2Tile::T128x128 => (128, 128),
+            Conv2Tile::T128x64 => (128, 64),
+            Conv2Tile::T64x128 => (64, 128),
+        }
+    }
+
+    /// Threads per block.
+    pub fn threads(self) -> u32 {
+        match self {
+            Conv2Tile::T128x128 => 256,
+            _ => 128,
+        }
+    }
+
+    /// Blocks per SM the kernel's `__launch_bounds__` asks for.
+    fn min_blocks(self) -> usize {
+        match self {
+            Conv2Tile::T128x128 => 2,
+            _ => 3,
+        }
+    }
+
+    /// Kernel-name suffix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Conv2Tile::T128x128 => "128x128",
+            Conv2Tile::T128x64 => "128x64",
+            Conv2Tile::T64x128 => "64x128",
+        }
+    }
+
+    /// Dynamic shared memory of `pass` with this tile: STAGES × (A + B tiles), or the bf16
+    /// output staging of the epilogue if larger (it reuses the same bytes).
+    pub fn smem_bytes(self, pass: Pass) -> usize {
+        let (bm, bn) = self.dims();
+        let a = match pass {
+            Pass::Wgrad => BK * (bm + SKEW),
+            _ => bm * (BK + SKEW),
+        };
+        let b = match pass {
+            Pass::Forward => bn * (BK + SKEW),
+            _ => BK * (bn + SKEW),
+        };
+        let epilogue = match pass {
+            Pass::Wgrad => 0,
+            _ => bm * (bn + SKEW) * 2,
+        };
+        (STAGES * (a + b) * 2).max(epilogue)
+    }
+
+    /// Static shared memory (row table and tap table) plus the 1 KiB the driver reserves.
+    fn static_smem(self) -> usize {
+        self.dims().0 * 4 + 128 * 8 + 1024
+    }
+
+    /// Resident blocks per SM: the launch bound, or fewer where shared memory runs out.
+    pub fn blocks_per_sm(self, pass: Pass, gpu: &GpuLimits) -> usize {
+        let per_block = self.smem_bytes(pass) + self.static_smem();
+        (gpu.smem_per_sm / per_block).clamp(1, self.min_blocks())
+    }
+}
+
+/// The kernel family's gather (kernels/conv2.cu: GENERAL, UNIT, SMALL_C).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gather {
+    /// Any filter, through the tap table.
+    General,
+    /// 1×1 without padding: plain GEMM rows (strided at stride 2).
+    Unit,
+    /// wgrad with C % 32 != 0 (the padded stem, 8- and 16-channel layers).
+    SmallC,
+}
+
+/// What a GPU offers the wave model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuLimits {
+    /// Streaming multiprocessors.
+    pub sms: usize,
+    /// Shared memory per SM in bytes.
+    pub smem_per_sm: usize,
+}
+
+impl GpuLimits {
+    /// An H100 SXM: 132 SMs, 228 KiB of shared memory each.
+    pub const H100: GpuLimits = GpuLimits {
+        sms: 132,
+        smem_per_sm: 228 * 1024,
+    };
+}
+
+/// One v2 launch, as the backend issues it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conv2Launch {
+    /// The pass.
+    pub pass: Pass,
+    /// Kernel name in kernels/conv2.cu.
+    pub kernel: &'static str,
+    /// Tile shape.
+    pub tile: Conv2Tile,
+    /// Gather.
+    pub gather: Gather,
+    /// GEMM dimensions (M, N, reduction) of the whole pass (dgrad: of its largest phase for M).
+    pub gemm: (usize, usize, usize),
+    /// Grid (x, y, z): z = wgrad splits or dgrad phases.
+    pub grid: (u32, u32, u32),
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+    /// The kernel arguments (k_chunk set; accumulate left 0).
+    pub args: Conv2Args,
+    /// Whether the channels of x and w must first be padded to 8 (the 3-channel stem).
+    pub pad_channels: bool,
+    /// dgrad: whether the weight must be rearranged per phase first (all but 1×1).
+    pub rearrange_weight: bool,
+    /// Blocks per SM the tile allows.
+    pub blocks_per_sm: usize,
+}
+
+impl Conv2Launch {
+    /// Blocks in the grid.
+    pub fn blocks(&self) -> usize {
+        self.grid.0 as usize * self.grid.1 as usize * self.grid.2 as usize
+    }
+
+    /// Waves of the grid on `gpu` (fractional: 2.5 means the third wave is half full).
+    pub fn waves(&self, gpu: &GpuLimits) -> f64 {
+        self.blocks() as f64 / (self.blocks_per_sm * gpu.sms) as f64
+    }
+
+    /// Fraction of the tiles' GEMM area outside the real M×N (padding in the tails).
+    pub fn padded_fraction(&self) -> f64 {
+        let (bm, bn) = self.tile.dims();
+        let (m, n, _) = self.gemm;
+        let area = (m.div_ceil(bm) * bm * n.div_ceil(bn) * bn) as f64;
+        1.0 - (m * n) as f64 / area
+    }
+}
+
+/// Every GEMM kernel of kernels/conv2.cu the planner can name (all take `(a, b, out, args)`).
+pub const V2_GEMM_KERNELS: &[&str] = &[
+    "conv2_fwd_128x128",
+    "conv2_fwd_128x64",
+    "conv2_fwd_1x1_128x128",
+    "conv2_fwd_1x1_128x64",
+    "conv2_dgrad_128x128",
+    "conv2_dgrad_128x64",
+    "conv2_dgrad_1x1_128x128",
+    "conv2_dgrad_1x1_128x64",
+    "conv2_wgrad_128x128",
+    "conv2_wgrad_64x128",
+    "conv2_wgrad_c8_64x128",
+    "conv2_wgrad_1x1_128x128",
+    "conv2_wgrad_1x1_64x128",
+];
+
+fn kernel_name(pass: Pass, gather: Gather, tile: Conv2Tile) -> &'static str {
+    let infix = match gather {
+        Gather::General => "",
+        Gather::Unit => "1x1_",
+        Gather::SmallC => "c8_",
+    };
+    let name = format!("conv2_{}_{infix}{}", pass.name(), tile.suffix());
+    V2_GEMM_KERNELS
+        .iter()
+        .copied()
+        .find(|k| *k == name)
+        .expect("the planner names only kernels of conv2.cu")
+}
+
+/// Modelled time of `blocks` tiles of `work` each: whole waves × the work one SM does per
+/// wave (its resident blocks share its tensor cores).
+fn wave_cost(blocks: usize, per_sm: usize, gpu: &GpuLimits, work: usize) -> usize {
+    blocks.div_ceil(per_sm * gpu.sms) * per_sm * work
+}
+
+/// wgrad's reduction split: the slice count (at most four waves' worth of blocks, slices of at
+/// least 256 pixels unless the reduction is shorter) minimising waves × slice length, ties to
+/// fewer slices (fewer atomics: each slice adds M×N f32 atomics). Returns (splits, k_chunk).
+pub fn wgrad_splits(tiles: usize, reduction: usize, slots: usize) -> (usize, usize) {
+    let tiles = tiles.max(1);
+    let max = reduction
+        .div_ceil(256)
+        .min(4 * slots.div_ceil(tiles))
+        .max(1);
+    let mut best = (usize::MAX, 1, reduction.div_ceil(BK) * BK);
+    for s in 1..=max {
+        let chunk = reduction.div_ceil(s).div_ceil(BK) * BK;
+        let splits = reduction.div_ceil(chunk);
+        let cost = (tiles * splits).div_ceil(slots) * chunk;
+        if cost < best.0 {
+            best = (cost, splits, chunk);
+        }
+    }
+    (best.1, best.2)
+}
+
+fn to_i32(v: usize, what: &str) -> Result<i32, String> {
+    i32::try_from(v).map_err(|_| format!("{what} = {v} exceeds the kernels' 32-bit indices"))
+}
+
+/// The v2 launch of `pass` for shape `s`, or why v2 cannot take it (then v1 runs).
+pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, String> {
+    if s.c_out % 8 != 0 {
+        return Err(format!(
+            "{} output channels (v2 needs a multiple of 8)",
+            s.c_out
+        ));
+    }
+    let pad_channels = s.c_in % 8 != 0;
+    if pad_channels && (pass == Pass::Dgrad || s.c_in > 8) {
+        return Err(format!(
+            "{} input channels (v2 pads only up to 8, and not in dgrad)",
+            s.c_in
+        ));
+    }
+    if s.kernel > 15 || s.kernel * s.kernel > MAX_TAPS || s.padding >= s.kernel {
+        return Err(format!(
+            "{}×{} filter with padding {}",
+            s.kernel, s.kernel, s.padding
+        ));
+    }
+    let c = s.c_in.div_ceil(8) * 8;
+    let (p, q) = (s.out_h(), s.out_w());
+    let x_elems = s.n * s.h * s.w * c;
+    to_i32(x_elems, "input elements")?;
+    to_i32(s.y_len(), "output elements")?;
+    let unit = s.kernel == 1 && s.padding == 0;
+    let args = Conv2Args {
+        n: to_i32(s.n, "n")?,
+        h: to_i32(s.h, "h")?,
+        w: to_i32(s.w, "w")?,
+        c: to_i32(c, "c")?,
+        k: to_i32(s.c_out, "k")?,
+        r: to_i32(s.kernel, "kernel")?,
+        s: to_i32(s.kernel, "kernel")?,
+        p: to_i32(p, "p")?,
+        q: to_i32(q, "q")?,
+        stride: to_i32(s.stride, "stride")?,
+        pad: to_i32(s.padding, "padding")?,
+        c_real: to_i32(s.c_in, "c_in")?,
+        k_chunk: 0,
+        accumulate: 0,
+    };
+    let pixels_out = s.n * p * q;
+    let (m, n, red, z, gather) = match pass {
+        Pass::Forward => (
+            pixels_out,
+            s.c_out,
+            s.kernel * s.kernel * c,
+            1,
+            if unit { Gather::Unit } else { Gather::General },
+        ),
+        Pass::Dgrad => {
+            let (hn, wn) = (s.h.div_ceil(s.stride), s.w.div_ceil(s.stride));
+            let taps = s.kernel.div_ceil(s.stride).pow(2);
+            let gather = if unit { Gather::Unit } else { Gather::General };
+            (
+                s.n * hn * wn,
+                c,
+                taps * s.c_out,
+                s.stride * s.stride,
+                gather,
+            )
+        }
+        Pass::Wgrad => {
+            let gather = if c % 32 != 0 {
+                Gather::SmallC
+            } else if unit && s.stride == 1 {
+                Gather::Unit
+            } else {
+                Gather::General
+            };
+            (s.c_out, s.kernel * s.kernel * c, pixels_out, 1, gather)
+        }
+    };
+    let (wide, narrow) = match pass {
+        Pass::Wgrad => (Conv2Tile::T128x128, Conv2Tile::T64x128),
+        _ => (Conv2Tile::T128x128, Conv2Tile::T128x64),
+    };
+    // The small-C wgrad exists only in the narrow shape.
+    let narrow_dim = if pass == Pass::Wgrad { m } else { n };
+    let candidates: &[Conv2Tile] = if narrow_dim <= 64 || gather == Gather::SmallC {
+        &[narrow]
+    } else {
+        &[wide, narrow]
+    };
+    let mut best: Option<(usize, Conv2Launch)> = None;
+    for &tile in candidates {
+        let (bm, bn) = tile.dims();
+        let per_sm = tile.blocks_per_sm(pass, gpu);
+        let tiles = m.div_ceil(bm) * n.div_ceil(bn);
+        let (z, chunk) = match pass {
+            Pass::Wgrad => wgrad_splits(tiles, red, per_sm * gpu.sms),
+            _ => (z, 0),
+        };
+        let k_steps = if pass == Pass::Wgrad { chunk } else { red }.div_ceil(BK);
+        let cost = wave_cost(tiles * z, per_sm, gpu, bm * bn * k_steps.max(1));
+        let launch = Conv2Launch {
+            pass,
+            kernel: kernel_name(pass, gather, tile),
+            tile,
+            gather,
+            gemm: (m, n, red),
+            grid: (
+                to_i32(m.div_ceil(bm), "grid x")? as u32,
+                to_i32(n.div_ceil(bn), "grid y")? as u32,
+                to_i32(z, "grid z")? as u32,
+            ),
+            smem_bytes: tile.smem_bytes(pass) as u32,
+            args: Conv2Args {
+                k_chunk: to_i32(chunk, "k_chunk")?,
+                ..args
+            },
+            pad_channels,
+            rearrange_weight: pass == Pass::Dgrad && !unit,
+            blocks_per_sm: per_sm,
+        };
+        if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+            best = Some((cost, launch));
+        }
+    }
+    Ok(best.expect("at least one candidate").1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::sources::KernelFile;
+
+    fn shape(n: usize, hw: usize, c_in: usize, c_out: usize, k: usize, stride: usize) -> ConvShape {
+        ConvShape {
+            n,
+            h: hw,
+            w: hw,
+            c_in,
+            c_out,
+            kernel: k,
+            stride,
+            padding: k / 2,
+        }
+    }
+
+    #[test]
+    fn version_parses_and_rejects_with_the_variable_named() {
+        assert_eq!(ConvVersion::parse(None).unwrap(), ConvVersion::V2);
+        assert_eq!(ConvVersion::parse(Some("v1")).unwrap(), ConvVersion::V1);
+        assert_eq!(ConvVersion::parse(Some(" v2 ")).unwrap(), ConvVersion::V2);
+        let e = ConvVersion::parse(Some("v3")).unwrap_err().to_string();
+        assert!(
+            e.contains("BIRDTRAIN_CONV=\"v3\"") && e.contains("v1 or v2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_named_kernel_exists_and_takes_four_arguments() {
+        let file = KernelFile::by_name("conv2.cu").unwrap();
+        let names = file.kernel_names();
+        for k in V2_GEMM_KERNELS {
+            assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
+            let at = file
+                .text
+                .find(&format!("\n{k}("))
+                .expect("kernel signature");
+            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            assert_eq!(sig.split(',').count(), 4, "{sig}");
+        }
+    }
+
+    #[test]
+    fn shared_memory_matches_the_kernel_geometry() {
+        // forward 128×128: (128·40 + 128·40) · 2 bytes · 4 stages
+        assert_eq!(Conv2Tile::T128x128.smem_bytes(Pass::Forward), 81_920);
+        // dgrad 128×64: (128·40 + 32·72) · 2 · 4
+        assert_eq!(Conv2Tile::T128x64.smem_bytes(Pass::Dgrad), 59_392);
+        // wgrad 64×128: (32·72 + 32·136) · 2 · 4
+        assert_eq!(Conv2Tile::T64x128.smem_bytes(Pass::Wgrad), 53_248);
+        for t in [Conv2Tile::T128x128, Conv2Tile::T128x64, Conv2Tile::T64x128] {
+            for p in [Pass::Forward, Pass::Dgrad, Pass::Wgrad] {
+                assert!(t.smem_bytes(p) <= 227 * 1024);
+                assert!(t.blocks_per_sm(p, &GpuLimits::H100) >= 2);
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_follow_the_layer() {
+        let gpu = GpuLimits::H100;
+        // 64 output channels: the 64-wide tile.
+        let l = plan(Pass::Forward, &shape(256, 56, 64, 64, 3, 1), &gpu).unwrap();
+        assert_eq!(l.kernel, "conv2_fwd_128x64");
+        // 1×1 stride 2 shortcut: the strided-row GEMM, 4 dgrad phases.
+        let s = ConvShape {
+            padding: 0,
+            ..shape(256, 56, 256, 512, 1, 2)
+        };
+        assert_eq!(
+            plan(Pass::Forward, &s, &gpu).unwrap().kernel,
+            "conv2_fwd_1x1_128x128"
+        );
+        let d = plan(Pass::Dgrad, &s, &gpu).unwrap();
+        assert_eq!(
+            (d.kernel, d.grid.2, d.rearrange_weight),
+            ("conv2_dgrad_1x1_128x128", 4, false)
+        );
+        // 7×7 stage (M = 256·49 = 12544, N = 512): 128×128 gives 392 tiles on 264 slots (1.48
+        // waves: 2 × 2 × 128² per SM); 128×64 gives 784 tiles on 396 slots (1.98 waves:
+        // 2 × 3 × 128·64 per SM, a quarter less).
+        let l = plan(Pass::Forward, &shape(256, 7, 512, 512, 3, 1), &gpu).unwrap();
+        assert_eq!(l.tile, Conv2Tile::T128x64);
+        // 14×14 stage: 784 tiles of 128×128 (2.97 waves) model as fast as 1568 of 128×64
+        // (3.96 waves); ties keep the larger tile (more reuse per byte loaded).
+        let l = plan(Pass::Forward, &shape(256, 14, 256, 256, 3, 1), &gpu).unwrap();
+        assert_eq!(l.tile, Conv2Tile::T128x128);
+        // The stem: padded to 8 channels; wgrad on the small-C gather.
+        let stem = ConvShape {
+            padding: 3,
+            ..shape(256, 224, 3, 64, 7, 2)
+        };
+        let f = plan(Pass::Forward, &stem, &gpu).unwrap();
+        assert!(f.pad_channels);
+        assert_eq!(f.args.c, 8);
+        assert_eq!(f.args.c_real, 3);
+        let w = plan(Pass::Wgrad, &stem, &gpu).unwrap();
+        assert_eq!(w.kernel, "conv2_wgrad_c8_64x128");
+        assert!(plan(Pass::Dgrad, &stem, &gpu).is_err());
+        // Not a multiple of 8 output channels: v1 takes it.
+        assert!(plan(Pass::Forward, &shape(2, 8, 8, 10, 3, 1), &gpu).is_err());
+    }
+
+    #[test]
+    fn wgrad_splits_fill_whole_waves() {
+        // 8 tiles on 264 slots: the reduction is split until the waves are full.
+        let (splits, chunk) = wgrad_splits(8, 200_704, 264);
+        assert_eq!(splits * 8 % 264, 0, "{splits}");
+        assert!(splits * chunk >= 200_704 && chunk % 32 == 0);
+        // A short reduction is not split below 256 pixels a slice.
+        assert_eq!(wgrad_splits(8, 300, 264).0, 2);
+        assert_eq!(wgrad_splits(1, 40, 264), (1, 64));
+        // The 2048-channel 1×1 of the last stage: 16·16 = 256 tiles, M = 2048.
+        let s = ConvShape {
+            padding: 0,
+            ..shape(256, 7, 512, 2048, 1, 1)
+        };
+        let l = plan(Pass::Wgrad, &s, &GpuLimits::H100).unwrap();
+        assert_eq!(l.kernel, "conv2_wgrad_1x1_128x128");
+        assert!(l.waves(&GpuLimits::H100) > 0.9, "{l:?}");
+    }
+}

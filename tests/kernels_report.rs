@@ -1,0 +1,42 @@
+//! `birdtrain kernels report` on the real kernels: NVRTC's sm_90 cubins of conv.cu and conv2.cu
+//! disassembled by nvdisasm/cuobjdump (scripts/install-cuda-tools.sh). Skips, saying why, where
+//! NVRTC or the tools are missing. Holds the v2 kernels to the goals: no spills, and
+//! under 64 non-mma instructions per 32 mma in the main loop (the small-C wgrad, whose every
+//! column checks its own tap, under 96).
+
+use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
+use birdtrain::cuda::conv::V2_GEMM_KERNELS;
+use birdtrain::cuda::GpuArch;
+
+#[test]
+fn v2_kernels_meet_the_instruction_and_spill_goals() {
+    if find_tool("nvdisasm").is_none() || find_tool("cuobjdump").is_none() {
+        eprintln!("skipped: nvdisasm/cuobjdump not found (scripts/install-cuda-tools.sh, then . scripts/cuda-env.sh)");
+        return;
+    }
+    if birdtrain::cuda::library::require_nvrtc().is_err() {
+        eprintln!("skipped: no NVRTC (. scripts/cuda-env.sh)");
+        return;
+    }
+    let arch = GpuArch { major: 9, minor: 0 };
+    let rows = report(arch, smem_per_sm(arch)).expect("kernels report");
+    for name in V2_GEMM_KERNELS {
+        let r = rows
+            .iter()
+            .find(|r| r.kernel == *name)
+            .unwrap_or_else(|| panic!("{name} missing from the report"));
+        assert_eq!(r.usage.local + r.usage.stack, 0, "{name} spills: {r:?}");
+        assert!(r.mix.mma >= 32, "{name}: no main loop found: {r:?}");
+        let limit = if name.contains("_c8_") { 96.0 } else { 64.0 };
+        let other = r.mix.other_per_32_mma().unwrap();
+        assert!(
+            other < limit,
+            "{name}: {other:.1} other instructions per 32 mma"
+        );
+        assert!(r.blocks_per_sm >= 2, "{name}: {r:?}");
+    }
+    // v1 is reported beside it.
+    assert!(rows
+        .iter()
+        .any(|r| r.kernel == "conv_fwd_vec" && r.mix.mma > 0));
+}
