@@ -66,16 +66,30 @@ impl Footprint {
 /// The footprint from the network's buffer plan: bf16 activations and activation gradients,
 /// bf16 weights and f32 gradients, f32 buffers and statistics; the optimizer's f32 master
 /// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
-/// slots and the loss rows; 1 MiB of kernel scratch.
+/// slots and the loss rows; the v2 convolutions' scratch (the stem input and weight padded to
+/// 8 channels in bf16, the largest weight rearranged for the strided dgrad); 1 MiB of kernel
+/// scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
+    let stem_padded = 2 * 8 * (image_size as usize).pow(2);
     let per_image = 2 * (plan.activations_per_image + plan.activation_grads_per_image)
         + (1 + STAGING_SLOTS) * pixels
+        + stem_padded
         + 4 * graph.num_classes();
     let optimizer = 3 * 4 * plan.params;
-    let fixed =
-        plan.params * (2 + 4) + optimizer + 4 * (plan.buffers + plan.statistics) + (1 << 20);
+    let largest_weight = graph
+        .params()
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .max()
+        .unwrap_or(0);
+    let conv2_weights = 2 * largest_weight + 2 * 8 * 7 * 7 * 64;
+    let fixed = plan.params * (2 + 4)
+        + optimizer
+        + 4 * (plan.buffers + plan.statistics)
+        + conv2_weights
+        + (1 << 20);
     Footprint {
         fixed_bytes: fixed as u64,
         per_image_bytes: per_image as u64,
