@@ -2,28 +2,11 @@
 //! nothing half-written (no run folder appears).
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 
 mod cli_support;
-use cli_support::{birdtrain_output as birdtrain, s};
-
-/// Asserts a failure with exactly one non-empty stderr line containing every `needle`.
-fn assert_one_line_error(out: &Output, needles: &[&str]) -> String {
-    assert!(!out.status.success(), "expected a failure, got success");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line, got:\n{stderr}");
-    assert!(lines[0].starts_with("error"), "{stderr}");
-    for needle in needles {
-        assert!(
-            lines[0].to_lowercase().contains(&needle.to_lowercase()),
-            "`{needle}` missing from: {stderr}"
-        );
-    }
-    stderr
-}
+use cli_support::{assert_one_line_error, birdtrain_output as birdtrain, s};
 
 fn dataset(root: &Path, classes: usize, seed: u64) -> PathBuf {
     write_dataset(&SynthConfig {

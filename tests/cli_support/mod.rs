@@ -40,3 +40,19 @@ pub(crate) fn birdtrain(args: &[&str]) -> Output {
 pub(crate) fn s(p: &Path) -> &str {
     p.to_str().expect("temp paths are UTF-8")
 }
+
+/// Asserts a failure with exactly one non-empty stderr line containing every `needle`.
+pub(crate) fn assert_one_line_error(out: &Output, needles: &[&str]) -> String {
+    assert!(!out.status.success(), "expected a failure, got success");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line, got:\n{stderr}");
+    assert!(lines[0].starts_with("error"), "{stderr}");
+    for needle in needles {
+        assert!(
+            lines[0].to_lowercase().contains(&needle.to_lowercase()),
+            "`{needle}` missing from: {stderr}"
+        );
+    }
+    stderr
+}
