@@ -4,7 +4,8 @@
 // lse = m + log Σ exp(z − m), loss = lse − (1−ε)·z[label] − ε·mean(z) (PyTorch's definition,
 // target = (1−ε)·onehot + ε/K), dz = (softmax(z) − target) / N (gradient of the batch mean).
 // `rank` counts the logits strictly greater than z[label] (0 = top-1 correct, < 5 = top-5), the
-// CPU reference's rule. Softmax probabilities are written when `probs` is not null, the
+// CPU reference's rule; a row holding a NaN or infinite logit gets rank INT_MAX (never correct,
+// not even top-5 with fewer than 5 classes). Softmax probabilities are written when `probs` is not null, the
 // gradient when `dlogits` is not null. Labels are validated on the host before the launch.
 //
 // Data layout. logits, dlogits: bf16 [N,K]; labels: i32 [N]; loss: f32 [N]; rank: i32 [N];
@@ -24,16 +25,18 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
     const int label = labels[row];
     const float z_label = bt_to_f32(z[label]);
 
-    float m = BT_NEG_INF, total = 0.0f, above = 0.0f;
+    float m = BT_NEG_INF, total = 0.0f, above = 0.0f, nonfinite = 0.0f;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const float v = bt_to_f32(z[j]);
         m = fmaxf(m, v);
         total += v;
         above += v > z_label ? 1.0f : 0.0f;
+        nonfinite += isfinite(v) ? 0.0f : 1.0f;
     }
     const float row_max = bt_block_max(m, scratch);
     total = bt_block_sum(total, scratch);
     above = bt_block_sum(above, scratch);
+    nonfinite = bt_block_sum(nonfinite, scratch);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < k; j += blockDim.x) sum += expf(bt_to_f32(z[j]) - row_max);
     sum = bt_block_sum(sum, scratch);
@@ -48,6 +51,6 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
     }
     if (threadIdx.x == 0) {
         loss[row] = lse - (1.0f - smoothing) * z_label - smoothing * total / (float)k;
-        rank[row] = (int)above;
+        rank[row] = nonfinite > 0.0f ? 0x7fffffff : (int)above;
     }
 }

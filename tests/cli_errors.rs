@@ -240,6 +240,8 @@ fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
         s(&cache),
         "--on-bad-image",
         "fail",
+        "--batch-size",
+        "4",
         "--quiet",
     ]);
     assert_one_line_error(&out, &["broken.png"]);

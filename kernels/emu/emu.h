@@ -37,7 +37,7 @@ inline std::mutex g_atomic_mutex;
 
 inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 inline float atomicAdd(float* p, float v) { std::lock_guard<std::mutex> l(g_atomic_mutex); float o = *p; *p += v; return o; }
-using std::min; using std::max;
+using std::min; using std::max; using std::isfinite;
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }

@@ -216,6 +216,24 @@ void test_loss(int n, int k, float sm) {
     check("dlogits", fromb(DZ), dz, 1e-6, 1.0 / 128);
 }
 
+// Rows holding a NaN or infinite logit are never counted correct (rank = INT_MAX).
+void test_loss_nonfinite() {
+    printf("softmax with non-finite logits\n");
+    const int n = 4, k = 7;
+    auto z = rnd((size_t)n * k, 1);
+    std::vector<int> lab = {2, 3, 0, 5};
+    z[0 * k + 2] = NAN;       // the label's own logit
+    z[1 * k + 6] = NAN;       // another logit
+    z[2 * k + 1] = INFINITY;  // an overflow
+    for (int j = 0; j < k; ++j) z[3 * k + j] = j == 5 ? 3.0f : 0.0f;  // finite, label on top
+    auto Z = tobf(z);
+    std::vector<float> L(n);
+    std::vector<int> RK(n);
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, 0.0f, 1.0f / n, L.data(), RK.data(), nullptr, nullptr); });
+    std::vector<double> want = {2147483647.0, 2147483647.0, 2147483647.0, 0};
+    check("rank (non-finite rows)", RK, want, 0, 0);
+}
+
 void test_input(int n, int s) {
     printf("input n=%d s=%d\n", n, s);
     std::vector<unsigned char> px((size_t)n * s * s * 3);
@@ -293,6 +311,7 @@ int main(int argc, char** argv) {
     test_linear(5, 37, 19);
     test_loss(5, 10, 0.0f);
     test_loss(3, 285, 0.1f);
+    test_loss_nonfinite();
     test_input(2, 17);
     test_optim();
     printf(fails ? "FAILED (%d)\n" : "ALL OK\n", fails);

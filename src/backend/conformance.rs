@@ -437,6 +437,32 @@ impl<B: Backend> Pair<'_, B> {
                 detail: format!("{tstats:?} vs reference {stats:?}"),
             });
         }
+
+        // A row with a NaN or infinite logit never counts as correct, on either backend: a
+        // diverged network must not score. Rows: NaN at the label, NaN elsewhere, +inf, and
+        // one finite row whose label is on top (the only correct one).
+        let k = classes.max(2);
+        let mut z = vec![0.0f32; 4 * k];
+        z[0] = f32::NAN;
+        z[k + 1] = f32::NAN;
+        z[2 * k + 1] = f32::INFINITY;
+        z[3 * k] = 3.0;
+        let labels = [0u32; 4];
+        let reference = self
+            .reference
+            .softmax_cross_entropy(4, k, &z, &labels, 0.0, None, None)?;
+        let tz = self.up(&z, TensorRole::Activation)?;
+        let tested = self
+            .test
+            .softmax_cross_entropy(4, k, &tz, &labels, 0.0, None, None)?;
+        for (who, got) in [("reference", reference), ("tested backend", tested)] {
+            if (got.correct_top1, got.correct_top5) != (1, 1) {
+                return Err(BackendError::Mismatch {
+                    check: "softmax_cross_entropy counts with non-finite logits".into(),
+                    detail: format!("{who}: {got:?}, expected 1 correct of 4 (rows with NaN or inf never count)"),
+                });
+            }
+        }
         Ok(())
     }
 

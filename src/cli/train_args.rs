@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
@@ -111,6 +111,13 @@ pub struct TrainArgs {
     /// No progress bars (epoch lines and the summary still print).
     #[arg(long)]
     pub quiet: bool,
+    /// With --resume: if the training images changed since the checkpoint, restart the
+    /// interrupted epoch on the new set instead of refusing.
+    #[arg(long)]
+    pub allow_data_change: bool,
+    /// Replace the run already in --out (its checkpoint and metrics) instead of refusing.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Stop after this many optimizer steps in total, saving a checkpoint as Ctrl-C does.
     #[arg(long, value_name = "N", hide = true)]
     pub stop_after_steps: Option<u64>,
@@ -302,6 +309,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         }
     }
     cfg.resume = args.resume.clone();
+    cfg.allow_data_change = args.allow_data_change;
+    cfg.overwrite = args.overwrite;
     cfg.stop_after_steps = args.stop_after_steps;
     cfg.progress = !args.quiet;
     if resumed.is_none() {
@@ -324,35 +333,71 @@ fn next_run_dir(root: &Path, model: &str) -> PathBuf {
         .expect("an unbounded range always has a free name")
 }
 
-/// Runs the training command. Ctrl-C finishes the current step, saves a checkpoint and
-/// exits with 130.
+/// Runs the training command. Ctrl-C or SIGTERM finishes the current step, saves a checkpoint
+/// and exits with 128 + the signal's number (130 after Ctrl-C, 143 after SIGTERM).
 pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     let (cfg, note) = to_config(&args)?;
     if let Some(note) = note {
         println!("{note}");
     }
-    let stop = install_ctrlc();
-    let outcome = train::train(&cfg, &stop)?;
-    if outcome.interrupted && stop.load(Ordering::SeqCst) {
-        return Ok(ExitCode::from(130));
+    let stop = install_stop_signals();
+    let outcome = train::train(&cfg, &stop.flag)?;
+    match stop.signal() {
+        Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
+        _ => Ok(ExitCode::SUCCESS),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
-/// A flag set by Ctrl-C (the handler can be installed once per process; later calls reuse a
-/// fresh flag that is never set, which only happens in tests).
-pub(crate) fn install_ctrlc() -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let installed = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            // Second Ctrl-C: the user does not want to wait for the checkpoint.
-            std::process::exit(130);
+/// Set by Ctrl-C (SIGINT) or SIGTERM: the run finishes its step, saves and stops.
+pub(crate) struct StopSignals {
+    /// Polled by the training loop after every step.
+    pub(crate) flag: Arc<AtomicBool>,
+    /// The first signal received (0: none).
+    received: Arc<AtomicI32>,
+}
+
+impl StopSignals {
+    /// The signal that asked to stop, if any.
+    pub(crate) fn signal(&self) -> Option<i32> {
+        match self.received.load(Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
         }
-        eprintln!("\nCtrl-C: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to quit now)");
-    });
-    if let Err(e) = installed {
-        tracing::warn!("Ctrl-C handler not installed ({e}); Ctrl-C will stop without a checkpoint");
+    }
+}
+
+/// Installs the handlers of SIGINT and SIGTERM (what Slurm, Kubernetes and systemd send before
+/// they kill): the first one sets the stop flag, a second one exits at once.
+pub(crate) fn install_stop_signals() -> StopSignals {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = StopSignals {
+        flag: Arc::new(AtomicBool::new(false)),
+        received: Arc::new(AtomicI32::new(0)),
+    };
+    let (flag, received) = (stop.flag.clone(), stop.received.clone());
+    match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
+        Ok(mut signals) => {
+            std::thread::spawn(move || {
+                for signal in signals.forever() {
+                    let name = if signal == SIGTERM {
+                        "SIGTERM"
+                    } else {
+                        "Ctrl-C"
+                    };
+                    if flag.swap(true, Ordering::SeqCst) {
+                        // A second signal: the user does not want to wait for the checkpoint
+                        // (the previous one stays intact: checkpoints commit atomically).
+                        eprintln!("\n{name} again: exiting now");
+                        std::process::exit(128 + signal);
+                    }
+                    received.store(signal, Ordering::SeqCst);
+                    eprintln!("\n{name}: finishing this step, saving a checkpoint, then exiting ({name} again to quit now)");
+                }
+            });
+        }
+        Err(e) => tracing::warn!(
+            "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop without a checkpoint"
+        ),
     }
     stop
 }

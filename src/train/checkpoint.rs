@@ -1,9 +1,18 @@
-//! Checkpoints: `RUN/model.safetensors` (torchvision names), `RUN/optimizer.safetensors`
-//! and the `RUN/checkpoint.json` sidecar.
+//! Checkpoints: the weights (torchvision names) and optimizer state as safetensors files, and
+//! the `RUN/checkpoint.json` sidecar that names them.
 //!
-//! Every file is written to a temporary name, synced and renamed. The sidecar is renamed
-//! last and records an xxh3 checksum of both tensor files, so a crash between two renames
-//! is caught on load ("torn checkpoint") instead of silently resuming from mixed files.
+//! `checkpoint.json` is the single commit point. [`write_checkpoint`] writes each checkpoint's
+//! tensor files under names of their own (`model-s<step>-<checksum>.safetensors`), synced,
+//! then replaces the sidecar (temporary file, sync, rename, sync of the folder), and only then
+//! removes the files of the checkpoint it superseded. Until the sidecar's rename the previous
+//! sidecar names the previous, untouched files; after it, the new one names the new files.
+//! So a kill at any moment, or a full disk, leaves the previous or the new checkpoint, whole.
+//! The sidecar records an xxh3 checksum of both tensor files, so a file edited or damaged
+//! later is refused on load ("torn checkpoint") instead of silently resumed.
+//!
+//! `RUN/model.safetensors` and `RUN/optimizer.safetensors` are kept as stable names for the
+//! current files (hard links, refreshed after each commit), for PyTorch users and scripts;
+//! birdtrain itself always reads the files the sidecar names.
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -11,12 +20,14 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::fault;
 use super::metrics::MetricsAccumulator;
 use super::TrainError;
 
-/// File name of the weights inside a run folder.
+/// Stable name of the current weights inside a run folder (a link to the file the sidecar
+/// names).
 pub const MODEL_FILE: &str = "model.safetensors";
-/// File name of the optimizer state inside a run folder.
+/// Stable name of the current optimizer state inside a run folder.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// File name of the JSON sidecar inside a run folder.
 pub const SIDECAR_FILE: &str = "checkpoint.json";
@@ -69,6 +80,26 @@ pub struct RunSettings {
     pub valid_fraction: Option<f32>,
 }
 
+/// What a checkpoint records of its training data, so that a resumed run notices a changed set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetStamp {
+    /// Training images at the time of the checkpoint.
+    pub train_images: usize,
+    /// The input engine's fingerprint of the training split (relative paths, sizes, labels,
+    /// class names and resize settings), hex.
+    pub train_fingerprint: String,
+}
+
+impl DatasetStamp {
+    /// The stamp of a training pipeline.
+    pub fn of(train: &pipeline::Pipeline) -> Self {
+        Self {
+            train_images: train.len(),
+            train_fingerprint: format!("{:016x}", train.fingerprint()),
+        }
+    }
+}
+
 /// The JSON sidecar of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointMeta {
@@ -108,6 +139,9 @@ pub struct CheckpointMeta {
     pub model_checksum: String,
     /// xxh3-64 of the optimizer state file, hex.
     pub optimizer_checksum: String,
+    /// The training data the run was on (absent in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<DatasetStamp>,
 }
 
 impl CheckpointMeta {
@@ -159,11 +193,162 @@ impl CheckpointMeta {
         Ok(meta)
     }
 
-    /// Writes the sidecar atomically into `run`.
+    /// Writes the sidecar atomically into `run` (the tensor files it names must be in place;
+    /// [`write_checkpoint`] is the whole protocol).
     pub fn save(&self, run: &Path) -> Result<(), TrainError> {
         let text = serde_json::to_string_pretty(self).expect("sidecar serialises");
         write_atomic(&run.join(SIDECAR_FILE), text.as_bytes())
     }
+}
+
+/// The stages of [`write_checkpoint`], in order (fault-injection points of the tests).
+pub const CHECKPOINT_STAGES: [&str; 6] = [
+    "model",
+    "optimizer",
+    "sidecar-temp",
+    "sidecar",
+    "links",
+    "cleanup",
+];
+
+/// Writes one checkpoint into `run`: `model` and `optimizer` (safetensors bytes) under names
+/// of their own, then `meta` (its file names and checksums are filled in here) as the
+/// sidecar, the commit point; then refreshes the stable names and removes what the previous
+/// checkpoint left. See the module documentation for why any interruption is safe.
+pub fn write_checkpoint(
+    run: &Path,
+    mut meta: CheckpointMeta,
+    model: &[u8],
+    optimizer: &[u8],
+) -> Result<(), TrainError> {
+    let nth = fault::begin_checkpoint();
+    let stage = |name: &'static str, path: &Path| {
+        fault::at(name, nth).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            what: "write",
+            source,
+        })
+    };
+    let step = meta.data_position.global_step;
+    let model_sum = checksum(model);
+    let optimizer_sum = checksum(optimizer);
+    meta.model_file = format!("model-s{step:08}-{model_sum}.safetensors");
+    meta.optimizer_state_file = format!("optimizer-s{step:08}-{optimizer_sum}.safetensors");
+    meta.model_checksum = model_sum;
+    meta.optimizer_checksum = optimizer_sum;
+    // A name is its content's checksum, so rewriting a file the current sidecar names (the
+    // same step saved twice) puts the same bytes back.
+    let model_path = run.join(&meta.model_file);
+    write_atomic(&model_path, model)?;
+    stage("model", &model_path)?;
+    let optimizer_path = run.join(&meta.optimizer_state_file);
+    write_atomic(&optimizer_path, optimizer)?;
+    stage("optimizer", &optimizer_path)?;
+
+    let sidecar = run.join(SIDECAR_FILE);
+    let text = serde_json::to_string_pretty(&meta).expect("sidecar serialises");
+    let tmp = write_temp(&sidecar, text.as_bytes())?;
+    if let Err(e) = stage("sidecar-temp", &sidecar) {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    commit_temp(&tmp, &sidecar)?;
+    sync_dir(run);
+    stage("sidecar", &sidecar)?;
+
+    // Committed. What follows only tidies up: a failure is a warning, never a lost checkpoint.
+    for (stable, current) in [
+        (MODEL_FILE, &meta.model_file),
+        (OPTIMIZER_FILE, &meta.optimizer_state_file),
+    ] {
+        if let Err(e) = link_stable(run, stable, current) {
+            tracing::warn!(
+                "checkpoint saved, but {} could not be refreshed: {e}",
+                run.join(stable).display()
+            );
+        }
+    }
+    stage("links", &run.join(MODEL_FILE))?;
+    remove_superseded(run, &meta);
+    stage("cleanup", run)?;
+    Ok(())
+}
+
+/// Removes what an interrupted checkpoint or run left in `run`: temporary files and tensor
+/// files that no sidecar names. A folder without a readable sidecar keeps its tensor files
+/// (they may be all that is left of a run).
+pub fn clean_run_folder(run: &Path) {
+    let Ok(entries) = fs::read_dir(run) else {
+        return;
+    };
+    let named = fs::read_to_string(run.join(SIDECAR_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<CheckpointMeta>(&t).ok());
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let stale_temp = is_temp_name(name);
+        let superseded = named.as_ref().is_some_and(|m| {
+            is_versioned_tensor_file(name) && name != m.model_file && name != m.optimizer_state_file
+        });
+        if stale_temp || superseded {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// `model-s…` / `optimizer-s…` files written by [`write_checkpoint`].
+fn is_versioned_tensor_file(name: &str) -> bool {
+    (name.starts_with("model-s") || name.starts_with("optimizer-s"))
+        && name.ends_with(".safetensors")
+}
+
+/// Names made by [`temp_path`]: `<name>.tmp<pid>`.
+fn is_temp_name(name: &str) -> bool {
+    name.rsplit_once(".tmp").is_some_and(|(stem, pid)| {
+        !stem.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
+fn remove_superseded(run: &Path, meta: &CheckpointMeta) {
+    let Ok(entries) = fs::read_dir(run) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if is_versioned_tensor_file(name)
+            && name != meta.model_file
+            && name != meta.optimizer_state_file
+        {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Points `run/stable` at `run/current`: a hard link (a copy where links are not supported)
+/// under a temporary name, renamed over the old one.
+fn link_stable(run: &Path, stable: &str, current: &str) -> std::io::Result<()> {
+    let target = run.join(stable);
+    let tmp = temp_path(&target);
+    let _ = fs::remove_file(&tmp);
+    if fs::hard_link(run.join(current), &tmp).is_err() {
+        fs::copy(run.join(current), &tmp)?;
+    }
+    fs::rename(&tmp, &target).inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
+/// Makes the renames in `dir` durable (best effort: not every file system syncs folders).
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn checksum(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
 /// xxh3-64 of a file's bytes as 16 hex digits.
@@ -181,22 +366,30 @@ pub fn temp_path(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` through a synced temporary file and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let tmp = write_temp(path, bytes)?;
+    commit_temp(&tmp, path)
+}
+
+/// Writes `bytes` to a synced temporary sibling of `path` and returns its name (removed
+/// again on failure, so a full disk leaves nothing behind).
+fn write_temp(path: &Path, bytes: &[u8]) -> Result<PathBuf, TrainError> {
     let tmp = temp_path(path);
-    let io = |source| TrainError::Io {
-        path: path.to_path_buf(),
-        what: "write",
-        source,
-    };
     let result = (|| {
         let mut file = File::create(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()
     })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(io(e));
+    match result {
+        Ok(()) => Ok(tmp),
+        Err(source) => {
+            let _ = fs::remove_file(&tmp);
+            Err(TrainError::Io {
+                path: path.to_path_buf(),
+                what: "write",
+                source,
+            })
+        }
     }
-    commit_temp(&tmp, path)
 }
 
 /// Renames a finished temporary file onto its final name.
@@ -268,6 +461,7 @@ mod tests {
             },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
             optimizer_checksum: file_checksum(&dir.join(OPTIMIZER_FILE)).unwrap(),
+            dataset: None,
         }
     }
 
@@ -290,6 +484,74 @@ mod tests {
         fs::write(dir.path().join(MODEL_FILE), b"other weights").unwrap();
         let err = CheckpointMeta::load(dir.path()).unwrap_err().to_string();
         assert!(err.contains("checksum"), "{err}");
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_checkpoint_supersedes_the_previous_one_and_leaves_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = meta(dir.path());
+        fs::remove_file(dir.path().join(MODEL_FILE)).unwrap();
+        fs::remove_file(dir.path().join(OPTIMIZER_FILE)).unwrap();
+        write_checkpoint(dir.path(), m.clone(), b"weights 1", b"state 1").unwrap();
+        let first = CheckpointMeta::load(dir.path()).unwrap();
+        assert!(first.model_file.starts_with("model-s00000010-"));
+        assert_eq!(fs::read(dir.path().join(MODEL_FILE)).unwrap(), b"weights 1");
+        m.data_position.global_step = 11;
+        write_checkpoint(dir.path(), m.clone(), b"weights 2", b"state 2").unwrap();
+        let second = CheckpointMeta::load(dir.path()).unwrap();
+        assert_ne!(first.model_file, second.model_file);
+        assert_eq!(
+            names(dir.path()),
+            vec![
+                SIDECAR_FILE.to_string(),
+                MODEL_FILE.to_string(),
+                second.model_file.clone(),
+                OPTIMIZER_FILE.to_string(),
+                second.optimizer_state_file.clone(),
+            ]
+            .into_iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            fs::read(dir.path().join(OPTIMIZER_FILE)).unwrap(),
+            b"state 2"
+        );
+        // The same step saved again (same bytes) keeps a loadable checkpoint.
+        write_checkpoint(dir.path(), m, b"weights 2", b"state 2").unwrap();
+        assert_eq!(CheckpointMeta::load(dir.path()).unwrap(), second);
+    }
+
+    #[test]
+    fn cleaning_removes_temporaries_and_unnamed_tensor_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = meta(dir.path());
+        write_checkpoint(dir.path(), m, b"w", b"s").unwrap();
+        let before = names(dir.path());
+        for leftover in [
+            "model-s00000099-0123456789abcdef.safetensors",
+            "checkpoint.json.tmp4242",
+            "model-s00000099-0123456789abcdef.safetensors.tmp17",
+        ] {
+            fs::write(dir.path().join(leftover), b"x").unwrap();
+        }
+        fs::write(dir.path().join("notes.tmpx"), b"mine").unwrap();
+        clean_run_folder(dir.path());
+        let mut expected = before;
+        expected.push("notes.tmpx".into());
+        expected.sort();
+        assert_eq!(names(dir.path()), expected);
+        CheckpointMeta::load(dir.path()).unwrap();
     }
 
     #[test]

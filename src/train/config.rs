@@ -96,6 +96,11 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Continue the run saved in this folder.
     pub resume: Option<PathBuf>,
+    /// On resume, a training set that changed since the checkpoint restarts the interrupted
+    /// epoch instead of being refused.
+    pub allow_data_change: bool,
+    /// Replace the run already in `out` (without it, such a folder is refused).
+    pub overwrite: bool,
     /// Random crop + flip on training images.
     pub augment: bool,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
@@ -145,6 +150,8 @@ impl TrainConfig {
             out: PathBuf::from("runs/run"),
             seed: 0,
             resume: None,
+            allow_data_change: false,
+            overwrite: false,
             augment: true,
             init_from: None,
             last_batch: LastBatch::Partial,
@@ -165,6 +172,20 @@ impl TrainConfig {
     /// `--lr` scaled linearly from a global batch of 256 to this run's.
     pub fn scaled_lr(&self) -> f32 {
         self.lr * self.global_batch() as f32 / 256.0
+    }
+
+    /// The images a full step really holds on `train_images` training images: the global
+    /// batch, or the whole set when the batch is larger (`--last-batch pad` fills it up).
+    pub fn effective_global_batch(&self, train_images: usize) -> usize {
+        match self.last_batch {
+            LastBatch::Pad => self.global_batch(),
+            _ => self.global_batch().min(train_images.max(1)),
+        }
+    }
+
+    /// `--lr` scaled to the batch a step really holds ([`Self::effective_global_batch`]).
+    pub fn scaled_lr_for(&self, train_images: usize) -> f32 {
+        self.lr * self.effective_global_batch(train_images) as f32 / 256.0
     }
 
     /// The settings a checkpoint records so that `--resume` continues the same way.

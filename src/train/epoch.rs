@@ -12,7 +12,7 @@ use super::config::TrainConfig;
 use super::evaluate::evaluate;
 use super::metrics::{EpochMetrics, MetricsSplit};
 use super::progress::EpochBar;
-use super::run::RunState;
+use super::run::{check_loss, RunState};
 use super::TrainError;
 use crate::backend::Backend;
 use crate::model::InputBatch;
@@ -91,8 +91,16 @@ pub(super) fn train_epoch<B: Backend>(
         let (stats, grad) = run.replicas.forward_backward(&inputs)?;
         drop(inputs);
         drop(batches);
+        let lr = schedule.lr_at(run.position.global_step);
+        check_loss(
+            cfg,
+            stats.loss_sum,
+            stats.count,
+            run.position.global_step,
+            epoch,
+            lr,
+        )?;
         if let Some(grad) = grad {
-            let lr = schedule.lr_at(run.position.global_step);
             run.optimizer.step(run.replicas.params_mut(), &grad, lr)?;
             run.replicas.broadcast_params()?;
         }

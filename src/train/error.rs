@@ -57,6 +57,55 @@ pub enum TrainError {
         /// What to do about it.
         hint: &'static str,
     },
+    /// `--resume` on training data that changed since the checkpoint.
+    #[error("cannot resume {path}: the training data changed since its checkpoint ({change}) (hint: resume on the data it was trained on, or pass --allow-data-change to restart epoch {epoch} on the new data)")]
+    DataChanged {
+        /// The run folder.
+        path: PathBuf,
+        /// What changed, in words.
+        change: String,
+        /// The interrupted epoch, counted from 1.
+        epoch: u64,
+    },
+    /// The loss became NaN or infinite: the run stops without saving the diverged weights.
+    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); the last checkpoint in {out} is kept (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    NonFiniteLoss {
+        /// "training loss" or "validation loss".
+        what: &'static str,
+        /// The mean loss (NaN or ±inf).
+        loss: f64,
+        /// The global step (counted from 1) at which it was seen.
+        step: u64,
+        /// The epoch, counted from 1.
+        epoch: u64,
+        /// The learning rate of that step.
+        lr: f32,
+        /// The run folder.
+        out: PathBuf,
+    },
+    /// The weights or batch-norm statistics overflowed: the run stops before they reach a
+    /// checkpoint.
+    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); the last checkpoint in {out} is kept (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    NonFiniteWeights {
+        /// The first tensor (torchvision name) with a non-finite value.
+        tensor: String,
+        /// Steps taken.
+        step: u64,
+        /// The epoch, counted from 1.
+        epoch: u64,
+        /// The learning rate of the last step.
+        lr: f32,
+        /// The run folder.
+        out: PathBuf,
+    },
+    /// `--out` names a folder that holds a run already.
+    #[error("{path} holds a run already ({found}) (hint: continue it with --resume {path}, choose another --out, or pass --overwrite to replace it)")]
+    RunExists {
+        /// The folder.
+        path: PathBuf,
+        /// What was found there.
+        found: String,
+    },
     /// An option value that cannot work.
     #[error("invalid value {value} for {flag}: {hint}")]
     InvalidConfig {

@@ -38,11 +38,12 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use pipeline::{BatchAllocator, Pipeline, PipelineBuilder, Split};
 
+use super::checkpoint::DatasetStamp;
 use super::checkpoint::{CheckpointMeta, DataPosition};
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
 use super::metrics::{read_metrics, truncate_metrics_from, MetricsAccumulator};
-use super::resume::{check_resume, copy_metrics};
+use super::resume::{check_resume, copy_metrics, resume_position};
 use super::run::{optimizer_kind, source, TrainOutcome};
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
@@ -222,8 +223,9 @@ pub(crate) fn train_on_gpus(
             ),
         ));
     }
+    super::run::warn_about_dataset(&run_cfg, classes.len(), train_pipe.len());
     let schedule = Schedule {
-        base_lr: run_cfg.scaled_lr(),
+        base_lr: run_cfg.scaled_lr_for(train_pipe.len()),
         steps_per_epoch: steps_per_epoch as u64,
         warmup_epochs: cfg.warmup_epochs,
         total_epochs: cfg.epochs as u32,
@@ -233,8 +235,14 @@ pub(crate) fn train_on_gpus(
         weight_decay: cfg.weight_decay,
         ..Hyper::default()
     };
-    let (state, optimizer, position) =
-        initial_state(&run_cfg, &graph, &classes, hyper, resumed.as_ref())?;
+    let (state, optimizer, position) = initial_state(
+        &run_cfg,
+        &graph,
+        &classes,
+        hyper,
+        resumed.as_ref(),
+        &DatasetStamp::of(&train_pipe),
+    )?;
     let metrics_path = cfg.out.join("metrics.jsonl");
     if plan.is_master() {
         match &resumed {
@@ -358,6 +366,7 @@ fn initial_state(
     classes: &[String],
     hyper: Hyper,
     resumed: Option<&(PathBuf, CheckpointMeta)>,
+    dataset: &DatasetStamp,
 ) -> Result<(ModelState, Option<Optimizer>, DataPosition), TrainError> {
     match resumed {
         Some((run, meta)) => {
@@ -367,12 +376,7 @@ fn initial_state(
                 &run.join(&meta.model_file),
                 HeadPolicy::Strict,
             )?;
-            let mut position = meta.data_position.clone();
-            if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
-                // Another GPU count: continue from the same sample count (rounded down).
-                let gb = cfg.global_batch() as u64;
-                position.step_in_epoch = (position.samples_in_epoch / gb) as usize;
-            }
+            let position = resume_position(cfg, run, meta, dataset)?;
             let mut optimizer = Optimizer::new(optimizer_kind(cfg), hyper, graph.params());
             optimizer.load(&run.join(&meta.optimizer_state_file))?;
             Ok((state, Some(optimizer), position))

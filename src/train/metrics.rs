@@ -28,7 +28,9 @@ pub struct EpochMetrics {
     pub epoch: u64,
     /// The split these figures belong to.
     pub split: MetricsSplit,
-    /// Mean cross-entropy loss per image.
+    /// Mean cross-entropy loss per image. JSON has no NaN: a non-finite value is written as
+    /// `null` and read back as NaN, so every line a run writes reads back.
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
     /// Top-1 accuracy in [0, 1].
     pub accuracy: f64,
@@ -105,6 +107,10 @@ impl MetricsAccumulator {
             seconds: self.seconds,
         }
     }
+}
+
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// An f64 as the shortest decimal string that parses back to the same bits.

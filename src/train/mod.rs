@@ -15,6 +15,7 @@ mod device;
 mod epoch;
 mod error;
 mod evaluate;
+pub mod fault;
 mod gpu;
 pub mod metrics;
 mod progress;
@@ -25,7 +26,7 @@ mod run;
 mod summary;
 
 pub use augment::{augment_for, augments_for, max_shift};
-pub use checkpoint::{CheckpointMeta, DataPosition, RunSettings};
+pub use checkpoint::{CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
 pub use config::{OptimizerChoice, TrainConfig};
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;

@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use pipeline::{DatasetSource, Pipeline, PipelineBuilder, Split};
 
-use super::checkpoint::{CheckpointMeta, DataPosition, SIDECAR_FILE};
+use super::checkpoint::{
+    clean_run_folder, CheckpointMeta, DataPosition, DatasetStamp, SIDECAR_FILE,
+};
 use super::config::{OptimizerChoice, TrainConfig};
 use super::device::DeviceChoice;
 use super::epoch::{reached_stop_step, train_epoch, validate};
@@ -16,7 +18,7 @@ use super::metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochM
 use super::metrics::{MetricsAccumulator, MetricsSplit};
 use super::replicas::Replicas;
 use super::report::write_report;
-use super::resume::{check_resume, copy_metrics, save_checkpoint};
+use super::resume::{check_resume, copy_metrics, resume_position, save_checkpoint};
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
 use crate::backend::cpu::CpuBackend;
@@ -48,6 +50,7 @@ pub struct TrainOutcome {
 /// finished, a checkpoint saved, and the run returns with `interrupted`.
 pub fn train(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
+    refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
     // folder exists from the start; a run that fails before its first checkpoint removes
     // the folder it created ("nothing half-written").
@@ -57,11 +60,121 @@ pub fn train(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, Train
         what: "create the run folder",
         source,
     })?;
+    // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
+    // files) goes before anything new is written.
+    clean_run_folder(&cfg.out);
     let result = train_on_device(cfg, stop);
     if result.is_err() && created && !cfg.out.join(SIDECAR_FILE).exists() {
         let _ = std::fs::remove_dir_all(&cfg.out);
     }
     result
+}
+
+/// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
+/// unless `--overwrite` says so.
+fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if cfg.overwrite || cfg.resume.as_deref() == Some(cfg.out.as_path()) {
+        return Ok(());
+    }
+    let found: Vec<&str> = [SIDECAR_FILE, "metrics.jsonl"]
+        .into_iter()
+        .filter(|f| cfg.out.join(f).exists())
+        .collect();
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::RunExists {
+        path: cfg.out.clone(),
+        found: found.join(", "),
+    })
+}
+
+/// Warnings about a training set that makes the figures misleading (the run goes on).
+pub(super) fn warn_about_dataset(cfg: &TrainConfig, classes: usize, train_images: usize) {
+    if classes == 1 {
+        tracing::warn!(
+            "the training set has a single class: every prediction is that class, so accuracy is 1.0 by construction (add at least one more class folder)"
+        );
+    }
+    let global = cfg.global_batch();
+    if global > train_images && cfg.last_batch != pipeline::LastBatch::Pad {
+        tracing::warn!(
+            "a global batch of {global} is larger than the {train_images} training images: each step holds all {train_images}, and the learning rate is scaled for {train_images} (hint: a smaller --batch-size)"
+        );
+    }
+}
+
+/// Stops the run on a NaN or infinite training loss (the sum over a step's `count` images),
+/// before the diverged weights reach a checkpoint.
+pub(super) fn check_loss(
+    cfg: &TrainConfig,
+    loss_sum: f64,
+    count: usize,
+    global_step: u64,
+    epoch: u64,
+    lr: f32,
+) -> Result<(), TrainError> {
+    if count == 0 || loss_sum.is_finite() {
+        return Ok(());
+    }
+    Err(TrainError::NonFiniteLoss {
+        what: "training loss",
+        loss: loss_sum / count as f64,
+        step: global_step + 1,
+        epoch: epoch + 1,
+        lr,
+        out: cfg.out.clone(),
+    })
+}
+
+/// Stops the run when validation after epoch `epoch` (counted from 1) gives a NaN or infinite
+/// loss: the weights overflowed although each step's loss still looked finite.
+pub(super) fn check_valid_loss(
+    cfg: &TrainConfig,
+    valid: &EpochMetrics,
+    global_step: u64,
+    lr: f32,
+) -> Result<(), TrainError> {
+    if valid.loss.is_finite() {
+        return Ok(());
+    }
+    Err(TrainError::NonFiniteLoss {
+        what: "validation loss",
+        loss: valid.loss,
+        step: global_step,
+        epoch: valid.epoch,
+        lr,
+        out: cfg.out.clone(),
+    })
+}
+
+/// Refuses to checkpoint weights or statistics that overflowed (a loss can stay finite while
+/// a batch-norm variance already reached infinity).
+pub(super) fn check_finite_state(
+    cfg: &TrainConfig,
+    graph: &Graph,
+    state: &ModelState,
+    position: &DataPosition,
+    lr: f32,
+) -> Result<(), TrainError> {
+    let names = graph
+        .params()
+        .iter()
+        .map(|p| &p.name)
+        .zip(&state.params)
+        .chain(graph.buffers().iter().map(|b| &b.name).zip(&state.buffers));
+    for (name, values) in names {
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(TrainError::NonFiniteWeights {
+                tensor: name.clone(),
+                step: position.global_step,
+                epoch: position.epoch + u64::from(position.step_in_epoch > 0),
+                lr,
+                out: cfg.out.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn train_on_device(cfg: &TrainConfig, stop: &AtomicBool) -> Result<TrainOutcome, TrainError> {
@@ -177,7 +290,9 @@ pub(crate) fn train_with<B: Backend>(
             ),
         });
     }
-    let lr = cfg.scaled_lr();
+    let dataset = DatasetStamp::of(&train_pipe);
+    warn_about_dataset(cfg, classes.len(), train_pipe.len());
+    let lr = cfg.scaled_lr_for(train_pipe.len());
     let schedule = Schedule {
         base_lr: lr,
         steps_per_epoch: steps_per_epoch as u64,
@@ -199,20 +314,7 @@ pub(crate) fn train_with<B: Backend>(
                 HeadPolicy::Strict,
             )?;
             optimizer.load(&run.join(&meta.optimizer_state_file))?;
-            let mut position = meta.data_position.clone();
-            if meta.global_batch != cfg.global_batch() && position.step_in_epoch > 0 {
-                // Another global batch: continue from the same sample count when it divides.
-                let gb = cfg.global_batch() as u64;
-                position.step_in_epoch = (position.samples_in_epoch / gb) as usize;
-                if position.samples_in_epoch % gb != 0 {
-                    tracing::warn!(
-                        "resuming with global batch {gb} (was {}): {} samples of epoch {} are seen again",
-                        meta.global_batch,
-                        position.samples_in_epoch % gb,
-                        position.epoch + 1
-                    );
-                }
-            }
+            let position = resume_position(cfg, run, meta, &dataset)?;
             (state, position)
         }
         None => {
@@ -318,7 +420,14 @@ pub(crate) fn train_with<B: Backend>(
         let epoch = run.position.epoch;
         let finished = train_epoch(cfg, stop, &train_pipe, &schedule, &mut run, steps_per_epoch)?;
         if !finished {
-            save_checkpoint(cfg, &graph, &classes, &run)?;
+            save_checkpoint(
+                cfg,
+                &graph,
+                &classes,
+                &dataset,
+                &run,
+                schedule.lr_at(run.position.global_step.saturating_sub(1)),
+            )?;
             say(
                 cfg,
                 format!(
@@ -339,6 +448,12 @@ pub(crate) fn train_with<B: Backend>(
         session_wait.0 += run.position.partial_train.wait_seconds;
         session_wait.1 += run.position.partial_train.seconds;
         let valid_line = validate(cfg, &valid_pipe, &mut run, epoch + 1)?;
+        check_valid_loss(
+            cfg,
+            &valid_line,
+            run.position.global_step,
+            schedule.lr_at(run.position.global_step.saturating_sub(1)),
+        )?;
         append_metrics(&metrics_path, &train_line)?;
         append_metrics(&metrics_path, &valid_line)?;
         run.position = DataPosition {
@@ -348,7 +463,14 @@ pub(crate) fn train_with<B: Backend>(
             global_step: run.position.global_step,
             partial_train: MetricsAccumulator::default(),
         };
-        save_checkpoint(cfg, &graph, &classes, &run)?;
+        save_checkpoint(
+            cfg,
+            &graph,
+            &classes,
+            &dataset,
+            &run,
+            schedule.lr_at(run.position.global_step.saturating_sub(1)),
+        )?;
         write_report(&cfg.out.join("report.png"), &read_metrics(&metrics_path)?)?;
         say(cfg, format!(
             "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.0}% · {:.1} s",

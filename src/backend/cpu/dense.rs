@@ -119,7 +119,13 @@ pub(super) fn softmax_cross_entropy(
         let lse = f64::from(max) + sum_exp.ln();
         let mean_z: f64 = z.iter().map(|&v| f64::from(v)).sum::<f64>() / classes as f64;
         stats.loss_sum += lse - (1.0 - eps) * f64::from(z[label]) - eps * mean_z;
-        let above = z.iter().filter(|&&v| v > z[label]).count();
+        // A row with a NaN or infinite logit is never counted correct (NaN compares false,
+        // so it would otherwise rank first).
+        let above = if z.iter().all(|v| v.is_finite()) {
+            z.iter().filter(|&&v| v > z[label]).count()
+        } else {
+            usize::MAX
+        };
         stats.correct_top1 += usize::from(above == 0);
         stats.correct_top5 += usize::from(above < 5);
         if let Some(p) = probs.as_deref_mut() {

@@ -62,15 +62,14 @@ use crate::model::{
     BnAllReduce, GradHookError, InputBatch, Network, NetworkConfig, StepStats, SyncEvent,
 };
 use crate::train::augment::augments_for;
-use crate::train::checkpoint::{
-    write_atomic, CheckpointMeta, DataPosition, MODEL_FILE, OPTIMIZER_FILE, SIDECAR_VERSION,
-};
+use crate::train::checkpoint::{write_checkpoint, DataPosition, DatasetStamp};
 use crate::train::evaluate::evaluate;
 use crate::train::metrics::MetricsSplit;
 use crate::train::metrics::{append_metrics, read_metrics, EpochMetrics, MetricsAccumulator};
 use crate::train::progress::EpochBar;
 use crate::train::report::write_report;
-use crate::train::run::optimizer_kind;
+use crate::train::resume::checkpoint_meta;
+use crate::train::run::{check_finite_state, check_loss, check_valid_loss, optimizer_kind};
 use crate::train::TrainError;
 
 /// What a driver thread reports when it ends.
@@ -514,6 +513,13 @@ impl Rank<'_> {
         self.net.backend().clear_staged();
         let report = evaluate(&mut self.net, &self.shared.valid_pipe)?;
         let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
+        let step = self.position.global_step;
+        check_valid_loss(
+            cfg,
+            &valid_line,
+            step,
+            self.shared.schedule.lr_at(step.saturating_sub(1)),
+        )?;
         append_metrics(&self.shared.metrics_path, train_line)?;
         append_metrics(&self.shared.metrics_path, &valid_line)?;
         self.save_checkpoint()?;
@@ -602,6 +608,15 @@ impl Rank<'_> {
                 let global =
                     self.step(&ready.batch, ready.staged.slot, ready.staged.bytes, epoch)?;
                 let (totals, agreed_stop) = global;
+                // Every rank sees the same summed loss, so all of them stop here together.
+                check_loss(
+                    cfg,
+                    totals.loss_sum,
+                    totals.count,
+                    self.position.global_step,
+                    epoch,
+                    shared.schedule.lr_at(self.position.global_step),
+                )?;
                 stop = agreed_stop;
                 self.position.samples_in_epoch += totals.count as u64;
                 images += totals.count as u64;
@@ -841,6 +856,10 @@ impl Rank<'_> {
         let mut state = self.net.state().map_err(TrainError::from)?;
         let master = from_backend_layout(graph.params(), &self.opt.master()?);
         state.set_flat_params(&master).map_err(TrainError::from)?;
+        let lr = shared
+            .schedule
+            .lr_at(self.position.global_step.saturating_sub(1));
+        check_finite_state(cfg, graph, &state, &self.position, lr)?;
         let model_bytes = state
             .to_safetensors_bytes(graph, None)
             .map_err(TrainError::from)?;
@@ -850,30 +869,13 @@ impl Rank<'_> {
             .to_host(optimizer_kind(cfg), shared.hyper, graph.params())
             .map_err(TrainError::from)?
             .to_safetensors_bytes();
-        write_atomic(&cfg.out.join(MODEL_FILE), &model_bytes)?;
-        write_atomic(&cfg.out.join(OPTIMIZER_FILE), &optim_bytes)?;
-        let checksum = |bytes: &[u8]| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));
-        let meta = CheckpointMeta {
-            version: SIDECAR_VERSION,
-            model: cfg.arch.name().into(),
-            classes: shared.classes.clone(),
-            image_size: cfg.image_size,
-            epoch: self.position.epoch,
-            step: self.position.global_step,
-            optimizer: cfg.optimizer.name().into(),
-            optimizer_state_file: OPTIMIZER_FILE.into(),
-            model_file: MODEL_FILE.into(),
-            seed: cfg.seed,
-            data_position: self.position.clone(),
-            global_batch: cfg.global_batch(),
-            replicas: cfg.replicas,
-            batch_size: cfg.batch_size,
-            epochs: cfg.epochs,
-            settings: cfg.settings(),
-            model_checksum: checksum(&model_bytes),
-            optimizer_checksum: checksum(&optim_bytes),
-        };
-        meta.save(&cfg.out)?;
+        let meta = checkpoint_meta(
+            cfg,
+            &shared.classes,
+            &DatasetStamp::of(&shared.train_pipe),
+            &self.position,
+        );
+        write_checkpoint(&cfg.out, meta, &model_bytes, &optim_bytes)?;
         Ok(())
     }
 }

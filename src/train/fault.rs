@@ -1,0 +1,98 @@
+//! Fault injection for the crash-safety tests of checkpoint writing.
+//!
+//! `BIRDTRAIN_FAULT=checkpoint:<stage>[@<n>][:enospc]` makes the n-th checkpoint written by
+//! this process (1 when `@n` is absent) fail at `<stage>` (see
+//! [`super::checkpoint::write_checkpoint`] for the stages): by default the process kills
+//! itself with SIGKILL there (what `kill -9`, the OOM killer or a power cut leave behind);
+//! with `:enospc` the write returns "No space left on device" instead, as a full disk would.
+//! The variable is read once; without it every call is a no-op.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// The environment variable that arms a fault.
+pub const FAULT_ENV: &str = "BIRDTRAIN_FAULT";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fault {
+    stage: String,
+    nth: u64,
+    enospc: bool,
+}
+
+fn parse(spec: &str) -> Option<Fault> {
+    let rest = spec.strip_prefix("checkpoint:")?;
+    let (rest, enospc) = match rest.strip_suffix(":enospc") {
+        Some(r) => (r, true),
+        None => (rest, false),
+    };
+    let (stage, nth) = match rest.split_once('@') {
+        Some((stage, n)) => (stage, n.parse().ok()?),
+        None => (rest, 1),
+    };
+    Some(Fault {
+        stage: stage.to_string(),
+        nth,
+        enospc,
+    })
+}
+
+fn armed() -> Option<&'static Fault> {
+    static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
+    FAULT
+        .get_or_init(|| std::env::var(FAULT_ENV).ok().and_then(|s| parse(&s)))
+        .as_ref()
+}
+
+/// Checkpoints begun by this process (counts from 1).
+static CHECKPOINTS: AtomicU64 = AtomicU64::new(0);
+
+/// Marks the start of a checkpoint write; returns its number in this process.
+pub(crate) fn begin_checkpoint() -> u64 {
+    CHECKPOINTS.fetch_add(1, Ordering::SeqCst) + 1
+}
+
+/// Called at each stage of checkpoint number `nth`: fails there if the armed fault says so.
+pub(crate) fn at(stage: &str, nth: u64) -> std::io::Result<()> {
+    let Some(fault) = armed() else {
+        return Ok(());
+    };
+    if fault.stage != stage || fault.nth != nth {
+        return Ok(());
+    }
+    if fault.enospc {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
+    // SAFETY: kill(2) on our own pid with a valid signal number; it does not return.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    unreachable!("SIGKILL cannot be caught")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse() {
+        assert_eq!(
+            parse("checkpoint:sidecar"),
+            Some(Fault {
+                stage: "sidecar".into(),
+                nth: 1,
+                enospc: false
+            })
+        );
+        assert_eq!(
+            parse("checkpoint:model@3:enospc"),
+            Some(Fault {
+                stage: "model".into(),
+                nth: 3,
+                enospc: true
+            })
+        );
+        assert_eq!(parse("model@3"), None);
+        assert_eq!(parse("checkpoint:model@x"), None);
+    }
+}
