@@ -203,9 +203,7 @@ fn forward_plan(s: &ConvShape) -> Plan {
     for g in &grouper.groups {
         for r in &g.runs {
             let first = r.w_index / ci;
-            for t in first..first + r.len / ci {
-                used_taps[t] = true;
-            }
+            used_taps[first..first + r.len / ci].fill(true);
         }
     }
     let plan = Plan {

@@ -223,7 +223,10 @@ unsafe impl Simd for Portable {
     unsafe fn pass_where_positive(gate: [f32; 4], v: [f32; 4]) -> [f32; 4] {
         // All-ones or all-zeros mask per lane, applied to the bits: a select, not a branch.
         std::array::from_fn(|i| {
-            let mask = (!(gate[i] <= 0.0) as u32).wrapping_neg();
+            // Passes unless `gate <= 0` (NaN passes, as the vector levels' unordered compare).
+            use std::cmp::Ordering::{Equal, Less};
+            let pass = !matches!(gate[i].partial_cmp(&0.0), Some(Less | Equal));
+            let mask = (pass as u32).wrapping_neg();
             f32::from_bits(v[i].to_bits() & mask)
         })
     }
