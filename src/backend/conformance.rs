@@ -123,6 +123,8 @@ struct Pair<'a, B: Backend> {
     reference: CpuBackend,
     test: &'a B,
     tol: Tolerance,
+    /// Scale the absolute tolerance by the tensor's largest reference magnitude (long sums).
+    scaled: bool,
     reports: Vec<CheckReport>,
 }
 
@@ -135,7 +137,14 @@ impl<B: Backend> Pair<'_, B> {
 
     fn check(&mut self, name: String, got: &B::Tensor, want: &[f32]) -> Result<(), BackendError> {
         let got = self.test.download(got)?;
-        let r = compare(&name, &got[..want.len()], want, self.tol)?;
+        let scale = if self.scaled {
+            want.iter()
+                .fold(0.0f32, |a, v| a.max(v.abs()))
+                .max(f32::MIN_POSITIVE)
+        } else {
+            1.0
+        };
+        let r = compare_scaled(&name, &got[..want.len()], want, self.tol, scale)?;
         self.reports.push(r);
         Ok(())
     }
@@ -502,9 +511,10 @@ pub fn check_ops<B: Backend>(
     tol: Tolerance,
 ) -> Result<Vec<CheckReport>, BackendError> {
     let mut pair = Pair {
-        reference: CpuBackend::new(2)?,
+        reference: CpuBackend::reference(2)?,
         test: backend,
         tol,
+        scaled: false,
         reports: Vec::new(),
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
@@ -533,6 +543,8 @@ pub fn check_ops<B: Backend>(
         (50, 3, false, false, BnMode::Train),
         (64, 16, false, true, BnMode::Train),
         (300, 8, true, true, BnMode::Train),
+        (700, 64, true, true, BnMode::Train),
+        (530, 19, false, false, BnMode::Train),
         (40, 5, true, true, BnMode::Frozen),
         (40, 5, false, true, BnMode::Eval),
     ] {
@@ -552,6 +564,64 @@ pub fn check_ops<B: Backend>(
     }
     pair.gap_linear_loss(&mut rng)?;
     pair.input(&mut rng)?;
+    Ok(pair.reports)
+}
+
+/// Checks the convolutions of `backend` (forward, data gradient overwritten and accumulated,
+/// weight gradient) against the reference's im2col + GEMM at odd shapes: 3×3 and 7×7,
+/// stride 2 and 3, padding up to and beyond the kernel, 1- and 2-pixel maps, 3, 5, 16, 64
+/// and 512 channels, and enough pixels that weight gradients are summed in parts. The
+/// absolute tolerance is scaled by each tensor's largest reference magnitude (sums of up to
+/// 4 608 products): `|got − ref| ≤ atol·max|ref| + rtol·|ref|`.
+pub fn check_convs<B: Backend>(
+    backend: &B,
+    tol: Tolerance,
+) -> Result<Vec<CheckReport>, BackendError> {
+    let mut pair = Pair {
+        reference: CpuBackend::reference(2)?,
+        test: backend,
+        tol,
+        scaled: true,
+        reports: Vec::new(),
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0xc0de);
+    let conv = |n, h, w, c_in, c_out, kernel, stride, padding| ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel,
+        stride,
+        padding,
+    };
+    for s in [
+        // ResNet stems: 7×7 stride 2 on 3 channels, and the CIFAR 3×3 one.
+        conv(2, 19, 17, 3, 64, 7, 2, 3),
+        conv(2, 9, 9, 3, 16, 3, 1, 1),
+        // 3×3 at 16 and 64 channels, stride 1 and 2 (odd and even sizes).
+        conv(2, 8, 8, 16, 16, 3, 1, 1),
+        conv(2, 7, 7, 16, 32, 3, 2, 1),
+        conv(2, 8, 8, 64, 64, 3, 1, 1),
+        conv(1, 6, 7, 64, 128, 3, 2, 1),
+        // 1- and 2-pixel maps at 512 channels: 8 (or 5) of 9 taps are padding.
+        conv(3, 1, 1, 512, 512, 3, 1, 1),
+        conv(2, 2, 2, 512, 512, 3, 1, 1),
+        conv(2, 3, 3, 256, 512, 3, 2, 1),
+        conv(3, 1, 1, 64, 64, 3, 1, 1),
+        // 1×1 stride 2 (downsample shortcut), and 1×1 with padding (border pixels see none).
+        conv(2, 5, 4, 64, 128, 1, 2, 0),
+        conv(1, 2, 2, 4, 8, 1, 1, 1),
+        // Odd channel counts (partial vector blocks), kernel 2, stride 3, padding ≥ kernel.
+        conv(2, 5, 5, 5, 3, 3, 1, 1),
+        conv(1, 6, 5, 3, 5, 2, 1, 0),
+        conv(2, 8, 8, 2, 2, 3, 3, 2),
+        conv(1, 2, 3, 8, 8, 3, 1, 3),
+        // Enough pixels for the weight gradient to be summed in parts.
+        conv(4, 32, 33, 16, 16, 3, 1, 1),
+    ] {
+        pair.conv(s, &mut rng)?;
+    }
     Ok(pair.reports)
 }
 
@@ -592,7 +662,7 @@ pub fn check_network<B: Backend>(
         label_smoothing: 0.1,
         ..NetworkConfig::default()
     };
-    let mut reference = Network::new(CpuBackend::new(2)?, &graph, batch, image_size)?;
+    let mut reference = Network::new(CpuBackend::reference(2)?, &graph, batch, image_size)?;
     let mut test = Network::new(backend, &graph, batch, image_size)?;
     let mut reports = Vec::new();
     reference.load_state(&state)?;

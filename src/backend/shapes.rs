@@ -1,7 +1,7 @@
 //! Shape descriptors passed to backend ops.
 
 /// A 2-D convolution over an NHWC batch (no bias, no groups, no dilation).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConvShape {
     /// Images in this call.
     pub n: usize,

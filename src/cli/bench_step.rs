@@ -3,7 +3,8 @@
 //! Semantics follow the PyTorch peer (`shared/peers/torch_resnet_step.py`): a u8 NHWC batch in
 //! pinned host memory (on the GPU path) is copied to the device every step, normalised there,
 //! then forward, loss, backward and the SGD update (momentum 0.9, weight decay 5e-5, lr 0.1)
-//! run; warm-up steps are excluded. `--gpus 0` times the CPU backend instead. MFU is
+//! run; warm-up steps are excluded. `--gpus 0` times the CPU backend instead (the peer is
+//! `benches/torch_cpu_step.py`), its update the backend's fused in-place optimizer. MFU is
 //! `3 × forward FLOPs × images/s ÷ the device's dense bf16 peak` (looked up by device name).
 
 use std::time::Instant;
@@ -13,12 +14,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::{CpuBackend, CpuOptimizer, OpTime, UpdateRule};
 use crate::backend::Backend;
 use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
 use crate::cuda::{CudaBackend, KernelTime};
 use crate::model::{Arch, Graph, InputBatch, Network};
-use crate::optim::{Hyper, Optimizer, OptimizerKind};
+use crate::optim::{Hyper, OptimizerKind};
 
 /// Arguments of `birdtrain bench step`.
 #[derive(Debug, Clone, Args)]
@@ -47,8 +48,8 @@ pub struct BenchStepArgs {
     /// Print one JSON line instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Also time every kernel launch (CUDA events) over a few extra steps and report the
-    /// per-kernel breakdown (GPU only).
+    /// Also time every kernel launch (CUDA events; on the CPU, every backend op) over a few
+    /// extra steps and report the per-kernel breakdown.
     #[arg(long)]
     pub breakdown: bool,
     /// Print the step model of the v2 convolutions instead (per layer and pass: GEMM, FLOPs,
@@ -152,22 +153,31 @@ pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
     }
     match args.gpus {
         0 => {
+            let backend = CpuBackend::new(0)?;
             let graph = Graph::new(arch, args.classes);
-            let mut host: Option<(Optimizer, Vec<f32>)> = None;
+            // The peer's SGD, in place on the backend's tensors (no decay on BN and biases).
+            let OptimizerKind::Sgd { momentum, nesterov } = SGD else {
+                unreachable!("the bench optimizer is SGD")
+            };
+            let hyper = bench_hyper();
+            let mut opt = CpuOptimizer::new(
+                UpdateRule::Sgd { momentum, nesterov },
+                graph.params().iter().map(|p| p.numel()).collect(),
+                graph
+                    .params()
+                    .iter()
+                    .map(|p| if p.decay { hyper.weight_decay } else { 0.0 })
+                    .collect(),
+            )?;
+            let cpu = backend.clone();
             let mut update = |net: &mut Network<CpuBackend>| -> anyhow::Result<()> {
-                if host.is_none() {
-                    host = Some((
-                        Optimizer::new(SGD, bench_hyper(), graph.params()),
-                        net.params_f32()?,
-                    ));
-                }
-                let (opt, master) = host.as_mut().expect("initialised above");
-                opt.step(master, &net.grads_f32()?, LR)?;
-                net.set_params_f32(master)?;
+                let (grads, mut params) = net.grads_and_params_mut();
+                opt.step(&cpu, &mut params, &grads, LR, 1.0)?;
                 Ok(())
             };
-            let label = "host f32 master weights";
-            run_steps(CpuBackend::new(0)?, arch, args, None, &mut update, label)
+            let label = "fused in-place CPU update (backend layout)";
+            let profiler = backend.clone();
+            run_steps(backend, arch, args, None, Some(profiler), &mut update, label)
         }
         1 => {
             let backend = CudaBackend::new(0)?;
@@ -208,7 +218,7 @@ pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
                 peak_tflops: peak,
                 profiler: backend.clone(),
             };
-            run_steps(backend, arch, args, Some(side), &mut update, label)
+            run_steps(backend, arch, args, Some(side), None, &mut update, label)
         }
         n => anyhow::bail!("bench step measures one device: use --gpus 0 (CPU) or --gpus 1, not {n} (multi-GPU: `bench scaling`)"),
     }
@@ -229,6 +239,7 @@ fn run_steps<B: Backend>(
     arch: Arch,
     args: &BenchStepArgs,
     gpu: Option<GpuSide<'_>>,
+    cpu_profiler: Option<CpuBackend>,
     update: &mut dyn FnMut(&mut Network<B>) -> anyhow::Result<()>,
     optimizer: &str,
 ) -> anyhow::Result<StepReport> {
@@ -289,9 +300,10 @@ fn run_steps<B: Backend>(
         .and_then(|g| g.peak_tflops)
         .map(|p| 3.0 * flops * images_per_sec / (p * 1e12));
 
-    let breakdown = match gpu.as_ref().filter(|_| args.breakdown) {
-        Some(GpuSide { profiler: p, .. }) => {
-            let profiled_steps = 3usize;
+    let profiled_steps = 3usize;
+    let breakdown = match (gpu.as_ref(), cpu_profiler) {
+        _ if !args.breakdown => None,
+        (Some(GpuSide { profiler: p, .. }), _) => {
             p.set_profiling(true);
             for _ in 0..profiled_steps {
                 step(&mut net, &mut scratch, &mut scratch_update)?;
@@ -300,7 +312,16 @@ fn run_steps<B: Backend>(
             p.set_profiling(false);
             Some(shares(&times, profiled_steps))
         }
-        None => None,
+        (None, Some(p)) => {
+            p.take_profile();
+            p.set_profiling(true);
+            for _ in 0..profiled_steps {
+                step(&mut net, &mut scratch, &mut scratch_update)?;
+            }
+            p.set_profiling(false);
+            Some(cpu_shares(&p.take_profile(), profiled_steps))
+        }
+        (None, None) => None,
     };
     Ok(StepReport {
         model: arch.name().to_string(),
@@ -338,6 +359,28 @@ fn shares(times: &[KernelTime], steps: usize) -> Vec<KernelShare> {
         .collect()
 }
 
+/// The CPU backend's per-op times as breakdown rows, slowest first.
+fn cpu_shares(times: &[OpTime], steps: usize) -> Vec<KernelShare> {
+    let total: f64 = times.iter().map(|k| k.ms).sum();
+    let mut rows: Vec<KernelShare> = times
+        .iter()
+        .map(|k| KernelShare {
+            kernel: k.name.clone(),
+            calls_per_step: k.calls as f64 / steps as f64,
+            ms_per_step: k.ms / steps as f64,
+            percent: if total > 0.0 {
+                100.0 * k.ms / total
+            } else {
+                0.0
+            },
+            tflops: k.gflops().map(|g| g / 1e3),
+            gb_per_s: k.gb_per_s(),
+        })
+        .collect();
+    rows.sort_by(|a, b| b.ms_per_step.total_cmp(&a.ms_per_step));
+    rows
+}
+
 /// Runs `birdtrain bench step ...` and prints the report.
 pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     if args.plan {
@@ -373,17 +416,19 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     );
     if let Some(rows) = &report.breakdown {
         println!(
-            "{:<22} {:>8} {:>10} {:>7} {:>9}",
-            "kernel", "calls", "ms/step", "%", "TFLOP/s"
+            "{:<22} {:>8} {:>10} {:>7} {:>9} {:>8}",
+            "kernel", "calls", "ms/step", "%", "GFLOP/s", "GB/s"
         );
         for r in rows {
             println!(
-                "{:<22} {:>8.1} {:>10.3} {:>6.1}% {:>9}",
+                "{:<22} {:>8.1} {:>10.3} {:>6.1}% {:>9} {:>8}",
                 r.kernel,
                 r.calls_per_step,
                 r.ms_per_step,
                 r.percent,
-                r.tflops.map_or(String::new(), |t| format!("{t:.1}"))
+                r.tflops
+                    .map_or(String::new(), |t| format!("{:.1}", t * 1e3)),
+                r.gb_per_s.map_or(String::new(), |g| format!("{g:.1}"))
             );
         }
     }

@@ -1,66 +1,172 @@
-//! Batch norm fused with the residual add and ReLU, forward and backward, over `rows × C`.
+//! Batch norm fused with the residual add and ReLU, forward and backward, over `rows × C`:
+//! vectorised ([`Simd`]) and branch-free.
 //!
-//! Per-channel reductions are computed per fixed block of rows (independent of the thread
-//! count) in f64 and combined in block order, so results are bit-identical run to run.
+//! # Algorithm
+//!
+//! - Forward, training: one pass gathers per-channel `Σ(x − s)` and `Σ(x − s)²` around a
+//!   shift `s` (the first row; shifting keeps `E[d²] − E[d]²` from cancelling when the mean
+//!   is large against the spread), a second writes `y = act(x·scale + shift (+ residual))`
+//!   with the per-channel `scale = γ·invstd`, `shift = β − mean·scale`. ReLU is a `max`.
+//! - Backward: one pass computes `dz` (the incoming gradient masked by the ReLU with a
+//!   select on `y`), writes the residual's gradient, and gathers `Σdz` and `Σdz·(x − mean)`; a
+//!   second writes `dx = k·dz + c·(x − mean) + b` with per-channel constants (`k = γ·invstd`,
+//!   `c = −k·invstd·mean(dz·x̂)/…`, see [`backward`]). With fixed statistics (frozen, eval) the
+//!   first pass writes `dx = k·dz` itself.
+//!
+//! Reductions run in f32 lanes within a fixed block of rows and are combined across blocks in
+//! f64 in block order, so the result does not depend on the thread count. Inner loops index by
+//! pointer over whole rows (channels contiguous), a scalar tail for channels past the last full
+//! vector; the residual/ReLU choices are constant parameters of the loop, not branches in it.
+//!
+//! # Layout
+//!
+//! `x`, `y`, `residual`, `dy`, `dx` are `rows × C` row-major (NHWC flattened); per-channel
+//! vectors are `C` values.
 
 use rayon::prelude::*;
 
+use super::simd::{dispatch, Simd, SimdLevel, SimdTask};
 use crate::backend::{BnBackward, BnForward, BnMode};
 
-/// Rows per reduction block.
+/// Rows per reduction block (fixed, so sums do not depend on the thread count).
 const BLOCK_ROWS: usize = 256;
 
-/// Per-channel sums of `f(row, channel, value)` over `rows × c` data, deterministic.
-fn channel_sums(
-    data: &[f32],
-    rows: usize,
+/// Per-channel `(Σ(x − shift), Σ(x − shift)²)` of one block of rows.
+struct Moments<'a> {
+    x: &'a [f32],
     c: usize,
-    f: impl Fn(usize, f32) -> f64 + Sync,
-) -> Vec<f64> {
-    let partials: Vec<Vec<f64>> = data[..rows * c]
-        .par_chunks(BLOCK_ROWS * c)
-        .map(|block| {
-            let mut acc = vec![0.0f64; c];
-            for row in block.chunks_exact(c) {
-                for (ch, (a, &v)) in acc.iter_mut().zip(row).enumerate() {
-                    *a += f(ch, v);
-                }
-            }
-            acc
-        })
-        .collect();
-    let mut total = vec![0.0f64; c];
-    for p in partials {
-        for (t, v) in total.iter_mut().zip(p) {
-            *t += v;
-        }
-    }
-    total
+    shift: &'a [f32],
 }
 
-pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
+impl SimdTask for Moments<'_> {
+    type Output = (Vec<f32>, Vec<f32>);
+    #[inline(always)]
+    fn run<S: Simd>(self) -> Self::Output {
+        let c = self.c;
+        let (mut s1, mut s2) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let full = c - c % S::LANES;
+        for row in self.x.chunks_exact(c) {
+            let mut ch = 0;
+            while ch < full {
+                // SAFETY: ch + LANES ≤ c for the row and the three per-channel vectors.
+                unsafe {
+                    let d = S::sub(
+                        S::load(row.as_ptr().add(ch)),
+                        S::load(self.shift.as_ptr().add(ch)),
+                    );
+                    let p1 = s1.as_mut_ptr().add(ch);
+                    let p2 = s2.as_mut_ptr().add(ch);
+                    S::store(p1, S::add(S::load(p1), d));
+                    S::store(p2, S::mul_add(d, d, S::load(p2)));
+                }
+                ch += S::LANES;
+            }
+            for ch in full..c {
+                let d = row[ch] - self.shift[ch];
+                s1[ch] += d;
+                s2[ch] += d * d;
+            }
+        }
+        (s1, s2)
+    }
+}
+
+/// `y = act(x·scale + shift (+ residual))` over one block of rows.
+struct Apply<'a> {
+    x: &'a [f32],
+    residual: Option<&'a [f32]>,
+    y: &'a mut [f32],
+    c: usize,
+    scale: &'a [f32],
+    shift: &'a [f32],
+    relu: bool,
+}
+
+impl Apply<'_> {
+    #[inline(always)]
+    fn go<S: Simd, const RES: bool, const RELU: bool>(self) {
+        let c = self.c;
+        let full = c - c % S::LANES;
+        let res = self.residual.unwrap_or(self.x);
+        for ((yr, xr), rr) in self
+            .y
+            .chunks_exact_mut(c)
+            .zip(self.x.chunks_exact(c))
+            .zip(res.chunks_exact(c))
+        {
+            let mut ch = 0;
+            while ch < full {
+                // SAFETY: ch + LANES ≤ c for every row and per-channel vector.
+                unsafe {
+                    let mut v = S::mul_add(
+                        S::load(xr.as_ptr().add(ch)),
+                        S::load(self.scale.as_ptr().add(ch)),
+                        S::load(self.shift.as_ptr().add(ch)),
+                    );
+                    if RES {
+                        v = S::add(v, S::load(rr.as_ptr().add(ch)));
+                    }
+                    if RELU {
+                        v = S::relu(v);
+                    }
+                    S::store(yr.as_mut_ptr().add(ch), v);
+                }
+                ch += S::LANES;
+            }
+            for ch in full..c {
+                let mut v = xr[ch] * self.scale[ch] + self.shift[ch];
+                if RES {
+                    v += rr[ch];
+                }
+                if RELU && v < 0.0 {
+                    v = 0.0;
+                }
+                yr[ch] = v;
+            }
+        }
+    }
+}
+
+impl SimdTask for Apply<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        match (self.residual.is_some(), self.relu) {
+            (false, false) => self.go::<S, false, false>(),
+            (false, true) => self.go::<S, false, true>(),
+            (true, false) => self.go::<S, true, false>(),
+            (true, true) => self.go::<S, true, true>(),
+        }
+    }
+}
+
+pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     let x = &a.x[..rows * c];
     match a.mode {
         BnMode::Train => {
-            let sums = channel_sums(x, rows, c, |_, v| f64::from(v));
-            let mean: Vec<f64> = sums.iter().map(|s| s / rows as f64).collect();
-            let sq = channel_sums(x, rows, c, |ch, v| {
-                let d = f64::from(v) - mean[ch];
-                d * d
-            });
+            let shift = &x[..c];
+            let partials: Vec<(Vec<f32>, Vec<f32>)> = x
+                .par_chunks(BLOCK_ROWS * c)
+                .map(|block| dispatch(level, Moments { x: block, c, shift }))
+                .collect();
+            let (mut s1, mut s2) = (vec![0.0f64; c], vec![0.0f64; c]);
+            for (p1, p2) in &partials {
+                for ch in 0..c {
+                    s1[ch] += f64::from(p1[ch]);
+                    s2[ch] += f64::from(p2[ch]);
+                }
+            }
+            let n = rows as f64;
+            let m = f64::from(a.momentum);
             for ch in 0..c {
-                let var = sq[ch] / rows as f64;
-                a.saved_mean[ch] = mean[ch] as f32;
+                let d = s1[ch] / n;
+                let var = (s2[ch] / n - d * d).max(0.0);
+                let mean = f64::from(shift[ch]) + d;
+                a.saved_mean[ch] = mean as f32;
                 a.saved_invstd[ch] = (1.0 / (var + f64::from(a.eps)).sqrt()) as f32;
-                let unbiased = if rows > 1 {
-                    sq[ch] / (rows - 1) as f64
-                } else {
-                    var
-                };
-                let m = f64::from(a.momentum);
-                a.running_mean[ch] =
-                    ((1.0 - m) * f64::from(a.running_mean[ch]) + m * mean[ch]) as f32;
+                let unbiased = if rows > 1 { var * n / (n - 1.0) } else { var };
+                a.running_mean[ch] = ((1.0 - m) * f64::from(a.running_mean[ch]) + m * mean) as f32;
                 a.running_var[ch] =
                     ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
             }
@@ -72,113 +178,307 @@ pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
             }
         }
     }
-    // y = x·scale + shift (+ residual) (ReLU)
     let scale: Vec<f32> = (0..c).map(|ch| a.gamma[ch] * a.saved_invstd[ch]).collect();
     let shift: Vec<f32> = (0..c)
         .map(|ch| a.beta[ch] - a.saved_mean[ch] * scale[ch])
         .collect();
-    let relu = a.relu;
     let residual = a.residual.map(|r| &r[..rows * c]);
-    // Row by row so the channel index comes from the position, not a division per element.
+    let relu = a.relu;
     a.y[..rows * c]
         .par_chunks_mut(BLOCK_ROWS * c)
         .enumerate()
-        .for_each(|(b, yb)| {
+        .for_each(|(b, y)| {
             let off = b * BLOCK_ROWS * c;
-            let xb = &x[off..off + yb.len()];
-            let rb = residual.map(|r| &r[off..off + yb.len()]);
-            for (r, (yr, xr)) in yb.chunks_exact_mut(c).zip(xb.chunks_exact(c)).enumerate() {
-                let res = rb.map(|rb| &rb[r * c..(r + 1) * c]);
-                for ch in 0..c {
-                    let mut v = xr[ch] * scale[ch] + shift[ch];
-                    if let Some(res) = res {
-                        v += res[ch];
-                    }
-                    yr[ch] = if relu && v < 0.0 { 0.0 } else { v };
-                }
-            }
+            let x = &x[off..off + y.len()];
+            let residual = residual.map(|r| &r[off..off + y.len()]);
+            dispatch(
+                level,
+                Apply {
+                    x,
+                    residual,
+                    y,
+                    c,
+                    scale: &scale,
+                    shift: &shift,
+                    relu,
+                },
+            );
         });
 }
 
-pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
-    let (rows, c) = (a.shape.rows, a.shape.channels);
-    let relu = a.relu;
-    let y = &a.y[..rows * c];
-    let dy = &a.dy[..rows * c];
-    let x = &a.x[..rows * c];
-    let mean = a.saved_mean;
-    let invstd = a.saved_invstd;
-    // dz = dy masked by the ReLU (recomputed where needed instead of stored).
-    let dz = |i: usize| if relu && y[i] <= 0.0 { 0.0 } else { dy[i] };
-    // Σ dz and Σ dz·x̂ per channel, per fixed block of rows, combined in block order.
-    let partials: Vec<(Vec<f64>, Vec<f64>)> = (0..rows.div_ceil(BLOCK_ROWS))
-        .into_par_iter()
-        .map(|b| {
-            let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
-            for r in b * BLOCK_ROWS..((b + 1) * BLOCK_ROWS).min(rows) {
-                let (yr, dyr, xr) = (
-                    &y[r * c..(r + 1) * c],
-                    &dy[r * c..(r + 1) * c],
-                    &x[r * c..(r + 1) * c],
-                );
-                for ch in 0..c {
-                    let g = if relu && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
-                    sb[ch] += f64::from(g);
-                    sg[ch] += f64::from(g * (xr[ch] - mean[ch]) * invstd[ch]);
+/// Backward pass 1 over one block of rows: `dz` (ReLU-masked `dy`), the residual's gradient,
+/// per-channel `Σdz` and `Σdz·(x − mean)`; with fixed statistics also `dx = k·dz`.
+struct Reduce<'a> {
+    x: &'a [f32],
+    y: &'a [f32],
+    dy: &'a [f32],
+    c: usize,
+    mean: &'a [f32],
+    relu: bool,
+    /// The residual's gradient and whether to add into it.
+    dres: Option<(&'a mut [f32], bool)>,
+    /// Fixed statistics: `dx = k·dz` written here.
+    dx: Option<(&'a mut [f32], &'a [f32])>,
+}
+
+impl Reduce<'_> {
+    #[inline(always)]
+    fn go<S: Simd, const RELU: bool, const RES: bool, const ACC: bool, const DX: bool>(
+        self,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let c = self.c;
+        let full = c - c % S::LANES;
+        let (mut sb, mut sg) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let rows = self.x.len() / c;
+        let (dres, _) = match self.dres {
+            Some((d, acc)) => (Some(d), acc),
+            None => (None, false),
+        };
+        let (dx, k) = match self.dx {
+            Some((d, k)) => (Some(d), k),
+            None => (None, &[][..]),
+        };
+        let dres_ptr = dres.map_or(std::ptr::null_mut(), |d| d.as_mut_ptr());
+        let dx_ptr = dx.map_or(std::ptr::null_mut(), |d| d.as_mut_ptr());
+        for r in 0..rows {
+            let o = r * c;
+            let mut ch = 0;
+            while ch < full {
+                // SAFETY: o + ch + LANES ≤ rows·c for every row tensor (the optional ones
+                // have the block's length when present, checked by the caller); ch + LANES
+                // ≤ c for the per-channel vectors.
+                unsafe {
+                    let i = o + ch;
+                    let g = S::load(self.dy.as_ptr().add(i));
+                    let dz = if RELU {
+                        S::pass_where_positive(S::load(self.y.as_ptr().add(i)), g)
+                    } else {
+                        g
+                    };
+                    if RES {
+                        let p = dres_ptr.add(i);
+                        S::store(p, if ACC { S::add(S::load(p), dz) } else { dz });
+                    }
+                    if DX {
+                        S::store(dx_ptr.add(i), S::mul(S::load(k.as_ptr().add(ch)), dz));
+                    }
+                    let d = S::sub(
+                        S::load(self.x.as_ptr().add(i)),
+                        S::load(self.mean.as_ptr().add(ch)),
+                    );
+                    let pb = sb.as_mut_ptr().add(ch);
+                    let pg = sg.as_mut_ptr().add(ch);
+                    S::store(pb, S::add(S::load(pb), dz));
+                    S::store(pg, S::mul_add(dz, d, S::load(pg)));
                 }
+                ch += S::LANES;
             }
-            (sb, sg)
+            for ch in full..c {
+                let i = o + ch;
+                let dz = if RELU && self.y[i] <= 0.0 {
+                    0.0
+                } else {
+                    self.dy[i]
+                };
+                if RES {
+                    // SAFETY: as above.
+                    unsafe {
+                        let p = dres_ptr.add(i);
+                        *p = if ACC { *p + dz } else { dz };
+                    }
+                }
+                if DX {
+                    // SAFETY: as above.
+                    unsafe { *dx_ptr.add(i) = k[ch] * dz };
+                }
+                sb[ch] += dz;
+                sg[ch] += dz * (self.x[i] - self.mean[ch]);
+            }
+        }
+        (sb, sg)
+    }
+}
+
+impl SimdTask for Reduce<'_> {
+    type Output = (Vec<f32>, Vec<f32>);
+    #[inline(always)]
+    fn run<S: Simd>(self) -> Self::Output {
+        let acc = self.dres.as_ref().is_some_and(|d| d.1);
+        match (self.relu, self.dres.is_some(), acc, self.dx.is_some()) {
+            (false, false, _, false) => self.go::<S, false, false, false, false>(),
+            (false, false, _, true) => self.go::<S, false, false, false, true>(),
+            (false, true, false, false) => self.go::<S, false, true, false, false>(),
+            (false, true, false, true) => self.go::<S, false, true, false, true>(),
+            (false, true, true, false) => self.go::<S, false, true, true, false>(),
+            (false, true, true, true) => self.go::<S, false, true, true, true>(),
+            (true, false, _, false) => self.go::<S, true, false, false, false>(),
+            (true, false, _, true) => self.go::<S, true, false, false, true>(),
+            (true, true, false, false) => self.go::<S, true, true, false, false>(),
+            (true, true, false, true) => self.go::<S, true, true, false, true>(),
+            (true, true, true, false) => self.go::<S, true, true, true, false>(),
+            (true, true, true, true) => self.go::<S, true, true, true, true>(),
+        }
+    }
+}
+
+/// Backward pass 2 with batch statistics: `dx = k·dz + cx·(x − mean) + b` per channel.
+struct InputGrad<'a> {
+    x: &'a [f32],
+    y: &'a [f32],
+    dy: &'a [f32],
+    dx: &'a mut [f32],
+    c: usize,
+    mean: &'a [f32],
+    k: &'a [f32],
+    cx: &'a [f32],
+    b: &'a [f32],
+    relu: bool,
+}
+
+impl InputGrad<'_> {
+    #[inline(always)]
+    fn go<S: Simd, const RELU: bool>(self) {
+        let c = self.c;
+        let full = c - c % S::LANES;
+        for (r, dxr) in self.dx.chunks_exact_mut(c).enumerate() {
+            let o = r * c;
+            let (xr, yr, dyr) = (&self.x[o..o + c], &self.y[o..o + c], &self.dy[o..o + c]);
+            let mut ch = 0;
+            while ch < full {
+                // SAFETY: ch + LANES ≤ c for every row slice and per-channel vector.
+                unsafe {
+                    let g = S::load(dyr.as_ptr().add(ch));
+                    let dz = if RELU {
+                        S::pass_where_positive(S::load(yr.as_ptr().add(ch)), g)
+                    } else {
+                        g
+                    };
+                    let d = S::sub(
+                        S::load(xr.as_ptr().add(ch)),
+                        S::load(self.mean.as_ptr().add(ch)),
+                    );
+                    let v = S::mul_add(
+                        S::load(self.cx.as_ptr().add(ch)),
+                        d,
+                        S::load(self.b.as_ptr().add(ch)),
+                    );
+                    let v = S::mul_add(S::load(self.k.as_ptr().add(ch)), dz, v);
+                    S::store(dxr.as_mut_ptr().add(ch), v);
+                }
+                ch += S::LANES;
+            }
+            for ch in full..c {
+                let dz = if RELU && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
+                dxr[ch] = self.k[ch] * dz + (self.cx[ch] * (xr[ch] - self.mean[ch]) + self.b[ch]);
+            }
+        }
+    }
+}
+
+impl SimdTask for InputGrad<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        if self.relu {
+            self.go::<S, true>()
+        } else {
+            self.go::<S, false>()
+        }
+    }
+}
+
+/// Backward of [`forward`]. With batch statistics,
+/// `dx = k·(dz − Σdz/N − x̂·Σdz·x̂/N)`, `k = γ·invstd`, `x̂ = (x − mean)·invstd`, written
+/// as `k·dz + cx·(x − mean) + b` with `cx = −k·invstd²·Σdz(x−mean)/N`, `b = −k·Σdz/N`.
+pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
+    let (rows, c) = (a.shape.rows, a.shape.channels);
+    let n = rows * c;
+    let (x, y, dy) = (&a.x[..n], &a.y[..n], &a.dy[..n]);
+    let (mean, invstd, gamma) = (a.saved_mean, a.saved_invstd, a.gamma);
+    let k: Vec<f32> = (0..c).map(|ch| gamma[ch] * invstd[ch]).collect();
+    let batch = a.batch_stats;
+    let block = BLOCK_ROWS * c;
+    let blocks = rows.div_ceil(BLOCK_ROWS);
+    let (dres, acc) = match a.dresidual {
+        Some((d, acc)) => (Some(d), acc),
+        None => (None, false),
+    };
+    let dres_blocks: Vec<Option<&mut [f32]>> = match dres {
+        Some(d) => d[..n].chunks_mut(block).map(Some).collect(),
+        None => (0..blocks).map(|_| None).collect(),
+    };
+    let dx_all = &mut a.dx[..n];
+    // Fixed statistics: pass 1 writes dx too.
+    let dx_blocks: Vec<Option<&mut [f32]>> = if batch {
+        (0..blocks).map(|_| None).collect()
+    } else {
+        dx_all.chunks_mut(block).map(Some).collect()
+    };
+    let relu = a.relu;
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = dres_blocks
+        .into_par_iter()
+        .zip(dx_blocks)
+        .enumerate()
+        .map(|(b, (dres, dx))| {
+            let off = b * block;
+            let end = (off + block).min(n);
+            dispatch(
+                level,
+                Reduce {
+                    x: &x[off..end],
+                    y: &y[off..end],
+                    dy: &dy[off..end],
+                    c,
+                    mean,
+                    relu,
+                    dres: dres.map(|d| (d, acc)),
+                    dx: dx.map(|d| (d, &k[..])),
+                },
+            )
         })
         .collect();
-    let (mut dbeta, mut dgamma) = (vec![0.0f64; c], vec![0.0f64; c]);
-    for (sb, sg) in partials {
+    let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+    for (pb, pg) in &partials {
         for ch in 0..c {
-            dbeta[ch] += sb[ch];
-            dgamma[ch] += sg[ch];
+            sb[ch] += f64::from(pb[ch]);
+            sg[ch] += f64::from(pg[ch]);
         }
     }
     for ch in 0..c {
-        a.dgamma[ch] = dgamma[ch] as f32;
-        a.dbeta[ch] = dbeta[ch] as f32;
+        a.dbeta[ch] = sb[ch] as f32;
+        a.dgamma[ch] = (sg[ch] * f64::from(invstd[ch])) as f32;
     }
-    if let Some((dres, acc)) = a.dresidual {
-        dres[..rows * c]
-            .par_chunks_mut(BLOCK_ROWS * c)
-            .enumerate()
-            .for_each(|(b, db)| {
-                let off = b * BLOCK_ROWS * c;
-                for (i, d) in db.iter_mut().enumerate() {
-                    let g = dz(off + i);
-                    if acc {
-                        *d += g;
-                    } else {
-                        *d = g;
-                    }
-                }
-            });
+    if !batch {
+        return;
     }
-    let gamma = a.gamma;
-    let batch = a.batch_stats;
-    let mdb: Vec<f32> = dbeta.iter().map(|v| (*v / rows as f64) as f32).collect();
-    let mdg: Vec<f32> = dgamma.iter().map(|v| (*v / rows as f64) as f32).collect();
-    let k: Vec<f32> = (0..c).map(|ch| gamma[ch] * invstd[ch]).collect();
-    a.dx[..rows * c]
-        .par_chunks_mut(BLOCK_ROWS * c)
+    let nf = rows as f64;
+    let mut cx = vec![0.0f32; c];
+    let mut b = vec![0.0f32; c];
+    for ch in 0..c {
+        let (kk, is) = (f64::from(k[ch]), f64::from(invstd[ch]));
+        cx[ch] = (-kk * is * is * sg[ch] / nf) as f32;
+        b[ch] = (-kk * sb[ch] / nf) as f32;
+    }
+    a.dx[..n]
+        .par_chunks_mut(block)
         .enumerate()
-        .for_each(|(b, dxb)| {
-            let off = b * BLOCK_ROWS * c;
-            for (r, dxr) in dxb.chunks_exact_mut(c).enumerate() {
-                let base = off + r * c;
-                let (yr, dyr, xr) = (&y[base..base + c], &dy[base..base + c], &x[base..base + c]);
-                for ch in 0..c {
-                    let g = if relu && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
-                    dxr[ch] = if batch {
-                        let xhat = (xr[ch] - mean[ch]) * invstd[ch];
-                        k[ch] * (g - mdb[ch] - xhat * mdg[ch])
-                    } else {
-                        k[ch] * g
-                    };
-                }
-            }
+        .for_each(|(bi, dx)| {
+            let off = bi * block;
+            let end = off + dx.len();
+            dispatch(
+                level,
+                InputGrad {
+                    x: &x[off..end],
+                    y: &y[off..end],
+                    dy: &dy[off..end],
+                    dx,
+                    c,
+                    mean,
+                    k: &k,
+                    cx: &cx,
+                    b: &b,
+                    relu,
+                },
+            );
         });
 }

@@ -1,5 +1,7 @@
-//! Convolution on NHWC activations with OHWI weights: im2col + GEMM, or a plain GEMM for 1×1
-//! stride-1 convolutions. Images are processed in chunks so the column buffer stays bounded.
+//! Convolution on NHWC activations with OHWI weights by im2col + GEMM, or one plain GEMM for
+//! 1×1 stride-1 convolutions. The fast backend uses it for those 1×1 convolutions only (the
+//! direct kernels do the rest); the reference backend for every convolution. Images are
+//! processed in chunks so the column buffer stays bounded.
 
 use rayon::prelude::*;
 
@@ -18,7 +20,8 @@ fn grow(scratch: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut scratch[..len]
 }
 
-fn is_pointwise(s: &ConvShape) -> bool {
+/// 1×1, stride 1, no padding: the convolution is one GEMM over the pixels.
+pub(super) fn is_pointwise(s: &ConvShape) -> bool {
     s.kernel == 1 && s.stride == 1 && s.padding == 0
 }
 

@@ -1,15 +1,37 @@
-//! The CPU reference backend: f32 everywhere, NHWC, multithreaded on its own rayon pool,
-//! convolutions by im2col + the `gemm` crate. Deterministic: the same inputs and thread
-//! count give the same bits (fixed work partitions, reductions combined in a fixed order).
+//! The CPU backend: f32 everywhere, NHWC activations, OHWI convolution weights,
+//! multithreaded on its own rayon pool, vectorised for the processor it runs on.
+//!
+//! - Convolutions: 3×3, 7×7 and strided ones by direct kernels ([`direct`]: register-tiled,
+//!   padded taps skipped, no im2col); 1×1 stride-1 ones are one GEMM (the `gemm` crate).
+//! - Batch norm: vectorised, branch-free passes ([`bn`]).
+//! - Vector width: chosen at run time ([`SimdLevel`]: AVX-512, AVX2 + FMA, or portable), one
+//!   generic implementation of each kernel instantiated per level.
+//! - [`CpuBackend::reference`] runs the plain versions instead (im2col + GEMM convolutions,
+//!   f64 batch-norm reductions): the reference the fast kernels and the GPU kernels are
+//!   checked against (`backend::conformance`).
+//!
+//! Deterministic: the same inputs give the same bits run to run, and for any thread count
+//! (fixed work partitions; reductions in fixed blocks combined in a fixed order).
+//! [`CpuOptimizer`] updates the parameters in place; [`CpuBackend::set_profiling`] times
+//! every op (`bench step --breakdown`).
 
 mod bn;
+mod bn_ref;
 mod conv;
 mod dense;
+mod direct;
 mod gemm;
 mod input;
+mod optim;
 mod pool;
+mod profile;
+mod simd;
 
 use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use optim::{CpuOptimizer, UpdateRule};
+pub use profile::OpTime;
+pub use simd::{SimdLevel, SIMD_ENV};
 
 use super::error::check_len;
 use super::{
@@ -18,12 +40,38 @@ use super::{
 };
 use crate::model::InputBatch;
 
-/// The CPU backend. Cheap to clone (clones share the thread pool, not the scratch buffer).
+/// Which implementations a [`CpuBackend`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// Direct convolutions and vectorised batch norm at the backend's [`SimdLevel`].
+    Fast,
+    /// im2col + GEMM convolutions and f64 batch-norm reductions: the reference.
+    Reference,
+}
+
+/// Buffers reused across calls (steady-state steps allocate nothing).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// im2col columns.
+    cols: Vec<f32>,
+    /// Packed forward weights.
+    packed: Vec<f32>,
+    /// Channel-padded copies (odd channel counts).
+    padded: Vec<f32>,
+    /// Weight-gradient partial sums.
+    partials: Vec<f32>,
+}
+
+/// The CPU backend. Cheap to clone (clones share the thread pool and the convolution plans,
+/// not the scratch buffers).
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     threads: usize,
-    /// im2col column buffer, reused across calls (a clone gets its own).
-    scratch: Arc<Mutex<Vec<f32>>>,
+    level: SimdLevel,
+    kernels: Kernels,
+    scratch: Arc<Mutex<Scratch>>,
+    plans: Arc<direct::PlanCache>,
+    profiler: Arc<profile::Profiler>,
 }
 
 impl Clone for CpuBackend {
@@ -31,7 +79,11 @@ impl Clone for CpuBackend {
         CpuBackend {
             pool: Arc::clone(&self.pool),
             threads: self.threads,
+            level: self.level,
+            kernels: self.kernels,
             scratch: Arc::default(),
+            plans: Arc::clone(&self.plans),
+            profiler: Arc::clone(&self.profiler),
         }
     }
 }
@@ -40,13 +92,41 @@ impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuBackend")
             .field("threads", &self.threads)
+            .field("level", &self.level)
+            .field("kernels", &self.kernels)
             .finish()
     }
 }
 
 impl CpuBackend {
-    /// A backend running on `threads` threads (0: one per available core).
+    /// A backend running on `threads` threads (0: one per available core), with the fast
+    /// kernels at the widest vector width the processor has (or `BIRDTRAIN_CPU_SIMD`'s; an
+    /// invalid or unsupported value is an error naming it).
     pub fn new(threads: usize) -> Result<CpuBackend, BackendError> {
+        CpuBackend::with_options(threads, SimdLevel::detect()?, Kernels::Fast)
+    }
+
+    /// The reference backend: im2col + GEMM convolutions, f64 batch-norm reductions,
+    /// portable loops. What the fast kernels and the GPU kernels are checked against.
+    pub fn reference(threads: usize) -> Result<CpuBackend, BackendError> {
+        CpuBackend::with_options(threads, SimdLevel::Portable, Kernels::Reference)
+    }
+
+    /// A backend with the given vector width and kernels (an unsupported level is an error).
+    pub fn with_options(
+        threads: usize,
+        level: SimdLevel,
+        kernels: Kernels,
+    ) -> Result<CpuBackend, BackendError> {
+        if !level.supported() {
+            return Err(BackendError::InvalidInput {
+                op: "CpuBackend::new",
+                detail: format!(
+                    "this processor lacks {level} (hint: use {} or lower)",
+                    SimdLevel::best()
+                ),
+            });
+        }
         let threads = if threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -63,12 +143,16 @@ impl CpuBackend {
         Ok(CpuBackend {
             pool: Arc::new(pool),
             threads,
+            level,
+            kernels,
             scratch: Arc::default(),
+            plans: Arc::default(),
+            profiler: Arc::default(),
         })
     }
 
-    fn scratch(&self) -> MutexGuard<'_, Vec<f32>> {
-        // A poisoned lock only means an earlier op panicked mid-write; the buffer is scratch.
+    fn scratch(&self) -> MutexGuard<'_, Scratch> {
+        // A poisoned lock only means an earlier op panicked mid-write; the buffers are scratch.
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -76,13 +160,50 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.threads
     }
+
+    /// The vector width the kernels run at.
+    pub fn simd_level(&self) -> SimdLevel {
+        self.level
+    }
+
+    /// Which kernels run.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Starts (`true`) or stops timing every op; clones share the timings.
+    pub fn set_profiling(&self, on: bool) {
+        self.profiler.set(on);
+    }
+
+    /// The per-op timings recorded so far (first-seen order), clearing them.
+    pub fn take_profile(&self) -> Vec<OpTime> {
+        self.profiler.take()
+    }
+
+    /// Whether `s` runs on the direct kernels (everything but 1×1 stride-1 convolutions,
+    /// which are one GEMM) with this backend's kernels.
+    fn direct(&self, s: &ConvShape) -> bool {
+        self.kernels == Kernels::Fast && !conv::is_pointwise(s)
+    }
+}
+
+fn conv_name(op: &str, s: &ConvShape) -> String {
+    if s.stride == 1 {
+        format!("{op} {k}x{k}", k = s.kernel)
+    } else {
+        format!("{op} {k}x{k}/{st}", k = s.kernel, st = s.stride)
+    }
 }
 
 impl Backend for CpuBackend {
     type Tensor = Vec<f32>;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", self.threads)
+        match self.kernels {
+            Kernels::Fast => format!("cpu ({} threads, {})", self.threads, self.level),
+            Kernels::Reference => format!("cpu reference ({} threads)", self.threads),
+        }
     }
 
     fn alloc(&self, len: usize, _role: TensorRole) -> Result<Vec<f32>, BackendError> {
@@ -123,6 +244,11 @@ impl Backend for CpuBackend {
         if let Some(a) = batch.augment {
             check_len("input", "augment", a.len(), batch.len)?;
         }
+        let _t = self.profiler.time(
+            || "input".into(),
+            0.0,
+            (batch.pixels.len() + 4 * out.len().min(batch.pixels.len())) as f64,
+        );
         self.pool.install(|| input::normalise(batch, out));
         Ok(())
     }
@@ -138,10 +264,30 @@ impl Backend for CpuBackend {
         check_len("conv_forward", "x", x.len(), s.x_len())?;
         check_len("conv_forward", "w", w.len(), s.w_len())?;
         check_len("conv_forward", "y", y.len(), s.y_len())?;
+        let bytes = 4.0 * (s.x_len() + s.w_len() + s.y_len()) as f64;
+        let _t = self
+            .profiler
+            .time(|| conv_name("conv_fwd", s), s.flops(), bytes);
         let mut guard = self.scratch();
-        let scratch: &mut Vec<f32> = &mut guard;
-        self.pool
-            .install(|| conv::forward(s, x, w, y, self.threads, scratch));
+        let scratch = &mut *guard;
+        if self.direct(s) {
+            let plans = &self.plans;
+            self.pool.install(|| {
+                direct::forward(
+                    self.level,
+                    self.threads,
+                    plans,
+                    s,
+                    x,
+                    w,
+                    y,
+                    &mut scratch.packed,
+                )
+            });
+        } else {
+            self.pool
+                .install(|| conv::forward(s, x, w, y, self.threads, &mut scratch.cols));
+        }
         Ok(())
     }
 
@@ -157,10 +303,32 @@ impl Backend for CpuBackend {
         check_len("conv_backward_data", "dy", dy.len(), s.y_len())?;
         check_len("conv_backward_data", "w", w.len(), s.w_len())?;
         check_len("conv_backward_data", "dx", dx.len(), s.x_len())?;
+        let bytes = 4.0 * (s.x_len() * (1 + accumulate as usize) + s.w_len() + s.y_len()) as f64;
+        let _t = self
+            .profiler
+            .time(|| conv_name("conv_dgrad", s), s.flops(), bytes);
         let mut guard = self.scratch();
-        let scratch: &mut Vec<f32> = &mut guard;
-        self.pool
-            .install(|| conv::backward_data(s, dy, w, dx, accumulate, self.threads, scratch));
+        let scratch = &mut *guard;
+        if self.direct(s) {
+            let plans = &self.plans;
+            self.pool.install(|| {
+                direct::backward_data(
+                    self.level,
+                    self.threads,
+                    plans,
+                    s,
+                    dy,
+                    w,
+                    dx,
+                    accumulate,
+                    &mut scratch.padded,
+                )
+            });
+        } else {
+            self.pool.install(|| {
+                conv::backward_data(s, dy, w, dx, accumulate, self.threads, &mut scratch.cols)
+            });
+        }
         Ok(())
     }
 
@@ -175,10 +343,34 @@ impl Backend for CpuBackend {
         check_len("conv_backward_weight", "x", x.len(), s.x_len())?;
         check_len("conv_backward_weight", "dy", dy.len(), s.y_len())?;
         check_len("conv_backward_weight", "dw", dw.len(), s.w_len())?;
+        let bytes = 4.0 * (s.x_len() + s.w_len() + s.y_len()) as f64;
+        let _t = self
+            .profiler
+            .time(|| conv_name("conv_wgrad", s), s.flops(), bytes);
         let mut guard = self.scratch();
-        let scratch: &mut Vec<f32> = &mut guard;
-        self.pool
-            .install(|| conv::backward_weight(s, x, dy, dw, self.threads, scratch));
+        let scratch = &mut *guard;
+        if self.direct(s) {
+            let plans = &self.plans;
+            let Scratch {
+                partials, padded, ..
+            } = scratch;
+            self.pool.install(|| {
+                direct::backward_weight(
+                    self.level,
+                    self.threads,
+                    plans,
+                    s,
+                    x,
+                    dy,
+                    dw,
+                    partials,
+                    padded,
+                )
+            });
+        } else {
+            self.pool
+                .install(|| conv::backward_weight(s, x, dy, dw, self.threads, &mut scratch.cols));
+        }
         Ok(())
     }
 
@@ -206,7 +398,12 @@ impl Backend for CpuBackend {
                 detail: "zero rows".into(),
             });
         }
-        self.pool.install(|| bn::forward(a));
+        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize)) as f64;
+        let _t = self.profiler.time(|| "bn_fwd".into(), 0.0, bytes);
+        match self.kernels {
+            Kernels::Fast => self.pool.install(|| bn::forward(self.level, a)),
+            Kernels::Reference => self.pool.install(|| bn_ref::forward(a)),
+        }
         Ok(())
     }
 
@@ -233,7 +430,13 @@ impl Backend for CpuBackend {
         ] {
             check_len(op, name, len, c)?;
         }
-        self.pool.install(|| bn::backward(a));
+        let streams = 4 + a.dresidual.as_ref().map_or(0, |(_, acc)| 1 + *acc as usize);
+        let bytes = 4.0 * (r * c * streams) as f64;
+        let _t = self.profiler.time(|| "bn_bwd".into(), 0.0, bytes);
+        match self.kernels {
+            Kernels::Fast => self.pool.install(|| bn::backward(self.level, a)),
+            Kernels::Reference => self.pool.install(|| bn_ref::backward(a)),
+        }
         Ok(())
     }
 
@@ -251,6 +454,7 @@ impl Backend for CpuBackend {
             y.len(),
             s.n * s.out_h() * s.out_w() * s.c,
         )?;
+        let _t = self.profiler.time(|| "maxpool_fwd".into(), 0.0, 0.0);
         self.pool.install(|| pool::max_forward(s, x, y));
         Ok(())
     }
@@ -272,6 +476,7 @@ impl Backend for CpuBackend {
             dy.len(),
             s.n * s.out_h() * s.out_w() * s.c,
         )?;
+        let _t = self.profiler.time(|| "maxpool_bwd".into(), 0.0, 0.0);
         self.pool
             .install(|| pool::max_backward(s, x, dy, dx, accumulate));
         Ok(())
@@ -293,6 +498,7 @@ impl Backend for CpuBackend {
                 detail: "empty spatial extent".into(),
             });
         }
+        let _t = self.profiler.time(|| "avgpool_fwd".into(), 0.0, 0.0);
         self.pool.install(|| pool::gap_forward(n, hw, c, x, y));
         Ok(())
     }
@@ -314,6 +520,7 @@ impl Backend for CpuBackend {
                 detail: "empty spatial extent".into(),
             });
         }
+        let _t = self.profiler.time(|| "avgpool_bwd".into(), 0.0, 0.0);
         self.pool
             .install(|| pool::gap_backward(n, hw, c, dy, dx, accumulate));
         Ok(())
@@ -331,6 +538,8 @@ impl Backend for CpuBackend {
         check_len("linear_forward", "w", w.len(), s.outputs * s.inputs)?;
         check_len("linear_forward", "b", b.len(), s.outputs)?;
         check_len("linear_forward", "y", y.len(), s.n * s.outputs)?;
+        let flops = 2.0 * (s.n * s.inputs * s.outputs) as f64;
+        let _t = self.profiler.time(|| "linear_fwd".into(), flops, 0.0);
         self.pool
             .install(|| dense::linear_forward(s, x, w, b, y, self.threads));
         Ok(())
@@ -353,6 +562,8 @@ impl Backend for CpuBackend {
         check_len("linear_backward", "dw", dw.len(), s.outputs * s.inputs)?;
         check_len("linear_backward", "db", db.len(), s.outputs)?;
         check_len("linear_backward", "dy", dy.len(), s.n * s.outputs)?;
+        let flops = 4.0 * (s.n * s.inputs * s.outputs) as f64;
+        let _t = self.profiler.time(|| "linear_bwd".into(), flops, 0.0);
         self.pool
             .install(|| dense::linear_backward(s, x, w, dy, dx, dw, db, accumulate, self.threads));
         Ok(())
@@ -374,6 +585,7 @@ impl Backend for CpuBackend {
         if let Some(d) = &dlogits {
             check_len(op, "dlogits", d.len(), n * classes)?;
         }
+        let _t = self.profiler.time(|| "softmax_ce".into(), 0.0, 0.0);
         dense::softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs)
     }
 }
