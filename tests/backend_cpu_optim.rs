@@ -187,3 +187,93 @@ fn bad_calls_are_errors_that_name_the_problem() {
     opt.set_state(vec![0.0; 7], vec![0.0; 7], 3).unwrap();
     assert_eq!(opt.steps(), 3);
 }
+
+/// The CPU rank's optimizer (what every CPU rank of the training loop uses): it steps the
+/// network's own tensors from the averaged flat gradient buffer (parameters at their bucket
+/// ranges, with gaps), equals the host optimizer bit for bit, and its state survives the
+/// checkpoint format (to_host → load_host) exactly.
+#[test]
+fn the_cpu_rank_optimizer_steps_in_place_from_the_flat_buffer_and_round_trips_its_state() {
+    use birdtrain::optim::{ConvOrder, CpuRankOptimizer, ParamLayout, RankOptimizer};
+    let graph = Graph::new(Arch::ResNet8, 10);
+    let (n, size) = (4usize, 16u32);
+    let px: Vec<u8> = (0..n * 16 * 16 * 3).map(|i| (i * 53 % 241) as u8).collect();
+    let labels: Vec<u32> = (0..n as u32).collect();
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+    };
+    // Offsets with gaps, as a bucket plan lays them out.
+    let mut offsets = Vec::new();
+    let mut len = 0;
+    for p in graph.params() {
+        len += 3;
+        offsets.push(len);
+        len += p.numel();
+    }
+    let layout = ParamLayout::with_offsets(graph.params(), offsets, len, ConvOrder::Backend);
+    let hyper = Hyper {
+        weight_decay: 1e-2,
+        ..Hyper::default()
+    };
+    for kind in [
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: true,
+        },
+        OptimizerKind::AdamW,
+    ] {
+        let backend = CpuBackend::new(2).unwrap();
+        let mut net = Network::new(backend.clone(), &graph, n, size).unwrap();
+        let mut host = Optimizer::new(kind, hyper, graph.params());
+        let mut master = net.params_f32().unwrap();
+        let mut opt =
+            CpuRankOptimizer::new(kind, hyper, graph.params(), layout.clone(), backend.clone())
+                .unwrap();
+        let flat_grads = |net: &Network<CpuBackend>| {
+            let mut flat = vec![0.0f32; len];
+            for (i, g) in net.grad_tensors().into_iter().enumerate() {
+                flat[layout.range(i)].copy_from_slice(g);
+            }
+            flat
+        };
+        for step in 0..3 {
+            let lr = 0.05 / (step + 1) as f32;
+            net.train_step(&batch).unwrap();
+            host.step(&mut master, &net.grads_f32().unwrap(), lr)
+                .unwrap();
+            let grads = flat_grads(&net);
+            opt.step(&mut net, Some(&grads), lr).unwrap();
+            assert_eq!(
+                bits(&opt.master(&net).unwrap()),
+                bits(&master),
+                "{kind:?} {step}"
+            );
+            assert_eq!(bits(&net.params_f32().unwrap()), bits(&master));
+        }
+        // The checkpoint's state, loaded into a fresh optimizer, continues identically.
+        let saved = opt.to_host().unwrap();
+        assert_eq!(saved.steps(), host.steps());
+        assert_eq!(bits(saved.moments().0), bits(host.moments().0));
+        let mut fresh =
+            CpuRankOptimizer::new(kind, hyper, graph.params(), layout.clone(), backend.clone())
+                .unwrap();
+        fresh.load_host(&saved).unwrap();
+        let mut twin = Network::new(backend.clone(), &graph, n, size).unwrap();
+        twin.load_state(&net.state().unwrap()).unwrap();
+        net.train_step(&batch).unwrap();
+        twin.train_step(&batch).unwrap();
+        let grads = flat_grads(&net);
+        opt.step(&mut net, Some(&grads), 0.01).unwrap();
+        fresh.step(&mut twin, Some(&grads), 0.01).unwrap();
+        assert_eq!(
+            bits(&net.params_f32().unwrap()),
+            bits(&twin.params_f32().unwrap())
+        );
+        // A gradient buffer of the wrong length is an error, not a panic.
+        assert!(opt.step(&mut net, Some(&grads[1..]), 0.01).is_err());
+    }
+}

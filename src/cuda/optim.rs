@@ -441,7 +441,7 @@ impl<B: Backend<Tensor = CudaTensor>> RankOptimizer<B> for DeviceOptimizer {
         DeviceOptimizer::step(self, &grads, &mut params, lr, 1.0).map_err(device_error)
     }
 
-    fn master(&self) -> Result<Vec<f32>, OptimError> {
+    fn master(&self, _net: &Network<B>) -> Result<Vec<f32>, OptimError> {
         let master = DeviceOptimizer::master(self).map_err(device_error)?;
         Ok(from_backend_layout(&self.params, &master))
     }

@@ -30,8 +30,8 @@ pub enum OptimError {
         #[source]
         source: std::io::Error,
     },
-    /// A device optimizer's operation failed.
-    #[error("device optimizer: {0}")]
+    /// The rank's optimizer (the GPU's device optimizer, the CPU's fused one) failed.
+    #[error("optimizer on the rank's device: {0}")]
     Device(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The model failed (uploading updated weights); boxed, so that the error stays small.
     #[error(transparent)]

@@ -16,5 +16,5 @@ pub use choice::OptimizerChoice;
 pub use error::OptimError;
 pub use layout::{ConvOrder, ParamLayout};
 pub use optimizer::{Hyper, Optimizer, OptimizerKind};
-pub use rank::{HostOptimizer, RankOptimizer};
+pub use rank::{CpuRankOptimizer, RankOptimizer};
 pub use schedule::{scaled_lr, Decay, Schedule, ScheduleChoice};

@@ -2,12 +2,13 @@
 //!
 //! Every rank of a data-parallel run updates its own replica with the same averaged
 //! gradients, so every rank needs an optimizer and its f32 master weights, kept wherever its
-//! backend computes: [`HostOptimizer`] in host memory for the CPU,
+//! backend computes: [`CpuRankOptimizer`] updating the CPU network's tensors in place,
 //! `crate::cuda::optim::DeviceOptimizer` on the GPU. The training loop sees only
 //! [`RankOptimizer`]: step, the master weights and the state in the checkpoint's format.
 
 use super::layout::{ConvOrder, ParamLayout};
 use super::{Hyper, OptimError, Optimizer, OptimizerKind};
+use crate::backend::cpu::{CpuBackend, CpuOptimizer, UpdateRule};
 use crate::backend::Backend;
 use crate::model::{Network, ParamSpec};
 
@@ -24,9 +25,9 @@ pub trait RankOptimizer<B: Backend> {
         lr: f32,
     ) -> Result<(), OptimError>;
 
-    /// The f32 master weights, flat in graph order, torchvision layout (what a checkpoint
-    /// stores).
-    fn master(&self) -> Result<Vec<f32>, OptimError>;
+    /// The f32 master weights of `net`'s rank, flat in graph order, torchvision layout (what a
+    /// checkpoint stores). A CPU rank's master weights are the network's own parameters.
+    fn master(&self, net: &Network<B>) -> Result<Vec<f32>, OptimError>;
 
     /// The state as the host [`Optimizer`] of graph order and torchvision layout (what
     /// `optimizer.safetensors` stores, whichever device wrote it).
@@ -36,45 +37,66 @@ pub trait RankOptimizer<B: Backend> {
     fn load_host(&mut self, host: &Optimizer) -> Result<(), OptimError>;
 }
 
-/// An optimizer in host memory whose master weights and state follow a [`ParamLayout`] with
-/// backend-ordered convolutions: it steps the flat gradient buffer the rank's collective
-/// averaged, and uploads each parameter's new values into the network unpermuted.
+/// The CPU rank's optimizer: the network's own f32 parameters are the master weights, updated
+/// in place in the backend's layout by the CPU backend's fused [`CpuOptimizer`] from the flat
+/// gradient buffer the rank's collective averaged (each parameter at its range of `layout`).
+/// No copy of the parameters per step; torchvision layout only for checkpoints.
 #[derive(Debug, Clone)]
-pub struct HostOptimizer {
-    opt: Optimizer,
+pub struct CpuRankOptimizer {
+    opt: CpuOptimizer,
+    kind: OptimizerKind,
+    hyper: Hyper,
+    /// Where each parameter's gradient sits in the averaged buffer (backend order).
     layout: ParamLayout,
+    /// The state's layout: parameters back to back in graph order, backend order.
+    state_layout: ParamLayout,
     params: Vec<ParamSpec>,
-    master: Vec<f32>,
+    backend: CpuBackend,
 }
 
-impl HostOptimizer {
-    /// An optimizer of `kind` over `params` laid out as `layout` (convolutions in the
-    /// backend's order), starting from `initial` (graph order, torchvision layout).
+impl CpuRankOptimizer {
+    /// An optimizer of `kind` over `params` whose gradients arrive laid out as `layout`
+    /// (convolutions in the backend's order), updating tensors on `backend`'s threads.
     pub fn new(
         kind: OptimizerKind,
         hyper: Hyper,
         params: &[ParamSpec],
         layout: ParamLayout,
-        initial: &[f32],
-    ) -> Result<HostOptimizer, OptimError> {
-        let want: usize = params.iter().map(ParamSpec::numel).sum();
-        if initial.len() != want {
-            return Err(OptimError::Length {
-                what: "initial weights",
-                got: initial.len(),
-                want,
-            });
-        }
-        if layout.conv_order() != ConvOrder::Backend {
+        backend: CpuBackend,
+    ) -> Result<CpuRankOptimizer, OptimError> {
+        if layout.conv_order() != ConvOrder::Backend || layout.param_count() != params.len() {
             return Err(OptimError::Device(
-                "a host rank optimizer keeps convolutions in the backend's order".into(),
+                "a CPU rank optimizer takes gradients in the backend's order, one range per \
+                 parameter"
+                    .into(),
             ));
         }
-        Ok(HostOptimizer {
-            opt: Optimizer::with_layout(kind, hyper, params, &layout),
-            master: layout.from_torchvision(params, initial),
-            params: params.to_vec(),
+        let rule = match kind {
+            OptimizerKind::Sgd { momentum, nesterov } => UpdateRule::Sgd { momentum, nesterov },
+            OptimizerKind::Adam | OptimizerKind::AdamW => UpdateRule::Adam {
+                beta1: hyper.beta1,
+                beta2: hyper.beta2,
+                eps: hyper.eps,
+                decoupled: kind == OptimizerKind::AdamW,
+            },
+        };
+        let opt = CpuOptimizer::new(
+            rule,
+            params.iter().map(ParamSpec::numel).collect(),
+            params
+                .iter()
+                .map(|p| if p.decay { hyper.weight_decay } else { 0.0 })
+                .collect(),
+        )
+        .map_err(|e| OptimError::Device(Box::new(e)))?;
+        Ok(CpuRankOptimizer {
+            opt,
+            kind,
+            hyper,
             layout,
+            state_layout: ParamLayout::graph(params, ConvOrder::Backend),
+            params: params.to_vec(),
+            backend,
         })
     }
 
@@ -84,10 +106,10 @@ impl HostOptimizer {
     }
 }
 
-impl<B: Backend> RankOptimizer<B> for HostOptimizer {
+impl RankOptimizer<CpuBackend> for CpuRankOptimizer {
     fn step(
         &mut self,
-        net: &mut Network<B>,
+        net: &mut Network<CpuBackend>,
         grads: Option<&[f32]>,
         lr: f32,
     ) -> Result<(), OptimError> {
@@ -96,37 +118,46 @@ impl<B: Backend> RankOptimizer<B> for HostOptimizer {
             got: 0,
             want: self.layout.len(),
         })?;
-        self.opt.step(&mut self.master, grads, lr)?;
-        for i in 0..self.params.len() {
-            net.set_param_backend_layout(i, &self.master[self.layout.range(i)])?;
+        if grads.len() != self.layout.len() {
+            return Err(OptimError::Length {
+                what: "host gradients",
+                got: grads.len(),
+                want: self.layout.len(),
+            });
         }
-        Ok(())
+        let per_param: Vec<&[f32]> = self
+            .layout
+            .ranges()
+            .into_iter()
+            .map(|r| &grads[r])
+            .collect();
+        let mut params = net.param_tensors_mut();
+        self.opt
+            .step(&self.backend, &mut params, &per_param, lr, 1.0)
+            .map_err(|e| OptimError::Device(Box::new(e)))
     }
 
-    fn master(&self) -> Result<Vec<f32>, OptimError> {
-        Ok(self.layout.to_torchvision(&self.params, &self.master))
+    fn master(&self, net: &Network<CpuBackend>) -> Result<Vec<f32>, OptimError> {
+        let flat: Vec<f32> = net.param_tensors().into_iter().flatten().copied().collect();
+        Ok(self.state_layout.to_torchvision(&self.params, &flat))
     }
 
     fn to_host(&self) -> Result<Optimizer, OptimError> {
-        let mut host = Optimizer::new(self.opt.kind(), self.opt.hyper(), &self.params);
-        let (m, v) = self.opt.moments();
+        let mut host = Optimizer::new(self.kind, self.hyper, &self.params);
+        let (m, v, steps) = self.opt.state();
         let v = if v.is_empty() {
             Vec::new()
         } else {
-            self.layout.to_torchvision(&self.params, v)
+            self.state_layout.to_torchvision(&self.params, v)
         };
-        host.set_state(
-            self.layout.to_torchvision(&self.params, m),
-            v,
-            self.opt.steps(),
-        )?;
+        host.set_state(self.state_layout.to_torchvision(&self.params, m), v, steps)?;
         Ok(host)
     }
 
     fn load_host(&mut self, host: &Optimizer) -> Result<(), OptimError> {
         let (m, v) = host.moments();
         let want: usize = self.params.iter().map(ParamSpec::numel).sum();
-        if m.len() != want {
+        if m.len() != want || !(v.is_empty() || v.len() == want) {
             return Err(OptimError::Length {
                 what: "saved optimizer state",
                 got: m.len(),
@@ -136,12 +167,14 @@ impl<B: Backend> RankOptimizer<B> for HostOptimizer {
         let v = if v.is_empty() {
             Vec::new()
         } else {
-            self.layout.from_torchvision(&self.params, v)
+            self.state_layout.from_torchvision(&self.params, v)
         };
-        self.opt.set_state(
-            self.layout.from_torchvision(&self.params, m),
-            v,
-            host.steps(),
-        )
+        self.opt
+            .set_state(
+                self.state_layout.from_torchvision(&self.params, m),
+                v,
+                host.steps(),
+            )
+            .map_err(|e| OptimError::Device(Box::new(e)))
     }
 }

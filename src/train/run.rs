@@ -297,7 +297,7 @@ fn epochs<D: Device>(
             break;
         }
     }
-    let checksum = crate::dist::checksum(&rank.opt.master()?);
+    let checksum = crate::dist::checksum(&rank.opt.master(&rank.net)?);
     Ok(RankReport {
         checksum,
         checks_passed: rank.checks_passed,

@@ -176,11 +176,11 @@ impl CpuOptimizer {
     /// One update of every parameter tensor from its gradient, in place, on `backend`'s
     /// threads: `grad_scale` multiplies the gradients first (e.g. `1/replicas` when they hold
     /// a sum). Tensors are in graph order; each must have the size given at construction.
-    pub fn step(
+    pub fn step<G: AsRef<[f32]> + Sync>(
         &mut self,
         backend: &CpuBackend,
         params: &mut [&mut Vec<f32>],
-        grads: &[&Vec<f32>],
+        grads: &[G],
         lr: f32,
         grad_scale: f32,
     ) -> Result<(), BackendError> {
@@ -197,13 +197,13 @@ impl CpuOptimizer {
             });
         }
         for (i, &n) in self.sizes.iter().enumerate() {
-            if params[i].len() != n || grads[i].len() != n {
+            if params[i].len() != n || grads[i].as_ref().len() != n {
                 return Err(BackendError::Shape {
                     op,
                     detail: format!(
                         "tensor {i}: parameter {} and gradient {} values, expected {n}",
                         params[i].len(),
-                        grads[i].len()
+                        grads[i].as_ref().len()
                     ),
                 });
             }
@@ -264,7 +264,7 @@ impl CpuOptimizer {
                         },
                     )
                 };
-                let g = &grads[t][off..off + len];
+                let g = &grads[t].as_ref()[off..off + len];
                 let wd = decay[t];
                 dispatch(
                     level,

@@ -4,8 +4,8 @@
 //! A CPU rank's batches come straight from the engine; the backward hook copies each
 //! finished gradient into its bucket's range of the rank's host gradient buffer, and the
 //! collective's communication thread averages a bucket while backward computes the layers
-//! before it. The optimizer ([`HostOptimizer`]) keeps the master weights in that buffer's
-//! layout, so its update needs no permutation.
+//! before it. The optimizer ([`CpuRankOptimizer`]) updates the network's own parameters in
+//! place from that buffer (the parameters are the master weights), with no copy or permutation.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -20,7 +20,7 @@ use crate::cuda::staging::feed::HostBatch;
 use crate::dist::collective::Collective;
 use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
 use crate::model::{GradHookError, Network, NetworkConfig, StepStats};
-use crate::optim::{ConvOrder, HostOptimizer, ParamLayout};
+use crate::optim::{ConvOrder, CpuRankOptimizer, ParamLayout};
 use crate::train::config::TrainConfig;
 use crate::train::folder::{CheckpointMeta, RunFolder};
 use crate::train::run::{first_cause, run_rank, Launched, RankReport, StopWish};
@@ -55,7 +55,7 @@ impl<C> CpuDevice<C> {
 impl<C: Collective<Buffer = HostGrads>> Device for CpuDevice<C> {
     type Backend = CpuBackend;
     type Comm = C;
-    type Optim = HostOptimizer;
+    type Optim = CpuRankOptimizer;
     type Pending = [f64; TOTALS_LEN];
     type Mark = Instant;
 
@@ -194,13 +194,15 @@ pub(crate) fn run_cpu_rank<C: Collective<Buffer = HostGrads>>(
     );
     let grads = HostGrads::zeros(plan.total_elements());
     let device = CpuDevice::new(shared, rank);
-    let mut r = Rank::new(shared, rank, rank, device, comm, grads, net, |flat| {
-        Ok(HostOptimizer::new(
+    let threads = net.backend().clone();
+    // The network already holds rank 0's weights (Rank::new loads them): they are the master.
+    let mut r = Rank::new(shared, rank, rank, device, comm, grads, net, |_weights| {
+        Ok(CpuRankOptimizer::new(
             shared.kind,
             shared.hyper,
             shared.graph.params(),
             layout,
-            flat,
+            threads,
         )?)
     })?;
     run_rank(shared, &mut r, stop)

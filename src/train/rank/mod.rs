@@ -448,7 +448,7 @@ impl<D: Device> Rank<D> {
 
     /// Broadcasts rank 0's weight checksum; every rank compares its own.
     pub(crate) fn compare_checksums(&mut self) -> Result<u64, TrainError> {
-        let mine = crate::dist::checksum(&self.opt.master()?);
+        let mine = crate::dist::checksum(&self.opt.master(&self.net)?);
         let reference = broadcast_checksum(&mut self.comm, mine, 0)?;
         if mine != reference {
             return Err(TrainError::Diverged {
@@ -508,7 +508,7 @@ impl<D: Device> Rank<D> {
                 .collect(),
             buffers: self.net.buffers()?,
         };
-        state.set_flat_params(&self.opt.master()?)?;
+        state.set_flat_params(&self.opt.master(&self.net)?)?;
         Ok(state)
     }
 
