@@ -93,7 +93,7 @@ pub struct StepReport {
     /// Of which forward + loss + backward (the backend's kernels).
     pub fwd_bwd_ms_per_step: f64,
     /// Of which the optimizer update (on the GPU: one fused launch over every parameter,
-    /// kernels/optim.cu; on the CPU: the host optimizer).
+    /// kernels/optim.cu; on the CPU: the fused in-place update every CPU rank uses).
     pub update_ms_per_step: f64,
     /// Model FLOPs utilisation against the device's dense bf16 peak (`null` when unknown).
     pub mfu: Option<f64>,

@@ -16,7 +16,7 @@ use crate::model::{Network, ParamSpec};
 pub trait RankOptimizer<B: Backend> {
     /// Updates the master weights at learning rate `lr` and writes the working copy into
     /// `net`'s parameter tensors. `grads` are the averaged gradients where the rank keeps
-    /// them: a host optimizer reads its flat buffer (in its own layout); a device optimizer
+    /// them: the CPU rank's optimizer reads its flat buffer (bucket layout); a device optimizer
     /// reads the network's gradient tensors and gets `None`.
     fn step(
         &mut self,
