@@ -32,7 +32,11 @@ fn cpu_bench_reports_a_full_json_line() {
     assert_eq!(report.mfu, None, "no bf16 peak is claimed for a CPU");
     assert!(report.update_ms_per_step > 0.0);
     assert!(report.fwd_bwd_ms_per_step + report.update_ms_per_step <= report.ms_per_step * 1.01);
-    assert!(report.optimizer.starts_with("host"), "{}", report.optimizer);
+    assert!(
+        report.optimizer.starts_with("fused in-place CPU"),
+        "{}",
+        report.optimizer
+    );
     let json: serde_json::Value =
         serde_json::from_str(&serde_json::to_string(&report).unwrap()).unwrap();
     for key in [
