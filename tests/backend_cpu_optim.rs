@@ -44,12 +44,19 @@ fn levels() -> Vec<SimdLevel> {
     v
 }
 
+/// `n` deterministic images of `size`² pixels (a pattern set by `mul` and `modulus`) and labels.
+fn images(n: usize, size: u32, mul: usize, modulus: usize) -> (Vec<u8>, Vec<u32>) {
+    let px = (0..n * (size as usize).pow(2) * 3)
+        .map(|i| (i * mul % modulus) as u8)
+        .collect();
+    (px, (0..n as u32).collect())
+}
+
 #[test]
 fn fused_updates_equal_the_host_optimizer_bit_for_bit() {
     let graph = Graph::new(Arch::ResNet8, 10);
     let (n, size) = (4usize, 16u32);
-    let px: Vec<u8> = (0..n * 16 * 16 * 3).map(|i| (i * 37 % 251) as u8).collect();
-    let labels: Vec<u32> = (0..n as u32).collect();
+    let (px, labels) = images(n, size, 37, 251);
     let batch = InputBatch {
         pixels: &px,
         labels: &labels,
@@ -197,8 +204,7 @@ fn the_cpu_rank_optimizer_steps_in_place_from_the_flat_buffer_and_round_trips_it
     use birdtrain::optim::{ConvOrder, CpuRankOptimizer, ParamLayout, RankOptimizer};
     let graph = Graph::new(Arch::ResNet8, 10);
     let (n, size) = (4usize, 16u32);
-    let px: Vec<u8> = (0..n * 16 * 16 * 3).map(|i| (i * 53 % 241) as u8).collect();
-    let labels: Vec<u32> = (0..n as u32).collect();
+    let (px, labels) = images(n, size, 53, 241);
     let batch = InputBatch {
         pixels: &px,
         labels: &labels,
