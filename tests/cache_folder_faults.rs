@@ -6,51 +6,10 @@
 #[path = "cli_support/mod.rs"]
 mod cli_support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::Output;
 
-use cli_support::{birdtrain, birdtrain_output, s};
-
-/// A tmpfs mounted at `at` for the life of the value.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    /// Mounts a tmpfs of `bytes` at `at`; `None` where mounting is not permitted.
-    fn mount(at: &Path, bytes: u64) -> Option<Self> {
-        std::fs::create_dir_all(at).unwrap();
-        let mounted = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={bytes}"),
-                "tmpfs",
-                s(at),
-            ])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|st| st.success());
-        if !mounted {
-            eprintln!("skipped: cannot mount a tmpfs here (not root?)");
-            return None;
-        }
-        Some(Self(at.to_path_buf()))
-    }
-
-    fn remount_read_only(&self) {
-        let st = Command::new("mount")
-            .args(["-o", "remount,ro", s(&self.0)])
-            .status()
-            .unwrap();
-        assert!(st.success(), "remounting {} read-only", self.0.display());
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
-}
+use cli_support::{birdtrain, birdtrain_output, s, Tmpfs};
 
 /// 2 classes × 10 training images of 40×30 px.
 fn dataset(dir: &Path) {
@@ -127,7 +86,7 @@ fn a_full_cache_disk_gives_one_warning_and_every_image_is_still_served() {
     let Some(disk) = Tmpfs::mount(&tmp.path().join("full"), 16 * 1024) else {
         return;
     };
-    let out = bench(&data, &disk.0, "3");
+    let out = bench(&data, disk.path(), "3");
     assert!(
         out.status.success(),
         "{}",
@@ -144,7 +103,7 @@ fn a_full_cache_disk_gives_one_warning_and_every_image_is_still_served() {
     let warnings = stderr_lines_naming_the_cache(&out);
     assert_eq!(warnings.len(), 1, "one warning for the run: {warnings:#?}");
     assert!(
-        warnings[0].contains(s(&disk.0)),
+        warnings[0].contains(s(disk.path())),
         "names the cache file: {}",
         warnings[0]
     );
@@ -159,7 +118,7 @@ fn a_complete_cache_on_a_read_only_disk_is_read_as_it_is() {
     let Some(disk) = Tmpfs::mount(&tmp.path().join("ro"), 8 << 20) else {
         return;
     };
-    let first = bench(&data, &disk.0, "1");
+    let first = bench(&data, disk.path(), "1");
     assert!(
         first.status.success(),
         "{}",
@@ -168,10 +127,10 @@ fn a_complete_cache_on_a_read_only_disk_is_read_as_it_is() {
     assert_eq!(epochs(&first), vec![(20, 20)]);
     disk.remount_read_only();
     assert!(
-        std::fs::write(disk.0.join("probe"), b"x").is_err(),
+        std::fs::write(disk.path().join("probe"), b"x").is_err(),
         "the cache folder is really read-only"
     );
-    let out = bench(&data, &disk.0, "2");
+    let out = bench(&data, disk.path(), "2");
     assert!(
         out.status.success(),
         "{}",

@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 use birdtrain::train::checkpoint::CHECKPOINT_STAGES;
 use birdtrain::train::fault::FAULT_ENV;
 use birdtrain::train::CheckpointMeta;
-use cli_support::{birdtrain, s};
+use cli_support::{birdtrain, s, Tmpfs};
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 
 fn dataset(root: &Path, classes: usize, per_class: usize) -> PathBuf {
@@ -217,32 +217,10 @@ fn a_run_on_a_full_tmpfs_keeps_its_last_checkpoint() {
     // Room for the first epoch's files (the stable names are links, counted once more here)
     // plus half a model file: the second checkpoint cannot fit.
     let size = folder_bytes + model_bytes / 2 + 64 * 1024;
-    let mount = tmp.path().join("small");
-    std::fs::create_dir(&mount).unwrap();
-    let mounted = Command::new("mount")
-        .args([
-            "-t",
-            "tmpfs",
-            "-o",
-            &format!("size={size}"),
-            "tmpfs",
-            s(&mount),
-        ])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|st| st.success());
-    if !mounted {
-        eprintln!("skipped: cannot mount a tmpfs here (not root?)");
+    let Some(disk) = Tmpfs::mount(&tmp.path().join("small"), size) else {
         return;
-    }
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(mount.clone());
-    let run = mount.join("run");
+    };
+    let run = disk.path().join("run");
     let out = run_with(&train_args(&data, &cache, &run, 3), &[]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let line = one_error_line(&out);

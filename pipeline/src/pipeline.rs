@@ -854,6 +854,17 @@ mod tests {
         crate::synth::write_dataset(&cfg).unwrap();
     }
 
+    /// The tiny dataset's engine: 16 px, one worker, batches of 4, its cache in `cache`.
+    fn tiny_pipeline(data: &std::path::Path, cache: &std::path::Path) -> Pipeline {
+        PipelineBuilder::new(crate::DatasetSource::folder(data))
+            .image_size(16)
+            .cache_dir(cache)
+            .workers(1)
+            .batch_size(4)
+            .build()
+            .unwrap()
+    }
+
     fn served(p: &Pipeline, epoch: u64) -> usize {
         p.epoch(epoch, 0, 0).unwrap().map(|b| b.unwrap().len).sum()
     }
@@ -863,15 +874,7 @@ mod tests {
         let data = tempfile::tempdir().unwrap();
         let cache = tempfile::tempdir().unwrap();
         tiny_dataset(data.path());
-        let build = || {
-            PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
-                .image_size(16)
-                .cache_dir(cache.path())
-                .workers(1)
-                .batch_size(4)
-                .build()
-                .unwrap()
-        };
+        let build = || tiny_pipeline(data.path(), cache.path());
         let p = build();
         let path = p.cache_path().to_path_buf();
         // Room for five records, then every write fails with ENOSPC.
@@ -908,15 +911,7 @@ mod tests {
         let data = tempfile::tempdir().unwrap();
         let cache = tempfile::tempdir().unwrap();
         tiny_dataset(data.path());
-        let build = || {
-            PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
-                .image_size(16)
-                .cache_dir(cache.path())
-                .workers(1)
-                .batch_size(4)
-                .build()
-                .unwrap()
-        };
+        let build = || tiny_pipeline(data.path(), cache.path());
         // Half a cache (a process stopped mid-epoch), then the place turns read-only.
         let p = build();
         let path = p.cache_path().to_path_buf();

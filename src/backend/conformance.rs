@@ -503,6 +503,30 @@ impl<B: Backend> Pair<'_, B> {
     }
 }
 
+/// A convolution shape from its numbers in `ConvShape`'s field order.
+#[allow(clippy::too_many_arguments)]
+fn conv(
+    n: usize,
+    h: usize,
+    w: usize,
+    c_in: usize,
+    c_out: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+) -> ConvShape {
+    ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel,
+        stride,
+        padding,
+    }
+}
+
 /// Checks every op of `backend` against the CPU reference at several shapes, odd sizes
 /// included. Returns one report per comparison, or the first mismatch as
 /// [`BackendError::Mismatch`].
@@ -518,16 +542,6 @@ pub fn check_ops<B: Backend>(
         reports: Vec::new(),
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let conv = |n, h, w, c_in, c_out, kernel, stride, padding| ConvShape {
-        n,
-        h,
-        w,
-        c_in,
-        c_out,
-        kernel,
-        stride,
-        padding,
-    };
     for s in [
         conv(2, 7, 6, 3, 8, 3, 1, 1),
         conv(2, 9, 7, 5, 4, 3, 2, 1),
@@ -585,16 +599,6 @@ pub fn check_convs<B: Backend>(
         reports: Vec::new(),
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0xc0de);
-    let conv = |n, h, w, c_in, c_out, kernel, stride, padding| ConvShape {
-        n,
-        h,
-        w,
-        c_in,
-        c_out,
-        kernel,
-        stride,
-        padding,
-    };
     for s in [
         // ResNet stems: 7×7 stride 2 on 3 channels, and the CIFAR 3×3 one.
         conv(2, 19, 17, 3, 64, 7, 2, 3),

@@ -1,7 +1,7 @@
 //! Helpers shared by the tests that drive the `birdtrain` binary.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Runs the binary and returns its output, whatever the exit status; a panic of the binary
@@ -55,4 +55,50 @@ pub(crate) fn assert_one_line_error(out: &Output, needles: &[&str]) -> String {
         );
     }
     stderr
+}
+
+/// A tmpfs mounted at `at` for the life of the value.
+pub(crate) struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `bytes` at `at`; `None` where mounting is not permitted.
+    pub(crate) fn mount(at: &Path, bytes: u64) -> Option<Self> {
+        std::fs::create_dir_all(at).unwrap();
+        let mounted = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={bytes}"),
+                "tmpfs",
+                s(at),
+            ])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|st| st.success());
+        if !mounted {
+            eprintln!("skipped: cannot mount a tmpfs here (not root?)");
+            return None;
+        }
+        Some(Self(at.to_path_buf()))
+    }
+
+    /// Where it is mounted.
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub(crate) fn remount_read_only(&self) {
+        let st = Command::new("mount")
+            .args(["-o", "remount,ro", s(&self.0)])
+            .status()
+            .unwrap();
+        assert!(st.success(), "remounting {} read-only", self.0.display());
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
 }
