@@ -17,15 +17,17 @@
 //!   pre-packed per call into `[channel block][ky][kx][ci][CB]` (only the taps some pixel
 //!   uses), so each weight vector is contiguous.
 //! - **Data gradient** is the same kernel run as a forward convolution of `dy` with the
-//!   weights flipped and transposed: the OHWI tensor read as `[tap][co][ci]` already has the
-//!   input channels contiguous, so it needs no packing; the taps of a pixel are those with
-//!   `iy + p − ky ≡ 0 (mod stride)`, which also covers strided convolutions.
+//!   weights flipped and transposed, packed per call into `[ci block][tap][co][CB]`; the taps
+//!   of a pixel are those with `iy + p − ky ≡ 0 (mod stride)`, which also covers strided
+//!   convolutions.
 //! - **Weight gradient** is a reduction over pixels: a tile of `R` reduction positions
 //!   (consecutive `(kx, ci)` of a forward run) × `NV` vectors of output channels accumulates
-//!   `x[pixel, row r] · dy[pixel, j]` over a chunk of pixels and adds the tile into the
-//!   weight gradient. The pixels are cut into a number of parts fixed by the shape (not the
-//!   thread count); each part sums into its own buffer and the parts are added in order, so
-//!   the result is the same bits for any thread count.
+//!   `x[pixel, row r] · dy[pixel, j]` over a chunk of pixels and is added into a buffer laid
+//!   out `[channel block][tap·ci][CB]` (vector adds). A chunk's `dy` rows of one channel block
+//!   are first copied into an aligned contiguous buffer that stays in L1 while the tile sweeps
+//!   the whole reduction. The pixels are cut into a number of parts fixed by the shape (not the
+//!   thread count); each part sums into its own buffer and the parts are added in order while
+//!   being turned into OHWI, so the result is the same bits for any thread count.
 //!
 //! Forward and data gradient write every output element from exactly one task, so they too are
 //! independent of the thread count. Tiles at a group's end or a channel block's edge go
@@ -35,7 +37,8 @@
 //! # Layout
 //!
 //! `x` NHWC `[n][h][w][ci]`, `y`/`dy` NHWC `[n][ho][wo][co]`, `w`/`dw` OHWI
-//! `[co][kh][kw][ci]`, packed forward weights `[co / CB][kh·kw][ci][CB]` (zero beyond `co`).
+//! `[co][kh][kw][ci]`, packed forward weights `[co / CB][kh·kw][ci][CB]` (zero beyond `co`),
+//! packed data-gradient weights `[ci / CB][kh·kw][co][CB]` (zero beyond `ci`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -47,8 +50,9 @@ use crate::backend::ConvShape;
 
 /// Largest channel block: 2 vectors of 16 lanes.
 const MAX_CB: usize = 32;
-/// Pixels per weight-gradient chunk (the reduction a tile sums before it is added out).
-const WGRAD_CHUNK: usize = 256;
+/// Pixels per weight-gradient chunk (the reduction a tile sums before it is added out; the
+/// chunk's dy rows of one channel block, `WGRAD_CHUNK × CB` values, stay in L1).
+const WGRAD_CHUNK: usize = 128;
 /// Pixels per weight-gradient part: more pixels than this are split into parts summed
 /// separately (fixed by the shape, so results do not depend on the thread count).
 const WGRAD_PART: usize = 2048;
@@ -97,7 +101,7 @@ pub(super) enum Pass {
 #[derive(Debug)]
 pub(super) struct Plan {
     groups: Vec<Group>,
-    /// Forward: taps used by at least one pixel (only those are packed).
+    /// Taps used by at least one pixel (only those are packed).
     used_taps: Vec<bool>,
     pixels: usize,
 }
@@ -266,9 +270,15 @@ fn data_plan(s: &ConvShape) -> Plan {
             }
         }
     }
+    let mut used_taps = vec![false; k * k];
+    for g in &grouper.groups {
+        for r in &g.runs {
+            used_taps[r.w_index] = true;
+        }
+    }
     let plan = Plan {
         groups: grouper.groups,
-        used_taps: Vec::new(),
+        used_taps,
         pixels: s.n * h * w,
     };
     plan.check_bounds(s.y_len());
@@ -637,36 +647,42 @@ pub(super) fn backward_data(
     w: &[f32],
     dx: &mut [f32],
     accumulate: bool,
-    padded: &mut Vec<f32>,
+    packed: &mut Vec<f32>,
 ) {
     let plan = plans.get(s, Pass::Data);
     let (co, ci, taps) = (s.c_out, s.c_in, s.kernel * s.kernel);
     let nv = vectors_for(ci, level.lanes());
     let cb = level.lanes() * nv;
-    let cip = ci.div_ceil(cb) * cb;
-    // OHWI read as [tap][co][ci]: ci is contiguous. Whole blocks need ci padded to cb.
-    let wv: &[f32] = if cip == ci {
-        &w[..co * taps * ci]
-    } else {
-        let p = grow(padded, co * taps * cip);
-        p.par_chunks_mut(cip)
-            .zip(w[..co * taps * ci].par_chunks(ci))
-            .for_each(|(d, s)| {
-                d[..ci].copy_from_slice(s);
-                d[ci..].fill(0.0);
-            });
-        p
-    };
+    let blocks = ci.div_ceil(cb);
+    let block_stride = taps * co * cb;
+    // [ci block][tap][co][cb] from OHWI [co][tap][ci]: read in place, consecutive output
+    // channels sit `taps·ci` floats apart, a power-of-two-ish stride that maps a whole run
+    // onto a few L1 sets; packed, each block's weights stream contiguously.
+    let packed = grow(packed, blocks * block_stride);
+    packed
+        .par_chunks_mut(block_stride)
+        .enumerate()
+        .for_each(|(b, dst)| {
+            let (c0, width) = (b * cb, cb.min(ci - b * cb));
+            for (t, _) in plan.used_taps.iter().enumerate().filter(|(_, u)| **u) {
+                let dt = &mut dst[t * co * cb..(t + 1) * co * cb];
+                for (o, d) in dt.chunks_exact_mut(cb).enumerate() {
+                    let src = (o * taps + t) * ci + c0;
+                    d[..width].copy_from_slice(&w[src..src + width]);
+                    d[width..].fill(0.0);
+                }
+            }
+        });
     run_tiles(
         level,
         threads,
         &plan,
         nv,
         dy,
-        wv,
+        packed,
+        block_stride,
+        co * cb,
         cb,
-        cip,
-        taps * cip,
         dx,
         ci,
         accumulate,
@@ -674,42 +690,45 @@ pub(super) fn backward_data(
 }
 
 /// The weight-gradient micro-kernel: `R` reduction rows × `NV` vectors of output channels,
-/// summed over `pixels`; the tile is written to `tmp`.
+/// summed over `pixels` and added into the first `rows` rows of `out` (`[row][CB]`).
 ///
 /// # Safety
-/// `x + pixel.in_base + rows[r]` is readable for every pixel and row; `dy + pixel.out·stride
-/// + dy_off` points at `NV·LANES` readable values.
+/// `x + pixel.in_base + delta + min(r, rows − 1)` is readable for every pixel and `r < R`;
+/// `dyp` holds `pixels.len()` rows of `NV·LANES` values; `out` holds `rows` rows of `NV·LANES`
+/// values, `cb` apart.
 #[inline(always)]
 unsafe fn wgrad_kernel<S: Simd, const R: usize, const NV: usize>(
     pixels: &[Pixel],
     x: *const f32,
-    rows: &[isize; R],
-    dy: *const f32,
-    dy_stride: usize,
-    dy_off: usize,
-    tmp: &mut [[f32; MAX_CB]; R],
+    delta: isize,
+    rows: usize,
+    dyp: *const f32,
+    out: *mut f32,
 ) {
+    let cb = S::LANES * NV;
+    let offs: [isize; R] = std::array::from_fn(|r| delta + r.min(rows - 1) as isize);
     let mut acc = [[S::zero(); NV]; R];
-    for p in pixels {
+    for (i, p) in pixels.iter().enumerate() {
         let xb = x.offset(p.in_base);
-        let dp = dy.add(p.out * dy_stride + dy_off);
+        let dp = dyp.add(i * cb);
         let dv: [S::V; NV] = std::array::from_fn(|j| S::load(dp.add(j * S::LANES)));
         for r in 0..R {
-            let b = S::splat(*xb.offset(rows[r]));
+            let b = S::splat(*xb.offset(offs[r]));
             for j in 0..NV {
                 acc[r][j] = S::mul_add(b, dv[j], acc[r][j]);
             }
         }
     }
-    for r in 0..R {
-        for (j, a) in acc[r].iter().enumerate() {
-            S::store(tmp[r].as_mut_ptr().add(j * S::LANES), *a);
+    for (r, a) in acc.iter().enumerate().take(rows) {
+        for (j, v) in a.iter().enumerate() {
+            let o = out.add(r * cb + j * S::LANES);
+            S::store(o, S::add(S::load(o), *v));
         }
     }
 }
 
-/// One weight-gradient task: one part of the pixels × some output-channel blocks, summed
-/// into `dst` (the part's buffer, OHWI, zeroed).
+/// One weight-gradient task: one part of the pixels × some output-channel blocks, summed into
+/// the part's buffer laid out `[block][tap·ci][CB]` (so a tile is added with vector stores).
 struct WgradTask<'a> {
     plan: &'a Plan,
     /// `(group, first pixel, pixels)` segments of this part, in order.
@@ -718,7 +737,6 @@ struct WgradTask<'a> {
     nv: usize,
     x: &'a [f32],
     dy: &'a [f32],
-    dy_stride: usize,
     s: ConvShape,
     dst: SharedOut,
 }
@@ -727,46 +745,53 @@ impl WgradTask<'_> {
     #[inline(always)]
     fn go<S: Simd, const R: usize, const NV: usize>(&self) {
         let cb = S::LANES * NV;
-        let (co, ci, taps) = (self.s.c_out, self.s.c_in, self.s.kernel * self.s.kernel);
-        let mut tmp = [[0.0f32; MAX_CB]; R];
+        let co = self.s.c_out;
+        let k_len = self.s.kernel * self.s.kernel * self.s.c_in;
+        // SAFETY (all blocks below): this task alone writes blocks `self.blocks` of its part's
+        // buffer, `k_len · cb` values per block.
+        for b in self.blocks.clone() {
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(self.dst.get().add(b * k_len * cb), k_len * cb)
+            };
+            out.fill(0.0);
+        }
+        // The chunk's dy rows of one block, contiguous and aligned to the vector width: they
+        // stay in L1 while the tile sweeps the whole reduction.
+        let mut dyp_buf = vec![0.0f32; WGRAD_CHUNK * cb + 16];
+        let align = dyp_buf.as_ptr().align_offset(64).min(16);
+        let dyp = &mut dyp_buf[align..align + WGRAD_CHUNK * cb];
         for &(g, start, len) in self.segments {
             let group = &self.plan.groups[g];
             let mut c0 = start;
             while c0 < start + len {
                 let c1 = (c0 + WGRAD_CHUNK).min(start + len);
                 let pixels = &group.pixels[c0..c1];
-                for run in &group.runs {
-                    let mut s0 = 0;
-                    while s0 < run.len {
-                        let n_rows = R.min(run.len - s0);
-                        let rows: [isize; R] =
-                            std::array::from_fn(|r| run.delta + (s0 + r.min(n_rows - 1)) as isize);
-                        for b in self.blocks.clone() {
-                            let width = cb.min(co - b * cb);
-                            // SAFETY: the plan keeps every run inside x; dy rows hold whole
-                            // blocks (padded when co is not a multiple of cb).
+                for b in self.blocks.clone() {
+                    let width = cb.min(co - b * cb);
+                    for (row, p) in dyp.chunks_exact_mut(cb).zip(pixels) {
+                        let src = p.out * co + b * cb;
+                        row[..width].copy_from_slice(&self.dy[src..src + width]);
+                        row[width..].fill(0.0);
+                    }
+                    for run in &group.runs {
+                        let mut s0 = 0;
+                        while s0 < run.len {
+                            let rows = R.min(run.len - s0);
+                            let k = run.w_index + s0;
+                            // SAFETY: the plan keeps every run inside x; `k + rows ≤ k_len`
+                            // rows of this block's buffer.
                             unsafe {
                                 wgrad_kernel::<S, R, NV>(
                                     pixels,
                                     self.x.as_ptr(),
-                                    &rows,
-                                    self.dy.as_ptr(),
-                                    self.dy_stride,
-                                    b * cb,
-                                    &mut tmp,
+                                    run.delta + s0 as isize,
+                                    rows,
+                                    dyp.as_ptr(),
+                                    self.dst.get().add((b * k_len + k) * cb),
                                 )
                             };
-                            for (r, row) in tmp.iter().enumerate().take(n_rows) {
-                                let k = run.w_index + s0 + r;
-                                for (j, v) in row[..width].iter().enumerate() {
-                                    let o = b * cb + j;
-                                    // SAFETY: this task owns output channels of its blocks
-                                    // in `dst`; k < taps·ci.
-                                    unsafe { *self.dst.get().add(o * taps * ci + k) += v };
-                                }
-                            }
+                            s0 += rows;
                         }
-                        s0 += n_rows;
                     }
                 }
                 c0 = c1;
@@ -788,8 +813,7 @@ impl SimdTask for WgradTask<'_> {
     }
 }
 
-/// `dw = Σ_pixels x ⊗ dy`, overwriting `dw`. `scratch` holds the parts' partial sums and a
-/// padded copy of `dy` when `c_out` is not a multiple of the channel block.
+/// `dw = Σ_pixels x ⊗ dy`, overwriting `dw`. `partials` holds the parts' sums.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_weight(
     level: SimdLevel,
@@ -800,28 +824,16 @@ pub(super) fn backward_weight(
     dy: &[f32],
     dw: &mut [f32],
     partials: &mut Vec<f32>,
-    padded: &mut Vec<f32>,
 ) {
     let plan = plans.get(s, Pass::Forward);
     let (co, taps, ci) = (s.c_out, s.kernel * s.kernel, s.c_in);
-    let dw_len = co * taps * ci;
-    let dw = &mut dw[..dw_len];
+    let k_len = taps * ci;
+    let dw = &mut dw[..co * k_len];
     let nv = vectors_for(co, level.lanes());
     let cb = level.lanes() * nv;
-    let cop = co.div_ceil(cb) * cb;
+    let blocks = co.div_ceil(cb);
     let pixels = plan.pixels;
-    let dy: &[f32] = if cop == co {
-        &dy[..pixels * co]
-    } else {
-        let p = grow(padded, pixels * cop);
-        p.par_chunks_mut(cop)
-            .zip(dy[..pixels * co].par_chunks(co))
-            .for_each(|(d, s)| {
-                d[..co].copy_from_slice(s);
-                d[co..].fill(0.0);
-            });
-        p
-    };
+    assert!(dy.len() >= pixels * co, "direct convolution: dy too small");
     // Parts: a fixed function of the shape, so the sum order never depends on the threads.
     let parts = (pixels / WGRAD_PART).clamp(1, WGRAD_MAX_PARTS);
     let mut part_segments: Vec<Vec<(usize, usize, usize)>> = vec![Vec::new(); parts];
@@ -837,56 +849,53 @@ pub(super) fn backward_weight(
             flat += len;
         }
     }
-    let blocks = co.div_ceil(cb);
+    let part_len = blocks * k_len * cb;
+    let sums = grow(partials, parts * part_len);
     let block_chunks = (4 * threads).div_ceil(parts).clamp(1, blocks);
     let per_chunk = blocks.div_ceil(block_chunks);
-    let launch = |base: SharedOut| {
-        (0..parts * block_chunks).into_par_iter().for_each(|task| {
-            let (part, bc) = (task / block_chunks, task % block_chunks);
-            let b0 = (bc * per_chunk).min(blocks);
-            let b1 = (b0 + per_chunk).min(blocks);
-            if b0 >= b1 {
-                return;
-            }
-            // SAFETY: part `part`'s buffer is `dw_len` values at `part · dw_len`; tasks of
-            // one part write disjoint output channels.
-            let dst = SharedOut(unsafe { base.get().add(part * dw_len) });
-            dispatch(
-                level,
-                WgradTask {
-                    plan: &plan,
-                    segments: &part_segments[part],
-                    blocks: b0..b1,
-                    nv,
-                    x,
-                    dy,
-                    dy_stride: cop,
-                    s: *s,
-                    dst,
-                },
-            );
-        });
-    };
-    if parts == 1 {
-        dw.fill(0.0);
-        launch(SharedOut(dw.as_mut_ptr()));
-        return;
-    }
-    let sums = grow(partials, parts * dw_len);
-    sums.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-    launch(SharedOut(sums.as_mut_ptr()));
-    // The parts in order: the same bits for any thread count.
-    let sums = &*sums;
-    dw.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
-        let off = i << 14;
-        out.copy_from_slice(&sums[off..off + out.len()]);
-        for part in 1..parts {
-            let p = &sums[part * dw_len + off..part * dw_len + off + out.len()];
-            for (o, v) in out.iter_mut().zip(p) {
-                *o += v;
-            }
+    let base = SharedOut(sums.as_mut_ptr());
+    (0..parts * block_chunks).into_par_iter().for_each(|task| {
+        let (part, bc) = (task / block_chunks, task % block_chunks);
+        let b0 = (bc * per_chunk).min(blocks);
+        let b1 = (b0 + per_chunk).min(blocks);
+        if b0 >= b1 {
+            return;
         }
+        // SAFETY: part `part`'s buffer is `part_len` values at `part · part_len`; tasks of
+        // one part write disjoint blocks.
+        let dst = SharedOut(unsafe { base.get().add(part * part_len) });
+        dispatch(
+            level,
+            WgradTask {
+                plan: &plan,
+                segments: &part_segments[part],
+                blocks: b0..b1,
+                nv,
+                x,
+                dy,
+                s: *s,
+                dst,
+            },
+        );
     });
+    // The parts added in order (the same bits for any thread count) and turned from
+    // `[block][k][CB]` into OHWI `[co][k]`.
+    let sums = &*sums;
+    dw.par_chunks_mut(cb * k_len)
+        .enumerate()
+        .for_each(|(b, out)| {
+            let width = out.len() / k_len;
+            for k in 0..k_len {
+                let at = (b * k_len + k) * cb;
+                for j in 0..width {
+                    let mut v = sums[at + j];
+                    for part in 1..parts {
+                        v += sums[part * part_len + at + j];
+                    }
+                    out[j * k_len + k] = v;
+                }
+            }
+        });
 }
 
 #[cfg(test)]

@@ -56,8 +56,6 @@ struct Scratch {
     cols: Vec<f32>,
     /// Packed forward weights.
     packed: Vec<f32>,
-    /// Channel-padded copies (odd channel counts).
-    padded: Vec<f32>,
     /// Weight-gradient partial sums.
     partials: Vec<f32>,
 }
@@ -321,7 +319,7 @@ impl Backend for CpuBackend {
                     w,
                     dx,
                     accumulate,
-                    &mut scratch.padded,
+                    &mut scratch.packed,
                 )
             });
         } else {
@@ -351,21 +349,9 @@ impl Backend for CpuBackend {
         let scratch = &mut *guard;
         if self.direct(s) {
             let plans = &self.plans;
-            let Scratch {
-                partials, padded, ..
-            } = scratch;
+            let partials = &mut scratch.partials;
             self.pool.install(|| {
-                direct::backward_weight(
-                    self.level,
-                    self.threads,
-                    plans,
-                    s,
-                    x,
-                    dy,
-                    dw,
-                    partials,
-                    padded,
-                )
+                direct::backward_weight(self.level, self.threads, plans, s, x, dy, dw, partials)
             });
         } else {
             self.pool
