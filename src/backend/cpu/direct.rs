@@ -571,6 +571,27 @@ fn run_tiles(
         });
 }
 
+/// Copies `src` into the front of `dst` and zeroes the rest. Whole channel blocks are
+/// fixed-size copies the compiler turns into vector moves (a copy of a run-time length is a
+/// `memmove` call, per 64-byte row here).
+#[inline(always)]
+fn copy_padded(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
+        if let (Ok(d), Ok(s)) = (<&mut [f32; N]>::try_from(dst), <&[f32; N]>::try_from(src)) {
+            *d = *s;
+        }
+    }
+    match (dst.len(), src.len()) {
+        (8, 8) => fixed::<8>(dst, src),
+        (16, 16) => fixed::<16>(dst, src),
+        (32, 32) => fixed::<32>(dst, src),
+        _ => {
+            dst[..src.len()].copy_from_slice(src);
+            dst[src.len()..].fill(0.0);
+        }
+    }
+}
+
 /// Grows `buf` to `len` values and returns them (contents unspecified).
 fn grow(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     if buf.len() < len {
@@ -668,8 +689,7 @@ pub(super) fn backward_data(
                 let dt = &mut dst[t * co * cb..(t + 1) * co * cb];
                 for (o, d) in dt.chunks_exact_mut(cb).enumerate() {
                     let src = (o * taps + t) * ci + c0;
-                    d[..width].copy_from_slice(&w[src..src + width]);
-                    d[width..].fill(0.0);
+                    copy_padded(d, &w[src..src + width]);
                 }
             }
         });
@@ -770,8 +790,7 @@ impl WgradTask<'_> {
                     let width = cb.min(co - b * cb);
                     for (row, p) in dyp.chunks_exact_mut(cb).zip(pixels) {
                         let src = p.out * co + b * cb;
-                        row[..width].copy_from_slice(&self.dy[src..src + width]);
-                        row[width..].fill(0.0);
+                        copy_padded(row, &self.dy[src..src + width]);
                     }
                     for run in &group.runs {
                         let mut s0 = 0;

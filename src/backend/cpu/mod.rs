@@ -441,7 +441,7 @@ impl Backend for CpuBackend {
             s.n * s.out_h() * s.out_w() * s.c,
         )?;
         let _t = self.profiler.time(|| "maxpool_fwd".into(), 0.0, 0.0);
-        self.pool.install(|| pool::max_forward(s, x, y));
+        self.pool.install(|| pool::max_forward(self.level, s, x, y));
         Ok(())
     }
 
@@ -464,7 +464,7 @@ impl Backend for CpuBackend {
         )?;
         let _t = self.profiler.time(|| "maxpool_bwd".into(), 0.0, 0.0);
         self.pool
-            .install(|| pool::max_backward(s, x, dy, dx, accumulate));
+            .install(|| pool::max_backward(self.level, s, x, dy, dx, accumulate));
         Ok(())
     }
 
