@@ -668,6 +668,34 @@ impl SimStreams {
             })
         }
     }
+
+    /// A wait for `event`'s latest recording.
+    fn wait_op(&self, event: usize) -> Op {
+        Op::Wait {
+            event,
+            generation: self.events[event].recorded,
+        }
+    }
+
+    /// A new recording of `event`.
+    fn record_op(&mut self, event: usize) -> Op {
+        let e = &mut self.events[event];
+        e.recorded += 1;
+        Op::Record {
+            event,
+            generation: e.recorded,
+        }
+    }
+
+    /// `copy` on the copy stream after `reuse`, then a recording of `copied`.
+    fn enqueue_copy(&mut self, copy: Op, reuse: usize, copied: usize) {
+        let wait = self.wait_op(reuse);
+        self.copy.push_back(wait);
+        self.copy.push_back(copy);
+        let record = self.record_op(copied);
+        self.copy.push_back(record);
+        self.wander();
+    }
 }
 
 impl StagingStreams for SimStreams {
@@ -723,21 +751,8 @@ impl StagingStreams for SimStreams {
         copied: &usize,
     ) -> Result<(), SimError> {
         self.check_slot(slot)?;
-        let generation = self.events[*reuse].recorded;
-        self.copy.push_back(Op::Wait {
-            event: *reuse,
-            generation,
-        });
-        self.copy.push_back(Op::Upload { slot, bytes });
         self.upload_pending[slot] = true;
-        let e = &mut self.events[*copied];
-        e.recorded += 1;
-        let generation = e.recorded;
-        self.copy.push_back(Op::Record {
-            event: *copied,
-            generation,
-        });
-        self.wander();
+        self.enqueue_copy(Op::Upload { slot, bytes }, *reuse, *copied);
         Ok(())
     }
 
@@ -749,44 +764,24 @@ impl StagingStreams for SimStreams {
         copied: &usize,
     ) -> Result<(), SimError> {
         self.check_slot(slot)?;
-        let generation = self.events[*reuse].recorded;
-        self.copy.push_back(Op::Wait {
-            event: *reuse,
-            generation,
-        });
-        self.copy.push_back(Op::UploadExternal {
+        let copy = Op::UploadExternal {
             slot,
             src: src.clone(),
-        });
-        let e = &mut self.events[*copied];
-        e.recorded += 1;
-        let generation = e.recorded;
-        self.copy.push_back(Op::Record {
-            event: *copied,
-            generation,
-        });
-        self.wander();
+        };
+        self.enqueue_copy(copy, *reuse, *copied);
         Ok(())
     }
 
     fn compute_wait(&mut self, event: &usize) -> Result<(), SimError> {
-        let generation = self.events[*event].recorded;
-        self.compute.push_back(Op::Wait {
-            event: *event,
-            generation,
-        });
+        let wait = self.wait_op(*event);
+        self.compute.push_back(wait);
         self.wander();
         Ok(())
     }
 
     fn compute_record(&mut self, event: &usize) -> Result<(), SimError> {
-        let e = &mut self.events[*event];
-        e.recorded += 1;
-        let generation = e.recorded;
-        self.compute.push_back(Op::Record {
-            event: *event,
-            generation,
-        });
+        let record = self.record_op(*event);
+        self.compute.push_back(record);
         self.wander();
         Ok(())
     }
