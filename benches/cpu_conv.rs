@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use birdtrain::backend::cpu::CpuBackend;
+use birdtrain::backend::cpu::{conv_kind, CpuBackend};
 use birdtrain::backend::{Backend, ConvShape};
 use birdtrain::model::{Arch, Graph};
 
@@ -51,16 +51,6 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     Ok(a)
-}
-
-/// The kernel-kind label of `bench step --breakdown` ("conv_fwd 3x3/2").
-fn kind(op: &str, s: &ConvShape) -> String {
-    let stride = if s.stride == 1 {
-        String::new()
-    } else {
-        format!("/{}", s.stride)
-    };
-    format!("{op} {k}x{k}{stride}", k = s.kernel)
 }
 
 fn best_ms(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -149,7 +139,7 @@ fn main() {
                     std::process::exit(1);
                 }
             });
-            let t = totals.entry(kind(op, s)).or_default();
+            let t = totals.entry(conv_kind(op, s)).or_default();
             t.0 += ms * *uses as f64;
             t.1 += gflop * *uses as f64;
             row.push(gflop / ms * 1e3);

@@ -353,6 +353,25 @@ fn rows_for(lanes: usize, nv: usize) -> usize {
     }
 }
 
+/// A kernel over register tiles of `R` rows × `NV` vectors of output channels.
+trait RegisterTiled {
+    /// Vectors per channel block ([`vectors_for`]).
+    fn nv(&self) -> usize;
+    /// The kernel at one tile shape.
+    fn go<S: Simd, const R: usize, const NV: usize>(&self);
+}
+
+/// Runs `task` at the tile shape [`rows_for`] gives for its vector count (the const generics
+/// spelled out once, for every kernel that tiles).
+#[inline(always)]
+fn run_tiled<S: Simd, T: RegisterTiled>(task: &T) {
+    match (S::LANES >= 16, task.nv()) {
+        (_, 1) => task.go::<S, 12, 1>(),
+        (true, _) => task.go::<S, 12, 2>(),
+        (false, _) => task.go::<S, 6, 2>(),
+    }
+}
+
 /// The forward / data-gradient micro-kernel: `R` pixels × `NV` vectors of output channels,
 /// summed over every run of a group.
 ///
@@ -418,7 +437,11 @@ struct TileTask<'a> {
     accumulate: bool,
 }
 
-impl TileTask<'_> {
+impl RegisterTiled for TileTask<'_> {
+    fn nv(&self) -> usize {
+        self.nv
+    }
+
     #[inline(always)]
     fn go<S: Simd, const R: usize, const NV: usize>(&self) {
         let cb = S::LANES * NV;
@@ -500,12 +523,7 @@ impl SimdTask for TileTask<'_> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd>(self) {
-        match (S::LANES >= 16, self.nv) {
-            (true, 1) => self.go::<S, 12, 1>(),
-            (true, _) => self.go::<S, 12, 2>(),
-            (false, 1) => self.go::<S, 12, 1>(),
-            (false, _) => self.go::<S, 6, 2>(),
-        }
+        run_tiled::<S, _>(&self);
     }
 }
 
@@ -761,7 +779,11 @@ struct WgradTask<'a> {
     dst: SharedOut,
 }
 
-impl WgradTask<'_> {
+impl RegisterTiled for WgradTask<'_> {
+    fn nv(&self) -> usize {
+        self.nv
+    }
+
     #[inline(always)]
     fn go<S: Simd, const R: usize, const NV: usize>(&self) {
         let cb = S::LANES * NV;
@@ -823,12 +845,7 @@ impl SimdTask for WgradTask<'_> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd>(self) {
-        match (S::LANES >= 16, self.nv) {
-            (true, 1) => self.go::<S, 12, 1>(),
-            (true, _) => self.go::<S, 12, 2>(),
-            (false, 1) => self.go::<S, 12, 1>(),
-            (false, _) => self.go::<S, 6, 2>(),
-        }
+        run_tiled::<S, _>(&self);
     }
 }
 

@@ -186,7 +186,9 @@ impl CpuBackend {
     }
 }
 
-fn conv_name(op: &str, s: &ConvShape) -> String {
+/// The kernel-kind label under which [`CpuBackend::set_profiling`] times a convolution pass
+/// (`conv_fwd 3x3/2`): `op`, the kernel size, and the stride when it is not 1.
+pub fn conv_kind(op: &str, s: &ConvShape) -> String {
     if s.stride == 1 {
         format!("{op} {k}x{k}", k = s.kernel)
     } else {
@@ -265,7 +267,7 @@ impl Backend for CpuBackend {
         let bytes = 4.0 * (s.x_len() + s.w_len() + s.y_len()) as f64;
         let _t = self
             .profiler
-            .time(|| conv_name("conv_fwd", s), s.flops(), bytes);
+            .time(|| conv_kind("conv_fwd", s), s.flops(), bytes);
         let mut guard = self.scratch();
         let scratch = &mut *guard;
         if self.direct(s) {
@@ -304,7 +306,7 @@ impl Backend for CpuBackend {
         let bytes = 4.0 * (s.x_len() * (1 + accumulate as usize) + s.w_len() + s.y_len()) as f64;
         let _t = self
             .profiler
-            .time(|| conv_name("conv_dgrad", s), s.flops(), bytes);
+            .time(|| conv_kind("conv_dgrad", s), s.flops(), bytes);
         let mut guard = self.scratch();
         let scratch = &mut *guard;
         if self.direct(s) {
@@ -344,7 +346,7 @@ impl Backend for CpuBackend {
         let bytes = 4.0 * (s.x_len() + s.w_len() + s.y_len()) as f64;
         let _t = self
             .profiler
-            .time(|| conv_name("conv_wgrad", s), s.flops(), bytes);
+            .time(|| conv_kind("conv_wgrad", s), s.flops(), bytes);
         let mut guard = self.scratch();
         let scratch = &mut *guard;
         if self.direct(s) {

@@ -31,17 +31,24 @@ impl SimdTask for MaxForward<'_> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd>(self) {
-        let (s, c, wo) = (self.s, self.s.c, self.s.out_w());
-        for (o, out) in self.y.chunks_exact_mut(c).enumerate() {
-            let (y0, y1, x0, x1) = window(s, o / wo, o % wo);
-            out.fill(f32::NEG_INFINITY);
-            for iy in y0..y1 {
-                for ix in x0..x1 {
-                    let src = &self.x[(iy * s.w + ix) * c..][..c];
-                    for (m, &v) in out.iter_mut().zip(src) {
-                        *m = if v > *m { v } else { *m };
-                    }
-                }
+        for (o, out) in self.y.chunks_exact_mut(self.s.c).enumerate() {
+            window_max(self.s, self.x, o, out);
+        }
+    }
+}
+
+/// The maximum per channel of output pixel `o`'s window into `out` (`c` values): a strict `>`
+/// scan from −∞, written as a select so it vectorises across channels.
+#[inline(always)]
+fn window_max(s: &PoolShape, x: &[f32], o: usize, out: &mut [f32]) {
+    let (c, wo) = (s.c, s.out_w());
+    let (y0, y1, x0, x1) = window(s, o / wo, o % wo);
+    out.fill(f32::NEG_INFINITY);
+    for iy in y0..y1 {
+        for ix in x0..x1 {
+            let src = &x[(iy * s.w + ix) * c..][..c];
+            for (m, &v) in out.iter_mut().zip(src) {
+                *m = if v > *m { v } else { *m };
             }
         }
     }
@@ -79,16 +86,8 @@ impl SimdTask for MaxBackward<'_> {
             self.dx.fill(0.0);
         }
         for (o, g) in self.dy.chunks_exact(c).enumerate() {
+            window_max(s, self.x, o, self.best);
             let (y0, y1, x0, x1) = window(s, o / wo, o % wo);
-            self.best.fill(f32::NEG_INFINITY);
-            for iy in y0..y1 {
-                for ix in x0..x1 {
-                    let src = &self.x[(iy * s.w + ix) * c..][..c];
-                    for (m, &v) in self.best.iter_mut().zip(src) {
-                        *m = if v > *m { v } else { *m };
-                    }
-                }
-            }
             self.pending.copy_from_slice(g);
             for iy in y0..y1 {
                 for ix in x0..x1 {
