@@ -112,6 +112,7 @@ fn eval_and_predict_use_the_checkpoint() {
         "6",
         "--replicas",
         "2",
+        "--sync-bn",
         "--out",
         s(&run),
         "--cache-dir",

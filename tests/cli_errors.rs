@@ -84,7 +84,6 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--batch-size", "0"], "--batch-size"),
         (vec!["--schedule", "linear"], "--schedule"),
         (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
-        (vec!["--sync-bn"], "--sync-bn"),
     ] {
         let mut all = vec!["--data", s(&data), "--gpus", "0", "--out", s(&run)];
         all.extend(args);

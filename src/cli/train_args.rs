@@ -45,7 +45,8 @@ pub struct DistArgs {
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm: normalise with the statistics of the global batch (every
-    /// GPU's images) instead of each GPU's own; costs two small all-reduces per BN layer.
+    /// rank's images, GPUs or CPU replicas) instead of each rank's own; costs two small
+    /// all-reduces per BN layer.
     #[arg(long)]
     pub sync_bn: bool,
 }
@@ -291,15 +292,6 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.replicas = n;
     }
     cfg.dist = args.dist.to_settings();
-    if device == DeviceChoice::Cpu && args.dist.sync_bn {
-        return Err(CliError::Train(TrainError::InvalidConfig {
-            flag: "--sync-bn",
-            value: "on".into(),
-            hint: "synchronised batch norm spans GPUs (--gpus N); CPU replicas keep \
-                   per-replica statistics"
-                .into(),
-        }));
-    }
     if let Some(v) = args.epochs {
         cfg.epochs = v;
     }
