@@ -11,6 +11,7 @@ pub mod bench_scaling;
 pub mod bench_step;
 mod counts;
 pub mod demo;
+pub mod env;
 mod error;
 pub mod eval;
 pub mod kernels;
@@ -68,6 +69,8 @@ pub enum Command {
     /// CUDA kernel tools.
     #[command(subcommand)]
     Kernels(KernelsCommand),
+    /// What birdtrain finds on this machine: CPU, CUDA driver and GPUs, NVRTC, headers, NCCL.
+    Env(env::EnvArgs),
 }
 
 /// `birdtrain bench …`
@@ -134,6 +137,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
         Some(Command::Kernels(KernelsCommand::Report(args))) => kernels_report::run(args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(CliError::Other),
+        Some(Command::Env(args)) => env::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
     }

@@ -108,7 +108,11 @@ pub struct NotFound {
 
 /// The file names cudarc tries for the library `name` (e.g. `"nvrtc"`, `"cuda"`).
 pub fn candidates(name: &str) -> Vec<String> {
-    cudarc::get_lib_name_candidates(name)
+    let mut names = cudarc::get_lib_name_candidates(name);
+    // cudarc's list repeats some names; each is tried (and named in errors) once.
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
+    names
 }
 
 /// Whether any of `names` can be loaded by the dynamic loader.

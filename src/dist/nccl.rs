@@ -24,6 +24,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
+use std::path::PathBuf;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -132,6 +133,8 @@ pub enum NcclError {
 /// The NCCL entry points birdtrain uses, from the library [`library::load`] found.
 struct NcclLib {
     _lib: libloading::Library,
+    /// What was opened: a name the loader resolved, or the file found by the search.
+    path: PathBuf,
     get_version: unsafe extern "C" fn(*mut c_int) -> ncclResult_t,
     get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> ncclResult_t,
     comm_init_rank:
@@ -190,6 +193,7 @@ impl NcclLib {
             broadcast: sym!(b"ncclBroadcast\0"),
             error_string: sym!(b"ncclGetErrorString\0"),
             _lib: lib,
+            path,
         })
     }
 
@@ -237,6 +241,18 @@ pub fn ensure_available() -> Result<i32, NcclError> {
         (lib.get_version)(&mut version)
     })?;
     Ok(version)
+}
+
+/// The NCCL library this process uses: the file (or loader name) it was opened from, and its
+/// version code. Needs no driver (`birdtrain env` reports it on any machine).
+pub fn library() -> Result<(PathBuf, i32), NcclError> {
+    let lib = nccl()?;
+    let mut version = 0;
+    // SAFETY: out-parameter; ncclGetVersion touches no device.
+    lib.check("ncclGetVersion", 0, unsafe {
+        (lib.get_version)(&mut version)
+    })?;
+    Ok((lib.path.clone(), version))
 }
 
 /// Size of an NCCL unique id in bytes.
