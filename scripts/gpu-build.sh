@@ -4,7 +4,6 @@
 # Then hand .gpu to the GPU machine and run scripts/gpu-run.sh there (see ARCHITECTURE.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 export CARGO_PROFILE_RELEASE_DEBUG=0
 tests=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
 cargo build --release --bin birdtrain
@@ -13,7 +12,7 @@ rm -rf .gpu && mkdir -p .gpu
 cargo test --release --no-run --message-format=json "${args[@]}" \
   | jq -r 'select(.executable != null and .target.kind == ["test"]) | "\(.target.name) \(.executable)"' \
   | while read -r name exe; do cp "$exe" ".gpu/$name"; done
-cp target/release/birdtrain scripts/gpu-run.sh .gpu/
+cp target/release/birdtrain scripts/gpu-run.sh scripts/gpu_checks.py .gpu/
 cp ../shared/peers/torch_resnet_step.py .gpu/ 2>/dev/null || echo "note: ../shared/peers/torch_resnet_step.py not found; copy the peer into .gpu/ by hand"
 strip .gpu/birdtrain .gpu/cuda_* .gpu/train_gpu .gpu/dist_gpu 2>/dev/null || true
 du -sh .gpu && ls .gpu

@@ -1,35 +1,147 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with .gpu/ built by scripts/gpu-build.sh:
-# every GPU test, the kernel check, the step benchmark against the PyTorch peer (same machine,
-# same call) and a short NCCL training run with a trace. Logs go to $OUT (or /tmp/gpu-out).
+# Runs on the GPU machine, from the repository root, with .gpu/ built by scripts/gpu-build.sh.
+# One phase per device call (each fits the 600 s limit of a call), logs under $OUT:
+#
+#   bash .gpu/gpu-run.sh tests   # birdtrain env, nvidia-smi, kernel check, every GPU test
+#   bash .gpu/gpu-run.sh bench   # bench step vs the PyTorch peer (eager and --compile), v1 vs
+#                                # v2 convolutions, bench scaling with the measured step
+#   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
+#                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
+#   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
+#
+# Every check prints one PASS/FAIL line into $OUT/summary.txt, shown at the end. The binary
+# must find NVRTC and NCCL by itself (issue: no symlinks, no paths set by a script): `birdtrain
+# env` runs first; only if it fails does the script add the wheel folders to LD_LIBRARY_PATH,
+# and says so, so that the rest of the run still measures something.
+# GPUS=0 runs the train phase on the CPU at small sizes: a smoke test of this script itself.
 set -uo pipefail
+phase=${1:-}
+here=$(cd "$(dirname "$0")" && pwd)
+bin=$here/birdtrain
+checks="python3 $here/gpu_checks.py"
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-# NVRTC + headers: the CUDA toolkit if present, else the pip wheels next to PyTorch.
-if [ -f /usr/local/cuda/include/cuda_bf16.h ]; then
-  export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-else
-  nv=$(dirname "$(find / -name 'libnvrtc.so*' 2>/dev/null | head -1)")
-  export LD_LIBRARY_PATH=$nv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export BIRDTRAIN_CUDA_INCLUDE=$(dirname "$(find "$nv/../.." -name cuda_bf16.h 2>/dev/null | head -1)")
-fi
-# cudarc loads libnccl.so; NCCL's wheels ship only libnccl.so.2.
-nccl=$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)
-if [ -n "$nccl" ]; then mkdir -p /tmp/nccl-link && ln -sf "$nccl" /tmp/nccl-link/libnccl.so; export LD_LIBRARY_PATH=/tmp/nccl-link:$LD_LIBRARY_PATH; fi
-export BIRDTRAIN_KERNEL_CACHE=/tmp/birdtrain-kernels
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-.gpu/birdtrain kernels check --arch sm_90 2>&1 | tail -3 | tee -a "$out/gpu.txt"
-for t in cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
-  echo "== $t" | tee -a "$out/tests.log"
-  timeout 300 .gpu/$t --ignored --test-threads 1 --skip a_rank_that_never_joins 2>&1 | tail -25 | tee -a "$out/tests.log"
-done
-for m in resnet50 resnet18; do
-  timeout 200 .gpu/birdtrain bench step --model $m --batch-size 256 --json --breakdown 2>&1 | tail -1 | tee -a "$out/bench.jsonl"
-  timeout 200 python3 .gpu/torch_resnet_step.py --model $m --batch-size 256 2>&1 | tail -1 | tee -a "$out/bench.jsonl"
-done
-# The v1 convolutions (BIRDTRAIN_CONV=v1) beside v2 (the default, above): per-kernel breakdown.
-BIRDTRAIN_CONV=v1 timeout 200 .gpu/birdtrain bench step --model resnet50 --batch-size 256 --json --breakdown 2>&1 | tail -1 | tee "$out/bench-conv-v1.jsonl"
-.gpu/birdtrain synth --out /tmp/s --classes 8 --train-per-class 200 --valid-per-class 20 --size 64x64 >/dev/null
-timeout 300 .gpu/birdtrain --data /tmp/s --gpus 1 --model resnet18 --image-size 64 --batch-size 64 --epochs 2 \
-  --out /tmp/run1 --cache-dir /tmp/cache --trace "$out/trace.json" 2>&1 | tail -20 | tee "$out/train.log"
-timeout 300 .gpu/birdtrain --data /tmp/s --gpus 1 --model resnet18 --image-size 64 --batch-size 64 --epochs 2 \
-  --out /tmp/run2 --cache-dir /tmp/cache 2>&1 | grep -iE "data.wait|valid acc" | tee -a "$out/train.log"
+summary=$out/summary.txt
+gpus=${GPUS:-1}
+work=${WORK:-/tmp/birdtrain-gpu}; mkdir -p "$work"
+export BIRDTRAIN_KERNEL_CACHE=$work/kernels
+
+note() { echo "$*" | tee -a "$summary"; }
+# check NAME CMD...: runs a gpu_checks.py line (or any command printing PASS/FAIL).
+check() { "$@" 2>&1 | tee -a "$summary"; }
+# step NAME SECONDS CMD...: a command with a time limit, its output in $out/NAME.log.
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local verdict=PASS; [ $rc -eq 0 ] || verdict=FAIL
+  [ $rc -eq 124 ] && verdict="FAIL (timed out after ${limit} s)"
+  note "$verdict $name: exit $rc in $((SECONDS - t0)) s ($out/$name.log)"
+  return $rc
+}
+
+discover() {
+  "$bin" env | tee "$out/env.txt"
+  "$bin" env --json >"$out/env.json" 2>&1
+  local missing
+  missing=$(python3 -c "
+import json; r = json.load(open('$out/env.json'))
+print(' '.join(k for k in ('driver', 'nvrtc', 'cuda_headers', 'kernel_compile', 'nccl') if not r[k]['ok']))")
+  if [ -z "$missing" ]; then
+    note "PASS discovery: driver, NVRTC, headers, a kernel compile and NCCL found by the binary alone"
+    return
+  fi
+  note "FAIL discovery: not found by the binary alone: $missing (see $out/env.txt)"
+  [ "$gpus" = 0 ] && return
+  local dirs
+  dirs=$(find / \( -name 'libnvrtc.so.1*' -o -name 'libnccl.so.2' \) -not -path '*/proc/*' 2>/dev/null \
+    | xargs -r -n1 dirname | sort -u | paste -sd:)
+  export LD_LIBRARY_PATH=$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  note "note: continuing with LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  "$bin" env | tee "$out/env-fallback.txt"
+}
+
+phase_tests() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check 120 "$bin" kernels check --arch sm_90
+  # Tests that need two GPUs skip themselves with a line saying so (grep "skipped" in the logs).
+  for t in cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+    step "test-$t" 150 "$here/$t" --ignored --test-threads 1
+    grep -E "^test |test result|skipped" "$out/test-$t.log" | tail -40
+  done
+}
+
+phase_bench() {
+  local m
+  for m in resnet50 resnet18; do
+    step "bench-$m" 150 "$bin" bench step --model $m --batch-size 256 --json --breakdown
+    tail -1 "$out/bench-$m.log" >>"$out/bench.jsonl"
+    step "peer-$m" 120 python3 "$here/torch_resnet_step.py" --model $m --batch-size 256
+    tail -1 "$out/peer-$m.log" >>"$out/bench.jsonl"
+  done
+  step peer-resnet50-compile 240 python3 "$here/torch_resnet_step.py" --model resnet50 --batch-size 256 --compile
+  tail -1 "$out/peer-resnet50-compile.log" >>"$out/bench.jsonl"
+  BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
+  $checks bench "$out/bench.jsonl" | tee -a "$summary"
+  local ms
+  ms=$(python3 -c "import json; print(json.loads(open('$out/bench-resnet50.log').read().strip().splitlines()[-1])['ms_per_step'])" 2>/dev/null)
+  if [ -n "$ms" ]; then
+    step scaling 120 "$bin" bench scaling --model resnet50 --batch-size 256 --step-ms "$ms" --json "$out/scaling.json"
+    tail -20 "$out/scaling.log"
+  fi
+}
+
+phase_train() {
+  # The CPU accuracy test's set and model (tests/train_accuracy.rs), then resnet50 at 224 px.
+  local size=32 model=resnet8 big=224 bigmodel=resnet50 per=640 bs=256
+  [ "$gpus" = 0 ] && { big=32; bigmodel=resnet8; per=64; bs=32; }
+  local d=$work/synth64 r=$work/runs c=$work/cache
+  rm -rf "$r"; mkdir -p "$r"
+  [ -d "$d/train" ] || "$bin" synth --out "$d" --classes 10 --train-per-class 100 --valid-per-class 20 --size 64x64 --format png >/dev/null
+  local common=(--data "$d" --gpus "$gpus" --model "$model" --image-size "$size" --cache-dir "$c" --seed 5)
+  # The CPU test's accuracy bar (>= 0.90 in 5 epochs), with a trace.
+  step train-accuracy 200 "$bin" "${common[@]}" --epochs 5 --out "$r/acc" --trace "$out/trace.json"
+  tail -12 "$out/train-accuracy.log"
+  check $checks accuracy "$r/acc" 0.90
+  check $checks trace "$out/trace.json" "$([ "$gpus" = 0 ] && echo cpu || echo gpu)"
+  # The GPU checkpoint evaluated by `birdtrain eval` (the CPU backend).
+  step eval-cpu 120 "$bin" eval --checkpoint "$r/acc" --data "$d" --split valid --cache-dir "$c"
+  check $checks eval-match "$r/acc" "$out/eval-cpu.log" 0.02
+  # --resume continues exactly: 2 epochs straight vs 1 epoch, then resumed to 2.
+  step resume-straight 150 "$bin" "${common[@]}" --epochs 2 --out "$r/straight"
+  step resume-first 100 "$bin" "${common[@]}" --epochs 1 --out "$r/split"
+  step resume-second 100 "$bin" --resume "$r/split" "${common[@]}" --epochs 2
+  check $checks same-weights "$r/straight" "$r/split"
+  # resnet50 at 224 px, warm cache: the last epoch's data-wait.
+  local b=$work/synth$big
+  [ -d "$b/train" ] || "$bin" synth --out "$b" --classes 8 --train-per-class $per --valid-per-class 16 --size 256x256 >/dev/null
+  step datawait-$bigmodel 300 "$bin" --data "$b" --gpus "$gpus" --model $bigmodel --image-size $big \
+    --batch-size $bs --epochs 3 --cache-dir "$c" --out "$r/big"
+  tail -8 "$out/datawait-$bigmodel.log"
+  check $checks data-wait "$out/datawait-$bigmodel.log" 1
+}
+
+phase_ncu() {
+  step ncu-find 150 "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 5 --json --breakdown
+  local k
+  for k in $($checks top-kernels "$out/ncu-find.log" 3); do
+    step "ncu-$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 10 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --section MemoryWorkloadAnalysis \
+      "$bin" bench step --model resnet50 --batch-size 256 --warmup 2 --steps 1
+    grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Achieved Occupancy|Registers" "$out/ncu-$k.log" | head -30
+  done
+  step sanitize-memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$here/cuda_kernels" --ignored --test-threads 1
+  tail -5 "$out/sanitize-memcheck.log"
+}
+
+case "$phase" in
+  tests|bench|train|ncu) ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|ncu (one per device call)" >&2; exit 2 ;;
+esac
+: >"$summary"
+note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"
+discover
+"phase_$phase"
+echo; echo "== summary ($summary)"; cat "$summary"

@@ -446,7 +446,7 @@ fn end_epoch<D: Device>(
     save_checkpoint(shared, rank)?;
     shared.folder.write_report()?;
     shared.say(format!(
-        "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.0}% · {:.1} s",
+        "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.1}% · {:.1} s",
         epoch,
         cfg.epochs,
         train_line.loss,

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Checks and tables for scripts/gpu-run.sh: each subcommand prints one line,
+`PASS <what> ...` or `FAIL <what> ...`, and exits 0 / 1 (tables exit 0).
+
+  trace FILE [cpu]                the --trace output is a valid Chrome trace with the spans
+                                  of copies, compute, buckets, the optimizer and the engine
+                                  (`cpu`: a one-rank CPU run has no copies and no buckets)
+  accuracy RUN MIN                the last valid accuracy in RUN/metrics.jsonl is >= MIN
+  same-weights RUN_A RUN_B        the two runs' model.safetensors hold the same tensors
+                                  (bit-exact, else the largest difference is printed)
+  eval-match RUN EVAL_LOG TOL     `birdtrain eval` (on the CPU) of RUN's checkpoint gives the
+                                  run's own last valid accuracy within TOL
+  data-wait LOG MAX_PERCENT       the last epoch line of a training log shows data-wait <= MAX
+  bench JSONL                     ours vs the PyTorch peer per model (ms per step, ratio)
+  top-kernels BENCH_JSON N        the N kernels with the most time in a --breakdown line
+Standard library only: it runs on the GPU machine's python3 and here.
+"""
+import json
+import re
+import struct
+import sys
+
+
+def say(ok, what, detail):
+    print(f"{'PASS' if ok else 'FAIL'} {what}: {detail}", flush=True)
+    return 0 if ok else 1
+
+
+def trace(path, device="gpu"):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        return say(False, "trace", f"{path} is not JSON: {e}")
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list) or not events:
+        return say(False, "trace", "no traceEvents array")
+    bad = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            bad.append(f"event {i} has no name")
+            continue
+        ph = e.get("ph")
+        if ph not in ("X", "B", "E", "i", "I", "M", "C", "b", "e", "n", "s", "t", "f"):
+            bad.append(f"event {i} ({e['name']}) has phase {ph!r}")
+        if ph != "M" and not isinstance(e.get("ts"), (int, float)):
+            bad.append(f"event {i} ({e['name']}) has no numeric ts")
+        if ph == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
+            bad.append(f"event {i} ({e['name']}) has a bad dur {e.get('dur')!r}")
+        if not isinstance(e.get("pid"), int) or not isinstance(e.get("tid"), int):
+            bad.append(f"event {i} ({e['name']}) lacks integer pid/tid")
+    names = {e["name"] for e in events if isinstance(e, dict) and "name" in e}
+    wanted = ["forward + backward", "optimizer", "engine: "]
+    if device != "cpu":
+        wanted += ["H2D batch", "all-reduce bucket"]
+    missing = [w for w in wanted if not any(w in n for n in names)]
+    if bad or missing:
+        return say(False, "trace", f"{'; '.join(bad[:5])} missing spans: {missing}")
+    return say(True, "trace", f"{len(events)} events, spans {wanted} present")
+
+
+def metrics(run):
+    with open(f"{run}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last_valid_accuracy(run):
+    valid = [m for m in metrics(run) if m.get("split") == "valid"]
+    return valid[-1]["accuracy"] if valid else None
+
+
+def accuracy(run, floor):
+    acc = last_valid_accuracy(run)
+    if acc is None:
+        return say(False, "accuracy", f"no valid line in {run}/metrics.jsonl")
+    return say(acc >= float(floor), "accuracy", f"valid accuracy {acc:.4f} (bar {floor})")
+
+
+def safetensors(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def same_weights(a, b):
+    ta, tb = safetensors(f"{a}/model.safetensors"), safetensors(f"{b}/model.safetensors")
+    if ta.keys() != tb.keys():
+        return say(False, "resume", f"tensor names differ: {sorted(ta.keys() ^ tb.keys())[:5]}")
+    differ = [k for k in ta if ta[k] != tb[k]]
+    if not differ:
+        return say(True, "resume", f"all {len(ta)} tensors bit-identical")
+    worst, where, other = 0.0, "", []
+    for k in differ:
+        dtype, _, ra = ta[k]
+        rb = tb[k][2]
+        if dtype != "F32" or len(ra) != len(rb):
+            other.append(f"{k} ({dtype})")
+            continue
+        fa = struct.unpack(f"<{len(ra) // 4}f", ra)
+        fb = struct.unpack(f"<{len(rb) // 4}f", rb)
+        d = max(abs(x - y) for x, y in zip(fa, fb))
+        if d > worst:
+            worst, where = d, k
+    detail = f"{len(differ)}/{len(ta)} tensors differ, worst f32 difference {worst:.3g} in {where or '-'}"
+    if other:
+        detail += f"; other tensors differing: {', '.join(other[:5])}"
+    return say(False, "resume", detail)
+
+
+def eval_match(run, log, tol):
+    want = last_valid_accuracy(run)
+    text = open(log).read()
+    m = re.search(r"top-1 ([0-9.]+)", text)
+    if want is None or not m:
+        return say(False, "eval on CPU", f"no accuracy to compare (run {want}, eval {bool(m)})")
+    got = float(m.group(1))
+    ok = abs(got - want) <= float(tol)
+    return say(ok, "eval on CPU", f"CPU top-1 {got:.4f} vs the GPU run's {want:.4f} (tolerance {tol})")
+
+
+def data_wait(log, most):
+    shares = re.findall(r"data-wait ([0-9.]+)%", open(log).read())
+    if not shares:
+        return say(False, "data-wait", f"no data-wait figure in {log}")
+    # The epoch lines come first, the run's summary last: report the last epoch's (a warm
+    # cache), else the run's.
+    epoch_lines = [l for l in open(log) if l.startswith("epoch ") and "data-wait" in l]
+    share = float(re.findall(r"data-wait ([0-9.]+)%", epoch_lines[-1])[0] if epoch_lines else shares[-1])
+    return say(share <= float(most), "data-wait", f"{share}% in the last epoch (at most {most}%)")
+
+
+def bench(path):
+    ours, peers = {}, {}
+    for line in open(path):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if "peer" in d:
+            peers[(d["model"], d["peer"])] = d
+        elif "ms_per_step" in d:
+            ours[d["model"]] = d
+    print(f"{'model':<10} {'birdtrain ms':>12} {'peer':<14} {'peer ms':>8} {'peer/ours':>9}")
+    for model, d in ours.items():
+        for (m, peer), p in sorted(peers.items()):
+            if m == model:
+                ratio = p["ms_per_step"] / d["ms_per_step"]
+                print(f"{model:<10} {d['ms_per_step']:>12.2f} {peer:<14} {p['ms_per_step']:>8.2f} {ratio:>9.2f}")
+        if not any(m == model for m, _ in peers):
+            print(f"{model:<10} {d['ms_per_step']:>12.2f} (no peer line)")
+    return 0
+
+
+def top_kernels(path, n):
+    for line in open(path):
+        if line.startswith("{") and '"breakdown"' in line:
+            rows = json.loads(line)["breakdown"]
+            rows.sort(key=lambda r: -r["ms_per_step"])
+            # ncu filters by the CUDA function name: the label's first word, once each.
+            names = list(dict.fromkeys(r["kernel"].split()[0] for r in rows))
+            print(" ".join(names[: int(n)]))
+            return 0
+    return 1
+
+
+def main(argv):
+    commands = {
+        "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
+        "same-weights": (same_weights, (2,)), "eval-match": (eval_match, (3,)),
+        "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
+    }
+    if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        return commands[argv[1]][0](*argv[2:])
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        return say(False, argv[1], f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
