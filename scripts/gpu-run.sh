@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repository root, with .gpu/ built by scripts/gpu-build.sh.
 # One phase per device call (each fits the 600 s limit of a call), logs under $OUT:
 #
-#   bash .gpu/gpu-run.sh tests   # birdtrain env, nvidia-smi, kernel check, every GPU test
+#   bash .gpu/gpu-run.sh tests [TEST...]  # birdtrain env, nvidia-smi, kernel check, GPU tests
 #   bash .gpu/gpu-run.sh bench   # bench step vs the PyTorch peer (eager and --compile), v1 vs
 #                                # v2 convolutions, bench scaling with the measured step
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
@@ -28,9 +28,15 @@ export BIRDTRAIN_KERNEL_CACHE=$work/kernels
 note() { echo "$*" | tee -a "$summary"; }
 # check NAME CMD...: runs a gpu_checks.py line (or any command printing PASS/FAIL).
 check() { "$@" 2>&1 | tee -a "$summary"; }
-# step NAME SECONDS CMD...: a command with a time limit, its output in $out/NAME.log.
+# step NAME SECONDS CMD...: a command with a time limit, its output in $out/NAME.log. The
+# limit shrinks to what is left of the call ($DEADLINE seconds, under the device's 600), and a
+# step with no time left is skipped with a line, so the summary always comes back.
+deadline=${DEADLINE:-570}
 step() {
   local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 15 ]; then note "SKIP $name: no time left in this call"; return 1; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -65,7 +71,10 @@ phase_tests() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check 120 "$bin" kernels check --arch sm_90
   # Tests that need two GPUs skip themselves with a line saying so (grep "skipped" in the logs).
-  for t in cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+  # `gpu-run.sh tests NAME...` runs only those test binaries (the rest of an unfinished call).
+  local t names=("$@")
+  [ ${#names[@]} -gt 0 ] || names=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
+  for t in "${names[@]}"; do
     step "test-$t" 150 "$here/$t" --ignored --test-threads 1
     grep -E "^test |test result|skipped" "$out/test-$t.log" | tail -40
   done
@@ -143,5 +152,6 @@ esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"
 discover
-"phase_$phase"
+shift
+"phase_$phase" "$@"
 echo; echo "== summary ($summary)"; cat "$summary"
