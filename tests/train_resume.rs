@@ -219,6 +219,9 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "0.5",
         "--seed",
         "4",
+        "--replicas",
+        "2",
+        "--sync-bn",
     ];
     let mut a = settings.to_vec();
     a.extend(["--out", full.to_str().unwrap()]);
@@ -226,7 +229,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     let mut b = settings.to_vec();
     b.extend(["--out", dir.to_str().unwrap(), "--stop-after-steps", "4"]);
     cli(&b);
-    // Only --resume: every setting comes from the checkpoint.
+    // Only --resume: every setting comes from the checkpoint (--sync-bn included).
     cli(&["--resume", dir.to_str().unwrap()]);
     assert!(
         read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),

@@ -291,7 +291,11 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     if let DeviceChoice::Cuda(n) = device {
         cfg.replicas = n;
     }
+    // A resumed run keeps the checkpoint's batch-norm mode; like --freeze-bn, the flag can
+    // only turn it on.
+    let saved_sync_bn = cfg.dist.sync_bn;
     cfg.dist = args.dist.to_settings();
+    cfg.dist.sync_bn |= saved_sync_bn;
     if let Some(v) = args.epochs {
         cfg.epochs = v;
     }

@@ -178,6 +178,7 @@ impl TrainConfig {
             step_gamma,
             augment: self.augment,
             freeze_bn: self.freeze_bn,
+            sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
             valid_fraction: self.valid_fraction,
         }
@@ -194,6 +195,7 @@ impl TrainConfig {
         self.schedule = s.decay();
         self.augment = s.augment;
         self.freeze_bn = s.freeze_bn;
+        self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
         self.valid_fraction = s.valid_fraction;
     }

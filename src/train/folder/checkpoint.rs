@@ -116,6 +116,9 @@ pub struct RunSettings {
     pub augment: bool,
     /// Frozen batch norm.
     pub freeze_bn: bool,
+    /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
+    #[serde(default)]
+    pub sync_bn: bool,
     /// The last incomplete batch.
     #[serde(with = "last_batch_name")]
     pub last_batch: LastBatch,
@@ -485,6 +488,7 @@ mod tests {
                 step_gamma: 0.1,
                 augment: true,
                 freeze_bn: false,
+                sync_bn: true,
                 last_batch: LastBatch::Partial,
                 valid_fraction: None,
             },
