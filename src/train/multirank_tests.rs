@@ -1,7 +1,7 @@
 //! The one loop with several CPU ranks on threads (real concurrency: each rank its own thread,
 //! the collective's reductions on communication threads): ranks against one rank on the whole
-//! batch, uneven last batches, a stop wished by one rank, resume onto another rank count, a
-//! rank that stops answering, and bucket averages overlapping backward.
+//! batch, uneven last batches, synchronised batch norm, a stop wished by one rank, resume onto
+//! another rank count, a rank that stops answering, and bucket averages overlapping backward.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -105,6 +105,43 @@ fn two_three_and_four_ranks_equal_one_rank_on_the_whole_batch() {
         let d = max_diff(&weights(&cfg.out), &w1);
         assert!(d < 1e-4, "{ranks}×{batch} and 1×12 differ by {d}");
     }
+}
+
+/// `--sync-bn`: with live batch norm, each rank normalises with the statistics of the global
+/// batch, so 3 ranks × 4 images train like 1 × 12; without it, they normalise per rank and
+/// train differently (which shows the comparison can fail).
+#[test]
+fn sync_bn_ranks_train_like_one_rank_with_live_batch_norm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 10);
+    let live = |name: &str, ranks: usize, batch: usize, sync_bn: bool| {
+        let mut cfg = config(&data, tmp.path(), name, ranks, batch);
+        cfg.freeze_bn = false;
+        cfg.lr = 0.4;
+        cfg.dist.sync_bn = sync_bn;
+        cfg
+    };
+    let one = live("one", 1, 12, false);
+    let synced = live("synced", 3, 4, true);
+    let per_rank = live("per-rank", 3, 4, false);
+    let reference = train(&one);
+    let outcome = train(&synced);
+    train(&per_rank);
+    assert_eq!(reference.global_step, outcome.global_step);
+    assert_ranks_agree(&outcome, 3);
+
+    let want = weights(&one.out);
+    let synced_diff = max_diff(&want, &weights(&synced.out));
+    let per_rank_diff = max_diff(&want, &weights(&per_rank.out));
+    // The same sums in another order (per rank, then across ranks in f64): ulps per step.
+    assert!(
+        synced_diff < 1e-4,
+        "3×4 with --sync-bn and 1×12 differ by {synced_diff}"
+    );
+    assert!(
+        per_rank_diff > 100.0 * synced_diff.max(1e-6),
+        "without --sync-bn the ranks should train differently: {per_rank_diff} vs {synced_diff}"
+    );
 }
 
 #[test]
