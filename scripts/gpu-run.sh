@@ -134,10 +134,11 @@ phase_ncu() {
   step ncu-find 150 "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 5 --json --breakdown
   local k
   for k in $($checks top-kernels "$out/ncu-find.log" 3); do
-    step "ncu-$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 10 --launch-count 1 \
+    # Four steps run; a kernel of the top three runs at least once a step: skip the first three.
+    step "ncu-$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section Occupancy --section MemoryWorkloadAnalysis \
-      "$bin" bench step --model resnet50 --batch-size 256 --warmup 2 --steps 1
+      "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 1
     grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Achieved Occupancy|Registers" "$out/ncu-$k.log" | head -30
   done
   step sanitize-memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
