@@ -234,13 +234,7 @@ pub fn ensure_available() -> Result<i32, NcclError> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(NcclError::DriverMissing);
     }
-    let lib = nccl()?;
-    let mut version = 0;
-    // SAFETY: out-parameter.
-    lib.check("ncclGetVersion", 0, unsafe {
-        (lib.get_version)(&mut version)
-    })?;
-    Ok(version)
+    library().map(|(_, version)| version)
 }
 
 /// The NCCL library this process uses: the file (or loader name) it was opened from, and its
