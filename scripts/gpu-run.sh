@@ -121,6 +121,12 @@ phase_train() {
   step resume-first 100 "$bin" "${common[@]}" --epochs 1 --out "$r/split"
   step resume-second 100 "$bin" --resume "$r/split" "${common[@]}" --epochs 2
   check $checks same-weights "$r/straight" "$r/split"
+  # kill -9 just after a checkpoint inside epoch 1 (--save-every 10: the second one, step 20),
+  # then --resume: the same weights again.
+  step resume-killed 100 bash -c 'BIRDTRAIN_FAULT=checkpoint:cleanup@2 "$0" "$@"; [ $? -eq 137 ]' \
+    "$bin" "${common[@]}" --epochs 2 --save-every 10 --out "$r/killed"
+  step resume-after-kill 150 "$bin" --resume "$r/killed" "${common[@]}" --epochs 2
+  check $checks same-weights "$r/straight" "$r/killed"
   # resnet50 at 224 px, warm cache: the last epoch's data-wait.
   local b=$work/synth$big
   [ -d "$b/train" ] || "$bin" synth --out "$b" --classes 8 --train-per-class $per --valid-per-class 16 --size 256x256 >/dev/null

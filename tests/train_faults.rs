@@ -1,4 +1,5 @@
-//! Nothing lost: a run folder survives kill -9 and a full disk at every stage of a checkpoint,
+//! Nothing lost: a run folder survives kill -9 and a full disk at every stage of a checkpoint
+//! (the run's own, a periodic one inside an epoch, and the best epoch's copy in `best/`),
 //! SIGTERM stops a run like Ctrl-C, a diverged loss stops without saving garbage, an existing
 //! run is never overwritten by accident, and a changed training set is noticed on resume.
 //! Every test drives the real binary (CPU, resnet8 on 16-pixel images).
@@ -6,108 +7,14 @@
 mod cli_support;
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use birdtrain::train::checkpoint::CHECKPOINT_STAGES;
 use birdtrain::train::fault::FAULT_ENV;
 use birdtrain::train::CheckpointMeta;
+use cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args, weights};
 use cli_support::{birdtrain, s, Tmpfs};
-use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
-
-fn dataset(root: &Path, classes: usize, per_class: usize) -> PathBuf {
-    write_dataset(&SynthConfig {
-        out: root.to_path_buf(),
-        classes,
-        train_per_class: per_class,
-        valid_per_class: 2,
-        test_per_class: 0,
-        width: 16,
-        height: 16,
-        format: ImageFormatKind::Png,
-        seed: 9,
-    })
-    .unwrap();
-    root.to_path_buf()
-}
-
-/// The flags of every run here: deterministic (one thread), small and quick.
-fn train_args(data: &Path, cache: &Path, out: &Path, epochs: u32) -> Vec<String> {
-    [
-        "--data",
-        s(data),
-        "--gpus",
-        "0",
-        "--model",
-        "resnet8",
-        "--image-size",
-        "16",
-        "--epochs",
-        &epochs.to_string(),
-        "--batch-size",
-        "4",
-        "--threads",
-        "1",
-        "--workers",
-        "1",
-        "--cache-dir",
-        s(cache),
-        "--out",
-        s(out),
-        "--seed",
-        "3",
-        "--quiet",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
-}
-
-fn run_with(args: &[String], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_birdtrain"));
-    cmd.args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the birdtrain binary runs")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn ok(out: Output) -> Output {
-    assert!(out.status.success(), "{}", text(&out));
-    out
-}
-
-fn resume_args(run: &Path, data: &Path) -> Vec<String> {
-    [
-        "--resume",
-        s(run),
-        "--data",
-        s(data),
-        "--threads",
-        "1",
-        "--workers",
-        "1",
-        "--quiet",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
-}
-
-/// The weights the run's sidecar names (what `--resume`, `eval` and `predict` read).
-fn weights(run: &Path) -> Vec<u8> {
-    let meta = CheckpointMeta::load(run).unwrap_or_else(|e| panic!("{}: {e}", run.display()));
-    std::fs::read(run.join(meta.model_file)).unwrap()
-}
 
 /// Files of the run folder that no checkpoint names: temporaries and superseded tensors.
 fn leftovers(run: &Path) -> Vec<String> {
@@ -200,14 +107,17 @@ fn a_run_on_a_full_tmpfs_keeps_its_last_checkpoint() {
     // Measure what one epoch leaves, and one checkpoint's tensor files.
     let probe = tmp.path().join("probe");
     ok(run_with(&train_args(&data, &cache, &probe, 1), &[]));
-    // Hard links (the stable names) share their blocks: count each file once.
+    // Hard links (the stable names) share their blocks: count each file once, those of
+    // best/ (the first epoch is the best so far) included.
     let mut inodes = std::collections::BTreeMap::new();
-    for entry in std::fs::read_dir(&probe).unwrap() {
-        let m = entry.unwrap().metadata().unwrap();
-        inodes.insert(
-            std::os::unix::fs::MetadataExt::ino(&m),
-            m.len().div_ceil(4096) * 4096,
-        );
+    for dir in [probe.clone(), probe.join("best")] {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let m = entry.unwrap().metadata().unwrap();
+            inodes.insert(
+                std::os::unix::fs::MetadataExt::ino(&m),
+                m.len().div_ceil(4096) * 4096,
+            );
+        }
     }
     let folder_bytes: u64 = inodes.values().sum();
     let meta = CheckpointMeta::load(&probe).unwrap();
@@ -230,15 +140,135 @@ fn a_run_on_a_full_tmpfs_keeps_its_last_checkpoint() {
     assert!(leftovers(&run).is_empty(), "{:?}", leftovers(&run));
     // Moved to a disk with room, it resumes to the same weights as an uninterrupted run.
     let moved = tmp.path().join("moved");
-    std::fs::create_dir(&moved).unwrap();
-    for entry in std::fs::read_dir(&run).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), moved.join(entry.file_name())).unwrap();
-    }
+    copy_folder(&run, &moved);
     ok(run_with(&resume_args(&moved, &data), &[]));
     let reference = tmp.path().join("reference");
     ok(run_with(&train_args(&data, &cache, &reference, 3), &[]));
     assert!(weights(&moved) == weights(&reference));
+}
+
+/// Copies a run folder with its best/ folder.
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_folder(&entry.path(), &to.join(entry.file_name()));
+        } else {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// `--save-every 2` on 3 steps per epoch: checkpoints at global steps 2, 3 (epoch end), 4,
+/// 6 (epoch end), 8 and 9 (the end). A kill -9 loses at most the steps since the last one,
+/// and the resumed run ends where the uninterrupted one does.
+#[test]
+fn periodic_checkpoints_inside_an_epoch_bound_what_a_kill_loses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let reference = tmp.path().join("reference");
+    ok(run_with(&train_args(&data, &cache, &reference, 3), &[]));
+    let want = weights(&reference);
+    // (fault, global step, epoch index and step of the checkpoint left behind)
+    let cases = [
+        ("checkpoint:cleanup@5", 8, 2, 2),
+        ("checkpoint:sidecar-temp@3", 3, 1, 0),
+        ("checkpoint:links@1", 2, 0, 2),
+    ];
+    for (fault, step, epoch, in_epoch) in cases {
+        let run = tmp.path().join(fault.replace([':', '@'], "-"));
+        let mut args = train_args(&data, &cache, &run, 3);
+        args.extend(["--save-every".into(), "2".into()]);
+        let out = run_with(&args, &[(FAULT_ENV, fault)]);
+        assert_eq!(out.status.signal(), Some(9), "{fault}: {}", text(&out));
+        let meta = CheckpointMeta::load(&run).unwrap();
+        let pos = &meta.data_position;
+        assert_eq!(
+            (pos.global_step, pos.epoch, pos.step_in_epoch),
+            (step, epoch, in_epoch),
+            "{fault}"
+        );
+        assert_eq!(
+            meta.settings.save_every, 2,
+            "the sidecar keeps --save-every"
+        );
+        ok(run_with(&resume_args(&run, &data), &[]));
+        assert!(weights(&run) == want, "{fault}: resumed weights differ");
+        assert!(leftovers(&run).is_empty(), "{fault}: {:?}", leftovers(&run));
+    }
+}
+
+/// The epochs whose validation beat every earlier one (1-based), from `metrics.jsonl`.
+fn improving_epochs(run: &Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let mut best: Option<(f64, f64)> = None;
+    let mut epochs = Vec::new();
+    for line in text.lines() {
+        let m: serde_json::Value = serde_json::from_str(line).unwrap();
+        if m["split"] != "valid" {
+            continue;
+        }
+        let (acc, loss) = (m["accuracy"].as_f64().unwrap(), m["loss"].as_f64().unwrap());
+        if best.is_none_or(|(a, l)| acc > a || (acc == a && loss < l)) {
+            best = Some((acc, loss));
+            epochs.push(m["epoch"].as_u64().unwrap());
+        }
+    }
+    epochs
+}
+
+/// best/ is written before the run's checkpoint at the end of an epoch that beat the earlier
+/// ones: a kill at any stage of it, or a full disk, leaves the run's previous checkpoint,
+/// and the resumed run writes the same best/ an uninterrupted run has.
+#[test]
+fn a_kill_or_a_full_disk_while_the_best_epoch_is_written_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let reference = tmp.path().join("reference");
+    ok(run_with(&train_args(&data, &cache, &reference, 3), &[]));
+    let want = weights(&reference);
+    let want_best = weights(&reference.join("best"));
+    let improving = improving_epochs(&reference);
+    assert!(
+        improving.len() >= 2 && improving[0] == 1,
+        "the test needs a later epoch to beat the first: {improving:?}"
+    );
+    assert_eq!(
+        CheckpointMeta::load(&reference.join("best")).unwrap().epoch,
+        *improving.last().unwrap()
+    );
+    // The second best/ write is at the end of epoch improving[1].
+    let at = improving[1];
+    let faults = CHECKPOINT_STAGES
+        .iter()
+        .map(|stage| (format!("best:{stage}@2"), true))
+        .chain([("best:optimizer@2:enospc".to_string(), false)]);
+    for (fault, killed) in faults {
+        let run = tmp.path().join(fault.replace([':', '@'], "-"));
+        let out = run_with(&train_args(&data, &cache, &run, 3), &[(FAULT_ENV, &fault)]);
+        if killed {
+            assert_eq!(out.status.signal(), Some(9), "{fault}: {}", text(&out));
+        } else {
+            let line = one_error_line(&out);
+            assert!(line.contains("No space left on device"), "{fault}: {line}");
+        }
+        assert_eq!(CheckpointMeta::load(&run).unwrap().epoch, at - 1, "{fault}");
+        ok(run_with(&resume_args(&run, &data), &[]));
+        assert!(weights(&run) == want, "{fault}: resumed weights differ");
+        assert!(
+            weights(&run.join("best")) == want_best,
+            "{fault}: best/ differs from the uninterrupted run's"
+        );
+        let best = run.join("best");
+        assert!(
+            leftovers(&best).is_empty(),
+            "{fault}: {:?}",
+            leftovers(&best)
+        );
+    }
 }
 
 #[test]

@@ -194,6 +194,14 @@ pub struct TrainArgs {
     /// Replace the run already in --out (its checkpoint and metrics) instead of refusing.
     #[arg(long)]
     pub overwrite: bool,
+    /// Also save a checkpoint every N optimizer steps inside an epoch (a killed run loses at
+    /// most N steps); 0 or absent: at epoch ends only.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
+    /// Stop when validation accuracy has not improved for E epochs (0: never). The best
+    /// epoch's checkpoint is kept in RUN/best/ in any case.
+    #[arg(long, value_name = "E")]
+    pub early_stop: Option<u64>,
     /// Stop after this many optimizer steps in total, saving a checkpoint as Ctrl-C does.
     #[arg(long, value_name = "N", hide = true)]
     pub stop_after_steps: Option<u64>,
@@ -365,6 +373,12 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     cfg.allow_data_change = args.allow_data_change;
     cfg.overwrite = args.overwrite;
     cfg.stop_after_steps = args.stop_after_steps;
+    if let Some(v) = args.save_every {
+        cfg.save_every = v;
+    }
+    if let Some(v) = args.early_stop {
+        cfg.early_stop = v;
+    }
     cfg.progress = !args.quiet;
     if resumed.is_none() {
         cfg.out = match &args.out {

@@ -79,6 +79,12 @@ pub struct TrainConfig {
     /// Stop (saving a checkpoint, as on Ctrl-C) once this many optimizer steps were taken in
     /// total. For tests of resume and for quick looks.
     pub stop_after_steps: Option<u64>,
+    /// Also checkpoint every this many optimizer steps inside an epoch, so that a killed run
+    /// loses at most that many (0: at epoch ends only).
+    pub save_every: u64,
+    /// Stop once validation accuracy has not improved for this many epochs (0: never). The
+    /// best epoch's checkpoint is kept in `RUN/best/` either way.
+    pub early_stop: u64,
     /// Draw progress bars (they also hide themselves when stderr is not a terminal).
     pub progress: bool,
     /// Print the start lines, epoch lines and summary on stdout.
@@ -122,6 +128,8 @@ impl TrainConfig {
             on_bad_image: OnBadImage::Skip,
             freeze_bn: false,
             stop_after_steps: None,
+            save_every: 0,
+            early_stop: 0,
             progress: true,
             verbose: true,
             dist: DistSettings::default(),
@@ -181,6 +189,8 @@ impl TrainConfig {
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
             valid_fraction: self.valid_fraction,
+            save_every: self.save_every,
+            early_stop: self.early_stop,
         }
     }
 
@@ -198,6 +208,8 @@ impl TrainConfig {
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
         self.valid_fraction = s.valid_fraction;
+        self.save_every = s.save_every;
+        self.early_stop = s.early_stop;
     }
 
     /// Rejects values that cannot work, naming the flag.

@@ -15,12 +15,13 @@ use super::config::TrainConfig;
 use super::device::DeviceChoice;
 use super::evaluate::evaluate;
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
-use super::folder::{CheckpointMeta, DataPosition, RunFolder};
+use super::folder::{BestEpoch, CheckpointMeta, DataPosition, RunFolder};
 use super::progress::EpochBar;
 use super::rank::{account, Device, PendingStep, Rank, StepPlan};
 use super::setup::Shared;
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
+use crate::dist::collective::Collective;
 use crate::model::{ModelState, StepStats};
 use crate::optim::RankOptimizer;
 
@@ -29,6 +30,10 @@ use crate::optim::RankOptimizer;
 pub struct TrainOutcome {
     /// Stopped early (Ctrl-C or `stop_after_steps`) after saving a checkpoint.
     pub interrupted: bool,
+    /// Stopped by `--early-stop`: validation accuracy had not improved for that many epochs.
+    pub early_stopped: bool,
+    /// The epoch with the best validation figures (its checkpoint is in `RUN/best/`).
+    pub best: Option<BestEpoch>,
     /// Epochs completed in total (including those of a resumed run).
     pub epochs_done: u64,
     /// Optimizer steps taken in total.
@@ -211,6 +216,10 @@ pub(crate) struct RankReport {
     pub position: DataPosition,
     /// The last validation line (rank 0).
     pub last_valid: Option<EpochMetrics>,
+    /// Stopped by `--early-stop`.
+    pub early_stopped: bool,
+    /// The best epoch (rank 0's record).
+    pub best: Option<BestEpoch>,
     /// Seconds waiting for input and seconds training, over the epochs of this process.
     pub session: (f64, f64),
 }
@@ -257,14 +266,21 @@ fn epochs<D: Device>(
     let cfg = &shared.cfg;
     let mut last_valid = None;
     let mut interrupted = false;
+    let mut early_stopped = false;
+    let mut best = shared.best;
     let mut session = (0.0f64, 0.0f64);
-    while rank.position.epoch < cfg.epochs {
+    // A resumed run that had already stopped early stops again at once (a larger or zero
+    // --early-stop lets it go on).
+    if rank.position.epoch < cfg.epochs && early_stop_due(shared, rank, best)? {
+        early_stopped = true;
+    }
+    while !early_stopped && rank.position.epoch < cfg.epochs {
         let epoch = rank.position.epoch;
-        let (finished, stop_agreed) = train_epoch(shared, rank, stop)?;
+        let (finished, stop_agreed) = train_epoch(shared, rank, stop, best)?;
         if !finished {
             rank.average_bn_statistics(shared)?;
             if rank.is_writer() {
-                save_checkpoint(shared, rank)?;
+                save_checkpoint(shared, rank, best)?;
                 shared.say(format!(
                     "stopped at epoch {}, step {} of {}: checkpoint saved in {}",
                     epoch + 1,
@@ -287,7 +303,13 @@ fn epochs<D: Device>(
         rank.average_bn_statistics(shared)?;
         rank.position = rank.position.next_epoch();
         if rank.is_writer() {
-            last_valid = Some(end_epoch(shared, rank, &train_line, acc.wait_share())?);
+            last_valid = Some(end_epoch(
+                shared,
+                rank,
+                &train_line,
+                acc.wait_share(),
+                &mut best,
+            )?);
         }
         if let Some(line) = rank.device.input_line(rank.rank) {
             shared.say(line);
@@ -295,6 +317,26 @@ fn epochs<D: Device>(
         if stop_agreed || reached_stop_step(cfg, &rank.position) {
             interrupted = rank.position.epoch < cfg.epochs;
             break;
+        }
+        early_stopped = rank.position.epoch < cfg.epochs && early_stop_due(shared, rank, best)?;
+    }
+    if early_stopped && rank.is_writer() {
+        if let Some(b) = best {
+            let idle = rank.position.epoch - b.epoch;
+            let already = if session.1 == 0.0 {
+                " (it had stopped there before; a larger --early-stop, or 0, lets it go on)"
+            } else {
+                ""
+            };
+            shared.say(format!(
+                "early stop after epoch {}: validation accuracy has not improved for {idle} epoch{}; the best, epoch {} (accuracy {:.4}, loss {:.4}), is in {}{already}",
+                rank.position.epoch,
+                if idle == 1 { "" } else { "s" },
+                b.epoch,
+                b.accuracy,
+                b.loss,
+                shared.folder.best_path().display()
+            ));
         }
     }
     let checksum = crate::dist::checksum(&rank.opt.master(&rank.net)?);
@@ -305,8 +347,36 @@ fn epochs<D: Device>(
         interrupted,
         position: rank.position.clone(),
         last_valid,
+        early_stopped,
+        best,
         session,
     })
+}
+
+/// Whether `--early-stop` ends the run here, at an epoch boundary: the epochs since the best
+/// one (rank 0 holds the record) reached the patience. Every rank learns rank 0's answer.
+fn early_stop_due<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    best: Option<BestEpoch>,
+) -> Result<bool, TrainError> {
+    let patience = shared.cfg.early_stop;
+    if patience == 0 || rank.position.step_in_epoch > 0 {
+        return Ok(false);
+    }
+    let done = rank.position.epoch;
+    let due = rank.is_writer() && best.is_some_and(|b| done.saturating_sub(b.epoch) >= patience);
+    if rank.world == 1 {
+        return Ok(due);
+    }
+    let mut vote = [if due { 1.0 } else { 0.0 }];
+    rank.comm.sum(&mut vote)?;
+    Ok(vote[0] > 0.0)
+}
+
+/// Whether a checkpoint is due inside the epoch after global step `step` (`--save-every`).
+fn periodic_save_due(cfg: &TrainConfig, step: u64) -> bool {
+    cfg.save_every > 0 && step % cfg.save_every == 0
 }
 
 /// The rest of the current epoch. Returns (finished, stop agreed): not finished when the
@@ -315,6 +385,7 @@ fn train_epoch<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     stop: &dyn Fn(u64) -> bool,
+    best: Option<BestEpoch>,
 ) -> Result<(bool, bool), TrainError> {
     let cfg = &shared.cfg;
     let steps = shared.steps_per_epoch;
@@ -388,6 +459,16 @@ fn train_epoch<D: Device>(
             if let Some(earlier) = pending.take() {
                 stop_agreed |= settle(shared, rank, earlier)?;
             }
+        } else if periodic_save_due(cfg, rank.position.global_step) {
+            // The checkpoint's figures must cover every step taken: settle the last one first
+            // (a stop wish read here ends the run after the next step, as it would anyway).
+            if let Some(earlier) = pending.take() {
+                stop_agreed |= settle(shared, rank, earlier)?;
+            }
+            rank.average_bn_statistics(shared)?;
+            if rank.is_writer() {
+                save_checkpoint(shared, rank, best)?;
+            }
         }
         let elapsed = started.elapsed().as_secs_f64();
         let acc = &mut rank.position.partial_train;
@@ -423,12 +504,13 @@ fn settle<D: Device>(
     Ok(wish)
 }
 
-/// Validation, metrics, checkpoint and report after an epoch (rank 0).
+/// Validation, metrics, the best epoch, checkpoint and report after an epoch (rank 0).
 fn end_epoch<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     train_line: &EpochMetrics,
     wait_share: f64,
+    best: &mut Option<BestEpoch>,
 ) -> Result<EpochMetrics, TrainError> {
     let cfg = &shared.cfg;
     let epoch = train_line.epoch;
@@ -442,11 +524,25 @@ fn end_epoch<D: Device>(
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, rank.position.global_step)?;
+    let improved = best.is_none_or(|b| b.beaten_by(valid_line.accuracy, valid_line.loss));
+    if improved {
+        *best = Some(BestEpoch {
+            epoch,
+            accuracy: valid_line.accuracy,
+            loss: valid_line.loss,
+        });
+    }
     shared.folder.record_epoch(train_line, &valid_line)?;
-    save_checkpoint(shared, rank)?;
+    let (meta, model, optimizer) = checkpoint_files(shared, rank, *best)?;
+    // best/ first: a kill between the two leaves the run's checkpoint at the epoch before,
+    // whose resumed run redoes this epoch and writes the same best/ again.
+    if improved {
+        shared.folder.save_best(meta.clone(), &model, &optimizer)?;
+    }
+    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
     shared.folder.write_report()?;
     shared.say(format!(
-        "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.1}% · {:.1} s",
+        "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.1}% · {:.1} s{}",
         epoch,
         cfg.epochs,
         train_line.loss,
@@ -456,22 +552,38 @@ fn end_epoch<D: Device>(
         valid_line.top5,
         train_line.images_per_sec,
         wait_share * 100.0,
-        train_line.seconds + valid_line.seconds
+        train_line.seconds + valid_line.seconds,
+        if improved { " · best so far" } else { "" }
     ));
     Ok(valid_line)
 }
 
-/// Writes the checkpoint: the optimizer's f32 master weights with the network's buffers, the
-/// optimizer state in the host format, the sidecar (the commit point). Overflowed weights
-/// are refused instead.
-fn save_checkpoint<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
+/// Writes the checkpoint ([`checkpoint_files`]).
+fn save_checkpoint<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    best: Option<BestEpoch>,
+) -> Result<(), TrainError> {
+    let (meta, model, optimizer) = checkpoint_files(shared, rank, best)?;
+    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
+    Ok(())
+}
+
+/// What a checkpoint holds: the sidecar (with the best epoch so far), the optimizer's f32
+/// master weights with the network's buffers, the optimizer state in the host format.
+/// Overflowed weights are refused instead.
+fn checkpoint_files<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    best: Option<BestEpoch>,
+) -> Result<(CheckpointMeta, Vec<u8>, Vec<u8>), TrainError> {
     let state = rank.master_state(shared)?;
     check_finite_state(shared, &state, &rank.position)?;
     let model = state.to_safetensors_bytes(&shared.graph, None)?;
     let optimizer = rank.opt.to_host()?.to_safetensors_bytes();
-    let meta = shared.checkpoint_meta(&rank.position);
-    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
-    Ok(())
+    let mut meta = shared.checkpoint_meta(&rank.position);
+    meta.best = best;
+    Ok((meta, model, optimizer))
 }
 
 /// Trace process id of the input engine's row (ranks use their rank).
@@ -524,6 +636,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         wall_seconds: wall.as_secs_f64(),
         out: cfg.out.clone(),
         data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
+        best: first.best.filter(|_| writer),
     };
     let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);
@@ -552,6 +665,8 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
     shared.say(&summary);
     Ok(TrainOutcome {
         interrupted: first.interrupted,
+        early_stopped: first.early_stopped,
+        best: first.best,
         epochs_done: first.position.epoch,
         global_step: first.position.global_step,
         last_valid: first.last_valid,
@@ -592,6 +707,15 @@ mod tests {
             engine_span_name(&before, &now),
             "engine: 4 decoded · 4 cache hits · 0.5 s decode work · ready queue 50 % · cache 100 % filled"
         );
+    }
+
+    #[test]
+    fn periodic_saves_are_due_every_n_steps_and_never_with_zero() {
+        let mut cfg = TrainConfig::new("d");
+        assert!(!(1..100).any(|s| periodic_save_due(&cfg, s)));
+        cfg.save_every = 3;
+        let due: Vec<u64> = (1..=10).filter(|&s| periodic_save_due(&cfg, s)).collect();
+        assert_eq!(due, vec![3, 6, 9]);
     }
 
     #[test]

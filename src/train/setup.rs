@@ -2,14 +2,15 @@
 //! weights and optimizer state (a checkpoint, `--init-from` or a fresh init), the data
 //! position, the schedule, the bucket plan and the run folder.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pipeline::{BatchAllocator, DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::config::TrainConfig;
 use super::evaluate::summarise;
-use super::folder::{CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
+use super::folder::checkpoint::BEST_DIR;
+use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::model::{Graph, HeadPolicy, ModelState};
@@ -99,6 +100,8 @@ pub(crate) struct Shared {
     pub trace: TraceRecorder,
     /// Steps between cross-rank checksum comparisons.
     pub checksum_every: u64,
+    /// The best epoch before this session (a resumed run's; rank 0 of node 0 only).
+    pub best: Option<BestEpoch>,
 }
 
 impl Shared {
@@ -188,8 +191,10 @@ impl Shared {
                 value: cfg.dist.bucket_mb.to_string(),
                 hint: e.to_string(),
             })?;
+        let mut best = None;
         if writer {
             folder.start_metrics(resumed.map(|(run, _)| run.as_path()), position.epoch)?;
+            best = start_best(&folder, resumed)?;
         }
         let trace = if cfg.dist.trace.is_some() {
             TraceRecorder::new()
@@ -214,6 +219,7 @@ impl Shared {
             dataset,
             trace,
             checksum_every: CHECKSUM_EVERY,
+            best,
         })
     }
 
@@ -263,6 +269,7 @@ impl Shared {
             model_checksum: String::new(),
             optimizer_checksum: String::new(),
             dataset: Some(self.dataset.clone()),
+            best: None,
         }
     }
 
@@ -298,6 +305,59 @@ impl Shared {
                 self.position.global_step,
                 meta.epoch
             ));
+        }
+    }
+}
+
+/// The best epoch the run starts from, with `RUN/best/` made to match it: none for a fresh
+/// run (a previous run's `best/` is removed); a resumed run's record when its `best/` holds
+/// that epoch (copied over when the run continues in another folder).
+fn start_best(
+    folder: &RunFolder,
+    resumed: Option<&(PathBuf, CheckpointMeta)>,
+) -> Result<Option<BestEpoch>, TrainError> {
+    let Some((run, meta)) = resumed else {
+        folder.remove_best()?;
+        return Ok(None);
+    };
+    let best = resumed_best(run, meta);
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if !same(run, folder.path()) {
+        folder.remove_best()?;
+        if best.is_some() && folder.copy_best_from(run)?.is_none() {
+            return Ok(None);
+        }
+    }
+    Ok(best)
+}
+
+/// The checkpoint's best epoch when `run/best/` holds it. A `best/` newer than the checkpoint
+/// (written just before a kill) gives none: the resumed run redoes that epoch and writes it
+/// again. Anything else missing or different is said in a warning, and the next epoch starts
+/// a new best.
+fn resumed_best(run: &Path, meta: &CheckpointMeta) -> Option<BestEpoch> {
+    let recorded = meta.best?;
+    let best_dir = run.join(BEST_DIR);
+    match CheckpointMeta::load(&best_dir) {
+        Ok(saved) if saved.best == Some(recorded) => Some(recorded),
+        Ok(saved) if saved.epoch > meta.epoch => None,
+        Ok(saved) => {
+            tracing::warn!(
+                "{} holds epoch {}, the checkpoint names epoch {} as the best: the next epoch starts a new best",
+                best_dir.display(),
+                saved.epoch,
+                recorded.epoch
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(
+                "the best epoch's checkpoint is not usable ({e}): the next epoch starts a new best"
+            );
+            None
         }
     }
 }

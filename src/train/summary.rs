@@ -3,6 +3,7 @@
 use std::fmt::Write;
 
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
+use super::folder::BestEpoch;
 
 /// What the summary says besides the per-epoch table.
 #[derive(Debug, Clone)]
@@ -15,6 +16,8 @@ pub struct SummaryHeader {
     pub out: std::path::PathBuf,
     /// Share of training time spent waiting for the input engine, when measured.
     pub data_wait_share: Option<f64>,
+    /// The best epoch, whose checkpoint is in `out/best/`.
+    pub best: Option<BestEpoch>,
 }
 
 /// Formats the per-epoch table (train and valid side by side) and the headline figures.
@@ -69,12 +72,20 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         .iter()
         .filter(|m| m.split == MetricsSplit::Valid)
         .collect();
-    if let (Some(last), Some(best)) = (
-        valid.last(),
-        valid
-            .iter()
-            .max_by(|a, b| a.accuracy.total_cmp(&b.accuracy)),
-    ) {
+    // The trainer's rule for the best epoch (`RUN/best/`): highest accuracy, then lowest loss.
+    let best = valid.iter().copied().reduce(|best, m| {
+        let record = BestEpoch {
+            epoch: best.epoch,
+            accuracy: best.accuracy,
+            loss: best.loss,
+        };
+        if record.beaten_by(m.accuracy, m.loss) {
+            m
+        } else {
+            best
+        }
+    });
+    if let (Some(last), Some(best)) = (valid.last(), best) {
         let _ = writeln!(
             s,
             "valid accuracy {:.4} (top-5 {:.4}) · best {:.4} at epoch {}",
@@ -104,6 +115,9 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         "run folder {}: model.safetensors, checkpoint.json, metrics.jsonl, report.png",
         header.out.display()
     );
+    if let Some(b) = header.best {
+        let _ = write!(s, ", best/ (epoch {})", b.epoch);
+    }
     s
 }
 
@@ -128,17 +142,54 @@ mod tests {
             mk(2, MetricsSplit::Train, 0.7),
             mk(2, MetricsSplit::Valid, 0.9),
         ];
-        let header = SummaryHeader {
+        let mut header = SummaryHeader {
             title: "resnet8".into(),
             wall_seconds: 9.0,
             out: "runs/x".into(),
             data_wait_share: Some(0.012),
+            best: None,
         };
         let text = format_summary(&header, &lines);
         assert!(text.contains("valid accuracy 0.9000"), "{text}");
         assert!(text.contains("best 0.9000 at epoch 2"), "{text}");
+        assert!(text.ends_with("report.png"), "{text}");
+        header.best = Some(BestEpoch {
+            epoch: 2,
+            accuracy: 0.9,
+            loss: 1.0,
+        });
+        let text = format_summary(&header, &lines);
+        assert!(text.ends_with("report.png, best/ (epoch 2)"), "{text}");
         assert!(text.contains("training 100.0 images/s"), "{text}");
         assert!(text.contains("data-wait 1.2%"), "{text}");
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
+    }
+
+    #[test]
+    fn the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss() {
+        let mk = |epoch, accuracy, loss| EpochMetrics {
+            epoch,
+            split: MetricsSplit::Valid,
+            loss,
+            accuracy,
+            top5: 1.0,
+            images_per_sec: 1.0,
+            seconds: 1.0,
+        };
+        let header = SummaryHeader {
+            title: "t".into(),
+            wall_seconds: 1.0,
+            out: "o".into(),
+            data_wait_share: None,
+            best: None,
+        };
+        let lines = [
+            mk(1, 0.5, 1.0),
+            mk(2, 0.9, 0.4),
+            mk(3, 0.9, 0.3),
+            mk(4, 0.9, 0.35),
+        ];
+        let text = format_summary(&header, &lines);
+        assert!(text.contains("best 0.9000 at epoch 3"), "{text}");
     }
 }

@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub(crate) mod small_run;
+
 /// Runs the binary and returns its output, whatever the exit status; a panic of the binary
 /// (its one-line bug report, or Rust's own message) fails the test whatever it expected.
 pub(crate) fn birdtrain_output(args: &[&str]) -> Output {

@@ -20,7 +20,7 @@ use std::path::Path;
 use pipeline::LastBatch;
 use serde::{Deserialize, Serialize};
 
-use super::fault;
+use super::fault::{self, FaultTarget};
 use super::files::{
     bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
 };
@@ -124,6 +124,14 @@ pub struct RunSettings {
     pub last_batch: LastBatch,
     /// Flat layout validation share.
     pub valid_fraction: Option<f32>,
+    /// `--save-every`: optimizer steps between checkpoints inside an epoch (0: epoch ends
+    /// only); absent in older checkpoints.
+    #[serde(default)]
+    pub save_every: u64,
+    /// `--early-stop`: epochs without a better validation accuracy before the run stops (0:
+    /// never); absent in older checkpoints.
+    #[serde(default)]
+    pub early_stop: u64,
 }
 
 impl RunSettings {
@@ -152,6 +160,30 @@ impl DatasetStamp {
         }
     }
 }
+
+/// The epoch with the best validation figures so far: the highest top-1 accuracy, a tie
+/// going to the lower loss. Its checkpoint is kept in `RUN/best/` ([`BEST_DIR`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BestEpoch {
+    /// The epoch (1-based, as the metrics count).
+    pub epoch: u64,
+    /// Its validation top-1 accuracy.
+    pub accuracy: f64,
+    /// Its validation loss.
+    pub loss: f64,
+}
+
+impl BestEpoch {
+    /// Whether `accuracy` and `loss` beat this epoch: higher accuracy, or the same with a
+    /// lower loss.
+    pub fn beaten_by(&self, accuracy: f64, loss: f64) -> bool {
+        accuracy > self.accuracy || (accuracy == self.accuracy && loss < self.loss)
+    }
+}
+
+/// The folder inside a run folder that holds the best epoch's checkpoint (itself a run
+/// folder: `eval`, `predict` and `--resume` take it).
+pub const BEST_DIR: &str = "best";
 
 /// The JSON sidecar of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -195,6 +227,10 @@ pub struct CheckpointMeta {
     /// The training data the run was on (absent in checkpoints of older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataset: Option<DatasetStamp>,
+    /// The best epoch up to this checkpoint (none before the first validation, and in
+    /// checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best: Option<BestEpoch>,
 }
 
 impl CheckpointMeta {
@@ -324,13 +360,24 @@ pub const CHECKPOINT_STAGES: [&str; 6] = [
 /// checkpoint left. See the module documentation for why any interruption is safe.
 pub fn write_checkpoint(
     run: &Path,
+    meta: CheckpointMeta,
+    model: &[u8],
+    optimizer: &[u8],
+) -> Result<(), FolderError> {
+    write_checkpoint_for(FaultTarget::Checkpoint, run, meta, model, optimizer)
+}
+
+/// [`write_checkpoint`], counted as a checkpoint of `target` by the fault hook.
+pub(crate) fn write_checkpoint_for(
+    target: FaultTarget,
+    run: &Path,
     mut meta: CheckpointMeta,
     model: &[u8],
     optimizer: &[u8],
 ) -> Result<(), FolderError> {
-    let nth = fault::begin_checkpoint();
+    let nth = fault::begin_checkpoint(target);
     let stage = |name: &'static str, path: &Path| {
-        fault::at(name, nth).map_err(|source| FolderError::Io {
+        fault::at(target, name, nth).map_err(|source| FolderError::Io {
             path: path.to_path_buf(),
             what: "write",
             source,
@@ -448,10 +495,12 @@ fn link_stable(run: &Path, stable: &str, current: &str) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn meta(dir: &Path) -> CheckpointMeta {
+    /// A sidecar for tensor files `model.safetensors` and `optimizer.safetensors` written
+    /// into `dir`.
+    pub(crate) fn meta(dir: &Path) -> CheckpointMeta {
         fs::write(dir.join(MODEL_FILE), b"weights").unwrap();
         fs::write(dir.join(OPTIMIZER_FILE), b"state").unwrap();
         CheckpointMeta {
@@ -491,10 +540,17 @@ mod tests {
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
                 valid_fraction: None,
+                save_every: 0,
+                early_stop: 3,
             },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
             optimizer_checksum: file_checksum(&dir.join(OPTIMIZER_FILE)).unwrap(),
             dataset: None,
+            best: Some(BestEpoch {
+                epoch: 1,
+                accuracy: 0.5,
+                loss: 0.7,
+            }),
         }
     }
 
@@ -524,6 +580,42 @@ mod tests {
         let bad = text.replace(r#""last_batch":"partial""#, r#""last_batch":"sometimes""#);
         let err = serde_json::from_str::<CheckpointMeta>(&bad).unwrap_err();
         assert!(err.to_string().contains("sometimes"), "{err}");
+    }
+
+    #[test]
+    fn a_sidecar_of_an_older_version_reads_with_the_new_fields_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = meta(dir.path());
+        let mut value = serde_json::to_value(&m).unwrap();
+        value.as_object_mut().unwrap().remove("best");
+        let settings = value["settings"].as_object_mut().unwrap();
+        for field in ["save_every", "early_stop", "sync_bn"] {
+            settings.remove(field).unwrap();
+        }
+        let old: CheckpointMeta = serde_json::from_value(value).unwrap();
+        assert_eq!(old.best, None);
+        assert_eq!(
+            (
+                old.settings.save_every,
+                old.settings.early_stop,
+                old.settings.sync_bn
+            ),
+            (0, 0, false)
+        );
+    }
+
+    #[test]
+    fn a_better_epoch_has_a_higher_accuracy_or_the_same_with_a_lower_loss() {
+        let best = BestEpoch {
+            epoch: 3,
+            accuracy: 0.8,
+            loss: 0.5,
+        };
+        assert!(best.beaten_by(0.81, 2.0));
+        assert!(best.beaten_by(0.8, 0.4));
+        assert!(!best.beaten_by(0.8, 0.5));
+        assert!(!best.beaten_by(0.79, 0.1));
+        assert!(!best.beaten_by(f64::NAN, 0.1));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Fault injection for the crash-safety tests of checkpoint writing.
 //!
 //! `BIRDTRAIN_FAULT=checkpoint:<stage>[@<n>][:enospc]` makes the n-th checkpoint written by
-//! this process (1 when `@n` is absent) fail at `<stage>` (see
+//! this process (1 when `@n` is absent) fail at `<stage>`; `best:<stage>…` does the same to the
+//! n-th copy of the best epoch written into `RUN/best/` (each kind counted on its own; see
 //! [`super::checkpoint::write_checkpoint`] for the stages): by default the process kills
 //! itself with SIGKILL there (what `kill -9`, the OOM killer or a power cut leave behind);
 //! with `:enospc` the write returns "No space left on device" instead, as a full disk would.
@@ -13,15 +14,37 @@ use std::sync::OnceLock;
 /// The environment variable that arms a fault.
 pub const FAULT_ENV: &str = "BIRDTRAIN_FAULT";
 
+/// Which checkpoint a fault and a count refer to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultTarget {
+    /// The run's checkpoint (`RUN/checkpoint.json`).
+    Checkpoint,
+    /// The best epoch's copy (`RUN/best/`).
+    Best,
+}
+
+impl FaultTarget {
+    fn index(self) -> usize {
+        match self {
+            FaultTarget::Checkpoint => 0,
+            FaultTarget::Best => 1,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Fault {
+    target: FaultTarget,
     stage: String,
     nth: u64,
     enospc: bool,
 }
 
 fn parse(spec: &str) -> Option<Fault> {
-    let rest = spec.strip_prefix("checkpoint:")?;
+    let (target, rest) = match spec.strip_prefix("checkpoint:") {
+        Some(rest) => (FaultTarget::Checkpoint, rest),
+        None => (FaultTarget::Best, spec.strip_prefix("best:")?),
+    };
     let (rest, enospc) = match rest.strip_suffix(":enospc") {
         Some(r) => (r, true),
         None => (rest, false),
@@ -31,6 +54,7 @@ fn parse(spec: &str) -> Option<Fault> {
         None => (rest, 1),
     };
     Some(Fault {
+        target,
         stage: stage.to_string(),
         nth,
         enospc,
@@ -44,20 +68,22 @@ fn armed() -> Option<&'static Fault> {
         .as_ref()
 }
 
-/// Checkpoints begun by this process (counts from 1).
-static CHECKPOINTS: AtomicU64 = AtomicU64::new(0);
+/// Checkpoints of each [`FaultTarget`] begun by this process (counts from 1).
+static CHECKPOINTS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
-/// Marks the start of a checkpoint write; returns its number in this process.
-pub(crate) fn begin_checkpoint() -> u64 {
-    CHECKPOINTS.fetch_add(1, Ordering::SeqCst) + 1
+/// Marks the start of a checkpoint write; returns its number among those of `target` in this
+/// process.
+pub(crate) fn begin_checkpoint(target: FaultTarget) -> u64 {
+    CHECKPOINTS[target.index()].fetch_add(1, Ordering::SeqCst) + 1
 }
 
-/// Called at each stage of checkpoint number `nth`: fails there if the armed fault says so.
-pub(crate) fn at(stage: &str, nth: u64) -> std::io::Result<()> {
+/// Called at each stage of checkpoint number `nth` of `target`: fails there if the armed
+/// fault says so.
+pub(crate) fn at(target: FaultTarget, stage: &str, nth: u64) -> std::io::Result<()> {
     let Some(fault) = armed() else {
         return Ok(());
     };
-    if fault.stage != stage || fault.nth != nth {
+    if fault.target != target || fault.stage != stage || fault.nth != nth {
         return Ok(());
     }
     if fault.enospc {
@@ -79,6 +105,7 @@ mod tests {
         assert_eq!(
             parse("checkpoint:sidecar"),
             Some(Fault {
+                target: FaultTarget::Checkpoint,
                 stage: "sidecar".into(),
                 nth: 1,
                 enospc: false
@@ -87,9 +114,19 @@ mod tests {
         assert_eq!(
             parse("checkpoint:model@3:enospc"),
             Some(Fault {
+                target: FaultTarget::Checkpoint,
                 stage: "model".into(),
                 nth: 3,
                 enospc: true
+            })
+        );
+        assert_eq!(
+            parse("best:links@2"),
+            Some(Fault {
+                target: FaultTarget::Best,
+                stage: "links".into(),
+                nth: 2,
+                enospc: false
             })
         );
         assert_eq!(parse("model@3"), None);

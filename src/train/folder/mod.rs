@@ -1,8 +1,9 @@
 //! The run folder (`--out RUN`): checkpoint, metrics and report, in one place.
 //!
 //! A run folder holds `model.safetensors`, `optimizer.safetensors`, the `checkpoint.json`
-//! sidecar ([`checkpoint`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]) and
-//! the input engine's `bad_files_<split>.txt`. [`RunFolder`] is the only writer; every file
+//! sidecar ([`checkpoint`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the
+//! input engine's `bad_files_<split>.txt`, and `best/`: the checkpoint of the epoch with the
+//! best validation figures, itself a run folder written by the same protocol. [`RunFolder`] is the only writer; every file
 //! is written atomically ([`files`]). The module depends on nothing else of the trainer (it
 //! takes serialised tensors and plain values), so the loop and any later change to the
 //! folder's format meet in one place.
@@ -16,7 +17,7 @@ pub mod report;
 
 use std::path::{Path, PathBuf};
 
-pub use checkpoint::{CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
+pub use checkpoint::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
 pub use error::FolderError;
 use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
@@ -151,9 +152,69 @@ impl RunFolder {
     }
 
     /// Removes what an interrupted checkpoint or run left behind (temporary files, tensor
-    /// files no sidecar names) before anything new is written.
+    /// files no sidecar names), here and in `best/`, before anything new is written.
     pub fn clean(&self) {
         checkpoint::clean_run_folder(&self.root);
+        checkpoint::clean_run_folder(&self.best_path());
+    }
+
+    /// `best/`: the best epoch's checkpoint.
+    pub fn best_path(&self) -> PathBuf {
+        self.root.join(checkpoint::BEST_DIR)
+    }
+
+    /// Commits the best epoch's checkpoint into `best/` (the protocol of
+    /// [`RunFolder::save_checkpoint`]; `meta.best` should name this epoch).
+    pub fn save_best(
+        &self,
+        mut meta: CheckpointMeta,
+        model: &[u8],
+        optimizer: &[u8],
+    ) -> Result<(), FolderError> {
+        let dir = self.best_path();
+        std::fs::create_dir_all(&dir).map_err(|source| FolderError::Io {
+            path: dir.clone(),
+            what: "create the best-epoch folder",
+            source,
+        })?;
+        meta.version = checkpoint::SIDECAR_VERSION;
+        checkpoint::write_checkpoint_for(fault::FaultTarget::Best, &dir, meta, model, optimizer)
+    }
+
+    /// Removes `best/` (a fresh run in a folder that held another run).
+    pub fn remove_best(&self) -> Result<(), FolderError> {
+        let dir = self.best_path();
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(FolderError::Io {
+                path: dir,
+                what: "remove the previous run's best-epoch folder",
+                source: e,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Copies the best-epoch checkpoint of run folder `from` into this folder's `best/` (a
+    /// run resumed into another folder keeps its best epoch). Returns the copied checkpoint's
+    /// own record of its epoch; `None` (nothing copied) when `from` has no whole `best/`.
+    pub fn copy_best_from(&self, from: &Path) -> Result<Option<BestEpoch>, FolderError> {
+        let source = from.join(checkpoint::BEST_DIR);
+        let Ok(meta) = CheckpointMeta::load(&source) else {
+            return Ok(None);
+        };
+        let read = |file: &str| {
+            let path = source.join(file);
+            std::fs::read(&path).map_err(|source| FolderError::Io {
+                path,
+                what: "read",
+                source,
+            })
+        };
+        let model = read(&meta.model_file)?;
+        let optimizer = read(&meta.optimizer_state_file)?;
+        let best = meta.best;
+        self.save_best(meta, &model, &optimizer)?;
+        Ok(best)
     }
 
     /// What in the folder shows that a run is there already (the sidecar, metrics), in
@@ -195,6 +256,40 @@ mod tests {
         assert_eq!(kept, vec![1, 1, 2, 2]);
         first.start_metrics(None, 0).unwrap();
         assert!(first.metrics().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_best_epoch_is_a_run_folder_of_its_own_and_travels_with_a_resume_elsewhere() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = RunFolder::new(tmp.path().join("first"));
+        first.create().unwrap();
+        assert_eq!(first.copy_best_from(tmp.path()).unwrap(), None);
+        let best = BestEpoch {
+            epoch: 2,
+            accuracy: 0.75,
+            loss: 0.5,
+        };
+        let mut meta = checkpoint::tests::meta(first.path());
+        meta.best = Some(best);
+        first
+            .save_best(meta, b"best weights", b"best state")
+            .unwrap();
+        let saved = CheckpointMeta::load(&first.best_path()).unwrap();
+        assert_eq!(saved.best, Some(best));
+        let second = RunFolder::new(tmp.path().join("second"));
+        second.create().unwrap();
+        assert_eq!(second.copy_best_from(first.path()).unwrap(), Some(best));
+        let copied = CheckpointMeta::load(&second.best_path()).unwrap();
+        assert_eq!(
+            std::fs::read(second.best_path().join(&copied.model_file)).unwrap(),
+            b"best weights"
+        );
+        // A damaged best/ is not copied (the resumed run starts a new best).
+        std::fs::write(first.best_path().join(&saved.model_file), b"edited").unwrap();
+        second.remove_best().unwrap();
+        assert_eq!(second.copy_best_from(first.path()).unwrap(), None);
+        assert!(!second.best_path().exists());
+        second.remove_best().unwrap();
     }
 
     #[test]

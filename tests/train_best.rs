@@ -1,0 +1,197 @@
+//! The best epoch and early stopping, through the real binary (CPU, resnet8 on 16-pixel
+//! images): `RUN/best/` holds the checkpoint of the epoch with the best validation figures
+//! and evaluates to them; `--early-stop E` ends a run whose validation accuracy has not
+//! improved for E epochs, a resumed run keeps that decision unless told otherwise, and a run
+//! resumed into another folder takes its best epoch along.
+
+mod cli_support;
+
+use std::path::Path;
+
+use birdtrain::train::CheckpointMeta;
+use cli_support::small_run::{dataset, ok, resume_args, run_with, train_args, weights};
+use cli_support::{birdtrain, s};
+
+/// The `loss` and `top-1` figures `birdtrain eval` prints for `run` on the validation split.
+fn eval(run: &Path, data: &Path, cache: &Path) -> (f64, f64) {
+    let out = birdtrain(&[
+        "eval",
+        "--checkpoint",
+        s(run),
+        "--data",
+        s(data),
+        "--workers",
+        "1",
+        "--cache-dir",
+        s(cache),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let figure = |key: &str| -> f64 {
+        let at = text.find(key).unwrap_or_else(|| panic!("{key} in {text}")) + key.len();
+        text[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (figure("loss "), figure("top-1 "))
+}
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn with(mut args: Vec<String>, extra: &[&str]) -> Vec<String> {
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+/// On this set (seed 3) validation accuracy is 1.0 after epoch 1, 0.75 after epoch 2 and
+/// 1.0 again, with a lower loss, from epoch 3 on: epoch 1 is the best until epoch 3.
+#[test]
+fn early_stop_keeps_the_best_epoch_and_a_resume_honours_or_lifts_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let full = tmp.path().join("full");
+    ok(run_with(&train_args(&data, &cache, &full, 6), &[]));
+
+    let run = tmp.path().join("run");
+    let out = ok(run_with(
+        &with(train_args(&data, &cache, &run, 6), &["--early-stop", "1"]),
+        &[],
+    ));
+    let printed = stdout(&out);
+    assert!(
+        printed.contains(
+            "early stop after epoch 2: validation accuracy has not improved for 1 epoch;"
+        ),
+        "{printed}"
+    );
+    assert!(printed.contains("best/ (epoch 1)"), "{printed}");
+    let meta = CheckpointMeta::load(&run).unwrap();
+    assert_eq!((meta.epoch, meta.settings.early_stop), (2, 1));
+    let best = CheckpointMeta::load(&run.join("best")).unwrap();
+    let record = best.best.expect("best/ records its epoch");
+    assert_eq!((best.epoch, record.epoch), (1, 1));
+    assert_eq!(meta.best, Some(record));
+    // best/ is a checkpoint of its own: it evaluates to the figures it records, and differs
+    // from the run's last weights (epoch 2 was worse).
+    let (loss, top1) = eval(&run.join("best"), &data, &cache);
+    assert_eq!(top1, 1.0);
+    assert!((loss - record.loss).abs() < 1e-4, "{loss} vs {record:?}");
+    assert_eq!(eval(&run, &data, &cache).1, 0.75);
+    assert!(weights(&run.join("best")) != weights(&run));
+
+    // Resumed as it is, the run stops again without training.
+    let out = ok(run_with(&resume_args(&run, &data), &[]));
+    assert!(
+        stdout(&out).contains("it had stopped there before"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(CheckpointMeta::load(&run).unwrap().step, meta.step);
+    // With --early-stop 0 it goes on, into another folder, and ends where an uninterrupted
+    // run ends; that folder's best/ moves on from the copied epoch 1 to the later best.
+    let more = tmp.path().join("more");
+    ok(run_with(
+        &with(
+            resume_args(&run, &data),
+            &["--early-stop", "0", "--out", s(&more)],
+        ),
+        &[],
+    ));
+    assert!(weights(&more) == weights(&full));
+    assert!(weights(&more.join("best")) == weights(&full.join("best")));
+    assert_eq!(
+        CheckpointMeta::load(&more.join("best")).unwrap().best,
+        CheckpointMeta::load(&full.join("best")).unwrap().best
+    );
+}
+
+/// A run stopped after epoch 1 and resumed into another folder for one more (worse) epoch
+/// keeps epoch 1 as its best: best/ came along with the checkpoint.
+#[test]
+fn a_run_resumed_into_another_folder_takes_its_best_epoch_along() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let whole = tmp.path().join("whole");
+    ok(run_with(&train_args(&data, &cache, &whole, 2), &[]));
+    let first = tmp.path().join("first");
+    ok(run_with(
+        &with(
+            train_args(&data, &cache, &first, 2),
+            &["--stop-after-steps", "3"],
+        ),
+        &[],
+    ));
+    assert_eq!(CheckpointMeta::load(&first).unwrap().epoch, 1);
+    let second = tmp.path().join("second");
+    ok(run_with(
+        &with(resume_args(&first, &data), &["--out", s(&second)]),
+        &[],
+    ));
+    let best = CheckpointMeta::load(&second.join("best")).unwrap();
+    assert_eq!(best.epoch, 1);
+    assert!(weights(&second.join("best")) == weights(&whole.join("best")));
+    assert!(weights(&second) == weights(&whole));
+    // A fresh run with --overwrite in that folder does not inherit the old best/.
+    let mut fresh_args = with(train_args(&data, &cache, &second, 1), &["--overwrite"]);
+    let seed = fresh_args.iter().position(|a| a == "--seed").unwrap() + 1;
+    fresh_args[seed] = "4".into();
+    ok(run_with(&fresh_args, &[]));
+    let fresh = CheckpointMeta::load(&second.join("best")).unwrap();
+    assert_eq!((fresh.epoch, fresh.seed), (1, 4));
+}
+
+/// Two CPU replicas: every rank learns rank 0's early-stop decision (no rank waits in a
+/// collective the others never join), and periodic checkpoints average the batch-norm
+/// statistics of both ranks mid-epoch and resume exactly.
+#[test]
+fn replicas_agree_on_early_stop_and_checkpoint_inside_epochs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 8);
+    let cache = tmp.path().join("cache");
+    let two = |out: &Path, extra: &[&str]| {
+        with(
+            with(train_args(&data, &cache, out, 8), &["--replicas", "2"]),
+            extra,
+        )
+    };
+    let whole = tmp.path().join("whole");
+    ok(run_with(&two(&whole, &["--save-every", "1"]), &[]));
+    let stopped = tmp.path().join("stopped");
+    ok(run_with(
+        &two(&stopped, &["--save-every", "1", "--stop-after-steps", "5"]),
+        &[],
+    ));
+    let pos = CheckpointMeta::load(&stopped).unwrap().data_position;
+    assert_eq!((pos.epoch, pos.step_in_epoch), (2, 1), "{pos:?}");
+    ok(run_with(&resume_args(&stopped, &data), &[]));
+    assert!(weights(&stopped) == weights(&whole));
+
+    // A plateau: with a vanishing learning rate and frozen batch norm the weights do not
+    // move, so every epoch validates exactly like the first and none beats it.
+    let early = tmp.path().join("early");
+    let out = ok(run_with(
+        &two(
+            &early,
+            &["--early-stop", "1", "--lr", "1e-30", "--freeze-bn"],
+        ),
+        &[],
+    ));
+    let meta = CheckpointMeta::load(&early).unwrap();
+    let best = meta.best.expect("a best epoch");
+    assert_eq!((meta.epoch, best.epoch), (2, 1), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("early stop after epoch 2"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(
+        CheckpointMeta::load(&early.join("best")).unwrap().best,
+        Some(best)
+    );
+}
