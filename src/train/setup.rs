@@ -477,3 +477,74 @@ fn check_resume(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::folder::checkpoint::tests::meta;
+
+    fn record(epoch: u64, accuracy: f64) -> BestEpoch {
+        BestEpoch {
+            epoch,
+            accuracy,
+            loss: 1.0 - accuracy,
+        }
+    }
+
+    /// `run/` with a checkpoint after `done` epochs recording `recorded`, and a `best/`
+    /// written after `best_done` epochs recording `saved` (none: no best/).
+    fn run_with_best(
+        dir: &Path,
+        done: u64,
+        recorded: Option<BestEpoch>,
+        saved: Option<(u64, BestEpoch)>,
+    ) -> CheckpointMeta {
+        let folder = RunFolder::new(dir);
+        folder.create().unwrap();
+        let mut m = meta(dir);
+        m.epoch = done;
+        m.best = recorded;
+        if let Some((best_done, best)) = saved {
+            let mut b = m.clone();
+            b.epoch = best_done;
+            b.best = Some(best);
+            folder.save_best(b, b"w", b"s").unwrap();
+        }
+        m
+    }
+
+    #[test]
+    fn a_resumed_run_keeps_its_best_epoch_only_when_best_holds_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (two, three) = (record(2, 0.8), record(3, 0.9));
+        let cases = [
+            // best/ holds the recorded epoch.
+            ("same", Some(two), Some((2, two)), Some(two)),
+            // best/ written just before a kill, the checkpoint still at the epoch before.
+            ("newer", Some(two), Some((3, three)), None),
+            // best/ from elsewhere, or missing: a new best starts.
+            ("other", Some(three), Some((2, two)), None),
+            ("missing", Some(two), None, None),
+            // No record (an older checkpoint).
+            ("none", None, Some((2, two)), None),
+        ];
+        for (name, recorded, saved, want) in cases {
+            let dir = tmp.path().join(name);
+            let m = run_with_best(&dir, 2, recorded, saved);
+            assert_eq!(resumed_best(&dir, &m), want, "{name}");
+        }
+        // Resumed elsewhere: best/ comes along with the record; a fresh run drops best/.
+        let from = tmp.path().join("same");
+        let m = CheckpointMeta {
+            best: Some(two),
+            ..meta(&from)
+        };
+        let to = RunFolder::new(tmp.path().join("to"));
+        to.create().unwrap();
+        let resumed = (from.clone(), m);
+        assert_eq!(start_best(&to, Some(&resumed)).unwrap(), Some(two));
+        assert!(CheckpointMeta::load(&to.best_path()).is_ok());
+        assert_eq!(start_best(&to, None).unwrap(), None);
+        assert!(!to.best_path().exists());
+    }
+}

@@ -495,7 +495,7 @@ fn link_stable(run: &Path, stable: &str, current: &str) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A sidecar for tensor files `model.safetensors` and `optimizer.safetensors` written
