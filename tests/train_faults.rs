@@ -12,7 +12,8 @@ use std::process::{Command, Output, Stdio};
 
 use birdtrain::train::checkpoint::CHECKPOINT_STAGES;
 use birdtrain::train::fault::FAULT_ENV;
-use birdtrain::train::CheckpointMeta;
+use birdtrain::train::folder::BestEpoch;
+use birdtrain::train::{CheckpointMeta, MetricsSplit, RunFolder};
 use cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args, weights};
 use cli_support::{birdtrain, s, Tmpfs};
 
@@ -202,18 +203,12 @@ fn periodic_checkpoints_inside_an_epoch_bound_what_a_kill_loses() {
 
 /// The epochs whose validation beat every earlier one (1-based), from `metrics.jsonl`.
 fn improving_epochs(run: &Path) -> Vec<u64> {
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let mut best: Option<(f64, f64)> = None;
+    let mut best: Option<BestEpoch> = None;
     let mut epochs = Vec::new();
-    for line in text.lines() {
-        let m: serde_json::Value = serde_json::from_str(line).unwrap();
-        if m["split"] != "valid" {
-            continue;
-        }
-        let (acc, loss) = (m["accuracy"].as_f64().unwrap(), m["loss"].as_f64().unwrap());
-        if best.is_none_or(|(a, l)| acc > a || (acc == a && loss < l)) {
-            best = Some((acc, loss));
-            epochs.push(m["epoch"].as_u64().unwrap());
+    for m in RunFolder::new(run).metrics().unwrap() {
+        if m.split == MetricsSplit::Valid && best.is_none_or(|b| b.beaten_by(m.accuracy, m.loss)) {
+            best = Some(BestEpoch::of(&m));
+            epochs.push(m.epoch);
         }
     }
     epochs

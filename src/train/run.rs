@@ -526,11 +526,7 @@ fn end_epoch<D: Device>(
     check_valid_loss(shared, &valid_line, rank.position.global_step)?;
     let improved = best.is_none_or(|b| b.beaten_by(valid_line.accuracy, valid_line.loss));
     if improved {
-        *best = Some(BestEpoch {
-            epoch,
-            accuracy: valid_line.accuracy,
-            loss: valid_line.loss,
-        });
+        *best = Some(BestEpoch::of(&valid_line));
     }
     shared.folder.record_epoch(train_line, &valid_line)?;
     let (meta, model, optimizer) = checkpoint_files(shared, rank, *best)?;

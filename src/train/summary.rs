@@ -74,12 +74,7 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         .collect();
     // The trainer's rule for the best epoch (`RUN/best/`): highest accuracy, then lowest loss.
     let best = valid.iter().copied().reduce(|best, m| {
-        let record = BestEpoch {
-            epoch: best.epoch,
-            accuracy: best.accuracy,
-            loss: best.loss,
-        };
-        if record.beaten_by(m.accuracy, m.loss) {
+        if BestEpoch::of(best).beaten_by(m.accuracy, m.loss) {
             m
         } else {
             best

@@ -24,7 +24,7 @@ use super::fault::{self, FaultTarget};
 use super::files::{
     bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
 };
-use super::metrics::MetricsAccumulator;
+use super::metrics::{EpochMetrics, MetricsAccumulator};
 use super::FolderError;
 use crate::optim::{Decay, OptimizerChoice, ScheduleChoice};
 
@@ -174,6 +174,15 @@ pub struct BestEpoch {
 }
 
 impl BestEpoch {
+    /// The record of a validation line.
+    pub fn of(valid: &EpochMetrics) -> Self {
+        Self {
+            epoch: valid.epoch,
+            accuracy: valid.accuracy,
+            loss: valid.loss,
+        }
+    }
+
     /// Whether `accuracy` and `loss` beat this epoch: higher accuracy, or the same with a
     /// lower loss.
     pub fn beaten_by(&self, accuracy: f64, loss: f64) -> bool {

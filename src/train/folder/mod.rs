@@ -3,10 +3,10 @@
 //! A run folder holds `model.safetensors`, `optimizer.safetensors`, the `checkpoint.json`
 //! sidecar ([`checkpoint`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the
 //! input engine's `bad_files_<split>.txt`, and `best/`: the checkpoint of the epoch with the
-//! best validation figures, itself a run folder written by the same protocol. [`RunFolder`] is the only writer; every file
-//! is written atomically ([`files`]). The module depends on nothing else of the trainer (it
-//! takes serialised tensors and plain values), so the loop and any later change to the
-//! folder's format meet in one place.
+//! best validation figures, itself a run folder written by the same protocol. [`RunFolder`]
+//! is the only writer; every file is written atomically ([`files`]). The module depends on
+//! nothing else of the trainer (it takes serialised tensors and plain values), so the loop
+//! and any later change to the folder's format meet in one place.
 
 pub mod checkpoint;
 mod error;
