@@ -52,6 +52,26 @@ pub enum PipelineError {
         /// How many files were bad.
         bad: usize,
     },
+    /// A file of a list source has a label beyond its class list.
+    #[error("label {label} of {path} is not a class: the list has {classes} classes (hint: labels index the class list, 0..{classes})")]
+    ListLabel {
+        /// The file.
+        path: PathBuf,
+        /// Its label.
+        label: u32,
+        /// How many classes the list has.
+        classes: usize,
+    },
+    /// No file of a list source is a readable image.
+    #[error("none of the {bad} listed files is a readable image; the first, {first}: {reason} (hint: check the paths)")]
+    ListAllBad {
+        /// How many files were bad.
+        bad: usize,
+        /// The first bad file.
+        first: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Two class folders whose names differ only in bytes that are not UTF-8.
     #[error("class folders {first:?} and {second:?} in {dir} have the same name once their non-UTF-8 bytes are replaced (hint: rename one of them, e.g. to UTF-8)")]
     ClassNameClash {

@@ -8,7 +8,7 @@
 //! planner ─(pending batch, bounded by prefetch)→ assembler ─(Batch, bounded by prefetch)→ consumer
 //! ```
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -106,7 +106,9 @@ fn fingerprint(
     }
     let root = b.source.root();
     for s in samples {
-        let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
+        let rel = root.map_or(&*s.path, |root| {
+            s.path.strip_prefix(root).unwrap_or(&s.path)
+        });
         h.update(rel.as_os_str().as_encoded_bytes());
         h.update(&[0]);
         h.update(&s.size.to_le_bytes());
@@ -126,25 +128,40 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
             .unwrap_or_else(std::env::temp_dir)
             .join("birdtrain")
     });
-    let root = b.source.root();
-    let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-    let layout = match &b.source {
-        crate::DatasetSource::Folder { .. } => "folder".to_string(),
-        crate::DatasetSource::Flat { valid_fraction, .. } => {
-            format!("flat-{valid_fraction}-{}", b.seed)
+    let (name, hash) = match &b.source {
+        crate::DatasetSource::List { samples, .. } => {
+            // A list is its own dataset: keyed by its files (absolute) and labels, in order.
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(b"list");
+            for (path, label) in samples {
+                let absolute = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+                h.update(absolute.as_os_str().as_encoded_bytes());
+                h.update(&[0]);
+                h.update(&label.to_le_bytes());
+            }
+            ("list".to_string(), h.digest())
+        }
+        crate::DatasetSource::Folder { root } | crate::DatasetSource::Flat { root, .. } => {
+            let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+            let layout = match &b.source {
+                crate::DatasetSource::Flat { valid_fraction, .. } => {
+                    format!("flat-{valid_fraction}-{}", b.seed)
+                }
+                _ => "folder".to_string(),
+            };
+            let key = format!("{}|{layout}", canonical.display());
+            let name: String = root
+                .file_name()
+                .map(|n| {
+                    n.to_string_lossy()
+                        .chars()
+                        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                        .collect()
+                })
+                .unwrap_or_default();
+            (name, xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
         }
     };
-    let key = format!("{}|{layout}", canonical.display());
-    let hash = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
-    let name: String = root
-        .file_name()
-        .map(|n| {
-            n.to_string_lossy()
-                .chars()
-                .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
-                .collect()
-        })
-        .unwrap_or_default();
     dir.join(format!(
         "{name}-{}-{}-{}-{hash:016x}.bcache",
         b.split, b.image_size, b.resize_mode
@@ -276,7 +293,7 @@ impl Pipeline {
             .store(log.files.len() as u64, Ordering::Relaxed);
         counters.ready_capacity.store(0, Ordering::Relaxed);
         let shared = Arc::new(Shared {
-            root: b.source.root().to_path_buf(),
+            root: b.source.root().map(Path::to_path_buf),
             split: b.split.to_string(),
             samples: scanned.samples,
             class_names: scanned.classes,

@@ -27,6 +27,14 @@ pub enum DatasetSource {
         /// Share of files in the valid split, in `[0, 1)`.
         valid_fraction: f32,
     },
+    /// A list of image files with their labels, in the given order (a CSV-labelled dataset,
+    /// or files to classify). The split only names the cache; every split is the whole list.
+    List {
+        /// Class names; a label indexes this list.
+        classes: Vec<String>,
+        /// The files and their labels, in order (a file may appear more than once).
+        samples: Vec<(PathBuf, u32)>,
+    },
 }
 
 impl DatasetSource {
@@ -43,10 +51,26 @@ impl DatasetSource {
         }
     }
 
-    /// The dataset root.
-    pub fn root(&self) -> &Path {
+    /// A labelled list of image files, read in the given order. Files that are missing or
+    /// unreadable are bad files (skipped or failed as [`OnBadImage`](crate::OnBadImage)
+    /// says); a label outside `classes` is refused when the pipeline is built.
+    pub fn list(classes: Vec<String>, samples: Vec<(PathBuf, u32)>) -> Self {
+        Self::List { classes, samples }
+    }
+
+    /// Image files to classify, unlabelled: one class named `unlabelled`, every label 0.
+    pub fn files(paths: impl IntoIterator<Item = PathBuf>) -> Self {
+        Self::list(
+            vec!["unlabelled".into()],
+            paths.into_iter().map(|p| (p, 0)).collect(),
+        )
+    }
+
+    /// The dataset root; `None` for a list of files.
+    pub fn root(&self) -> Option<&Path> {
         match self {
-            Self::Folder { root } | Self::Flat { root, .. } => root,
+            Self::Folder { root } | Self::Flat { root, .. } => Some(root),
+            Self::List { .. } => None,
         }
     }
 }
@@ -147,33 +171,38 @@ fn class_files(
     }
     paths.sort();
     for path in paths {
-        match fs::metadata(&path) {
-            Err(e) => bad.push(BadFile::new(path, BadFileKind::Unreadable, e.to_string())),
-            Ok(meta) if !meta.is_file() => bad.push(BadFile::new(
-                path,
-                BadFileKind::Unreadable,
-                "not a regular file".into(),
-            )),
-            Ok(meta) if meta.len() == 0 => {
-                bad.push(BadFile::new(path, BadFileKind::Empty, "zero bytes".into()))
-            }
-            Ok(meta) => {
-                let mtime_ns = meta
-                    .modified()
-                    .ok()
-                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                    .map(|d| d.as_nanos())
-                    .unwrap_or(0);
-                out.push(Sample {
-                    path,
-                    label,
-                    size: meta.len(),
-                    mtime_ns,
-                });
-            }
-        }
+        push_file(path, label, out, bad);
     }
     Ok(())
+}
+
+/// One file of a split: a sample if it is a non-empty regular file, else a bad file.
+fn push_file(path: PathBuf, label: u32, out: &mut Vec<Sample>, bad: &mut Vec<BadFile>) {
+    match fs::metadata(&path) {
+        Err(e) => bad.push(BadFile::new(path, BadFileKind::Unreadable, e.to_string())),
+        Ok(meta) if !meta.is_file() => bad.push(BadFile::new(
+            path,
+            BadFileKind::Unreadable,
+            "not a regular file".into(),
+        )),
+        Ok(meta) if meta.len() == 0 => {
+            bad.push(BadFile::new(path, BadFileKind::Empty, "zero bytes".into()))
+        }
+        Ok(meta) => {
+            let mtime_ns = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            out.push(Sample {
+                path,
+                label,
+                size: meta.len(),
+                mtime_ns,
+            });
+        }
+    }
 }
 
 fn require_dir(path: &Path, hint: &'static str) -> Result<(), PipelineError> {
@@ -193,15 +222,52 @@ pub(crate) fn scan(
     split: Split,
     seed: u64,
 ) -> Result<ScannedSplit, PipelineError> {
-    let root = source.root();
-    require_dir(root, "pass the dataset root with --data")?;
+    if let Some(root) = source.root() {
+        require_dir(root, "pass the dataset root with --data")?;
+    }
     match source {
         DatasetSource::Folder { root } => scan_folder(root, split),
         DatasetSource::Flat {
             root,
             valid_fraction,
         } => scan_flat(root, split, *valid_fraction, seed),
+        DatasetSource::List { classes, samples } => scan_list(classes, samples),
     }
+}
+
+/// The files of a list, in its order; missing and empty files go to `bad`.
+fn scan_list(classes: &[String], list: &[(PathBuf, u32)]) -> Result<ScannedSplit, PipelineError> {
+    if list.is_empty() {
+        return Err(PipelineError::InvalidSetting {
+            name: "list",
+            value: "0 files".into(),
+            hint: "give at least one image file",
+        });
+    }
+    if let Some((path, label)) = list.iter().find(|(_, l)| *l as usize >= classes.len()) {
+        return Err(PipelineError::ListLabel {
+            path: path.clone(),
+            label: *label,
+            classes: classes.len(),
+        });
+    }
+    let mut samples = Vec::with_capacity(list.len());
+    let mut bad = Vec::new();
+    for (path, label) in list {
+        push_file(path.clone(), *label, &mut samples, &mut bad);
+    }
+    if let (true, Some(first)) = (samples.is_empty(), bad.first()) {
+        return Err(PipelineError::ListAllBad {
+            bad: bad.len(),
+            first: first.path.clone(),
+            reason: format!("{} ({})", first.kind, first.detail),
+        });
+    }
+    Ok(ScannedSplit {
+        classes: classes.to_vec(),
+        samples,
+        bad,
+    })
 }
 
 fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError> {

@@ -21,7 +21,8 @@ pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the ca
 
 /// Everything workers and assemblers share; owned through `Arc`.
 pub(crate) struct Shared {
-    pub(crate) root: std::path::PathBuf,
+    /// The dataset root; `None` for a list source.
+    pub(crate) root: Option<std::path::PathBuf>,
     pub(crate) split: String,
     pub(crate) samples: Vec<Sample>,
     pub(crate) class_names: Vec<String>,
@@ -86,6 +87,8 @@ impl Shared {
         if log.seen.len() == self.samples.len() {
             return Some(Fatal::AllBad(log.files.len()));
         }
+        // A list may leave a class without images: its labels are the caller's business.
+        self.root.as_ref()?;
         log.per_class
             .iter()
             .zip(&log.class_totals)
@@ -94,15 +97,24 @@ impl Shared {
     }
 
     pub(crate) fn fatal_error(&self, fatal: Fatal) -> PipelineError {
+        let Some(root) = &self.root else {
+            let log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
+            let first = log.files.first();
+            return PipelineError::ListAllBad {
+                bad: log.files.len(),
+                first: first.map(|f| f.path.clone()).unwrap_or_default(),
+                reason: first.map_or(String::new(), |f| format!("{} ({})", f.kind, f.detail)),
+            };
+        };
         match fatal {
             Fatal::AllBad(bad) => PipelineError::AllImagesBad {
-                root: self.root.clone(),
+                root: root.clone(),
                 split: self.split.clone(),
                 bad,
             },
             Fatal::Class(class) => PipelineError::ClassWithoutImages {
                 class: self.class_names[class].clone(),
-                path: self.root.join(&self.split).join(&self.class_names[class]),
+                path: root.join(&self.split).join(&self.class_names[class]),
             },
         }
     }
