@@ -136,8 +136,11 @@ fn paths_of_the_wrong_kind_say_what_they_are() {
     assert_one_line_error(&run, &["is a folder, not a file", "--init-from"]);
     let run = birdtrain(&train_args(&data, &out, &["--init-from", "/dev/null"]));
     assert_one_line_error(&run, &["/dev/null", "character device", "--init-from"]);
-    let run = birdtrain(&["predict", "--checkpoint", s(&out), s(tmp.path())]);
-    assert_one_line_error(&run, &["is a folder, not a file", "image files"]);
+    let run = birdtrain(&["predict", "--checkpoint", s(&out), "/dev/null"]);
+    assert_one_line_error(
+        &run,
+        &["character device, not a file", "image files or folders"],
+    );
     let run = birdtrain(&["bench", "pipeline", "--data", s(&file)]);
     assert_one_line_error(&run, &["is a file, not a folder"]);
     let run = birdtrain(&train_args(&data, &out, &["--cache-dir", s(&file)]));

@@ -37,6 +37,18 @@ pub struct EvalArgs {
     /// Seed of the flat layout's split (the training seed).
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
+    /// Print one JSON object instead of the table: model, split, images, loss, accuracy,
+    /// top5, images_per_sec and per_class [{class, images, accuracy}].
+    #[arg(long)]
+    pub json: bool,
+    /// Write every image's answer to FILE, one JSON object per line: path, label,
+    /// predicted, probability, correct (`jq 'select(.correct|not)'` lists the mistakes).
+    #[arg(long, value_name = "FILE")]
+    pub predictions: Option<PathBuf>,
+    /// Write the confusion matrix to FILE as CSV: a row per true class, a column per
+    /// predicted class, image counts.
+    #[arg(long, value_name = "FILE")]
+    pub confusion: Option<PathBuf>,
 }
 
 /// Evaluates and prints loss, top-1, top-5 and the per-class table.
@@ -58,6 +70,12 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         super::counts::check_workers(w)?;
     }
     super::paths::check_cache_dir(args.cache_dir.as_deref())?;
+    if let Some(path) = &args.predictions {
+        super::paths::check_output_file(path, "--predictions takes a file to write (JSON lines)")?;
+    }
+    if let Some(path) = &args.confusion {
+        super::paths::check_output_file(path, "--confusion takes a file to write (CSV)")?;
+    }
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
@@ -83,11 +101,96 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()))?;
     model.check_classes(&pipe)?;
     let report = evaluate(&mut model.net, &pipe)?;
-    print!(
-        "{}",
-        format_eval(&model.meta.model, &args.split, &model.meta.classes, &report)
-    );
+    let classes = &model.meta.classes;
+    if let Some(path) = &args.predictions {
+        write_output(path, predictions_jsonl(&pipe, classes, &report).as_bytes())?;
+    }
+    if let Some(path) = &args.confusion {
+        write_output(path, &confusion_csv(classes, &report)?)?;
+    }
+    if args.json {
+        println!(
+            "{}",
+            eval_json(&model.meta.model, &args.split, classes, &report)
+        );
+    } else {
+        print!(
+            "{}",
+            format_eval(&model.meta.model, &args.split, classes, &report)
+        );
+    }
     Ok(())
+}
+
+/// Writes one of eval's output files whole; an error names it.
+fn write_output(path: &std::path::Path, bytes: &[u8]) -> Result<(), CliError> {
+    std::fs::write(path, bytes).map_err(|source| {
+        CliError::Train(TrainError::Io {
+            path: path.to_path_buf(),
+            what: "write",
+            source,
+        })
+    })
+}
+
+/// Every image's answer, one JSON object per line, in the split's order.
+fn predictions_jsonl(pipe: &pipeline::Pipeline, classes: &[String], r: &EvalReport) -> String {
+    let mut out = String::new();
+    for s in &r.samples {
+        let path = pipe
+            .sample_path(s.id)
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let line = serde_json::json!({
+            "path": path,
+            "label": classes[s.label as usize],
+            "predicted": classes[s.predicted as usize],
+            "probability": s.probability,
+            "correct": s.label == s.predicted,
+        });
+        out += &line.to_string();
+        out.push('\n');
+    }
+    out
+}
+
+/// The confusion matrix as CSV: header `true \ predicted,<class>…`, then one row per class.
+fn confusion_csv(classes: &[String], r: &EvalReport) -> Result<Vec<u8>, CliError> {
+    let csv_error = |e: csv::Error| CliError::Other(anyhow::anyhow!("confusion matrix: {e}"));
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let header = std::iter::once("true \\ predicted").chain(classes.iter().map(String::as_str));
+    w.write_record(header).map_err(csv_error)?;
+    let k = classes.len();
+    for (class, row) in classes.iter().zip(r.confusion.chunks(k.max(1))) {
+        let cells = std::iter::once(class.clone()).chain(row.iter().map(u64::to_string));
+        w.write_record(cells).map_err(csv_error)?;
+    }
+    w.into_inner()
+        .map_err(|e| CliError::Other(anyhow::anyhow!("confusion matrix: {e}")))
+}
+
+/// What `birdtrain eval --json` prints.
+pub fn eval_json(model: &str, split: &str, classes: &[String], r: &EvalReport) -> String {
+    let t = r.totals.finish(0, crate::train::MetricsSplit::Valid);
+    let per_class: Vec<_> = classes
+        .iter()
+        .zip(&r.per_class)
+        .map(|(class, &(correct, total))| {
+            let accuracy = (total > 0).then(|| correct as f64 / total as f64);
+            serde_json::json!({"class": class, "images": total, "accuracy": accuracy})
+        })
+        .collect();
+    serde_json::json!({
+        "model": model,
+        "split": split,
+        "images": r.totals.count,
+        "loss": t.loss,
+        "accuracy": t.accuracy,
+        "top5": t.top5,
+        "images_per_sec": t.images_per_sec,
+        "per_class": per_class,
+    })
+    .to_string()
 }
 
 /// The text `birdtrain eval` prints.

@@ -84,6 +84,18 @@ pub(crate) fn check_train_paths(cfg: &crate::train::TrainConfig) -> Result<(), C
     Ok(())
 }
 
+/// A file a command will write: its folder must exist, and the path, when present, must be a
+/// file it may replace (checked before the work, so a long evaluation is not lost to a typo).
+pub(crate) fn check_output_file(path: &Path, hint: &'static str) -> Result<(), CliError> {
+    if kind_of(path).is_some() {
+        return expect_file(path, hint);
+    }
+    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => expect_dir(parent, hint),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +119,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("does not exist"), "{e}");
+        assert!(check_output_file(&file, "h").is_ok());
+        assert!(check_output_file(&dir.path().join("new.csv"), "h").is_ok());
+        assert!(check_output_file(Path::new("relative.csv"), "h").is_ok());
+        let e = check_output_file(dir.path(), "h").unwrap_err().to_string();
+        assert!(e.contains("is a folder, not a file"), "{e}");
+        let e = check_output_file(&dir.path().join("nope/x.csv"), "h")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nope") && e.contains("does not exist"), "{e}");
     }
 
     #[test]

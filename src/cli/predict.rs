@@ -1,12 +1,15 @@
-//! `birdtrain predict --checkpoint RUN IMAGE…`.
+//! `birdtrain predict --checkpoint RUN IMAGE_OR_FOLDER…`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
+use pipeline::OnBadImage;
 
 use super::paths::printable;
 use super::CliError;
-use crate::train::{load_checkpoint_for_inference, predict};
+use crate::train::{
+    load_checkpoint_for_inference, predict, PredictOptions, Prediction, TrainError,
+};
 
 /// Flags of `birdtrain predict`.
 #[derive(Debug, Clone, Args)]
@@ -17,43 +20,165 @@ pub struct PredictArgs {
     /// Classes to show per image.
     #[arg(long, value_name = "K", default_value_t = 5)]
     pub top_k: usize,
-    /// Image files.
+    /// One JSON object per image and line: {"path", "top": [{"class", "probability"}]}, or
+    /// {"path", "error"} for a skipped file.
+    #[arg(long)]
+    pub json: bool,
+    /// Images per batch.
+    #[arg(long, value_name = "B", default_value_t = 64)]
+    pub batch_size: usize,
+    /// Decode workers (default: available cores).
+    #[arg(long, value_name = "W")]
+    pub workers: Option<usize>,
+    /// A file that is no readable image: fail (stop, naming it) or skip (report it, classify
+    /// the others).
+    #[arg(long, value_name = "fail|skip", default_value = "fail")]
+    pub on_bad_image: String,
+    /// Image files, or folders whose files (all of them, sorted, hidden ones left out) are
+    /// classified.
     #[arg(value_name = "IMAGE", required = true)]
     pub images: Vec<PathBuf>,
 }
 
 /// Prints the top-k classes with probabilities for each image.
 pub fn run(args: PredictArgs) -> Result<(), CliError> {
-    if args.top_k == 0 {
-        return Err(CliError::BadValue {
-            flag: "--top-k",
-            value: "0".into(),
-            hint: "show at least 1 class per image".into(),
-        });
+    let positive = |flag: &'static str, value: usize, hint: &str| {
+        if value == 0 {
+            Err(CliError::BadValue {
+                flag,
+                value: "0".into(),
+                hint: hint.into(),
+            })
+        } else {
+            Ok(())
+        }
+    };
+    positive("--top-k", args.top_k, "show at least 1 class per image")?;
+    positive("--batch-size", args.batch_size, "at least 1")?;
+    if let Some(w) = args.workers {
+        super::counts::check_workers(w)?;
     }
-    for image in &args.images {
-        super::paths::expect_file(image, "predict takes image files")?;
+    let on_bad_image: OnBadImage = args.on_bad_image.parse().map_err(|_| CliError::BadValue {
+        flag: "--on-bad-image",
+        value: args.on_bad_image.clone(),
+        hint: "expected fail or skip".into(),
+    })?;
+    let images = expand(&args.images)?;
+    let mut model =
+        load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(images.len()))?;
+    let cache = scratch_dir()?;
+    let opts = PredictOptions {
+        top_k: args.top_k,
+        workers: args.workers,
+        on_bad_image,
+    };
+    let predictions = predict(&mut model, &images, &opts, cache.path())?;
+    let skipped = predictions.iter().filter(|p| p.top.is_err()).count();
+    for p in &predictions {
+        if args.json {
+            println!("{}", json_line(p));
+        } else {
+            print!("{}", text_lines(p));
+        }
     }
-    let mut model = load_checkpoint_for_inference(&args.checkpoint, args.images.len().min(64))?;
-    let scratch = scratch_dir()?;
-    let result = predict(&mut model, &args.images, args.top_k, scratch.path());
-    let predictions = result?;
-    for p in predictions {
-        println!("{}", printable(&p.path.to_string_lossy()));
-        for (class, prob) in p.top {
-            println!("  {prob:>7.4}  {}", printable(&class));
+    if skipped > 0 {
+        eprintln!(
+            "warning: {skipped} of {} files skipped: not readable images (listed above)",
+            predictions.len()
+        );
+    }
+    Ok(())
+}
+
+/// The files to classify: each file as given, each folder's files walked in sorted order.
+fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
+    const HINT: &str = "predict takes image files or folders of them";
+    let mut files = Vec::new();
+    for arg in args {
+        match super::paths::kind_of(arg) {
+            Some("a folder") => {
+                let before = files.len();
+                walk(arg, &mut files)?;
+                if files.len() == before {
+                    return Err(CliError::BadValue {
+                        flag: "IMAGE",
+                        value: arg.display().to_string(),
+                        hint: "the folder holds no files to classify".into(),
+                    });
+                }
+            }
+            _ => {
+                super::paths::expect_file(arg, HINT)?;
+                files.push(arg.clone());
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The non-hidden files under `dir`, sorted by name at each level; links are followed (a
+/// loop is an error naming it).
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
+    let hidden =
+        |e: &walkdir::DirEntry| e.depth() > 0 && e.file_name().as_encoded_bytes()[0] == b'.';
+    let entries = walkdir::WalkDir::new(dir)
+        .follow_links(true)
+        .sort_by_file_name()
+        .into_iter()
+        .filter_entry(|e| !hidden(e));
+    for entry in entries {
+        let entry = entry.map_err(|e| {
+            let path = e.path().unwrap_or(dir).to_path_buf();
+            TrainError::Io {
+                path,
+                what: "list",
+                source: e.into(),
+            }
+        })?;
+        if !entry.file_type().is_dir() {
+            out.push(entry.into_path());
         }
     }
     Ok(())
 }
 
-/// A scratch folder removed on drop (the images are copied there for the engine).
+/// `path` then one `  probability  class` line per class (or `  skipped: reason`).
+fn text_lines(p: &Prediction) -> String {
+    let mut s = format!("{}\n", printable(&p.path.to_string_lossy()));
+    match &p.top {
+        Ok(top) => {
+            for (class, prob) in top {
+                s += &format!("  {prob:>7.4}  {}\n", printable(class));
+            }
+        }
+        Err(reason) => s += &format!("  skipped: {}\n", printable(reason)),
+    }
+    s
+}
+
+/// One JSON object on one line.
+fn json_line(p: &Prediction) -> String {
+    let path = p.path.to_string_lossy();
+    let value = match &p.top {
+        Ok(top) => serde_json::json!({
+            "path": path,
+            "top": top
+                .iter()
+                .map(|(class, prob)| serde_json::json!({"class": class, "probability": prob}))
+                .collect::<Vec<_>>(),
+        }),
+        Err(reason) => serde_json::json!({"path": path, "error": reason}),
+    };
+    value.to_string()
+}
+
+/// A scratch folder for the pixel cache, removed on drop.
 fn scratch_dir() -> Result<tempfile::TempDir, CliError> {
     tempfile::Builder::new()
         .prefix("birdtrain-predict-")
         .tempdir()
         .map_err(|e| {
-            CliError::Train(crate::train::TrainError::Io {
+            CliError::Train(TrainError::Io {
                 path: std::env::temp_dir(),
                 what: "create a scratch folder in",
                 source: e,

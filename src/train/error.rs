@@ -110,7 +110,7 @@ pub enum TrainError {
         extra: String,
     },
     /// An image given to `predict` cannot be decoded.
-    #[error("cannot classify {path}: {reason}")]
+    #[error("cannot classify {path}: {reason} (hint: leave it out, or --on-bad-image skip classifies the others)")]
     BadImage {
         /// The file as the user named it.
         path: PathBuf,

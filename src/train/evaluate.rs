@@ -19,6 +19,23 @@ pub struct EvalReport {
     pub totals: MetricsAccumulator,
     /// Per class: (correct top-1, images), index = label.
     pub per_class: Vec<(u64, u64)>,
+    /// Images per (true class, top-1 class), row-major `classes × classes`.
+    pub confusion: Vec<u64>,
+    /// Every image's top-1 answer, in the split's order.
+    pub samples: Vec<SampleResult>,
+}
+
+/// The top-1 answer for one image of an evaluated split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleResult {
+    /// Its index in the split ([`Pipeline::sample_path`] names the file).
+    pub id: u64,
+    /// Its class.
+    pub label: u32,
+    /// The most likely class.
+    pub predicted: u32,
+    /// That class's probability.
+    pub probability: f32,
 }
 
 /// Runs `net` in eval mode over every batch of epoch 0 of `pipe` (build it with
@@ -31,6 +48,8 @@ pub fn evaluate<B: Backend>(
     let classes = net.graph().num_classes();
     let mut totals = MetricsAccumulator::default();
     let mut per_class = vec![(0u64, 0u64); classes];
+    let mut confusion = vec![0u64; classes * classes];
+    let mut samples = Vec::with_capacity(pipe.len());
     for batch in pipe.epoch(0, 0, 0)? {
         let batch = batch?;
         if batch.len == 0 {
@@ -57,11 +76,23 @@ pub fn evaluate<B: Backend>(
             if let Some(entry) = per_class.get_mut(label as usize) {
                 entry.1 += 1;
                 entry.0 += u64::from(best == label as usize);
+                confusion[label as usize * classes + best] += 1;
             }
+            samples.push(SampleResult {
+                id: batch.sample_ids[i],
+                label,
+                predicted: best as u32,
+                probability: row[best],
+            });
         }
     }
     totals.seconds = start.elapsed().as_secs_f64();
-    Ok(EvalReport { totals, per_class })
+    Ok(EvalReport {
+        totals,
+        per_class,
+        confusion,
+        samples,
+    })
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -171,81 +202,56 @@ pub(crate) fn summarise(classes: &[String]) -> String {
     format!("{} classes: {}{more}", classes.len(), shown.join(", "))
 }
 
-/// One image's top-k classes.
+/// One image's top-k classes, or why it could not be read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
     /// The image file.
     pub path: PathBuf,
-    /// (class name, probability), most likely first.
-    pub top: Vec<(String, f32)>,
+    /// (class name, probability), most likely first; or the reason the file was skipped
+    /// (with [`OnBadImage::Skip`]).
+    pub top: Result<Vec<(String, f32)>, String>,
+}
+
+/// How [`predict`] reads its images.
+#[derive(Debug, Clone)]
+pub struct PredictOptions {
+    /// Classes per image, most likely first.
+    pub top_k: usize,
+    /// Decode workers (`None`: the engine's default).
+    pub workers: Option<usize>,
+    /// A file that is no readable image: fail naming it, or skip it with its reason.
+    pub on_bad_image: OnBadImage,
 }
 
 /// Classifies image files with a loaded checkpoint: decoded and resized by the input engine
-/// exactly as training images were (same decoder, same resize), top `k` classes each.
-///
-/// The images are copied into a scratch folder laid out as a one-class dataset, so the
-/// engine's public API does the decoding; `scratch` holds that copy and its pixel cache.
+/// exactly as training images were (same decoder, same resize), in batches of the network's
+/// `max_batch`. The answer has one entry per file, in the order given (a file named twice
+/// gets two). `cache` holds the pixel cache of this list (a scratch folder).
 pub fn predict(
     model: &mut InferenceModel,
     images: &[PathBuf],
-    k: usize,
-    scratch: &Path,
+    opts: &PredictOptions,
+    cache: &Path,
 ) -> Result<Vec<Prediction>, TrainError> {
-    let class_dir = scratch.join("train").join("input");
-    let io = |path: &Path, what: &'static str| {
-        let path = path.to_path_buf();
-        move |source| TrainError::Io { path, what, source }
-    };
-    std::fs::create_dir_all(&class_dir).map_err(io(&class_dir, "create"))?;
-    let mut staged = Vec::with_capacity(images.len());
-    for (i, image) in images.iter().enumerate() {
-        let name = image
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "image".into());
-        // The index prefix keeps the engine's file order equal to the argument order.
-        let dst = class_dir.join(format!("{i:06}_{name}"));
-        let bytes = std::fs::copy(image, &dst).map_err(io(image, "read"))?;
-        // The engine skips an empty file when it lists the folder, before any error could
-        // name it: name the user's file here.
-        if bytes == 0 {
-            return Err(TrainError::BadImage {
-                path: image.clone(),
-                reason: "the file is empty (zero bytes)".into(),
-            });
-        }
-        staged.push(dst);
-    }
-    // Errors name the user's file, not its staged copy.
-    let unstage = |e: PipelineError| match e {
-        PipelineError::BadImage { path, kind, .. } => {
-            let original = staged
-                .iter()
-                .position(|p| *p == path)
-                .map_or(path, |i| images[i].clone());
-            TrainError::BadImage {
-                path: original,
-                reason: kind.to_string(),
-            }
-        }
-        other => TrainError::Pipeline(other),
-    };
-    let batch = model.net.max_batch();
-    let pipe = PipelineBuilder::new(DatasetSource::folder(scratch))
-        .split(Split::Train)
+    let mut b = PipelineBuilder::new(DatasetSource::files(images.iter().cloned()))
+        .split(Split::Test)
         .image_size(model.meta.image_size)
-        .cache_dir(scratch.join("cache"))
-        .batch_size(batch)
+        .cache_dir(cache)
+        .batch_size(model.net.max_batch())
         .replicas(1)
-        .workers(1)
         .shuffle(false)
-        .on_bad_image(OnBadImage::Fail)
-        .build()
-        .map_err(unstage)?;
+        .on_bad_image(opts.on_bad_image);
+    if let Some(w) = opts.workers {
+        b = b.workers(w);
+    }
+    let pipe = b.build().map_err(bad_image_error)?;
     let classes = model.meta.classes.len();
-    let mut out = Vec::with_capacity(images.len());
-    for b in pipe.epoch(0, 0, 0).map_err(unstage)? {
-        let b = b.map_err(unstage)?;
+    let mut top: Vec<Option<Vec<(String, f32)>>> = vec![None; images.len()];
+    // Samples are the list minus the files the scan rejected, in order; every copy of a
+    // path shares its fate, so matching each sample to the next equal path is exact.
+    let mut next = 0;
+    for b in pipe.epoch(0, 0, 0).map_err(bad_image_error)? {
+        let b = b.map_err(bad_image_error)?;
         if b.len == 0 {
             continue;
         }
@@ -258,25 +264,54 @@ pub fn predict(
             augment: None,
         };
         let (_, probs) = model.net.eval_step(&input)?;
-        for i in 0..b.len {
+        for (i, &id) in b.sample_ids.iter().enumerate() {
+            let path = pipe.sample_path(id).unwrap_or(Path::new(""));
+            while next < images.len() && images[next] != path {
+                next += 1;
+            }
+            let Some(slot) = top.get_mut(next) else {
+                break;
+            };
             let row = &probs[i * classes..(i + 1) * classes];
             let mut order: Vec<usize> = (0..classes).collect();
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            let top = order
-                .into_iter()
-                .take(k.max(1))
-                .map(|c| (model.meta.classes[c].clone(), row[c]))
-                .collect();
-            out.push(top);
+            *slot = Some(
+                order
+                    .into_iter()
+                    .take(opts.top_k.max(1))
+                    .map(|c| (model.meta.classes[c].clone(), row[c]))
+                    .collect(),
+            );
+            next += 1;
         }
     }
-    // shuffle(false) keeps file order, which the index prefix made the argument order.
-    Ok(out
-        .into_iter()
-        .zip(images)
-        .map(|(top, path)| Prediction {
+    let bad = pipe.bad_files();
+    Ok(images
+        .iter()
+        .zip(top)
+        .map(|(path, top)| Prediction {
             path: path.clone(),
-            top,
+            top: top.ok_or_else(|| {
+                bad.iter()
+                    .find(|f| &f.path == path)
+                    .map_or("not read".to_string(), |f| {
+                        format!("{} ({})", f.kind, f.detail)
+                    })
+            }),
         })
         .collect())
+}
+
+/// A bad image is the user's file: the pipeline's error names it already.
+fn bad_image_error(e: PipelineError) -> TrainError {
+    match e {
+        PipelineError::BadImage { path, kind, source } => TrainError::BadImage {
+            path,
+            reason: match source {
+                Some(detail) => format!("{kind} ({detail})"),
+                None => kind.to_string(),
+            },
+        },
+        other => TrainError::Pipeline(other),
+    }
 }

@@ -1,0 +1,251 @@
+//! `birdtrain eval` and `birdtrain predict` for scripts and whole folders: eval's `--json`,
+//! `--predictions` and `--confusion` agree with each other and with its table, and
+//! `predict` over folders (`--json`, `--batch-size`, `--on-bad-image`) gives the answers eval
+//! gave for the same files.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+mod cli_support;
+use cli_support::small_run::{dataset, ok, run_with, text, train_args};
+use cli_support::{assert_one_line_error, birdtrain_output, s};
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// A trained run on 3 classes (2 validation images each).
+fn trained(tmp: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let data = dataset(&tmp.join("d"), 3, 6);
+    let cache = tmp.join("c");
+    let run = tmp.join("run");
+    ok(run_with(&train_args(&data, &cache, &run, 2), &[]));
+    (data, cache, run)
+}
+
+#[test]
+fn eval_outputs_agree_and_predict_gives_evals_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, cache, run) = trained(tmp.path());
+    let predictions = tmp.path().join("p.jsonl");
+    let confusion = tmp.path().join("cm.csv");
+    let eval = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--batch-size",
+        "4",
+        "--json",
+        "--predictions",
+        s(&predictions),
+        "--confusion",
+        s(&confusion),
+    ]));
+    let summary = &json_lines(&eval)[0];
+    assert_eq!(summary["images"], 6, "{summary}");
+    let per_image: Vec<serde_json::Value> = std::fs::read_to_string(&predictions)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(per_image.len(), 6);
+    let correct = per_image.iter().filter(|p| p["correct"] == true).count();
+    let accuracy = summary["accuracy"].as_f64().unwrap();
+    assert!((accuracy - correct as f64 / 6.0).abs() < 1e-9, "{summary}");
+    for p in &per_image {
+        assert_eq!(p["correct"], p["label"] == p["predicted"], "{p}");
+        let path = PathBuf::from(p["path"].as_str().unwrap());
+        let class = path.parent().unwrap().file_name().unwrap();
+        assert_eq!(p["label"].as_str().unwrap(), class.to_str().unwrap(), "{p}");
+    }
+
+    // The confusion matrix: a row per true class; its diagonal is per_class accuracy.
+    let mut rows = csv::Reader::from_path(&confusion).unwrap();
+    let header: Vec<String> = rows.headers().unwrap().iter().map(String::from).collect();
+    assert_eq!(header[1..], ["class_00", "class_01", "class_02"]);
+    let mut total = 0;
+    for (i, row) in rows.records().enumerate() {
+        let row = row.unwrap();
+        let counts: Vec<u64> = row.iter().skip(1).map(|c| c.parse().unwrap()).collect();
+        let images: u64 = counts.iter().sum();
+        let class = &summary["per_class"][i];
+        assert_eq!(class["class"].as_str(), row.get(0), "{summary}");
+        assert_eq!(class["images"], images, "{summary}");
+        let acc = class["accuracy"].as_f64().unwrap();
+        assert!(
+            (acc - counts[i] as f64 / images as f64).abs() < 1e-9,
+            "{summary}"
+        );
+        total += images;
+    }
+    assert_eq!(total, 6);
+
+    // predict over the valid folder: one answer per file, in sorted order, each the class
+    // and probability eval gave the same file. With batches of 4 as in eval, the same
+    // arithmetic: equal bits. With batches of 5, equal up to summation order.
+    for (batch, tol) in [("4", 0.0), ("5", 1e-5)] {
+        let out = ok(birdtrain_output(&[
+            "predict",
+            "--checkpoint",
+            s(&run),
+            "--json",
+            "--top-k",
+            "3",
+            "--batch-size",
+            batch,
+            s(&data.join("valid")),
+        ]));
+        let answers = json_lines(&out);
+        assert_eq!(answers.len(), 6, "{}", text(&out));
+        for (answer, expected) in answers.iter().zip(&per_image) {
+            assert_eq!(answer["path"], expected["path"]);
+            let top = answer["top"].as_array().unwrap();
+            assert_eq!(top.len(), 3);
+            assert_eq!(top[0]["class"], expected["predicted"], "{answer}");
+            let (p, q) = (
+                top[0]["probability"].as_f64().unwrap(),
+                expected["probability"].as_f64().unwrap(),
+            );
+            assert!((p - q).abs() <= tol, "batch {batch}: {p} vs {q}");
+            let sum: f64 = top.iter().map(|c| c["probability"].as_f64().unwrap()).sum();
+            assert!(
+                (sum - 1.0).abs() < 1e-4,
+                "all classes' probabilities sum to 1: {sum}"
+            );
+        }
+    }
+}
+
+#[test]
+fn predict_skips_or_fails_on_bad_files_as_asked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, _cache, run) = trained(tmp.path());
+    let photos = tmp.path().join("photos");
+    let nested = photos.join("day2");
+    std::fs::create_dir_all(&nested).unwrap();
+    let valid = data.join("valid/class_01");
+    let image = std::fs::read_dir(&valid)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::copy(&image, photos.join("a.png")).unwrap();
+    std::fs::copy(&image, nested.join("c.png")).unwrap();
+    std::fs::write(photos.join("b.png"), b"a shopping list, not a picture").unwrap();
+    std::fs::write(photos.join(".thumbs"), b"hidden: never read").unwrap();
+
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", s(&run), "--json"];
+        args.extend_from_slice(extra);
+        birdtrain_output(&args)
+    };
+    // The default: the first bad file stops it, named, with the way out.
+    let out = predict(&[s(&photos)]);
+    assert_one_line_error(&out, &["b.png", "not an image", "--on-bad-image skip"]);
+    assert!(out.stdout.is_empty(), "{}", text(&out));
+
+    // skip: every file has its line, in the walk's name order (a.png, b.png, day2/c.png); the bad one
+    // says why; the image named twice is answered twice, identically.
+    let out = ok(predict(&[
+        "--on-bad-image",
+        "skip",
+        s(&photos),
+        s(&image),
+        s(&image),
+    ]));
+    let lines = json_lines(&out);
+    let paths: Vec<&str> = lines.iter().map(|l| l["path"].as_str().unwrap()).collect();
+    let expect = [
+        photos.join("a.png"),
+        photos.join("b.png"),
+        nested.join("c.png"),
+        image.clone(),
+        image.clone(),
+    ];
+    assert_eq!(
+        paths,
+        expect.iter().map(|p| s(p)).collect::<Vec<_>>(),
+        "{}",
+        text(&out)
+    );
+    assert!(
+        lines[1]["error"].as_str().unwrap().contains("not an image"),
+        "{}",
+        lines[1]
+    );
+    assert!(lines[1].get("top").is_none());
+    assert_eq!(
+        lines[0]["top"], lines[2]["top"],
+        "the same pixels, the same answer"
+    );
+    assert_eq!(lines[3]["top"], lines[4]["top"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("1 of 5 files skipped"), "{stderr}");
+
+    // Only bad files: nothing to classify is an error, naming the first.
+    let out = predict(&["--on-bad-image", "skip", s(&photos.join("b.png"))]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("b.png"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn inference_flags_that_cannot_work_are_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, _cache, run) = trained(tmp.path());
+    let image = data
+        .join("valid/class_00")
+        .read_dir()
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", s(&run)];
+        args.extend_from_slice(extra);
+        birdtrain_output(&args)
+    };
+    assert_one_line_error(
+        &predict(&["--on-bad-image", "maybe", s(&image)]),
+        &["--on-bad-image", "maybe"],
+    );
+    assert_one_line_error(
+        &predict(&["--batch-size", "0", s(&image)]),
+        &["--batch-size"],
+    );
+    let empty = tmp.path().join("nothing-here");
+    std::fs::create_dir(&empty).unwrap();
+    assert_one_line_error(&predict(&[s(&empty)]), &["nothing-here", "no files"]);
+    assert_one_line_error(
+        &predict(&[s(&tmp.path().join("gone.png"))]),
+        &["gone.png", "does not exist"],
+    );
+
+    let eval = |extra: &[&str]| {
+        let mut args = vec!["eval", "--checkpoint", s(&run), "--data", s(&data)];
+        args.extend_from_slice(extra);
+        birdtrain_output(&args)
+    };
+    let missing = tmp.path().join("no-folder/cm.csv");
+    assert_one_line_error(
+        &eval(&["--confusion", s(&missing)]),
+        &["no-folder", "--confusion"],
+    );
+    assert_one_line_error(
+        &eval(&["--predictions", s(tmp.path())]),
+        &["is a folder", "--predictions"],
+    );
+    assert!(!missing.parent().unwrap().exists());
+}
