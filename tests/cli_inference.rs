@@ -190,6 +190,32 @@ fn predict_skips_or_fails_on_bad_files_as_asked() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("1 of 5 files skipped"), "{stderr}");
 
+    // Each file is read once: nothing is written, neither a pixel cache nor a scratch copy.
+    let xdg = tmp.path().join("xdg-cache");
+    let scratch = tmp.path().join("tmpdir");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let args: Vec<String> = [
+        "predict",
+        "--checkpoint",
+        s(&run),
+        s(&photos),
+        "--on-bad-image",
+        "skip",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    ok(run_with(
+        &args,
+        &[("XDG_CACHE_HOME", s(&xdg)), ("TMPDIR", s(&scratch))],
+    ));
+    assert!(!xdg.exists(), "no pixel cache in the user's cache folder");
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "no scratch files"
+    );
+
     // Only bad files: nothing to classify is an error, naming the first.
     let out = predict(&["--on-bad-image", "skip", s(&photos.join("b.png"))]);
     let stderr = String::from_utf8_lossy(&out.stderr);

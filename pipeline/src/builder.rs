@@ -14,6 +14,7 @@ pub struct PipelineBuilder {
     pub(crate) image_size: u32,
     pub(crate) resize_mode: ResizeMode,
     pub(crate) cache_dir: Option<PathBuf>,
+    pub(crate) cache: bool,
     pub(crate) seed: u64,
     pub(crate) replicas: usize,
     pub(crate) batch_size: usize,
@@ -35,6 +36,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("image_size", &self.image_size)
             .field("resize_mode", &self.resize_mode)
             .field("cache_dir", &self.cache_dir)
+            .field("cache", &self.cache)
             .field("seed", &self.seed)
             .field("replicas", &self.replicas)
             .field("batch_size", &self.batch_size)
@@ -58,6 +60,7 @@ impl PipelineBuilder {
             image_size: 224,
             resize_mode: ResizeMode::Direct,
             cache_dir: None,
+            cache: true,
             seed: 0,
             replicas: 1,
             batch_size: 32,
@@ -94,6 +97,15 @@ impl PipelineBuilder {
         self.cache_dir = Some(dir.into());
         self
     }
+
+    /// Whether resized pixels are kept in the cache file (default: yes). Without it nothing
+    /// is written to disk and every epoch decodes every image: for data read once, such as
+    /// files to classify.
+    pub fn cache(mut self, enabled: bool) -> Self {
+        self.cache = enabled;
+        self
+    }
+
     /// Seed of the epoch permutations (and of the flat layout's valid split).
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = seed;

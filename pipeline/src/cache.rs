@@ -394,6 +394,16 @@ impl Cache {
     }
 
     /// A cache that caches nothing, after one warning saying why (`what` failed with `e`).
+    /// No cache at all, asked for ([`PipelineBuilder::cache`](crate::PipelineBuilder::cache)):
+    /// no file is made and every image is decoded each time it is served.
+    pub(crate) fn off(path: &Path, key: CacheKey) -> Self {
+        let layout = Layout::new(
+            key.count,
+            key.image_size as usize * key.image_size as usize * 3,
+        );
+        Self::from_map(path, None, Map::None, Layout { count: 0, ..layout }, false)
+    }
+
     fn disabled(path: &Path, layout: Layout, what: &str, e: &std::io::Error) -> Self {
         tracing::warn!(
             "cache file {}: {what} failed ({e}); going on without the pixel cache, so every \

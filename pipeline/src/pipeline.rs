@@ -261,7 +261,11 @@ impl Pipeline {
             count: scanned.samples.len(),
             fingerprint: cache_fp,
         };
-        let cache = Cache::open(&cache_path(&b), key, &labels)?;
+        let cache = if b.cache {
+            Cache::open(&cache_path(&b), key, &labels)?
+        } else {
+            Cache::off(&cache_path(&b), key)
+        };
         let mut class_totals = vec![0usize; scanned.classes.len()];
         for &l in &labels {
             class_totals[l as usize] += 1;

@@ -25,6 +25,26 @@ fn second_epoch_decodes_zero_and_serves_identical_pixels() {
 }
 
 #[test]
+fn without_the_cache_nothing_is_written_and_every_pass_decodes() {
+    let fx = synth(3, 5, 0);
+    let p = fx.builder().batch_size(4).cache(false).build().unwrap();
+    let first = collect(&p, 0, 0, 0);
+    let again = collect(&p, 0, 0, 0);
+    let s = p.stats();
+    assert_eq!((s.decoded, s.cache_hits), (30, 0), "{s:?}");
+    assert_eq!(first, again, "the same pixels each pass");
+    assert_eq!(
+        std::fs::read_dir(fx.cache.path()).unwrap().count(),
+        0,
+        "no cache file"
+    );
+    drop(p);
+    // The same pixels as the cache serves.
+    let cached = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(collect(&cached, 0, 0, 0), first);
+}
+
+#[test]
 fn buffers_are_recycled_so_allocations_stay_bounded() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;

@@ -66,13 +66,12 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
     let images = expand(&args.images)?;
     let mut model =
         load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(images.len()))?;
-    let cache = scratch_dir()?;
     let opts = PredictOptions {
         top_k: args.top_k,
         workers: args.workers,
         on_bad_image,
     };
-    let predictions = predict(&mut model, &images, &opts, cache.path())?;
+    let predictions = predict(&mut model, &images, &opts)?;
     let skipped = predictions.iter().filter(|p| p.top.is_err()).count();
     for p in &predictions {
         if args.json {
@@ -170,18 +169,4 @@ fn json_line(p: &Prediction) -> String {
         Err(reason) => serde_json::json!({"path": path, "error": reason}),
     };
     value.to_string()
-}
-
-/// A scratch folder for the pixel cache, removed on drop.
-fn scratch_dir() -> Result<tempfile::TempDir, CliError> {
-    tempfile::Builder::new()
-        .prefix("birdtrain-predict-")
-        .tempdir()
-        .map_err(|e| {
-            CliError::Train(TrainError::Io {
-                path: std::env::temp_dir(),
-                what: "create a scratch folder in",
-                source: e,
-            })
-        })
 }

@@ -226,17 +226,16 @@ pub struct PredictOptions {
 /// Classifies image files with a loaded checkpoint: decoded and resized by the input engine
 /// exactly as training images were (same decoder, same resize), in batches of the network's
 /// `max_batch`. The answer has one entry per file, in the order given (a file named twice
-/// gets two). `cache` holds the pixel cache of this list (a scratch folder).
+/// gets two). Each file is read once, so no pixel cache is written.
 pub fn predict(
     model: &mut InferenceModel,
     images: &[PathBuf],
     opts: &PredictOptions,
-    cache: &Path,
 ) -> Result<Vec<Prediction>, TrainError> {
     let mut b = PipelineBuilder::new(DatasetSource::files(images.iter().cloned()))
         .split(Split::Test)
         .image_size(model.meta.image_size)
-        .cache_dir(cache)
+        .cache(false)
         .batch_size(model.net.max_batch())
         .replicas(1)
         .shuffle(false)
