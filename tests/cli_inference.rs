@@ -49,6 +49,21 @@ fn eval_outputs_agree_and_predict_gives_evals_answers() {
         s(&confusion),
     ]));
     let summary = &json_lines(&eval)[0];
+    // The files are renamed into place whole: no temporary file is left, and they are as
+    // readable as a plain write makes them.
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".birdtrain-eval-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&confusion).unwrap().permissions().mode();
+    assert_ne!(
+        mode & 0o044,
+        0,
+        "readable by others as a plain write: {mode:o}"
+    );
     assert_eq!(summary["images"], 6, "{summary}");
     let per_image: Vec<serde_json::Value> = std::fs::read_to_string(&predictions)
         .unwrap()
