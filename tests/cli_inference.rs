@@ -58,12 +58,15 @@ fn eval_outputs_agree_and_predict_gives_evals_answers() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&confusion).unwrap().permissions().mode();
-    assert_ne!(
-        mode & 0o044,
-        0,
-        "readable by others as a plain write: {mode:o}"
+    let plain = tmp.path().join("plain");
+    std::fs::write(&plain, b"x").unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        mode(&confusion),
+        mode(&plain),
+        "the mode a plain write gives"
     );
+    assert_eq!(mode(&predictions), mode(&plain));
     assert_eq!(summary["images"], 6, "{summary}");
     let per_image: Vec<serde_json::Value> = std::fs::read_to_string(&predictions)
         .unwrap()
