@@ -2,8 +2,9 @@
 //!
 //! The engine turns a folder of images into a stream of ready-to-train micro-batches: it
 //! **scans** an image-folder dataset (the Kaggle "285 birds" `train/valid/test/<class>/`
-//! layout, or a flat `<class>/` layout with a seeded valid split), **decodes** JPEG, PNG, BMP,
-//! WebP and GIF to RGB8 on a pool of OS threads, **resizes** to `S×S` with SIMD
+//! layout, a flat `<class>/` layout with a seeded valid split, or a list of files with
+//! labels, [`DatasetSource::list`]), **decodes** JPEG, PNG, BMP, WebP and GIF to RGB8 on a
+//! pool of OS threads, **resizes** to `S×S` with SIMD
 //! (`fast_image_resize`), **caches** the result in one memory-mapped file per split and resize
 //! setting (so later epochs decode nothing), and **orders** samples by one permutation per
 //! `(seed, epoch)` shared by all data-parallel replicas. A tokio runtime orchestrates the
