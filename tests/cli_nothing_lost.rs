@@ -131,7 +131,8 @@ fn paths_of_the_wrong_kind_say_what_they_are() {
     let file = tmp.path().join("file.txt");
     std::fs::write(&file, b"x").unwrap();
     let run = birdtrain(&train_args(&file, &out, &[]));
-    assert_one_line_error(&run, &["file.txt", "is a file, not a folder", "--data"]);
+    // A file is read as a CSV listing the images; this one is not.
+    assert_one_line_error(&run, &["file.txt", "line 1", "a path column"]);
     let run = birdtrain(&train_args(&data, &out, &["--init-from", s(tmp.path())]));
     assert_one_line_error(&run, &["is a folder, not a file", "--init-from"]);
     let run = birdtrain(&train_args(&data, &out, &["--init-from", "/dev/null"]));

@@ -52,6 +52,16 @@ pub enum PipelineError {
         /// How many files were bad.
         bad: usize,
     },
+    /// A dataset CSV that cannot be read as one.
+    #[error("{file}{}: {reason} (hint: a header row with path and label columns, one row per image)", if *line > 0 { format!(" line {line}") } else { String::new() })]
+    BadCsv {
+        /// The CSV file.
+        file: PathBuf,
+        /// The line (1: the header; 0: the file as a whole).
+        line: u64,
+        /// What is wrong.
+        reason: String,
+    },
     /// A file of a list source has a label beyond its class list.
     #[error("label {label} of {path} is not a class: the list has {classes} classes (hint: labels index the class list, 0..{classes})")]
     ListLabel {

@@ -8,7 +8,7 @@
 //! planner ─(pending batch, bounded by prefetch)→ assembler ─(Batch, bounded by prefetch)→ consumer
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -141,12 +141,23 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
             }
             ("list".to_string(), h.digest())
         }
-        crate::DatasetSource::Folder { root } | crate::DatasetSource::Flat { root, .. } => {
+        crate::DatasetSource::Folder { root }
+        | crate::DatasetSource::Flat { root, .. }
+        | crate::DatasetSource::Csv { base: root, .. } => {
             let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
             let layout = match &b.source {
                 crate::DatasetSource::Flat { valid_fraction, .. } => {
                     format!("flat-{valid_fraction}-{}", b.seed)
                 }
+                crate::DatasetSource::Csv {
+                    file,
+                    valid_fraction,
+                    ..
+                } => format!(
+                    "csv-{}-{valid_fraction:?}-{}",
+                    file.file_name().unwrap_or_default().to_string_lossy(),
+                    b.seed
+                ),
                 _ => "folder".to_string(),
             };
             let key = format!("{}|{layout}", canonical.display());
@@ -297,7 +308,14 @@ impl Pipeline {
             .store(log.files.len() as u64, Ordering::Relaxed);
         counters.ready_capacity.store(0, Ordering::Relaxed);
         let shared = Arc::new(Shared {
-            root: b.source.root().map(Path::to_path_buf),
+            // Class folders exist only in the folder layouts: a list or CSV that leaves a
+            // class without a readable image is not stopped for it.
+            root: match &b.source {
+                crate::DatasetSource::Folder { root } | crate::DatasetSource::Flat { root, .. } => {
+                    Some(root.clone())
+                }
+                _ => None,
+            },
             split: b.split.to_string(),
             samples: scanned.samples,
             class_names: scanned.classes,

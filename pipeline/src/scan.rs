@@ -27,6 +27,21 @@ pub enum DatasetSource {
         /// Share of files in the valid split, in `[0, 1)`.
         valid_fraction: f32,
     },
+    /// A CSV file listing the images: a header naming a path column (`path`, `filepath(s)`,
+    /// `file`, `filename` or `image`), a label column (`label(s)` or `class`) and,
+    /// optionally, a split column (`split`, `data set`, `dataset` or `subset`, holding
+    /// `train`, `valid`/`val`/`validation` or `test`), in any order and case, other columns
+    /// ignored (the Kaggle birds CSV has this shape). Relative paths are relative to the CSV's
+    /// folder. Classes are the sorted labels of the train rows. Without a split column,
+    /// `valid_fraction` splits the rows as the flat layout does.
+    Csv {
+        /// The CSV file.
+        file: PathBuf,
+        /// The folder relative paths start from (the CSV's).
+        base: PathBuf,
+        /// Without a split column: the share of rows in the valid split.
+        valid_fraction: Option<f32>,
+    },
     /// A list of image files with their labels, in the given order (a CSV-labelled dataset,
     /// or files to classify). The split only names the cache; every split is the whole list.
     List {
@@ -51,6 +66,20 @@ impl DatasetSource {
         }
     }
 
+    /// A dataset listed in a CSV file (see [`DatasetSource::Csv`]).
+    pub fn csv(file: impl Into<PathBuf>, valid_fraction: Option<f32>) -> Self {
+        let file = file.into();
+        let base = match file.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        Self::Csv {
+            file,
+            base,
+            valid_fraction,
+        }
+    }
+
     /// A labelled list of image files, read in the given order. Files that are missing or
     /// unreadable are bad files (skipped or failed as [`OnBadImage`](crate::OnBadImage)
     /// says); a label outside `classes` is refused when the pipeline is built.
@@ -70,6 +99,7 @@ impl DatasetSource {
     pub fn root(&self) -> Option<&Path> {
         match self {
             Self::Folder { root } | Self::Flat { root, .. } => Some(root),
+            Self::Csv { base, .. } => Some(base),
             Self::List { .. } => None,
         }
     }
@@ -231,8 +261,174 @@ pub(crate) fn scan(
             root,
             valid_fraction,
         } => scan_flat(root, split, *valid_fraction, seed),
+        DatasetSource::Csv {
+            file,
+            base,
+            valid_fraction,
+        } => scan_csv(file, base, split, *valid_fraction, seed),
         DatasetSource::List { classes, samples } => scan_list(classes, samples),
     }
+}
+
+/// One row of a dataset CSV.
+struct CsvRow {
+    path: PathBuf,
+    label: String,
+    split: Option<Split>,
+}
+
+/// The column of `headers` named by one of `names` (compared trimmed, in lower case).
+fn column(headers: &csv::StringRecord, names: &[&str]) -> Option<usize> {
+    headers
+        .iter()
+        .position(|h| names.contains(&h.trim().to_ascii_lowercase().as_str()))
+}
+
+fn read_csv(file: &Path, base: &Path) -> Result<Vec<CsvRow>, PipelineError> {
+    let bad = |line: u64, reason: String| PipelineError::BadCsv {
+        file: file.to_path_buf(),
+        line,
+        reason,
+    };
+    let mut reader = csv::ReaderBuilder::new()
+        .flexible(false)
+        .from_path(file)
+        .map_err(|e| bad(0, e.to_string()))?;
+    let headers = reader.headers().map_err(|e| bad(1, e.to_string()))?.clone();
+    let path_col = column(
+        &headers,
+        &["path", "filepath", "filepaths", "file", "filename", "image"],
+    );
+    let label_col = column(&headers, &["label", "labels", "class"]);
+    let (Some(path_col), Some(label_col)) = (path_col, label_col) else {
+        let found: Vec<&str> = headers.iter().collect();
+        return Err(bad(
+            1,
+            format!(
+                "the header needs a path column (path, filepaths, file, filename or image) and \
+                 a label column (label, labels or class); it has {found:?}"
+            ),
+        ));
+    };
+    let split_col = column(&headers, &["split", "data set", "dataset", "subset"]);
+    let mut rows = Vec::new();
+    for record in reader.records() {
+        let record = record.map_err(|e| {
+            let line = e.position().map_or(0, |p| p.line());
+            bad(line, e.to_string())
+        })?;
+        let line = record.position().map_or(0, |p| p.line());
+        let field = |i: usize| record.get(i).unwrap_or("").trim();
+        let (path, label) = (field(path_col), field(label_col));
+        if path.is_empty() || label.is_empty() {
+            return Err(bad(line, "an empty path or label".into()));
+        }
+        let split = match split_col.map(field) {
+            None => None,
+            Some(text) => Some(match text.to_ascii_lowercase().as_str() {
+                "train" | "training" => Split::Train,
+                "valid" | "val" | "validation" => Split::Valid,
+                "test" => Split::Test,
+                _ => {
+                    return Err(bad(
+                        line,
+                        format!("split `{text}` is not train, valid (val, validation) or test"),
+                    ))
+                }
+            }),
+        };
+        rows.push(CsvRow {
+            // `base.join` would write "./x.png" for a CSV in the working folder.
+            path: if base == Path::new(".") {
+                PathBuf::from(path)
+            } else {
+                base.join(path)
+            },
+            label: label.to_string(),
+            split,
+        });
+    }
+    Ok(rows)
+}
+
+fn scan_csv(
+    file: &Path,
+    base: &Path,
+    split: Split,
+    valid_fraction: Option<f32>,
+    seed: u64,
+) -> Result<ScannedSplit, PipelineError> {
+    if !file.is_file() {
+        return Err(PipelineError::MissingDir {
+            path: file.to_path_buf(),
+            hint: "the CSV file listing the images",
+        });
+    }
+    let rows = read_csv(file, base)?;
+    if let Some(f) = valid_fraction {
+        if rows.first().is_some_and(|r| r.split.is_some()) || !(0.0..1.0).contains(&f) {
+            return Err(PipelineError::InvalidSetting {
+                name: "--valid-fraction",
+                value: f.to_string(),
+                hint: "a fraction in [0, 1), and only for a CSV without a split column",
+            });
+        }
+    }
+    // A row's split: its own column, else the flat layout's seeded draw, else train.
+    let split_of = |row: &CsvRow| match (row.split, valid_fraction) {
+        (Some(s), _) => s,
+        (None, Some(f)) => {
+            let rel = row.path.strip_prefix(base).unwrap_or(&row.path);
+            if split_draw(seed, rel) < f64::from(f) {
+                Split::Valid
+            } else {
+                Split::Train
+            }
+        }
+        (None, None) => Split::Train,
+    };
+    let mut classes: Vec<String> = rows
+        .iter()
+        .filter(|r| split_of(r) == Split::Train)
+        .map(|r| r.label.clone())
+        .collect();
+    classes.sort();
+    classes.dedup();
+    let mut samples = Vec::new();
+    let mut bad = Vec::new();
+    for row in rows.iter().filter(|r| split_of(r) == split) {
+        let label = classes
+            .binary_search(&row.label)
+            .map_err(|_| PipelineError::UnknownClass {
+                class: row.label.clone(),
+                split: split.to_string(),
+            })?;
+        push_file(row.path.clone(), label as u32, &mut samples, &mut bad);
+    }
+    if let (true, Some(first)) = (samples.is_empty(), bad.first()) {
+        return Err(PipelineError::ListAllBad {
+            bad: bad.len(),
+            first: first.path.clone(),
+            reason: format!("{} ({})", first.kind, first.detail),
+        });
+    }
+    if samples.is_empty() {
+        let how = if rows.first().is_some_and(|r| r.split.is_some()) {
+            "rows of that split"
+        } else {
+            "a split column, or --valid-fraction to hold out a share of the rows"
+        };
+        return Err(PipelineError::BadCsv {
+            file: file.to_path_buf(),
+            line: 0,
+            reason: format!("no image of split `{split}`; add {how}"),
+        });
+    }
+    Ok(ScannedSplit {
+        classes,
+        samples,
+        bad,
+    })
 }
 
 /// The files of a list, in its order; missing and empty files go to `bad`.

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use pipeline::{DatasetSource, PipelineBuilder, Split};
+use pipeline::{PipelineBuilder, Split};
 
 use super::CliError;
 use crate::train::{
@@ -16,7 +16,7 @@ pub struct EvalArgs {
     /// Run folder holding checkpoint.json and model.safetensors.
     #[arg(long, value_name = "RUN")]
     pub checkpoint: PathBuf,
-    /// Dataset root (the layout used for training).
+    /// Dataset root, or its CSV file (the layout used for training).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
     /// Split to evaluate: valid or test (or train).
@@ -58,7 +58,10 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected valid or test (or train)".into(),
     })?;
-    super::paths::expect_dir(&args.data, "--data must be the dataset folder")?;
+    super::paths::expect_data(
+        &args.data,
+        "--data must be the dataset folder or its CSV file",
+    )?;
     if args.batch_size == 0 {
         return Err(CliError::BadValue {
             flag: "--batch-size",
@@ -79,10 +82,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
-    let source = match args.valid_fraction {
-        Some(f) => DatasetSource::flat(&args.data, f),
-        None => DatasetSource::folder(&args.data),
-    };
+    let source = crate::train::dataset_source(&args.data, args.valid_fraction);
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)

@@ -84,6 +84,14 @@ pub(crate) fn check_train_paths(cfg: &crate::train::TrainConfig) -> Result<(), C
     Ok(())
 }
 
+/// `--data`: a dataset folder, or a regular file (a CSV listing the images).
+pub(crate) fn expect_data(path: &Path, hint: &'static str) -> Result<(), CliError> {
+    match kind_of(path) {
+        Some("a file") => Ok(()),
+        _ => expect_dir(path, hint),
+    }
+}
+
 /// A file a command will write: its folder must exist, and the path, when present, must be a
 /// file it may replace (checked before the work, so a long evaluation is not lost to a typo).
 pub(crate) fn check_output_file(path: &Path, hint: &'static str) -> Result<(), CliError> {

@@ -94,7 +94,7 @@ impl DistArgs {
 /// Training flags. `--lr` is for a global batch of 256 and scales linearly.
 #[derive(Debug, Clone, Default, Args)]
 pub struct TrainArgs {
-    /// Dataset root: train/valid[/test]/<class>/<images>, or <class>/<images> with --valid-fraction.
+    /// Dataset root: train/valid[/test]/<class>/<images>, or <class>/<images> with --valid-fraction, or a CSV file listing the images (path, label[, split] columns).
     #[arg(long, value_name = "DIR")]
     pub data: Option<PathBuf>,
     /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
@@ -225,9 +225,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         flag: "--data DIR",
         hint: "point it at a dataset folder, or try `birdtrain demo`",
     })?;
-    super::paths::expect_dir(
+    super::paths::expect_data(
         &data,
-        "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction)",
+        "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction), or a CSV file listing the images",
     )?;
     if args.valid_fraction.is_some() && data.join("train").is_dir() {
         return Err(CliError::BadValue {

@@ -40,6 +40,7 @@ pub use folder::{
     RunSettings,
 };
 pub use run::{train, TrainOutcome};
+pub use setup::dataset_source;
 pub use summary::{format_summary, SummaryHeader};
 
 pub use crate::optim::OptimizerChoice;

@@ -22,9 +22,18 @@ pub(crate) const CHECKSUM_EVERY: u64 = 50;
 
 /// The dataset as the engine reads it.
 pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
-    match cfg.valid_fraction {
-        Some(f) => DatasetSource::flat(&cfg.data, f),
-        None => DatasetSource::folder(&cfg.data),
+    dataset_source(&cfg.data, cfg.valid_fraction)
+}
+
+/// What `--data` names: a CSV file listing the images, a flat `<class>/` folder split by
+/// `valid_fraction`, or the `train/valid/test` folder layout.
+pub fn dataset_source(data: &std::path::Path, valid_fraction: Option<f32>) -> DatasetSource {
+    if data.is_file() {
+        return DatasetSource::csv(data, valid_fraction);
+    }
+    match valid_fraction {
+        Some(f) => DatasetSource::flat(data, f),
+        None => DatasetSource::folder(data),
     }
 }
 
