@@ -54,7 +54,7 @@ fn eval_outputs_agree_and_predict_gives_evals_answers() {
     let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(".birdtrain-eval-"))
+        .filter(|n| n.contains(".tmp"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
     use std::os::unix::fs::PermissionsExt;

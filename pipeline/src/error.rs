@@ -211,3 +211,15 @@ pub enum PipelineError {
         reason: String,
     },
 }
+
+impl PipelineError {
+    /// A list or CSV none of whose files is a readable image: how many, and the first.
+    pub(crate) fn list_all_bad(bad: &[crate::BadFile]) -> Self {
+        let first = bad.first();
+        Self::ListAllBad {
+            bad: bad.len(),
+            first: first.map(|f| f.path.clone()).unwrap_or_default(),
+            reason: first.map_or(String::new(), |f| format!("{} ({})", f.kind, f.detail)),
+        }
+    }
+}

@@ -128,7 +128,7 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
             .unwrap_or_else(std::env::temp_dir)
             .join("birdtrain")
     });
-    let (name, hash) = match &b.source {
+    let (root, layout) = match &b.source {
         crate::DatasetSource::List { samples, .. } => {
             // A list is its own dataset: keyed by its files (absolute) and labels, in order.
             let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -139,40 +139,42 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
                 h.update(&[0]);
                 h.update(&label.to_le_bytes());
             }
-            ("list".to_string(), h.digest())
+            let hash = h.digest();
+            return dir.join(format!(
+                "list-{}-{}-{}-{hash:016x}.bcache",
+                b.split, b.image_size, b.resize_mode
+            ));
         }
-        crate::DatasetSource::Folder { root }
-        | crate::DatasetSource::Flat { root, .. }
-        | crate::DatasetSource::Csv { base: root, .. } => {
-            let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-            let layout = match &b.source {
-                crate::DatasetSource::Flat { valid_fraction, .. } => {
-                    format!("flat-{valid_fraction}-{}", b.seed)
-                }
-                crate::DatasetSource::Csv {
-                    file,
-                    valid_fraction,
-                    ..
-                } => format!(
-                    "csv-{}-{valid_fraction:?}-{}",
-                    file.file_name().unwrap_or_default().to_string_lossy(),
-                    b.seed
-                ),
-                _ => "folder".to_string(),
-            };
-            let key = format!("{}|{layout}", canonical.display());
-            let name: String = root
-                .file_name()
-                .map(|n| {
-                    n.to_string_lossy()
-                        .chars()
-                        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
-                        .collect()
-                })
-                .unwrap_or_default();
-            (name, xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
-        }
+        crate::DatasetSource::Folder { root } => (root, "folder".to_string()),
+        crate::DatasetSource::Flat {
+            root,
+            valid_fraction,
+        } => (root, format!("flat-{valid_fraction}-{}", b.seed)),
+        crate::DatasetSource::Csv {
+            file,
+            base,
+            valid_fraction,
+        } => (
+            base,
+            format!(
+                "csv-{}-{valid_fraction:?}-{}",
+                file.file_name().unwrap_or_default().to_string_lossy(),
+                b.seed
+            ),
+        ),
     };
+    let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+    let key = format!("{}|{layout}", canonical.display());
+    let hash = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+    let name: String = root
+        .file_name()
+        .map(|n| {
+            n.to_string_lossy()
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect()
+        })
+        .unwrap_or_default();
     dir.join(format!(
         "{name}-{}-{}-{}-{hash:016x}.bcache",
         b.split, b.image_size, b.resize_mode

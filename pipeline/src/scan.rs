@@ -284,7 +284,8 @@ fn column(headers: &csv::StringRecord, names: &[&str]) -> Option<usize> {
         .position(|h| names.contains(&h.trim().to_ascii_lowercase().as_str()))
 }
 
-fn read_csv(file: &Path, base: &Path) -> Result<Vec<CsvRow>, PipelineError> {
+/// The rows of a dataset CSV, and whether it has a split column.
+fn read_csv(file: &Path, base: &Path) -> Result<(Vec<CsvRow>, bool), PipelineError> {
     let bad = |line: u64, reason: String| PipelineError::BadCsv {
         file: file.to_path_buf(),
         line,
@@ -348,7 +349,7 @@ fn read_csv(file: &Path, base: &Path) -> Result<Vec<CsvRow>, PipelineError> {
             split,
         });
     }
-    Ok(rows)
+    Ok((rows, split_col.is_some()))
 }
 
 fn scan_csv(
@@ -364,9 +365,9 @@ fn scan_csv(
             hint: "the CSV file listing the images",
         });
     }
-    let rows = read_csv(file, base)?;
+    let (rows, has_split_column) = read_csv(file, base)?;
     if let Some(f) = valid_fraction {
-        if rows.first().is_some_and(|r| r.split.is_some()) || !(0.0..1.0).contains(&f) {
+        if has_split_column || !(0.0..1.0).contains(&f) {
             return Err(PipelineError::InvalidSetting {
                 name: "--valid-fraction",
                 value: f.to_string(),
@@ -405,15 +406,11 @@ fn scan_csv(
             })?;
         push_file(row.path.clone(), label as u32, &mut samples, &mut bad);
     }
-    if let (true, Some(first)) = (samples.is_empty(), bad.first()) {
-        return Err(PipelineError::ListAllBad {
-            bad: bad.len(),
-            first: first.path.clone(),
-            reason: format!("{} ({})", first.kind, first.detail),
-        });
+    if samples.is_empty() && !bad.is_empty() {
+        return Err(PipelineError::list_all_bad(&bad));
     }
     if samples.is_empty() {
-        let how = if rows.first().is_some_and(|r| r.split.is_some()) {
+        let how = if has_split_column {
             "rows of that split"
         } else {
             "a split column, or --valid-fraction to hold out a share of the rows"
@@ -452,12 +449,8 @@ fn scan_list(classes: &[String], list: &[(PathBuf, u32)]) -> Result<ScannedSplit
     for (path, label) in list {
         push_file(path.clone(), *label, &mut samples, &mut bad);
     }
-    if let (true, Some(first)) = (samples.is_empty(), bad.first()) {
-        return Err(PipelineError::ListAllBad {
-            bad: bad.len(),
-            first: first.path.clone(),
-            reason: format!("{} ({})", first.kind, first.detail),
-        });
+    if samples.is_empty() && !bad.is_empty() {
+        return Err(PipelineError::list_all_bad(&bad));
     }
     Ok(ScannedSplit {
         classes: classes.to_vec(),

@@ -99,12 +99,7 @@ impl Shared {
     pub(crate) fn fatal_error(&self, fatal: Fatal) -> PipelineError {
         let Some(root) = &self.root else {
             let log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
-            let first = log.files.first();
-            return PipelineError::ListAllBad {
-                bad: log.files.len(),
-                first: first.map(|f| f.path.clone()).unwrap_or_default(),
-                reason: first.map_or(String::new(), |f| format!("{} ({})", f.kind, f.detail)),
-            };
+            return PipelineError::list_all_bad(&log.files);
         };
         match fatal {
             Fatal::AllBad(bad) => PipelineError::AllImagesBad {

@@ -122,32 +122,10 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Writes one of eval's output files whole: into a temporary file beside it, renamed over it
-/// once complete, so a kill or a full disk leaves the old file or the new one, never half of
-/// one. An error names the file.
+/// Writes one of eval's output files whole (the run folder's synced temporary file and
+/// rename), so a kill or a full disk leaves the old file or the new one; an error names it.
 fn write_output(path: &std::path::Path, bytes: &[u8]) -> Result<(), CliError> {
-    use std::io::Write;
-    let io = |source| {
-        CliError::Train(TrainError::Io {
-            path: path.to_path_buf(),
-            what: "write",
-            source,
-        })
-    };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => std::path::Path::new("."),
-    };
-    use std::os::unix::fs::PermissionsExt;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".birdtrain-eval-")
-        // As a plain write would make it (0666 less the umask), not tempfile's private 0600.
-        .permissions(std::fs::Permissions::from_mode(0o666))
-        .tempfile_in(dir)
-        .map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
+    crate::train::folder::files::write_atomic(path, bytes).map_err(TrainError::from)?;
     Ok(())
 }
 
