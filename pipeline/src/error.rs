@@ -82,6 +82,20 @@ pub enum PipelineError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A class of a dataset CSV none of whose files in the split is a readable image.
+    #[error("class `{class}` of {file} has no readable image in split `{split}` ({bad} bad files; the first, {first}) (hint: fix those files or remove the class's rows)")]
+    CsvClassWithoutImages {
+        /// The class label.
+        class: String,
+        /// The CSV file.
+        file: PathBuf,
+        /// The split's name.
+        split: String,
+        /// How many of the class's files were bad.
+        bad: usize,
+        /// The first bad file and what is wrong with it.
+        first: String,
+    },
     /// Two class folders whose names differ only in bytes that are not UTF-8.
     #[error("class folders {first:?} and {second:?} in {dir} have the same name once their non-UTF-8 bytes are replaced (hint: rename one of them, e.g. to UTF-8)")]
     ClassNameClash {
@@ -220,6 +234,25 @@ impl PipelineError {
             bad: bad.len(),
             first: first.map(|f| f.path.clone()).unwrap_or_default(),
             reason: first.map_or(String::new(), |f| format!("{} ({})", f.kind, f.detail)),
+        }
+    }
+
+    /// A CSV class with no readable image in `split`; `bad` holds that class's bad files.
+    pub(crate) fn csv_class_all_bad(
+        class: &str,
+        file: &std::path::Path,
+        split: &str,
+        bad: &[&crate::BadFile],
+    ) -> Self {
+        let first = bad.first();
+        Self::CsvClassWithoutImages {
+            class: class.to_string(),
+            file: file.to_path_buf(),
+            split: split.to_string(),
+            bad: bad.len(),
+            first: first.map_or(String::new(), |f| {
+                format!("{}: {} ({})", f.path.display(), f.kind, f.detail)
+            }),
         }
     }
 }

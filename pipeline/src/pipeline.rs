@@ -21,7 +21,7 @@ use crate::buffer::BufferPool;
 use crate::cache::{Cache, CacheKey};
 use crate::order::{micro_batch_len, steps_per_epoch, EpochPlan};
 use crate::stats::{CacheHealth, Counters, EngineStats};
-use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Outcome, Shared};
+use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Origin, Outcome, Shared};
 use crate::{LastBatch, OnBadImage, PipelineBuilder, PipelineError};
 
 /// The input engine for one split. Cheap to clone and share (`Arc` inside); `Send + Sync`.
@@ -310,13 +310,12 @@ impl Pipeline {
             .store(log.files.len() as u64, Ordering::Relaxed);
         counters.ready_capacity.store(0, Ordering::Relaxed);
         let shared = Arc::new(Shared {
-            // Class folders exist only in the folder layouts: a list or CSV that leaves a
-            // class without a readable image is not stopped for it.
-            root: match &b.source {
+            origin: match &b.source {
                 crate::DatasetSource::Folder { root } | crate::DatasetSource::Flat { root, .. } => {
-                    Some(root.clone())
+                    Origin::Folders(root.clone())
                 }
-                _ => None,
+                crate::DatasetSource::Csv { file, .. } => Origin::Csv(file.clone()),
+                crate::DatasetSource::List { .. } => Origin::List,
             },
             split: b.split.to_string(),
             samples: scanned.samples,

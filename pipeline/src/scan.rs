@@ -33,7 +33,8 @@ pub enum DatasetSource {
     /// `train`, `valid`/`val`/`validation` or `test`), in any order and case, other columns
     /// ignored (the Kaggle birds CSV has this shape). Relative paths are relative to the CSV's
     /// folder. Classes are the sorted labels of the train rows. Without a split column,
-    /// `valid_fraction` splits the rows as the flat layout does.
+    /// `valid_fraction` splits the rows as the flat layout does. A class whose rows in the
+    /// split name no readable image is an error, as an empty class folder is.
     Csv {
         /// The CSV file.
         file: PathBuf,
@@ -397,6 +398,9 @@ fn scan_csv(
     classes.dedup();
     let mut samples = Vec::new();
     let mut bad = Vec::new();
+    // Per class: rows in this split, and the label of each bad file.
+    let mut rows_per_class = vec![0usize; classes.len()];
+    let mut bad_labels = Vec::new();
     for row in rows.iter().filter(|r| split_of(r) == split) {
         let label = classes
             .binary_search(&row.label)
@@ -404,10 +408,34 @@ fn scan_csv(
                 class: row.label.clone(),
                 split: split.to_string(),
             })?;
+        rows_per_class[label] += 1;
         push_file(row.path.clone(), label as u32, &mut samples, &mut bad);
+        bad_labels.resize(bad.len(), label);
     }
     if samples.is_empty() && !bad.is_empty() {
         return Err(PipelineError::list_all_bad(&bad));
+    }
+    // A class whose every row names a missing or empty file would train as if it had no
+    // images, the way an empty class folder is refused.
+    let mut good_per_class = vec![0usize; classes.len()];
+    for s in &samples {
+        good_per_class[s.label as usize] += 1;
+    }
+    if let Some(class) =
+        (0..classes.len()).find(|&c| rows_per_class[c] > 0 && good_per_class[c] == 0)
+    {
+        let class_bad: Vec<&BadFile> = bad
+            .iter()
+            .zip(&bad_labels)
+            .filter(|(_, &l)| l == class)
+            .map(|(f, _)| f)
+            .collect();
+        return Err(PipelineError::csv_class_all_bad(
+            &classes[class],
+            file,
+            split.as_str(),
+            &class_bad,
+        ));
     }
     if samples.is_empty() {
         let how = if has_split_column {

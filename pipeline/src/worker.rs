@@ -21,8 +21,8 @@ pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the ca
 
 /// Everything workers and assemblers share; owned through `Arc`.
 pub(crate) struct Shared {
-    /// The dataset root; `None` for a list source.
-    pub(crate) root: Option<std::path::PathBuf>,
+    /// Where the samples came from, for the errors that name it.
+    pub(crate) origin: Origin,
     pub(crate) split: String,
     pub(crate) samples: Vec<Sample>,
     pub(crate) class_names: Vec<String>,
@@ -44,6 +44,17 @@ pub(crate) struct BadLog {
     pub(crate) seen: std::collections::HashSet<u32>,
     pub(crate) per_class: Vec<usize>,
     pub(crate) class_totals: Vec<usize>,
+}
+
+/// Where a split's samples came from: it decides which dataset-level failures apply.
+#[derive(Debug, Clone)]
+pub(crate) enum Origin {
+    /// Class folders under this dataset root (folder or flat layout).
+    Folders(std::path::PathBuf),
+    /// The rows of this dataset CSV.
+    Csv(std::path::PathBuf),
+    /// A caller's list, whose labels are the caller's business: a class may have no image.
+    List,
 }
 
 /// A dataset-level failure discovered while decoding, re-created for each consumer.
@@ -87,8 +98,9 @@ impl Shared {
         if log.seen.len() == self.samples.len() {
             return Some(Fatal::AllBad(log.files.len()));
         }
-        // A list may leave a class without images: its labels are the caller's business.
-        self.root.as_ref()?;
+        if matches!(self.origin, Origin::List) {
+            return None;
+        }
         log.per_class
             .iter()
             .zip(&log.class_totals)
@@ -97,9 +109,29 @@ impl Shared {
     }
 
     pub(crate) fn fatal_error(&self, fatal: Fatal) -> PipelineError {
-        let Some(root) = &self.root else {
-            let log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
-            return PipelineError::list_all_bad(&log.files);
+        let log = self.bad.lock().unwrap_or_else(|p| p.into_inner());
+        let root = match (&self.origin, &fatal) {
+            (Origin::Folders(root), _) => root,
+            (Origin::Csv(file), Fatal::Class(class)) => {
+                let of_class: std::collections::HashSet<&std::path::Path> = self
+                    .samples
+                    .iter()
+                    .filter(|s| s.label as usize == *class)
+                    .map(|s| s.path.as_path())
+                    .collect();
+                let class_bad: Vec<&BadFile> = log
+                    .files
+                    .iter()
+                    .filter(|f| of_class.contains(f.path.as_path()))
+                    .collect();
+                return PipelineError::csv_class_all_bad(
+                    &self.class_names[*class],
+                    file,
+                    &self.split,
+                    &class_bad,
+                );
+            }
+            (Origin::Csv(_) | Origin::List, _) => return PipelineError::list_all_bad(&log.files),
         };
         match fatal {
             Fatal::AllBad(bad) => PipelineError::AllImagesBad {

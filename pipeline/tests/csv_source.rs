@@ -153,3 +153,67 @@ fn csvs_that_cannot_work_are_refused_naming_file_and_line() {
         .unwrap_err();
     assert!(err.to_string().contains("--valid-fraction"), "{err}");
 }
+
+/// A CSV of split `train`: every train file of class `a`, and `b_rows` for class `b`.
+fn csv_with_class_b(fx: &Fixture, b_rows: &[std::path::PathBuf]) -> std::path::PathBuf {
+    let mut text = String::from("path,label\n");
+    for f in files_under(&fx.root().join("train").join("class_00")) {
+        text += &format!("{},a\n", f.display());
+    }
+    for f in b_rows {
+        text += &format!("{},b\n", f.display());
+    }
+    let csv = fx.root().join("two.csv");
+    std::fs::write(&csv, text).unwrap();
+    csv
+}
+
+#[test]
+fn a_csv_class_with_no_readable_image_is_refused_naming_it() {
+    let fx = synth(1, 3, 0);
+    // Missing files are known at build time.
+    let gone = [fx.root().join("gone1.png"), fx.root().join("gone2.png")];
+    let csv = csv_with_class_b(&fx, &gone);
+    let err = builder(&fx, DatasetSource::csv(&csv, None), Split::Train)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&err, PipelineError::CsvClassWithoutImages { class, bad: 2, .. } if class == "b"),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("two.csv") && text.contains("gone1.png") && text.contains("`train`"),
+        "{text}"
+    );
+    // Files that exist but do not decode are found while the epoch runs.
+    let junk = [fx.root().join("junk1.png"), fx.root().join("junk2.png")];
+    for j in &junk {
+        std::fs::write(j, b"not a picture at all").unwrap();
+    }
+    let csv = csv_with_class_b(&fx, &junk);
+    let p = builder(&fx, DatasetSource::csv(&csv, None), Split::Train)
+        .build()
+        .unwrap();
+    let err = p
+        .epoch(0, 0, 0)
+        .unwrap()
+        .find_map(Result::err)
+        .expect("a class with no readable image stops the epoch");
+    assert!(
+        matches!(&err, PipelineError::CsvClassWithoutImages { class, bad: 2, .. } if class == "b"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("junk"), "{err}");
+    // One good file keeps the class: its bad neighbour is only skipped.
+    let mixed = [
+        junk[0].clone(),
+        files_under(&fx.root().join("train").join("class_00"))[0].clone(),
+    ];
+    let csv = csv_with_class_b(&fx, &mixed);
+    let p = builder(&fx, DatasetSource::csv(&csv, None), Split::Train)
+        .build()
+        .unwrap();
+    let seen: usize = collect(&p, 0, 0, 0).iter().map(|b| b.ids.len()).sum();
+    assert_eq!(seen, 4, "three of a and one of b");
+}
