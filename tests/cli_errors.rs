@@ -84,6 +84,9 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--batch-size", "0"], "--batch-size"),
         (vec!["--schedule", "linear"], "--schedule"),
         (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
+        (vec!["--monitor", "loss"], "--monitor"),
+        (vec!["--min-delta=-0.1"], "--min-delta"),
+        (vec!["--min-delta", "NaN"], "--min-delta"),
     ] {
         let mut all = vec!["--data", s(&data), "--gpus", "0", "--out", s(&run)];
         all.extend(args);

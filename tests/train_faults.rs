@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 
 use birdtrain::train::checkpoint::CHECKPOINT_STAGES;
 use birdtrain::train::fault::FAULT_ENV;
-use birdtrain::train::folder::BestEpoch;
+use birdtrain::train::folder::{BestEpoch, BestRule};
 use birdtrain::train::{CheckpointMeta, MetricsSplit, RunFolder};
 use cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args, weights};
 use cli_support::{birdtrain, s, Tmpfs};
@@ -206,7 +206,10 @@ fn improving_epochs(run: &Path) -> Vec<u64> {
     let mut best: Option<BestEpoch> = None;
     let mut epochs = Vec::new();
     for m in RunFolder::new(run).metrics().unwrap() {
-        if m.split == MetricsSplit::Valid && best.is_none_or(|b| b.beaten_by(m.accuracy, m.loss)) {
+        let rule = BestRule::default();
+        if m.split == MetricsSplit::Valid
+            && best.is_none_or(|b| rule.improves(&b, m.accuracy, m.loss))
+        {
             best = Some(BestEpoch::of(&m));
             epochs.push(m.epoch);
         }

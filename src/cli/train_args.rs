@@ -14,7 +14,9 @@ use super::CliError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
 use crate::optim::ScheduleChoice;
-use crate::train::{self, CheckpointMeta, DeviceChoice, OptimizerChoice, TrainConfig, TrainError};
+use crate::train::{
+    self, CheckpointMeta, DeviceChoice, Monitor, OptimizerChoice, TrainConfig, TrainError,
+};
 
 /// Multi-GPU and multi-node flags (`--gpus` itself belongs to the training flags). Their
 /// defaults are [`DistSettings::default`]'s: the settings own them, the flags only spell them.
@@ -198,10 +200,18 @@ pub struct TrainArgs {
     /// most N steps); 0 or absent: at epoch ends only.
     #[arg(long, value_name = "N")]
     pub save_every: Option<u64>,
-    /// Stop when validation accuracy has not improved for E epochs (0: never). The best
-    /// epoch's checkpoint is kept in RUN/best/ in any case.
+    /// Stop when the monitored validation figure (--monitor) has not improved for E epochs
+    /// (0: never). The best epoch's checkpoint is kept in RUN/best/ in any case.
     #[arg(long, value_name = "E")]
     pub early_stop: Option<u64>,
+    /// The validation figure that picks the best epoch (RUN/best/) and that --early-stop
+    /// watches: val_accuracy (default; ties go to the lower loss) or val_loss.
+    #[arg(long, value_name = "val_accuracy|val_loss")]
+    pub monitor: Option<String>,
+    /// The least improvement of the monitored figure that counts as one, for RUN/best/ and
+    /// --early-stop [default: 0]
+    #[arg(long, value_name = "D")]
+    pub min_delta: Option<f64>,
     /// Stop after this many optimizer steps in total, saving a checkpoint as Ctrl-C does.
     #[arg(long, value_name = "N", hide = true)]
     pub stop_after_steps: Option<u64>,
@@ -378,6 +388,16 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(v) = args.early_stop {
         cfg.early_stop = v;
+    }
+    if let Some(v) = &args.monitor {
+        cfg.best_rule.monitor = parse::<Monitor>(
+            "--monitor",
+            v,
+            "expected val_accuracy (or val_acc) or val_loss",
+        )?;
+    }
+    if let Some(v) = args.min_delta {
+        cfg.best_rule.min_delta = v;
     }
     cfg.progress = !args.quiet;
     if resumed.is_none() {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use pipeline::{LastBatch, OnBadImage};
 
 use super::device::DeviceChoice;
-use super::folder::RunSettings;
+use super::folder::{BestRule, RunSettings};
 use super::TrainError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
@@ -82,9 +82,12 @@ pub struct TrainConfig {
     /// Also checkpoint every this many optimizer steps inside an epoch, so that a killed run
     /// loses at most that many (0: at epoch ends only).
     pub save_every: u64,
-    /// Stop once validation accuracy has not improved for this many epochs (0: never). The
+    /// Stop once the monitored figure has not improved for this many epochs (0: never). The
     /// best epoch's checkpoint is kept in `RUN/best/` either way.
     pub early_stop: u64,
+    /// What picks the best epoch (`RUN/best/`) and counts as an improvement for
+    /// `early_stop`: `--monitor` and `--min-delta`.
+    pub best_rule: BestRule,
     /// Draw progress bars (they also hide themselves when stderr is not a terminal).
     pub progress: bool,
     /// Print the start lines, epoch lines and summary on stdout.
@@ -130,6 +133,7 @@ impl TrainConfig {
             stop_after_steps: None,
             save_every: 0,
             early_stop: 0,
+            best_rule: BestRule::default(),
             progress: true,
             verbose: true,
             dist: DistSettings::default(),
@@ -191,6 +195,8 @@ impl TrainConfig {
             valid_fraction: self.valid_fraction,
             save_every: self.save_every,
             early_stop: self.early_stop,
+            monitor: self.best_rule.monitor,
+            min_delta: self.best_rule.min_delta,
         }
     }
 
@@ -210,6 +216,7 @@ impl TrainConfig {
         self.valid_fraction = s.valid_fraction;
         self.save_every = s.save_every;
         self.early_stop = s.early_stop;
+        self.best_rule = s.best_rule();
     }
 
     /// Rejects values that cannot work, naming the flag.
@@ -256,6 +263,14 @@ impl TrainConfig {
                 "--label-smoothing",
                 self.label_smoothing.to_string(),
                 "in [0, 1)",
+            );
+        }
+        let delta = self.best_rule.min_delta;
+        if !(delta >= 0.0 && delta.is_finite()) {
+            return bad(
+                "--min-delta",
+                delta.to_string(),
+                "a number ≥ 0 (the least change of the monitored figure that counts)",
             );
         }
         if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {

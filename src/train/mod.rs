@@ -36,8 +36,8 @@ pub use evaluate::{
 pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use folder::report::write_report;
 pub use folder::{
-    checkpoint, fault, CheckpointMeta, DataPosition, DatasetStamp, FolderError, RunFolder,
-    RunSettings,
+    checkpoint, fault, BestRule, CheckpointMeta, DataPosition, DatasetStamp, FolderError, Monitor,
+    RunFolder, RunSettings,
 };
 pub use run::{train, TrainOutcome};
 pub use setup::dataset_source;

@@ -328,9 +328,16 @@ fn epochs<D: Device>(
             } else {
                 ""
             };
+            let rule = cfg.best_rule;
+            let by = if rule.min_delta > 0.0 {
+                format!(" by more than {}", rule.min_delta)
+            } else {
+                String::new()
+            };
             shared.say(format!(
-                "early stop after epoch {}: validation accuracy has not improved for {idle} epoch{}; the best, epoch {} (accuracy {:.4}, loss {:.4}), is in {}{already}",
+                "early stop after epoch {}: {} has not improved{by} for {idle} epoch{}; the best, epoch {} (accuracy {:.4}, loss {:.4}), is in {}{already}",
                 rank.position.epoch,
+                rule.monitor.words(),
                 if idle == 1 { "" } else { "s" },
                 b.epoch,
                 b.accuracy,
@@ -524,7 +531,10 @@ fn end_epoch<D: Device>(
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, rank.position.global_step)?;
-    let improved = best.is_none_or(|b| b.beaten_by(valid_line.accuracy, valid_line.loss));
+    let improved = best.is_none_or(|b| {
+        cfg.best_rule
+            .improves(&b, valid_line.accuracy, valid_line.loss)
+    });
     if improved {
         *best = Some(BestEpoch::of(&valid_line));
     }
@@ -633,6 +643,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         out: cfg.out.clone(),
         data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
         best: first.best.filter(|_| writer),
+        best_rule: cfg.best_rule,
     };
     let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
-use super::folder::BestEpoch;
+use super::folder::{BestEpoch, BestRule, Monitor};
 
 /// What the summary says besides the per-epoch table.
 #[derive(Debug, Clone)]
@@ -18,6 +18,8 @@ pub struct SummaryHeader {
     pub data_wait_share: Option<f64>,
     /// The best epoch, whose checkpoint is in `out/best/`.
     pub best: Option<BestEpoch>,
+    /// The rule that picked it (`--monitor`, `--min-delta`).
+    pub best_rule: BestRule,
 }
 
 /// Formats the per-epoch table (train and valid side by side) and the headline figures.
@@ -72,19 +74,25 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         .iter()
         .filter(|m| m.split == MetricsSplit::Valid)
         .collect();
-    // The trainer's rule for the best epoch (`RUN/best/`): highest accuracy, then lowest loss.
-    let best = valid.iter().copied().reduce(|best, m| {
-        if BestEpoch::of(best).beaten_by(m.accuracy, m.loss) {
-            m
-        } else {
-            best
-        }
+    // The trainer's record, else its rule for the best epoch applied in epoch order.
+    let best = header.best.or_else(|| {
+        valid.iter().map(|m| BestEpoch::of(m)).reduce(|best, m| {
+            if header.best_rule.improves(&best, m.accuracy, m.loss) {
+                m
+            } else {
+                best
+            }
+        })
     });
     if let (Some(last), Some(best)) = (valid.last(), best) {
+        let (figure, value) = match header.best_rule.monitor {
+            Monitor::ValAccuracy => ("best", best.accuracy),
+            Monitor::ValLoss => ("lowest loss", best.loss),
+        };
         let _ = writeln!(
             s,
-            "valid accuracy {:.4} (top-5 {:.4}) · best {:.4} at epoch {}",
-            last.accuracy, last.top5, best.accuracy, best.epoch
+            "valid accuracy {:.4} (top-5 {:.4}) · {figure} {value:.4} at epoch {}",
+            last.accuracy, last.top5, best.epoch
         );
     }
     let mean_speed = if train_seconds > 0.0 {
@@ -143,6 +151,7 @@ mod tests {
             out: "runs/x".into(),
             data_wait_share: Some(0.012),
             best: None,
+            best_rule: BestRule::default(),
         };
         let text = format_summary(&header, &lines);
         assert!(text.contains("valid accuracy 0.9000"), "{text}");
@@ -177,14 +186,25 @@ mod tests {
             out: "o".into(),
             data_wait_share: None,
             best: None,
+            best_rule: BestRule::default(),
         };
         let lines = [
             mk(1, 0.5, 1.0),
             mk(2, 0.9, 0.4),
             mk(3, 0.9, 0.3),
             mk(4, 0.9, 0.35),
+            mk(5, 0.8, 0.25),
         ];
         let text = format_summary(&header, &lines);
         assert!(text.contains("best 0.9000 at epoch 3"), "{text}");
+        let by_loss = SummaryHeader {
+            best_rule: BestRule {
+                monitor: Monitor::ValLoss,
+                min_delta: 0.0,
+            },
+            ..header
+        };
+        let text = format_summary(&by_loss, &lines);
+        assert!(text.contains("lowest loss 0.2500 at epoch 5"), "{text}");
     }
 }

@@ -132,12 +132,27 @@ pub struct RunSettings {
     /// never); absent in older checkpoints.
     #[serde(default)]
     pub early_stop: u64,
+    /// `--monitor`: the figure that picks the best epoch; absent in older checkpoints
+    /// (validation accuracy).
+    #[serde(default)]
+    pub monitor: Monitor,
+    /// `--min-delta`: the least improvement that counts; absent in older checkpoints (0).
+    #[serde(default)]
+    pub min_delta: f64,
 }
 
 impl RunSettings {
     /// The schedule's decay.
     pub fn decay(&self) -> Decay {
         self.schedule.decay(self.step_every, self.step_gamma)
+    }
+
+    /// The rule that picks the best epoch.
+    pub fn best_rule(&self) -> BestRule {
+        BestRule {
+            monitor: self.monitor,
+            min_delta: self.min_delta,
+        }
     }
 }
 
@@ -161,8 +176,78 @@ impl DatasetStamp {
     }
 }
 
-/// The epoch with the best validation figures so far: the highest top-1 accuracy, a tie
-/// going to the lower loss. Its checkpoint is kept in `RUN/best/` ([`BEST_DIR`]).
+/// The validation figure that picks the best epoch and drives `--early-stop` (`--monitor`,
+/// named as Keras names it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Monitor {
+    /// Top-1 accuracy, higher is better; a tie goes to the lower loss.
+    #[default]
+    #[serde(rename = "val_accuracy")]
+    ValAccuracy,
+    /// Loss, lower is better; a tie goes to the higher accuracy.
+    #[serde(rename = "val_loss")]
+    ValLoss,
+}
+
+impl Monitor {
+    /// The command-line spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ValAccuracy => "val_accuracy",
+            Self::ValLoss => "val_loss",
+        }
+    }
+
+    /// The figure in words, for messages.
+    pub fn words(self) -> &'static str {
+        match self {
+            Self::ValAccuracy => "validation accuracy",
+            Self::ValLoss => "validation loss",
+        }
+    }
+}
+
+impl std::str::FromStr for Monitor {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "val_accuracy" | "val_acc" => Ok(Self::ValAccuracy),
+            "val_loss" => Ok(Self::ValLoss),
+            _ => Err(()),
+        }
+    }
+}
+
+/// When a validation epoch beats the best so far (`--monitor`, `--min-delta`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BestRule {
+    /// The figure compared.
+    pub monitor: Monitor,
+    /// How much it must improve by to count (0: any improvement; an exact tie then goes to
+    /// the other figure).
+    pub min_delta: f64,
+}
+
+impl BestRule {
+    /// Whether `accuracy` and `loss` beat `best`. NaN never does.
+    pub fn improves(&self, best: &BestEpoch, accuracy: f64, loss: f64) -> bool {
+        let tie_breaks = self.min_delta == 0.0;
+        match self.monitor {
+            Monitor::ValAccuracy => {
+                accuracy > best.accuracy + self.min_delta
+                    || (tie_breaks && accuracy == best.accuracy && loss < best.loss)
+            }
+            Monitor::ValLoss => {
+                loss < best.loss - self.min_delta
+                    || (tie_breaks && loss == best.loss && accuracy > best.accuracy)
+            }
+        }
+    }
+}
+
+/// The epoch with the best validation figures so far, by the run's [`BestRule`]. Its
+/// checkpoint is kept in `RUN/best/` ([`BEST_DIR`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct BestEpoch {
     /// The epoch (1-based, as the metrics count).
@@ -181,12 +266,6 @@ impl BestEpoch {
             accuracy: valid.accuracy,
             loss: valid.loss,
         }
-    }
-
-    /// Whether `accuracy` and `loss` beat this epoch: higher accuracy, or the same with a
-    /// lower loss.
-    pub fn beaten_by(&self, accuracy: f64, loss: f64) -> bool {
-        accuracy > self.accuracy || (accuracy == self.accuracy && loss < self.loss)
     }
 }
 
@@ -551,6 +630,8 @@ pub(crate) mod tests {
                 valid_fraction: None,
                 save_every: 0,
                 early_stop: 3,
+                monitor: Monitor::ValLoss,
+                min_delta: 0.01,
             },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
             optimizer_checksum: file_checksum(&dir.join(OPTIMIZER_FILE)).unwrap(),
@@ -583,6 +664,7 @@ pub(crate) mod tests {
             r#""optimizer":"sgd""#,
             r#""schedule":"cosine""#,
             r#""last_batch":"partial""#,
+            r#""monitor":"val_loss""#,
         ] {
             assert!(text.contains(word), "{word} missing from {text}");
         }
@@ -598,11 +680,18 @@ pub(crate) mod tests {
         let mut value = serde_json::to_value(&m).unwrap();
         value.as_object_mut().unwrap().remove("best");
         let settings = value["settings"].as_object_mut().unwrap();
-        for field in ["save_every", "early_stop", "sync_bn"] {
+        for field in [
+            "save_every",
+            "early_stop",
+            "sync_bn",
+            "monitor",
+            "min_delta",
+        ] {
             settings.remove(field).unwrap();
         }
         let old: CheckpointMeta = serde_json::from_value(value).unwrap();
         assert_eq!(old.best, None);
+        assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(
             (
                 old.settings.save_every,
@@ -620,11 +709,53 @@ pub(crate) mod tests {
             accuracy: 0.8,
             loss: 0.5,
         };
-        assert!(best.beaten_by(0.81, 2.0));
-        assert!(best.beaten_by(0.8, 0.4));
-        assert!(!best.beaten_by(0.8, 0.5));
-        assert!(!best.beaten_by(0.79, 0.1));
-        assert!(!best.beaten_by(f64::NAN, 0.1));
+        let rule = BestRule::default();
+        assert!(rule.improves(&best, 0.81, 2.0));
+        assert!(rule.improves(&best, 0.8, 0.4));
+        assert!(!rule.improves(&best, 0.8, 0.5));
+        assert!(!rule.improves(&best, 0.79, 0.1));
+        assert!(!rule.improves(&best, f64::NAN, 0.1));
+    }
+
+    #[test]
+    fn monitored_loss_and_min_delta_decide_what_counts_as_better() {
+        let best = BestEpoch {
+            epoch: 3,
+            accuracy: 0.8,
+            loss: 0.5,
+        };
+        let loss = BestRule {
+            monitor: Monitor::ValLoss,
+            min_delta: 0.0,
+        };
+        assert!(loss.improves(&best, 0.1, 0.49));
+        assert!(loss.improves(&best, 0.81, 0.5), "a tie goes to accuracy");
+        assert!(!loss.improves(&best, 0.99, 0.51));
+        assert!(!loss.improves(&best, 0.99, f64::NAN));
+        let loss_by = BestRule {
+            min_delta: 0.05,
+            ..loss
+        };
+        assert!(!loss_by.improves(&best, 0.9, 0.46), "not by more than 0.05");
+        assert!(loss_by.improves(&best, 0.1, 0.44));
+        assert!(
+            !loss_by.improves(&best, 0.9, 0.5),
+            "no tie-break with a delta"
+        );
+        let acc_by = BestRule {
+            monitor: Monitor::ValAccuracy,
+            min_delta: 0.02,
+        };
+        assert!(!acc_by.improves(&best, 0.815, 0.1));
+        assert!(acc_by.improves(&best, 0.83, 9.0));
+        for (word, m) in [
+            ("val_accuracy", Monitor::ValAccuracy),
+            ("val_acc", Monitor::ValAccuracy),
+            ("val_loss", Monitor::ValLoss),
+        ] {
+            assert_eq!(word.parse::<Monitor>(), Ok(m));
+        }
+        assert!("loss".parse::<Monitor>().is_err());
     }
 
     #[test]

@@ -17,7 +17,9 @@ pub mod report;
 
 use std::path::{Path, PathBuf};
 
-pub use checkpoint::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunSettings};
+pub use checkpoint::{
+    BestEpoch, BestRule, CheckpointMeta, DataPosition, DatasetStamp, Monitor, RunSettings,
+};
 pub use error::FolderError;
 use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
