@@ -141,6 +141,112 @@ fn eval_outputs_agree_and_predict_gives_evals_answers() {
     }
 }
 
+/// Class → probability for each image of a `predict --json` answer, in order.
+fn probabilities(out: &Output) -> Vec<(String, std::collections::HashMap<String, f64>)> {
+    json_lines(out)
+        .iter()
+        .map(|a| {
+            let path = a["path"].as_str().unwrap().to_string();
+            let top = a["top"].as_array().unwrap();
+            let by_class = top
+                .iter()
+                .map(|c| {
+                    let class = c["class"].as_str().unwrap().to_string();
+                    (class, c["probability"].as_f64().unwrap())
+                })
+                .collect();
+            (path, by_class)
+        })
+        .collect()
+}
+
+/// `--tta`: each image's probabilities are the mean of the image's and of its mirror
+/// image's (checked against predicting on mirrored copies of the files, tolerance 1e-5 for
+/// f32 sums), and eval's figures with `--tta` are those of these answers.
+#[test]
+fn tta_averages_each_image_with_its_mirror_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, cache, run) = trained(tmp.path());
+    let valid = data.join("valid");
+    let mirrored = tmp.path().join("mirrored");
+    let mut files = Vec::new();
+    for class in std::fs::read_dir(&valid).unwrap() {
+        for f in std::fs::read_dir(class.unwrap().path()).unwrap() {
+            files.push(f.unwrap().path());
+        }
+    }
+    files.sort();
+    for f in &files {
+        let to = mirrored.join(f.strip_prefix(&valid).unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        image::open(f).unwrap().fliph().save(&to).unwrap();
+    }
+    let predict = |dir: &Path, tta: bool| {
+        let mut args = vec!["predict", "--checkpoint", s(&run), "--json", "--top-k", "3"];
+        if tta {
+            args.push("--tta");
+        }
+        args.push(s(dir));
+        probabilities(&ok(birdtrain_output(&args)))
+    };
+    let plain = predict(&valid, false);
+    let flipped = predict(&mirrored, false);
+    let both = predict(&valid, true);
+    assert_eq!(both.len(), files.len());
+    let mut differs = false;
+    for ((a, b), m) in plain.iter().zip(&flipped).zip(&both) {
+        assert_eq!(a.0, m.0);
+        for (class, p) in &m.1 {
+            let want = 0.5 * (a.1[class] + b.1[class]);
+            assert!((p - want).abs() < 1e-5, "{}: {class} {p} vs {want}", m.0);
+            differs |= (p - a.1[class]).abs() > 1e-6;
+        }
+    }
+    assert!(differs, "mirroring changed some answer");
+
+    let eval = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--json",
+        "--tta",
+    ]));
+    let summary = &json_lines(&eval)[0];
+    assert_eq!(summary["tta"], true, "{summary}");
+    let correct = both
+        .iter()
+        .filter(|(path, by_class)| {
+            let class = Path::new(path).parent().unwrap().file_name().unwrap();
+            let best = by_class.iter().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
+            best == class.to_str().unwrap()
+        })
+        .count();
+    let accuracy = summary["accuracy"].as_f64().unwrap();
+    assert!(
+        (accuracy - correct as f64 / files.len() as f64).abs() < 1e-9,
+        "{summary}"
+    );
+    let text_out = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--tta",
+    ]));
+    assert!(
+        String::from_utf8_lossy(&text_out.stdout).contains("with mirror TTA"),
+        "{}",
+        text(&text_out)
+    );
+}
+
 #[test]
 fn predict_skips_or_fails_on_bad_files_as_asked() {
     let tmp = tempfile::tempdir().unwrap();

@@ -2,7 +2,9 @@
 //! eval probabilities are a distribution, and replicas with frozen BN match one big batch.
 
 use birdtrain::backend::cpu::CpuBackend;
-use birdtrain::model::{Arch, Augment, Graph, InputBatch, ModelState, Network, NetworkConfig};
+use birdtrain::model::{
+    Arch, Augment, Graph, InputBatch, ModelState, Network, NetworkConfig, StepStats,
+};
 use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -298,4 +300,74 @@ fn gradient_buffers_are_shared() {
         total > acts && total < acts * 3 / 2,
         "{total} elements for {acts} activations"
     );
+}
+
+/// `eval_step_mirrored` averages the probabilities of the images as stored and mirrored
+/// (checked against mirroring the pixels by hand), and its statistics are those of the
+/// averaged probabilities; `of_probabilities` gives the backend's loss from its own
+/// probabilities, label smoothing included (tolerance 1e-4 relative: f32 probabilities).
+#[test]
+fn test_time_mirroring_averages_both_views() {
+    let (s, n, classes) = (16usize, 6usize, 4usize);
+    let graph = Graph::new(Arch::ResNet8, classes);
+    let (px, labels) = synth(n, s, classes, 3);
+    let mut net = Network::new(CpuBackend::new(2).unwrap(), &graph, n, s as u32).unwrap();
+    net.load_state(&ModelState::init(&graph, 11)).unwrap();
+    net.set_config(NetworkConfig {
+        label_smoothing: 0.1,
+        ..net.config()
+    });
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: s as u32,
+        augment: None,
+    };
+    let (plain_stats, plain) = net.eval_step(&batch).unwrap();
+    let again = StepStats::of_probabilities(&plain, &labels, classes, 0.1);
+    assert!(
+        (again.loss_sum - plain_stats.loss_sum).abs() <= 1e-4 * plain_stats.loss_sum.abs(),
+        "{} vs {}",
+        again.loss_sum,
+        plain_stats.loss_sum
+    );
+    assert_eq!(
+        (again.correct_top1, again.correct_top5),
+        (plain_stats.correct_top1, plain_stats.correct_top5)
+    );
+    let mut mirrored_px = px.clone();
+    for row in mirrored_px.chunks_exact_mut(s * 3) {
+        let pixels: Vec<[u8; 3]> = row
+            .chunks_exact(3)
+            .rev()
+            .map(|p| [p[0], p[1], p[2]])
+            .collect();
+        row.copy_from_slice(&pixels.concat());
+    }
+    let (_, by_hand) = net
+        .eval_step(&InputBatch {
+            pixels: &mirrored_px,
+            ..batch
+        })
+        .unwrap();
+    let (stats, both) = net.eval_step_mirrored(&batch).unwrap();
+    for ((a, b), m) in plain.iter().zip(&by_hand).zip(&both) {
+        assert!((0.5 * (a + b) - m).abs() < 1e-6, "{a} {b} {m}");
+    }
+    assert!(plain != both, "the mirrored view changed the answer");
+    assert_eq!(
+        stats,
+        StepStats::of_probabilities(&both, &labels, classes, 0.1)
+    );
+    assert_eq!(stats.count, n);
+    // A batch that is augmented already is refused rather than flipped twice.
+    let aug = vec![Augment::default(); n];
+    let err = net
+        .eval_step_mirrored(&InputBatch {
+            augment: Some(&aug),
+            ..batch
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("augmentation"), "{err}");
 }

@@ -7,7 +7,7 @@ use pipeline::{PipelineBuilder, Split};
 
 use super::CliError;
 use crate::train::{
-    evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport, TrainError,
+    evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport, TrainError, Views,
 };
 
 /// Flags of `birdtrain eval`.
@@ -49,6 +49,10 @@ pub struct EvalArgs {
     /// predicted class, image counts.
     #[arg(long, value_name = "FILE")]
     pub confusion: Option<PathBuf>,
+    /// Test-time augmentation: classify each image and its mirror image and average the
+    /// probabilities (twice the compute).
+    #[arg(long)]
+    pub tta: bool,
 }
 
 /// Evaluates and prints loss, top-1, top-5 and the per-class table.
@@ -100,7 +104,8 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let mut model =
         load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()))?;
     model.check_classes(&pipe)?;
-    let report = evaluate(&mut model.net, &pipe)?;
+    let views = Views::from_tta(args.tta);
+    let report = evaluate(&mut model.net, &pipe, views)?;
     let classes = &model.meta.classes;
     if let Some(path) = &args.predictions {
         write_output(path, predictions_jsonl(&pipe, classes, &report).as_bytes())?;
@@ -111,12 +116,12 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if args.json {
         println!(
             "{}",
-            eval_json(&model.meta.model, &args.split, classes, &report)
+            eval_json(&model.meta.model, &args.split, classes, views, &report)
         );
     } else {
         print!(
             "{}",
-            format_eval(&model.meta.model, &args.split, classes, &report)
+            format_eval(&model.meta.model, &args.split, classes, views, &report)
         );
     }
     Ok(())
@@ -166,7 +171,13 @@ fn confusion_csv(classes: &[String], r: &EvalReport) -> Result<Vec<u8>, CliError
 }
 
 /// What `birdtrain eval --json` prints.
-pub fn eval_json(model: &str, split: &str, classes: &[String], r: &EvalReport) -> String {
+pub fn eval_json(
+    model: &str,
+    split: &str,
+    classes: &[String],
+    views: Views,
+    r: &EvalReport,
+) -> String {
     let t = r.totals.finish(0, crate::train::MetricsSplit::Valid);
     let per_class: Vec<_> = classes
         .iter()
@@ -179,6 +190,7 @@ pub fn eval_json(model: &str, split: &str, classes: &[String], r: &EvalReport) -
     serde_json::json!({
         "model": model,
         "split": split,
+        "tta": views == Views::WithMirror,
         "images": r.totals.count,
         "loss": t.loss,
         "accuracy": t.accuracy,
@@ -190,14 +202,29 @@ pub fn eval_json(model: &str, split: &str, classes: &[String], r: &EvalReport) -
 }
 
 /// The text `birdtrain eval` prints.
-pub fn format_eval(model: &str, split: &str, classes: &[String], r: &EvalReport) -> String {
+pub fn format_eval(
+    model: &str,
+    split: &str,
+    classes: &[String],
+    views: Views,
+    r: &EvalReport,
+) -> String {
     use std::fmt::Write;
     let t = r.totals.finish(0, crate::train::MetricsSplit::Valid);
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{model} on {split}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
-        r.totals.count, t.loss, t.accuracy, t.top5, t.images_per_sec
+        "{model} on {split}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
+        if views == Views::WithMirror {
+            " with mirror TTA"
+        } else {
+            ""
+        },
+        r.totals.count,
+        t.loss,
+        t.accuracy,
+        t.top5,
+        t.images_per_sec
     );
     let classes: Vec<_> = classes.iter().map(|c| super::paths::printable(c)).collect();
     let width = classes.iter().map(|c| c.len()).max().unwrap_or(5).max(5);

@@ -8,7 +8,7 @@ use pipeline::OnBadImage;
 use super::paths::printable;
 use super::CliError;
 use crate::train::{
-    load_checkpoint_for_inference, predict, PredictOptions, Prediction, TrainError,
+    load_checkpoint_for_inference, predict, PredictOptions, Prediction, TrainError, Views,
 };
 
 /// Flags of `birdtrain predict`.
@@ -34,6 +34,10 @@ pub struct PredictArgs {
     /// the others).
     #[arg(long, value_name = "fail|skip", default_value = "fail")]
     pub on_bad_image: String,
+    /// Test-time augmentation: classify each image and its mirror image and average the
+    /// probabilities (twice the compute).
+    #[arg(long)]
+    pub tta: bool,
     /// Image files, or folders whose files (all of them, sorted, hidden ones left out) are
     /// classified.
     #[arg(value_name = "IMAGE", required = true)]
@@ -70,6 +74,7 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
         top_k: args.top_k,
         workers: args.workers,
         on_bad_image,
+        views: Views::from_tta(args.tta),
     };
     let predictions = predict(&mut model, &images, &opts)?;
     let skipped = predictions.iter().filter(|p| p.top.is_err()).count();

@@ -113,6 +113,37 @@ pub struct StepStats {
 }
 
 impl StepStats {
+    /// Loss and top-1/top-5 hit sums of class probabilities (`labels.len() × classes`): the
+    /// cross-entropy with label smoothing ε, `-(1-ε)·ln p_y - ε·mean_k ln p_k`, the loss the
+    /// backends compute from logits. A probability of 0 counts as the smallest positive f32; a row
+    /// with a NaN, or a label not below `classes`, is never correct.
+    pub fn of_probabilities(probs: &[f32], labels: &[u32], classes: usize, smoothing: f32) -> Self {
+        let eps = f64::from(smoothing);
+        let ln = |p: f32| f64::from(p.max(f32::MIN_POSITIVE)).ln();
+        let mut stats = Self {
+            loss_sum: 0.0,
+            correct_top1: 0,
+            correct_top5: 0,
+            count: labels.len(),
+        };
+        for (row, &label) in probs.chunks_exact(classes).zip(labels) {
+            let Some(&p_y) = row.get(label as usize) else {
+                stats.loss_sum -= ln(0.0);
+                continue;
+            };
+            let mean_ln = row.iter().map(|&p| ln(p)).sum::<f64>() / classes as f64;
+            stats.loss_sum -= (1.0 - eps) * ln(p_y) + eps * mean_ln;
+            let above = if row.iter().all(|p| p.is_finite()) {
+                row.iter().filter(|&&p| p > p_y).count()
+            } else {
+                usize::MAX
+            };
+            stats.correct_top1 += usize::from(above == 0);
+            stats.correct_top5 += usize::from(above < 5);
+        }
+        stats
+    }
+
     /// Adds another step's counts.
     pub fn merge(&mut self, other: &StepStats) {
         self.loss_sum += other.loss_sum;

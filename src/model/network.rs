@@ -5,7 +5,7 @@ use crate::backend::{
 };
 
 use super::graph::{BufferKind, Graph, Node, ParamKind, ValueDims};
-use super::{InputBatch, ModelError, ModelState, StepStats};
+use super::{Augment, InputBatch, ModelError, ModelState, StepStats};
 
 /// Training options that change the math.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -858,6 +858,43 @@ impl<B: Backend> Network<B> {
             correct_top5: loss.correct_top5,
             count: n,
         };
+        Ok((stats, probs))
+    }
+
+    /// [`Self::eval_step`] with test-time augmentation: each image is classified as stored
+    /// and mirrored left to right, and the two probability vectors are averaged. The
+    /// statistics are those of the averaged probabilities (what a user of the answer sees).
+    /// The batch must carry no augmentation of its own.
+    pub fn eval_step_mirrored(
+        &mut self,
+        input: &InputBatch<'_>,
+    ) -> Result<(StepStats, Vec<f32>), ModelError> {
+        if input.augment.is_some() {
+            return Err(ModelError::BadBatch(
+                "a batch for test-time augmentation carries augmentation already".into(),
+            ));
+        }
+        let (_, mut probs) = self.eval_step(input)?;
+        let mirror = vec![
+            Augment {
+                flip: true,
+                ..Augment::default()
+            };
+            input.len
+        ];
+        let (_, mirrored) = self.eval_step(&InputBatch {
+            augment: Some(&mirror),
+            ..*input
+        })?;
+        for (p, q) in probs.iter_mut().zip(&mirrored) {
+            *p = 0.5 * (*p + q);
+        }
+        let stats = StepStats::of_probabilities(
+            &probs,
+            &input.labels[..input.len],
+            self.graph.num_classes(),
+            self.config.label_smoothing,
+        );
         Ok((stats, probs))
     }
 

@@ -38,11 +38,46 @@ pub struct SampleResult {
     pub probability: f32,
 }
 
+/// Which views of each image inference classifies (test-time augmentation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Views {
+    /// The image as stored.
+    #[default]
+    AsStored,
+    /// The image as stored and mirrored left to right, their probabilities averaged
+    /// (`--tta`; twice the compute).
+    WithMirror,
+}
+
+impl Views {
+    /// `--tta` on the command line.
+    pub fn from_tta(tta: bool) -> Self {
+        if tta {
+            Self::WithMirror
+        } else {
+            Self::AsStored
+        }
+    }
+}
+
+/// One batch through `net` in eval mode with `views`: statistics and probabilities.
+fn classify<B: Backend>(
+    net: &mut Network<B>,
+    input: &InputBatch<'_>,
+    views: Views,
+) -> Result<(crate::model::StepStats, Vec<f32>), TrainError> {
+    Ok(match views {
+        Views::AsStored => net.eval_step(input)?,
+        Views::WithMirror => net.eval_step_mirrored(input)?,
+    })
+}
+
 /// Runs `net` in eval mode over every batch of epoch 0 of `pipe` (build it with
-/// `shuffle(false)` and one replica).
+/// `shuffle(false)` and one replica), classifying `views` of each image.
 pub fn evaluate<B: Backend>(
     net: &mut Network<B>,
     pipe: &Pipeline,
+    views: Views,
 ) -> Result<EvalReport, TrainError> {
     let start = std::time::Instant::now();
     let classes = net.graph().num_classes();
@@ -63,7 +98,7 @@ pub fn evaluate<B: Backend>(
             image_size: batch.image_size,
             augment: None,
         };
-        let (stats, probs) = net.eval_step(&input)?;
+        let (stats, probs) = classify(net, &input, views)?;
         totals.add(
             stats.loss_sum,
             stats.correct_top1 as u64,
@@ -221,6 +256,8 @@ pub struct PredictOptions {
     pub workers: Option<usize>,
     /// A file that is no readable image: fail naming it, or skip it with its reason.
     pub on_bad_image: OnBadImage,
+    /// The views of each image classified (`--tta`).
+    pub views: Views,
 }
 
 /// Classifies image files with a loaded checkpoint: decoded and resized by the input engine
@@ -262,7 +299,7 @@ pub fn predict(
             image_size: b.image_size,
             augment: None,
         };
-        let (_, probs) = model.net.eval_step(&input)?;
+        let (_, probs) = classify(&mut model.net, &input, opts.views)?;
         for (i, &id) in b.sample_ids.iter().enumerate() {
             let path = pipe.sample_path(id).unwrap_or(Path::new(""));
             while next < images.len() && images[next] != path {

@@ -31,7 +31,7 @@ pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;
 pub use evaluate::{
     evaluate, load_checkpoint_for_inference, predict, printable, EvalReport, InferenceModel,
-    PredictOptions, Prediction, SampleResult,
+    PredictOptions, Prediction, SampleResult, Views,
 };
 pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use folder::report::write_report;

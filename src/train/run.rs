@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
-use super::evaluate::evaluate;
+use super::evaluate::{evaluate, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, DataPosition, RunFolder};
 use super::progress::EpochBar;
@@ -527,7 +527,7 @@ fn end_epoch<D: Device>(
         shared.valid_pipe.steps_per_epoch(),
         0,
     );
-    let report = evaluate(&mut rank.net, &shared.valid_pipe)?;
+    let report = evaluate(&mut rank.net, &shared.valid_pipe, Views::AsStored)?;
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, rank.position.global_step)?;
