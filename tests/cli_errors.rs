@@ -85,6 +85,7 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--schedule", "linear"], "--schedule"),
         (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
         (vec!["--monitor", "loss"], "--monitor"),
+        (vec!["--sampler", "weighted"], "--sampler"),
         (vec!["--min-delta=-0.1"], "--min-delta"),
         (vec!["--min-delta", "NaN"], "--min-delta"),
     ] {

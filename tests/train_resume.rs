@@ -222,6 +222,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "--replicas",
         "2",
         "--sync-bn",
+        "--sampler",
+        "balanced",
     ];
     let mut a = settings.to_vec();
     a.extend(["--out", full.to_str().unwrap()]);
@@ -229,7 +231,10 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     let mut b = settings.to_vec();
     b.extend(["--out", dir.to_str().unwrap(), "--stop-after-steps", "4"]);
     cli(&b);
-    // Only --resume: every setting comes from the checkpoint (--sync-bn included).
+    let meta = train::CheckpointMeta::load(&dir).unwrap();
+    assert_eq!(meta.settings.sampler, pipeline::Sampling::Balanced);
+    // Only --resume: every setting comes from the checkpoint (--sync-bn and the balanced
+    // draws included).
     cli(&["--resume", dir.to_str().unwrap()]);
     assert!(
         read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),

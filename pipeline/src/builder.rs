@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::buffer::{BatchAllocator, VecAllocator};
-use crate::{DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, ResizeMode, Split};
+use crate::{
+    DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, ResizeMode, Sampling, Split,
+};
 
 /// Configures and builds a [`Pipeline`].
 #[derive(Clone)]
@@ -21,6 +23,7 @@ pub struct PipelineBuilder {
     pub(crate) workers: usize,
     pub(crate) prefetch: usize,
     pub(crate) shuffle: bool,
+    pub(crate) sampling: Sampling,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
@@ -43,6 +46,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("workers", &self.workers)
             .field("prefetch", &self.prefetch)
             .field("shuffle", &self.shuffle)
+            .field("sampling", &self.sampling)
             .field("last_batch", &self.last_batch)
             .field("on_bad_image", &self.on_bad_image)
             .finish_non_exhaustive()
@@ -69,6 +73,7 @@ impl PipelineBuilder {
                 .unwrap_or(2),
             prefetch: 4,
             shuffle: true,
+            sampling: Sampling::Shuffle,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -134,6 +139,12 @@ impl PipelineBuilder {
     /// Shuffle each epoch (`false` keeps file order, for evaluation).
     pub fn shuffle(mut self, shuffle: bool) -> Self {
         self.shuffle = shuffle;
+        self
+    }
+    /// How each epoch's order is drawn: every sample once (default), or class-balanced
+    /// draws with replacement ([`Sampling::Balanced`]).
+    pub fn sampling(mut self, sampling: Sampling) -> Self {
+        self.sampling = sampling;
         self
     }
     /// Policy for the last, incomplete global batch.

@@ -75,7 +75,7 @@ pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
 pub use builder::PipelineBuilder;
 pub use error::PipelineError;
-pub use options::{LastBatch, OnBadImage, ResizeMode, Split};
+pub use options::{LastBatch, OnBadImage, ResizeMode, Sampling, Split};
 pub use pipeline::{EpochIter, EpochStream, Pipeline};
 pub use scan::DatasetSource;
 pub use stats::{CacheHealth, EngineStats};

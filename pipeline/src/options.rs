@@ -63,6 +63,21 @@ cli_enum!(
 );
 
 cli_enum!(
+    /// How an epoch's order of samples is drawn (`--sampler`).
+    Sampling, "--sampler", "expected shuffle or balanced", {
+        /// Every sample once per epoch, in a fresh random order (or in file order without
+        /// shuffling).
+        #[default]
+        Shuffle => "shuffle",
+        /// As many draws as samples, with replacement, each sample's chance inversely
+        /// proportional to its class's size, so every class is drawn equally often on
+        /// average (PyTorch's `WeightedRandomSampler` with weights `1 / class count`).
+        /// Always random, whatever the shuffle setting.
+        Balanced => "balanced",
+    }
+);
+
+cli_enum!(
     /// What happens to the last, incomplete global batch of an epoch.
     LastBatch, "--last-batch", "expected partial, drop or pad", {
         /// Yield it, split as evenly as possible over replicas (some may get 0 images).

@@ -1,13 +1,14 @@
 //! Which samples each replica gets at each step of an epoch.
 //!
-//! One global permutation per `(seed, epoch)`; global batch `s` is positions
-//! `[s·R·B, (s+1)·R·B)` of it and replica `r` takes the `r`-th micro-batch. The last,
-//! incomplete global batch follows the [`LastBatch`] policy identically on every replica.
+//! One global order per `(seed, epoch)`: a permutation, or with [`Sampling::Balanced`] as many
+//! class-balanced draws with replacement. Global batch `s` is positions `[s·R·B, (s+1)·R·B)`
+//! of it and replica `r` takes the `r`-th micro-batch. The last, incomplete global batch
+//! follows the [`LastBatch`] policy identically on every replica.
 
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
-use crate::LastBatch;
+use crate::{LastBatch, Sampling};
 
 /// The epoch plan: a permutation and the batching arithmetic over it.
 #[derive(Debug, Clone)]
@@ -56,10 +57,40 @@ pub(crate) fn micro_batch_len(
     })
 }
 
+/// The random stream of one epoch: the epoch is mixed into the seed so consecutive epochs
+/// are unrelated streams.
+fn epoch_rng(seed: u64, epoch: u64) -> rand_chacha::ChaCha8Rng {
+    let stream = seed ^ epoch.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    rand_chacha::ChaCha8Rng::seed_from_u64(stream)
+}
+
+/// `labels.len()` class-balanced draws with replacement: a class uniformly among those with
+/// samples, then one of its samples uniformly, which gives each sample the chance
+/// `1 / (classes present × its class's size)`.
+fn balanced_order(labels: &[u32], seed: u64, epoch: u64) -> Vec<u32> {
+    let classes = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); classes];
+    for (i, &l) in labels.iter().enumerate() {
+        members[l as usize].push(i as u32);
+    }
+    members.retain(|m| !m.is_empty());
+    let mut rng = epoch_rng(seed, epoch);
+    (0..labels.len())
+        .map(|_| {
+            let class = &members[rng.random_range(0..members.len())];
+            class[rng.random_range(0..class.len())]
+        })
+        .collect()
+}
+
 impl EpochPlan {
-    /// The plan for one epoch; `shuffle = false` keeps the scan (file) order.
+    /// The plan for one epoch over samples with these `labels`: with
+    /// [`Sampling::Shuffle`], every sample once (`shuffle = false` keeps the scan order);
+    /// with [`Sampling::Balanced`], class-balanced draws.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        n: usize,
+        labels: &[u32],
+        sampling: Sampling,
         seed: u64,
         epoch: u64,
         shuffle: bool,
@@ -67,13 +98,16 @@ impl EpochPlan {
         batch_size: usize,
         last_batch: LastBatch,
     ) -> Self {
-        let mut order: Vec<u32> = (0..n as u32).collect();
-        if shuffle {
-            // Mix the epoch into the seed so consecutive epochs are unrelated streams.
-            let stream = seed ^ epoch.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(stream);
-            order.shuffle(&mut rng);
-        }
+        let order = match sampling {
+            Sampling::Balanced => balanced_order(labels, seed, epoch),
+            Sampling::Shuffle => {
+                let mut order: Vec<u32> = (0..labels.len() as u32).collect();
+                if shuffle {
+                    order.shuffle(&mut epoch_rng(seed, epoch));
+                }
+                order
+            }
+        };
         Self {
             order,
             replicas,
@@ -120,7 +154,16 @@ mod tests {
             for replicas in 1..=4 {
                 for batch in 1..=5 {
                     for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
-                        let plan = EpochPlan::new(n, 9, 0, true, replicas, batch, policy);
+                        let plan = EpochPlan::new(
+                            &vec![0; n],
+                            Sampling::Shuffle,
+                            9,
+                            0,
+                            true,
+                            replicas,
+                            batch,
+                            policy,
+                        );
                         let steps = steps_per_epoch(n, replicas, batch, policy);
                         for step in 0..steps {
                             for r in 0..replicas {
@@ -146,7 +189,16 @@ mod tests {
             for replicas in 1..=4 {
                 for batch in 1..=5 {
                     for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
-                        let plan = EpochPlan::new(n, 3, 1, true, replicas, batch, policy);
+                        let plan = EpochPlan::new(
+                            &vec![0; n],
+                            Sampling::Shuffle,
+                            3,
+                            1,
+                            true,
+                            replicas,
+                            batch,
+                            policy,
+                        );
                         let steps = steps_per_epoch(n, replicas, batch, policy);
                         let mut seen = Vec::new();
                         for step in 0..steps {
@@ -188,17 +240,124 @@ mod tests {
 
     #[test]
     fn the_permutation_depends_on_seed_and_epoch_only() {
-        let a = EpochPlan::new(50, 1, 2, true, 1, 50, LastBatch::Partial).micro_batch(0, 0);
-        let b = EpochPlan::new(50, 1, 2, true, 2, 25, LastBatch::Partial);
+        let a = EpochPlan::new(
+            &vec![0; 50],
+            Sampling::Shuffle,
+            1,
+            2,
+            true,
+            1,
+            50,
+            LastBatch::Partial,
+        )
+        .micro_batch(0, 0);
+        let b = EpochPlan::new(
+            &vec![0; 50],
+            Sampling::Shuffle,
+            1,
+            2,
+            true,
+            2,
+            25,
+            LastBatch::Partial,
+        );
         let b: Vec<u32> = [b.micro_batch(0, 0), b.micro_batch(0, 1)].concat();
         assert_eq!(a, b, "replicas cut the same global order");
         assert_ne!(
             a,
-            EpochPlan::new(50, 1, 3, true, 1, 50, LastBatch::Partial).micro_batch(0, 0)
+            EpochPlan::new(
+                &vec![0; 50],
+                Sampling::Shuffle,
+                1,
+                3,
+                true,
+                1,
+                50,
+                LastBatch::Partial
+            )
+            .micro_batch(0, 0)
         );
         assert_ne!(
             a,
-            EpochPlan::new(50, 2, 2, true, 1, 50, LastBatch::Partial).micro_batch(0, 0)
+            EpochPlan::new(
+                &vec![0; 50],
+                Sampling::Shuffle,
+                2,
+                2,
+                true,
+                1,
+                50,
+                LastBatch::Partial
+            )
+            .micro_batch(0, 0)
         );
+    }
+
+    /// 90 images of class 0, 10 of class 2 (class 1 has none): a balanced epoch has 100
+    /// draws, about half from each present class, the same for any replica count, another
+    /// draw the next epoch; a resumed step sees the same draws.
+    #[test]
+    fn balanced_epochs_draw_classes_equally_often() {
+        let labels: Vec<u32> = (0..100).map(|i| if i < 90 { 0 } else { 2 }).collect();
+        let plan = |epoch, replicas, batch| {
+            EpochPlan::new(
+                &labels,
+                Sampling::Balanced,
+                7,
+                epoch,
+                false,
+                replicas,
+                batch,
+                LastBatch::Partial,
+            )
+        };
+        let whole = |p: &EpochPlan, replicas: usize, batch: usize| -> Vec<u32> {
+            (0..steps_per_epoch(100, replicas, batch, LastBatch::Partial))
+                .flat_map(|s| (0..replicas).flat_map(move |r| p.micro_batch(s, r)))
+                .collect()
+        };
+        let mut minority = 0;
+        for epoch in 0..10 {
+            let drawn = whole(&plan(epoch, 1, 100), 1, 100);
+            assert_eq!(drawn.len(), 100);
+            assert_eq!(
+                drawn,
+                whole(&plan(epoch, 4, 5), 4, 5),
+                "replicas cut one order"
+            );
+            assert_eq!(drawn, whole(&plan(epoch, 1, 100), 1, 100), "deterministic");
+            assert_ne!(drawn, whole(&plan(epoch + 1, 1, 100), 1, 100));
+            minority += drawn.iter().filter(|&&i| labels[i as usize] == 2).count();
+        }
+        // 1000 draws of a fair coin: 500 ± 50 is over 3 standard deviations.
+        assert!(
+            (450..=550).contains(&minority),
+            "{minority} of 1000 from the small class"
+        );
+        // Without shuffling a shuffle plan is the file order; a balanced one stays random.
+        let fixed = EpochPlan::new(
+            &labels,
+            Sampling::Shuffle,
+            7,
+            0,
+            false,
+            1,
+            100,
+            LastBatch::Partial,
+        );
+        assert_eq!(fixed.micro_batch(0, 0), (0..100).collect::<Vec<u32>>());
+        assert_ne!(plan(0, 1, 100).micro_batch(0, 0), fixed.micro_batch(0, 0));
+        // An empty sample list draws nothing.
+        let empty = EpochPlan::new(
+            &[],
+            Sampling::Balanced,
+            7,
+            0,
+            true,
+            1,
+            4,
+            LastBatch::Partial,
+        );
+        assert!(empty.micro_batch(0, 0).is_empty());
     }
 }

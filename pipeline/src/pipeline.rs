@@ -38,6 +38,9 @@ struct Inner {
     workers: usize,
     prefetch: usize,
     shuffle: bool,
+    sampling: crate::Sampling,
+    /// Every sample's label, in sample order (what a balanced epoch draws by).
+    labels: Vec<u32>,
     last_batch: LastBatch,
     fingerprint: u64,
     pool: BufferPool,
@@ -346,6 +349,8 @@ impl Pipeline {
                 workers: b.workers,
                 prefetch: b.prefetch,
                 shuffle: b.shuffle,
+                sampling: b.sampling,
+                labels,
                 last_batch: b.last_batch,
                 fingerprint: fp,
                 pool: BufferPool::new(b.allocator, buffer_bytes),
@@ -523,7 +528,8 @@ impl Pipeline {
             return Err(i.shared.fatal_error(fatal));
         }
         let plan = EpochPlan::new(
-            self.len(),
+            &i.labels,
+            i.sampling,
             i.seed,
             epoch,
             i.shuffle,

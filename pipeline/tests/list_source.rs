@@ -177,3 +177,37 @@ fn lists_that_cannot_work_are_refused_with_the_reason() {
     );
     assert!(err.to_string().contains("junk.png"), "{err}");
 }
+
+/// `Sampling::Balanced` through the builder: 9 files of class 0 and 1 of class 1, epochs of
+/// 10 draws with replacement in which the lone class-1 file comes up about half the time;
+/// the pixels of a redrawn file are the same each time, and a resumed step sees the draws
+/// of the uninterrupted epoch.
+#[test]
+fn balanced_sampling_draws_the_small_class_as_often_as_the_large_one() {
+    let fx = synth(2, 9, 0);
+    let big = files_under(&fx.root().join("train").join("class_00"));
+    let small = files_under(&fx.root().join("train").join("class_01"))[0].clone();
+    let mut list: Vec<(PathBuf, u32)> = big.into_iter().map(|p| (p, 0)).collect();
+    list.push((small, 1));
+    let classes = vec!["big".to_string(), "small".to_string()];
+    let p = list_builder(&fx, DatasetSource::list(classes, list))
+        .sampling(pipeline::Sampling::Balanced)
+        .batch_size(1)
+        .seed(3)
+        .build()
+        .unwrap();
+    let mut small_draws = 0;
+    let mut pixels_of = HashMap::new();
+    for epoch in 0..20 {
+        let batches = collect(&p, epoch, 0, 0);
+        assert_eq!(batches.iter().map(|b| b.ids.len()).sum::<usize>(), 10);
+        for b in &batches {
+            small_draws += b.labels.iter().filter(|&&l| l == 1).count();
+            let old = pixels_of.insert(b.ids[0], b.pixels_hash);
+            assert!(old.is_none_or(|h| h == b.pixels_hash), "a redrawn file");
+        }
+        assert_eq!(collect(&p, epoch, 0, 7), batches[7..], "resumed at step 7");
+    }
+    // 200 fair-coin draws: 100 ± 30 is over 4 standard deviations.
+    assert!((70..=130).contains(&small_draws), "{small_draws} of 200");
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
-use pipeline::{LastBatch, OnBadImage};
+use pipeline::{LastBatch, OnBadImage, Sampling};
 
 use super::CliError;
 use crate::dist::DistSettings;
@@ -180,6 +180,10 @@ pub struct TrainArgs {
     /// The last incomplete batch: partial, drop or pad.
     #[arg(long, value_name = "partial|drop|pad")]
     pub last_batch: Option<String>,
+    /// Training order: shuffle (every image once per epoch) or balanced (as many draws with
+    /// replacement, every class equally likely: for imbalanced classes).
+    #[arg(long, value_name = "shuffle|balanced")]
+    pub sampler: Option<String>,
     /// A bad image file: skip (warn, count, report) or fail.
     #[arg(long, value_name = "skip|fail")]
     pub on_bad_image: Option<String>,
@@ -365,6 +369,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(v) = &args.last_batch {
         cfg.last_batch = parse::<LastBatch>("--last-batch", v, "expected partial, drop or pad")?;
+    }
+    if let Some(v) = &args.sampler {
+        cfg.sampler = parse::<Sampling>("--sampler", v, "expected shuffle or balanced")?;
     }
     if let Some(v) = &args.on_bad_image {
         cfg.on_bad_image = parse::<OnBadImage>("--on-bad-image", v, "expected skip or fail")?;

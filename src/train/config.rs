@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use pipeline::{LastBatch, OnBadImage};
+use pipeline::{LastBatch, OnBadImage, Sampling};
 
 use super::device::DeviceChoice;
 use super::folder::{BestRule, RunSettings};
@@ -71,6 +71,8 @@ pub struct TrainConfig {
     pub init_from: Option<PathBuf>,
     /// Last incomplete batch policy.
     pub last_batch: LastBatch,
+    /// How each training epoch's order is drawn (`--sampler`).
+    pub sampler: Sampling,
     /// Bad image policy.
     pub on_bad_image: OnBadImage,
     /// Batch norm uses running statistics during training (fine-tuning; exact replica
@@ -128,6 +130,7 @@ impl TrainConfig {
             augment: true,
             init_from: None,
             last_batch: LastBatch::Partial,
+            sampler: Sampling::Shuffle,
             on_bad_image: OnBadImage::Skip,
             freeze_bn: false,
             stop_after_steps: None,
@@ -192,6 +195,7 @@ impl TrainConfig {
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
+            sampler: self.sampler,
             valid_fraction: self.valid_fraction,
             save_every: self.save_every,
             early_stop: self.early_stop,
@@ -213,6 +217,7 @@ impl TrainConfig {
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
+        self.sampler = s.sampler;
         self.valid_fraction = s.valid_fraction;
         self.save_every = s.save_every;
         self.early_stop = s.early_stop;

@@ -54,6 +54,11 @@ pub(crate) fn pipeline_for(
         .replicas(if training { ranks } else { 1 })
         .batch_size(cfg.batch_size)
         .shuffle(training)
+        .sampling(if training {
+            cfg.sampler
+        } else {
+            pipeline::Sampling::Shuffle
+        })
         .last_batch(if training {
             cfg.last_batch
         } else {
@@ -304,6 +309,12 @@ impl Shared {
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));
+        if cfg.sampler == pipeline::Sampling::Balanced {
+            self.say(format!(
+                "balanced sampling: {} draws per epoch with replacement, each class equally likely",
+                self.train_pipe.len()
+            ));
+        }
         if let Some((run, meta)) = resumed {
             self.say(format!(
                 "resuming {} at epoch {}, step {} of {} (global step {}, {} epochs done)",

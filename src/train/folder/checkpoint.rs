@@ -17,7 +17,7 @@
 use std::fs;
 use std::path::Path;
 
-use pipeline::LastBatch;
+use pipeline::{LastBatch, Sampling};
 use serde::{Deserialize, Serialize};
 
 use super::fault::{self, FaultTarget};
@@ -91,6 +91,22 @@ mod last_batch_name {
     }
 }
 
+/// `--sampler` as its command-line word in the sidecar.
+mod sampler_name {
+    use pipeline::Sampling;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &Sampling, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_str())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Sampling, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse()
+            .map_err(|_| serde::de::Error::custom(format!("unknown sampler {text:?}")))
+    }
+}
+
 /// The training settings a resumed run continues with (flags given on resume override them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunSettings {
@@ -122,6 +138,9 @@ pub struct RunSettings {
     /// The last incomplete batch.
     #[serde(with = "last_batch_name")]
     pub last_batch: LastBatch,
+    /// `--sampler`: how each epoch's order is drawn; absent in older checkpoints (shuffle).
+    #[serde(default, with = "sampler_name")]
+    pub sampler: Sampling,
     /// Flat layout validation share.
     pub valid_fraction: Option<f32>,
     /// `--save-every`: optimizer steps between checkpoints inside an epoch (0: epoch ends
@@ -627,6 +646,7 @@ pub(crate) mod tests {
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
+                sampler: Sampling::Balanced,
                 valid_fraction: None,
                 save_every: 0,
                 early_stop: 3,
@@ -665,6 +685,7 @@ pub(crate) mod tests {
             r#""schedule":"cosine""#,
             r#""last_batch":"partial""#,
             r#""monitor":"val_loss""#,
+            r#""sampler":"balanced""#,
         ] {
             assert!(text.contains(word), "{word} missing from {text}");
         }
@@ -686,12 +707,14 @@ pub(crate) mod tests {
             "sync_bn",
             "monitor",
             "min_delta",
+            "sampler",
         ] {
             settings.remove(field).unwrap();
         }
         let old: CheckpointMeta = serde_json::from_value(value).unwrap();
         assert_eq!(old.best, None);
         assert_eq!(old.settings.best_rule(), BestRule::default());
+        assert_eq!(old.settings.sampler, Sampling::Shuffle);
         assert_eq!(
             (
                 old.settings.save_every,
