@@ -88,6 +88,34 @@ fn synth_then_bench_pipeline_prints_one_json_line_per_epoch() {
         "the first epoch decodes everything"
     );
     assert_eq!(lines[1]["decoded"], 0, "the second epoch reads the cache");
+
+    // The same training images listed in a CSV (paths relative to it): the same count.
+    let mut csv = String::from("path,label\n");
+    for class in std::fs::read_dir(data.join("train")).unwrap() {
+        let class = class.unwrap().path();
+        for f in std::fs::read_dir(&class).unwrap() {
+            let f = f.unwrap().path();
+            let rel = f.strip_prefix(&data).unwrap();
+            let label = class.file_name().unwrap().to_str().unwrap();
+            csv += &format!("{},{label}\n", rel.display());
+        }
+    }
+    std::fs::write(data.join("train.csv"), csv).unwrap();
+    let out = birdtrain(&[
+        "bench",
+        "pipeline",
+        "--data",
+        s(&data.join("train.csv")),
+        "--epochs",
+        "1",
+        "--image-size",
+        "16",
+        "--cache-dir",
+        s(&tmp.path().join("c")),
+        "--json",
+    ]);
+    let line: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(line["images"], 24, "{line}");
 }
 
 #[test]

@@ -143,7 +143,7 @@ fn paths_of_the_wrong_kind_say_what_they_are() {
         &["character device, not a file", "image files or folders"],
     );
     let run = birdtrain(&["bench", "pipeline", "--data", s(&file)]);
-    assert_one_line_error(&run, &["is a file, not a folder"]);
+    assert_one_line_error(&run, &["file.txt", "line 1", "a path column"]);
     let run = birdtrain(&train_args(&data, &out, &["--cache-dir", s(&file)]));
     assert_one_line_error(&run, &["is a file, not a folder", "--cache-dir"]);
     let run = birdtrain(&train_args(&data, &file, &[]));

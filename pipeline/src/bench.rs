@@ -10,8 +10,10 @@ use crate::{DatasetSource, PipelineBuilder, PipelineError, ResizeMode, Split};
 /// Settings of one benchmark run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PipelineBenchOptions {
-    /// Dataset root (folder layout).
+    /// The dataset: a folder or a CSV file, as [`DatasetSource::at`] reads it.
     pub data: PathBuf,
+    /// A flat `<class>/` folder (or a CSV without a split column): the valid share.
+    pub valid_fraction: Option<f32>,
     /// Split to read.
     pub split: Split,
     /// Epochs to run (the first fills the cache, the rest read it).
@@ -37,6 +39,7 @@ impl PipelineBenchOptions {
     pub fn new(data: impl Into<PathBuf>) -> Self {
         Self {
             data: data.into(),
+            valid_fraction: None,
             split: Split::Train,
             epochs: 2,
             batch_size: 64,
@@ -78,7 +81,7 @@ pub fn run_pipeline_bench_with(
     opts: &PipelineBenchOptions,
     mut on_epoch: impl FnMut(&EpochReport),
 ) -> Result<Vec<EpochReport>, PipelineError> {
-    let mut builder = PipelineBuilder::new(DatasetSource::folder(&opts.data))
+    let mut builder = PipelineBuilder::new(DatasetSource::at(&opts.data, opts.valid_fraction))
         .split(opts.split)
         .image_size(opts.image_size)
         .resize_mode(opts.resize_mode)

@@ -67,6 +67,20 @@ impl DatasetSource {
         }
     }
 
+    /// The dataset `path` names, as `--data` reads it: a file is a CSV listing the images; a
+    /// folder is the flat layout split by `valid_fraction` when one is given, else the
+    /// `train/valid/test` folder layout.
+    pub fn at(path: impl Into<PathBuf>, valid_fraction: Option<f32>) -> Self {
+        let path = path.into();
+        if path.is_file() {
+            return Self::csv(path, valid_fraction);
+        }
+        match valid_fraction {
+            Some(f) => Self::flat(path, f),
+            None => Self::folder(path),
+        }
+    }
+
     /// A dataset listed in a CSV file (see [`DatasetSource::Csv`]).
     pub fn csv(file: impl Into<PathBuf>, valid_fraction: Option<f32>) -> Self {
         let file = file.into();

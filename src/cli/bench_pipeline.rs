@@ -11,9 +11,14 @@ use super::CliError;
 /// Flags of `birdtrain bench pipeline`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchPipelineArgs {
-    /// Dataset root.
-    #[arg(long, value_name = "DIR")]
+    /// Dataset root (train/valid[/test]/<class>/…, or <class>/… with --valid-fraction), or a
+    /// CSV file listing the images.
+    #[arg(long, value_name = "DIR|CSV")]
     pub data: PathBuf,
+    /// Flat layout (<class>/<images>), or a CSV without a split column: the share held out
+    /// for validation.
+    #[arg(long, value_name = "F")]
+    pub valid_fraction: Option<f32>,
     /// Split to read: train, valid or test.
     #[arg(long, value_name = "SPLIT", default_value = "train")]
     pub split: String,
@@ -53,7 +58,10 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         value: args.split.clone(),
         hint: "expected train, valid or test".into(),
     })?;
-    super::paths::expect_dir(&args.data, "--data must be a dataset folder")?;
+    super::paths::expect_data(
+        &args.data,
+        "--data must be the dataset folder or its CSV file",
+    )?;
     let resize_mode: ResizeMode = args.resize_mode.parse().map_err(|_| CliError::BadValue {
         flag: "--resize-mode",
         value: args.resize_mode.clone(),
@@ -72,6 +80,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     super::paths::check_cache_dir(args.cache_dir.as_deref())?;
     let mut opts = PipelineBenchOptions::new(&args.data);
     opts.split = split;
+    opts.valid_fraction = args.valid_fraction;
     opts.epochs = args.epochs;
     opts.batch_size = args.batch_size;
     opts.image_size = args.image_size;

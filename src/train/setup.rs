@@ -28,13 +28,7 @@ pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
 /// What `--data` names: a CSV file listing the images, a flat `<class>/` folder split by
 /// `valid_fraction`, or the `train/valid/test` folder layout.
 pub fn dataset_source(data: &std::path::Path, valid_fraction: Option<f32>) -> DatasetSource {
-    if data.is_file() {
-        return DatasetSource::csv(data, valid_fraction);
-    }
-    match valid_fraction {
-        Some(f) => DatasetSource::flat(data, f),
-        None => DatasetSource::folder(data),
-    }
+    DatasetSource::at(data, valid_fraction)
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
