@@ -154,6 +154,85 @@ fn early_stop_can_watch_the_validation_loss_with_a_least_improvement() {
     assert!(stdout(&out).contains("it had stopped there before"));
 }
 
+/// `--schedule plateau`: with the best epoch 1 (`--min-delta 0.01` makes the later ties of
+/// accuracy 1.0 no improvement) and patience 2, the rate is halved after epochs 3 and 5; a
+/// run stopped at the cut's epoch boundary or inside the next epoch resumes with the cut
+/// rate and ends bit-identical to the uninterrupted run.
+#[test]
+fn a_plateau_schedule_cuts_the_rate_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let flags = [
+        "--schedule",
+        "plateau",
+        "--plateau-patience",
+        "2",
+        "--plateau-factor",
+        "0.5",
+        "--min-delta",
+        "0.01",
+    ];
+    let full = tmp.path().join("full");
+    let out = ok(run_with(
+        &with(train_args(&data, &cache, &full, 6), &flags),
+        &[],
+    ));
+    let printed = stdout(&out);
+    let cuts: Vec<&str> = printed.lines().filter(|l| l.contains("lr cut")).collect();
+    assert_eq!(cuts.len(), 2, "{printed}");
+    assert!(
+        cuts[0].starts_with("epoch 3/6 · lr cut ×0.5 to 0.006250"),
+        "{printed}"
+    );
+    assert!(
+        cuts[1].starts_with("epoch 5/6 · lr cut ×0.5 to 0.003125"),
+        "{printed}"
+    );
+    let meta = CheckpointMeta::load(&full).unwrap();
+    assert_eq!(meta.data_position.lr_scale, 0.25);
+    assert_eq!(
+        (meta.settings.plateau_patience, meta.settings.plateau_factor),
+        (2, 0.5)
+    );
+    // 3 steps per epoch: step 9 ends epoch 3 (just cut), step 10 is inside epoch 4.
+    for stop in ["9", "10"] {
+        let run = tmp.path().join(format!("stopped-{stop}"));
+        ok(run_with(
+            &with(
+                train_args(&data, &cache, &run, 6),
+                &[&flags[..], &["--stop-after-steps", stop]].concat(),
+            ),
+            &[],
+        ));
+        assert_eq!(
+            CheckpointMeta::load(&run).unwrap().data_position.lr_scale,
+            0.5
+        );
+        let out = ok(run_with(&resume_args(&run, &data), &[]));
+        assert!(
+            stdout(&out).contains("lr 0.006250 after the plateau cuts"),
+            "{}",
+            stdout(&out)
+        );
+        assert!(weights(&run) == weights(&full), "stopped at step {stop}");
+    }
+    // Two replicas: rank 0 decides each cut and hands it on (the ranks' weight checksums,
+    // compared at every epoch end, would part otherwise).
+    let two = tmp.path().join("two");
+    let out = ok(run_with(
+        &with(
+            train_args(&data, &cache, &two, 6),
+            &[&flags[..], &["--replicas", "2"]].concat(),
+        ),
+        &[],
+    ));
+    let cuts = stdout(&out).matches("lr cut").count();
+    assert!(cuts > 0, "{}", stdout(&out));
+    let scale = CheckpointMeta::load(&two).unwrap().data_position.lr_scale;
+    assert_eq!(scale, 0.5f32.powi(cuts as i32));
+}
+
 /// A run stopped after epoch 1 and resumed into another folder for one more (worse) epoch
 /// keeps epoch 1 as its best: best/ came along with the checkpoint.
 #[test]

@@ -13,7 +13,7 @@ use pipeline::{LastBatch, OnBadImage, Sampling};
 use super::CliError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::ScheduleChoice;
+use crate::optim::{Plateau, ScheduleChoice};
 use crate::train::{
     self, CheckpointMeta, DeviceChoice, Monitor, OptimizerChoice, TrainConfig, TrainError,
 };
@@ -138,8 +138,10 @@ pub struct TrainArgs {
     /// Linear learning-rate warmup, in epochs.
     #[arg(long, value_name = "E")]
     pub warmup_epochs: Option<u32>,
-    /// Decay after warmup: cosine, step or constant.
-    #[arg(long, value_name = "cosine|step|constant")]
+    /// Decay after warmup: cosine, step, constant, or plateau (constant, cut by
+    /// --plateau-factor after every --plateau-patience epochs without a better validation
+    /// epoch by --monitor, as Keras' ReduceLROnPlateau).
+    #[arg(long, value_name = "cosine|step|constant|plateau")]
     pub schedule: Option<String>,
     /// With --schedule step: epochs between decays.
     #[arg(long, value_name = "E", default_value_t = TrainConfig::DEFAULT_STEP_EVERY)]
@@ -147,6 +149,12 @@ pub struct TrainArgs {
     /// With --schedule step: decay factor.
     #[arg(long, value_name = "G", default_value_t = TrainConfig::DEFAULT_STEP_GAMMA)]
     pub step_gamma: f32,
+    /// With --schedule plateau: epochs without improvement before each cut.
+    #[arg(long, value_name = "E", default_value_t = Plateau::DEFAULT.patience)]
+    pub plateau_patience: u32,
+    /// With --schedule plateau: the factor of each cut.
+    #[arg(long, value_name = "F", default_value_t = Plateau::DEFAULT.factor)]
+    pub plateau_factor: f32,
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
     pub image_size: Option<u32>,
@@ -353,9 +361,19 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.warmup_epochs = v;
     }
     if let Some(v) = &args.schedule {
-        cfg.schedule =
-            parse::<ScheduleChoice>("--schedule", v, "expected cosine, step or constant")?
-                .decay(args.step_every, args.step_gamma);
+        cfg.schedule = parse::<ScheduleChoice>(
+            "--schedule",
+            v,
+            "expected cosine, step, constant or plateau",
+        )?
+        .decay(
+            args.step_every,
+            args.step_gamma,
+            Plateau {
+                patience: args.plateau_patience,
+                factor: args.plateau_factor,
+            },
+        );
     }
     if let Some(v) = args.workers {
         cfg.workers = v;

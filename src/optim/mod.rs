@@ -17,4 +17,4 @@ pub use error::OptimError;
 pub use layout::{ConvOrder, ParamLayout};
 pub use optimizer::{Hyper, Optimizer, OptimizerKind};
 pub use rank::{CpuRankOptimizer, RankOptimizer};
-pub use schedule::{scaled_lr, Decay, Schedule, ScheduleChoice};
+pub use schedule::{scaled_lr, Decay, Plateau, Schedule, ScheduleChoice};

@@ -15,11 +15,14 @@ pub enum ScheduleChoice {
     Constant,
     /// Step decay (`--step-every`, `--step-gamma`).
     Step,
+    /// Constant, cut by a factor whenever validation stops improving
+    /// (`--plateau-patience`, `--plateau-factor`; Keras' `ReduceLROnPlateau`).
+    Plateau,
 }
 
 impl ScheduleChoice {
     /// Every choice, in the order `--help` lists them.
-    pub const ALL: [ScheduleChoice; 3] = [Self::Cosine, Self::Step, Self::Constant];
+    pub const ALL: [ScheduleChoice; 4] = [Self::Cosine, Self::Step, Self::Constant, Self::Plateau];
 
     /// The command-line spelling.
     pub fn name(self) -> &'static str {
@@ -27,11 +30,13 @@ impl ScheduleChoice {
             Self::Cosine => "cosine",
             Self::Constant => "constant",
             Self::Step => "step",
+            Self::Plateau => "plateau",
         }
     }
 
-    /// The decay, with the step schedule's period (epochs) and factor.
-    pub fn decay(self, every_epochs: u32, gamma: f32) -> Decay {
+    /// The decay, with the step schedule's period (epochs) and factor, and the plateau
+    /// schedule's settings.
+    pub fn decay(self, every_epochs: u32, gamma: f32, plateau: Plateau) -> Decay {
         match self {
             Self::Cosine => Decay::Cosine,
             Self::Constant => Decay::Constant,
@@ -39,6 +44,7 @@ impl ScheduleChoice {
                 every_epochs,
                 gamma,
             },
+            Self::Plateau => Decay::Plateau(plateau),
         }
     }
 }
@@ -75,6 +81,36 @@ pub enum Decay {
         /// Factor per period.
         gamma: f32,
     },
+    /// Constant; the trainer multiplies the rate by `factor` after every `patience` epochs
+    /// without a better validation epoch ([`Plateau::cuts_after`]).
+    Plateau(Plateau),
+}
+
+/// Keras' `ReduceLROnPlateau` (without cooldown or floor): the learning rate is multiplied
+/// by `factor` whenever `patience` epochs in a row bring no better validation epoch (by the
+/// run's `--monitor` and `--min-delta`); the count starts again after each cut.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Plateau {
+    /// Epochs without improvement before a cut.
+    pub patience: u32,
+    /// The cut, in (0, 1).
+    pub factor: f32,
+}
+
+impl Plateau {
+    /// Keras' defaults: a cut to a tenth after 10 epochs without improvement.
+    pub const DEFAULT: Plateau = Plateau {
+        patience: 10,
+        factor: 0.1,
+    };
+
+    /// Whether the rate is cut once `epochs_done` epochs have run and the best so far is
+    /// epoch `best_epoch` (1-based): after `patience`, `2·patience`, … epochs without
+    /// improvement, which is Keras' count that restarts at every cut.
+    pub fn cuts_after(&self, epochs_done: u64, best_epoch: u64) -> bool {
+        let since = epochs_done.saturating_sub(best_epoch);
+        self.patience > 0 && since > 0 && since % u64::from(self.patience) == 0
+    }
 }
 
 /// Linear warmup from `base_lr / warmup_steps` to `base_lr` over `warmup_epochs`, then
@@ -100,6 +136,7 @@ impl Decay {
             Decay::Cosine => ScheduleChoice::Cosine,
             Decay::Constant => ScheduleChoice::Constant,
             Decay::Step { .. } => ScheduleChoice::Step,
+            Decay::Plateau(_) => ScheduleChoice::Plateau,
         }
     }
 }
@@ -114,7 +151,7 @@ impl Schedule {
             return self.base_lr * (step + 1) as f32 / warm as f32;
         }
         match self.decay {
-            Decay::Constant => self.base_lr,
+            Decay::Constant | Decay::Plateau(_) => self.base_lr,
             Decay::Cosine => {
                 let span = total.saturating_sub(warm).max(1);
                 let p = ((step - warm) as f64 / span as f64).min(1.0);
@@ -134,4 +171,46 @@ impl Schedule {
 /// Goyal et al.'s linear scaling rule: `lr` is given for a global batch of 256.
 pub fn scaled_lr(lr: f32, global_batch: usize) -> f32 {
     lr * global_batch as f32 / 256.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plateau_cuts_every_patience_epochs_without_improvement() {
+        let p = Plateau {
+            patience: 3,
+            factor: 0.5,
+        };
+        let cuts: Vec<u64> = (1..=12).filter(|&done| p.cuts_after(done, 2)).collect();
+        assert_eq!(
+            cuts,
+            [5, 8, 11],
+            "best at epoch 2: cuts 3, 6, 9 epochs later"
+        );
+        assert!(!p.cuts_after(2, 2), "the best epoch itself");
+        let schedule = Schedule {
+            base_lr: 0.4,
+            steps_per_epoch: 10,
+            warmup_epochs: 1,
+            total_epochs: 5,
+            decay: Decay::Plateau(p),
+        };
+        assert_eq!(schedule.lr_at(4), 0.2, "warmup");
+        assert_eq!(
+            schedule.lr_at(10),
+            0.4,
+            "then constant: the trainer applies the cuts"
+        );
+        assert_eq!(schedule.lr_at(49), 0.4);
+        assert_eq!(
+            "plateau".parse::<ScheduleChoice>().unwrap(),
+            ScheduleChoice::Plateau
+        );
+        assert_eq!(
+            ScheduleChoice::Plateau.decay(30, 0.1, p).choice(),
+            ScheduleChoice::Plateau
+        );
+    }
 }

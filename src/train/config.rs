@@ -9,7 +9,7 @@ use super::folder::{BestRule, RunSettings};
 use super::TrainError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::{Decay, OptimizerChoice};
+use crate::optim::{Decay, OptimizerChoice, Plateau};
 
 /// A training run's settings. [`TrainConfig::new`] holds every default (the command line
 /// takes its defaults from it).
@@ -181,6 +181,10 @@ impl TrainConfig {
             } => (every_epochs, gamma),
             _ => (Self::DEFAULT_STEP_EVERY, Self::DEFAULT_STEP_GAMMA),
         };
+        let plateau = match self.schedule {
+            Decay::Plateau(p) => p,
+            _ => Plateau::DEFAULT,
+        };
         RunSettings {
             lr: self.lr,
             momentum: self.momentum,
@@ -191,6 +195,8 @@ impl TrainConfig {
             schedule: self.schedule.choice(),
             step_every,
             step_gamma,
+            plateau_patience: plateau.patience,
+            plateau_factor: plateau.factor,
             augment: self.augment,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
@@ -307,6 +313,22 @@ impl TrainConfig {
                     "--step-every",
                     format!("{every_epochs} (gamma {gamma})"),
                     "decay every ≥ 1 epoch by a factor in (0, 1]",
+                );
+            }
+        }
+        if let Decay::Plateau(p) = self.schedule {
+            if p.patience == 0 {
+                return bad(
+                    "--plateau-patience",
+                    "0".into(),
+                    "at least 1 epoch without improvement before a cut",
+                );
+            }
+            if !(p.factor > 0.0 && p.factor < 1.0) {
+                return bad(
+                    "--plateau-factor",
+                    p.factor.to_string(),
+                    "a cut strictly between 0 and 1 (Keras' default: 0.1)",
                 );
             }
         }

@@ -23,7 +23,7 @@ use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
 use crate::dist::collective::Collective;
 use crate::model::{ModelState, StepStats};
-use crate::optim::RankOptimizer;
+use crate::optim::{Decay, RankOptimizer};
 
 /// How a training run ended.
 #[derive(Debug, Clone)]
@@ -103,7 +103,7 @@ fn check_loss(
     shared: &Shared,
     totals: &StepStats,
     step_index: u64,
-    epoch: u64,
+    position: &DataPosition,
 ) -> Result<(), TrainError> {
     if totals.count == 0 || totals.loss_sum.is_finite() {
         return Ok(());
@@ -112,8 +112,8 @@ fn check_loss(
         what: "training loss",
         loss: totals.loss_sum / totals.count as f64,
         step: step_index + 1,
-        epoch: epoch + 1,
-        lr: shared.schedule.lr_at(step_index),
+        epoch: position.epoch + 1,
+        lr: shared.lr_at(step_index, position),
         out: shared.cfg.out.clone(),
     })
 }
@@ -123,8 +123,9 @@ fn check_loss(
 fn check_valid_loss(
     shared: &Shared,
     valid: &EpochMetrics,
-    global_step: u64,
+    position: &DataPosition,
 ) -> Result<(), TrainError> {
+    let global_step = position.global_step;
     if valid.loss.is_finite() {
         return Ok(());
     }
@@ -133,7 +134,7 @@ fn check_valid_loss(
         loss: valid.loss,
         step: global_step,
         epoch: valid.epoch,
-        lr: shared.schedule.lr_at(global_step.saturating_sub(1)),
+        lr: shared.lr_at(global_step.saturating_sub(1), position),
         out: shared.cfg.out.clone(),
     })
 }
@@ -158,9 +159,7 @@ fn check_finite_state(
                 tensor: name.clone(),
                 step: position.global_step,
                 epoch: position.epoch + u64::from(position.step_in_epoch > 0),
-                lr: shared
-                    .schedule
-                    .lr_at(position.global_step.saturating_sub(1)),
+                lr: shared.lr_at(position.global_step.saturating_sub(1), position),
                 out: shared.cfg.out.clone(),
             });
         }
@@ -311,6 +310,7 @@ fn epochs<D: Device>(
                 &mut best,
             )?);
         }
+        share_lr_scale(shared, rank)?;
         if let Some(line) = rank.device.input_line(rank.rank) {
             shared.say(line);
         }
@@ -381,6 +381,23 @@ fn early_stop_due<D: Device>(
     Ok(vote[0] > 0.0)
 }
 
+/// Hands rank 0's learning-rate scale (the plateau schedule's cuts, decided with the
+/// validation figures only rank 0 has) to every rank, at an epoch boundary.
+fn share_lr_scale<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
+    if rank.world == 1 || !matches!(shared.schedule.decay, Decay::Plateau(_)) {
+        return Ok(());
+    }
+    let mut scale = [if rank.is_writer() {
+        f64::from(rank.position.lr_scale)
+    } else {
+        0.0
+    }];
+    rank.comm.sum(&mut scale)?;
+    // An f32 through f64 and back is exact.
+    rank.position.lr_scale = scale[0] as f32;
+    Ok(())
+}
+
 /// Whether a checkpoint is due inside the epoch after global step `step` (`--save-every`).
 fn periodic_save_due(cfg: &TrainConfig, step: u64) -> bool {
     cfg.save_every > 0 && step % cfg.save_every == 0
@@ -424,7 +441,7 @@ fn train_epoch<D: Device>(
         let plan = StepPlan {
             epoch,
             step,
-            lr: shared.schedule.lr_at(rank.position.global_step),
+            lr: shared.lr_at(rank.position.global_step, &rank.position),
             local_images: shared.rank_images(step, rank.rank),
             global_images: shared.step_images(step),
             stop: stop(rank.position.global_step),
@@ -506,7 +523,7 @@ fn settle<D: Device>(
 ) -> Result<bool, TrainError> {
     let (totals, wish) = rank.settle(earlier)?;
     let index = rank.position.global_step.saturating_sub(1);
-    check_loss(shared, &totals, index, rank.position.epoch)?;
+    check_loss(shared, &totals, index, &rank.position)?;
     account(&mut rank.position.partial_train, &totals);
     Ok(wish)
 }
@@ -530,13 +547,28 @@ fn end_epoch<D: Device>(
     let report = evaluate(&mut rank.net, &shared.valid_pipe, Views::AsStored)?;
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
-    check_valid_loss(shared, &valid_line, rank.position.global_step)?;
+    check_valid_loss(shared, &valid_line, &rank.position)?;
     let improved = best.is_none_or(|b| {
         cfg.best_rule
             .improves(&b, valid_line.accuracy, valid_line.loss)
     });
     if improved {
         *best = Some(BestEpoch::of(&valid_line));
+    }
+    // The plateau schedule's cut is decided here, before the checkpoint that records it;
+    // the other ranks learn it from `share_lr_scale`.
+    let mut cut_note = String::new();
+    if let (Decay::Plateau(p), Some(b)) = (shared.schedule.decay, *best) {
+        if p.cuts_after(epoch, b.epoch) {
+            rank.position.lr_scale *= p.factor;
+            cut_note = format!(
+                " · lr cut ×{} to {:.6} ({} has not improved for {} epochs)",
+                p.factor,
+                shared.lr_at(rank.position.global_step, &rank.position),
+                cfg.best_rule.monitor.words(),
+                epoch - b.epoch
+            );
+        }
     }
     shared.folder.record_epoch(train_line, &valid_line)?;
     let (meta, model, optimizer) = checkpoint_files(shared, rank, *best)?;
@@ -561,6 +593,9 @@ fn end_epoch<D: Device>(
         train_line.seconds + valid_line.seconds,
         if improved { " · best so far" } else { "" }
     ));
+    if !cut_note.is_empty() {
+        shared.say(format!("epoch {epoch}/{}{cut_note}", cfg.epochs));
+    }
     Ok(valid_line)
 }
 

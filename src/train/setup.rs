@@ -231,6 +231,17 @@ impl Shared {
         })
     }
 
+    /// The learning rate of optimizer step `step` (0-based) for a run at `position`: the
+    /// schedule's, times the cuts the plateau schedule made so far (a scale left by a
+    /// plateau run resumed with another schedule does not apply).
+    pub(crate) fn lr_at(&self, step: u64, position: &DataPosition) -> f32 {
+        let lr = self.schedule.lr_at(step);
+        match self.schedule.decay {
+            crate::optim::Decay::Plateau(_) => lr * position.lr_scale,
+            _ => lr,
+        }
+    }
+
     /// Ranks in the run.
     pub(crate) fn ranks(&self) -> usize {
         self.cfg.replicas
@@ -311,13 +322,20 @@ impl Shared {
         }
         if let Some((run, meta)) = resumed {
             self.say(format!(
-                "resuming {} at epoch {}, step {} of {} (global step {}, {} epochs done)",
+                "resuming {} at epoch {}, step {} of {} (global step {}, {} epochs done){}",
                 run.display(),
                 self.position.epoch + 1,
                 self.position.step_in_epoch,
                 self.steps_per_epoch,
                 self.position.global_step,
-                meta.epoch
+                meta.epoch,
+                match self.schedule.decay {
+                    crate::optim::Decay::Plateau(_) if self.position.lr_scale != 1.0 => format!(
+                        " · lr {:.6} after the plateau cuts",
+                        self.lr_at(self.position.global_step, &self.position)
+                    ),
+                    _ => String::new(),
+                }
             ));
         }
     }

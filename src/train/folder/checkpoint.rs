@@ -26,7 +26,7 @@ use super::files::{
 };
 use super::metrics::{EpochMetrics, MetricsAccumulator};
 use super::FolderError;
-use crate::optim::{Decay, OptimizerChoice, ScheduleChoice};
+use crate::optim::{Decay, OptimizerChoice, Plateau, ScheduleChoice};
 
 /// Stable name of the current weights inside a run folder (a link to the file the sidecar
 /// names).
@@ -51,6 +51,10 @@ pub struct DataPosition {
     pub global_step: u64,
     /// Training figures of the unfinished epoch, so its metrics line covers all of it.
     pub partial_train: MetricsAccumulator,
+    /// The product of the plateau schedule's cuts so far (1 without them); absent in older
+    /// checkpoints.
+    #[serde(default = "one")]
+    pub lr_scale: f32,
 }
 
 impl DataPosition {
@@ -62,6 +66,7 @@ impl DataPosition {
             samples_in_epoch: 0,
             global_step: 0,
             partial_train: MetricsAccumulator::default(),
+            lr_scale: 1.0,
         }
     }
 
@@ -70,6 +75,7 @@ impl DataPosition {
         DataPosition {
             epoch: self.epoch + 1,
             global_step: self.global_step,
+            lr_scale: self.lr_scale,
             ..DataPosition::start()
         }
     }
@@ -89,6 +95,18 @@ mod last_batch_name {
         text.parse()
             .map_err(|_| serde::de::Error::custom(format!("unknown last-batch policy {text:?}")))
     }
+}
+
+fn default_plateau_patience() -> u32 {
+    Plateau::DEFAULT.patience
+}
+
+fn default_plateau_factor() -> f32 {
+    Plateau::DEFAULT.factor
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 /// `--sampler` as its command-line word in the sidecar.
@@ -128,6 +146,13 @@ pub struct RunSettings {
     pub step_every: u32,
     /// Step decay factor (step schedule).
     pub step_gamma: f32,
+    /// Epochs without improvement before a cut (plateau schedule); absent in older
+    /// checkpoints.
+    #[serde(default = "default_plateau_patience")]
+    pub plateau_patience: u32,
+    /// The cut (plateau schedule); absent in older checkpoints.
+    #[serde(default = "default_plateau_factor")]
+    pub plateau_factor: f32,
     /// Random crop + flip.
     pub augment: bool,
     /// Frozen batch norm.
@@ -163,7 +188,12 @@ pub struct RunSettings {
 impl RunSettings {
     /// The schedule's decay.
     pub fn decay(&self) -> Decay {
-        self.schedule.decay(self.step_every, self.step_gamma)
+        let plateau = Plateau {
+            patience: self.plateau_patience,
+            factor: self.plateau_factor,
+        };
+        self.schedule
+            .decay(self.step_every, self.step_gamma, plateau)
     }
 
     /// The rule that picks the best epoch.
@@ -627,6 +657,7 @@ pub(crate) mod tests {
                 samples_in_epoch: 48,
                 global_step: 10,
                 partial_train: MetricsAccumulator::default(),
+                lr_scale: 0.25,
             },
             global_batch: 16,
             replicas: 2,
@@ -642,6 +673,8 @@ pub(crate) mod tests {
                 schedule: ScheduleChoice::Cosine,
                 step_every: 30,
                 step_gamma: 0.1,
+                plateau_patience: 4,
+                plateau_factor: 0.5,
                 augment: true,
                 freeze_bn: false,
                 sync_bn: true,
@@ -700,6 +733,11 @@ pub(crate) mod tests {
         let m = meta(dir.path());
         let mut value = serde_json::to_value(&m).unwrap();
         value.as_object_mut().unwrap().remove("best");
+        value["data_position"]
+            .as_object_mut()
+            .unwrap()
+            .remove("lr_scale")
+            .unwrap();
         let settings = value["settings"].as_object_mut().unwrap();
         for field in [
             "save_every",
@@ -708,13 +746,20 @@ pub(crate) mod tests {
             "monitor",
             "min_delta",
             "sampler",
+            "plateau_patience",
+            "plateau_factor",
         ] {
             settings.remove(field).unwrap();
         }
         let old: CheckpointMeta = serde_json::from_value(value).unwrap();
         assert_eq!(old.best, None);
+        assert_eq!(old.data_position.lr_scale, 1.0);
         assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
+        assert_eq!(
+            (old.settings.plateau_patience, old.settings.plateau_factor),
+            (10, 0.1)
+        );
         assert_eq!(
             (
                 old.settings.save_every,
