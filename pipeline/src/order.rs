@@ -64,18 +64,44 @@ fn epoch_rng(seed: u64, epoch: u64) -> rand_chacha::ChaCha8Rng {
     rand_chacha::ChaCha8Rng::seed_from_u64(stream)
 }
 
-/// `labels.len()` class-balanced draws with replacement: a class uniformly among those with
-/// samples, then one of its samples uniformly, which gives each sample the chance
-/// `1 / (classes present × its class's size)`.
-fn balanced_order(labels: &[u32], seed: u64, epoch: u64) -> Vec<u32> {
-    let classes = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
-    let mut members: Vec<Vec<u32>> = vec![Vec::new(); classes];
-    for (i, &l) in labels.iter().enumerate() {
-        members[l as usize].push(i as u32);
+/// One epoch's order of sample indices for samples with these `labels`: with
+/// [`Sampling::Shuffle`], every sample once (`shuffle = false` keeps the scan order); with
+/// [`Sampling::Balanced`], class-balanced draws (the labels are read only then).
+pub(crate) fn epoch_order(
+    labels: impl ExactSizeIterator<Item = u32>,
+    sampling: Sampling,
+    shuffle: bool,
+    seed: u64,
+    epoch: u64,
+) -> Vec<u32> {
+    match sampling {
+        Sampling::Balanced => balanced_order(labels, seed, epoch),
+        Sampling::Shuffle => {
+            let mut order: Vec<u32> = (0..labels.len() as u32).collect();
+            if shuffle {
+                order.shuffle(&mut epoch_rng(seed, epoch));
+            }
+            order
+        }
+    }
+}
+
+/// As many class-balanced draws with replacement as there are labels: a class uniformly
+/// among those with samples, then one of its samples uniformly, which gives each sample the
+/// chance `1 / (classes present × its class's size)`.
+fn balanced_order(labels: impl ExactSizeIterator<Item = u32>, seed: u64, epoch: u64) -> Vec<u32> {
+    let n = labels.len();
+    let mut members: Vec<Vec<u32>> = Vec::new();
+    for (i, l) in labels.enumerate() {
+        let l = l as usize;
+        if l >= members.len() {
+            members.resize_with(l + 1, Vec::new);
+        }
+        members[l].push(i as u32);
     }
     members.retain(|m| !m.is_empty());
     let mut rng = epoch_rng(seed, epoch);
-    (0..labels.len())
+    (0..n)
         .map(|_| {
             let class = &members[rng.random_range(0..members.len())];
             class[rng.random_range(0..class.len())]
@@ -84,30 +110,13 @@ fn balanced_order(labels: &[u32], seed: u64, epoch: u64) -> Vec<u32> {
 }
 
 impl EpochPlan {
-    /// The plan for one epoch over samples with these `labels`: with
-    /// [`Sampling::Shuffle`], every sample once (`shuffle = false` keeps the scan order);
-    /// with [`Sampling::Balanced`], class-balanced draws.
-    #[allow(clippy::too_many_arguments)]
+    /// The plan for one epoch's `order` ([`epoch_order`]).
     pub(crate) fn new(
-        labels: &[u32],
-        sampling: Sampling,
-        seed: u64,
-        epoch: u64,
-        shuffle: bool,
+        order: Vec<u32>,
         replicas: usize,
         batch_size: usize,
         last_batch: LastBatch,
     ) -> Self {
-        let order = match sampling {
-            Sampling::Balanced => balanced_order(labels, seed, epoch),
-            Sampling::Shuffle => {
-                let mut order: Vec<u32> = (0..labels.len() as u32).collect();
-                if shuffle {
-                    order.shuffle(&mut epoch_rng(seed, epoch));
-                }
-                order
-            }
-        };
         Self {
             order,
             replicas,
@@ -148,22 +157,44 @@ impl EpochPlan {
 mod tests {
     use super::*;
 
+    /// A shuffled plan over `n` samples.
+    fn shuffled(
+        n: usize,
+        seed: u64,
+        epoch: u64,
+        replicas: usize,
+        batch: usize,
+        last: LastBatch,
+    ) -> EpochPlan {
+        let order = epoch_order(
+            std::iter::repeat_n(0, n),
+            Sampling::Shuffle,
+            true,
+            seed,
+            epoch,
+        );
+        EpochPlan::new(order, replicas, batch, last)
+    }
+
+    /// A plan of `sampling` over samples with `labels`, unshuffled unless balanced.
+    fn over(
+        labels: &[u32],
+        sampling: Sampling,
+        epoch: u64,
+        replicas: usize,
+        batch: usize,
+    ) -> EpochPlan {
+        let order = epoch_order(labels.iter().copied(), sampling, false, 7, epoch);
+        EpochPlan::new(order, replicas, batch, LastBatch::Partial)
+    }
+
     #[test]
     fn the_counted_lengths_are_the_micro_batches_lengths() {
         for n in [1, 7, 12, 13, 31] {
             for replicas in 1..=4 {
                 for batch in 1..=5 {
                     for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
-                        let plan = EpochPlan::new(
-                            &vec![0; n],
-                            Sampling::Shuffle,
-                            9,
-                            0,
-                            true,
-                            replicas,
-                            batch,
-                            policy,
-                        );
+                        let plan = shuffled(n, 9, 0, replicas, batch, policy);
                         let steps = steps_per_epoch(n, replicas, batch, policy);
                         for step in 0..steps {
                             for r in 0..replicas {
@@ -189,16 +220,7 @@ mod tests {
             for replicas in 1..=4 {
                 for batch in 1..=5 {
                     for policy in [LastBatch::Partial, LastBatch::Drop, LastBatch::Pad] {
-                        let plan = EpochPlan::new(
-                            &vec![0; n],
-                            Sampling::Shuffle,
-                            3,
-                            1,
-                            true,
-                            replicas,
-                            batch,
-                            policy,
-                        );
+                        let plan = shuffled(n, 3, 1, replicas, batch, policy);
                         let steps = steps_per_epoch(n, replicas, batch, policy);
                         let mut seen = Vec::new();
                         for step in 0..steps {
@@ -240,56 +262,17 @@ mod tests {
 
     #[test]
     fn the_permutation_depends_on_seed_and_epoch_only() {
-        let a = EpochPlan::new(
-            &vec![0; 50],
-            Sampling::Shuffle,
-            1,
-            2,
-            true,
-            1,
-            50,
-            LastBatch::Partial,
-        )
-        .micro_batch(0, 0);
-        let b = EpochPlan::new(
-            &vec![0; 50],
-            Sampling::Shuffle,
-            1,
-            2,
-            true,
-            2,
-            25,
-            LastBatch::Partial,
-        );
+        let a = shuffled(50, 1, 2, 1, 50, LastBatch::Partial).micro_batch(0, 0);
+        let b = shuffled(50, 1, 2, 2, 25, LastBatch::Partial);
         let b: Vec<u32> = [b.micro_batch(0, 0), b.micro_batch(0, 1)].concat();
         assert_eq!(a, b, "replicas cut the same global order");
         assert_ne!(
             a,
-            EpochPlan::new(
-                &vec![0; 50],
-                Sampling::Shuffle,
-                1,
-                3,
-                true,
-                1,
-                50,
-                LastBatch::Partial
-            )
-            .micro_batch(0, 0)
+            shuffled(50, 1, 3, 1, 50, LastBatch::Partial).micro_batch(0, 0)
         );
         assert_ne!(
             a,
-            EpochPlan::new(
-                &vec![0; 50],
-                Sampling::Shuffle,
-                2,
-                2,
-                true,
-                1,
-                50,
-                LastBatch::Partial
-            )
-            .micro_batch(0, 0)
+            shuffled(50, 2, 2, 1, 50, LastBatch::Partial).micro_batch(0, 0)
         );
     }
 
@@ -299,18 +282,8 @@ mod tests {
     #[test]
     fn balanced_epochs_draw_classes_equally_often() {
         let labels: Vec<u32> = (0..100).map(|i| if i < 90 { 0 } else { 2 }).collect();
-        let plan = |epoch, replicas, batch| {
-            EpochPlan::new(
-                &labels,
-                Sampling::Balanced,
-                7,
-                epoch,
-                false,
-                replicas,
-                batch,
-                LastBatch::Partial,
-            )
-        };
+        let plan =
+            |epoch, replicas, batch| over(&labels, Sampling::Balanced, epoch, replicas, batch);
         let whole = |p: &EpochPlan, replicas: usize, batch: usize| -> Vec<u32> {
             (0..steps_per_epoch(100, replicas, batch, LastBatch::Partial))
                 .flat_map(|s| (0..replicas).flat_map(move |r| p.micro_batch(s, r)))
@@ -335,29 +308,11 @@ mod tests {
             "{minority} of 1000 from the small class"
         );
         // Without shuffling a shuffle plan is the file order; a balanced one stays random.
-        let fixed = EpochPlan::new(
-            &labels,
-            Sampling::Shuffle,
-            7,
-            0,
-            false,
-            1,
-            100,
-            LastBatch::Partial,
-        );
+        let fixed = over(&labels, Sampling::Shuffle, 0, 1, 100);
         assert_eq!(fixed.micro_batch(0, 0), (0..100).collect::<Vec<u32>>());
         assert_ne!(plan(0, 1, 100).micro_batch(0, 0), fixed.micro_batch(0, 0));
         // An empty sample list draws nothing.
-        let empty = EpochPlan::new(
-            &[],
-            Sampling::Balanced,
-            7,
-            0,
-            true,
-            1,
-            4,
-            LastBatch::Partial,
-        );
+        let empty = over(&[], Sampling::Balanced, 0, 1, 4);
         assert!(empty.micro_batch(0, 0).is_empty());
     }
 }

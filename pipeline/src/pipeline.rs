@@ -19,7 +19,7 @@ use crate::bad::BadFile;
 use crate::batch::Batch;
 use crate::buffer::BufferPool;
 use crate::cache::{Cache, CacheKey};
-use crate::order::{micro_batch_len, steps_per_epoch, EpochPlan};
+use crate::order::{epoch_order, micro_batch_len, steps_per_epoch, EpochPlan};
 use crate::stats::{CacheHealth, Counters, EngineStats};
 use crate::worker::{spawn_pool, BadLog, BufferHolder, Job, Origin, Outcome, Shared};
 use crate::{LastBatch, OnBadImage, PipelineBuilder, PipelineError};
@@ -39,8 +39,6 @@ struct Inner {
     prefetch: usize,
     shuffle: bool,
     sampling: crate::Sampling,
-    /// Every sample's label, in sample order (what a balanced epoch draws by).
-    labels: Vec<u32>,
     last_batch: LastBatch,
     fingerprint: u64,
     pool: BufferPool,
@@ -350,7 +348,6 @@ impl Pipeline {
                 prefetch: b.prefetch,
                 shuffle: b.shuffle,
                 sampling: b.sampling,
-                labels,
                 last_batch: b.last_batch,
                 fingerprint: fp,
                 pool: BufferPool::new(b.allocator, buffer_bytes),
@@ -527,16 +524,14 @@ impl Pipeline {
         if let Some(fatal) = i.shared.fatal() {
             return Err(i.shared.fatal_error(fatal));
         }
-        let plan = EpochPlan::new(
-            &i.labels,
+        let order = epoch_order(
+            i.shared.samples.iter().map(|s| s.label),
             i.sampling,
+            i.shuffle,
             i.seed,
             epoch,
-            i.shuffle,
-            i.replicas,
-            i.batch_size,
-            i.last_batch,
         );
+        let plan = EpochPlan::new(order, i.replicas, i.batch_size, i.last_batch);
         let (out_tx, out_rx) = flume::bounded(i.prefetch);
         let (pending_tx, pending_rx) = flume::bounded(i.prefetch);
         let cancel = Arc::new(AtomicBool::new(false));

@@ -86,7 +86,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
-    let source = crate::train::dataset_source(&args.data, args.valid_fraction);
+    let source = pipeline::DatasetSource::at(&args.data, args.valid_fraction);
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)

@@ -40,7 +40,6 @@ pub use folder::{
     RunFolder, RunSettings,
 };
 pub use run::{train, TrainOutcome};
-pub use setup::dataset_source;
 pub use summary::{format_summary, SummaryHeader};
 
 pub use crate::optim::OptimizerChoice;

@@ -372,29 +372,29 @@ fn early_stop_due<D: Device>(
         return Ok(false);
     }
     let done = rank.position.epoch;
-    let due = rank.is_writer() && best.is_some_and(|b| done.saturating_sub(b.epoch) >= patience);
+    let due = best.is_some_and(|b| done.saturating_sub(b.epoch) >= patience);
+    Ok(writer_value(rank, if due { 1.0 } else { 0.0 })? > 0.0)
+}
+
+/// Rank 0's `value` on every rank, through a one-value sum to which the others give 0 (rank
+/// 0 alone has the validation figures); a rank alone keeps its own.
+fn writer_value<D: Device>(rank: &mut Rank<D>, value: f64) -> Result<f64, TrainError> {
     if rank.world == 1 {
-        return Ok(due);
+        return Ok(value);
     }
-    let mut vote = [if due { 1.0 } else { 0.0 }];
-    rank.comm.sum(&mut vote)?;
-    Ok(vote[0] > 0.0)
+    let mut sum = [if rank.is_writer() { value } else { 0.0 }];
+    rank.comm.sum(&mut sum)?;
+    Ok(sum[0])
 }
 
 /// Hands rank 0's learning-rate scale (the plateau schedule's cuts, decided with the
 /// validation figures only rank 0 has) to every rank, at an epoch boundary.
 fn share_lr_scale<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
-    if rank.world == 1 || !matches!(shared.schedule.decay, Decay::Plateau(_)) {
+    if !matches!(shared.schedule.decay, Decay::Plateau(_)) {
         return Ok(());
     }
-    let mut scale = [if rank.is_writer() {
-        f64::from(rank.position.lr_scale)
-    } else {
-        0.0
-    }];
-    rank.comm.sum(&mut scale)?;
     // An f32 through f64 and back is exact.
-    rank.position.lr_scale = scale[0] as f32;
+    rank.position.lr_scale = writer_value(rank, f64::from(rank.position.lr_scale))? as f32;
     Ok(())
 }
 

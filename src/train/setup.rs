@@ -20,15 +20,9 @@ use crate::trace::TraceRecorder;
 /// Steps between two comparisons of the ranks' weight checksums (and at every epoch end).
 pub(crate) const CHECKSUM_EVERY: u64 = 50;
 
-/// The dataset as the engine reads it.
+/// The dataset as the engine reads it (`--data`, see [`DatasetSource::at`]).
 pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
-    dataset_source(&cfg.data, cfg.valid_fraction)
-}
-
-/// What `--data` names: a CSV file listing the images, a flat `<class>/` folder split by
-/// `valid_fraction`, or the `train/valid/test` folder layout.
-pub fn dataset_source(data: &std::path::Path, valid_fraction: Option<f32>) -> DatasetSource {
-    DatasetSource::at(data, valid_fraction)
+    DatasetSource::at(&cfg.data, cfg.valid_fraction)
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
