@@ -116,6 +116,31 @@ fn synth_then_bench_pipeline_prints_one_json_line_per_epoch() {
     ]);
     let line: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
     assert_eq!(line["images"], 24, "{line}");
+
+    // With the training's random resized crop: every image, from the warm cache.
+    let out = birdtrain(&[
+        "bench",
+        "pipeline",
+        "--data",
+        s(&data),
+        "--epochs",
+        "1",
+        "--image-size",
+        "16",
+        "--cache-dir",
+        s(&tmp.path().join("c")),
+        "--augment",
+        "resized-crop",
+        "--crop-scale",
+        "0.25",
+        "--json",
+    ]);
+    let line: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(
+        (&line["images"], &line["decoded"]),
+        (&24.into(), &0.into()),
+        "{line}"
+    );
 }
 
 #[test]

@@ -88,6 +88,20 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--sampler", "weighted"], "--sampler"),
         (vec!["--min-delta=-0.1"], "--min-delta"),
         (vec!["--min-delta", "NaN"], "--min-delta"),
+        (vec!["--augment", "crop"], "--augment"),
+        (
+            vec!["--no-augment", "--augment", "pad-crop"],
+            "--no-augment",
+        ),
+        (vec!["--crop-scale", "0.3"], "add --augment resized-crop"),
+        (
+            vec!["--augment", "resized-crop", "--crop-scale", "0"],
+            "--crop-scale",
+        ),
+        (
+            vec!["--augment", "resized-crop", "--crop-scale", "1.5"],
+            "--crop-scale",
+        ),
     ] {
         let mut all = vec!["--data", s(&data), "--gpus", "0", "--out", s(&run)];
         all.extend(args);

@@ -101,6 +101,15 @@ fn bench_pipeline_counts() {
         birdtrain(&args)
     };
     assert_one_line_error(&bench(&["--epochs", "0"]), &["--epochs", "at least 1"]);
+    assert_one_line_error(&bench(&["--augment", "pad-crop"]), &["--augment", "device"]);
+    assert_one_line_error(
+        &bench(&["--crop-scale", "0.5"]),
+        &["--crop-scale", "resized-crop"],
+    );
+    assert_one_line_error(
+        &bench(&["--augment", "resized-crop", "--crop-scale", "2"]),
+        &["--crop-scale", "0 < min <= max <= 1"],
+    );
     assert_one_line_error(&bench(&["--workers", "100000"]), &["--workers", "at most"]);
     assert_one_line_error(
         &bench(&["--prefetch", "1000000000000000"]),

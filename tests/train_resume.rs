@@ -210,7 +210,10 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "0.02",
         "--label-smoothing",
         "0.1",
-        "--no-augment",
+        "--augment",
+        "resized-crop",
+        "--crop-scale",
+        "0.3",
         "--schedule",
         "step",
         "--step-every",
@@ -233,8 +236,9 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     cli(&b);
     let meta = train::CheckpointMeta::load(&dir).unwrap();
     assert_eq!(meta.settings.sampler, pipeline::Sampling::Balanced);
-    // Only --resume: every setting comes from the checkpoint (--sync-bn and the balanced
-    // draws included).
+    assert_eq!(meta.settings.crop_scale, Some([0.3, 1.0]));
+    // Only --resume: every setting comes from the checkpoint (--sync-bn, the balanced draws
+    // and the engine's crops included).
     cli(&["--resume", dir.to_str().unwrap()]);
     assert!(
         read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),

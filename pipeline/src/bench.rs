@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::{DatasetSource, PipelineBuilder, PipelineError, ResizeMode, Split};
+use crate::{DatasetSource, PipelineBuilder, PipelineError, RandomResizedCrop, ResizeMode, Split};
 
 /// Settings of one benchmark run.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +32,8 @@ pub struct PipelineBenchOptions {
     pub seed: u64,
     /// Batches prefetched.
     pub prefetch: usize,
+    /// The random resized crop of every image, as for training (`None`: images as stored).
+    pub crop: Option<RandomResizedCrop>,
 }
 
 impl PipelineBenchOptions {
@@ -51,6 +53,7 @@ impl PipelineBenchOptions {
             cache_dir: None,
             seed: 0,
             prefetch: 4,
+            crop: None,
         }
     }
 }
@@ -88,6 +91,7 @@ pub fn run_pipeline_bench_with(
         .batch_size(opts.batch_size)
         .workers(opts.workers)
         .prefetch(opts.prefetch)
+        .random_resized_crop(opts.crop)
         .seed(opts.seed);
     if let Some(dir) = &opts.cache_dir {
         builder = builder.cache_dir(dir);

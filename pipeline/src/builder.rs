@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use crate::buffer::{BatchAllocator, VecAllocator};
 use crate::{
-    DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, ResizeMode, Sampling, Split,
+    DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, RandomResizedCrop, ResizeMode,
+    Sampling, Split,
 };
 
 /// Configures and builds a [`Pipeline`].
@@ -24,6 +25,7 @@ pub struct PipelineBuilder {
     pub(crate) prefetch: usize,
     pub(crate) shuffle: bool,
     pub(crate) sampling: Sampling,
+    pub(crate) crop: Option<RandomResizedCrop>,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
@@ -47,6 +49,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("prefetch", &self.prefetch)
             .field("shuffle", &self.shuffle)
             .field("sampling", &self.sampling)
+            .field("crop", &self.crop)
             .field("last_batch", &self.last_batch)
             .field("on_bad_image", &self.on_bad_image)
             .finish_non_exhaustive()
@@ -74,6 +77,7 @@ impl PipelineBuilder {
             prefetch: 4,
             shuffle: true,
             sampling: Sampling::Shuffle,
+            crop: None,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -147,6 +151,14 @@ impl PipelineBuilder {
         self.sampling = sampling;
         self
     }
+    /// Hands out a random resized crop of each stored square instead of the square itself
+    /// (`None`, the default: the square as stored). The cache keeps whole squares; the crop
+    /// is cut and scaled back to `S×S` by the decode worker at every epoch, its window drawn
+    /// from `(seed, epoch, sample id)`. For training splits.
+    pub fn random_resized_crop(mut self, crop: Option<RandomResizedCrop>) -> Self {
+        self.crop = crop;
+        self
+    }
     /// Policy for the last, incomplete global batch.
     pub fn last_batch(mut self, policy: LastBatch) -> Self {
         self.last_batch = policy;
@@ -209,6 +221,9 @@ impl PipelineBuilder {
                 value: self.image_size.to_string(),
                 hint: "expected 1..=8192 pixels",
             });
+        }
+        if let Some(crop) = &self.crop {
+            crop.validate()?;
         }
         Pipeline::start(self)
     }

@@ -41,6 +41,8 @@
 //!   decode workers; [`Pipeline::epoch`] can start at any step (exact mid-epoch resume).
 //! - Every replica yields the same number of steps; their shares are disjoint and their union
 //!   is the epoch ([`LastBatch`] decides the tail, identically everywhere).
+//! - With [`PipelineBuilder::random_resized_crop`], each image's crop window comes from
+//!   `(seed, epoch, sample id)` alone: the same guarantees hold for the cropped pixels.
 //! - A cache record is served only after it is completely written; a torn or mismatched cache
 //!   is resumed or rebuilt. One writer per cache file (an exclusive `flock`); other pipelines
 //!   or processes on the same file read what it published and decode the rest in memory.
@@ -58,6 +60,7 @@ pub mod bench;
 mod buffer;
 mod builder;
 mod cache;
+mod crop;
 mod decode;
 mod error;
 pub mod limits;
@@ -74,6 +77,7 @@ pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
 pub use builder::PipelineBuilder;
+pub use crop::{CropWindow, RandomResizedCrop};
 pub use error::PipelineError;
 pub use options::{LastBatch, OnBadImage, ResizeMode, Sampling, Split};
 pub use pipeline::{EpochIter, EpochStream, Pipeline};

@@ -323,6 +323,7 @@ impl Pipeline {
             class_names: scanned.classes,
             image_size: b.image_size,
             resize_mode: b.resize_mode,
+            crop: b.crop.map(|crop| (crop, b.seed)),
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
             cache,
@@ -634,6 +635,7 @@ impl Planner {
                 let job = Job {
                     shared: Arc::clone(&self.shared),
                     index,
+                    epoch: self.epoch,
                     position,
                     dest,
                     holder: Arc::clone(&holder),

@@ -3,7 +3,7 @@
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
-use crate::ResizeMode;
+use crate::{CropWindow, ResizeMode};
 
 /// A resizer bound to one output size and mode; each decode worker owns one so its internal
 /// buffers are reused from image to image.
@@ -48,6 +48,30 @@ impl SquareResizer {
                 side,
             );
         }
+        self.resizer.resize(&src_view, &mut dst_view, &options)?;
+        Ok(())
+    }
+
+    /// Scales `window` of the stored square `src` (`S·S·3` bytes) to the whole square `dst`,
+    /// with the same filter as [`SquareResizer::resize_into`] (torchvision's
+    /// `RandomResizedCrop` is bilinear with antialiasing too).
+    pub(crate) fn crop_into(
+        &mut self,
+        src: &[u8],
+        window: CropWindow,
+        dst: &mut [u8],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let s = self.size;
+        let src_view = ImageRef::new(s, s, src, PixelType::U8x3)?;
+        let mut dst_view = Image::from_slice_u8(s, s, dst, PixelType::U8x3)?;
+        let options = ResizeOptions::new()
+            .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+            .crop(
+                f64::from(window.x),
+                f64::from(window.y),
+                f64::from(window.width),
+                f64::from(window.height),
+            );
         self.resizer.resize(&src_view, &mut dst_view, &options)?;
         Ok(())
     }

@@ -14,7 +14,7 @@ use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
-use crate::{OnBadImage, PipelineError, ResizeMode};
+use crate::{CropWindow, OnBadImage, PipelineError, RandomResizedCrop, ResizeMode};
 
 /// The detail of a bad file known from an earlier pass over the cache.
 pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
@@ -28,6 +28,8 @@ pub(crate) struct Shared {
     pub(crate) class_names: Vec<String>,
     pub(crate) image_size: u32,
     pub(crate) resize_mode: ResizeMode,
+    /// The random resized crop and the seed its windows are drawn from, when asked for.
+    pub(crate) crop: Option<(RandomResizedCrop, u64)>,
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
@@ -209,6 +211,8 @@ pub(crate) enum Outcome {
 pub(crate) struct Job {
     pub(crate) shared: Arc<Shared>,
     pub(crate) index: u32,
+    /// The epoch the image is for (it draws the crop window).
+    pub(crate) epoch: u64,
     pub(crate) position: usize,
     pub(crate) dest: Dest,
     pub(crate) holder: Arc<BufferHolder>,
@@ -286,9 +290,14 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     // SAFETY: see `Dest`; the holder in `job` keeps the buffer alive for this call.
     let dest = unsafe { std::slice::from_raw_parts_mut(job.dest.ptr, job.dest.len) };
     let sample = &shared.samples[i];
+    let side = shared.image_size;
+    let window = shared
+        .crop
+        .map(|(crop, seed)| crop.window(seed, job.epoch, u64::from(job.index), side))
+        .filter(|w| *w != CropWindow::full(side));
     match shared.cache.lookup(i) {
         Lookup::Hit(record) => {
-            dest.copy_from_slice(record);
+            place(record, dest, window, scratch, &sample.path)?;
             shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(Outcome::Hit);
         }
@@ -333,24 +342,50 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         );
         return bad(shared, job.index, file, Some(failure.source));
     }
-    match claim {
-        Some(claim) => {
-            // Resized into ordinary memory first: `dest` may be write-combined pinned memory,
-            // which is very slow for the CPU to read back for the cache write.
-            let mut record = std::mem::take(&mut scratch.record);
-            record.resize(dest.len(), 0);
-            resize(scratch, &mut record, &sample.path)?;
-            dest.copy_from_slice(&record);
+    if claim.is_none() && window.is_none() {
+        resize(scratch, dest, &sample.path)?;
+    } else {
+        // The stored square goes to ordinary memory first, where the cache write and the
+        // crop read it: `dest` may be write-combined pinned memory, very slow to read back.
+        let mut record = std::mem::take(&mut scratch.record);
+        record.resize(dest.len(), 0);
+        let placed = resize(scratch, &mut record, &sample.path)
+            .and_then(|()| place(&record, dest, window, scratch, &sample.path));
+        if let (Ok(()), Some(claim)) = (&placed, claim) {
             if let Err(e) = claim.write_and_commit(&record) {
                 shared.cache.note_write_failure(&e);
             }
-            scratch.record = record;
         }
-        None => resize(scratch, dest, &sample.path)?,
+        scratch.record = record;
+        placed?;
     }
     Counters::add_nanos(&shared.counters.decode_nanos, started);
     shared.counters.decoded.fetch_add(1, Ordering::Relaxed);
     Ok(Outcome::Decoded)
+}
+
+/// Writes the stored square `record` into `dest`: as it is, or the crop `window` of it
+/// scaled back to the square.
+fn place(
+    record: &[u8],
+    dest: &mut [u8],
+    window: Option<CropWindow>,
+    scratch: &mut Scratch,
+    path: &std::path::Path,
+) -> Result<(), PipelineError> {
+    match window {
+        None => {
+            dest.copy_from_slice(record);
+            Ok(())
+        }
+        Some(window) => scratch
+            .resizer
+            .crop_into(record, window, dest)
+            .map_err(|source| PipelineError::Resize {
+                path: path.to_path_buf(),
+                source,
+            }),
+    }
 }
 
 /// Resizes the worker's decoded pixels into `out`.

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use pipeline::bench::{run_pipeline_bench_with, EpochReport, PipelineBenchOptions};
-use pipeline::{ResizeMode, Split};
+use pipeline::{RandomResizedCrop, ResizeMode, Split};
 
 use super::CliError;
 
@@ -46,6 +46,13 @@ pub struct BenchPipelineArgs {
     /// Seed of the epoch order.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// What the engine does to each image after the cache: none, or resized-crop (the
+    /// training's random resized crop, cut at every epoch).
+    #[arg(long, value_name = "none|resized-crop", default_value = "none")]
+    pub augment: String,
+    /// With --augment resized-crop: the least share of the image's area a crop covers.
+    #[arg(long, value_name = "MIN")]
+    pub crop_scale: Option<f32>,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -91,10 +98,39 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     if let Some(w) = args.workers {
         opts.workers = w;
     }
+    opts.crop = engine_crop(&args)?;
     // Each epoch is printed as soon as it is measured.
     let json = args.json;
     run_pipeline_bench_with(&opts, |report| print_report(report, json))?;
     Ok(())
+}
+
+/// The crop asked for by `--augment` and `--crop-scale`.
+fn engine_crop(args: &BenchPipelineArgs) -> Result<Option<RandomResizedCrop>, CliError> {
+    let crop = match args.augment.trim().to_ascii_lowercase().as_str() {
+        "none" => None,
+        "resized-crop" | "random-resized-crop" => Some(RandomResizedCrop::DEFAULT),
+        _ => {
+            return Err(CliError::BadValue {
+                flag: "--augment",
+                value: args.augment.clone(),
+                hint: "expected none or resized-crop (the pad-and-crop is the model's, on the device, not the engine's)".into(),
+            })
+        }
+    };
+    match (crop, args.crop_scale) {
+        (None, Some(min)) => Err(CliError::BadValue {
+            flag: "--crop-scale",
+            value: min.to_string(),
+            hint: "it sets the resized crop: add --augment resized-crop".into(),
+        }),
+        (Some(_), Some(min)) => {
+            let crop = RandomResizedCrop::with_min_scale(min);
+            crop.validate()?;
+            Ok(Some(crop))
+        }
+        (crop, None) => Ok(crop),
+    }
 }
 
 fn print_report(report: &EpochReport, json: bool) {

@@ -15,7 +15,8 @@ use crate::dist::DistSettings;
 use crate::model::Arch;
 use crate::optim::{Plateau, ScheduleChoice};
 use crate::train::{
-    self, CheckpointMeta, DeviceChoice, Monitor, OptimizerChoice, TrainConfig, TrainError,
+    self, Augmentation, CheckpointMeta, DeviceChoice, Monitor, OptimizerChoice, TrainConfig,
+    TrainError,
 };
 
 /// Multi-GPU and multi-node flags (`--gpus` itself belongs to the training flags). Their
@@ -176,7 +177,16 @@ pub struct TrainArgs {
     /// Continue the run saved in RUN exactly where it stopped.
     #[arg(long, value_name = "RUN")]
     pub resume: Option<PathBuf>,
-    /// Turn off random crop and horizontal flip.
+    /// Training augmentation: pad-crop (shift by up to S/8 and mirror, the CIFAR recipe),
+    /// resized-crop (torchvision's RandomResizedCrop of the stored image and mirror, the
+    /// ImageNet recipe) or none.
+    #[arg(long, value_name = "pad-crop|resized-crop|none")]
+    pub augment: Option<String>,
+    /// With --augment resized-crop: the least share of the image's area a crop covers
+    /// (default 0.08, torchvision's).
+    #[arg(long, value_name = "MIN")]
+    pub crop_scale: Option<f32>,
+    /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
@@ -394,8 +404,37 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     if let Some(v) = &args.on_bad_image {
         cfg.on_bad_image = parse::<OnBadImage>("--on-bad-image", v, "expected skip or fail")?;
     }
+    if args.no_augment && args.augment.is_some() {
+        return Err(CliError::BadValue {
+            flag: "--no-augment",
+            value: "true".into(),
+            hint:
+                "give either --no-augment or --augment, not both (--no-augment is --augment none)"
+                    .into(),
+        });
+    }
+    if let Some(v) = &args.augment {
+        cfg.augment = Augmentation::parse(v).ok_or_else(|| CliError::BadValue {
+            flag: "--augment",
+            value: v.clone(),
+            hint: format!("expected {}", Augmentation::CHOICES),
+        })?;
+    }
     if args.no_augment {
-        cfg.augment = false;
+        cfg.augment = Augmentation::None;
+    }
+    if let Some(min) = args.crop_scale {
+        let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {
+            return Err(CliError::BadValue {
+                flag: "--crop-scale",
+                value: min.to_string(),
+                hint: format!(
+                    "it sets the resized crop, and this run's augmentation is {}: add --augment resized-crop",
+                    cfg.augment.as_str()
+                ),
+            });
+        };
+        crop.scale.0 = min;
     }
     if args.freeze_bn {
         cfg.freeze_bn = true;

@@ -1,4 +1,9 @@
-//! Training augmentation parameters, drawn from `(seed, epoch, sample id)`.
+//! Training augmentation (`--augment`) and its per-sample parameters, drawn from
+//! `(seed, epoch, sample id)`.
+//!
+//! Two kinds: the CIFAR-style pad-and-crop with a mirror, both applied by the model's input
+//! op on the device; and the ImageNet-style random resized crop, cut by the input engine's
+//! decode workers ([`pipeline::RandomResizedCrop`]), with the mirror still on the device.
 //!
 //! Drawing per sample (not from a running generator) makes the parameters independent of
 //! batch composition, replica count and resume point, which the resume-exactness and
@@ -7,7 +12,77 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use pipeline::RandomResizedCrop;
+
 use crate::model::Augment;
+
+/// What training does to each image (`--augment`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Augmentation {
+    /// Images as stored (`none`, `--no-augment`).
+    None,
+    /// Shift by up to S/8 with zero padding, and mirror half the images (`pad-crop`, the
+    /// default): the CIFAR recipe, on the device.
+    PadCrop,
+    /// torchvision's `RandomResizedCrop` of the stored square by the input engine, and
+    /// mirror half the images on the device (`resized-crop`): the ImageNet recipe.
+    ResizedCrop(RandomResizedCrop),
+}
+
+impl Augmentation {
+    /// The `--augment` words.
+    pub const CHOICES: &'static str = "pad-crop, resized-crop or none";
+
+    /// The command-line word.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::PadCrop => "pad-crop",
+            Self::ResizedCrop(_) => "resized-crop",
+        }
+    }
+
+    /// The kind named by `word`, a resized crop with torchvision's ranges.
+    pub fn parse(word: &str) -> Option<Self> {
+        match word.trim().to_ascii_lowercase().as_str() {
+            "none" => Some(Self::None),
+            "pad-crop" => Some(Self::PadCrop),
+            "resized-crop" | "random-resized-crop" => {
+                Some(Self::ResizedCrop(RandomResizedCrop::DEFAULT))
+            }
+            _ => None,
+        }
+    }
+
+    /// The crop the input engine cuts, if any.
+    pub fn engine_crop(&self) -> Option<RandomResizedCrop> {
+        match self {
+            Self::ResizedCrop(crop) => Some(*crop),
+            _ => None,
+        }
+    }
+
+    /// The device's part for a micro-batch, in sample order (`None`: images as they come).
+    pub fn device_augments(
+        &self,
+        seed: u64,
+        epoch: u64,
+        sample_ids: &[u64],
+        image_size: u32,
+    ) -> Option<Vec<Augment>> {
+        match self {
+            Self::None => None,
+            Self::PadCrop => Some(augments_for(seed, epoch, sample_ids, image_size)),
+            // The mirror alone: the engine has cropped already.
+            Self::ResizedCrop(_) => Some(
+                augments_for(seed, epoch, sample_ids, image_size)
+                    .into_iter()
+                    .map(|a| Augment { dy: 0, dx: 0, ..a })
+                    .collect(),
+            ),
+        }
+    }
+}
 
 /// The shift range of the pad-and-crop augmentation: S/8 pixels each way (4 at 32×32), as
 /// the model's input op accepts it.
@@ -56,6 +131,26 @@ mod tests {
             (60..140).contains(&flips),
             "flip share looks wrong: {flips}/200"
         );
+    }
+
+    #[test]
+    fn the_resized_crop_leaves_the_device_the_mirror_alone() {
+        let ids: Vec<u64> = (0..100).collect();
+        let crop = Augmentation::parse("resized-crop").unwrap();
+        let pad = Augmentation::PadCrop
+            .device_augments(3, 1, &ids, 64)
+            .unwrap();
+        let mirror = crop.device_augments(3, 1, &ids, 64).unwrap();
+        assert!(mirror.iter().all(|a| a.dy == 0 && a.dx == 0));
+        assert!(pad.iter().any(|a| a.dy != 0 || a.dx != 0));
+        let flips = |v: &[Augment]| v.iter().map(|a| a.flip).collect::<Vec<_>>();
+        assert_eq!(flips(&mirror), flips(&pad));
+        assert!(Augmentation::None.device_augments(3, 1, &ids, 64).is_none());
+        assert_eq!(crop.engine_crop(), Some(RandomResizedCrop::DEFAULT));
+        for a in [Augmentation::None, Augmentation::PadCrop, crop] {
+            assert_eq!(Augmentation::parse(a.as_str()), Some(a));
+        }
+        assert_eq!(Augmentation::parse("crop"), None);
     }
 
     #[test]

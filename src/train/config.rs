@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use pipeline::{LastBatch, OnBadImage, Sampling};
 
+use super::augment::Augmentation;
 use super::device::DeviceChoice;
 use super::folder::{BestRule, RunSettings};
 use super::TrainError;
@@ -65,8 +66,8 @@ pub struct TrainConfig {
     pub allow_data_change: bool,
     /// Replace the run already in `out` (without it, such a folder is refused).
     pub overwrite: bool,
-    /// Random crop + flip on training images.
-    pub augment: bool,
+    /// What training does to each image (`--augment`).
+    pub augment: Augmentation,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
     pub init_from: Option<PathBuf>,
     /// Last incomplete batch policy.
@@ -127,7 +128,7 @@ impl TrainConfig {
             resume: None,
             allow_data_change: false,
             overwrite: false,
-            augment: true,
+            augment: Augmentation::PadCrop,
             init_from: None,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
@@ -197,7 +198,8 @@ impl TrainConfig {
             step_gamma,
             plateau_patience: plateau.patience,
             plateau_factor: plateau.factor,
-            augment: self.augment,
+            augment: self.augment != Augmentation::None,
+            crop_scale: self.augment.engine_crop().map(|c| [c.scale.0, c.scale.1]),
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
@@ -219,7 +221,7 @@ impl TrainConfig {
         self.label_smoothing = s.label_smoothing;
         self.warmup_epochs = s.warmup_epochs;
         self.schedule = s.decay();
-        self.augment = s.augment;
+        self.augment = s.augmentation();
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
@@ -313,6 +315,16 @@ impl TrainConfig {
                     "--step-every",
                     format!("{every_epochs} (gamma {gamma})"),
                     "decay every ≥ 1 epoch by a factor in (0, 1]",
+                );
+            }
+        }
+        if let Some(crop) = self.augment.engine_crop() {
+            let (min, max) = crop.scale;
+            if !(min > 0.0 && min <= max && max <= 1.0) {
+                return bad(
+                    "--crop-scale",
+                    min.to_string(),
+                    "a share of the image's area in (0, 1] (torchvision's default: 0.08)",
                 );
             }
         }

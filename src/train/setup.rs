@@ -42,6 +42,7 @@ pub(crate) fn pipeline_for(
         .replicas(if training { ranks } else { 1 })
         .batch_size(cfg.batch_size)
         .shuffle(training)
+        .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
         .sampling(if training {
             cfg.sampler
         } else {
@@ -312,6 +313,16 @@ impl Shared {
             self.say(format!(
                 "balanced sampling: {} draws per epoch with replacement, each class equally likely",
                 self.train_pipe.len()
+            ));
+        }
+        if let Some(crop) = cfg.augment.engine_crop() {
+            self.say(format!(
+                "random resized crop: {:.0}–{:.0} % of each stored image's area, aspect {:.2}–{:.2}, scaled to {} px and mirrored at random",
+                crop.scale.0 * 100.0,
+                crop.scale.1 * 100.0,
+                crop.ratio.0,
+                crop.ratio.1,
+                cfg.image_size
             ));
         }
         if let Some((run, meta)) = resumed {

@@ -17,7 +17,7 @@
 use std::fs;
 use std::path::Path;
 
-use pipeline::{LastBatch, Sampling};
+use pipeline::{LastBatch, RandomResizedCrop, Sampling};
 use serde::{Deserialize, Serialize};
 
 use super::fault::{self, FaultTarget};
@@ -27,6 +27,7 @@ use super::files::{
 use super::metrics::{EpochMetrics, MetricsAccumulator};
 use super::FolderError;
 use crate::optim::{Decay, OptimizerChoice, Plateau, ScheduleChoice};
+use crate::train::Augmentation;
 
 /// Stable name of the current weights inside a run folder (a link to the file the sidecar
 /// names).
@@ -153,8 +154,12 @@ pub struct RunSettings {
     /// The cut (plateau schedule); absent in older checkpoints.
     #[serde(default = "default_plateau_factor")]
     pub plateau_factor: f32,
-    /// Random crop + flip.
+    /// Training augmentation of any kind (`--augment` other than `none`).
     pub augment: bool,
+    /// `--augment resized-crop`: the crop's least and greatest area share; absent for the
+    /// pad-and-crop (and in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crop_scale: Option<[f32; 2]>,
     /// Frozen batch norm.
     pub freeze_bn: bool,
     /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
@@ -194,6 +199,18 @@ impl RunSettings {
         };
         self.schedule
             .decay(self.step_every, self.step_gamma, plateau)
+    }
+
+    /// The training augmentation.
+    pub fn augmentation(&self) -> Augmentation {
+        match (self.augment, self.crop_scale) {
+            (false, _) => Augmentation::None,
+            (true, None) => Augmentation::PadCrop,
+            (true, Some([lo, hi])) => Augmentation::ResizedCrop(RandomResizedCrop {
+                scale: (lo, hi),
+                ..RandomResizedCrop::DEFAULT
+            }),
+        }
     }
 
     /// The rule that picks the best epoch.
@@ -676,6 +693,7 @@ pub(crate) mod tests {
                 plateau_patience: 4,
                 plateau_factor: 0.5,
                 augment: true,
+                crop_scale: Some([0.25, 1.0]),
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
@@ -748,6 +766,7 @@ pub(crate) mod tests {
             "sampler",
             "plateau_patience",
             "plateau_factor",
+            "crop_scale",
         ] {
             settings.remove(field).unwrap();
         }
@@ -756,6 +775,11 @@ pub(crate) mod tests {
         assert_eq!(old.data_position.lr_scale, 1.0);
         assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
+        assert_eq!(old.settings.augmentation(), Augmentation::PadCrop);
+        assert_eq!(
+            m.settings.augmentation(),
+            Augmentation::ResizedCrop(RandomResizedCrop::with_min_scale(0.25))
+        );
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use pipeline::Pipeline;
 
-use super::augment::augments_for;
 use super::folder::metrics::MetricsAccumulator;
 use super::folder::DataPosition;
 use super::setup::Shared;
@@ -370,14 +369,12 @@ impl<D: Device> Rank<D> {
         sync_bn: bool,
     ) -> Result<StepStats, TrainError> {
         let cfg = &shared.cfg;
-        let augments = cfg.augment.then(|| {
-            augments_for(
-                cfg.seed,
-                plan.epoch,
-                &batch.sample_ids[..batch.len],
-                cfg.image_size,
-            )
-        });
+        let augments = cfg.augment.device_augments(
+            cfg.seed,
+            plan.epoch,
+            &batch.sample_ids[..batch.len],
+            cfg.image_size,
+        );
         let input = InputBatch {
             pixels: (*batch.pixels).as_ref(),
             labels: &batch.labels,
