@@ -54,6 +54,24 @@ impl Augmentation {
         }
     }
 
+    /// The kind a checkpoint records: whether training augments, and the resized crop's
+    /// area-share range when it is that kind (absent in older checkpoints: pad-and-crop).
+    pub fn recorded(augment: bool, crop_scale: Option<[f32; 2]>) -> Self {
+        match (augment, crop_scale) {
+            (false, _) => Self::None,
+            (true, None) => Self::PadCrop,
+            (true, Some([min, max])) => Self::ResizedCrop(RandomResizedCrop {
+                scale: (min, max),
+                ..RandomResizedCrop::DEFAULT
+            }),
+        }
+    }
+
+    /// The area-share range a checkpoint records (`None` unless a resized crop).
+    pub fn recorded_crop_scale(&self) -> Option<[f32; 2]> {
+        self.engine_crop().map(|c| [c.scale.0, c.scale.1])
+    }
+
     /// The crop the input engine cuts, if any.
     pub fn engine_crop(&self) -> Option<RandomResizedCrop> {
         match self {
@@ -149,7 +167,14 @@ mod tests {
         assert_eq!(crop.engine_crop(), Some(RandomResizedCrop::DEFAULT));
         for a in [Augmentation::None, Augmentation::PadCrop, crop] {
             assert_eq!(Augmentation::parse(a.as_str()), Some(a));
+            let recorded = (a != Augmentation::None, a.recorded_crop_scale());
+            assert_eq!(Augmentation::recorded(recorded.0, recorded.1), a);
         }
+        let narrow = Augmentation::recorded(true, Some([0.25, 1.0]));
+        assert_eq!(
+            narrow,
+            Augmentation::ResizedCrop(RandomResizedCrop::with_min_scale(0.25))
+        );
         assert_eq!(Augmentation::parse("crop"), None);
     }
 

@@ -221,7 +221,7 @@ impl TrainConfig {
         self.label_smoothing = s.label_smoothing;
         self.warmup_epochs = s.warmup_epochs;
         self.schedule = s.decay();
-        self.augment = s.augmentation();
+        self.augment = Augmentation::recorded(s.augment, s.crop_scale);
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;

@@ -17,7 +17,7 @@
 use std::fs;
 use std::path::Path;
 
-use pipeline::{LastBatch, RandomResizedCrop, Sampling};
+use pipeline::{LastBatch, Sampling};
 use serde::{Deserialize, Serialize};
 
 use super::fault::{self, FaultTarget};
@@ -27,7 +27,6 @@ use super::files::{
 use super::metrics::{EpochMetrics, MetricsAccumulator};
 use super::FolderError;
 use crate::optim::{Decay, OptimizerChoice, Plateau, ScheduleChoice};
-use crate::train::Augmentation;
 
 /// Stable name of the current weights inside a run folder (a link to the file the sidecar
 /// names).
@@ -199,18 +198,6 @@ impl RunSettings {
         };
         self.schedule
             .decay(self.step_every, self.step_gamma, plateau)
-    }
-
-    /// The training augmentation.
-    pub fn augmentation(&self) -> Augmentation {
-        match (self.augment, self.crop_scale) {
-            (false, _) => Augmentation::None,
-            (true, None) => Augmentation::PadCrop,
-            (true, Some([lo, hi])) => Augmentation::ResizedCrop(RandomResizedCrop {
-                scale: (lo, hi),
-                ..RandomResizedCrop::DEFAULT
-            }),
-        }
     }
 
     /// The rule that picks the best epoch.
@@ -775,11 +762,7 @@ pub(crate) mod tests {
         assert_eq!(old.data_position.lr_scale, 1.0);
         assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
-        assert_eq!(old.settings.augmentation(), Augmentation::PadCrop);
-        assert_eq!(
-            m.settings.augmentation(),
-            Augmentation::ResizedCrop(RandomResizedCrop::with_min_scale(0.25))
-        );
+        assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)
