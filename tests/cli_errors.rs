@@ -90,6 +90,14 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--min-delta", "NaN"], "--min-delta"),
         (vec!["--augment", "crop"], "--augment"),
         (
+            vec!["--schedule", "plateau", "--plateau-min-lr", "1"],
+            "--plateau-min-lr",
+        ),
+        (
+            vec!["--schedule", "plateau", "--plateau-min-lr=-0.1"],
+            "--plateau-min-lr",
+        ),
+        (
             vec!["--no-augment", "--augment", "pad-crop"],
             "--no-augment",
         ),

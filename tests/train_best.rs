@@ -233,6 +233,79 @@ fn a_plateau_schedule_cuts_the_rate_and_resumes_exactly() {
     assert_eq!(scale, 0.5f32.powi(cuts as i32));
 }
 
+/// `--plateau-cooldown` and `--plateau-min-lr`: with the best epoch 1 and patience 1, the
+/// rate is halved after epoch 2, epoch 3 is the cooldown, the cut after epoch 4 stops at the
+/// floor (0.3 of the rate, not 0.25), and none follows; a run stopped right after the first
+/// cut resumes inside the cooldown (which the checkpoint records) and ends bit-identical.
+#[test]
+fn a_plateau_cooldown_and_floor_hold_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 6);
+    let cache = tmp.path().join("cache");
+    let flags = [
+        "--schedule",
+        "plateau",
+        "--plateau-patience",
+        "1",
+        "--plateau-factor",
+        "0.5",
+        "--plateau-cooldown",
+        "1",
+        "--plateau-min-lr",
+        "0.24",
+        "--min-delta",
+        "0.01",
+    ];
+    let full = tmp.path().join("full");
+    let out = ok(run_with(
+        &with(train_args(&data, &cache, &full, 6), &flags),
+        &[],
+    ));
+    let printed = stdout(&out);
+    let cuts: Vec<&str> = printed.lines().filter(|l| l.contains("lr cut")).collect();
+    assert_eq!(cuts.len(), 2, "{printed}");
+    assert!(
+        cuts[0].starts_with("epoch 2/6 · lr cut ×0.5 to 0.006250")
+            && cuts[0].contains("the next epoch is not counted"),
+        "{printed}"
+    );
+    assert!(
+        cuts[1].starts_with("epoch 4/6 · lr cut to its floor to 0.003750"),
+        "{printed}"
+    );
+    let meta = CheckpointMeta::load(&full).unwrap();
+    assert!((meta.data_position.lr_scale - 0.3).abs() < 1e-6);
+    assert_eq!(meta.data_position.plateau_last_cut, Some(4));
+    assert_eq!(
+        (meta.settings.plateau_cooldown, meta.settings.plateau_min_lr),
+        (1, 0.24)
+    );
+    // 3 steps per epoch: step 6 ends epoch 2, just cut; epoch 3 must stay uncounted.
+    let run = tmp.path().join("stopped");
+    ok(run_with(
+        &with(
+            train_args(&data, &cache, &run, 6),
+            &[&flags[..], &["--stop-after-steps", "6"]].concat(),
+        ),
+        &[],
+    ));
+    assert_eq!(
+        CheckpointMeta::load(&run)
+            .unwrap()
+            .data_position
+            .plateau_last_cut,
+        Some(2)
+    );
+    let out = ok(run_with(&resume_args(&run, &data), &[]));
+    assert_eq!(
+        stdout(&out).matches("lr cut").count(),
+        1,
+        "{}",
+        stdout(&out)
+    );
+    assert!(weights(&run) == weights(&full), "the resumed run differs");
+}
+
 /// A run stopped after epoch 1 and resumed into another folder for one more (worse) epoch
 /// keeps epoch 1 as its best: best/ came along with the checkpoint.
 #[test]

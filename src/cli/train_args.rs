@@ -156,6 +156,13 @@ pub struct TrainArgs {
     /// With --schedule plateau: the factor of each cut.
     #[arg(long, value_name = "F", default_value_t = Plateau::DEFAULT.factor)]
     pub plateau_factor: f32,
+    /// With --schedule plateau: epochs after each cut that are not counted.
+    #[arg(long, value_name = "E", default_value_t = Plateau::DEFAULT.cooldown)]
+    pub plateau_cooldown: u32,
+    /// With --schedule plateau: the lowest rate the cuts go to, in --lr's units (for a
+    /// global batch of 256).
+    #[arg(long, value_name = "X", default_value_t = Plateau::DEFAULT.min_lr)]
+    pub plateau_min_lr: f32,
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
     pub image_size: Option<u32>,
@@ -382,6 +389,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
             Plateau {
                 patience: args.plateau_patience,
                 factor: args.plateau_factor,
+                cooldown: args.plateau_cooldown,
+                min_lr: args.plateau_min_lr,
             },
         );
     }

@@ -86,30 +86,58 @@ pub enum Decay {
     Plateau(Plateau),
 }
 
-/// Keras' `ReduceLROnPlateau` (without cooldown or floor): the learning rate is multiplied
-/// by `factor` whenever `patience` epochs in a row bring no better validation epoch (by the
-/// run's `--monitor` and `--min-delta`); the count starts again after each cut.
+/// Keras' `ReduceLROnPlateau`: the learning rate is multiplied by `factor` whenever
+/// `patience` epochs in a row bring no better validation epoch (by the run's `--monitor` and
+/// `--min-delta`); the count starts again after each cut, the `cooldown` epochs after a cut
+/// are not counted, and the rate never goes below `min_lr` (in `--lr`'s units: for a global
+/// batch of 256).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plateau {
     /// Epochs without improvement before a cut.
     pub patience: u32,
     /// The cut, in (0, 1).
     pub factor: f32,
+    /// Epochs after a cut that are not counted.
+    pub cooldown: u32,
+    /// The lowest rate a cut goes to, in `--lr`'s units (0: none).
+    pub min_lr: f32,
 }
 
 impl Plateau {
-    /// Keras' defaults: a cut to a tenth after 10 epochs without improvement.
+    /// Keras' defaults: a cut to a tenth after 10 epochs without improvement, no cooldown,
+    /// no floor.
     pub const DEFAULT: Plateau = Plateau {
         patience: 10,
         factor: 0.1,
+        cooldown: 0,
+        min_lr: 0.0,
     };
 
-    /// Whether the rate is cut once `epochs_done` epochs have run and the best so far is
-    /// epoch `best_epoch` (1-based): after `patience`, `2·patience`, … epochs without
-    /// improvement, which is Keras' count that restarts at every cut.
-    pub fn cuts_after(&self, epochs_done: u64, best_epoch: u64) -> bool {
-        let since = epochs_done.saturating_sub(best_epoch);
-        self.patience > 0 && since > 0 && since % u64::from(self.patience) == 0
+    /// The epochs without improvement counted once `epochs_done` epochs have run: since the
+    /// best epoch (1-based), or since the end of the cooldown of the last cut, whichever
+    /// came later.
+    pub fn epochs_counted(&self, epochs_done: u64, best_epoch: u64, last_cut: Option<u64>) -> u64 {
+        let cooled = last_cut.map_or(0, |cut| cut + u64::from(self.cooldown));
+        epochs_done.saturating_sub(best_epoch.max(cooled))
+    }
+
+    /// The rate scale after epoch `epochs_done` when a cut is due then: `scale × factor`,
+    /// not below `min_lr / lr`; `None` when none is due (fewer than `patience`, `2·patience`,
+    /// … epochs counted, or the rate is at its floor already). `last_cut` is the epoch of
+    /// the last cut, when known: without it (a checkpoint from before the cooldown existed)
+    /// the count runs from the best epoch, which is the same for a run without cooldown.
+    pub fn cut(
+        &self,
+        epochs_done: u64,
+        best_epoch: u64,
+        last_cut: Option<u64>,
+        scale: f32,
+        lr: f32,
+    ) -> Option<f32> {
+        let counted = self.epochs_counted(epochs_done, best_epoch, last_cut);
+        let due = self.patience > 0 && counted > 0 && counted % u64::from(self.patience) == 0;
+        let floor = self.min_lr / lr;
+        (due && scale > floor).then(|| (scale * self.factor).max(floor))
     }
 }
 
@@ -182,14 +210,26 @@ mod tests {
         let p = Plateau {
             patience: 3,
             factor: 0.5,
+            ..Plateau::DEFAULT
         };
-        let cuts: Vec<u64> = (1..=12).filter(|&done| p.cuts_after(done, 2)).collect();
-        assert_eq!(
-            cuts,
-            [5, 8, 11],
-            "best at epoch 2: cuts 3, 6, 9 epochs later"
-        );
-        assert!(!p.cuts_after(2, 2), "the best epoch itself");
+        // Best at epoch 2: cuts 3, 6, 9 epochs later, whether or not the last cut is known.
+        let mut last = None;
+        let mut scale = 1.0;
+        let mut cuts = Vec::new();
+        for done in 1..=12 {
+            assert_eq!(
+                p.cut(done, 2, None, scale, 0.1).is_some(),
+                p.cut(done, 2, last, scale, 0.1).is_some(),
+                "epoch {done}"
+            );
+            if let Some(s) = p.cut(done, 2, last, scale, 0.1) {
+                cuts.push(done);
+                (scale, last) = (s, Some(done));
+            }
+        }
+        assert_eq!(cuts, [5, 8, 11]);
+        assert_eq!(scale, 0.125);
+        assert_eq!(p.cut(2, 2, None, 1.0, 0.1), None, "the best epoch itself");
         let schedule = Schedule {
             base_lr: 0.4,
             steps_per_epoch: 10,
@@ -212,5 +252,34 @@ mod tests {
             ScheduleChoice::Plateau.decay(30, 0.1, p).choice(),
             ScheduleChoice::Plateau
         );
+    }
+
+    #[test]
+    fn a_plateau_cooldown_skips_epochs_and_a_floor_stops_the_cuts() {
+        let p = Plateau {
+            patience: 2,
+            factor: 0.1,
+            cooldown: 3,
+            min_lr: 0.0004,
+        };
+        // lr 0.2, floor 0.0004: scales 1 → 0.1 → 0.01 → 0.002 (the floor), then no more.
+        let (mut scale, mut last, mut cuts) = (1.0f32, None, Vec::new());
+        for done in 1..=30 {
+            if let Some(s) = p.cut(done, 1, last, scale, 0.2) {
+                cuts.push((done, s));
+                (scale, last) = (s, Some(done));
+            }
+        }
+        // Best at epoch 1: the first cut after 2 epochs; then 3 cooled and 2 counted.
+        let epochs: Vec<u64> = cuts.iter().map(|c| c.0).collect();
+        assert_eq!(epochs, [3, 8, 13]);
+        assert!(
+            (cuts[1].1 - 0.01).abs() < 1e-7 && (cuts[2].1 - 0.002).abs() < 1e-7,
+            "{cuts:?}"
+        );
+        // A better epoch inside the cooldown: counting starts when the cooldown ends.
+        assert_eq!(p.epochs_counted(9, 5, Some(3)), 3);
+        assert_eq!(p.epochs_counted(9, 7, Some(3)), 2);
+        assert_eq!(p.epochs_counted(5, 4, Some(3)), 0);
     }
 }

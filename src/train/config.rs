@@ -198,6 +198,8 @@ impl TrainConfig {
             step_gamma,
             plateau_patience: plateau.patience,
             plateau_factor: plateau.factor,
+            plateau_cooldown: plateau.cooldown,
+            plateau_min_lr: plateau.min_lr,
             augment: self.augment != Augmentation::None,
             crop_scale: self.augment.engine_crop().map(|c| [c.scale.0, c.scale.1]),
             freeze_bn: self.freeze_bn,
@@ -341,6 +343,16 @@ impl TrainConfig {
                     "--plateau-factor",
                     p.factor.to_string(),
                     "a cut strictly between 0 and 1 (Keras' default: 0.1)",
+                );
+            }
+            if !(p.min_lr >= 0.0 && p.min_lr < self.lr) {
+                return bad(
+                    "--plateau-min-lr",
+                    p.min_lr.to_string(),
+                    &format!(
+                        "the lowest rate the cuts go to, in --lr's units: at least 0 and below --lr {}",
+                        self.lr
+                    ),
                 );
             }
         }

@@ -559,14 +559,27 @@ fn end_epoch<D: Device>(
     // the other ranks learn it from `share_lr_scale`.
     let mut cut_note = String::new();
     if let (Decay::Plateau(p), Some(b)) = (shared.schedule.decay, *best) {
-        if p.cuts_after(epoch, b.epoch) {
-            rank.position.lr_scale *= p.factor;
+        let position = &mut rank.position;
+        let last_cut = position.plateau_last_cut;
+        if let Some(scale) = p.cut(epoch, b.epoch, last_cut, position.lr_scale, cfg.lr) {
+            // The floor raised the cut: say so rather than print a factor that was not applied.
+            let floored = scale > position.lr_scale * p.factor;
+            (position.lr_scale, position.plateau_last_cut) = (scale, Some(epoch));
             cut_note = format!(
-                " · lr cut ×{} to {:.6} ({} has not improved for {} epochs)",
-                p.factor,
-                shared.lr_at(rank.position.global_step, &rank.position),
+                " · lr cut {} to {:.6} ({} has not improved for {} epochs{})",
+                if floored {
+                    "to its floor".to_string()
+                } else {
+                    format!("×{}", p.factor)
+                },
+                shared.lr_at(position.global_step, position),
                 cfg.best_rule.monitor.words(),
-                epoch - b.epoch
+                epoch - b.epoch,
+                match p.cooldown {
+                    0 => String::new(),
+                    1 => "; the next epoch is not counted".into(),
+                    c => format!("; the next {c} are not counted"),
+                }
             );
         }
     }

@@ -55,6 +55,10 @@ pub struct DataPosition {
     /// checkpoints.
     #[serde(default = "one")]
     pub lr_scale: f32,
+    /// The epoch (1-based) of the plateau schedule's last cut, which its cooldown counts
+    /// from; absent before the first cut and in older checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plateau_last_cut: Option<u64>,
 }
 
 impl DataPosition {
@@ -67,6 +71,7 @@ impl DataPosition {
             global_step: 0,
             partial_train: MetricsAccumulator::default(),
             lr_scale: 1.0,
+            plateau_last_cut: None,
         }
     }
 
@@ -76,6 +81,7 @@ impl DataPosition {
             epoch: self.epoch + 1,
             global_step: self.global_step,
             lr_scale: self.lr_scale,
+            plateau_last_cut: self.plateau_last_cut,
             ..DataPosition::start()
         }
     }
@@ -153,6 +159,14 @@ pub struct RunSettings {
     /// The cut (plateau schedule); absent in older checkpoints.
     #[serde(default = "default_plateau_factor")]
     pub plateau_factor: f32,
+    /// Epochs after a cut that are not counted (plateau schedule); absent in older
+    /// checkpoints (0).
+    #[serde(default)]
+    pub plateau_cooldown: u32,
+    /// The lowest rate, in `lr`'s units (plateau schedule; 0: none); absent in older
+    /// checkpoints.
+    #[serde(default)]
+    pub plateau_min_lr: f32,
     /// Training augmentation of any kind (`--augment` other than `none`).
     pub augment: bool,
     /// `--augment resized-crop`: the crop's least and greatest area share; absent for the
@@ -195,6 +209,8 @@ impl RunSettings {
         let plateau = Plateau {
             patience: self.plateau_patience,
             factor: self.plateau_factor,
+            cooldown: self.plateau_cooldown,
+            min_lr: self.plateau_min_lr,
         };
         self.schedule
             .decay(self.step_every, self.step_gamma, plateau)
@@ -662,6 +678,7 @@ pub(crate) mod tests {
                 global_step: 10,
                 partial_train: MetricsAccumulator::default(),
                 lr_scale: 0.25,
+                plateau_last_cut: Some(1),
             },
             global_batch: 16,
             replicas: 2,
@@ -679,6 +696,8 @@ pub(crate) mod tests {
                 step_gamma: 0.1,
                 plateau_patience: 4,
                 plateau_factor: 0.5,
+                plateau_cooldown: 2,
+                plateau_min_lr: 0.001,
                 augment: true,
                 crop_scale: Some([0.25, 1.0]),
                 freeze_bn: false,
@@ -743,6 +762,11 @@ pub(crate) mod tests {
             .unwrap()
             .remove("lr_scale")
             .unwrap();
+        value["data_position"]
+            .as_object_mut()
+            .unwrap()
+            .remove("plateau_last_cut")
+            .unwrap();
         let settings = value["settings"].as_object_mut().unwrap();
         for field in [
             "save_every",
@@ -753,6 +777,8 @@ pub(crate) mod tests {
             "sampler",
             "plateau_patience",
             "plateau_factor",
+            "plateau_cooldown",
+            "plateau_min_lr",
             "crop_scale",
         ] {
             settings.remove(field).unwrap();
@@ -760,6 +786,19 @@ pub(crate) mod tests {
         let old: CheckpointMeta = serde_json::from_value(value).unwrap();
         assert_eq!(old.best, None);
         assert_eq!(old.data_position.lr_scale, 1.0);
+        assert_eq!(old.data_position.plateau_last_cut, None);
+        assert_eq!(
+            old.settings.decay(),
+            m.settings.decay().choice().decay(
+                m.settings.step_every,
+                m.settings.step_gamma,
+                Plateau {
+                    patience: 10,
+                    factor: 0.1,
+                    ..Plateau::DEFAULT
+                },
+            )
+        );
         assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
         assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
