@@ -89,6 +89,7 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--min-delta=-0.1"], "--min-delta"),
         (vec!["--min-delta", "NaN"], "--min-delta"),
         (vec!["--augment", "crop"], "--augment"),
+        (vec!["--crop-pct", "1.2"], "--crop-pct"),
         (
             vec!["--schedule", "plateau", "--plateau-min-lr", "1"],
             "--plateau-min-lr",

@@ -247,6 +247,75 @@ fn tta_averages_each_image_with_its_mirror_image() {
     );
 }
 
+/// `--crop-pct`: a run trained with it validates on the centred crop, and `eval` and
+/// `predict` of its checkpoint take the crop from the checkpoint (the same figures as the
+/// run's last validation line), unless told another share.
+#[test]
+fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 6);
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &cache, &run, 2);
+    args.extend(["--crop-pct".to_string(), "0.75".to_string()]);
+    ok(run_with(&args, &[]));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["split"], "valid");
+    let eval = |extra: &[&str]| {
+        let mut args = vec![
+            "eval",
+            "--checkpoint",
+            s(&run),
+            "--data",
+            s(&data),
+            "--cache-dir",
+            s(&cache),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json_lines(&ok(birdtrain_output(&args)))[0].clone()
+    };
+    let as_trained = eval(&[]);
+    assert_eq!(as_trained["crop_pct"], 0.75, "{as_trained}");
+    let loss = as_trained["loss"].as_f64().unwrap();
+    let valid_loss = last["loss"].as_f64().unwrap();
+    assert!(
+        (loss - valid_loss).abs() < 1e-5,
+        "eval {loss} vs validation {valid_loss}"
+    );
+    let whole = eval(&["--crop-pct", "1"]);
+    assert_eq!(whole["crop_pct"], 1.0);
+    assert!(
+        (whole["loss"].as_f64().unwrap() - loss).abs() > 1e-4,
+        "the crop changed nothing: {whole} vs {as_trained}"
+    );
+    let valid = data.join("valid");
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", s(&run), "--json", "--top-k", "3"];
+        args.extend_from_slice(extra);
+        args.push(s(&valid));
+        probabilities(&ok(birdtrain_output(&args)))
+    };
+    let default = predict(&[]);
+    assert_eq!(default, predict(&["--crop-pct", "0.75"]));
+    assert_ne!(default, predict(&["--crop-pct", "1"]));
+    let text_out = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+    ]));
+    assert!(
+        text(&text_out).contains("(centre crop 0.75)"),
+        "{}",
+        text(&text_out)
+    );
+}
+
 #[test]
 fn predict_skips_or_fails_on_bad_files_as_asked() {
     let tmp = tempfile::tempdir().unwrap();
@@ -375,6 +444,10 @@ fn inference_flags_that_cannot_work_are_one_line_errors() {
         &predict(&["--batch-size", "0", s(&image)]),
         &["--batch-size"],
     );
+    assert_one_line_error(
+        &predict(&["--crop-pct", "1.5", s(&image)]),
+        &["--crop-pct", "(0, 1]"],
+    );
     let empty = tmp.path().join("nothing-here");
     std::fs::create_dir(&empty).unwrap();
     assert_one_line_error(&predict(&[s(&empty)]), &["nothing-here", "no files"]);
@@ -397,5 +470,6 @@ fn inference_flags_that_cannot_work_are_one_line_errors() {
         &eval(&["--predictions", s(tmp.path())]),
         &["is a folder", "--predictions"],
     );
+    assert_one_line_error(&eval(&["--crop-pct", "0"]), &["--crop-pct", "(0, 1]"]);
     assert!(!missing.parent().unwrap().exists());
 }

@@ -26,6 +26,7 @@ pub struct PipelineBuilder {
     pub(crate) shuffle: bool,
     pub(crate) sampling: Sampling,
     pub(crate) crop: Option<RandomResizedCrop>,
+    pub(crate) center_crop: Option<f32>,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
@@ -50,6 +51,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("shuffle", &self.shuffle)
             .field("sampling", &self.sampling)
             .field("crop", &self.crop)
+            .field("center_crop", &self.center_crop)
             .field("last_batch", &self.last_batch)
             .field("on_bad_image", &self.on_bad_image)
             .finish_non_exhaustive()
@@ -78,6 +80,7 @@ impl PipelineBuilder {
             shuffle: true,
             sampling: Sampling::Shuffle,
             crop: None,
+            center_crop: None,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -159,6 +162,14 @@ impl PipelineBuilder {
         self.crop = crop;
         self
     }
+    /// Hands out the centred square covering `fraction` of each stored square's side,
+    /// scaled back to `S×S` (`None`, the default: the square as stored): the evaluation crop
+    /// of ImageNet recipes (0.875, torchvision's resize to 256 and crop to 224). Not with
+    /// [`PipelineBuilder::random_resized_crop`].
+    pub fn center_crop(mut self, fraction: Option<f32>) -> Self {
+        self.center_crop = fraction;
+        self
+    }
     /// Policy for the last, incomplete global batch.
     pub fn last_batch(mut self, policy: LastBatch) -> Self {
         self.last_batch = policy;
@@ -224,6 +235,16 @@ impl PipelineBuilder {
         }
         if let Some(crop) = &self.crop {
             crop.validate()?;
+        }
+        if let Some(fraction) = self.center_crop {
+            crate::crop::check_center_fraction(fraction)?;
+            if self.crop.is_some() {
+                return Err(PipelineError::InvalidSetting {
+                    name: "center_crop",
+                    value: fraction.to_string(),
+                    hint: "an engine cuts one crop: the random resized one (training) or the centred one (evaluation)",
+                });
+            }
         }
         Pipeline::start(self)
     }

@@ -1,6 +1,6 @@
-//! Random resized crop (torchvision's `RandomResizedCrop`, the ImageNet training crop) of the
-//! stored `S×S` square: a window of random area and aspect ratio is cut out and scaled back
-//! to `S×S` by the decode worker, before the batch is handed on.
+//! Crops of the stored `S×S` square, cut out and scaled back to `S×S` by the decode worker
+//! before the batch is handed on: the random resized crop (torchvision's `RandomResizedCrop`,
+//! the ImageNet training crop) and the centre crop (the evaluation crop, timm's `crop_pct`).
 //!
 //! The window is drawn as torchvision draws it: up to ten tries of an area share uniform in
 //! `scale` and an aspect ratio log-uniform in `ratio`, rounded to whole pixels, kept when it
@@ -35,6 +35,18 @@ pub struct CropWindow {
 }
 
 impl CropWindow {
+    /// The centred square covering `fraction` of the side (at least one pixel).
+    pub fn centered(side: u32, fraction: f32) -> Self {
+        let width = ((f64::from(side) * f64::from(fraction)).round() as u32).clamp(1, side);
+        let x = (side - width) / 2;
+        Self {
+            x,
+            y: x,
+            width,
+            height: width,
+        }
+    }
+
     /// The whole `side × side` square.
     pub fn full(side: u32) -> Self {
         Self {
@@ -114,6 +126,38 @@ impl RandomResizedCrop {
     }
 }
 
+/// What the decode worker cuts out of each stored square.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Cut {
+    /// A random resized crop, its windows drawn from this seed.
+    Random(RandomResizedCrop, u64),
+    /// The same centred window of every image.
+    Center(CropWindow),
+}
+
+impl Cut {
+    /// The window of sample `sample_id` in `epoch`.
+    pub(crate) fn window(&self, epoch: u64, sample_id: u64, side: u32) -> CropWindow {
+        match self {
+            Cut::Random(crop, seed) => crop.window(*seed, epoch, sample_id, side),
+            Cut::Center(window) => *window,
+        }
+    }
+}
+
+/// Checks a centre-crop fraction (`--crop-pct`).
+pub(crate) fn check_center_fraction(fraction: f32) -> Result<(), PipelineError> {
+    if fraction > 0.0 && fraction <= 1.0 {
+        Ok(())
+    } else {
+        Err(PipelineError::InvalidSetting {
+            name: "--crop-pct",
+            value: fraction.to_string(),
+            hint: "the centre crop's share of the side, in (0, 1] (timm's ImageNet default: 0.875)",
+        })
+    }
+}
+
 /// Uniform in `[lo, hi]` (`lo` itself when the range is empty).
 fn uniform(rng: &mut impl Rng, lo: f64, hi: f64) -> f64 {
     lo + (hi - lo) * rng.random::<f64>()
@@ -185,6 +229,25 @@ mod tests {
         };
         for id in 0..50 {
             assert_eq!(crop.window(0, 0, id, 32), CropWindow::full(32));
+        }
+    }
+
+    #[test]
+    fn a_centred_window_is_centred_and_never_empty() {
+        assert_eq!(
+            CropWindow::centered(224, 0.875),
+            CropWindow {
+                x: 14,
+                y: 14,
+                width: 196,
+                height: 196
+            }
+        );
+        assert_eq!(CropWindow::centered(32, 1.0), CropWindow::full(32));
+        assert_eq!(CropWindow::centered(8, 0.01).width, 1);
+        for bad in [0.0, -0.5, 1.01, f32::NAN] {
+            let e = check_center_fraction(bad).unwrap_err();
+            assert!(e.to_string().contains("--crop-pct"), "{e}");
         }
     }
 

@@ -323,7 +323,13 @@ impl Pipeline {
             class_names: scanned.classes,
             image_size: b.image_size,
             resize_mode: b.resize_mode,
-            crop: b.crop.map(|crop| (crop, b.seed)),
+            crop: match (b.crop, b.center_crop) {
+                (Some(crop), _) => Some(crate::crop::Cut::Random(crop, b.seed)),
+                (None, Some(fraction)) => Some(crate::crop::Cut::Center(
+                    crate::CropWindow::centered(b.image_size, fraction),
+                )),
+                (None, None) => None,
+            },
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
             cache,

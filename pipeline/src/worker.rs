@@ -10,11 +10,12 @@ use std::time::Instant;
 use crate::bad::{BadFile, BadFileKind};
 use crate::buffer::Slot;
 use crate::cache::{Cache, Lookup};
+use crate::crop::Cut;
 use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
-use crate::{CropWindow, OnBadImage, PipelineError, RandomResizedCrop, ResizeMode};
+use crate::{CropWindow, OnBadImage, PipelineError, ResizeMode};
 
 /// The detail of a bad file known from an earlier pass over the cache.
 pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
@@ -28,8 +29,8 @@ pub(crate) struct Shared {
     pub(crate) class_names: Vec<String>,
     pub(crate) image_size: u32,
     pub(crate) resize_mode: ResizeMode,
-    /// The random resized crop and the seed its windows are drawn from, when asked for.
-    pub(crate) crop: Option<(RandomResizedCrop, u64)>,
+    /// The crop cut out of every stored square, when asked for.
+    pub(crate) crop: Option<Cut>,
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
@@ -293,7 +294,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     let side = shared.image_size;
     let window = shared
         .crop
-        .map(|(crop, seed)| crop.window(seed, job.epoch, u64::from(job.index), side))
+        .map(|cut| cut.window(job.epoch, u64::from(job.index), side))
         .filter(|w| *w != CropWindow::full(side));
     match shared.cache.lookup(i) {
         Lookup::Hit(record) => {

@@ -1,7 +1,8 @@
 //! `PipelineBuilder::random_resized_crop`: every image handed out is the drawn window of its
 //! stored square scaled back to the square, the window depends on `(seed, epoch, sample id)`
 //! only (workers, replicas, resume point and cache state do not change a pixel), and the
-//! cache keeps the whole squares.
+//! cache keeps the whole squares. `PipelineBuilder::center_crop`: every image is the same
+//! centred window, from the cache or straight from the file.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -68,6 +69,41 @@ fn pixels_by_id(
     out
 }
 
+/// Checks that `px` is window `w` of a ramp scaled to the square; returns the pixels checked.
+fn assert_window(px: &[u8], w: CropWindow, what: &str) -> usize {
+    let mut checked = 0;
+    let (sx, sy) = (
+        f64::from(w.width) / f64::from(SIDE),
+        f64::from(w.height) / f64::from(SIDE),
+    );
+    for v in 0..SIDE as usize {
+        for u in 0..SIDE as usize {
+            // The source point this output pixel centre maps to; bilinear is exact on
+            // a ramp away from the borders, where the filter's support is clamped.
+            let x = f64::from(w.x) + (u as f64 + 0.5) * sx - 0.5;
+            let y = f64::from(w.y) + (v as f64 + 0.5) * sy - 0.5;
+            if !(0.0..=f64::from(SIDE - 1)).contains(&x)
+                || !(0.0..=f64::from(SIDE - 1)).contains(&y)
+            {
+                continue;
+            }
+            let at = (v * SIDE as usize + u) * 3;
+            let (red, green) = (f64::from(px[at]), f64::from(px[at + 1]));
+            // Tolerance: 8 levels per source pixel, so 2.5 levels is a third of a
+            // pixel (rounding of the u8 result and of the filter's fixed point).
+            assert!(
+                (red - 8.0 * x).abs() <= 2.5 && (green - 8.0 * y).abs() <= 2.5,
+                "{what} window {w:?} pixel ({u},{v}): \
+                         got ({red},{green}), expected ({:.1},{:.1})",
+                8.0 * x,
+                8.0 * y
+            );
+            checked += 1;
+        }
+    }
+    checked
+}
+
 #[test]
 fn each_image_is_its_drawn_window_scaled_to_the_square() {
     let r = ramps(12);
@@ -78,35 +114,7 @@ fn each_image_is_its_drawn_window_scaled_to_the_square() {
         for (id, px) in pixels_by_id(&p, epoch, 0, 0) {
             let w = crop.window(SEED, epoch, id, SIDE);
             assert_ne!(w, CropWindow::full(SIDE), "sample {id} epoch {epoch}");
-            let (sx, sy) = (
-                f64::from(w.width) / f64::from(SIDE),
-                f64::from(w.height) / f64::from(SIDE),
-            );
-            for v in 0..SIDE as usize {
-                for u in 0..SIDE as usize {
-                    // The source point this output pixel centre maps to; bilinear is exact on
-                    // a ramp away from the borders, where the filter's support is clamped.
-                    let x = f64::from(w.x) + (u as f64 + 0.5) * sx - 0.5;
-                    let y = f64::from(w.y) + (v as f64 + 0.5) * sy - 0.5;
-                    if !(0.0..=f64::from(SIDE - 1)).contains(&x)
-                        || !(0.0..=f64::from(SIDE - 1)).contains(&y)
-                    {
-                        continue;
-                    }
-                    let at = (v * SIDE as usize + u) * 3;
-                    let (red, green) = (f64::from(px[at]), f64::from(px[at + 1]));
-                    // Tolerance: 8 levels per source pixel, so 2.5 levels is a third of a
-                    // pixel (rounding of the u8 result and of the filter's fixed point).
-                    assert!(
-                        (red - 8.0 * x).abs() <= 2.5 && (green - 8.0 * y).abs() <= 2.5,
-                        "sample {id} epoch {epoch} window {w:?} pixel ({u},{v}): \
-                         got ({red},{green}), expected ({:.1},{:.1})",
-                        8.0 * x,
-                        8.0 * y
-                    );
-                    checked += 1;
-                }
-            }
+            checked += assert_window(&px, w, &format!("sample {id} epoch {epoch}"));
             assert_eq!(px[2], (id * 10) as u8, "blue is constant per image");
         }
     }
@@ -160,6 +168,36 @@ fn the_cache_keeps_the_whole_squares() {
         });
         assert_eq!(px, want.into_raw(), "sample {id}");
     }
+}
+
+#[test]
+fn a_centre_crop_is_the_same_window_of_every_image_cached_or_not() {
+    let r = ramps(5);
+    let window = CropWindow::centered(SIDE, 0.75);
+    for cached in [true, false] {
+        let p = builder(&r, None)
+            .center_crop(Some(0.75))
+            .cache(cached)
+            .shuffle(false)
+            .build()
+            .unwrap();
+        for epoch in 0..2 {
+            for (id, px) in pixels_by_id(&p, epoch, 0, 0) {
+                let what = format!("sample {id} epoch {epoch} cached {cached}");
+                assert!(assert_window(&px, window, &what) > 400, "{what}");
+            }
+        }
+    }
+    let err = builder(&r, Some(RandomResizedCrop::DEFAULT))
+        .center_crop(Some(0.875))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("one crop"), "{err}");
+    let err = builder(&r, None)
+        .center_crop(Some(0.0))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("--crop-pct"), "{err}");
 }
 
 #[test]

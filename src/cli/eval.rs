@@ -53,6 +53,35 @@ pub struct EvalArgs {
     /// probabilities (twice the compute).
     #[arg(long)]
     pub tta: bool,
+    /// Classify the centred square covering this share of each image's side, scaled to the
+    /// model's image size [default: the checkpoint's --crop-pct]
+    #[arg(long, value_name = "F")]
+    pub crop_pct: Option<f32>,
+}
+
+/// How the images were shown to the network: the views of each, and the centred share of
+/// its side.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InputView {
+    /// As stored, or averaged with the mirror image (`--tta`).
+    pub views: Views,
+    /// The centred share of each image's side (`--crop-pct`; 1: all of it).
+    pub crop_pct: f32,
+}
+
+/// `--crop-pct` of `eval` and `predict`: the flag's value, else the checkpoint's, checked.
+pub(crate) fn crop_pct_for(flag: Option<f32>, meta: &CheckpointMeta) -> Result<f32, CliError> {
+    let f = flag.unwrap_or(meta.settings.crop_pct);
+    if f > 0.0 && f <= 1.0 {
+        Ok(f)
+    } else {
+        Err(CliError::BadValue {
+            flag: "--crop-pct",
+            value: f.to_string(),
+            hint: "the centre crop's share of the side, in (0, 1] (timm's ImageNet default: 0.875)"
+                .into(),
+        })
+    }
 }
 
 /// Evaluates and prints loss, top-1, top-5 and the per-class table.
@@ -86,6 +115,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
+    let crop_pct = crop_pct_for(args.crop_pct, &meta)?;
     let source = pipeline::DatasetSource::at(&args.data, args.valid_fraction);
     let mut b = PipelineBuilder::new(source)
         .split(split)
@@ -93,6 +123,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)
+        .center_crop((crop_pct != 1.0).then_some(crop_pct))
         .shuffle(false);
     if let Some(w) = args.workers {
         b = b.workers(w);
@@ -116,12 +147,24 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if args.json {
         println!(
             "{}",
-            eval_json(&model.meta.model, &args.split, classes, views, &report)
+            eval_json(
+                &model.meta.model,
+                &args.split,
+                classes,
+                InputView { views, crop_pct },
+                &report
+            )
         );
     } else {
         print!(
             "{}",
-            format_eval(&model.meta.model, &args.split, classes, views, &report)
+            format_eval(
+                &model.meta.model,
+                &args.split,
+                classes,
+                InputView { views, crop_pct },
+                &report
+            )
         );
     }
     Ok(())
@@ -175,7 +218,7 @@ pub fn eval_json(
     model: &str,
     split: &str,
     classes: &[String],
-    views: Views,
+    input: InputView,
     r: &EvalReport,
 ) -> String {
     let t = r.totals.finish(0, crate::train::MetricsSplit::Valid);
@@ -190,7 +233,8 @@ pub fn eval_json(
     serde_json::json!({
         "model": model,
         "split": split,
-        "tta": views == Views::WithMirror,
+        "tta": input.views == Views::WithMirror,
+        "crop_pct": input.crop_pct,
         "images": r.totals.count,
         "loss": t.loss,
         "accuracy": t.accuracy,
@@ -206,7 +250,7 @@ pub fn format_eval(
     model: &str,
     split: &str,
     classes: &[String],
-    views: Views,
+    input: InputView,
     r: &EvalReport,
 ) -> String {
     use std::fmt::Write;
@@ -214,11 +258,16 @@ pub fn format_eval(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{model} on {split}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
-        if views == Views::WithMirror {
+        "{model} on {split}{}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
+        if input.views == Views::WithMirror {
             " with mirror TTA"
         } else {
             ""
+        },
+        if input.crop_pct < 1.0 {
+            format!(" (centre crop {})", input.crop_pct)
+        } else {
+            String::new()
         },
         r.totals.count,
         t.loss,

@@ -38,6 +38,10 @@ pub struct PredictArgs {
     /// probabilities (twice the compute).
     #[arg(long)]
     pub tta: bool,
+    /// Classify the centred square covering this share of each image's side, scaled to the
+    /// model's image size [default: the checkpoint's --crop-pct]
+    #[arg(long, value_name = "F")]
+    pub crop_pct: Option<f32>,
     /// Image files, or folders whose files (all of them, sorted, hidden ones left out) are
     /// classified.
     #[arg(value_name = "IMAGE", required = true)]
@@ -75,6 +79,7 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
         workers: args.workers,
         on_bad_image,
         views: Views::from_tta(args.tta),
+        crop_pct: super::eval::crop_pct_for(args.crop_pct, &model.meta)?,
     };
     let predictions = predict(&mut model, &images, &opts)?;
     let skipped = predictions.iter().filter(|p| p.top.is_err()).count();

@@ -193,6 +193,11 @@ pub struct TrainArgs {
     /// (default 0.08, torchvision's).
     #[arg(long, value_name = "MIN")]
     pub crop_scale: Option<f32>,
+    /// Validation sees the centred square covering this share of each image's side, scaled
+    /// to the image size (timm's crop_pct; 0.875 is the ImageNet recipe's 224 of 256); eval
+    /// and predict of the checkpoint take it too [default: 1, the whole image]
+    #[arg(long, value_name = "F")]
+    pub crop_pct: Option<f32>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -431,6 +436,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if args.no_augment {
         cfg.augment = Augmentation::None;
+    }
+    if let Some(f) = args.crop_pct {
+        cfg.crop_pct = f;
     }
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {

@@ -68,6 +68,9 @@ pub struct TrainConfig {
     pub overwrite: bool,
     /// What training does to each image (`--augment`).
     pub augment: Augmentation,
+    /// Validation (and, by default, `eval` and `predict` of the checkpoint) sees the centred
+    /// square covering this share of each stored image's side (`--crop-pct`; 1: all of it).
+    pub crop_pct: f32,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
     pub init_from: Option<PathBuf>,
     /// Last incomplete batch policy.
@@ -129,6 +132,7 @@ impl TrainConfig {
             allow_data_change: false,
             overwrite: false,
             augment: Augmentation::PadCrop,
+            crop_pct: 1.0,
             init_from: None,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
@@ -201,7 +205,8 @@ impl TrainConfig {
             plateau_cooldown: plateau.cooldown,
             plateau_min_lr: plateau.min_lr,
             augment: self.augment != Augmentation::None,
-            crop_scale: self.augment.engine_crop().map(|c| [c.scale.0, c.scale.1]),
+            crop_scale: self.augment.recorded_crop_scale(),
+            crop_pct: self.crop_pct,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
@@ -224,6 +229,7 @@ impl TrainConfig {
         self.warmup_epochs = s.warmup_epochs;
         self.schedule = s.decay();
         self.augment = Augmentation::recorded(s.augment, s.crop_scale);
+        self.crop_pct = s.crop_pct;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
@@ -329,6 +335,13 @@ impl TrainConfig {
                     "a share of the image's area in (0, 1] (torchvision's default: 0.08)",
                 );
             }
+        }
+        if !(self.crop_pct > 0.0 && self.crop_pct <= 1.0) {
+            return bad(
+                "--crop-pct",
+                self.crop_pct.to_string(),
+                "the centre crop's share of the side, in (0, 1] (timm's ImageNet default: 0.875)",
+            );
         }
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {

@@ -258,6 +258,8 @@ pub struct PredictOptions {
     pub on_bad_image: OnBadImage,
     /// The views of each image classified (`--tta`).
     pub views: Views,
+    /// The centred share of each image's side classified (`--crop-pct`; 1: all of it).
+    pub crop_pct: f32,
 }
 
 /// Classifies image files with a loaded checkpoint: decoded and resized by the input engine
@@ -276,6 +278,7 @@ pub fn predict(
         .batch_size(model.net.max_batch())
         .replicas(1)
         .shuffle(false)
+        .center_crop((opts.crop_pct != 1.0).then_some(opts.crop_pct))
         .on_bad_image(opts.on_bad_image);
     if let Some(w) = opts.workers {
         b = b.workers(w);

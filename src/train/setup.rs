@@ -43,6 +43,7 @@ pub(crate) fn pipeline_for(
         .batch_size(cfg.batch_size)
         .shuffle(training)
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
+        .center_crop((!training && cfg.crop_pct != 1.0).then_some(cfg.crop_pct))
         .sampling(if training {
             cfg.sampler
         } else {
@@ -323,6 +324,12 @@ impl Shared {
                 crop.ratio.0,
                 crop.ratio.1,
                 cfg.image_size
+            ));
+        }
+        if cfg.crop_pct < 1.0 {
+            self.say(format!(
+                "validation sees the centred {} of each image's side, scaled to {} px (--crop-pct)",
+                cfg.crop_pct, cfg.image_size
             ));
         }
         if let Some((run, meta)) = resumed {

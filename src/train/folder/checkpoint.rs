@@ -173,6 +173,10 @@ pub struct RunSettings {
     /// pad-and-crop (and in older checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crop_scale: Option<[f32; 2]>,
+    /// `--crop-pct`: the centred share of each image's side that validation, `eval` and
+    /// `predict` see; absent in older checkpoints (1: the whole image).
+    #[serde(default = "one")]
+    pub crop_pct: f32,
     /// Frozen batch norm.
     pub freeze_bn: bool,
     /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
@@ -700,6 +704,7 @@ pub(crate) mod tests {
                 plateau_min_lr: 0.001,
                 augment: true,
                 crop_scale: Some([0.25, 1.0]),
+                crop_pct: 0.875,
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
@@ -780,6 +785,7 @@ pub(crate) mod tests {
             "plateau_cooldown",
             "plateau_min_lr",
             "crop_scale",
+            "crop_pct",
         ] {
             settings.remove(field).unwrap();
         }
@@ -802,6 +808,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.best_rule(), BestRule::default());
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
         assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
+        assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)
