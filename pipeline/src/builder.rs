@@ -164,7 +164,8 @@ impl PipelineBuilder {
     }
     /// Hands out the centred square covering `fraction` of each stored square's side,
     /// scaled back to `S×S` (`None`, the default: the square as stored): the evaluation crop
-    /// of ImageNet recipes (0.875, torchvision's resize to 256 and crop to 224). Not with
+    /// of ImageNet recipes (0.875, torchvision's resize to 256 and crop to 224); 1 is the
+    /// square as stored. Not with
     /// [`PipelineBuilder::random_resized_crop`].
     pub fn center_crop(mut self, fraction: Option<f32>) -> Self {
         self.center_crop = fraction;
@@ -237,7 +238,7 @@ impl PipelineBuilder {
             crop.validate()?;
         }
         if let Some(fraction) = self.center_crop {
-            crate::crop::check_center_fraction(fraction)?;
+            crate::check_crop_pct(fraction)?;
             if self.crop.is_some() {
                 return Err(PipelineError::InvalidSetting {
                     name: "center_crop",

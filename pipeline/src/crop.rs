@@ -145,8 +145,8 @@ impl Cut {
     }
 }
 
-/// Checks a centre-crop fraction (`--crop-pct`).
-pub(crate) fn check_center_fraction(fraction: f32) -> Result<(), PipelineError> {
+/// Checks a centre-crop share of the side (`--crop-pct`): in (0, 1].
+pub fn check_crop_pct(fraction: f32) -> Result<(), PipelineError> {
     if fraction > 0.0 && fraction <= 1.0 {
         Ok(())
     } else {
@@ -246,7 +246,7 @@ mod tests {
         assert_eq!(CropWindow::centered(32, 1.0), CropWindow::full(32));
         assert_eq!(CropWindow::centered(8, 0.01).width, 1);
         for bad in [0.0, -0.5, 1.01, f32::NAN] {
-            let e = check_center_fraction(bad).unwrap_err();
+            let e = check_crop_pct(bad).unwrap_err();
             assert!(e.to_string().contains("--crop-pct"), "{e}");
         }
     }

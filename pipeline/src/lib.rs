@@ -77,7 +77,7 @@ pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
 pub use builder::PipelineBuilder;
-pub use crop::{CropWindow, RandomResizedCrop};
+pub use crop::{check_crop_pct, CropWindow, RandomResizedCrop};
 pub use error::PipelineError;
 pub use options::{LastBatch, OnBadImage, ResizeMode, Sampling, Split};
 pub use pipeline::{EpochIter, EpochStream, Pipeline};

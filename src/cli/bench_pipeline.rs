@@ -7,6 +7,7 @@ use pipeline::bench::{run_pipeline_bench_with, EpochReport, PipelineBenchOptions
 use pipeline::{RandomResizedCrop, ResizeMode, Split};
 
 use super::CliError;
+use crate::train::Augmentation;
 
 /// Flags of `birdtrain bench pipeline`.
 #[derive(Debug, Clone, Args)]
@@ -107,10 +108,10 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
 
 /// The crop asked for by `--augment` and `--crop-scale`.
 fn engine_crop(args: &BenchPipelineArgs) -> Result<Option<RandomResizedCrop>, CliError> {
-    let crop = match args.augment.trim().to_ascii_lowercase().as_str() {
-        "none" => None,
-        "resized-crop" | "random-resized-crop" => Some(RandomResizedCrop::DEFAULT),
-        _ => {
+    let crop = match Augmentation::parse(&args.augment) {
+        Some(Augmentation::None) => None,
+        Some(Augmentation::ResizedCrop(crop)) => Some(crop),
+        Some(Augmentation::PadCrop) | None => {
             return Err(CliError::BadValue {
                 flag: "--augment",
                 value: args.augment.clone(),
@@ -118,17 +119,14 @@ fn engine_crop(args: &BenchPipelineArgs) -> Result<Option<RandomResizedCrop>, Cl
             })
         }
     };
+    // The engine checks the range when it is built.
     match (crop, args.crop_scale) {
         (None, Some(min)) => Err(CliError::BadValue {
             flag: "--crop-scale",
             value: min.to_string(),
             hint: "it sets the resized crop: add --augment resized-crop".into(),
         }),
-        (Some(_), Some(min)) => {
-            let crop = RandomResizedCrop::with_min_scale(min);
-            crop.validate()?;
-            Ok(Some(crop))
-        }
+        (Some(_), Some(min)) => Ok(Some(RandomResizedCrop::with_min_scale(min))),
         (crop, None) => Ok(crop),
     }
 }

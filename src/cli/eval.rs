@@ -123,7 +123,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)
-        .center_crop((crop_pct != 1.0).then_some(crop_pct))
+        .center_crop(Some(crop_pct))
         .shuffle(false);
     if let Some(w) = args.workers {
         b = b.workers(w);

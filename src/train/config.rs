@@ -326,23 +326,11 @@ impl TrainConfig {
                 );
             }
         }
+        // The engine owns the crops' rules; checked here, before anything is written.
         if let Some(crop) = self.augment.engine_crop() {
-            let (min, max) = crop.scale;
-            if !(min > 0.0 && min <= max && max <= 1.0) {
-                return bad(
-                    "--crop-scale",
-                    min.to_string(),
-                    "a share of the image's area in (0, 1] (torchvision's default: 0.08)",
-                );
-            }
+            crop.validate()?;
         }
-        if !(self.crop_pct > 0.0 && self.crop_pct <= 1.0) {
-            return bad(
-                "--crop-pct",
-                self.crop_pct.to_string(),
-                "the centre crop's share of the side, in (0, 1] (timm's ImageNet default: 0.875)",
-            );
-        }
+        pipeline::check_crop_pct(self.crop_pct)?;
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {
                 return bad(

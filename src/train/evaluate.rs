@@ -278,7 +278,7 @@ pub fn predict(
         .batch_size(model.net.max_batch())
         .replicas(1)
         .shuffle(false)
-        .center_crop((opts.crop_pct != 1.0).then_some(opts.crop_pct))
+        .center_crop(Some(opts.crop_pct))
         .on_bad_image(opts.on_bad_image);
     if let Some(w) = opts.workers {
         b = b.workers(w);

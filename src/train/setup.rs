@@ -43,7 +43,7 @@ pub(crate) fn pipeline_for(
         .batch_size(cfg.batch_size)
         .shuffle(training)
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
-        .center_crop((!training && cfg.crop_pct != 1.0).then_some(cfg.crop_pct))
+        .center_crop((!training).then_some(cfg.crop_pct))
         .sampling(if training {
             cfg.sampler
         } else {
