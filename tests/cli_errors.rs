@@ -91,6 +91,11 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--augment", "crop"], "--augment"),
         (vec!["--crop-pct", "1.2"], "--crop-pct"),
         (
+            vec!["--image-size", "32", "--store-size", "16"],
+            "--store-size",
+        ),
+        (vec!["--store-size", "9000"], "--store-size"),
+        (
             vec!["--schedule", "plateau", "--plateau-min-lr", "1"],
             "--plateau-min-lr",
         ),

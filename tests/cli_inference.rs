@@ -316,6 +316,100 @@ fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
     );
 }
 
+/// `--store-size`: a run that caches larger squares than it trains on validates on crops of
+/// them, records the store in its checkpoint, and `eval` and `predict` cut their images from
+/// the same store (eval's loss is the run's last validation loss; predict's top answer has
+/// eval's probability, image by image).
+#[test]
+fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 6);
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &cache, &run, 2);
+    // The centred 0.8 of a 20-pixel store is the 16-pixel image itself, at scale 1.
+    for flag in ["--store-size", "20", "--crop-pct", "0.8"] {
+        args.push(flag.to_string());
+    }
+    let trained = ok(run_with(&args, &[]));
+    assert!(
+        text(&trained).contains("caches 20×20 squares"),
+        "{}",
+        text(&trained)
+    );
+    let sidecar: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("checkpoint.json")).unwrap())
+            .unwrap();
+    assert_eq!(sidecar["settings"]["store_size"], 20, "{sidecar}");
+    let caches: Vec<String> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".bcache"))
+        .collect();
+    assert!(
+        !caches.is_empty() && caches.iter().all(|n| n.contains("-20-")),
+        "{caches:?}"
+    );
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let predictions = tmp.path().join("p.jsonl");
+    let eval = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--json",
+        "--predictions",
+        s(&predictions),
+    ]));
+    let summary = &json_lines(&eval)[0];
+    let (loss, valid_loss) = (
+        summary["loss"].as_f64().unwrap(),
+        last["loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (loss - valid_loss).abs() < 1e-5,
+        "eval {loss} vs validation {valid_loss}"
+    );
+    let evals: std::collections::HashMap<String, f64> = std::fs::read_to_string(&predictions)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["path"].as_str().unwrap().to_string(),
+                v["probability"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let valid = data.join("valid");
+    let predicted = probabilities(&ok(birdtrain_output(&[
+        "predict",
+        "--checkpoint",
+        s(&run),
+        "--json",
+        "--top-k",
+        "1",
+        s(&valid),
+    ])));
+    assert_eq!(predicted.len(), evals.len());
+    for (path, top) in predicted {
+        let p = top.values().next().copied().unwrap();
+        let key = evals
+            .keys()
+            .find(|k| Path::new(&path).ends_with(k) || Path::new(k.as_str()).ends_with(&path))
+            .unwrap_or_else(|| panic!("{path} not in eval's predictions {evals:?}"));
+        assert!(
+            (p - evals[key]).abs() < 1e-5,
+            "{path}: predict {p} vs eval {}",
+            evals[key]
+        );
+    }
+}
+
 #[test]
 fn predict_skips_or_fails_on_bad_files_as_asked() {
     let tmp = tempfile::tempdir().unwrap();

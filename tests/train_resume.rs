@@ -214,6 +214,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "resized-crop",
         "--crop-scale",
         "0.3",
+        "--store-size",
+        "20",
         "--schedule",
         "step",
         "--step-every",
@@ -237,6 +239,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     let meta = train::CheckpointMeta::load(&dir).unwrap();
     assert_eq!(meta.settings.sampler, pipeline::Sampling::Balanced);
     assert_eq!(meta.settings.crop_scale, Some([0.3, 1.0]));
+    assert_eq!(meta.settings.store_size, Some(20));
     // Only --resume: every setting comes from the checkpoint (--sync-bn, the balanced draws
     // and the engine's crops included).
     cli(&["--resume", dir.to_str().unwrap()]);

@@ -20,8 +20,10 @@ pub struct PipelineBenchOptions {
     pub epochs: u64,
     /// Images per batch.
     pub batch_size: usize,
-    /// Stored image side.
+    /// Side of the images handed out.
     pub image_size: u32,
+    /// Side of the cached squares (`None`: the image size).
+    pub store_size: Option<u32>,
     /// Resize mode.
     pub resize_mode: ResizeMode,
     /// Decode threads.
@@ -46,6 +48,7 @@ impl PipelineBenchOptions {
             epochs: 2,
             batch_size: 64,
             image_size: 224,
+            store_size: None,
             resize_mode: ResizeMode::Direct,
             workers: std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -87,6 +90,7 @@ pub fn run_pipeline_bench_with(
     let mut builder = PipelineBuilder::new(DatasetSource::at(&opts.data, opts.valid_fraction))
         .split(opts.split)
         .image_size(opts.image_size)
+        .store_size(opts.store_size)
         .resize_mode(opts.resize_mode)
         .batch_size(opts.batch_size)
         .workers(opts.workers)

@@ -15,6 +15,7 @@ pub struct PipelineBuilder {
     pub(crate) source: DatasetSource,
     pub(crate) split: Split,
     pub(crate) image_size: u32,
+    pub(crate) store_size: Option<u32>,
     pub(crate) resize_mode: ResizeMode,
     pub(crate) cache_dir: Option<PathBuf>,
     pub(crate) cache: bool,
@@ -40,6 +41,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("source", &self.source)
             .field("split", &self.split)
             .field("image_size", &self.image_size)
+            .field("store_size", &self.store_size)
             .field("resize_mode", &self.resize_mode)
             .field("cache_dir", &self.cache_dir)
             .field("cache", &self.cache)
@@ -67,6 +69,7 @@ impl PipelineBuilder {
             source,
             split: Split::Train,
             image_size: 224,
+            store_size: None,
             resize_mode: ResizeMode::Direct,
             cache_dir: None,
             cache: true,
@@ -94,9 +97,19 @@ impl PipelineBuilder {
         self.split = split;
         self
     }
-    /// Side `S` of the stored square images.
+    /// Side `S` of the square images handed out (and stored, unless
+    /// [`PipelineBuilder::store_size`] says otherwise).
     pub fn image_size(mut self, size: u32) -> Self {
         self.image_size = size;
+        self
+    }
+    /// Side of the squares kept in the cache, at least the image size (`None`, the default:
+    /// the image size). A larger store keeps more detail for the crops, which are cut from
+    /// it and scaled to the image size (FFCV's `max_resolution`; torchvision's ImageNet
+    /// evaluation is a store of 256 and a centre crop of 224): every image handed out is
+    /// then one resize of its stored square, at every epoch.
+    pub fn store_size(mut self, size: Option<u32>) -> Self {
+        self.store_size = size;
         self
     }
     /// How images become `S×S`.
@@ -197,6 +210,11 @@ impl PipelineBuilder {
         self
     }
 
+    /// The side of the squares the cache keeps.
+    pub(crate) fn stored_side(&self) -> u32 {
+        self.store_size.unwrap_or(self.image_size)
+    }
+
     /// Scans the dataset, opens (or builds) the cache and starts the decode pool.
     pub fn build(self) -> Result<Pipeline, PipelineError> {
         let positive = |name: &'static str, value: usize| {
@@ -234,6 +252,9 @@ impl PipelineBuilder {
                 hint: "expected 1..=8192 pixels",
             });
         }
+        if let Some(store) = self.store_size {
+            check_store_size(store, self.image_size)?;
+        }
         if let Some(crop) = &self.crop {
             crop.validate()?;
         }
@@ -249,4 +270,17 @@ impl PipelineBuilder {
         }
         Pipeline::start(self)
     }
+}
+
+/// Checks a stored squares' side (`--store-size`) against the image size: at least the image
+/// (a smaller store would only lose detail) and at most 8192 pixels.
+pub fn check_store_size(store: u32, image_size: u32) -> Result<(), PipelineError> {
+    if (image_size..=8192).contains(&store) {
+        return Ok(());
+    }
+    Err(PipelineError::InvalidSetting {
+        name: "--store-size",
+        value: store.to_string(),
+        hint: "the stored squares' side is at least the image size (a smaller store only loses detail) and at most 8192 pixels; ImageNet recipes store 256 for 224",
+    })
 }

@@ -42,7 +42,8 @@
 //! - Every replica yields the same number of steps; their shares are disjoint and their union
 //!   is the epoch ([`LastBatch`] decides the tail, identically everywhere).
 //! - With [`PipelineBuilder::random_resized_crop`], each image's crop window comes from
-//!   `(seed, epoch, sample id)` alone: the same guarantees hold for the cropped pixels.
+//!   `(seed, epoch, sample id)` alone: the same guarantees hold for the cropped pixels, and
+//!   for images scaled from a larger stored square ([`PipelineBuilder::store_size`]).
 //! - A cache record is served only after it is completely written; a torn or mismatched cache
 //!   is resumed or rebuilt. One writer per cache file (an exclusive `flock`); other pipelines
 //!   or processes on the same file read what it published and decode the rest in memory.
@@ -76,7 +77,7 @@ mod worker;
 pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
-pub use builder::PipelineBuilder;
+pub use builder::{check_store_size, PipelineBuilder};
 pub use crop::{check_crop_pct, CropWindow, RandomResizedCrop};
 pub use error::PipelineError;
 pub use options::{LastBatch, OnBadImage, ResizeMode, Sampling, Split};

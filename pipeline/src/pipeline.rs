@@ -99,7 +99,14 @@ fn fingerprint(
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(b"birdtrain-pipeline-v1");
     h.update(b.split.as_str().as_bytes());
-    h.update(&b.image_size.to_le_bytes());
+    // The cache key's side is its records' (images of any size are cut from them); the
+    // data fingerprint's is the images the model sees, which a checkpoint compares.
+    let side = if mtimes {
+        b.stored_side()
+    } else {
+        b.image_size
+    };
+    h.update(&side.to_le_bytes());
     h.update(b.resize_mode.as_str().as_bytes());
     for class in classes {
         h.update(class.as_bytes());
@@ -143,7 +150,9 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
             let hash = h.digest();
             return dir.join(format!(
                 "list-{}-{}-{}-{hash:016x}.bcache",
-                b.split, b.image_size, b.resize_mode
+                b.split,
+                b.stored_side(),
+                b.resize_mode
             ));
         }
         crate::DatasetSource::Folder { root } => (root, "folder".to_string()),
@@ -178,7 +187,9 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
         .unwrap_or_default();
     dir.join(format!(
         "{name}-{}-{}-{}-{hash:016x}.bcache",
-        b.split, b.image_size, b.resize_mode
+        b.split,
+        b.stored_side(),
+        b.resize_mode
     ))
 }
 
@@ -271,7 +282,7 @@ impl Pipeline {
         let cache_fp = fingerprint(&b, &scanned.classes, &scanned.samples, true);
         let labels: Vec<u32> = scanned.samples.iter().map(|s| s.label).collect();
         let key = CacheKey {
-            image_size: b.image_size,
+            image_size: b.stored_side(),
             count: scanned.samples.len(),
             fingerprint: cache_fp,
         };
@@ -322,11 +333,12 @@ impl Pipeline {
             samples: scanned.samples,
             class_names: scanned.classes,
             image_size: b.image_size,
+            stored_side: b.stored_side(),
             resize_mode: b.resize_mode,
             crop: match (b.crop, b.center_crop) {
                 (Some(crop), _) => Some(crate::crop::Cut::Random(crop, b.seed)),
                 (None, Some(fraction)) => Some(crate::crop::Cut::Center(
-                    crate::CropWindow::centered(b.image_size, fraction),
+                    crate::CropWindow::centered(b.stored_side(), fraction),
                 )),
                 (None, None) => None,
             },
@@ -337,9 +349,9 @@ impl Pipeline {
             bad: Mutex::new(log),
             report: b.bad_files_report.clone(),
         });
-        let job_capacity = (b.workers * 4).max(buffer_bytes / shared.record_bytes());
+        let job_capacity = (b.workers * 4).max(buffer_bytes / shared.image_bytes());
         let (jobs, job_rx) = flume::bounded(job_capacity);
-        let threads = spawn_pool(b.workers, job_rx, b.image_size, b.resize_mode)?;
+        let threads = spawn_pool(b.workers, job_rx, b.stored_side(), b.resize_mode)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("pipeline-orchestrator")
@@ -412,9 +424,15 @@ impl Pipeline {
         )
     }
 
-    /// Side of the stored square images.
+    /// Side of the square images handed out.
     pub fn image_size(&self) -> u32 {
         self.inner.shared.image_size
+    }
+
+    /// Side of the squares the cache keeps (the image size unless
+    /// [`PipelineBuilder::store_size`] made it larger).
+    pub fn store_size(&self) -> u32 {
+        self.inner.shared.stored_side
     }
 
     /// Images per replica per step.
@@ -619,7 +637,7 @@ impl Planner {
         pool: BufferPool,
         pending_tx: flume::Sender<Result<Pending, PipelineError>>,
     ) {
-        let record = self.shared.record_bytes();
+        let record = self.shared.image_bytes();
         // The planner holds the pool, never the pipeline: the runtime is not kept alive (or
         // dropped) from inside its own tasks.
         for step in start_step..steps {
@@ -756,7 +774,7 @@ impl Assembler {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .expect("every job has reported, so the slot is back (programmer error otherwise)");
-        let record = self.shared.record_bytes();
+        let record = self.shared.image_bytes();
         let pixels = slot.pixels.as_mut_slice();
         slot.labels.clear();
         slot.ids.clear();

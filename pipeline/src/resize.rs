@@ -52,18 +52,20 @@ impl SquareResizer {
         Ok(())
     }
 
-    /// Scales `window` of the stored square `src` (`S·S·3` bytes) to the whole square `dst`,
-    /// with the same filter as [`SquareResizer::resize_into`] (torchvision's
-    /// `RandomResizedCrop` is bilinear with antialiasing too).
+    /// Scales `window` of the stored square `src` (`side·side·3` bytes) to the whole square
+    /// `dst` (`out·out·3` bytes), with the same filter as
+    /// [`SquareResizer::resize_into`] (torchvision's `RandomResizedCrop` is bilinear with
+    /// antialiasing too).
     pub(crate) fn crop_into(
         &mut self,
         src: &[u8],
+        side: u32,
         window: CropWindow,
         dst: &mut [u8],
+        out: u32,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let s = self.size;
-        let src_view = ImageRef::new(s, s, src, PixelType::U8x3)?;
-        let mut dst_view = Image::from_slice_u8(s, s, dst, PixelType::U8x3)?;
+        let src_view = ImageRef::new(side, side, src, PixelType::U8x3)?;
+        let mut dst_view = Image::from_slice_u8(out, out, dst, PixelType::U8x3)?;
         let options = ResizeOptions::new()
             .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
             .crop(

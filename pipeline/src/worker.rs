@@ -27,7 +27,10 @@ pub(crate) struct Shared {
     pub(crate) split: String,
     pub(crate) samples: Vec<Sample>,
     pub(crate) class_names: Vec<String>,
+    /// Side of the images handed out.
     pub(crate) image_size: u32,
+    /// Side of the squares the cache keeps (at least `image_size`).
+    pub(crate) stored_side: u32,
     pub(crate) resize_mode: ResizeMode,
     /// The crop cut out of every stored square, when asked for.
     pub(crate) crop: Option<Cut>,
@@ -68,8 +71,14 @@ pub(crate) enum Fatal {
 }
 
 impl Shared {
-    pub(crate) fn record_bytes(&self) -> usize {
+    /// Bytes of one image handed out.
+    pub(crate) fn image_bytes(&self) -> usize {
         self.image_size as usize * self.image_size as usize * 3
+    }
+
+    /// Bytes of one stored square.
+    pub(crate) fn stored_bytes(&self) -> usize {
+        self.stored_side as usize * self.stored_side as usize * 3
     }
 
     /// Counts a decode-time bad file once, logs it and rewrites the report.
@@ -235,7 +244,7 @@ struct Scratch {
 pub(crate) fn spawn_pool(
     workers: usize,
     jobs: flume::Receiver<Job>,
-    image_size: u32,
+    stored_side: u32,
     mode: ResizeMode,
 ) -> Result<Vec<std::thread::JoinHandle<()>>, PipelineError> {
     (0..workers)
@@ -245,7 +254,7 @@ pub(crate) fn spawn_pool(
                 .name(format!("pipeline-decode-{i}"))
                 .spawn(move || {
                     let mut scratch = Scratch {
-                        resizer: SquareResizer::new(image_size, mode),
+                        resizer: SquareResizer::new(stored_side, mode),
                         bytes: Vec::new(),
                         pixels: Pixels::default(),
                         record: Vec::new(),
@@ -274,7 +283,7 @@ fn run(job: Job, scratch: &mut Scratch) {
         // A panic must not kill the thread (queued jobs would wait forever): it becomes an
         // error value for the consumer, naming the file.
         catch_unwind(AssertUnwindSafe(|| produce(&job, scratch))).unwrap_or_else(|payload| {
-            scratch.resizer = SquareResizer::new(job.shared.image_size, job.shared.resize_mode);
+            scratch.resizer = SquareResizer::new(job.shared.stored_side, job.shared.resize_mode);
             Err(PipelineError::WorkerDied {
                 path: job.shared.samples[job.index as usize].path.clone(),
                 message: panic_message(payload.as_ref()),
@@ -291,14 +300,18 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     // SAFETY: see `Dest`; the holder in `job` keeps the buffer alive for this call.
     let dest = unsafe { std::slice::from_raw_parts_mut(job.dest.ptr, job.dest.len) };
     let sample = &shared.samples[i];
-    let side = shared.image_size;
-    let window = shared
-        .crop
-        .map(|cut| cut.window(job.epoch, u64::from(job.index), side))
-        .filter(|w| *w != CropWindow::full(side));
+    let stored = shared.stored_side;
+    // The window of the stored square that becomes the image; `None` when that is the
+    // stored square itself, copied as it is.
+    let window = shared.crop.map_or(CropWindow::full(stored), |cut| {
+        cut.window(job.epoch, u64::from(job.index), stored)
+    });
+    let window =
+        (window != CropWindow::full(stored) || stored != shared.image_size).then_some(window);
+    let sides = (stored, shared.image_size);
     match shared.cache.lookup(i) {
         Lookup::Hit(record) => {
-            place(record, dest, window, scratch, &sample.path)?;
+            place(record, sides, dest, window, scratch, &sample.path)?;
             shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(Outcome::Hit);
         }
@@ -349,9 +362,9 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         // The stored square goes to ordinary memory first, where the cache write and the
         // crop read it: `dest` may be write-combined pinned memory, very slow to read back.
         let mut record = std::mem::take(&mut scratch.record);
-        record.resize(dest.len(), 0);
+        record.resize(shared.stored_bytes(), 0);
         let placed = resize(scratch, &mut record, &sample.path)
-            .and_then(|()| place(&record, dest, window, scratch, &sample.path));
+            .and_then(|()| place(&record, sides, dest, window, scratch, &sample.path));
         if let (Ok(()), Some(claim)) = (&placed, claim) {
             if let Err(e) = claim.write_and_commit(&record) {
                 shared.cache.note_write_failure(&e);
@@ -366,9 +379,10 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
 }
 
 /// Writes the stored square `record` into `dest`: as it is, or the crop `window` of it
-/// scaled back to the square.
+/// scaled to the image size (`sides`: the stored square's and the image's).
 fn place(
     record: &[u8],
+    (stored, image): (u32, u32),
     dest: &mut [u8],
     window: Option<CropWindow>,
     scratch: &mut Scratch,
@@ -381,7 +395,7 @@ fn place(
         }
         Some(window) => scratch
             .resizer
-            .crop_into(record, window, dest)
+            .crop_into(record, stored, window, dest, image)
             .map_err(|source| PipelineError::Resize {
                 path: path.to_path_buf(),
                 source,

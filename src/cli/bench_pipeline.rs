@@ -29,9 +29,13 @@ pub struct BenchPipelineArgs {
     /// Images per batch.
     #[arg(long, value_name = "B", default_value_t = 64)]
     pub batch_size: usize,
-    /// Stored image size S.
+    /// Image size S (images handed out are S×S).
     #[arg(long, value_name = "S", default_value_t = 224)]
     pub image_size: u32,
+    /// Side of the cached squares, at least S (default: S): every image is then scaled
+    /// from its stored square.
+    #[arg(long, value_name = "S")]
+    pub store_size: Option<u32>,
     /// Decode workers (default: available cores).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
@@ -92,6 +96,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     opts.epochs = args.epochs;
     opts.batch_size = args.batch_size;
     opts.image_size = args.image_size;
+    opts.store_size = args.store_size;
     opts.resize_mode = resize_mode;
     opts.cache_dir = args.cache_dir.clone();
     opts.seed = args.seed;

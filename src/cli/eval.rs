@@ -120,6 +120,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)
+        .store_size(meta.settings.store_size)
         .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)

@@ -198,6 +198,11 @@ pub struct TrainArgs {
     /// and predict of the checkpoint take it too [default: 1, the whole image]
     #[arg(long, value_name = "F")]
     pub crop_pct: Option<f32>,
+    /// Side of the squares the input engine caches, at least --image-size: the crops
+    /// (--augment resized-crop, --crop-pct) are cut from this many pixels and scaled to the
+    /// image size (ImageNet recipes store 256 for 224) [default: the image size]
+    #[arg(long, value_name = "S")]
+    pub store_size: Option<u32>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -439,6 +444,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(f) = args.crop_pct {
         cfg.crop_pct = f;
+    }
+    if let Some(side) = args.store_size {
+        cfg.store_size = Some(side);
     }
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {

@@ -46,8 +46,11 @@ pub struct TrainConfig {
     pub warmup_epochs: u32,
     /// Decay after warmup.
     pub schedule: Decay,
-    /// Stored and training image size S (S×S).
+    /// Training image size S (S×S).
     pub image_size: u32,
+    /// Side of the squares the input engine caches, the crops' source (`--store-size`;
+    /// `None`: the image size).
+    pub store_size: Option<u32>,
     /// Decode workers (0 = available cores).
     pub workers: usize,
     /// CPU backend threads (0 = available cores). Results are bit-reproducible for a given
@@ -133,6 +136,7 @@ impl TrainConfig {
             overwrite: false,
             augment: Augmentation::PadCrop,
             crop_pct: 1.0,
+            store_size: None,
             init_from: None,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
@@ -207,6 +211,7 @@ impl TrainConfig {
             augment: self.augment != Augmentation::None,
             crop_scale: self.augment.recorded_crop_scale(),
             crop_pct: self.crop_pct,
+            store_size: self.store_size.filter(|&s| s != self.image_size),
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
@@ -230,6 +235,7 @@ impl TrainConfig {
         self.schedule = s.decay();
         self.augment = Augmentation::recorded(s.augment, s.crop_scale);
         self.crop_pct = s.crop_pct;
+        self.store_size = s.store_size;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
@@ -331,6 +337,9 @@ impl TrainConfig {
             crop.validate()?;
         }
         pipeline::check_crop_pct(self.crop_pct)?;
+        if let Some(store) = self.store_size {
+            pipeline::check_store_size(store, self.image_size)?;
+        }
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {
                 return bad(

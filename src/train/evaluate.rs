@@ -274,6 +274,7 @@ pub fn predict(
     let mut b = PipelineBuilder::new(DatasetSource::files(images.iter().cloned()))
         .split(Split::Test)
         .image_size(model.meta.image_size)
+        .store_size(model.meta.settings.store_size)
         .cache(false)
         .batch_size(model.net.max_batch())
         .replicas(1)

@@ -38,6 +38,7 @@ pub(crate) fn pipeline_for(
     let mut b = PipelineBuilder::new(source(cfg))
         .split(split)
         .image_size(cfg.image_size)
+        .store_size(cfg.store_size)
         .seed(cfg.seed)
         .replicas(if training { ranks } else { 1 })
         .batch_size(cfg.batch_size)
@@ -323,6 +324,12 @@ impl Shared {
                 crop.scale.1 * 100.0,
                 crop.ratio.0,
                 crop.ratio.1,
+                cfg.image_size
+            ));
+        }
+        if let Some(store) = cfg.store_size.filter(|&s| s != cfg.image_size) {
+            self.say(format!(
+                "the input engine caches {store}×{store} squares; every image is cut from one and scaled to {} px (--store-size)",
                 cfg.image_size
             ));
         }

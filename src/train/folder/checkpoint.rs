@@ -177,6 +177,10 @@ pub struct RunSettings {
     /// `predict` see; absent in older checkpoints (1: the whole image).
     #[serde(default = "one")]
     pub crop_pct: f32,
+    /// `--store-size`: the side of the cached squares the images are cut and scaled from;
+    /// absent when it is the image size (and in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_size: Option<u32>,
     /// Frozen batch norm.
     pub freeze_bn: bool,
     /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
@@ -705,6 +709,7 @@ pub(crate) mod tests {
                 augment: true,
                 crop_scale: Some([0.25, 1.0]),
                 crop_pct: 0.875,
+                store_size: Some(256),
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
@@ -786,6 +791,7 @@ pub(crate) mod tests {
             "plateau_min_lr",
             "crop_scale",
             "crop_pct",
+            "store_size",
         ] {
             settings.remove(field).unwrap();
         }
@@ -809,6 +815,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.sampler, Sampling::Shuffle);
         assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
         assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
+        assert_eq!(old.settings.store_size, None, "stored at the image size");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)
