@@ -141,6 +141,30 @@ fn synth_then_bench_pipeline_prints_one_json_line_per_epoch() {
         (&24.into(), &0.into()),
         "{line}"
     );
+    // From a larger store: its own cache, filled by this epoch.
+    let out = birdtrain(&[
+        "bench",
+        "pipeline",
+        "--data",
+        s(&data),
+        "--epochs",
+        "2",
+        "--image-size",
+        "16",
+        "--store-size",
+        "24",
+        "--cache-dir",
+        s(&tmp.path().join("c")),
+        "--augment",
+        "resized-crop",
+        "--json",
+    ]);
+    let lines: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let decoded: Vec<_> = lines.iter().map(|l| l["decoded"].clone()).collect();
+    assert_eq!(decoded, [24, 0], "{lines:?}");
 }
 
 #[test]

@@ -101,6 +101,10 @@ fn bench_pipeline_counts() {
         birdtrain(&args)
     };
     assert_one_line_error(&bench(&["--epochs", "0"]), &["--epochs", "at least 1"]);
+    assert_one_line_error(
+        &bench(&["--store-size", "8"]),
+        &["--store-size", "at least the image size"],
+    );
     assert_one_line_error(&bench(&["--augment", "pad-crop"]), &["--augment", "device"]);
     assert_one_line_error(
         &bench(&["--crop-scale", "0.5"]),
