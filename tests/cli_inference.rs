@@ -319,7 +319,7 @@ fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
 /// `--store-size`: a run that caches larger squares than it trains on validates on crops of
 /// them, records the store in its checkpoint, and `eval` and `predict` cut their images from
 /// the same store (eval's loss is the run's last validation loss; predict's top answer has
-/// eval's probability, image by image).
+/// eval's probability, image by image). The run's colour jitter stays out of validation.
 #[test]
 fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
     let tmp = tempfile::tempdir().unwrap();
@@ -328,7 +328,15 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
     let run = tmp.path().join("run");
     let mut args = train_args(&data, &cache, &run, 2);
     // The centred 0.8 of a 20-pixel store is the 16-pixel image itself, at scale 1.
-    for flag in ["--store-size", "20", "--crop-pct", "0.8"] {
+    // The colour jitter is for training images only: validation, and so eval, see none.
+    for flag in [
+        "--store-size",
+        "20",
+        "--crop-pct",
+        "0.8",
+        "--color-jitter",
+        "0.4",
+    ] {
         args.push(flag.to_string());
     }
     let trained = ok(run_with(&args, &[]));

@@ -216,6 +216,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "0.3",
         "--store-size",
         "20",
+        "--color-jitter",
+        "0.3",
         "--schedule",
         "step",
         "--step-every",
@@ -240,6 +242,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.sampler, pipeline::Sampling::Balanced);
     assert_eq!(meta.settings.crop_scale, Some([0.3, 1.0]));
     assert_eq!(meta.settings.store_size, Some(20));
+    assert_eq!(meta.settings.color_jitter, 0.3);
     // Only --resume: every setting comes from the checkpoint (--sync-bn, the balanced draws
     // and the engine's crops included).
     cli(&["--resume", dir.to_str().unwrap()]);

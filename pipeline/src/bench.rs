@@ -5,7 +5,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::{DatasetSource, PipelineBuilder, PipelineError, RandomResizedCrop, ResizeMode, Split};
+use crate::{
+    ColorJitter, DatasetSource, PipelineBuilder, PipelineError, RandomResizedCrop, ResizeMode,
+    Split,
+};
 
 /// Settings of one benchmark run.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +39,8 @@ pub struct PipelineBenchOptions {
     pub prefetch: usize,
     /// The random resized crop of every image, as for training (`None`: images as stored).
     pub crop: Option<RandomResizedCrop>,
+    /// The colour jitter of every image, as for training (`None`: colours as stored).
+    pub color_jitter: Option<ColorJitter>,
 }
 
 impl PipelineBenchOptions {
@@ -57,6 +62,7 @@ impl PipelineBenchOptions {
             seed: 0,
             prefetch: 4,
             crop: None,
+            color_jitter: None,
         }
     }
 }
@@ -96,6 +102,7 @@ pub fn run_pipeline_bench_with(
         .workers(opts.workers)
         .prefetch(opts.prefetch)
         .random_resized_crop(opts.crop)
+        .color_jitter(opts.color_jitter)
         .seed(opts.seed);
     if let Some(dir) = &opts.cache_dir {
         builder = builder.cache_dir(dir);

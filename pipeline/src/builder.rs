@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use crate::buffer::{BatchAllocator, VecAllocator};
 use crate::{
-    DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, RandomResizedCrop, ResizeMode,
-    Sampling, Split,
+    ColorJitter, DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, RandomResizedCrop,
+    ResizeMode, Sampling, Split,
 };
 
 /// Configures and builds a [`Pipeline`].
@@ -28,6 +28,7 @@ pub struct PipelineBuilder {
     pub(crate) sampling: Sampling,
     pub(crate) crop: Option<RandomResizedCrop>,
     pub(crate) center_crop: Option<f32>,
+    pub(crate) color_jitter: Option<ColorJitter>,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
@@ -54,6 +55,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("sampling", &self.sampling)
             .field("crop", &self.crop)
             .field("center_crop", &self.center_crop)
+            .field("color_jitter", &self.color_jitter)
             .field("last_batch", &self.last_batch)
             .field("on_bad_image", &self.on_bad_image)
             .finish_non_exhaustive()
@@ -84,6 +86,7 @@ impl PipelineBuilder {
             sampling: Sampling::Shuffle,
             crop: None,
             center_crop: None,
+            color_jitter: None,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -184,6 +187,13 @@ impl PipelineBuilder {
         self.center_crop = fraction;
         self
     }
+    /// Jitters the colours of every image handed out, after its crop (`None`, the default:
+    /// colours as stored): torchvision's `ColorJitter` without hue, its factors and order
+    /// drawn from `(seed, epoch, sample id)`. For training splits.
+    pub fn color_jitter(mut self, jitter: Option<ColorJitter>) -> Self {
+        self.color_jitter = jitter;
+        self
+    }
     /// Policy for the last, incomplete global batch.
     pub fn last_batch(mut self, policy: LastBatch) -> Self {
         self.last_batch = policy;
@@ -254,6 +264,9 @@ impl PipelineBuilder {
         }
         if let Some(store) = self.store_size {
             check_store_size(store, self.image_size)?;
+        }
+        if let Some(jitter) = &self.color_jitter {
+            jitter.validate()?;
         }
         if let Some(crop) = &self.crop {
             crop.validate()?;

@@ -342,6 +342,7 @@ impl Pipeline {
                 )),
                 (None, None) => None,
             },
+            jitter: b.color_jitter.map(|jitter| (jitter, b.seed)),
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
             cache,

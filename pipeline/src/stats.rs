@@ -16,6 +16,10 @@ pub struct EngineStats {
     pub batches: u64,
     /// Seconds decode workers spent reading, decoding and resizing, summed over workers.
     pub decode_seconds: f64,
+    /// Seconds decode workers spent on what follows the cache: cutting crops, scaling from
+    /// the stored side and jittering colours, summed over workers (0 when there is nothing
+    /// to do but copy).
+    pub transform_seconds: f64,
     /// Decode-stage throughput: decoded images per second of one worker's busy time, times
     /// the number of workers.
     pub decode_images_per_sec: f64,
@@ -49,6 +53,7 @@ pub(crate) struct Counters {
     pub(crate) bad_files: AtomicU64,
     pub(crate) batches: AtomicU64,
     pub(crate) decode_nanos: AtomicU64,
+    pub(crate) transform_nanos: AtomicU64,
     pub(crate) wait_nanos: AtomicU64,
     pub(crate) ready_batches: AtomicUsize,
     pub(crate) ready_capacity: AtomicUsize,
@@ -63,6 +68,7 @@ impl Counters {
             bad_files: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             decode_nanos: AtomicU64::new(0),
+            transform_nanos: AtomicU64::new(0),
             wait_nanos: AtomicU64::new(0),
             ready_batches: AtomicUsize::new(0),
             ready_capacity: AtomicUsize::new(0),
@@ -90,6 +96,7 @@ impl Counters {
             bad_files: self.bad_files.load(Ordering::Relaxed),
             batches: self.batches.load(Ordering::Relaxed),
             decode_seconds,
+            transform_seconds: self.transform_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             decode_images_per_sec: if decode_seconds > 0.0 {
                 decoded as f64 / decode_seconds * workers as f64
             } else {

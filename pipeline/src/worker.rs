@@ -15,7 +15,7 @@ use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
-use crate::{CropWindow, OnBadImage, PipelineError, ResizeMode};
+use crate::{ColorJitter, CropWindow, JitterDraw, OnBadImage, PipelineError, ResizeMode};
 
 /// The detail of a bad file known from an earlier pass over the cache.
 pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
@@ -34,6 +34,8 @@ pub(crate) struct Shared {
     pub(crate) resize_mode: ResizeMode,
     /// The crop cut out of every stored square, when asked for.
     pub(crate) crop: Option<Cut>,
+    /// The colour jitter of every image and the seed of its draws, when asked for.
+    pub(crate) jitter: Option<(ColorJitter, u64)>,
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
@@ -238,6 +240,8 @@ struct Scratch {
     pixels: Pixels,
     /// One resized record, reused from image to image.
     record: Vec<u8>,
+    /// One image being jittered, reused from image to image.
+    image: Vec<u8>,
 }
 
 /// Starts `workers` decode threads reading jobs from `jobs`.
@@ -258,6 +262,7 @@ pub(crate) fn spawn_pool(
                         bytes: Vec::new(),
                         pixels: Pixels::default(),
                         record: Vec::new(),
+                        image: Vec::new(),
                     };
                     while let Ok(job) = jobs.recv() {
                         run(job, &mut scratch);
@@ -308,10 +313,17 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     });
     let window =
         (window != CropWindow::full(stored) || stored != shared.image_size).then_some(window);
-    let sides = (stored, shared.image_size);
+    let jitter = shared
+        .jitter
+        .map(|(jitter, seed)| jitter.draw(seed, job.epoch, u64::from(job.index)));
+    let after = After {
+        sides: (stored, shared.image_size),
+        window,
+        jitter,
+    };
     match shared.cache.lookup(i) {
         Lookup::Hit(record) => {
-            place(record, sides, dest, window, scratch, &sample.path)?;
+            after.apply(record, dest, scratch, shared, &sample.path)?;
             shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(Outcome::Hit);
         }
@@ -356,15 +368,18 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         );
         return bad(shared, job.index, file, Some(failure.source));
     }
-    if claim.is_none() && window.is_none() {
+    if claim.is_none() && after.is_copy() {
         resize(scratch, dest, &sample.path)?;
+        Counters::add_nanos(&shared.counters.decode_nanos, started);
     } else {
         // The stored square goes to ordinary memory first, where the cache write and the
         // crop read it: `dest` may be write-combined pinned memory, very slow to read back.
         let mut record = std::mem::take(&mut scratch.record);
         record.resize(shared.stored_bytes(), 0);
-        let placed = resize(scratch, &mut record, &sample.path)
-            .and_then(|()| place(&record, sides, dest, window, scratch, &sample.path));
+        let resized = resize(scratch, &mut record, &sample.path);
+        Counters::add_nanos(&shared.counters.decode_nanos, started);
+        let placed =
+            resized.and_then(|()| after.apply(&record, dest, scratch, shared, &sample.path));
         if let (Ok(()), Some(claim)) = (&placed, claim) {
             if let Err(e) = claim.write_and_commit(&record) {
                 shared.cache.note_write_failure(&e);
@@ -373,9 +388,58 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         scratch.record = record;
         placed?;
     }
-    Counters::add_nanos(&shared.counters.decode_nanos, started);
     shared.counters.decoded.fetch_add(1, Ordering::Relaxed);
     Ok(Outcome::Decoded)
+}
+
+/// What becomes of a stored square after the cache.
+struct After {
+    /// The stored square's side and the image's.
+    sides: (u32, u32),
+    /// The window scaled to the image (`None`: the stored square as it is).
+    window: Option<CropWindow>,
+    /// The colour jitter drawn for the image.
+    jitter: Option<JitterDraw>,
+}
+
+impl After {
+    /// Whether the image is the stored square unchanged.
+    fn is_copy(&self) -> bool {
+        self.window.is_none() && self.jitter.is_none()
+    }
+
+    /// Writes the image made from the stored square `record` into `dest`, counting the time
+    /// spent beyond a copy.
+    fn apply(
+        &self,
+        record: &[u8],
+        dest: &mut [u8],
+        scratch: &mut Scratch,
+        shared: &Shared,
+        path: &std::path::Path,
+    ) -> Result<(), PipelineError> {
+        let started = Instant::now();
+        let result = match self.jitter {
+            None => place(record, self.sides, dest, self.window, scratch, path),
+            Some(draw) => {
+                // Jittered in ordinary memory: `dest` may be write-combined pinned memory,
+                // very slow to read back.
+                let mut image = std::mem::take(&mut scratch.image);
+                image.resize(dest.len(), 0);
+                let placed = place(record, self.sides, &mut image, self.window, scratch, path);
+                if placed.is_ok() {
+                    draw.apply(&mut image);
+                    dest.copy_from_slice(&image);
+                }
+                scratch.image = image;
+                placed
+            }
+        };
+        if !self.is_copy() {
+            Counters::add_nanos(&shared.counters.transform_nanos, started);
+        }
+        result
+    }
 }
 
 /// Writes the stored square `record` into `dest`: as it is, or the crop `window` of it

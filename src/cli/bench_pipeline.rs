@@ -58,6 +58,9 @@ pub struct BenchPipelineArgs {
     /// With --augment resized-crop: the least share of the image's area a crop covers.
     #[arg(long, value_name = "MIN")]
     pub crop_scale: Option<f32>,
+    /// Colour jitter of every image (brightness, contrast and saturation), as for training.
+    #[arg(long, value_name = "F")]
+    pub color_jitter: Option<f32>,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -105,6 +108,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         opts.workers = w;
     }
     opts.crop = engine_crop(&args)?;
+    opts.color_jitter = args.color_jitter.map(pipeline::ColorJitter::uniform);
     // Each epoch is printed as soon as it is measured.
     let json = args.json;
     run_pipeline_bench_with(&opts, |report| print_report(report, json))?;

@@ -203,6 +203,11 @@ pub struct TrainArgs {
     /// image size (ImageNet recipes store 256 for 224) [default: the image size]
     #[arg(long, value_name = "S")]
     pub store_size: Option<u32>,
+    /// Colour jitter of training images: brightness, contrast and saturation each scaled by a
+    /// factor drawn from [max(0, 1−F), 1+F], in a random order (torchvision's ColorJitter(F,
+    /// F, F), timm's --color-jitter; ImageNet recipes use 0.4) [default: 0, none]
+    #[arg(long, value_name = "F")]
+    pub color_jitter: Option<f32>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -447,6 +452,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(side) = args.store_size {
         cfg.store_size = Some(side);
+    }
+    if let Some(f) = args.color_jitter {
+        cfg.color_jitter = f;
     }
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {

@@ -51,6 +51,8 @@ pub struct TrainConfig {
     /// Side of the squares the input engine caches, the crops' source (`--store-size`;
     /// `None`: the image size).
     pub store_size: Option<u32>,
+    /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
+    pub color_jitter: f32,
     /// Decode workers (0 = available cores).
     pub workers: usize,
     /// CPU backend threads (0 = available cores). Results are bit-reproducible for a given
@@ -137,6 +139,7 @@ impl TrainConfig {
             augment: Augmentation::PadCrop,
             crop_pct: 1.0,
             store_size: None,
+            color_jitter: 0.0,
             init_from: None,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
@@ -212,6 +215,7 @@ impl TrainConfig {
             crop_scale: self.augment.recorded_crop_scale(),
             crop_pct: self.crop_pct,
             store_size: self.store_size.filter(|&s| s != self.image_size),
+            color_jitter: self.color_jitter,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
@@ -236,6 +240,7 @@ impl TrainConfig {
         self.augment = Augmentation::recorded(s.augment, s.crop_scale);
         self.crop_pct = s.crop_pct;
         self.store_size = s.store_size;
+        self.color_jitter = s.color_jitter;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
@@ -244,6 +249,11 @@ impl TrainConfig {
         self.save_every = s.save_every;
         self.early_stop = s.early_stop;
         self.best_rule = s.best_rule();
+    }
+
+    /// The input engine's colour jitter of training images, when asked for.
+    pub fn engine_jitter(&self) -> Option<pipeline::ColorJitter> {
+        (self.color_jitter > 0.0).then(|| pipeline::ColorJitter::uniform(self.color_jitter))
     }
 
     /// Rejects values that cannot work, naming the flag.
@@ -340,6 +350,7 @@ impl TrainConfig {
         if let Some(store) = self.store_size {
             pipeline::check_store_size(store, self.image_size)?;
         }
+        pipeline::ColorJitter::uniform(self.color_jitter).validate()?;
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {
                 return bad(

@@ -646,10 +646,11 @@ const ENGINE_PID: u32 = 10_000;
 /// What the engine did during one step, as a trace span name.
 fn engine_span_name(before: &pipeline::EngineStats, now: &pipeline::EngineStats) -> String {
     format!(
-        "engine: {} decoded · {} cache hits · {:.1} s decode work · ready queue {:.0} % · cache {:.0} % filled",
+        "engine: {} decoded · {} cache hits · {:.1} s decode work · {:.1} s crop and jitter work · ready queue {:.0} % · cache {:.0} % filled",
         now.decoded.saturating_sub(before.decoded),
         now.cache_hits.saturating_sub(before.cache_hits),
         (now.decode_seconds - before.decode_seconds).max(0.0),
+        (now.transform_seconds - before.transform_seconds).max(0.0),
         100.0 * now.ready_queue_fill,
         100.0 * now.cache_fill
     )
@@ -743,6 +744,7 @@ mod tests {
             bad_files: 0,
             batches: 3,
             decode_seconds: 1.0,
+            transform_seconds: 0.2,
             decode_images_per_sec: 0.0,
             consumer_wait_seconds: 0.0,
             decode_queue_fill: 0.0,
@@ -754,13 +756,14 @@ mod tests {
             decoded: 14,
             cache_hits: 9,
             decode_seconds: 1.5,
+            transform_seconds: 0.6,
             ready_queue_fill: 0.5,
             cache_fill: 1.0,
             ..before.clone()
         };
         assert_eq!(
             engine_span_name(&before, &now),
-            "engine: 4 decoded · 4 cache hits · 0.5 s decode work · ready queue 50 % · cache 100 % filled"
+            "engine: 4 decoded · 4 cache hits · 0.5 s decode work · 0.4 s crop and jitter work · ready queue 50 % · cache 100 % filled"
         );
     }
 

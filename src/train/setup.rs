@@ -45,6 +45,7 @@ pub(crate) fn pipeline_for(
         .shuffle(training)
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
         .center_crop((!training).then_some(cfg.crop_pct))
+        .color_jitter(cfg.engine_jitter().filter(|_| training))
         .sampling(if training {
             cfg.sampler
         } else {
@@ -325,6 +326,13 @@ impl Shared {
                 crop.ratio.0,
                 crop.ratio.1,
                 cfg.image_size
+            ));
+        }
+        if let Some(jitter) = cfg.engine_jitter() {
+            self.say(format!(
+                "colour jitter: brightness, contrast and saturation each ×{:.2}–{:.2}, in a random order (--color-jitter)",
+                (1.0 - jitter.brightness).max(0.0),
+                1.0 + jitter.brightness
             ));
         }
         if let Some(store) = cfg.store_size.filter(|&s| s != cfg.image_size) {

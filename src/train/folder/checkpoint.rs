@@ -181,6 +181,10 @@ pub struct RunSettings {
     /// absent when it is the image size (and in older checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_size: Option<u32>,
+    /// `--color-jitter`: the strength of the training images' colour jitter; absent in
+    /// older checkpoints (0: none).
+    #[serde(default)]
+    pub color_jitter: f32,
     /// Frozen batch norm.
     pub freeze_bn: bool,
     /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
@@ -710,6 +714,7 @@ pub(crate) mod tests {
                 crop_scale: Some([0.25, 1.0]),
                 crop_pct: 0.875,
                 store_size: Some(256),
+                color_jitter: 0.4,
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
@@ -792,6 +797,7 @@ pub(crate) mod tests {
             "crop_scale",
             "crop_pct",
             "store_size",
+            "color_jitter",
         ] {
             settings.remove(field).unwrap();
         }
@@ -816,6 +822,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
         assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
         assert_eq!(old.settings.store_size, None, "stored at the image size");
+        assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)

@@ -1,0 +1,260 @@
+//! Colour jitter of training images: torchvision's `ColorJitter` without hue (timm's
+//! `--color-jitter F` is `ColorJitter(F, F, F)`), applied by the decode worker to each image
+//! after its crop, before the batch is handed on.
+//!
+//! Each of brightness, contrast and saturation gets a factor uniform in
+//! `[max(0, 1 − s), 1 + s]` (`s` its strength), and the three are applied in a random order,
+//! as torchvision draws them. Each adjustment blends the image with a reference and
+//! truncates to `u8`, as torchvision's tensor functions do on `uint8` images:
+//! - brightness: `f·p` (the reference is black);
+//! - contrast: `f·p + (1 − f)·m`, `m` the mean of the image's grey levels;
+//! - saturation: `f·p + (1 − f)·g`, `g` the pixel's own grey level;
+//!
+//! with grey = `0.2989 R + 0.587 G + 0.114 B`, truncated. The draw comes from
+//! `(seed, epoch, sample id)` alone, like the crop's window, so workers, replicas, the resume
+//! point and the cache do not change a pixel.
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::PipelineError;
+
+/// The strengths of the three adjustments (0: that one is off).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ColorJitter {
+    /// Brightness factor range `[max(0, 1 − b), 1 + b]`.
+    pub brightness: f32,
+    /// Contrast factor range `[max(0, 1 − c), 1 + c]`.
+    pub contrast: f32,
+    /// Saturation factor range `[max(0, 1 − s), 1 + s]`.
+    pub saturation: f32,
+}
+
+/// One adjustment of [`ColorJitter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Adjust {
+    /// Scale towards or away from black.
+    Brightness,
+    /// Scale towards or away from the image's mean grey.
+    Contrast,
+    /// Scale towards or away from each pixel's grey.
+    Saturation,
+}
+
+/// The factors and order drawn for one image.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JitterDraw {
+    /// The order the adjustments are applied in.
+    pub order: [Adjust; 3],
+    /// Brightness factor (1: unchanged).
+    pub brightness: f32,
+    /// Contrast factor (1: unchanged).
+    pub contrast: f32,
+    /// Saturation factor (1: unchanged).
+    pub saturation: f32,
+}
+
+impl ColorJitter {
+    /// The same strength for all three (timm's `--color-jitter F`).
+    pub fn uniform(strength: f32) -> Self {
+        Self {
+            brightness: strength,
+            contrast: strength,
+            saturation: strength,
+        }
+    }
+
+    /// Rejects strengths that cannot be drawn from (negative, NaN or infinite).
+    pub fn validate(&self) -> Result<(), PipelineError> {
+        for s in [self.brightness, self.contrast, self.saturation] {
+            if !(s >= 0.0 && s.is_finite()) {
+                return Err(PipelineError::InvalidSetting {
+                    name: "--color-jitter",
+                    value: s.to_string(),
+                    hint: "a strength ≥ 0: each factor is drawn from [max(0, 1 − F), 1 + F] (ImageNet recipes use 0.4)",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The draw of sample `sample_id` in `epoch`.
+    pub fn draw(&self, seed: u64, epoch: u64, sample_id: u64) -> JitterDraw {
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(b"cjitter\0");
+        key[8..16].copy_from_slice(&seed.to_le_bytes());
+        key[16..24].copy_from_slice(&epoch.to_le_bytes());
+        key[24..].copy_from_slice(&sample_id.to_le_bytes());
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key));
+        let mut order = [Adjust::Brightness, Adjust::Contrast, Adjust::Saturation];
+        order.shuffle(&mut rng);
+        let mut factor = |strength: f32| {
+            let (lo, hi) = ((1.0 - strength).max(0.0), 1.0 + strength);
+            lo + (hi - lo) * rng.random::<f32>()
+        };
+        JitterDraw {
+            order,
+            brightness: factor(self.brightness),
+            contrast: factor(self.contrast),
+            saturation: factor(self.saturation),
+        }
+    }
+}
+
+impl JitterDraw {
+    /// Applies the draw to `rgb` (packed RGB8 pixels) in place.
+    pub fn apply(&self, rgb: &mut [u8]) {
+        for adjust in self.order {
+            match adjust {
+                Adjust::Brightness => brightness(rgb, self.brightness),
+                Adjust::Contrast => contrast(rgb, self.contrast),
+                Adjust::Saturation => saturation(rgb, self.saturation),
+            }
+        }
+    }
+}
+
+/// The grey level of one pixel, truncated as torchvision's `rgb_to_grayscale` of a `uint8`
+/// image.
+fn grey(p: &[u8]) -> f32 {
+    (0.2989 * f32::from(p[0]) + 0.587 * f32::from(p[1]) + 0.114 * f32::from(p[2])).trunc()
+}
+
+/// `f·v + offset`, clamped to the byte range and truncated.
+fn blend(v: u8, f: f32, offset: f32) -> u8 {
+    (f * f32::from(v) + offset).clamp(0.0, 255.0) as u8
+}
+
+fn brightness(rgb: &mut [u8], f: f32) {
+    if f != 1.0 {
+        rgb.iter_mut().for_each(|v| *v = blend(*v, f, 0.0));
+    }
+}
+
+fn contrast(rgb: &mut [u8], f: f32) {
+    if f == 1.0 || rgb.is_empty() {
+        return;
+    }
+    let pixels = rgb.len() / 3;
+    let sum: f64 = rgb.chunks_exact(3).map(|p| f64::from(grey(p))).sum();
+    let offset = (1.0 - f) * (sum / pixels as f64) as f32;
+    rgb.iter_mut().for_each(|v| *v = blend(*v, f, offset));
+}
+
+fn saturation(rgb: &mut [u8], f: f32) {
+    if f == 1.0 {
+        return;
+    }
+    for p in rgb.chunks_exact_mut(3) {
+        let offset = (1.0 - f) * grey(p);
+        for v in p {
+            *v = blend(*v, f, offset);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_adjustment_blends_with_its_reference() {
+        let px = [200u8, 100, 50, 10, 20, 30];
+        // Brightness ½, applied once: halves and truncates.
+        let mut b = px;
+        brightness(&mut b, 0.5);
+        assert_eq!(b, [100, 50, 25, 5, 10, 15]);
+        // Brightness 2 saturates at 255.
+        let mut b = px;
+        brightness(&mut b, 2.0);
+        assert_eq!(b, [255, 200, 100, 20, 40, 60]);
+        // Contrast 0: every channel becomes the mean grey (truncated greys 124 and 18).
+        let mut c = px;
+        contrast(&mut c, 0.0);
+        assert_eq!(c, [71; 6]);
+        // Saturation 0: each pixel becomes its own grey.
+        let mut s = px;
+        saturation(&mut s, 0.0);
+        assert_eq!(s, [124, 124, 124, 18, 18, 18]);
+        // Saturation 2 pushes channels away from the grey: 2·200 − 124 = 276 → 255.
+        let mut s = px;
+        saturation(&mut s, 2.0);
+        assert_eq!(s, [255, 76, 0, 2, 22, 42]);
+        // A factor of 1 changes nothing, whatever the order.
+        let mut same = px;
+        let identity = JitterDraw {
+            order: [Adjust::Contrast, Adjust::Saturation, Adjust::Brightness],
+            brightness: 1.0,
+            contrast: 1.0,
+            saturation: 1.0,
+        };
+        identity.apply(&mut same);
+        assert_eq!(same, px);
+    }
+
+    #[test]
+    fn the_order_matters_and_is_applied_as_drawn() {
+        let px = [250u8, 10, 10, 10, 10, 250];
+        let draw = |order| JitterDraw {
+            order,
+            brightness: 1.5,
+            contrast: 1.0,
+            saturation: 0.0,
+        };
+        let mut a = px;
+        draw([Adjust::Brightness, Adjust::Saturation, Adjust::Contrast]).apply(&mut a);
+        let mut b = px;
+        draw([Adjust::Saturation, Adjust::Brightness, Adjust::Contrast]).apply(&mut b);
+        // Brightening first clips red at 255 before the grey is taken.
+        let mut want_a = px;
+        brightness(&mut want_a, 1.5);
+        saturation(&mut want_a, 0.0);
+        let mut want_b = px;
+        saturation(&mut want_b, 0.0);
+        brightness(&mut want_b, 1.5);
+        assert_eq!((a, b), (want_a, want_b));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn draws_follow_the_ranges_and_depend_on_seed_epoch_and_sample() {
+        let jitter = ColorJitter::uniform(0.4);
+        let mut orders = std::collections::HashSet::new();
+        let (mut lo, mut hi) = (f32::MAX, f32::MIN);
+        for id in 0..600 {
+            let d = jitter.draw(3, 1, id);
+            for f in [d.brightness, d.contrast, d.saturation] {
+                assert!((0.6..=1.4).contains(&f), "{d:?}");
+                lo = lo.min(f);
+                hi = hi.max(f);
+            }
+            let mut sorted = d.order;
+            sorted.sort_by_key(|a| *a as u8);
+            assert_eq!(
+                sorted,
+                [Adjust::Brightness, Adjust::Contrast, Adjust::Saturation]
+            );
+            orders.insert(d.order);
+            assert_eq!(d, jitter.draw(3, 1, id), "the same key draws the same");
+        }
+        assert_eq!(orders.len(), 6, "every order of the three appears");
+        assert!(lo < 0.65 && hi > 1.35, "the range is covered: {lo}..{hi}");
+        let d = jitter.draw(3, 1, 7);
+        assert_ne!(d, jitter.draw(4, 1, 7));
+        assert_ne!(d, jitter.draw(3, 2, 7));
+        assert_ne!(d, jitter.draw(3, 1, 8));
+        // Strengths beyond 1 reach down to 0 (max(0, 1 − s)), as torchvision's.
+        let strong = ColorJitter::uniform(2.0);
+        assert!((0..200).all(|id| strong.draw(0, 0, id).contrast >= 0.0));
+    }
+
+    #[test]
+    fn impossible_strengths_name_the_flag() {
+        for s in [-0.1, f32::NAN, f32::INFINITY] {
+            let err = ColorJitter::uniform(s).validate().unwrap_err();
+            assert!(err.to_string().contains("--color-jitter"), "{err}");
+        }
+        ColorJitter::uniform(0.0).validate().unwrap();
+        ColorJitter::uniform(3.0).validate().unwrap();
+    }
+}
