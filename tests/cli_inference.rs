@@ -247,6 +247,28 @@ fn tta_averages_each_image_with_its_mirror_image() {
     );
 }
 
+/// The last line of a run's `metrics.jsonl`.
+fn last_metrics(run: &Path) -> serde_json::Value {
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    serde_json::from_str(metrics.lines().last().unwrap()).unwrap()
+}
+
+/// `eval --json` of `run` on `data` with `extra` flags: its summary object.
+fn eval_json(run: &Path, data: &Path, cache: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "eval",
+        "--checkpoint",
+        s(run),
+        "--data",
+        s(data),
+        "--cache-dir",
+        s(cache),
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    json_lines(&ok(birdtrain_output(&args)))[0].clone()
+}
+
 /// `--crop-pct`: a run trained with it validates on the centred crop, and `eval` and
 /// `predict` of its checkpoint take the crop from the checkpoint (the same figures as the
 /// run's last validation line), unless told another share.
@@ -259,23 +281,9 @@ fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
     let mut args = train_args(&data, &cache, &run, 2);
     args.extend(["--crop-pct".to_string(), "0.75".to_string()]);
     ok(run_with(&args, &[]));
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let last = last_metrics(&run);
     assert_eq!(last["split"], "valid");
-    let eval = |extra: &[&str]| {
-        let mut args = vec![
-            "eval",
-            "--checkpoint",
-            s(&run),
-            "--data",
-            s(&data),
-            "--cache-dir",
-            s(&cache),
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        json_lines(&ok(birdtrain_output(&args)))[0].clone()
-    };
+    let eval = |extra: &[&str]| eval_json(&run, &data, &cache, extra);
     let as_trained = eval(&[]);
     assert_eq!(as_trained["crop_pct"], 0.75, "{as_trained}");
     let loss = as_trained["loss"].as_f64().unwrap();
@@ -358,22 +366,9 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
         !caches.is_empty() && caches.iter().all(|n| n.contains("-20-")),
         "{caches:?}"
     );
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let last = last_metrics(&run);
     let predictions = tmp.path().join("p.jsonl");
-    let eval = ok(birdtrain_output(&[
-        "eval",
-        "--checkpoint",
-        s(&run),
-        "--data",
-        s(&data),
-        "--cache-dir",
-        s(&cache),
-        "--json",
-        "--predictions",
-        s(&predictions),
-    ]));
-    let summary = &json_lines(&eval)[0];
+    let summary = &eval_json(&run, &data, &cache, &["--predictions", s(&predictions)]);
     let (loss, valid_loss) = (
         summary["loss"].as_f64().unwrap(),
         last["loss"].as_f64().unwrap(),

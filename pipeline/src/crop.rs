@@ -100,7 +100,7 @@ impl RandomResizedCrop {
 
     /// The window of sample `sample_id` in `epoch` on a `side × side` square.
     pub fn window(&self, seed: u64, epoch: u64, sample_id: u64, side: u32) -> CropWindow {
-        let mut rng = draw_rng(seed, epoch, sample_id);
+        let mut rng = sample_rng(b"rrcrop\0\0", seed, epoch, sample_id);
         let area = f64::from(side) * f64::from(side);
         let (log_lo, log_hi) = (f64::from(self.ratio.0).ln(), f64::from(self.ratio.1).ln());
         for _ in 0..TRIES {
@@ -163,10 +163,17 @@ fn uniform(rng: &mut impl Rng, lo: f64, hi: f64) -> f64 {
     lo + (hi - lo) * rng.random::<f64>()
 }
 
-/// The generator of one sample's crop: its own stream, apart from the epoch order's.
-fn draw_rng(seed: u64, epoch: u64, sample_id: u64) -> rand_chacha::ChaCha8Rng {
+/// The generator of one sample's draws in one epoch for the stream named `stream` (the crop's
+/// and the colour jitter's are apart from each other and from the epoch order's): seeded from
+/// `(stream, seed, epoch, sample id)` alone, so no worker, replica or resume point shares it.
+pub(crate) fn sample_rng(
+    stream: &[u8; 8],
+    seed: u64,
+    epoch: u64,
+    sample_id: u64,
+) -> rand_chacha::ChaCha8Rng {
     let mut key = [0u8; 32];
-    key[..8].copy_from_slice(b"rrcrop\0\0");
+    key[..8].copy_from_slice(stream);
     key[8..16].copy_from_slice(&seed.to_le_bytes());
     key[16..24].copy_from_slice(&epoch.to_le_bytes());
     key[24..].copy_from_slice(&sample_id.to_le_bytes());

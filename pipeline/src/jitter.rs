@@ -15,7 +15,7 @@
 //! point and the cache do not change a pixel.
 
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 use crate::PipelineError;
 
@@ -80,12 +80,7 @@ impl ColorJitter {
 
     /// The draw of sample `sample_id` in `epoch`.
     pub fn draw(&self, seed: u64, epoch: u64, sample_id: u64) -> JitterDraw {
-        let mut key = [0u8; 32];
-        key[..8].copy_from_slice(b"cjitter\0");
-        key[8..16].copy_from_slice(&seed.to_le_bytes());
-        key[16..24].copy_from_slice(&epoch.to_le_bytes());
-        key[24..].copy_from_slice(&sample_id.to_le_bytes());
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key));
+        let mut rng = crate::crop::sample_rng(b"cjitter\0", seed, epoch, sample_id);
         let mut order = [Adjust::Brightness, Adjust::Contrast, Adjust::Saturation];
         order.shuffle(&mut rng);
         let mut factor = |strength: f32| {
@@ -189,6 +184,7 @@ fn saturation(rgb: &mut [u8], f: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
 
     #[test]
     fn each_adjustment_blends_with_its_reference() {

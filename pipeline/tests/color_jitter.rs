@@ -3,48 +3,31 @@
 //! replicas or cache; the cache keeps the colours as decoded; the time spent after the cache
 //! is counted.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+mod common;
 
-use pipeline::{ColorJitter, DatasetSource, PipelineBuilder, RandomResizedCrop, Split};
+use std::collections::HashMap;
+
+use pipeline::{ColorJitter, PipelineBuilder, RandomResizedCrop, Split};
+
+use common::Listed;
 
 const SIDE: u32 = 24;
 const SEED: u64 = 12;
 
-struct Images {
-    _dir: tempfile::TempDir,
-    cache: tempfile::TempDir,
-    files: Vec<(PathBuf, u32)>,
-}
-
 /// Colourful images: each channel a different wave over the square, shifted per image.
-fn images(count: usize) -> Images {
-    let dir = tempfile::tempdir().unwrap();
-    let files = (0..count)
-        .map(|i| {
-            let img = image::RgbImage::from_fn(SIDE, SIDE, |x, y| {
-                let k = i as u32;
-                image::Rgb([
-                    ((x * 9 + k * 17) % 256) as u8,
-                    ((y * 7 + x * 3 + k * 29) % 256) as u8,
-                    ((x * y + k * 41) % 256) as u8,
-                ])
-            });
-            let path = dir.path().join(format!("img{i:02}.png"));
-            img.save(&path).unwrap();
-            (path, (i % 3) as u32)
-        })
-        .collect();
-    Images {
-        _dir: dir,
-        cache: tempfile::tempdir().unwrap(),
-        files,
-    }
+fn images(count: usize) -> Listed {
+    common::listed(count, SIDE, 3, |i, x, y| {
+        let k = i as u32;
+        image::Rgb([
+            ((x * 9 + k * 17) % 256) as u8,
+            ((y * 7 + x * 3 + k * 29) % 256) as u8,
+            ((x * y + k * 41) % 256) as u8,
+        ])
+    })
 }
 
-fn builder(im: &Images) -> PipelineBuilder {
-    let classes = vec!["a".to_string(), "b".to_string(), "c".to_string()];
-    PipelineBuilder::new(DatasetSource::list(classes, im.files.clone()))
+fn builder(im: &Listed) -> PipelineBuilder {
+    PipelineBuilder::new(im.source())
         .split(Split::Train)
         .image_size(SIDE)
         .cache_dir(im.cache.path())

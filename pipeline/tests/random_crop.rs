@@ -4,44 +4,27 @@
 //! cache keeps the whole squares. `PipelineBuilder::center_crop`: every image is the same
 //! centred window, from the cache or straight from the file.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+mod common;
 
-use pipeline::{CropWindow, DatasetSource, PipelineBuilder, RandomResizedCrop, Split};
+use std::collections::HashMap;
+
+use pipeline::{CropWindow, PipelineBuilder, RandomResizedCrop, Split};
+
+use common::Listed;
 
 const SIDE: u32 = 32;
 const SEED: u64 = 9;
 
 /// Images whose red channel is 8·x and green 8·y: a linear ramp, which bilinear scaling
 /// keeps linear, so every output pixel says where in the source it was sampled.
-struct Ramps {
-    _dir: tempfile::TempDir,
-    cache: tempfile::TempDir,
-    files: Vec<(PathBuf, u32)>,
+fn ramps(count: usize) -> Listed {
+    common::listed(count, SIDE, 2, |i, x, y| {
+        image::Rgb([(8 * x) as u8, (8 * y) as u8, (i * 10) as u8])
+    })
 }
 
-fn ramps(count: usize) -> Ramps {
-    let dir = tempfile::tempdir().unwrap();
-    let files = (0..count)
-        .map(|i| {
-            let img = image::RgbImage::from_fn(SIDE, SIDE, |x, y| {
-                image::Rgb([(8 * x) as u8, (8 * y) as u8, (i * 10) as u8])
-            });
-            let path = dir.path().join(format!("ramp{i:02}.png"));
-            img.save(&path).unwrap();
-            (path, (i % 2) as u32)
-        })
-        .collect();
-    Ramps {
-        _dir: dir,
-        cache: tempfile::tempdir().unwrap(),
-        files,
-    }
-}
-
-fn builder(r: &Ramps, crop: Option<RandomResizedCrop>) -> PipelineBuilder {
-    let classes = vec!["a".to_string(), "b".to_string()];
-    PipelineBuilder::new(DatasetSource::list(classes, r.files.clone()))
+fn builder(r: &Listed, crop: Option<RandomResizedCrop>) -> PipelineBuilder {
+    PipelineBuilder::new(r.source())
         .split(Split::Train)
         .image_size(SIDE)
         .cache_dir(r.cache.path())

@@ -3,10 +3,13 @@
 //! crop or the centre crop) scaled to the image size; the pixels do not depend on whether
 //! they came from the cache or the file, and each store size has its own cache.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+mod common;
 
-use pipeline::{CropWindow, DatasetSource, PipelineBuilder, RandomResizedCrop, Split};
+use std::collections::HashMap;
+
+use pipeline::{CropWindow, PipelineBuilder, RandomResizedCrop, Split};
+
+use common::Listed;
 
 /// The files' side, which is also the store's: the stored square is the file unchanged.
 const STORED: u32 = 48;
@@ -16,36 +19,16 @@ const IMAGE: u32 = 24;
 const SLOPE: f64 = 5.0;
 const SEED: u64 = 4;
 
-struct Ramps {
-    _dir: tempfile::TempDir,
-    cache: tempfile::TempDir,
-    files: Vec<(PathBuf, u32)>,
-}
-
 /// Images whose red channel is 5·x and green 5·y (linear ramps, which bilinear scaling keeps
 /// linear) and whose blue is the sample's own level.
-fn ramps(count: usize) -> Ramps {
-    let dir = tempfile::tempdir().unwrap();
-    let files = (0..count)
-        .map(|i| {
-            let img = image::RgbImage::from_fn(STORED, STORED, |x, y| {
-                image::Rgb([(5 * x) as u8, (5 * y) as u8, (i * 20) as u8])
-            });
-            let path = dir.path().join(format!("ramp{i:02}.png"));
-            img.save(&path).unwrap();
-            (path, (i % 2) as u32)
-        })
-        .collect();
-    Ramps {
-        _dir: dir,
-        cache: tempfile::tempdir().unwrap(),
-        files,
-    }
+fn ramps(count: usize) -> Listed {
+    common::listed(count, STORED, 2, |i, x, y| {
+        image::Rgb([(5 * x) as u8, (5 * y) as u8, (i * 20) as u8])
+    })
 }
 
-fn builder(r: &Ramps) -> PipelineBuilder {
-    let classes = vec!["a".to_string(), "b".to_string()];
-    PipelineBuilder::new(DatasetSource::list(classes, r.files.clone()))
+fn builder(r: &Listed) -> PipelineBuilder {
+    PipelineBuilder::new(r.source())
         .split(Split::Train)
         .image_size(IMAGE)
         .store_size(Some(STORED))

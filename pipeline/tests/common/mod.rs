@@ -118,3 +118,47 @@ impl CacheLayout {
         }
     }
 }
+
+/// Images given to the engine as a list (`DatasetSource::list`), written as lossless PNGs,
+/// plus a temporary cache directory.
+pub struct Listed {
+    pub dir: tempfile::TempDir,
+    pub cache: tempfile::TempDir,
+    pub files: Vec<(PathBuf, u32)>,
+    pub classes: usize,
+}
+
+impl Listed {
+    /// The list, with classes named `a`, `b`, … .
+    pub fn source(&self) -> DatasetSource {
+        let names = (0..self.classes)
+            .map(|k| char::from(b'a' + k as u8).to_string())
+            .collect();
+        DatasetSource::list(names, self.files.clone())
+    }
+}
+
+/// `count` images of `side`×`side` whose pixel `(x, y)` of image `i` is `pixel(i, x, y)`,
+/// image `i` labelled `i % classes`.
+pub fn listed(
+    count: usize,
+    side: u32,
+    classes: usize,
+    pixel: impl Fn(usize, u32, u32) -> image::Rgb<u8>,
+) -> Listed {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let files = (0..count)
+        .map(|i| {
+            let img = image::RgbImage::from_fn(side, side, |x, y| pixel(i, x, y));
+            let path = dir.path().join(format!("img{i:02}.png"));
+            img.save(&path).expect("write a png");
+            (path, (i % classes) as u32)
+        })
+        .collect();
+    Listed {
+        dir,
+        cache: tempfile::tempdir().expect("tempdir"),
+        files,
+        classes,
+    }
+}
