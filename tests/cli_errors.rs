@@ -97,6 +97,7 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--store-size", "9000"], "--store-size"),
         (vec!["--color-jitter=-0.4"], "--color-jitter"),
         (vec!["--color-jitter", "NaN"], "--color-jitter"),
+        (vec!["--resize-mode", "shorter"], "--resize-mode"),
         (
             vec!["--schedule", "plateau", "--plateau-min-lr", "1"],
             "--plateau-min-lr",

@@ -366,9 +366,64 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
         !caches.is_empty() && caches.iter().all(|n| n.contains("-20-")),
         "{caches:?}"
     );
-    let last = last_metrics(&run);
-    let predictions = tmp.path().join("p.jsonl");
-    let summary = &eval_json(&run, &data, &cache, &["--predictions", s(&predictions)]);
+    eval_and_predict_agree_with_validation(&run, &data, &cache);
+}
+
+/// `--resize-mode center-crop`: wide images keep their aspect ratio (the centred square is
+/// stored, not the stretched image); the mode is recorded in the checkpoint, `eval` and
+/// `predict` store the images the same way, and a resume asking for the other mode is
+/// refused in one line naming the flag.
+#[test]
+fn the_checkpoints_resize_mode_serves_validation_eval_and_predict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    pipeline::synth::write_dataset(&pipeline::synth::SynthConfig {
+        out: data.clone(),
+        classes: 3,
+        train_per_class: 6,
+        valid_per_class: 2,
+        test_per_class: 0,
+        width: 40,
+        height: 16,
+        format: pipeline::synth::ImageFormatKind::Png,
+        seed: 4,
+    })
+    .unwrap();
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &cache, &run, 2);
+    args.extend(["--resize-mode".to_string(), "center-crop".to_string()]);
+    let trained = ok(run_with(&args, &[]));
+    assert!(
+        text(&trained).contains("keeps its aspect ratio"),
+        "{}",
+        text(&trained)
+    );
+    let sidecar: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("checkpoint.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        sidecar["settings"]["resize_mode"], "center-crop",
+        "{sidecar}"
+    );
+    eval_and_predict_agree_with_validation(&run, &data, &cache);
+
+    let mut resume = vec!["--resume".to_string(), s(&run).to_string()];
+    resume.extend(["--data", s(&data), "--epochs", "3", "--quiet"].map(String::from));
+    resume.extend(["--resize-mode".to_string(), "direct".to_string()]);
+    assert_one_line_error(
+        &run_with(&resume, &[]),
+        &["resize mode", "--resize-mode", "center-crop"],
+    );
+}
+
+/// Eval's loss of the validation split is the run's last validation loss, and predict's top
+/// answer for each validation file has eval's probability: both saw the images validation
+/// saw.
+fn eval_and_predict_agree_with_validation(run: &Path, data: &Path, cache: &Path) {
+    let last = last_metrics(run);
+    let predictions = run.with_file_name("p.jsonl");
+    let summary = &eval_json(run, data, cache, &["--predictions", s(&predictions)]);
     let (loss, valid_loss) = (
         summary["loss"].as_f64().unwrap(),
         last["loss"].as_f64().unwrap(),
@@ -392,7 +447,7 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
     let predicted = probabilities(&ok(birdtrain_output(&[
         "predict",
         "--checkpoint",
-        s(&run),
+        s(run),
         "--json",
         "--top-k",
         "1",

@@ -121,6 +121,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         .split(split)
         .image_size(meta.image_size)
         .store_size(meta.settings.store_size)
+        .resize_mode(meta.settings.resize_mode)
         .seed(args.seed.unwrap_or(meta.seed))
         .replicas(1)
         .batch_size(args.batch_size)

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
-use pipeline::{LastBatch, OnBadImage, Sampling};
+use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
 
 use super::CliError;
 use crate::dist::DistSettings;
@@ -203,6 +203,11 @@ pub struct TrainArgs {
     /// image size (ImageNet recipes store 256 for 224) [default: the image size]
     #[arg(long, value_name = "S")]
     pub store_size: Option<u32>,
+    /// How each image becomes its stored square: direct (stretched to the square) or
+    /// center-crop (the centred square of its shorter side, keeping the aspect ratio, as
+    /// torchvision's Resize then CenterCrop) [default: direct]
+    #[arg(long, value_name = "direct|center-crop")]
+    pub resize_mode: Option<String>,
     /// Colour jitter of training images: brightness, contrast and saturation each scaled by a
     /// factor drawn from [max(0, 1−F), 1+F], in a random order (torchvision's ColorJitter(F,
     /// F, F), timm's --color-jitter; ImageNet recipes use 0.4) [default: 0, none]
@@ -273,7 +278,7 @@ fn parse<T: FromStr>(flag: &'static str, value: &str, hint: &str) -> Result<T, C
 ///
 /// With `--resume RUN`, every setting (model, image size, seed, batch, replicas, epochs,
 /// optimizer and its hyper-parameters, schedule, augmentation…) defaults to the checkpoint's;
-/// flags given again override them, except model and image size, which must match.
+/// flags given again override them, except model, image size and resize mode, which must match.
 pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliError> {
     let data = args.data.clone().ok_or(CliError::Missing {
         flag: "--data DIR",
@@ -332,6 +337,19 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
                     expected: size.to_string(),
                     found: meta.image_size.to_string(),
                     hint: "resume with the checkpoint's --image-size",
+                }
+                .into());
+            }
+        }
+        if let Some(v) = &args.resize_mode {
+            let wanted = parse::<ResizeMode>("--resize-mode", v, "expected direct or center-crop")?;
+            if wanted != meta.settings.resize_mode {
+                return Err(TrainError::CheckpointMismatch {
+                    path: resume_dir.clone(),
+                    what: "resize mode",
+                    expected: wanted.as_str().into(),
+                    found: meta.settings.resize_mode.as_str().into(),
+                    hint: "resume with the checkpoint's --resize-mode (the images it learned from)",
                 }
                 .into());
             }
@@ -452,6 +470,10 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(side) = args.store_size {
         cfg.store_size = Some(side);
+    }
+    if let Some(v) = &args.resize_mode {
+        cfg.resize_mode =
+            parse::<ResizeMode>("--resize-mode", v, "expected direct or center-crop")?;
     }
     if let Some(f) = args.color_jitter {
         cfg.color_jitter = f;

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use pipeline::{LastBatch, OnBadImage, Sampling};
+use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
 
 use super::augment::Augmentation;
 use super::device::DeviceChoice;
@@ -51,6 +51,8 @@ pub struct TrainConfig {
     /// Side of the squares the input engine caches, the crops' source (`--store-size`;
     /// `None`: the image size).
     pub store_size: Option<u32>,
+    /// How each image becomes its stored square (`--resize-mode`).
+    pub resize_mode: ResizeMode,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
     /// Decode workers (0 = available cores).
@@ -139,6 +141,7 @@ impl TrainConfig {
             augment: Augmentation::PadCrop,
             crop_pct: 1.0,
             store_size: None,
+            resize_mode: ResizeMode::Direct,
             color_jitter: 0.0,
             init_from: None,
             last_batch: LastBatch::Partial,
@@ -215,6 +218,7 @@ impl TrainConfig {
             crop_scale: self.augment.recorded_crop_scale(),
             crop_pct: self.crop_pct,
             store_size: self.store_size.filter(|&s| s != self.image_size),
+            resize_mode: self.resize_mode,
             color_jitter: self.color_jitter,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
@@ -240,6 +244,7 @@ impl TrainConfig {
         self.augment = Augmentation::recorded(s.augment, s.crop_scale);
         self.crop_pct = s.crop_pct;
         self.store_size = s.store_size;
+        self.resize_mode = s.resize_mode;
         self.color_jitter = s.color_jitter;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;

@@ -275,6 +275,7 @@ pub fn predict(
         .split(Split::Test)
         .image_size(model.meta.image_size)
         .store_size(model.meta.settings.store_size)
+        .resize_mode(model.meta.settings.resize_mode)
         .cache(false)
         .batch_size(model.net.max_batch())
         .replicas(1)

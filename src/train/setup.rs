@@ -39,6 +39,7 @@ pub(crate) fn pipeline_for(
         .split(split)
         .image_size(cfg.image_size)
         .store_size(cfg.store_size)
+        .resize_mode(cfg.resize_mode)
         .seed(cfg.seed)
         .replicas(if training { ranks } else { 1 })
         .batch_size(cfg.batch_size)
@@ -339,6 +340,12 @@ impl Shared {
             self.say(format!(
                 "the input engine caches {store}×{store} squares; every image is cut from one and scaled to {} px (--store-size)",
                 cfg.image_size
+            ));
+        }
+        if cfg.resize_mode == pipeline::ResizeMode::ShorterSideCenterCrop {
+            self.say(format!(
+                "each image keeps its aspect ratio: its centred square is stored, {} px a side (--resize-mode center-crop)",
+                cfg.store_size.unwrap_or(cfg.image_size)
             ));
         }
         if cfg.crop_pct < 1.0 {

@@ -17,7 +17,7 @@
 use std::fs;
 use std::path::Path;
 
-use pipeline::{LastBatch, Sampling};
+use pipeline::{LastBatch, ResizeMode, Sampling};
 use serde::{Deserialize, Serialize};
 
 use super::fault::{self, FaultTarget};
@@ -116,6 +116,21 @@ fn one() -> f32 {
 }
 
 /// `--sampler` as its command-line word in the sidecar.
+mod resize_mode_name {
+    use pipeline::ResizeMode;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &ResizeMode, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_str())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ResizeMode, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse()
+            .map_err(|_| serde::de::Error::custom(format!("unknown resize mode {text:?}")))
+    }
+}
+
 mod sampler_name {
     use pipeline::Sampling;
     use serde::{Deserialize, Deserializer, Serializer};
@@ -181,6 +196,10 @@ pub struct RunSettings {
     /// absent when it is the image size (and in older checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_size: Option<u32>,
+    /// `--resize-mode`: how each image became its stored square; absent in older
+    /// checkpoints (direct: stretched).
+    #[serde(default, with = "resize_mode_name")]
+    pub resize_mode: ResizeMode,
     /// `--color-jitter`: the strength of the training images' colour jitter; absent in
     /// older checkpoints (0: none).
     #[serde(default)]
@@ -714,6 +733,7 @@ pub(crate) mod tests {
                 crop_scale: Some([0.25, 1.0]),
                 crop_pct: 0.875,
                 store_size: Some(256),
+                resize_mode: ResizeMode::ShorterSideCenterCrop,
                 color_jitter: 0.4,
                 freeze_bn: false,
                 sync_bn: true,
@@ -797,6 +817,7 @@ pub(crate) mod tests {
             "crop_scale",
             "crop_pct",
             "store_size",
+            "resize_mode",
             "color_jitter",
         ] {
             settings.remove(field).unwrap();
@@ -822,6 +843,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.crop_scale, None, "pad-and-crop");
         assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
         assert_eq!(old.settings.store_size, None, "stored at the image size");
+        assert_eq!(old.settings.resize_mode, ResizeMode::Direct, "stretched");
         assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
