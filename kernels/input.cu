@@ -7,11 +7,14 @@
 // normalised v = u8/255·(1/std_c) − mean_c/std_c with the ImageNet statistics (torchvision) and
 // stored as bf16. The host draws no randomness here: (dy, dx, flip) arrive per image from the
 // trainer, which draws them from (seed, epoch, sample), so every backend sees identical crops.
+// A mixed batch (timm's mixup and CutMix, batch mode) then combines image b with its partner
+// n − 1 − b, each augmented: mixup writes λ·v_b + (1 − λ)·v_partner everywhere, CutMix takes
+// the partner's value inside the box and b's outside; λ and the box come from the trainer.
 //
 // Data layout. src: u8 [N,S,S,3]; aug: i32 [N][3] = (dy, dx, flip); scale, shift: f32 [3]
-// (1/(255·std_c) and −mean_c/std_c); dst: bf16 [N,S,S,3].
+// (1/(255·std_c) and −mean_c/std_c); mix: InputMix by value; dst: bf16 [N,S,S,3].
 //
-// input_transform_pad8 does the same and also writes the 8-channel copy of the batch that the
+// input_transform_pad8 does the same (without mixing) and also writes the 8-channel copy of the batch that the
 // v2 stem convolution reads with 16-byte copies (kernels/conv2.cu): channels 3..7 are zero.
 //
 // Launch configuration. input_transform: one thread per output element, 256 threads,
@@ -20,10 +23,33 @@
 // grid-stride; each writes its 3 channels and one 16-byte padded pixel.
 #include "common.cuh"
 
+// The batch's mixing (model::Mix), passed by value: kind BT_MIX_NONE, BT_MIX_BLEND (mixup,
+// weight lambda) or BT_MIX_PASTE (CutMix, box rows y0..y1, columns x0..x1, ends excluded).
+#define BT_MIX_NONE 0
+#define BT_MIX_BLEND 1
+#define BT_MIX_PASTE 2
+struct InputMix {
+    int kind;
+    float lambda;
+    int y0, y1, x0, x1;
+};
+
+// One image's normalised value at output (y, x, c), after its own shift and mirror.
+__device__ __forceinline__ float bt_input_value(const u8* __restrict__ src, const int* __restrict__ aug,
+                                                int use_aug, const float* __restrict__ scale,
+                                                const float* __restrict__ shift, int b, int y, int x,
+                                                int c, int size) {
+    int dy = 0, dx = 0, flip = 0;
+    if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+    const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
+    if (sy < 0 || sy >= size || sx < 0 || sx >= size) return 0.0f;
+    return (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
+}
+
 extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ aug,
                                            int use_aug, const float* __restrict__ scale,
-                                           const float* __restrict__ shift, bf16* __restrict__ dst,
-                                           int n, int size) {
+                                           const float* __restrict__ shift, InputMix mix,
+                                           bf16* __restrict__ dst, int n, int size) {
     const long total = (long)n * size * size * 3;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int c = (int)(i % 3);
@@ -31,12 +57,15 @@ extern "C" __global__ void input_transform(const u8* __restrict__ src, const int
         const int x = (int)(rest % size); rest /= size;
         const int y = (int)(rest % size);
         const int b = (int)(rest / size);
-        int dy = 0, dx = 0, flip = 0;
-        if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
-        const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
-        float v = 0.0f;
-        if (sy >= 0 && sy < size && sx >= 0 && sx < size)
-            v = (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
+        const int partner = n - 1 - b;
+        float v;
+        if (mix.kind == BT_MIX_PASTE && y >= mix.y0 && y < mix.y1 && x >= mix.x0 && x < mix.x1) {
+            v = bt_input_value(src, aug, use_aug, scale, shift, partner, y, x, c, size);
+        } else {
+            v = bt_input_value(src, aug, use_aug, scale, shift, b, y, x, c, size);
+            if (mix.kind == BT_MIX_BLEND)
+                v = mix.lambda * v + (1.0f - mix.lambda) * bt_input_value(src, aug, use_aug, scale, shift, partner, y, x, c, size);
+        }
         dst[i] = bt_to_bf16(v);
     }
 }

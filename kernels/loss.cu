@@ -3,6 +3,9 @@
 // Algorithm. Per row z (K logits), with ε the label smoothing: m = max z,
 // lse = m + log Σ exp(z − m), loss = lse − (1−ε)·z[label] − ε·mean(z) (PyTorch's definition,
 // target = (1−ε)·onehot + ε/K), dz = (softmax(z) − target) / N (gradient of the batch mean).
+// A mixed batch (mixup, CutMix) gives row r the target w·t(label_r) + (1 − w)·t(label_{N−1−r})
+// with w = own_weight (1: no mixing; N = gridDim.x), so the loss uses w·z[label_r] +
+// (1 − w)·z[label_partner] where it used z[label]; the rank stays that of the row's own label.
 // `rank` counts the logits strictly greater than z[label] (0 = top-1 correct, < 5 = top-5), the
 // CPU reference's rule; a row holding a NaN or infinite logit gets rank INT_MAX (never correct,
 // not even top-5 with fewer than 5 classes). Softmax probabilities are written when `probs` is not null, the
@@ -25,14 +28,17 @@
 #include "common.cuh"
 
 extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const int* __restrict__ labels,
-                                        int k, float smoothing, float grad_scale,
+                                        int k, float smoothing, float own_weight, float grad_scale,
                                         float* __restrict__ loss, int* __restrict__ rank,
                                         bf16* __restrict__ dlogits, float* __restrict__ probs) {
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     const bf16* z = logits + row * k;
     const int label = labels[row];
+    const int partner = labels[gridDim.x - 1 - row];
     const float z_label = bt_to_f32(z[label]);
+    // Unmixed rows read no other logit (0·inf would turn an infinite row's loss into NaN).
+    const float z_target = own_weight == 1.0f ? z_label : own_weight * z_label + (1.0f - own_weight) * bt_to_f32(z[partner]);
 
     float m = BT_NEG_INF, total = 0.0f, above = 0.0f, nonfinite = 0.0f;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
@@ -54,12 +60,13 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
         const float p = expf(bt_to_f32(z[j]) - lse);
         if (probs != nullptr) probs[row * k + j] = p;
         if (dlogits != nullptr) {
-            const float target = smoothing / (float)k + (j == label ? 1.0f - smoothing : 0.0f);
+            const float hot = (j == label ? own_weight : 0.0f) + (j == partner ? 1.0f - own_weight : 0.0f);
+            const float target = smoothing / (float)k + (1.0f - smoothing) * hot;
             dlogits[row * k + j] = bt_to_bf16((p - target) * grad_scale);
         }
     }
     if (threadIdx.x == 0) {
-        loss[row] = lse - (1.0f - smoothing) * z_label - smoothing * total / (float)k;
+        loss[row] = lse - (1.0f - smoothing) * z_target - smoothing * total / (float)k;
         rank[row] = nonfinite > 0.0f ? 0x7fffffff : (int)above;
     }
 }

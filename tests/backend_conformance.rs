@@ -190,13 +190,12 @@ fn the_checks_catch_a_wrong_convolution() {
             n: usize,
             classes: usize,
             logits: &Vec<f32>,
-            labels: &[u32],
-            smoothing: f32,
+            targets: &birdtrain::backend::Targets<'_>,
             d: Option<&mut Vec<f32>>,
             p: Option<&mut Vec<f32>>,
         ) -> Result<birdtrain::backend::LossStats, BackendError> {
             self.0
-                .softmax_cross_entropy(n, classes, logits, labels, smoothing, d, p)
+                .softmax_cross_entropy(n, classes, logits, targets, d, p)
         }
     }
     let err = check_convs(&Transposed(CpuBackend::new(1).unwrap()), Tolerance::F32).unwrap_err();
@@ -352,6 +351,7 @@ fn fast_whole_steps_match_the_reference() {
                 len: batch,
                 image_size: size,
                 augment: Some(&aug),
+                mix: None,
             };
             let config = NetworkConfig {
                 label_smoothing: 0.1,

@@ -63,6 +63,7 @@ fn fused_updates_equal_the_host_optimizer_bit_for_bit() {
         len: n,
         image_size: size,
         augment: None,
+        mix: None,
     };
     let hyper = Hyper {
         weight_decay: 1e-2,
@@ -211,6 +212,7 @@ fn the_cpu_rank_optimizer_steps_in_place_from_the_flat_buffer_and_round_trips_it
         len: n,
         image_size: size,
         augment: None,
+        mix: None,
     };
     // Offsets with gaps, as a bucket plan lays them out.
     let mut offsets = Vec::new();

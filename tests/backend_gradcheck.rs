@@ -9,7 +9,7 @@ mod common;
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
-    Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape,
+    Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, Targets,
 };
 use common::{check, project, random};
 
@@ -372,10 +372,16 @@ fn cross_entropy_gradient_and_counts() {
     let (n, classes) = (4, 7);
     let logits: Vec<f32> = random(n * classes, 5).iter().map(|v| v * 3.0).collect();
     let labels = [0u32, 3, 6, 2];
-    for smoothing in [0.0f32, 0.1] {
+    // Plain and smoothed targets, then mixed ones (mixup and CutMix: row i's target gives
+    // `own` to its label and the rest to row n−1−i's).
+    for (smoothing, own) in [(0.0f32, 1.0f32), (0.1, 1.0), (0.1, 0.3), (0.0, 0.75)] {
+        let targets = Targets {
+            own_weight: own,
+            ..Targets::labels(&labels, smoothing)
+        };
         let mut d = vec![0.0; n * classes];
         let stats = b
-            .softmax_cross_entropy(n, classes, &logits, &labels, smoothing, Some(&mut d), None)
+            .softmax_cross_entropy(n, classes, &logits, &targets, Some(&mut d), None)
             .unwrap();
         // loss by definition, mean over images
         let mut want = 0.0f64;
@@ -385,13 +391,18 @@ fn cross_entropy_gradient_and_counts() {
                 .map(|&v| f64::from(v))
                 .collect();
             let lse = z.iter().map(|v| v.exp()).sum::<f64>().ln();
+            let partner = labels[n - 1 - i] as usize;
             for (j, zj) in z.iter().enumerate() {
-                let t = f64::from(smoothing) / classes as f64
-                    + if j == labels[i] as usize {
-                        1.0 - f64::from(smoothing)
-                    } else {
-                        0.0
-                    };
+                let hot = if j == labels[i] as usize {
+                    f64::from(own)
+                } else {
+                    0.0
+                } + if j == partner {
+                    1.0 - f64::from(own)
+                } else {
+                    0.0
+                };
+                let t = f64::from(smoothing) / classes as f64 + (1.0 - f64::from(smoothing)) * hot;
                 want -= t * (zj - lse);
             }
         }
@@ -401,14 +412,14 @@ fn cross_entropy_gradient_and_counts() {
             stats.loss_sum
         );
         check(
-            &format!("ce eps={smoothing} dlogits"),
+            &format!("ce eps={smoothing} own={own} dlogits"),
             &logits,
             &d,
             1e-2,
             1e-3,
             28,
             |z| {
-                b.softmax_cross_entropy(n, classes, &z.to_vec(), &labels, smoothing, None, None)
+                b.softmax_cross_entropy(n, classes, &z.to_vec(), &targets, None, None)
                     .unwrap()
                     .loss_sum
                     / n as f64
@@ -417,7 +428,14 @@ fn cross_entropy_gradient_and_counts() {
     }
     // top-1 / top-5 counts against a direct ranking
     let stats = b
-        .softmax_cross_entropy(n, classes, &logits, &labels, 0.0, None, None)
+        .softmax_cross_entropy(
+            n,
+            classes,
+            &logits,
+            &Targets::labels(&labels, 0.0),
+            None,
+            None,
+        )
         .unwrap();
     let (mut t1, mut t5) = (0, 0);
     for i in 0..n {
@@ -428,8 +446,24 @@ fn cross_entropy_gradient_and_counts() {
     }
     assert_eq!((stats.correct_top1, stats.correct_top5), (t1, t5));
     assert!(b
-        .softmax_cross_entropy(n, classes, &logits, &[0, 1, 7, 0], 0.0, None, None)
+        .softmax_cross_entropy(
+            n,
+            classes,
+            &logits,
+            &Targets::labels(&[0, 1, 7, 0], 0.0),
+            None,
+            None
+        )
         .is_err());
+    for own_weight in [-0.1, 1.5, f32::NAN] {
+        let bad = Targets {
+            own_weight,
+            ..Targets::labels(&labels, 0.0)
+        };
+        assert!(b
+            .softmax_cross_entropy(n, classes, &logits, &bad, None, None)
+            .is_err());
+    }
 }
 
 #[test]

@@ -8,11 +8,12 @@
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
-    Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, TensorRole,
+    Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, Targets,
+    TensorRole,
 };
 use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
-use birdtrain::model::{Augment, InputBatch};
+use birdtrain::model::{Augment, InputBatch, Mix};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -613,7 +614,13 @@ fn linear_matches_cpu() {
 fn softmax_cross_entropy_matches_cpu() {
     let (gb, cb) = (gpu(), cpu());
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    for (n, classes, smoothing) in [(5, 10, 0.0f32), (37, 285, 0.1), (3, 7, 0.2)] {
+    for (n, classes, smoothing, own_weight) in [
+        (5, 10, 0.0f32, 1.0f32),
+        (37, 285, 0.1, 1.0),
+        (3, 7, 0.2, 1.0),
+        (37, 285, 0.1, 0.35),
+        (6, 10, 0.0, 0.8),
+    ] {
         let z = pair(
             &gb,
             &data(&mut rng, n * classes, 4.0),
@@ -624,29 +631,17 @@ fn softmax_cross_entropy_matches_cpu() {
             .collect();
         let mut dz = pair(&gb, &vec![0.0; n * classes], TensorRole::Activation);
         let (mut pc, mut pg) = (Vec::new(), Vec::new());
+        let targets = Targets {
+            own_weight,
+            ..Targets::labels(&labels, smoothing)
+        };
         let sc = cb
-            .softmax_cross_entropy(
-                n,
-                classes,
-                &z.c,
-                &labels,
-                smoothing,
-                Some(&mut dz.c),
-                Some(&mut pc),
-            )
+            .softmax_cross_entropy(n, classes, &z.c, &targets, Some(&mut dz.c), Some(&mut pc))
             .unwrap();
         let sg = gb
-            .softmax_cross_entropy(
-                n,
-                classes,
-                &z.g,
-                &labels,
-                smoothing,
-                Some(&mut dz.g),
-                Some(&mut pg),
-            )
+            .softmax_cross_entropy(n, classes, &z.g, &targets, Some(&mut dz.g), Some(&mut pg))
             .unwrap();
-        let tag = format!("softmax n={n} k={classes} eps={smoothing}");
+        let tag = format!("softmax n={n} k={classes} eps={smoothing} own={own_weight}");
         assert!(
             (sg.loss_sum - sc.loss_sum).abs() <= 1e-4 + sc.loss_sum.abs() * 1e-5,
             "{tag}: loss {} vs {}",
@@ -670,7 +665,7 @@ fn softmax_cross_entropy_matches_cpu() {
     // Bad input is an error value, not a kernel fault.
     let z = gb.alloc(10, TensorRole::Activation).unwrap();
     assert!(gb
-        .softmax_cross_entropy(1, 10, &z, &[10], 0.0, None, None)
+        .softmax_cross_entropy(1, 10, &z, &Targets::labels(&[10], 0.0), None, None)
         .is_err());
 }
 
@@ -691,13 +686,35 @@ fn input_transform_matches_cpu() {
                 flip: rng.random(),
             })
             .collect();
-        for augment in [None, Some(&aug[..])] {
+        // Mixing pairs image b with n − 1 − b (n = 3: the middle one with itself); CutMix
+        // with a box inside the image and one on its right and bottom edges.
+        let mixes = [
+            None,
+            Some(Mix::Blend { lambda: 0.3 }),
+            Some(Mix::Paste {
+                y0: 3,
+                y1: size / 2 + 3,
+                x0: 2,
+                x1: size / 2,
+            }),
+            Some(Mix::Paste {
+                y0: size / 2,
+                y1: size,
+                x0: size / 3,
+                x1: size,
+            }),
+        ];
+        for (augment, mix) in [None, Some(&aug[..])]
+            .into_iter()
+            .flat_map(|a| mixes.map(|m| (a, m)))
+        {
             let batch = InputBatch {
                 pixels: &pixels,
                 labels: &labels,
                 len: n,
                 image_size: size,
                 augment,
+                mix,
             };
             let mut xc = vec![0.0; n * s * s * 3];
             cb.input(&batch, &mut xc).unwrap();
@@ -705,7 +722,7 @@ fn input_transform_matches_cpu() {
             gb.input(&batch, &mut xg).unwrap();
             // Normalised values in about [-2.2, 2.7], rounded to bf16.
             assert_close(
-                &format!("input n={n} s={s} aug={}", augment.is_some()),
+                &format!("input n={n} s={s} aug={} mix={mix:?}", augment.is_some()),
                 &gb.download(&xg).unwrap(),
                 &xc,
                 1e-5,

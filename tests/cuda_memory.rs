@@ -30,6 +30,7 @@ fn measured_footprint_is_close_to_the_estimate_and_auto_fits() {
         len: batch,
         image_size: 128,
         augment: None,
+        mix: None,
     })
     .unwrap();
 }

@@ -96,6 +96,7 @@ fn resnet18_step_matches_cpu() {
             len: n,
             image_size: size,
             augment,
+            mix: None,
         };
         let sg = gpu.train_step(&batch).unwrap();
         let sc = cpu.train_step(&batch).unwrap();
@@ -167,6 +168,7 @@ fn train_synthetic<B: Backend>(backend: B, arch: Arch, steps: usize) -> f64 {
             len: batch,
             image_size: size,
             augment: Some(&aug),
+            mix: None,
         };
         net.train_step(&input).unwrap();
         let grads = net.grads_f32().unwrap();
@@ -181,6 +183,7 @@ fn train_synthetic<B: Backend>(backend: B, arch: Arch, steps: usize) -> f64 {
             len: batch,
             image_size: size,
             augment: None,
+            mix: None,
         };
         correct += net.eval_step(&input).unwrap().0.correct_top1;
     }

@@ -31,6 +31,7 @@ fn step<B: Backend>(
         len: labels.len(),
         image_size: SIZE,
         augment: None,
+        mix: None,
     };
     let stats = net
         .train_step_synced(&batch, &mut |_, _| Ok(()), sync)

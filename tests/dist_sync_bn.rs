@@ -56,6 +56,7 @@ fn step(
         len: labels.len(),
         image_size: SIZE,
         augment: None,
+        mix: None,
     };
     let stats = net
         .train_step_synced(&batch, &mut |_, _| Ok(()), sync)
@@ -241,6 +242,7 @@ fn the_announced_event_sequence_is_what_a_synced_step_issues() {
             len: 2,
             image_size: size,
             augment: None,
+            mix: None,
         };
         let mut rec = Recorder(&log);
         net.train_step_synced(

@@ -46,6 +46,7 @@ fn batch<'a>(pixels: &'a [u8], labels: &'a [u32], size: u32) -> InputBatch<'a> {
         len: labels.len(),
         image_size: size,
         augment: None,
+        mix: None,
     }
 }
 

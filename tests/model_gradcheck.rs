@@ -45,6 +45,7 @@ fn run(freeze_bn: bool) {
         len: n,
         image_size: 8,
         augment: None,
+        mix: None,
     };
     let params = net.params_f32().unwrap();
     net.train_step(&batch).unwrap();

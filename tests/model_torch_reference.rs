@@ -111,6 +111,7 @@ fn resnet18_step_matches_pytorch() {
         len: n,
         image_size: s,
         augment: None,
+        mix: None,
     };
     let stats = net.train_step(&batch).unwrap();
     let want_loss = f64::from(read_f32(&reference, "loss")[0]);

@@ -76,6 +76,7 @@ fn resnet8_overfits_a_few_images() {
         len: 8,
         image_size: 16,
         augment: None,
+        mix: None,
     };
     let mut opt = sgd(&graph);
     let losses = train(&mut net, &mut opt, &batch, 40, 0.05);
@@ -112,6 +113,7 @@ fn two_runs_give_identical_bits() {
             len: 6,
             image_size: 16,
             augment: Some(&aug),
+            mix: None,
         };
         let mut opt = sgd(&graph);
         train(&mut net, &mut opt, &batch, 3, 0.1);
@@ -150,6 +152,7 @@ fn replicas_with_frozen_bn_match_one_big_batch() {
         len: 8,
         image_size: 16,
         augment: None,
+        mix: None,
     };
     let big_stats = big.train_step(&full).unwrap();
     let big_grads = big.grads_f32().unwrap();
@@ -166,6 +169,7 @@ fn replicas_with_frozen_bn_match_one_big_batch() {
             len: 4,
             image_size: 16,
             augment: None,
+            mix: None,
         };
         let stats = net.train_step(&part).unwrap();
         loss += stats.loss_sum;
@@ -193,6 +197,7 @@ fn imagenet_family_runs_and_resnet18_gradients_check() {
         len: 2,
         image_size: 32,
         augment: None,
+        mix: None,
     };
     let g50 = Graph::new(Arch::ResNet50, 4);
     let mut net = Network::new(CpuBackend::new(2).unwrap(), &g50, 2, 32).unwrap();
@@ -253,6 +258,7 @@ fn tensor_accessors_expose_backend_layout() {
         len: 3,
         image_size: 8,
         augment: None,
+        mix: None,
     };
     net.train_step(&batch).unwrap();
     let flat = net.grads_f32().unwrap();
@@ -323,6 +329,7 @@ fn test_time_mirroring_averages_both_views() {
         len: n,
         image_size: s as u32,
         augment: None,
+        mix: None,
     };
     let (plain_stats, plain) = net.eval_step(&batch).unwrap();
     let again = StepStats::of_probabilities(&plain, &labels, classes, 0.1);

@@ -218,6 +218,12 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "20",
         "--color-jitter",
         "0.3",
+        "--mixup",
+        "0.4",
+        "--cutmix",
+        "1.0",
+        "--mixup-prob",
+        "0.8",
         "--schedule",
         "step",
         "--step-every",
@@ -243,8 +249,16 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.crop_scale, Some([0.3, 1.0]));
     assert_eq!(meta.settings.store_size, Some(20));
     assert_eq!(meta.settings.color_jitter, 0.3);
-    // Only --resume: every setting comes from the checkpoint (--sync-bn, the balanced draws
-    // and the engine's crops included).
+    assert_eq!(
+        (
+            meta.settings.mixup,
+            meta.settings.cutmix,
+            meta.settings.mixup_prob
+        ),
+        (0.4, 1.0, 0.8)
+    );
+    // Only --resume: every setting comes from the checkpoint (--sync-bn, the balanced draws,
+    // the engine's crops and the batches' mixing included).
     cli(&["--resume", dir.to_str().unwrap()]);
     assert!(
         read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),

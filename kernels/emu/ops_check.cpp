@@ -190,26 +190,28 @@ void test_linear(int n, int in, int out) {
     check("linear db", DB, db, 1e-4, 1e-4);
 }
 
-void test_loss(int n, int k, float sm) {
-    printf("softmax n=%d k=%d smoothing=%g\n", n, k, sm);
+// w < 1: a mixed batch, row r's target w·t(label_r) + (1 − w)·t(label_{n−1−r}).
+void test_loss(int n, int k, float sm, float w = 1.0f) {
+    printf("softmax n=%d k=%d smoothing=%g own_weight=%g\n", n, k, sm, w);
     auto z = rnd((size_t)n * k, 4);
     std::vector<int> lab(n);
     for (auto& l : lab) l = rng() % k;
     std::vector<double> loss(n), dz((size_t)n * k), pr((size_t)n * k), rank(n);
     for (int i = 0; i < n; ++i) {
+        int pl = lab[n - 1 - i];
         double m = -INFINITY, tot = 0; for (int j = 0; j < k; ++j) { m = std::max(m, (double)z[i * k + j]); tot += z[i * k + j]; }
         double s = 0; for (int j = 0; j < k; ++j) s += std::exp(z[i * k + j] - m);
         double lse = m + std::log(s);
-        loss[i] = lse - (1 - sm) * z[i * k + lab[i]] - sm * tot / k;
+        loss[i] = lse - (1 - sm) * (w * z[i * k + lab[i]] + (1.0 - w) * z[i * k + pl]) - sm * tot / k;
         int above = 0; for (int j = 0; j < k; ++j) above += z[i * k + j] > z[i * k + lab[i]];
         rank[i] = above;
-        for (int j = 0; j < k; ++j) { double p = std::exp(z[i * k + j] - lse); pr[i * k + j] = p; dz[i * k + j] = (p - (sm / k + (j == lab[i] ? 1 - sm : 0))) / n; }
+        for (int j = 0; j < k; ++j) { double p = std::exp(z[i * k + j] - lse), hot = (j == lab[i] ? w : 0.0) + (j == pl ? 1.0 - w : 0.0); pr[i * k + j] = p; dz[i * k + j] = (p - (sm / k + (1 - sm) * hot)) / n; }
     }
     auto Z = tobf(z);
     std::vector<float> L(n), P((size_t)n * k);
     std::vector<int> RK(n);
     std::vector<bf16> DZ((size_t)n * k);
-    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, sm, 1.0f / n, L.data(), RK.data(), DZ.data(), P.data()); });
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, sm, w, 1.0f / n, L.data(), RK.data(), DZ.data(), P.data()); });
     check("loss", L, loss, 1e-5, 1e-5);
     check("rank", RK, rank, 0, 0);
     check("probs", P, pr, 1e-6, 1e-5);
@@ -253,37 +255,63 @@ void test_loss_nonfinite() {
     auto Z = tobf(z);
     std::vector<float> L(n);
     std::vector<int> RK(n);
-    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, 0.0f, 1.0f / n, L.data(), RK.data(), nullptr, nullptr); });
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, 0.0f, 1.0f, 1.0f / n, L.data(), RK.data(), nullptr, nullptr); });
     std::vector<double> want = {2147483647.0, 2147483647.0, 2147483647.0, 0};
     check("rank (non-finite rows)", RK, want, 0, 0);
 }
 
+// A random u8 batch with random per-image augments, and its f64 reference (no mixing).
+struct InputCase { std::vector<unsigned char> px; std::vector<int> aug; float scale[3], shift[3]; std::vector<double> ref; };
+static InputCase input_case(int n, int s) {
+    InputCase t;
+    t.px.resize((size_t)n * s * s * 3);
+    for (auto& v : t.px) v = rng() & 255;
+    t.aug.resize(n * 3);
+    int m = std::max(1, s / 8);
+    for (int b = 0; b < n; ++b) { t.aug[b * 3] = (int)(rng() % (2 * m + 1)) - m; t.aug[b * 3 + 1] = (int)(rng() % (2 * m + 1)) - m; t.aug[b * 3 + 2] = rng() & 1; }
+    const float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
+    for (int c = 0; c < 3; ++c) { t.scale[c] = 1.0f / (255.0f * stdv[c]); t.shift[c] = -mean[c] / stdv[c]; }
+    t.ref.resize(t.px.size());
+    for (int b = 0; b < n; ++b) for (int y = 0; y < s; ++y) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c) {
+        int xs = t.aug[b * 3 + 2] ? s - 1 - x : x, sy = y + t.aug[b * 3], sx = xs + t.aug[b * 3 + 1];
+        double v = 0; if (sy >= 0 && sx >= 0 && sy < s && sx < s) v = t.px[(((size_t)b * s + sy) * s + sx) * 3 + c] * t.scale[c] + t.shift[c];
+        t.ref[(((size_t)b * s + y) * s + x) * 3 + c] = v;
+    }
+    return t;
+}
+
 void test_input(int n, int s) {
     printf("input n=%d s=%d\n", n, s);
-    std::vector<unsigned char> px((size_t)n * s * s * 3);
-    for (auto& v : px) v = rng() & 255;
-    std::vector<int> aug(n * 3);
-    int m = std::max(1, s / 8);
-    for (int b = 0; b < n; ++b) { aug[b * 3] = (int)(rng() % (2 * m + 1)) - m; aug[b * 3 + 1] = (int)(rng() % (2 * m + 1)) - m; aug[b * 3 + 2] = rng() & 1; }
-    const float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
-    float scale[3], shift[3];
-    for (int c = 0; c < 3; ++c) { scale[c] = 1.0f / (255.0f * stdv[c]); shift[c] = -mean[c] / stdv[c]; }
-    std::vector<double> ref(px.size());
-    for (int b = 0; b < n; ++b) for (int y = 0; y < s; ++y) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c) {
-        int xs = aug[b * 3 + 2] ? s - 1 - x : x, sy = y + aug[b * 3], sx = xs + aug[b * 3 + 1];
-        double v = 0; if (sy >= 0 && sx >= 0 && sy < s && sx < s) v = px[(((size_t)b * s + sy) * s + sx) * 3 + c] * scale[c] + shift[c];
-        ref[(((size_t)b * s + y) * s + x) * 3 + c] = v;
-    }
+    auto t = input_case(n, s);
+    auto& px = t.px; auto& aug = t.aug; auto& ref = t.ref;
     std::vector<bf16> out(px.size());
-    emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, scale, shift, out.data(), n, s); });
+    // Kind none ignores lambda and the box.
+    const k_input::InputMix none{BT_MIX_NONE, 0.5f, 0, s, 0, s};
+    emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, t.scale, t.shift, none, out.data(), n, s); });
     check("input", fromb(out), ref, 1e-5, 1.0 / 256);
     // The v2 stem's 8-channel copy: the same values, zeros in channels 3..7.
     std::vector<bf16> out3(px.size()), out8((size_t)n * s * s * 8, bf16{0x7fc0});
-    emu_launch(ew((long)n * s * s), {256, 1, 1}, [&] { k_input::input_transform_pad8(px.data(), aug.data(), 1, scale, shift, out3.data(), out8.data(), n, s); });
+    emu_launch(ew((long)n * s * s), {256, 1, 1}, [&] { k_input::input_transform_pad8(px.data(), aug.data(), 1, t.scale, t.shift, out3.data(), out8.data(), n, s); });
     check("input_pad8 (3 channels)", fromb(out3), ref, 1e-5, 1.0 / 256);
     std::vector<double> ref8(out8.size(), 0.0);
     for (size_t p = 0; p < (size_t)n * s * s; ++p) for (int c = 0; c < 3; ++c) ref8[p * 8 + c] = ref[p * 3 + c];
     check("input_pad8 (8 channels)", fromb(out8), ref8, 1e-5, 1.0 / 256);
+}
+
+// Mixup / CutMix: image b with its partner n − 1 − b, each after its own augment (odd n: the
+// middle image is its own partner).
+void test_input_mix(int n, int s, k_input::InputMix mix) {
+    printf("input n=%d s=%d mix kind=%d lambda=%g box rows %d..%d cols %d..%d\n", n, s, mix.kind, mix.lambda, mix.y0, mix.y1, mix.x0, mix.x1);
+    auto t = input_case(n, s);
+    std::vector<double> ref(t.ref.size());
+    for (int b = 0; b < n; ++b) for (int y = 0; y < s; ++y) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c) {
+        size_t i = (((size_t)b * s + y) * s + x) * 3 + c, j = (((size_t)(n - 1 - b) * s + y) * s + x) * 3 + c;
+        bool inside = y >= mix.y0 && y < mix.y1 && x >= mix.x0 && x < mix.x1;
+        ref[i] = mix.kind == BT_MIX_BLEND ? mix.lambda * t.ref[i] + (1.0 - mix.lambda) * t.ref[j] : inside ? t.ref[j] : t.ref[i];
+    }
+    std::vector<bf16> out(t.px.size());
+    emu_launch(ew(t.px.size()), {256, 1, 1}, [&] { k_input::input_transform(t.px.data(), t.aug.data(), 1, t.scale, t.shift, mix, out.data(), n, s); });
+    check(mix.kind == BT_MIX_BLEND ? "input (mixup)" : "input (CutMix)", fromb(out), ref, 1e-5, 1.0 / 256);
 }
 
 void test_optim() {
@@ -342,11 +370,17 @@ int main(int argc, char** argv) {
     test_linear(5, 37, 19);
     test_loss(5, 10, 0.0f);
     test_loss(3, 285, 0.1f);
+    test_loss(7, 10, 0.1f, 0.35f);
+    test_loss(6, 285, 0.0f, 0.8f);
     test_loss_totals(1);
     test_loss_totals(700);
     test_scale(3000, 0.75f);
     test_loss_nonfinite();
     test_input(2, 17);
+    test_input_mix(5, 13, {BT_MIX_BLEND, 0.3f, 0, 0, 0, 0});
+    test_input_mix(4, 9, {BT_MIX_BLEND, 0.8f, 0, 0, 0, 0});
+    test_input_mix(5, 13, {BT_MIX_PASTE, 0.0f, 3, 9, 2, 7});
+    test_input_mix(5, 13, {BT_MIX_PASTE, 0.0f, 6, 13, 8, 13});
     test_optim();
     printf(fails ? "FAILED (%d)\n" : "ALL OK\n", fails);
     return fails ? 1 : 0;

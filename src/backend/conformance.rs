@@ -15,10 +15,10 @@ use rand_chacha::ChaCha8Rng;
 use super::cpu::CpuBackend;
 use super::{
     Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
-    PoolShape, TensorRole,
+    PoolShape, Targets, TensorRole,
 };
 use crate::model::{
-    Arch, Augment, Graph, InputBatch, ModelError, ModelState, Network, NetworkConfig,
+    Arch, Augment, Graph, InputBatch, Mix, ModelError, ModelState, Network, NetworkConfig,
 };
 
 /// Allowed difference: `atol + rtol·|ref|` per element.
@@ -390,52 +390,60 @@ impl<B: Backend> Pair<'_, B> {
 
         let logits: Vec<f32> = random(rng, n * classes, -4.0, 4.0);
         let labels: Vec<u32> = (0..n as u32).map(|i| (i * 5) % classes as u32).collect();
-        let mut d = vec![0.0; n * classes];
-        let mut p = Vec::new();
-        let stats = self.reference.softmax_cross_entropy(
-            n,
-            classes,
-            &logits,
-            &labels,
-            0.1,
-            Some(&mut d),
-            Some(&mut p),
-        )?;
-        let tl = self.up(&logits, TensorRole::Activation)?;
-        let mut td = self.test.alloc(n * classes, TensorRole::Activation)?;
-        let mut tp = Vec::new();
-        let tstats = self.test.softmax_cross_entropy(
-            n,
-            classes,
-            &tl,
-            &labels,
-            0.1,
-            Some(&mut td),
-            Some(&mut tp),
-        )?;
-        self.check(
-            format!("softmax_cross_entropy dlogits {n}x{classes}"),
-            &td,
-            &d,
-        )?;
-        self.reports.push(compare(
-            &format!("softmax_cross_entropy probs {n}x{classes}"),
-            &tp,
-            &p,
-            self.tol,
-        )?);
-        let loss = compare(
-            "softmax_cross_entropy loss",
-            &[tstats.loss_sum as f32],
-            &[stats.loss_sum as f32],
-            self.tol,
-        )?;
-        self.reports.push(loss);
-        if (tstats.correct_top1, tstats.correct_top5) != (stats.correct_top1, stats.correct_top5) {
-            return Err(BackendError::Mismatch {
-                check: "softmax_cross_entropy counts".into(),
-                detail: format!("{tstats:?} vs reference {stats:?}"),
-            });
+        // Plain targets, then a mixed batch (mixup's target: 0.3 of each row's own label,
+        // 0.7 of its partner's).
+        for own_weight in [1.0, 0.3] {
+            let targets = Targets {
+                own_weight,
+                ..Targets::labels(&labels, 0.1)
+            };
+            let mut d = vec![0.0; n * classes];
+            let mut p = Vec::new();
+            let stats = self.reference.softmax_cross_entropy(
+                n,
+                classes,
+                &logits,
+                &targets,
+                Some(&mut d),
+                Some(&mut p),
+            )?;
+            let tl = self.up(&logits, TensorRole::Activation)?;
+            let mut td = self.test.alloc(n * classes, TensorRole::Activation)?;
+            let mut tp = Vec::new();
+            let tstats = self.test.softmax_cross_entropy(
+                n,
+                classes,
+                &tl,
+                &targets,
+                Some(&mut td),
+                Some(&mut tp),
+            )?;
+            self.check(
+                format!("softmax_cross_entropy dlogits {n}x{classes} own weight {own_weight}"),
+                &td,
+                &d,
+            )?;
+            self.reports.push(compare(
+                &format!("softmax_cross_entropy probs {n}x{classes}"),
+                &tp,
+                &p,
+                self.tol,
+            )?);
+            let loss = compare(
+                &format!("softmax_cross_entropy loss own weight {own_weight}"),
+                &[tstats.loss_sum as f32],
+                &[stats.loss_sum as f32],
+                self.tol,
+            )?;
+            self.reports.push(loss);
+            if (tstats.correct_top1, tstats.correct_top5)
+                != (stats.correct_top1, stats.correct_top5)
+            {
+                return Err(BackendError::Mismatch {
+                    check: "softmax_cross_entropy counts".into(),
+                    detail: format!("{tstats:?} vs reference {stats:?}"),
+                });
+            }
         }
 
         // A row with a NaN or infinite logit never counts as correct, on either backend: a
@@ -448,13 +456,23 @@ impl<B: Backend> Pair<'_, B> {
         z[2 * k + 1] = f32::INFINITY;
         z[3 * k] = 3.0;
         let labels = [0u32; 4];
-        let reference = self
-            .reference
-            .softmax_cross_entropy(4, k, &z, &labels, 0.0, None, None)?;
+        let reference = self.reference.softmax_cross_entropy(
+            4,
+            k,
+            &z,
+            &Targets::labels(&labels, 0.0),
+            None,
+            None,
+        )?;
         let tz = self.up(&z, TensorRole::Activation)?;
-        let tested = self
-            .test
-            .softmax_cross_entropy(4, k, &tz, &labels, 0.0, None, None)?;
+        let tested = self.test.softmax_cross_entropy(
+            4,
+            k,
+            &tz,
+            &Targets::labels(&labels, 0.0),
+            None,
+            None,
+        )?;
         for (who, got) in [("reference", reference), ("tested backend", tested)] {
             if (got.correct_top1, got.correct_top5) != (1, 1) {
                 return Err(BackendError::Mismatch {
@@ -480,13 +498,27 @@ impl<B: Backend> Pair<'_, B> {
                 flip: rng.random(),
             })
             .collect();
-        for augment in [None, Some(aug.as_slice())] {
+        let mixes = [
+            None,
+            Some(Mix::Blend { lambda: 0.35 }),
+            Some(Mix::Paste {
+                y0: 2,
+                y1: 11,
+                x0: 5,
+                x1: 17,
+            }),
+        ];
+        for (augment, mix) in [None, Some(aug.as_slice())]
+            .into_iter()
+            .flat_map(|a| mixes.map(|m| (a, m)))
+        {
             let batch = InputBatch {
                 pixels: &px,
                 labels: &labels,
                 len: n,
                 image_size: s,
                 augment,
+                mix,
             };
             let len = n * (s * s * 3) as usize;
             let mut want = vec![0.0; len];
@@ -494,7 +526,10 @@ impl<B: Backend> Pair<'_, B> {
             let mut got = self.test.alloc(len, TensorRole::Activation)?;
             self.test.input(&batch, &mut got)?;
             self.check(
-                format!("input {n}x{s}x{s} augment={}", augment.is_some()),
+                format!(
+                    "input {n}x{s}x{s} augment={} mix={mix:?}",
+                    augment.is_some()
+                ),
                 &got,
                 &want,
             )?;
@@ -661,6 +696,7 @@ pub fn check_network<B: Backend>(
         len: batch,
         image_size,
         augment: Some(&aug),
+        mix: None,
     };
     let config = NetworkConfig {
         label_smoothing: 0.1,

@@ -49,6 +49,64 @@ pub struct LossStats {
     pub correct_top5: usize,
 }
 
+/// What the loss op compares each row of logits with: its label, smoothed, and in a mixed
+/// batch ([`crate::model::Mix`]) blended with the label of its partner, row `n − 1 − i`.
+///
+/// Row `i`'s target is `w·t(label_i) + (1 − w)·t(label_{n−1−i})` with
+/// `t(y) = (1 − ε)·onehot(y) + ε/classes` (timm's mixup target). Accuracy counts always
+/// compare with the row's own label.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Targets<'a> {
+    /// One label per row (at least `n`).
+    pub labels: &'a [u32],
+    /// Label smoothing ε in [0, 1).
+    pub smoothing: f32,
+    /// `w`, the weight of the row's own label, in [0, 1]; 1 without mixing.
+    pub own_weight: f32,
+}
+
+impl<'a> Targets<'a> {
+    /// Plain targets: each row's own label, smoothed by `smoothing`.
+    pub fn labels(labels: &'a [u32], smoothing: f32) -> Self {
+        Self {
+            labels,
+            smoothing,
+            own_weight: 1.0,
+        }
+    }
+
+    /// Whether the partner's label takes part.
+    pub fn is_mixed(&self) -> bool {
+        self.own_weight != 1.0
+    }
+
+    /// Checks the labels against `classes` and the two weights' ranges (for `op`'s errors).
+    pub fn check(&self, op: &'static str, n: usize, classes: usize) -> Result<(), BackendError> {
+        let bad = |detail: String| BackendError::InvalidInput { op, detail };
+        if self.labels.len() < n {
+            return Err(bad(format!("{} labels for {n} rows", self.labels.len())));
+        }
+        if let Some(&l) = self.labels[..n].iter().find(|&&l| l as usize >= classes) {
+            return Err(bad(format!(
+                "label {l} is out of range for {classes} classes"
+            )));
+        }
+        if !(0.0..1.0).contains(&self.smoothing) {
+            return Err(bad(format!(
+                "label smoothing {} is outside [0, 1)",
+                self.smoothing
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.own_weight) {
+            return Err(bad(format!(
+                "mixing weight {} is outside [0, 1]",
+                self.own_weight
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Inputs of a fused batch-norm forward: `y = act(bn(x) + residual)`.
 ///
 /// Fusing the residual add and the ReLU into batch norm is what the CUDA kernels do, and it
@@ -161,7 +219,9 @@ pub trait Backend: Send {
     /// Turns a u8 NHWC batch into the normalised network input (ImageNet mean/std after /255,
     /// as torchvision), applying each image's [`crate::model::Augment`] when given: the image is
     /// shifted by (dy, dx) with zero padding (pad-and-crop at the stored size) and mirrored.
-    /// Padding is zero in normalised space, as torch pads the normalised tensor.
+    /// Padding is zero in normalised space, as torch pads the normalised tensor. With a
+    /// [`crate::model::Mix`], each image is then blended with (mixup) or pasted over by
+    /// (CutMix) its partner `n − 1 − i`, itself augmented.
     fn input(&self, batch: &InputBatch<'_>, out: &mut Self::Tensor) -> Result<(), BackendError>;
 
     /// `y = conv(x, w)`, no bias. `x` NHWC, `w` OHWI, `y` NHWC.
@@ -298,18 +358,17 @@ pub trait Backend: Send {
         accumulate: bool,
     ) -> Result<(), BackendError>;
 
-    /// Softmax cross-entropy over `n` rows of `classes` logits with label smoothing
-    /// `smoothing` (torch's definition: target = (1-ε)·onehot + ε/classes).
-    /// Writes `dlogits` (gradient of the *mean* loss over the `n` images) when given and the
-    /// softmax probabilities into `probs` (resized to `n × classes`) when given.
-    #[allow(clippy::too_many_arguments)]
+    /// Softmax cross-entropy over `n` rows of `classes` logits against `targets` (label
+    /// smoothing as torch defines it, target = (1-ε)·onehot + ε/classes, and the mixed
+    /// targets of [`Targets`]). Writes `dlogits` (gradient of the *mean* loss over the `n`
+    /// images) when given and the softmax probabilities into `probs` (resized to
+    /// `n × classes`) when given.
     fn softmax_cross_entropy(
         &self,
         n: usize,
         classes: usize,
         logits: &Self::Tensor,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut Self::Tensor>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError>;

@@ -120,6 +120,7 @@ pub fn measure_step<B: Backend>(
         len: batch_size,
         image_size: net.image_size(),
         augment: None,
+        mix: None,
     };
     net.train_step(&batch).context("warm-up step")?;
     let start = Instant::now();

@@ -268,6 +268,7 @@ fn run_steps<B: Backend>(
         len: n,
         image_size: size,
         augment: None,
+        mix: None,
     };
 
     // Wall time per phase; on a GPU the phases overlap the device's queue, so the split is

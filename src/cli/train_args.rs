@@ -213,6 +213,22 @@ pub struct TrainArgs {
     /// F, F), timm's --color-jitter; ImageNet recipes use 0.4) [default: 0, none]
     #[arg(long, value_name = "F")]
     pub color_jitter: Option<f32>,
+    /// Mixup of training batches: each image blended with another of its batch, λ·one +
+    /// (1−λ)·other, and their labels likewise, λ drawn from Beta(A, A) per batch (timm's
+    /// --mixup; ImageNet recipes use 0.1 to 0.8) [default: 0, off]
+    #[arg(long, value_name = "A")]
+    pub mixup: Option<f32>,
+    /// CutMix of training batches: a box of another image of the batch pasted in, the labels
+    /// weighted by area, λ drawn from Beta(A, A) per batch (timm's --cutmix; recipes use 1.0)
+    /// [default: 0, off]
+    #[arg(long, value_name = "A")]
+    pub cutmix: Option<f32>,
+    /// The share of training batches mixed by --mixup or --cutmix [default: 1]
+    #[arg(long, value_name = "P")]
+    pub mixup_prob: Option<f32>,
+    /// With both --mixup and --cutmix, the share of mixed batches given CutMix [default: 0.5]
+    #[arg(long, value_name = "P")]
+    pub mixup_switch_prob: Option<f32>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -470,6 +486,30 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(side) = args.store_size {
         cfg.store_size = Some(side);
+    }
+    if let Some(a) = args.mixup {
+        cfg.mix.mixup = a;
+    }
+    if let Some(a) = args.cutmix {
+        cfg.mix.cutmix = a;
+    }
+    if let Some(p) = args.mixup_prob {
+        cfg.mix.prob = p;
+    }
+    if let Some(p) = args.mixup_switch_prob {
+        cfg.mix.switch_prob = p;
+    }
+    for (flag, given) in [
+        ("--mixup-prob", args.mixup_prob),
+        ("--mixup-switch-prob", args.mixup_switch_prob),
+    ] {
+        if let (Some(p), false) = (given, cfg.mix.is_on()) {
+            return Err(CliError::BadValue {
+                flag,
+                value: p.to_string(),
+                hint: "it shares out the batches of --mixup and --cutmix, and both are off: add --mixup A or --cutmix A".into(),
+            });
+        }
     }
     if let Some(v) = &args.resize_mode {
         cfg.resize_mode =

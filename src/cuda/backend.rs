@@ -16,9 +16,9 @@ use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
-    LossStats, PoolShape, TensorRole,
+    LossStats, PoolShape, Targets, TensorRole,
 };
-use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
+use crate::model::{InputBatch, Mix, IMAGENET_MEAN, IMAGENET_STD};
 
 /// A null device pointer for optional kernel arguments.
 static NULL_PTR: u64 = 0;
@@ -51,6 +51,45 @@ struct ConvArgs {
 
 // SAFETY: plain-old-data with the C layout the kernel declares.
 unsafe impl DeviceRepr for ConvArgs {}
+
+/// The batch's mixing as kernels/input.cu's `InputMix` takes it, by value: kind 0 (none), 1
+/// (mixup, `lambda`) or 2 (CutMix, the box `y0..y1` × `x0..x1`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct InputMix {
+    kind: i32,
+    lambda: f32,
+    y0: i32,
+    y1: i32,
+    x0: i32,
+    x1: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel declares.
+unsafe impl DeviceRepr for InputMix {}
+
+impl InputMix {
+    /// The kernel's form of `mix`. The box only chooses which image a pixel is read from, so
+    /// even a box outside the image reads nothing out of bounds.
+    pub(crate) fn of(mix: Option<Mix>) -> Self {
+        match mix {
+            None => Self::default(),
+            Some(Mix::Blend { lambda }) => Self {
+                kind: 1,
+                lambda,
+                ..Self::default()
+            },
+            Some(Mix::Paste { y0, y1, x0, x1 }) => Self {
+                kind: 2,
+                lambda: 0.0,
+                y0: y0 as i32,
+                y1: y1 as i32,
+                x0: x0 as i32,
+                x1: x1 as i32,
+            },
+        }
+    }
+}
 
 /// Scratch of the v2 convolutions (grown, never shrunk).
 #[derive(Debug, Default)]
@@ -658,6 +697,7 @@ impl Backend for CudaBackend {
             }
         };
         let (n_i, s_i) = (to_i32(op, "n", n)?, to_i32(op, "image size", s)?);
+        let mix = InputMix::of(batch.mix);
         let scale = norm_buf.slice(0..3);
         let shift = norm_buf.slice(3..6);
         let dst = out.bf16_mut(op, "output")?;
@@ -671,7 +711,7 @@ impl Backend for CudaBackend {
             "input.cu",
             "input_transform",
             elementwise_cfg(bytes),
-            [pixels, aug, &use_aug, &scale, &shift, dst, &n_i, &s_i]
+            [pixels, aug, &use_aug, &scale, &shift, &mix, dst, &n_i, &s_i]
         );
         self.note_work(3 * bytes, 0.0);
         Ok(())
@@ -1374,12 +1414,11 @@ impl Backend for CudaBackend {
         n: usize,
         classes: usize,
         logits: &CudaTensor,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError> {
-        self.softmax_impl(n, classes, logits, labels, smoothing, dlogits, probs, None)
+        self.softmax_impl(n, classes, logits, targets, dlogits, probs, None)
     }
 }
 
@@ -1393,30 +1432,20 @@ impl CudaBackend {
         n: usize,
         classes: usize,
         logits: &CudaTensor,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
         totals: Option<(u64, bool)>,
     ) -> Result<LossStats, BackendError> {
         let op = "softmax_cross_entropy";
         check_len(op, "logits", logits.len, n * classes)?;
-        check_len(op, "labels", labels.len(), n)?;
+        check_len(op, "labels", targets.labels.len(), n)?;
         if let Some(d) = &dlogits {
             check_len(op, "dlogits", d.len, n * classes)?;
         }
-        if let Some(&bad) = labels[..n].iter().find(|&&l| l as usize >= classes) {
-            return Err(BackendError::InvalidInput {
-                op,
-                detail: format!("label {bad} is out of range for {classes} classes"),
-            });
-        }
-        if !(0.0..1.0).contains(&smoothing) {
-            return Err(BackendError::InvalidInput {
-                op,
-                detail: format!("label smoothing {smoothing} is outside [0, 1)"),
-            });
-        }
+        targets.check(op, n, classes)?;
+        let (labels, smoothing, own_weight) =
+            (targets.labels, targets.smoothing, targets.own_weight);
         if n == 0 {
             return Ok(LossStats::default());
         }
@@ -1460,6 +1489,7 @@ impl CudaBackend {
                         lab,
                         &k,
                         &smoothing,
+                        &own_weight,
                         &scale,
                         &mut loss,
                         &mut *rank,
@@ -1476,7 +1506,18 @@ impl CudaBackend {
                     "loss.cu",
                     "softmax_xent",
                     cfg,
-                    [z, lab, &k, &smoothing, &scale, &mut loss, &mut *rank, d, &NULL_PTR]
+                    [
+                        z,
+                        lab,
+                        &k,
+                        &smoothing,
+                        &own_weight,
+                        &scale,
+                        &mut loss,
+                        &mut *rank,
+                        d,
+                        &NULL_PTR
+                    ]
                 );
             }
             (None, true) => {
@@ -1491,6 +1532,7 @@ impl CudaBackend {
                         lab,
                         &k,
                         &smoothing,
+                        &own_weight,
                         &scale,
                         &mut loss,
                         &mut *rank,
@@ -1506,7 +1548,18 @@ impl CudaBackend {
                     "loss.cu",
                     "softmax_xent",
                     cfg,
-                    [z, lab, &k, &smoothing, &scale, &mut loss, &mut *rank, &NULL_PTR, &NULL_PTR]
+                    [
+                        z,
+                        lab,
+                        &k,
+                        &smoothing,
+                        &own_weight,
+                        &scale,
+                        &mut loss,
+                        &mut *rank,
+                        &NULL_PTR,
+                        &NULL_PTR
+                    ]
                 );
             }
         }
@@ -1558,8 +1611,7 @@ impl CudaBackend {
         n: usize,
         classes: usize,
         logits: &CudaTensor,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
         totals: u64,
         stop: bool,
@@ -1568,8 +1620,7 @@ impl CudaBackend {
             n,
             classes,
             logits,
-            labels,
-            smoothing,
+            targets,
             dlogits,
             None,
             Some((totals, stop)),

@@ -118,6 +118,7 @@ pub fn measure(
             len: batch,
             image_size,
             augment: None,
+            mix: None,
         })
         .map_err(probe_error)?;
         backend.synchronize()?;

@@ -14,10 +14,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::backend::InputMix;
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
-    PoolShape, TensorRole,
+    PoolShape, Targets, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -169,6 +170,7 @@ impl StagedBackend {
             .map_err(drv(op))?;
         let norm = norm.as_ref().expect("allocated above");
         let (scale, shift) = (norm.slice(0..3), norm.slice(3..6));
+        let mix = InputMix::of(batch.mix);
         let dst = out.bf16_slice_mut().ok_or_else(|| {
             shape("the input tensor must be bf16 (TensorRole::Activation)".into())
         })?;
@@ -191,11 +193,12 @@ impl StagedBackend {
             .arg(&use_aug)
             .arg(&scale)
             .arg(&shift)
+            .arg(&mix)
             .arg(dst)
             .arg(&n_i)
             .arg(&s_i);
         // SAFETY: the arguments match input_transform(const u8*, const int*, int, const float*,
-        // const float*, bf16*, int, int) in kernels/input.cu; `src` addresses `slot.bytes >=
+        // const float*, InputMix, bf16*, int, int) in kernels/input.cu; `src` addresses `slot.bytes >=
         // bytes` live bytes (set_staged's contract), `dst` at least `bytes` elements.
         unsafe { b.launch(cfg) }.map_err(drv(op))?;
         Ok(())
@@ -344,8 +347,7 @@ impl Backend for StagedBackend {
         n: usize,
         classes: usize,
         logits: &CudaTensor,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError> {
@@ -356,14 +358,14 @@ impl Backend for StagedBackend {
                 // SAFETY: `defer_loss`'s contract.
                 unsafe {
                     self.inner.softmax_cross_entropy_on_device(
-                        n, classes, logits, labels, smoothing, dlogits, totals, stop,
+                        n, classes, logits, targets, dlogits, totals, stop,
                     )
                 }?;
                 Ok(LossStats::default())
             }
             (_, probs) => self
                 .inner
-                .softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs),
+                .softmax_cross_entropy(n, classes, logits, targets, dlogits, probs),
         }
     }
 }

@@ -30,6 +30,74 @@ impl Augment {
     }
 }
 
+/// Mixing of a training micro-batch (timm's mixup and CutMix, batch mode): image `i` of `n`
+/// is combined with its partner `n − 1 − i` (the batch reversed), each after its own
+/// [`Augment`], in normalised space; the loss's target mixes the two labels by
+/// [`Mix::own_weight`]. Drawn by the trainer per micro-batch (`--mixup`, `--cutmix`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mix {
+    /// Mixup: every value is `λ·own + (1 − λ)·partner`.
+    Blend {
+        /// λ, the own image's weight, in [0, 1].
+        lambda: f32,
+    },
+    /// CutMix: rows `y0..y1` and columns `x0..x1` (output coordinates, ends excluded) come
+    /// from the partner, the rest from the image itself.
+    Paste {
+        /// First row of the box.
+        y0: u32,
+        /// Row after the box.
+        y1: u32,
+        /// First column of the box.
+        x0: u32,
+        /// Column after the box.
+        x1: u32,
+    },
+}
+
+impl Mix {
+    /// The partner of image `i` in a batch of `n`.
+    pub fn partner(i: usize, n: usize) -> usize {
+        n - 1 - i
+    }
+
+    /// The weight of each image's own label in its target (λ; for CutMix the share of the
+    /// image left outside the box); the partner's label has the rest.
+    pub fn own_weight(&self, image_size: u32) -> f32 {
+        match *self {
+            Self::Blend { lambda } => lambda,
+            Self::Paste { y0, y1, x0, x1 } => {
+                let area = f64::from(y1 - y0) * f64::from(x1 - x0);
+                (1.0 - area / (f64::from(image_size) * f64::from(image_size))) as f32
+            }
+        }
+    }
+
+    /// Whether output pixel `(y, x)` is the partner's alone (inside the CutMix box).
+    pub fn pastes(&self, y: usize, x: usize) -> bool {
+        match *self {
+            Self::Blend { .. } => false,
+            Self::Paste { y0, y1, x0, x1 } => {
+                (y0 as usize..y1 as usize).contains(&y) && (x0 as usize..x1 as usize).contains(&x)
+            }
+        }
+    }
+
+    fn check(&self, image_size: u32) -> Result<(), ModelError> {
+        match *self {
+            Self::Blend { lambda } if !(0.0..=1.0).contains(&lambda) => Err(
+                ModelError::BadBatch(format!("mixup weight {lambda} is outside [0, 1]")),
+            ),
+            Self::Paste { y0, y1, x0, x1 } if y0 > y1 || x0 > x1 || y1 > image_size || x1 > image_size => {
+                Err(ModelError::BadBatch(format!(
+                    "CutMix box rows {y0}..{y1}, columns {x0}..{x1} is not inside {image_size}x{image_size}"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 /// One micro-batch of u8 NHWC images with labels.
 #[derive(Debug, Clone, Copy)]
 pub struct InputBatch<'a> {
@@ -43,9 +111,21 @@ pub struct InputBatch<'a> {
     pub image_size: u32,
     /// Training augmentation per image (`None`: images as stored).
     pub augment: Option<&'a [Augment]>,
+    /// Mixing of the batch's images and labels (`None`: none).
+    pub mix: Option<Mix>,
 }
 
-impl InputBatch<'_> {
+impl<'a> InputBatch<'a> {
+    /// What the loss compares this batch's logits with: its labels smoothed by
+    /// `smoothing`, mixed as the images were.
+    pub fn targets(&self, smoothing: f32) -> crate::backend::Targets<'a> {
+        crate::backend::Targets {
+            labels: &self.labels[..self.len.min(self.labels.len())],
+            smoothing,
+            own_weight: self.mix.map_or(1.0, |m| m.own_weight(self.image_size)),
+        }
+    }
+
     /// Checks buffer lengths, augment ranges and that the batch fits a network built for
     /// `max_batch` images of side `image_size`.
     pub fn validate(&self, max_batch: usize, image_size: u32) -> Result<(), ModelError> {
@@ -94,6 +174,9 @@ impl InputBatch<'_> {
                     a.dy, a.dx
                 )));
             }
+        }
+        if let Some(mix) = &self.mix {
+            mix.check(self.image_size)?;
         }
         Ok(())
     }

@@ -806,8 +806,7 @@ impl<B: Backend> Network<B> {
             n,
             classes,
             get(&self.acts, logits),
-            &input.labels[..n],
-            self.config.label_smoothing,
+            &input.targets(self.config.label_smoothing),
             Some(&mut dlogits),
             None,
         );
@@ -847,8 +846,7 @@ impl<B: Backend> Network<B> {
             n,
             self.graph.num_classes(),
             get(&self.acts, logits),
-            &input.labels[..n],
-            self.config.label_smoothing,
+            &input.targets(self.config.label_smoothing),
             None,
             Some(&mut probs),
         )?;

@@ -7,6 +7,7 @@ use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
 use super::augment::Augmentation;
 use super::device::DeviceChoice;
 use super::folder::{BestRule, RunSettings};
+use super::mix::MixRecipe;
 use super::TrainError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
@@ -53,6 +54,8 @@ pub struct TrainConfig {
     pub store_size: Option<u32>,
     /// How each image becomes its stored square (`--resize-mode`).
     pub resize_mode: ResizeMode,
+    /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, …).
+    pub mix: MixRecipe,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
     /// Decode workers (0 = available cores).
@@ -142,6 +145,7 @@ impl TrainConfig {
             crop_pct: 1.0,
             store_size: None,
             resize_mode: ResizeMode::Direct,
+            mix: MixRecipe::OFF,
             color_jitter: 0.0,
             init_from: None,
             last_batch: LastBatch::Partial,
@@ -219,6 +223,10 @@ impl TrainConfig {
             crop_pct: self.crop_pct,
             store_size: self.store_size.filter(|&s| s != self.image_size),
             resize_mode: self.resize_mode,
+            mixup: self.mix.mixup,
+            cutmix: self.mix.cutmix,
+            mixup_prob: self.mix.prob,
+            mixup_switch_prob: self.mix.switch_prob,
             color_jitter: self.color_jitter,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
@@ -245,6 +253,12 @@ impl TrainConfig {
         self.crop_pct = s.crop_pct;
         self.store_size = s.store_size;
         self.resize_mode = s.resize_mode;
+        self.mix = MixRecipe {
+            mixup: s.mixup,
+            cutmix: s.cutmix,
+            prob: s.mixup_prob,
+            switch_prob: s.mixup_switch_prob,
+        };
         self.color_jitter = s.color_jitter;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
@@ -356,6 +370,7 @@ impl TrainConfig {
             pipeline::check_store_size(store, self.image_size)?;
         }
         pipeline::ColorJitter::uniform(self.color_jitter).validate()?;
+        self.mix.validate()?;
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {
                 return bad(

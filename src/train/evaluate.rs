@@ -97,6 +97,7 @@ pub fn evaluate<B: Backend>(
             len: batch.len,
             image_size: batch.image_size,
             augment: None,
+            mix: None,
         };
         let (stats, probs) = classify(net, &input, views)?;
         totals.add(
@@ -303,6 +304,7 @@ pub fn predict(
             len: b.len,
             image_size: b.image_size,
             augment: None,
+            mix: None,
         };
         let (_, probs) = classify(&mut model.net, &input, opts.views)?;
         for (i, &id) in b.sample_ids.iter().enumerate() {

@@ -16,6 +16,7 @@ mod device;
 mod error;
 mod evaluate;
 pub mod folder;
+mod mix;
 mod progress;
 mod rank;
 mod run;
@@ -39,6 +40,7 @@ pub use folder::{
     checkpoint, fault, BestRule, CheckpointMeta, DataPosition, DatasetStamp, FolderError, Monitor,
     RunFolder, RunSettings,
 };
+pub use mix::MixRecipe;
 pub use run::{train, TrainOutcome};
 pub use summary::{format_summary, SummaryHeader};
 

@@ -342,6 +342,23 @@ impl Shared {
                 cfg.image_size
             ));
         }
+        if cfg.mix.is_on() {
+            let mix = &cfg.mix;
+            let kinds = match (mix.mixup > 0.0, mix.cutmix > 0.0) {
+                (true, true) => format!(
+                    "mixup (α {}) or CutMix (α {}, {:.0} % of them)",
+                    mix.mixup,
+                    mix.cutmix,
+                    mix.switch_prob * 100.0
+                ),
+                (true, false) => format!("mixup (α {})", mix.mixup),
+                _ => format!("CutMix (α {})", mix.cutmix),
+            };
+            self.say(format!(
+                "{:.0} % of training batches get {kinds}; training accuracy counts each image's own label (--mixup, --cutmix)",
+                mix.prob * 100.0
+            ));
+        }
         if cfg.resize_mode == pipeline::ResizeMode::ShorterSideCenterCrop {
             self.say(format!(
                 "each image keeps its aspect ratio: its centred square is stored, {} px a side (--resize-mode center-crop)",

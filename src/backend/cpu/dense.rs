@@ -1,7 +1,8 @@
 //! Fully connected layer and softmax cross-entropy.
 
 use super::gemm::{matmul, MatRef};
-use crate::backend::{BackendError, LinearShape, LossStats};
+use crate::backend::{BackendError, LinearShape, LossStats, Targets};
+use crate::model::Mix;
 
 pub(super) fn linear_forward(
     s: &LinearShape,
@@ -83,42 +84,39 @@ pub(super) fn linear_backward(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn softmax_cross_entropy(
     n: usize,
     classes: usize,
     logits: &[f32],
-    labels: &[u32],
-    smoothing: f32,
+    targets: &Targets<'_>,
     mut dlogits: Option<&mut Vec<f32>>,
     mut probs: Option<&mut Vec<f32>>,
 ) -> Result<LossStats, BackendError> {
-    if let Some(&bad) = labels[..n].iter().find(|&&l| l as usize >= classes) {
-        return Err(BackendError::InvalidInput {
-            op: "softmax_cross_entropy",
-            detail: format!("label {bad} is out of range for {classes} classes"),
-        });
-    }
-    if !(0.0..1.0).contains(&smoothing) {
-        return Err(BackendError::InvalidInput {
-            op: "softmax_cross_entropy",
-            detail: format!("label smoothing {smoothing} is outside [0, 1)"),
-        });
-    }
+    targets.check("softmax_cross_entropy", n, classes)?;
+    let labels = targets.labels;
     if let Some(p) = probs.as_deref_mut() {
         p.clear();
         p.resize(n * classes, 0.0);
     }
-    let eps = f64::from(smoothing);
+    let eps = f64::from(targets.smoothing);
+    let own = f64::from(targets.own_weight);
     let mut stats = LossStats::default();
     for i in 0..n {
         let z = &logits[i * classes..(i + 1) * classes];
         let label = labels[i] as usize;
+        let partner = labels[Mix::partner(i, n)] as usize;
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum_exp: f64 = z.iter().map(|&v| f64::from(v - max).exp()).sum();
         let lse = f64::from(max) + sum_exp.ln();
         let mean_z: f64 = z.iter().map(|&v| f64::from(v)).sum::<f64>() / classes as f64;
-        stats.loss_sum += lse - (1.0 - eps) * f64::from(z[label]) - eps * mean_z;
+        // The mixed target's cross-entropy: the labels' logits weighted, the smoothing shared.
+        // Unmixed rows read no other logit (0·inf would turn an infinite row's loss into NaN).
+        let z_target = if own == 1.0 {
+            f64::from(z[label])
+        } else {
+            own * f64::from(z[label]) + (1.0 - own) * f64::from(z[partner])
+        };
+        stats.loss_sum += lse - (1.0 - eps) * z_target - eps * mean_z;
         // A row with a NaN or infinite logit is never counted correct (NaN compares false,
         // so it would otherwise rank first).
         let above = if z.iter().all(|v| v.is_finite()) {
@@ -135,7 +133,9 @@ pub(super) fn softmax_cross_entropy(
         }
         if let Some(d) = dlogits.as_deref_mut() {
             for (j, &v) in z.iter().enumerate() {
-                let target = eps / classes as f64 + if j == label { 1.0 - eps } else { 0.0 };
+                let hot =
+                    if j == label { own } else { 0.0 } + if j == partner { 1.0 - own } else { 0.0 };
+                let target = eps / classes as f64 + (1.0 - eps) * hot;
                 d[i * classes + j] = (((f64::from(v) - lse).exp() - target) / n as f64) as f32;
             }
         }

@@ -36,7 +36,7 @@ pub use simd::{SimdLevel, SIMD_ENV};
 use super::error::check_len;
 use super::{
     Backend, BackendError, BnBackward, BnForward, ConvShape, LinearShape, LossStats, PoolShape,
-    TensorRole,
+    Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -562,19 +562,18 @@ impl Backend for CpuBackend {
         n: usize,
         classes: usize,
         logits: &Vec<f32>,
-        labels: &[u32],
-        smoothing: f32,
+        targets: &Targets<'_>,
         dlogits: Option<&mut Vec<f32>>,
         probs: Option<&mut Vec<f32>>,
     ) -> Result<LossStats, BackendError> {
         let op = "softmax_cross_entropy";
         check_len(op, "logits", logits.len(), n * classes)?;
-        check_len(op, "labels", labels.len(), n)?;
+        check_len(op, "labels", targets.labels.len(), n)?;
         if let Some(d) = &dlogits {
             check_len(op, "dlogits", d.len(), n * classes)?;
         }
         let _t = self.profiler.time(|| "softmax_ce".into(), 0.0, 0.0);
-        dense::softmax_cross_entropy(n, classes, logits, labels, smoothing, dlogits, probs)
+        dense::softmax_cross_entropy(n, classes, logits, targets, dlogits, probs)
     }
 }
 

@@ -115,6 +115,10 @@ fn one() -> f32 {
     1.0
 }
 
+fn half() -> f32 {
+    0.5
+}
+
 /// `--sampler` as its command-line word in the sidecar.
 mod resize_mode_name {
     use pipeline::ResizeMode;
@@ -200,6 +204,19 @@ pub struct RunSettings {
     /// checkpoints (direct: stretched).
     #[serde(default, with = "resize_mode_name")]
     pub resize_mode: ResizeMode,
+    /// `--mixup`: mixup's α (0: off); absent in older checkpoints.
+    #[serde(default)]
+    pub mixup: f32,
+    /// `--cutmix`: CutMix's α (0: off); absent in older checkpoints.
+    #[serde(default)]
+    pub cutmix: f32,
+    /// `--mixup-prob`: the share of training batches mixed; absent in older checkpoints (1).
+    #[serde(default = "one")]
+    pub mixup_prob: f32,
+    /// `--mixup-switch-prob`: with both mixings on, the share of mixed batches cut and
+    /// pasted; absent in older checkpoints (0.5).
+    #[serde(default = "half")]
+    pub mixup_switch_prob: f32,
     /// `--color-jitter`: the strength of the training images' colour jitter; absent in
     /// older checkpoints (0: none).
     #[serde(default)]
@@ -734,6 +751,10 @@ pub(crate) mod tests {
                 crop_pct: 0.875,
                 store_size: Some(256),
                 resize_mode: ResizeMode::ShorterSideCenterCrop,
+                mixup: 0.8,
+                cutmix: 1.0,
+                mixup_prob: 0.9,
+                mixup_switch_prob: 0.25,
                 color_jitter: 0.4,
                 freeze_bn: false,
                 sync_bn: true,
@@ -818,6 +839,10 @@ pub(crate) mod tests {
             "crop_pct",
             "store_size",
             "resize_mode",
+            "mixup",
+            "cutmix",
+            "mixup_prob",
+            "mixup_switch_prob",
             "color_jitter",
         ] {
             settings.remove(field).unwrap();
@@ -844,6 +869,16 @@ pub(crate) mod tests {
         assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
         assert_eq!(old.settings.store_size, None, "stored at the image size");
         assert_eq!(old.settings.resize_mode, ResizeMode::Direct, "stretched");
+        assert_eq!(
+            (
+                old.settings.mixup,
+                old.settings.cutmix,
+                old.settings.mixup_prob,
+                old.settings.mixup_switch_prob
+            ),
+            (0.0, 0.0, 1.0, 0.5),
+            "no mixing, timm's shares"
+        );
         assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),

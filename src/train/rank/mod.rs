@@ -381,6 +381,12 @@ impl<D: Device> Rank<D> {
             len: batch.len,
             image_size: batch.image_size,
             augment: augments.as_deref(),
+            mix: cfg.mix.draw(
+                cfg.seed,
+                plan.epoch,
+                &batch.sample_ids[..batch.len],
+                cfg.image_size,
+            ),
         };
         let Rank {
             net,
