@@ -3,7 +3,8 @@
 //
 // Algorithm. Exactly the CPU backend's rule (model::Augment): output pixel (y, x) of image n
 // reads source pixel (y + dy_n, x' + dx_n) with x' = flip_n ? S − 1 − x : x; a source outside
-// the image gives 0 in normalised space (PyTorch pads the normalised tensor). Values are
+// the image gives 0 in normalised space (PyTorch pads the normalised tensor), and so does an
+// output pixel inside the image's erased box (torchvision's RandomErasing, value 0). Values are
 // normalised v = u8/255·(1/std_c) − mean_c/std_c with the ImageNet statistics (torchvision) and
 // stored as bf16. The host draws no randomness here: (dy, dx, flip) arrive per image from the
 // trainer, which draws them from (seed, epoch, sample), so every backend sees identical crops.
@@ -11,7 +12,7 @@
 // n − 1 − b, each augmented: mixup writes λ·v_b + (1 − λ)·v_partner everywhere, CutMix takes
 // the partner's value inside the box and b's outside; λ and the box come from the trainer.
 //
-// Data layout. src: u8 [N,S,S,3]; aug: i32 [N][3] = (dy, dx, flip); scale, shift: f32 [3]
+// Data layout. src: u8 [N,S,S,3]; aug: i32 [N][7] = (dy, dx, flip, ey0, ey1, ex0, ex1); scale, shift: f32 [3]
 // (1/(255·std_c) and −mean_c/std_c); mix: InputMix by value; dst: bf16 [N,S,S,3].
 //
 // input_transform_pad8 does the same (without mixing) and also writes the 8-channel copy of the batch that the
@@ -25,6 +26,8 @@
 
 // The batch's mixing (model::Mix), passed by value: kind BT_MIX_NONE, BT_MIX_BLEND (mixup,
 // weight lambda) or BT_MIX_PASTE (CutMix, box rows y0..y1, columns x0..x1, ends excluded).
+// Ints per image in `aug`: dy, dx, flip, then the erased box ey0, ey1, ex0, ex1 (empty: 0s).
+#define BT_AUG_INTS 7
 #define BT_MIX_NONE 0
 #define BT_MIX_BLEND 1
 #define BT_MIX_PASTE 2
@@ -40,7 +43,11 @@ __device__ __forceinline__ float bt_input_value(const u8* __restrict__ src, cons
                                                 const float* __restrict__ shift, int b, int y, int x,
                                                 int c, int size) {
     int dy = 0, dx = 0, flip = 0;
-    if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+    if (use_aug) {
+        const int* a = aug + b * BT_AUG_INTS;
+        dy = a[0]; dx = a[1]; flip = a[2];
+        if (y >= a[3] && y < a[4] && x >= a[5] && x < a[6]) return 0.0f;  // erased
+    }
     const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
     if (sy < 0 || sy >= size || sx < 0 || sx >= size) return 0.0f;
     return (float)src[(((long)b * size + sy) * size + sx) * 3 + c] * scale[c] + shift[c];
@@ -82,9 +89,14 @@ extern "C" __global__ void input_transform_pad8(const u8* __restrict__ src, cons
         const int y = (int)(rest % size);
         const int b = (int)(rest / size);
         int dy = 0, dx = 0, flip = 0;
-        if (use_aug) { dy = aug[b * 3]; dx = aug[b * 3 + 1]; flip = aug[b * 3 + 2]; }
+        bool erased = false;
+        if (use_aug) {
+            const int* a = aug + b * BT_AUG_INTS;
+            dy = a[0]; dx = a[1]; flip = a[2];
+            erased = y >= a[3] && y < a[4] && x >= a[5] && x < a[6];
+        }
         const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
-        const bool inside = sy >= 0 && sy < size && sx >= 0 && sx < size;
+        const bool inside = !erased && sy >= 0 && sy < size && sx >= 0 && sx < size;
         const long from = (((long)b * size + sy) * size + sx) * 3;
         union { uint4 v; bf16 e[8]; } u;
 #pragma unroll

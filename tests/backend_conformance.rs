@@ -343,6 +343,7 @@ fn fast_whole_steps_match_the_reference() {
                     dy: rng.random_range(-m..=m),
                     dx: rng.random_range(-m..=m),
                     flip: rng.random(),
+                    erase: None,
                 })
                 .collect();
             let input = InputBatch {

@@ -3,7 +3,7 @@
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
-use birdtrain::model::{Augment, InputBatch, Mix, IMAGENET_MEAN, IMAGENET_STD};
+use birdtrain::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
 
 #[test]
 fn normalises_and_applies_shift_and_flip() {
@@ -17,11 +17,13 @@ fn normalises_and_applies_shift_and_flip() {
             dy: 1,
             dx: -1,
             flip: false,
+            erase: None,
         },
         Augment {
             dy: -1,
             dx: 1,
             flip: true,
+            erase: None,
         },
     ];
     let batch = InputBatch {
@@ -58,6 +60,61 @@ fn normalises_and_applies_shift_and_flip() {
     }
 }
 
+/// Random erasing zeroes the box in output coordinates, after the shift and mirror, and only
+/// in the image it was drawn for.
+#[test]
+fn erases_the_box_after_the_shift_and_mirror() {
+    let (s, n) = (8usize, 2usize);
+    let px: Vec<u8> = (0..n * s * s * 3).map(|i| (i * 5 % 253) as u8).collect();
+    let labels = vec![0u32; n];
+    let shifted = Augment {
+        dy: 1,
+        dx: -1,
+        flip: true,
+        erase: None,
+    };
+    let erase = PixelBox {
+        y0: 1,
+        y1: 4,
+        x0: 5,
+        x1: 8,
+    };
+    let b = CpuBackend::new(1).unwrap();
+    let run = |aug: &[Augment]| {
+        let mut out = vec![0.0f32; n * s * s * 3];
+        let batch = InputBatch {
+            pixels: &px,
+            labels: &labels,
+            len: n,
+            image_size: s as u32,
+            augment: Some(aug),
+            mix: None,
+        };
+        b.input(&batch, &mut out).unwrap();
+        out
+    };
+    let plain = run(&[shifted, shifted]);
+    let erased = run(&[
+        shifted,
+        Augment {
+            erase: Some(erase),
+            ..shifted
+        },
+    ]);
+    let img = s * s * 3;
+    assert_eq!(plain[..img], erased[..img], "image 0 has no box");
+    for y in 0..s {
+        for x in 0..s {
+            for c in 0..3 {
+                let at = img + (y * s + x) * 3 + c;
+                let want = if erase.contains(y, x) { 0.0 } else { plain[at] };
+                assert_eq!(erased[at], want, "({y},{x},{c})");
+            }
+        }
+    }
+    assert_eq!(erase.area(), 9);
+}
+
 /// Mixup blends each augmented image with its partner n−1−i (the middle image of an odd
 /// batch with itself); CutMix takes the partner's augmented pixels inside the box and keeps
 /// the image's own outside. Checked against the unmixed output of the same batch.
@@ -71,6 +128,7 @@ fn mixes_each_augmented_image_with_its_partner() {
             dy: i % 2,
             dx: -(i % 2),
             flip: i % 3 == 0,
+            erase: None,
         })
         .collect();
     let b = CpuBackend::new(2).unwrap();
@@ -91,7 +149,7 @@ fn mixes_each_augmented_image_with_its_partner() {
     let plain = run(None);
     let blended = run(Some(Mix::Blend { lambda: 0.3 }));
     let (y0, y1, x0, x1) = (2, 7, 4, 9);
-    let pasted = run(Some(Mix::Paste { y0, y1, x0, x1 }));
+    let pasted = run(Some(Mix::Paste(PixelBox { y0, y1, x0, x1 })));
     for i in 0..n {
         let j = n - 1 - i;
         for y in 0..s {
@@ -114,7 +172,7 @@ fn mixes_each_augmented_image_with_its_partner() {
     }
     assert_ne!(blended, plain, "a blend of distinct images changes them");
     // The box's share of the image is the partner's label weight.
-    let m = Mix::Paste { y0, y1, x0, x1 };
+    let m = Mix::Paste(PixelBox { y0, y1, x0, x1 });
     assert!((m.own_weight(s as u32) - (1.0 - 25.0 / 81.0)).abs() < 1e-6);
 }
 

@@ -13,7 +13,7 @@ use birdtrain::backend::{
 };
 use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
-use birdtrain::model::{Augment, InputBatch, Mix};
+use birdtrain::model::{Augment, InputBatch, Mix, PixelBox};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -679,11 +679,18 @@ fn input_transform_matches_cpu() {
         let pixels: Vec<u8> = (0..n * s * s * 3).map(|_| rng.random()).collect();
         let labels = vec![0u32; n];
         let m = Augment::max_shift(size);
-        let aug: Vec<Augment> = (0..n)
-            .map(|_| Augment {
+        // Image 1 erased (random erasing) on a box reaching the bottom-right corner.
+        let aug: Vec<Augment> = (0..n as u32)
+            .map(|i| Augment {
                 dy: rng.random_range(-m..=m),
                 dx: rng.random_range(-m..=m),
                 flip: rng.random(),
+                erase: (i == 1).then_some(PixelBox {
+                    y0: size / 3,
+                    y1: size,
+                    x0: size / 2,
+                    x1: size,
+                }),
             })
             .collect();
         // Mixing pairs image b with n − 1 − b (n = 3: the middle one with itself); CutMix
@@ -691,18 +698,18 @@ fn input_transform_matches_cpu() {
         let mixes = [
             None,
             Some(Mix::Blend { lambda: 0.3 }),
-            Some(Mix::Paste {
+            Some(Mix::Paste(PixelBox {
                 y0: 3,
                 y1: size / 2 + 3,
                 x0: 2,
                 x1: size / 2,
-            }),
-            Some(Mix::Paste {
+            })),
+            Some(Mix::Paste(PixelBox {
                 y0: size / 2,
                 y1: size,
                 x0: size / 3,
                 x1: size,
-            }),
+            })),
         ];
         for (augment, mix) in [None, Some(&aug[..])]
             .into_iter()

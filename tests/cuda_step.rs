@@ -76,17 +76,20 @@ fn resnet18_step_matches_cpu() {
             dy: 3,
             dx: -2,
             flip: true,
+            erase: None,
         },
         Augment::default(),
         Augment {
             dy: -8,
             dx: 8,
             flip: false,
+            erase: None,
         },
         Augment {
             dy: 0,
             dx: 1,
             flip: true,
+            erase: None,
         },
     ];
     for augment in [None, Some(&aug[..])] {
@@ -160,6 +163,7 @@ fn train_synthetic<B: Backend>(backend: B, arch: Arch, steps: usize) -> f64 {
                 dy: rng.random_range(-m..=m),
                 dx: rng.random_range(-m..=m),
                 flip: rng.random(),
+                erase: None,
             })
             .collect();
         let input = InputBatch {

@@ -103,6 +103,7 @@ fn two_runs_give_identical_bits() {
                 dy: i % 3 - 1,
                 dx: 1 - i % 2,
                 flip: i % 2 == 0,
+                erase: None,
             })
             .collect();
         let mut net = Network::new(CpuBackend::new(2).unwrap(), &graph, 6, 16).unwrap();

@@ -1,6 +1,7 @@
-//! `--mixup` and `--cutmix` through the CLI: the mixing reaches training (a run mixing none
-//! of its batches is the plain run, bit for bit; mixup and CutMix each change it, and
-//! differently), it is said at the start, and bad values are one line naming the flag.
+//! `--mixup`, `--cutmix` and `--random-erase` through the CLI: the mixing and erasing reach
+//! training (a run mixing none of its batches is the plain run, bit for bit; mixup, CutMix
+//! and erasing each change it, and differently), they are said at the start, and bad values
+//! are one line naming the flag.
 //! The ops themselves are checked in backend_input (pixels), backend_gradcheck (targets and
 //! gradient), the conformance suite and the kernel emulator.
 
@@ -30,7 +31,22 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
     assert!(said.contains("mixup (α 0.4)"), "{said}");
     let (cutmix, said) = weights("cutmix", &["--cutmix", "1"]);
     assert!(said.contains("CutMix (α 1)"), "{said}");
-    assert!(mixup != plain && cutmix != plain && mixup != cutmix);
+    let (erased, said) = weights("erased", &["--random-erase", "0.5"]);
+    assert!(
+        said.contains("random erasing: 50 % of training images"),
+        "{said}"
+    );
+    let (unerased, _) = weights("unerased", &["--random-erase", "0"]);
+    assert!(plain == unerased, "--random-erase 0 changed the run");
+    let runs = [&plain, &mixup, &cutmix, &erased];
+    for (i, a) in runs.iter().enumerate() {
+        for b in &runs[i + 1..] {
+            assert!(
+                a != b,
+                "two of plain, mixup, CutMix and erasing trained alike"
+            );
+        }
+    }
 }
 
 #[test]
@@ -47,6 +63,8 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
             "--mixup-switch-prob",
         ),
         (vec!["--mixup-prob", "0.5"], "--mixup-prob"),
+        (vec!["--random-erase", "1.1"], "--random-erase"),
+        (vec!["--random-erase", "NaN"], "--random-erase"),
     ] {
         let run = tmp.path().join("run");
         let mut args = train_args(&data, &cache, &run, 1);

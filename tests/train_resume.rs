@@ -218,6 +218,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "20",
         "--color-jitter",
         "0.3",
+        "--random-erase",
+        "0.5",
         "--mixup",
         "0.4",
         "--cutmix",
@@ -249,6 +251,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.crop_scale, Some([0.3, 1.0]));
     assert_eq!(meta.settings.store_size, Some(20));
     assert_eq!(meta.settings.color_jitter, 0.3);
+    assert_eq!(meta.settings.random_erase, 0.5);
     assert_eq!(
         (
             meta.settings.mixup,

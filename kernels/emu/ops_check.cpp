@@ -260,21 +260,33 @@ void test_loss_nonfinite() {
     check("rank (non-finite rows)", RK, want, 0, 0);
 }
 
-// A random u8 batch with random per-image augments, and its f64 reference (no mixing).
+// A random u8 batch with random per-image augments (7 ints: dy, dx, flip, then the erased
+// box; every other image erased, one box touching the bottom-right corner), and its f64
+// reference (no mixing).
 struct InputCase { std::vector<unsigned char> px; std::vector<int> aug; float scale[3], shift[3]; std::vector<double> ref; };
 static InputCase input_case(int n, int s) {
     InputCase t;
     t.px.resize((size_t)n * s * s * 3);
     for (auto& v : t.px) v = rng() & 255;
-    t.aug.resize(n * 3);
+    t.aug.assign(n * 7, 0);
     int m = std::max(1, s / 8);
-    for (int b = 0; b < n; ++b) { t.aug[b * 3] = (int)(rng() % (2 * m + 1)) - m; t.aug[b * 3 + 1] = (int)(rng() % (2 * m + 1)) - m; t.aug[b * 3 + 2] = rng() & 1; }
+    for (int b = 0; b < n; ++b) {
+        int* a = &t.aug[b * 7];
+        a[0] = (int)(rng() % (2 * m + 1)) - m; a[1] = (int)(rng() % (2 * m + 1)) - m; a[2] = rng() & 1;
+        if (b % 2 == 1) {
+            int h = 1 + (int)(rng() % (s / 2)), w = 1 + (int)(rng() % (s / 2));
+            a[3] = b == 1 ? s - h : (int)(rng() % (s - h + 1)); a[4] = a[3] + h;
+            a[5] = b == 1 ? s - w : (int)(rng() % (s - w + 1)); a[6] = a[5] + w;
+        }
+    }
     const float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
     for (int c = 0; c < 3; ++c) { t.scale[c] = 1.0f / (255.0f * stdv[c]); t.shift[c] = -mean[c] / stdv[c]; }
     t.ref.resize(t.px.size());
     for (int b = 0; b < n; ++b) for (int y = 0; y < s; ++y) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c) {
-        int xs = t.aug[b * 3 + 2] ? s - 1 - x : x, sy = y + t.aug[b * 3], sx = xs + t.aug[b * 3 + 1];
-        double v = 0; if (sy >= 0 && sx >= 0 && sy < s && sx < s) v = t.px[(((size_t)b * s + sy) * s + sx) * 3 + c] * t.scale[c] + t.shift[c];
+        const int* a = &t.aug[b * 7];
+        int xs = a[2] ? s - 1 - x : x, sy = y + a[0], sx = xs + a[1];
+        bool erased = y >= a[3] && y < a[4] && x >= a[5] && x < a[6];
+        double v = 0; if (!erased && sy >= 0 && sx >= 0 && sy < s && sx < s) v = t.px[(((size_t)b * s + sy) * s + sx) * 3 + c] * t.scale[c] + t.shift[c];
         t.ref[(((size_t)b * s + y) * s + x) * 3 + c] = v;
     }
     return t;

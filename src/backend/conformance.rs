@@ -18,7 +18,7 @@ use super::{
     PoolShape, Targets, TensorRole,
 };
 use crate::model::{
-    Arch, Augment, Graph, InputBatch, Mix, ModelError, ModelState, Network, NetworkConfig,
+    Arch, Augment, Graph, InputBatch, Mix, ModelError, ModelState, Network, NetworkConfig, PixelBox,
 };
 
 /// Allowed difference: `atol + rtol·|ref|` per element.
@@ -491,22 +491,29 @@ impl<B: Backend> Pair<'_, B> {
             .collect();
         let labels = vec![0u32; n];
         let m = Augment::max_shift(s);
-        let aug: Vec<Augment> = (0..n)
-            .map(|_| Augment {
+        // Odd images erased (random erasing), one box on the bottom-right corner.
+        let aug: Vec<Augment> = (0..n as u32)
+            .map(|i| Augment {
                 dy: rng.random_range(-m..=m),
                 dx: rng.random_range(-m..=m),
                 flip: rng.random(),
+                erase: (i % 2 == 1).then(|| PixelBox {
+                    y0: 2 + 3 * i,
+                    y1: s - 2 * (i / 2),
+                    x0: 1 + i,
+                    x1: s - 2 * (i / 2),
+                }),
             })
             .collect();
         let mixes = [
             None,
             Some(Mix::Blend { lambda: 0.35 }),
-            Some(Mix::Paste {
+            Some(Mix::Paste(PixelBox {
                 y0: 2,
                 y1: 11,
                 x0: 5,
                 x1: 17,
-            }),
+            })),
         ];
         for (augment, mix) in [None, Some(aug.as_slice())]
             .into_iter()
@@ -688,6 +695,7 @@ pub fn check_network<B: Backend>(
             dy: rng.random_range(-m..=m),
             dx: rng.random_range(-m..=m),
             flip: rng.random(),
+            erase: None,
         })
         .collect();
     let input = InputBatch {

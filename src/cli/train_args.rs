@@ -213,6 +213,11 @@ pub struct TrainArgs {
     /// F, F), timm's --color-jitter; ImageNet recipes use 0.4) [default: 0, none]
     #[arg(long, value_name = "F")]
     pub color_jitter: Option<f32>,
+    /// Random erasing: this share of training images gets a random rectangle (2–33 % of its
+    /// area, aspect 0.3–3.3) set to the mean colour, after the crop and mirror
+    /// (torchvision's RandomErasing; its recipe uses 0.1, timm's --reprob 0.25) [default: 0]
+    #[arg(long, value_name = "P")]
+    pub random_erase: Option<f32>,
     /// Mixup of training batches: each image blended with another of its batch, λ·one +
     /// (1−λ)·other, and their labels likewise, λ drawn from Beta(A, A) per batch (timm's
     /// --mixup; ImageNet recipes use 0.1 to 0.8) [default: 0, off]
@@ -486,6 +491,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(side) = args.store_size {
         cfg.store_size = Some(side);
+    }
+    if let Some(p) = args.random_erase {
+        cfg.random_erase = p;
     }
     if let Some(a) = args.mixup {
         cfg.mix.mixup = a;

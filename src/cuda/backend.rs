@@ -18,7 +18,7 @@ use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
     LossStats, PoolShape, Targets, TensorRole,
 };
-use crate::model::{InputBatch, Mix, IMAGENET_MEAN, IMAGENET_STD};
+use crate::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
 
 /// A null device pointer for optional kernel arguments.
 static NULL_PTR: u64 = 0;
@@ -79,7 +79,7 @@ impl InputMix {
                 lambda,
                 ..Self::default()
             },
-            Some(Mix::Paste { y0, y1, x0, x1 }) => Self {
+            Some(Mix::Paste(PixelBox { y0, y1, x0, x1 })) => Self {
                 kind: 2,
                 lambda: 0.0,
                 y0: y0 as i32,
@@ -89,6 +89,23 @@ impl InputMix {
             },
         }
     }
+}
+
+/// One image's entry of kernels/input.cu's `aug` array: dy, dx, flip, then the erased box
+/// (rows, columns; all 0 when none). A side past i32 is clamped: the box only chooses pixels
+/// to zero, so no box reads out of bounds.
+pub(crate) fn aug_ints(a: &Augment) -> [i32; 7] {
+    let e = a.erase.unwrap_or_default();
+    let side = |v: u32| v.min(i32::MAX as u32) as i32;
+    [
+        a.dy,
+        a.dx,
+        i32::from(a.flip),
+        side(e.y0),
+        side(e.y1),
+        side(e.x0),
+        side(e.x1),
+    ]
 }
 
 /// Scratch of the v2 convolutions (grown, never shrunk).
@@ -681,10 +698,7 @@ impl Backend for CudaBackend {
         let use_aug: i32 = match batch.augment {
             Some(aug) => {
                 check_len(op, "augment", aug.len(), n)?;
-                let params: Vec<i32> = aug[..n]
-                    .iter()
-                    .flat_map(|a| [a.dy, a.dx, i32::from(a.flip)])
-                    .collect();
+                let params: Vec<i32> = aug[..n].iter().flat_map(aug_ints).collect();
                 ensure(&self.dev, &mut w.ints, params.len(), op)?;
                 stream
                     .memcpy_htod(&params, w.ints.as_mut().expect("ensured"))

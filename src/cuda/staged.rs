@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::backend::InputMix;
+use super::backend::{aug_ints, InputMix};
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
@@ -145,13 +145,7 @@ impl StagedBackend {
             work.norm = Some(stream.clone_htod(&norm).map_err(drv(op))?);
         }
         let (params, use_aug): (Vec<i32>, i32) = match batch.augment {
-            Some(aug) if aug.len() >= n => (
-                aug[..n]
-                    .iter()
-                    .flat_map(|a| [a.dy, a.dx, i32::from(a.flip)])
-                    .collect(),
-                1,
-            ),
+            Some(aug) if aug.len() >= n => (aug[..n].iter().flat_map(aug_ints).collect(), 1),
             Some(aug) => return Err(shape(format!("{} augmentations for {n} images", aug.len()))),
             None => (vec![0], 0),
         };
@@ -159,7 +153,7 @@ impl StagedBackend {
             work.aug = None;
             work.aug = Some(
                 stream
-                    .alloc_zeros::<i32>(params.len().max(3 * n).max(1))
+                    .alloc_zeros::<i32>(params.len().max(7 * n).max(1))
                     .map_err(drv(op))?,
             );
         }

@@ -12,7 +12,8 @@ pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
 ///
 /// The output pixel `(y, x)` is the input pixel `(y + dy, x + dx)` (zero where that falls
 /// outside: CIFAR-style pad-and-crop at the stored size with padding `S/8`), then the row is
-/// mirrored when `flip`.
+/// mirrored when `flip`; last, the output pixels inside `erase` are set to zero, in
+/// normalised space (torchvision's `RandomErasing` with `value=0`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Augment {
     /// Vertical shift, |dy| ≤ S/8.
@@ -21,6 +22,39 @@ pub struct Augment {
     pub dx: i32,
     /// Horizontal mirror.
     pub flip: bool,
+    /// The erased rectangle, in output coordinates (`--random-erase`).
+    pub erase: Option<PixelBox>,
+}
+
+/// A rectangle of an `S×S` image: rows `y0..y1`, columns `x0..x1` (ends excluded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PixelBox {
+    /// First row.
+    pub y0: u32,
+    /// Row after the last.
+    pub y1: u32,
+    /// First column.
+    pub x0: u32,
+    /// Column after the last.
+    pub x1: u32,
+}
+
+impl PixelBox {
+    /// Whether pixel `(y, x)` is inside.
+    pub fn contains(&self, y: usize, x: usize) -> bool {
+        (self.y0 as usize..self.y1 as usize).contains(&y)
+            && (self.x0 as usize..self.x1 as usize).contains(&x)
+    }
+
+    /// Pixels inside.
+    pub fn area(&self) -> u64 {
+        u64::from(self.y1.saturating_sub(self.y0)) * u64::from(self.x1.saturating_sub(self.x0))
+    }
+
+    /// Whether it is ordered and inside an image of side `image_size`.
+    pub fn fits(&self, image_size: u32) -> bool {
+        self.y0 <= self.y1 && self.x0 <= self.x1 && self.y1 <= image_size && self.x1 <= image_size
+    }
 }
 
 impl Augment {
@@ -41,18 +75,9 @@ pub enum Mix {
         /// λ, the own image's weight, in [0, 1].
         lambda: f32,
     },
-    /// CutMix: rows `y0..y1` and columns `x0..x1` (output coordinates, ends excluded) come
-    /// from the partner, the rest from the image itself.
-    Paste {
-        /// First row of the box.
-        y0: u32,
-        /// Row after the box.
-        y1: u32,
-        /// First column of the box.
-        x0: u32,
-        /// Column after the box.
-        x1: u32,
-    },
+    /// CutMix: the box (output coordinates) comes from the partner, the rest from the image
+    /// itself.
+    Paste(PixelBox),
 }
 
 impl Mix {
@@ -66,8 +91,8 @@ impl Mix {
     pub fn own_weight(&self, image_size: u32) -> f32 {
         match *self {
             Self::Blend { lambda } => lambda,
-            Self::Paste { y0, y1, x0, x1 } => {
-                let area = f64::from(y1 - y0) * f64::from(x1 - x0);
+            Self::Paste(b) => {
+                let area = b.area() as f64;
                 (1.0 - area / (f64::from(image_size) * f64::from(image_size))) as f32
             }
         }
@@ -77,22 +102,18 @@ impl Mix {
     pub fn pastes(&self, y: usize, x: usize) -> bool {
         match *self {
             Self::Blend { .. } => false,
-            Self::Paste { y0, y1, x0, x1 } => {
-                (y0 as usize..y1 as usize).contains(&y) && (x0 as usize..x1 as usize).contains(&x)
-            }
+            Self::Paste(b) => b.contains(y, x),
         }
     }
 
     fn check(&self, image_size: u32) -> Result<(), ModelError> {
         match *self {
-            Self::Blend { lambda } if !(0.0..=1.0).contains(&lambda) => Err(
-                ModelError::BadBatch(format!("mixup weight {lambda} is outside [0, 1]")),
-            ),
-            Self::Paste { y0, y1, x0, x1 } if y0 > y1 || x0 > x1 || y1 > image_size || x1 > image_size => {
-                Err(ModelError::BadBatch(format!(
-                    "CutMix box rows {y0}..{y1}, columns {x0}..{x1} is not inside {image_size}x{image_size}"
-                )))
-            }
+            Self::Blend { lambda } if !(0.0..=1.0).contains(&lambda) => Err(ModelError::BadBatch(
+                format!("mixup weight {lambda} is outside [0, 1]"),
+            )),
+            Self::Paste(b) if !b.fits(image_size) => Err(ModelError::BadBatch(format!(
+                "CutMix box {b:?} is not inside {image_size}x{image_size}"
+            ))),
             _ => Ok(()),
         }
     }
@@ -172,6 +193,16 @@ impl<'a> InputBatch<'a> {
                 return Err(ModelError::BadBatch(format!(
                     "augment shift ({}, {}) exceeds the padding {m}",
                     a.dy, a.dx
+                )));
+            }
+            if let Some(b) = aug[..self.len]
+                .iter()
+                .filter_map(|a| a.erase)
+                .find(|b| !b.fits(self.image_size))
+            {
+                return Err(ModelError::BadBatch(format!(
+                    "erased box {b:?} is not inside {0}x{0}",
+                    self.image_size
                 )));
             }
         }

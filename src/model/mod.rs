@@ -21,7 +21,7 @@ mod state;
 pub use arch::Arch;
 pub use error::ModelError;
 pub use graph::{BufferKind, BufferSpec, Graph, Node, ParamKind, ParamSpec, ValueDims};
-pub use input::{Augment, InputBatch, Mix, StepStats, IMAGENET_MEAN, IMAGENET_STD};
+pub use input::{Augment, InputBatch, Mix, PixelBox, StepStats, IMAGENET_MEAN, IMAGENET_STD};
 pub use network::{
     buffer_plan, BnAllReduce, BufferPlan, GradHookError, GradReadyHook, Network, NetworkConfig,
     SyncEvent,

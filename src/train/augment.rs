@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 
 use pipeline::RandomResizedCrop;
 
-use crate::model::Augment;
+use crate::model::{Augment, PixelBox};
 
 /// What training does to each image (`--augment`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,25 +80,32 @@ impl Augmentation {
         }
     }
 
-    /// The device's part for a micro-batch, in sample order (`None`: images as they come).
+    /// The device's part for a micro-batch, in sample order (`None`: images as they come),
+    /// with each image erased with probability `random_erase` ([`erase_for`]).
     pub fn device_augments(
         &self,
+        random_erase: f32,
         seed: u64,
         epoch: u64,
         sample_ids: &[u64],
         image_size: u32,
     ) -> Option<Vec<Augment>> {
-        match self {
-            Self::None => None,
-            Self::PadCrop => Some(augments_for(seed, epoch, sample_ids, image_size)),
+        let mut augments = match self {
+            Self::None if random_erase > 0.0 => vec![Augment::default(); sample_ids.len()],
+            Self::None => return None,
+            Self::PadCrop => augments_for(seed, epoch, sample_ids, image_size),
             // The mirror alone: the engine has cropped already.
-            Self::ResizedCrop(_) => Some(
-                augments_for(seed, epoch, sample_ids, image_size)
-                    .into_iter()
-                    .map(|a| Augment { dy: 0, dx: 0, ..a })
-                    .collect(),
-            ),
+            Self::ResizedCrop(_) => augments_for(seed, epoch, sample_ids, image_size)
+                .into_iter()
+                .map(|a| Augment { dy: 0, dx: 0, ..a })
+                .collect(),
+        };
+        if random_erase > 0.0 {
+            for (a, &id) in augments.iter_mut().zip(sample_ids) {
+                a.erase = erase_for(random_erase, seed, epoch, id, image_size);
+            }
         }
+        Some(augments)
     }
 }
 
@@ -120,7 +127,53 @@ pub fn augment_for(seed: u64, epoch: u64, sample_id: u64, image_size: u32) -> Au
         dy: rng.random_range(-shift..=shift),
         dx: rng.random_range(-shift..=shift),
         flip: rng.random_bool(0.5),
+        erase: None,
     }
+}
+
+/// torchvision's `RandomErasing(p, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0)` of one
+/// training sample: with probability `p` a rectangle of area share uniform in the scale range
+/// and aspect ratio (height / width) log-uniform in the ratio range, placed uniformly, is
+/// erased (to 0 after normalisation: the mean colour); torchvision's ten tries for a
+/// rectangle that fits, none erased when all ten fail. Drawn from its own stream of
+/// (seed, epoch, sample id), so the shift and mirror draws are those of a run without it.
+pub fn erase_for(
+    p: f32,
+    seed: u64,
+    epoch: u64,
+    sample_id: u64,
+    image_size: u32,
+) -> Option<PixelBox> {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(b"rerase\0\0");
+    key[8..16].copy_from_slice(&seed.to_le_bytes());
+    key[16..24].copy_from_slice(&epoch.to_le_bytes());
+    key[24..].copy_from_slice(&sample_id.to_le_bytes());
+    let mut rng = ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key));
+    if !(p > 0.0 && rng.random::<f32>() < p) {
+        return None;
+    }
+    let side = f64::from(image_size);
+    let area = side * side;
+    let (log_lo, log_hi) = (0.3f64.ln(), 3.3f64.ln());
+    for _ in 0..10 {
+        let erase_area = area * rng.random_range(0.02..1.0 / 3.0);
+        let aspect = rng.random_range(log_lo..log_hi).exp();
+        let h = (erase_area * aspect).sqrt().round() as u32;
+        let w = (erase_area / aspect).sqrt().round() as u32;
+        if h >= image_size || w >= image_size {
+            continue;
+        }
+        let y0 = rng.random_range(0..=image_size - h);
+        let x0 = rng.random_range(0..=image_size - w);
+        return Some(PixelBox {
+            y0,
+            y1: y0 + h,
+            x0,
+            x1: x0 + w,
+        });
+    }
+    None
 }
 
 /// The augmentations of a micro-batch, in sample order.
@@ -156,14 +209,16 @@ mod tests {
         let ids: Vec<u64> = (0..100).collect();
         let crop = Augmentation::parse("resized-crop").unwrap();
         let pad = Augmentation::PadCrop
-            .device_augments(3, 1, &ids, 64)
+            .device_augments(0.0, 3, 1, &ids, 64)
             .unwrap();
-        let mirror = crop.device_augments(3, 1, &ids, 64).unwrap();
+        let mirror = crop.device_augments(0.0, 3, 1, &ids, 64).unwrap();
         assert!(mirror.iter().all(|a| a.dy == 0 && a.dx == 0));
         assert!(pad.iter().any(|a| a.dy != 0 || a.dx != 0));
         let flips = |v: &[Augment]| v.iter().map(|a| a.flip).collect::<Vec<_>>();
         assert_eq!(flips(&mirror), flips(&pad));
-        assert!(Augmentation::None.device_augments(3, 1, &ids, 64).is_none());
+        assert!(Augmentation::None
+            .device_augments(0.0, 3, 1, &ids, 64)
+            .is_none());
         assert_eq!(crop.engine_crop(), Some(RandomResizedCrop::DEFAULT));
         for a in [Augmentation::None, Augmentation::PadCrop, crop] {
             assert_eq!(Augmentation::parse(a.as_str()), Some(a));
@@ -188,5 +243,43 @@ mod tests {
             })
             .count();
         assert!(differ > 30);
+    }
+
+    /// The erasing follows torchvision's draw: about p of the images, rectangles inside the
+    /// image with area shares in [0.02, 1/3] (up to rounding) and aspect ratios in
+    /// [0.3, 3.3]; the shift and mirror draws are those of a run without erasing.
+    #[test]
+    fn random_erasing_draws_like_torchvision() {
+        let ids: Vec<u64> = (0..4000).collect();
+        let plain = Augmentation::PadCrop
+            .device_augments(0.0, 5, 2, &ids, 32)
+            .unwrap();
+        let erased = Augmentation::PadCrop
+            .device_augments(0.25, 5, 2, &ids, 32)
+            .unwrap();
+        let without = |v: &[Augment]| v.iter().map(|a| (a.dy, a.dx, a.flip)).collect::<Vec<_>>();
+        assert_eq!(without(&plain), without(&erased));
+        assert!(plain.iter().all(|a| a.erase.is_none()));
+        let boxes: Vec<PixelBox> = erased.iter().filter_map(|a| a.erase).collect();
+        assert!(
+            (900..1100).contains(&boxes.len()),
+            "{} of 4000",
+            boxes.len()
+        );
+        for b in &boxes {
+            assert!(b.fits(32) && b.y1 < 32 + 1 && b.x1 <= 32, "{b:?}");
+            let (h, w) = (f64::from(b.y1 - b.y0), f64::from(b.x1 - b.x0));
+            let share = h * w / 1024.0;
+            assert!((0.01..0.4).contains(&share), "{b:?}: share {share}");
+            assert!((0.2..5.0).contains(&(h / w)), "{b:?}: aspect {}", h / w);
+        }
+        let mean = boxes.iter().map(|b| b.area() as f64 / 1024.0).sum::<f64>() / boxes.len() as f64;
+        assert!((0.12..0.2).contains(&mean), "mean erased share {mean}");
+        // Without any augmentation of its own, erasing still reaches the device.
+        let alone = Augmentation::None
+            .device_augments(1.0, 5, 2, &ids[..10], 32)
+            .unwrap();
+        assert!(alone.iter().all(|a| a.dy == 0 && a.dx == 0 && !a.flip));
+        assert!(alone.iter().filter(|a| a.erase.is_some()).count() >= 9);
     }
 }

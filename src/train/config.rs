@@ -54,6 +54,8 @@ pub struct TrainConfig {
     pub store_size: Option<u32>,
     /// How each image becomes its stored square (`--resize-mode`).
     pub resize_mode: ResizeMode,
+    /// The share of training images randomly erased (`--random-erase`; 0: none).
+    pub random_erase: f32,
     /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, …).
     pub mix: MixRecipe,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
@@ -146,6 +148,7 @@ impl TrainConfig {
             store_size: None,
             resize_mode: ResizeMode::Direct,
             mix: MixRecipe::OFF,
+            random_erase: 0.0,
             color_jitter: 0.0,
             init_from: None,
             last_batch: LastBatch::Partial,
@@ -223,6 +226,7 @@ impl TrainConfig {
             crop_pct: self.crop_pct,
             store_size: self.store_size.filter(|&s| s != self.image_size),
             resize_mode: self.resize_mode,
+            random_erase: self.random_erase,
             mixup: self.mix.mixup,
             cutmix: self.mix.cutmix,
             mixup_prob: self.mix.prob,
@@ -253,6 +257,7 @@ impl TrainConfig {
         self.crop_pct = s.crop_pct;
         self.store_size = s.store_size;
         self.resize_mode = s.resize_mode;
+        self.random_erase = s.random_erase;
         self.mix = MixRecipe {
             mixup: s.mixup,
             cutmix: s.cutmix,
@@ -371,6 +376,13 @@ impl TrainConfig {
         }
         pipeline::ColorJitter::uniform(self.color_jitter).validate()?;
         self.mix.validate()?;
+        if !(0.0..=1.0).contains(&self.random_erase) {
+            return bad(
+                "--random-erase",
+                self.random_erase.to_string(),
+                "the share of training images erased, from 0 to 1 (torchvision's recipe uses 0.1, timm's 0.25)",
+            );
+        }
         if let Decay::Plateau(p) = self.schedule {
             if p.patience == 0 {
                 return bad(

@@ -17,7 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Beta, Distribution};
 
 use super::TrainError;
-use crate::model::Mix;
+use crate::model::{Mix, PixelBox};
 
 /// How training batches are mixed; off when both strengths are 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,7 +117,7 @@ impl MixRecipe {
             )
         };
         let ((y0, y1), (x0, x1)) = (span(cy), span(cx));
-        Some(Mix::Paste { y0, y1, x0, x1 })
+        Some(Mix::Paste(PixelBox { y0, y1, x0, x1 }))
     }
 }
 
@@ -188,7 +188,7 @@ mod tests {
             match both.draw(3, 1, &ids(8 * b), 32) {
                 None => none += 1,
                 Some(Mix::Blend { lambda }) => assert!((0.0..=1.0).contains(&lambda)),
-                Some(m @ Mix::Paste { y0, y1, x0, x1 }) => {
+                Some(m @ Mix::Paste(PixelBox { y0, y1, x0, x1 })) => {
                     assert!(y0 <= y1 && y1 <= 32 && x0 <= x1 && x1 <= 32, "{m:?}");
                     cut += 1;
                     area += 1.0 - f64::from(m.own_weight(32));

@@ -26,7 +26,7 @@ mod summary;
 #[cfg(test)]
 mod multirank_tests;
 
-pub use augment::{augment_for, augments_for, max_shift, Augmentation};
+pub use augment::{augment_for, augments_for, erase_for, max_shift, Augmentation};
 pub use config::TrainConfig;
 pub use device::{cuda_device_count, DeviceChoice};
 pub use error::TrainError;

@@ -342,6 +342,12 @@ impl Shared {
                 cfg.image_size
             ));
         }
+        if cfg.random_erase > 0.0 {
+            self.say(format!(
+                "random erasing: {:.0} % of training images get a rectangle of 2–33 % of their area set to the mean colour (--random-erase)",
+                cfg.random_erase * 100.0
+            ));
+        }
         if cfg.mix.is_on() {
             let mix = &cfg.mix;
             let kinds = match (mix.mixup > 0.0, mix.cutmix > 0.0) {

@@ -1,5 +1,5 @@
-//! u8 NHWC batch → normalised f32 input, with pad-and-crop shift and mirror, then the
-//! batch's mixup or CutMix.
+//! u8 NHWC batch → normalised f32 input, with pad-and-crop shift, mirror and random
+//! erasing, then the batch's mixup or CutMix.
 
 use rayon::prelude::*;
 
@@ -13,7 +13,15 @@ pub(super) fn normalise(batch: &InputBatch<'_>, out: &mut [f32]) {
     // Image b's normalised value at output (y, x, c), after its own augmentation.
     let value = |b: usize, y: usize, x: usize, c: usize| -> f32 {
         let aug = batch.augment.map(|a| a[b]).unwrap_or_default();
-        let Augment { dy, dx, flip } = aug;
+        let Augment {
+            dy,
+            dx,
+            flip,
+            erase,
+        } = aug;
+        if erase.is_some_and(|e| e.contains(y, x)) {
+            return 0.0;
+        }
         let xs = if flip { s - 1 - x } else { x };
         let sy = y as i64 + i64::from(dy);
         let sx = xs as i64 + i64::from(dx);

@@ -204,6 +204,10 @@ pub struct RunSettings {
     /// checkpoints (direct: stretched).
     #[serde(default, with = "resize_mode_name")]
     pub resize_mode: ResizeMode,
+    /// `--random-erase`: the share of training images erased; absent in older checkpoints
+    /// (0: none).
+    #[serde(default)]
+    pub random_erase: f32,
     /// `--mixup`: mixup's α (0: off); absent in older checkpoints.
     #[serde(default)]
     pub mixup: f32,
@@ -751,6 +755,7 @@ pub(crate) mod tests {
                 crop_pct: 0.875,
                 store_size: Some(256),
                 resize_mode: ResizeMode::ShorterSideCenterCrop,
+                random_erase: 0.25,
                 mixup: 0.8,
                 cutmix: 1.0,
                 mixup_prob: 0.9,
@@ -839,6 +844,7 @@ pub(crate) mod tests {
             "crop_pct",
             "store_size",
             "resize_mode",
+            "random_erase",
             "mixup",
             "cutmix",
             "mixup_prob",
@@ -869,6 +875,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.crop_pct, 1.0, "the whole image");
         assert_eq!(old.settings.store_size, None, "stored at the image size");
         assert_eq!(old.settings.resize_mode, ResizeMode::Direct, "stretched");
+        assert_eq!(old.settings.random_erase, 0.0, "no erasing");
         assert_eq!(
             (
                 old.settings.mixup,

@@ -370,6 +370,7 @@ impl<D: Device> Rank<D> {
     ) -> Result<StepStats, TrainError> {
         let cfg = &shared.cfg;
         let augments = cfg.augment.device_augments(
+            cfg.random_erase,
             cfg.seed,
             plan.epoch,
             &batch.sample_ids[..batch.len],
