@@ -3,10 +3,10 @@
 a PyTorch DataLoader, the input pipeline a PyTorch user trains ResNet-50 with.
 
 Per image, every epoch: PIL decode, Resize(store) of the shorter side, RandomResizedCrop(size)
-(area 0.08-1, aspect 3/4-4/3), RandomHorizontalFlip, ColorJitter(F, F, F) when --color-jitter
-F > 0, PILToTensor (uint8 CHW: no float conversion, as the engine hands out uint8 pixels).
+(area 0.08-1, aspect 3/4-4/3), RandomHorizontalFlip, ColorJitter(F, F, F, H) when --color-jitter
+F or --color-jitter-hue H is above 0, PILToTensor (uint8 CHW: no float conversion, as the engine hands out uint8 pixels).
 The counterpart is `birdtrain bench pipeline --image-size SIZE --store-size STORE --augment
-resized-crop --color-jitter F`, which crops and jitters the cached STORE squares (its mirror
+resized-crop --color-jitter F --color-jitter-hue H`, which crops and jitters the cached STORE squares (its mirror
 is the device's, not the engine's).
 
 Prints one JSON line per epoch:
@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--store-size", type=int, default=256,
                     help="shorter side after the first resize")
     ap.add_argument("--color-jitter", type=float, default=0.4)
+    ap.add_argument("--color-jitter-hue", type=float, default=0.0)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
@@ -46,9 +47,9 @@ def main():
         transforms.RandomResizedCrop(a.image_size),
         transforms.RandomHorizontalFlip(),
     ]
-    if a.color_jitter > 0:
+    if a.color_jitter > 0 or a.color_jitter_hue > 0:
         f = a.color_jitter
-        steps.append(transforms.ColorJitter(f, f, f))
+        steps.append(transforms.ColorJitter(f, f, f, a.color_jitter_hue))
     steps.append(transforms.PILToTensor())
     ds = datasets.ImageFolder(f"{a.data}/{a.split}", transform=transforms.Compose(steps))
     dl = DataLoader(ds, batch_size=a.batch_size, shuffle=True, num_workers=a.workers,

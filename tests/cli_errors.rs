@@ -98,6 +98,7 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--color-jitter=-0.4"], "--color-jitter"),
         (vec!["--color-jitter", "NaN"], "--color-jitter"),
         (vec!["--resize-mode", "shorter"], "--resize-mode"),
+        (vec!["--color-jitter-hue", "0.7"], "--color-jitter-hue"),
         (
             vec!["--schedule", "plateau", "--plateau-min-lr", "1"],
             "--plateau-min-lr",

@@ -1,7 +1,7 @@
-//! `--mixup`, `--cutmix` and `--random-erase` through the CLI: the mixing and erasing reach
-//! training (a run mixing none of its batches is the plain run, bit for bit; mixup, CutMix
-//! and erasing each change it, and differently), they are said at the start, and bad values
-//! are one line naming the flag.
+//! `--mixup`, `--cutmix`, `--random-erase` and `--color-jitter-hue` through the CLI: each
+//! reaches training (a run mixing none of its batches is the plain run, bit for bit; mixup,
+//! CutMix, erasing and hue each change it, and differently), each is said at the start, and
+//! bad values are one line naming the flag.
 //! The ops themselves are checked in backend_input (pixels), backend_gradcheck (targets and
 //! gradient), the conformance suite and the kernel emulator.
 
@@ -38,12 +38,17 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
     );
     let (unerased, _) = weights("unerased", &["--random-erase", "0"]);
     assert!(plain == unerased, "--random-erase 0 changed the run");
-    let runs = [&plain, &mixup, &cutmix, &erased];
+    let (hue, said) = weights("hue", &["--color-jitter-hue", "0.2"]);
+    assert!(
+        said.contains("colour jitter: hue turned by up to ±0.2"),
+        "{said}"
+    );
+    let runs = [&plain, &mixup, &cutmix, &erased, &hue];
     for (i, a) in runs.iter().enumerate() {
         for b in &runs[i + 1..] {
             assert!(
                 a != b,
-                "two of plain, mixup, CutMix and erasing trained alike"
+                "two of plain, mixup, CutMix, erasing and hue trained alike"
             );
         }
     }

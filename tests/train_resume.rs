@@ -220,6 +220,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "0.3",
         "--random-erase",
         "0.5",
+        "--color-jitter-hue",
+        "0.1",
         "--mixup",
         "0.4",
         "--cutmix",
@@ -252,6 +254,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.store_size, Some(20));
     assert_eq!(meta.settings.color_jitter, 0.3);
     assert_eq!(meta.settings.random_erase, 0.5);
+    assert_eq!(meta.settings.color_jitter_hue, 0.1);
     assert_eq!(
         (
             meta.settings.mixup,

@@ -188,7 +188,7 @@ impl PipelineBuilder {
         self
     }
     /// Jitters the colours of every image handed out, after its crop (`None`, the default:
-    /// colours as stored): torchvision's `ColorJitter` without hue, its factors and order
+    /// colours as stored): torchvision's `ColorJitter`, its factors and order
     /// drawn from `(seed, epoch, sample id)`. For training splits.
     pub fn color_jitter(mut self, jitter: Option<ColorJitter>) -> Self {
         self.color_jitter = jitter;

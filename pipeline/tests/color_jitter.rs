@@ -51,8 +51,15 @@ fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64, replica: usize) -> HashMap<u
 #[test]
 fn each_image_is_its_plain_image_with_its_draw_applied() {
     let im = images(10);
-    let jitter = ColorJitter::uniform(0.4);
-    for crop in [None, Some(RandomResizedCrop::with_min_scale(0.3))] {
+    for (jitter, crop) in [
+        (ColorJitter::uniform(0.4), None),
+        (
+            ColorJitter::uniform(0.4),
+            Some(RandomResizedCrop::with_min_scale(0.3)),
+        ),
+        (ColorJitter::uniform(0.4).with_hue(0.1), None),
+        (ColorJitter::uniform(0.0).with_hue(0.3), None),
+    ] {
         let plain = builder(&im).random_resized_crop(crop).build().unwrap();
         let jittered = builder(&im)
             .random_resized_crop(crop)
@@ -67,7 +74,10 @@ fn each_image_is_its_plain_image_with_its_draw_applied() {
             for (id, px) in &after {
                 let mut want = before[id].clone();
                 jitter.draw(SEED, epoch, *id).apply(&mut want);
-                assert_eq!(*px, want, "sample {id} epoch {epoch} crop {crop:?}");
+                assert_eq!(
+                    *px, want,
+                    "sample {id} epoch {epoch} crop {crop:?} {jitter:?}"
+                );
                 changed += usize::from(*px != before[id]);
             }
             assert!(changed >= 9, "only {changed} of 10 images changed");

@@ -61,6 +61,9 @@ pub struct BenchPipelineArgs {
     /// Colour jitter of every image (brightness, contrast and saturation), as for training.
     #[arg(long, value_name = "F")]
     pub color_jitter: Option<f32>,
+    /// The hue part of the colour jitter, as for training.
+    #[arg(long, value_name = "H")]
+    pub color_jitter_hue: Option<f32>,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -108,7 +111,10 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         opts.workers = w;
     }
     opts.crop = engine_crop(&args)?;
-    opts.color_jitter = args.color_jitter.map(pipeline::ColorJitter::uniform);
+    opts.color_jitter = match (args.color_jitter, args.color_jitter_hue) {
+        (None, None) => None,
+        (f, h) => Some(pipeline::ColorJitter::uniform(f.unwrap_or(0.0)).with_hue(h.unwrap_or(0.0))),
+    };
     // Each epoch is printed as soon as it is measured.
     let json = args.json;
     run_pipeline_bench_with(&opts, |report| print_report(report, json))?;

@@ -213,6 +213,11 @@ pub struct TrainArgs {
     /// F, F), timm's --color-jitter; ImageNet recipes use 0.4) [default: 0, none]
     #[arg(long, value_name = "F")]
     pub color_jitter: Option<f32>,
+    /// The hue part of the colour jitter: each training image's hue turned by a shift drawn
+    /// from [−H, H] turns of the colour wheel, H ≤ 0.5, in a random order with the other
+    /// three (torchvision's ColorJitter(…, hue=H)) [default: 0, none]
+    #[arg(long, value_name = "H")]
+    pub color_jitter_hue: Option<f32>,
     /// Random erasing: this share of training images gets a random rectangle (2–33 % of its
     /// area, aspect 0.3–3.3) set to the mean colour, after the crop and mirror
     /// (torchvision's RandomErasing; its recipe uses 0.1, timm's --reprob 0.25) [default: 0]
@@ -491,6 +496,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(side) = args.store_size {
         cfg.store_size = Some(side);
+    }
+    if let Some(h) = args.color_jitter_hue {
+        cfg.color_jitter_hue = h;
     }
     if let Some(p) = args.random_erase {
         cfg.random_erase = p;

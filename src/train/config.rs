@@ -54,6 +54,8 @@ pub struct TrainConfig {
     pub store_size: Option<u32>,
     /// How each image becomes its stored square (`--resize-mode`).
     pub resize_mode: ResizeMode,
+    /// The hue part of the colour jitter (`--color-jitter-hue`; 0: none).
+    pub color_jitter_hue: f32,
     /// The share of training images randomly erased (`--random-erase`; 0: none).
     pub random_erase: f32,
     /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, …).
@@ -149,6 +151,7 @@ impl TrainConfig {
             resize_mode: ResizeMode::Direct,
             mix: MixRecipe::OFF,
             random_erase: 0.0,
+            color_jitter_hue: 0.0,
             color_jitter: 0.0,
             init_from: None,
             last_batch: LastBatch::Partial,
@@ -227,6 +230,7 @@ impl TrainConfig {
             store_size: self.store_size.filter(|&s| s != self.image_size),
             resize_mode: self.resize_mode,
             random_erase: self.random_erase,
+            color_jitter_hue: self.color_jitter_hue,
             mixup: self.mix.mixup,
             cutmix: self.mix.cutmix,
             mixup_prob: self.mix.prob,
@@ -258,6 +262,7 @@ impl TrainConfig {
         self.store_size = s.store_size;
         self.resize_mode = s.resize_mode;
         self.random_erase = s.random_erase;
+        self.color_jitter_hue = s.color_jitter_hue;
         self.mix = MixRecipe {
             mixup: s.mixup,
             cutmix: s.cutmix,
@@ -277,7 +282,9 @@ impl TrainConfig {
 
     /// The input engine's colour jitter of training images, when asked for.
     pub fn engine_jitter(&self) -> Option<pipeline::ColorJitter> {
-        (self.color_jitter > 0.0).then(|| pipeline::ColorJitter::uniform(self.color_jitter))
+        let jitter =
+            pipeline::ColorJitter::uniform(self.color_jitter).with_hue(self.color_jitter_hue);
+        jitter.is_on().then_some(jitter)
     }
 
     /// Rejects values that cannot work, naming the flag.
@@ -374,7 +381,9 @@ impl TrainConfig {
         if let Some(store) = self.store_size {
             pipeline::check_store_size(store, self.image_size)?;
         }
-        pipeline::ColorJitter::uniform(self.color_jitter).validate()?;
+        pipeline::ColorJitter::uniform(self.color_jitter)
+            .with_hue(self.color_jitter_hue)
+            .validate()?;
         self.mix.validate()?;
         if !(0.0..=1.0).contains(&self.random_erase) {
             return bad(

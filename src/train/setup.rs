@@ -330,10 +330,23 @@ impl Shared {
             ));
         }
         if let Some(jitter) = cfg.engine_jitter() {
+            let mut parts = Vec::new();
+            if jitter.brightness > 0.0 {
+                parts.push(format!(
+                    "brightness, contrast and saturation each ×{:.2}–{:.2}",
+                    (1.0 - jitter.brightness).max(0.0),
+                    1.0 + jitter.brightness
+                ));
+            }
+            if jitter.hue > 0.0 {
+                parts.push(format!(
+                    "hue turned by up to ±{} (--color-jitter-hue)",
+                    jitter.hue
+                ));
+            }
             self.say(format!(
-                "colour jitter: brightness, contrast and saturation each ×{:.2}–{:.2}, in a random order (--color-jitter)",
-                (1.0 - jitter.brightness).max(0.0),
-                1.0 + jitter.brightness
+                "colour jitter: {}, in a random order (--color-jitter)",
+                parts.join("; ")
             ));
         }
         if let Some(store) = cfg.store_size.filter(|&s| s != cfg.image_size) {

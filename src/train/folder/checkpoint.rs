@@ -204,6 +204,10 @@ pub struct RunSettings {
     /// checkpoints (direct: stretched).
     #[serde(default, with = "resize_mode_name")]
     pub resize_mode: ResizeMode,
+    /// `--color-jitter-hue`: the hue shift range of the colour jitter, in turns; absent in
+    /// older checkpoints (0: none).
+    #[serde(default)]
+    pub color_jitter_hue: f32,
     /// `--random-erase`: the share of training images erased; absent in older checkpoints
     /// (0: none).
     #[serde(default)]
@@ -756,6 +760,7 @@ pub(crate) mod tests {
                 store_size: Some(256),
                 resize_mode: ResizeMode::ShorterSideCenterCrop,
                 random_erase: 0.25,
+                color_jitter_hue: 0.1,
                 mixup: 0.8,
                 cutmix: 1.0,
                 mixup_prob: 0.9,
@@ -845,6 +850,7 @@ pub(crate) mod tests {
             "store_size",
             "resize_mode",
             "random_erase",
+            "color_jitter_hue",
             "mixup",
             "cutmix",
             "mixup_prob",
@@ -876,6 +882,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.store_size, None, "stored at the image size");
         assert_eq!(old.settings.resize_mode, ResizeMode::Direct, "stretched");
         assert_eq!(old.settings.random_erase, 0.0, "no erasing");
+        assert_eq!(old.settings.color_jitter_hue, 0.0, "no hue jitter");
         assert_eq!(
             (
                 old.settings.mixup,
