@@ -75,11 +75,6 @@ impl<'a> Targets<'a> {
         }
     }
 
-    /// Whether the partner's label takes part.
-    pub fn is_mixed(&self) -> bool {
-        self.own_weight != 1.0
-    }
-
     /// Checks the labels against `classes` and the two weights' ranges (for `op`'s errors).
     pub fn check(&self, op: &'static str, n: usize, classes: usize) -> Result<(), BackendError> {
         let bad = |detail: String| BackendError::InvalidInput { op, detail };

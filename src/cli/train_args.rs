@@ -328,6 +328,14 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         Some(run) => Some(CheckpointMeta::load(run).map_err(TrainError::from)?),
         None => None,
     };
+    let resize_mode = match &args.resize_mode {
+        Some(v) => Some(parse::<ResizeMode>(
+            "--resize-mode",
+            v,
+            "expected direct or center-crop",
+        )?),
+        None => None,
+    };
     let mut cfg = TrainConfig::new(&data);
     if let Some(meta) = &resumed {
         let resume_dir = args.resume.as_ref().expect("resumed implies --resume");
@@ -367,8 +375,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
                 .into());
             }
         }
-        if let Some(v) = &args.resize_mode {
-            let wanted = parse::<ResizeMode>("--resize-mode", v, "expected direct or center-crop")?;
+        if let Some(wanted) = resize_mode {
             if wanted != meta.settings.resize_mode {
                 return Err(TrainError::CheckpointMismatch {
                     path: resume_dir.clone(),
@@ -527,9 +534,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
             });
         }
     }
-    if let Some(v) = &args.resize_mode {
-        cfg.resize_mode =
-            parse::<ResizeMode>("--resize-mode", v, "expected direct or center-crop")?;
+    if let Some(mode) = resize_mode {
+        cfg.resize_mode = mode;
     }
     if let Some(f) = args.color_jitter {
         cfg.color_jitter = f;

@@ -115,13 +115,20 @@ pub fn max_shift(image_size: u32) -> i32 {
     Augment::max_shift(image_size)
 }
 
+/// The generator of one sample's draws in one epoch for the stream named `tag` (the shift and
+/// mirror's is unnamed, as it always was): seeded from `(tag, seed, epoch, sample id)` alone.
+fn sample_rng(tag: &[u8], seed: u64, epoch: u64, sample_id: u64) -> ChaCha8Rng {
+    let mut key = Vec::with_capacity(tag.len() + 24);
+    key.extend_from_slice(tag);
+    key.extend_from_slice(&seed.to_le_bytes());
+    key.extend_from_slice(&epoch.to_le_bytes());
+    key.extend_from_slice(&sample_id.to_le_bytes());
+    ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key))
+}
+
 /// The augmentation of one training sample.
 pub fn augment_for(seed: u64, epoch: u64, sample_id: u64, image_size: u32) -> Augment {
-    let mut key = [0u8; 24];
-    key[..8].copy_from_slice(&seed.to_le_bytes());
-    key[8..16].copy_from_slice(&epoch.to_le_bytes());
-    key[16..].copy_from_slice(&sample_id.to_le_bytes());
-    let mut rng = ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key));
+    let mut rng = sample_rng(b"", seed, epoch, sample_id);
     let shift = max_shift(image_size);
     Augment {
         dy: rng.random_range(-shift..=shift),
@@ -144,12 +151,7 @@ pub fn erase_for(
     sample_id: u64,
     image_size: u32,
 ) -> Option<PixelBox> {
-    let mut key = [0u8; 32];
-    key[..8].copy_from_slice(b"rerase\0\0");
-    key[8..16].copy_from_slice(&seed.to_le_bytes());
-    key[16..24].copy_from_slice(&epoch.to_le_bytes());
-    key[24..].copy_from_slice(&sample_id.to_le_bytes());
-    let mut rng = ChaCha8Rng::seed_from_u64(xxhash_rust::xxh3::xxh3_64(&key));
+    let mut rng = sample_rng(b"rerase\0\0", seed, epoch, sample_id);
     if !(p > 0.0 && rng.random::<f32>() < p) {
         return None;
     }
