@@ -7,6 +7,7 @@
 //!   staging ring, fused optimizer) ends with the same weights as the single-GPU generic loop.
 //! - With a warm cache the staging ring keeps the data wait near zero.
 //! - Ctrl-C before the first step stops after one step with a checkpoint.
+//! - `--model-ema` leaves training alone on the GPU, and the CPU evaluates its average.
 //!
 //! One GPU cannot show two ranks (NCCL refuses two ranks on one device): multi-GPU agreement
 //! is checked by the cross-rank checksum at run time on real multi-GPU machines.
@@ -294,4 +295,53 @@ fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
     let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
     println!("largest relative weight difference, sync BN vs per-GPU BN {worst:.3e}");
     assert!(worst < 5e-2, "weights differ by {worst}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn the_moving_average_on_a_gpu_leaves_training_alone_and_evaluates_on_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let plain = config(&data, &cache, &tmp.path().join("plain"), true);
+    let mut averaged = config(&data, &cache, &tmp.path().join("averaged"), true);
+    averaged.model_ema = Some(train::EmaRecipe {
+        steps: 2,
+        decay: 0.9,
+    });
+    let a = train::train(&plain, &AtomicBool::new(false)).unwrap();
+    let b = train::train(&averaged, &AtomicBool::new(false)).unwrap();
+    println!("{}", b.summary);
+    // Validating the average swaps it into the replica and back: training goes on from the
+    // replica's own weights (equal up to the weight-gradient atomics, as above).
+    let worst = worst_relative(&weights(&a.out, 4), &weights(&b.out, 4));
+    println!("largest relative weight difference with the average kept {worst:.3e}");
+    assert!(worst < 5e-2, "weights differ by {worst}");
+    // The CPU's eval --ema gives what the GPU's validation of the average printed, to bf16
+    // precision (the GPU runs the convolutions in bf16, the CPU in f32).
+    let metrics = std::fs::read_to_string(b.out.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = metrics
+        .lines()
+        .rfind(|l| l.contains("\"valid_ema\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .expect("a valid_ema line");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(["eval", "--json", "--ema", "--checkpoint"])
+        .arg(&b.out)
+        .arg("--data")
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let eval: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (gpu, cpu) = (
+        last["loss"].as_f64().unwrap(),
+        eval["loss"].as_f64().unwrap(),
+    );
+    println!("average's valid loss: GPU {gpu:.5}, CPU eval --ema {cpu:.5}");
+    assert!((gpu - cpu).abs() < 0.05 * gpu.max(1.0), "{gpu} vs {cpu}");
 }

@@ -7,7 +7,7 @@ use pipeline::{PipelineBuilder, Split};
 
 use super::CliError;
 use crate::train::{
-    evaluate, load_checkpoint_for_inference, CheckpointMeta, EvalReport, TrainError, Views,
+    evaluate, load_weights_for_inference, CheckpointMeta, EvalReport, TrainError, Views, Weights,
 };
 
 /// Flags of `birdtrain eval`.
@@ -57,6 +57,10 @@ pub struct EvalArgs {
     /// model's image size [default: the checkpoint's --crop-pct]
     #[arg(long, value_name = "F")]
     pub crop_pct: Option<f32>,
+    /// Use the moving average of the weights (model_ema.safetensors of a run trained with
+    /// --model-ema) instead of the weights themselves.
+    #[arg(long)]
+    pub ema: bool,
 }
 
 /// How the images were shown to the network: the views of each, and the centred share of
@@ -67,6 +71,8 @@ pub struct InputView {
     pub views: Views,
     /// The centred share of each image's side (`--crop-pct`; 1: all of it).
     pub crop_pct: f32,
+    /// The weights or their moving average (`--ema`).
+    pub weights: Weights,
 }
 
 /// `--crop-pct` of `eval` and `predict`: the flag's value, else the checkpoint's, checked.
@@ -134,10 +140,16 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         b = b.cache_dir(c.clone());
     }
     let pipe = b.build()?;
+    let weights = Weights::from_ema(args.ema);
     let mut model =
-        load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()))?;
+        load_weights_for_inference(&args.checkpoint, args.batch_size.min(pipe.len()), weights)?;
     model.check_classes(&pipe)?;
     let views = Views::from_tta(args.tta);
+    let input = InputView {
+        views,
+        crop_pct,
+        weights,
+    };
     let report = evaluate(&mut model.net, &pipe, views)?;
     let classes = &model.meta.classes;
     if let Some(path) = &args.predictions {
@@ -149,24 +161,12 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if args.json {
         println!(
             "{}",
-            eval_json(
-                &model.meta.model,
-                &args.split,
-                classes,
-                InputView { views, crop_pct },
-                &report
-            )
+            eval_json(&model.meta.model, &args.split, classes, input, &report)
         );
     } else {
         print!(
             "{}",
-            format_eval(
-                &model.meta.model,
-                &args.split,
-                classes,
-                InputView { views, crop_pct },
-                &report
-            )
+            format_eval(&model.meta.model, &args.split, classes, input, &report)
         );
     }
     Ok(())
@@ -237,6 +237,7 @@ pub fn eval_json(
         "split": split,
         "tta": input.views == Views::WithMirror,
         "crop_pct": input.crop_pct,
+        "ema": input.weights == Weights::MovingAverage,
         "images": r.totals.count,
         "loss": t.loss,
         "accuracy": t.accuracy,
@@ -260,7 +261,12 @@ pub fn format_eval(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{model} on {split}{}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
+        "{model}{} on {split}{}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
+        if input.weights == Weights::MovingAverage {
+            " (moving average of the weights)"
+        } else {
+            ""
+        },
         if input.views == Views::WithMirror {
             " with mirror TTA"
         } else {

@@ -8,7 +8,7 @@ use pipeline::OnBadImage;
 use super::paths::printable;
 use super::CliError;
 use crate::train::{
-    load_checkpoint_for_inference, predict, PredictOptions, Prediction, TrainError, Views,
+    load_weights_for_inference, predict, PredictOptions, Prediction, TrainError, Views, Weights,
 };
 
 /// Flags of `birdtrain predict`.
@@ -42,6 +42,10 @@ pub struct PredictArgs {
     /// model's image size [default: the checkpoint's --crop-pct]
     #[arg(long, value_name = "F")]
     pub crop_pct: Option<f32>,
+    /// Use the moving average of the weights (model_ema.safetensors of a run trained with
+    /// --model-ema) instead of the weights themselves.
+    #[arg(long)]
+    pub ema: bool,
     /// Image files, or folders whose files (all of them, sorted, hidden ones left out) are
     /// classified.
     #[arg(value_name = "IMAGE", required = true)]
@@ -72,8 +76,11 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
         hint: "expected fail or skip".into(),
     })?;
     let images = expand(&args.images)?;
-    let mut model =
-        load_checkpoint_for_inference(&args.checkpoint, args.batch_size.min(images.len()))?;
+    let mut model = load_weights_for_inference(
+        &args.checkpoint,
+        args.batch_size.min(images.len()),
+        Weights::from_ema(args.ema),
+    )?;
     let opts = PredictOptions {
         top_k: args.top_k,
         workers: args.workers,

@@ -15,8 +15,8 @@ use crate::dist::DistSettings;
 use crate::model::Arch;
 use crate::optim::{Plateau, ScheduleChoice};
 use crate::train::{
-    self, Augmentation, CheckpointMeta, DeviceChoice, Monitor, OptimizerChoice, TrainConfig,
-    TrainError,
+    self, Augmentation, CheckpointMeta, DeviceChoice, EmaRecipe, Monitor, OptimizerChoice,
+    TrainConfig, TrainError,
 };
 
 /// Multi-GPU and multi-node flags (`--gpus` itself belongs to the training flags). Their
@@ -239,6 +239,19 @@ pub struct TrainArgs {
     /// With both --mixup and --cutmix, the share of mixed batches given CutMix [default: 0.5]
     #[arg(long, value_name = "P")]
     pub mixup_switch_prob: Option<f32>,
+    /// Keep an exponential moving average of the weights, validate it after every epoch
+    /// beside the weights themselves and store it in each checkpoint (model_ema.safetensors,
+    /// for eval --ema and predict --ema); torchvision's --model-ema. A resumed run keeps it.
+    #[arg(long)]
+    pub model_ema: bool,
+    /// Optimizer steps between updates of the moving average [default: 32]
+    #[arg(long, value_name = "N")]
+    pub model_ema_steps: Option<u32>,
+    /// The moving average's decay, adjusted as torchvision does for the global batch,
+    /// --model-ema-steps and --epochs: each update weighs the new weights by
+    /// min(1, (1 − D) · batch · steps / epochs) [default: 0.99998]
+    #[arg(long, value_name = "D")]
+    pub model_ema_decay: Option<f64>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -532,6 +545,36 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
                 value: p.to_string(),
                 hint: "it shares out the batches of --mixup and --cutmix, and both are off: add --mixup A or --cutmix A".into(),
             });
+        }
+    }
+    if args.model_ema {
+        cfg.model_ema.get_or_insert(EmaRecipe::TORCHVISION);
+    }
+    for (flag, given) in [
+        (
+            "--model-ema-steps",
+            args.model_ema_steps.map(|n| n.to_string()),
+        ),
+        (
+            "--model-ema-decay",
+            args.model_ema_decay.map(|d| d.to_string()),
+        ),
+    ] {
+        if let (Some(value), None) = (given, &cfg.model_ema) {
+            return Err(CliError::BadValue {
+                flag,
+                value,
+                hint: "it tunes the moving average of the weights, which is off: add --model-ema"
+                    .into(),
+            });
+        }
+    }
+    if let Some(ema) = &mut cfg.model_ema {
+        if let Some(n) = args.model_ema_steps {
+            ema.steps = n;
+        }
+        if let Some(d) = args.model_ema_decay {
+            ema.decay = d;
         }
     }
     if let Some(mode) = resize_mode {

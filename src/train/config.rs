@@ -6,6 +6,7 @@ use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
 
 use super::augment::Augmentation;
 use super::device::DeviceChoice;
+use super::ema::EmaRecipe;
 use super::folder::{BestRule, RunSettings};
 use super::mix::MixRecipe;
 use super::TrainError;
@@ -60,6 +61,8 @@ pub struct TrainConfig {
     pub random_erase: f32,
     /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, …).
     pub mix: MixRecipe,
+    /// The moving average of the weights (`--model-ema`; none: off).
+    pub model_ema: Option<EmaRecipe>,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
     /// Decode workers (0 = available cores).
@@ -150,6 +153,7 @@ impl TrainConfig {
             store_size: None,
             resize_mode: ResizeMode::Direct,
             mix: MixRecipe::OFF,
+            model_ema: None,
             random_erase: 0.0,
             color_jitter_hue: 0.0,
             color_jitter: 0.0,
@@ -235,6 +239,7 @@ impl TrainConfig {
             cutmix: self.mix.cutmix,
             mixup_prob: self.mix.prob,
             mixup_switch_prob: self.mix.switch_prob,
+            model_ema: self.model_ema,
             color_jitter: self.color_jitter,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
@@ -269,6 +274,7 @@ impl TrainConfig {
             prob: s.mixup_prob,
             switch_prob: s.mixup_switch_prob,
         };
+        self.model_ema = s.model_ema;
         self.color_jitter = s.color_jitter;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
@@ -385,6 +391,9 @@ impl TrainConfig {
             .with_hue(self.color_jitter_hue)
             .validate()?;
         self.mix.validate()?;
+        if let Some(ema) = &self.model_ema {
+            ema.validate()?;
+        }
         if !(0.0..=1.0).contains(&self.random_erase) {
             return bad(
                 "--random-erase",

@@ -164,14 +164,58 @@ impl std::fmt::Debug for InferenceModel {
     }
 }
 
+/// Which of a checkpoint's weights inference uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Weights {
+    /// The weights training reached (`model.safetensors`).
+    #[default]
+    Trained,
+    /// Their moving average (`model_ema.safetensors`, a run with `--model-ema`; `--ema`).
+    MovingAverage,
+}
+
+impl Weights {
+    /// `--ema` on the command line.
+    pub fn from_ema(ema: bool) -> Self {
+        if ema {
+            Self::MovingAverage
+        } else {
+            Self::Trained
+        }
+    }
+}
+
 /// Loads `run/model.safetensors` with its sidecar onto the CPU, for batches of up to
 /// `max_batch` images (whatever replica count or device trained it).
 pub fn load_checkpoint_for_inference(
     run: &Path,
     max_batch: usize,
 ) -> Result<InferenceModel, TrainError> {
+    load_weights_for_inference(run, max_batch, Weights::Trained)
+}
+
+/// [`load_checkpoint_for_inference`] with the checkpoint's `weights` of choice.
+pub fn load_weights_for_inference(
+    run: &Path,
+    max_batch: usize,
+    weights: Weights,
+) -> Result<InferenceModel, TrainError> {
     // Inference needs the weights only: a run folder copied without its optimizer state works.
     let meta = CheckpointMeta::load_weights_only(run)?;
+    let file = match weights {
+        Weights::Trained => meta.model_file.clone(),
+        Weights::MovingAverage => {
+            let Some((file, sum)) = meta.model_ema() else {
+                return Err(FolderError::BadRunDir {
+                    path: run.to_path_buf(),
+                    reason: "it holds no moving average of the weights (it was trained without --model-ema): leave out --ema".into(),
+                }
+                .into());
+            };
+            meta.check_file(run, file, sum)?;
+            file.clone()
+        }
+    };
     let arch: Arch =
         meta.model
             .parse()
@@ -180,8 +224,7 @@ pub fn load_checkpoint_for_inference(
                 reason: e.to_string(),
             })?;
     let graph = Graph::new(arch, meta.classes.len());
-    let state =
-        ModelState::load_safetensors(&graph, &run.join(&meta.model_file), HeadPolicy::Strict)?;
+    let state = ModelState::load_safetensors(&graph, &run.join(file), HeadPolicy::Strict)?;
     let mut net = Network::new(
         CpuBackend::new(0)?,
         &graph,

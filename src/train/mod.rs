@@ -13,6 +13,7 @@
 mod augment;
 mod config;
 mod device;
+mod ema;
 mod error;
 mod evaluate;
 pub mod folder;
@@ -29,10 +30,11 @@ mod multirank_tests;
 pub use augment::{augment_for, augments_for, erase_for, max_shift, Augmentation};
 pub use config::TrainConfig;
 pub use device::{cuda_device_count, DeviceChoice};
+pub use ema::{EmaRecipe, ModelEma};
 pub use error::TrainError;
 pub use evaluate::{
-    evaluate, load_checkpoint_for_inference, predict, printable, EvalReport, InferenceModel,
-    PredictOptions, Prediction, SampleResult, Views,
+    evaluate, load_checkpoint_for_inference, load_weights_for_inference, predict, printable,
+    EvalReport, InferenceModel, PredictOptions, Prediction, SampleResult, Views, Weights,
 };
 pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use folder::report::write_report;

@@ -15,7 +15,7 @@ use super::config::TrainConfig;
 use super::device::DeviceChoice;
 use super::evaluate::{evaluate, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
-use super::folder::{BestEpoch, CheckpointMeta, DataPosition, RunFolder};
+use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
 use super::progress::EpochBar;
 use super::rank::{account, Device, PendingStep, Rank, StepPlan};
 use super::setup::Shared;
@@ -447,6 +447,7 @@ fn train_epoch<D: Device>(
             stop: stop(rank.position.global_step),
         };
         let (issued, waited) = rank.step(shared, &plan)?;
+        rank.update_average(shared, &plan)?;
         // A rank alone decides by itself; ranks agree through the step totals, read one step
         // later, so every rank stops after the same step.
         if rank.world == 1 && plan.stop {
@@ -548,6 +549,7 @@ fn end_epoch<D: Device>(
     bar.finish();
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, &rank.position)?;
+    let ema_line = validate_average(shared, rank, epoch)?;
     let improved = best.is_none_or(|b| {
         cfg.best_rule
             .improves(&b, valid_line.accuracy, valid_line.loss)
@@ -583,14 +585,20 @@ fn end_epoch<D: Device>(
             );
         }
     }
-    shared.folder.record_epoch(train_line, &valid_line)?;
-    let (meta, model, optimizer) = checkpoint_files(shared, rank, *best)?;
+    shared
+        .folder
+        .record_epoch(train_line, &valid_line, ema_line.as_ref())?;
+    let files = checkpoint_files(shared, rank, *best)?;
     // best/ first: a kill between the two leaves the run's checkpoint at the epoch before,
     // whose resumed run redoes this epoch and writes the same best/ again.
     if improved {
-        shared.folder.save_best(meta.clone(), &model, &optimizer)?;
+        shared
+            .folder
+            .save_best(files.meta.clone(), files.tensors())?;
     }
-    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
+    shared
+        .folder
+        .save_checkpoint(files.meta.clone(), files.tensors())?;
     shared.folder.write_report()?;
     shared.say(format!(
         "epoch {}/{} · train loss {:.4} acc {:.4} · valid loss {:.4} acc {:.4} top-5 {:.4} · {:.0} images/s · data-wait {:.1}% · {:.1} s{}",
@@ -606,6 +614,12 @@ fn end_epoch<D: Device>(
         train_line.seconds + valid_line.seconds,
         if improved { " · best so far" } else { "" }
     ));
+    if let Some(line) = ema_line {
+        shared.say(format!(
+            "epoch {}/{} · moving average · valid loss {:.4} acc {:.4} top-5 {:.4}",
+            epoch, cfg.epochs, line.loss, line.accuracy, line.top5
+        ));
+    }
     if !cut_note.is_empty() {
         shared.say(format!("epoch {epoch}/{}{cut_note}", cfg.epochs));
     }
@@ -618,26 +632,75 @@ fn save_checkpoint<D: Device>(
     rank: &mut Rank<D>,
     best: Option<BestEpoch>,
 ) -> Result<(), TrainError> {
-    let (meta, model, optimizer) = checkpoint_files(shared, rank, best)?;
-    shared.folder.save_checkpoint(meta, &model, &optimizer)?;
+    let files = checkpoint_files(shared, rank, best)?;
+    shared
+        .folder
+        .save_checkpoint(files.meta.clone(), files.tensors())?;
     Ok(())
 }
 
+/// Validation through the moving average of the weights, when the run keeps one: the
+/// average is loaded into the replica for the pass and the replica's own weights put back
+/// (bit for bit: they are read back in the form they are held).
+fn validate_average<D: Device>(
+    shared: &Shared,
+    rank: &mut Rank<D>,
+    epoch: u64,
+) -> Result<Option<EpochMetrics>, TrainError> {
+    let Some(ema) = &rank.ema else {
+        return Ok(None);
+    };
+    let live = rank.net.state()?;
+    rank.net.load_state(&ema.state)?;
+    let report = evaluate(&mut rank.net, &shared.valid_pipe, Views::AsStored);
+    rank.net.load_state(&live)?;
+    Ok(Some(report?.totals.finish(epoch, MetricsSplit::ValidEma)))
+}
+
+/// A checkpoint's sidecar and tensor files.
+struct CheckpointFiles {
+    meta: CheckpointMeta,
+    model: Vec<u8>,
+    optimizer: Vec<u8>,
+    ema: Option<Vec<u8>>,
+}
+
+impl CheckpointFiles {
+    fn tensors(&self) -> CheckpointTensors<'_> {
+        CheckpointTensors {
+            model: &self.model,
+            optimizer: &self.optimizer,
+            ema: self.ema.as_deref(),
+        }
+    }
+}
+
 /// What a checkpoint holds: the sidecar (with the best epoch so far), the optimizer's f32
-/// master weights with the network's buffers, the optimizer state in the host format.
-/// Overflowed weights are refused instead.
+/// master weights with the network's buffers, the optimizer state in the host format, and
+/// the moving average of the weights when the run keeps one. Overflowed weights are refused
+/// instead.
 fn checkpoint_files<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     best: Option<BestEpoch>,
-) -> Result<(CheckpointMeta, Vec<u8>, Vec<u8>), TrainError> {
+) -> Result<CheckpointFiles, TrainError> {
     let state = rank.master_state(shared)?;
     check_finite_state(shared, &state, &rank.position)?;
     let model = state.to_safetensors_bytes(&shared.graph, None)?;
     let optimizer = rank.opt.to_host()?.to_safetensors_bytes();
+    let ema = rank
+        .ema
+        .as_ref()
+        .map(|e| e.to_safetensors_bytes(&shared.graph))
+        .transpose()?;
     let mut meta = shared.checkpoint_meta(&rank.position);
     meta.best = best;
-    Ok((meta, model, optimizer))
+    Ok(CheckpointFiles {
+        meta,
+        model,
+        optimizer,
+        ema,
+    })
 }
 
 /// Trace process id of the input engine's row (ranks use their rank).

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use pipeline::{BatchAllocator, DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::config::TrainConfig;
+use super::ema::ModelEma;
 use super::evaluate::summarise;
 use super::folder::checkpoint::BEST_DIR;
 use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
@@ -109,6 +110,11 @@ pub(crate) struct Shared {
     pub checksum_every: u64,
     /// The best epoch before this session (a resumed run's; rank 0 of node 0 only).
     pub best: Option<BestEpoch>,
+    /// The moving average of the weights the run starts with (`--model-ema`): the resumed
+    /// checkpoint's, else the starting weights.
+    pub ema: Option<ModelEma>,
+    /// Whether a resumed run with `--model-ema` found no average in its checkpoint.
+    pub ema_started_here: bool,
 }
 
 impl Shared {
@@ -187,6 +193,21 @@ impl Shared {
                 (state, None, DataPosition::start())
             }
         };
+        let resumed_ema = match (cfg.model_ema, resumed) {
+            (Some(_), Some((run, meta))) => meta
+                .model_ema_file
+                .as_ref()
+                .map(|file| read_average(&graph, &run.join(file)))
+                .transpose()?,
+            _ => None,
+        };
+        let ema_started_here =
+            cfg.model_ema.is_some() && resumed.is_some() && resumed_ema.is_none();
+        let ema = cfg.model_ema.map(|recipe| {
+            let (state, updates) = resumed_ema.unwrap_or_else(|| (initial.clone(), 0));
+            let alpha = recipe.alpha(cfg.global_batch(), cfg.epochs);
+            ModelEma::new(state, updates, alpha, cfg.warmup_epochs)
+        });
         let names: Vec<(String, usize)> = graph
             .params()
             .iter()
@@ -227,6 +248,8 @@ impl Shared {
             trace,
             checksum_every: CHECKSUM_EVERY,
             best,
+            ema,
+            ema_started_here,
         })
     }
 
@@ -288,6 +311,8 @@ impl Shared {
             optimizer_checksum: String::new(),
             dataset: Some(self.dataset.clone()),
             best: None,
+            model_ema_file: None,
+            model_ema_checksum: None,
         }
     }
 
@@ -384,6 +409,21 @@ impl Shared {
                 cfg.store_size.unwrap_or(cfg.image_size)
             ));
         }
+        if let (Some(recipe), Some(ema)) = (cfg.model_ema, &self.ema) {
+            self.say(format!(
+                "moving average of the weights: updated every {} steps with weight {:.6} for the new weights ({} adjusted for global batch {} and {} epochs), validated after every epoch{} (--model-ema)",
+                recipe.steps,
+                ema.alpha(),
+                recipe.decay,
+                cfg.global_batch(),
+                cfg.epochs,
+                if self.ema_started_here {
+                    "; the resumed checkpoint had none, so it starts from its weights"
+                } else {
+                    ""
+                }
+            ));
+        }
         if cfg.crop_pct < 1.0 {
             self.say(format!(
                 "validation sees the centred {} of each image's side, scaled to {} px (--crop-pct)",
@@ -409,6 +449,16 @@ impl Shared {
             ));
         }
     }
+}
+
+/// A checkpoint's moving average and its update count.
+fn read_average(graph: &Graph, path: &Path) -> Result<(ModelState, u64), TrainError> {
+    let bytes = std::fs::read(path).map_err(|source| crate::model::ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let state = ModelState::from_safetensors_bytes(graph, &bytes, path, HeadPolicy::Strict)?;
+    Ok((state, ModelEma::updates_in(&bytes)))
 }
 
 /// The best epoch the run starts from, with `RUN/best/` made to match it: none for a fresh
@@ -584,6 +634,7 @@ fn check_resume(
 mod tests {
     use super::*;
     use crate::train::folder::checkpoint::tests::meta;
+    use crate::train::folder::CheckpointTensors;
 
     fn record(epoch: u64, accuracy: f64) -> BestEpoch {
         BestEpoch {
@@ -610,7 +661,9 @@ mod tests {
             let mut b = m.clone();
             b.epoch = best_done;
             b.best = Some(best);
-            folder.save_best(b, b"w", b"s").unwrap();
+            folder
+                .save_best(b, CheckpointTensors::pair(b"w", b"s"))
+                .unwrap();
         }
         m
     }

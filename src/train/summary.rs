@@ -95,6 +95,22 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
             last.accuracy, last.top5, best.epoch
         );
     }
+    let averaged: Vec<&EpochMetrics> = lines
+        .iter()
+        .filter(|m| m.split == MetricsSplit::ValidEma)
+        .collect();
+    if let Some(last) = averaged.last() {
+        let top = averaged
+            .iter()
+            .copied()
+            .reduce(|a, b| if b.accuracy > a.accuracy { b } else { a })
+            .unwrap_or(last);
+        let _ = writeln!(
+            s,
+            "moving average: valid accuracy {:.4} (top-5 {:.4}) · highest {:.4} at epoch {} · eval --ema and predict --ema use it",
+            last.accuracy, last.top5, top.accuracy, top.epoch
+        );
+    }
     let mean_speed = if train_seconds > 0.0 {
         images / train_seconds
     } else {
@@ -115,8 +131,13 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
     );
     let _ = write!(
         s,
-        "run folder {}: model.safetensors, checkpoint.json, metrics.jsonl, report.png",
-        header.out.display()
+        "run folder {}: model.safetensors, {}checkpoint.json, metrics.jsonl, report.png",
+        header.out.display(),
+        if averaged.is_empty() {
+            ""
+        } else {
+            "model_ema.safetensors, "
+        }
     );
     if let Some(b) = header.best {
         let _ = write!(s, ", best/ (epoch {})", b.epoch);
@@ -166,6 +187,23 @@ mod tests {
         assert!(text.ends_with("report.png, best/ (epoch 2)"), "{text}");
         assert!(text.contains("training 100.0 images/s"), "{text}");
         assert!(text.contains("data-wait 1.2%"), "{text}");
+        assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
+        assert!(!text.contains("moving average"), "{text}");
+        // A run with --model-ema: its figures and file, the table unchanged.
+        let mut averaged = lines.clone();
+        averaged.push(mk(1, MetricsSplit::ValidEma, 0.8));
+        averaged.push(mk(2, MetricsSplit::ValidEma, 0.7));
+        let text = format_summary(&header, &averaged);
+        assert!(
+            text.contains(
+                "moving average: valid accuracy 0.7000 (top-5 1.0000) · highest 0.8000 at epoch 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("model.safetensors, model_ema.safetensors, "),
+            "{text}"
+        );
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
     }
 

@@ -12,7 +12,9 @@
 //!
 //! `RUN/model.safetensors` and `RUN/optimizer.safetensors` are kept as stable names for the
 //! current files (hard links, refreshed after each commit), for PyTorch users and scripts;
-//! birdtrain itself always reads the files the sidecar names.
+//! birdtrain itself always reads the files the sidecar names. A run with `--model-ema` adds a
+//! third tensor file, the moving average of the weights (`model_ema-s…`, stable name
+//! `model_ema.safetensors`), written and checked the same way.
 
 use std::fs;
 use std::path::Path;
@@ -33,6 +35,30 @@ use crate::optim::{Decay, OptimizerChoice, Plateau, ScheduleChoice};
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Stable name of the current optimizer state inside a run folder.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Stable name of the current moving average of the weights (`--model-ema`).
+pub const MODEL_EMA_FILE: &str = "model_ema.safetensors";
+
+/// The tensor files of one checkpoint, as safetensors bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckpointTensors<'a> {
+    /// The weights and buffers.
+    pub model: &'a [u8],
+    /// The optimizer state.
+    pub optimizer: &'a [u8],
+    /// The moving average of the weights, when the run keeps one.
+    pub ema: Option<&'a [u8]>,
+}
+
+impl<'a> CheckpointTensors<'a> {
+    /// Weights and optimizer state, no average.
+    pub fn pair(model: &'a [u8], optimizer: &'a [u8]) -> Self {
+        Self {
+            model,
+            optimizer,
+            ema: None,
+        }
+    }
+}
 /// File name of the JSON sidecar inside a run folder.
 pub const SIDECAR_FILE: &str = "checkpoint.json";
 /// Version of the sidecar format; bumped on incompatible changes.
@@ -225,6 +251,10 @@ pub struct RunSettings {
     /// pasted; absent in older checkpoints (0.5).
     #[serde(default = "half")]
     pub mixup_switch_prob: f32,
+    /// `--model-ema`: the moving average of the weights; absent when off (and in older
+    /// checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_ema: Option<EmaRecipe>,
     /// `--color-jitter`: the strength of the training images' colour jitter; absent in
     /// older checkpoints (0: none).
     #[serde(default)]
@@ -398,6 +428,25 @@ impl BestEpoch {
 /// folder: `eval`, `predict` and `--resume` take it).
 pub const BEST_DIR: &str = "best";
 
+/// `--model-ema-steps` and `--model-ema-decay`: the moving average of the weights as a
+/// checkpoint records it (what it does: `crate::train::ModelEma`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EmaRecipe {
+    /// Optimizer steps between updates (`--model-ema-steps`).
+    pub steps: u32,
+    /// The decay before torchvision's adjustment (`--model-ema-decay`; f64: in f32 the
+    /// 1 − 0.99998 that matters would keep two digits).
+    pub decay: f64,
+}
+
+impl EmaRecipe {
+    /// torchvision's defaults.
+    pub const TORCHVISION: Self = Self {
+        steps: 32,
+        decay: 0.99998,
+    };
+}
+
 /// The JSON sidecar of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointMeta {
@@ -444,6 +493,12 @@ pub struct CheckpointMeta {
     /// checkpoints of older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best: Option<BestEpoch>,
+    /// File of the moving average of the weights (`--model-ema`), relative to the run folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_ema_file: Option<String>,
+    /// xxh3-64 of the moving average's file, hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_ema_checksum: Option<String>,
 }
 
 impl CheckpointMeta {
@@ -492,21 +547,37 @@ impl CheckpointMeta {
                 "{SIDECAR_FILE}: {reason}; the file is damaged or was edited"
             ))
         })?;
-        let tensors = [
-            (&meta.model_file, &meta.model_checksum),
-            (&meta.optimizer_state_file, &meta.optimizer_checksum),
-        ];
-        let needed = if with_optimizer { 2 } else { 1 };
-        for (file, want) in tensors.into_iter().take(needed) {
-            let got = file_checksum(&run.join(file))
-                .map_err(|e| bad(format!("cannot read {file}: {e}")))?;
-            if &got != want {
-                return Err(bad(format!(
-                    "{file} does not match the checksum in {SIDECAR_FILE} (torn or edited checkpoint)"
-                )));
+        meta.check_file(run, &meta.model_file, &meta.model_checksum)?;
+        if with_optimizer {
+            meta.check_file(run, &meta.optimizer_state_file, &meta.optimizer_checksum)?;
+            if let Some((file, sum)) = meta.model_ema() {
+                meta.check_file(run, file, sum)?;
             }
         }
         Ok(meta)
+    }
+
+    /// The moving average's file and checksum, when the checkpoint has one.
+    pub fn model_ema(&self) -> Option<(&String, &String)> {
+        self.model_ema_file
+            .as_ref()
+            .zip(self.model_ema_checksum.as_ref())
+    }
+
+    /// Checks that tensor file `file` of run folder `run` matches checksum `want`.
+    pub fn check_file(&self, run: &Path, file: &str, want: &str) -> Result<(), FolderError> {
+        let bad = |reason: String| FolderError::BadRunDir {
+            path: run.to_path_buf(),
+            reason,
+        };
+        let got =
+            file_checksum(&run.join(file)).map_err(|e| bad(format!("cannot read {file}: {e}")))?;
+        if got != want {
+            return Err(bad(format!(
+                "{file} does not match the checksum in {SIDECAR_FILE} (torn or edited checkpoint)"
+            )));
+        }
+        Ok(())
     }
 
     /// The values no run can have, as "field `name` …" (the sidecar's own field names).
@@ -524,10 +595,20 @@ impl CheckpointMeta {
                 self.image_size
             ));
         }
+        if self.model_ema_file.is_some() != self.model_ema_checksum.is_some() {
+            return Err(
+                "fields `model_ema_file` and `model_ema_checksum` come together or not at all"
+                    .into(),
+            );
+        }
+        let ema = self.model_ema_file.iter().map(|f| ("model_ema_file", f));
         for (name, file) in [
             ("model_file", &self.model_file),
             ("optimizer_state_file", &self.optimizer_state_file),
-        ] {
+        ]
+        .into_iter()
+        .chain(ema)
+        {
             // Tensor files live inside the run folder: a bare file name.
             let bare = Path::new(file)
                 .file_name()
@@ -567,17 +648,16 @@ pub const CHECKPOINT_STAGES: [&str; 6] = [
     "cleanup",
 ];
 
-/// Writes one checkpoint into `run`: `model` and `optimizer` (safetensors bytes) under names
-/// of their own, then `meta` (its file names and checksums are filled in here) as the
-/// sidecar, the commit point; then refreshes the stable names and removes what the previous
-/// checkpoint left. See the module documentation for why any interruption is safe.
+/// Writes one checkpoint into `run`: its `tensors` under names of their own, then `meta`
+/// (its file names and checksums are filled in here) as the sidecar, the commit point; then
+/// refreshes the stable names and removes what the previous checkpoint left. See the module
+/// documentation for why any interruption is safe.
 pub fn write_checkpoint(
     run: &Path,
     meta: CheckpointMeta,
-    model: &[u8],
-    optimizer: &[u8],
+    tensors: CheckpointTensors<'_>,
 ) -> Result<(), FolderError> {
-    write_checkpoint_for(FaultTarget::Checkpoint, run, meta, model, optimizer)
+    write_checkpoint_for(FaultTarget::Checkpoint, run, meta, tensors)
 }
 
 /// [`write_checkpoint`], counted as a checkpoint of `target` by the fault hook.
@@ -585,9 +665,13 @@ pub(crate) fn write_checkpoint_for(
     target: FaultTarget,
     run: &Path,
     mut meta: CheckpointMeta,
-    model: &[u8],
-    optimizer: &[u8],
+    tensors: CheckpointTensors<'_>,
 ) -> Result<(), FolderError> {
+    let CheckpointTensors {
+        model,
+        optimizer,
+        ema,
+    } = tensors;
     let nth = fault::begin_checkpoint(target);
     let stage = |name: &'static str, path: &Path| {
         fault::at(target, name, nth).map_err(|source| FolderError::Io {
@@ -607,6 +691,15 @@ pub(crate) fn write_checkpoint_for(
     // same step saved twice) puts the same bytes back.
     let model_path = run.join(&meta.model_file);
     write_atomic(&model_path, model)?;
+    (meta.model_ema_file, meta.model_ema_checksum) = match ema {
+        Some(bytes) => {
+            let sum = bytes_checksum(bytes);
+            let file = format!("model_ema-s{step:08}-{sum}.safetensors");
+            write_atomic(&run.join(&file), bytes)?;
+            (Some(file), Some(sum))
+        }
+        None => (None, None),
+    };
     stage("model", &model_path)?;
     let optimizer_path = run.join(&meta.optimizer_state_file);
     write_atomic(&optimizer_path, optimizer)?;
@@ -624,10 +717,14 @@ pub(crate) fn write_checkpoint_for(
     stage("sidecar", &sidecar)?;
 
     // Committed. What follows only tidies up: a failure is a warning, never a lost checkpoint.
+    let ema = meta.model_ema_file.iter().map(|f| (MODEL_EMA_FILE, f));
     for (stable, current) in [
         (MODEL_FILE, &meta.model_file),
         (OPTIMIZER_FILE, &meta.optimizer_state_file),
-    ] {
+    ]
+    .into_iter()
+    .chain(ema)
+    {
         if let Err(e) = link_stable(run, stable, current) {
             tracing::warn!(
                 "checkpoint saved, but {} could not be refreshed: {e}",
@@ -655,19 +752,30 @@ pub fn clean_run_folder(run: &Path) {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         let stale_temp = is_temp_name(name);
-        let superseded = named.as_ref().is_some_and(|m| {
-            is_versioned_tensor_file(name) && name != m.model_file && name != m.optimizer_state_file
-        });
+        let superseded = named
+            .as_ref()
+            .is_some_and(|m| is_versioned_tensor_file(name) && !m.names(name));
         if stale_temp || superseded {
             let _ = fs::remove_file(entry.path());
         }
     }
 }
 
-/// `model-s…` / `optimizer-s…` files written by [`write_checkpoint`].
+/// `model-s…` / `optimizer-s…` / `model_ema-s…` files written by [`write_checkpoint`].
 fn is_versioned_tensor_file(name: &str) -> bool {
-    (name.starts_with("model-s") || name.starts_with("optimizer-s"))
+    ["model-s", "optimizer-s", "model_ema-s"]
+        .iter()
+        .any(|p| name.starts_with(p))
         && name.ends_with(".safetensors")
+}
+
+impl CheckpointMeta {
+    /// Whether the sidecar names tensor file `name`.
+    fn names(&self, name: &str) -> bool {
+        name == self.model_file
+            || name == self.optimizer_state_file
+            || self.model_ema_file.as_deref() == Some(name)
+    }
 }
 
 /// Names made by [`temp_path`]: `<name>.tmp<pid>`.
@@ -684,10 +792,9 @@ fn remove_superseded(run: &Path, meta: &CheckpointMeta) {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if is_versioned_tensor_file(name)
-            && name != meta.model_file
-            && name != meta.optimizer_state_file
-        {
+        // A stable average name with no average behind it is another run's: it goes too.
+        let stale_ema = name == MODEL_EMA_FILE && meta.model_ema_file.is_none();
+        if (is_versioned_tensor_file(name) && !meta.names(name)) || stale_ema {
             let _ = fs::remove_file(entry.path());
         }
     }
@@ -765,6 +872,10 @@ pub(crate) mod tests {
                 cutmix: 1.0,
                 mixup_prob: 0.9,
                 mixup_switch_prob: 0.25,
+                model_ema: Some(EmaRecipe {
+                    steps: 16,
+                    decay: 0.9999,
+                }),
                 color_jitter: 0.4,
                 freeze_bn: false,
                 sync_bn: true,
@@ -784,6 +895,8 @@ pub(crate) mod tests {
                 accuracy: 0.5,
                 loss: 0.7,
             }),
+            model_ema_file: None,
+            model_ema_checksum: None,
         }
     }
 
@@ -855,6 +968,7 @@ pub(crate) mod tests {
             "cutmix",
             "mixup_prob",
             "mixup_switch_prob",
+            "model_ema",
             "color_jitter",
         ] {
             settings.remove(field).unwrap();
@@ -894,6 +1008,8 @@ pub(crate) mod tests {
             "no mixing, timm's shares"
         );
         assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
+        assert_eq!(old.settings.model_ema, None, "no moving average");
+        assert_eq!(old.model_ema(), None);
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
             (10, 0.1)
@@ -989,12 +1105,22 @@ pub(crate) mod tests {
         let mut m = meta(dir.path());
         fs::remove_file(dir.path().join(MODEL_FILE)).unwrap();
         fs::remove_file(dir.path().join(OPTIMIZER_FILE)).unwrap();
-        write_checkpoint(dir.path(), m.clone(), b"weights 1", b"state 1").unwrap();
+        write_checkpoint(
+            dir.path(),
+            m.clone(),
+            CheckpointTensors::pair(b"weights 1", b"state 1"),
+        )
+        .unwrap();
         let first = CheckpointMeta::load(dir.path()).unwrap();
         assert!(first.model_file.starts_with("model-s00000010-"));
         assert_eq!(fs::read(dir.path().join(MODEL_FILE)).unwrap(), b"weights 1");
         m.data_position.global_step = 11;
-        write_checkpoint(dir.path(), m.clone(), b"weights 2", b"state 2").unwrap();
+        write_checkpoint(
+            dir.path(),
+            m.clone(),
+            CheckpointTensors::pair(b"weights 2", b"state 2"),
+        )
+        .unwrap();
         let second = CheckpointMeta::load(dir.path()).unwrap();
         assert_ne!(first.model_file, second.model_file);
         assert_eq!(
@@ -1016,20 +1142,72 @@ pub(crate) mod tests {
             b"state 2"
         );
         // The same step saved again (same bytes) keeps a loadable checkpoint.
-        write_checkpoint(dir.path(), m, b"weights 2", b"state 2").unwrap();
+        write_checkpoint(
+            dir.path(),
+            m,
+            CheckpointTensors::pair(b"weights 2", b"state 2"),
+        )
+        .unwrap();
         assert_eq!(CheckpointMeta::load(dir.path()).unwrap(), second);
+    }
+
+    #[test]
+    fn the_moving_average_is_a_checked_third_file_and_leaves_with_the_run_that_kept_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = meta(dir.path());
+        let with_average = |model: &'static [u8], ema: &'static [u8]| CheckpointTensors {
+            model,
+            optimizer: b"state",
+            ema: Some(ema),
+        };
+        write_checkpoint(dir.path(), m.clone(), with_average(b"w 1", b"avg 1")).unwrap();
+        let first = CheckpointMeta::load(dir.path()).unwrap();
+        let file = first.model_ema_file.clone().expect("the sidecar names it");
+        assert!(file.starts_with("model_ema-s00000010-"), "{file}");
+        assert_eq!(fs::read(dir.path().join(MODEL_EMA_FILE)).unwrap(), b"avg 1");
+        m.data_position.global_step = 11;
+        write_checkpoint(dir.path(), m.clone(), with_average(b"w 2", b"avg 2")).unwrap();
+        assert!(
+            !dir.path().join(&file).exists(),
+            "the superseded average stays"
+        );
+        // Damaged: a resume refuses it, inference of the weights does not need it.
+        let second = CheckpointMeta::load(dir.path()).unwrap();
+        let current = dir.path().join(second.model_ema_file.as_ref().unwrap());
+        fs::write(&current, b"avg ?").unwrap();
+        let err = CheckpointMeta::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("model_ema-s00000011-") && err.contains("checksum"),
+            "{err}"
+        );
+        CheckpointMeta::load_weights_only(dir.path()).unwrap();
+        // Half of the pair is an edited sidecar.
+        let mut half = second.clone();
+        half.model_ema_checksum = None;
+        half.save(dir.path()).unwrap();
+        let err = CheckpointMeta::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("model_ema_checksum"), "{err}");
+        // A checkpoint without one (another run in the folder) takes every trace of it away.
+        m.data_position.global_step = 12;
+        write_checkpoint(dir.path(), m, CheckpointTensors::pair(b"w 3", b"s 3")).unwrap();
+        let third = CheckpointMeta::load(dir.path()).unwrap();
+        assert_eq!(third.model_ema(), None);
+        assert!(names(dir.path())
+            .iter()
+            .all(|n| !n.starts_with("model_ema")));
     }
 
     #[test]
     fn cleaning_removes_temporaries_and_unnamed_tensor_files_only() {
         let dir = tempfile::tempdir().unwrap();
         let m = meta(dir.path());
-        write_checkpoint(dir.path(), m, b"w", b"s").unwrap();
+        write_checkpoint(dir.path(), m, CheckpointTensors::pair(b"w", b"s")).unwrap();
         let before = names(dir.path());
         for leftover in [
             "model-s00000099-0123456789abcdef.safetensors",
             "checkpoint.json.tmp4242",
             "model-s00000099-0123456789abcdef.safetensors.tmp17",
+            "model_ema-s00000099-0123456789abcdef.safetensors",
         ] {
             fs::write(dir.path().join(leftover), b"x").unwrap();
         }

@@ -20,6 +20,9 @@ pub enum MetricsSplit {
     Train,
     /// Validation images (eval mode, no augmentation).
     Valid,
+    /// Validation images through the moving average of the weights (`--model-ema`).
+    #[serde(rename = "valid_ema")]
+    ValidEma,
 }
 
 /// One line of `metrics.jsonl`. Field order is the serialised order.

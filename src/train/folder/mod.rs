@@ -18,7 +18,8 @@ pub mod report;
 use std::path::{Path, PathBuf};
 
 pub use checkpoint::{
-    BestEpoch, BestRule, CheckpointMeta, DataPosition, DatasetStamp, Monitor, RunSettings,
+    BestEpoch, BestRule, CheckpointMeta, CheckpointTensors, DataPosition, DatasetStamp, EmaRecipe,
+    Monitor, RunSettings,
 };
 pub use error::FolderError;
 use files::write_atomic;
@@ -114,15 +115,21 @@ impl RunFolder {
         }
     }
 
-    /// Appends an epoch's train and validation lines.
+    /// Appends an epoch's train and validation lines, and the moving average's validation
+    /// line when the run keeps one.
     pub fn record_epoch(
         &self,
         train: &EpochMetrics,
         valid: &EpochMetrics,
+        valid_ema: Option<&EpochMetrics>,
     ) -> Result<(), FolderError> {
         let path = self.metrics_path();
         append_metrics(&path, train)?;
-        append_metrics(&path, valid)
+        append_metrics(&path, valid)?;
+        match valid_ema {
+            Some(line) => append_metrics(&path, line),
+            None => Ok(()),
+        }
     }
 
     /// Every metrics line so far (none when the file does not exist yet).
@@ -140,17 +147,16 @@ impl RunFolder {
         report::write_report(&self.report_path(), &self.metrics()?)
     }
 
-    /// Commits a checkpoint ([`checkpoint::write_checkpoint`]): the weights and optimizer
-    /// state (safetensors bytes) under names of their own, then the sidecar `meta` with
-    /// their file names and checksums filled in, the single commit point.
+    /// Commits a checkpoint ([`checkpoint::write_checkpoint`]): the weights, optimizer
+    /// state and any moving average (safetensors bytes) under names of their own, then the
+    /// sidecar `meta` with their file names and checksums filled in, the single commit point.
     pub fn save_checkpoint(
         &self,
         mut meta: CheckpointMeta,
-        model: &[u8],
-        optimizer: &[u8],
+        tensors: CheckpointTensors<'_>,
     ) -> Result<(), FolderError> {
         meta.version = checkpoint::SIDECAR_VERSION;
-        checkpoint::write_checkpoint(&self.root, meta, model, optimizer)
+        checkpoint::write_checkpoint(&self.root, meta, tensors)
     }
 
     /// Removes what an interrupted checkpoint or run left behind (temporary files, tensor
@@ -170,8 +176,7 @@ impl RunFolder {
     pub fn save_best(
         &self,
         mut meta: CheckpointMeta,
-        model: &[u8],
-        optimizer: &[u8],
+        tensors: CheckpointTensors<'_>,
     ) -> Result<(), FolderError> {
         let dir = self.best_path();
         std::fs::create_dir_all(&dir).map_err(|source| FolderError::Io {
@@ -180,7 +185,7 @@ impl RunFolder {
             source,
         })?;
         meta.version = checkpoint::SIDECAR_VERSION;
-        checkpoint::write_checkpoint_for(fault::FaultTarget::Best, &dir, meta, model, optimizer)
+        checkpoint::write_checkpoint_for(fault::FaultTarget::Best, &dir, meta, tensors)
     }
 
     /// Removes `best/` (a fresh run in a folder that held another run).
@@ -214,8 +219,16 @@ impl RunFolder {
         };
         let model = read(&meta.model_file)?;
         let optimizer = read(&meta.optimizer_state_file)?;
+        let ema = meta.model_ema_file.as_deref().map(read).transpose()?;
         let best = meta.best;
-        self.save_best(meta, &model, &optimizer)?;
+        self.save_best(
+            meta,
+            CheckpointTensors {
+                model: &model,
+                optimizer: &optimizer,
+                ema: ema.as_deref(),
+            },
+        )?;
         Ok(best)
     }
 
@@ -247,7 +260,11 @@ mod tests {
         assert!(first.create().unwrap());
         for e in 1..=3 {
             first
-                .record_epoch(&line(e, MetricsSplit::Train), &line(e, MetricsSplit::Valid))
+                .record_epoch(
+                    &line(e, MetricsSplit::Train),
+                    &line(e, MetricsSplit::Valid),
+                    None,
+                )
                 .unwrap();
         }
         // Resumed elsewhere at epoch index 2 (epochs 1 and 2 done): lines of 1 and 2 stay.
@@ -274,7 +291,14 @@ mod tests {
         let mut meta = checkpoint::tests::meta(first.path());
         meta.best = Some(best);
         first
-            .save_best(meta, b"best weights", b"best state")
+            .save_best(
+                meta,
+                CheckpointTensors {
+                    model: b"best weights",
+                    optimizer: b"best state",
+                    ema: Some(b"best average"),
+                },
+            )
             .unwrap();
         let saved = CheckpointMeta::load(&first.best_path()).unwrap();
         assert_eq!(saved.best, Some(best));
@@ -285,6 +309,11 @@ mod tests {
         assert_eq!(
             std::fs::read(second.best_path().join(&copied.model_file)).unwrap(),
             b"best weights"
+        );
+        let average = copied.model_ema_file.as_ref().expect("the average travels");
+        assert_eq!(
+            std::fs::read(second.best_path().join(average)).unwrap(),
+            b"best average"
         );
         // A damaged best/ is not copied (the resumed run starts a new best).
         std::fs::write(first.best_path().join(&saved.model_file), b"edited").unwrap();

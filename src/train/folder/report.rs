@@ -37,6 +37,14 @@ fn series(
         .collect()
 }
 
+/// `curves` and, when the run kept a moving average of the weights, its validation curve.
+fn with_average(mut curves: Vec<Curve<'static>>, average: Vec<(f64, f64)>) -> Vec<Curve<'static>> {
+    if !average.is_empty() {
+        curves.push(("valid (moving average)", MAGENTA, average));
+    }
+    curves
+}
+
 /// Draws the report of `lines` (as read from `metrics.jsonl`) into `path` (PNG), through a
 /// temporary file and a rename.
 pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), FolderError> {
@@ -71,14 +79,17 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
         "loss",
         x_range.clone(),
         0.0..loss_max,
-        &[
-            (
-                "train",
-                BLUE,
-                series(lines, MetricsSplit::Train, |m| m.loss),
-            ),
-            ("valid", RED, series(lines, MetricsSplit::Valid, |m| m.loss)),
-        ],
+        &with_average(
+            vec![
+                (
+                    "train",
+                    BLUE,
+                    series(lines, MetricsSplit::Train, |m| m.loss),
+                ),
+                ("valid", RED, series(lines, MetricsSplit::Valid, |m| m.loss)),
+            ],
+            series(lines, MetricsSplit::ValidEma, |m| m.loss),
+        ),
     )?;
     panel(
         &panels[1],
@@ -86,18 +97,21 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
         "accuracy",
         x_range.clone(),
         0.0..1.0,
-        &[
-            (
-                "train",
-                BLUE,
-                series(lines, MetricsSplit::Train, |m| m.accuracy),
-            ),
-            (
-                "valid",
-                RED,
-                series(lines, MetricsSplit::Valid, |m| m.accuracy),
-            ),
-        ],
+        &with_average(
+            vec![
+                (
+                    "train",
+                    BLUE,
+                    series(lines, MetricsSplit::Train, |m| m.accuracy),
+                ),
+                (
+                    "valid",
+                    RED,
+                    series(lines, MetricsSplit::Valid, |m| m.accuracy),
+                ),
+            ],
+            series(lines, MetricsSplit::ValidEma, |m| m.accuracy),
+        ),
     )?;
     let speed_max = lines
         .iter()
@@ -178,7 +192,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut lines = Vec::new();
         for epoch in 1..=3 {
-            for (split, acc) in [(MetricsSplit::Train, 0.3), (MetricsSplit::Valid, 0.25)] {
+            for (split, acc) in [
+                (MetricsSplit::Train, 0.3),
+                (MetricsSplit::Valid, 0.25),
+                (MetricsSplit::ValidEma, 0.2),
+            ] {
                 lines.push(EpochMetrics {
                     epoch,
                     split,
@@ -195,5 +213,9 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         assert!(bytes.len() > 10_000, "a blank picture would be tiny");
+        // The moving average's curve is drawn when the run kept one.
+        lines.retain(|m| m.split != MetricsSplit::ValidEma);
+        write_report(&path, &lines).unwrap();
+        assert_ne!(std::fs::read(&path).unwrap(), bytes);
     }
 }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use pipeline::Pipeline;
 
+use super::ema::ModelEma;
 use super::folder::metrics::MetricsAccumulator;
 use super::folder::DataPosition;
 use super::setup::Shared;
@@ -224,6 +225,8 @@ pub(crate) struct Rank<D: Device> {
     pub position: DataPosition,
     /// Cross-rank checksum comparisons passed.
     pub checks_passed: u64,
+    /// The moving average of the weights (`--model-ema`; the writer only).
+    pub(crate) ema: Option<ModelEma>,
     pub(crate) net: Network<D::Backend>,
 }
 
@@ -273,6 +276,7 @@ impl<D: Device> Rank<D> {
             opt,
             position: shared.position.clone(),
             checks_passed: 0,
+            ema: if rank == 0 { shared.ema.clone() } else { None },
             net,
         })
     }
@@ -514,6 +518,24 @@ impl<D: Device> Rank<D> {
         };
         state.set_flat_params(&self.opt.master(&self.net)?)?;
         Ok(state)
+    }
+
+    /// Moves the average of the weights toward the replica's after the step of `plan`, when
+    /// an update is due there (the writer keeps the average; the other ranks do nothing).
+    pub(crate) fn update_average(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+    ) -> Result<(), TrainError> {
+        let due = shared.cfg.model_ema.is_some_and(|r| r.due(plan.step));
+        if !due || self.ema.is_none() {
+            return Ok(());
+        }
+        let live = self.master_state(shared)?;
+        if let Some(ema) = &mut self.ema {
+            ema.update(&shared.graph, &live, plan.epoch);
+        }
+        Ok(())
     }
 
     /// Aborts the collective (this rank failed: nobody may wait for it).
