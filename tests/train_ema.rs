@@ -145,6 +145,42 @@ fn the_average_is_validated_stored_and_served_to_eval_and_predict() {
 }
 
 #[test]
+fn the_best_epoch_can_follow_the_average() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 8);
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &cache, &run, 4);
+    args.extend(EMA.iter().map(|a| a.to_string()));
+    args.extend(["--monitor", "val_ema_loss", "--warmup-epochs", "0"].map(String::from));
+    let out = ok(run_with(&args, &[]));
+    let losses: Vec<f64> = lines_of(&run, "valid_ema")
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect();
+    let lowest = (0..losses.len())
+        .min_by(|&a, &b| losses[a].total_cmp(&losses[b]))
+        .unwrap() as u64
+        + 1;
+    let best = CheckpointMeta::load(&run.join("best")).unwrap();
+    assert_eq!(best.best.map(|b| b.epoch), Some(lowest), "{losses:?}");
+    assert_eq!(best.epoch, lowest);
+    let said = text(&out);
+    assert!(
+        said.contains(&format!(
+            "lowest loss of the moving average {:.4} at epoch {lowest}",
+            losses[lowest as usize - 1]
+        )),
+        "{said}"
+    );
+    // The weights' own figures would have picked by another rule: the record is the average's.
+    let valid = lines_of(&run, "valid");
+    let own = valid[lowest as usize - 1]["loss"].as_f64().unwrap();
+    assert_eq!(best.best.unwrap().loss, losses[lowest as usize - 1]);
+    assert_ne!(best.best.unwrap().loss, own);
+}
+
+#[test]
 fn a_resumed_run_averages_exactly_as_the_uninterrupted_one() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(&tmp.path().join("d"), 3, 8);
@@ -221,6 +257,7 @@ fn bad_average_values_are_one_line_naming_the_flag() {
         ),
         (vec!["--model-ema-steps", "8"], "--model-ema"),
         (vec!["--model-ema-decay", "0.999"], "--model-ema"),
+        (vec!["--monitor", "val_ema_accuracy"], "--model-ema"),
     ] {
         let run = tmp.path().join("run");
         let mut args = train_args(&data, &cache, &run, 1);

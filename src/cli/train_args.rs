@@ -293,8 +293,12 @@ pub struct TrainArgs {
     #[arg(long, value_name = "E")]
     pub early_stop: Option<u64>,
     /// The validation figure that picks the best epoch (RUN/best/) and that --early-stop
-    /// watches: val_accuracy (default; ties go to the lower loss) or val_loss.
-    #[arg(long, value_name = "val_accuracy|val_loss")]
+    /// watches: val_accuracy (default; ties go to the lower loss) or val_loss, or with
+    /// --model-ema the moving average's val_ema_accuracy or val_ema_loss (timm's choice).
+    #[arg(
+        long,
+        value_name = "val_accuracy|val_loss|val_ema_accuracy|val_ema_loss"
+    )]
     pub monitor: Option<String>,
     /// The least improvement of the monitored figure that counts as one, for RUN/best/ and
     /// --early-stop [default: 0]
@@ -617,7 +621,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.best_rule.monitor = parse::<Monitor>(
             "--monitor",
             v,
-            "expected val_accuracy (or val_acc) or val_loss",
+            "expected val_accuracy (or val_acc), val_loss, val_ema_accuracy or val_ema_loss",
         )?;
     }
     if let Some(v) = args.min_delta {

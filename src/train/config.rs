@@ -393,6 +393,12 @@ impl TrainConfig {
         self.mix.validate()?;
         if let Some(ema) = &self.model_ema {
             ema.validate()?;
+        } else if self.best_rule.monitor.follows_average() {
+            return bad(
+                "--monitor",
+                self.best_rule.monitor.name().into(),
+                "it watches the moving average of the weights, which is off: add --model-ema",
+            );
         }
         if !(0.0..=1.0).contains(&self.random_erase) {
             return bad(

@@ -550,12 +550,14 @@ fn end_epoch<D: Device>(
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, &rank.position)?;
     let ema_line = validate_average(shared, rank, epoch)?;
-    let improved = best.is_none_or(|b| {
-        cfg.best_rule
-            .improves(&b, valid_line.accuracy, valid_line.loss)
-    });
+    // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
+    let judged = match &ema_line {
+        Some(line) if cfg.best_rule.monitor.follows_average() => line,
+        _ => &valid_line,
+    };
+    let improved = best.is_none_or(|b| cfg.best_rule.improves(&b, judged.accuracy, judged.loss));
     if improved {
-        *best = Some(BestEpoch::of(&valid_line));
+        *best = Some(BestEpoch::of(judged));
     }
     // The plateau schedule's cut is decided here, before the checkpoint that records it;
     // the other ranks learn it from `share_lr_scale`.

@@ -70,24 +70,32 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
             cell(t.map(|m| m.seconds + v.map_or(0.0, |v| v.seconds)), 8, 2),
         );
     }
-    let valid: Vec<&EpochMetrics> = lines
-        .iter()
-        .filter(|m| m.split == MetricsSplit::Valid)
-        .collect();
+    let judged = if header.best_rule.monitor.follows_average() {
+        MetricsSplit::ValidEma
+    } else {
+        MetricsSplit::Valid
+    };
+    let of = |split| -> Vec<&EpochMetrics> { lines.iter().filter(|m| m.split == split).collect() };
+    let valid = of(MetricsSplit::Valid);
     // The trainer's record, else its rule for the best epoch applied in epoch order.
     let best = header.best.or_else(|| {
-        valid.iter().map(|m| BestEpoch::of(m)).reduce(|best, m| {
-            if header.best_rule.improves(&best, m.accuracy, m.loss) {
-                m
-            } else {
-                best
-            }
-        })
+        of(judged)
+            .iter()
+            .map(|m| BestEpoch::of(m))
+            .reduce(|best, m| {
+                if header.best_rule.improves(&best, m.accuracy, m.loss) {
+                    m
+                } else {
+                    best
+                }
+            })
     });
     if let (Some(last), Some(best)) = (valid.last(), best) {
         let (figure, value) = match header.best_rule.monitor {
             Monitor::ValAccuracy => ("best", best.accuracy),
             Monitor::ValLoss => ("lowest loss", best.loss),
+            Monitor::ValEmaAccuracy => ("best of the moving average", best.accuracy),
+            Monitor::ValEmaLoss => ("lowest loss of the moving average", best.loss),
         };
         let _ = writeln!(
             s,

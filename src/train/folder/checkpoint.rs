@@ -342,6 +342,12 @@ pub enum Monitor {
     /// Loss, lower is better; a tie goes to the higher accuracy.
     #[serde(rename = "val_loss")]
     ValLoss,
+    /// The moving average's top-1 accuracy (`--model-ema`), as timm picks its best epoch.
+    #[serde(rename = "val_ema_accuracy")]
+    ValEmaAccuracy,
+    /// The moving average's loss (`--model-ema`).
+    #[serde(rename = "val_ema_loss")]
+    ValEmaLoss,
 }
 
 impl Monitor {
@@ -350,7 +356,19 @@ impl Monitor {
         match self {
             Self::ValAccuracy => "val_accuracy",
             Self::ValLoss => "val_loss",
+            Self::ValEmaAccuracy => "val_ema_accuracy",
+            Self::ValEmaLoss => "val_ema_loss",
         }
+    }
+
+    /// Whether the figure is the moving average's (the `valid_ema` metrics line).
+    pub fn follows_average(self) -> bool {
+        matches!(self, Self::ValEmaAccuracy | Self::ValEmaLoss)
+    }
+
+    /// Whether the figure is a loss (lower is better).
+    pub fn is_loss(self) -> bool {
+        matches!(self, Self::ValLoss | Self::ValEmaLoss)
     }
 
     /// The figure in words, for messages.
@@ -358,6 +376,8 @@ impl Monitor {
         match self {
             Self::ValAccuracy => "validation accuracy",
             Self::ValLoss => "validation loss",
+            Self::ValEmaAccuracy => "the moving average's validation accuracy",
+            Self::ValEmaLoss => "the moving average's validation loss",
         }
     }
 }
@@ -369,6 +389,8 @@ impl std::str::FromStr for Monitor {
         match s {
             "val_accuracy" | "val_acc" => Ok(Self::ValAccuracy),
             "val_loss" => Ok(Self::ValLoss),
+            "val_ema_accuracy" | "val_ema_acc" => Ok(Self::ValEmaAccuracy),
+            "val_ema_loss" => Ok(Self::ValEmaLoss),
             _ => Err(()),
         }
     }
@@ -388,21 +410,19 @@ impl BestRule {
     /// Whether `accuracy` and `loss` beat `best`. NaN never does.
     pub fn improves(&self, best: &BestEpoch, accuracy: f64, loss: f64) -> bool {
         let tie_breaks = self.min_delta == 0.0;
-        match self.monitor {
-            Monitor::ValAccuracy => {
-                accuracy > best.accuracy + self.min_delta
-                    || (tie_breaks && accuracy == best.accuracy && loss < best.loss)
-            }
-            Monitor::ValLoss => {
-                loss < best.loss - self.min_delta
-                    || (tie_breaks && loss == best.loss && accuracy > best.accuracy)
-            }
+        if self.monitor.is_loss() {
+            loss < best.loss - self.min_delta
+                || (tie_breaks && loss == best.loss && accuracy > best.accuracy)
+        } else {
+            accuracy > best.accuracy + self.min_delta
+                || (tie_breaks && accuracy == best.accuracy && loss < best.loss)
         }
     }
 }
 
-/// The epoch with the best validation figures so far, by the run's [`BestRule`]. Its
-/// checkpoint is kept in `RUN/best/` ([`BEST_DIR`]).
+/// The epoch with the best validation figures so far, by the run's [`BestRule`] (the
+/// moving average's figures when it monitors them). Its checkpoint is kept in `RUN/best/`
+/// ([`BEST_DIR`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct BestEpoch {
     /// The epoch (1-based, as the metrics count).
@@ -1074,9 +1094,22 @@ pub(crate) mod tests {
             ("val_accuracy", Monitor::ValAccuracy),
             ("val_acc", Monitor::ValAccuracy),
             ("val_loss", Monitor::ValLoss),
+            ("val_ema_accuracy", Monitor::ValEmaAccuracy),
+            ("val_ema_acc", Monitor::ValEmaAccuracy),
+            ("val_ema_loss", Monitor::ValEmaLoss),
         ] {
             assert_eq!(word.parse::<Monitor>(), Ok(m));
+            let named = serde_json::to_string(&m).unwrap();
+            assert_eq!(named, format!("\"{}\"", m.name()));
+            assert_eq!(serde_json::from_str::<Monitor>(&named).unwrap(), m);
         }
+        // The average's figures follow the same rules as the weights' own.
+        let ema_loss = BestRule {
+            monitor: Monitor::ValEmaLoss,
+            min_delta: 0.0,
+        };
+        assert!(ema_loss.improves(&best, 0.1, 0.49) && !ema_loss.improves(&best, 0.99, 0.51));
+        assert!(Monitor::ValEmaAccuracy.follows_average() && !Monitor::ValLoss.follows_average());
         assert!("loss".parse::<Monitor>().is_err());
     }
 
