@@ -25,9 +25,12 @@ fn leftovers(run: &Path) -> Vec<String> {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| {
             n.contains(".tmp")
-                || ((n.starts_with("model-s") || n.starts_with("optimizer-s"))
+                || (["model-s", "optimizer-s", "model_ema-s"]
+                    .iter()
+                    .any(|p| n.starts_with(p))
                     && *n != meta.model_file
-                    && *n != meta.optimizer_state_file)
+                    && *n != meta.optimizer_state_file
+                    && Some(n) != meta.model_ema_file.as_ref())
         })
         .collect()
 }
@@ -39,14 +42,28 @@ fn one_error_line(out: &Output) -> String {
     lines[0].to_string()
 }
 
+/// The moving average the run's sidecar names.
+fn average(run: &Path) -> Vec<u8> {
+    let meta = CheckpointMeta::load(run).unwrap();
+    std::fs::read(run.join(meta.model_ema_file.expect("an average"))).unwrap()
+}
+
 #[test]
 fn a_checkpoint_interrupted_at_any_stage_leaves_a_run_that_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(&tmp.path().join("d"), 2, 6);
     let cache = tmp.path().join("cache");
+    // With the moving average of the weights: the checkpoint's third file is written and
+    // committed under the same protocol.
+    let train_args = |data: &Path, cache: &Path, run: &Path, epochs| {
+        let mut args = train_args(data, cache, run, epochs);
+        args.extend(["--model-ema", "--model-ema-steps", "1"].map(String::from));
+        args
+    };
     let reference = tmp.path().join("reference");
     ok(run_with(&train_args(&data, &cache, &reference, 3), &[]));
     let want = weights(&reference);
+    let want_average = average(&reference);
 
     // kill -9 at every stage of the second checkpoint (the end of epoch 2).
     for stage in CHECKPOINT_STAGES {
@@ -66,6 +83,10 @@ fn a_checkpoint_interrupted_at_any_stage_leaves_a_run_that_resumes_exactly() {
         assert!(
             weights(&run) == want,
             "kill at {stage}: resumed weights differ"
+        );
+        assert!(
+            average(&run) == want_average,
+            "kill at {stage}: resumed average differs"
         );
         assert!(leftovers(&run).is_empty(), "{stage}: {:?}", leftovers(&run));
         assert_eq!(
@@ -90,8 +111,8 @@ fn a_checkpoint_interrupted_at_any_stage_leaves_a_run_that_resumes_exactly() {
         assert_eq!(CheckpointMeta::load(&run).unwrap().epoch, 1, "{stage}");
         ok(run_with(&resume_args(&run, &data), &[]));
         assert!(
-            weights(&run) == want,
-            "full disk at {stage}: resumed weights differ"
+            weights(&run) == want && average(&run) == want_average,
+            "full disk at {stage}: resumed weights or average differ"
         );
         assert!(leftovers(&run).is_empty(), "{stage}: {:?}", leftovers(&run));
     }
