@@ -16,6 +16,7 @@ mod error;
 pub mod eval;
 pub mod kernels;
 pub mod kernels_report;
+pub mod lr_find;
 pub mod panic_hook;
 mod paths;
 pub mod predict;
@@ -55,6 +56,9 @@ pub struct Cli {
 pub enum Command {
     /// Train a model (the default command).
     Train(Box<TrainArgs>),
+    /// Learning-rate range test: the run's training steps with the rate raised geometrically
+    /// until the loss diverges; suggests --lr and draws the curve.
+    LrFind(Box<lr_find::LrFindArgs>),
     /// Evaluate a checkpoint on a split: loss, top-1, top-5 and per-class accuracy.
     Eval(eval::EvalArgs),
     /// Classify images with a checkpoint: top-k classes with probabilities.
@@ -120,6 +124,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         None => train_args::run(*cli.train),
         Some(Command::Train(args)) => train_args::run(*args),
+        Some(Command::LrFind(args)) => lr_find::run(*args),
         Some(Command::Eval(args)) => eval::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Predict(args)) => predict::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Demo(args)) => demo::run(args),

@@ -643,7 +643,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
 }
 
 /// `runs/<model>-<n>` with the first n not taken.
-fn next_run_dir(root: &Path, model: &str) -> PathBuf {
+pub(crate) fn next_run_dir(root: &Path, model: &str) -> PathBuf {
     (1..)
         .map(|n| root.join(format!("{model}-{n}")))
         .find(|p| !p.exists())

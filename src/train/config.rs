@@ -8,6 +8,7 @@ use super::augment::Augmentation;
 use super::device::DeviceChoice;
 use super::ema::EmaRecipe;
 use super::folder::{BestRule, RunSettings};
+use super::lr_find::LrRange;
 use super::mix::MixRecipe;
 use super::TrainError;
 use crate::dist::DistSettings;
@@ -63,6 +64,9 @@ pub struct TrainConfig {
     pub mix: MixRecipe,
     /// The moving average of the weights (`--model-ema`; none: off).
     pub model_ema: Option<EmaRecipe>,
+    /// `birdtrain lr-find`: the swept rates, which replace the schedule; the run then
+    /// neither validates nor checkpoints (none: a training run).
+    pub lr_range: Option<LrRange>,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
     /// Decode workers (0 = available cores).
@@ -154,6 +158,7 @@ impl TrainConfig {
             resize_mode: ResizeMode::Direct,
             mix: MixRecipe::OFF,
             model_ema: None,
+            lr_range: None,
             random_erase: 0.0,
             color_jitter_hue: 0.0,
             color_jitter: 0.0,
@@ -391,6 +396,9 @@ impl TrainConfig {
             .with_hue(self.color_jitter_hue)
             .validate()?;
         self.mix.validate()?;
+        if let Some(range) = &self.lr_range {
+            range.validate()?;
+        }
         if let Some(ema) = &self.model_ema {
             ema.validate()?;
         } else if self.best_rule.monitor.follows_average() {

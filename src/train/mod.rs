@@ -17,6 +17,7 @@ mod ema;
 mod error;
 mod evaluate;
 pub mod folder;
+pub mod lr_find;
 mod mix;
 mod progress;
 mod rank;

@@ -16,6 +16,7 @@ use super::device::DeviceChoice;
 use super::evaluate::{evaluate, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
+use super::lr_find::LrTrace;
 use super::progress::EpochBar;
 use super::rank::{account, Device, PendingStep, Rank, StepPlan};
 use super::setup::Shared;
@@ -46,6 +47,8 @@ pub struct TrainOutcome {
     pub summary: String,
     /// xxh3-64 of each local rank's final master weights (all equal when ranks stay in sync).
     pub replica_checksums: Vec<u64>,
+    /// The learning-rate sweep's record (`birdtrain lr-find`; none for a training run).
+    pub lr_sweep: Option<LrTrace>,
 }
 
 /// Whether a rank wants to stop before global step `step` (Ctrl-C, or a test's plan): asked
@@ -221,6 +224,8 @@ pub(crate) struct RankReport {
     pub best: Option<BestEpoch>,
     /// Seconds waiting for input and seconds training, over the epochs of this process.
     pub session: (f64, f64),
+    /// The learning-rate sweep's record (`lr-find`).
+    pub lr_trace: Option<LrTrace>,
 }
 
 /// The first error of the ranks, preferring a cause over the aborts it caused elsewhere.
@@ -276,9 +281,11 @@ fn epochs<D: Device>(
     while !early_stopped && rank.position.epoch < cfg.epochs {
         let epoch = rank.position.epoch;
         let (finished, stop_agreed) = train_epoch(shared, rank, stop, best)?;
+        // The learning-rate sweep neither validates nor checkpoints: it ends here.
+        let sweep = cfg.lr_range.is_some();
         if !finished {
             rank.average_bn_statistics(shared)?;
-            if rank.is_writer() {
+            if rank.is_writer() && !sweep {
                 save_checkpoint(shared, rank, best)?;
                 shared.say(format!(
                     "stopped at epoch {}, step {} of {}: checkpoint saved in {}",
@@ -301,7 +308,7 @@ fn epochs<D: Device>(
         session.1 += acc.seconds;
         rank.average_bn_statistics(shared)?;
         rank.position = rank.position.next_epoch();
-        if rank.is_writer() {
+        if rank.is_writer() && !sweep {
             last_valid = Some(end_epoch(
                 shared,
                 rank,
@@ -357,6 +364,7 @@ fn epochs<D: Device>(
         early_stopped,
         best,
         session,
+        lr_trace: rank.lr_trace.take(),
     })
 }
 
@@ -524,8 +532,17 @@ fn settle<D: Device>(
 ) -> Result<bool, TrainError> {
     let (totals, wish) = rank.settle(earlier)?;
     let index = rank.position.global_step.saturating_sub(1);
-    check_loss(shared, &totals, index, &rank.position)?;
     account(&mut rank.position.partial_train, &totals);
+    if let Some(trace) = &mut rank.lr_trace {
+        // The sweep drives the rate until the loss diverges: a non-finite loss ends it, it
+        // is no fault.
+        if totals.count > 0 {
+            let lr = shared.cfg.lr_range.map_or(0.0, |r| r.lr_at(index));
+            trace.add(index, lr, totals.mean_loss());
+        }
+        return Ok(wish || trace.is_over());
+    }
+    check_loss(shared, &totals, index, &rank.position)?;
     Ok(wish)
 }
 
@@ -783,7 +800,9 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         },
         first.checks_passed
     ));
-    shared.say(&summary);
+    if cfg.lr_range.is_none() {
+        shared.say(&summary);
+    }
     Ok(TrainOutcome {
         interrupted: first.interrupted,
         early_stopped: first.early_stopped,
@@ -794,6 +813,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         out: cfg.out.clone(),
         summary,
         replica_checksums,
+        lr_sweep: first.lr_trace.clone(),
     })
 }
 

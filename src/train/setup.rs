@@ -257,6 +257,10 @@ impl Shared {
     /// schedule's, times the cuts the plateau schedule made so far (a scale left by a
     /// plateau run resumed with another schedule does not apply).
     pub(crate) fn lr_at(&self, step: u64, position: &DataPosition) -> f32 {
+        if let Some(range) = self.cfg.lr_range {
+            // The sweep is in --lr's units; the schedule's base rate is --lr scaled to the batch.
+            return range.lr_at(step) * self.schedule.base_lr / self.cfg.lr;
+        }
         let lr = self.schedule.lr_at(step);
         match self.schedule.decay {
             crate::optim::Decay::Plateau(_) => lr * position.lr_scale,
@@ -329,12 +333,22 @@ impl Shared {
             cfg.image_size,
             cfg.image_size
         ));
+        let rate = match cfg.lr_range {
+            Some(r) => format!(
+                "lr swept {:e} to {:e} for batch 256, ×{:.6} for this batch",
+                r.start,
+                r.end,
+                self.schedule.base_lr / cfg.lr
+            ),
+            None => format!(
+                "lr {} for batch 256 → {:.6} scaled",
+                cfg.lr, self.schedule.base_lr
+            ),
+        };
         self.say(format!(
-            "device {device} · global batch {} ({} per rank) · lr {} for batch 256 → {:.6} scaled · {} · {} steps per epoch",
+            "device {device} · global batch {} ({} per rank) · {rate} · {} · {} steps per epoch",
             cfg.global_batch(),
             cfg.batch_size,
-            cfg.lr,
-            self.schedule.base_lr,
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));

@@ -1,4 +1,5 @@
-//! `RUN/report.png`: loss and accuracy per epoch (train vs valid) and training throughput.
+//! `RUN/report.png`: loss and accuracy per epoch (train vs valid) and training throughput;
+//! `RUN/lr_find.png`: the learning-rate range test's loss against the rate.
 //!
 //! Drawn with plotters' bitmap backend; text uses DejaVu Sans embedded from the `dejavu`
 //! crate, so the picture has labels on machines with no system fonts.
@@ -136,6 +137,96 @@ fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::E
     Ok(())
 }
 
+/// Draws `birdtrain lr-find`'s curve into `path` (PNG): the loss and its smoothed form
+/// against the learning rate on a log scale, `suggested` (lr, smoothed loss) marked.
+pub fn write_lr_plot(
+    path: &Path,
+    points: &[(f64, f64, f64)],
+    suggested: Option<(f64, f64)>,
+) -> Result<(), FolderError> {
+    register_font();
+    let tmp = temp_path(path).with_extension("png");
+    draw_lr(&tmp, points, suggested).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        FolderError::Report {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        }
+    })?;
+    commit_temp(&tmp, path)
+}
+
+fn draw_lr(
+    path: &Path,
+    points: &[(f64, f64, f64)],
+    suggested: Option<(f64, f64)>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::new(path, (800, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let lr = |f: fn(f64, f64) -> f64, start| points.iter().map(|p| p.0).fold(start, f);
+    let (lo, hi) = (lr(f64::min, f64::INFINITY), lr(f64::max, 0.0));
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (1e-6, 1.0)
+    };
+    let finite = points
+        .iter()
+        .flat_map(|p| [p.1, p.2])
+        .filter(|v| v.is_finite());
+    let (y_lo, y_hi) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+        (a.min(v), b.max(v))
+    });
+    let (y_lo, y_hi) = if y_hi > y_lo {
+        (y_lo, y_hi + 0.05 * (y_hi - y_lo))
+    } else {
+        (0.0, 1.0)
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Learning-rate range test", (FONT, 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((lo..hi).log_scale(), y_lo..y_hi)?;
+    chart
+        .configure_mesh()
+        .x_desc("learning rate (--lr units, for a batch of 256)")
+        .y_desc("training loss")
+        .x_label_formatter(&|v| format!("{v:.0e}"))
+        .label_style((FONT, 14))
+        .draw()?;
+    let curves: [Curve<'_>; 2] = [
+        (
+            "loss",
+            RGBColor(150, 170, 230),
+            points.iter().map(|p| (p.0, p.1)).collect(),
+        ),
+        ("smoothed", RED, points.iter().map(|p| (p.0, p.2)).collect()),
+    ];
+    for (name, colour, line) in curves {
+        chart
+            .draw_series(LineSeries::new(line, colour.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
+    }
+    if let Some(point) = suggested {
+        chart
+            .draw_series([Circle::new(point, 7, GREEN.filled())])?
+            .label(format!("suggested --lr {:.2e}", point.0))
+            .legend(|(x, y)| Circle::new((x + 9, y), 5, GREEN.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font((FONT, 14))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 
 /// One curve: legend label, colour, (epoch, value) points.
@@ -217,5 +308,25 @@ mod tests {
         lines.retain(|m| m.split != MetricsSplit::ValidEma);
         write_report(&path, &lines).unwrap();
         assert_ne!(std::fs::read(&path).unwrap(), bytes);
+    }
+
+    #[test]
+    fn the_lr_sweep_is_drawn_with_its_suggestion_and_without_points() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lr_find.png");
+        let points: Vec<(f64, f64, f64)> = (0..40)
+            .map(|i| {
+                let lr = 1e-5 * 1.4f64.powi(i);
+                (lr, 2.0 - (i as f64 / 20.0), 2.0 - (i as f64 / 25.0))
+            })
+            .chain([(1.0, f64::NAN, f64::INFINITY)])
+            .collect();
+        write_lr_plot(&path, &points, Some((points[20].0, points[20].2))).unwrap();
+        let marked = std::fs::read(&path).unwrap();
+        assert_eq!(&marked[1..4], b"PNG");
+        write_lr_plot(&path, &points, None).unwrap();
+        assert_ne!(std::fs::read(&path).unwrap(), marked, "the mark is drawn");
+        // A sweep stopped before its first point still leaves a picture.
+        write_lr_plot(&path, &[], None).unwrap();
     }
 }

@@ -28,6 +28,7 @@ use pipeline::Pipeline;
 use super::ema::ModelEma;
 use super::folder::metrics::MetricsAccumulator;
 use super::folder::DataPosition;
+use super::lr_find::LrTrace;
 use super::setup::Shared;
 use super::TrainError;
 use crate::backend::Backend;
@@ -227,6 +228,8 @@ pub(crate) struct Rank<D: Device> {
     pub checks_passed: u64,
     /// The moving average of the weights (`--model-ema`; the writer only).
     pub(crate) ema: Option<ModelEma>,
+    /// The learning-rate sweep's record (`lr-find`; every rank, from the same totals).
+    pub(crate) lr_trace: Option<LrTrace>,
     pub(crate) net: Network<D::Backend>,
 }
 
@@ -277,6 +280,7 @@ impl<D: Device> Rank<D> {
             position: shared.position.clone(),
             checks_passed: 0,
             ema: if rank == 0 { shared.ema.clone() } else { None },
+            lr_trace: shared.cfg.lr_range.map(|_| LrTrace::default()),
             net,
         })
     }

@@ -1,0 +1,111 @@
+//! `birdtrain lr-find`: the training steps of the run the flags describe with the rate raised
+//! geometrically, stopped when the loss diverges, the suggestion printed, the points and the
+//! picture written and nothing else (no checkpoint, no metrics); bad values are one line
+//! naming the flag. The sweep's rules are unit-tested in `src/train/lr_find.rs`.
+
+mod cli_support;
+use cli_support::assert_one_line_error;
+use cli_support::small_run::{dataset, ok, run_with, text, train_args};
+
+use birdtrain::train::lr_find::{LrPoint, LrTrace};
+
+fn sweep_args(
+    data: &std::path::Path,
+    cache: &std::path::Path,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> Vec<String> {
+    // The training flags of the small runs, minus --epochs (lr-find sets its own).
+    let mut args = vec!["lr-find".to_string()];
+    let train = train_args(data, cache, out, 1);
+    let mut it = train.into_iter();
+    while let Some(a) = it.next() {
+        if a == "--epochs" {
+            it.next();
+        } else {
+            args.push(a);
+        }
+    }
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+#[test]
+fn the_sweep_stops_at_divergence_and_suggests_a_rate_from_its_points() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 8);
+    let cache = tmp.path().join("c");
+    let out = tmp.path().join("sweep");
+    let args = sweep_args(
+        &data,
+        &cache,
+        &out,
+        &["--start-lr", "1e-3", "--end-lr", "1e6", "--num-steps", "80"],
+    );
+    let said = text(&ok(run_with(&args, &[])));
+    let points: Vec<LrPoint> = std::fs::read_to_string(out.join("lr_find.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        said.contains("stopped: "),
+        "a rate of 1e6 did not diverge:\n{said}"
+    );
+    assert!(
+        points.len() < 80 && points.len() > 12,
+        "{} points",
+        points.len()
+    );
+    assert!(
+        said.contains(&format!("{} of 80 steps recorded", points.len())),
+        "{said}"
+    );
+    // Steps in order from 0, rates rising by the same factor, (1e6 / 1e-3)^(1/79).
+    let factor = 1e9f64.powf(1.0 / 79.0);
+    for (i, w) in points.windows(2).enumerate() {
+        assert_eq!((w[0].step, w[1].step), (i as u64, i as u64 + 1));
+        let ratio = f64::from(w[1].lr) / f64::from(w[0].lr);
+        assert!((ratio / factor - 1.0).abs() < 1e-4, "{ratio} vs {factor}");
+    }
+    assert!((points[0].lr - 1e-3).abs() < 1e-9);
+    // The printed suggestion is the rule applied to the written points.
+    let best = LrTrace::suggestion(&points).expect("enough points for a suggestion");
+    assert!(
+        said.contains(&format!("suggested --lr {:.3e}", best.lr)),
+        "{said}"
+    );
+    assert!(
+        said.contains("lr swept 1e-3 to 1e6 for batch 256"),
+        "{said}"
+    );
+    // The sweep leaves its points and picture, and no run.
+    let png = std::fs::read(out.join("lr_find.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    for file in [
+        "checkpoint.json",
+        "metrics.jsonl",
+        "model.safetensors",
+        "best",
+    ] {
+        assert!(!out.join(file).exists(), "lr-find wrote {file}");
+    }
+}
+
+#[test]
+fn bad_sweep_values_are_one_line_naming_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("c");
+    let out = tmp.path().join("sweep");
+    for (extra, flag) in [
+        (vec!["--start-lr", "0"], "--start-lr"),
+        (vec!["--start-lr", "1", "--end-lr", "0.5"], "--end-lr"),
+        (vec!["--num-steps", "1"], "--num-steps"),
+        (vec!["--resume", "somewhere"], "--resume"),
+    ] {
+        let out_err = run_with(&sweep_args(&data, &cache, &out, &extra), &[]);
+        assert_one_line_error(&out_err, &[flag]);
+        assert!(!out.exists(), "{extra:?} left {}", out.display());
+    }
+}
