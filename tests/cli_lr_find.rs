@@ -108,4 +108,19 @@ fn bad_sweep_values_are_one_line_naming_the_flag() {
         assert_one_line_error(&out_err, &[flag]);
         assert!(!out.exists(), "{extra:?} left {}", out.display());
     }
+    // Flags about validation and checkpoints have nothing to act on, and are no error.
+    let extra = [
+        "--num-steps",
+        "4",
+        "--model-ema",
+        "--monitor",
+        "val_ema_loss",
+        "--early-stop",
+        "1",
+        "--save-every",
+        "1",
+    ];
+    let said = text(&ok(run_with(&sweep_args(&data, &cache, &out, &extra), &[])));
+    assert!(said.contains("4 of 4 steps recorded"), "{said}");
+    assert!(!out.join("checkpoint.json").exists());
 }

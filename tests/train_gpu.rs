@@ -8,6 +8,7 @@
 //! - With a warm cache the staging ring keeps the data wait near zero.
 //! - Ctrl-C before the first step stops after one step with a checkpoint.
 //! - `--model-ema` leaves training alone on the GPU, and the CPU evaluates its average.
+//! - `lr-find`'s sweep runs through the GPU loop and stops at divergence.
 //!
 //! One GPU cannot show two ranks (NCCL refuses two ranks on one device): multi-GPU agreement
 //! is checked by the cross-rank checksum at run time on real multi-GPU machines.
@@ -344,4 +345,35 @@ fn the_moving_average_on_a_gpu_leaves_training_alone_and_evaluates_on_the_cpu() 
     );
     println!("average's valid loss: GPU {gpu:.5}, CPU eval --ema {cpu:.5}");
     assert!((gpu - cpu).abs() < 0.05 * gpu.max(1.0), "{gpu} vs {cpu}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn the_learning_rate_sweep_runs_on_a_gpu_and_stops_at_divergence() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 32);
+    let cache = tmp.path().join("cache");
+    let mut cfg = config(&data, &cache, &tmp.path().join("sweep"), true);
+    let range = train::lr_find::LrRange {
+        start: 1e-3,
+        end: 1e6,
+        steps: 60,
+    };
+    cfg.lr_range = Some(range);
+    cfg.stop_after_steps = Some(range.steps);
+    cfg.epochs = range.steps;
+    let outcome = train::train(&cfg, &AtomicBool::new(false)).unwrap();
+    let trace = outcome.lr_sweep.expect("a sweep");
+    println!(
+        "{} points · {:?} · suggestion {:?}",
+        trace.points.len(),
+        trace.diverged,
+        train::lr_find::LrTrace::suggestion(&trace.points)
+    );
+    assert!(
+        trace.diverged.is_some(),
+        "a rate of 1e6 did not diverge on the GPU"
+    );
+    assert!(trace.points.len() > 12 && trace.points.len() < 60);
+    assert!(!cfg.out.join("checkpoint.json").exists());
 }

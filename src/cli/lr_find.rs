@@ -58,7 +58,9 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
     cfg.stop_after_steps = Some(range.steps);
     // Every epoch has a step at least, so the sweep never runs out of epochs.
     cfg.epochs = range.steps;
+    // Nothing is validated or saved: the flags about either have nothing to act on.
     (cfg.model_ema, cfg.save_every, cfg.early_stop) = (None, 0, 0);
+    cfg.best_rule = crate::train::BestRule::default();
     if let Some(note) = note {
         println!("{note}");
     }
