@@ -13,6 +13,10 @@
 //     w ← w·(1 − lr·wd) (decoupled); m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;
 //     w −= lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + ε).
 // `grad_scale` folds the 1/world averaging of data parallelism into the update.
+//   Clipping by global norm (`--clip-grad-norm`, PyTorch's clip_grad_norm_): when max_norm > 0,
+//     grad_sumsq first sums g² over every gradient into *sumsq (f64, zeroed by the host), and
+//     the update multiplies grad_scale by min(1, max_norm / (‖g‖·grad_scale + 1e-6)), read
+//     from *sumsq by every thread: no host round trip between the two launches.
 //   scale_f32: x ← alpha·x over a flat f32 range (a rank's gradient bucket times its share of
 //     the step's images before the average, when a short last batch is split unevenly).
 //
@@ -22,7 +26,8 @@
 //
 // Launch configuration. grid = number of chunks, 256 threads; each thread strides over its
 // chunk (CHUNK = 65536 on the host side, so a ResNet-50 update is ~400 blocks, one launch).
-// scale_f32: a grid-stride loop, 256 threads, at most 1024 blocks.
+// scale_f32: a grid-stride loop, 256 threads, at most 1024 blocks. grad_sumsq: the update's
+// chunk grid, 256 threads, a shared-memory tree per block and one f64 atomicAdd per chunk.
 #include "common.cuh"
 
 // Per-chunk addresses: grad_ptr[b] and work_ptr[b] point at the chunk's first gradient (f32)
@@ -50,14 +55,41 @@ __device__ __forceinline__ ChunkRef chunk_ref(const unsigned long long* grad_ptr
     return c;
 }
 
+// The gradient factor of an update: grad_scale, times the clipping coefficient when on.
+__device__ __forceinline__ float clipped_scale(float grad_scale, float max_norm,
+                                               const double* sumsq) {
+    if (max_norm <= 0.0f) return grad_scale;
+    const float norm = (float)sqrt(*sumsq) * grad_scale;
+    return grad_scale * fminf(1.0f, max_norm / (norm + 1e-6f));
+}
+
+extern "C" __global__ void grad_sumsq(const unsigned long long* __restrict__ grad_ptr,
+                                      const int* __restrict__ chunk_len,
+                                      double* __restrict__ sumsq) {
+    __shared__ double part[256];
+    const float* g = reinterpret_cast<const float*>(grad_ptr[blockIdx.x]);
+    const int len = chunk_len[blockIdx.x];
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) acc += (double)g[j] * g[j];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicAdd(sumsq, part[0]);
+}
+
 extern "C" __global__ void sgd_update(float* __restrict__ master, float* __restrict__ buf,
                                       const unsigned long long* __restrict__ grad_ptr,
                                       const unsigned long long* __restrict__ work_ptr,
                                       const long* __restrict__ chunk_start,
                                       const int* __restrict__ chunk_len,
                                       const float* __restrict__ chunk_wd, float lr, float momentum,
-                                      float grad_scale, int nesterov) {
+                                      float grad_scale, int nesterov, float max_norm,
+                                      const double* __restrict__ sumsq) {
     const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
+    grad_scale = clipped_scale(grad_scale, max_norm, sumsq);
     for (int j = threadIdx.x; j < c.len; j += blockDim.x) {
         const long i = c.start + j;
         float w = master[i];
@@ -78,9 +110,11 @@ extern "C" __global__ void adam_update(float* __restrict__ master, float* __rest
                                        const int* __restrict__ chunk_len,
                                        const float* __restrict__ chunk_wd, float lr, float beta1,
                                        float beta2, float eps, float grad_scale, float bias_c1,
-                                       float bias_c2, int decoupled) {
+                                       float bias_c2, int decoupled, float max_norm,
+                                       const double* __restrict__ sumsq) {
     // bias_c1 = 1 − β1^t and bias_c2 = 1 − β2^t, computed on the host in f64.
     const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
+    grad_scale = clipped_scale(grad_scale, max_norm, sumsq);
     for (int j = threadIdx.x; j < c.len; j += blockDim.x) {
         const long i = c.start + j;
         float w = master[i];

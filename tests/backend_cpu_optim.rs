@@ -285,3 +285,71 @@ fn the_cpu_rank_optimizer_steps_in_place_from_the_flat_buffer_and_round_trips_it
         assert!(opt.step(&mut net, Some(&grads[1..]), 0.01).is_err());
     }
 }
+
+/// `--clip-grad-norm`: the CPU rank optimizer scales the averaged gradients by PyTorch's
+/// coefficient min(1, max_norm / (‖g‖ + 1e-6)) over all of them, before momentum and decay;
+/// a bound above the norm changes nothing.
+#[test]
+fn clipping_scales_every_gradient_by_the_global_norms_coefficient() {
+    use birdtrain::optim::{ConvOrder, CpuRankOptimizer, ParamLayout, RankOptimizer};
+    let graph = Graph::new(Arch::ResNet8, 10);
+    let (n, size) = (4usize, 16u32);
+    let (px, labels) = images(n, size, 29, 211);
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let layout = ParamLayout::graph(graph.params(), ConvOrder::Backend);
+    let kind = OptimizerKind::Sgd {
+        momentum: 0.9,
+        nesterov: false,
+    };
+    let hyper = Hyper {
+        weight_decay: 1e-2,
+        ..Hyper::default()
+    };
+    let backend = CpuBackend::new(2).unwrap();
+    let run = |max_norm: Option<f32>, prescale: f64| {
+        let mut net = Network::new(backend.clone(), &graph, n, size).unwrap();
+        let mut opt =
+            CpuRankOptimizer::new(kind, hyper, graph.params(), layout.clone(), backend.clone())
+                .unwrap();
+        opt.set_max_grad_norm(max_norm);
+        net.train_step(&batch).unwrap();
+        let mut flat = vec![0.0f32; layout.len()];
+        for (i, g) in net.grad_tensors().into_iter().enumerate() {
+            flat[layout.range(i)].copy_from_slice(g);
+        }
+        let norm = flat
+            .iter()
+            .map(|&g| f64::from(g).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        flat.iter_mut()
+            .for_each(|g| *g = (f64::from(*g) * prescale) as f32);
+        opt.step(&mut net, Some(&flat), 0.1).unwrap();
+        (opt.master(&net).unwrap(), norm)
+    };
+    let (plain, norm) = run(None, 1.0);
+    assert!(norm > 0.1, "the gradients have a norm to clip ({norm})");
+    let (loose, _) = run(Some((2.0 * norm) as f32), 1.0);
+    assert_eq!(
+        bits(&loose),
+        bits(&plain),
+        "a bound above the norm clips nothing"
+    );
+    let max_norm = (norm / 4.0) as f32;
+    let coef = f64::from(max_norm) / (norm + 1e-6);
+    let (clipped, _) = run(Some(max_norm), 1.0);
+    let (by_hand, _) = run(None, coef);
+    assert_ne!(bits(&clipped), bits(&plain));
+    // Within f32 rounding: the fused update scales inside its multiply-add, the hand-made
+    // gradients were rounded to f32 after scaling.
+    for (a, b) in clipped.iter().zip(&by_hand) {
+        assert!((a - b).abs() <= 1e-6 + 1e-5 * b.abs(), "{a} vs {b}");
+    }
+}

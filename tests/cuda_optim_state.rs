@@ -188,3 +188,59 @@ fn the_device_optimizer_loads_saves_and_continues_a_host_state() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_device_optimizer_clips_to_the_global_norm_like_the_host_one() {
+    let gb = CudaBackend::new(0).expect("a CUDA device (this test is for the GPU machine)");
+    let graph = Graph::new(Arch::ResNet8, 4);
+    let specs = graph.params();
+    let n = graph.param_count();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for kind in KINDS {
+        let mut params = data(&mut rng, n, 0.5);
+        let mut host = Optimizer::new(kind, hyper(), specs);
+        let mut opt = DeviceOptimizer::new(
+            &gb,
+            kind,
+            hyper(),
+            specs,
+            &to_backend_layout(specs, &params),
+        )
+        .unwrap();
+        let g = data(&mut rng, n, 1.0);
+        let norm = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        // A bound of a third of the norm: PyTorch's clip_grad_norm_ by hand on the host.
+        let max_norm = (norm / 3.0) as f32;
+        opt.set_max_grad_norm(Some(max_norm));
+        let coef = f64::from(max_norm) / (norm + 1e-6);
+        let clipped: Vec<f32> = g.iter().map(|&v| (f64::from(v) * coef) as f32).collect();
+        host.step(&mut params, &clipped, 0.05).unwrap();
+        let mut off = 0;
+        let grads: Vec<_> = specs
+            .iter()
+            .map(|p| {
+                off += p.numel();
+                let v = to_backend_layout(std::slice::from_ref(p), &g[off - p.numel()..off]);
+                let mut t = gb.alloc(v.len(), TensorRole::WeightGrad).unwrap();
+                gb.upload(&v, &mut t).unwrap();
+                t
+            })
+            .collect();
+        let mut working: Vec<_> = specs
+            .iter()
+            .map(|p| gb.alloc(p.numel(), TensorRole::Weight).unwrap())
+            .collect();
+        let g_refs: Vec<_> = grads.iter().collect();
+        let mut w_refs: Vec<_> = working.iter_mut().collect();
+        opt.step(&g_refs, &mut w_refs, 0.05, 1.0).unwrap();
+        let master = from_backend_layout(specs, &opt.master().unwrap());
+        for (i, (a, b)) in master.iter().zip(&params).enumerate() {
+            // f32 on both sides; the norm is summed in another order on the GPU (f64 atomics).
+            assert!(
+                (a - b).abs() <= 1e-6 + 1e-5 * b.abs(),
+                "{kind:?} [{i}]: gpu {a} cpu {b}"
+            );
+        }
+    }
+}

@@ -1,7 +1,8 @@
-//! `--mixup`, `--cutmix`, `--random-erase` and `--color-jitter-hue` through the CLI: each
-//! reaches training (a run mixing none of its batches is the plain run, bit for bit; mixup,
-//! CutMix, erasing and hue each change it, and differently), each is said at the start, and
-//! bad values are one line naming the flag.
+//! `--mixup`, `--cutmix`, `--random-erase`, `--color-jitter-hue` and `--clip-grad-norm`
+//! through the CLI: each reaches training (a run mixing none of its batches is the plain run,
+//! bit for bit, as is one clipped above every norm; mixup, CutMix, erasing, hue and clipping
+//! each change it, and differently), each is said at the start, and bad values are one line
+//! naming the flag.
 //! The ops themselves are checked in backend_input (pixels), backend_gradcheck (targets and
 //! gradient), the conformance suite and the kernel emulator.
 
@@ -43,12 +44,22 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         said.contains("colour jitter: hue turned by up to ±0.2"),
         "{said}"
     );
-    let runs = [&plain, &mixup, &cutmix, &erased, &hue];
+    let (unclipped, _) = weights("unclipped", &["--clip-grad-norm", "1e30"]);
+    assert!(
+        plain == unclipped,
+        "a --clip-grad-norm above every norm changed the run"
+    );
+    let (clipped, said) = weights("clipped", &["--clip-grad-norm", "0.05"]);
+    assert!(
+        said.contains("gradients clipped to a global L2 norm of 0.05"),
+        "{said}"
+    );
+    let runs = [&plain, &mixup, &cutmix, &erased, &hue, &clipped];
     for (i, a) in runs.iter().enumerate() {
         for b in &runs[i + 1..] {
             assert!(
                 a != b,
-                "two of plain, mixup, CutMix, erasing and hue trained alike"
+                "two of plain, mixup, CutMix, erasing, hue and clipping trained alike"
             );
         }
     }
@@ -70,6 +81,9 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
         (vec!["--mixup-prob", "0.5"], "--mixup-prob"),
         (vec!["--random-erase", "1.1"], "--random-erase"),
         (vec!["--random-erase", "NaN"], "--random-erase"),
+        (vec!["--clip-grad-norm", "0"], "--clip-grad-norm"),
+        (vec!["--clip-grad-norm=-1"], "--clip-grad-norm"),
+        (vec!["--clip-grad-norm", "inf"], "--clip-grad-norm"),
     ] {
         let run = tmp.path().join("run");
         let mut args = train_args(&data, &cache, &run, 1);

@@ -228,6 +228,8 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "1.0",
         "--mixup-prob",
         "0.8",
+        "--clip-grad-norm",
+        "0.5",
         "--schedule",
         "step",
         "--step-every",
@@ -254,6 +256,7 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.store_size, Some(20));
     assert_eq!(meta.settings.color_jitter, 0.3);
     assert_eq!(meta.settings.random_erase, 0.5);
+    assert_eq!(meta.settings.clip_grad_norm, Some(0.5));
     assert_eq!(meta.settings.color_jitter_hue, 0.1);
     assert_eq!(
         (

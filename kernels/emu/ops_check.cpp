@@ -326,8 +326,8 @@ void test_input_mix(int n, int s, k_input::InputMix mix) {
     check(mix.kind == BT_MIX_BLEND ? "input (mixup)" : "input (CutMix)", fromb(out), ref, 1e-5, 1.0 / 256);
 }
 
-void test_optim() {
-    printf("optim (two tensors, chunked)\n");
+void test_optim(float max_norm) {
+    printf("optim (two tensors, chunked, clip to norm %g)\n", max_norm);
     // two "tensors" of 5 and 70000 elements: chunks 5 | 65536 | 4464
     std::vector<int> sizes = {5, 70000};
     int total = 70005;
@@ -338,18 +338,25 @@ void test_optim() {
     float decay[2] = {0.0f, 0.01f};
     long off = 0;
     for (int t = 0; t < 2; ++t) { for (int d = 0; d < sizes[t]; d += 65536) { int l = std::min(65536, sizes[t] - d); gp.push_back((unsigned long long)(grads[t].data() + d)); wp.push_back((unsigned long long)(work[t].data() + d)); st.push_back(off + d); ln.push_back(l); wd.push_back(decay[t]); } off += sizes[t]; }
+    // PyTorch's clip_grad_norm_: every gradient times min(1, max_norm / (‖g‖ + 1e-6)).
+    double norm2 = 0;
+    for (auto& g : grads) for (float x : g) norm2 += (double)x * x;
+    const double coef = max_norm > 0 ? std::min(1.0, max_norm / (std::sqrt(norm2) + 1e-6)) : 1.0;
+    double sumsq = 0;
+    emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::grad_sumsq(gp.data(), ln.data(), &sumsq); });
+    check("sum of squared gradients", std::vector<float>{(float)sumsq}, std::vector<double>{norm2}, 1e-6, 1e-6);
     for (int kind = 0; kind < 3; ++kind) {
         std::vector<float> master = w0, mbuf(total, 0), vbuf(total, 0);
         std::vector<double> ref(w0.begin(), w0.end()), m(total, 0), v(total, 0);
         for (int step = 1; step <= 2; ++step) {
             for (int i = 0; i < total; ++i) {
-                int t = i < 5 ? 0 : 1; double g = grads[t][t ? i - 5 : i], wdd = decay[t];
+                int t = i < 5 ? 0 : 1; double g = grads[t][t ? i - 5 : i] * coef, wdd = decay[t];
                 if (kind == 0) { double gi = g + wdd * ref[i]; m[i] = 0.9 * m[i] + gi; ref[i] -= 0.05 * m[i]; }
                 else { bool dec = kind == 2; double gi = dec ? g : g + wdd * ref[i]; if (dec) ref[i] *= 1 - 0.05 * wdd; m[i] = 0.9 * m[i] + 0.1 * gi; v[i] = 0.999 * v[i] + 0.001 * gi * gi; ref[i] -= 0.05 * (m[i] / (1 - std::pow(0.9, step))) / (std::sqrt(v[i] / (1 - std::pow(0.999, step))) + 1e-8); }
             }
             float bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
-            if (kind == 0) emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::sgd_update(master.data(), mbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 1.0f, 0); });
-            else emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::adam_update(master.data(), mbuf.data(), vbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 0.999f, 1e-8f, 1.0f, bc1, bc2, kind == 2); });
+            if (kind == 0) emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::sgd_update(master.data(), mbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 1.0f, 0, max_norm, &sumsq); });
+            else emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::adam_update(master.data(), mbuf.data(), vbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 0.999f, 1e-8f, 1.0f, bc1, bc2, kind == 2, max_norm, &sumsq); });
         }
         check(kind == 0 ? "sgd master" : kind == 1 ? "adam master" : "adamw master", master, ref, 1e-6, 1e-5);
         std::vector<float> wk; for (auto& t : work) for (auto v2 : fromb(t)) wk.push_back(v2);
@@ -393,7 +400,9 @@ int main(int argc, char** argv) {
     test_input_mix(4, 9, {BT_MIX_BLEND, 0.8f, 0, 0, 0, 0});
     test_input_mix(5, 13, {BT_MIX_PASTE, 0.0f, 3, 9, 2, 7});
     test_input_mix(5, 13, {BT_MIX_PASTE, 0.0f, 6, 13, 8, 13});
-    test_optim();
+    test_optim(0.0f);
+    test_optim(50.0f);  // the norm is about 150: every gradient ×1/3 (a far smaller factor would make Adam's L2-decayed gradient cancel to rounding noise)
+    test_optim(1000.0f);
     printf(fails ? "FAILED (%d)\n" : "ALL OK\n", fails);
     return fails ? 1 : 0;
 }

@@ -252,6 +252,11 @@ pub struct TrainArgs {
     /// min(1, (1 − D) · batch · steps / epochs) [default: 0.99998]
     #[arg(long, value_name = "D")]
     pub model_ema_decay: Option<f64>,
+    /// Clip the averaged gradients of every step to this global L2 norm before the update
+    /// (PyTorch's clip_grad_norm_; torchvision's --clip-grad-norm, timm's --clip-grad)
+    /// [default: off]
+    #[arg(long, value_name = "N")]
+    pub clip_grad_norm: Option<f32>,
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
@@ -550,6 +555,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
                 hint: "it shares out the batches of --mixup and --cutmix, and both are off: add --mixup A or --cutmix A".into(),
             });
         }
+    }
+    if let Some(n) = args.clip_grad_norm {
+        cfg.clip_grad_norm = Some(n);
     }
     if args.model_ema {
         cfg.model_ema.get_or_insert(EmaRecipe::TORCHVISION);

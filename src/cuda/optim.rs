@@ -138,6 +138,9 @@ pub struct DeviceOptimizer {
     work_ptrs: CudaSlice<u64>,
     ptrs_for: Vec<u64>,
     steps: u64,
+    /// `--clip-grad-norm` (0: off), and the device sum of squared gradients it reads.
+    max_grad_norm: f32,
+    sumsq: CudaSlice<f64>,
 }
 
 fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + '_ {
@@ -209,7 +212,17 @@ impl DeviceOptimizer {
             ptrs_for: Vec::new(),
             table,
             steps: 0,
+            max_grad_norm: 0.0,
+            sumsq: stream
+                .alloc_zeros(1)
+                .map_err(drv("allocating the gradient norm"))?,
         })
+    }
+
+    /// Clips the gradients of every later step to global L2 norm `max_norm` (after
+    /// `grad_scale`; PyTorch's `clip_grad_norm_`); `None` or 0: no clipping.
+    pub fn set_max_grad_norm(&mut self, max_norm: Option<f32>) {
+        self.max_grad_norm = max_norm.unwrap_or(0.0).max(0.0);
     }
 
     /// Steps taken.
@@ -296,6 +309,19 @@ impl DeviceOptimizer {
             shared_mem_bytes: 0,
         };
         let h = self.hyper;
+        if self.max_grad_norm > 0.0 {
+            stream
+                .memset_zeros(&mut self.sumsq)
+                .map_err(drv("zeroing the gradient norm"))?;
+            let f = dev.function("optim.cu", "grad_sumsq")?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&self.grad_ptrs).arg(&self.lens).arg(&mut self.sumsq);
+            // SAFETY: argument list matches grad_sumsq in kernels/optim.cu; the address table
+            // points into live gradient tensors of the checked lengths (bind); 256 threads, the
+            // size of its shared array.
+            unsafe { b.launch(cfg) }.map_err(drv("grad_sumsq"))?;
+        }
+        let max_norm = self.max_grad_norm;
         match self.kind {
             OptimizerKind::Sgd { momentum, nesterov } => {
                 let f = dev.function("optim.cu", "sgd_update")?;
@@ -311,7 +337,9 @@ impl DeviceOptimizer {
                     .arg(&lr)
                     .arg(&momentum)
                     .arg(&grad_scale)
-                    .arg(&nesterov);
+                    .arg(&nesterov)
+                    .arg(&max_norm)
+                    .arg(&self.sumsq);
                 // SAFETY: argument list matches sgd_update in kernels/optim.cu; the address table
                 // points into live tensors of the checked lengths (bind).
                 unsafe { b.launch(cfg) }.map_err(drv("sgd_update"))?;
@@ -339,7 +367,9 @@ impl DeviceOptimizer {
                     .arg(&grad_scale)
                     .arg(&bc1)
                     .arg(&bc2)
-                    .arg(&decoupled);
+                    .arg(&decoupled)
+                    .arg(&max_norm)
+                    .arg(&self.sumsq);
                 // SAFETY: as above, for adam_update.
                 unsafe { b.launch(cfg) }.map_err(drv("adam_update"))?;
             }
@@ -455,6 +485,10 @@ impl<B: Backend<Tensor = CudaTensor>> RankOptimizer<B> for DeviceOptimizer {
     fn load_host(&mut self, host: &Optimizer) -> Result<(), OptimError> {
         let state = DeviceState::from_host(&self.params, host);
         self.load_state(&state).map_err(device_error)
+    }
+
+    fn set_max_grad_norm(&mut self, max_norm: Option<f32>) {
+        DeviceOptimizer::set_max_grad_norm(self, max_norm);
     }
 }
 

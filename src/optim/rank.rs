@@ -35,6 +35,16 @@ pub trait RankOptimizer<B: Backend> {
 
     /// Continues from a checkpoint's state (see [`RankOptimizer::to_host`]).
     fn load_host(&mut self, host: &Optimizer) -> Result<(), OptimError>;
+
+    /// Clips every later step's averaged gradients to global L2 norm `max_norm` before the
+    /// update (PyTorch's `clip_grad_norm_`: all of them times min(1, max_norm / (‖g‖ +
+    /// 1e-6)); `--clip-grad-norm`); `None`: no clipping.
+    fn set_max_grad_norm(&mut self, max_norm: Option<f32>);
+}
+
+/// PyTorch's clipping coefficient for gradients of global L2 norm `norm`.
+pub(crate) fn clip_coefficient(norm: f64, max_norm: f32) -> f32 {
+    (f64::from(max_norm) / (norm + 1e-6)).min(1.0) as f32
 }
 
 /// The CPU rank's optimizer: the network's own f32 parameters are the master weights, updated
@@ -52,6 +62,7 @@ pub struct CpuRankOptimizer {
     state_layout: ParamLayout,
     params: Vec<ParamSpec>,
     backend: CpuBackend,
+    max_grad_norm: Option<f32>,
 }
 
 impl CpuRankOptimizer {
@@ -97,6 +108,7 @@ impl CpuRankOptimizer {
             state_layout: ParamLayout::graph(params, ConvOrder::Backend),
             params: params.to_vec(),
             backend,
+            max_grad_norm: None,
         })
     }
 
@@ -131,10 +143,25 @@ impl RankOptimizer<CpuBackend> for CpuRankOptimizer {
             .into_iter()
             .map(|r| &grads[r])
             .collect();
+        let grad_scale = match self.max_grad_norm {
+            Some(max_norm) => {
+                let sumsq: f64 = per_param
+                    .iter()
+                    .flat_map(|g| g.iter())
+                    .map(|&g| f64::from(g) * f64::from(g))
+                    .sum();
+                clip_coefficient(sumsq.sqrt(), max_norm)
+            }
+            None => 1.0,
+        };
         let mut params = net.param_tensors_mut();
         self.opt
-            .step(&self.backend, &mut params, &per_param, lr, 1.0)
+            .step(&self.backend, &mut params, &per_param, lr, grad_scale)
             .map_err(|e| OptimError::Device(Box::new(e)))
+    }
+
+    fn set_max_grad_norm(&mut self, max_norm: Option<f32>) {
+        self.max_grad_norm = max_norm;
     }
 
     fn master(&self, net: &Network<CpuBackend>) -> Result<Vec<f32>, OptimError> {

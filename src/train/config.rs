@@ -64,6 +64,8 @@ pub struct TrainConfig {
     pub mix: MixRecipe,
     /// The moving average of the weights (`--model-ema`; none: off).
     pub model_ema: Option<EmaRecipe>,
+    /// The global L2 norm the averaged gradients are clipped to (`--clip-grad-norm`).
+    pub clip_grad_norm: Option<f32>,
     /// `birdtrain lr-find`: the swept rates, which replace the schedule; the run then
     /// neither validates nor checkpoints (none: a training run).
     pub lr_range: Option<LrRange>,
@@ -158,6 +160,7 @@ impl TrainConfig {
             resize_mode: ResizeMode::Direct,
             mix: MixRecipe::OFF,
             model_ema: None,
+            clip_grad_norm: None,
             lr_range: None,
             random_erase: 0.0,
             color_jitter_hue: 0.0,
@@ -245,6 +248,7 @@ impl TrainConfig {
             mixup_prob: self.mix.prob,
             mixup_switch_prob: self.mix.switch_prob,
             model_ema: self.model_ema,
+            clip_grad_norm: self.clip_grad_norm,
             color_jitter: self.color_jitter,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
@@ -280,6 +284,7 @@ impl TrainConfig {
             switch_prob: s.mixup_switch_prob,
         };
         self.model_ema = s.model_ema;
+        self.clip_grad_norm = s.clip_grad_norm;
         self.color_jitter = s.color_jitter;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
@@ -396,6 +401,15 @@ impl TrainConfig {
             .with_hue(self.color_jitter_hue)
             .validate()?;
         self.mix.validate()?;
+        if let Some(n) = self.clip_grad_norm {
+            if !(n > 0.0 && n.is_finite()) {
+                return bad(
+                    "--clip-grad-norm",
+                    n.to_string(),
+                    "the largest global L2 norm of the gradients, above 0 (recipes use 1 to 10)",
+                );
+            }
+        }
         if let Some(range) = &self.lr_range {
             range.validate()?;
         }

@@ -423,6 +423,11 @@ impl Shared {
                 cfg.store_size.unwrap_or(cfg.image_size)
             ));
         }
+        if let Some(n) = cfg.clip_grad_norm {
+            self.say(format!(
+                "gradients clipped to a global L2 norm of {n} before every update (--clip-grad-norm)"
+            ));
+        }
         if let (Some(recipe), Some(ema)) = (cfg.model_ema, &self.ema) {
             self.say(format!(
                 "moving average of the weights: updated every {} steps with weight {:.6} for the new weights ({} adjusted for global batch {} and {} epochs), validated after every epoch{} (--model-ema)",

@@ -255,6 +255,10 @@ pub struct RunSettings {
     /// checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_ema: Option<EmaRecipe>,
+    /// `--clip-grad-norm`: the global L2 norm the gradients are clipped to; absent when off
+    /// (and in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f32>,
     /// `--color-jitter`: the strength of the training images' colour jitter; absent in
     /// older checkpoints (0: none).
     #[serde(default)]
@@ -896,6 +900,7 @@ pub(crate) mod tests {
                     steps: 16,
                     decay: 0.9999,
                 }),
+                clip_grad_norm: Some(5.0),
                 color_jitter: 0.4,
                 freeze_bn: false,
                 sync_bn: true,
@@ -989,6 +994,7 @@ pub(crate) mod tests {
             "mixup_prob",
             "mixup_switch_prob",
             "model_ema",
+            "clip_grad_norm",
             "color_jitter",
         ] {
             settings.remove(field).unwrap();
@@ -1029,6 +1035,7 @@ pub(crate) mod tests {
         );
         assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
         assert_eq!(old.settings.model_ema, None, "no moving average");
+        assert_eq!(old.settings.clip_grad_norm, None, "no clipping");
         assert_eq!(old.model_ema(), None);
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),

@@ -254,6 +254,7 @@ impl<D: Device> Rank<D> {
             net.load_state(&shared.initial)?;
             net.set_params_f32(&flat)?;
             let mut opt = make_optimizer(&flat)?;
+            opt.set_max_grad_norm(shared.cfg.clip_grad_norm);
             if let Some(host) = &shared.optimizer {
                 opt.load_host(host)?;
             }
