@@ -14,9 +14,11 @@
 //     w −= lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + ε).
 // `grad_scale` folds the 1/world averaging of data parallelism into the update.
 //   Clipping by global norm (`--clip-grad-norm`, PyTorch's clip_grad_norm_): when max_norm > 0,
-//     grad_sumsq first sums g² over every gradient into *sumsq (f64, zeroed by the host), and
-//     the update multiplies grad_scale by min(1, max_norm / (‖g‖·grad_scale + 1e-6)), read
-//     from *sumsq by every thread: no host round trip between the two launches.
+//     grad_sumsq sums g² per chunk into partial[b] (f64), grad_sumsq_total adds the partials
+//     into *sumsq, and the update multiplies grad_scale by min(1, max_norm / (‖g‖·grad_scale +
+//     1e-6)), read from *sumsq by every thread: no host round trip between the launches.
+//     Every sum is a fixed tree, never an atomic: ranks holding the same averaged gradients
+//     must get the same factor to the last bit, or their replicas drift apart.
 //   scale_f32: x ← alpha·x over a flat f32 range (a rank's gradient bucket times its share of
 //     the step's images before the average, when a short last batch is split unevenly).
 //
@@ -27,7 +29,8 @@
 // Launch configuration. grid = number of chunks, 256 threads; each thread strides over its
 // chunk (CHUNK = 65536 on the host side, so a ResNet-50 update is ~400 blocks, one launch).
 // scale_f32: a grid-stride loop, 256 threads, at most 1024 blocks. grad_sumsq: the update's
-// chunk grid, 256 threads, a shared-memory tree per block and one f64 atomicAdd per chunk.
+// chunk grid, 256 threads, a shared-memory tree per block. grad_sumsq_total: one block of
+// 256 threads, each summing a strided share of the partials in order, then a tree.
 #include "common.cuh"
 
 // Per-chunk addresses: grad_ptr[b] and work_ptr[b] point at the chunk's first gradient (f32)
@@ -63,21 +66,35 @@ __device__ __forceinline__ float clipped_scale(float grad_scale, float max_norm,
     return grad_scale * fminf(1.0f, max_norm / (norm + 1e-6f));
 }
 
-extern "C" __global__ void grad_sumsq(const unsigned long long* __restrict__ grad_ptr,
-                                      const int* __restrict__ chunk_len,
-                                      double* __restrict__ sumsq) {
+// The sum of the block's 256 values `acc` by a fixed tree (thread 0 gets it).
+__device__ __forceinline__ double block_sum_256(double acc) {
     __shared__ double part[256];
-    const float* g = reinterpret_cast<const float*>(grad_ptr[blockIdx.x]);
-    const int len = chunk_len[blockIdx.x];
-    double acc = 0.0;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) acc += (double)g[j] * g[j];
     part[threadIdx.x] = acc;
     __syncthreads();
     for (int half = blockDim.x / 2; half > 0; half /= 2) {
         if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
         __syncthreads();
     }
-    if (threadIdx.x == 0) atomicAdd(sumsq, part[0]);
+    return part[0];
+}
+
+extern "C" __global__ void grad_sumsq(const unsigned long long* __restrict__ grad_ptr,
+                                      const int* __restrict__ chunk_len,
+                                      double* __restrict__ partial) {
+    const float* g = reinterpret_cast<const float*>(grad_ptr[blockIdx.x]);
+    const int len = chunk_len[blockIdx.x];
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) acc += (double)g[j] * g[j];
+    const double total = block_sum_256(acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+extern "C" __global__ void grad_sumsq_total(const double* __restrict__ partial, int n,
+                                            double* __restrict__ sumsq) {
+    double acc = 0.0;
+    for (int b = threadIdx.x; b < n; b += blockDim.x) acc += partial[b];
+    const double total = block_sum_256(acc);
+    if (threadIdx.x == 0) *sumsq = total;
 }
 
 extern "C" __global__ void sgd_update(float* __restrict__ master, float* __restrict__ buf,

@@ -236,7 +236,7 @@ fn the_device_optimizer_clips_to_the_global_norm_like_the_host_one() {
         opt.step(&g_refs, &mut w_refs, 0.05, 1.0).unwrap();
         let master = from_backend_layout(specs, &opt.master().unwrap());
         for (i, (a, b)) in master.iter().zip(&params).enumerate() {
-            // f32 on both sides; the norm is summed in another order on the GPU (f64 atomics).
+            // f32 on both sides; the GPU sums the norm in another (fixed) order, in f64.
             assert!(
                 (a - b).abs() <= 1e-6 + 1e-5 * b.abs(),
                 "{kind:?} [{i}]: gpu {a} cpu {b}"

@@ -306,9 +306,10 @@ fn the_moving_average_on_a_gpu_leaves_training_alone_and_evaluates_on_the_cpu() 
     let cache = tmp.path().join("cache");
     let plain = config(&data, &cache, &tmp.path().join("plain"), true);
     let mut averaged = config(&data, &cache, &tmp.path().join("averaged"), true);
+    // α = (1 − 0.999)·16·2/2 = 0.016: a real average, far from the last weights.
     averaged.model_ema = Some(train::EmaRecipe {
         steps: 2,
-        decay: 0.9,
+        decay: 0.999,
     });
     let a = train::train(&plain, &AtomicBool::new(false)).unwrap();
     let b = train::train(&averaged, &AtomicBool::new(false)).unwrap();

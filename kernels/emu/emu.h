@@ -192,7 +192,6 @@ inline void bt_emu_cp_async_wait(int n) {
 // ---- arithmetic and warp collectives -----------------------------------------------------
 
 inline float atomicAdd(float* p, float v) { float o = *p; *p += v; return o; }
-inline double atomicAdd(double* p, double v) { double o = *p; *p += v; return o; }
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }

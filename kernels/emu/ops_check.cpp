@@ -342,8 +342,10 @@ void test_optim(float max_norm) {
     double norm2 = 0;
     for (auto& g : grads) for (float x : g) norm2 += (double)x * x;
     const double coef = max_norm > 0 ? std::min(1.0, max_norm / (std::sqrt(norm2) + 1e-6)) : 1.0;
-    double sumsq = 0;
-    emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::grad_sumsq(gp.data(), ln.data(), &sumsq); });
+    double sumsq = -1;
+    std::vector<double> partial(st.size(), -1.0);
+    emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::grad_sumsq(gp.data(), ln.data(), partial.data()); });
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_optim::grad_sumsq_total(partial.data(), (int)partial.size(), &sumsq); });
     check("sum of squared gradients", std::vector<float>{(float)sumsq}, std::vector<double>{norm2}, 1e-6, 1e-6);
     for (int kind = 0; kind < 3; ++kind) {
         std::vector<float> master = w0, mbuf(total, 0), vbuf(total, 0);

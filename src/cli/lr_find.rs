@@ -137,7 +137,7 @@ pub fn report(trace: &LrTrace, suggestion: Option<LrPoint>, range: LrRange, out:
         None => {
             let _ = writeln!(
                 s,
-                "no suggestion: {} points are too few (the first 10 and the last are left out); raise --num-steps or --start-lr",
+                "no suggestion: {} points are too few (the first 10 and the last are left out); lower --start-lr or --end-lr (the loss diverged early), or raise --num-steps",
                 points.len()
             );
         }

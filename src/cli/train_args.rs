@@ -249,7 +249,7 @@ pub struct TrainArgs {
     pub model_ema_steps: Option<u32>,
     /// The moving average's decay, adjusted as torchvision does for the global batch,
     /// --model-ema-steps and --epochs: each update weighs the new weights by
-    /// min(1, (1 − D) · batch · steps / epochs) [default: 0.99998]
+    /// min(1, (1 − D) · global batch · steps / epochs) [default: 0.99998]
     #[arg(long, value_name = "D")]
     pub model_ema_decay: Option<f64>,
     /// Clip the averaged gradients of every step to this global L2 norm before the update

@@ -138,8 +138,10 @@ pub struct DeviceOptimizer {
     work_ptrs: CudaSlice<u64>,
     ptrs_for: Vec<u64>,
     steps: u64,
-    /// `--clip-grad-norm` (0: off), and the device sum of squared gradients it reads.
+    /// `--clip-grad-norm` (0: off), the per-chunk sums of squared gradients and their total,
+    /// which the update reads.
     max_grad_norm: f32,
+    partial: CudaSlice<f64>,
     sumsq: CudaSlice<f64>,
 }
 
@@ -213,6 +215,9 @@ impl DeviceOptimizer {
             table,
             steps: 0,
             max_grad_norm: 0.0,
+            partial: stream
+                .alloc_zeros(chunks)
+                .map_err(drv("allocating the gradient norm"))?,
             sumsq: stream
                 .alloc_zeros(1)
                 .map_err(drv("allocating the gradient norm"))?,
@@ -310,16 +315,26 @@ impl DeviceOptimizer {
         };
         let h = self.hyper;
         if self.max_grad_norm > 0.0 {
-            stream
-                .memset_zeros(&mut self.sumsq)
-                .map_err(drv("zeroing the gradient norm"))?;
             let f = dev.function("optim.cu", "grad_sumsq")?;
             let mut b = stream.launch_builder(&f);
-            b.arg(&self.grad_ptrs).arg(&self.lens).arg(&mut self.sumsq);
+            b.arg(&self.grad_ptrs)
+                .arg(&self.lens)
+                .arg(&mut self.partial);
             // SAFETY: argument list matches grad_sumsq in kernels/optim.cu; the address table
-            // points into live gradient tensors of the checked lengths (bind); 256 threads, the
-            // size of its shared array.
+            // points into live gradient tensors of the checked lengths (bind); one partial per
+            // chunk (allocated for the table in new); 256 threads, its shared array's size.
             unsafe { b.launch(cfg) }.map_err(drv("grad_sumsq"))?;
+            let f = dev.function("optim.cu", "grad_sumsq_total")?;
+            let chunks = self.table.len() as i32;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&self.partial).arg(&chunks).arg(&mut self.sumsq);
+            let one = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                ..cfg
+            };
+            // SAFETY: argument list matches grad_sumsq_total; `chunks` partials were written
+            // above; one block of 256 threads, its shared array's size.
+            unsafe { b.launch(one) }.map_err(drv("grad_sumsq_total"))?;
         }
         let max_norm = self.max_grad_norm;
         match self.kind {

@@ -572,7 +572,9 @@ fn end_epoch<D: Device>(
         Some(line) if cfg.best_rule.monitor.follows_average() => line,
         _ => &valid_line,
     };
-    let improved = best.is_none_or(|b| cfg.best_rule.improves(&b, judged.accuracy, judged.loss));
+    // A non-finite figure of the average is never the best (nothing could beat it after).
+    let improved = judged.loss.is_finite()
+        && best.is_none_or(|b| cfg.best_rule.improves(&b, judged.accuracy, judged.loss));
     if improved {
         *best = Some(BestEpoch::of(judged));
     }
