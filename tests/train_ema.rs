@@ -181,6 +181,32 @@ fn the_best_epoch_can_follow_the_average() {
 }
 
 #[test]
+fn a_resume_that_changes_the_monitored_figure_starts_a_new_best() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 8);
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    ok(run_with(&train_args(&data, &cache, &run, 1), &[]));
+    assert_eq!(
+        CheckpointMeta::load(&run).unwrap().best.map(|b| b.epoch),
+        Some(1)
+    );
+    let mut resumed = resume_args(&run, &data);
+    resumed.extend(EMA.iter().map(|a| a.to_string()));
+    resumed.extend(["--epochs", "2", "--monitor", "val_ema_loss"].map(String::from));
+    let out = ok(run_with(&resumed, &[]));
+    let said = text(&out);
+    assert!(
+        said.contains("was picked by val_accuracy; with --monitor val_ema_loss the next epoch starts a new best"),
+        "{said}"
+    );
+    // Epoch 2 is the first the average's loss judged, so it is the best: by that figure.
+    let best = CheckpointMeta::load(&run.join("best")).unwrap();
+    let ema_loss = lines_of(&run, "valid_ema")[0]["loss"].as_f64().unwrap();
+    assert_eq!(best.best.map(|b| (b.epoch, b.loss)), Some((2, ema_loss)));
+}
+
+#[test]
 fn a_resumed_run_averages_exactly_as_the_uninterrupted_one() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(&tmp.path().join("d"), 3, 8);

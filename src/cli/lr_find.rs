@@ -70,10 +70,13 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
     );
     let stop = install_stop_signals();
     let outcome = train::train(&cfg, &stop.flag)?;
-    let trace = outcome.lr_sweep.unwrap_or_default();
-    let suggestion = LrTrace::suggestion(&trace.points);
-    write_results(&cfg.out, &trace.points, suggestion)?;
-    print!("{}", report(&trace, suggestion, range, &cfg.out));
+    // Every node holds the same sweep; node 0 writes and reports it.
+    if outcome.writer {
+        let trace = outcome.lr_sweep.unwrap_or_default();
+        let suggestion = LrTrace::suggestion(&trace.points);
+        write_results(&cfg.out, &trace.points, suggestion)?;
+        print!("{}", report(&trace, suggestion, range, &cfg.out));
+    }
     match stop.signal() {
         Some(signal) => Ok(ExitCode::from(128 + signal as u8)),
         None => Ok(ExitCode::SUCCESS),

@@ -49,6 +49,8 @@ pub struct TrainOutcome {
     pub replica_checksums: Vec<u64>,
     /// The learning-rate sweep's record (`birdtrain lr-find`; none for a training run).
     pub lr_sweep: Option<LrTrace>,
+    /// Whether this process wrote the run folder (node 0 of a multi-node run).
+    pub writer: bool,
 }
 
 /// Whether a rank wants to stop before global step `step` (Ctrl-C, or a test's plan): asked
@@ -632,7 +634,7 @@ fn end_epoch<D: Device>(
         valid_line.top5,
         train_line.images_per_sec,
         wait_share * 100.0,
-        train_line.seconds + valid_line.seconds,
+        train_line.seconds + valid_line.seconds + ema_line.map_or(0.0, |l| l.seconds),
         if improved { " · best so far" } else { "" }
     ));
     if let Some(line) = ema_line {
@@ -816,6 +818,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         summary,
         replica_checksums,
         lr_sweep: first.lr_trace.clone(),
+        writer,
     })
 }
 

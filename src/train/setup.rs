@@ -223,6 +223,20 @@ impl Shared {
         if writer {
             folder.start_metrics(resumed.map(|(run, _)| run.as_path()), position.epoch)?;
             best = start_best(&folder, resumed)?;
+            if let (Some(b), Some((_, meta))) = (best, resumed) {
+                let then = meta.settings.monitor;
+                if then != cfg.best_rule.monitor {
+                    // The record was judged by another figure: it cannot be compared.
+                    tracing::warn!(
+                        "the best epoch so far (epoch {}) was picked by {}; with --monitor {} the next epoch starts a new best (best/ keeps epoch {} until then)",
+                        b.epoch,
+                        then.name(),
+                        cfg.best_rule.monitor.name(),
+                        b.epoch
+                    );
+                    best = None;
+                }
+            }
         }
         let trace = if cfg.dist.trace.is_some() {
             TraceRecorder::new()
