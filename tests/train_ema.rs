@@ -5,7 +5,9 @@
 //! The update rule itself is unit-tested in `src/train/ema.rs`.
 
 mod cli_support;
-use cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args, weights};
+use cli_support::small_run::{
+    average, dataset, ok, resume_args, run_with, text, train_args, weights,
+};
 use cli_support::{assert_one_line_error, s};
 
 use birdtrain::train::CheckpointMeta;
@@ -27,12 +29,6 @@ fn lines_of(run: &std::path::Path, split: &str) -> Vec<Value> {
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
         .filter(|v| v["split"] == split)
         .collect()
-}
-
-/// The moving average the run's sidecar names.
-fn average(run: &std::path::Path) -> Vec<u8> {
-    let meta = CheckpointMeta::load(run).unwrap();
-    std::fs::read(run.join(meta.model_ema_file.expect("the sidecar names an average"))).unwrap()
 }
 
 fn eval_json(run: &std::path::Path, data: &std::path::Path, ema: bool) -> Value {

@@ -14,7 +14,9 @@ use birdtrain::train::checkpoint::CHECKPOINT_STAGES;
 use birdtrain::train::fault::FAULT_ENV;
 use birdtrain::train::folder::{BestEpoch, BestRule};
 use birdtrain::train::{CheckpointMeta, MetricsSplit, RunFolder};
-use cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args, weights};
+use cli_support::small_run::{
+    average, dataset, ok, resume_args, run_with, text, train_args, weights,
+};
 use cli_support::{birdtrain, s, Tmpfs};
 
 /// Files of the run folder that no checkpoint names: temporaries and superseded tensors.
@@ -40,12 +42,6 @@ fn one_error_line(out: &Output) -> String {
     let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(lines.len(), 1, "expected one error line:\n{}", text(out));
     lines[0].to_string()
-}
-
-/// The moving average the run's sidecar names.
-fn average(run: &Path) -> Vec<u8> {
-    let meta = CheckpointMeta::load(run).unwrap();
-    std::fs::read(run.join(meta.model_ema_file.expect("an average"))).unwrap()
 }
 
 #[test]

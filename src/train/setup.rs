@@ -113,8 +113,6 @@ pub(crate) struct Shared {
     /// The moving average of the weights the run starts with (`--model-ema`): the resumed
     /// checkpoint's, else the starting weights.
     pub ema: Option<ModelEma>,
-    /// Whether a resumed run with `--model-ema` found no average in its checkpoint.
-    pub ema_started_here: bool,
 }
 
 impl Shared {
@@ -201,8 +199,6 @@ impl Shared {
                 .transpose()?,
             _ => None,
         };
-        let ema_started_here =
-            cfg.model_ema.is_some() && resumed.is_some() && resumed_ema.is_none();
         let ema = cfg.model_ema.map(|recipe| {
             let (state, updates) = resumed_ema.unwrap_or_else(|| (initial.clone(), 0));
             let alpha = recipe.alpha(cfg.global_batch(), cfg.epochs);
@@ -263,7 +259,6 @@ impl Shared {
             checksum_every: CHECKSUM_EVERY,
             best,
             ema,
-            ema_started_here,
         })
     }
 
@@ -450,7 +445,7 @@ impl Shared {
                 recipe.decay,
                 cfg.global_batch(),
                 cfg.epochs,
-                if self.ema_started_here {
+                if resumed.is_some_and(|(_, m)| m.model_ema_file.is_none()) {
                     "; the resumed checkpoint had none, so it starts from its weights"
                 } else {
                     ""

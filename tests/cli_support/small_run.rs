@@ -98,6 +98,12 @@ pub(crate) fn resume_args(run: &Path, data: &Path) -> Vec<String> {
     .collect()
 }
 
+/// The moving average of the weights the run's sidecar names (`--model-ema`).
+pub(crate) fn average(run: &Path) -> Vec<u8> {
+    let meta = CheckpointMeta::load(run).unwrap_or_else(|e| panic!("{}: {e}", run.display()));
+    std::fs::read(run.join(meta.model_ema_file.expect("the sidecar names an average"))).unwrap()
+}
+
 /// The weights the run's sidecar names (what `--resume`, `eval` and `predict` read).
 pub(crate) fn weights(run: &Path) -> Vec<u8> {
     let meta = CheckpointMeta::load(run).unwrap_or_else(|e| panic!("{}: {e}", run.display()));

@@ -49,9 +49,18 @@ fn with_average(mut curves: Vec<Curve<'static>>, average: Vec<(f64, f64)>) -> Ve
 /// Draws the report of `lines` (as read from `metrics.jsonl`) into `path` (PNG), through a
 /// temporary file and a rename.
 pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), FolderError> {
+    write_png(path, |tmp| draw(tmp, lines))
+}
+
+/// Runs `draw` on a temporary file beside `path` and renames it into place (removed on
+/// failure, which names `path`).
+fn write_png(
+    path: &Path,
+    draw: impl FnOnce(&Path) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<(), FolderError> {
     register_font();
     let tmp = temp_path(path).with_extension("png");
-    draw(&tmp, lines).map_err(|e| {
+    draw(&tmp).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         FolderError::Report {
             path: path.to_path_buf(),
@@ -144,16 +153,7 @@ pub fn write_lr_plot(
     points: &[(f64, f64, f64)],
     suggested: Option<(f64, f64)>,
 ) -> Result<(), FolderError> {
-    register_font();
-    let tmp = temp_path(path).with_extension("png");
-    draw_lr(&tmp, points, suggested).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        FolderError::Report {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        }
-    })?;
-    commit_temp(&tmp, path)
+    write_png(path, |tmp| draw_lr(tmp, points, suggested))
 }
 
 fn draw_lr(
