@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use crate::buffer::{BatchAllocator, VecAllocator};
 use crate::{
-    ColorJitter, DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError, RandomResizedCrop,
-    ResizeMode, Sampling, Split,
+    AutoAugment, ColorJitter, DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError,
+    RandomResizedCrop, ResizeMode, Sampling, Split,
 };
 
 /// Configures and builds a [`Pipeline`].
@@ -29,6 +29,7 @@ pub struct PipelineBuilder {
     pub(crate) crop: Option<RandomResizedCrop>,
     pub(crate) center_crop: Option<f32>,
     pub(crate) color_jitter: Option<ColorJitter>,
+    pub(crate) auto_augment: Option<AutoAugment>,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
@@ -56,6 +57,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("crop", &self.crop)
             .field("center_crop", &self.center_crop)
             .field("color_jitter", &self.color_jitter)
+            .field("auto_augment", &self.auto_augment)
             .field("last_batch", &self.last_batch)
             .field("on_bad_image", &self.on_bad_image)
             .finish_non_exhaustive()
@@ -87,6 +89,7 @@ impl PipelineBuilder {
             crop: None,
             center_crop: None,
             color_jitter: None,
+            auto_augment: None,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -194,6 +197,14 @@ impl PipelineBuilder {
         self.color_jitter = jitter;
         self
     }
+    /// Applies an automatic augmentation policy to every image handed out, after its crop and
+    /// before the colour jitter (`None`, the default: none): torchvision's
+    /// `TrivialAugmentWide` or `RandAugment`, its operations drawn from
+    /// `(seed, epoch, sample id)`. For training splits.
+    pub fn auto_augment(mut self, policy: Option<AutoAugment>) -> Self {
+        self.auto_augment = policy;
+        self
+    }
     /// Policy for the last, incomplete global batch.
     pub fn last_batch(mut self, policy: LastBatch) -> Self {
         self.last_batch = policy;
@@ -267,6 +278,9 @@ impl PipelineBuilder {
         }
         if let Some(jitter) = &self.color_jitter {
             jitter.validate()?;
+        }
+        if let Some(policy) = &self.auto_augment {
+            policy.validate()?;
         }
         if let Some(crop) = &self.crop {
             crop.validate()?;

@@ -185,13 +185,19 @@ fn map_bytes(rgb: &mut [u8], f: f32, offset: f32) {
     rgb.iter_mut().for_each(|v| *v = table[usize::from(*v)]);
 }
 
-fn brightness(rgb: &mut [u8], f: f32) {
+pub(crate) fn brightness(rgb: &mut [u8], f: f32) {
     if f != 1.0 {
         map_bytes(rgb, f, 0.0);
     }
 }
 
 fn contrast(rgb: &mut [u8], f: f32) {
+    contrast_weighted(rgb, f, 1.0 - f);
+}
+
+/// Contrast with the weights `f` of the image and `rest` of its mean grey (`1 − f`, given
+/// apart where the caller rounds it from a wider factor, as torchvision does).
+pub(crate) fn contrast_weighted(rgb: &mut [u8], f: f32, rest: f32) {
     if f == 1.0 || rgb.is_empty() {
         return;
     }
@@ -199,16 +205,22 @@ fn contrast(rgb: &mut [u8], f: f32) {
     let pixels = rgb.len() / 3;
     // Whole grey levels: the integer sum is exact.
     let sum: u64 = rgb.chunks_exact(3).map(|p| u64::from(grey(t, p))).sum();
-    map_bytes(rgb, f, (1.0 - f) * (sum as f64 / pixels as f64) as f32);
+    map_bytes(rgb, f, rest * (sum as f64 / pixels as f64) as f32);
 }
 
 fn saturation(rgb: &mut [u8], f: f32) {
+    saturation_weighted(rgb, f, 1.0 - f);
+}
+
+/// Saturation with the weights `f` of the pixel and `rest` of its grey (see
+/// [`contrast_weighted`]).
+pub(crate) fn saturation_weighted(rgb: &mut [u8], f: f32, rest: f32) {
     if f == 1.0 {
         return;
     }
     // Every pixel's grey level is a whole number in 0..=255: its offset is a table too.
     let t = &*GREY;
-    let offsets: [f32; 256] = std::array::from_fn(|g| (1.0 - f) * g as f32);
+    let offsets: [f32; 256] = std::array::from_fn(|g| rest * g as f32);
     // Blocks of pixels: the offsets are spread over the block's bytes first, so the blend
     // runs over contiguous bytes, which the compiler vectorises (stride-3 loops it does not).
     const PIXELS: usize = 16;

@@ -55,6 +55,7 @@
 //! See `examples/embed_pipeline.rs` at the workspace root for a runnable version on synthetic
 //! data, [`synth`] for the synthetic dataset writer and [`bench`](mod@bench) for the throughput benchmark.
 
+mod autoaugment;
 mod bad;
 mod batch;
 pub mod bench;
@@ -75,6 +76,7 @@ mod stats;
 pub mod synth;
 mod worker;
 
+pub use autoaugment::{AugmentDraw, AugmentOp, AutoAugment, OpDraw, MAGNITUDE_BINS};
 pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};

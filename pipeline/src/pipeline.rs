@@ -343,6 +343,7 @@ impl Pipeline {
                 (None, None) => None,
             },
             jitter: b.color_jitter.map(|jitter| (jitter, b.seed)),
+            auto_augment: b.auto_augment.map(|policy| (policy, b.seed)),
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
             cache,

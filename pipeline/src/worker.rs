@@ -15,7 +15,10 @@ use crate::decode::{decode_rgb8_into, Pixels};
 use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
-use crate::{ColorJitter, CropWindow, JitterDraw, OnBadImage, PipelineError, ResizeMode};
+use crate::{
+    AugmentDraw, AutoAugment, ColorJitter, CropWindow, JitterDraw, OnBadImage, PipelineError,
+    ResizeMode,
+};
 
 /// The detail of a bad file known from an earlier pass over the cache.
 pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
@@ -36,6 +39,8 @@ pub(crate) struct Shared {
     pub(crate) crop: Option<Cut>,
     /// The colour jitter of every image and the seed of its draws, when asked for.
     pub(crate) jitter: Option<(ColorJitter, u64)>,
+    /// The automatic augmentation policy of every image and the seed of its draws.
+    pub(crate) auto_augment: Option<(AutoAugment, u64)>,
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
@@ -240,8 +245,10 @@ struct Scratch {
     pixels: Pixels,
     /// One resized record, reused from image to image.
     record: Vec<u8>,
-    /// One image being jittered, reused from image to image.
+    /// One image being augmented or jittered, reused from image to image.
     image: Vec<u8>,
+    /// The resampled image of a geometric augmentation, reused from image to image.
+    resampled: Vec<u8>,
 }
 
 /// Starts `workers` decode threads reading jobs from `jobs`.
@@ -263,6 +270,7 @@ pub(crate) fn spawn_pool(
                         pixels: Pixels::default(),
                         record: Vec::new(),
                         image: Vec::new(),
+                        resampled: Vec::new(),
                     };
                     while let Ok(job) = jobs.recv() {
                         run(job, &mut scratch);
@@ -316,9 +324,13 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     let jitter = shared
         .jitter
         .map(|(jitter, seed)| jitter.draw(seed, job.epoch, u64::from(job.index)));
+    let augment = shared.auto_augment.map(|(policy, seed)| {
+        policy.draw(seed, job.epoch, u64::from(job.index), shared.image_size)
+    });
     let after = After {
         sides: (stored, shared.image_size),
         window,
+        augment,
         jitter,
     };
     match shared.cache.lookup(i) {
@@ -398,6 +410,8 @@ struct After {
     sides: (u32, u32),
     /// The window scaled to the image (`None`: the stored square as it is).
     window: Option<CropWindow>,
+    /// The automatic augmentation drawn for the image.
+    augment: Option<AugmentDraw>,
     /// The colour jitter drawn for the image.
     jitter: Option<JitterDraw>,
 }
@@ -405,7 +419,7 @@ struct After {
 impl After {
     /// Whether the image is the stored square unchanged.
     fn is_copy(&self) -> bool {
-        self.window.is_none() && self.jitter.is_none()
+        self.window.is_none() && self.augment.is_none() && self.jitter.is_none()
     }
 
     /// Writes the image made from the stored square `record` into `dest`, counting the time
@@ -419,21 +433,25 @@ impl After {
         path: &std::path::Path,
     ) -> Result<(), PipelineError> {
         let started = Instant::now();
-        let result = match self.jitter {
-            None => place(record, self.sides, dest, self.window, scratch, path),
-            Some(draw) => {
-                // Jittered in ordinary memory: `dest` may be write-combined pinned memory,
-                // very slow to read back.
-                let mut image = std::mem::take(&mut scratch.image);
-                image.resize(dest.len(), 0);
-                let placed = place(record, self.sides, &mut image, self.window, scratch, path);
-                if placed.is_ok() {
-                    draw.apply(&mut image);
-                    dest.copy_from_slice(&image);
+        let result = if self.augment.is_none() && self.jitter.is_none() {
+            place(record, self.sides, dest, self.window, scratch, path)
+        } else {
+            // Changed in ordinary memory: `dest` may be write-combined pinned memory, very
+            // slow to read back.
+            let mut image = std::mem::take(&mut scratch.image);
+            image.resize(dest.len(), 0);
+            let placed = place(record, self.sides, &mut image, self.window, scratch, path);
+            if placed.is_ok() {
+                if let Some(draw) = self.augment {
+                    draw.apply(&mut image, self.sides.1, &mut scratch.resampled);
                 }
-                scratch.image = image;
-                placed
+                if let Some(draw) = self.jitter {
+                    draw.apply(&mut image);
+                }
+                dest.copy_from_slice(&image);
             }
+            scratch.image = image;
+            placed
         };
         if !self.is_copy() {
             Counters::add_nanos(&shared.counters.transform_nanos, started);

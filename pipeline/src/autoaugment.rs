@@ -1,0 +1,809 @@
+//! Automatic augmentation policies of training images: torchvision's `TrivialAugmentWide`
+//! (`--auto-augment ta_wide`) and `RandAugment` (`--auto-augment ra`, `--ra-magnitude M`),
+//! applied by the decode worker to each image after its crop, before the colour jitter.
+//!
+//! Both draw operations from the same fourteen: identity, shear and translation along either
+//! axis, rotation, brightness, colour (saturation), contrast, sharpness, posterize, solarize,
+//! autocontrast and equalize.
+//! - TrivialAugmentWide applies one operation per image, its strength drawn uniformly from 31
+//!   bins (and its sign from a coin for the signed ones);
+//! - RandAugment applies two in turn, each at the fixed bin `M` of 31 (default 9), with a
+//!   random sign.
+//!
+//! The bins are torchvision's (`_augmentation_space` of each class), the operations its
+//! tensor functions on `uint8` images, which the colour ones match to the byte:
+//! - brightness, colour and contrast blend with black, the pixel's grey, the image's mean
+//!   grey (the colour jitter's adjustments);
+//! - sharpness blends with the image blurred by the 3×3 kernel `[1 1 1; 1 5 1; 1 1 1]/13`
+//!   (rounded; the border rows and columns kept);
+//! - posterize keeps the top `bits` of each byte, solarize inverts bytes ≥ the threshold;
+//! - autocontrast stretches each channel to 0..=255, equalize flattens each channel's
+//!   histogram (PIL's `ImageOps.equalize` rule);
+//! - the geometric ones resample with bilinear weights (the ImageNet reference script's
+//!   `--interpolation bilinear`), taps outside the image black: shears about the top-left
+//!   corner, rotation about the centre, translations by whole pixels.
+//!
+//! The draw comes from `(seed, epoch, sample id)` alone, like the crop's window and the
+//! jitter, so workers, replicas, the resume point and the cache do not change a pixel. The
+//! mirror is applied later, on the device; the signed operations are symmetric, so the
+//! distribution of images is torchvision's (which mirrors first).
+
+use rand::Rng;
+
+use crate::PipelineError;
+
+/// Bins of an operation's strength (torchvision's `num_magnitude_bins`).
+pub const MAGNITUDE_BINS: u32 = 31;
+
+/// Operations RandAugment applies to each image (torchvision's `num_ops` default).
+const RAND_AUGMENT_OPS: usize = 2;
+
+/// An automatic augmentation policy (`--auto-augment`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoAugment {
+    /// One operation per image at a random strength (`ta_wide`).
+    TrivialAugmentWide,
+    /// Two operations per image at bin `magnitude` of [`MAGNITUDE_BINS`] (`ra`).
+    RandAugment {
+        /// The strength bin, 0..=30 (`--ra-magnitude`; torchvision's default 9).
+        magnitude: u32,
+    },
+}
+
+/// One of the operations the policies draw from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AugmentOp {
+    /// The image unchanged.
+    Identity,
+    /// Horizontal shear about the top-left corner; the magnitude is the shear's tangent.
+    ShearX,
+    /// Vertical shear about the top-left corner; the magnitude is the shear's tangent.
+    ShearY,
+    /// Horizontal shift by the magnitude in pixels (truncated to whole pixels).
+    TranslateX,
+    /// Vertical shift by the magnitude in pixels (truncated to whole pixels).
+    TranslateY,
+    /// Counter-clockwise rotation about the centre by the magnitude in degrees.
+    Rotate,
+    /// Brightness factor 1 + magnitude.
+    Brightness,
+    /// Saturation factor 1 + magnitude.
+    Color,
+    /// Contrast factor 1 + magnitude.
+    Contrast,
+    /// Sharpness factor 1 + magnitude.
+    Sharpness,
+    /// Keep the magnitude's number of high bits of every byte.
+    Posterize,
+    /// Invert the bytes at or above the magnitude.
+    Solarize,
+    /// Stretch every channel to the full byte range.
+    AutoContrast,
+    /// Equalize every channel's histogram.
+    Equalize,
+}
+
+impl AugmentOp {
+    /// The operations in torchvision's order (the index a draw picks).
+    pub const ALL: [AugmentOp; 14] = [
+        Self::Identity,
+        Self::ShearX,
+        Self::ShearY,
+        Self::TranslateX,
+        Self::TranslateY,
+        Self::Rotate,
+        Self::Brightness,
+        Self::Color,
+        Self::Contrast,
+        Self::Sharpness,
+        Self::Posterize,
+        Self::Solarize,
+        Self::AutoContrast,
+        Self::Equalize,
+    ];
+
+    /// torchvision's name of the operation.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Identity => "Identity",
+            Self::ShearX => "ShearX",
+            Self::ShearY => "ShearY",
+            Self::TranslateX => "TranslateX",
+            Self::TranslateY => "TranslateY",
+            Self::Rotate => "Rotate",
+            Self::Brightness => "Brightness",
+            Self::Color => "Color",
+            Self::Contrast => "Contrast",
+            Self::Sharpness => "Sharpness",
+            Self::Posterize => "Posterize",
+            Self::Solarize => "Solarize",
+            Self::AutoContrast => "AutoContrast",
+            Self::Equalize => "Equalize",
+        }
+    }
+
+    /// Whether a draw gives the magnitude a random sign.
+    fn signed(&self) -> bool {
+        matches!(
+            self,
+            Self::ShearX
+                | Self::ShearY
+                | Self::TranslateX
+                | Self::TranslateY
+                | Self::Rotate
+                | Self::Brightness
+                | Self::Color
+                | Self::Contrast
+                | Self::Sharpness
+        )
+    }
+}
+
+/// One operation with its (signed) magnitude.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OpDraw {
+    /// The operation.
+    pub op: AugmentOp,
+    /// Its magnitude, in the units [`AugmentOp`] names (0 for those without one).
+    pub magnitude: f32,
+}
+
+/// The operations drawn for one image, applied in turn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AugmentDraw {
+    /// The operations (`None`: no more).
+    pub ops: [Option<OpDraw>; RAND_AUGMENT_OPS],
+}
+
+/// `torch.linspace(start, end, MAGNITUDE_BINS)[bin]`.
+fn linspace(start: f32, end: f32, bin: u32) -> f32 {
+    start + (end - start) * bin as f32 / (MAGNITUDE_BINS - 1) as f32
+}
+
+impl AutoAugment {
+    /// The `--auto-augment` words.
+    pub const CHOICES: &'static str = "ta_wide (TrivialAugmentWide), ra (RandAugment) or none";
+
+    /// RandAugment at torchvision's default strength bin (9).
+    pub const RAND_AUGMENT: Self = Self::RandAugment { magnitude: 9 };
+
+    /// The policy named by `word` (`Some(None)`: `none`), RandAugment at the default bin.
+    pub fn parse(word: &str) -> Option<Option<Self>> {
+        match word.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "none" => Some(None),
+            "ta_wide" | "trivialaugmentwide" | "trivial_augment_wide" => {
+                Some(Some(Self::TrivialAugmentWide))
+            }
+            "ra" | "randaugment" | "rand_augment" => Some(Some(Self::RAND_AUGMENT)),
+            _ => None,
+        }
+    }
+
+    /// The command-line word.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::TrivialAugmentWide => "ta_wide",
+            Self::RandAugment { .. } => "ra",
+        }
+    }
+
+    /// Rejects a strength bin outside the 31.
+    pub fn validate(&self) -> Result<(), PipelineError> {
+        match self {
+            Self::RandAugment { magnitude } if *magnitude >= MAGNITUDE_BINS => {
+                Err(PipelineError::InvalidSetting {
+                    name: "--ra-magnitude",
+                    value: magnitude.to_string(),
+                    hint: "a strength bin from 0 to 30 (torchvision's default is 9)",
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The magnitude of `op` at strength `bin` for images of side `side` (torchvision's
+    /// `_augmentation_space`), unsigned.
+    fn magnitude(&self, op: AugmentOp, bin: u32, side: u32) -> f32 {
+        let wide = matches!(self, Self::TrivialAugmentWide);
+        let (factor, shear, translate, rotate, posterize_bits) = if wide {
+            (0.99, 0.99, 32.0, 135.0, 6.0)
+        } else {
+            (0.9, 0.3, 150.0 / 331.0 * side as f32, 30.0, 4.0)
+        };
+        match op {
+            AugmentOp::Identity | AugmentOp::AutoContrast | AugmentOp::Equalize => 0.0,
+            AugmentOp::ShearX | AugmentOp::ShearY => linspace(0.0, shear, bin),
+            AugmentOp::TranslateX | AugmentOp::TranslateY => linspace(0.0, translate, bin),
+            AugmentOp::Rotate => linspace(0.0, rotate, bin),
+            AugmentOp::Brightness
+            | AugmentOp::Color
+            | AugmentOp::Contrast
+            | AugmentOp::Sharpness => linspace(0.0, factor, bin),
+            // 8 − round(bin / (30 / steps)): 8 bits down to 8 − steps.
+            AugmentOp::Posterize => {
+                8.0 - (bin as f32 / ((MAGNITUDE_BINS - 1) as f32 / posterize_bits))
+                    .round_ties_even()
+            }
+            AugmentOp::Solarize => linspace(255.0, 0.0, bin),
+        }
+    }
+
+    /// The operations for sample `sample_id` in `epoch`, for images of side `side`.
+    pub fn draw(&self, seed: u64, epoch: u64, sample_id: u64, side: u32) -> AugmentDraw {
+        let mut rng = crate::crop::sample_rng(b"autoaug\0", seed, epoch, sample_id);
+        let mut one = |bin: Option<u32>| {
+            let op = AugmentOp::ALL[rng.random_range(0..AugmentOp::ALL.len())];
+            let bin = bin.unwrap_or_else(|| rng.random_range(0..MAGNITUDE_BINS));
+            let mut magnitude = self.magnitude(op, bin, side);
+            if op.signed() && rng.random::<bool>() {
+                magnitude = -magnitude;
+            }
+            OpDraw { op, magnitude }
+        };
+        match *self {
+            Self::TrivialAugmentWide => AugmentDraw {
+                ops: [Some(one(None)), None],
+            },
+            Self::RandAugment { magnitude } => AugmentDraw {
+                ops: std::array::from_fn(|_| Some(one(Some(magnitude)))),
+            },
+        }
+    }
+}
+
+impl AugmentDraw {
+    /// Applies the operations to the `side`×`side` packed RGB8 image `rgb` in place
+    /// (`scratch`: a buffer the geometric ones resample into, reused).
+    pub fn apply(&self, rgb: &mut [u8], side: u32, scratch: &mut Vec<u8>) {
+        for op in self.ops.iter().flatten() {
+            op.apply(rgb, side, side, scratch);
+        }
+    }
+}
+
+impl OpDraw {
+    /// Applies the operation to the `width`×`height` packed RGB8 image `rgb` in place.
+    pub fn apply(&self, rgb: &mut [u8], width: u32, height: u32, scratch: &mut Vec<u8>) {
+        let m = self.magnitude;
+        let size = (width as usize, height as usize);
+        match self.op {
+            AugmentOp::Identity => {}
+            AugmentOp::ShearX => affine(rgb, size, scratch, Affine::shear(m, 0.0)),
+            AugmentOp::ShearY => affine(rgb, size, scratch, Affine::shear(0.0, m)),
+            // torchvision's `int(magnitude)`: truncated towards zero.
+            AugmentOp::TranslateX => affine(rgb, size, scratch, Affine::translate(m.trunc(), 0.0)),
+            AugmentOp::TranslateY => affine(rgb, size, scratch, Affine::translate(0.0, m.trunc())),
+            AugmentOp::Rotate => affine(rgb, size, scratch, Affine::rotate(m, size)),
+            AugmentOp::Brightness => crate::jitter::brightness(rgb, factor(m).0),
+            AugmentOp::Color => {
+                let (f, rest) = factor(m);
+                crate::jitter::saturation_weighted(rgb, f, rest)
+            }
+            AugmentOp::Contrast => {
+                let (f, rest) = factor(m);
+                crate::jitter::contrast_weighted(rgb, f, rest)
+            }
+            AugmentOp::Sharpness => sharpness(rgb, size, scratch, factor(m)),
+            AugmentOp::Posterize => posterize(rgb, m as u32),
+            AugmentOp::Solarize => solarize(rgb, m),
+            AugmentOp::AutoContrast => autocontrast(rgb),
+            AugmentOp::Equalize => equalize(rgb),
+        }
+    }
+}
+
+/// The blend weights of a colour operation of magnitude `m`: the factor `1 + m` and its
+/// complement `1 − (1 + m)`, each rounded to `f32` from the `f64` torchvision computes them in
+/// (its magnitudes are Python floats, the image `f32`).
+fn factor(m: f32) -> (f32, f32) {
+    let f = 1.0 + f64::from(m);
+    (f as f32, (1.0 - f) as f32)
+}
+
+/// The inverse map of an affine operation: output pixel coordinates (from the top-left
+/// corner, pixel centres at +0.5) to input ones, `[a, b, c, d, e, f]` as
+/// `(a·x + b·y + c, d·x + e·y + f)`.
+#[derive(Debug, Clone, Copy)]
+struct Affine([f64; 6]);
+
+impl Affine {
+    /// torchvision's `_get_inverse_affine_matrix(center, angle, translate, 1, shear)` with
+    /// the angle in degrees as `F.affine` passes it (negated) and shears as angles.
+    fn inverse(center: (f64, f64), angle: f64, translate: (f64, f64), shear: (f64, f64)) -> Self {
+        let rot = (-angle).to_radians();
+        let (sx, sy) = (shear.0.to_radians(), shear.1.to_radians());
+        let a = (rot - sy).cos() / sy.cos();
+        let b = -(rot - sy).cos() * sx.tan() / sy.cos() - rot.sin();
+        let c = (rot - sy).sin() / sy.cos();
+        let d = -(rot - sy).sin() * sx.tan() / sy.cos() + rot.cos();
+        let mut m = [d, -b, 0.0, -c, a, 0.0];
+        let (cx, cy) = center;
+        let (tx, ty) = translate;
+        m[2] += m[0] * (-cx - tx) + m[1] * (-cy - ty);
+        m[5] += m[3] * (-cx - tx) + m[4] * (-cy - ty);
+        m[2] += cx;
+        m[5] += cy;
+        Self(m)
+    }
+
+    /// Shear by the tangents `(x, y)` about the top-left corner (torchvision's `ShearX` and
+    /// `ShearY`: `shear = degrees(atan(magnitude))`, `center = [0, 0]`).
+    fn shear(x: f32, y: f32) -> Self {
+        let deg = |t: f32| f64::from(t).atan().to_degrees();
+        Self::inverse((0.0, 0.0), 0.0, (0.0, 0.0), (deg(x), deg(y)))
+    }
+
+    /// A shift by whole pixels.
+    fn translate(x: f32, y: f32) -> Self {
+        Self::inverse((0.0, 0.0), 0.0, (f64::from(x), f64::from(y)), (0.0, 0.0))
+    }
+
+    /// A counter-clockwise rotation by `degrees` about the image's centre.
+    fn rotate(degrees: f32, (w, h): (usize, usize)) -> Self {
+        let center = (w as f64 * 0.5, h as f64 * 0.5);
+        Self::inverse(center, f64::from(degrees), (0.0, 0.0), (0.0, 0.0))
+    }
+}
+
+/// Resamples `rgb` (`w`×`h`, packed RGB8) through the inverse map `map` with bilinear
+/// weights, taps outside the image black, rounded to the nearest byte: torchvision's
+/// `_apply_grid_transform` (its affine grid, then torch's `grid_sample` with zero padding
+/// and `align_corners=False`, then the cast back to `uint8`), in its `f32` steps and order,
+/// so the bytes agree with its own.
+fn affine(rgb: &mut [u8], (w, h): (usize, usize), scratch: &mut Vec<u8>, map: Affine) {
+    // torchvision's theta works in coordinates centred on the image: shift the map's origin.
+    let (hw, hh) = (w as f64 * 0.5, h as f64 * 0.5);
+    let [a, b, c, d, e, f] = map.0;
+    let theta = [
+        a,
+        b,
+        a * hw + b * hh + c - hw,
+        d,
+        e,
+        d * hw + e * hh + f - hh,
+    ]
+    .map(|v| v as f32);
+    // `theta.T / [0.5 w, 0.5 h]`: the grid in `grid_sample`'s normalised coordinates.
+    let (sw, sh) = (0.5 * w as f32, 0.5 * h as f32);
+    let r = [
+        [theta[0] / sw, theta[3] / sh],
+        [theta[1] / sw, theta[4] / sh],
+        [theta[2] / sw, theta[5] / sh],
+    ];
+    let base =
+        |n: usize, i: usize| linspace_f32(-(n as f32) * 0.5 + 0.5, n as f32 * 0.5 - 0.5, n, i);
+    scratch.clear();
+    scratch.resize(rgb.len(), 0);
+    let tap = |x: f32, y: f32| -> Option<&[u8]> {
+        (x >= 0.0 && y >= 0.0 && x < w as f32 && y < h as f32).then(|| {
+            let i = 3 * (y as usize * w + x as usize);
+            &rgb[i..i + 3]
+        })
+    };
+    for (y, row) in scratch.chunks_exact_mut(3 * w).enumerate() {
+        let by = base(h, y);
+        for (x, out) in row.chunks_exact_mut(3).enumerate() {
+            let bx = base(w, x);
+            let gx = bx * r[0][0] + by * r[1][0] + r[2][0];
+            let gy = bx * r[0][1] + by * r[1][1] + r[2][1];
+            // grid_sample's unnormalise (align_corners=False) and bilinear weights, as its
+            // CPU kernel computes them.
+            let ix = (gx + 1.0) * sw - 0.5;
+            let iy = (gy + 1.0) * sh - 0.5;
+            let (x0, y0) = (ix.floor(), iy.floor());
+            let (we, wn) = (ix - x0, iy - y0);
+            let (ww, ws) = (1.0 - we, 1.0 - wn);
+            let mut acc = [0f32; 3];
+            for (tx, ty, weight) in [
+                (x0, y0, ws * ww),
+                (x0 + 1.0, y0, ws * we),
+                (x0, y0 + 1.0, wn * ww),
+                (x0 + 1.0, y0 + 1.0, wn * we),
+            ] {
+                let v = tap(tx, ty);
+                for (ch, a) in acc.iter_mut().enumerate() {
+                    *a += v.map_or(0.0, |p| f32::from(p[ch])) * weight;
+                }
+            }
+            for (o, v) in out.iter_mut().zip(acc) {
+                *o = v.round_ties_even().clamp(0.0, 255.0) as u8;
+            }
+        }
+    }
+    rgb.copy_from_slice(scratch);
+}
+
+/// `torch.linspace(start, end, steps)[i]` in `f32`: from the start for the first half, from
+/// the end for the second, as torch computes it.
+fn linspace_f32(start: f32, end: f32, steps: usize, i: usize) -> f32 {
+    if steps <= 1 {
+        return start;
+    }
+    let step = (end - start) / (steps - 1) as f32;
+    if i < steps / 2 {
+        start + step * i as f32
+    } else {
+        end - step * (steps - 1 - i) as f32
+    }
+}
+
+/// torchvision's `adjust_sharpness`: a blend with the image blurred by
+/// `[1 1 1; 1 5 1; 1 1 1]/13` (rounded; the border kept), truncated.
+fn sharpness(rgb: &mut [u8], (w, h): (usize, usize), scratch: &mut Vec<u8>, (f, rest): (f32, f32)) {
+    if f == 1.0 || w < 3 || h < 3 {
+        // An image without an interior is its own blur: the blend leaves it unchanged.
+        return;
+    }
+    scratch.clear();
+    scratch.extend_from_slice(rgb);
+    let blurred = scratch;
+    for y in 1..h - 1 {
+        for x in 1..w - 1 {
+            for ch in 0..3 {
+                let at = |yy: usize, xx: usize| f32::from(rgb[3 * (yy * w + xx) + ch]);
+                let mut sum = 0f32;
+                for yy in y - 1..=y + 1 {
+                    for xx in x - 1..=x + 1 {
+                        sum += at(yy, xx);
+                    }
+                }
+                sum += 4.0 * at(y, x);
+                blurred[3 * (y * w + x) + ch] = (sum / 13.0).round_ties_even() as u8;
+            }
+        }
+    }
+    for (v, g) in rgb.iter_mut().zip(blurred.iter()) {
+        *v = (f * f32::from(*v) + rest * f32::from(*g)).clamp(0.0, 255.0) as u8;
+    }
+}
+
+/// torchvision's `posterize`: the top `bits` bits of every byte.
+fn posterize(rgb: &mut [u8], bits: u32) {
+    let mask = if bits >= 8 { 0xff } else { !(0xffu8 >> bits) };
+    rgb.iter_mut().for_each(|v| *v &= mask);
+}
+
+/// torchvision's `solarize`: bytes at or above `threshold` inverted.
+fn solarize(rgb: &mut [u8], threshold: f32) {
+    rgb.iter_mut()
+        .filter(|v| f32::from(**v) >= threshold)
+        .for_each(|v| *v = 255 - *v);
+}
+
+/// torchvision's `autocontrast`: each channel's range stretched to 0..=255 (a flat channel
+/// left as it is), truncated.
+fn autocontrast(rgb: &mut [u8]) {
+    for ch in 0..3 {
+        let channel = || rgb.iter().skip(ch).step_by(3);
+        let (lo, hi) = (
+            channel().copied().min().unwrap_or(0),
+            channel().copied().max().unwrap_or(0),
+        );
+        if lo == hi {
+            continue;
+        }
+        let scale = 255.0 / f32::from(hi - lo);
+        let table: [u8; 256] =
+            std::array::from_fn(|v| ((v as f32 - f32::from(lo)) * scale).clamp(0.0, 255.0) as u8);
+        rgb.iter_mut()
+            .skip(ch)
+            .step_by(3)
+            .for_each(|v| *v = table[usize::from(*v)]);
+    }
+}
+
+/// torchvision's `equalize` (PIL's `ImageOps.equalize`) of each channel: the step is the
+/// count of all pixels but those of the highest level present, over 255; each level maps to
+/// the pixels below it plus half a step, in steps. A step of 0 leaves the channel.
+fn equalize(rgb: &mut [u8]) {
+    for ch in 0..3 {
+        let mut hist = [0u64; 256];
+        rgb.iter()
+            .skip(ch)
+            .step_by(3)
+            .for_each(|v| hist[usize::from(*v)] += 1);
+        let last = hist.iter().rposition(|&n| n != 0).unwrap_or(0);
+        let step = hist[..last].iter().sum::<u64>() / 255;
+        if step == 0 {
+            continue;
+        }
+        let mut table = [0u8; 256];
+        let mut below = 0u64;
+        for (level, n) in hist.iter().enumerate() {
+            table[level] = ((below + step / 2) / step).min(255) as u8;
+            below += n;
+        }
+        rgb.iter_mut()
+            .skip(ch)
+            .step_by(3)
+            .for_each(|v| *v = table[usize::from(*v)]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(side: usize, seed: u64) -> Vec<u8> {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..side * side * 3).map(|_| rng.random::<u8>()).collect()
+    }
+
+    fn applied(op: AugmentOp, magnitude: f32, rgb: &[u8], side: u32) -> Vec<u8> {
+        let mut out = rgb.to_vec();
+        OpDraw { op, magnitude }.apply(&mut out, side, side, &mut Vec::new());
+        out
+    }
+
+    #[test]
+    fn the_bins_are_torchvisions() {
+        let ta = AutoAugment::TrivialAugmentWide;
+        let ra = AutoAugment::RAND_AUGMENT;
+        // TrivialAugmentWide: posterize 8 bits down to 2, solarize 255 down to 0.
+        assert_eq!(ta.magnitude(AugmentOp::Posterize, 0, 224), 8.0);
+        assert_eq!(ta.magnitude(AugmentOp::Posterize, 30, 224), 2.0);
+        // round(3 / 5) = 1 (0.6), round(15 / 5) = 3; torch rounds half to even: 2.5 → 2.
+        assert_eq!(ta.magnitude(AugmentOp::Posterize, 3, 224), 7.0);
+        assert_eq!(ta.magnitude(AugmentOp::Posterize, 15, 224), 5.0);
+        assert_eq!(ra.magnitude(AugmentOp::Posterize, 30, 224), 4.0);
+        // RandAugment's bin 9: 8 − round(9 / 7.5) = 7.
+        assert_eq!(ra.magnitude(AugmentOp::Posterize, 9, 224), 7.0);
+        assert_eq!(ta.magnitude(AugmentOp::Solarize, 0, 224), 255.0);
+        assert_eq!(ta.magnitude(AugmentOp::Solarize, 30, 224), 0.0);
+        assert_eq!(ta.magnitude(AugmentOp::Rotate, 30, 224), 135.0);
+        assert_eq!(ta.magnitude(AugmentOp::TranslateX, 30, 224), 32.0);
+        assert!((ra.magnitude(AugmentOp::TranslateY, 30, 331) - 150.0).abs() < 1e-3);
+        assert!((ra.magnitude(AugmentOp::Rotate, 9, 224) - 9.0).abs() < 1e-5);
+        assert!((ra.magnitude(AugmentOp::Brightness, 9, 224) - 0.27).abs() < 1e-6);
+        assert_eq!(ta.magnitude(AugmentOp::Equalize, 17, 224), 0.0);
+    }
+
+    #[test]
+    fn draws_cover_every_operation_and_depend_on_seed_epoch_and_sample() {
+        let ta = AutoAugment::TrivialAugmentWide;
+        let mut seen = std::collections::HashSet::new();
+        let (mut negative, mut positive) = (0, 0);
+        for id in 0..2000 {
+            let draw = ta.draw(1, 0, id, 224);
+            assert_eq!(
+                draw,
+                ta.draw(1, 0, id, 224),
+                "a draw is a function of its inputs"
+            );
+            assert!(
+                draw.ops[1].is_none(),
+                "TrivialAugment applies one operation"
+            );
+            let op = draw.ops[0].unwrap();
+            seen.insert(op.op);
+            if op.op == AugmentOp::Rotate {
+                assert!(op.magnitude.abs() <= 135.0);
+                if op.magnitude < 0.0 {
+                    negative += 1;
+                } else {
+                    positive += 1;
+                }
+            }
+            if !op.op.signed() {
+                assert!(op.magnitude >= 0.0, "{op:?}");
+            }
+        }
+        assert_eq!(seen.len(), 14, "all 14 operations are drawn: {seen:?}");
+        assert!(negative > 40 && positive > 40, "{negative} {positive}");
+        let differs = |other: &dyn Fn(u64) -> AugmentDraw| {
+            (0..50)
+                .filter(|&id| other(id) != ta.draw(1, 0, id, 224))
+                .count()
+                > 40
+        };
+        assert!(differs(&|id| ta.draw(2, 0, id, 224)), "seed");
+        assert!(differs(&|id| ta.draw(1, 1, id, 224)), "epoch");
+        assert!(differs(&|id| ta.draw(1, 0, id + 1000, 224)), "sample");
+    }
+
+    #[test]
+    fn rand_augment_applies_two_operations_at_its_bin() {
+        let ra = AutoAugment::RandAugment { magnitude: 30 };
+        for id in 0..300 {
+            let draw = ra.draw(5, 2, id, 224);
+            for op in draw.ops.map(Option::unwrap) {
+                let want = ra.magnitude(op.op, 30, 224);
+                assert_eq!(op.magnitude.abs(), want, "{op:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_impossible_bin_names_the_flag() {
+        let err = AutoAugment::RandAugment { magnitude: 31 }
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--ra-magnitude") && err.contains("31"),
+            "{err}"
+        );
+        AutoAugment::RandAugment { magnitude: 30 }
+            .validate()
+            .unwrap();
+        assert_eq!(
+            AutoAugment::parse("TA-Wide"),
+            Some(Some(AutoAugment::TrivialAugmentWide))
+        );
+        assert_eq!(AutoAugment::parse("none"), Some(None));
+        assert_eq!(AutoAugment::parse("augmix"), None);
+    }
+
+    #[test]
+    fn the_geometric_operations_move_pixels_as_named() {
+        let side = 8usize;
+        let rgb = image(side, 1);
+        let at = |img: &[u8], x: usize, y: usize| {
+            img[3 * (y * side + x)..3 * (y * side + x) + 3].to_vec()
+        };
+        // A shift right by 2 whole pixels: column x comes from column x − 2, the first two black.
+        let moved = applied(AugmentOp::TranslateX, 2.9, &rgb, side as u32);
+        for y in 0..side {
+            for x in 0..side {
+                let want = if x < 2 {
+                    vec![0; 3]
+                } else {
+                    at(&rgb, x - 2, y)
+                };
+                assert_eq!(at(&moved, x, y), want, "({x}, {y})");
+            }
+        }
+        let up = applied(AugmentOp::TranslateY, -3.0, &rgb, side as u32);
+        assert_eq!(at(&up, 4, 0), at(&rgb, 4, 3));
+        assert_eq!(at(&up, 4, side - 1), vec![0; 3]);
+        // A half turn about the centre of an even square maps pixel centres onto pixel centres.
+        let turned = applied(AugmentOp::Rotate, 180.0, &rgb, side as u32);
+        for y in 0..side {
+            for x in 0..side {
+                assert_eq!(at(&turned, x, y), at(&rgb, side - 1 - x, side - 1 - y));
+            }
+        }
+        // A quarter turn counter-clockwise: the top row becomes the left column, reversed.
+        let quarter = applied(AugmentOp::Rotate, 90.0, &rgb, side as u32);
+        for x in 0..side {
+            assert_eq!(at(&quarter, 0, side - 1 - x), at(&rgb, x, 0));
+        }
+        // A shear about the top-left corner keeps the top row (its pixel centres move by half
+        // the tangent, which the bilinear weights blend), and 0 is the identity.
+        assert_eq!(applied(AugmentOp::ShearX, 0.0, &rgb, side as u32), rgb);
+        assert_eq!(applied(AugmentOp::Rotate, 0.0, &rgb, side as u32), rgb);
+        let sheared = applied(AugmentOp::ShearY, 0.5, &rgb, side as u32);
+        assert_ne!(sheared, rgb);
+    }
+
+    #[test]
+    fn the_colour_operations_follow_their_formulas() {
+        let rgb = image(6, 2);
+        let posterized = applied(AugmentOp::Posterize, 3.0, &rgb, 6);
+        assert!(posterized
+            .iter()
+            .zip(&rgb)
+            .all(|(p, v)| *p == v & 0b1110_0000));
+        assert_eq!(applied(AugmentOp::Posterize, 8.0, &rgb, 6), rgb);
+        let solarized = applied(AugmentOp::Solarize, 128.0, &rgb, 6);
+        for (s, v) in solarized.iter().zip(&rgb) {
+            assert_eq!(*s, if *v >= 128 { 255 - v } else { *v });
+        }
+        assert_eq!(applied(AugmentOp::Solarize, 255.5, &rgb, 6), rgb);
+        // Autocontrast: every channel spans 0..=255 afterwards.
+        let dull: Vec<u8> = rgb.iter().map(|v| 100 + v / 4).collect();
+        let stretched = applied(AugmentOp::AutoContrast, 0.0, &dull, 6);
+        for ch in 0..3 {
+            let c: Vec<u8> = stretched.iter().skip(ch).step_by(3).copied().collect();
+            assert_eq!((c.iter().min(), c.iter().max()), (Some(&0), Some(&255)));
+        }
+        // A flat image is left as it is by both histogram operations.
+        let flat = vec![77u8; 6 * 6 * 3];
+        assert_eq!(applied(AugmentOp::AutoContrast, 0.0, &flat, 6), flat);
+        assert_eq!(applied(AugmentOp::Equalize, 0.0, &flat, 6), flat);
+        // Sharpness 1 + 0 and brightness 1 + 0 are the identity; sharpness keeps the border.
+        assert_eq!(applied(AugmentOp::Sharpness, 0.0, &rgb, 6), rgb);
+        let sharp = applied(AugmentOp::Sharpness, 0.9, &rgb, 6);
+        assert_eq!(&sharp[..18], &rgb[..18], "the top row is kept");
+        assert_ne!(sharp, rgb);
+        assert_eq!(applied(AugmentOp::Brightness, 0.0, &rgb, 6), rgb);
+    }
+
+    #[test]
+    fn equalize_is_pils_rule() {
+        // One channel with levels 10 (4 pixels), 20 (4), 30 (248): step = 8 / 255 = 0, so
+        // unchanged; with 255 pixels of 10, 255 of 20 and 2 of 30: step = 510 / 255 = 2.
+        let mut rgb = Vec::new();
+        for (level, n) in [(10u8, 255), (20, 255), (30, 2)] {
+            for _ in 0..n {
+                rgb.extend([level, level, level]);
+            }
+        }
+        // Level 10 maps to (0 + 1) / 2 = 0, 20 to (255 + 1) / 2 = 128, 30 to (510 + 1) / 2 = 255.
+        let out = applied(AugmentOp::Equalize, 0.0, &rgb, 0);
+        let levels: std::collections::BTreeSet<u8> = out.iter().copied().collect();
+        assert_eq!(levels.into_iter().collect::<Vec<_>>(), vec![0, 128, 255]);
+    }
+
+    /// Bytes torchvision 0.14's `_apply_op` gave (uint8 tensors, bilinear, no fill;
+    /// `pipeline/tests/torchvision_autoaugment.py`), so the check runs where torchvision is
+    /// absent; `tests/auto_augment.rs` compares every operation on larger images where it is
+    /// present.
+    #[test]
+    fn operations_reproduce_torchvisions_bytes() {
+        let input: [u8; 108] = [
+            165, 77, 202, 24, 37, 48, 187, 29, 109, 19, 44, 222, 214, 35, 123, 46, 217, 30, 63,
+            114, 31, 203, 25, 113, 23, 68, 148, 214, 73, 60, 157, 92, 52, 96, 190, 49, 32, 30, 105,
+            254, 218, 160, 238, 232, 185, 153, 127, 92, 124, 41, 153, 253, 175, 229, 147, 37, 60,
+            214, 84, 175, 77, 250, 215, 20, 39, 160, 174, 179, 254, 233, 35, 47, 138, 242, 33, 31,
+            158, 228, 145, 197, 177, 11, 236, 181, 86, 59, 252, 30, 111, 147, 66, 126, 203, 200,
+            254, 41, 85, 229, 205, 142, 70, 220, 142, 212, 183, 194, 118, 77,
+        ];
+        let sharpness: [u8; 108] = [
+            165, 77, 202, 24, 37, 48, 187, 29, 109, 19, 44, 222, 214, 35, 123, 46, 217, 30, 63,
+            114, 31, 237, 0, 108, 0, 54, 158, 246, 68, 27, 164, 82, 22, 96, 190, 49, 32, 30, 105,
+            255, 255, 173, 255, 255, 203, 163, 129, 65, 107, 9, 168, 253, 175, 229, 147, 37, 60,
+            249, 46, 187, 52, 255, 234, 0, 0, 147, 199, 211, 255, 233, 35, 47, 138, 242, 33, 0,
+            149, 255, 165, 211, 176, 0, 255, 169, 72, 30, 255, 30, 111, 147, 66, 126, 203, 200,
+            254, 41, 85, 229, 205, 142, 70, 220, 142, 212, 183, 194, 118, 77,
+        ];
+        let rotate: [u8; 108] = [
+            10, 3, 7, 65, 21, 94, 91, 44, 179, 161, 93, 74, 104, 179, 61, 16, 15, 13, 36, 35, 51,
+            113, 46, 124, 173, 71, 82, 156, 78, 90, 191, 116, 188, 143, 65, 86, 133, 60, 85, 161,
+            101, 142, 188, 175, 149, 116, 96, 127, 168, 149, 228, 167, 66, 94, 58, 65, 87, 237,
+            186, 160, 146, 223, 199, 41, 127, 178, 69, 132, 217, 81, 97, 196, 56, 20, 47, 173, 65,
+            112, 114, 155, 201, 119, 204, 179, 85, 145, 203, 135, 190, 177, 12, 10, 4, 132, 214,
+            34, 102, 197, 142, 120, 232, 156, 68, 83, 125, 12, 11, 17,
+        ];
+        let shear: [u8; 108] = [
+            132, 62, 162, 10, 15, 19, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 83, 107, 65, 96, 32, 74,
+            187, 29, 109, 11, 26, 133, 43, 7, 25, 0, 0, 0, 38, 47, 90, 223, 102, 132, 23, 68, 148,
+            136, 61, 125, 203, 46, 109, 37, 174, 24, 124, 36, 69, 238, 164, 166, 238, 232, 185,
+            177, 105, 79, 150, 82, 72, 86, 195, 45, 140, 201, 38, 141, 114, 196, 77, 250, 215, 73,
+            74, 133, 134, 69, 173, 222, 178, 193, 80, 149, 169, 99, 196, 153, 145, 197, 177, 15,
+            157, 173, 156, 155, 254, 237, 63, 83,
+        ];
+        for (op, magnitude, want) in [
+            (AugmentOp::Sharpness, 0.7, sharpness),
+            (AugmentOp::Rotate, 30.0, rotate),
+            (AugmentOp::ShearY, -0.4, shear),
+        ] {
+            assert_eq!(
+                applied(op, magnitude, &input, 6),
+                want,
+                "{op:?} {magnitude}"
+            );
+        }
+        // The histogram operations need more pixels: a 24×24 pattern, its first row.
+        let pattern: Vec<u8> = (0..24u32 * 24)
+            .flat_map(|i| {
+                let (y, x) = (i / 24, i % 24);
+                [
+                    (x * 5 + y * 3) % 97 + 40,
+                    (x * x + y) % 61 + 100,
+                    (x * y) % 50,
+                ]
+                .map(|v| v as u8)
+            })
+            .collect();
+        let equalize: [u8; 72] = [
+            0, 0, 0, 13, 5, 0, 27, 21, 0, 42, 46, 0, 57, 81, 0, 73, 135, 0, 89, 186, 0, 105, 237,
+            0, 121, 16, 0, 136, 105, 0, 152, 198, 0, 168, 255, 0, 184, 117, 0, 200, 229, 0, 216,
+            65, 0, 231, 210, 0, 245, 60, 0, 255, 222, 0, 255, 99, 0, 255, 255, 0, 8, 177, 0, 21,
+            70, 0, 36, 255, 0, 51, 206, 0,
+        ];
+        let autocontrast: [u8; 72] = [
+            0, 0, 0, 13, 4, 0, 26, 17, 0, 39, 38, 0, 53, 68, 0, 66, 106, 0, 79, 153, 0, 92, 208, 0,
+            106, 12, 0, 119, 85, 0, 132, 165, 0, 146, 255, 0, 159, 93, 0, 172, 199, 0, 185, 55, 0,
+            199, 178, 0, 212, 51, 0, 225, 191, 0, 239, 80, 0, 252, 238, 0, 7, 144, 0, 21, 59, 0,
+            34, 242, 0, 47, 174, 0,
+        ];
+        for (op, want) in [
+            (AugmentOp::Equalize, equalize),
+            (AugmentOp::AutoContrast, autocontrast),
+        ] {
+            assert_eq!(applied(op, 0.0, &pattern, 24)[..72], want, "{op:?}");
+        }
+    }
+}
