@@ -327,7 +327,8 @@ fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
 /// `--store-size`: a run that caches larger squares than it trains on validates on crops of
 /// them, records the store in its checkpoint, and `eval` and `predict` cut their images from
 /// the same store (eval's loss is the run's last validation loss; predict's top answer has
-/// eval's probability, image by image). The run's colour jitter stays out of validation.
+/// eval's probability, image by image). The run's colour jitter and augmentation policy stay
+/// out of validation.
 #[test]
 fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
     let tmp = tempfile::tempdir().unwrap();
@@ -336,7 +337,8 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
     let run = tmp.path().join("run");
     let mut args = train_args(&data, &cache, &run, 2);
     // The centred 0.8 of a 20-pixel store is the 16-pixel image itself, at scale 1.
-    // The colour jitter is for training images only: validation, and so eval, see none.
+    // The colour jitter and the policy are for training images only: validation, and so
+    // eval, see neither.
     for flag in [
         "--store-size",
         "20",
@@ -344,6 +346,8 @@ fn the_checkpoints_store_size_serves_validation_eval_and_predict() {
         "0.8",
         "--color-jitter",
         "0.4",
+        "--auto-augment",
+        "ta_wide",
     ] {
         args.push(flag.to_string());
     }

@@ -1,7 +1,8 @@
-//! `--mixup`, `--cutmix`, `--random-erase`, `--color-jitter-hue` and `--clip-grad-norm`
+//! `--mixup`, `--cutmix`, `--random-erase`, `--color-jitter-hue`, `--auto-augment` and
+//! `--clip-grad-norm`
 //! through the CLI: each reaches training (a run mixing none of its batches is the plain run,
-//! bit for bit, as is one clipped above every norm; mixup, CutMix, erasing, hue and clipping
-//! each change it, and differently), each is said at the start, and bad values are one line
+//! bit for bit, as is one clipped above every norm; mixup, CutMix, erasing, hue, the
+//! augmentation policies and clipping each change it, and differently), each is said at the start, and bad values are one line
 //! naming the flag.
 //! The ops themselves are checked in backend_input (pixels), backend_gradcheck (targets and
 //! gradient), the conformance suite and the kernel emulator.
@@ -44,6 +45,18 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         said.contains("colour jitter: hue turned by up to ±0.2"),
         "{said}"
     );
+    let (trivial, said) = weights("trivial", &["--auto-augment", "ta_wide"]);
+    assert!(
+        said.contains("automatic augmentation: TrivialAugmentWide"),
+        "{said}"
+    );
+    let (rand, said) = weights("rand", &["--auto-augment", "ra", "--ra-magnitude", "20"]);
+    assert!(
+        said.contains("RandAugment, two of 14 operations per training image at strength 20"),
+        "{said}"
+    );
+    let (no_policy, _) = weights("no-policy", &["--auto-augment", "none"]);
+    assert!(plain == no_policy, "--auto-augment none changed the run");
     let (unclipped, _) = weights("unclipped", &["--clip-grad-norm", "1e30"]);
     assert!(
         plain == unclipped,
@@ -54,12 +67,14 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         said.contains("gradients clipped to a global L2 norm of 0.05"),
         "{said}"
     );
-    let runs = [&plain, &mixup, &cutmix, &erased, &hue, &clipped];
+    let runs = [
+        &plain, &mixup, &cutmix, &erased, &hue, &trivial, &rand, &clipped,
+    ];
     for (i, a) in runs.iter().enumerate() {
         for b in &runs[i + 1..] {
             assert!(
                 a != b,
-                "two of plain, mixup, CutMix, erasing, hue and clipping trained alike"
+                "two of plain, mixup, CutMix, erasing, hue, the policies and clipping trained alike"
             );
         }
     }
@@ -84,6 +99,16 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
         (vec!["--clip-grad-norm", "0"], "--clip-grad-norm"),
         (vec!["--clip-grad-norm=-1"], "--clip-grad-norm"),
         (vec!["--clip-grad-norm", "inf"], "--clip-grad-norm"),
+        (vec!["--auto-augment", "augmix"], "--auto-augment"),
+        (
+            vec!["--auto-augment", "ra", "--ra-magnitude", "31"],
+            "--ra-magnitude",
+        ),
+        (vec!["--ra-magnitude", "5"], "--ra-magnitude"),
+        (
+            vec!["--auto-augment", "ta_wide", "--ra-magnitude", "5"],
+            "--ra-magnitude",
+        ),
     ] {
         let run = tmp.path().join("run");
         let mut args = train_args(&data, &cache, &run, 1);

@@ -230,6 +230,10 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         "0.8",
         "--clip-grad-norm",
         "0.5",
+        "--auto-augment",
+        "ra",
+        "--ra-magnitude",
+        "12",
         "--schedule",
         "step",
         "--step-every",
@@ -257,6 +261,10 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     assert_eq!(meta.settings.color_jitter, 0.3);
     assert_eq!(meta.settings.random_erase, 0.5);
     assert_eq!(meta.settings.clip_grad_norm, Some(0.5));
+    assert_eq!(
+        meta.settings.auto_augment,
+        Some(pipeline::AutoAugment::RandAugment { magnitude: 12 })
+    );
     assert_eq!(meta.settings.color_jitter_hue, 0.1);
     assert_eq!(
         (

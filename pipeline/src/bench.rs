@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::{
-    ColorJitter, DatasetSource, PipelineBuilder, PipelineError, RandomResizedCrop, ResizeMode,
-    Split,
+    AutoAugment, ColorJitter, DatasetSource, PipelineBuilder, PipelineError, RandomResizedCrop,
+    ResizeMode, Split,
 };
 
 /// Settings of one benchmark run.
@@ -41,6 +41,8 @@ pub struct PipelineBenchOptions {
     pub crop: Option<RandomResizedCrop>,
     /// The colour jitter of every image, as for training (`None`: colours as stored).
     pub color_jitter: Option<ColorJitter>,
+    /// The automatic augmentation of every image, as for training (`None`: none).
+    pub auto_augment: Option<AutoAugment>,
 }
 
 impl PipelineBenchOptions {
@@ -63,6 +65,7 @@ impl PipelineBenchOptions {
             prefetch: 4,
             crop: None,
             color_jitter: None,
+            auto_augment: None,
         }
     }
 }
@@ -103,6 +106,7 @@ pub fn run_pipeline_bench_with(
         .prefetch(opts.prefetch)
         .random_resized_crop(opts.crop)
         .color_jitter(opts.color_jitter)
+        .auto_augment(opts.auto_augment)
         .seed(opts.seed);
     if let Some(dir) = &opts.cache_dir {
         builder = builder.cache_dir(dir);

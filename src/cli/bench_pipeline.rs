@@ -64,6 +64,12 @@ pub struct BenchPipelineArgs {
     /// The hue part of the colour jitter, as for training.
     #[arg(long, value_name = "H")]
     pub color_jitter_hue: Option<f32>,
+    /// Automatic augmentation of every image (ta_wide, ra or none), as for training.
+    #[arg(long, value_name = "ta_wide|ra|none")]
+    pub auto_augment: Option<String>,
+    /// With --auto-augment ra: the strength bin of every operation (0 to 30).
+    #[arg(long, value_name = "M")]
+    pub ra_magnitude: Option<u32>,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -115,10 +121,34 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         (None, None) => None,
         (f, h) => Some(pipeline::ColorJitter::uniform(f.unwrap_or(0.0)).with_hue(h.unwrap_or(0.0))),
     };
+    opts.auto_augment = auto_augment(&args)?;
     // Each epoch is printed as soon as it is measured.
     let json = args.json;
     run_pipeline_bench_with(&opts, |report| print_report(report, json))?;
     Ok(())
+}
+
+/// The policy asked for by `--auto-augment` and `--ra-magnitude`.
+fn auto_augment(args: &BenchPipelineArgs) -> Result<Option<pipeline::AutoAugment>, CliError> {
+    let policy = match &args.auto_augment {
+        None => None,
+        Some(word) => pipeline::AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
+            flag: "--auto-augment",
+            value: word.clone(),
+            hint: format!("expected {}", pipeline::AutoAugment::CHOICES),
+        })?,
+    };
+    match (policy, args.ra_magnitude) {
+        (Some(pipeline::AutoAugment::RandAugment { .. }), Some(magnitude)) => {
+            Ok(Some(pipeline::AutoAugment::RandAugment { magnitude }))
+        }
+        (_, Some(m)) => Err(CliError::BadValue {
+            flag: "--ra-magnitude",
+            value: m.to_string(),
+            hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
+        }),
+        (policy, None) => Ok(policy),
+    }
 }
 
 /// The crop asked for by `--augment` and `--crop-scale`.

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
-use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
+use pipeline::{AutoAugment, LastBatch, OnBadImage, ResizeMode, Sampling};
 
 use super::CliError;
 use crate::dist::DistSettings;
@@ -218,6 +218,16 @@ pub struct TrainArgs {
     /// three (torchvision's ColorJitter(…, hue=H)) [default: 0, none]
     #[arg(long, value_name = "H")]
     pub color_jitter_hue: Option<f32>,
+    /// Automatic augmentation of training images, after the crop and before the colour
+    /// jitter: ta_wide (torchvision's TrivialAugmentWide, one of 14 operations per image at a
+    /// random strength; its ResNet-50 recipe's), ra (RandAugment, two operations at the
+    /// --ra-magnitude strength) or none (torchvision's --auto-augment) [default: none]
+    #[arg(long, value_name = "ta_wide|ra|none")]
+    pub auto_augment: Option<String>,
+    /// With --auto-augment ra: the strength of every operation, a bin from 0 to 30
+    /// (torchvision's --ra-magnitude) [default: 9]
+    #[arg(long, value_name = "M")]
+    pub ra_magnitude: Option<u32>,
     /// Random erasing: this share of training images gets a random rectangle (2–33 % of its
     /// area, aspect 0.3–3.3) set to the mean colour, after the crop and mirror
     /// (torchvision's RandomErasing; its recipe uses 0.1, timm's --reprob 0.25) [default: 0]
@@ -594,6 +604,23 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let Some(f) = args.color_jitter {
         cfg.color_jitter = f;
+    }
+    if let Some(word) = &args.auto_augment {
+        cfg.auto_augment = AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
+            flag: "--auto-augment",
+            value: word.clone(),
+            hint: format!("expected {}", AutoAugment::CHOICES),
+        })?;
+    }
+    if let Some(m) = args.ra_magnitude {
+        let Some(AutoAugment::RandAugment { magnitude }) = &mut cfg.auto_augment else {
+            return Err(CliError::BadValue {
+                flag: "--ra-magnitude",
+                value: m.to_string(),
+                hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
+            });
+        };
+        *magnitude = m;
     }
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {

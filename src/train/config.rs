@@ -71,6 +71,9 @@ pub struct TrainConfig {
     pub lr_range: Option<LrRange>,
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
+    /// The automatic augmentation policy of training images (`--auto-augment`,
+    /// `--ra-magnitude`; none: off).
+    pub auto_augment: Option<pipeline::AutoAugment>,
     /// Decode workers (0 = available cores).
     pub workers: usize,
     /// CPU backend threads (0 = available cores). Results are bit-reproducible for a given
@@ -165,6 +168,7 @@ impl TrainConfig {
             random_erase: 0.0,
             color_jitter_hue: 0.0,
             color_jitter: 0.0,
+            auto_augment: None,
             init_from: None,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
@@ -250,6 +254,7 @@ impl TrainConfig {
             model_ema: self.model_ema,
             clip_grad_norm: self.clip_grad_norm,
             color_jitter: self.color_jitter,
+            auto_augment: self.auto_augment,
             freeze_bn: self.freeze_bn,
             sync_bn: self.dist.sync_bn,
             last_batch: self.last_batch,
@@ -286,6 +291,7 @@ impl TrainConfig {
         self.model_ema = s.model_ema;
         self.clip_grad_norm = s.clip_grad_norm;
         self.color_jitter = s.color_jitter;
+        self.auto_augment = s.auto_augment;
         self.freeze_bn = s.freeze_bn;
         self.dist.sync_bn = s.sync_bn;
         self.last_batch = s.last_batch;
@@ -400,6 +406,9 @@ impl TrainConfig {
         pipeline::ColorJitter::uniform(self.color_jitter)
             .with_hue(self.color_jitter_hue)
             .validate()?;
+        if let Some(policy) = self.auto_augment {
+            policy.validate()?;
+        }
         self.mix.validate()?;
         if let Some(n) = self.clip_grad_norm {
             if !(n > 0.0 && n.is_finite()) {

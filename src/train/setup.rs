@@ -48,6 +48,7 @@ pub(crate) fn pipeline_for(
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
         .center_crop((!training).then_some(cfg.crop_pct))
         .color_jitter(cfg.engine_jitter().filter(|_| training))
+        .auto_augment(cfg.auto_augment.filter(|_| training))
         .sampling(if training {
             cfg.sampler
         } else {
@@ -376,6 +377,15 @@ impl Shared {
                 crop.ratio.1,
                 cfg.image_size
             ));
+        }
+        match cfg.auto_augment {
+            Some(pipeline::AutoAugment::TrivialAugmentWide) => self.say(
+                "automatic augmentation: TrivialAugmentWide, one of 14 operations per training image at a random strength (--auto-augment ta_wide)",
+            ),
+            Some(pipeline::AutoAugment::RandAugment { magnitude }) => self.say(format!(
+                "automatic augmentation: RandAugment, two of 14 operations per training image at strength {magnitude} of 30 (--auto-augment ra, --ra-magnitude)"
+            )),
+            None => {}
         }
         if let Some(jitter) = cfg.engine_jitter() {
             let mut parts = Vec::new();

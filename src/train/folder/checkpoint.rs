@@ -161,6 +161,51 @@ mod resize_mode_name {
     }
 }
 
+/// `--auto-augment` as `{"policy": "ta_wide"}` or `{"policy": "ra", "magnitude": M}`.
+mod auto_augment_policy {
+    use pipeline::AutoAugment;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    struct Recorded {
+        policy: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        magnitude: Option<u32>,
+    }
+
+    pub(super) fn serialize<S: Serializer>(
+        v: &Option<AutoAugment>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        v.map(|policy| Recorded {
+            policy: policy.as_str().to_string(),
+            magnitude: match policy {
+                AutoAugment::RandAugment { magnitude } => Some(magnitude),
+                AutoAugment::TrivialAugmentWide => None,
+            },
+        })
+        .serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<AutoAugment>, D::Error> {
+        let Some(recorded) = Option::<Recorded>::deserialize(d)? else {
+            return Ok(None);
+        };
+        match (AutoAugment::parse(&recorded.policy), recorded.magnitude) {
+            (Some(Some(AutoAugment::RandAugment { .. })), Some(magnitude)) => {
+                Ok(Some(AutoAugment::RandAugment { magnitude }))
+            }
+            (Some(policy), _) => Ok(policy),
+            (None, _) => Err(serde::de::Error::custom(format!(
+                "unknown augmentation policy {:?}",
+                recorded.policy
+            ))),
+        }
+    }
+}
+
 mod sampler_name {
     use pipeline::Sampling;
     use serde::{Deserialize, Deserializer, Serializer};
@@ -263,6 +308,14 @@ pub struct RunSettings {
     /// older checkpoints (0: none).
     #[serde(default)]
     pub color_jitter: f32,
+    /// `--auto-augment` (with `--ra-magnitude`): the automatic augmentation policy; absent
+    /// when off (and in older checkpoints).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "auto_augment_policy"
+    )]
+    pub auto_augment: Option<pipeline::AutoAugment>,
     /// Frozen batch norm.
     pub freeze_bn: bool,
     /// Batch norm over the global batch (`--sync-bn`); absent in older checkpoints (off).
@@ -902,6 +955,7 @@ pub(crate) mod tests {
                 }),
                 clip_grad_norm: Some(5.0),
                 color_jitter: 0.4,
+                auto_augment: Some(pipeline::AutoAugment::RandAugment { magnitude: 12 }),
                 freeze_bn: false,
                 sync_bn: true,
                 last_batch: LastBatch::Partial,
@@ -996,6 +1050,7 @@ pub(crate) mod tests {
             "model_ema",
             "clip_grad_norm",
             "color_jitter",
+            "auto_augment",
         ] {
             settings.remove(field).unwrap();
         }
@@ -1036,6 +1091,7 @@ pub(crate) mod tests {
         assert_eq!(old.settings.color_jitter, 0.0, "no colour jitter");
         assert_eq!(old.settings.model_ema, None, "no moving average");
         assert_eq!(old.settings.clip_grad_norm, None, "no clipping");
+        assert_eq!(old.settings.auto_augment, None, "no automatic augmentation");
         assert_eq!(old.model_ema(), None);
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
