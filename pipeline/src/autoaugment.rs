@@ -271,8 +271,8 @@ impl OpDraw {
             AugmentOp::ShearX => affine(rgb, size, scratch, Affine::shear(m, 0.0)),
             AugmentOp::ShearY => affine(rgb, size, scratch, Affine::shear(0.0, m)),
             // torchvision's `int(magnitude)`: truncated towards zero.
-            AugmentOp::TranslateX => affine(rgb, size, scratch, Affine::translate(m.trunc(), 0.0)),
-            AugmentOp::TranslateY => affine(rgb, size, scratch, Affine::translate(0.0, m.trunc())),
+            AugmentOp::TranslateX => shift(rgb, size, m.trunc() as i64, 0),
+            AugmentOp::TranslateY => shift(rgb, size, 0, m.trunc() as i64),
             AugmentOp::Rotate => affine(rgb, size, scratch, Affine::rotate(m, size)),
             AugmentOp::Brightness => crate::jitter::brightness(rgb, factor(m).0),
             AugmentOp::Color => {
@@ -333,11 +333,6 @@ impl Affine {
         Self::inverse((0.0, 0.0), 0.0, (0.0, 0.0), (deg(x), deg(y)))
     }
 
-    /// A shift by whole pixels.
-    fn translate(x: f32, y: f32) -> Self {
-        Self::inverse((0.0, 0.0), 0.0, (f64::from(x), f64::from(y)), (0.0, 0.0))
-    }
-
     /// A counter-clockwise rotation by `degrees` about the image's centre.
     fn rotate(degrees: f32, (w, h): (usize, usize)) -> Self {
         let center = (w as f64 * 0.5, h as f64 * 0.5);
@@ -372,45 +367,76 @@ fn affine(rgb: &mut [u8], (w, h): (usize, usize), scratch: &mut Vec<u8>, map: Af
     ];
     let base =
         |n: usize, i: usize| linspace_f32(-(n as f32) * 0.5 + 0.5, n as f32 * 0.5 - 0.5, n, i);
+    let columns: Vec<f32> = (0..w).map(|x| base(w, x)).collect();
     scratch.clear();
     scratch.resize(rgb.len(), 0);
-    let tap = |x: f32, y: f32| -> Option<&[u8]> {
-        (x >= 0.0 && y >= 0.0 && x < w as f32 && y < h as f32).then(|| {
-            let i = 3 * (y as usize * w + x as usize);
-            &rgb[i..i + 3]
-        })
-    };
+    let (wi, hi) = (w as i32, h as i32);
+    // One row's sampling points, computed for the whole row first (the compiler vectorises
+    // this pass), then gathered.
+    let mut at = vec![(0i32, 0i32, [0f32; 4]); w];
     for (y, row) in scratch.chunks_exact_mut(3 * w).enumerate() {
         let by = base(h, y);
-        for (x, out) in row.chunks_exact_mut(3).enumerate() {
-            let bx = base(w, x);
+        for (bx, point) in columns.iter().zip(at.iter_mut()) {
             let gx = bx * r[0][0] + by * r[1][0] + r[2][0];
             let gy = bx * r[0][1] + by * r[1][1] + r[2][1];
             // grid_sample's unnormalise (align_corners=False) and bilinear weights, as its
             // CPU kernel computes them.
             let ix = (gx + 1.0) * sw - 0.5;
             let iy = (gy + 1.0) * sh - 0.5;
-            let (x0, y0) = (ix.floor(), iy.floor());
-            let (we, wn) = (ix - x0, iy - y0);
+            let (x0, y0) = (floor(ix), floor(iy));
+            let (we, wn) = (ix - x0 as f32, iy - y0 as f32);
             let (ww, ws) = (1.0 - we, 1.0 - wn);
-            let mut acc = [0f32; 3];
-            for (tx, ty, weight) in [
-                (x0, y0, ws * ww),
-                (x0 + 1.0, y0, ws * we),
-                (x0, y0 + 1.0, wn * ww),
-                (x0 + 1.0, y0 + 1.0, wn * we),
-            ] {
-                let v = tap(tx, ty);
-                for (ch, a) in acc.iter_mut().enumerate() {
-                    *a += v.map_or(0.0, |p| f32::from(p[ch])) * weight;
+            *point = (x0, y0, [ws * ww, ws * we, wn * ww, wn * we]);
+        }
+        for (&(x0, y0, weights), out) in at.iter().zip(row.chunks_exact_mut(3)) {
+            if x0 >= 0 && y0 >= 0 && x0 < wi - 1 && y0 < hi - 1 {
+                // All four taps inside: no checks per tap.
+                let nw = 3 * (y0 as usize * w + x0 as usize);
+                let taps = [nw, nw + 3, nw + 3 * w, nw + 3 * w + 3];
+                for (ch, o) in out.iter_mut().enumerate() {
+                    let mut acc = 0f32;
+                    for (t, weight) in taps.iter().zip(weights) {
+                        acc += f32::from(rgb[t + ch]) * weight;
+                    }
+                    *o = to_byte(acc);
+                }
+            } else if x0 >= -1 && y0 >= -1 && x0 < wi && y0 < hi {
+                // On the border: taps outside are black (they would add an exact zero).
+                let mut acc = [0f32; 3];
+                let corners = [(0, 0), (1, 0), (0, 1), (1, 1)];
+                for ((dx, dy), weight) in corners.into_iter().zip(weights) {
+                    let (tx, ty) = (x0 + dx, y0 + dy);
+                    if tx >= 0 && ty >= 0 && tx < wi && ty < hi {
+                        let t = 3 * (ty as usize * w + tx as usize);
+                        for (ch, a) in acc.iter_mut().enumerate() {
+                            *a += f32::from(rgb[t + ch]) * weight;
+                        }
+                    }
+                }
+                for (o, v) in out.iter_mut().zip(acc) {
+                    *o = to_byte(v);
                 }
             }
-            for (o, v) in out.iter_mut().zip(acc) {
-                *o = v.round_ties_even().clamp(0.0, 255.0) as u8;
-            }
+            // Otherwise every tap is outside: the pixel stays black.
         }
     }
     rgb.copy_from_slice(scratch);
+}
+
+/// `v.floor()` as a whole number, without the library call `f32::floor` is on the baseline
+/// x86-64 target (a far-off coordinate saturates, and stays outside the image).
+#[inline(always)]
+fn floor(v: f32) -> i32 {
+    let t = v as i32;
+    t.saturating_sub(i32::from(t as f32 > v))
+}
+
+/// A weighted sum of bytes (in 0..=255, up to rounding) to the nearest byte, ties to even as
+/// torch rounds: adding and taking away 2²³ rounds an `f32` below it in the default mode.
+#[inline(always)]
+fn to_byte(v: f32) -> u8 {
+    const MAGIC: f32 = 8_388_608.0;
+    ((v.clamp(0.0, 255.0) + MAGIC) - MAGIC) as u8
 }
 
 /// `torch.linspace(start, end, steps)[i]` in `f32`: from the start for the first half, from
@@ -427,6 +453,46 @@ fn linspace_f32(start: f32, end: f32, steps: usize, i: usize) -> f32 {
     }
 }
 
+/// A shift by whole pixels `(dx, dy)`, the uncovered pixels black: torchvision's `TranslateX`
+/// and `TranslateY`. (Its grid lands on whole input pixels up to `f32` rounding, which the
+/// rounding to bytes takes away: the same bytes as its resampling, without the resampling.)
+fn shift(rgb: &mut [u8], (w, h): (usize, usize), dx: i64, dy: i64) {
+    if dx.unsigned_abs() >= w as u64 || dy.unsigned_abs() >= h as u64 {
+        rgb.fill(0);
+        return;
+    }
+    let stride = 3 * w;
+    // Rows move first, whole (copy_within handles the overlap), then each row's pixels.
+    if dy != 0 {
+        let rows = h - dy.unsigned_abs() as usize;
+        let (from, to) = if dy > 0 {
+            (0, dy as usize)
+        } else {
+            ((-dy) as usize, 0)
+        };
+        rgb.copy_within(from * stride..(from + rows) * stride, to * stride);
+        let blank = if dy > 0 {
+            0..to * stride
+        } else {
+            rows * stride..h * stride
+        };
+        rgb[blank].fill(0);
+    }
+    if dx != 0 {
+        let cols = 3 * (w - dx.unsigned_abs() as usize);
+        let moved = 3 * dx.unsigned_abs() as usize;
+        for row in rgb.chunks_exact_mut(stride) {
+            if dx > 0 {
+                row.copy_within(0..cols, moved);
+                row[..moved].fill(0);
+            } else {
+                row.copy_within(moved.., 0);
+                row[cols..].fill(0);
+            }
+        }
+    }
+}
+
 /// torchvision's `adjust_sharpness`: a blend with the image blurred by
 /// `[1 1 1; 1 5 1; 1 1 1]/13` (rounded; the border kept), truncated.
 fn sharpness(rgb: &mut [u8], (w, h): (usize, usize), scratch: &mut Vec<u8>, (f, rest): (f32, f32)) {
@@ -437,19 +503,21 @@ fn sharpness(rgb: &mut [u8], (w, h): (usize, usize), scratch: &mut Vec<u8>, (f, 
     scratch.clear();
     scratch.extend_from_slice(rgb);
     let blurred = scratch;
+    let stride = 3 * w;
     for y in 1..h - 1 {
-        for x in 1..w - 1 {
-            for ch in 0..3 {
-                let at = |yy: usize, xx: usize| f32::from(rgb[3 * (yy * w + xx) + ch]);
-                let mut sum = 0f32;
-                for yy in y - 1..=y + 1 {
-                    for xx in x - 1..=x + 1 {
-                        sum += at(yy, xx);
-                    }
-                }
-                sum += 4.0 * at(y, x);
-                blurred[3 * (y * w + x) + ch] = (sum / 13.0).round_ties_even() as u8;
-            }
+        let (up, mid, down) = (
+            &rgb[(y - 1) * stride..y * stride],
+            &rgb[y * stride..(y + 1) * stride],
+            &rgb[(y + 1) * stride..(y + 2) * stride],
+        );
+        let out = &mut blurred[y * stride..(y + 1) * stride];
+        for i in 3..stride - 3 {
+            let three =
+                |row: &[u8]| u32::from(row[i - 3]) + u32::from(row[i]) + u32::from(row[i + 3]);
+            let sum = three(up) + three(mid) + 4 * u32::from(mid[i]) + three(down);
+            // round(sum / 13): a whole sum over 13 is never a tie, so this is torch's
+            // rounding of its f32 convolution.
+            out[i] = ((2 * sum + 13) / 26) as u8;
         }
     }
     for (v, g) in rgb.iter_mut().zip(blurred.iter()) {
@@ -675,6 +743,37 @@ mod tests {
         assert_eq!(applied(AugmentOp::Rotate, 0.0, &rgb, side as u32), rgb);
         let sheared = applied(AugmentOp::ShearY, 0.5, &rgb, side as u32);
         assert_ne!(sheared, rgb);
+    }
+
+    #[test]
+    fn a_whole_pixel_shift_is_the_resampled_translation() {
+        // The shortcut against the grid it replaces, over shifts past the edge, both signs,
+        // and an odd side.
+        for side in [7usize, 16] {
+            let rgb = image(side, 9);
+            for t in [-20i64, -7, -3, -1, 0, 1, 2, 6, 15, 40] {
+                for (dx, dy) in [(t, 0), (0, t), (t, -t / 2)] {
+                    let mut fast = rgb.clone();
+                    shift(&mut fast, (side, side), dx, dy);
+                    let mut slow = rgb.clone();
+                    let map = Affine::inverse((0.0, 0.0), 0.0, (dx as f64, dy as f64), (0.0, 0.0));
+                    affine(&mut slow, (side, side), &mut Vec::new(), map);
+                    assert_eq!(fast, slow, "side {side} shift ({dx}, {dy})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn absurd_magnitudes_give_an_image_not_a_panic() {
+        // OpDraw is public: magnitudes far outside the policies' ranges must still give bytes.
+        let rgb = image(9, 4);
+        for op in AugmentOp::ALL {
+            for magnitude in [1e30, -1e30, f32::NAN, f32::INFINITY, 1e9, -77.0] {
+                let out = applied(op, magnitude, &rgb, 9);
+                assert_eq!(out.len(), rgb.len(), "{op:?} {magnitude}");
+            }
+        }
     }
 
     #[test]
