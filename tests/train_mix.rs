@@ -55,6 +55,8 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         said.contains("RandAugment, two of 14 operations per training image at strength 20"),
         "{said}"
     );
+    let (learned, said) = weights("learned", &["--auto-augment", "cifar10"]);
+    assert!(said.contains("AutoAugment's cifar10 policy"), "{said}");
     let (no_policy, _) = weights("no-policy", &["--auto-augment", "none"]);
     assert!(plain == no_policy, "--auto-augment none changed the run");
     let (unclipped, _) = weights("unclipped", &["--clip-grad-norm", "1e30"]);
@@ -68,7 +70,7 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         "{said}"
     );
     let runs = [
-        &plain, &mixup, &cutmix, &erased, &hue, &trivial, &rand, &clipped,
+        &plain, &mixup, &cutmix, &erased, &hue, &trivial, &rand, &learned, &clipped,
     ];
     for (i, a) in runs.iter().enumerate() {
         for b in &runs[i + 1..] {
@@ -105,6 +107,10 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
             "--ra-magnitude",
         ),
         (vec!["--ra-magnitude", "5"], "--ra-magnitude"),
+        (
+            vec!["--auto-augment", "imagenet", "--ra-magnitude", "5"],
+            "--ra-magnitude",
+        ),
         (
             vec!["--auto-augment", "ta_wide", "--ra-magnitude", "5"],
             "--ra-magnitude",

@@ -1,16 +1,22 @@
 //! Automatic augmentation policies of training images: torchvision's `TrivialAugmentWide`
-//! (`--auto-augment ta_wide`) and `RandAugment` (`--auto-augment ra`, `--ra-magnitude M`),
-//! applied by the decode worker to each image after its crop, before the colour jitter.
+//! (`--auto-augment ta_wide`), `RandAugment` (`--auto-augment ra`, `--ra-magnitude M`) and
+//! `AutoAugment` with its learned ImageNet, CIFAR-10 and SVHN policies (`--auto-augment
+//! imagenet|cifar10|svhn`), applied by the decode worker to each image after its crop, before
+//! the colour jitter.
 //!
-//! Both draw operations from the same fourteen: identity, shear and translation along either
-//! axis, rotation, brightness, colour (saturation), contrast, sharpness, posterize, solarize,
-//! autocontrast and equalize.
+//! TrivialAugmentWide and RandAugment draw operations from the same fourteen: identity, shear
+//! and translation along either axis, rotation, brightness, colour (saturation), contrast,
+//! sharpness, posterize, solarize, autocontrast and equalize.
 //! - TrivialAugmentWide applies one operation per image, its strength drawn uniformly from 31
 //!   bins (and its sign from a coin for the signed ones);
 //! - RandAugment applies two in turn, each at the fixed bin `M` of 31 (default 9), with a
-//!   random sign.
+//!   random sign;
+//! - AutoAugment picks one of its policy's 25 learned pairs per image and applies each
+//!   operation of the pair with the pair's probability, at the pair's bin of 10, with a random
+//!   sign; its policies also invert images.
 //!
-//! The bins are torchvision's (`_augmentation_space` of each class), the operations its
+//! The bins and policies are torchvision's (`_augmentation_space` and `_get_policies` of each
+//! class, torchvision 0.14), the operations its
 //! tensor functions on `uint8` images, which the colour ones match to the byte:
 //! - brightness, colour and contrast blend with black, the pixel's grey, the image's mean
 //!   grey (the colour jitter's adjustments);
@@ -32,8 +38,12 @@ use rand::Rng;
 
 use crate::PipelineError;
 
-/// Bins of an operation's strength (torchvision's `num_magnitude_bins`).
+/// Bins of an operation's strength in TrivialAugmentWide and RandAugment (torchvision's
+/// `num_magnitude_bins`).
 pub const MAGNITUDE_BINS: u32 = 31;
+
+/// Bins of an operation's strength in AutoAugment's policies.
+const POLICY_BINS: u32 = 10;
 
 /// Operations RandAugment applies to each image (torchvision's `num_ops` default).
 const RAND_AUGMENT_OPS: usize = 2;
@@ -48,7 +58,111 @@ pub enum AutoAugment {
         /// The strength bin, 0..=30 (`--ra-magnitude`; torchvision's default 9).
         magnitude: u32,
     },
+    /// AutoAugment's learned policy for ImageNet (`imagenet`).
+    ImageNet,
+    /// AutoAugment's learned policy for CIFAR-10 (`cifar10`).
+    Cifar10,
+    /// AutoAugment's learned policy for SVHN (`svhn`).
+    Svhn,
 }
+
+/// One operation of an AutoAugment pair: applied with probability `.1`, at bin `.2` of 10
+/// (`None` for operations without a strength).
+type PolicyOp = (AugmentOp, f32, Option<u32>);
+
+/// torchvision's `_get_policies`, table by table.
+const IMAGENET_POLICY: [[PolicyOp; 2]; 25] = {
+    use AugmentOp::*;
+    [
+        [(Posterize, 0.4, Some(8)), (Rotate, 0.6, Some(9))],
+        [(Solarize, 0.6, Some(5)), (AutoContrast, 0.6, None)],
+        [(Equalize, 0.8, None), (Equalize, 0.6, None)],
+        [(Posterize, 0.6, Some(7)), (Posterize, 0.6, Some(6))],
+        [(Equalize, 0.4, None), (Solarize, 0.2, Some(4))],
+        [(Equalize, 0.4, None), (Rotate, 0.8, Some(8))],
+        [(Solarize, 0.6, Some(3)), (Equalize, 0.6, None)],
+        [(Posterize, 0.8, Some(5)), (Equalize, 1.0, None)],
+        [(Rotate, 0.2, Some(3)), (Solarize, 0.6, Some(8))],
+        [(Equalize, 0.6, None), (Posterize, 0.4, Some(6))],
+        [(Rotate, 0.8, Some(8)), (Color, 0.4, Some(0))],
+        [(Rotate, 0.4, Some(9)), (Equalize, 0.6, None)],
+        [(Equalize, 0.0, None), (Equalize, 0.8, None)],
+        [(Invert, 0.6, None), (Equalize, 1.0, None)],
+        [(Color, 0.6, Some(4)), (Contrast, 1.0, Some(8))],
+        [(Rotate, 0.8, Some(8)), (Color, 1.0, Some(2))],
+        [(Color, 0.8, Some(8)), (Solarize, 0.8, Some(7))],
+        [(Sharpness, 0.4, Some(7)), (Invert, 0.6, None)],
+        [(ShearX, 0.6, Some(5)), (Equalize, 1.0, None)],
+        [(Color, 0.4, Some(0)), (Equalize, 0.6, None)],
+        [(Equalize, 0.4, None), (Solarize, 0.2, Some(4))],
+        [(Solarize, 0.6, Some(5)), (AutoContrast, 0.6, None)],
+        [(Invert, 0.6, None), (Equalize, 1.0, None)],
+        [(Color, 0.6, Some(4)), (Contrast, 1.0, Some(8))],
+        [(Equalize, 0.8, None), (Equalize, 0.6, None)],
+    ]
+};
+
+const CIFAR10_POLICY: [[PolicyOp; 2]; 25] = {
+    use AugmentOp::*;
+    [
+        [(Invert, 0.1, None), (Contrast, 0.2, Some(6))],
+        [(Rotate, 0.7, Some(2)), (TranslateX, 0.3, Some(9))],
+        [(Sharpness, 0.8, Some(1)), (Sharpness, 0.9, Some(3))],
+        [(ShearY, 0.5, Some(8)), (TranslateY, 0.7, Some(9))],
+        [(AutoContrast, 0.5, None), (Equalize, 0.9, None)],
+        [(ShearY, 0.2, Some(7)), (Posterize, 0.3, Some(7))],
+        [(Color, 0.4, Some(3)), (Brightness, 0.6, Some(7))],
+        [(Sharpness, 0.3, Some(9)), (Brightness, 0.7, Some(9))],
+        [(Equalize, 0.6, None), (Equalize, 0.5, None)],
+        [(Contrast, 0.6, Some(7)), (Sharpness, 0.6, Some(5))],
+        [(Color, 0.7, Some(7)), (TranslateX, 0.5, Some(8))],
+        [(Equalize, 0.3, None), (AutoContrast, 0.4, None)],
+        [(TranslateY, 0.4, Some(3)), (Sharpness, 0.2, Some(6))],
+        [(Brightness, 0.9, Some(6)), (Color, 0.2, Some(8))],
+        [(Solarize, 0.5, Some(2)), (Invert, 0.0, None)],
+        [(Equalize, 0.2, None), (AutoContrast, 0.6, None)],
+        [(Equalize, 0.2, None), (Equalize, 0.6, None)],
+        [(Color, 0.9, Some(9)), (Equalize, 0.6, None)],
+        [(AutoContrast, 0.8, None), (Solarize, 0.2, Some(8))],
+        [(Brightness, 0.1, Some(3)), (Color, 0.7, Some(0))],
+        [(Solarize, 0.4, Some(5)), (AutoContrast, 0.9, None)],
+        [(TranslateY, 0.9, Some(9)), (TranslateY, 0.7, Some(9))],
+        [(AutoContrast, 0.9, None), (Solarize, 0.8, Some(3))],
+        [(Equalize, 0.8, None), (Invert, 0.1, None)],
+        [(TranslateY, 0.7, Some(9)), (AutoContrast, 0.9, None)],
+    ]
+};
+
+const SVHN_POLICY: [[PolicyOp; 2]; 25] = {
+    use AugmentOp::*;
+    [
+        [(ShearX, 0.9, Some(4)), (Invert, 0.2, None)],
+        [(ShearY, 0.9, Some(8)), (Invert, 0.7, None)],
+        [(Equalize, 0.6, None), (Solarize, 0.6, Some(6))],
+        [(Invert, 0.9, None), (Equalize, 0.6, None)],
+        [(Equalize, 0.6, None), (Rotate, 0.9, Some(3))],
+        [(ShearX, 0.9, Some(4)), (AutoContrast, 0.8, None)],
+        [(ShearY, 0.9, Some(8)), (Invert, 0.4, None)],
+        [(ShearY, 0.9, Some(5)), (Solarize, 0.2, Some(6))],
+        [(Invert, 0.9, None), (AutoContrast, 0.8, None)],
+        [(Equalize, 0.6, None), (Rotate, 0.9, Some(3))],
+        [(ShearX, 0.9, Some(4)), (Solarize, 0.3, Some(3))],
+        [(ShearY, 0.8, Some(8)), (Invert, 0.7, None)],
+        [(Equalize, 0.9, None), (TranslateY, 0.6, Some(6))],
+        [(Invert, 0.9, None), (Equalize, 0.6, None)],
+        [(Contrast, 0.3, Some(3)), (Rotate, 0.8, Some(4))],
+        [(Invert, 0.8, None), (TranslateY, 0.0, Some(2))],
+        [(ShearY, 0.7, Some(6)), (Solarize, 0.4, Some(8))],
+        [(Invert, 0.6, None), (Rotate, 0.8, Some(4))],
+        [(ShearY, 0.3, Some(7)), (TranslateX, 0.9, Some(3))],
+        [(ShearX, 0.1, Some(6)), (Invert, 0.6, None)],
+        [(Solarize, 0.7, Some(2)), (TranslateY, 0.6, Some(7))],
+        [(ShearY, 0.8, Some(4)), (Invert, 0.8, None)],
+        [(ShearX, 0.7, Some(9)), (TranslateY, 0.8, Some(3))],
+        [(ShearY, 0.8, Some(5)), (AutoContrast, 0.7, None)],
+        [(ShearX, 0.7, Some(2)), (Invert, 0.1, None)],
+    ]
+};
 
 /// One of the operations the policies draw from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,10 +195,12 @@ pub enum AugmentOp {
     AutoContrast,
     /// Equalize every channel's histogram.
     Equalize,
+    /// Invert every byte (AutoAugment's policies only).
+    Invert,
 }
 
 impl AugmentOp {
-    /// The operations in torchvision's order (the index a draw picks).
+    /// The operations TrivialAugmentWide and RandAugment draw from, in torchvision's order.
     pub const ALL: [AugmentOp; 14] = [
         Self::Identity,
         Self::ShearX,
@@ -119,6 +235,7 @@ impl AugmentOp {
             Self::Solarize => "Solarize",
             Self::AutoContrast => "AutoContrast",
             Self::Equalize => "Equalize",
+            Self::Invert => "Invert",
         }
     }
 
@@ -155,14 +272,10 @@ pub struct AugmentDraw {
     pub ops: [Option<OpDraw>; RAND_AUGMENT_OPS],
 }
 
-/// `torch.linspace(start, end, MAGNITUDE_BINS)[bin]`.
-fn linspace(start: f32, end: f32, bin: u32) -> f32 {
-    start + (end - start) * bin as f32 / (MAGNITUDE_BINS - 1) as f32
-}
-
 impl AutoAugment {
     /// The `--auto-augment` words.
-    pub const CHOICES: &'static str = "ta_wide (TrivialAugmentWide), ra (RandAugment) or none";
+    pub const CHOICES: &'static str =
+        "ta_wide (TrivialAugmentWide), ra (RandAugment), imagenet, cifar10 or svhn (AutoAugment's policies) or none";
 
     /// RandAugment at torchvision's default strength bin (9).
     pub const RAND_AUGMENT: Self = Self::RandAugment { magnitude: 9 };
@@ -175,6 +288,9 @@ impl AutoAugment {
                 Some(Some(Self::TrivialAugmentWide))
             }
             "ra" | "randaugment" | "rand_augment" => Some(Some(Self::RAND_AUGMENT)),
+            "imagenet" => Some(Some(Self::ImageNet)),
+            "cifar10" => Some(Some(Self::Cifar10)),
+            "svhn" => Some(Some(Self::Svhn)),
             _ => None,
         }
     }
@@ -184,6 +300,9 @@ impl AutoAugment {
         match self {
             Self::TrivialAugmentWide => "ta_wide",
             Self::RandAugment { .. } => "ra",
+            Self::ImageNet => "imagenet",
+            Self::Cifar10 => "cifar10",
+            Self::Svhn => "svhn",
         }
     }
 
@@ -201,17 +320,31 @@ impl AutoAugment {
         }
     }
 
+    /// How many strength bins the policy's operations have (31, or 10 for AutoAugment's).
+    pub fn bins(&self) -> u32 {
+        match self {
+            Self::TrivialAugmentWide | Self::RandAugment { .. } => MAGNITUDE_BINS,
+            Self::ImageNet | Self::Cifar10 | Self::Svhn => POLICY_BINS,
+        }
+    }
+
     /// The magnitude of `op` at strength `bin` for images of side `side` (torchvision's
-    /// `_augmentation_space`), unsigned.
-    fn magnitude(&self, op: AugmentOp, bin: u32, side: u32) -> f32 {
+    /// `_augmentation_space` of the policy's class), unsigned.
+    pub fn magnitude(&self, op: AugmentOp, bin: u32, side: u32) -> f32 {
         let wide = matches!(self, Self::TrivialAugmentWide);
+        let bins = self.bins();
+        let linspace =
+            |start: f32, end: f32, bin: u32| linspace_f32(start, end, bins as usize, bin as usize);
         let (factor, shear, translate, rotate, posterize_bits) = if wide {
             (0.99, 0.99, 32.0, 135.0, 6.0)
         } else {
             (0.9, 0.3, 150.0 / 331.0 * side as f32, 30.0, 4.0)
         };
         match op {
-            AugmentOp::Identity | AugmentOp::AutoContrast | AugmentOp::Equalize => 0.0,
+            AugmentOp::Identity
+            | AugmentOp::AutoContrast
+            | AugmentOp::Equalize
+            | AugmentOp::Invert => 0.0,
             AugmentOp::ShearX | AugmentOp::ShearY => linspace(0.0, shear, bin),
             AugmentOp::TranslateX | AugmentOp::TranslateY => linspace(0.0, translate, bin),
             AugmentOp::Rotate => linspace(0.0, rotate, bin),
@@ -219,10 +352,9 @@ impl AutoAugment {
             | AugmentOp::Color
             | AugmentOp::Contrast
             | AugmentOp::Sharpness => linspace(0.0, factor, bin),
-            // 8 − round(bin / (30 / steps)): 8 bits down to 8 − steps.
+            // 8 − round(bin / ((bins − 1) / steps)): 8 bits down to 8 − steps.
             AugmentOp::Posterize => {
-                8.0 - (bin as f32 / ((MAGNITUDE_BINS - 1) as f32 / posterize_bits))
-                    .round_ties_even()
+                8.0 - (bin as f32 / ((bins - 1) as f32 / posterize_bits)).round_ties_even()
             }
             AugmentOp::Solarize => linspace(255.0, 0.0, bin),
         }
@@ -247,6 +379,32 @@ impl AutoAugment {
             Self::RandAugment { magnitude } => AugmentDraw {
                 ops: std::array::from_fn(|_| Some(one(Some(magnitude)))),
             },
+            Self::ImageNet | Self::Cifar10 | Self::Svhn => {
+                let table = match self {
+                    Self::ImageNet => &IMAGENET_POLICY,
+                    Self::Cifar10 => &CIFAR10_POLICY,
+                    _ => &SVHN_POLICY,
+                };
+                let pair = table[rng.random_range(0..table.len())];
+                AugmentDraw {
+                    ops: pair.map(|(op, probability, bin)| {
+                        // torchvision applies an operation when its draw is ≤ the probability.
+                        let applied = rng.random::<f32>() <= probability;
+                        let negative = rng.random::<bool>();
+                        applied.then(|| {
+                            let magnitude = bin.map_or(0.0, |bin| self.magnitude(op, bin, side));
+                            OpDraw {
+                                op,
+                                magnitude: if op.signed() && negative {
+                                    -magnitude
+                                } else {
+                                    magnitude
+                                },
+                            }
+                        })
+                    }),
+                }
+            }
         }
     }
 }
@@ -288,6 +446,7 @@ impl OpDraw {
             AugmentOp::Solarize => solarize(rgb, m),
             AugmentOp::AutoContrast => autocontrast(rgb),
             AugmentOp::Equalize => equalize(rgb),
+            AugmentOp::Invert => rgb.iter_mut().for_each(|v| *v = 255 - *v),
         }
     }
 }
@@ -683,6 +842,46 @@ mod tests {
     }
 
     #[test]
+    fn auto_augment_applies_its_policys_pairs() {
+        for (policy, table) in [
+            (AutoAugment::ImageNet, &IMAGENET_POLICY),
+            (AutoAugment::Cifar10, &CIFAR10_POLICY),
+            (AutoAugment::Svhn, &SVHN_POLICY),
+        ] {
+            let mut applied = [0usize; 2];
+            let draws = 4000;
+            for id in 0..draws {
+                let draw = policy.draw(3, 1, id, 32);
+                // Every applied operation is its pair's, at its bin, in its place.
+                let fits = table.iter().any(|pair| {
+                    pair.iter()
+                        .zip(draw.ops)
+                        .all(|(&(op, p, bin), drawn)| match drawn {
+                            None => p < 1.0,
+                            Some(d) => {
+                                let want = bin.map_or(0.0, |b| policy.magnitude(op, b, 32));
+                                p > 0.0 && d.op == op && d.magnitude.abs() == want
+                            }
+                        })
+                });
+                assert!(fits, "{policy:?} drew {draw:?}, no pair of its policy");
+                for (n, op) in applied.iter_mut().zip(draw.ops) {
+                    *n += usize::from(op.is_some());
+                }
+            }
+            // Each place is applied with its pairs' mean probability.
+            for (place, n) in applied.iter().enumerate() {
+                let p: f32 = table.iter().map(|pair| pair[place].1).sum::<f32>() / 25.0;
+                let share = *n as f32 / draws as f32;
+                assert!(
+                    (share - p).abs() < 0.04,
+                    "{policy:?} place {place}: {share} vs {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn an_impossible_bin_names_the_flag() {
         let err = AutoAugment::RandAugment { magnitude: 31 }
             .validate()
@@ -768,7 +967,7 @@ mod tests {
     fn absurd_magnitudes_give_an_image_not_a_panic() {
         // OpDraw is public: magnitudes far outside the policies' ranges must still give bytes.
         let rgb = image(9, 4);
-        for op in AugmentOp::ALL {
+        for op in AugmentOp::ALL.into_iter().chain([AugmentOp::Invert]) {
             for magnitude in [1e30, -1e30, f32::NAN, f32::INFINITY, 1e9, -77.0] {
                 let out = applied(op, magnitude, &rgb, 9);
                 assert_eq!(out.len(), rgb.len(), "{op:?} {magnitude}");

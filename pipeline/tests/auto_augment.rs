@@ -102,6 +102,7 @@ fn every_operation_matches_torchvision() {
         (Solarize, 0.0),
         (AutoContrast, 0.0),
         (Equalize, 0.0),
+        (Invert, 0.0),
         (TranslateX, 13.0),
         (TranslateX, -31.6),
         (TranslateY, 7.9),
@@ -142,6 +143,65 @@ fn every_operation_matches_torchvision() {
                 assert!(worst <= 1 && diffs.len() * 100 <= got.len(), "{what}");
             } else {
                 assert!(diffs.is_empty(), "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_strength_bins_are_torchvisions() {
+    if !torchvision_available() {
+        eprintln!("skipped: {PYTHON} cannot import torch and torchvision");
+        return;
+    }
+    let side = 224;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/torchvision_autoaugment.py"
+    );
+    let mut child = Command::new(PYTHON)
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{{\"spaces\": {side}}}").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let spaces: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for (class, policy) in [
+        ("TrivialAugmentWide", AutoAugment::TrivialAugmentWide),
+        ("RandAugment", AutoAugment::RAND_AUGMENT),
+        ("AutoAugment", AutoAugment::ImageNet),
+    ] {
+        let space = spaces[class].as_object().unwrap();
+        for (name, bins) in space {
+            let op = AugmentOp::ALL
+                .into_iter()
+                .chain([AugmentOp::Invert])
+                .find(|op| op.name() == name)
+                .unwrap_or_else(|| panic!("{class} has {name}, which the engine lacks"));
+            let bins = bins.as_array().unwrap();
+            if bins.is_empty() {
+                assert_eq!(policy.magnitude(op, 0, side), 0.0, "{class} {name}");
+                continue;
+            }
+            assert_eq!(bins.len() as u32, policy.bins(), "{class} {name}");
+            for (bin, want) in bins.iter().enumerate() {
+                let want = want.as_f64().unwrap() as f32;
+                let got = policy.magnitude(op, bin as u32, side);
+                // torch's f32 linspace adds steps to a base chosen per vector of lanes, which
+                // depends on the CPU's vector width: its values can move by an ulp or two.
+                let ulps = 2.0 * f32::EPSILON * want.abs().max(1.0);
+                assert!(
+                    (got - want).abs() <= ulps,
+                    "{class} {name} bin {bin}: {got} against torchvision's {want}"
+                );
             }
         }
     }
@@ -189,6 +249,7 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
     for policy in [
         AutoAugment::TrivialAugmentWide,
         AutoAugment::RandAugment { magnitude: 15 },
+        AutoAugment::ImageNet,
     ] {
         for with_jitter in [false, true] {
             let augmented = builder(&im)

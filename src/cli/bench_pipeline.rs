@@ -64,8 +64,9 @@ pub struct BenchPipelineArgs {
     /// The hue part of the colour jitter, as for training.
     #[arg(long, value_name = "H")]
     pub color_jitter_hue: Option<f32>,
-    /// Automatic augmentation of every image (ta_wide, ra or none), as for training.
-    #[arg(long, value_name = "ta_wide|ra|none")]
+    /// Automatic augmentation of every image (ta_wide, ra, imagenet, cifar10, svhn or none),
+    /// as for training.
+    #[arg(long, value_name = "ta_wide|ra|imagenet|cifar10|svhn|none")]
     pub auto_augment: Option<String>,
     /// With --auto-augment ra: the strength bin of every operation (0 to 30).
     #[arg(long, value_name = "M")]

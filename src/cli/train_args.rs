@@ -221,8 +221,9 @@ pub struct TrainArgs {
     /// Automatic augmentation of training images, after the crop and before the colour
     /// jitter: ta_wide (torchvision's TrivialAugmentWide, one of 14 operations per image at a
     /// random strength; its ResNet-50 recipe's), ra (RandAugment, two operations at the
-    /// --ra-magnitude strength) or none (torchvision's --auto-augment) [default: none]
-    #[arg(long, value_name = "ta_wide|ra|none")]
+    /// --ra-magnitude strength), imagenet, cifar10 or svhn (AutoAugment's learned policies) or
+    /// none (torchvision's --auto-augment) [default: none]
+    #[arg(long, value_name = "ta_wide|ra|imagenet|cifar10|svhn|none")]
     pub auto_augment: Option<String>,
     /// With --auto-augment ra: the strength of every operation, a bin from 0 to 30
     /// (torchvision's --ra-magnitude) [default: 9]

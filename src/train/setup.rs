@@ -385,6 +385,11 @@ impl Shared {
             Some(pipeline::AutoAugment::RandAugment { magnitude }) => self.say(format!(
                 "automatic augmentation: RandAugment, two of 14 operations per training image at strength {magnitude} of 30 (--auto-augment ra, --ra-magnitude)"
             )),
+            Some(policy) => self.say(format!(
+                "automatic augmentation: AutoAugment's {} policy, one of its 25 learned pairs of operations per training image (--auto-augment {})",
+                policy.as_str(),
+                policy.as_str()
+            )),
             None => {}
         }
         if let Some(jitter) = cfg.engine_jitter() {

@@ -181,7 +181,7 @@ mod auto_augment_policy {
             policy: policy.as_str().to_string(),
             magnitude: match policy {
                 AutoAugment::RandAugment { magnitude } => Some(magnitude),
-                AutoAugment::TrivialAugmentWide => None,
+                _ => None,
             },
         })
         .serialize(s)
