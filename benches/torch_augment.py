@@ -3,8 +3,8 @@
 a PyTorch DataLoader, the input pipeline a PyTorch user trains ResNet-50 with.
 
 Per image, every epoch: PIL decode, Resize(store) of the shorter side, RandomResizedCrop(size)
-(area 0.08-1, aspect 3/4-4/3), RandomHorizontalFlip, TrivialAugmentWide, RandAugment(magnitude=M) or AutoAugment(policy)
-with --auto-augment ta_wide|ra|imagenet|cifar10|svhn (bilinear, as torchvision's reference script passes), ColorJitter(F, F, F, H) when
+(area 0.08-1, aspect 3/4-4/3), RandomHorizontalFlip, TrivialAugmentWide, RandAugment(magnitude=M), AugMix(severity=S) or
+AutoAugment(policy) with --auto-augment ta_wide|ra|augmix|imagenet|cifar10|svhn (bilinear, as torchvision's reference script passes), ColorJitter(F, F, F, H) when
 --color-jitter F or --color-jitter-hue H is above 0, PILToTensor (uint8 CHW: no float conversion, as the engine hands out uint8 pixels).
 The counterpart is `birdtrain bench pipeline --image-size SIZE --store-size STORE --augment
 resized-crop --auto-augment P --color-jitter F --color-jitter-hue H`, which crops, augments and jitters the cached STORE squares (its mirror
@@ -36,9 +36,10 @@ def main():
                     help="shorter side after the first resize")
     ap.add_argument("--color-jitter", type=float, default=0.4)
     ap.add_argument("--color-jitter-hue", type=float, default=0.0)
-    ap.add_argument("--auto-augment", choices=["none", "ta_wide", "ra", "imagenet", "cifar10", "svhn"],
+    ap.add_argument("--auto-augment", choices=["none", "ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn"],
                     default="none")
     ap.add_argument("--ra-magnitude", type=int, default=9)
+    ap.add_argument("--augmix-severity", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
@@ -56,6 +57,8 @@ def main():
         steps.append(transforms.TrivialAugmentWide(interpolation=bilinear))
     elif a.auto_augment == "ra":
         steps.append(transforms.RandAugment(magnitude=a.ra_magnitude, interpolation=bilinear))
+    elif a.auto_augment == "augmix":
+        steps.append(transforms.AugMix(severity=a.augmix_severity, interpolation=bilinear))
     elif a.auto_augment != "none":
         policy = transforms.AutoAugmentPolicy(a.auto_augment)
         steps.append(transforms.AutoAugment(policy, interpolation=bilinear))

@@ -57,6 +57,14 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
     );
     let (learned, said) = weights("learned", &["--auto-augment", "cifar10"]);
     assert!(said.contains("AutoAugment's cifar10 policy"), "{said}");
+    let (augmix, said) = weights(
+        "augmix",
+        &["--auto-augment", "augmix", "--augmix-severity", "5"],
+    );
+    assert!(
+        said.contains("AugMix, each training image blended"),
+        "{said}"
+    );
     let (no_policy, _) = weights("no-policy", &["--auto-augment", "none"]);
     assert!(plain == no_policy, "--auto-augment none changed the run");
     let (unclipped, _) = weights("unclipped", &["--clip-grad-norm", "1e30"]);
@@ -70,7 +78,7 @@ fn mixing_reaches_training_and_a_zero_share_is_the_plain_run() {
         "{said}"
     );
     let runs = [
-        &plain, &mixup, &cutmix, &erased, &hue, &trivial, &rand, &learned, &clipped,
+        &plain, &mixup, &cutmix, &erased, &hue, &trivial, &rand, &learned, &augmix, &clipped,
     ];
     for (i, a) in runs.iter().enumerate() {
         for b in &runs[i + 1..] {
@@ -101,7 +109,7 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
         (vec!["--clip-grad-norm", "0"], "--clip-grad-norm"),
         (vec!["--clip-grad-norm=-1"], "--clip-grad-norm"),
         (vec!["--clip-grad-norm", "inf"], "--clip-grad-norm"),
-        (vec!["--auto-augment", "augmix"], "--auto-augment"),
+        (vec!["--auto-augment", "cutout"], "--auto-augment"),
         (
             vec!["--auto-augment", "ra", "--ra-magnitude", "31"],
             "--ra-magnitude",
@@ -111,6 +119,15 @@ fn bad_mixing_values_are_one_line_naming_the_flag() {
             vec!["--auto-augment", "imagenet", "--ra-magnitude", "5"],
             "--ra-magnitude",
         ),
+        (
+            vec!["--auto-augment", "augmix", "--augmix-severity", "0"],
+            "--augmix-severity",
+        ),
+        (
+            vec!["--auto-augment", "augmix", "--augmix-severity", "11"],
+            "--augmix-severity",
+        ),
+        (vec!["--augmix-severity", "2"], "--augmix-severity"),
         (
             vec!["--auto-augment", "ta_wide", "--ra-magnitude", "5"],
             "--ra-magnitude",

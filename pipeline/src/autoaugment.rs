@@ -1,7 +1,8 @@
 //! Automatic augmentation policies of training images: torchvision's `TrivialAugmentWide`
-//! (`--auto-augment ta_wide`), `RandAugment` (`--auto-augment ra`, `--ra-magnitude M`) and
-//! `AutoAugment` with its learned ImageNet, CIFAR-10 and SVHN policies (`--auto-augment
-//! imagenet|cifar10|svhn`), applied by the decode worker to each image after its crop, before
+//! (`--auto-augment ta_wide`), `RandAugment` (`--auto-augment ra`, `--ra-magnitude M`),
+//! `AugMix` (`--auto-augment augmix`, `--augmix-severity S`) and `AutoAugment` with its
+//! learned ImageNet, CIFAR-10 and SVHN policies (`--auto-augment imagenet|cifar10|svhn`),
+//! applied by the decode worker to each image after its crop, before
 //! the colour jitter.
 //!
 //! TrivialAugmentWide and RandAugment draw operations from the same fourteen: identity, shear
@@ -11,6 +12,9 @@
 //!   bins (and its sign from a coin for the signed ones);
 //! - RandAugment applies two in turn, each at the fixed bin `M` of 31 (default 9), with a
 //!   random sign;
+//! - AugMix blends the image with three chains of one to three operations (all but identity),
+//!   each at a bin below `S` of 10 (default 3): a Beta(1, 1) weight for the image, the rest
+//!   split among the chains by a Dirichlet(1, 1, 1) draw, summed in `f32` and truncated;
 //! - AutoAugment picks one of its policy's 25 learned pairs per image and applies each
 //!   operation of the pair with the pair's probability, at the pair's bin of 10, with a random
 //!   sign; its policies also invert images.
@@ -64,7 +68,37 @@ pub enum AutoAugment {
     Cifar10,
     /// AutoAugment's learned policy for SVHN (`svhn`).
     Svhn,
+    /// AugMix (`augmix`): three chains of one to three operations each, blended with the
+    /// image by random weights.
+    AugMix {
+        /// The operations' strength: bins 0 to `severity − 1` of 10 (`--augmix-severity`,
+        /// 1..=10; torchvision's default 3).
+        severity: u32,
+    },
 }
+
+/// AugMix's chains per image (torchvision's `mixture_width`).
+const AUGMIX_WIDTH: usize = 3;
+
+/// The most operations in one AugMix chain (its depth is drawn from 1 to this).
+const AUGMIX_DEPTH: usize = 3;
+
+/// The operations AugMix draws from, in torchvision's order (`all_ops`: the colour ones too).
+const AUGMIX_OPS: [AugmentOp; 13] = [
+    AugmentOp::ShearX,
+    AugmentOp::ShearY,
+    AugmentOp::TranslateX,
+    AugmentOp::TranslateY,
+    AugmentOp::Rotate,
+    AugmentOp::Posterize,
+    AugmentOp::Solarize,
+    AugmentOp::AutoContrast,
+    AugmentOp::Equalize,
+    AugmentOp::Brightness,
+    AugmentOp::Color,
+    AugmentOp::Contrast,
+    AugmentOp::Sharpness,
+];
 
 /// One operation of an AutoAugment pair: applied with probability `.1`, at bin `.2` of 10
 /// (`None` for operations without a strength).
@@ -268,14 +302,40 @@ pub struct OpDraw {
 /// The operations drawn for one image, applied in turn.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AugmentDraw {
-    /// The operations (`None`: no more).
+    /// The operations (`None`: no more; all `None` for AugMix, whose chains are in `mix`).
     pub ops: [Option<OpDraw>; RAND_AUGMENT_OPS],
+    /// AugMix's chains and weights.
+    pub mix: Option<AugMixDraw>,
+}
+
+/// One image's AugMix: the blend `original·image + Σ weight·chain(image)`, truncated to bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AugMixDraw {
+    /// The image's own weight (a Beta(1, 1) draw).
+    pub original: f32,
+    /// The chains: each one's weight (the rest of 1, split by a Dirichlet(1, 1, 1) draw) and
+    /// operations, applied in turn to the image (`None`: no more).
+    pub chains: [(f32, [Option<OpDraw>; AUGMIX_DEPTH]); AUGMIX_WIDTH],
+}
+
+/// Buffers an [`AugmentDraw`] works in, reused from image to image.
+#[derive(Debug, Default)]
+pub struct AugmentScratch {
+    /// What the geometric operations resample into.
+    resampled: Vec<u8>,
+    /// One AugMix chain's image.
+    chain: Vec<u8>,
+    /// AugMix's weighted sum.
+    sum: Vec<f32>,
 }
 
 impl AutoAugment {
     /// The `--auto-augment` words.
     pub const CHOICES: &'static str =
-        "ta_wide (TrivialAugmentWide), ra (RandAugment), imagenet, cifar10 or svhn (AutoAugment's policies) or none";
+        "ta_wide (TrivialAugmentWide), ra (RandAugment), augmix (AugMix), imagenet, cifar10 or svhn (AutoAugment's policies) or none";
+
+    /// AugMix at torchvision's default severity (3).
+    pub const AUGMIX: Self = Self::AugMix { severity: 3 };
 
     /// RandAugment at torchvision's default strength bin (9).
     pub const RAND_AUGMENT: Self = Self::RandAugment { magnitude: 9 };
@@ -291,6 +351,7 @@ impl AutoAugment {
             "imagenet" => Some(Some(Self::ImageNet)),
             "cifar10" => Some(Some(Self::Cifar10)),
             "svhn" => Some(Some(Self::Svhn)),
+            "augmix" => Some(Some(Self::AUGMIX)),
             _ => None,
         }
     }
@@ -303,6 +364,7 @@ impl AutoAugment {
             Self::ImageNet => "imagenet",
             Self::Cifar10 => "cifar10",
             Self::Svhn => "svhn",
+            Self::AugMix { .. } => "augmix",
         }
     }
 
@@ -316,6 +378,13 @@ impl AutoAugment {
                     hint: "a strength bin from 0 to 30 (torchvision's default is 9)",
                 })
             }
+            Self::AugMix { severity } if !(1..=POLICY_BINS).contains(severity) => {
+                Err(PipelineError::InvalidSetting {
+                    name: "--augmix-severity",
+                    value: severity.to_string(),
+                    hint: "a severity from 1 to 10 (torchvision's default is 3)",
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -324,7 +393,7 @@ impl AutoAugment {
     pub fn bins(&self) -> u32 {
         match self {
             Self::TrivialAugmentWide | Self::RandAugment { .. } => MAGNITUDE_BINS,
-            Self::ImageNet | Self::Cifar10 | Self::Svhn => POLICY_BINS,
+            Self::ImageNet | Self::Cifar10 | Self::Svhn | Self::AugMix { .. } => POLICY_BINS,
         }
     }
 
@@ -335,11 +404,16 @@ impl AutoAugment {
         let bins = self.bins();
         let linspace =
             |start: f32, end: f32, bin: u32| linspace_f32(start, end, bins as usize, bin as usize);
+        let augmix = matches!(self, Self::AugMix { .. });
         let (factor, shear, translate, rotate, posterize_bits) = if wide {
             (0.99, 0.99, 32.0, 135.0, 6.0)
+        } else if augmix {
+            (0.9, 0.3, side as f32 / 3.0, 30.0, 4.0)
         } else {
             (0.9, 0.3, 150.0 / 331.0 * side as f32, 30.0, 4.0)
         };
+        // AugMix posterizes from 4 bits down to 0, the others from 8.
+        let most_bits = if augmix { 4.0 } else { 8.0 };
         match op {
             AugmentOp::Identity
             | AugmentOp::AutoContrast
@@ -352,9 +426,9 @@ impl AutoAugment {
             | AugmentOp::Color
             | AugmentOp::Contrast
             | AugmentOp::Sharpness => linspace(0.0, factor, bin),
-            // 8 − round(bin / ((bins − 1) / steps)): 8 bits down to 8 − steps.
+            // most − round(bin / ((bins − 1) / steps)): the most bits down by `steps`.
             AugmentOp::Posterize => {
-                8.0 - (bin as f32 / ((bins - 1) as f32 / posterize_bits)).round_ties_even()
+                most_bits - (bin as f32 / ((bins - 1) as f32 / posterize_bits)).round_ties_even()
             }
             AugmentOp::Solarize => linspace(255.0, 0.0, bin),
         }
@@ -375,10 +449,48 @@ impl AutoAugment {
         match *self {
             Self::TrivialAugmentWide => AugmentDraw {
                 ops: [Some(one(None)), None],
+                mix: None,
             },
             Self::RandAugment { magnitude } => AugmentDraw {
                 ops: std::array::from_fn(|_| Some(one(Some(magnitude)))),
+                mix: None,
             },
+            Self::AugMix { severity } => {
+                use rand_distr::{Distribution, Exp1};
+                // Dirichlet(1, …, 1) draws are normalised Exp(1) draws; Beta(1, 1) is the
+                // first of a Dirichlet(1, 1).
+                let mut dirichlet = |weights: &mut [f32]| {
+                    weights.iter_mut().for_each(|w| *w = Exp1.sample(&mut rng));
+                    let total: f32 = weights.iter().sum();
+                    weights.iter_mut().for_each(|w| *w /= total);
+                };
+                let mut beta = [0f32; 2];
+                dirichlet(&mut beta);
+                let mut shares = [0f32; AUGMIX_WIDTH];
+                dirichlet(&mut shares);
+                let chains = shares.map(|share| {
+                    let depth = rng.random_range(1..=AUGMIX_DEPTH);
+                    let mut ops = [None; AUGMIX_DEPTH];
+                    for slot in &mut ops[..depth] {
+                        let op = AUGMIX_OPS[rng.random_range(0..AUGMIX_OPS.len())];
+                        let bin = rng.random_range(0..severity);
+                        let magnitude = self.magnitude(op, bin, side);
+                        let negative = op.signed() && rng.random::<bool>();
+                        *slot = Some(OpDraw {
+                            op,
+                            magnitude: if negative { -magnitude } else { magnitude },
+                        });
+                    }
+                    (share * beta[1], ops)
+                });
+                AugmentDraw {
+                    ops: [None; RAND_AUGMENT_OPS],
+                    mix: Some(AugMixDraw {
+                        original: beta[0],
+                        chains,
+                    }),
+                }
+            }
             Self::ImageNet | Self::Cifar10 | Self::Svhn => {
                 let table = match self {
                     Self::ImageNet => &IMAGENET_POLICY,
@@ -387,6 +499,7 @@ impl AutoAugment {
                 };
                 let pair = table[rng.random_range(0..table.len())];
                 AugmentDraw {
+                    mix: None,
                     ops: pair.map(|(op, probability, bin)| {
                         // torchvision applies an operation when its draw is ≤ the probability.
                         let applied = rng.random::<f32>() <= probability;
@@ -410,11 +523,40 @@ impl AutoAugment {
 }
 
 impl AugmentDraw {
-    /// Applies the operations to the `side`×`side` packed RGB8 image `rgb` in place
-    /// (`scratch`: a buffer the geometric ones resample into, reused).
-    pub fn apply(&self, rgb: &mut [u8], side: u32, scratch: &mut Vec<u8>) {
+    /// Applies the operations to the `side`×`side` packed RGB8 image `rgb` in place.
+    pub fn apply(&self, rgb: &mut [u8], side: u32, scratch: &mut AugmentScratch) {
         for op in self.ops.iter().flatten() {
-            op.apply(rgb, side, side, scratch);
+            op.apply(rgb, side, side, &mut scratch.resampled);
+        }
+        if let Some(mix) = &self.mix {
+            mix.apply(rgb, side, scratch);
+        }
+    }
+}
+
+impl AugMixDraw {
+    /// torchvision's `AugMix.forward` on a `uint8` image: `f32` sums of the weighted image
+    /// and chains, truncated to bytes.
+    fn apply(&self, rgb: &mut [u8], side: u32, scratch: &mut AugmentScratch) {
+        let AugmentScratch {
+            resampled,
+            chain,
+            sum,
+        } = scratch;
+        sum.clear();
+        sum.extend(rgb.iter().map(|v| self.original * f32::from(*v)));
+        for (weight, ops) in &self.chains {
+            chain.clear();
+            chain.extend_from_slice(rgb);
+            for op in ops.iter().flatten() {
+                op.apply(chain, side, side, resampled);
+            }
+            for (s, v) in sum.iter_mut().zip(chain.iter()) {
+                *s += weight * f32::from(*v);
+            }
+        }
+        for (v, s) in rgb.iter_mut().zip(sum.iter()) {
+            *v = s.clamp(0.0, 255.0) as u8;
         }
     }
 }
@@ -882,6 +1024,53 @@ mod tests {
     }
 
     #[test]
+    fn augmix_blends_three_chains_of_its_operations() {
+        for severity in [1, 3, 10] {
+            let policy = AutoAugment::AugMix { severity };
+            let mut depths = std::collections::HashSet::new();
+            for id in 0..500 {
+                let draw = policy.draw(8, 0, id, 64);
+                assert!(draw.ops.iter().all(Option::is_none));
+                let mix = draw.mix.expect("AugMix draws a blend");
+                let total = mix.original + mix.chains.iter().map(|c| c.0).sum::<f32>();
+                assert!((total - 1.0).abs() < 1e-5, "weights sum to {total}");
+                assert!(mix.original >= 0.0 && mix.chains.iter().all(|c| c.0 >= 0.0));
+                for (_, ops) in mix.chains {
+                    let depth = ops.iter().take_while(|o| o.is_some()).count();
+                    assert!(ops[depth..].iter().all(Option::is_none), "{ops:?}");
+                    depths.insert(depth);
+                    for op in ops.iter().flatten() {
+                        assert!(AUGMIX_OPS.contains(&op.op), "{op:?}");
+                        let fits = (0..severity)
+                            .any(|bin| policy.magnitude(op.op, bin, 64) == op.magnitude.abs());
+                        assert!(fits, "{op:?} is beyond severity {severity}");
+                    }
+                }
+            }
+            assert_eq!(depths, [1, 2, 3].into(), "chains of 1 to 3 operations");
+        }
+        // The blend: 0.25 of the image, 0.75 of a chain that posterizes to 0 bits (black).
+        let rgb = image(5, 3);
+        let black = Some(OpDraw {
+            op: AugmentOp::Posterize,
+            magnitude: 0.0,
+        });
+        let none = [None; AUGMIX_DEPTH];
+        let draw = AugmentDraw {
+            ops: [None; RAND_AUGMENT_OPS],
+            mix: Some(AugMixDraw {
+                original: 0.25,
+                chains: [(0.75, [black, None, None]), (0.0, none), (0.0, none)],
+            }),
+        };
+        let mut out = rgb.clone();
+        draw.apply(&mut out, 5, &mut AugmentScratch::default());
+        for (o, v) in out.iter().zip(&rgb) {
+            assert_eq!(*o, (0.25 * f32::from(*v)) as u8);
+        }
+    }
+
+    #[test]
     fn an_impossible_bin_names_the_flag() {
         let err = AutoAugment::RandAugment { magnitude: 31 }
             .validate()
@@ -899,7 +1088,18 @@ mod tests {
             Some(Some(AutoAugment::TrivialAugmentWide))
         );
         assert_eq!(AutoAugment::parse("none"), Some(None));
-        assert_eq!(AutoAugment::parse("augmix"), None);
+        assert_eq!(
+            AutoAugment::parse("augmix"),
+            Some(Some(AutoAugment::AUGMIX))
+        );
+        assert_eq!(AutoAugment::parse("cutout"), None);
+        for severity in [0, 11] {
+            let err = AutoAugment::AugMix { severity }
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--augmix-severity"), "{err}");
+        }
     }
 
     #[test]

@@ -76,7 +76,9 @@ mod stats;
 pub mod synth;
 mod worker;
 
-pub use autoaugment::{AugmentDraw, AugmentOp, AutoAugment, OpDraw, MAGNITUDE_BINS};
+pub use autoaugment::{
+    AugMixDraw, AugmentDraw, AugmentOp, AugmentScratch, AutoAugment, OpDraw, MAGNITUDE_BINS,
+};
 pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};

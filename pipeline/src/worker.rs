@@ -16,8 +16,8 @@ use crate::resize::SquareResizer;
 use crate::scan::Sample;
 use crate::stats::Counters;
 use crate::{
-    AugmentDraw, AutoAugment, ColorJitter, CropWindow, JitterDraw, OnBadImage, PipelineError,
-    ResizeMode,
+    AugmentDraw, AugmentScratch, AutoAugment, ColorJitter, CropWindow, JitterDraw, OnBadImage,
+    PipelineError, ResizeMode,
 };
 
 /// The detail of a bad file known from an earlier pass over the cache.
@@ -247,8 +247,8 @@ struct Scratch {
     record: Vec<u8>,
     /// One image being augmented or jittered, reused from image to image.
     image: Vec<u8>,
-    /// The resampled image of a geometric augmentation, reused from image to image.
-    resampled: Vec<u8>,
+    /// The automatic augmentation's buffers, reused from image to image.
+    augment: AugmentScratch,
 }
 
 /// Starts `workers` decode threads reading jobs from `jobs`.
@@ -270,7 +270,7 @@ pub(crate) fn spawn_pool(
                         pixels: Pixels::default(),
                         record: Vec::new(),
                         image: Vec::new(),
-                        resampled: Vec::new(),
+                        augment: AugmentScratch::default(),
                     };
                     while let Ok(job) = jobs.recv() {
                         run(job, &mut scratch);
@@ -443,7 +443,7 @@ impl After {
             let placed = place(record, self.sides, &mut image, self.window, scratch, path);
             if placed.is_ok() {
                 if let Some(draw) = self.augment {
-                    draw.apply(&mut image, self.sides.1, &mut scratch.resampled);
+                    draw.apply(&mut image, self.sides.1, &mut scratch.augment);
                 }
                 if let Some(draw) = self.jitter {
                     draw.apply(&mut image);

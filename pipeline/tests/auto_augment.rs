@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use pipeline::{AugmentOp, AutoAugment, ColorJitter, OpDraw, PipelineBuilder, Split};
+use pipeline::{
+    AugmentOp, AugmentScratch, AutoAugment, ColorJitter, OpDraw, PipelineBuilder, Split,
+};
 use rand::{Rng, SeedableRng};
 
 use common::Listed;
@@ -178,6 +180,7 @@ fn the_strength_bins_are_torchvisions() {
         ("TrivialAugmentWide", AutoAugment::TrivialAugmentWide),
         ("RandAugment", AutoAugment::RAND_AUGMENT),
         ("AutoAugment", AutoAugment::ImageNet),
+        ("AugMix", AutoAugment::AUGMIX),
     ] {
         let space = spaces[class].as_object().unwrap();
         for (name, bins) in space {
@@ -250,6 +253,7 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
         AutoAugment::TrivialAugmentWide,
         AutoAugment::RandAugment { magnitude: 15 },
         AutoAugment::ImageNet,
+        AutoAugment::AugMix { severity: 5 },
     ] {
         for with_jitter in [false, true] {
             let augmented = builder(&im)
@@ -265,9 +269,11 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
                 assert_eq!(before.len(), 12);
                 for (id, plain) in &before {
                     let mut want = plain.clone();
-                    policy
-                        .draw(SEED, epoch, *id, SIDE)
-                        .apply(&mut want, SIDE, &mut Vec::new());
+                    policy.draw(SEED, epoch, *id, SIDE).apply(
+                        &mut want,
+                        SIDE,
+                        &mut AugmentScratch::default(),
+                    );
                     if with_jitter {
                         jitter.draw(SEED, epoch, *id).apply(&mut want);
                     }

@@ -8,20 +8,20 @@ one after another to stdout.
 
 With {"spaces": S} instead, writes one JSON object: each class's `_augmentation_space` for
 S x S images, {"TrivialAugmentWide": {op: [magnitude per bin] | [] , ...}, "RandAugment": ...,
-"AutoAugment": ...} (an empty list for the operations without a strength).
+"AutoAugment": ..., "AugMix": ...} (an empty list for the operations without a strength).
 """
 import json
 import sys
 
 import torch
 from torchvision.transforms import InterpolationMode
-from torchvision.transforms import AutoAugment, RandAugment, TrivialAugmentWide
+from torchvision.transforms import AugMix, AutoAugment, RandAugment, TrivialAugmentWide
 from torchvision.transforms.autoaugment import _apply_op
 
 
 def spaces(side):
     out = {}
-    for cls, bins in [(TrivialAugmentWide, 31), (RandAugment, 31), (AutoAugment, 10)]:
+    for cls, bins in [(TrivialAugmentWide, 31), (RandAugment, 31), (AutoAugment, 10), (AugMix, 10)]:
         space = cls()._augmentation_space(bins, (side, side)) if cls is not TrivialAugmentWide \
             else cls()._augmentation_space(bins)
         out[cls.__name__] = {name: [float(v) for v in m.reshape(-1)] if m.ndim > 0 else []

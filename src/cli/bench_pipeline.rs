@@ -64,13 +64,16 @@ pub struct BenchPipelineArgs {
     /// The hue part of the colour jitter, as for training.
     #[arg(long, value_name = "H")]
     pub color_jitter_hue: Option<f32>,
-    /// Automatic augmentation of every image (ta_wide, ra, imagenet, cifar10, svhn or none),
-    /// as for training.
-    #[arg(long, value_name = "ta_wide|ra|imagenet|cifar10|svhn|none")]
+    /// Automatic augmentation of every image (ta_wide, ra, augmix, imagenet, cifar10, svhn or
+    /// none), as for training.
+    #[arg(long, value_name = "ta_wide|ra|augmix|imagenet|cifar10|svhn|none")]
     pub auto_augment: Option<String>,
     /// With --auto-augment ra: the strength bin of every operation (0 to 30).
     #[arg(long, value_name = "M")]
     pub ra_magnitude: Option<u32>,
+    /// With --auto-augment augmix: the operations' strength (1 to 10).
+    #[arg(long, value_name = "S")]
+    pub augmix_severity: Option<u32>,
     /// Print one JSON line per epoch (otherwise a readable line).
     #[arg(long)]
     pub json: bool,
@@ -139,16 +142,24 @@ fn auto_augment(args: &BenchPipelineArgs) -> Result<Option<pipeline::AutoAugment
             hint: format!("expected {}", pipeline::AutoAugment::CHOICES),
         })?,
     };
-    match (policy, args.ra_magnitude) {
-        (Some(pipeline::AutoAugment::RandAugment { .. }), Some(magnitude)) => {
+    match (policy, args.ra_magnitude, args.augmix_severity) {
+        (Some(pipeline::AutoAugment::RandAugment { .. }), Some(magnitude), None) => {
             Ok(Some(pipeline::AutoAugment::RandAugment { magnitude }))
         }
-        (_, Some(m)) => Err(CliError::BadValue {
+        (Some(pipeline::AutoAugment::AugMix { .. }), None, Some(severity)) => {
+            Ok(Some(pipeline::AutoAugment::AugMix { severity }))
+        }
+        (_, Some(m), _) => Err(CliError::BadValue {
             flag: "--ra-magnitude",
             value: m.to_string(),
             hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
         }),
-        (policy, None) => Ok(policy),
+        (_, _, Some(n)) => Err(CliError::BadValue {
+            flag: "--augmix-severity",
+            value: n.to_string(),
+            hint: "it sets AugMix's strength: add --auto-augment augmix".into(),
+        }),
+        (policy, None, None) => Ok(policy),
     }
 }
 

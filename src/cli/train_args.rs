@@ -221,14 +221,19 @@ pub struct TrainArgs {
     /// Automatic augmentation of training images, after the crop and before the colour
     /// jitter: ta_wide (torchvision's TrivialAugmentWide, one of 14 operations per image at a
     /// random strength; its ResNet-50 recipe's), ra (RandAugment, two operations at the
-    /// --ra-magnitude strength), imagenet, cifar10 or svhn (AutoAugment's learned policies) or
-    /// none (torchvision's --auto-augment) [default: none]
-    #[arg(long, value_name = "ta_wide|ra|imagenet|cifar10|svhn|none")]
+    /// --ra-magnitude strength), augmix (AugMix: the image blended with three chains of
+    /// operations), imagenet, cifar10 or svhn (AutoAugment's learned policies) or none
+    /// (torchvision's --auto-augment) [default: none]
+    #[arg(long, value_name = "ta_wide|ra|augmix|imagenet|cifar10|svhn|none")]
     pub auto_augment: Option<String>,
     /// With --auto-augment ra: the strength of every operation, a bin from 0 to 30
     /// (torchvision's --ra-magnitude) [default: 9]
     #[arg(long, value_name = "M")]
     pub ra_magnitude: Option<u32>,
+    /// With --auto-augment augmix: the operations' strength, 1 to 10 (torchvision's
+    /// --augmix-severity) [default: 3]
+    #[arg(long, value_name = "S")]
+    pub augmix_severity: Option<u32>,
     /// Random erasing: this share of training images gets a random rectangle (2–33 % of its
     /// area, aspect 0.3–3.3) set to the mean colour, after the crop and mirror
     /// (torchvision's RandomErasing; its recipe uses 0.1, timm's --reprob 0.25) [default: 0]
@@ -623,6 +628,16 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         };
         *magnitude = m;
     }
+    if let Some(n) = args.augmix_severity {
+        let Some(AutoAugment::AugMix { severity }) = &mut cfg.auto_augment else {
+            return Err(CliError::BadValue {
+                flag: "--augmix-severity",
+                value: n.to_string(),
+                hint: "it sets AugMix's strength: add --auto-augment augmix".into(),
+            });
+        };
+        *severity = n;
+    }
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {
             return Err(CliError::BadValue {
@@ -693,7 +708,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     if let Some(note) = note {
         println!("{note}");
     }
-    let stop = install_stop_signals();
+    let stop = install_stop_signals("saving a checkpoint");
     let outcome = train::train(&cfg, &stop.flag)?;
     match stop.signal() {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
@@ -720,8 +735,9 @@ impl StopSignals {
 }
 
 /// Installs the handlers of SIGINT and SIGTERM (what Slurm, Kubernetes and systemd send before
-/// they kill): the first one sets the stop flag, a second one exits at once.
-pub(crate) fn install_stop_signals() -> StopSignals {
+/// they kill): the first one sets the stop flag, a second one exits at once. `finishing` says
+/// what the command does before it exits ("saving a checkpoint").
+pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let stop = StopSignals {
         flag: Arc::new(AtomicBool::new(false)),
@@ -738,18 +754,18 @@ pub(crate) fn install_stop_signals() -> StopSignals {
                         "Ctrl-C"
                     };
                     if flag.swap(true, Ordering::SeqCst) {
-                        // A second signal: the user does not want to wait for the checkpoint
-                        // (the previous one stays intact: checkpoints commit atomically).
+                        // A second signal: the user does not want to wait (a previous checkpoint
+                        // stays intact: checkpoints commit atomically).
                         eprintln!("\n{name} again: exiting now");
                         std::process::exit(128 + signal);
                     }
                     received.store(signal, Ordering::SeqCst);
-                    eprintln!("\n{name}: finishing this step, saving a checkpoint, then exiting ({name} again to quit now)");
+                    eprintln!("\n{name}: finishing this step, {finishing}, then exiting ({name} again to quit now)");
                 }
             });
         }
         Err(e) => tracing::warn!(
-            "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop without a checkpoint"
+            "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop at once, without {finishing}"
         ),
     }
     stop

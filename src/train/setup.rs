@@ -385,6 +385,9 @@ impl Shared {
             Some(pipeline::AutoAugment::RandAugment { magnitude }) => self.say(format!(
                 "automatic augmentation: RandAugment, two of 14 operations per training image at strength {magnitude} of 30 (--auto-augment ra, --ra-magnitude)"
             )),
+            Some(pipeline::AutoAugment::AugMix { severity }) => self.say(format!(
+                "automatic augmentation: AugMix, each training image blended with three chains of 1–3 operations at strengths up to {severity} of 10 (--auto-augment augmix, --augmix-severity)"
+            )),
             Some(policy) => self.say(format!(
                 "automatic augmentation: AutoAugment's {} policy, one of its 25 learned pairs of operations per training image (--auto-augment {})",
                 policy.as_str(),

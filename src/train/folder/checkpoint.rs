@@ -169,8 +169,12 @@ mod auto_augment_policy {
     #[derive(Serialize, Deserialize)]
     struct Recorded {
         policy: String,
+        /// RandAugment's strength bin.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         magnitude: Option<u32>,
+        /// AugMix's severity.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        severity: Option<u32>,
     }
 
     pub(super) fn serialize<S: Serializer>(
@@ -183,6 +187,10 @@ mod auto_augment_policy {
                 AutoAugment::RandAugment { magnitude } => Some(magnitude),
                 _ => None,
             },
+            severity: match policy {
+                AutoAugment::AugMix { severity } => Some(severity),
+                _ => None,
+            },
         })
         .serialize(s)
     }
@@ -193,12 +201,17 @@ mod auto_augment_policy {
         let Some(recorded) = Option::<Recorded>::deserialize(d)? else {
             return Ok(None);
         };
-        match (AutoAugment::parse(&recorded.policy), recorded.magnitude) {
-            (Some(Some(AutoAugment::RandAugment { .. })), Some(magnitude)) => {
-                Ok(Some(AutoAugment::RandAugment { magnitude }))
+        match AutoAugment::parse(&recorded.policy) {
+            Some(Some(AutoAugment::RandAugment { magnitude })) => {
+                Ok(Some(AutoAugment::RandAugment {
+                    magnitude: recorded.magnitude.unwrap_or(magnitude),
+                }))
             }
-            (Some(policy), _) => Ok(policy),
-            (None, _) => Err(serde::de::Error::custom(format!(
+            Some(Some(AutoAugment::AugMix { severity })) => Ok(Some(AutoAugment::AugMix {
+                severity: recorded.severity.unwrap_or(severity),
+            })),
+            Some(policy) => Ok(policy),
+            None => Err(serde::de::Error::custom(format!(
                 "unknown augmentation policy {:?}",
                 recorded.policy
             ))),
