@@ -281,4 +281,15 @@ fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
         read(full.join("model.safetensors")) == read(dir.join("model.safetensors")),
         "the resumed run did not continue with the run's own settings"
     );
+    // Naming the run's own policy on resume keeps its strength (RandAugment's 12, not the
+    // default 9).
+    let again = tmp.path().join("again");
+    let mut c = settings.to_vec();
+    c.extend(["--out", again.to_str().unwrap(), "--stop-after-steps", "4"]);
+    cli(&c);
+    cli(&["--resume", again.to_str().unwrap(), "--auto-augment", "ra"]);
+    assert!(
+        read(full.join("model.safetensors")) == read(again.join("model.safetensors")),
+        "--auto-augment ra on resume changed the run's RandAugment strength"
+    );
 }

@@ -35,8 +35,11 @@
 //!
 //! The draw comes from `(seed, epoch, sample id)` alone, like the crop's window and the
 //! jitter, so workers, replicas, the resume point and the cache do not change a pixel. The
-//! mirror is applied later, on the device; the signed operations are symmetric, so the
-//! distribution of images is torchvision's (which mirrors first).
+//! mirror is applied later, on the device, where torchvision mirrors first: for the images
+//! the consumer says it will mirror ([`crate::PipelineBuilder::mirrored_later`]) the draw is
+//! applied as it looks in the mirror ([`AugmentDraw::mirrored`]: shears, shifts and turns
+//! reversed, a vertical shear pivoting on the top-right corner), so the mirrored result is
+//! torchvision's.
 
 use rand::Rng;
 
@@ -231,6 +234,9 @@ pub enum AugmentOp {
     Equalize,
     /// Invert every byte (AutoAugment's policies only).
     Invert,
+    /// Vertical shear about the top-right corner: what `ShearY` with the opposite tangent is
+    /// to the mirror image (no policy draws it; [`AugmentDraw::mirrored`] does).
+    ShearYFromRight,
 }
 
 impl AugmentOp {
@@ -270,6 +276,7 @@ impl AugmentOp {
             Self::AutoContrast => "AutoContrast",
             Self::Equalize => "Equalize",
             Self::Invert => "Invert",
+            Self::ShearYFromRight => "ShearYFromRight",
         }
     }
 
@@ -279,6 +286,7 @@ impl AugmentOp {
             self,
             Self::ShearX
                 | Self::ShearY
+                | Self::ShearYFromRight
                 | Self::TranslateX
                 | Self::TranslateY
                 | Self::Rotate
@@ -419,6 +427,7 @@ impl AutoAugment {
             | AugmentOp::AutoContrast
             | AugmentOp::Equalize
             | AugmentOp::Invert => 0.0,
+            AugmentOp::ShearYFromRight => linspace(0.0, shear, bin),
             AugmentOp::ShearX | AugmentOp::ShearY => linspace(0.0, shear, bin),
             AugmentOp::TranslateX | AugmentOp::TranslateY => linspace(0.0, translate, bin),
             AugmentOp::Rotate => linspace(0.0, rotate, bin),
@@ -473,7 +482,8 @@ impl AutoAugment {
                     let mut ops = [None; AUGMIX_DEPTH];
                     for slot in &mut ops[..depth] {
                         let op = AUGMIX_OPS[rng.random_range(0..AUGMIX_OPS.len())];
-                        let bin = rng.random_range(0..severity);
+                        // A severity of 0 (refused by `validate`) draws from the first bin.
+                        let bin = rng.random_range(0..severity.max(1));
                         let magnitude = self.magnitude(op, bin, side);
                         let negative = op.signed() && rng.random::<bool>();
                         *slot = Some(OpDraw {
@@ -522,7 +532,40 @@ impl AutoAugment {
     }
 }
 
+impl OpDraw {
+    /// The operation as it looks to the mirror image: mirroring after it gives what it does
+    /// to the mirrored image (shears, shifts and turns reverse; a vertical shear pivots on the
+    /// other corner; the rest commute with a mirror).
+    pub fn mirrored(self) -> Self {
+        let (op, magnitude) = match self.op {
+            AugmentOp::ShearX | AugmentOp::TranslateX | AugmentOp::Rotate => {
+                (self.op, -self.magnitude)
+            }
+            AugmentOp::ShearY => (AugmentOp::ShearYFromRight, -self.magnitude),
+            AugmentOp::ShearYFromRight => (AugmentOp::ShearY, -self.magnitude),
+            op => (op, self.magnitude),
+        };
+        Self { op, magnitude }
+    }
+}
+
 impl AugmentDraw {
+    /// The draw as it looks to the mirror image ([`OpDraw::mirrored`], operation by
+    /// operation): for images the consumer mirrors afterwards, as birdtrain's device does, so
+    /// that the result is torchvision's (which mirrors first, then augments).
+    pub fn mirrored(self) -> Self {
+        let flip = |ops: [Option<OpDraw>; RAND_AUGMENT_OPS]| ops.map(|o| o.map(OpDraw::mirrored));
+        Self {
+            ops: flip(self.ops),
+            mix: self.mix.map(|mix| AugMixDraw {
+                chains: mix
+                    .chains
+                    .map(|(weight, ops)| (weight, ops.map(|o| o.map(OpDraw::mirrored)))),
+                ..mix
+            }),
+        }
+    }
+
     /// Applies the operations to the `side`×`side` packed RGB8 image `rgb` in place.
     pub fn apply(&self, rgb: &mut [u8], side: u32, scratch: &mut AugmentScratch) {
         for op in self.ops.iter().flatten() {
@@ -563,13 +606,20 @@ impl AugMixDraw {
 
 impl OpDraw {
     /// Applies the operation to the `width`×`height` packed RGB8 image `rgb` in place.
+    /// An empty image, or a buffer shorter than `width × height × 3`, is left as it is.
     pub fn apply(&self, rgb: &mut [u8], width: u32, height: u32, scratch: &mut Vec<u8>) {
         let m = self.magnitude;
         let size = (width as usize, height as usize);
+        if size.0 == 0 || size.1 == 0 || rgb.len() != size.0 * size.1 * 3 {
+            return;
+        }
         match self.op {
             AugmentOp::Identity => {}
             AugmentOp::ShearX => affine(rgb, size, scratch, Affine::shear(m, 0.0)),
             AugmentOp::ShearY => affine(rgb, size, scratch, Affine::shear(0.0, m)),
+            AugmentOp::ShearYFromRight => {
+                affine(rgb, size, scratch, Affine::shear_from_right(m, size))
+            }
             // torchvision's `int(magnitude)`: truncated towards zero.
             AugmentOp::TranslateX => shift(rgb, size, m.trunc() as i64, 0),
             AugmentOp::TranslateY => shift(rgb, size, 0, m.trunc() as i64),
@@ -632,6 +682,12 @@ impl Affine {
     fn shear(x: f32, y: f32) -> Self {
         let deg = |t: f32| f64::from(t).atan().to_degrees();
         Self::inverse((0.0, 0.0), 0.0, (0.0, 0.0), (deg(x), deg(y)))
+    }
+
+    /// A vertical shear by the tangent `y` about the top-right corner.
+    fn shear_from_right(y: f32, (w, _): (usize, usize)) -> Self {
+        let deg = f64::from(y).atan().to_degrees();
+        Self::inverse((w as f64, 0.0), 0.0, (0.0, 0.0), (0.0, deg))
     }
 
     /// A counter-clockwise rotation by `degrees` about the image's centre.
@@ -912,7 +968,7 @@ mod tests {
         // TrivialAugmentWide: posterize 8 bits down to 2, solarize 255 down to 0.
         assert_eq!(ta.magnitude(AugmentOp::Posterize, 0, 224), 8.0);
         assert_eq!(ta.magnitude(AugmentOp::Posterize, 30, 224), 2.0);
-        // round(3 / 5) = 1 (0.6), round(15 / 5) = 3; torch rounds half to even: 2.5 → 2.
+        // round(3 / 5) = 1 (0.6), round(15 / 5) = 3.
         assert_eq!(ta.magnitude(AugmentOp::Posterize, 3, 224), 7.0);
         assert_eq!(ta.magnitude(AugmentOp::Posterize, 15, 224), 5.0);
         assert_eq!(ra.magnitude(AugmentOp::Posterize, 30, 224), 4.0);
@@ -991,6 +1047,7 @@ mod tests {
             (AutoAugment::Svhn, &SVHN_POLICY),
         ] {
             let mut applied = [0usize; 2];
+            let mut signs = std::collections::HashSet::new();
             let draws = 4000;
             for id in 0..draws {
                 let draw = policy.draw(3, 1, id, 32);
@@ -1009,6 +1066,23 @@ mod tests {
                 assert!(fits, "{policy:?} drew {draw:?}, no pair of its policy");
                 for (n, op) in applied.iter_mut().zip(draw.ops) {
                     *n += usize::from(op.is_some());
+                }
+                for op in draw.ops.iter().flatten().filter(|o| o.magnitude != 0.0) {
+                    signs.insert((op.op, op.magnitude > 0.0));
+                }
+            }
+            // Every signed operation of the table with a strength shows both signs.
+            for op in table
+                .iter()
+                .flatten()
+                .filter(|(op, p, bin)| op.signed() && *p > 0.0 && bin.is_some_and(|b| b > 0))
+            {
+                for positive in [true, false] {
+                    assert!(
+                        signs.contains(&(op.0, positive)),
+                        "{policy:?} {:?} {positive}",
+                        op.0
+                    );
                 }
             }
             // Each place is applied with its pairs' mean probability.
@@ -1175,6 +1249,70 @@ mod tests {
         }
     }
 
+    /// `rgb` (`side`×`side`) mirrored left to right.
+    fn mirror(rgb: &[u8], side: usize) -> Vec<u8> {
+        rgb.chunks_exact(3 * side)
+            .flat_map(|row| row.chunks_exact(3).rev().flatten().copied())
+            .collect()
+    }
+
+    #[test]
+    fn a_mirrored_draw_then_the_mirror_is_the_mirror_then_the_draw() {
+        // What the device's later mirror needs: mirror(op.mirrored()(x)) = op(mirror(x)).
+        for side in [9usize, 16] {
+            let rgb = image(side, 12);
+            let flipped = mirror(&rgb, side);
+            for op in AugmentOp::ALL.into_iter().chain([AugmentOp::Invert]) {
+                // Shear tangents within the policies' ±0.99; shifts and turns in pixels, degrees.
+                let geometric = [3.0, -7.0, 30.0, -135.0];
+                let magnitudes = match op {
+                    AugmentOp::TranslateX | AugmentOp::TranslateY | AugmentOp::Rotate => geometric,
+                    _ => [0.4f32, -0.9, 0.99, -0.2],
+                };
+                for magnitude in magnitudes {
+                    let draw = OpDraw { op, magnitude };
+                    let want = applied(op, magnitude, &flipped, side as u32);
+                    let m = draw.mirrored();
+                    let got = mirror(&applied(m.op, m.magnitude, &rgb, side as u32), side);
+                    let differ: Vec<i32> = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(g, w)| (i32::from(*g) - i32::from(*w)).abs())
+                        .filter(|d| *d > 0)
+                        .collect();
+                    // The resampling grid is mirror-symmetric up to f32 rounding, which can
+                    // tip a byte that sits on a half by one; tangents such as 0.2 put many
+                    // taps at weight ½ exactly, so up to a tenth of the bytes can be ties.
+                    let worst = differ.iter().max().copied().unwrap_or(0);
+                    assert!(
+                        worst <= 1 && differ.len() * 10 <= got.len(),
+                        "{op:?} {magnitude} side {side}: {} bytes differ, worst {worst}",
+                        differ.len()
+                    );
+                    assert_eq!(m.mirrored(), draw, "mirroring twice is the draw");
+                }
+            }
+        }
+        // A whole draw, AugMix's chains included.
+        let policy = AutoAugment::AugMix { severity: 10 };
+        for id in 0..20 {
+            let draw = policy.draw(1, 0, id, 16);
+            let rgb = image(16, id);
+            let mut want = mirror(&rgb, 16);
+            draw.apply(&mut want, 16, &mut AugmentScratch::default());
+            let mut got = rgb.clone();
+            draw.mirrored()
+                .apply(&mut got, 16, &mut AugmentScratch::default());
+            let got = mirror(&got, 16);
+            let far = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.abs_diff(**w) > 1)
+                .count();
+            assert_eq!(far, 0, "AugMix draw {id}");
+        }
+    }
+
     #[test]
     fn the_colour_operations_follow_their_formulas() {
         let rgb = image(6, 2);
@@ -1219,7 +1357,12 @@ mod tests {
             }
         }
         // Level 10 maps to (0 + 1) / 2 = 0, 20 to (255 + 1) / 2 = 128, 30 to (510 + 1) / 2 = 255.
-        let out = applied(AugmentOp::Equalize, 0.0, &rgb, 0);
+        let mut out = rgb.clone();
+        let equalize = OpDraw {
+            op: AugmentOp::Equalize,
+            magnitude: 0.0,
+        };
+        equalize.apply(&mut out, 512, 1, &mut Vec::new());
         let levels: std::collections::BTreeSet<u8> = out.iter().copied().collect();
         assert_eq!(levels.into_iter().collect::<Vec<_>>(), vec![0, 128, 255]);
     }

@@ -30,12 +30,17 @@ pub struct PipelineBuilder {
     pub(crate) center_crop: Option<f32>,
     pub(crate) color_jitter: Option<ColorJitter>,
     pub(crate) auto_augment: Option<AutoAugment>,
+    pub(crate) mirrored_later: Option<MirroredLater>,
     pub(crate) last_batch: LastBatch,
     pub(crate) on_bad_image: OnBadImage,
     pub(crate) bad_files_report: Option<PathBuf>,
     pub(crate) max_pixels: u64,
     pub(crate) allocator: Arc<dyn BatchAllocator>,
 }
+
+/// Which images a consumer mirrors after the engine: `(epoch, sample id) → mirrored`
+/// ([`PipelineBuilder::mirrored_later`]).
+pub type MirroredLater = Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
 
 impl std::fmt::Debug for PipelineBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -90,6 +95,7 @@ impl PipelineBuilder {
             center_crop: None,
             color_jitter: None,
             auto_augment: None,
+            mirrored_later: None,
             last_batch: LastBatch::Partial,
             on_bad_image: OnBadImage::Skip,
             bad_files_report: None,
@@ -199,10 +205,18 @@ impl PipelineBuilder {
     }
     /// Applies an automatic augmentation policy to every image handed out, after its crop and
     /// before the colour jitter (`None`, the default: none): torchvision's
-    /// `TrivialAugmentWide` or `RandAugment`, its operations drawn from
-    /// `(seed, epoch, sample id)`. For training splits.
+    /// `TrivialAugmentWide`, `RandAugment`, `AugMix` or `AutoAugment`, its operations drawn
+    /// from `(seed, epoch, sample id)`. For training splits.
     pub fn auto_augment(mut self, policy: Option<AutoAugment>) -> Self {
         self.auto_augment = policy;
+        self
+    }
+    /// Says which images the consumer mirrors after the engine, by `(epoch, sample id)`
+    /// (`None`, the default: none). The policy's operations are then applied to those as they
+    /// look in the mirror ([`crate::AugmentDraw::mirrored`]), so that the mirrored result is
+    /// torchvision's, which mirrors before it augments.
+    pub fn mirrored_later(mut self, mirrored: Option<MirroredLater>) -> Self {
+        self.mirrored_later = mirrored;
         self
     }
     /// Policy for the last, incomplete global batch.

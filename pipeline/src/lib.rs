@@ -82,7 +82,7 @@ pub use autoaugment::{
 pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
-pub use builder::{check_store_size, PipelineBuilder};
+pub use builder::{check_store_size, MirroredLater, PipelineBuilder};
 pub use crop::{check_crop_pct, CropWindow, RandomResizedCrop};
 pub use error::PipelineError;
 pub use jitter::{Adjust, ColorJitter, JitterDraw};

@@ -344,6 +344,7 @@ impl Pipeline {
             },
             jitter: b.color_jitter.map(|jitter| (jitter, b.seed)),
             auto_augment: b.auto_augment.map(|policy| (policy, b.seed)),
+            mirrored_later: b.mirrored_later.clone(),
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
             cache,

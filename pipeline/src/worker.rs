@@ -41,6 +41,8 @@ pub(crate) struct Shared {
     pub(crate) jitter: Option<(ColorJitter, u64)>,
     /// The automatic augmentation policy of every image and the seed of its draws.
     pub(crate) auto_augment: Option<(AutoAugment, u64)>,
+    /// Which images the consumer mirrors afterwards.
+    pub(crate) mirrored_later: Option<crate::builder::MirroredLater>,
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
@@ -325,7 +327,11 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         .jitter
         .map(|(jitter, seed)| jitter.draw(seed, job.epoch, u64::from(job.index)));
     let augment = shared.auto_augment.map(|(policy, seed)| {
-        policy.draw(seed, job.epoch, u64::from(job.index), shared.image_size)
+        let draw = policy.draw(seed, job.epoch, u64::from(job.index), shared.image_size);
+        match &shared.mirrored_later {
+            Some(mirrored) if mirrored(job.epoch, u64::from(job.index)) => draw.mirrored(),
+            _ => draw,
+        }
     });
     let after = After {
         sides: (stored, shared.image_size),

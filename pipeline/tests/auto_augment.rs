@@ -256,8 +256,12 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
         AutoAugment::AugMix { severity: 5 },
     ] {
         for with_jitter in [false, true] {
+            // The even samples are mirrored afterwards (as the device mirrors): their
+            // operations are the draw as it looks in the mirror.
+            let mirrored: pipeline::MirroredLater = std::sync::Arc::new(|_, id| id % 2 == 0);
             let augmented = builder(&im)
                 .auto_augment(Some(policy))
+                .mirrored_later(Some(mirrored))
                 .color_jitter(with_jitter.then_some(jitter))
                 .workers(3)
                 .build()
@@ -269,11 +273,9 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
                 assert_eq!(before.len(), 12);
                 for (id, plain) in &before {
                     let mut want = plain.clone();
-                    policy.draw(SEED, epoch, *id, SIDE).apply(
-                        &mut want,
-                        SIDE,
-                        &mut AugmentScratch::default(),
-                    );
+                    let draw = policy.draw(SEED, epoch, *id, SIDE);
+                    let draw = if id % 2 == 0 { draw.mirrored() } else { draw };
+                    draw.apply(&mut want, SIDE, &mut AugmentScratch::default());
                     if with_jitter {
                         jitter.draw(SEED, epoch, *id).apply(&mut want);
                     }

@@ -134,7 +134,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
 
 /// The policy asked for by `--auto-augment` and `--ra-magnitude`.
 fn auto_augment(args: &BenchPipelineArgs) -> Result<Option<pipeline::AutoAugment>, CliError> {
-    let policy = match &args.auto_augment {
+    let mut policy = match &args.auto_augment {
         None => None,
         Some(word) => pipeline::AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
             flag: "--auto-augment",
@@ -142,25 +142,8 @@ fn auto_augment(args: &BenchPipelineArgs) -> Result<Option<pipeline::AutoAugment
             hint: format!("expected {}", pipeline::AutoAugment::CHOICES),
         })?,
     };
-    match (policy, args.ra_magnitude, args.augmix_severity) {
-        (Some(pipeline::AutoAugment::RandAugment { .. }), Some(magnitude), None) => {
-            Ok(Some(pipeline::AutoAugment::RandAugment { magnitude }))
-        }
-        (Some(pipeline::AutoAugment::AugMix { .. }), None, Some(severity)) => {
-            Ok(Some(pipeline::AutoAugment::AugMix { severity }))
-        }
-        (_, Some(m), _) => Err(CliError::BadValue {
-            flag: "--ra-magnitude",
-            value: m.to_string(),
-            hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
-        }),
-        (_, _, Some(n)) => Err(CliError::BadValue {
-            flag: "--augmix-severity",
-            value: n.to_string(),
-            hint: "it sets AugMix's strength: add --auto-augment augmix".into(),
-        }),
-        (policy, None, None) => Ok(policy),
-    }
+    super::train_args::set_policy_strength(&mut policy, args.ra_magnitude, args.augmix_severity)?;
+    Ok(policy)
 }
 
 /// The crop asked for by `--augment` and `--crop-scale`.

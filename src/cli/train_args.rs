@@ -612,32 +612,23 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.color_jitter = f;
     }
     if let Some(word) = &args.auto_augment {
-        cfg.auto_augment = AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
+        let policy = AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
             flag: "--auto-augment",
             value: word.clone(),
             hint: format!("expected {}", AutoAugment::CHOICES),
         })?;
+        // Naming a resumed run's own policy keeps its strength (--ra-magnitude,
+        // --augmix-severity), as leaving the flag out would.
+        let same = |p: &AutoAugment| Some(p.as_str()) == cfg.auto_augment.map(|r| r.as_str());
+        if !policy.as_ref().is_some_and(same) {
+            cfg.auto_augment = policy;
+        }
     }
-    if let Some(m) = args.ra_magnitude {
-        let Some(AutoAugment::RandAugment { magnitude }) = &mut cfg.auto_augment else {
-            return Err(CliError::BadValue {
-                flag: "--ra-magnitude",
-                value: m.to_string(),
-                hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
-            });
-        };
-        *magnitude = m;
-    }
-    if let Some(n) = args.augmix_severity {
-        let Some(AutoAugment::AugMix { severity }) = &mut cfg.auto_augment else {
-            return Err(CliError::BadValue {
-                flag: "--augmix-severity",
-                value: n.to_string(),
-                hint: "it sets AugMix's strength: add --auto-augment augmix".into(),
-            });
-        };
-        *severity = n;
-    }
+    set_policy_strength(
+        &mut cfg.auto_augment,
+        args.ra_magnitude,
+        args.augmix_severity,
+    )?;
     if let Some(min) = args.crop_scale {
         let Augmentation::ResizedCrop(crop) = &mut cfg.augment else {
             return Err(CliError::BadValue {
@@ -714,6 +705,36 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
         _ => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// Sets the strength of the policy (`--ra-magnitude` for RandAugment, `--augmix-severity`
+/// for AugMix); either flag without its policy is an error naming it.
+pub(crate) fn set_policy_strength(
+    policy: &mut Option<AutoAugment>,
+    ra_magnitude: Option<u32>,
+    augmix_severity: Option<u32>,
+) -> Result<(), CliError> {
+    if let Some(m) = ra_magnitude {
+        let Some(AutoAugment::RandAugment { magnitude }) = policy else {
+            return Err(CliError::BadValue {
+                flag: "--ra-magnitude",
+                value: m.to_string(),
+                hint: "it sets RandAugment's strength: add --auto-augment ra".into(),
+            });
+        };
+        *magnitude = m;
+    }
+    if let Some(n) = augmix_severity {
+        let Some(AutoAugment::AugMix { severity }) = policy else {
+            return Err(CliError::BadValue {
+                flag: "--augmix-severity",
+                value: n.to_string(),
+                hint: "it sets AugMix's strength: add --auto-augment augmix".into(),
+            });
+        };
+        *severity = n;
+    }
+    Ok(())
 }
 
 /// Set by Ctrl-C (SIGINT) or SIGTERM: the run finishes its step, saves and stops.

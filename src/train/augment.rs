@@ -80,6 +80,18 @@ impl Augmentation {
         }
     }
 
+    /// Which training images the device mirrors, by `(epoch, sample id)`, for the input
+    /// engine's augmentation policies ([`pipeline::PipelineBuilder::mirrored_later`]); `None`
+    /// when none is mirrored.
+    pub fn mirrored_later(&self, seed: u64, image_size: u32) -> Option<pipeline::MirroredLater> {
+        match self {
+            Self::None => None,
+            Self::PadCrop | Self::ResizedCrop(_) => Some(std::sync::Arc::new(move |epoch, id| {
+                augment_for(seed, epoch, id, image_size).flip
+            })),
+        }
+    }
+
     /// The device's part for a micro-batch, in sample order (`None`: images as they come),
     /// with each image erased with probability `random_erase` ([`erase_for`]).
     pub fn device_augments(

@@ -72,7 +72,7 @@ pub struct TrainConfig {
     /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
     pub color_jitter: f32,
     /// The automatic augmentation policy of training images (`--auto-augment`,
-    /// `--ra-magnitude`; none: off).
+    /// `--ra-magnitude`, `--augmix-severity`; none: off).
     pub auto_augment: Option<pipeline::AutoAugment>,
     /// Decode workers (0 = available cores).
     pub workers: usize,

@@ -49,6 +49,11 @@ pub(crate) fn pipeline_for(
         .center_crop((!training).then_some(cfg.crop_pct))
         .color_jitter(cfg.engine_jitter().filter(|_| training))
         .auto_augment(cfg.auto_augment.filter(|_| training))
+        .mirrored_later(
+            cfg.augment
+                .mirrored_later(cfg.seed, cfg.image_size)
+                .filter(|_| training),
+        )
         .sampling(if training {
             cfg.sampler
         } else {

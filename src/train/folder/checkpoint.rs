@@ -161,7 +161,8 @@ mod resize_mode_name {
     }
 }
 
-/// `--auto-augment` as `{"policy": "ta_wide"}` or `{"policy": "ra", "magnitude": M}`.
+/// `--auto-augment` as `{"policy": "ta_wide"}`, `{"policy": "ra", "magnitude": M}` or
+/// `{"policy": "augmix", "severity": S}`.
 mod auto_augment_policy {
     use pipeline::AutoAugment;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -321,8 +322,8 @@ pub struct RunSettings {
     /// older checkpoints (0: none).
     #[serde(default)]
     pub color_jitter: f32,
-    /// `--auto-augment` (with `--ra-magnitude`): the automatic augmentation policy; absent
-    /// when off (and in older checkpoints).
+    /// `--auto-augment` (with `--ra-magnitude`, `--augmix-severity`): the automatic
+    /// augmentation policy; absent when off (and in older checkpoints).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
