@@ -27,17 +27,12 @@ fn torchvision_available() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// torchvision's result of each `(op, magnitude)` applied alone to `image`.
-fn torchvision(image: &[u8], side: u32, ops: &[(AugmentOp, f32)]) -> Vec<Vec<u8>> {
+/// What `tests/torchvision_autoaugment.py` answers to `request`.
+fn ask_torchvision(request: &serde_json::Value) -> Vec<u8> {
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/torchvision_autoaugment.py"
     );
-    let request = serde_json::json!({
-        "side": side,
-        "image": image,
-        "ops": ops.iter().map(|(op, m)| serde_json::json!([op.name(), m])).collect::<Vec<_>>(),
-    });
     let mut child = Command::new(PYTHON)
         .arg(script)
         .stdin(Stdio::piped())
@@ -57,9 +52,19 @@ fn torchvision(image: &[u8], side: u32, ops: &[(AugmentOp, f32)]) -> Vec<Vec<u8>
         "{script}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out.stdout
+}
+
+/// torchvision's result of each `(op, magnitude)` applied alone to `image`.
+fn torchvision(image: &[u8], side: u32, ops: &[(AugmentOp, f32)]) -> Vec<Vec<u8>> {
+    let out = ask_torchvision(&serde_json::json!({
+        "side": side,
+        "image": image,
+        "ops": ops.iter().map(|(op, m)| serde_json::json!([op.name(), m])).collect::<Vec<_>>(),
+    }));
     let len = image.len();
-    assert_eq!(out.stdout.len(), len * ops.len());
-    out.stdout.chunks_exact(len).map(<[u8]>::to_vec).collect()
+    assert_eq!(out.len(), len * ops.len());
+    out.chunks_exact(len).map(<[u8]>::to_vec).collect()
 }
 
 /// A photo-like image: smooth colour waves with a little noise.
@@ -157,25 +162,8 @@ fn the_strength_bins_are_torchvisions() {
         return;
     }
     let side = 224;
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/torchvision_autoaugment.py"
-    );
-    let mut child = Command::new(PYTHON)
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(format!("{{\"spaces\": {side}}}").as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let spaces: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = ask_torchvision(&serde_json::json!({ "spaces": side }));
+    let spaces: serde_json::Value = serde_json::from_slice(&out).unwrap();
     for (class, policy) in [
         ("TrivialAugmentWide", AutoAugment::TrivialAugmentWide),
         ("RandAugment", AutoAugment::RAND_AUGMENT),
@@ -210,16 +198,8 @@ fn the_strength_bins_are_torchvisions() {
     }
 }
 
-/// Colourful images: each channel a different wave over the square, shifted per image.
 fn images(count: usize) -> Listed {
-    common::listed(count, SIDE, 3, |i, x, y| {
-        let k = i as u32;
-        image::Rgb([
-            ((x * 9 + k * 17) % 256) as u8,
-            ((y * 7 + x * 3 + k * 29) % 256) as u8,
-            ((x * y + k * 41) % 256) as u8,
-        ])
-    })
+    common::colourful(count, SIDE)
 }
 
 fn builder(im: &Listed) -> PipelineBuilder {

@@ -14,16 +14,8 @@ use common::Listed;
 const SIDE: u32 = 24;
 const SEED: u64 = 12;
 
-/// Colourful images: each channel a different wave over the square, shifted per image.
 fn images(count: usize) -> Listed {
-    common::listed(count, SIDE, 3, |i, x, y| {
-        let k = i as u32;
-        image::Rgb([
-            ((x * 9 + k * 17) % 256) as u8,
-            ((y * 7 + x * 3 + k * 29) % 256) as u8,
-            ((x * y + k * 41) % 256) as u8,
-        ])
-    })
+    common::colourful(count, SIDE)
 }
 
 fn builder(im: &Listed) -> PipelineBuilder {

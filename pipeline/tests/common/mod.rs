@@ -162,3 +162,16 @@ pub fn listed(
         classes,
     }
 }
+
+/// `count` colourful `side`×`side` images: each channel a different wave over the square,
+/// shifted per image (for the tests of colour and augmentation).
+pub fn colourful(count: usize, side: u32) -> Listed {
+    listed(count, side, 3, |i, x, y| {
+        let k = i as u32;
+        image::Rgb([
+            ((x * 9 + k * 17) % 256) as u8,
+            ((y * 7 + x * 3 + k * 29) % 256) as u8,
+            ((x * y + k * 41) % 256) as u8,
+        ])
+    })
+}
