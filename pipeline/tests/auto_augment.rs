@@ -9,9 +9,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use pipeline::{
-    AugmentOp, AugmentScratch, AutoAugment, ColorJitter, OpDraw, PipelineBuilder, Split,
-};
+use pipeline::{AugmentOp, AugmentScratch, AutoAugment, ColorJitter, OpDraw, PipelineBuilder};
 use rand::{Rng, SeedableRng};
 
 use common::Listed;
@@ -203,13 +201,7 @@ fn images(count: usize) -> Listed {
 }
 
 fn builder(im: &Listed) -> PipelineBuilder {
-    PipelineBuilder::new(im.source())
-        .split(Split::Train)
-        .image_size(SIDE)
-        .cache_dir(im.cache.path())
-        .workers(2)
-        .batch_size(4)
-        .seed(SEED)
+    im.train_builder(SIDE, SEED)
 }
 
 fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64) -> HashMap<u64, Vec<u8>> {

@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use pipeline::{ColorJitter, PipelineBuilder, RandomResizedCrop, Split};
+use pipeline::{ColorJitter, PipelineBuilder, RandomResizedCrop};
 
 use common::Listed;
 
@@ -19,13 +19,7 @@ fn images(count: usize) -> Listed {
 }
 
 fn builder(im: &Listed) -> PipelineBuilder {
-    PipelineBuilder::new(im.source())
-        .split(Split::Train)
-        .image_size(SIDE)
-        .cache_dir(im.cache.path())
-        .workers(2)
-        .batch_size(4)
-        .seed(SEED)
+    im.train_builder(SIDE, SEED)
 }
 
 fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64, replica: usize) -> HashMap<u64, Vec<u8>> {

@@ -175,3 +175,16 @@ pub fn colourful(count: usize, side: u32) -> Listed {
         ])
     })
 }
+
+impl Listed {
+    /// A training pipeline over the images at `side` px, seeded: 2 workers, batches of 4.
+    pub fn train_builder(&self, side: u32, seed: u64) -> PipelineBuilder {
+        PipelineBuilder::new(self.source())
+            .split(pipeline::Split::Train)
+            .image_size(side)
+            .cache_dir(self.cache.path())
+            .workers(2)
+            .batch_size(4)
+            .seed(seed)
+    }
+}
