@@ -132,15 +132,11 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The policy asked for by `--auto-augment` and `--ra-magnitude`.
+/// The policy asked for by `--auto-augment`, `--ra-magnitude` and `--augmix-severity`.
 fn auto_augment(args: &BenchPipelineArgs) -> Result<Option<pipeline::AutoAugment>, CliError> {
     let mut policy = match &args.auto_augment {
         None => None,
-        Some(word) => pipeline::AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
-            flag: "--auto-augment",
-            value: word.clone(),
-            hint: format!("expected {}", pipeline::AutoAugment::CHOICES),
-        })?,
+        Some(word) => super::train_args::parse_policy(word)?,
     };
     super::train_args::set_policy_strength(&mut policy, args.ra_magnitude, args.augmix_severity)?;
     Ok(policy)

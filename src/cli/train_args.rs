@@ -612,11 +612,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.color_jitter = f;
     }
     if let Some(word) = &args.auto_augment {
-        let policy = AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
-            flag: "--auto-augment",
-            value: word.clone(),
-            hint: format!("expected {}", AutoAugment::CHOICES),
-        })?;
+        let policy = parse_policy(word)?;
         // Naming a resumed run's own policy keeps its strength (--ra-magnitude,
         // --augmix-severity), as leaving the flag out would.
         let same = |p: &AutoAugment| Some(p.as_str()) == cfg.auto_augment.map(|r| r.as_str());
@@ -705,6 +701,15 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
         _ => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// The policy `--auto-augment` names (`None`: `none`).
+pub(crate) fn parse_policy(word: &str) -> Result<Option<AutoAugment>, CliError> {
+    AutoAugment::parse(word).ok_or_else(|| CliError::BadValue {
+        flag: "--auto-augment",
+        value: word.to_string(),
+        hint: format!("expected {}", AutoAugment::CHOICES),
+    })
 }
 
 /// Sets the strength of the policy (`--ra-magnitude` for RandAugment, `--augmix-severity`
