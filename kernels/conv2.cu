@@ -506,22 +506,22 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
 #pragma unroll
                 for (int e = 0; e < 4; e += 2) {
                     const int m = m0 + warp_m + i * 16 + g + (e >= 2 ? 8 : 0);
-                    int n = n0 + warp_n + j * 8 + 2 * t4;
+                    const int n = n0 + warp_n + j * 8 + 2 * t4;
                     if (m >= M || n >= N) continue;
                     if (a.c_real != a.c) {
-                        const int rs = n / a.c, c = n - rs * a.c;
-                        if (c >= a.c_real) continue;  // c_real is even: the pair stays together
-                        n = rs * a.c_real + c;
+                        // The padded stem: c_real may be odd (3 channels), so the pair's two
+                        // columns may land in different taps and its address on 4 bytes
+                        // only, which the paired reduction below refuses (misaligned
+                        // address): each column goes alone.
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int rs = (n + h) / a.c, c = n + h - rs * a.c;
+                            if (c < a.c_real) atomicAdd(dw + (long)m * n_out + rs * a.c_real + c, acc[i][j][e + h]);
+                        }
+                        continue;
                     }
-                    float* o = dw + (long)m * n_out + n;
-#if !defined(BT_EMULATE) && __CUDA_ARCH__ >= 900
-                    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(o), "f"(acc[i][j][e]),
-                                 "f"(acc[i][j][e + 1])
-                                 : "memory");
-#else
-                    atomicAdd(o, acc[i][j][e]);
-                    atomicAdd(o + 1, acc[i][j][e + 1]);
-#endif
+                    // c % 8 == 0 here: n_out and n are even, so o is 8-byte aligned.
+                    bt_red_add2(dw + (long)m * n_out + n, acc[i][j][e], acc[i][j][e + 1]);
                 }
         return;
     }

@@ -8,6 +8,12 @@
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
 #                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
+#   bash .gpu/gpu-run.sh all     # all four in one call, for a short lease: the correctness
+#                                # work side by side on the shared GPU (no timing is read
+#                                # there), then the timed work alone, most important first
+#
+# Logs go to $LOGS (default /tmp/gpu-out); when $OUT is set (the device tool, which brings
+# back at most 8 files) they come back packed as $OUT/logs.tgz, with $OUT/summary.txt.
 #
 # Every check prints one PASS/FAIL line into $OUT/summary.txt, shown at the end. The binary
 # must find NVRTC and NCCL by itself (issue: no symlinks, no paths set by a script): `birdtrain
@@ -19,11 +25,20 @@ phase=${1:-}
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$here/birdtrain
 checks="python3 $here/gpu_checks.py"
-out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
+out=${LOGS:-/tmp/gpu-out}; mkdir -p "$out"
+# Pack the logs for the device tool however the call ends (a step's own limit keeps it short).
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  cp "$summary" "$OUT/summary.txt" 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$out" . 2>/dev/null
+}
+trap pack EXIT
 summary=$out/summary.txt
 gpus=${GPUS:-1}
 work=${WORK:-/tmp/birdtrain-gpu}; mkdir -p "$work"
 export BIRDTRAIN_KERNEL_CACHE=$work/kernels
+# The binary for the tests that start it (they run away from their build tree here).
+export BIRDTRAIN_BIN=$bin
 
 note() { echo "$*" | tee -a "$summary"; }
 # check NAME CMD...: runs a gpu_checks.py line (or any command printing PASS/FAIL).
@@ -81,17 +96,33 @@ phase_tests() {
 }
 
 phase_bench() {
-  local m
-  for m in resnet50 resnet18; do
-    step "bench-$m" 150 "$bin" bench step --model $m --batch-size 256 --json --breakdown
-    tail -1 "$out/bench-$m.log" >>"$out/bench.jsonl"
-    step "peer-$m" 120 python3 "$here/torch_resnet_step.py" --model $m --batch-size 256
-    tail -1 "$out/peer-$m.log" >>"$out/bench.jsonl"
-  done
+  bench_pair resnet50
+  bench_pair resnet18
+  bench_compiled_peer
+  BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
+  bench_scaling
+}
+
+# birdtrain's step and the PyTorch peer's (eager), one after the other, for model $1.
+# $BENCH_STEPS: birdtrain's timed steps (default 50, after 15 warm-up steps).
+bench_pair() {
+  local m=$1 steps=${BENCH_STEPS:-50}
+  step "bench-$m" 150 "$bin" bench step --model $m --batch-size 256 --json --breakdown \
+    --warmup $(( steps < 15 ? 5 : 15 )) --steps "$steps"
+  tail -1 "$out/bench-$m.log" >>"$out/bench.jsonl"
+  step "peer-$m" 120 python3 "$here/torch_resnet_step.py" --model $m --batch-size 256
+  tail -1 "$out/peer-$m.log" >>"$out/bench.jsonl"
+  $checks bench "$out/bench.jsonl" | tee -a "$summary"
+}
+
+bench_compiled_peer() {
   step peer-resnet50-compile 240 python3 "$here/torch_resnet_step.py" --model resnet50 --batch-size 256 --compile
   tail -1 "$out/peer-resnet50-compile.log" >>"$out/bench.jsonl"
-  BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
   $checks bench "$out/bench.jsonl" | tee -a "$summary"
+}
+
+# bench scaling with the measured resnet50 step.
+bench_scaling() {
   local ms
   ms=$(python3 -c "import json; print(json.loads(open('$out/bench-resnet50.log').read().strip().splitlines()[-1])['ms_per_step'])" 2>/dev/null)
   if [ -n "$ms" ]; then
@@ -101,9 +132,15 @@ phase_bench() {
 }
 
 phase_train() {
-  # The CPU accuracy test's set and model (tests/train_accuracy.rs), then resnet50 at 224 px.
-  local size=32 model=resnet8 big=224 bigmodel=resnet50 per=640 bs=256
-  [ "$gpus" = 0 ] && { big=32; bigmodel=resnet8; per=64; bs=32; }
+  train_checks
+  big_set
+  train_data_wait
+}
+
+# The CPU accuracy test's set and model (tests/train_accuracy.rs): accuracy, trace, eval on
+# the CPU, exact resume (also after kill -9).
+train_checks() {
+  local size=32 model=resnet8
   local d=$work/synth64 r=$work/runs c=$work/cache
   rm -rf "$r"; mkdir -p "$r"
   [ -d "$d/train" ] || "$bin" synth --out "$d" --classes 10 --train-per-class 100 --valid-per-class 20 --size 64x64 --format png >/dev/null
@@ -127,9 +164,21 @@ phase_train() {
     "$bin" "${common[@]}" --epochs 2 --save-every 10 --out "$r/killed"
   step resume-after-kill 150 "$bin" --resume "$r/killed" "${common[@]}" --epochs 2
   check $checks same-weights "$r/straight" "$r/killed"
-  # resnet50 at 224 px, warm cache: the last epoch's data-wait.
-  local b=$work/synth$big
+}
+
+# The set for the data-wait run: 8 classes x 640 images of 256 px (CPU only; GPUS=0: small).
+big_set() {
+  local per=640; [ "$gpus" = 0 ] && per=64
+  local b=$work/synth-big
   [ -d "$b/train" ] || "$bin" synth --out "$b" --classes 8 --train-per-class $per --valid-per-class 16 --size 256x256 >/dev/null
+}
+
+# resnet50 at 224 px, warm cache: the last epoch's data-wait (GPUS=0: resnet8 at 32 px).
+train_data_wait() {
+  local big=224 bigmodel=resnet50 bs=256
+  [ "$gpus" = 0 ] && { big=32; bigmodel=resnet8; bs=32; }
+  local b=$work/synth-big r=$work/runs-big c=$work/cache
+  rm -rf "$r"; mkdir -p "$r"
   step datawait-$bigmodel 300 "$bin" --data "$b" --gpus "$gpus" --model $bigmodel --image-size $big \
     --batch-size $bs --epochs 3 --cache-dir "$c" --out "$r/big"
   tail -8 "$out/datawait-$bigmodel.log"
@@ -138,8 +187,14 @@ phase_train() {
 
 phase_ncu() {
   step ncu-find 150 "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 5 --json --breakdown
+  ncu_top "$out/ncu-find.log"
+  sanitize
+}
+
+# ncu on the three kernels with the most time in the --breakdown line of log $1.
+ncu_top() {
   local k
-  for k in $($checks top-kernels "$out/ncu-find.log" 3); do
+  for k in $($checks top-kernels "$1" 3); do
     # Four steps run; a kernel of the top three runs at least once a step: skip the first three.
     step "ncu-$k" 150 ncu --kernel-name "regex:^$k\$" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
@@ -147,14 +202,43 @@ phase_ncu() {
       "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 1
     grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Achieved Occupancy|Registers" "$out/ncu-$k.log" | head -30
   done
+}
+
+sanitize() {
   step sanitize-memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$here/cuda_kernels" --ignored --test-threads 1
   tail -5 "$out/sanitize-memcheck.log"
 }
 
+# Everything in one call. The correctness work runs side by side (one GPU, many processes:
+# only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
+# have the GPU alone, so they follow, most important first, until $DEADLINE.
+phase_all() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  local t
+  step kernels-check 120 "$bin" kernels check --arch sm_90 &
+  for t in cuda_kernels cuda_step cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 &
+  done
+  train_checks >"$out/train-checks.txt" 2>&1 &
+  big_set &
+  wait
+  for t in cuda_kernels cuda_step cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+    grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -30
+  done
+  step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1
+  BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
+  train_data_wait
+  BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
+  bench_scaling
+  sanitize
+  ncu_top "$out/bench-resnet50.log"
+  bench_compiled_peer
+}
+
 case "$phase" in
-  tests|bench|train|ncu) ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|ncu (one per device call)" >&2; exit 2 ;;
+  tests|bench|train|ncu|all) ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|ncu|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"

@@ -64,6 +64,14 @@ fn the_checks_catch_a_wrong_convolution() {
         ) -> Result<Vec<f32>, BackendError> {
             self.0.alloc(len, role)
         }
+        fn alloc_views(
+            &self,
+            total: usize,
+            ranges: &[std::ops::Range<usize>],
+            role: birdtrain::backend::TensorRole,
+        ) -> Result<Option<birdtrain::backend::GradientViews<Vec<f32>>>, BackendError> {
+            self.0.alloc_views(total, ranges, role)
+        }
         fn len(&self, t: &Vec<f32>) -> usize {
             t.len()
         }

@@ -104,6 +104,9 @@ fn conv_shapes() -> Vec<ConvShape> {
         c(3, 12, 12, 40, 8, 1, 1, 0),
         c(1, 9, 9, 16, 64, 7, 2, 3),
         c(4, 28, 28, 128, 256, 3, 1, 1),
+        // The stem as a network runs it: 64 filters, 4096 output pixels (wgrad in slices of
+        // many k-steps, several column tiles).
+        c(4, 64, 64, 3, 64, 7, 2, 3),
     ]
 }
 
@@ -457,10 +460,26 @@ fn pools_match_cpu() {
             stride: 2,
             padding: 0,
         },
+        // The stem's pool as a 64-px network runs it.
+        PoolShape {
+            n: 4,
+            h: 32,
+            w: 32,
+            c: 64,
+            kernel: 3,
+            stride: 2,
+            padding: 1,
+        },
     ] {
         let input = s.n * s.h * s.w * s.c;
         let out = s.n * s.out_h() * s.out_w() * s.c;
-        let x = pair(&gb, &data(&mut rng, input, 1.0), TensorRole::Activation);
+        // After a ReLU, as in the network: half the inputs are 0, so windows tie and the
+        // first maximum (window order) must win on both backends.
+        let relu: Vec<f32> = data(&mut rng, input, 1.0)
+            .into_iter()
+            .map(|v| v.max(0.0))
+            .collect();
+        let x = pair(&gb, &relu, TensorRole::Activation);
         let mut y = pair(&gb, &vec![0.0; out], TensorRole::Activation);
         cb.maxpool_forward(&s, &x.c, &mut y.c).unwrap();
         gb.maxpool_forward(&s, &x.g, &mut y.g).unwrap();

@@ -5,12 +5,13 @@
 //!
 //! Tolerances. After ~20 bf16 layers elementwise bounds are meaningless for tiny gradient
 //! entries, so each gradient tensor is compared as a whole: relative L2 error
-//! ‖g_gpu − g_cpu‖ / ‖g_cpu‖ ≤ 0.15 and cosine similarity ≥ 0.99 (bf16 keeps 8 bits of
+//! ‖g_gpu − g_cpu‖ / ‖g_cpu‖ ≤ 0.08 and cosine similarity ≥ 0.995 (bf16 keeps 8 bits of
 //! mantissa: ~0.4% per rounding, compounded over the depth; a wrong kernel gives ~1). The loss:
 //! |Δ| ≤ 0.01 + 1%.
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
+use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
 use birdtrain::model::{Arch, Augment, Graph, InputBatch, Network};
 use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
@@ -66,9 +67,28 @@ fn rel_err(g: &[f32], c: &[f32]) -> (f64, f64) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn resnet18_step_matches_cpu() {
+    // Every gradient and statistic is compared and the whole table printed before any
+    // assertion, once per convolution generation: a wrong kernel shows as the first layer (in
+    // backward order) whose error jumps, and in the generation it belongs to.
+    let mut failures = Vec::new();
+    for version in [ConvVersion::V1, ConvVersion::V2] {
+        failures.extend(
+            resnet18_step_table(version)
+                .into_iter()
+                .map(|f| format!("{version:?} {f}")),
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One resnet18 step on the GPU (convolutions of `version`) and on the CPU, twice (without
+/// and with augmentation); prints every tensor's error and returns the failures.
+fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
     let graph = Graph::new(Arch::ResNet18, 10);
     let (n, size) = (4, 64u32);
-    let mut gpu = Network::new(CudaBackend::new(0).unwrap(), &graph, n, size).unwrap();
+    let mut backend = CudaBackend::new(0).unwrap();
+    backend.set_conv_version(version);
+    let mut gpu = Network::new(backend, &graph, n, size).unwrap();
     let mut cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
     let (pixels, labels) = synthetic(n, size as usize, 10, 11);
     let aug = [
@@ -92,7 +112,9 @@ fn resnet18_step_matches_cpu() {
             erase: None,
         },
     ];
+    let mut failures = Vec::new();
     for augment in [None, Some(&aug[..])] {
+        let pass = format!("{version:?} augment={}", augment.is_some());
         let batch = InputBatch {
             pixels: &pixels,
             labels: &labels,
@@ -103,30 +125,43 @@ fn resnet18_step_matches_cpu() {
         };
         let sg = gpu.train_step(&batch).unwrap();
         let sc = cpu.train_step(&batch).unwrap();
-        assert!(
-            (sg.loss_sum - sc.loss_sum).abs() <= 0.01 + 0.01 * sc.loss_sum.abs(),
-            "loss {} vs {}",
-            sg.loss_sum,
-            sc.loss_sum
-        );
+        println!("{pass}: loss GPU {} CPU {}", sg.loss_sum, sc.loss_sum);
+        if (sg.loss_sum - sc.loss_sum).abs() > 0.01 + 0.01 * sc.loss_sum.abs() {
+            failures.push(format!("{pass}: loss {} vs {}", sg.loss_sum, sc.loss_sum));
+        }
         let (gg, gc) = (gpu.grads_f32().unwrap(), cpu.grads_f32().unwrap());
         let (offsets, _) = graph.param_offsets();
+        println!("{pass}: gradient            relative L2   cosine");
         for (i, spec) in graph.params().iter().enumerate() {
             let r = offsets[i]..offsets[i] + spec.numel();
             let (rel, cos) = rel_err(&gg[r.clone()], &gc[r]);
-            assert!(
-                rel <= 0.08 && cos >= 0.995,
-                "{}: relative error {rel:.4}, cosine {cos:.5}",
-                spec.name
+            let bad = !(rel <= 0.08 && cos >= 0.995);
+            println!(
+                "  {:<28} {rel:>10.4} {cos:>9.5}{}",
+                spec.name,
+                if bad { "  <-- off" } else { "" }
             );
+            if bad {
+                failures.push(format!(
+                    "{pass}: {}: relative error {rel:.4}, cosine {cos:.5}",
+                    spec.name
+                ));
+            }
         }
         // BN running statistics advanced identically.
         let (bg, bc) = (gpu.state().unwrap().buffers, cpu.state().unwrap().buffers);
         for (i, spec) in graph.buffers().iter().enumerate() {
             let (rel, _) = rel_err(&bg[i], &bc[i]);
-            assert!(rel <= 0.02, "buffer {}: relative error {rel:.4}", spec.name);
+            if rel > 0.02 {
+                println!("  buffer {:<21} {rel:>10.4}  <-- off", spec.name);
+                failures.push(format!(
+                    "{pass}: buffer {}: relative error {rel:.4}",
+                    spec.name
+                ));
+            }
         }
     }
+    failures
 }
 
 /// SGD steps of batch 32 for the training tests (the CPU reaches 1.00 in 50 here).

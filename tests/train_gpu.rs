@@ -233,9 +233,20 @@ fn many_small_buckets_launched_during_backward_give_the_same_weights() {
     println!("largest relative weight difference, 1 vs many buckets {worst:.3e}");
     assert!(worst < 5e-2, "weights differ by {worst}");
     let text = std::fs::read_to_string(&trace).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut buckets: Vec<String> = json["traceEvents"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with("all-reduce bucket"))
+        .map(str::to_string)
+        .collect();
+    buckets.sort();
+    buckets.dedup();
     assert!(
-        text.contains("all-reduce bucket 5"),
-        "expected many buckets"
+        buckets.len() > 5,
+        "expected more than 5 buckets at --bucket-mb 0.02; the trace names {buckets:?}"
     );
 }
 
@@ -327,7 +338,12 @@ fn the_moving_average_on_a_gpu_leaves_training_alone_and_evaluates_on_the_cpu() 
         .rfind(|l| l.contains("\"valid_ema\""))
         .map(|l| serde_json::from_str(l).unwrap())
         .expect("a valid_ema line");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+    // BIRDTRAIN_BIN: the binary beside this test when it runs away from its build tree
+    // (scripts/gpu-run.sh on the GPU machine sets it).
+    let bin = std::env::var_os("BIRDTRAIN_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_birdtrain").into());
+    let out = std::process::Command::new(bin)
         .args(["eval", "--json", "--ema", "--checkpoint"])
         .arg(&b.out)
         .arg("--data")

@@ -152,6 +152,7 @@ int main() {
     std::mt19937 rng(1);
     const Case cases[] = {
         {2, 9, 7, 3, 16, 7, 2, 3},    // the stem: 3 channels padded to 8, 7×7 stride 2
+        {2, 16, 16, 3, 64, 7, 2, 3},  // the stem at 64 filters, wgrad slices of several k-steps
         {2, 6, 5, 16, 24, 3, 1, 1},   // 16 channels: a k-step spans two taps
         {1, 9, 11, 24, 40, 3, 2, 1},  // stride 2: four phases of 1, 2, 2, 4 taps; odd sizes
         {1, 5, 5, 8, 136, 1, 2, 0},   // 1×1 stride 2: strided rows, three tapless phases, N > 128

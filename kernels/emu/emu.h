@@ -193,6 +193,11 @@ inline void bt_emu_cp_async_wait(int n) {
 
 inline float atomicAdd(float* p, float v) { float o = *p; *p += v; return o; }
 
+// The alignment a vector memory instruction demands; the hardware stops the kernel otherwise.
+inline void bt_emu_check_aligned(const void* p, uintptr_t bytes, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) % bytes) emu_fail(what);
+}
+
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct alignas(8) int2 { int x, y; };

@@ -190,17 +190,16 @@ pub trait Backend: Send {
     /// Zero-filled tensors of `role` that are views of one buffer of `total` elements, tensor
     /// i at `ranges[i]` (writing through a view writes the buffer), and the buffer's device
     /// address, so that a collective can reduce whole ranges of it in place: a network's
-    /// parameter gradients laid out by a bucket plan. `None` (the default) when the backend
-    /// has no views; the caller then copies each gradient into its own flat buffer.
+    /// parameter gradients laid out by a bucket plan. `None` when the backend has no views;
+    /// the caller then copies each gradient into its own flat buffer. No default: a backend
+    /// that wraps another must pass this on (a wrapper that fell back to `None` once cost the
+    /// GPU trainer its gradient buffer).
     fn alloc_views(
         &self,
         total: usize,
         ranges: &[std::ops::Range<usize>],
         role: TensorRole,
-    ) -> Result<Option<GradientViews<Self::Tensor>>, BackendError> {
-        let _ = (total, ranges, role);
-        Ok(None)
-    }
+    ) -> Result<Option<GradientViews<Self::Tensor>>, BackendError>;
 
     /// Element count of a tensor.
     fn len(&self, t: &Self::Tensor) -> usize;

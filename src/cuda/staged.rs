@@ -212,6 +212,14 @@ impl Backend for StagedBackend {
     fn alloc(&self, len: usize, role: TensorRole) -> Result<CudaTensor, BackendError> {
         self.inner.alloc(len, role)
     }
+    fn alloc_views(
+        &self,
+        total: usize,
+        ranges: &[std::ops::Range<usize>],
+        role: TensorRole,
+    ) -> Result<Option<crate::backend::GradientViews<CudaTensor>>, BackendError> {
+        self.inner.alloc_views(total, ranges, role)
+    }
     fn len(&self, t: &CudaTensor) -> usize {
         self.inner.len(t)
     }

@@ -218,6 +218,16 @@ impl Backend for CpuBackend {
         Ok(v)
     }
 
+    /// Host tensors are separate vectors: no views (the trainer copies gradients out).
+    fn alloc_views(
+        &self,
+        _total: usize,
+        _ranges: &[std::ops::Range<usize>],
+        _role: TensorRole,
+    ) -> Result<Option<super::GradientViews<Vec<f32>>>, BackendError> {
+        Ok(None)
+    }
+
     fn len(&self, t: &Vec<f32>) -> usize {
         t.len()
     }
