@@ -172,18 +172,15 @@ __device__ __forceinline__ void bt_cp_async_wait() {
 #endif
 }
 
-// red.global.add.v2.f32 (sm_90+): adds a pair of floats at an 8-byte-aligned address in one
-// reduction; older chips add each alone. The emulator checks the alignment the hardware
-// demands (a misaligned pair stops the kernel with CUDA_ERROR_MISALIGNED_ADDRESS).
-__device__ __forceinline__ void bt_red_add2(float* o, float a, float b) {
+// Stores a pair of floats at an 8-byte-aligned address in one 8-byte store. The emulator
+// checks the alignment the hardware demands (a misaligned pair stops the kernel with
+// CUDA_ERROR_MISALIGNED_ADDRESS).
+__device__ __forceinline__ void bt_store2_f32(float* o, float a, float b) {
 #ifdef BT_EMULATE
-    bt_emu_check_aligned(o, 8, "red.global.add.v2.f32 with a misaligned 8-byte address");
-    atomicAdd(o, a);
-    atomicAdd(o + 1, b);
-#elif __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(o), "f"(a), "f"(b) : "memory");
+    bt_emu_check_aligned(o, 8, "an 8-byte store to a misaligned address");
+    o[0] = a;
+    o[1] = b;
 #else
-    atomicAdd(o, a);
-    atomicAdd(o + 1, b);
+    *reinterpret_cast<float2*>(o) = make_float2(a, b);
 #endif
 }

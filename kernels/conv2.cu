@@ -14,8 +14,10 @@
 //            stride-2 layers would otherwise spend 3/4 of it there); a phase with no tap (the
 //            1×1 stride-2 shortcut has three) writes zeros. B is the weight rearranged per
 //            phase into [tap][k][c] rows by conv2_dgrad_weights (1×1: the weight itself).
-//   wgrad    M = K, N = R·S·C, kd = N·P·Q pixels split over gridDim.z (f32 atomics into a
-//            zeroed dw); A = dy rows, B = x gathered per pixel.
+//   wgrad    M = K, N = R·S·C, kd = N·P·Q pixels split over gridDim.z; A = dy rows, B = x
+//            gathered per pixel. Every slice stores its f32 partial sums (no atomics) into
+//            its own K×RSC plane, which conv2_wgrad_reduce then adds in slice order: the
+//            gradient is bit-reproducible (one slice writes dw itself).
 // The gather is precomputed. In the prologue (the only place with divisions) every thread
 // resolves the output rows it loads into a base offset and two validity masks (the filter
 // rows, and the filter columns, that stay inside the image). In the k-loop it keeps its
@@ -37,7 +39,8 @@
 // Data layout. x, y, dx, dy: NHWC bf16, C % 8 == 0 and K % 8 == 0 (the host pads the 3-channel
 // stem input and weight to 8 channels: the input kernel writes the padded copy, the stem's
 // wgrad writes only the real channels back, see c_real). w: KRSC bf16. dw: KRSC f32 with
-// c_real channels, accumulated into (+=) by atomics. Shared memory rows are padded by 8
+// c_real channels, overwritten: plane z (z = blockIdx.z) of dw holds slice z's partial sums,
+// so dw has gridDim.z planes (a workspace) when the reduction is split. Shared memory rows are padded by 8
 // elements (16 bytes), so ldmatrix rows and cp.async chunks are free of bank conflicts in both
 // tile orientations (reduction inner [rows][BK+8], reduction outer [BK][cols+8]).
 //
@@ -495,10 +498,11 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     // ---- epilogue ---------------------------------------------------------------------------
     const int g = lane >> 2, t4 = lane & 3;
     if (MODE == WGRAD) {
-        // f32 partial sums of this reduction slice, added into dw (zeroed by the host). The
-        // padded stem keeps only its c_real real channels: column (rs, c) → rs·c_real + c.
-        float* dw = reinterpret_cast<float*>(out);
+        // f32 partial sums of this reduction slice, stored into its own plane of dw (each
+        // element by exactly one thread: no atomics, the same bits every run). The padded
+        // stem keeps only its c_real real channels: column (rs, c) → rs·c_real + c.
         const int n_out = a.r * a.s * a.c_real;
+        float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.k * n_out;
 #pragma unroll
         for (int i = 0; i < T::MI; ++i)
 #pragma unroll
@@ -511,17 +515,17 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                     if (a.c_real != a.c) {
                         // The padded stem: c_real may be odd (3 channels), so the pair's two
                         // columns may land in different taps and its address on 4 bytes
-                        // only, which the paired reduction below refuses (misaligned
-                        // address): each column goes alone.
+                        // only, which a paired store refuses (misaligned address): each
+                        // column goes alone.
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const int rs = (n + h) / a.c, c = n + h - rs * a.c;
-                            if (c < a.c_real) atomicAdd(dw + (long)m * n_out + rs * a.c_real + c, acc[i][j][e + h]);
+                            if (c < a.c_real) dw[(long)m * n_out + rs * a.c_real + c] = acc[i][j][e + h];
                         }
                         continue;
                     }
-                    // c % 8 == 0 here: n_out and n are even, so o is 8-byte aligned.
-                    bt_red_add2(dw + (long)m * n_out + n, acc[i][j][e], acc[i][j][e + 1]);
+                    // c % 8 == 0 here: n_out and n are even, so the pair is 8-byte aligned.
+                    bt_store2_f32(dw + (long)m * n_out + n, acc[i][j][e], acc[i][j][e + 1]);
                 }
         return;
     }
@@ -616,7 +620,8 @@ conv2_dgrad_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt,
     conv2_gemm<DGRAD, UNIT, T128x64>(dy, wt, dx, args);
 }
 
-// dw += wgrad(dy, x) (f32); grid.z = reduction slices of args.k_chunk pixels; C % 32 == 0
+// dw[z] = wgrad(dy, x) over slice z (f32); grid.z = reduction slices of args.k_chunk pixels
+// (dw: one K×RSC plane per slice, then conv2_wgrad_reduce); C % 32 == 0
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
 conv2_wgrad_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* dw, Conv2Args args) {
     conv2_gemm<WGRAD, GENERAL, T128x128>(dy, x, dw, args);
@@ -664,6 +669,30 @@ extern "C" __global__ void conv2_dgrad_weights(const bf16* __restrict__ w, bf16*
         const int ti = r / a.stride, tj = s / a.stride;
         const long o = f.w_offset + ((long)(ti * f.sn + tj) * a.k + k) * a.c + c;
         *reinterpret_cast<uint4*>(wt + o) = *reinterpret_cast<const uint4*>(w + i * 8);
+    }
+}
+
+// dw[i] = Σ_z planes[z][i], z = 0, 1, …, slices − 1 in that order (the split wgrad's partial
+// sums, f32): a fixed order, so the same bits every run. One thread per 4 elements (16-byte
+// loads and stores) when len % 4 == 0, else per element; grid-stride over len.
+extern "C" __global__ void conv2_wgrad_reduce(const float* __restrict__ planes, float* __restrict__ dw,
+                                              long len, int slices) {
+    const long stride = (long)gridDim.x * blockDim.x;
+    if (len % 4 == 0) {
+        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < len / 4; i += stride) {
+            float4 sum = reinterpret_cast<const float4*>(planes)[i];
+            for (int z = 1; z < slices; ++z) {
+                const float4 v = reinterpret_cast<const float4*>(planes + z * len)[i];
+                sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+            }
+            reinterpret_cast<float4*>(dw)[i] = sum;
+        }
+        return;
+    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < len; i += stride) {
+        float sum = planes[i];
+        for (int z = 1; z < slices; ++z) sum += planes[z * len + i];
+        dw[i] = sum;
     }
 }
 

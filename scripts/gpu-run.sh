@@ -70,6 +70,10 @@ import json; r = json.load(open('$out/env.json'))
 print(' '.join(k for k in ('driver', 'nvrtc', 'cuda_headers', 'kernel_compile', 'nccl') if not r[k]['ok']))")
   if [ -z "$missing" ]; then
     note "PASS discovery: driver, NVRTC, headers, a kernel compile and NCCL found by the binary alone"
+    # And where the loader's own path is empty (a shell without the image's LD_LIBRARY_PATH):
+    # the search of CUDA_HOME, the toolkit and python3's site-packages must find them.
+    env -u LD_LIBRARY_PATH "$bin" env >"$out/env-no-ld-path.txt" 2>&1
+    note "without LD_LIBRARY_PATH: $(grep -E '^(nvrtc|nccl|kernel compile) ' "$out/env-no-ld-path.txt" | tr -s ' ' | paste -sd';')"
     return
   fi
   note "FAIL discovery: not found by the binary alone: $missing (see $out/env.txt)"
@@ -231,6 +235,8 @@ phase_all() {
   train_data_wait
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
   bench_scaling
+  BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 60 "$bin" bench step --model resnet50 --batch-size 256 \
+    --json --warmup 3 --steps 10
   sanitize
   ncu_top "$out/bench-resnet50.log"
   bench_compiled_peer

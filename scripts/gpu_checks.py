@@ -93,7 +93,7 @@ def same_weights(a, b):
     differ = [k for k in ta if ta[k] != tb[k]]
     if not differ:
         return say(True, "resume", f"all {len(ta)} tensors bit-identical")
-    worst, where, other = 0.0, "", []
+    worst, where, worst_rel, where_rel, other = 0.0, "", 0.0, "", []
     for k in differ:
         dtype, _, ra = ta[k]
         rb = tb[k][2]
@@ -103,9 +103,13 @@ def same_weights(a, b):
         fa = struct.unpack(f"<{len(ra) // 4}f", ra)
         fb = struct.unpack(f"<{len(rb) // 4}f", rb)
         d = max(abs(x - y) for x, y in zip(fa, fb))
+        r = max(abs(x - y) / (1e-3 + abs(x)) for x, y in zip(fa, fb))
         if d > worst:
             worst, where = d, k
-    detail = f"{len(differ)}/{len(ta)} tensors differ, worst f32 difference {worst:.3g} in {where or '-'}"
+        if r > worst_rel:
+            worst_rel, where_rel = r, k
+    detail = (f"{len(differ)}/{len(ta)} tensors differ, worst f32 difference {worst:.3g} in "
+              f"{where or '-'}, worst relative {worst_rel:.3g} in {where_rel or '-'}")
     if other:
         detail += f"; other tensors differing: {', '.join(other[:5])}"
     return say(False, "resume", detail)

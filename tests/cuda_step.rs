@@ -3,16 +3,21 @@
 //! - one resnet18 training step: the loss and every parameter gradient;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!
-//! Tolerances. After ~20 bf16 layers elementwise bounds are meaningless for tiny gradient
-//! entries, so each gradient tensor is compared as a whole: relative L2 error
-//! ‖g_gpu − g_cpu‖ / ‖g_cpu‖ ≤ 0.08 and cosine similarity ≥ 0.995 (bf16 keeps 8 bits of
-//! mantissa: ~0.4% per rounding, compounded over the depth; a wrong kernel gives ~1). The loss:
-//! |Δ| ≤ 0.01 + 1%.
+//! Tolerances. Each gradient tensor is compared as a whole (relative L2 error
+//! ‖g − g_f32‖ / ‖g_f32‖) with the f32 CPU. Its bar is measured, not assumed: the CPU backend
+//! storing in bf16 exactly what the GPU stores so (tests/common/bf16_cpu.rs) is itself 30-50 %
+//! from f32 in the first layers at initialisation (2 % at the classifier), so the GPU may be
+//! 1.5 × that floor + 0.02 away; a wrong kernel gives ≳ 1. The loss: |Δ| ≤ 0.01 + 1 % of the
+//! bf16-storage CPU's.
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
 use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
+
+#[path = "common/bf16_cpu.rs"]
+mod bf16_cpu;
+use bf16_cpu::Bf16Cpu;
 use birdtrain::model::{Arch, Augment, Graph, InputBatch, Network};
 use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
 use rand::{Rng, SeedableRng};
@@ -81,17 +86,11 @@ fn resnet18_step_matches_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// One resnet18 step on the GPU (convolutions of `version`) and on the CPU, twice (without
-/// and with augmentation); prints every tensor's error and returns the failures.
-fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
-    let graph = Graph::new(Arch::ResNet18, 10);
-    let (n, size) = (4, 64u32);
-    let mut backend = CudaBackend::new(0).unwrap();
-    backend.set_conv_version(version);
-    let mut gpu = Network::new(backend, &graph, n, size).unwrap();
-    let mut cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
-    let (pixels, labels) = synthetic(n, size as usize, 10, 11);
-    let aug = [
+/// The batch of the resnet18 step checks: 4 synthetic 64-px images, and per-image shifts,
+/// flips and none.
+fn step_batch(n: usize, size: usize) -> (Vec<u8>, Vec<u32>, Vec<Augment>) {
+    let (pixels, labels) = synthetic(n, size, 10, 11);
+    let four = [
         Augment {
             dy: 3,
             dx: -2,
@@ -112,6 +111,47 @@ fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
             erase: None,
         },
     ];
+    let aug = (0..n).map(|i| four[i % 4]).collect();
+    (pixels, labels, aug)
+}
+
+/// Per tensor (parameter gradients, then BN running statistics): its name and values.
+fn step_tensors<B: Backend>(
+    net: &mut Network<B>,
+    graph: &Graph,
+    batch: &InputBatch<'_>,
+) -> (f64, Vec<(String, Vec<f32>)>) {
+    let loss = net.train_step(batch).unwrap().loss_sum;
+    let grads = net.grads_f32().unwrap();
+    let (offsets, _) = graph.param_offsets();
+    let mut out: Vec<(String, Vec<f32>)> = graph
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let r = offsets[i]..offsets[i] + p.numel();
+            (p.name.clone(), grads[r].to_vec())
+        })
+        .collect();
+    let buffers = net.state().unwrap().buffers;
+    for (spec, b) in graph.buffers().iter().zip(buffers) {
+        out.push((format!("buffer {}", spec.name), b));
+    }
+    (loss, out)
+}
+
+/// One resnet18 step on the GPU (convolutions of `version`), on the CPU storing in bf16 what
+/// the GPU stores so (the floor) and on the f32 CPU (the reference), twice (without and with
+/// augmentation); prints every tensor's error and returns the failures.
+fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
+    let graph = Graph::new(Arch::ResNet18, 10);
+    let (n, size) = (4, 64u32);
+    let mut backend = CudaBackend::new(0).unwrap();
+    backend.set_conv_version(version);
+    let mut gpu = Network::new(backend, &graph, n, size).unwrap();
+    let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, n, size).unwrap();
+    let mut f32cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
+    let (pixels, labels, aug) = step_batch(n, size as usize);
     let mut failures = Vec::new();
     for augment in [None, Some(&aug[..])] {
         let pass = format!("{version:?} augment={}", augment.is_some());
@@ -123,45 +163,81 @@ fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
             augment,
             mix: None,
         };
-        let sg = gpu.train_step(&batch).unwrap();
-        let sc = cpu.train_step(&batch).unwrap();
-        println!("{pass}: loss GPU {} CPU {}", sg.loss_sum, sc.loss_sum);
-        if (sg.loss_sum - sc.loss_sum).abs() > 0.01 + 0.01 * sc.loss_sum.abs() {
-            failures.push(format!("{pass}: loss {} vs {}", sg.loss_sum, sc.loss_sum));
+        let (lg, tg) = step_tensors(&mut gpu, &graph, &batch);
+        let (lb, tb) = step_tensors(&mut bf16, &graph, &batch);
+        let (lf, tf) = step_tensors(&mut f32cpu, &graph, &batch);
+        println!("{pass}: loss GPU {lg} CPU bf16 storage {lb} CPU f32 {lf}");
+        if (lg - lb).abs() > 0.01 + 0.01 * lb.abs() {
+            failures.push(format!("{pass}: loss {lg} vs {lb}"));
         }
-        let (gg, gc) = (gpu.grads_f32().unwrap(), cpu.grads_f32().unwrap());
-        let (offsets, _) = graph.param_offsets();
-        println!("{pass}: gradient            relative L2   cosine");
-        for (i, spec) in graph.params().iter().enumerate() {
-            let r = offsets[i]..offsets[i] + spec.numel();
-            let (rel, cos) = rel_err(&gg[r.clone()], &gc[r]);
-            let bad = !(rel <= 0.08 && cos >= 0.995);
+        println!(
+            "{pass}: tensor                 GPU vs bf16-CPU (rel, cos) | GPU vs f32 | bf16-CPU vs f32"
+        );
+        for ((name, g), ((_, b), (_, f))) in tg.iter().zip(tb.iter().zip(&tf)) {
+            let (rel, cos) = rel_err(g, b);
+            let (rel_f, _) = rel_err(g, f);
+            let (floor, _) = rel_err(b, f);
+            // Two bf16 computations differ from f32 (and from each other) by the error bf16
+            // storage brings (`floor`, up to ~0.5 in the first layers, see
+            // bf16_storage_alone_keeps_the_last_layers_and_moves_the_first): the GPU may be
+            // that far from the f32 CPU, with 50 % and 0.02 of slack for summation order, but
+            // a wrong kernel (error ≳ 1) is not. Statistics: 2 % of the f32 ones.
+            let bad = if name.starts_with("buffer ") {
+                rel_f > 0.02
+            } else {
+                rel_f > 1.5 * floor + 0.02
+            };
             println!(
-                "  {:<28} {rel:>10.4} {cos:>9.5}{}",
-                spec.name,
+                "  {name:<34} {rel:>8.4} {cos:>8.5} | {rel_f:>8.4} | {floor:>8.4}{}",
                 if bad { "  <-- off" } else { "" }
             );
             if bad {
                 failures.push(format!(
-                    "{pass}: {}: relative error {rel:.4}, cosine {cos:.5}",
-                    spec.name
-                ));
-            }
-        }
-        // BN running statistics advanced identically.
-        let (bg, bc) = (gpu.state().unwrap().buffers, cpu.state().unwrap().buffers);
-        for (i, spec) in graph.buffers().iter().enumerate() {
-            let (rel, _) = rel_err(&bg[i], &bc[i]);
-            if rel > 0.02 {
-                println!("  buffer {:<21} {rel:>10.4}  <-- off", spec.name);
-                failures.push(format!(
-                    "{pass}: buffer {}: relative error {rel:.4}",
-                    spec.name
+                    "{pass}: {name}: {rel_f:.4} from the f32 CPU, bf16 storage alone {floor:.4}"
                 ));
             }
         }
     }
     failures
+}
+
+#[test]
+fn bf16_storage_alone_keeps_the_last_layers_and_moves_the_first() {
+    // The floor of the GPU checks above, on the CPU: storing in bf16 where the GPU does leaves
+    // the loss and the classifier's gradient at bf16 precision, while the first layers'
+    // gradients move by 30-50 % (at initialisation they are small sums of large terms that
+    // cancel; measured here, and the same at batch 8 and 128 px): the GPU is held to this
+    // distance from the f32 CPU, not to bf16's 2^-8.
+    let graph = Graph::new(Arch::ResNet18, 10);
+    let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, 4, 64).unwrap();
+    let mut f32cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, 4, 64).unwrap();
+    let (n, size) = (4, 64);
+    let (pixels, labels, _) = step_batch(n, size as usize);
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let (lb, tb) = step_tensors(&mut bf16, &graph, &batch);
+    let (lf, tf) = step_tensors(&mut f32cpu, &graph, &batch);
+    println!("loss bf16 storage {lb} f32 {lf}");
+    for ((name, b), (_, f)) in tb.iter().zip(&tf) {
+        let (rel, cos) = rel_err(b, f);
+        println!("  {name:<34} {rel:>8.4} {cos:>8.5}");
+    }
+    assert!((lb - lf).abs() <= 0.01 * lf.abs(), "loss {lb} vs {lf}");
+    let fc = tb.iter().position(|(n, _)| n == "fc.weight").unwrap();
+    let (rel, _) = rel_err(&tb[fc].1, &tf[fc].1);
+    assert!(rel < 0.05, "fc.weight moved by {rel}");
+    // bf16 storage changes something: the first layer's gradient is not the f32 one.
+    let (first, _) = rel_err(&tb[0].1, &tf[0].1);
+    assert!(
+        first > 1e-4,
+        "conv1.weight identical to f32: is anything rounded?"
+    );
 }
 
 /// SGD steps of batch 32 for the training tests (the CPU reaches 1.00 in 50 here).

@@ -11,6 +11,10 @@ use std::time::Duration;
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
 use birdtrain::cuda::CudaBackend;
+
+#[path = "common/bf16_cpu.rs"]
+mod bf16_cpu;
+use bf16_cpu::Bf16Cpu;
 use birdtrain::dist::sync_bn::LocalBnGroup;
 use birdtrain::model::{Arch, BnAllReduce, Graph, InputBatch, Network, StepStats};
 use rand::{Rng, SeedableRng};
@@ -64,6 +68,9 @@ fn two_gpu_replicas_with_sync_bn_match_one_cpu_network_on_the_whole_batch() {
     let labels: Vec<u32> = (0..total).map(|_| rng.random_range(0..5)).collect();
     let mut cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, total, SIZE).unwrap();
     let (whole, whole_grads, whole_buffers) = step(&mut cpu, &pixels, &labels, None);
+    // The floor: the whole batch on the CPU storing in bf16 what the GPU stores so.
+    let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, total, SIZE).unwrap();
+    let (_, floor_grads, _) = step(&mut bf16, &pixels, &labels, None);
     let mut group = LocalBnGroup::new(split.len(), Duration::from_secs(120)).into_iter();
     let parts: Vec<_> = std::thread::scope(|s| {
         let mut start = 0;
@@ -104,16 +111,21 @@ fn two_gpu_replicas_with_sync_bn_match_one_cpu_network_on_the_whole_batch() {
     let (offsets, _) = graph.param_offsets();
     for (i, spec) in graph.params().iter().enumerate() {
         let r = offsets[i]..offsets[i] + spec.numel();
-        let e = rel(&avg[r.clone()], &whole_grads[r]);
-        // bf16 activations: the same bar as the single-GPU step test (cuda_step.rs).
-        let bad = e > 0.08;
+        let e = rel(&avg[r.clone()], &whole_grads[r.clone()]);
+        let floor = rel(&floor_grads[r.clone()], &whole_grads[r]);
+        // bf16 storage alone moves the first layers' gradients by 30-50 % from f32: the same
+        // floor-relative bar as the single-GPU step test (cuda_step.rs).
+        let bad = e > 1.5 * floor + 0.02;
         println!(
-            "  {:<28} {e:>10.4}{}",
+            "  {:<28} {e:>10.4} (bf16 storage alone {floor:.4}){}",
             spec.name,
             if bad { "  <-- off" } else { "" }
         );
         if bad {
-            failures.push(format!("{}: relative error {e:.4}", spec.name));
+            failures.push(format!(
+                "{}: {e:.4} from the f32 CPU, bf16 storage alone {floor:.4}",
+                spec.name
+            ));
         }
     }
     for (k, p) in parts.iter().enumerate() {

@@ -24,8 +24,9 @@ void check(const char* what, const G& got, const R& ref, double tol, double eps)
 }
 static dim3e ew(long total) { return {(unsigned)std::min<long>((total + 255) / 256, 8), 1, 1}; }
 
-void test_bn(int rows, int C, bool residual, bool relu, bool train) {
-    printf("bn rows=%d C=%d res=%d relu=%d train=%d\n", rows, C, residual, relu, train);
+// `per`: rows per slab (many slabs: the finalize kernels' strided lanes and tree merge).
+void test_bn(int rows, int C, bool residual, bool relu, bool train, int per = 37) {
+    printf("bn rows=%d C=%d res=%d relu=%d train=%d rows/slab=%d\n", rows, C, residual, relu, train, per);
     auto x = rnd((size_t)rows * C, 1.0f);
     for (size_t i = 0; i < x.size(); ++i) x[i] = rb(x[i] + (i % C) * 0.5f);
     auto gamma = rnd(C, 1.0f), beta = rnd(C, 0.5f), res = rnd((size_t)rows * C, 1.0f);
@@ -48,7 +49,8 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
     auto X = tobf(x), G = tobf(gamma), B = tobf(beta), R = tobf(res);
     std::vector<bf16> Y(x.size());
     std::vector<float> sm(C), si(C), drm = rm, drv = rv;
-    int per = 37, slabs = (rows + per - 1) / per;
+    int slabs = (rows + per - 1) / per;
+    const dim3e fin_grid{(unsigned)((C + 31) / 32), 1, 1}, fin_block{32, 32, 1};  // finalize_cfg
     std::vector<float> pm((size_t)slabs * C), pv((size_t)slabs * C);
     float eps = 1e-5f, mom = 0.1f;
     if (train) {
@@ -58,12 +60,12 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
             // running stats).
             std::vector<float> pm2((size_t)slabs * C), pv2((size_t)slabs * C), sm2(C), si2(C), rm2 = rm, rv2 = rv;
             emu_launch({1, (unsigned)slabs, 1}, {256, 1, 1}, [&] { k_bn::bn_stats_partial_vec(X.data(), rows, C, per, pm2.data(), pv2.data()); });
-            emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_stats_finalize(pm2.data(), pv2.data(), slabs, rows, C, per, eps, mom, sm2.data(), si2.data(), rm2.data(), rv2.data()); });
+            emu_launch(fin_grid, fin_block, [&] { k_bn::bn_stats_finalize(pm2.data(), pv2.data(), slabs, rows, C, per, eps, mom, sm2.data(), si2.data(), rm2.data(), rv2.data()); });
             check("saved_mean (vec)", sm2, m_use, 1e-5, 1e-4);
             check("saved_invstd (vec)", si2, is_use, 1e-5, 1e-3);
             check("running_var (vec)", rv2, rv_ref, 1e-5, 1e-3);
         }
-        emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_stats_finalize(pm.data(), pv.data(), slabs, rows, C, per, eps, mom, sm.data(), si.data(), drm.data(), drv.data()); });
+        emu_launch(fin_grid, fin_block, [&] { k_bn::bn_stats_finalize(pm.data(), pv.data(), slabs, rows, C, per, eps, mom, sm.data(), si.data(), drm.data(), drv.data()); });
     } else {
         emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_eval_prepare(drm.data(), drv.data(), C, eps, sm.data(), si.data()); });
     }
@@ -100,11 +102,11 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
         if (C % 8 == 0) {
             std::vector<float> pb2((size_t)slabs * C), pg2((size_t)slabs * C), db2(C), dg2(C);
             emu_launch({1, (unsigned)slabs, 1}, {256, 1, 1}, [&] { k_bn::bn_bwd_partial_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb2.data(), pg2.data()); });
-            emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb2.data(), pg2.data(), slabs, C, db2.data(), dg2.data()); });
+            emu_launch(fin_grid, fin_block, [&] { k_bn::bn_bwd_finalize(pb2.data(), pg2.data(), slabs, C, db2.data(), dg2.data()); });
             check("dbeta (vec)", db2, db, 1e-4, 1e-4);
             check("dgamma (vec)", dg2, dg, 1e-4, 1e-4);
         }
-        emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, ddb.data(), ddg.data()); });
+        emu_launch(fin_grid, fin_block, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, ddb.data(), ddg.data()); });
         emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DX.data(), residual ? DRES.data() : nullptr, acc); });
         if (C % 8 == 0) {
             auto DRESV = tobf(dres0);
@@ -120,12 +122,25 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train) {
     }
 }
 
-void test_pool(int n, int h, int w, int c, int win, int st, int pad) {
-    printf("maxpool n=%d h=%d w=%d c=%d win=%d stride=%d pad=%d\n", n, h, w, c, win, st, pad);
+// Bit-exact comparison of two bf16 results (NaN payloads included).
+static void check_bits(const char* what, const std::vector<bf16>& got, const std::vector<bf16>& want) {
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i)
+        if (got[i].bits != want[i].bits) { if (bad < 3) printf("    %s[%zu]: got %04x want %04x\n", what, i, got[i].bits, want[i].bits); ++bad; }
+    printf("  %-28s %s (%zu, bitwise)\n", what, bad ? "FAIL" : "ok", want.size());
+    fails += bad > 0;
+}
+
+// `all_ties`: every value quantised to 0.5 steps (most windows tie); otherwise a third of them.
+// C % 8 == 0 also runs the 16-byte kernels (the backward when win ≤ 2·stride, as the host
+// picks) against the references and, to the bit, against the scalar kernels, then again with
+// NaNs sprinkled in (no reference: the scalar kernels' NaN behaviour is the rule).
+void test_pool(int n, int h, int w, int c, int win, int st, int pad, bool all_ties = false) {
+    printf("maxpool n=%d h=%d w=%d c=%d win=%d stride=%d pad=%d ties=%s\n", n, h, w, c, win, st, pad, all_ties ? "all" : "some");
     int p = (h + 2 * pad - win) / st + 1, q = (w + 2 * pad - win) / st + 1;
     auto x = rnd((size_t)n * h * w * c, 1.0f);
     // ties: quantise some values
-    for (size_t i = 0; i < x.size(); i += 3) x[i] = rb(std::round(x[i] * 2) / 2);
+    for (size_t i = 0; i < x.size(); i += all_ties ? 1 : 3) x[i] = rb(std::round(x[i] * 2) / 2);
     std::vector<double> y_ref((size_t)n * p * q * c), dx_ref(x.size(), 0);
     auto dy = rnd(y_ref.size(), 1.0f);
     auto dx0 = rnd(x.size(), 1.0f);
@@ -150,6 +165,44 @@ void test_pool(int n, int h, int w, int c, int win, int st, int pad) {
         std::vector<double> want(x.size());
         for (size_t i = 0; i < x.size(); ++i) want[i] = dx_ref[i] + (acc ? dx0[i] : 0);
         check(acc ? "maxpool dx (acc)" : "maxpool dx", fromb(DX), want, 1e-2, 1.0 / 128);
+    }
+    if (c % 8 == 0) {
+        const long groups_out = (long)n * p * q * (c / 8);
+        const bool bwd_vec = win <= 2 * st && win <= 15;
+        const long tiles = (long)n * ((p + 6) / 7) * ((q + 6) / 7) * ((c / 8 + 7) / 8);  // the host's grid
+        auto run = [&](const std::vector<bf16>& XX, bool vec, std::vector<bf16>& y, std::vector<bf16>& dx, int acc) {
+            y.assign(y_ref.size(), bf16{0x7fc0});
+            dx = tobf(dx0);
+            if (vec) emu_launch(ew(groups_out), {256, 1, 1}, [&] { k_pool::maxpool_fwd_vec(XX.data(), y.data(), n, h, w, c, p, q, win, st, pad); });
+            else emu_launch(ew(y_ref.size()), {256, 1, 1}, [&] { k_pool::maxpool_fwd(XX.data(), y.data(), n, h, w, c, p, q, win, st, pad); });
+            if (vec && bwd_vec) emu_launch({(unsigned)std::min<long>(tiles, 65535), 1, 1}, {256, 1, 1}, [&] { k_pool::maxpool_bwd_vec(XX.data(), DY.data(), dx.data(), n, h, w, c, p, q, win, st, pad, acc); });
+            else emu_launch(ew(x.size()), {256, 1, 1}, [&] { k_pool::maxpool_bwd(XX.data(), DY.data(), dx.data(), n, h, w, c, p, q, win, st, pad, acc); });
+        };
+        for (int acc = 0; acc < 2; ++acc) {
+            std::vector<bf16> ys, dxs, yv, dxv;
+            run(X, false, ys, dxs, acc);
+            run(X, true, yv, dxv, acc);
+            if (acc == 0) check("maxpool y (vec)", fromb(yv), y_ref, 0, 0);
+            std::vector<double> want(x.size());
+            for (size_t i = 0; i < x.size(); ++i) want[i] = dx_ref[i] + (acc ? dx0[i] : 0);
+            if (bwd_vec) {
+                check(acc ? "maxpool dx (vec, acc)" : "maxpool dx (vec)", fromb(dxv), want, 1e-2, 1.0 / 128);
+                check_bits(acc ? "dx vec = scalar (acc)" : "dx vec = scalar", dxv, dxs);
+            }
+            if (acc == 0) check_bits("y vec = scalar", yv, ys);
+            if (bwd_vec && tiles > 3) {  // fewer blocks than tiles: the grid-stride loop
+                auto dxg = tobf(dx0);
+                emu_launch({3, 1, 1}, {256, 1, 1}, [&] { k_pool::maxpool_bwd_vec(X.data(), DY.data(), dxg.data(), n, h, w, c, p, q, win, st, pad, acc); });
+                check_bits("dx vec, 3 blocks = scalar", dxg, dxs);
+            }
+            // NaNs (a window's first element, later ones, whole pixels): vec = scalar to the bit.
+            auto XN = X;
+            for (size_t i = 0; i < XN.size(); i += 7) XN[i] = bf16{(uint16_t)(i % 2 ? 0x7fc1 : 0xffc0)};
+            run(XN, false, ys, dxs, acc);
+            run(XN, true, yv, dxv, acc);
+            if (acc == 0) check_bits("y vec = scalar (NaNs)", yv, ys);
+            if (bwd_vec) check_bits("dx vec = scalar (NaNs)", dxv, dxs);
+        }
     }
     // gap over the same x as n × (h·w) × c
     int hw = h * w;
@@ -384,10 +437,20 @@ int main(int argc, char** argv) {
     test_bn(64, 33, true, true, false);
     test_bn(96, 16, false, true, false);
     test_bn(45, 520, true, true, true);
+    test_bn(2101, 24, false, true, true, 5);   // 421 slabs, the last one row
+    test_bn(1000, 36, true, false, true, 3);   // 334 slabs, C % 8 != 0 (scalar reductions only)
     test_bn_affine(33, 40);
     test_bn_affine(7, 3);
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
+    test_pool(2, 9, 7, 16, 3, 2, 1);           // the ResNet stem pool, odd sizes
+    test_pool(2, 10, 12, 8, 3, 2, 1, true);    // even sizes, nearly every window ties
+    test_pool(1, 8, 9, 24, 3, 2, 0);           // no padding: an uncovered tail row / column
+    test_pool(2, 7, 8, 8, 2, 2, 1, true);      // one window per pixel, padding on both ends
+    test_pool(1, 9, 11, 16, 2, 3, 1);          // win < stride: gaps never written by a window
+    test_pool(1, 7, 6, 8, 3, 1, 1, true);      // win > 2·stride: scalar backward, vec forward
+    test_pool(1, 5, 6, 8, 4, 2, 1);            // win = 2·stride, even window
+    test_pool(2, 33, 31, 72, 3, 2, 1);         // 3×3 output tiles, 9 channel groups (2 chunks)
     test_linear(5, 37, 19);
     test_loss(5, 10, 0.0f);
     test_loss(3, 285, 0.1f);

@@ -114,6 +114,8 @@ struct Conv2Scratch {
     x8: Option<CudaSlice<u16>>,
     w8: Option<CudaSlice<u16>>,
     wt: Option<CudaSlice<u16>>,
+    /// The split wgrad's partial sums, one weight-sized f32 plane per reduction slice.
+    planes: Option<CudaSlice<f32>>,
 }
 
 /// Scratch buffers reused across steps (grown, never shrunk).
@@ -844,21 +846,48 @@ impl Backend for CudaBackend {
         check_len(op, "dw", dw.len, s.w_len())?;
         if let Some(l) = self.conv2_plan(Pass::Wgrad, s) {
             let cfg = self.conv2_prepare(op, &l)?;
-            let stream = self.dev.stream().clone();
             let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
             let dw = dw.f32_mut(op, "dw")?;
-            let mut head = dw.slice_mut(0..s.w_len());
-            stream.memset_zeros(&mut head).map_err(drv_err(op))?;
             let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+            let Conv2Scratch { x8, planes, .. } = &mut *scratch;
             let x = if l.pad_channels {
-                self.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, &mut scratch.x8)?;
-                scratch.x8.as_ref().expect("padded")
+                self.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
+                x8.as_ref().expect("padded")
             } else {
                 x
             };
             let kernel = l.kernel; // conv::V2_GEMM_KERNELS
-            launch!(self, op, "conv2.cu", kernel, cfg, [dy, x, dw, &l.args]);
-            self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
+                                   // Every element of a slice's plane is stored once (no atomics, no zeroing): one
+                                   // slice writes dw itself; several write their planes, summed in slice order.
+            let slices = l.grid.2 as usize;
+            if slices == 1 {
+                launch!(self, op, "conv2.cu", kernel, cfg, [dy, x, dw, &l.args]);
+            } else {
+                let len = s.w_len();
+                ensure(&self.dev, planes, slices * len, op)?;
+                let planes = planes.as_mut().expect("ensured");
+                launch!(
+                    self,
+                    op,
+                    "conv2.cu",
+                    kernel,
+                    cfg,
+                    [dy, x, &mut *planes, &l.args]
+                );
+                let (len_i, slices_i) = (len as i64, to_i32(op, "slices", slices)?);
+                launch!(
+                    self,
+                    op,
+                    "conv2.cu",
+                    "conv2_wgrad_reduce",
+                    elementwise_cfg(len.div_ceil(4)),
+                    [&*planes, dw, &len_i, &slices_i]
+                );
+            }
+            self.note_work(
+                2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * (1 + 2 * (slices - 1)),
+                s.flops(),
+            );
             return Ok(());
         }
         // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
@@ -991,7 +1020,7 @@ impl Backend for CudaBackend {
                         op,
                         "bn.cu",
                         "bn_stats_finalize",
-                        chan_cfg,
+                        finalize_cfg(c),
                         [
                             &*pm, &*pv, &slabs_i, &rows_i, &c_i, &per_i, &eps, &momentum, mean,
                             invstd, run_mean, run_var
@@ -1112,11 +1141,6 @@ impl Backend for CudaBackend {
                 [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
             );
             self.note_work(2 * rows * c * (2 + usize::from(a.relu)), 0.0);
-            let chan_cfg = LaunchConfig {
-                grid_dim: (c.div_ceil(128) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
             let dbeta = a.dbeta.f32_mut(op, "dbeta")?;
             let dgamma = a.dgamma.f32_mut(op, "dgamma")?;
             launch!(
@@ -1124,7 +1148,7 @@ impl Backend for CudaBackend {
                 op,
                 "bn.cu",
                 "bn_bwd_finalize",
-                chan_cfg,
+                finalize_cfg(c),
                 [&*pb, &*pg, &slabs_i, &c_i, dbeta, dgamma]
             );
         }
@@ -1217,12 +1241,19 @@ impl Backend for CudaBackend {
         check_len(op, "y", y.len, out)?;
         let d = pool_dims(op, s)?;
         let (x, y) = (x.bf16(op, "x")?, y.bf16_mut(op, "y")?);
+        // 16-byte channel groups when C % 8 == 0: one thread per (output pixel, 8 channels).
+        let vec = s.c % 8 == 0;
+        let kernel = if vec {
+            "maxpool_fwd_vec"
+        } else {
+            "maxpool_fwd"
+        };
         launch!(
             self,
             op,
             "pool.cu",
-            "maxpool_fwd",
-            elementwise_cfg(out),
+            kernel,
+            elementwise_cfg(if vec { out / 8 } else { out }),
             [x, y, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8]]
         );
         self.note_work(2 * (s.n * s.h * s.w * s.c + out), 0.0);
@@ -1246,12 +1277,24 @@ impl Backend for CudaBackend {
         let d = pool_dims(op, s)?;
         let acc = i32::from(accumulate);
         let (x, dy, dx) = (x.bf16(op, "x")?, dy.bf16(op, "dy")?, dx.bf16_mut(op, "dx")?);
+        // maxpool_bwd_vec: C % 8 == 0, at most 2 windows per dimension over an input cell, window
+        // positions in a byte (see pool.cu); maxpool_bwd otherwise.
+        let vec = s.c % 8 == 0 && s.kernel <= 2 * s.stride && s.kernel <= 15;
+        let kernel = if vec {
+            "maxpool_bwd_vec"
+        } else {
+            "maxpool_bwd"
+        };
         launch!(
             self,
             op,
             "pool.cu",
-            "maxpool_bwd",
-            elementwise_cfg(input),
+            kernel,
+            if vec {
+                maxpool_bwd_vec_cfg(s)
+            } else {
+                elementwise_cfg(input)
+            },
             [x, dy, dx, &d[0], &d[1], &d[2], &d[3], &d[4], &d[5], &d[6], &d[7], &d[8], &acc]
         );
         self.note_work(
@@ -1715,6 +1758,26 @@ fn reduction_launch(c: usize, slabs: usize, base: &'static str) -> (&'static str
                 shared_mem_bytes: 0,
             },
         )
+    }
+}
+
+/// maxpool_bwd_vec: 256 threads, one block per tile of 7×7 outputs × 8 channel groups
+/// (POOL_TP, POOL_TQ, POOL_GB in pool.cu), grid-stride beyond 65 535 tiles.
+fn maxpool_bwd_vec_cfg(s: &PoolShape) -> LaunchConfig {
+    let tiles = s.n * s.out_h().div_ceil(7) * s.out_w().div_ceil(7) * (s.c / 8).div_ceil(8);
+    LaunchConfig {
+        grid_dim: (tiles.clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// bn_stats_finalize / bn_bwd_finalize: block (32 channels, 32 slab lanes: `FIN_Y` in bn.cu).
+fn finalize_cfg(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(32) as u32, 1, 1),
+        block_dim: (32, 32, 1),
+        shared_mem_bytes: 0,
     }
 }
 

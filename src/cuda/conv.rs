@@ -306,7 +306,8 @@ fn wave_cost(blocks: usize, per_sm: usize, gpu: &GpuLimits, work: usize) -> usiz
 
 /// wgrad's reduction split: the slice count (at most four waves' worth of blocks, slices of at
 /// least 256 pixels unless the reduction is shorter) minimising waves × slice length, ties to
-/// fewer slices (fewer atomics: each slice adds M×N f32 atomics). Returns (splits, k_chunk).
+/// fewer slices (each slice stores an M×N f32 plane that conv2_wgrad_reduce reads back).
+/// Returns (splits, k_chunk).
 pub fn wgrad_splits(tiles: usize, reduction: usize, slots: usize) -> (usize, usize) {
     let tiles = tiles.max(1);
     let max = reduction

@@ -63,12 +63,17 @@ impl Footprint {
     }
 }
 
+/// The split weight gradient's partial-sum planes (f32, one weight-sized plane per slice):
+/// slices × tiles stays under 4 waves of 128×128 tiles, at most ~107 MiB for a ResNet layer
+/// on an H100's 132 SMs (layer4's 3×3: 8 slices of 2.4 M values).
+const SPLIT_WGRAD_PLANES: usize = 128 << 20;
+
 /// The footprint from the network's buffer plan: bf16 activations and activation gradients,
 /// bf16 weights and f32 gradients, f32 buffers and statistics; the optimizer's f32 master
 /// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
 /// slots and the loss rows; the v2 convolutions' scratch (the stem input and weight padded to
-/// 8 channels in bf16, the largest weight rearranged for the strided dgrad); 1 MiB of kernel
-/// scratch.
+/// 8 channels in bf16, the largest weight rearranged for the strided dgrad, the split weight
+/// gradient's planes); 1 MiB of kernel scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
@@ -89,6 +94,7 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
         + optimizer
         + 4 * (plan.buffers + plan.statistics)
         + conv2_weights
+        + SPLIT_WGRAD_PLANES
         + (1 << 20);
     Footprint {
         fixed_bytes: fixed as u64,
@@ -158,7 +164,10 @@ pub fn auto_batch_size(
 ) -> Result<(usize, Footprint), CudaError> {
     let footprint = measure(backend, graph, image_size)?;
     let (free, _) = backend.device().memory()?;
-    let batch = footprint.largest_batch(free as u64);
+    // An H100's memory holds more stem activations than the kernels' 32-bit indices reach.
+    let batch = footprint
+        .largest_batch(free as u64)
+        .min(index_limited_batch(graph, image_size));
     if batch == 0 {
         return Err(CudaError::Unsupported {
             what: format!(
@@ -171,6 +180,22 @@ pub fn auto_batch_size(
         });
     }
     Ok((batch, footprint))
+}
+
+/// The largest batch whose every tensor the kernels can index with 32 bits (`i32`): the
+/// largest per-image value of the network (the stem's output, or its input padded to 8
+/// channels) times the batch stays under 2³¹.
+pub fn index_limited_batch(graph: &Graph, image_size: u32) -> usize {
+    let padded_input = 8 * (image_size as usize).pow(2);
+    let largest = graph
+        .value_dims(image_size)
+        .iter()
+        .map(|d| d.per_image())
+        .max()
+        .unwrap_or(0)
+        .max(padded_input)
+        .max(1);
+    i32::MAX as usize / largest
 }
 
 /// Checks, before anything is allocated, that `batch` images fit the device's free memory
@@ -189,6 +214,16 @@ pub fn check_batch_fits(
 mod tests {
     use super::*;
     use crate::model::Arch;
+
+    #[test]
+    fn the_automatic_batch_stays_within_32_bit_indices() {
+        // resnet18 at 128 px: the stem's output, 64 × 64 × 64 values per image, is the
+        // largest: 2³¹ / 262 144 images.
+        let graph = Graph::new(Arch::ResNet18, 285);
+        assert_eq!(index_limited_batch(&graph, 128), 8191);
+        let stem = 64 * 64 * 64;
+        assert!(index_limited_batch(&graph, 128) * stem <= i32::MAX as usize);
+    }
 
     #[test]
     fn largest_batch_respects_headroom() {
