@@ -9,6 +9,7 @@ static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 static std::mt19937 rng(7);
 static std::vector<float> rnd(size_t n, float s) { std::uniform_real_distribution<float> U(-s, s); std::vector<float> v(n); for (auto& x : v) x = rb(U(rng)); return v; }
 static std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __float2bfloat16_rn(v[i]); return o; }
+static void check_bits(const char* what, const std::vector<bf16>& got, const std::vector<bf16>& want);
 static std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __bfloat162float(v[i]); return o; }
 static int fails = 0;
 template <class G, class R>
@@ -75,6 +76,13 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train, int per = 37
         std::vector<bf16> Yv(x.size());
         emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_apply_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Yv.data(), total, C, relu); });
         check("y (vec)", fromb(Yv), y_ref, 1e-2, 1.0 / 128);
+        // The scalar kernel's arithmetic, term for term; and with 2 blocks, whose threads walk
+        // many rows on parameters kept in registers (reloaded where C / 8 does not divide the
+        // stride).
+        check_bits("y (vec) = scalar", Yv, Y);
+        std::vector<bf16> Yl(x.size());
+        emu_launch({2, 1, 1}, {256, 1, 1}, [&] { k_bn::bn_apply_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Yl.data(), total, C, relu); });
+        check_bits("y (vec, 2 blocks) = scalar", Yl, Y);
     }
     check("saved_mean", sm, m_use, 1e-5, 1e-4);
     check("saved_invstd", si, is_use, 1e-5, 1e-3);
@@ -114,6 +122,12 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train, int per = 37
             emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_bwd_apply_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DXV.data(), residual ? DRESV.data() : nullptr, acc); });
             check("dx (vec)", fromb(DXV), dx_ref, 1e-2, 1.0 / 64);
             if (residual) check("dres (vec)", fromb(DRESV), dres_ref, 1e-2, 1.0 / 128);
+            auto DRESL = tobf(dres0);
+            std::vector<bf16> DXL(x.size());
+            emu_launch({3, 1, 1}, {256, 1, 1}, [&] { k_bn::bn_bwd_apply_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), ddb.data(), ddg.data(), total, C, relu, train, DXL.data(), residual ? DRESL.data() : nullptr, acc); });
+            check_bits("dx (vec, 3 blocks) = vec", DXL, DXV);
+            check_bits("dx (vec) = scalar", DXV, DX);
+            if (residual) check_bits("dres (vec, 3 blocks) = vec", DRESL, DRESV);
         }
         check("dbeta", ddb, db, 1e-4, 1e-4);
         check("dgamma", ddg, dg, 1e-4, 1e-4);

@@ -352,6 +352,32 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The launch of BN's 16-byte element-wise kernel `name` over `groups` 8-channel groups:
+    /// 256 threads, one wave of blocks (as many as fit the SMs at once, so none waits for a
+    /// second wave), each thread walking many rows; the stride (blocks × 256) is a multiple of
+    /// C / 8 whenever C / 8 divides 256 (every ResNet layer), so a thread's channels, whose
+    /// parameters it keeps in registers, never change.
+    fn channel_rows_cfg(
+        &self,
+        op: &'static str,
+        name: &'static str,
+        groups: usize,
+    ) -> Result<LaunchConfig, BackendError> {
+        let resident = self
+            .dev
+            .function("bn.cu", name)
+            .map_err(dev_err(op))?
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .map_err(drv_err(op))?;
+        let wave = (resident.max(1) * self.sms.max(1)) as usize;
+        let blocks = groups.div_ceil(THREADS as usize).clamp(1, wave) as u32;
+        Ok(LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
     /// Raises the kernel's dynamic shared memory limit to what `l` needs (> 48 KiB).
     fn conv2_prepare(
         &self,
@@ -1051,7 +1077,11 @@ impl Backend for CudaBackend {
         // 16 bytes per thread when every row is whole groups of 8 channels.
         let vec = c % 8 == 0;
         let apply = if vec { "bn_apply_vec" } else { "bn_apply" };
-        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
+        let cfg = if vec {
+            self.channel_rows_cfg(op, apply, rows * c / 8)?
+        } else {
+            elementwise_cfg(rows * c)
+        };
         match a.residual {
             Some(r) => {
                 let r = r.bf16(op, "residual")?;
@@ -1162,7 +1192,11 @@ impl Backend for CudaBackend {
         } else {
             "bn_bwd_apply"
         };
-        let cfg = elementwise_cfg(if vec { rows * c / 8 } else { rows * c });
+        let cfg = if vec {
+            self.channel_rows_cfg(op, apply, rows * c / 8)?
+        } else {
+            elementwise_cfg(rows * c)
+        };
         match a.dresidual {
             Some((dres, acc)) => {
                 let acc = i32::from(acc);
