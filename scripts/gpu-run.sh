@@ -159,6 +159,9 @@ train_checks() {
   check $checks eval-match "$r/acc" "$out/eval-cpu.log" 0.02
   # --resume continues exactly: 2 epochs straight vs 1 epoch, then resumed to 2.
   step resume-straight 150 "$bin" "${common[@]}" --epochs 2 --out "$r/straight"
+  # The same run again: the same bits (no kernel of the v2 path adds with atomics).
+  step repeat-straight 150 "$bin" "${common[@]}" --epochs 2 --out "$r/again"
+  check $checks same-weights "$r/straight" "$r/again" repeat
   step resume-first 100 "$bin" "${common[@]}" --epochs 1 --out "$r/split"
   step resume-second 100 "$bin" --resume "$r/split" "${common[@]}" --epochs 2
   check $checks same-weights "$r/straight" "$r/split"

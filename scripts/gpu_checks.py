@@ -6,7 +6,7 @@
                                   of copies, compute, buckets, the optimizer and the engine
                                   (`cpu`: a one-rank CPU run has no copies and no buckets)
   accuracy RUN MIN                the last valid accuracy in RUN/metrics.jsonl is >= MIN
-  same-weights RUN_A RUN_B        the two runs' model.safetensors hold the same tensors
+  same-weights RUN_A RUN_B [WHAT] the two runs' model.safetensors hold the same tensors
                                   (bit-exact, else the largest difference is printed)
   eval-match RUN EVAL_LOG TOL     `birdtrain eval` (on the CPU) of RUN's checkpoint gives the
                                   run's own last valid accuracy within TOL
@@ -86,13 +86,13 @@ def safetensors(path):
             for k, v in header.items()}
 
 
-def same_weights(a, b):
+def same_weights(a, b, what="resume"):
     ta, tb = safetensors(f"{a}/model.safetensors"), safetensors(f"{b}/model.safetensors")
     if ta.keys() != tb.keys():
-        return say(False, "resume", f"tensor names differ: {sorted(ta.keys() ^ tb.keys())[:5]}")
+        return say(False, what, f"tensor names differ: {sorted(ta.keys() ^ tb.keys())[:5]}")
     differ = [k for k in ta if ta[k] != tb[k]]
     if not differ:
-        return say(True, "resume", f"all {len(ta)} tensors bit-identical")
+        return say(True, what, f"all {len(ta)} tensors bit-identical")
     worst, where, worst_rel, where_rel, other = 0.0, "", 0.0, "", []
     for k in differ:
         dtype, _, ra = ta[k]
@@ -112,7 +112,7 @@ def same_weights(a, b):
               f"{where or '-'}, worst relative {worst_rel:.3g} in {where_rel or '-'}")
     if other:
         detail += f"; other tensors differing: {', '.join(other[:5])}"
-    return say(False, "resume", detail)
+    return say(False, what, detail)
 
 
 def eval_match(run, log, tol):
@@ -177,7 +177,7 @@ def top_kernels(path, n):
 def main(argv):
     commands = {
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
-        "same-weights": (same_weights, (2,)), "eval-match": (eval_match, (3,)),
+        "same-weights": (same_weights, (2, 3)), "eval-match": (eval_match, (3,)),
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
