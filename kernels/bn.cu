@@ -38,8 +38,9 @@
 // block (32, FIN_Y = 32), grid ceil(C/32): threadIdx.x the channel (coalesced 128-byte rows of a
 // slab), threadIdx.y the slab lane. bn_eval_prepare: one thread per channel, 128 per block.
 // Element-wise kernels: grid-stride loops, 256 threads; the *_vec variants (C % 8 == 0, every
-// ResNet layer) move 16 bytes per thread and access, on about 8 blocks per SM whose stride is a
-// multiple of C / 8 (each thread keeps its channels' parameters in registers, see below).
+// ResNet layer) move 16 bytes per thread and access, on one wave of blocks (as many as fit the
+// SMs) whose stride is a multiple of C / 8 (each thread keeps its channels' parameters in
+// registers, see below).
 #include "common.cuh"
 
 #define RED_Y 8
@@ -283,9 +284,9 @@ __device__ __forceinline__ Bf16x8 load8(const bf16* p) {
 // its channel's mean, invstd, gamma, beta (dbeta, dgamma): read per element, those scalar loads
 // made the kernels L1-bound on an H100 (memory pipe 95-99 %, DRAM 30-46 %, half the stalls
 // waiting on the L1 queue). So a thread keeps its 8 channels' parameters in registers and
-// reloads them only when its channel group changes: the host launches about 8 blocks per SM
-// with a stride that is a multiple of C / 8, so a thread's group never changes and it walks
-// many rows. The arithmetic is the scalar kernels' own, term for term: the same bits.
+// reloads them only when its channel group changes: the host launches one wave of blocks (as
+// many as fit the SMs) with a stride that is a multiple of C / 8, so a thread's group never
+// changes and it walks many rows. The arithmetic is the scalar kernels' own, term for term: the same bits.
 struct ApplyParams {
     float mean[8], invstd[8], gamma[8], beta[8];
 };

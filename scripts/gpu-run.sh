@@ -40,6 +40,12 @@ export BIRDTRAIN_KERNEL_CACHE=$work/kernels
 # The binary for the tests that start it (they run away from their build tree here).
 export BIRDTRAIN_BIN=$bin
 
+# The GPU test binaries (scripts/gpu-build.sh builds them); cuda_memory fills the GPU's memory,
+# so `all` runs it alone, after the others.
+gpu_tests=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
+shared_tests=()
+for t in "${gpu_tests[@]}"; do [ "$t" = cuda_memory ] || shared_tests+=("$t"); done
+
 note() { echo "$*" | tee -a "$summary"; }
 # check NAME CMD...: runs a gpu_checks.py line (or any command printing PASS/FAIL).
 check() { "$@" 2>&1 | tee -a "$summary"; }
@@ -92,7 +98,7 @@ phase_tests() {
   # Tests that need two GPUs skip themselves with a line saying so (grep "skipped" in the logs).
   # `gpu-run.sh tests NAME...` runs only those test binaries (the rest of an unfinished call).
   local t names=("$@")
-  [ ${#names[@]} -gt 0 ] || names=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
+  [ ${#names[@]} -gt 0 ] || names=("${gpu_tests[@]}")
   for t in "${names[@]}"; do
     step "test-$t" 150 "$here/$t" --ignored --test-threads 1
     grep -E "^test |test result|skipped" "$out/test-$t.log" | tail -40
@@ -224,13 +230,13 @@ phase_all() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   local t
   step kernels-check 120 "$bin" kernels check --arch sm_90 &
-  for t in cuda_kernels cuda_step cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+  for t in "${shared_tests[@]}"; do
     step "test-$t" 150 "$here/$t" --ignored --test-threads 1 &
   done
   train_checks >"$out/train-checks.txt" 2>&1 &
   big_set &
   wait
-  for t in cuda_kernels cuda_step cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu; do
+  for t in "${shared_tests[@]}"; do
     grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -30
   done
   step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1

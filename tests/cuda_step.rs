@@ -86,8 +86,8 @@ fn resnet18_step_matches_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The batch of the resnet18 step checks: 4 synthetic 64-px images, and per-image shifts,
-/// flips and none.
+/// The batch of the resnet18 step checks: `n` synthetic `size`-px images, and per-image
+/// shifts, flips and none (four kinds, in turn).
 fn step_batch(n: usize, size: usize) -> (Vec<u8>, Vec<u32>, Vec<Augment>) {
     let (pixels, labels) = synthetic(n, size, 10, 11);
     let four = [
@@ -209,9 +209,9 @@ fn bf16_storage_alone_keeps_the_last_layers_and_moves_the_first() {
     // cancel; measured here, and the same at batch 8 and 128 px): the GPU is held to this
     // distance from the f32 CPU, not to bf16's 2^-8.
     let graph = Graph::new(Arch::ResNet18, 10);
-    let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, 4, 64).unwrap();
-    let mut f32cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, 4, 64).unwrap();
     let (n, size) = (4, 64);
+    let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, n, size).unwrap();
+    let mut f32cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
     let (pixels, labels, _) = step_batch(n, size as usize);
     let batch = InputBatch {
         pixels: &pixels,

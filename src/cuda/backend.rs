@@ -365,10 +365,8 @@ impl CudaBackend {
     ) -> Result<LaunchConfig, BackendError> {
         let resident = self
             .dev
-            .function("bn.cu", name)
-            .map_err(dev_err(op))?
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
-            .map_err(drv_err(op))?;
+            .resident_blocks("bn.cu", name, THREADS)
+            .map_err(dev_err(op))?;
         let wave = (resident.max(1) * self.sms.max(1)) as usize;
         let blocks = groups.div_ceil(THREADS as usize).clamp(1, wave) as u32;
         Ok(LaunchConfig {

@@ -41,6 +41,8 @@ pub struct GpuDevice {
     compiler: KernelCompiler,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Blocks of (file, kernel, threads) that fit one SM at once (asked of the driver once).
+    resident: Mutex<HashMap<(&'static str, &'static str, u32), u32>>,
     /// Bytes of every allocation the backend made on this device (tensors and workspace).
     allocated: std::sync::atomic::AtomicU64,
 }
@@ -89,6 +91,7 @@ impl GpuDevice {
             compiler,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            resident: Mutex::new(HashMap::new()),
             allocated: std::sync::atomic::AtomicU64::new(0),
         }))
     }
@@ -179,6 +182,34 @@ impl GpuDevice {
             .unwrap_or_else(|e| e.into_inner())
             .insert((file, name), function.clone());
         Ok(function)
+    }
+
+    /// How many blocks of `threads` threads of kernel `name` fit one SM at once (its registers
+    /// and shared memory decide; cached per device).
+    pub fn resident_blocks(
+        &self,
+        file: &'static str,
+        name: &'static str,
+        threads: u32,
+    ) -> Result<u32, CudaError> {
+        let key = (file, name, threads);
+        if let Some(&n) = self
+            .resident
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok(n);
+        }
+        let n = self
+            .function(file, name)?
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(CudaError::driver(format!("the occupancy of {name}")))?;
+        self.resident
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, n);
+        Ok(n)
     }
 
     /// Compiles and loads every kernel file now (so the first step does not pay for it).

@@ -63,6 +63,16 @@ impl Footprint {
     }
 }
 
+/// Values per image of the stem's input padded to 8 channels (the v2 convolutions' copy).
+fn stem_padded_values(image_size: u32) -> usize {
+    8 * (image_size as usize).pow(2)
+}
+
+/// The device optimizer's state: f32 master weights and up to two moments (Adam's).
+fn optimizer_bytes(params: usize) -> usize {
+    3 * 4 * params
+}
+
 /// The split weight gradient's partial-sum planes (f32, one weight-sized plane per slice):
 /// slices × tiles stays under 4 waves of 128×128 tiles, at most ~107 MiB for a ResNet layer
 /// on an H100's 132 SMs (layer4's 3×3: 8 slices of 2.4 M values).
@@ -77,12 +87,12 @@ const SPLIT_WGRAD_PLANES: usize = 128 << 20;
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
-    let stem_padded = 2 * 8 * (image_size as usize).pow(2);
+    let stem_padded = 2 * stem_padded_values(image_size);
     let per_image = 2 * (plan.activations_per_image + plan.activation_grads_per_image)
         + (1 + STAGING_SLOTS) * pixels
         + stem_padded
         + 4 * graph.num_classes();
-    let optimizer = 3 * 4 * plan.params;
+    let optimizer = optimizer_bytes(plan.params);
     let largest_weight = graph
         .params()
         .iter()
@@ -138,11 +148,11 @@ pub fn measure(
     let first = probe(2)?;
     let one = probe(1)?;
     let two = probe(2)?;
-    let stem_scratch = 2 * 8 * (image_size as u64).pow(2);
+    let stem_scratch = 2 * stem_padded_values(image_size) as u64;
     let per_image = two.saturating_sub(one).max(1) + stem_scratch;
     // The device optimizer's state (f32 master weights and up to two moments), which the
     // probes do not build, as the estimate counts it.
-    let optimizer = 3 * 4 * buffer_plan(graph, image_size).params as u64;
+    let optimizer = optimizer_bytes(buffer_plan(graph, image_size).params) as u64;
     Ok(Footprint {
         fixed_bytes: first.saturating_sub(2 * per_image) + optimizer,
         per_image_bytes: per_image,
@@ -186,7 +196,7 @@ pub fn auto_batch_size(
 /// largest per-image value of the network (the stem's output, or its input padded to 8
 /// channels) times the batch stays under 2³¹.
 pub fn index_limited_batch(graph: &Graph, image_size: u32) -> usize {
-    let padded_input = 8 * (image_size as usize).pow(2);
+    let padded_input = stem_padded_values(image_size);
     let largest = graph
         .value_dims(image_size)
         .iter()
