@@ -193,7 +193,7 @@ impl TraceRecorder {
             path: path.to_path_buf(),
             source,
         };
-        let tmp = path.with_extension("json.tmp");
+        let tmp = temp_path(path);
         let file = std::fs::File::create(&tmp).map_err(err)?;
         let mut writer = std::io::BufWriter::new(file);
         self.write_to(&mut writer)?;
@@ -201,6 +201,30 @@ impl TraceRecorder {
         drop(writer);
         std::fs::rename(&tmp, path).map_err(err)
     }
+}
+
+/// Checks, before a run, that [`TraceRecorder::save`] will be able to write `path`: it is no
+/// folder, and its temporary file can be created (and is removed again) beside it. A bad
+/// `--trace` is then one line at the start, not after the whole run.
+pub fn check_destination(path: &Path) -> Result<(), TraceError> {
+    let err = |source| TraceError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if path.is_dir() {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::IsADirectory,
+            "it is a folder; name a file such as trace.json",
+        )));
+    }
+    let tmp = temp_path(path);
+    std::fs::File::create(&tmp).map_err(err)?;
+    std::fs::remove_file(&tmp).map_err(err)
+}
+
+/// The file a trace is written to before it is renamed into place.
+fn temp_path(path: &Path) -> std::path::PathBuf {
+    path.with_extension("json.tmp")
 }
 
 impl Default for TraceRecorder {

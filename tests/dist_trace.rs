@@ -95,3 +95,28 @@ fn save_writes_parseable_json_and_disabled_writes_nothing() {
         .unwrap_err();
     assert!(err.to_string().contains("missing/dir"), "{err}");
 }
+
+#[test]
+fn a_trace_path_that_cannot_be_written_is_refused_before_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A folder, a file in a missing folder: one error naming the path, nothing left behind.
+    let folder = tmp.path().join("traces");
+    std::fs::create_dir(&folder).unwrap();
+    let missing = tmp.path().join("nowhere").join("trace.json");
+    for path in [&folder, &missing] {
+        let e = birdtrain::trace::check_destination(path).unwrap_err();
+        assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+    }
+    assert_eq!(std::fs::read_dir(&folder).unwrap().count(), 0);
+    // The training command checks it before anything runs or is written.
+    let mut cfg = birdtrain::train::TrainConfig::new(tmp.path().join("no-data"));
+    cfg.out = tmp.path().join("run");
+    cfg.dist.trace = Some(folder.clone());
+    let e = birdtrain::train::train(&cfg, &std::sync::atomic::AtomicBool::new(false)).unwrap_err();
+    assert!(e.to_string().contains("trace"), "{e}");
+    assert!(!cfg.out.exists());
+    // A writable path passes and leaves no file.
+    let fine = tmp.path().join("trace.json");
+    birdtrain::trace::check_destination(&fine).unwrap();
+    assert!(!fine.exists() && !tmp.path().join("trace.json.tmp").exists());
+}

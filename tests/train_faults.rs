@@ -373,9 +373,23 @@ fn a_diverged_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     let out = run_with(&args, &[]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let line = one_error_line(&out);
-    for part in ["diverged", "step", "learning rate", "--lr"] {
+    for part in [
+        "diverged",
+        "step",
+        "learning rate",
+        "--lr",
+        "last checkpoint in",
+    ] {
         assert!(line.contains(part), "{part}: {line}");
     }
+    // A fresh run that diverges before its first checkpoint says so (and leaves no folder).
+    let fresh = tmp.path().join("fresh");
+    let mut args = train_args(&data, &cache, &fresh, 1);
+    args.extend(["--lr", "1e7"].map(String::from));
+    let out = run_with(&args, &[]);
+    let line = one_error_line(&out);
+    assert!(line.contains("no checkpoint had been saved yet"), "{line}");
+    assert!(!fresh.exists());
     // The checkpoint left is one taken before the loss went non-finite: loadable, finite,
     // short of the 20 epochs asked for.
     let meta = CheckpointMeta::load(&run).unwrap();
@@ -508,4 +522,23 @@ fn misleading_datasets_get_a_warning() {
     // 0.8 × 5 / 256.
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("0.015625 scaled"), "{stdout}");
+}
+
+#[test]
+fn a_resume_with_nothing_left_to_train_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("cache");
+    let run = tmp.path().join("run");
+    ok(run_with(&train_args(&data, &cache, &run, 2), &[]));
+    let sidecar = std::fs::read(run.join("checkpoint.json")).unwrap();
+    let mut args = resume_args(&run, &data);
+    args.extend(["--epochs", "1"].map(String::from));
+    let out = ok(run_with(&args, &[]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("trained 2 epochs already") && err.contains("nothing to train"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(run.join("checkpoint.json")).unwrap(), sidecar);
 }

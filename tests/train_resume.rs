@@ -169,6 +169,33 @@ fn checkpoint_from_two_replicas_resumes_on_one_and_loads_for_inference() {
 }
 
 #[test]
+fn a_resume_with_another_global_batch_goes_on_from_the_same_point_of_the_schedule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"));
+    let cache = tmp.path().join("cache");
+    let dir = tmp.path().join("run");
+    // 36 images: 9 steps per epoch at batch 4, then 3 per epoch at batch 12.
+    let mut first = config(&data, &cache, &dir, 1, 4);
+    first.stop_after_steps = Some(9);
+    let stopped = run(&first);
+    assert_eq!((stopped.epochs_done, stopped.global_step), (1, 9));
+    let after_one = read(dir.join("model.safetensors"));
+    let mut second = config(&data, &cache, &dir, 1, 12);
+    second.resume = Some(dir.clone());
+    let resumed = run(&second);
+    assert_eq!(resumed.epochs_done, 2);
+    // Epoch 2 of the cosine schedule at 3 steps per epoch is steps 3..6, not 9..12 (past
+    // the schedule's end, where the rate is 0 and epoch 2 would change no weight).
+    assert_eq!(resumed.global_step, 6);
+    let meta = train::CheckpointMeta::load(&dir).unwrap();
+    assert_eq!(meta.data_position.global_step, 6);
+    assert!(
+        read(dir.join("model.safetensors")) != after_one,
+        "epoch 2 after the resume changed no weight"
+    );
+}
+
+#[test]
 fn resume_through_the_cli_keeps_the_runs_settings_without_repeating_flags() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(&tmp.path().join("d"));

@@ -118,7 +118,7 @@ pub enum LaunchError {
         listing: String,
     },
     /// Several nodes with no GPU: the cross-node engine is NCCL.
-    #[error("multi-node training ({nodes} nodes) runs on GPUs through NCCL; --gpus 0 (CPU) works on one node only")]
+    #[error("multi-node training ({nodes} nodes, from --nodes or WORLD_SIZE) runs on GPUs through NCCL; the CPU trains on one node only (hint: drop --nodes and the torchrun variables, and use --replicas R for data parallelism on this machine's CPU)")]
     CpuMultiNode {
         /// The node count.
         nodes: usize,

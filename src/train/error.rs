@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use super::folder::FolderError;
 use crate::backend::BackendError;
 use crate::dist::collective::CollectiveError;
+use crate::dist::launch::LaunchError;
 use crate::model::ModelError;
 use crate::optim::OptimError;
 use pipeline::PipelineError;
@@ -51,7 +52,7 @@ pub enum TrainError {
         epoch: u64,
     },
     /// The loss became NaN or infinite: the run stops without saving the diverged weights.
-    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); the last checkpoint in {out} is kept (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
     NonFiniteLoss {
         /// "training loss" or "validation loss".
         what: &'static str,
@@ -63,12 +64,13 @@ pub enum TrainError {
         epoch: u64,
         /// The learning rate of that step.
         lr: f32,
-        /// The run folder.
-        out: PathBuf,
+        /// What the run folder keeps ("the last checkpoint in RUN is kept", or that none
+        /// was saved yet).
+        kept: String,
     },
     /// The weights or batch-norm statistics overflowed: the run stops before they reach a
     /// checkpoint.
-    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); the last checkpoint in {out} is kept (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
     NonFiniteWeights {
         /// The first tensor (torchvision name) with a non-finite value.
         tensor: String,
@@ -78,8 +80,8 @@ pub enum TrainError {
         epoch: u64,
         /// The learning rate of the last step.
         lr: f32,
-        /// The run folder.
-        out: PathBuf,
+        /// What the run folder keeps (as for [`TrainError::NonFiniteLoss`]).
+        kept: String,
     },
     /// `--out` names a folder that holds a run already.
     #[error("{path} holds a run already ({found}) (hint: continue it with --resume {path}, choose another --out, or pass --overwrite to replace it)")]
@@ -143,6 +145,10 @@ pub enum TrainError {
     /// A collective failed: a rank stopped answering, failed, or the group was aborted.
     #[error(transparent)]
     Collective(Box<CollectiveError>),
+    /// The launch flags or torchrun variables (`--gpus`, `--nodes`, `WORLD_SIZE`, …) do not
+    /// describe a run this machine can start; the message names the flag or variable.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
     /// A rank's weights differ from rank 0's: the data-parallel invariant broke.
     #[error(
         "rank {rank}: weights diverged from rank 0 at step {step} (checksum {mine:016x} vs {reference:016x}); \

@@ -193,6 +193,46 @@ fn a_stop_wished_by_one_rank_stops_every_rank_after_the_same_step_with_one_check
 }
 
 #[test]
+fn a_second_run_into_a_folder_in_use_is_refused_and_disturbs_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    let mut first = config(&data, tmp.path(), "run", 2, 6);
+    first.epochs = 2;
+    first.save_every = 1;
+    let mut second = config(&data, tmp.path(), "run", 1, 4);
+    second.resume = Some(first.out.clone());
+    second.epochs = 2;
+    // While the first run is at step 5 (a checkpoint of step 4 committed), a resume into its
+    // folder starts, as a second process would.
+    let refused = std::sync::Mutex::new(None);
+    let outcome = train_until(&first, &|rank, step| {
+        if rank == 0 && step == 5 {
+            *refused.lock().unwrap() = Some(train_until(&second, &|_, _| false));
+        }
+        false
+    })
+    .unwrap();
+    let refused = refused
+        .into_inner()
+        .unwrap()
+        .expect("the second run was tried");
+    let e = refused.err().expect("a second writer is refused");
+    assert!(
+        matches!(
+            e,
+            TrainError::Folder(crate::train::folder::FolderError::InUse { .. })
+        ),
+        "{e}"
+    );
+    // The first run went on undisturbed: all its epochs, one metrics line each.
+    assert_eq!((outcome.epochs_done, outcome.global_step), (2, 8));
+    let metrics = std::fs::read_to_string(first.out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 4, "{metrics}");
+    // And the folder is free again once it ended.
+    train(&second);
+}
+
+#[test]
 fn a_run_stopped_on_two_ranks_resumes_on_three_as_if_never_stopped() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(tmp.path(), 12);

@@ -69,12 +69,23 @@ pub(crate) fn train_until(
     stop: &StopWish<'_>,
 ) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
+    if let Some(path) = &cfg.dist.trace {
+        crate::trace::check_destination(path).map_err(|e| TrainError::Trace(e.to_string()))?;
+    }
     refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
     // folder exists from the start; a run that fails before its first checkpoint removes the
     // folder it created ("nothing half-written").
     let folder = RunFolder::new(&cfg.out);
     let created = folder.create()?;
+    // One writer per folder, held until the run returns. Only node 0 writes the run folder;
+    // the other nodes of a multi-node run may share it on a network file system.
+    // (A folder this process created is left alone when the lock fails: the holder may be
+    // the process that won the race to create it.)
+    let _lock = match first_node(cfg) {
+        true => Some(folder.lock()?),
+        false => None,
+    };
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
     folder.clean();
@@ -83,6 +94,13 @@ pub(crate) fn train_until(
         folder.discard_if_unused(created);
     }
     result
+}
+
+/// Whether this process is node 0 (or the only node), by `--node-rank` or torchrun's `RANK`;
+/// a value that does not parse counts as node 0 here and is refused by the launch.
+fn first_node(cfg: &TrainConfig) -> bool {
+    let env_rank = || std::env::var("RANK").ok()?.trim().parse::<usize>().ok();
+    cfg.dist.node_rank.or_else(env_rank).unwrap_or(0) == 0
 }
 
 /// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
@@ -119,8 +137,21 @@ fn check_loss(
         step: step_index + 1,
         epoch: position.epoch + 1,
         lr: shared.lr_at(step_index, position),
-        out: shared.cfg.out.clone(),
+        kept: kept_checkpoint(shared),
     })
+}
+
+/// What a diverged run leaves in its folder, for the error line: the last checkpoint, or
+/// none when the run diverged before its first (its new folder is then removed).
+fn kept_checkpoint(shared: &Shared) -> String {
+    if shared.folder.has_checkpoint() {
+        format!(
+            "the last checkpoint in {} is kept",
+            shared.cfg.out.display()
+        )
+    } else {
+        "no checkpoint had been saved yet".to_string()
+    }
 }
 
 /// Stops the run when validation gives a NaN or infinite loss: the weights overflowed
@@ -140,7 +171,7 @@ fn check_valid_loss(
         step: global_step,
         epoch: valid.epoch,
         lr: shared.lr_at(global_step.saturating_sub(1), position),
-        out: shared.cfg.out.clone(),
+        kept: kept_checkpoint(shared),
     })
 }
 
@@ -165,7 +196,7 @@ fn check_finite_state(
                 step: position.global_step,
                 epoch: position.epoch + u64::from(position.step_in_epoch > 0),
                 lr: shared.lr_at(position.global_step.saturating_sub(1), position),
-                out: shared.cfg.out.clone(),
+                kept: kept_checkpoint(shared),
             });
         }
     }
@@ -275,6 +306,13 @@ fn epochs<D: Device>(
     let mut early_stopped = false;
     let mut best = shared.best;
     let mut session = (0.0f64, 0.0f64);
+    if rank.position.epoch >= cfg.epochs && rank.is_writer() && cfg.resume.is_some() {
+        tracing::warn!(
+            "--epochs {}: the resumed run has trained {} epochs already, so there is nothing to train (hint: a larger --epochs goes on)",
+            cfg.epochs,
+            rank.position.epoch
+        );
+    }
     // A resumed run that had already stopped early stops again at once (a larger or zero
     // --early-stop lets it go on).
     if rank.position.epoch < cfg.epochs && early_stop_due(shared, rank, best)? {

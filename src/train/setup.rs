@@ -182,7 +182,7 @@ impl Shared {
                 )?;
                 let mut optimizer = Optimizer::new(kind, hyper, graph.params());
                 optimizer.load(&run.join(&meta.optimizer_state_file))?;
-                let position = resume_position(&cfg, run, meta, &dataset)?;
+                let position = resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
                 (state, Some(optimizer), position)
             }
             None => {
@@ -298,10 +298,12 @@ impl Shared {
         (0..self.ranks()).map(|r| self.rank_images(step, r)).sum()
     }
 
-    /// Prints a line when the run is verbose.
+    /// Prints a line when the run is verbose. Not `println!`: once stdout is closed (`| head`)
+    /// the line is dropped and the run goes on (its progress is in the run folder too).
     pub(crate) fn say(&self, line: impl AsRef<str>) {
         if self.cfg.verbose {
-            println!("{}", line.as_ref());
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout().lock(), "{}", line.as_ref());
         }
     }
 
@@ -530,11 +532,28 @@ fn start_best(
     };
     if !same(run, folder.path()) {
         folder.remove_best()?;
-        if best.is_some() && folder.copy_best_from(run)?.is_none() {
+        if best.is_some()
+            && folder
+                .copy_best_checkpoint(&best_folder(run, meta))?
+                .is_none()
+        {
             return Ok(None);
         }
     }
     Ok(best)
+}
+
+/// Where the best epoch of a resumed run is kept: its `best/`, or the folder itself when it
+/// is a `best/` folder (`--resume RUN/best`: its checkpoint is the epoch it records as the
+/// best, and it holds no `best/` of its own).
+fn best_folder(run: &Path, meta: &CheckpointMeta) -> PathBuf {
+    let inner = run.join(BEST_DIR);
+    let is_own_best = meta.best.is_some_and(|b| b.epoch == meta.epoch);
+    if is_own_best && !inner.exists() {
+        run.to_path_buf()
+    } else {
+        inner
+    }
 }
 
 /// The checkpoint's best epoch when `run/best/` holds it. A `best/` newer than the checkpoint
@@ -543,7 +562,7 @@ fn start_best(
 /// a new best.
 fn resumed_best(run: &Path, meta: &CheckpointMeta) -> Option<BestEpoch> {
     let recorded = meta.best?;
-    let best_dir = run.join(BEST_DIR);
+    let best_dir = best_folder(run, meta);
     match CheckpointMeta::load(&best_dir) {
         Ok(saved) if saved.best == Some(recorded) => Some(recorded),
         Ok(saved) if saved.epoch > meta.epoch => None,
@@ -584,8 +603,36 @@ fn warn_about_dataset(cfg: &TrainConfig, classes: usize, train_images: usize) {
 /// count when the global batch changed (another rank count or batch size, saying so when
 /// that repeats samples), and back to the start of the interrupted epoch when the training
 /// data changed and `--allow-data-change` allows going on (otherwise a changed training set
-/// is refused, saying what changed).
+/// is refused, saying what changed). The schedule's step count is then recounted for this
+/// run's `steps_per_epoch`, so the learning rate goes on from the same point of the schedule.
 fn resume_position(
+    cfg: &TrainConfig,
+    run: &std::path::Path,
+    meta: &CheckpointMeta,
+    now: &DatasetStamp,
+    steps_per_epoch: u64,
+) -> Result<DataPosition, TrainError> {
+    let mut position = data_position_after_changes(cfg, run, meta, now)?;
+    // The schedule counts optimizer steps; another global batch or training set makes
+    // another number of steps per epoch, and the checkpoint's count would then point
+    // elsewhere in the schedule (past its end, at rate 0, for a larger batch).
+    let recounted = position.epoch * steps_per_epoch + position.step_in_epoch as u64;
+    if recounted != position.global_step {
+        tracing::warn!(
+            "the learning-rate schedule goes on from epoch {}, step {} of {steps_per_epoch}: global step {recounted} for this run's steps per epoch (the checkpoint counted {} with a global batch of {})",
+            position.epoch + 1,
+            position.step_in_epoch,
+            position.global_step,
+            meta.global_batch
+        );
+        position.global_step = recounted;
+    }
+    Ok(position)
+}
+
+/// The checkpoint's data position after a changed global batch or training set (see
+/// [`resume_position`]).
+fn data_position_after_changes(
     cfg: &TrainConfig,
     run: &std::path::Path,
     meta: &CheckpointMeta,
@@ -717,6 +764,23 @@ mod tests {
                 .unwrap();
         }
         m
+    }
+
+    #[test]
+    fn a_run_resumed_from_its_best_folder_keeps_that_epoch_as_the_best() {
+        let tmp = tempfile::tempdir().unwrap();
+        let two = record(2, 0.8);
+        let dir = tmp.path().join("run");
+        run_with_best(&dir, 3, Some(two), Some((2, two)));
+        let best_dir = dir.join(BEST_DIR);
+        let m = CheckpointMeta::load(&best_dir).unwrap();
+        assert_eq!(resumed_best(&best_dir, &m), Some(two));
+        let to = RunFolder::new(tmp.path().join("to"));
+        to.create().unwrap();
+        let resumed = (best_dir, m);
+        assert_eq!(start_best(&to, Some(&resumed)).unwrap(), Some(two));
+        let copied = CheckpointMeta::load(&to.best_path()).unwrap();
+        assert_eq!((copied.epoch, copied.best), (2, Some(two)));
     }
 
     #[test]

@@ -35,6 +35,12 @@ pub enum FolderError {
         /// What is wrong with it.
         reason: String,
     },
+    /// Another process holds the run folder (trains, resumes or lr-finds into it).
+    #[error("{path} is in use by another birdtrain process (hint: wait for it to end, or choose another --out)")]
+    InUse {
+        /// The run folder.
+        path: PathBuf,
+    },
     /// report.png could not be drawn.
     #[error("cannot draw report {path}: {reason}")]
     Report {

@@ -29,6 +29,15 @@ use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics}
 pub const METRICS_FILE: &str = "metrics.jsonl";
 /// File name of the report picture inside a run folder.
 pub const REPORT_FILE: &str = "report.png";
+/// The file a writing process holds an exclusive lock on ([`RunFolder::lock`]).
+pub const LOCK_FILE: &str = ".birdtrain.lock";
+
+/// An exclusive hold on a run folder, released when dropped (or when the process dies, by
+/// the kernel: a killed run leaves no stale lock behind).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
 
 /// A run folder and the operations the trainer performs on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +85,35 @@ impl RunFolder {
             source,
         })?;
         Ok(created)
+    }
+
+    /// Takes the folder for this process alone, before anything in it is cleaned or written:
+    /// a second run, resume or `lr-find` into the same folder is refused instead of the two
+    /// deleting each other's temporary files and writing the same epochs twice. The lock is
+    /// the OS's advisory file lock on [`LOCK_FILE`], which a process killed with -9 drops.
+    pub fn lock(&self) -> Result<RunLock, FolderError> {
+        let path = self.root.join(LOCK_FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| FolderError::Io {
+                path: path.clone(),
+                what: "open the run folder's lock file",
+                source,
+            })?;
+        match file.try_lock() {
+            Ok(()) => Ok(RunLock { _file: file }),
+            Err(std::fs::TryLockError::WouldBlock) => Err(FolderError::InUse {
+                path: self.root.clone(),
+            }),
+            Err(std::fs::TryLockError::Error(source)) => Err(FolderError::Io {
+                path,
+                what: "lock",
+                source,
+            }),
+        }
     }
 
     /// Removes a folder this run created but never committed a checkpoint to ("nothing
@@ -205,8 +243,14 @@ impl RunFolder {
     /// run resumed into another folder keeps its best epoch). Returns the copied checkpoint's
     /// own record of its epoch; `None` (nothing copied) when `from` has no whole `best/`.
     pub fn copy_best_from(&self, from: &Path) -> Result<Option<BestEpoch>, FolderError> {
-        let source = from.join(checkpoint::BEST_DIR);
-        let Ok(meta) = CheckpointMeta::load(&source) else {
+        self.copy_best_checkpoint(&from.join(checkpoint::BEST_DIR))
+    }
+
+    /// Copies the checkpoint in folder `source` (a `best/` folder, or a run resumed from its
+    /// `best/`, which is then its own best epoch) into this folder's `best/`; `None`
+    /// (nothing copied) when `source` holds no whole checkpoint.
+    pub fn copy_best_checkpoint(&self, source: &Path) -> Result<Option<BestEpoch>, FolderError> {
+        let Ok(meta) = CheckpointMeta::load(source) else {
             return Ok(None);
         };
         let read = |file: &str| {
@@ -251,6 +295,22 @@ mod tests {
         let mut acc = MetricsAccumulator::default();
         acc.add(1.0, 1, 1, 2);
         acc.finish(epoch, split)
+    }
+
+    #[test]
+    fn one_process_holds_a_run_folder_at_a_time() {
+        let tmp = tempfile::tempdir().unwrap();
+        let folder = RunFolder::new(tmp.path().join("run"));
+        folder.create().unwrap();
+        let held = folder.lock().unwrap();
+        // A second open file description is what a second process would hold.
+        let e = folder.lock().unwrap_err();
+        assert!(matches!(e, FolderError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains("another --out"), "{e}");
+        drop(held);
+        let _again = folder.lock().unwrap();
+        // The lock file is no run of its own.
+        assert!(folder.existing_run().is_empty());
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::cuda::staging::feed::HostBatch;
 use crate::dist::collective::Collective;
+use crate::dist::launch;
 use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
 use crate::model::{GradHookError, Network, NetworkConfig, StepStats};
 use crate::optim::{ConvOrder, CpuRankOptimizer, ParamLayout};
@@ -288,6 +289,22 @@ pub(crate) fn shared_for_cpu(
     Shared::new(cfg, ranks, resumed, train, valid, folder.clone(), true)
 }
 
+/// Checks the launch flags and torchrun variables of a CPU run (`env` looks a variable up):
+/// the same validation as a GPU launch, so a bad `--master` or `WORLD_SIZE` is one error line,
+/// and a multi-node request is refused rather than each process training alone (the CPU
+/// ranks of a run share one process; nodes meet through NCCL).
+pub(crate) fn check_single_node(
+    cfg: &TrainConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(), TrainError> {
+    let flags = cfg.dist.launch_flags(Some("0"))?;
+    let plan = launch::resolve(&flags, env, &[])?;
+    for note in &plan.overrides {
+        tracing::info!("{note}");
+    }
+    Ok(())
+}
+
 /// Trains on the CPU: `cfg.replicas` ranks on threads, the in-process collective.
 pub(crate) fn launch(
     cfg: &TrainConfig,
@@ -295,6 +312,7 @@ pub(crate) fn launch(
     resumed: Option<&(PathBuf, CheckpointMeta)>,
     stop: &StopWish<'_>,
 ) -> Result<Launched, TrainError> {
+    check_single_node(cfg, &launch::process_env)?;
     let shared = shared_for_cpu(cfg, folder, resumed)?;
     let ranks = shared.ranks();
     let devices = format!(
@@ -313,4 +331,88 @@ pub(crate) fn launch(
         notes: Vec::new(),
         writer: true,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::launch::LaunchError;
+
+    fn check(
+        nodes: Option<usize>,
+        node_rank: Option<usize>,
+        master: Option<&str>,
+        vars: &[(&str, &str)],
+    ) -> Result<(), TrainError> {
+        let mut cfg = TrainConfig::new("data");
+        cfg.dist.nodes = nodes;
+        cfg.dist.node_rank = node_rank;
+        cfg.dist.master = master.map(str::to_string);
+        let env = |name: &str| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        };
+        check_single_node(&cfg, &env)
+    }
+
+    #[test]
+    fn one_node_with_or_without_torchrun_variables_passes() {
+        check(None, None, None, &[]).unwrap();
+        check(Some(1), Some(0), None, &[]).unwrap();
+        let one = [
+            ("WORLD_SIZE", "1"),
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        check(None, None, None, &one).unwrap();
+    }
+
+    #[test]
+    fn several_nodes_on_the_cpu_are_refused_not_trained_alone() {
+        let e = check(Some(2), Some(0), Some("127.0.0.1:29500"), &[]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TrainError::Launch(LaunchError::CpuMultiNode { nodes: 2 })
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("--replicas"), "{e}");
+        let torchrun = [
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let e = check(None, None, None, &torchrun).unwrap_err();
+        assert!(
+            matches!(e, TrainError::Launch(LaunchError::CpuMultiNode { .. })),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_launch_values_name_the_flag_or_variable() {
+        let cases: [(Result<(), TrainError>, &str); 5] = [
+            (
+                check(None, None, None, &[("WORLD_SIZE", "abc")]),
+                "WORLD_SIZE",
+            ),
+            (check(Some(2), Some(2), Some("h:1"), &[]), "--node-rank"),
+            (check(Some(0), None, None, &[]), "--nodes"),
+            (check(None, None, Some("127.0.0.1:abc"), &[]), "--master"),
+            (
+                check(None, None, None, &[("MASTER_ADDR", "h")]),
+                "MASTER_PORT",
+            ),
+        ];
+        for (result, named) in cases {
+            let e = result.unwrap_err();
+            assert!(matches!(e, TrainError::Launch(_)), "{e}");
+            assert!(e.to_string().contains(named), "{named}: {e}");
+        }
+    }
 }

@@ -450,8 +450,11 @@ pub(crate) fn launch_plan(n: usize, cfg: &TrainConfig) -> Result<LaunchPlan, Tra
         .dist
         .launch_flags(Some(&n.to_string()))
         .map_err(|e| config_error("--gpus", n, e))?;
-    launch::resolve(&flags, &launch::process_env, &launch::detect_cuda_devices())
-        .map_err(|e| config_error("--gpus", n, e))
+    Ok(launch::resolve(
+        &flags,
+        &launch::process_env,
+        &launch::detect_cuda_devices(),
+    )?)
 }
 
 /// Where a GPU rank is and how it reaches the others.
