@@ -4,6 +4,9 @@
 
 use std::process::{Command, Output};
 
+mod cli_support;
+use cli_support::{assert_one_line_error, birdtrain_output};
+
 fn bench_step(simd: &str, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_birdtrain"))
         .env("BIRDTRAIN_CPU_SIMD", simd)
@@ -76,7 +79,7 @@ fn cpu_breakdown_lists_every_op_with_its_share() {
 
 #[test]
 fn a_bad_simd_override_is_one_clear_line() {
-    for value in ["sse9", "avx1024"] {
+    for value in ["sse9", "avx1024", "foo"] {
         let out = bench_step(value, &[]);
         assert!(!out.status.success(), "{value} accepted");
         let err = String::from_utf8_lossy(&out.stderr);
@@ -85,5 +88,104 @@ fn a_bad_simd_override_is_one_clear_line() {
             "{err}"
         );
         assert!(!err.contains("panicked"), "{err}");
+        // One line, the variable and the value named once, the valid levels listed.
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert_eq!(err.matches("BIRDTRAIN_CPU_SIMD").count(), 1, "{err}");
+        assert_eq!(err.matches(value).count(), 1, "{err}");
+        assert!(!err.contains("CpuBackend::new"), "{err}");
+        assert!(
+            err.contains("portable") && err.contains("avx2") && err.contains("avx512"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn bench_values_that_cannot_work_are_one_line_usage_errors() {
+    let step = [
+        "bench",
+        "step",
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "32",
+    ];
+    let scaling = [
+        "bench",
+        "scaling",
+        "--model",
+        "resnet50",
+        "--skip-allreduce",
+    ];
+    // (base, extra flags, the flag named, the value named)
+    let cases: &[(&[&str], &[&str], &str, &str)] = &[
+        (&step, &["--classes", "0"], "--classes", "0"),
+        (&step, &["--steps", "0"], "--steps", "0"),
+        (
+            &step,
+            &["--classes", "100000000000"],
+            "--classes",
+            "100000000000",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--classes", "0"],
+            "--classes",
+            "0",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--image-size", "0"],
+            "--image-size",
+            "0",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--batch-size", "0"],
+            "--batch-size",
+            "0",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--gpus", "1,0"],
+            "--gpus",
+            "0",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--bucket-mb", "NaN"],
+            "--bucket-mb",
+            "NaN",
+        ),
+        (&scaling, &["--step-ms", "0"], "--step-ms", "0"),
+        (
+            &scaling,
+            &["--step-ms", "100", "--backward-share", "2"],
+            "--backward-share",
+            "2",
+        ),
+        (
+            &scaling,
+            &["--step-ms", "100", "--pcie-gbps", "0"],
+            "--pcie-gbps",
+            "0",
+        ),
+        (&scaling, &["--measure-steps", "0"], "--measure-steps", "0"),
+        (
+            &scaling,
+            &["--step-ms", "100", "--allreduce-steps", "0"],
+            "--allreduce-steps",
+            "0",
+        ),
+    ];
+    for (base, extra, flag, value) in cases {
+        let args: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
+        let out = birdtrain_output(&args);
+        assert_one_line_error(&out, &[&format!("invalid value `{value}` for {flag}")]);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
 }

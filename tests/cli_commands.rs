@@ -7,7 +7,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod cli_support;
-use cli_support::{birdtrain, s};
+use cli_support::{birdtrain, birdtrain_closed_stdout, s};
 
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -363,4 +363,71 @@ fn ctrl_c_finishes_the_step_saves_and_exits_130() {
         serde_json::from_str(&std::fs::read_to_string(run.join("checkpoint.json")).unwrap())
             .unwrap();
     assert_eq!(meta["epoch"].as_u64().unwrap(), done + 1);
+}
+
+/// `birdtrain … | head`: a reader that goes away is no crash. Commands whose output is their
+/// result stop quietly (exit 0, nothing on stderr); training goes on to the end, its run
+/// folder complete.
+#[test]
+fn a_closed_stdout_stops_output_commands_quietly_and_training_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    synth(&data, "2", "8", "16x16");
+    for args in [
+        vec!["bench", "step", "--plan", "--model", "resnet50"],
+        vec!["env"],
+        vec![
+            "synth",
+            "--out",
+            s(&tmp.path().join("d2")),
+            "--classes",
+            "2",
+            "--train-per-class",
+            "2",
+            "--valid-per-class",
+            "1",
+            "--size",
+            "16x16",
+        ],
+    ] {
+        let out = birdtrain_closed_stdout(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("error"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let run = tmp.path().join("run");
+    let out = birdtrain_closed_stdout(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--out",
+        s(&run),
+        "--cache-dir",
+        s(&tmp.path().join("c")),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 4, "{metrics}");
+    assert!(run.join("report.png").is_file());
 }

@@ -24,8 +24,8 @@ fn dataset(root: &Path, classes: usize, seed: u64) -> PathBuf {
     root.to_path_buf()
 }
 
-/// A finished one-epoch resnet8 run on `data`.
-fn tiny_run(data: &Path, run: &Path, cache: &Path) {
+/// A finished one-epoch resnet8 run on `data`; its output.
+fn tiny_run(data: &Path, run: &Path, cache: &Path) -> std::process::Output {
     let out = birdtrain(&[
         "--data",
         s(data),
@@ -50,6 +50,7 @@ fn tiny_run(data: &Path, run: &Path, cache: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out
 }
 
 #[test]
@@ -111,6 +112,13 @@ fn bad_flag_values_are_usage_errors() {
             vec!["--no-augment", "--augment", "pad-crop"],
             "--no-augment",
         ),
+        (vec!["--plateau-patience", "3"], "add --schedule plateau"),
+        (
+            vec!["--schedule", "cosine", "--plateau-factor", "0.5"],
+            "--plateau-factor",
+        ),
+        (vec!["--plateau-cooldown", "1"], "--plateau-cooldown"),
+        (vec!["--plateau-min-lr", "0.01"], "--plateau-min-lr"),
         (vec!["--crop-scale", "0.3"], "add --augment resized-crop"),
         (
             vec!["--augment", "resized-crop", "--crop-scale", "0"],
@@ -127,6 +135,18 @@ fn bad_flag_values_are_usage_errors() {
         assert_one_line_error(&out, &[needle]);
         assert!(!run.exists(), "{all:?} wrote a run folder");
     }
+}
+
+#[test]
+fn usage_errors_name_what_is_missing_and_keep_clap_s_tip() {
+    let out = birdtrain(&["predict", "--checkpoint", "runs/r1"]);
+    assert_one_line_error(&out, &["required arguments were not provided", "<IMAGE>"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = birdtrain(&["--data", "d", "--epoch", "2"]);
+    assert_one_line_error(&out, &["--epoch", "similar argument exists", "--epochs"]);
+    let out = birdtrain(&["evl"]);
+    let line = assert_one_line_error(&out, &["evl", "birdtrain --help"]);
+    assert!(!line.contains("Usage"), "{line}");
 }
 
 #[test]
@@ -209,6 +229,39 @@ fn checkpoint_from_another_model_or_class_list() {
         s(&cache),
     ]);
     assert_one_line_error(&out, &["class list"]);
+    // --init-from cannot start a run that --resume continues.
+    let weights = run.join("model.safetensors");
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--resume",
+        s(&run),
+        "--epochs",
+        "2",
+        "--init-from",
+        s(&weights),
+        "--cache-dir",
+        s(&cache),
+    ]);
+    assert_one_line_error(&out, &["--init-from", "--resume"]);
+    // Plateau flags on a resumed run whose schedule is not plateau.
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--resume",
+        s(&run),
+        "--epochs",
+        "2",
+        "--plateau-patience",
+        "2",
+        "--cache-dir",
+        s(&cache),
+    ]);
+    assert_one_line_error(&out, &["--plateau-patience", "--schedule plateau"]);
     // Another class list on eval.
     let out = birdtrain(&[
         "eval",
@@ -266,7 +319,105 @@ fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
     assert!(!run.exists(), "a failed run leaves no run folder");
 
     let run = tmp.path().join("skip");
-    tiny_run(&data, &run, &tmp.path().join("cache2"));
+    let out = tiny_run(&data, &run, &tmp.path().join("cache2"));
     let report = std::fs::read_to_string(run.join("bad_files_train.txt")).unwrap();
     assert!(report.contains("broken.png"), "bad-files report: {report}");
+    // The warning, in plain text: stderr is no terminal here.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("WARN") && stderr.contains("broken.png"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains('\x1b'),
+        "colour codes in a pipe: {stderr:?}"
+    );
+}
+
+/// A resumed plateau run carries its schedule from the checkpoint: the --plateau-* flags
+/// tune it without --schedule plateau again, and naming the schedule again keeps the
+/// settings not given.
+#[test]
+fn plateau_flags_tune_a_resumed_plateau_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let cache = tmp.path().join("cache");
+    let run = tmp.path().join("run");
+    let common = [
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--cache-dir",
+        s(&cache),
+        "--quiet",
+    ];
+    let first = [
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "8",
+        "--out",
+        s(&run),
+        "--schedule",
+        "plateau",
+        "--plateau-factor",
+        "0.5",
+        "--stop-after-steps",
+        "1",
+    ];
+    let out = birdtrain(&[&common[..], &first[..]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resume = [
+        "--resume",
+        s(&run),
+        "--plateau-patience",
+        "4",
+        "--stop-after-steps",
+        "2",
+    ];
+    let out = birdtrain(&[&common[..], &resume[..]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
+    assert_eq!(
+        (meta.settings.plateau_patience, meta.settings.plateau_factor),
+        (4, 0.5)
+    );
+    let again = [
+        "--resume",
+        s(&run),
+        "--schedule",
+        "plateau",
+        "--plateau-cooldown",
+        "1",
+        "--stop-after-steps",
+        "3",
+    ];
+    let out = birdtrain(&[&common[..], &again[..]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
+    assert_eq!(
+        (
+            meta.settings.plateau_patience,
+            meta.settings.plateau_factor,
+            meta.settings.plateau_cooldown
+        ),
+        (4, 0.5, 1)
+    );
 }

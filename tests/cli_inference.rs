@@ -573,6 +573,29 @@ fn predict_skips_or_fails_on_bad_files_as_asked() {
         "{}",
         text(&out)
     );
+
+    // A broken link in a folder is a bad file like any other: skip reports it and classifies
+    // the rest, fail stops naming it.
+    let links = tmp.path().join("slinks");
+    std::fs::create_dir(&links).unwrap();
+    std::fs::copy(&image, links.join("a.png")).unwrap();
+    std::os::unix::fs::symlink(tmp.path().join("gone.png"), links.join("broken.png")).unwrap();
+    std::fs::copy(&image, links.join("c.png")).unwrap();
+    let out = ok(predict(&["--on-bad-image", "skip", s(&links)]));
+    let lines = json_lines(&out);
+    let paths: Vec<&str> = lines.iter().map(|l| l["path"].as_str().unwrap()).collect();
+    let broken = links.join("broken.png");
+    assert_eq!(
+        paths,
+        [s(&links.join("a.png")), s(&broken), s(&links.join("c.png"))],
+        "{}",
+        text(&out)
+    );
+    assert!(lines[1]["error"].is_string() && lines[1].get("top").is_none());
+    assert!(lines[0]["top"].is_array() && lines[2]["top"].is_array());
+    let out = predict(&[s(&links)]);
+    assert_one_line_error(&out, &["broken.png"]);
+    assert!(out.stdout.is_empty(), "{}", text(&out));
 }
 
 #[test]
@@ -628,4 +651,77 @@ fn inference_flags_that_cannot_work_are_one_line_errors() {
     );
     assert_one_line_error(&eval(&["--crop-pct", "0"]), &["--crop-pct", "(0, 1]"]);
     assert!(!missing.parent().unwrap().exists());
+    // Two outputs naming one file: refused before the work, nothing written.
+    let same = tmp.path().join("same.txt");
+    let dotted = tmp.path().join(".").join("same.txt");
+    assert_one_line_error(
+        &eval(&["--predictions", s(&same), "--confusion", s(&dotted)]),
+        &["--confusion", "--predictions", "same file"],
+    );
+    assert!(!same.exists(), "a refused eval wrote {}", same.display());
+    // Class folders without train/ (the flat layout), and this run knows no validation share.
+    assert_one_line_error(
+        &birdtrain_output(&[
+            "eval",
+            "--checkpoint",
+            s(&run),
+            "--data",
+            s(&data.join("train")),
+        ]),
+        &["train", "does not exist", "--valid-fraction"],
+    );
+}
+
+/// A run trained on the flat layout: eval splits the folder with the checkpoint's share and
+/// seed (training's validation images), and says so when told other ones.
+#[test]
+fn eval_of_a_flat_run_uses_the_checkpoints_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let flat = dataset(&tmp.path().join("d"), 3, 8).join("train");
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&flat, &cache, &run, 1);
+    args.extend(["--valid-fraction", "0.25"].map(String::from));
+    ok(run_with(&args, &[]));
+    let eval = |extra: &[&str]| {
+        let mut args = vec![
+            "eval",
+            "--checkpoint",
+            s(&run),
+            "--data",
+            s(&flat),
+            "--cache-dir",
+            s(&cache),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        ok(birdtrain_output(&args))
+    };
+    let stderr = |out: &Output| String::from_utf8_lossy(&out.stderr).into_owned();
+    let default = eval(&[]);
+    assert!(!stderr(&default).contains("warning"), "{}", text(&default));
+    let same = eval(&["--valid-fraction", "0.25", "--seed", "3"]);
+    assert!(!stderr(&same).contains("warning"), "{}", text(&same));
+    let (default, same) = (&json_lines(&default)[0], &json_lines(&same)[0]);
+    for key in ["images", "loss", "per_class"] {
+        assert_eq!(default[key], same[key], "{key}");
+    }
+    // The images training validated on: its last validation line's figures.
+    let last = last_metrics(&run);
+    assert_eq!(last["split"], "valid", "{last}");
+    assert!(
+        (default["loss"].as_f64().unwrap() - last["loss"].as_f64().unwrap()).abs() < 1e-5,
+        "eval {default} vs validation {last}"
+    );
+    for (flag, value) in [("--valid-fraction", "0.5"), ("--seed", "4")] {
+        let other = eval(&[flag, value]);
+        let warned = stderr(&other);
+        assert_eq!(warned.lines().count(), 1, "{warned}");
+        assert!(
+            warned.starts_with("warning: ")
+                && warned.contains(&format!("{flag} {value}"))
+                && warned.contains("training images"),
+            "{warned}"
+        );
+    }
 }

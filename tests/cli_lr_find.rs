@@ -102,10 +102,18 @@ fn bad_sweep_values_are_one_line_naming_the_flag() {
         (vec!["--start-lr", "0"], "--start-lr"),
         (vec!["--start-lr", "1", "--end-lr", "0.5"], "--end-lr"),
         (vec!["--num-steps", "1"], "--num-steps"),
+        (vec!["--num-steps", "0"], "invalid value 0 for --num-steps"),
+        (vec!["--end-lr", "NaN"], "--end-lr"),
         (vec!["--resume", "somewhere"], "--resume"),
     ] {
         let out_err = run_with(&sweep_args(&data, &cache, &out, &extra), &[]);
         assert_one_line_error(&out_err, &[flag]);
+        // Every value is checked before the banner.
+        assert!(
+            out_err.stdout.is_empty(),
+            "{extra:?} printed before failing: {}",
+            String::from_utf8_lossy(&out_err.stdout)
+        );
         assert!(!out.exists(), "{extra:?} left {}", out.display());
     }
     // Flags about validation and checkpoints have nothing to act on, and are no error.

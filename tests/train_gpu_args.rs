@@ -1,5 +1,6 @@
 //! The GPU training path's flags on the training command (no GPU needed): the distributed
-//! flags parse into `TrainArgs::dist`, and a CPU run ignores them.
+//! flags parse into `TrainArgs::dist`; a CPU run passes over the GPU-only ones (the launch flags it
+//! checks, and refuses several nodes: `train::rank::cpu`).
 
 use birdtrain::cli::train_args::to_config;
 use birdtrain::cli::Cli;

@@ -13,6 +13,7 @@ pub enum BadFileKind {
     /// Zero bytes long.
     Empty,
     /// Cannot be opened or read (permissions, a directory or dangling link named like a file).
+    /// Not a verdict on the contents, so the cache never keeps it: the next run tries again.
     Unreadable,
     /// The bytes are not a known image format.
     NotAnImage,

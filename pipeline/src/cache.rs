@@ -56,8 +56,11 @@ use memmap2::{Mmap, MmapMut, MmapOptions};
 use crate::{BadFileKind, PipelineError};
 
 const MAGIC: &[u8; 8] = b"BRDCACHE";
-/// Version 2 added the record checks and the two checksums.
-const VERSION: u32 = 2;
+/// Version 2 added the record checks and the two checksums. Version 3: the fingerprint
+/// also covers each file's status-change time and inode number, and a file that could not
+/// be opened or read is no longer kept as bad (older files may hold such marks, so they
+/// are rebuilt).
+const VERSION: u32 = 3;
 const HEADER_BYTES: usize = 4096;
 const STATE_FILLING: u32 = 1;
 const STATE_COMPLETE: u32 = 2;
@@ -923,7 +926,13 @@ impl RecordWriter<'_> {
     }
 
     /// Marks the sample as a bad file of `kind`, so later epochs skip it without reading it.
+    /// Only verdicts on the file's contents are kept: a file that could not be opened or
+    /// read ([`BadFileKind::Unreadable`]) may be fine on the next run without any change to
+    /// its size or times, so that kind only releases the claim.
     pub(crate) fn mark_bad(mut self, kind: BadFileKind) {
+        if kind == BadFileKind::Unreadable {
+            return;
+        }
         self.cache
             .check_word(self.index)
             .store(bad_tag(self.index, kind), Ordering::Relaxed);

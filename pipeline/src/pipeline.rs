@@ -88,8 +88,9 @@ impl std::fmt::Debug for Pipeline {
 }
 
 /// Fingerprint of the split's files (relative paths, sizes, labels), class names and resize
-/// settings; with `mtimes`, modification times too (the cache key: an edited file that kept
-/// its size still invalidates). Without them it is equal on nodes holding copies of the data.
+/// settings; with `mtimes`, each file's modification time, status-change time and inode
+/// number too (the cache key: an edited file that kept its size, even with its mtime set
+/// back, still invalidates). Without them it is equal on nodes holding copies of the data.
 fn fingerprint(
     b: &PipelineBuilder,
     classes: &[String],
@@ -122,6 +123,8 @@ fn fingerprint(
         h.update(&s.size.to_le_bytes());
         if mtimes {
             h.update(&s.mtime_ns.to_le_bytes());
+            h.update(&s.identity.ctime_ns.to_le_bytes());
+            h.update(&s.identity.inode.to_le_bytes());
         }
         h.update(&s.label.to_le_bytes());
     }
@@ -450,7 +453,8 @@ impl Pipeline {
 
     /// Fingerprint of the dataset (relative paths, sizes, labels, classes) and the resize
     /// settings, for rendezvous checks: equal on every node holding a copy of the same data
-    /// (modification times are left out; the cache's own key includes them).
+    /// (modification and status-change times and inode numbers are left out; the cache's
+    /// own key includes them).
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }

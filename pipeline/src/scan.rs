@@ -127,6 +127,37 @@ pub(crate) struct Sample {
     pub(crate) label: u32,
     pub(crate) size: u64,
     pub(crate) mtime_ns: u128,
+    /// The file's identity on its filesystem: status-change time (ns since the epoch) and
+    /// inode number, part of the cache key only. Tools that restore an mtime (`cp -p`,
+    /// `rsync -t`, `tar x`) cannot set a ctime back, and a file replaced by another one has
+    /// another inode, so a rewritten file is never served from the old cache.
+    pub(crate) identity: FileIdentity,
+}
+
+/// What tells one version of a file from another beyond its size and mtime (see
+/// [`Sample::identity`]); zero where the platform has no such notion.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct FileIdentity {
+    /// Status-change time, nanoseconds since the epoch (may be negative on odd clocks).
+    pub(crate) ctime_ns: i128,
+    /// Inode number.
+    pub(crate) inode: u64,
+}
+
+impl FileIdentity {
+    #[cfg(unix)]
+    fn of(meta: &fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
+            inode: meta.ino(),
+        }
+    }
+
+    #[cfg(not(unix))]
+    fn of(_meta: &fs::Metadata) -> Self {
+        Self::default()
+    }
 }
 
 /// The result of scanning one split.
@@ -245,6 +276,7 @@ fn push_file(path: PathBuf, label: u32, out: &mut Vec<Sample>, bad: &mut Vec<Bad
                 label,
                 size: meta.len(),
                 mtime_ns,
+                identity: FileIdentity::of(&meta),
             });
         }
     }

@@ -357,9 +357,10 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     let read =
         std::fs::File::open(&sample.path).and_then(|mut f| f.read_to_end(&mut scratch.bytes));
     if let Err(e) = read {
-        if let Some(claim) = claim {
-            claim.mark_bad(BadFileKind::Unreadable);
-        }
+        // Not a verdict on the file's contents (a permission, EIO, EMFILE, a folder moved
+        // away for a moment): reported for this run, never kept in the cache, so the next
+        // run reads it again. Dropping the claim releases the record.
+        drop(claim);
         let file = BadFile::new(sample.path.clone(), BadFileKind::Unreadable, e.to_string());
         return bad(shared, job.index, file, Some(Box::new(e)));
     }

@@ -226,3 +226,107 @@ fn a_failing_allocator_reaches_the_consumer() {
         "{first:?}"
     );
 }
+
+/// The status-change time and inode of `path`, which the cache key covers.
+fn identity(path: &Path) -> (i64, i64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap();
+    (m.ctime(), m.ctime_nsec(), m.ino())
+}
+
+#[test]
+fn a_file_that_could_not_be_read_is_not_kept_bad_in_the_cache() {
+    // Five images in a folder, the sixth in a subfolder that goes away for a while: its
+    // open fails (as on EACCES, EIO or EMFILE, which root cannot provoke), and neither the
+    // file's size, mtime, ctime nor inode change when the folder comes back.
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let hold = dir.path().join("hold");
+    std::fs::create_dir(&hold).unwrap();
+    let mut files = Vec::new();
+    for i in 0..6u32 {
+        let folder = if i == 5 {
+            hold.clone()
+        } else {
+            dir.path().to_path_buf()
+        };
+        let path = folder.join(format!("img{i}.png"));
+        std::fs::write(&path, valid_png(20 + i, 18)).unwrap();
+        files.push((path, i % 2));
+    }
+    let victim = files[5].0.clone();
+    let source = pipeline::DatasetSource::list(vec!["a".into(), "b".into()], files);
+    let report = cache.path().join("bad.jsonl");
+    let builder = || {
+        pipeline::PipelineBuilder::new(source.clone())
+            .image_size(16)
+            .batch_size(6)
+            .cache_dir(cache.path())
+            .workers(2)
+            .bad_files_report(&report)
+    };
+    let served =
+        |p: &pipeline::Pipeline| -> usize { collect(p, 0, 0, 0).iter().map(|b| b.ids.len()).sum() };
+    let p = builder().build().unwrap();
+    let identity_before = identity(&victim);
+    let away = dir.path().join("hold.away");
+    std::fs::rename(&hold, &away).unwrap();
+    assert_eq!(served(&p), 5, "the unreadable file is skipped");
+    assert_eq!(served(&p), 5, "and skipped again in the same run");
+    let bad = p.bad_files();
+    assert_eq!(bad.len(), 1, "reported once: {bad:?}");
+    assert_eq!(
+        (&bad[0].path, bad[0].kind),
+        (&victim, BadFileKind::Unreadable)
+    );
+    assert_eq!(p.stats().bad_files, 1);
+    let listed = std::fs::read_to_string(&report).unwrap();
+    assert!(listed.contains("img5.png"), "{listed}");
+    drop(p);
+    // Readable again, and the file itself untouched: the same cache key.
+    std::fs::rename(&away, &hold).unwrap();
+    assert_eq!(identity(&victim), identity_before);
+    let p2 = builder().build().unwrap();
+    assert!(p2.bad_files().is_empty(), "{:?}", p2.bad_files());
+    assert_eq!(served(&p2), 6, "the next run reads it again and serves it");
+    let s = p2.stats();
+    assert_eq!((s.decoded, s.cache_hits, s.bad_files), (1, 5, 0), "{s:?}");
+    assert!(!std::fs::read_to_string(&report)
+        .unwrap()
+        .contains("img5.png"));
+    drop(p2);
+    let p3 = builder().build().unwrap();
+    assert_eq!(served(&p3), 6);
+    assert_eq!(p3.stats().decoded, 0, "now it is cached");
+}
+
+#[test]
+fn an_unreadable_file_still_fails_the_run_when_asked_and_the_next_run_reads_it() {
+    let fx = synth(2, 3, 0);
+    let builder = || fx.builder().batch_size(6).on_bad_image(OnBadImage::Fail);
+    let p = builder().build().unwrap();
+    // The class folder goes away after the scan and comes back untouched.
+    let class = fx.root().join("train/class_01");
+    let away = fx.root().join("class_01.away");
+    std::fs::rename(&class, &away).unwrap();
+    let err = p
+        .epoch(0, 0, 0)
+        .unwrap()
+        .find_map(|r| r.err())
+        .expect("an error reaches the consumer");
+    assert!(
+        matches!(
+            err,
+            PipelineError::BadImage {
+                kind: BadFileKind::Unreadable,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    drop(p);
+    std::fs::rename(&away, &class).unwrap();
+    let p2 = builder().build().unwrap();
+    let served: usize = collect(&p2, 0, 0, 0).iter().map(|b| b.ids.len()).sum();
+    assert_eq!(served, 6);
+}

@@ -319,3 +319,75 @@ fn touching_a_file_invalidates_the_cache_but_not_the_rendezvous_fingerprint() {
     collect(&p2, 0, 0, 0);
     assert_eq!(p2.stats().decoded, 6, "the cache is keyed on mtimes too");
 }
+
+/// A solid `colour` image of 24×20 pixels as a BMP: every such file has the same length,
+/// whatever its colour.
+fn solid_bmp(colour: [u8; 3]) -> Vec<u8> {
+    let img = image::RgbImage::from_pixel(24, 20, image::Rgb(colour));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Bmp).unwrap();
+    out.into_inner()
+}
+
+/// The pixels served for `path` in one unshuffled epoch of `p` (16×16 images).
+fn pixels_of(p: &pipeline::Pipeline, path: &std::path::Path) -> Vec<u8> {
+    for batch in p.epoch(0, 0, 0).unwrap() {
+        let batch = batch.unwrap();
+        for (j, id) in batch.sample_ids.iter().enumerate() {
+            if p.sample_path(*id) == Some(path) {
+                return batch.pixels()[j * 16 * 16 * 3..(j + 1) * 16 * 16 * 3].to_vec();
+            }
+        }
+    }
+    panic!("{} was not served", path.display());
+}
+
+#[test]
+fn a_file_rewritten_at_the_same_size_with_its_mtime_restored_is_decoded_again() {
+    let fx = synth(2, 3, 0);
+    let victim = common::files_under(&fx.root().join("train"))[1].clone();
+    let old = solid_bmp([200, 30, 40]);
+    std::fs::write(&victim, &old).unwrap();
+    let before = std::fs::metadata(&victim).unwrap();
+    let builder = || fx.builder().batch_size(6).shuffle(false);
+    let p = builder().build().unwrap();
+    let fp = p.fingerprint();
+    assert!(pixels_of(&p, &victim)
+        .chunks(3)
+        .all(|px| px == [200, 30, 40]));
+    assert_eq!(p.stats().decoded, 6);
+    drop(p);
+    // What `cp -p`, `rsync -t` or `tar x` do: other pixels, the same length, the old mtime.
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    let new = solid_bmp([20, 160, 220]);
+    assert_eq!(new.len(), old.len());
+    std::fs::write(&victim, &new).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&victim)
+        .unwrap()
+        .set_modified(before.modified().unwrap())
+        .unwrap();
+    let after = std::fs::metadata(&victim).unwrap();
+    assert_eq!(after.len(), before.len());
+    assert_eq!(after.modified().unwrap(), before.modified().unwrap());
+    let p2 = builder().build().unwrap();
+    assert_eq!(
+        p2.fingerprint(),
+        fp,
+        "the data fingerprint (paths, sizes) still matches copies on other nodes"
+    );
+    assert!(
+        pixels_of(&p2, &victim)
+            .chunks(3)
+            .all(|px| px == [20, 160, 220]),
+        "the new pixels are served, not the cached old ones"
+    );
+    assert_eq!(p2.stats().decoded, 6, "the cache was rebuilt");
+    drop(p2);
+    let p3 = builder().build().unwrap();
+    assert!(pixels_of(&p3, &victim)
+        .chunks(3)
+        .all(|px| px == [20, 160, 220]));
+    assert_eq!(p3.stats().decoded, 0, "and the rebuilt cache is reused");
+}

@@ -169,14 +169,18 @@ fn engine_crop(args: &BenchPipelineArgs) -> Result<Option<RandomResizedCrop>, Cl
 
 fn print_report(report: &EpochReport, json: bool) {
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(report).expect("epoch reports serialise")
         );
     } else {
-        println!(
+        outln!(
             "epoch {}: {} images ({} decoded) in {:.2} s = {:.1} images/s",
-            report.epoch, report.images, report.decoded, report.seconds, report.images_per_sec
+            report.epoch,
+            report.images,
+            report.decoded,
+            report.seconds,
+            report.images_per_sec
         );
     }
 }

@@ -115,17 +115,26 @@ fn row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> PlanRow {
 /// Prints the plan as a table with a summary line.
 pub fn print(model: &str, batch: usize, image_size: u32, rows: &[PlanRow]) {
     let gpu = GpuLimits::H100;
-    println!(
+    outln!(
         "{model} batch {batch} at {image_size}px, v2 convolutions modelled on an H100 ({} SMs, {} KiB shared memory each)",
         gpu.sms,
         gpu.smem_per_sm / 1024
     );
-    println!(
+    outln!(
         "{:<22} {:<5} {:<24} {:>19} {:>8} {:>8} {:>7} {:>6} {:>6} {:>5}",
-        "layer", "pass", "kernel", "GEMM M×N×K", "GFLOP", "MB", "blocks", "waves", "pad%", "eff%"
+        "layer",
+        "pass",
+        "kernel",
+        "GEMM M×N×K",
+        "GFLOP",
+        "MB",
+        "blocks",
+        "waves",
+        "pad%",
+        "eff%"
     );
     for r in rows {
-        println!(
+        outln!(
             "{:<22} {:<5} {:<24} {:>19} {:>8.2} {:>8.1} {:>7} {:>6.2} {:>6.1} {:>5.1}",
             r.layer,
             r.pass,
@@ -142,7 +151,7 @@ pub fn print(model: &str, batch: usize, image_size: u32, rows: &[PlanRow]) {
     let useful: f64 = rows.iter().map(|r| r.flops).sum();
     let launched: f64 = rows.iter().map(|r| r.launched_flops).sum();
     let bytes: f64 = rows.iter().map(|r| r.bytes).sum();
-    println!(
+    outln!(
         "total: {} launches, {:.1} GFLOP useful of {:.1} GFLOP launched in whole waves ({:.1}% efficiency), {:.2} GB moved at least",
         rows.len(),
         useful / 1e9,

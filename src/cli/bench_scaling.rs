@@ -143,14 +143,74 @@ fn links(args: &BenchScalingArgs) -> [Interconnect; 2] {
     ]
 }
 
+/// Checks the numeric flags before any work: a bad one is a [`super::CliError::BadValue`]
+/// naming it (usage error, exit code 2).
+pub fn check(args: &BenchScalingArgs) -> Result<(), super::CliError> {
+    use super::counts::{check_bench_classes, check_bench_image_size, check_positive, check_range};
+    if let Some(&n) = args.gpus.iter().find(|&&n| n == 0) {
+        return Err(super::CliError::BadValue {
+            flag: "--gpus",
+            value: n.to_string(),
+            hint: "GPU counts of at least 1, comma-separated, e.g. --gpus 1,2,4,8".into(),
+        });
+    }
+    check_bench_classes(args.classes)?;
+    check_bench_image_size(args.image_size)?;
+    check_range(
+        "--batch-size",
+        args.batch_size,
+        1,
+        usize::MAX,
+        "images per GPU per step",
+    )?;
+    check_positive(
+        "--bucket-mb",
+        args.bucket_mb,
+        "the gradient bucket size in MiB, e.g. 25",
+    )?;
+    if let Some(ms) = args.step_ms {
+        check_positive("--step-ms", ms, "the single-GPU step time in milliseconds")?;
+    }
+    check_range(
+        "--measure-steps",
+        args.measure_steps,
+        1,
+        usize::MAX,
+        "steps to time",
+    )?;
+    if !(0.0..=1.0).contains(&args.backward_share) {
+        return Err(super::CliError::BadValue {
+            flag: "--backward-share",
+            value: args.backward_share.to_string(),
+            hint: "the fraction of the step spent in backward, from 0 to 1 (about 0.62)".into(),
+        });
+    }
+    check_positive(
+        "--nvlink-gbps",
+        args.nvlink_gbps,
+        "all-reduce bus bandwidth in GB/s",
+    )?;
+    check_positive(
+        "--pcie-gbps",
+        args.pcie_gbps,
+        "all-reduce bus bandwidth in GB/s",
+    )?;
+    check_range(
+        "--allreduce-steps",
+        args.allreduce_steps,
+        1,
+        usize::MAX,
+        "all-reduce steps to time",
+    )?;
+    Ok(())
+}
+
 /// Computes the report (measuring the step on the CPU backend when `--step-ms` is absent).
 pub fn compute(args: &BenchScalingArgs) -> anyhow::Result<ScalingReport> {
-    if args.gpus.is_empty() || args.gpus.contains(&0) {
+    if args.gpus.is_empty() {
         bail!("--gpus needs GPU counts of at least 1, e.g. --gpus 1,2,4,8");
     }
-    if args.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
+    check(args)?;
     let arch: Arch = args
         .model
         .parse()
@@ -438,10 +498,11 @@ pub fn run(args: BenchScalingArgs) -> anyhow::Result<()> {
         );
     }
     let report = compute(&args)?;
-    print!("{}", render(&args, &report));
+    // The file first: a reader that stops early (`| head`) ends the command at the table.
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&to_json(&report))?;
         std::fs::write(path, text).with_context(|| format!("writing --json {}", path.display()))?;
     }
+    out!("{}", render(&args, &report));
     Ok(())
 }

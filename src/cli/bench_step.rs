@@ -145,12 +145,37 @@ fn bench_hyper() -> Hyper {
     }
 }
 
+/// Checks the numeric flags before any work: a bad one is a [`super::CliError::BadValue`]
+/// naming it (usage error, exit code 2).
+pub fn check(args: &BenchStepArgs) -> Result<(), super::CliError> {
+    use super::counts::{check_bench_classes, check_bench_image_size, check_range};
+    check_range(
+        "--batch-size",
+        args.batch_size,
+        1,
+        usize::MAX,
+        "images per step",
+    )?;
+    check_bench_image_size(args.image_size)?;
+    if args.plan {
+        return Ok(());
+    }
+    check_range(
+        "--gpus",
+        args.gpus,
+        0,
+        1,
+        "--gpus 0 times the CPU backend, --gpus 1 GPU 0; several GPUs: `bench scaling`",
+    )?;
+    check_bench_classes(args.classes)?;
+    check_range("--steps", args.steps, 1, usize::MAX, "timed steps")?;
+    Ok(())
+}
+
 /// Runs the benchmark and returns the report (no printing).
 pub fn bench(args: &BenchStepArgs) -> anyhow::Result<StepReport> {
     let arch: Arch = args.model.parse()?;
-    if args.batch_size == 0 || args.steps == 0 {
-        anyhow::bail!("--batch-size and --steps must be at least 1");
-    }
+    check(args)?;
     match args.gpus {
         0 => {
             let backend = CpuBackend::new(0)?;
@@ -386,10 +411,11 @@ fn cpu_shares(times: &[OpTime], steps: usize) -> Vec<KernelShare> {
 pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     if args.plan {
         let arch: Arch = args.model.parse()?;
+        check(&args)?;
         let gpu = crate::cuda::conv::GpuLimits::H100;
         let rows = super::bench_plan::conv_plan(arch, args.batch_size, args.image_size, &gpu);
         if args.json {
-            println!("{}", serde_json::to_string(&rows)?);
+            outln!("{}", serde_json::to_string(&rows)?);
         } else {
             super::bench_plan::print(&args.model, args.batch_size, args.image_size, &rows);
         }
@@ -397,10 +423,10 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     }
     let report = bench(&args)?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "{} batch {} at {}px on {}: {:.1} images/s, {:.2} ms/step ({:.2} ms forward+backward), MFU {}",
         report.model,
         report.batch_size,
@@ -411,17 +437,23 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         report.fwd_bwd_ms_per_step,
         report.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
     );
-    println!(
+    outln!(
         "optimizer: {} ({:.2} ms/step)",
-        report.optimizer, report.update_ms_per_step
+        report.optimizer,
+        report.update_ms_per_step
     );
     if let Some(rows) = &report.breakdown {
-        println!(
+        outln!(
             "{:<22} {:>8} {:>10} {:>7} {:>9} {:>8}",
-            "kernel", "calls", "ms/step", "%", "GFLOP/s", "GB/s"
+            "kernel",
+            "calls",
+            "ms/step",
+            "%",
+            "GFLOP/s",
+            "GB/s"
         );
         for r in rows {
-            println!(
+            outln!(
                 "{:<22} {:>8.1} {:>10.3} {:>6.1}% {:>9} {:>8}",
                 r.kernel,
                 r.calls_per_step,

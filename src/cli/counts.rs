@@ -64,6 +64,67 @@ pub(crate) fn check_workers(workers: usize) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The most classes a benchmark's classifier head may have (ImageNet-21k has 21 841): more
+/// only spends minutes initialising a head no dataset needs.
+pub(crate) const MAX_BENCH_CLASSES: usize = 1_000_000;
+
+/// A count flag that must lie in `min..=max` (`hint` says what it is for).
+pub(crate) fn check_range(
+    flag: &'static str,
+    value: usize,
+    min: usize,
+    max: usize,
+    hint: &str,
+) -> Result<(), CliError> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    let range = if max == usize::MAX {
+        format!("at least {min}")
+    } else {
+        format!("from {min} to {max}")
+    };
+    Err(CliError::BadValue {
+        flag,
+        value: value.to_string(),
+        hint: format!("{range} ({hint})"),
+    })
+}
+
+/// `--classes` of the benchmarks: 1 to [`MAX_BENCH_CLASSES`].
+pub(crate) fn check_bench_classes(classes: usize) -> Result<(), CliError> {
+    check_range(
+        "--classes",
+        classes,
+        1,
+        MAX_BENCH_CLASSES,
+        "the classifier head's outputs; 285 for the birds set",
+    )
+}
+
+/// `--image-size` of the benchmarks: the range training accepts.
+pub(crate) fn check_bench_image_size(size: u32) -> Result<(), CliError> {
+    check_range(
+        "--image-size",
+        size as usize,
+        8,
+        1024,
+        "the image side in pixels, as training's --image-size",
+    )
+}
+
+/// A flag that must be a finite number above 0 (`hint` says what it is for).
+pub(crate) fn check_positive(flag: &'static str, value: f64, hint: &str) -> Result<(), CliError> {
+    if value > 0.0 && value.is_finite() {
+        return Ok(());
+    }
+    Err(CliError::BadValue {
+        flag,
+        value: value.to_string(),
+        hint: format!("a number above 0 ({hint})"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,5 +144,30 @@ mod tests {
         cfg.batch_size = usize::MAX;
         let e = check_train_counts(&cfg).unwrap_err().to_string();
         assert!(e.contains("--batch-size") && e.contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn bench_values_out_of_range_name_the_flag_and_the_value() {
+        assert!(check_bench_classes(1).is_ok() && check_bench_classes(285).is_ok());
+        let e = check_bench_classes(0).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let e = e.to_string();
+        assert!(e.starts_with("invalid value `0` for --classes"), "{e}");
+        let e = check_bench_image_size(0).unwrap_err().to_string();
+        assert!(
+            e.contains("--image-size") && e.contains("from 8 to 1024"),
+            "{e}"
+        );
+        let e = check_range("--steps", 0, 1, usize::MAX, "timed steps")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--steps") && e.contains("at least 1"), "{e}");
+        assert!(check_positive("--step-ms", 1.5, "ms").is_ok());
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = check_positive("--step-ms", bad, "ms")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--step-ms"), "{e}");
+        }
     }
 }

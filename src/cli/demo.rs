@@ -65,7 +65,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let marker = data.join(".complete");
     if !marker.exists() {
         super::synth::prepare_out(&data, "--data-dir", ours || args.overwrite)?;
-        println!("writing a synthetic 10-class dataset to {}", data.display());
+        outln!("writing a synthetic 10-class dataset to {}", data.display());
         write_dataset(&demo_dataset(data.clone()))?;
         std::fs::write(&marker, b"ok\n").map_err(|source| {
             CliError::Train(crate::train::TrainError::Io {
@@ -75,7 +75,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             })
         })?;
     } else {
-        println!("using the synthetic dataset in {}", data.display());
+        outln!("using the synthetic dataset in {}", data.display());
     }
     let train = TrainArgs {
         data: Some(data.clone()),

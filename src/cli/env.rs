@@ -325,9 +325,9 @@ impl std::fmt::Display for EnvReport {
 pub fn run(args: EnvArgs) -> anyhow::Result<()> {
     let report = collect();
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
-        print!("{report}");
+        out!("{report}");
     }
     Ok(())
 }

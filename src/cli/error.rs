@@ -70,6 +70,12 @@ pub enum CliError {
 }
 
 impl CliError {
+    /// An error of a command that returns `anyhow`: the [`CliError`] it carries when it is
+    /// one (a bad flag value keeps its exit code 2), else [`CliError::Other`].
+    pub fn from_anyhow(e: anyhow::Error) -> CliError {
+        e.downcast::<CliError>().unwrap_or_else(CliError::Other)
+    }
+
     /// The process exit code: 2 for usage mistakes, 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {

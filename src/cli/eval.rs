@@ -22,7 +22,8 @@ pub struct EvalArgs {
     /// Split to evaluate: valid or test (or train).
     #[arg(long, value_name = "valid|test", default_value = "valid")]
     pub split: String,
-    /// Flat layout: the validation share used in training.
+    /// Flat layout (or a CSV file without a split column): the validation share [default:
+    /// the checkpoint's, the share used in training]
     #[arg(long, value_name = "F")]
     pub valid_fraction: Option<f32>,
     /// Images per batch.
@@ -34,7 +35,7 @@ pub struct EvalArgs {
     /// Pixel cache folder.
     #[arg(long, value_name = "C")]
     pub cache_dir: Option<PathBuf>,
-    /// Seed of the flat layout's split (the training seed).
+    /// Seed of the flat layout's split [default: the checkpoint's, the training seed]
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
     /// Print one JSON object instead of the table: model, split, images, loss, accuracy,
@@ -118,17 +119,26 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if let Some(path) = &args.confusion {
         super::paths::check_output_file(path, "--confusion takes a file to write (CSV)")?;
     }
+    // Neither output may overwrite the other, nor the CSV file the images are listed in.
+    let mut files: Vec<(&'static str, &std::path::Path)> = Vec::new();
+    if args.data.is_file() {
+        files.push(("--data", &args.data));
+    }
+    files.extend(args.predictions.as_deref().map(|p| ("--predictions", p)));
+    files.extend(args.confusion.as_deref().map(|p| ("--confusion", p)));
+    super::paths::check_distinct_files(&files)?;
     // The split is listed first, so the network is sized for the batches that can really
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
     let crop_pct = crop_pct_for(args.crop_pct, &meta)?;
-    let source = pipeline::DatasetSource::at(&args.data, args.valid_fraction);
+    let (valid_fraction, seed) = split_settings(&args, &meta)?;
+    let source = pipeline::DatasetSource::at(&args.data, valid_fraction);
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)
         .store_size(meta.settings.store_size)
         .resize_mode(meta.settings.resize_mode)
-        .seed(args.seed.unwrap_or(meta.seed))
+        .seed(seed)
         .replicas(1)
         .batch_size(args.batch_size)
         .center_crop(Some(crop_pct))
@@ -159,17 +169,59 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         write_output(path, &confusion_csv(classes, &report)?)?;
     }
     if args.json {
-        println!(
+        outln!(
             "{}",
             eval_json(&model.meta.model, &args.split, classes, input, &report)
         );
     } else {
-        print!(
+        out!(
             "{}",
             format_eval(&model.meta.model, &args.split, classes, input, &report)
         );
     }
     Ok(())
+}
+
+/// The validation share and seed that split a flat layout (or a CSV file's rows without a
+/// split column): the flags', else the checkpoint's, so eval scores the images training held
+/// out. Flags that differ from the checkpoint's are taken, with one warning (that split is
+/// not training's and may hold training images); a flat folder with no share known is an
+/// error that says how to give one.
+fn split_settings(args: &EvalArgs, meta: &CheckpointMeta) -> Result<(Option<f32>, u64), CliError> {
+    let seed = args.seed.unwrap_or(meta.seed);
+    let folder_layout = args.data.join("train").is_dir();
+    if args.data.is_dir() && folder_layout {
+        return Ok((args.valid_fraction, seed));
+    }
+    let trained = meta.settings.valid_fraction;
+    let fraction = args.valid_fraction.or(trained);
+    if fraction.is_none() {
+        if args.data.is_dir() {
+            return Err(CliError::MissingPath {
+                path: args.data.join("train"),
+                hint: "the folder layout needs <root>/train/<class>/; for flat <root>/<class>/ folders give the validation share used in training with --valid-fraction F (and its --seed)",
+            });
+        }
+        return Ok((None, seed));
+    }
+    let mut differ = Vec::new();
+    if let (Some(given), Some(trained)) = (args.valid_fraction, trained) {
+        if given != trained {
+            differ.push(format!("--valid-fraction {given} (trained with {trained})"));
+        }
+    }
+    if seed != meta.seed {
+        differ.push(format!("--seed {seed} (trained with {})", meta.seed));
+    }
+    if trained.is_some() && !differ.is_empty() {
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: {}: this split is not the one training held out and may include training images (leave the flag out to use the checkpoint's)",
+            differ.join(", ")
+        );
+    }
+    Ok((fraction, seed))
 }
 
 /// Writes one of eval's output files whole (the run folder's synced temporary file and

@@ -79,15 +79,15 @@ pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
     }
     cuda::library::require_nvrtc()?;
     let (major, minor) = cuda::nvrtc::version()?;
-    println!(
+    outln!(
         "NVRTC {major}.{minor}, headers from {}",
         cuda::nvrtc::find_include()?.display()
     );
     let lines = check(&archs, |line| {
-        println!("{line}");
+        outln!("{line}");
         let _ = std::io::stdout().flush();
     })?;
-    println!(
+    outln!(
         "ok: {} kernel files x {} architectures compiled",
         lines.len() / archs.len(),
         archs.len()

@@ -329,8 +329,8 @@ pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow
 
 /// Prints the report as a table.
 pub fn print(arch: GpuArch, rows: &[ReportRow]) {
-    println!("convolution kernels for {arch}: v1 (conv.cu) and v2 (conv2.cu); goal: < 64 other per 32 mma, no spills");
-    println!(
+    outln!("convolution kernels for {arch}: v1 (conv.cu) and v2 (conv2.cu); goal: < 64 other per 32 mma, no spills");
+    outln!(
         "{:<26} {:>7} {:>5} {:>6} {:>9} {:>7} {:>6} {:>9} {:>14}",
         "kernel",
         "threads",
@@ -343,7 +343,7 @@ pub fn print(arch: GpuArch, rows: &[ReportRow]) {
         "other/32 mma"
     );
     for r in rows {
-        println!(
+        outln!(
             "{:<26} {:>7} {:>5} {:>6} {:>9.1} {:>7} {:>6.1} {:>9} {:>14}",
             r.kernel,
             r.threads,

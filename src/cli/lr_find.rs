@@ -45,15 +45,18 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
             hint: "lr-find starts from the model's first weights (or --init-from); it does not continue a run".into(),
         });
     }
-    let (mut cfg, note) = to_config(&args.train)?;
-    if args.train.out.is_none() {
-        cfg.out = next_run_dir(Path::new("runs"), &format!("lr-find-{}", cfg.arch.name()));
-    }
+    // The sweep's own flags first: a bad one is named as such (not as the --epochs or the
+    // --stop-after-steps derived from it), and nothing is printed before every value is checked.
     let range = LrRange {
         start: args.start_lr,
         end: args.end_lr,
         steps: args.num_steps,
     };
+    range.validate()?;
+    let (mut cfg, note) = to_config(&args.train)?;
+    if args.train.out.is_none() {
+        cfg.out = next_run_dir(Path::new("runs"), &format!("lr-find-{}", cfg.arch.name()));
+    }
     cfg.lr_range = Some(range);
     cfg.stop_after_steps = Some(range.steps);
     // Every epoch has a step at least, so the sweep never runs out of epochs.
@@ -61,10 +64,11 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
     // Nothing is validated or saved: the flags about either have nothing to act on.
     (cfg.model_ema, cfg.save_every, cfg.early_stop) = (None, 0, 0);
     cfg.best_rule = crate::train::BestRule::default();
+    cfg.validate()?;
     if let Some(note) = note {
-        println!("{note}");
+        outln!("{note}");
     }
-    println!(
+    outln!(
         "lr-find: {} steps, lr {:e} to {:e} in --lr's units (for a global batch of 256), each step's training loss recorded",
         range.steps, range.start, range.end
     );
@@ -75,7 +79,7 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
         let trace = outcome.lr_sweep.unwrap_or_default();
         let suggestion = LrTrace::suggestion(&trace.points);
         write_results(&cfg.out, &trace.points, suggestion)?;
-        print!("{}", report(&trace, suggestion, range, &cfg.out));
+        out!("{}", report(&trace, suggestion, range, &cfg.out));
     }
     match stop.signal() {
         Some(signal) => Ok(ExitCode::from(128 + signal as u8)),

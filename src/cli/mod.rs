@@ -5,6 +5,23 @@
 //! usage error (unparsable flag), 1 for everything else, 130 after Ctrl-C (once the
 //! checkpoint is saved), 101 after a panic (a bug, reported as one line by [`panic_hook`]).
 
+/// `print!` that a closed stdout cannot crash (see [`output`]).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::output::write(format_args!($($arg)*))
+    };
+}
+
+/// `println!` that a closed stdout cannot crash (see [`output`]).
+macro_rules! outln {
+    () => {
+        $crate::cli::output::write(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::output::write(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 pub mod bench_pipeline;
 pub mod bench_plan;
 pub mod bench_scaling;
@@ -17,6 +34,7 @@ pub mod eval;
 pub mod kernels;
 pub mod kernels_report;
 pub mod lr_find;
+mod output;
 pub mod panic_hook;
 mod paths;
 pub mod predict;
@@ -25,6 +43,7 @@ pub mod synth;
 pub mod train_args;
 
 use std::ffi::OsString;
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -111,7 +130,8 @@ where
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e.to_string()));
+            // Not eprintln!: a closed stderr (`2>&1 | head -1`) must not turn this into a panic.
+            let _ = writeln!(std::io::stderr(), "error: {}", one_line(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     }
@@ -121,6 +141,14 @@ where
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     init_tracing();
     panic_hook::inject_if_asked();
+    // The training commands go on when nobody reads their output (their progress is in the
+    // run folder too); the others stop quietly.
+    if matches!(
+        cli.command,
+        None | Some(Command::Train(_) | Command::LrFind(_) | Command::Demo(_))
+    ) {
+        output::keep_running_when_closed();
+    }
     match cli.command {
         None => train_args::run(*cli.train),
         Some(Command::Train(args)) => train_args::run(*args),
@@ -134,10 +162,10 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Some(Command::Bench(BenchCommand::Step(args))) => bench_step::run(args)
             .map(|()| ExitCode::SUCCESS)
-            .map_err(CliError::Other),
+            .map_err(CliError::from_anyhow),
         Some(Command::Bench(BenchCommand::Scaling(args))) => bench_scaling::run(args)
             .map(|()| ExitCode::SUCCESS)
-            .map_err(CliError::Other),
+            .map_err(CliError::from_anyhow),
         Some(Command::Kernels(KernelsCommand::Check(args))) => kernels::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
@@ -150,7 +178,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     }
 }
 
-/// Clap's usage errors, shortened to their first line (help and version print in full).
+/// Clap's usage errors as one line: the message, what it lists (the missing arguments…) and
+/// its tips, without the usage block (help and version print in full).
 fn usage_error(e: clap::Error) -> ExitCode {
     use clap::error::ErrorKind;
     match e.kind() {
@@ -161,15 +190,38 @@ fn usage_error(e: clap::Error) -> ExitCode {
             ExitCode::SUCCESS
         }
         _ => {
-            let text = e.render().to_string();
-            let first = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("error: bad command line");
-            eprintln!("{} (see birdtrain --help)", first.trim_end());
+            let line = compact_usage_error(&e.render().to_string());
+            let _ = writeln!(std::io::stderr(), "{line}");
             ExitCode::from(2)
         }
     }
+}
+
+/// One line from clap's rendered error: its first line, the lines it lists under it (the
+/// missing arguments), its `tip:` lines as one hint, and a pointer to `--help`; the usage
+/// block and the "For more information" line are left out.
+fn compact_usage_error(text: &str) -> String {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let mut head = lines
+        .next()
+        .unwrap_or("error: bad command line")
+        .to_string();
+    let (mut listed, mut tips) = (Vec::new(), Vec::new());
+    for line in lines {
+        if line.starts_with("Usage:") || line.starts_with("For more information") {
+            break;
+        }
+        match line.strip_prefix("tip:") {
+            Some(tip) => tips.push(tip.trim()),
+            None => listed.push(line),
+        }
+    }
+    if !listed.is_empty() {
+        let sep = if head.ends_with(':') { " " } else { ": " };
+        head = format!("{head}{sep}{}", listed.join(", "));
+    }
+    tips.push("see birdtrain --help");
+    format!("{head} (hint: {})", tips.join("; "))
 }
 
 /// Joins a multi-line message into one line.
@@ -181,16 +233,29 @@ fn one_line(text: &str) -> String {
         .join(" ")
 }
 
-/// Warnings (e.g. skipped bad images) go to stderr; `RUST_LOG` overrides the level.
+/// Warnings (e.g. skipped bad images) go to stderr; `RUST_LOG` overrides the level. They are
+/// coloured only when stderr is a terminal and `NO_COLOR` is unset (or empty), so logs and
+/// pipes get plain text.
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let colour = use_colour(
+        std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .with_target(false)
         .without_time()
         .try_init();
+}
+
+/// Whether stderr gets ANSI colours: a terminal, and no `NO_COLOR` (no-color.org: set and
+/// not empty turns them off).
+fn use_colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 #[cfg(test)]
@@ -222,6 +287,38 @@ mod tests {
         assert_eq!(parse(&[]), None);
         assert_eq!(parse(&["--nesterov"]), Some(true));
         assert_eq!(parse(&["--nesterov", "false"]), Some(false));
+    }
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(use_colour(true, None));
+        assert!(use_colour(true, Some(OsStr::new(""))));
+        assert!(!use_colour(true, Some(OsStr::new("1"))));
+        assert!(!use_colour(false, None));
+    }
+
+    #[test]
+    fn usage_errors_keep_what_is_missing_and_the_tips() {
+        let err = |args: &[&str]| {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            compact_usage_error(&e.render().to_string())
+        };
+        let line = err(&["birdtrain", "predict", "--checkpoint", "runs/r1"]);
+        assert!(
+            line.starts_with("error: the following required arguments were not provided: ")
+                && line.contains("<IMAGE>"),
+            "{line}"
+        );
+        let line = err(&["birdtrain", "--data", "d", "--epoch", "2"]);
+        assert!(
+            line.contains("'--epoch'") && line.contains("'--epochs'") && line.contains("hint"),
+            "{line}"
+        );
+        for line in [line, err(&["birdtrain", "evl"])] {
+            assert!(!line.contains('\n') && !line.contains("Usage"), "{line}");
+            assert!(line.ends_with("see birdtrain --help)"), "{line}");
+        }
     }
 
     #[test]

@@ -104,6 +104,41 @@ pub(crate) fn check_output_file(path: &Path, hint: &'static str) -> Result<(), C
     }
 }
 
+/// What `path` names on disk, for comparing two paths: the canonical path when it exists,
+/// else its folder's canonical path joined with its name (so `out.csv` and `./out.csv` are
+/// one file before either is written), else the path as given.
+fn identity(path: &Path) -> std::path::PathBuf {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return p;
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match (std::fs::canonicalize(parent), path.file_name()) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// The files one command writes (and the files it reads, which it must not overwrite) are
+/// all different: two flags naming the same file are refused, naming both, before any work.
+pub(crate) fn check_distinct_files(files: &[(&'static str, &Path)]) -> Result<(), CliError> {
+    for (i, (flag, path)) in files.iter().enumerate() {
+        let id = identity(path);
+        if let Some((earlier, _)) = files[..i].iter().find(|(_, p)| identity(p) == id) {
+            return Err(CliError::BadValue {
+                flag,
+                value: path.display().to_string(),
+                hint: format!(
+                    "{earlier} names the same file, and one would overwrite the other: give each its own file"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +171,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("nope") && e.contains("does not exist"), "{e}");
+    }
+
+    #[test]
+    fn two_flags_naming_one_file_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.txt");
+        let b = dir.path().join("b.txt");
+        let same = dir.path().join(".").join("a.txt");
+        assert!(check_distinct_files(&[("--predictions", &a), ("--confusion", &b)]).is_ok());
+        let e = check_distinct_files(&[("--predictions", &a), ("--confusion", &same)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--confusion") && e.contains("--predictions") && e.contains("same file"),
+            "{e}"
+        );
+        std::fs::write(&b, b"x").unwrap();
+        let link = dir.path().join("link.txt");
+        std::os::unix::fs::symlink(&b, &link).unwrap();
+        assert!(check_distinct_files(&[("--data", &b), ("--predictions", &link)]).is_err());
     }
 
     #[test]

@@ -92,9 +92,9 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
     let skipped = predictions.iter().filter(|p| p.top.is_err()).count();
     for p in &predictions {
         if args.json {
-            println!("{}", json_line(p));
+            outln!("{}", json_line(p));
         } else {
-            print!("{}", text_lines(p));
+            out!("{}", text_lines(p));
         }
     }
     if skipped > 0 {
@@ -133,7 +133,8 @@ fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
 }
 
 /// The non-hidden files under `dir`, sorted by name at each level; links are followed (a
-/// loop is an error naming it).
+/// loop is an error naming it). A broken link is listed like a file: classifying it fails
+/// as for any unreadable file, so `--on-bad-image` decides (skip reports it, fail names it).
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
     let hidden =
         |e: &walkdir::DirEntry| e.depth() > 0 && e.file_name().as_encoded_bytes()[0] == b'.';
@@ -143,6 +144,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
         .into_iter()
         .filter_entry(|e| !hidden(e));
     for entry in entries {
+        if let Err(e) = &entry {
+            if let Some(link) = broken_link(e) {
+                out.push(link);
+                continue;
+            }
+        }
         let entry = entry.map_err(|e| {
             let path = e.path().unwrap_or(dir).to_path_buf();
             TrainError::Io {
@@ -156,6 +163,20 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// The path of a link whose target is missing, when that is what `e` is about (a hidden one,
+/// left out like every hidden file, gives `None` too).
+fn broken_link(e: &walkdir::Error) -> Option<PathBuf> {
+    let path = e.path()?;
+    let missing = e
+        .io_error()
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound);
+    let is_link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let hidden = path
+        .file_name()
+        .is_some_and(|n| n.as_encoded_bytes().first() == Some(&b'.'));
+    (missing && is_link && !hidden && e.depth() > 0).then(|| path.to_path_buf())
 }
 
 /// `path` then one `  probability  class` line per class (or `  skipped: reason`).

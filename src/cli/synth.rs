@@ -139,7 +139,7 @@ pub fn run(args: SynthArgs) -> Result<(), CliError> {
     let cfg = to_config(&args)?;
     prepare_out(&args.out, "--out", args.overwrite)?;
     let summary = write_dataset(&cfg)?;
-    println!(
+    outln!(
         "wrote {} {}x{} {} images ({} train, {} valid, {} test) in {} classes to {}",
         summary.files.iter().sum::<usize>(),
         cfg.width,

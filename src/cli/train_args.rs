@@ -13,7 +13,7 @@ use pipeline::{AutoAugment, LastBatch, OnBadImage, ResizeMode, Sampling};
 use super::CliError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::{Plateau, ScheduleChoice};
+use crate::optim::{Decay, Plateau, ScheduleChoice};
 use crate::train::{
     self, Augmentation, CheckpointMeta, DeviceChoice, EmaRecipe, Monitor, OptimizerChoice,
     TrainConfig, TrainError,
@@ -150,19 +150,19 @@ pub struct TrainArgs {
     /// With --schedule step: decay factor.
     #[arg(long, value_name = "G", default_value_t = TrainConfig::DEFAULT_STEP_GAMMA)]
     pub step_gamma: f32,
-    /// With --schedule plateau: epochs without improvement before each cut.
-    #[arg(long, value_name = "E", default_value_t = Plateau::DEFAULT.patience)]
-    pub plateau_patience: u32,
-    /// With --schedule plateau: the factor of each cut.
-    #[arg(long, value_name = "F", default_value_t = Plateau::DEFAULT.factor)]
-    pub plateau_factor: f32,
-    /// With --schedule plateau: epochs after each cut that are not counted.
-    #[arg(long, value_name = "E", default_value_t = Plateau::DEFAULT.cooldown)]
-    pub plateau_cooldown: u32,
+    /// With --schedule plateau: epochs without improvement before each cut [default: 10]
+    #[arg(long, value_name = "E")]
+    pub plateau_patience: Option<u32>,
+    /// With --schedule plateau: the factor of each cut [default: 0.1]
+    #[arg(long, value_name = "F")]
+    pub plateau_factor: Option<f32>,
+    /// With --schedule plateau: epochs after each cut that are not counted [default: 0]
+    #[arg(long, value_name = "E")]
+    pub plateau_cooldown: Option<u32>,
     /// With --schedule plateau: the lowest rate the cuts go to, in --lr's units (for a
-    /// global batch of 256).
-    #[arg(long, value_name = "X", default_value_t = Plateau::DEFAULT.min_lr)]
-    pub plateau_min_lr: f32,
+    /// global batch of 256) [default: 0]
+    #[arg(long, value_name = "X")]
+    pub plateau_min_lr: Option<f32>,
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
     pub image_size: Option<u32>,
@@ -482,22 +482,20 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.warmup_epochs = v;
     }
     if let Some(v) = &args.schedule {
+        // Naming a resumed plateau run's schedule again keeps its settings, as leaving the
+        // flag out would; the --plateau-* flags given override them below.
+        let plateau = match cfg.schedule {
+            Decay::Plateau(p) => p,
+            _ => Plateau::DEFAULT,
+        };
         cfg.schedule = parse::<ScheduleChoice>(
             "--schedule",
             v,
             "expected cosine, step, constant or plateau",
         )?
-        .decay(
-            args.step_every,
-            args.step_gamma,
-            Plateau {
-                patience: args.plateau_patience,
-                factor: args.plateau_factor,
-                cooldown: args.plateau_cooldown,
-                min_lr: args.plateau_min_lr,
-            },
-        );
+        .decay(args.step_every, args.step_gamma, plateau);
     }
+    set_plateau(&mut cfg.schedule, args)?;
     if let Some(v) = args.workers {
         cfg.workers = v;
     }
@@ -641,6 +639,16 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     if args.freeze_bn {
         cfg.freeze_bn = true;
     }
+    if let (Some(path), Some(run)) = (&args.init_from, &args.resume) {
+        return Err(CliError::BadValue {
+            flag: "--init-from",
+            value: path.display().to_string(),
+            hint: format!(
+                "--resume {} continues from its own checkpoint's weights: give --init-from only to start a new run",
+                run.display()
+            ),
+        });
+    }
     cfg.init_from = args.init_from.clone();
     if let Some(path) = &cfg.init_from {
         super::paths::expect_file(path, "--init-from takes a .safetensors weights file")?;
@@ -693,7 +701,7 @@ pub(crate) fn next_run_dir(root: &Path, model: &str) -> PathBuf {
 pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     let (cfg, note) = to_config(&args)?;
     if let Some(note) = note {
-        println!("{note}");
+        outln!("{note}");
     }
     let stop = install_stop_signals("saving a checkpoint");
     let outcome = train::train(&cfg, &stop.flag)?;
@@ -701,6 +709,55 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
         _ => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// Applies the `--plateau-*` flags given to the run's plateau schedule (the flag's, or a
+/// resumed run's own); given with another schedule, they are an error naming the first.
+fn set_plateau(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
+    let Decay::Plateau(p) = &mut *schedule else {
+        let given = [
+            (
+                "--plateau-patience",
+                args.plateau_patience.map(|v| v.to_string()),
+            ),
+            (
+                "--plateau-factor",
+                args.plateau_factor.map(|v| v.to_string()),
+            ),
+            (
+                "--plateau-cooldown",
+                args.plateau_cooldown.map(|v| v.to_string()),
+            ),
+            (
+                "--plateau-min-lr",
+                args.plateau_min_lr.map(|v| v.to_string()),
+            ),
+        ];
+        return match given.into_iter().find_map(|(f, v)| Some((f, v?))) {
+            Some((flag, value)) => Err(CliError::BadValue {
+                flag,
+                value,
+                hint: format!(
+                    "it tunes the plateau schedule, and this run's schedule is {}: add --schedule plateau",
+                    schedule.choice()
+                ),
+            }),
+            None => Ok(()),
+        };
+    };
+    if let Some(v) = args.plateau_patience {
+        p.patience = v;
+    }
+    if let Some(v) = args.plateau_factor {
+        p.factor = v;
+    }
+    if let Some(v) = args.plateau_cooldown {
+        p.cooldown = v;
+    }
+    if let Some(v) = args.plateau_min_lr {
+        p.min_lr = v;
+    }
+    Ok(())
 }
 
 /// The policy `--auto-augment` names (`None`: `none`).

@@ -15,6 +15,6 @@ mod schedule;
 pub use choice::OptimizerChoice;
 pub use error::OptimError;
 pub use layout::{ConvOrder, ParamLayout};
-pub use optimizer::{Hyper, Optimizer, OptimizerKind};
+pub use optimizer::{read_f32_tensor, Hyper, Optimizer, OptimizerKind};
 pub use rank::{CpuRankOptimizer, RankOptimizer};
 pub use schedule::{scaled_lr, Decay, Plateau, Schedule, ScheduleChoice};

@@ -247,8 +247,19 @@ impl Optimizer {
     /// The state as safetensors bytes (`m`, and `v` for Adam; kind and step count in the
     /// metadata), for the trainer's checkpoint.
     pub fn to_safetensors_bytes(&self) -> Vec<u8> {
+        self.to_safetensors_bytes_with(None)
+    }
+
+    /// [`Optimizer::to_safetensors_bytes`] with one more f32 tensor of the trainer's own
+    /// (`name`, shape, values), which [`Optimizer::load_safetensors_bytes`] passes over and
+    /// [`read_f32_tensor`] reads back: training state that belongs with the optimizer's,
+    /// outside the weights file that PyTorch reads.
+    pub fn to_safetensors_bytes_with(&self, extra: Option<(&str, &[usize], &[f32])>) -> Vec<u8> {
         let mb: Vec<u8> = self.m.iter().flat_map(|x| x.to_le_bytes()).collect();
         let vb: Vec<u8> = self.v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let eb: Vec<u8> = extra
+            .map(|(_, _, values)| values.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .unwrap_or_default();
         let mut tensors = vec![(
             "m".to_string(),
             TensorView::new(Dtype::F32, vec![self.len], &mb).expect("length matches shape"),
@@ -257,6 +268,17 @@ impl Optimizer {
             tensors.push((
                 "v".to_string(),
                 TensorView::new(Dtype::F32, vec![self.len], &vb).expect("length matches shape"),
+            ));
+        }
+        if let Some((name, shape, values)) = extra {
+            assert_eq!(
+                shape.iter().product::<usize>(),
+                values.len(),
+                "extra tensor {name}: shape and values disagree (programmer error)"
+            );
+            tensors.push((
+                name.to_string(),
+                TensorView::new(Dtype::F32, shape.to_vec(), &eb).expect("length matches shape"),
             ));
         }
         let meta = HashMap::from([
@@ -339,6 +361,22 @@ impl Optimizer {
         })?;
         self.load_safetensors_bytes(&bytes, path)
     }
+}
+
+/// The f32 tensor `name` of a safetensors file (shape, values), or `None` when the file has
+/// no such tensor of that type or does not parse (the caller then goes on without it).
+pub fn read_f32_tensor(bytes: &[u8], name: &str) -> Option<(Vec<usize>, Vec<f32>)> {
+    let st = SafeTensors::deserialize(bytes).ok()?;
+    let t = st.tensor(name).ok()?;
+    if t.dtype() != Dtype::F32 {
+        return None;
+    }
+    let values = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Some((t.shape().to_vec(), values))
 }
 
 /// safetensors writes its `__metadata__` from a `HashMap`, whose order changes from process to

@@ -216,7 +216,7 @@ fn a_second_run_into_a_folder_in_use_is_refused_and_disturbs_nothing() {
         .into_inner()
         .unwrap()
         .expect("the second run was tried");
-    let e = refused.err().expect("a second writer is refused");
+    let e = refused.expect_err("a second writer is refused");
     assert!(
         matches!(
             e,
@@ -230,6 +230,48 @@ fn a_second_run_into_a_folder_in_use_is_refused_and_disturbs_nothing() {
     assert_eq!(metrics.lines().count(), 4, "{metrics}");
     // And the folder is free again once it ended.
     train(&second);
+}
+
+#[test]
+fn ranks_with_their_own_statistics_resume_bit_for_bit_from_inside_an_epoch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    let live = |name: &str| {
+        let mut cfg = config(&data, tmp.path(), name, 2, 6);
+        cfg.freeze_bn = false;
+        cfg.epochs = 2;
+        cfg
+    };
+    let whole = live("whole");
+    train(&whole);
+    // Checkpoints inside every epoch leave the training as it was.
+    let mut saving = live("saving");
+    saving.save_every = 1;
+    train(&saving);
+    let bytes = |cfg: &TrainConfig| std::fs::read(cfg.out.join("model.safetensors")).unwrap();
+    assert!(
+        bytes(&whole) == bytes(&saving),
+        "--save-every changed the run"
+    );
+    // A stop inside an epoch (SIGTERM's path), then a resume: the same bytes at the end.
+    let mut first = live("stopped");
+    first.stop_after_steps = Some(3);
+    assert!(train(&first).interrupted);
+    // The weights file holds the ranks' mean; the optimizer file each rank's own.
+    let optimizer = std::fs::read(first.out.join("optimizer.safetensors")).unwrap();
+    let (shape, _) =
+        crate::optim::read_f32_tensor(&optimizer, super::rank::RANK_BUFFERS_TENSOR).unwrap();
+    assert_eq!(shape[0], 2);
+    let mut second = live("stopped");
+    second.resume = Some(first.out.clone());
+    train(&second);
+    assert!(
+        bytes(&whole) == bytes(&second),
+        "the run stopped at step 3 and resumed differs from the whole run"
+    );
+    // An epoch-end checkpoint has no rows: the ranks agree there.
+    let optimizer = std::fs::read(second.out.join("optimizer.safetensors")).unwrap();
+    assert!(crate::optim::read_f32_tensor(&optimizer, super::rank::RANK_BUFFERS_TENSOR).is_none());
 }
 
 #[test]

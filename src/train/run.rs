@@ -18,7 +18,9 @@ use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
 use super::lr_find::LrTrace;
 use super::progress::EpochBar;
-use super::rank::{account, Device, PendingStep, Rank, StepPlan};
+use super::rank::{
+    account, mean_buffers, Device, PendingStep, Rank, StepPlan, RANK_BUFFERS_TENSOR,
+};
 use super::setup::Shared;
 use super::summary::{format_summary, SummaryHeader};
 use super::TrainError;
@@ -324,9 +326,14 @@ fn epochs<D: Device>(
         // The learning-rate sweep neither validates nor checkpoints: it ends here.
         let sweep = cfg.lr_range.is_some();
         if !finished {
-            rank.average_bn_statistics(shared)?;
+            // Inside the epoch: the checkpoint keeps every rank's own statistics.
+            let rows = if sweep {
+                None
+            } else {
+                rank.gather_bn_buffers()?
+            };
             if rank.is_writer() && !sweep {
-                save_checkpoint(shared, rank, best)?;
+                save_checkpoint(shared, rank, best, rows.as_deref())?;
                 shared.say(format!(
                     "stopped at epoch {}, step {} of {}: checkpoint saved in {}",
                     epoch + 1,
@@ -538,9 +545,9 @@ fn train_epoch<D: Device>(
             if let Some(earlier) = pending.take() {
                 stop_agreed |= settle(shared, rank, earlier)?;
             }
-            rank.average_bn_statistics(shared)?;
+            let rows = rank.gather_bn_buffers()?;
             if rank.is_writer() {
-                save_checkpoint(shared, rank, best)?;
+                save_checkpoint(shared, rank, best, rows.as_deref())?;
             }
         }
         let elapsed = started.elapsed().as_secs_f64();
@@ -649,7 +656,7 @@ fn end_epoch<D: Device>(
     shared
         .folder
         .record_epoch(train_line, &valid_line, ema_line.as_ref())?;
-    let files = checkpoint_files(shared, rank, *best)?;
+    let files = checkpoint_files(shared, rank, *best, None)?;
     // best/ first: a kill between the two leaves the run's checkpoint at the epoch before,
     // whose resumed run redoes this epoch and writes the same best/ again.
     if improved {
@@ -688,12 +695,16 @@ fn end_epoch<D: Device>(
 }
 
 /// Writes the checkpoint ([`checkpoint_files`]).
+/// Writes the run's checkpoint; `rank_rows` are the ranks' own batch-norm buffers of a
+/// checkpoint inside an epoch ([`Rank::gather_bn_buffers`]), `None` at an epoch end (where
+/// the ranks hold the average already).
 fn save_checkpoint<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     best: Option<BestEpoch>,
+    rank_rows: Option<&[Vec<f32>]>,
 ) -> Result<(), TrainError> {
-    let files = checkpoint_files(shared, rank, best)?;
+    let files = checkpoint_files(shared, rank, best, rank_rows)?;
     shared
         .folder
         .save_checkpoint(files.meta.clone(), files.tensors())?;
@@ -744,11 +755,24 @@ fn checkpoint_files<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     best: Option<BestEpoch>,
+    rank_rows: Option<&[Vec<f32>]>,
 ) -> Result<CheckpointFiles, TrainError> {
-    let state = rank.master_state(shared)?;
+    let mut state = rank.master_state(shared)?;
+    // The weights file holds what validation and inference should see: the ranks' mean.
+    if let Some(rows) = rank_rows {
+        state.buffers = mean_buffers(shared, rows);
+    }
     check_finite_state(shared, &state, &rank.position)?;
     let model = state.to_safetensors_bytes(&shared.graph, None)?;
-    let optimizer = rank.opt.to_host()?.to_safetensors_bytes();
+    let host = rank.opt.to_host()?;
+    let optimizer = match rank_rows {
+        Some(rows) => {
+            let flat = rows.concat();
+            let shape = [rows.len(), rows.first().map_or(0, Vec::len)];
+            host.to_safetensors_bytes_with(Some((RANK_BUFFERS_TENSOR, &shape, &flat)))
+        }
+        None => host.to_safetensors_bytes(),
+    };
     let ema = rank
         .ema
         .as_ref()

@@ -12,6 +12,7 @@ use super::ema::ModelEma;
 use super::evaluate::summarise;
 use super::folder::checkpoint::BEST_DIR;
 use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
+use super::rank::RANK_BUFFERS_TENSOR;
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::model::{Graph, HeadPolicy, ModelState};
@@ -94,6 +95,9 @@ pub(crate) struct Shared {
     pub initial: ModelState,
     /// The resumed checkpoint's optimizer state (graph order, torchvision layout).
     pub optimizer: Option<Optimizer>,
+    /// Every rank's own batch-norm buffers (flat, graph order), when the checkpoint was
+    /// taken inside an epoch by as many ranks as this run has.
+    pub rank_buffers: Option<Vec<Vec<f32>>>,
     /// Where training starts in the data.
     pub position: DataPosition,
     /// The learning-rate schedule.
@@ -172,6 +176,7 @@ impl Shared {
             ..Hyper::default()
         };
         let kind = cfg.optimizer.kind(cfg.momentum, cfg.nesterov);
+        let mut rank_buffers = None;
         let (initial, optimizer, position) = match resumed {
             Some((run, meta)) => {
                 check_resume(&cfg, run, meta, &classes)?;
@@ -181,8 +186,15 @@ impl Shared {
                     HeadPolicy::Strict,
                 )?;
                 let mut optimizer = Optimizer::new(kind, hyper, graph.params());
-                optimizer.load(&run.join(&meta.optimizer_state_file))?;
+                let optimizer_file = run.join(&meta.optimizer_state_file);
+                let bytes = std::fs::read(&optimizer_file).map_err(|source| TrainError::Io {
+                    path: optimizer_file.clone(),
+                    what: "read",
+                    source,
+                })?;
+                optimizer.load_safetensors_bytes(&bytes, &optimizer_file)?;
                 let position = resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
+                rank_buffers = saved_rank_buffers(&graph, &bytes, ranks);
                 (state, Some(optimizer), position)
             }
             None => {
@@ -252,6 +264,7 @@ impl Shared {
             train_pipe,
             valid_pipe,
             initial,
+            rank_buffers,
             optimizer,
             position,
             schedule,
@@ -582,6 +595,22 @@ fn resumed_best(run: &Path, meta: &CheckpointMeta) -> Option<BestEpoch> {
             None
         }
     }
+}
+
+/// The ranks' own batch-norm buffers a checkpoint inside an epoch saved beside the optimizer
+/// state, when they fit this run: one row per rank, as many ranks, rows of this model's
+/// buffer size. Another rank count starts every rank from the mean in the weights file.
+fn saved_rank_buffers(
+    graph: &Graph,
+    optimizer_bytes: &[u8],
+    ranks: usize,
+) -> Option<Vec<Vec<f32>>> {
+    let (shape, values) = crate::optim::read_f32_tensor(optimizer_bytes, RANK_BUFFERS_TENSOR)?;
+    let len: usize = graph.buffers().iter().map(|b| b.numel()).sum();
+    if len == 0 || shape != [ranks, len] {
+        return None;
+    }
+    Some(values.chunks(len).map(<[f32]>::to_vec).collect())
 }
 
 /// Warnings about a training set that makes the figures misleading (the run goes on).

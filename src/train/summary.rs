@@ -139,18 +139,38 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
     );
     let _ = write!(
         s,
-        "run folder {}: model.safetensors, {}checkpoint.json, metrics.jsonl, report.png",
+        "run folder {}: {}",
         header.out.display(),
-        if averaged.is_empty() {
-            ""
-        } else {
-            "model_ema.safetensors, "
-        }
+        run_files(&header.out, header.best)
     );
-    if let Some(b) = header.best {
-        let _ = write!(s, ", best/ (epoch {})", b.epoch);
-    }
     s
+}
+
+/// The files of the run folder `out` that exist now, in the order a finished run has them
+/// (a run stopped before its first epoch has no metrics or report yet); `best/` with its
+/// epoch when there is one.
+fn run_files(out: &std::path::Path, best: Option<BestEpoch>) -> String {
+    use super::folder::checkpoint::{BEST_DIR, MODEL_EMA_FILE, MODEL_FILE, SIDECAR_FILE};
+    use super::folder::{METRICS_FILE, REPORT_FILE};
+    let mut names: Vec<String> = [
+        MODEL_FILE,
+        MODEL_EMA_FILE,
+        SIDECAR_FILE,
+        METRICS_FILE,
+        REPORT_FILE,
+    ]
+    .into_iter()
+    .filter(|name| out.join(name).is_file())
+    .map(str::to_string)
+    .collect();
+    if let Some(b) = best.filter(|_| out.join(BEST_DIR).is_dir()) {
+        names.push(format!("{BEST_DIR}/ (epoch {})", b.epoch));
+    }
+    if names.is_empty() {
+        "nothing written yet".to_string()
+    } else {
+        names.join(", ")
+    }
 }
 
 #[cfg(test)]
@@ -174,10 +194,20 @@ mod tests {
             mk(2, MetricsSplit::Train, 0.7),
             mk(2, MetricsSplit::Valid, 0.9),
         ];
+        let dir = tempfile::tempdir().unwrap();
+        for file in [
+            "model.safetensors",
+            "checkpoint.json",
+            "metrics.jsonl",
+            "report.png",
+        ] {
+            std::fs::write(dir.path().join(file), b"x").unwrap();
+        }
+        std::fs::create_dir(dir.path().join("best")).unwrap();
         let mut header = SummaryHeader {
             title: "resnet8".into(),
             wall_seconds: 9.0,
-            out: "runs/x".into(),
+            out: dir.path().into(),
             data_wait_share: Some(0.012),
             best: None,
             best_rule: BestRule::default(),
@@ -208,11 +238,41 @@ mod tests {
             ),
             "{text}"
         );
+        std::fs::write(dir.path().join("model_ema.safetensors"), b"x").unwrap();
+        let text = format_summary(&header, &averaged);
         assert!(
             text.contains("model.safetensors, model_ema.safetensors, "),
             "{text}"
         );
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
+    }
+
+    #[test]
+    fn only_the_files_that_exist_are_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut header = SummaryHeader {
+            title: "resnet8".into(),
+            wall_seconds: 0.1,
+            out: dir.path().into(),
+            data_wait_share: None,
+            best: Some(BestEpoch {
+                epoch: 1,
+                accuracy: 0.5,
+                loss: 1.0,
+            }),
+            best_rule: BestRule::default(),
+        };
+        // Stopped before the first epoch ended: a checkpoint, no metrics, no report, no best/.
+        std::fs::write(dir.path().join("model.safetensors"), b"x").unwrap();
+        std::fs::write(dir.path().join("checkpoint.json"), b"x").unwrap();
+        let text = format_summary(&header, &[]);
+        assert!(
+            text.ends_with(": model.safetensors, checkpoint.json"),
+            "{text}"
+        );
+        header.out = dir.path().join("never-written");
+        let text = format_summary(&header, &[]);
+        assert!(text.ends_with(": nothing written yet"), "{text}");
     }
 
     #[test]

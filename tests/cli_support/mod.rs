@@ -38,6 +38,21 @@ pub(crate) fn birdtrain(args: &[&str]) -> Output {
     out
 }
 
+/// Runs the binary with its stdout a pipe whose reader is closed at once (`birdtrain … |
+/// head -0`): every write to stdout fails with a broken pipe. Fails the test on a panic.
+pub(crate) fn birdtrain_closed_stdout(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the birdtrain binary runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("the birdtrain binary ends");
+    assert_no_panic(args, &out);
+    out
+}
+
 /// A temp path as `&str` for the command line.
 pub(crate) fn s(p: &Path) -> &str {
     p.to_str().expect("temp paths are UTF-8")

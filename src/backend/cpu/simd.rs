@@ -77,32 +77,35 @@ impl SimdLevel {
             .unwrap_or(SimdLevel::Portable)
     }
 
-    /// Parses a level name and checks the processor supports it.
+    /// Parses a level name and checks the processor supports it; an error names
+    /// [`SIMD_ENV`], the value and the valid ones.
     pub fn parse(value: &str) -> Result<SimdLevel, BackendError> {
+        Self::parse_detail(value).map_err(|detail| BackendError::InvalidInput {
+            op: SIMD_ENV,
+            detail,
+        })
+    }
+
+    /// [`SimdLevel::parse`] with the error as the message's detail (what follows
+    /// "BIRDTRAIN_CPU_SIMD: invalid input: ").
+    fn parse_detail(value: &str) -> Result<SimdLevel, String> {
         let level = match value.trim().to_ascii_lowercase().as_str() {
             "portable" | "scalar" | "none" => SimdLevel::Portable,
             "avx2" => SimdLevel::Avx2,
             "avx512" | "avx-512" | "avx512f" => SimdLevel::Avx512,
             _ => {
-                return Err(BackendError::InvalidInput {
-                    op: "CpuBackend::new",
-                    detail: format!(
-                        "{SIMD_ENV}={value:?} is not a SIMD level (hint: portable, avx2 or avx512, \
-                         or unset it to use the widest this processor has)"
-                    ),
-                })
+                return Err(format!(
+                    "{value:?} is not a SIMD level (hint: portable, avx2 or avx512, or unset it \
+                     to use the widest this processor has)"
+                ))
             }
         };
         if !level.supported() {
-            return Err(BackendError::InvalidInput {
-                op: "CpuBackend::new",
-                detail: format!(
-                    "{SIMD_ENV}={value:?}: this processor lacks {} (hint: use {} or lower, or \
-                     unset it)",
-                    level.name(),
-                    SimdLevel::best().name()
-                ),
-            });
+            return Err(format!(
+                "{value:?}: this processor lacks {} (hint: use {} or lower, or unset it)",
+                level.name(),
+                SimdLevel::best().name()
+            ));
         }
         Ok(level)
     }
@@ -112,11 +115,12 @@ impl SimdLevel {
     pub fn detect() -> Result<SimdLevel, BackendError> {
         static LEVEL: OnceLock<Result<SimdLevel, String>> = OnceLock::new();
         let got = LEVEL.get_or_init(|| match std::env::var(SIMD_ENV) {
-            Ok(v) if !v.trim().is_empty() => SimdLevel::parse(&v).map_err(|e| e.to_string()),
+            Ok(v) if !v.trim().is_empty() => SimdLevel::parse_detail(&v),
             _ => Ok(SimdLevel::best()),
         });
+        // The detail is cached, not the message: the error is wrapped once, here.
         got.clone().map_err(|detail| BackendError::InvalidInput {
-            op: "CpuBackend::new",
+            op: SIMD_ENV,
             detail,
         })
     }

@@ -253,6 +253,15 @@ impl<D: Device> Rank<D> {
             comm.broadcast(&mut flat, 0)?;
             net.load_state(&shared.initial)?;
             net.set_params_f32(&flat)?;
+            // Inside an epoch each rank had statistics of its own (the checkpoint's weights
+            // file holds their average): take this rank's back, so the run goes on bit for
+            // bit as if never stopped.
+            if let Some(rows) = &shared.rank_buffers {
+                let row = rows.get(rank).ok_or_else(|| {
+                    TrainError::Internal(format!("no saved statistics for rank {rank}"))
+                })?;
+                net.set_buffers(&unflatten_buffers(shared, row))?;
+            }
             let mut opt = make_optimizer(&flat)?;
             opt.set_max_grad_norm(shared.cfg.clip_grad_norm);
             if let Some(host) = &shared.optimizer {
@@ -509,6 +518,31 @@ impl<D: Device> Rank<D> {
         Ok(())
     }
 
+    /// Every rank's batch-norm buffers, flattened in graph order, one row per rank, for a
+    /// checkpoint inside an epoch; the ranks' own statistics stay as they are (averaging them
+    /// there, as the epoch end does, would make a run checkpointed mid-epoch differ in its
+    /// last bits from one that was not, and a resume from it differ from both). Every rank
+    /// must call it at the same step; the rows arrive on every rank (a sum where each rank
+    /// fills only its own row is a gather). `None` with a single rank.
+    pub(crate) fn gather_bn_buffers(&mut self) -> Result<Option<Vec<Vec<f32>>>, TrainError> {
+        if self.world == 1 {
+            return Ok(None);
+        }
+        let mine: Vec<f32> = self.net.buffers()?.concat();
+        let len = mine.len();
+        let mut flat = vec![0.0f64; len * self.world];
+        for (slot, v) in flat[self.rank * len..][..len].iter_mut().zip(&mine) {
+            *slot = f64::from(*v);
+        }
+        self.comm.sum(&mut flat)?;
+        // Exact: each slot is one f32 plus zeros.
+        Ok(Some(
+            flat.chunks(len)
+                .map(|row| row.iter().map(|&v| v as f32).collect())
+                .collect(),
+        ))
+    }
+
     /// The replica's state as a checkpoint stores it: the optimizer's f32 master weights and
     /// the network's buffers.
     pub(crate) fn master_state(&mut self, shared: &Shared) -> Result<ModelState, TrainError> {
@@ -563,4 +597,48 @@ impl From<CollectiveError> for TrainError {
     fn from(e: CollectiveError) -> Self {
         TrainError::Collective(Box::new(e))
     }
+}
+
+/// The tensor of the optimizer file that holds every rank's batch-norm buffers at a
+/// checkpoint inside an epoch (shape `[ranks, buffer values]`).
+pub(crate) const RANK_BUFFERS_TENSOR: &str = "rank_bn_buffers";
+
+/// Splits a flat row of buffers (graph order) into the network's buffer tensors.
+pub(crate) fn unflatten_buffers(shared: &Shared, row: &[f32]) -> Vec<Vec<f32>> {
+    let mut at = 0;
+    shared
+        .graph
+        .buffers()
+        .iter()
+        .map(|spec| {
+            let n = spec.numel();
+            let t = row[at..at + n].to_vec();
+            at += n;
+            t
+        })
+        .collect()
+}
+
+/// The buffers a checkpoint inside an epoch stores in its weights file: the mean of the
+/// ranks' rows, in f64 and rank order, as [`Rank::average_bn_statistics`] forms it at an
+/// epoch end, with rank 0's batch counters.
+pub(crate) fn mean_buffers(shared: &Shared, rows: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let world = rows.len() as f64;
+    let mut mean = Vec::new();
+    let mut at = 0;
+    for spec in shared.graph.buffers() {
+        let n = spec.numel();
+        let t = (at..at + n)
+            .map(|i| {
+                if spec.kind == BufferKind::NumBatchesTracked {
+                    rows[0][i]
+                } else {
+                    (rows.iter().map(|r| f64::from(r[i])).sum::<f64>() / world) as f32
+                }
+            })
+            .collect();
+        at += n;
+        mean.push(t);
+    }
+    mean
 }
