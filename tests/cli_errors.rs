@@ -119,6 +119,15 @@ fn bad_flag_values_are_usage_errors() {
         ),
         (vec!["--plateau-cooldown", "1"], "--plateau-cooldown"),
         (vec!["--plateau-min-lr", "0.01"], "--plateau-min-lr"),
+        (vec!["--step-every", "5"], "add --schedule step"),
+        (
+            vec!["--schedule", "plateau", "--step-gamma", "0.5"],
+            "--step-gamma",
+        ),
+        (
+            vec!["--schedule", "step", "--step-every", "0"],
+            "--step-every",
+        ),
         (vec!["--crop-scale", "0.3"], "add --augment resized-crop"),
         (
             vec!["--augment", "resized-crop", "--crop-scale", "0"],
@@ -420,4 +429,88 @@ fn plateau_flags_tune_a_resumed_plateau_run() {
         ),
         (4, 0.5, 1)
     );
+}
+
+/// A resumed step-decay run keeps its period and factor; --step-every and --step-gamma
+/// retune it without naming the schedule again.
+#[test]
+fn step_flags_tune_a_resumed_step_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let cache = tmp.path().join("cache");
+    let run = tmp.path().join("run");
+    let common = [
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--cache-dir",
+        s(&cache),
+        "--quiet",
+    ];
+    let first = [
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "8",
+        "--out",
+        s(&run),
+        "--schedule",
+        "step",
+        "--step-every",
+        "2",
+        "--step-gamma",
+        "0.5",
+        "--stop-after-steps",
+        "1",
+    ];
+    let ok = |args: &[&str]| {
+        let out = birdtrain(args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    ok(&[&common[..], &first[..]].concat());
+    let settings = || {
+        let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
+        (meta.settings.step_every, meta.settings.step_gamma)
+    };
+    assert_eq!(settings(), (2, 0.5));
+    // Naming the schedule again keeps its settings.
+    let again = [
+        "--resume",
+        s(&run),
+        "--schedule",
+        "step",
+        "--stop-after-steps",
+        "2",
+    ];
+    ok(&[&common[..], &again[..]].concat());
+    assert_eq!(settings(), (2, 0.5));
+    let retune = [
+        "--resume",
+        s(&run),
+        "--step-gamma",
+        "0.25",
+        "--stop-after-steps",
+        "3",
+    ];
+    ok(&[&common[..], &retune[..]].concat());
+    assert_eq!(settings(), (2, 0.25));
+}
+
+#[test]
+fn a_flat_folder_without_a_validation_share_names_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    // The class folders straight under the root: the flat layout.
+    let flat = data.join("train");
+    let out = birdtrain(&["--data", s(&flat), "--gpus", "0", "--model", "resnet8"]);
+    assert_one_line_error(&out, &["train", "--valid-fraction"]);
 }

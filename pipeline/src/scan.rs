@@ -537,7 +537,7 @@ fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError>
     let train_dir = root.join(Split::Train.as_str());
     require_dir(
         &train_dir,
-        "the folder layout needs <root>/train/<class>/ (the class index comes from it); use the flat layout for <root>/<class>/",
+        "the folder layout needs <root>/train/<class>/ (the class index comes from it); a flat <root>/<class>/ folder needs a validation share: --valid-fraction F (DatasetSource::flat)",
     )?;
     let train_classes = class_dirs(&train_dir)?;
     let classes = names(&train_classes);

@@ -144,12 +144,12 @@ pub struct TrainArgs {
     /// epoch by --monitor, as Keras' ReduceLROnPlateau).
     #[arg(long, value_name = "cosine|step|constant|plateau")]
     pub schedule: Option<String>,
-    /// With --schedule step: epochs between decays.
-    #[arg(long, value_name = "E", default_value_t = TrainConfig::DEFAULT_STEP_EVERY)]
-    pub step_every: u32,
-    /// With --schedule step: decay factor.
-    #[arg(long, value_name = "G", default_value_t = TrainConfig::DEFAULT_STEP_GAMMA)]
-    pub step_gamma: f32,
+    /// With --schedule step: epochs between decays [default: 30]
+    #[arg(long, value_name = "E")]
+    pub step_every: Option<u32>,
+    /// With --schedule step: decay factor [default: 0.1]
+    #[arg(long, value_name = "G")]
+    pub step_gamma: Option<f32>,
     /// With --schedule plateau: epochs without improvement before each cut [default: 10]
     #[arg(long, value_name = "E")]
     pub plateau_patience: Option<u32>,
@@ -482,20 +482,32 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         cfg.warmup_epochs = v;
     }
     if let Some(v) = &args.schedule {
-        // Naming a resumed plateau run's schedule again keeps its settings, as leaving the
-        // flag out would; the --plateau-* flags given override them below.
+        // Naming a resumed plateau or step run's schedule again keeps its settings, as
+        // leaving the flag out would; the --plateau-* and --step-* flags given override them
+        // below.
         let plateau = match cfg.schedule {
             Decay::Plateau(p) => p,
             _ => Plateau::DEFAULT,
+        };
+        let (every, gamma) = match cfg.schedule {
+            Decay::Step {
+                every_epochs,
+                gamma,
+            } => (every_epochs, gamma),
+            _ => (
+                TrainConfig::DEFAULT_STEP_EVERY,
+                TrainConfig::DEFAULT_STEP_GAMMA,
+            ),
         };
         cfg.schedule = parse::<ScheduleChoice>(
             "--schedule",
             v,
             "expected cosine, step, constant or plateau",
         )?
-        .decay(args.step_every, args.step_gamma, plateau);
+        .decay(every, gamma, plateau);
     }
     set_plateau(&mut cfg.schedule, args)?;
+    set_step(&mut cfg.schedule, args)?;
     if let Some(v) = args.workers {
         cfg.workers = v;
     }
@@ -756,6 +768,39 @@ fn set_plateau(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
     }
     if let Some(v) = args.plateau_min_lr {
         p.min_lr = v;
+    }
+    Ok(())
+}
+
+/// Applies `--step-every` and `--step-gamma` to the run's step schedule (the flag's, or a
+/// resumed run's own); given with another schedule, they are an error naming the first.
+fn set_step(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
+    let Decay::Step {
+        every_epochs,
+        gamma,
+    } = &mut *schedule
+    else {
+        let given = [
+            ("--step-every", args.step_every.map(|v| v.to_string())),
+            ("--step-gamma", args.step_gamma.map(|v| v.to_string())),
+        ];
+        return match given.into_iter().find_map(|(f, v)| Some((f, v?))) {
+            Some((flag, value)) => Err(CliError::BadValue {
+                flag,
+                value,
+                hint: format!(
+                    "it tunes the step schedule, and this run's schedule is {}: add --schedule step",
+                    schedule.choice()
+                ),
+            }),
+            None => Ok(()),
+        };
+    };
+    if let Some(v) = args.step_every {
+        *every_epochs = v;
+    }
+    if let Some(v) = args.step_gamma {
+        *gamma = v;
     }
     Ok(())
 }
