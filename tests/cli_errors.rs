@@ -82,6 +82,7 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--optimizer", "rmsprop"], "--optimizer"),
         (vec!["--last-batch", "sometimes"], "--last-batch"),
         (vec!["--lr=-1"], "--lr"),
+        (vec!["--lr", "0"], "--lr"),
         (vec!["--batch-size", "0"], "--batch-size"),
         (vec!["--schedule", "linear"], "--schedule"),
         (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
@@ -142,8 +143,27 @@ fn bad_flag_values_are_usage_errors() {
         all.extend(args);
         let out = birdtrain(&all);
         assert_one_line_error(&out, &[needle]);
+        // A usage mistake, whichever layer (the CLI, the settings, the launch) refuses it.
+        assert_eq!(out.status.code(), Some(2), "{all:?}");
         assert!(!run.exists(), "{all:?} wrote a run folder");
     }
+    // Several nodes on the CPU: refused, not trained alone by each process.
+    let mut all = vec!["--data", s(&data), "--gpus", "0", "--out", s(&run)];
+    all.extend([
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master",
+        "127.0.0.1:29500",
+    ]);
+    let out = birdtrain(&all);
+    assert_one_line_error(&out, &["2 nodes", "--replicas"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        !run.exists(),
+        "a refused multi-node start wrote a run folder"
+    );
 }
 
 #[test]

@@ -76,10 +76,19 @@ impl CliError {
         e.downcast::<CliError>().unwrap_or_else(CliError::Other)
     }
 
-    /// The process exit code: 2 for usage mistakes, 1 otherwise.
+    /// The process exit code: 2 for usage mistakes (a flag value the CLI or the trainer's
+    /// settings refuse, a missing flag, launch flags or torchrun variables that describe no
+    /// run), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::BadValue { .. } | CliError::Missing { .. } => 2,
+            CliError::BadValue { .. }
+            | CliError::Missing { .. }
+            | CliError::Pipeline(pipeline::PipelineError::InvalidSetting { .. })
+            | CliError::Train(
+                TrainError::InvalidConfig { .. }
+                | TrainError::Launch(_)
+                | TrainError::Pipeline(pipeline::PipelineError::InvalidSetting { .. }),
+            ) => 2,
             _ => 1,
         }
     }
