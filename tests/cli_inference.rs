@@ -725,3 +725,49 @@ fn eval_of_a_flat_run_uses_the_checkpoints_split() {
         );
     }
 }
+
+/// With label smoothing the validation lines report the smoothed loss (the training
+/// criterion, as Keras and torchvision's reference script validate); `eval` of the same
+/// weights reports the same figure and says which smoothing it used.
+#[test]
+fn eval_reports_the_loss_the_run_validated_with() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 3, 6);
+    let cache = tmp.path().join("c");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &cache, &run, 1);
+    args.extend(["--label-smoothing", "0.3"].map(String::from));
+    ok(run_with(&args, &[]));
+    let out = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--json",
+    ]));
+    let report = &json_lines(&out)[0];
+    assert_eq!(report["label_smoothing"].as_f64(), Some(0.3f32 as f64));
+    let last = last_metrics(&run);
+    assert_eq!(last["split"], "valid", "{last}");
+    assert!(
+        (report["loss"].as_f64().unwrap() - last["loss"].as_f64().unwrap()).abs() < 1e-5,
+        "eval {report} vs validation {last}"
+    );
+    let text = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+    ]));
+    assert!(
+        String::from_utf8_lossy(&text.stdout).contains("(label smoothing 0.3)"),
+        "{}",
+        String::from_utf8_lossy(&text.stdout)
+    );
+}

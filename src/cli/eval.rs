@@ -74,6 +74,9 @@ pub struct InputView {
     pub crop_pct: f32,
     /// The weights or their moving average (`--ema`).
     pub weights: Weights,
+    /// The loss's label smoothing: the checkpoint's `--label-smoothing`, so the loss is the
+    /// figure its validation lines in `metrics.jsonl` report for the same weights.
+    pub label_smoothing: f32,
 }
 
 /// `--crop-pct` of `eval` and `predict`: the flag's value, else the checkpoint's, checked.
@@ -159,6 +162,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         views,
         crop_pct,
         weights,
+        label_smoothing: model.net.config().label_smoothing,
     };
     let report = evaluate(&mut model.net, &pipe, views)?;
     let classes = &model.meta.classes;
@@ -290,6 +294,7 @@ pub fn eval_json(
         "tta": input.views == Views::WithMirror,
         "crop_pct": input.crop_pct,
         "ema": input.weights == Weights::MovingAverage,
+        "label_smoothing": input.label_smoothing,
         "images": r.totals.count,
         "loss": t.loss,
         "accuracy": t.accuracy,
@@ -313,7 +318,7 @@ pub fn format_eval(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{model}{} on {split}{}{}: {} images · loss {:.4} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
+        "{model}{} on {split}{}{}: {} images · loss {:.4}{} · top-1 {:.4} · top-5 {:.4} · {:.0} images/s",
         if input.weights == Weights::MovingAverage {
             " (moving average of the weights)"
         } else {
@@ -331,6 +336,11 @@ pub fn format_eval(
         },
         r.totals.count,
         t.loss,
+        if input.label_smoothing > 0.0 {
+            format!(" (label smoothing {})", input.label_smoothing)
+        } else {
+            String::new()
+        },
         t.accuracy,
         t.top5,
         t.images_per_sec

@@ -232,6 +232,12 @@ pub fn load_weights_for_inference(
         meta.image_size,
     )?;
     net.load_state(&state)?;
+    // The loss the run validated with (Keras and torchvision's reference script validate
+    // with the training criterion), so `eval` repeats the figures of `metrics.jsonl`.
+    net.set_config(crate::model::NetworkConfig {
+        label_smoothing: meta.settings.label_smoothing,
+        ..net.config()
+    });
     debug_assert_eq!(MODEL_FILE, "model.safetensors");
     Ok(InferenceModel {
         run: run.to_path_buf(),
