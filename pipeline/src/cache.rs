@@ -59,8 +59,9 @@ const MAGIC: &[u8; 8] = b"BRDCACHE";
 /// Version 2 added the record checks and the two checksums. Version 3: the fingerprint
 /// also covers each file's status-change time and inode number, and a file that could not
 /// be opened or read is no longer kept as bad (older files may hold such marks, so they
-/// are rebuilt).
-const VERSION: u32 = 3;
+/// are rebuilt). Version 4: `--resize-mode center-crop` stores torchvision's `Resize` then
+/// `CenterCrop` square exactly (its whole-pixel roundings), not the image's exact centre.
+const VERSION: u32 = 4;
 const HEADER_BYTES: usize = 4096;
 const STATE_FILLING: u32 = 1;
 const STATE_COMPLETE: u32 = 2;

@@ -38,7 +38,7 @@ impl CropWindow {
     /// The centred square covering `fraction` of the side (at least one pixel).
     pub fn centered(side: u32, fraction: f32) -> Self {
         let width = ((f64::from(side) * f64::from(fraction)).round() as u32).clamp(1, side);
-        let x = (side - width) / 2;
+        let x = center_offset(side, width);
         Self {
             x,
             y: x,
@@ -55,6 +55,20 @@ impl CropWindow {
             width: side,
             height: side,
         }
+    }
+}
+
+/// Where torchvision's `CenterCrop` puts an `inner` span inside an `outer` one (`inner` ≤
+/// `outer`): `int(round((outer - inner) / 2))`, Python's `round`, halves to even. So a span
+/// 3 shorter starts at 2, where halving down would start it at 1.
+pub(crate) fn center_offset(outer: u32, inner: u32) -> u32 {
+    let d = outer.saturating_sub(inner);
+    let half = d / 2;
+    // d odd: the half is k + 0.5, which rounds to the even one of k and k + 1.
+    if d % 2 == 1 && half % 2 == 1 {
+        half + 1
+    } else {
+        half
     }
 }
 
@@ -182,6 +196,14 @@ pub(crate) fn sample_rng(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_centre_offset_rounds_halves_to_even_as_python() {
+        // Python: int(round(d / 2)) for d = 0..8 is 0 0 1 2 2 2 3 4 4.
+        let offsets: Vec<u32> = (0..9).map(|d| center_offset(32 + d, 32)).collect();
+        assert_eq!(offsets, [0, 0, 1, 2, 2, 2, 3, 4, 4]);
+        assert_eq!(CropWindow::centered(35, 32.0 / 35.0).x, 2);
+    }
+
     use super::*;
 
     #[test]
