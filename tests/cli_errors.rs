@@ -363,25 +363,31 @@ fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
     );
 }
 
-/// A resumed plateau run carries its schedule from the checkpoint: the --plateau-* flags
-/// tune it without --schedule plateau again, and naming the schedule again keeps the
-/// settings not given.
-#[test]
-fn plateau_flags_tune_a_resumed_plateau_run() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = dataset(&tmp.path().join("d"), 2, 0);
-    let cache = tmp.path().join("cache");
-    let run = tmp.path().join("run");
-    let common = [
+/// Runs the binary with the flags of every resumed-schedule test before `args`, asserting
+/// success.
+fn run_ok(data: &Path, cache: &Path, args: &[&str]) {
+    let mut all = vec![
         "--data",
-        s(&data),
+        s(data),
         "--gpus",
         "0",
         "--cache-dir",
-        s(&cache),
+        s(cache),
         "--quiet",
     ];
-    let first = [
+    all.extend_from_slice(args);
+    let out = birdtrain(&all);
+    assert!(
+        out.status.success(),
+        "{all:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The first leg of a resumed-schedule test: resnet8 for 3 epochs into `run` with the
+/// `schedule` flags, stopped after one step.
+fn first_leg<'a>(run: &'a Path, schedule: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
         "--model",
         "resnet8",
         "--image-size",
@@ -391,39 +397,37 @@ fn plateau_flags_tune_a_resumed_plateau_run() {
         "--batch-size",
         "8",
         "--out",
-        s(&run),
-        "--schedule",
-        "plateau",
-        "--plateau-factor",
-        "0.5",
+        s(run),
         "--stop-after-steps",
         "1",
     ];
-    let out = birdtrain(&[&common[..], &first[..]].concat());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    args.extend_from_slice(schedule);
+    args
+}
+
+/// A resumed plateau run carries its schedule from the checkpoint: the --plateau-* flags
+/// tune it without --schedule plateau again, and naming the schedule again keeps the
+/// settings not given.
+#[test]
+fn plateau_flags_tune_a_resumed_plateau_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let cache = tmp.path().join("cache");
+    let run = tmp.path().join("run");
+    let settings = || {
+        let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
+        let p = meta.settings;
+        (p.plateau_patience, p.plateau_factor, p.plateau_cooldown)
+    };
+    let first = first_leg(&run, &["--schedule", "plateau", "--plateau-factor", "0.5"]);
+    run_ok(&data, &cache, &first);
+    let resume = ["--resume", s(&run), "--plateau-patience", "4"];
+    run_ok(
+        &data,
+        &cache,
+        &[&resume[..], &["--stop-after-steps", "2"]].concat(),
     );
-    let resume = [
-        "--resume",
-        s(&run),
-        "--plateau-patience",
-        "4",
-        "--stop-after-steps",
-        "2",
-    ];
-    let out = birdtrain(&[&common[..], &resume[..]].concat());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
-    assert_eq!(
-        (meta.settings.plateau_patience, meta.settings.plateau_factor),
-        (4, 0.5)
-    );
+    assert_eq!((settings().0, settings().1), (4, 0.5));
     let again = [
         "--resume",
         s(&run),
@@ -431,24 +435,13 @@ fn plateau_flags_tune_a_resumed_plateau_run() {
         "plateau",
         "--plateau-cooldown",
         "1",
-        "--stop-after-steps",
-        "3",
     ];
-    let out = birdtrain(&[&common[..], &again[..]].concat());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        &data,
+        &cache,
+        &[&again[..], &["--stop-after-steps", "3"]].concat(),
     );
-    let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
-    assert_eq!(
-        (
-            meta.settings.plateau_patience,
-            meta.settings.plateau_factor,
-            meta.settings.plateau_cooldown
-        ),
-        (4, 0.5, 1)
-    );
+    assert_eq!(settings(), (4, 0.5, 1));
 }
 
 /// A resumed step-decay run keeps its period and factor; --step-every and --step-gamma
@@ -459,48 +452,19 @@ fn step_flags_tune_a_resumed_step_run() {
     let data = dataset(&tmp.path().join("d"), 2, 0);
     let cache = tmp.path().join("cache");
     let run = tmp.path().join("run");
-    let common = [
-        "--data",
-        s(&data),
-        "--gpus",
-        "0",
-        "--cache-dir",
-        s(&cache),
-        "--quiet",
-    ];
-    let first = [
-        "--model",
-        "resnet8",
-        "--image-size",
-        "16",
-        "--epochs",
-        "3",
-        "--batch-size",
-        "8",
-        "--out",
-        s(&run),
+    let settings = || {
+        let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
+        (meta.settings.step_every, meta.settings.step_gamma)
+    };
+    let schedule = [
         "--schedule",
         "step",
         "--step-every",
         "2",
         "--step-gamma",
         "0.5",
-        "--stop-after-steps",
-        "1",
     ];
-    let ok = |args: &[&str]| {
-        let out = birdtrain(args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    ok(&[&common[..], &first[..]].concat());
-    let settings = || {
-        let meta = birdtrain::train::CheckpointMeta::load(&run).unwrap();
-        (meta.settings.step_every, meta.settings.step_gamma)
-    };
+    run_ok(&data, &cache, &first_leg(&run, &schedule));
     assert_eq!(settings(), (2, 0.5));
     // Naming the schedule again keeps its settings.
     let again = [
@@ -511,7 +475,7 @@ fn step_flags_tune_a_resumed_step_run() {
         "--stop-after-steps",
         "2",
     ];
-    ok(&[&common[..], &again[..]].concat());
+    run_ok(&data, &cache, &again);
     assert_eq!(settings(), (2, 0.5));
     let retune = [
         "--resume",
@@ -521,7 +485,7 @@ fn step_flags_tune_a_resumed_step_run() {
         "--stop-after-steps",
         "3",
     ];
-    ok(&[&common[..], &retune[..]].concat());
+    run_ok(&data, &cache, &retune);
     assert_eq!(settings(), (2, 0.25));
 }
 

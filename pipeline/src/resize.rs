@@ -89,10 +89,7 @@ pub(crate) fn center_crop_window((w, h): (u32, u32), s: u32) -> (f64, f64, f64, 
     } else {
         (scaled_long, s)
     };
-    let (fx, fy) = (
-        f64::from(w) / f64::from(sw),
-        f64::from(h) / f64::from(sh),
-    );
+    let (fx, fy) = (f64::from(w) / f64::from(sw), f64::from(h) / f64::from(sh));
     (
         f64::from(center_offset(sw, s)) * fx,
         f64::from(center_offset(sh, s)) * fy,
@@ -117,7 +114,10 @@ mod tests {
         let f = 500.0 / 298.0;
         assert_eq!((l, t, w, h), (0.0, 37.0 * f, 375.0, 224.0 * f));
         // A square is the whole image.
-        assert_eq!(center_crop_window((300, 300), 224), (0.0, 0.0, 300.0, 300.0));
+        assert_eq!(
+            center_crop_window((300, 300), 224),
+            (0.0, 0.0, 300.0, 300.0)
+        );
         // An image smaller than the store is scaled up the same way: 20×10 to 16 gives
         // 32×16, offset 8.
         assert_eq!(center_crop_window((20, 10), 16), (5.0, 0.0, 10.0, 10.0));
