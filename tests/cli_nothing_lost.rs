@@ -216,6 +216,25 @@ fn inference_needs_the_weights_only_and_checks_its_inputs() {
         "{}",
         String::from_utf8_lossy(&predict.stderr)
     );
+    // So does a copy of the sidecar and the stable name alone (what a user copies by hand);
+    // a stable file of another checkpoint is refused by the sidecar's checksum.
+    let copy = tmp.path().join("copy");
+    std::fs::create_dir(&copy).unwrap();
+    for file in ["checkpoint.json", "model.safetensors"] {
+        std::fs::copy(run.join(file), copy.join(file)).unwrap();
+    }
+    let copied = birdtrain(&["predict", "--checkpoint", s(&copy), s(&image)]);
+    assert!(
+        copied.status.success() && copied.stdout == predict.stdout,
+        "{}",
+        String::from_utf8_lossy(&copied.stderr)
+    );
+    let mut other = std::fs::read(copy.join("model.safetensors")).unwrap();
+    let last = other.len() - 1;
+    other[last] ^= 1;
+    std::fs::write(copy.join("model.safetensors"), other).unwrap();
+    let torn = birdtrain(&["predict", "--checkpoint", s(&copy), s(&image)]);
+    assert_one_line_error(&torn, &["model.safetensors", "checksum"]);
     let run_predict = |extra: &[&str]| {
         let mut args = vec!["predict", "--checkpoint", s(&run)];
         args.extend_from_slice(extra);

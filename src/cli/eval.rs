@@ -38,8 +38,9 @@ pub struct EvalArgs {
     /// Seed of the flat layout's split [default: the checkpoint's, the training seed]
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
-    /// Print one JSON object instead of the table: model, split, images, loss, accuracy,
-    /// top5, images_per_sec and per_class [{class, images, accuracy}].
+    /// Print one JSON object instead of the table: model, split, tta, crop_pct, ema,
+    /// label_smoothing, images, loss, accuracy, top5, images_per_sec and per_class [{class,
+    /// images, accuracy}].
     #[arg(long)]
     pub json: bool,
     /// Write every image's answer to FILE, one JSON object per line: path, label,

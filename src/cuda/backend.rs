@@ -250,7 +250,7 @@ fn oom_or_device(op: &'static str, bytes: usize, e: cudarc::driver::DriverError)
         BackendError::OutOfMemory {
             bytes,
             what: format!("{op} on the GPU"),
-            hint: "use a smaller --batch-size (or --batch-size auto)".into(),
+            hint: "use a smaller --batch-size".into(),
         }
     } else {
         drv_err(op)(e)

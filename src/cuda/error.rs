@@ -94,7 +94,7 @@ pub enum CudaError {
         kernel: String,
     },
     /// The device ran out of memory for the requested batch size.
-    #[error("out of GPU memory at batch size {batch_size} (needs {needed_mib} MiB, {free_mib} MiB free): use --batch-size {fits} or --batch-size auto")]
+    #[error("out of GPU memory at batch size {batch_size} (needs {needed_mib} MiB, {free_mib} MiB free): use --batch-size {fits}")]
     OutOfMemory {
         /// The requested per-GPU batch size.
         batch_size: usize,

@@ -1,5 +1,6 @@
 //! Memory planning for the CUDA backend: the footprint of a network (fixed bytes + bytes per
-//! image), `--batch-size auto`, and an out-of-memory error that names a batch size that fits.
+//! image), the largest batch that fits ([`auto_batch_size`]), and an out-of-memory error that
+//! names a batch size that fits.
 //!
 //! [`Network`] allocates every activation, the shared activation-gradient buffers, every
 //! parameter, gradient and statistic once, for its maximum batch; the backend adds a
@@ -165,7 +166,8 @@ fn probe_error(e: crate::model::ModelError) -> CudaError {
     }
 }
 
-/// `--batch-size auto`: the largest per-GPU batch that fits the device's free memory, from
+/// The largest per-GPU batch that fits the device's free memory (for a caller that wants
+/// the most the GPU holds; the CLI takes a number), from
 /// the measured footprint. Returns the batch and the footprint (for the printed figure).
 pub fn auto_batch_size(
     backend: &CudaBackend,

@@ -37,8 +37,8 @@ impl DeviceChoice {
             Ok(_) => String::new(),
             Err(reason) => format!("; {reason}"),
         };
-        let not_enough = |requested: usize| super::TrainError::NotEnoughGpus {
-            requested,
+        let not_enough = |requested: &str| super::TrainError::NotEnoughGpus {
+            requested: requested.to_string(),
             found,
             extra: why.clone(),
         };
@@ -55,7 +55,7 @@ impl DeviceChoice {
             }
             Some("all") => {
                 if found == 0 {
-                    Err(not_enough(1))
+                    Err(not_enough("all"))
                 } else {
                     Ok((Self::Cuda(found), None))
                 }
@@ -69,7 +69,7 @@ impl DeviceChoice {
                 if n == 0 {
                     Ok((Self::Cpu, None))
                 } else if n > found {
-                    Err(not_enough(n))
+                    Err(not_enough(text))
                 } else {
                     Ok((Self::Cuda(n), None))
                 }
@@ -99,7 +99,8 @@ mod tests {
             let (choice, note) = DeviceChoice::resolve(None).unwrap();
             assert_eq!(choice, DeviceChoice::Cpu);
             assert!(note.unwrap().contains("training on the CPU"));
-            assert!(DeviceChoice::resolve(Some("all")).is_err());
+            let err = DeviceChoice::resolve(Some("all")).unwrap_err().to_string();
+            assert!(err.starts_with("--gpus all:"), "{err}");
         }
     }
 }

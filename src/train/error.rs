@@ -104,8 +104,8 @@ pub enum TrainError {
     /// More GPUs were asked for than are present.
     #[error("--gpus {requested}: only {found} CUDA device(s) present (hint: --gpus 0 trains on the CPU{extra})")]
     NotEnoughGpus {
-        /// The count asked for.
-        requested: usize,
+        /// What was asked for: a count, or `all`.
+        requested: String,
         /// The count found.
         found: usize,
         /// Extra detail (why no device was found).

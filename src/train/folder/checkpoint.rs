@@ -638,6 +638,10 @@ impl CheckpointMeta {
                 "{SIDECAR_FILE}: {reason}; the file is damaged or was edited"
             ))
         })?;
+        let mut meta = meta;
+        if !with_optimizer {
+            meta.use_stable_names_where_missing(run);
+        }
         meta.check_file(run, &meta.model_file, &meta.model_checksum)?;
         if with_optimizer {
             meta.check_file(run, &meta.optimizer_state_file, &meta.optimizer_checksum)?;
@@ -646,6 +650,22 @@ impl CheckpointMeta {
             }
         }
         Ok(meta)
+    }
+
+    /// For inference from a folder copied with only `checkpoint.json` and the stable names
+    /// (`model.safetensors`, `model_ema.safetensors`): a tensor file the sidecar names but the
+    /// folder lacks is read under its stable name instead. The checksum still decides, so a
+    /// stable file of another checkpoint is refused as torn.
+    fn use_stable_names_where_missing(&mut self, run: &Path) {
+        let swap = |file: &mut String, stable: &str| {
+            if !run.join(&*file).exists() && run.join(stable).exists() {
+                *file = stable.to_string();
+            }
+        };
+        swap(&mut self.model_file, MODEL_FILE);
+        if let Some(file) = self.model_ema_file.as_mut() {
+            swap(file, MODEL_EMA_FILE);
+        }
     }
 
     /// The moving average's file and checksum, when the checkpoint has one.
