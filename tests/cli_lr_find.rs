@@ -132,3 +132,27 @@ fn bad_sweep_values_are_one_line_naming_the_flag() {
     assert!(said.contains("4 of 4 steps recorded"), "{said}");
     assert!(!out.join("checkpoint.json").exists());
 }
+
+#[test]
+fn a_sweep_keeps_off_folders_that_hold_a_run_or_a_sweep() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("c");
+    let sweep = tmp.path().join("sweep");
+    let steps = ["--num-steps", "13"];
+    ok(run_with(&sweep_args(&data, &cache, &sweep, &steps), &[]));
+    // A second sweep into it is refused (nothing to resume: no --resume in the hint) …
+    let again = run_with(&sweep_args(&data, &cache, &sweep, &steps), &[]);
+    let line = assert_one_line_error(&again, &["holds a run already", "--overwrite"]);
+    assert!(!line.contains("--resume"), "{line}");
+    // … unless --overwrite says so.
+    let mut args = sweep_args(&data, &cache, &sweep, &steps);
+    args.push("--overwrite".into());
+    ok(run_with(&args, &[]));
+    // A training run's folder: refused, and a sweep cannot continue it either.
+    let run = tmp.path().join("run");
+    ok(run_with(&train_args(&data, &cache, &run, 1), &[]));
+    let into_run = run_with(&sweep_args(&data, &cache, &run, &steps), &[]);
+    let line = assert_one_line_error(&into_run, &["holds a run already"]);
+    assert!(!line.contains("--resume"), "{line}");
+}

@@ -14,7 +14,7 @@ use crate::train::lr_find::{LrPoint, LrRange, LrTrace};
 use crate::train::{self, TrainError};
 
 /// File of the sweep's points inside the output folder.
-pub const POINTS_FILE: &str = "lr_find.jsonl";
+pub const POINTS_FILE: &str = crate::train::folder::LR_FIND_FILE;
 /// File of the sweep's picture inside the output folder.
 pub const PLOT_FILE: &str = "lr_find.png";
 

@@ -175,7 +175,8 @@ pub struct TrainArgs {
     /// Pixel cache folder (default: the per-user cache folder).
     #[arg(long, value_name = "C")]
     pub cache_dir: Option<PathBuf>,
-    /// Run folder for metrics.jsonl, report.png and checkpoints (default: runs/<model>-<n>).
+    /// Run folder for metrics.jsonl, report.png and checkpoints (default: runs/<model>-<n>;
+    /// for lr-find, the sweep's lr_find.jsonl and lr_find.png, default runs/lr-find-<model>-<n>).
     #[arg(long, value_name = "RUN")]
     pub out: Option<PathBuf>,
     /// Seed of initialisation, data order and augmentation.

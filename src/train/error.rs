@@ -84,12 +84,14 @@ pub enum TrainError {
         kept: String,
     },
     /// `--out` names a folder that holds a run already.
-    #[error("{path} holds a run already ({found}) (hint: continue it with --resume {path}, choose another --out, or pass --overwrite to replace it)")]
+    #[error("{path} holds a run already ({found}) (hint: {}choose another --out, or pass --overwrite to replace it)", resume_hint(.path, *.resumable))]
     RunExists {
         /// The folder.
         path: PathBuf,
         /// What was found there.
         found: String,
+        /// Whether `--resume` can continue it (not from `lr-find`, which starts afresh).
+        resumable: bool,
     },
     /// An option value that cannot work.
     #[error("invalid value {value} for {flag}: {hint}")]
@@ -188,5 +190,14 @@ impl TrainError {
             | TrainError::Model(ModelError::BnSync { source, .. }) => aborted(source.as_ref()),
             _ => false,
         }
+    }
+}
+
+/// The `--resume` part of [`TrainError::RunExists`]'s hint, when the run can be continued.
+fn resume_hint(path: &std::path::Path, resumable: bool) -> String {
+    if resumable {
+        format!("continue it with --resume {}, ", path.display())
+    } else {
+        String::new()
     }
 }

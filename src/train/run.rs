@@ -118,6 +118,7 @@ fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
     Err(TrainError::RunExists {
         path: cfg.out.clone(),
         found: found.join(", "),
+        resumable: cfg.lr_range.is_none() && RunFolder::new(&cfg.out).has_checkpoint(),
     })
 }
 

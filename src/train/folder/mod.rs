@@ -29,6 +29,8 @@ use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics}
 pub const METRICS_FILE: &str = "metrics.jsonl";
 /// File name of the report picture inside a run folder.
 pub const REPORT_FILE: &str = "report.png";
+/// File of a learning-rate sweep's points (`birdtrain lr-find`) inside its folder.
+pub const LR_FIND_FILE: &str = "lr_find.jsonl";
 /// The file a writing process holds an exclusive lock on ([`RunFolder::lock`]).
 pub const LOCK_FILE: &str = ".birdtrain.lock";
 
@@ -279,7 +281,7 @@ impl RunFolder {
     /// What in the folder shows that a run is there already (the sidecar, metrics), in
     /// words; empty when nothing does.
     pub fn existing_run(&self) -> Vec<&'static str> {
-        [checkpoint::SIDECAR_FILE, METRICS_FILE]
+        [checkpoint::SIDECAR_FILE, METRICS_FILE, LR_FIND_FILE]
             .into_iter()
             .filter(|f| self.root.join(f).exists())
             .collect()
