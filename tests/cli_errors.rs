@@ -351,6 +351,13 @@ fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
     let out = tiny_run(&data, &run, &tmp.path().join("cache2"));
     let report = std::fs::read_to_string(run.join("bad_files_train.txt")).unwrap();
     assert!(report.contains("broken.png"), "bad-files report: {report}");
+    // The summary counts it and says where it is listed.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("unreadable files skipped: 1 in train (listed in")
+            && stdout.contains("bad_files_train.txt"),
+        "{stdout}"
+    );
     // The warning, in plain text: stderr is no terminal here.
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -789,6 +789,26 @@ fn checkpoint_files<D: Device>(
     })
 }
 
+/// The summary's count of the unreadable files the engines skipped, with where they are
+/// listed; `None` when every file was read.
+fn bad_files_line(shared: &Shared) -> Option<String> {
+    let counts = [
+        (pipeline::Split::Train, shared.train_pipe.bad_files().len()),
+        (pipeline::Split::Valid, shared.valid_pipe.bad_files().len()),
+    ];
+    let parts: Vec<String> = counts
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(split, n)| {
+            format!(
+                "{n} in {split} (listed in {})",
+                shared.folder.bad_files_path(split).display()
+            )
+        })
+        .collect();
+    (!parts.is_empty()).then(|| format!("unreadable files skipped: {}", parts.join(", ")))
+}
+
 /// Trace process id of the input engine's row (ranks use their rank).
 const ENGINE_PID: u32 = 10_000;
 
@@ -855,6 +875,10 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
     for note in &notes {
         summary.push('\n');
         summary.push_str(note);
+    }
+    if let Some(line) = bad_files_line(&shared) {
+        summary.push('\n');
+        summary.push_str(&line);
     }
     summary.push_str(&format!(
         "\nweights checksum {:016x} on {} rank(s){} · {} cross-rank checks passed",
