@@ -3,7 +3,8 @@
 # 1. installs NVRTC + CUDA headers from PyPI wheels (no GPU needed),
 # 2. runs every test of the workspace (GPU tests are #[ignore]d) and fails on any panic
 #    message in its output,
-# 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90.
+# 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90,
+# 4. builds the API docs, warnings as errors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-cuda-tools.sh
@@ -19,3 +20,5 @@ if grep -n "panicked at" "$log"; then
     exit 1
 fi
 cargo run --quiet -- kernels check --arch sm_80,sm_90
+# The API docs build without a warning (broken links, private items named in public docs).
+RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace

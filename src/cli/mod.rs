@@ -6,6 +6,10 @@
 //! the training settings or the launch refuse: [`CliError::exit_code`]), 1 for everything
 //! else, 130 and 143 after Ctrl-C and SIGTERM (once the checkpoint is saved), 101 after a
 //! panic (a bug, reported as one line by [`panic_hook`]).
+//!
+//! The flags' doc comments are their `--help` texts, where `<class>` and `<n>` are
+//! placeholders, not HTML.
+#![allow(rustdoc::invalid_html_tags)]
 
 /// `print!` that a closed stdout cannot crash (see [`output`]).
 macro_rules! out {

@@ -82,7 +82,7 @@ pub enum Decay {
         gamma: f32,
     },
     /// Constant; the trainer multiplies the rate by `factor` after every `patience` epochs
-    /// without a better validation epoch ([`Plateau::cuts_after`]).
+    /// without a better validation epoch ([`Plateau::cut`]).
     Plateau(Plateau),
 }
 

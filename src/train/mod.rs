@@ -1,10 +1,10 @@
 //! The trainer: one training loop for every device and rank count.
 //!
-//! A run is R ranks ([`rank`]): each owns a backend, a model replica, its share of every
+//! A run is R ranks (`rank/`): each owns a backend, a model replica, its share of every
 //! global batch and its optimizer, and they are joined by a collective
 //! ([`crate::dist::collective::Collective`]): in-process for CPU ranks on threads
-//! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines). The loop ([`run`])
-//! is the same code for all of them: setup and resume ([`setup`]), epochs and steps, the
+//! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines). The loop (`run.rs`)
+//! is the same code for all of them: setup and resume (`setup.rs`), epochs and steps, the
 //! agreement on stopping, validation, metrics, checkpoints and report in the run folder
 //! ([`folder`], written by rank 0 alone), the summary. Batch-norm statistics are kept per
 //! rank during an epoch (as in PyTorch DDP) and averaged over the ranks at every epoch end

@@ -1,9 +1,9 @@
 //! The CPU backend: f32 everywhere, NHWC activations, OHWI convolution weights,
 //! multithreaded on its own rayon pool, vectorised for the processor it runs on.
 //!
-//! - Convolutions: 3×3, 7×7 and strided ones by direct kernels ([`direct`]: register-tiled,
+//! - Convolutions: 3×3, 7×7 and strided ones by direct kernels (`direct.rs`: register-tiled,
 //!   padded taps skipped, no im2col); 1×1 stride-1 ones are one GEMM (the `gemm` crate).
-//! - Batch norm: vectorised, branch-free passes ([`bn`]).
+//! - Batch norm: vectorised, branch-free passes (`bn.rs`).
 //! - Vector width: chosen at run time ([`SimdLevel`]: AVX-512, AVX2 + FMA, or portable), one
 //!   generic implementation of each kernel instantiated per level.
 //! - [`CpuBackend::reference`] runs the plain versions instead (im2col + GEMM convolutions,
