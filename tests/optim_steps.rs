@@ -238,3 +238,16 @@ fn identical_states_serialise_to_identical_bytes() {
         "round trip keeps the bytes"
     );
 }
+
+#[test]
+fn adams_bias_correction_is_formed_in_f64_as_pytorchs() {
+    // Step 1 from zero state: m̂ = g and v̂ = g² exactly when 1 − β₂ is formed in f64 (in
+    // f32, 1 − 0.999 is 1.0000467e-3 and the step comes out 2.3e-6 too long).
+    let mut opt = Optimizer::new(OptimizerKind::Adam, Hyper::default(), &specs());
+    let mut p = vec![0.0f32; 3];
+    opt.step(&mut p, &[0.5, 0.5, 0.5], 0.1).unwrap();
+    let want = -0.1 * 0.5 / (0.5 + 1e-8);
+    for x in p {
+        assert!((f64::from(x) - want).abs() < 2e-8, "{x} vs {want}");
+    }
+}

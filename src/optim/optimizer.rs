@@ -225,8 +225,9 @@ impl Optimizer {
                 OptimizerKind::Adam | OptimizerKind::AdamW => {
                     let v = &mut self.v[off..off + n];
                     let decoupled = self.kind == OptimizerKind::AdamW;
-                    let bc1 = 1.0 - h.beta1.powi(t);
-                    let bc2 = 1.0 - h.beta2.powi(t);
+                    // In f64, as PyTorch forms them (and the device optimizer), then f32.
+                    let bc1 = (1.0 - f64::from(h.beta1).powi(t)) as f32;
+                    let bc2 = (1.0 - f64::from(h.beta2).powi(t)) as f32;
                     for i in 0..n {
                         let gi = if decoupled { g[i] } else { g[i] + wd * p[i] };
                         if decoupled {

@@ -237,8 +237,9 @@ impl CpuOptimizer {
                     one_minus_beta1: 1.0 - beta1,
                     one_minus_beta2: 1.0 - beta2,
                     eps,
-                    bc1: 1.0 - beta1.powi(t),
-                    bc2: 1.0 - beta2.powi(t),
+                    // In f64, as PyTorch forms them, then f32.
+                    bc1: (1.0 - f64::from(beta1).powi(t)) as f32,
+                    bc2: (1.0 - f64::from(beta2).powi(t)) as f32,
                     decoupled,
                 }
             }
