@@ -9,6 +9,7 @@ pub mod cli;
 pub mod cuda;
 pub mod dist;
 pub mod model;
+pub mod oom;
 pub mod optim;
 pub mod panics;
 pub mod trace;

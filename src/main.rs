@@ -2,6 +2,10 @@
 
 use std::process::ExitCode;
 
+/// An allocation that fails ends the process with one error line, not an abort.
+#[global_allocator]
+static ALLOCATOR: birdtrain::oom::ExitOnOom = birdtrain::oom::ExitOnOom;
+
 fn main() -> ExitCode {
     birdtrain::cli::panic_hook::install();
     // The hook has printed the one-line report; 101 is Rust's exit code for a panic.

@@ -431,3 +431,62 @@ fn a_panic_is_one_line_naming_a_bug_and_exit_101() {
     );
     assert!(lines[0].contains("report it"), "{stderr}");
 }
+
+/// Under an address-space limit (`ulimit -v`) that runs out at any point of the setup, a
+/// training run ends with one line about memory and exit code 1: never the allocator's abort
+/// (exit 134, "memory allocation of N bytes failed").
+#[test]
+fn running_out_of_memory_is_one_line_not_an_abort() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("cache");
+    // From "fails at once" to "the network's tensors do not fit": each limit runs out at
+    // another allocation (the threads' stacks, the weights' initialisation, the tensors).
+    for mib in [60usize, 100, 150, 250, 400, 700] {
+        let out = tmp.path().join(format!("run-{mib}"));
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"));
+        cmd.args([
+            "--data",
+            s(&data),
+            "--gpus",
+            "0",
+            "--model",
+            "resnet50",
+            "--image-size",
+            "224",
+            "--batch-size",
+            "256",
+            "--epochs",
+            "1",
+            "--cache-dir",
+            s(&cache),
+            "--out",
+            s(&out),
+        ]);
+        let bytes = (mib << 20) as libc::rlim_t;
+        // SAFETY: only setrlimit, which is async-signal-safe, runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let limit = libc::rlimit {
+                    rlim_cur: bytes,
+                    rlim_max: bytes,
+                };
+                if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let run = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{mib} MiB: {stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{mib} MiB: {stderr}");
+        assert!(
+            errors[0].contains("out of memory") && errors[0].contains("hint"),
+            "{mib} MiB: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{mib} MiB: {stderr}");
+    }
+}

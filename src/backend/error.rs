@@ -20,7 +20,7 @@ pub enum BackendError {
         detail: String,
     },
     /// The device could not allocate memory.
-    #[error("out of device memory allocating {bytes} bytes for {what} (hint: {hint})")]
+    #[error("out of memory allocating {bytes} bytes for {what} (hint: {hint})")]
     OutOfMemory {
         /// Requested size.
         bytes: usize,

@@ -208,12 +208,13 @@ impl Backend for CpuBackend {
 
     fn alloc(&self, len: usize, _role: TensorRole) -> Result<Vec<f32>, BackendError> {
         let mut v = Vec::new();
-        v.try_reserve_exact(len)
-            .map_err(|_| BackendError::OutOfMemory {
+        crate::oom::fallible(|| v.try_reserve_exact(len)).map_err(|_| {
+            BackendError::OutOfMemory {
                 bytes: len * 4,
                 what: "a CPU tensor".into(),
                 hint: "use a smaller --batch-size or --image-size".into(),
-            })?;
+            }
+        })?;
         v.resize(len, 0.0);
         Ok(v)
     }

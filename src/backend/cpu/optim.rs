@@ -111,12 +111,13 @@ impl CpuOptimizer {
         }
         let zeros = |len: usize| -> Result<Vec<f32>, BackendError> {
             let mut v = Vec::new();
-            v.try_reserve_exact(len)
-                .map_err(|_| BackendError::OutOfMemory {
+            crate::oom::fallible(|| v.try_reserve_exact(len)).map_err(|_| {
+                BackendError::OutOfMemory {
                     bytes: len * 4,
                     what: "optimizer state".into(),
                     hint: "use a smaller model or plain SGD (no second moment)".into(),
-                })?;
+                }
+            })?;
             v.resize(len, 0.0);
             Ok(v)
         };
