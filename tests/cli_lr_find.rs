@@ -156,3 +156,25 @@ fn a_sweep_keeps_off_folders_that_hold_a_run_or_a_sweep() {
     let line = assert_one_line_error(&into_run, &["holds a run already"]);
     assert!(!line.contains("--resume"), "{line}");
 }
+
+#[test]
+fn an_interrupted_sweep_says_its_suggestion_covers_only_the_rates_swept() {
+    let range = birdtrain::train::lr_find::LrRange {
+        start: 1e-6,
+        end: 10.0,
+        steps: 100,
+    };
+    let mut trace = LrTrace::default();
+    for step in 0..30 {
+        trace.add(step, range.lr_at(step), 2.0 - step as f64 * 0.01);
+    }
+    let suggestion = LrTrace::suggestion(&trace.points);
+    let out = std::path::Path::new("runs/sweep");
+    let cut = birdtrain::cli::lr_find::report(&trace, suggestion, range, out, true);
+    assert!(
+        cut.contains("interrupted at lr") && cut.contains("only the rates swept so far"),
+        "{cut}"
+    );
+    let whole = birdtrain::cli::lr_find::report(&trace, suggestion, range, out, false);
+    assert!(!whole.contains("interrupted"), "{whole}");
+}

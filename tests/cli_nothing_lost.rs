@@ -170,6 +170,22 @@ fn paths_of_the_wrong_kind_say_what_they_are() {
         "/dev/null",
     ]);
     assert_one_line_error(&run, &["character device", "--cache-dir"]);
+    // A path through a file: the OS's word for it and what it means.
+    let through = file.join("run");
+    let run = birdtrain(&train_args(&data, &through, &[]));
+    assert_one_line_error(&run, &["not a directory", "a part of that path is a file"]);
+    let run = birdtrain(&[
+        "synth",
+        "--out",
+        s(&through),
+        "--classes",
+        "2",
+        "--train-per-class",
+        "1",
+        "--valid-per-class",
+        "1",
+    ]);
+    assert_one_line_error(&run, &["not a directory", "a part of that path is a file"]);
     assert!(!out.exists());
 }
 

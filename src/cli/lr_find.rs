@@ -79,7 +79,11 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
         let trace = outcome.lr_sweep.unwrap_or_default();
         let suggestion = LrTrace::suggestion(&trace.points);
         write_results(&cfg.out, &trace.points, suggestion)?;
-        out!("{}", report(&trace, suggestion, range, &cfg.out));
+        let interrupted = stop.signal().is_some() && trace.diverged.is_none();
+        out!(
+            "{}",
+            report(&trace, suggestion, range, &cfg.out, interrupted)
+        );
     }
     match stop.signal() {
         Some(signal) => Ok(ExitCode::from(128 + signal as u8)),
@@ -108,8 +112,15 @@ fn write_results(
     Ok(())
 }
 
-/// What lr-find prints at the end.
-pub fn report(trace: &LrTrace, suggestion: Option<LrPoint>, range: LrRange, out: &Path) -> String {
+/// What lr-find prints at the end; `interrupted`: Ctrl-C or SIGTERM ended the sweep before
+/// its last rate (the suggestion then covers only the rates swept).
+pub fn report(
+    trace: &LrTrace,
+    suggestion: Option<LrPoint>,
+    range: LrRange,
+    out: &Path,
+    interrupted: bool,
+) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let points = &trace.points;
@@ -123,6 +134,13 @@ pub fn report(trace: &LrTrace, suggestion: Option<LrPoint>, range: LrRange, out:
             None => String::new(),
         }
     );
+    if let (true, Some(last)) = (interrupted, points.last()) {
+        let _ = writeln!(
+            s,
+            "interrupted at lr {:.3e} of the {:.3e} asked for: what follows covers only the rates swept so far",
+            last.lr, range.end
+        );
+    }
     if let Some(low) = points
         .iter()
         .min_by(|a, b| a.smoothed.total_cmp(&b.smoothed))

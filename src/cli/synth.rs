@@ -55,7 +55,15 @@ pub(crate) fn prepare_out(
     let mut entries = match std::fs::read_dir(out) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(_) => return super::paths::expect_dir(out, "the dataset is written into a folder"),
+        // Something that is there but no folder (a file, a device) is named as what it is;
+        // any other failure (a path through a file, no permission) as the OS says it.
+        Err(e) if out.exists() || e.kind() != std::io::ErrorKind::NotADirectory => {
+            return match super::paths::expect_dir(out, "the dataset is written into a folder") {
+                Ok(()) => Err(io("read", out)(e)),
+                other => other,
+            }
+        }
+        Err(e) => return Err(io("create", out)(e)),
     };
     if entries.next().is_none() {
         return Ok(());

@@ -15,7 +15,7 @@ use pipeline::PipelineError;
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     /// A file could not be read or written.
-    #[error("cannot {what} {path}: {source}")]
+    #[error("cannot {what} {path}: {source}{}", super::folder::io_hint(source))]
     Io {
         /// The file or folder.
         path: PathBuf,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum FolderError {
     /// A file could not be read or written.
-    #[error("cannot {what} {path}: {source}")]
+    #[error("cannot {what} {path}: {source}{}", io_hint(source))]
     Io {
         /// The file or folder.
         path: PathBuf,
@@ -58,5 +58,47 @@ pub enum FolderError {
 impl From<crate::model::ModelError> for FolderError {
     fn from(e: crate::model::ModelError) -> Self {
         FolderError::Model(Box::new(e))
+    }
+}
+
+/// A hint for the I/O errors a user can act on (empty for the others): what to do about a
+/// full or read-only disk, a missing permission, a path through a file.
+pub(crate) fn io_hint(e: &std::io::Error) -> &'static str {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::StorageFull | ErrorKind::QuotaExceeded => {
+            " (hint: free space on that disk; the run keeps its last whole checkpoint, and --resume continues from it)"
+        }
+        ErrorKind::ReadOnlyFilesystem => {
+            " (hint: the disk is read-only: write elsewhere with --out, e.g. --resume RUN --out NEW)"
+        }
+        ErrorKind::PermissionDenied => " (hint: this user may not write there: choose another --out or fix the permissions)",
+        ErrorKind::NotADirectory => " (hint: a part of that path is a file, not a folder)",
+        _ => "",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_disk_errors_a_user_can_act_on_carry_a_hint() {
+        let io = |kind| FolderError::Io {
+            path: "run/model.safetensors".into(),
+            what: "write",
+            source: std::io::Error::from(kind),
+        };
+        use std::io::ErrorKind;
+        for (kind, words) in [
+            (ErrorKind::StorageFull, "free space"),
+            (ErrorKind::ReadOnlyFilesystem, "--out"),
+            (ErrorKind::PermissionDenied, "permissions"),
+            (ErrorKind::NotADirectory, "is a file"),
+        ] {
+            let text = io(kind).to_string();
+            assert!(text.contains("hint") && text.contains(words), "{text}");
+        }
+        assert!(!io(ErrorKind::UnexpectedEof).to_string().contains("hint"));
     }
 }

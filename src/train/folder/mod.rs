@@ -21,6 +21,7 @@ pub use checkpoint::{
     BestEpoch, BestRule, CheckpointMeta, CheckpointTensors, DataPosition, DatasetStamp, EmaRecipe,
     Monitor, RunSettings,
 };
+pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
