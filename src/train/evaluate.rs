@@ -79,6 +79,19 @@ pub fn evaluate<B: Backend>(
     pipe: &Pipeline,
     views: Views,
 ) -> Result<EvalReport, TrainError> {
+    let never = || false;
+    evaluate_until(net, pipe, views, &never)?
+        .ok_or_else(|| TrainError::Internal("an evaluation nobody stopped stopped".into()))
+}
+
+/// [`evaluate`], asking `stop` before every batch: `None` once it says yes (Ctrl-C or SIGTERM
+/// during the validation of a training run, which then stops without waiting for the pass).
+pub(crate) fn evaluate_until<B: Backend>(
+    net: &mut Network<B>,
+    pipe: &Pipeline,
+    views: Views,
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<EvalReport>, TrainError> {
     let start = std::time::Instant::now();
     let classes = net.graph().num_classes();
     let mut totals = MetricsAccumulator::default();
@@ -86,6 +99,9 @@ pub fn evaluate<B: Backend>(
     let mut confusion = vec![0u64; classes * classes];
     let mut samples = Vec::with_capacity(pipe.len());
     for batch in pipe.epoch(0, 0, 0)? {
+        if stop() {
+            return Ok(None);
+        }
         let batch = batch?;
         if batch.len == 0 {
             continue;
@@ -123,12 +139,12 @@ pub fn evaluate<B: Backend>(
         }
     }
     totals.seconds = start.elapsed().as_secs_f64();
-    Ok(EvalReport {
+    Ok(Some(EvalReport {
         totals,
         per_class,
         confusion,
         samples,
-    })
+    }))
 }
 
 fn argmax(row: &[f32]) -> usize {

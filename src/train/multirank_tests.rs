@@ -275,6 +275,56 @@ fn ranks_with_their_own_statistics_resume_bit_for_bit_from_inside_an_epoch() {
 }
 
 #[test]
+fn a_stop_during_validation_checkpoints_at_once_and_the_resume_validates_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    let live = |name: &str| {
+        let mut cfg = config(&data, tmp.path(), name, 2, 6);
+        cfg.freeze_bn = false;
+        cfg.epochs = 2;
+        cfg
+    };
+    let whole = live("whole");
+    train(&whole);
+    // 48 images, 2 ranks × 6: 4 steps an epoch. The wish comes with the global step count
+    // of epoch 1's end, which validation is the first to ask about.
+    let cut = live("cut");
+    let outcome = train_until(&cut, &|_, step| step == 4).unwrap();
+    assert!(outcome.interrupted);
+    let meta = CheckpointMeta::load(&cut.out).unwrap();
+    let at = &meta.data_position;
+    assert_eq!((at.epoch, at.step_in_epoch, at.global_step), (0, 4, 4));
+    let metrics = std::fs::read_to_string(cut.out.join("metrics.jsonl")).unwrap_or_default();
+    assert_eq!(metrics.lines().count(), 0, "{metrics}");
+    let mut resumed = live("cut");
+    resumed.resume = Some(cut.out.clone());
+    let done = train(&resumed);
+    assert_eq!((done.epochs_done, done.global_step), (2, 8));
+    let bytes = |cfg: &TrainConfig, file: &str| std::fs::read(cfg.out.join(file)).unwrap();
+    assert!(
+        bytes(&whole, "model.safetensors") == bytes(&cut, "model.safetensors"),
+        "stopped in validation and resumed differs from the whole run"
+    );
+    // The resumed run wrote epoch 1's lines, as the whole run did (times aside).
+    let figures = |cfg: &TrainConfig| -> Vec<(u64, String, f64, f64)> {
+        String::from_utf8(bytes(cfg, "metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (
+                    v["epoch"].as_u64().unwrap(),
+                    v["split"].as_str().unwrap().to_string(),
+                    v["loss"].as_f64().unwrap(),
+                    v["accuracy"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(figures(&whole), figures(&cut));
+}
+
+#[test]
 fn a_run_stopped_on_two_ranks_resumes_on_three_as_if_never_stopped() {
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(tmp.path(), 12);

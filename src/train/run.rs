@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
-use super::evaluate::{evaluate, Views};
+use super::evaluate::{evaluate_until, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
 use super::lr_find::LrTrace;
@@ -355,15 +355,42 @@ fn epochs<D: Device>(
         session.0 += acc.wait_seconds;
         session.1 += acc.seconds;
         rank.average_bn_statistics(shared)?;
+        // The epoch with its steps done and its figures, not yet validated: where a run
+        // stopped during validation resumes (it validates the epoch first).
+        let unvalidated = rank.position.clone();
         rank.position = rank.position.next_epoch();
+        let mut validation_stopped = false;
         if rank.is_writer() && !sweep {
-            last_valid = Some(end_epoch(
+            let at = rank.position.global_step;
+            let wish = || stop(at);
+            match end_epoch(
                 shared,
                 rank,
                 &train_line,
                 acc.wait_share(),
                 &mut best,
-            )?);
+                &wish,
+            )? {
+                Some(line) => last_valid = Some(line),
+                None => validation_stopped = true,
+            }
+        }
+        // Every rank learns whether rank 0 stopped during validation (one small sum an epoch).
+        if !sweep {
+            validation_stopped = writer_value(rank, f64::from(u8::from(validation_stopped)))? > 0.5;
+        }
+        if validation_stopped {
+            rank.position = unvalidated;
+            if rank.is_writer() {
+                save_checkpoint(shared, rank, best, None)?;
+                shared.say(format!(
+                    "stopped during the validation of epoch {}: checkpoint saved in {} (--resume validates that epoch first)",
+                    epoch + 1,
+                    cfg.out.display()
+                ));
+            }
+            interrupted = true;
+            break;
         }
         share_lr_scale(shared, rank)?;
         if let Some(line) = rank.device.input_line(rank.rank) {
@@ -601,7 +628,8 @@ fn end_epoch<D: Device>(
     train_line: &EpochMetrics,
     wait_share: f64,
     best: &mut Option<BestEpoch>,
-) -> Result<EpochMetrics, TrainError> {
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<EpochMetrics>, TrainError> {
     let cfg = &shared.cfg;
     let epoch = train_line.epoch;
     let bar = EpochBar::new(
@@ -610,11 +638,17 @@ fn end_epoch<D: Device>(
         shared.valid_pipe.steps_per_epoch(),
         0,
     );
-    let report = evaluate(&mut rank.net, &shared.valid_pipe, Views::AsStored)?;
+    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop)?;
     bar.finish();
+    let Some(report) = report else {
+        return Ok(None);
+    };
     let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
     check_valid_loss(shared, &valid_line, &rank.position)?;
-    let ema_line = validate_average(shared, rank, epoch)?;
+    let ema_line = match validate_average(shared, rank, epoch, stop)? {
+        Averaged::Stopped => return Ok(None),
+        Averaged::Line(line) => line,
+    };
     // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
     let judged = match &ema_line {
         Some(line) if cfg.best_rule.monitor.follows_average() => line,
@@ -692,7 +726,7 @@ fn end_epoch<D: Device>(
     if !cut_note.is_empty() {
         shared.say(format!("epoch {epoch}/{}{cut_note}", cfg.epochs));
     }
-    Ok(valid_line)
+    Ok(Some(valid_line))
 }
 
 /// Writes the checkpoint ([`checkpoint_files`]).
@@ -719,15 +753,27 @@ fn validate_average<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     epoch: u64,
-) -> Result<Option<EpochMetrics>, TrainError> {
+    stop: &dyn Fn() -> bool,
+) -> Result<Averaged, TrainError> {
     let Some(ema) = &rank.ema else {
-        return Ok(None);
+        return Ok(Averaged::Line(None));
     };
     let live = rank.net.state()?;
     rank.net.load_state(&ema.state)?;
-    let report = evaluate(&mut rank.net, &shared.valid_pipe, Views::AsStored);
+    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop);
     rank.net.load_state(&live)?;
-    Ok(Some(report?.totals.finish(epoch, MetricsSplit::ValidEma)))
+    Ok(match report? {
+        Some(r) => Averaged::Line(Some(r.totals.finish(epoch, MetricsSplit::ValidEma))),
+        None => Averaged::Stopped,
+    })
+}
+
+/// What the validation of the moving average gave.
+enum Averaged {
+    /// Its figures (`None`: the run keeps no average).
+    Line(Option<EpochMetrics>),
+    /// A stop came during the pass.
+    Stopped,
 }
 
 /// A checkpoint's sidecar and tensor files.
