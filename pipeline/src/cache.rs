@@ -25,7 +25,8 @@
 //! cache file.
 //!
 //! **The cache is an accelerator, never a reason to stop.** A cache folder that cannot be
-//! written (full disk, read-only, quota) gives one warning and the engine decodes what it
+//! written (full disk, read-only, quota) or a file that cannot be memory-mapped (an address
+//! space limit, a file system without maps) gives one warning and the engine decodes what it
 //! cannot cache; a complete cache in a read-only folder is served as it is. Every page the
 //! writer touches through the map is allocated by an ordinary write when the file is made,
 //! so a full disk surfaces as an error value, never as a SIGBUS; records are written with
@@ -237,6 +238,18 @@ fn is_unwritable(e: &std::io::Error) -> bool {
     )
 }
 
+/// What [`Cache::disabled`] says failed when the file cannot be memory-mapped.
+const MAPPING: &str = "mapping";
+
+/// The check before every memory map of the cache file `path`: always fine, except where a
+/// test makes it fail (`faults::map_fails`).
+fn mapping_allowed(path: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    faults::map_check(path)?;
+    let _ = path;
+    Ok(())
+}
+
 /// Takes an exclusive advisory lock without waiting: `Ok(false)` when someone else holds it.
 /// flock(2) locks belong to the open file description, so a second handle in the same
 /// process is refused too, which is what keeps two pipelines from writing one file.
@@ -331,7 +344,8 @@ fn judge(bytes: &[u8], key: &CacheKey, layout: &Layout, file_len: u64) -> Verdic
 
 impl Cache {
     /// Opens (resuming, or rebuilding) the cache at `path` for `key`, with `labels` per record.
-    /// A place that cannot hold the cache gives a disabled cache and one warning, not an error.
+    /// A place that cannot hold the cache, or a file that cannot be memory-mapped, gives a
+    /// disabled cache and one warning, not an error.
     pub(crate) fn open(path: &Path, key: CacheKey, labels: &[u32]) -> Result<Self, PipelineError> {
         let layout = Layout::new(
             key.count,
@@ -358,8 +372,12 @@ impl Cache {
                     }
                     // SAFETY: we hold the exclusive lock, so no other writer changes the file;
                     // it is only grown or replaced by rename, never truncated in place.
-                    let map = unsafe { MmapOptions::new().map_mut(&file) }
-                        .map_err(io_err(path, "mapping"))?;
+                    let map = match mapping_allowed(path)
+                        .and_then(|()| unsafe { MmapOptions::new().map_mut(&file) })
+                    {
+                        Ok(map) => map,
+                        Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+                    };
                     match judge(&map, &key, &layout, len) {
                         Verdict::Rebuild => {
                             drop(map);
@@ -409,9 +427,25 @@ impl Cache {
     }
 
     fn disabled(path: &Path, layout: Layout, what: &str, e: &std::io::Error) -> Self {
+        let hint = if what != MAPPING {
+            "free space there or pass a writable --cache-dir".to_string()
+        } else if e.raw_os_error() == Some(libc::ENOMEM) {
+            let size = if layout.total >= 1 << 30 {
+                format!("{:.1} GiB", layout.total as f64 / (1u64 << 30) as f64)
+            } else {
+                format!("{} MiB", layout.total.div_ceil(1 << 20))
+            };
+            format!(
+                "mapping it takes {size} of address space: raise the memory limit \
+                 (`ulimit -v`, a cgroup), use a smaller image size, or free memory"
+            )
+        } else {
+            "its file system may not support memory maps: pass a --cache-dir on a local disk"
+                .to_string()
+        };
         tracing::warn!(
             "cache file {}: {what} failed ({e}); going on without the pixel cache, so every \
-             epoch decodes its images (hint: free space there or pass a writable --cache-dir)",
+             epoch decodes its images (hint: {hint})",
             path.display()
         );
         Self::from_map(path, None, Map::None, Layout { count: 0, ..layout }, false)
@@ -445,7 +479,11 @@ impl Cache {
             ));
         }
         // SAFETY: the writer never truncates a cache file in place (rebuilds are renamed over).
-        let map = unsafe { MmapOptions::new().map(&file) }.map_err(io_err(path, "mapping"))?;
+        let map =
+            match mapping_allowed(path).and_then(|()| unsafe { MmapOptions::new().map(&file) }) {
+                Ok(map) => map,
+                Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+            };
         // The writer's map checksum is stale while it fills (state `filling`), so only the
         // header is checked here; every record is still verified before it is served.
         let usable = map.len() >= HEADER_BYTES
@@ -494,7 +532,11 @@ impl Cache {
             ));
         }
         // SAFETY: a read-only file on a read-only place; nobody can change it under us.
-        let map = unsafe { MmapOptions::new().map(&file) }.map_err(io_err(path, "mapping"))?;
+        let map =
+            match mapping_allowed(path).and_then(|()| unsafe { MmapOptions::new().map(&file) }) {
+                Ok(map) => map,
+                Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+            };
         if let Err(why) = Self::readable(&map, &key, &layout, len) {
             return Ok(unusable(why));
         }
@@ -521,7 +563,9 @@ impl Cache {
     ) -> Result<Self, PipelineError> {
         match Self::create(path, key, labels, layout) {
             Ok(cache) => Ok(cache),
-            Err((what, e)) if is_unwritable(&e) => Ok(Self::disabled(path, layout, what, &e)),
+            Err((what, e)) if is_unwritable(&e) || what == MAPPING => {
+                Ok(Self::disabled(path, layout, what, &e))
+            }
             Err((what, e)) => Err(io_err(path, what)(e)),
         }
     }
@@ -577,7 +621,9 @@ impl Cache {
             file.set_len(layout.total as u64)
                 .map_err(|e| ("sizing", e))?;
             // SAFETY: a file only this process knows about yet, locked by us.
-            let map = unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| ("mapping", e))?;
+            let map = mapping_allowed(path)
+                .and_then(|()| unsafe { MmapOptions::new().map_mut(&file) })
+                .map_err(|e| (MAPPING, e))?;
             map.flush_range(0, layout.records)
                 .map_err(|e| ("flushing the header", e))?;
             std::fs::rename(&tmp, path).map_err(|e| ("renaming the new cache into place", e))?;
@@ -954,7 +1000,8 @@ impl Drop for RecordWriter<'_> {
 }
 
 /// Test-only fault injection: record writes to a given cache file fail with ENOSPC after a
-/// number of successes, as on a disk that fills up mid-epoch.
+/// number of successes, as on a disk that fills up mid-epoch; opening it for writing fails as
+/// on a read-only mount; mapping it fails as under a low `ulimit -v`.
 #[cfg(test)]
 pub(crate) mod faults {
     use std::path::{Path, PathBuf};
@@ -975,9 +1022,29 @@ pub(crate) mod faults {
         plans.retain(|(p, _)| p != path);
         let mut read_only = READ_ONLY.lock().unwrap_or_else(|p| p.into_inner());
         read_only.retain(|p| p != path);
+        let mut map_fails = MAP_FAILS.lock().unwrap_or_else(|p| p.into_inner());
+        map_fails.retain(|(p, _)| p != path);
     }
 
     static READ_ONLY: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    static MAP_FAILS: Mutex<Vec<(PathBuf, i32)>> = Mutex::new(Vec::new());
+
+    /// Every memory map of the cache file `path` (or of the temporary file that becomes it)
+    /// fails with the OS error `errno`, as under a low `ulimit -v` (ENOMEM).
+    pub(crate) fn map_fails(path: &Path, errno: i32) {
+        let mut fails = MAP_FAILS.lock().unwrap_or_else(|p| p.into_inner());
+        fails.retain(|(p, _)| p != path);
+        fails.push((path.to_path_buf(), errno));
+    }
+
+    pub(super) fn map_check(path: &Path) -> std::io::Result<()> {
+        let fails = MAP_FAILS.lock().unwrap_or_else(|p| p.into_inner());
+        match fails.iter().find(|(p, _)| p == path) {
+            Some((_, errno)) => Err(std::io::Error::from_raw_os_error(*errno)),
+            None => Ok(()),
+        }
+    }
 
     /// Opening `path` for writing fails with EROFS, as on a read-only mount (the tests run
     /// as root, which chmod cannot stop).

@@ -125,6 +125,28 @@ pub enum PipelineError {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// Opening or reading an image hit a limit of the process or the machine (too many open
+    /// files, out of memory): not a fault of the file, so the epoch stops rather than skip
+    /// good images as bad ones.
+    #[error("cannot read {path}: {limit} (hint: {hint})")]
+    OutOfResources {
+        /// The image being opened or read.
+        path: PathBuf,
+        /// Which limit was hit, with its value where known.
+        limit: String,
+        /// What to do about it.
+        hint: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A folder of the dataset (its root, a split or a class folder) disappeared while the
+    /// engine was reading its images (renamed or deleted during the run).
+    #[error("the dataset folder {path} disappeared during the run (hint: restore it; a --resume continues)")]
+    DatasetVanished {
+        /// The topmost folder that is gone.
+        path: PathBuf,
+    },
     /// An invalid builder or command-line setting.
     #[error("invalid setting {name} = {value}: {hint}")]
     InvalidSetting {

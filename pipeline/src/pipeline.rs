@@ -272,13 +272,16 @@ impl Pipeline {
                 });
             }
         }
-        for file in &scanned.bad {
+        for file in scanned.bad.iter().take(crate::worker::WARNED_BAD_FILES) {
             tracing::warn!(
                 "skipping bad file {}: {} ({})",
                 file.path.display(),
                 file.kind,
                 file.detail
             );
+        }
+        if scanned.bad.len() > crate::worker::WARNED_BAD_FILES {
+            crate::worker::warn_more_bad_files(b.split.as_str(), b.bad_files_report.as_deref());
         }
         let buffer_bytes = check_counts(&b, scanned.samples.len())?;
         let fp = fingerprint(&b, &scanned.classes, &scanned.samples, false);
@@ -302,6 +305,8 @@ impl Pipeline {
             files: scanned.bad.clone(),
             per_class: vec![0; scanned.classes.len()],
             class_totals,
+            // Files found bad by the scan have had their warning lines (or the summary).
+            warned: scanned.bad.len(),
             ..BadLog::default()
         };
         // Bad files found by an earlier pass over this cache count from the start.
@@ -1024,6 +1029,58 @@ mod tests {
         assert_eq!(p.stats().decoded, 0);
         drop(p);
         crate::cache::faults::clear(&path);
+    }
+
+    #[test]
+    fn a_cache_that_cannot_be_mapped_is_disabled_and_every_image_is_still_served() {
+        let data = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        tiny_dataset(data.path());
+        let build = || tiny_pipeline(data.path(), cache.path());
+        let path = cache_path(
+            &PipelineBuilder::new(crate::DatasetSource::folder(data.path()))
+                .image_size(16)
+                .cache_dir(cache.path()),
+        );
+        // A fresh cache (as under a low `ulimit -v`): every epoch decodes every image.
+        crate::cache::faults::map_fails(&path, libc::ENOMEM);
+        let p = build();
+        assert_eq!(p.cache_path(), path);
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(served(&p, 1), 12);
+        assert_eq!(p.stats().decoded, 24, "nothing is cached");
+        assert_eq!(p.cache_health().write_failures, 0);
+        drop(p);
+        // A complete cache made when mapping worked, then opened where it fails: as the
+        // writer, as a second pipeline (a reader) and on a read-only place.
+        crate::cache::faults::clear(&path);
+        let writer = build();
+        assert_eq!(served(&writer, 0), 12);
+        crate::cache::faults::map_fails(&path, libc::ENOMEM);
+        let reader = build();
+        assert_eq!(served(&reader, 0), 12);
+        assert_eq!(
+            reader.stats().decoded,
+            12,
+            "the reader decodes without the cache"
+        );
+        drop(reader);
+        drop(writer);
+        crate::cache::faults::map_fails(&path, libc::EINVAL);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 12);
+        drop(p);
+        crate::cache::faults::read_only(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 12);
+        drop(p);
+        // Mapping works again: the complete cache is still there and served.
+        crate::cache::faults::clear(&path);
+        let p = build();
+        assert_eq!(served(&p, 0), 12);
+        assert_eq!(p.stats().decoded, 0, "the cache survived being disabled");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::io::Read;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -22,6 +23,11 @@ use crate::{
 
 /// The detail of a bad file known from an earlier pass over the cache.
 pub(crate) const FOUND_EARLIER: &str = "found by an earlier pass (kept in the cache)";
+
+/// Bad files of one split that get a warning line each; later ones are summed up in one line
+/// (the bad-files report and [`Pipeline::bad_files`](crate::Pipeline::bad_files) list them
+/// all), so a broken dataset cannot flood the log.
+pub(crate) const WARNED_BAD_FILES: usize = 20;
 
 /// Everything workers and assemblers share; owned through `Arc`.
 pub(crate) struct Shared {
@@ -59,6 +65,8 @@ pub(crate) struct BadLog {
     pub(crate) seen: std::collections::HashSet<u32>,
     pub(crate) per_class: Vec<usize>,
     pub(crate) class_totals: Vec<usize>,
+    /// Decode-time bad files logged so far (a warning line each up to [`WARNED_BAD_FILES`]).
+    pub(crate) warned: usize,
 }
 
 /// Where a split's samples came from: it decides which dataset-level failures apply.
@@ -96,12 +104,17 @@ impl Shared {
         if !log.seen.insert(index) {
             return;
         }
-        tracing::warn!(
-            "skipping bad image {}: {} ({})",
-            file.path.display(),
-            file.kind,
-            file.detail
-        );
+        if log.warned < WARNED_BAD_FILES {
+            tracing::warn!(
+                "skipping bad image {}: {} ({})",
+                file.path.display(),
+                file.kind,
+                file.detail
+            );
+        } else if log.warned == WARNED_BAD_FILES {
+            warn_more_bad_files(&self.split, self.report.as_deref());
+        }
+        log.warned += 1;
         let label = self.samples[index as usize].label as usize;
         log.per_class[label] += 1;
         log.files.push(file);
@@ -357,10 +370,14 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     let read =
         std::fs::File::open(&sample.path).and_then(|mut f| f.read_to_end(&mut scratch.bytes));
     if let Err(e) = read {
-        // Not a verdict on the file's contents (a permission, EIO, EMFILE, a folder moved
-        // away for a moment): reported for this run, never kept in the cache, so the next
-        // run reads it again. Dropping the claim releases the record.
+        // Not a verdict on the file's contents (a permission, EIO): reported for this run,
+        // never kept in the cache, so the next run reads it again. Dropping the claim
+        // releases the record. A limit of the process or the machine, or a dataset folder
+        // gone, says nothing about the file: the epoch stops rather than skip good images.
         drop(claim);
+        if let Some(error) = unreadable_is_fatal(&sample.path, &e) {
+            return Err(error);
+        }
         let file = BadFile::new(sample.path.clone(), BadFileKind::Unreadable, e.to_string());
         return bad(shared, job.index, file, Some(Box::new(e)));
     }
@@ -409,6 +426,94 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     }
     shared.counters.decoded.fetch_add(1, Ordering::Relaxed);
     Ok(Outcome::Decoded)
+}
+
+/// The one line that stands for every bad file of `split` after the first
+/// [`WARNED_BAD_FILES`], which get a line each.
+pub(crate) fn warn_more_bad_files(split: &str, report: Option<&Path>) {
+    let listed = match report {
+        Some(report) => format!("the bad-files report {} lists", report.display()),
+        None => "the stats count them and a bad-files report would list".into(),
+    };
+    tracing::warn!(
+        "skipping more bad images of split `{split}` without a line each (more than \
+         {WARNED_BAD_FILES}); {listed} them all"
+    );
+}
+
+/// The error that stops the epoch when opening or reading `path` failed with `e` for a
+/// reason that is not the file's (`None`: the file itself is unreadable, a bad file).
+fn unreadable_is_fatal(path: &Path, e: &std::io::Error) -> Option<PipelineError> {
+    if let Some((limit, hint)) = resource_limit(e) {
+        return Some(PipelineError::OutOfResources {
+            path: path.to_path_buf(),
+            limit,
+            hint,
+            source: e.raw_os_error().map_or_else(
+                || std::io::Error::new(e.kind(), e.to_string()),
+                std::io::Error::from_raw_os_error,
+            ),
+        });
+    }
+    if e.kind() == std::io::ErrorKind::NotFound {
+        return vanished_folder(path).map(|folder| PipelineError::DatasetVanished { path: folder });
+    }
+    None
+}
+
+/// Which limit an I/O error hit, with a hint, when it is one of the process or the machine
+/// (too many open files, out of memory) rather than a fault of the file being read.
+pub(crate) fn resource_limit(e: &std::io::Error) -> Option<(String, &'static str)> {
+    match e.raw_os_error()? {
+        libc::EMFILE => {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes one `rlimit` into the struct we own.
+            let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+            let value = if !known {
+                "unknown".to_string()
+            } else if limit.rlim_cur == libc::RLIM_INFINITY {
+                "unlimited".to_string()
+            } else {
+                limit.rlim_cur.to_string()
+            };
+            Some((
+                format!("too many open files (the process limit, `ulimit -n`, is {value})"),
+                "raise it or use fewer workers",
+            ))
+        }
+        libc::ENFILE => Some((
+            "too many open files in the whole system (ENFILE)".into(),
+            "close other programs or raise the system limit (sysctl fs.file-max), or use \
+             fewer workers",
+        )),
+        libc::ENOMEM => Some((
+            "out of memory (the kernel refused an allocation)".into(),
+            "free memory or raise the memory limit (`ulimit -v`, a cgroup), or use fewer \
+             workers",
+        )),
+        _ => None,
+    }
+}
+
+/// The topmost folder above `file` that no longer exists, when the folder holding `file` is
+/// gone. Every sample was a file when the dataset was scanned, so a missing folder above it
+/// has disappeared during the run (renamed or deleted), not a bad file.
+fn vanished_folder(file: &Path) -> Option<PathBuf> {
+    let gone = |dir: &Path| {
+        !dir.as_os_str().is_empty()
+            && matches!(std::fs::metadata(dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+    };
+    let mut vanished = None;
+    for dir in file.ancestors().skip(1) {
+        if !gone(dir) {
+            break;
+        }
+        vanished = Some(dir.to_path_buf());
+    }
+    vanished
 }
 
 /// What becomes of a stored square after the cache.
@@ -524,5 +629,45 @@ fn bad(
             kind: file.kind,
             source,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_of_the_process_or_machine_are_told_apart_from_faults_of_the_file() {
+        let limit = |errno| resource_limit(&std::io::Error::from_raw_os_error(errno));
+        let (what, hint) = limit(libc::EMFILE).unwrap();
+        assert!(what.contains("`ulimit -n`, is "), "{what}");
+        assert!(hint.contains("fewer workers"), "{hint}");
+        assert!(limit(libc::ENFILE).unwrap().0.contains("whole system"));
+        assert!(limit(libc::ENOMEM).unwrap().0.contains("out of memory"));
+        for errno in [
+            libc::ENOENT,
+            libc::EACCES,
+            libc::EIO,
+            libc::EISDIR,
+            libc::ELOOP,
+        ] {
+            assert_eq!(limit(errno), None, "errno {errno}");
+        }
+        let invalid = std::io::Error::new(std::io::ErrorKind::InvalidData, "bad bytes");
+        assert_eq!(resource_limit(&invalid), None);
+    }
+
+    #[test]
+    fn a_missing_file_in_a_folder_that_is_there_is_no_vanished_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let class = dir.path().join("train").join("robin");
+        std::fs::create_dir_all(&class).unwrap();
+        assert_eq!(vanished_folder(&class.join("gone.jpg")), None);
+        std::fs::remove_dir_all(dir.path().join("train")).unwrap();
+        assert_eq!(
+            vanished_folder(&class.join("gone.jpg")),
+            Some(dir.path().join("train"))
+        );
+        assert_eq!(vanished_folder(Path::new("relative.jpg")), None);
     }
 }

@@ -236,9 +236,10 @@ fn identity(path: &Path) -> (i64, i64, u64) {
 
 #[test]
 fn a_file_that_could_not_be_read_is_not_kept_bad_in_the_cache() {
-    // Five images in a folder, the sixth in a subfolder that goes away for a while: its
-    // open fails (as on EACCES, EIO or EMFILE, which root cannot provoke), and neither the
-    // file's size, mtime, ctime nor inode change when the folder comes back.
+    // Five images in a folder, the sixth in a subfolder that a plain file stands in for a
+    // while: its open fails with ENOTDIR (as on EACCES or EIO, which root cannot provoke; a
+    // folder simply gone is a dataset that disappeared, which stops the epoch), and neither
+    // the file's size, mtime, ctime nor inode change when the folder comes back.
     let dir = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
     let hold = dir.path().join("hold");
@@ -271,6 +272,7 @@ fn a_file_that_could_not_be_read_is_not_kept_bad_in_the_cache() {
     let identity_before = identity(&victim);
     let away = dir.path().join("hold.away");
     std::fs::rename(&hold, &away).unwrap();
+    std::fs::write(&hold, b"a file where the folder was").unwrap();
     assert_eq!(served(&p), 5, "the unreadable file is skipped");
     assert_eq!(served(&p), 5, "and skipped again in the same run");
     let bad = p.bad_files();
@@ -284,6 +286,7 @@ fn a_file_that_could_not_be_read_is_not_kept_bad_in_the_cache() {
     assert!(listed.contains("img5.png"), "{listed}");
     drop(p);
     // Readable again, and the file itself untouched: the same cache key.
+    std::fs::remove_file(&hold).unwrap();
     std::fs::rename(&away, &hold).unwrap();
     assert_eq!(identity(&victim), identity_before);
     let p2 = builder().build().unwrap();
@@ -305,10 +308,12 @@ fn an_unreadable_file_still_fails_the_run_when_asked_and_the_next_run_reads_it()
     let fx = synth(2, 3, 0);
     let builder = || fx.builder().batch_size(6).on_bad_image(OnBadImage::Fail);
     let p = builder().build().unwrap();
-    // The class folder goes away after the scan and comes back untouched.
+    // After the scan a plain file stands in for the class folder (its images fail to open
+    // with ENOTDIR), then the folder comes back untouched.
     let class = fx.root().join("train/class_01");
     let away = fx.root().join("class_01.away");
     std::fs::rename(&class, &away).unwrap();
+    std::fs::write(&class, b"a file where the folder was").unwrap();
     let err = p
         .epoch(0, 0, 0)
         .unwrap()
@@ -325,6 +330,7 @@ fn an_unreadable_file_still_fails_the_run_when_asked_and_the_next_run_reads_it()
         "{err:?}"
     );
     drop(p);
+    std::fs::remove_file(&class).unwrap();
     std::fs::rename(&away, &class).unwrap();
     let p2 = builder().build().unwrap();
     let served: usize = collect(&p2, 0, 0, 0).iter().map(|b| b.ids.len()).sum();
