@@ -269,6 +269,19 @@ fn eval_json(run: &Path, data: &Path, cache: &Path, extra: &[&str]) -> serde_jso
     json_lines(&ok(birdtrain_output(&args)))[0].clone()
 }
 
+/// `eval` of `run` on `data` as a table (its output).
+fn eval_text(run: &Path, data: &Path, cache: &Path) -> Output {
+    ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(run),
+        "--data",
+        s(data),
+        "--cache-dir",
+        s(cache),
+    ]))
+}
+
 /// `--crop-pct`: a run trained with it validates on the centred crop, and `eval` and
 /// `predict` of its checkpoint take the crop from the checkpoint (the same figures as the
 /// run's last validation line), unless told another share.
@@ -308,15 +321,7 @@ fn the_checkpoints_centre_crop_serves_validation_eval_and_predict() {
     let default = predict(&[]);
     assert_eq!(default, predict(&["--crop-pct", "0.75"]));
     assert_ne!(default, predict(&["--crop-pct", "1"]));
-    let text_out = ok(birdtrain_output(&[
-        "eval",
-        "--checkpoint",
-        s(&run),
-        "--data",
-        s(&data),
-        "--cache-dir",
-        s(&cache),
-    ]));
+    let text_out = eval_text(&run, &data, &cache);
     assert!(
         text(&text_out).contains("(centre crop 0.75)"),
         "{}",
@@ -738,17 +743,7 @@ fn eval_reports_the_loss_the_run_validated_with() {
     let mut args = train_args(&data, &cache, &run, 1);
     args.extend(["--label-smoothing", "0.3"].map(String::from));
     ok(run_with(&args, &[]));
-    let out = ok(birdtrain_output(&[
-        "eval",
-        "--checkpoint",
-        s(&run),
-        "--data",
-        s(&data),
-        "--cache-dir",
-        s(&cache),
-        "--json",
-    ]));
-    let report = &json_lines(&out)[0];
+    let report = &eval_json(&run, &data, &cache, &[]);
     assert_eq!(report["label_smoothing"].as_f64(), Some(0.3f32 as f64));
     let last = last_metrics(&run);
     assert_eq!(last["split"], "valid", "{last}");
@@ -756,15 +751,7 @@ fn eval_reports_the_loss_the_run_validated_with() {
         (report["loss"].as_f64().unwrap() - last["loss"].as_f64().unwrap()).abs() < 1e-5,
         "eval {report} vs validation {last}"
     );
-    let text = ok(birdtrain_output(&[
-        "eval",
-        "--checkpoint",
-        s(&run),
-        "--data",
-        s(&data),
-        "--cache-dir",
-        s(&cache),
-    ]));
+    let text = eval_text(&run, &data, &cache);
     assert!(
         String::from_utf8_lossy(&text.stdout).contains("(label smoothing 0.3)"),
         "{}",
