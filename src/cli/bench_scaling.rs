@@ -147,10 +147,11 @@ fn links(args: &BenchScalingArgs) -> [Interconnect; 2] {
 /// naming it (usage error, exit code 2).
 pub fn check(args: &BenchScalingArgs) -> Result<(), super::CliError> {
     use super::counts::{check_bench_classes, check_bench_image_size, check_positive, check_range};
-    if let Some(&n) = args.gpus.iter().find(|&&n| n == 0) {
+    let zero = args.gpus.iter().find(|&&n| n == 0).map(ToString::to_string);
+    if let Some(value) = zero.or_else(|| args.gpus.is_empty().then(String::new)) {
         return Err(super::CliError::BadValue {
             flag: "--gpus",
-            value: n.to_string(),
+            value,
             hint: "GPU counts of at least 1, comma-separated, e.g. --gpus 1,2,4,8".into(),
         });
     }
@@ -207,9 +208,6 @@ pub fn check(args: &BenchScalingArgs) -> Result<(), super::CliError> {
 
 /// Computes the report (measuring the step on the CPU backend when `--step-ms` is absent).
 pub fn compute(args: &BenchScalingArgs) -> anyhow::Result<ScalingReport> {
-    if args.gpus.is_empty() {
-        bail!("--gpus needs GPU counts of at least 1, e.g. --gpus 1,2,4,8");
-    }
     check(args)?;
     let arch: Arch = args
         .model

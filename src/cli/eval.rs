@@ -194,8 +194,8 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
 /// error that says how to give one.
 fn split_settings(args: &EvalArgs, meta: &CheckpointMeta) -> Result<(Option<f32>, u64), CliError> {
     let seed = args.seed.unwrap_or(meta.seed);
-    let folder_layout = args.data.join("train").is_dir();
-    if args.data.is_dir() && folder_layout {
+    // The folder layout's train/ implies a folder; it holds its own valid/ split.
+    if args.data.join("train").is_dir() {
         return Ok((args.valid_fraction, seed));
     }
     let trained = meta.settings.valid_fraction;

@@ -746,17 +746,7 @@ fn set_plateau(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
                 args.plateau_min_lr.map(|v| v.to_string()),
             ),
         ];
-        return match given.into_iter().find_map(|(f, v)| Some((f, v?))) {
-            Some((flag, value)) => Err(CliError::BadValue {
-                flag,
-                value,
-                hint: format!(
-                    "it tunes the plateau schedule, and this run's schedule is {}: add --schedule plateau",
-                    schedule.choice()
-                ),
-            }),
-            None => Ok(()),
-        };
+        return refuse_tuning(schedule, "plateau", given);
     };
     if let Some(v) = args.plateau_patience {
         p.patience = v;
@@ -773,6 +763,26 @@ fn set_plateau(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The error for the first of `given` (flag, value if given) that tunes the schedule `wanted`
+/// when the run's `schedule` is another; `Ok` when none was given.
+fn refuse_tuning<const N: usize>(
+    schedule: &Decay,
+    wanted: &str,
+    given: [(&'static str, Option<String>); N],
+) -> Result<(), CliError> {
+    match given.into_iter().find_map(|(f, v)| Some((f, v?))) {
+        Some((flag, value)) => Err(CliError::BadValue {
+            flag,
+            value,
+            hint: format!(
+                "it tunes the {wanted} schedule, and this run's schedule is {}: add --schedule {wanted}",
+                schedule.choice()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Applies `--step-every` and `--step-gamma` to the run's step schedule (the flag's, or a
 /// resumed run's own); given with another schedule, they are an error naming the first.
 fn set_step(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
@@ -785,17 +795,7 @@ fn set_step(schedule: &mut Decay, args: &TrainArgs) -> Result<(), CliError> {
             ("--step-every", args.step_every.map(|v| v.to_string())),
             ("--step-gamma", args.step_gamma.map(|v| v.to_string())),
         ];
-        return match given.into_iter().find_map(|(f, v)| Some((f, v?))) {
-            Some((flag, value)) => Err(CliError::BadValue {
-                flag,
-                value,
-                hint: format!(
-                    "it tunes the step schedule, and this run's schedule is {}: add --schedule step",
-                    schedule.choice()
-                ),
-            }),
-            None => Ok(()),
-        };
+        return refuse_tuning(schedule, "step", given);
     };
     if let Some(v) = args.step_every {
         *every_epochs = v;

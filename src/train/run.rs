@@ -729,8 +729,7 @@ fn end_epoch<D: Device>(
     Ok(Some(valid_line))
 }
 
-/// Writes the checkpoint ([`checkpoint_files`]).
-/// Writes the run's checkpoint; `rank_rows` are the ranks' own batch-norm buffers of a
+/// Writes the run's checkpoint ([`checkpoint_files`]); `rank_rows` are the ranks' own batch-norm buffers of a
 /// checkpoint inside an epoch ([`Rank::gather_bn_buffers`]), `None` at an epoch end (where
 /// the ranks hold the average already).
 fn save_checkpoint<D: Device>(
