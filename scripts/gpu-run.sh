@@ -95,12 +95,13 @@ print(' '.join(k for k in ('driver', 'nvrtc', 'cuda_headers', 'kernel_compile', 
 phase_tests() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check 120 "$bin" kernels check --arch sm_90
-  # Tests that need two GPUs skip themselves with a line saying so (grep "skipped" in the logs).
+  # Tests that need two GPUs skip themselves with a line saying so; --nocapture keeps that line
+  # (and the tests' measured figures) in the logs: grep "skipped".
   # `gpu-run.sh tests NAME...` runs only those test binaries (the rest of an unfinished call).
   local t names=("$@")
   [ ${#names[@]} -gt 0 ] || names=("${gpu_tests[@]}")
   for t in "${names[@]}"; do
-    step "test-$t" 150 "$here/$t" --ignored --test-threads 1
+    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 --nocapture
     grep -E "^test |test result|skipped" "$out/test-$t.log" | tail -40
   done
 }
@@ -231,7 +232,7 @@ phase_all() {
   local t
   step kernels-check 120 "$bin" kernels check --arch sm_90 &
   for t in "${shared_tests[@]}"; do
-    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 &
+    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 --nocapture &
   done
   train_checks >"$out/train-checks.txt" 2>&1 &
   big_set &
@@ -239,7 +240,7 @@ phase_all() {
   for t in "${shared_tests[@]}"; do
     grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -30
   done
-  step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1
+  step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1 --nocapture
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
   train_data_wait
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18

@@ -115,6 +115,18 @@ fn gpu_bench_reports_breakdown_and_device_update() {
     assert!(rows
         .iter()
         .any(|r| r.kernel.starts_with("bn_") && r.gb_per_s.is_some()));
+    // Each GEMM carries its own FLOPs: every convolution kernel has a rate, none above the
+    // device's peak (a first H100 run showed the split weight gradient's FLOPs on its reduce
+    // kernel, at 2 233 TFLOP/s, and none on the GEMM).
+    let peak = bf16_peak_tflops(report.device.split_once(' ').map_or("", |d| d.1)).unwrap_or(1e4);
+    for r in rows.iter().filter(|r| r.kernel.starts_with("conv")) {
+        let gemm = !matches!(
+            r.kernel.as_str(),
+            "conv2_wgrad_reduce" | "conv2_pad_channels" | "conv2_dgrad_weights"
+        );
+        assert_eq!(r.tflops.is_some(), gemm, "{r:?}");
+        assert!(r.tflops.unwrap_or(0.0) < peak, "{r:?} above the peak {peak}");
+    }
     let total: f64 = rows.iter().map(|r| r.percent).sum();
     assert!((total - 100.0).abs() < 1e-6);
 }

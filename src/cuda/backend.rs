@@ -884,8 +884,11 @@ impl Backend for CudaBackend {
                                    // Every element of a slice's plane is stored once (no atomics, no zeroing): one
                                    // slice writes dw itself; several write their planes, summed in slice order.
             let slices = l.grid.2 as usize;
+            // What the GEMM itself moves: the operands read, and its planes (or dw) written.
+            let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * slices;
             if slices == 1 {
                 launch!(self, op, "conv2.cu", kernel, cfg, [dy, x, dw, &l.args]);
+                self.note_work(gemm_bytes, s.flops());
             } else {
                 let len = s.w_len();
                 ensure(&self.dev, planes, slices * len, op)?;
@@ -898,6 +901,7 @@ impl Backend for CudaBackend {
                     cfg,
                     [dy, x, &mut *planes, &l.args]
                 );
+                self.note_work(gemm_bytes, s.flops());
                 let (len_i, slices_i) = (len as i64, to_i32(op, "slices", slices)?);
                 launch!(
                     self,
@@ -907,11 +911,9 @@ impl Backend for CudaBackend {
                     elementwise_cfg(len.div_ceil(4)),
                     [&*planes, dw, &len_i, &slices_i]
                 );
+                // The reduce reads every plane and writes dw once; it does no GEMM work.
+                self.note_work(4 * len * (slices + 1), 0.0);
             }
-            self.note_work(
-                2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * (1 + 2 * (slices - 1)),
-                s.flops(),
-            );
             return Ok(());
         }
         // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
