@@ -7,8 +7,9 @@
 #                                # v2 convolutions, bench scaling with the measured step
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
 #                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
+#   bash .gpu/gpu-run.sh auto    # --batch-size auto: resnet50 at 224 px trains at the batch picked
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
-#   bash .gpu/gpu-run.sh all     # all four in one call, for a short lease: the correctness
+#   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
 #
@@ -73,7 +74,8 @@ discover() {
   local missing
   missing=$(python3 -c "
 import json; r = json.load(open('$out/env.json'))
-print(' '.join(k for k in ('driver', 'nvrtc', 'cuda_headers', 'kernel_compile', 'nccl') if not r[k]['ok']))")
+print(' '.join(k for k in ('driver', 'nvrtc', 'cuda_headers', 'kernel_compile', 'nccl') if not r[k]['ok']))" 2>/dev/null \
+    || echo "everything (no readable 'birdtrain env --json')")
   if [ -z "$missing" ]; then
     note "PASS discovery: driver, NVRTC, headers, a kernel compile and NCCL found by the binary alone"
     # And where the loader's own path is empty (a shell without the image's LD_LIBRARY_PATH):
@@ -199,6 +201,18 @@ train_data_wait() {
   check $checks data-wait "$out/datawait-$bigmodel.log" 1
 }
 
+# --batch-size auto with resnet50 at 224 px: the batch it measures for the GPU trains (one
+# epoch of 1 280 images; with GPUS=0 the flag is refused, so the step is skipped).
+phase_auto() {
+  [ "$gpus" = 0 ] && { note "SKIP auto-batch: --batch-size auto needs a GPU"; return; }
+  local b=$work/synth-auto r=$work/runs-auto c=$work/cache
+  [ -d "$b/train" ] || "$bin" synth --out "$b" --classes 8 --train-per-class 160 --valid-per-class 8 --size 256x256 >/dev/null
+  rm -rf "$r"; mkdir -p "$r"
+  step auto-batch-resnet50 150 "$bin" --data "$b" --gpus "$gpus" --model resnet50 --image-size 224 \
+    --batch-size auto --epochs 1 --cache-dir "$c" --out "$r/auto"
+  grep -E "batch-size auto|global batch|wall time" "$out/auto-batch-resnet50.log" | tee -a "$summary"
+}
+
 phase_ncu() {
   step ncu-find 150 "$bin" bench step --model resnet50 --batch-size 256 --warmup 3 --steps 5 --json --breakdown
   ncu_top "$out/ncu-find.log"
@@ -243,6 +257,7 @@ phase_all() {
   step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1 --nocapture
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
   train_data_wait
+  phase_auto
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
   bench_scaling
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 60 "$bin" bench step --model resnet50 --batch-size 256 \
@@ -253,8 +268,8 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|ncu|all) ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|ncu|all (one per device call)" >&2; exit 2 ;;
+  tests|bench|train|auto|ncu|all) ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|ncu|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"

@@ -84,6 +84,9 @@ fn bad_flag_values_are_usage_errors() {
         (vec!["--lr=-1"], "--lr"),
         (vec!["--lr", "0"], "--lr"),
         (vec!["--batch-size", "0"], "--batch-size"),
+        (vec!["--batch-size", "many"], "auto"),
+        // auto measures a GPU: on the CPU it is refused, pointing to a number.
+        (vec!["--batch-size", "auto"], "--batch-size 64"),
         (vec!["--schedule", "linear"], "--schedule"),
         (vec!["--valid-fraction", "0.2"], "--valid-fraction"),
         (vec!["--monitor", "loss"], "--monitor"),

@@ -125,7 +125,10 @@ fn gpu_bench_reports_breakdown_and_device_update() {
             "conv2_wgrad_reduce" | "conv2_pad_channels" | "conv2_dgrad_weights"
         );
         assert_eq!(r.tflops.is_some(), gemm, "{r:?}");
-        assert!(r.tflops.unwrap_or(0.0) < peak, "{r:?} above the peak {peak}");
+        assert!(
+            r.tflops.unwrap_or(0.0) < peak,
+            "{r:?} above the peak {peak}"
+        );
     }
     let total: f64 = rows.iter().map(|r| r.percent).sum();
     assert!((total - 100.0).abs() < 1e-6);

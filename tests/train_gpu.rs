@@ -450,3 +450,57 @@ fn the_learning_rate_sweep_runs_on_a_gpu_and_stops_at_divergence() {
     assert!(trace.points.len() > 12 && trace.points.len() < 60);
     assert!(!cfg.out.join("checkpoint.json").exists());
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn batch_size_auto_measures_the_gpu_and_the_batch_it_picks_trains() {
+    // 64 px images so that the picked batch (thousands of resnet8 images) is a real load.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 24, 64);
+    let out = tmp.path().join("run");
+    let (s, o) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let cli = birdtrain::cli::Cli::try_parse_from([
+        "birdtrain",
+        "--data",
+        s,
+        "--gpus",
+        "1",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "64",
+        "--batch-size",
+        "auto",
+        "--epochs",
+        "1",
+        "--out",
+        o,
+        "--quiet",
+    ])
+    .unwrap();
+    let (cfg, note) = birdtrain::cli::train_args::to_config(&cli.train).unwrap();
+    let note = note.expect("the line that says what auto picked");
+    println!("{note}");
+    assert!(
+        note.contains("--batch-size auto:") && note.contains("cuda:0"),
+        "{note}"
+    );
+    let graph = Graph::new(Arch::ResNet8, 4);
+    let backend = birdtrain::cuda::CudaBackend::new(0).unwrap();
+    let (measured, _) = birdtrain::cuda::memory::auto_batch_size(&backend, &graph, 64).unwrap();
+    drop(backend);
+    assert_eq!(cfg.batch_size, measured / 8 * 8);
+    // The largest batch must also fit a whole network of that size: build one and step it.
+    let backend = birdtrain::cuda::CudaBackend::new(0).unwrap();
+    let net = birdtrain::model::Network::new(backend, &graph, cfg.batch_size, 64);
+    assert!(
+        net.is_ok(),
+        "the picked batch {} does not fit: {:?}",
+        cfg.batch_size,
+        net.err()
+    );
+    drop(net);
+    // And the run trains with it (the 96 images make one step).
+    let done = train::train(&cfg, &AtomicBool::new(false)).unwrap();
+    assert_eq!(done.global_step, 1);
+}

@@ -118,6 +118,12 @@ impl DatasetSource {
             Self::List { .. } => None,
         }
     }
+
+    /// The class names, as a training engine on this source would number them (the train
+    /// split's, sorted), without building one: a scan of the train split's listing.
+    pub fn classes(&self) -> Result<Vec<String>, PipelineError> {
+        scan(self, Split::Train, 0).map(|s| s.classes)
+    }
 }
 
 /// One image file of a split.

@@ -217,3 +217,21 @@ fn a_csv_class_with_no_readable_image_is_refused_naming_it() {
     let seen: usize = collect(&p, 0, 0, 0).iter().map(|b| b.ids.len()).sum();
     assert_eq!(seen, 4, "three of a and one of b");
 }
+
+#[test]
+fn a_source_names_the_classes_its_engine_numbers_without_building_one() {
+    let fx = synth(3, 4, 2);
+    let csv = kaggle_csv(&fx);
+    for source in [
+        DatasetSource::folder(fx.root()),
+        DatasetSource::csv(&csv, None),
+    ] {
+        let engine = builder(&fx, source.clone(), Split::Train).build().unwrap();
+        assert_eq!(source.classes().unwrap(), engine.classes());
+    }
+    let missing = DatasetSource::folder(fx.root().join("nowhere")).classes();
+    assert!(
+        matches!(missing, Err(PipelineError::MissingDir { .. })),
+        "{missing:?}"
+    );
+}

@@ -115,9 +115,10 @@ pub struct TrainArgs {
     /// Epochs to train in total.
     #[arg(long, value_name = "E")]
     pub epochs: Option<u64>,
-    /// Images per replica per step (the global batch is replicas × this).
-    #[arg(long, value_name = "B")]
-    pub batch_size: Option<usize>,
+    /// Images per replica per step (the global batch is replicas × this); `auto` on GPUs:
+    /// the most every GPU holds, measured on them.
+    #[arg(long, value_name = "B|auto", value_parser = batch_size_value)]
+    pub batch_size: Option<BatchSize>,
     /// Learning rate for a global batch of 256 (scaled linearly to the real global batch).
     #[arg(long, value_name = "X")]
     pub lr: Option<f32>,
@@ -451,7 +452,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     if let Some(v) = args.epochs {
         cfg.epochs = v;
     }
-    if let Some(v) = args.batch_size {
+    if let Some(BatchSize::Images(v)) = args.batch_size {
         cfg.batch_size = v;
     }
     if let Some(v) = args.seed {
@@ -698,7 +699,42 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     cfg.validate().map_err(CliError::Train)?;
     super::counts::check_train_counts(&cfg)?;
     super::paths::check_train_paths(&cfg)?;
+    let mut note = note;
+    if args.batch_size == Some(BatchSize::Auto) {
+        let classes = match &resumed {
+            Some(meta) => meta.classes.len(),
+            None => pipeline::DatasetSource::at(&cfg.data, cfg.valid_fraction)
+                .classes()
+                .map_err(TrainError::from)?
+                .len(),
+        };
+        let (batch, line) = train::largest_gpu_batch(&cfg, classes)?;
+        cfg.batch_size = batch;
+        note = Some(match note {
+            Some(n) => format!("{n}\n{line}"),
+            None => line,
+        });
+    }
     Ok((cfg, note))
+}
+
+/// `--batch-size`: images per replica, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchSize {
+    /// This many images per replica per step.
+    Images(usize),
+    /// The most every GPU of the run holds (measured on each).
+    Auto,
+}
+
+fn batch_size_value(text: &str) -> Result<BatchSize, String> {
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("auto") {
+        return Ok(BatchSize::Auto);
+    }
+    text.parse().map(BatchSize::Images).map_err(|_| {
+        "expected a number of images per GPU or replica, or auto (the most the GPUs hold)".into()
+    })
 }
 
 /// `runs/<model>-<n>` with the first n not taken.

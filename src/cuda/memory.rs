@@ -166,9 +166,9 @@ fn probe_error(e: crate::model::ModelError) -> CudaError {
     }
 }
 
-/// The largest per-GPU batch that fits the device's free memory (for a caller that wants
-/// the most the GPU holds; the CLI takes a number), from
-/// the measured footprint. Returns the batch and the footprint (for the printed figure).
+/// The largest per-GPU batch that fits the device's free memory (`--batch-size auto`, through
+/// [`crate::train::largest_gpu_batch`]), from the measured footprint. Returns the batch and
+/// the footprint (for the printed figure).
 pub fn auto_batch_size(
     backend: &CudaBackend,
     graph: &Graph,

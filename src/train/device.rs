@@ -1,4 +1,8 @@
-//! Which device trains: `--gpus N|all`, with the CPU as the default when no GPU exists.
+//! Which device trains: `--gpus N|all`, with the CPU as the default when no GPU exists; and
+//! the largest batch the chosen GPUs hold (`--batch-size auto`).
+
+use crate::cuda::CudaBackend;
+use crate::model::Graph;
 
 /// Where a run computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +80,61 @@ impl DeviceChoice {
             }
         }
     }
+}
+
+/// `--batch-size auto`: the largest per-GPU batch that every GPU of the run holds for
+/// `cfg`'s model and image size with `classes` classes, measured on each device
+/// ([`crate::cuda::memory::auto_batch_size`]: a probe network's footprint against the free
+/// memory) and rounded down to a multiple of 8 (from 16 on); with it, the line that says so.
+/// Refused on the CPU, and with several processes (each would measure only its own GPUs).
+pub fn largest_gpu_batch(
+    cfg: &super::TrainConfig,
+    classes: usize,
+) -> Result<(usize, String), super::TrainError> {
+    let refused = |reason: String| super::TrainError::InvalidConfig {
+        flag: "--batch-size",
+        value: "auto".into(),
+        hint: reason,
+    };
+    let DeviceChoice::Cuda(n) = cfg.device else {
+        return Err(refused(
+            "auto measures a GPU's memory; on the CPU give a number, e.g. --batch-size 64".into(),
+        ));
+    };
+    let plan = super::rank::cuda::launch_plan(n, cfg)?;
+    if plan.is_multi_node() {
+        return Err(refused(format!(
+            "each of the {} processes would measure only its own GPUs; give every node the same number",
+            plan.nodes
+        )));
+    }
+    let graph = Graph::new(cfg.arch, classes);
+    let image_size = cfg.image_size;
+    let mut smallest: Option<(usize, String)> = None;
+    for &ordinal in &plan.devices {
+        let device = format!("cuda:{ordinal}");
+        let opened = |e: crate::cuda::CudaError| super::TrainError::Device {
+            device: device.clone(),
+            reason: e.to_string(),
+        };
+        let backend = CudaBackend::new(ordinal).map_err(opened)?;
+        let (batch, footprint) = crate::cuda::memory::auto_batch_size(&backend, &graph, image_size)
+            .map_err(|e| refused(format!("{device}: {e}")))?;
+        let (free, _) = backend.device().memory().map_err(opened)?;
+        let batch = if batch >= 16 { batch / 8 * 8 } else { batch };
+        if smallest.as_ref().is_none_or(|(b, _)| batch < *b) {
+            let line = format!(
+                "--batch-size auto: {batch} images per GPU ({} at {image_size} px: {} MiB fixed + {:.1} MiB per image, {} MiB free on {device}{})",
+                cfg.arch,
+                footprint.fixed_bytes >> 20,
+                footprint.per_image_bytes as f64 / (1u64 << 20) as f64,
+                free >> 20,
+                if plan.devices.len() > 1 { ", the least of the GPUs" } else { "" }
+            );
+            smallest = Some((batch, line));
+        }
+    }
+    smallest.ok_or_else(|| refused("no GPU to measure".into()))
 }
 
 #[cfg(test)]
