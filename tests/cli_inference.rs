@@ -758,3 +758,64 @@ fn eval_reports_the_loss_the_run_validated_with() {
         String::from_utf8_lossy(&text.stdout)
     );
 }
+
+#[test]
+fn predict_hands_out_each_answer_while_the_list_is_still_being_read() {
+    use birdtrain::train::{load_weights_for_inference, predict_each, PredictOptions, Weights};
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, _, run) = trained(tmp.path());
+    // 160 distinct copies of one image, classified one at a time with one decode worker.
+    let image = std::fs::read_dir(data.join("valid").join("class_00"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let list = tmp.path().join("list");
+    std::fs::create_dir(&list).unwrap();
+    let images: Vec<PathBuf> = (0..160)
+        .map(|i| {
+            let p = list.join(format!("{i:03}.png"));
+            std::fs::copy(&image, &p).unwrap();
+            p
+        })
+        .collect();
+    let mut model = load_weights_for_inference(&run, 1, Weights::Trained).unwrap();
+    let opts = PredictOptions {
+        top_k: 1,
+        workers: Some(1),
+        on_bad_image: pipeline::OnBadImage::Skip,
+        views: Default::default(),
+        crop_pct: 1.0,
+    };
+    // At the first answer the last 40 files are removed: the engine reads a few batches
+    // ahead, not 120 images, so an answer handed out as soon as it is known leaves those
+    // files unread; answers collected until the end would all have been read already.
+    let mut answers = Vec::new();
+    let outcome = predict_each(&mut model, &images, &opts, |p| {
+        if answers.is_empty() {
+            for f in &images[120..] {
+                std::fs::remove_file(f).unwrap();
+            }
+        }
+        answers.push(p);
+    });
+    assert!(answers[0].top.is_ok(), "{:?}", answers[0]);
+    assert!(answers.len() >= 100, "{} answers", answers.len());
+    let read_after_removal = match outcome {
+        // The removed files are reported as skipped, in the order given.
+        Ok(()) => {
+            assert_eq!(answers.len(), 160);
+            answers[120..].iter().filter(|p| p.top.is_ok()).count()
+        }
+        // Or their absence stops the list (a file gone from under the engine).
+        Err(_) => answers.iter().skip(120).filter(|p| p.top.is_ok()).count(),
+    };
+    assert_eq!(
+        read_after_removal, 0,
+        "removed files were classified: read before the first answer"
+    );
+    for (p, path) in answers.iter().zip(&images) {
+        assert_eq!(&p.path, path, "answers in the order given");
+    }
+}

@@ -8,7 +8,8 @@ use pipeline::OnBadImage;
 use super::paths::printable;
 use super::CliError;
 use crate::train::{
-    load_weights_for_inference, predict, PredictOptions, Prediction, TrainError, Views, Weights,
+    load_weights_for_inference, predict_each, PredictOptions, Prediction, TrainError, Views,
+    Weights,
 };
 
 /// Flags of `birdtrain predict`.
@@ -88,19 +89,20 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
         views: Views::from_tta(args.tta),
         crop_pct: super::eval::crop_pct_for(args.crop_pct, &model.meta)?,
     };
-    let predictions = predict(&mut model, &images, &opts)?;
-    let skipped = predictions.iter().filter(|p| p.top.is_err()).count();
-    for p in &predictions {
+    // Each answer is printed as its batch is classified: a list cut short keeps what was done.
+    let mut skipped = 0;
+    predict_each(&mut model, &images, &opts, |p| {
+        skipped += usize::from(p.top.is_err());
         if args.json {
-            outln!("{}", json_line(p));
+            outln!("{}", json_line(&p));
         } else {
-            out!("{}", text_lines(p));
+            out!("{}", text_lines(&p));
         }
-    }
+    })?;
     if skipped > 0 {
         eprintln!(
             "warning: {skipped} of {} files skipped: not readable images (listed above)",
-            predictions.len()
+            images.len()
         );
     }
     Ok(())

@@ -337,6 +337,19 @@ pub fn predict(
     images: &[PathBuf],
     opts: &PredictOptions,
 ) -> Result<Vec<Prediction>, TrainError> {
+    let mut all = Vec::with_capacity(images.len());
+    predict_each(model, images, opts, |p| all.push(p))?;
+    Ok(all)
+}
+
+/// [`predict`], handing each file's answer to `emit` as soon as its batch is classified, in
+/// the order given, so that a long list's answers so far are not lost when it is cut short.
+pub fn predict_each(
+    model: &mut InferenceModel,
+    images: &[PathBuf],
+    opts: &PredictOptions,
+    mut emit: impl FnMut(Prediction),
+) -> Result<(), TrainError> {
     let mut b = PipelineBuilder::new(DatasetSource::files(images.iter().cloned()))
         .split(Split::Test)
         .image_size(model.meta.image_size)
@@ -353,9 +366,20 @@ pub fn predict(
     }
     let pipe = b.build().map_err(bad_image_error)?;
     let classes = model.meta.classes.len();
-    let mut top: Vec<Option<Vec<(String, f32)>>> = vec![None; images.len()];
-    // Samples are the list minus the files the scan rejected, in order; every copy of a
-    // path shares its fate, so matching each sample to the next equal path is exact.
+    // A file the engine passed over (rejected by the scan, or skipped as no readable image
+    // before the samples that follow it were delivered): the reason it logged.
+    let skipped = |pipe: &pipeline::Pipeline, path: &PathBuf| Prediction {
+        path: path.clone(),
+        top: Err(pipe
+            .bad_files()
+            .iter()
+            .find(|f| &f.path == path)
+            .map_or("not read".to_string(), |f| {
+                format!("{} ({})", f.kind, f.detail)
+            })),
+    };
+    // Samples are the list minus the files the engine passed over, in order; every copy of
+    // a path shares its fate, so matching each sample to the next equal path is exact.
     let mut next = 0;
     for b in pipe.epoch(0, 0, 0).map_err(bad_image_error)? {
         let b = b.map_err(bad_image_error)?;
@@ -375,39 +399,30 @@ pub fn predict(
         for (i, &id) in b.sample_ids.iter().enumerate() {
             let path = pipe.sample_path(id).unwrap_or(Path::new(""));
             while next < images.len() && images[next] != path {
+                emit(skipped(&pipe, &images[next]));
                 next += 1;
             }
-            let Some(slot) = top.get_mut(next) else {
+            if next == images.len() {
                 break;
-            };
+            }
             let row = &probs[i * classes..(i + 1) * classes];
             let mut order: Vec<usize> = (0..classes).collect();
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            *slot = Some(
-                order
+            emit(Prediction {
+                path: images[next].clone(),
+                top: Ok(order
                     .into_iter()
                     .take(opts.top_k.max(1))
                     .map(|c| (model.meta.classes[c].clone(), row[c]))
-                    .collect(),
-            );
+                    .collect()),
+            });
             next += 1;
         }
     }
-    let bad = pipe.bad_files();
-    Ok(images
-        .iter()
-        .zip(top)
-        .map(|(path, top)| Prediction {
-            path: path.clone(),
-            top: top.ok_or_else(|| {
-                bad.iter()
-                    .find(|f| &f.path == path)
-                    .map_or("not read".to_string(), |f| {
-                        format!("{} ({})", f.kind, f.detail)
-                    })
-            }),
-        })
-        .collect())
+    for path in &images[next..] {
+        emit(skipped(&pipe, path));
+    }
+    Ok(())
 }
 
 /// A bad image is the user's file: the pipeline's error names it already.

@@ -34,8 +34,9 @@ pub use device::{cuda_device_count, largest_gpu_batch, DeviceChoice};
 pub use ema::{EmaRecipe, ModelEma};
 pub use error::TrainError;
 pub use evaluate::{
-    evaluate, load_checkpoint_for_inference, load_weights_for_inference, predict, printable,
-    EvalReport, InferenceModel, PredictOptions, Prediction, SampleResult, Views, Weights,
+    evaluate, load_checkpoint_for_inference, load_weights_for_inference, predict, predict_each,
+    printable, EvalReport, InferenceModel, PredictOptions, Prediction, SampleResult, Views,
+    Weights,
 };
 pub use folder::metrics::{EpochMetrics, MetricsAccumulator, MetricsSplit};
 pub use folder::report::write_report;
