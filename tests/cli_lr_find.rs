@@ -87,6 +87,9 @@ fn the_sweep_stops_at_divergence_and_suggests_a_rate_from_its_points() {
         "metrics.jsonl",
         "model.safetensors",
         "best",
+        // No bad file, so no report (the sweep never reads the valid split at all).
+        "bad_files_train.txt",
+        "bad_files_valid.txt",
     ] {
         assert!(!out.join(file).exists(), "lr-find wrote {file}");
     }

@@ -229,7 +229,8 @@ impl PipelineBuilder {
         self.on_bad_image = policy;
         self
     }
-    /// Where to write the bad-files report (JSON lines), kept up to date as files are found.
+    /// Where to write the bad-files report (JSON lines), kept up to date as files are found;
+    /// absent while there is none (an earlier report there is removed at `build`).
     pub fn bad_files_report(mut self, path: impl Into<PathBuf>) -> Self {
         self.bad_files_report = Some(path.into());
         self
