@@ -135,8 +135,11 @@ pub(crate) fn decode_rgb8(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, Dec
 /// Where a JPEG's marker segments lead, read by their lengths from the start of the file.
 #[derive(Debug, PartialEq, Eq)]
 enum JpegWalk {
-    /// The first start-of-scan segment begins at this offset (its entropy data follows).
-    Scan(usize),
+    /// The first start-of-scan segment begins at this offset (its entropy data follows);
+    /// with the [`SequentialFrame`] its frame header declares, when the frame is
+    /// Huffman-coded sequential (baseline or extended: SOF0, SOF1) and names its height.
+    Scan(usize, Option<SequentialFrame>),
+
     /// The file ends inside the headers.
     Ended,
     /// Something other than a marker where one must be: corrupt, for the decoder to report.
@@ -145,6 +148,7 @@ enum JpegWalk {
 
 fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
     let mut at = 2; // after SOI
+    let mut frame = None;
     loop {
         match bytes.get(at) {
             None => return JpegWalk::Ended,
@@ -160,7 +164,7 @@ fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
         };
         at += 1;
         match marker {
-            0xDA => return JpegWalk::Scan(at),
+            0xDA => return JpegWalk::Scan(at, frame),
             // Stand-alone markers carry no length.
             0x01 | 0xD0..=0xD8 => {}
             0xD9 | 0x00 => return JpegWalk::Malformed,
@@ -172,6 +176,9 @@ fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
                 if len < 2 {
                     return JpegWalk::Malformed;
                 }
+                if matches!(marker, 0xC0 | 0xC1) {
+                    frame = bytes.get(at + 2..at + len).and_then(sequential_frame);
+                }
                 at += len;
                 if at > bytes.len() {
                     return JpegWalk::Ended;
@@ -179,6 +186,47 @@ fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
             }
         }
     }
+}
+
+/// What a sequential frame header declares.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+struct SequentialFrame {
+    /// Width × height.
+    pixels: u64,
+    /// 8×8 blocks over all components, without the padding to whole MCUs.
+    blocks: u64,
+}
+
+/// The [`SequentialFrame`] of a sequential frame header (after its length: precision, height,
+/// width, components with their sampling factors); `None` for a header that is cut short, has
+/// no height yet (a DNL marker gives it later) or a sampling factor of 0 (malformed: the
+/// decoder reports it).
+fn sequential_frame(frame: &[u8]) -> Option<SequentialFrame> {
+    let height = u64::from(u16::from_be_bytes([*frame.get(1)?, *frame.get(2)?]));
+    let width = u64::from(u16::from_be_bytes([*frame.get(3)?, *frame.get(4)?]));
+    let count = usize::from(*frame.get(5)?);
+    let factors: Vec<(u64, u64)> = frame
+        .get(6..6 + 3 * count)?
+        .chunks(3)
+        .map(|c| (u64::from(c[1] >> 4), u64::from(c[1] & 0x0F)))
+        .collect();
+    let h_max = factors.iter().map(|f| f.0).max()?;
+    let v_max = factors.iter().map(|f| f.1).max()?;
+    if height == 0 || factors.iter().any(|&(h, v)| h == 0 || v == 0) {
+        return None;
+    }
+    let blocks = factors
+        .iter()
+        .map(|&(h, v)| {
+            let w = (width * h).div_ceil(h_max).div_ceil(8);
+            let rows = (height * v).div_ceil(v_max).div_ceil(8);
+            w * rows
+        })
+        .sum();
+    Some(SequentialFrame {
+        pixels: width * height,
+        blocks,
+    })
 }
 
 /// Refuses a JPEG whose data ends early, which the decoders would otherwise finish by
@@ -191,8 +239,8 @@ fn refuse_truncated_jpeg(bytes: &[u8], max_pixels: u64) -> Result<(), DecodeFail
     if !bytes.starts_with(&[0xFF, 0xD8]) {
         return Ok(());
     }
-    let scan = match walk_to_first_scan(bytes) {
-        JpegWalk::Scan(at) => at,
+    let (scan, frame) = match walk_to_first_scan(bytes) {
+        JpegWalk::Scan(at, frame) => (at, frame),
         JpegWalk::Malformed => return Ok(()),
         JpegWalk::Ended => {
             return Err(DecodeFailure::new(
@@ -204,6 +252,22 @@ fn refuse_truncated_jpeg(bytes: &[u8], max_pixels: u64) -> Result<(), DecodeFail
             ))
         }
     };
+    // Huffman-coded sequential data spends at least two bits on every block (a DC code and
+    // an end-of-block code, each at least one bit long): less data than that is a header that
+    // claims more image than the file holds, which the decoders would fill with grey. (Too
+    // many pixels is reported as such by the general path.)
+    if let Some(SequentialFrame { blocks, .. }) = frame.filter(|f| f.pixels <= max_pixels) {
+        let data = (bytes.len() - scan) as u64;
+        if data.saturating_mul(8) < 2 * blocks {
+            return Err(DecodeFailure::new(
+                BadFileKind::Truncated,
+                format!(
+                    "its header declares {blocks} blocks of 8×8 pixels, which take at least {} bytes, but only {data} bytes of image data follow",
+                    (2 * blocks).div_ceil(8)
+                ),
+            ));
+        }
+    }
     if bytes[scan..].windows(2).any(|w| w == [0xFF, 0xD9]) {
         return Ok(());
     }
@@ -367,6 +431,42 @@ mod tests {
                 bytes.len()
             );
         }
+    }
+
+    /// `bytes` with the first frame header's height and width replaced.
+    fn with_declared_size(bytes: &[u8], w: u16, h: u16) -> Vec<u8> {
+        let sof = bytes.windows(2).position(|m| m == [0xFF, 0xC0]).unwrap();
+        let mut out = bytes.to_vec();
+        out[sof + 5..sof + 7].copy_from_slice(&h.to_be_bytes());
+        out[sof + 7..sof + 9].copy_from_slice(&w.to_be_bytes());
+        out
+    }
+
+    #[test]
+    fn a_header_claiming_more_image_than_the_data_holds_is_truncated() {
+        // 48×48 of data with its end marker, under a header that says 8000×8000: the
+        // lenient decoders would fill 64 M pixels with grey and call it an image.
+        let small = jpeg(48, 48);
+        let lying = with_declared_size(&small, 8000, 8000);
+        assert_eq!(kind_of(&lying), Some(BadFileKind::Truncated));
+        let mut out = Pixels::default();
+        let why = decode_rgb8_into(&lying, DEFAULT_MAX_PIXELS, &mut out).unwrap_err();
+        assert!(
+            why.source.to_string().contains("at least"),
+            "{}",
+            why.source
+        );
+        // The bound is what any Huffman coding needs: a flat 2048×2048 image, the most
+        // compressible there is (a few bits per block), passes.
+        let flat = RgbImage::from_pixel(2048, 2048, image::Rgb([90, 140, 200]));
+        let mut bytes = Vec::new();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90)
+            .encode_image(&flat)
+            .unwrap();
+        assert_eq!(kind_of(&bytes), None, "{} bytes", bytes.len());
+        // Past the pixel limit it is still a decompression bomb, not a cut file.
+        let bomb = with_declared_size(&small, 65000, 65000);
+        assert_eq!(kind_of(&bomb), Some(BadFileKind::TooLarge));
     }
 
     #[test]
