@@ -62,7 +62,9 @@ const MAGIC: &[u8; 8] = b"BRDCACHE";
 /// be opened or read is no longer kept as bad (older files may hold such marks, so they
 /// are rebuilt). Version 4: `--resize-mode center-crop` stores torchvision's `Resize` then
 /// `CenterCrop` square exactly (its whole-pixel roundings), not the image's exact centre.
-const VERSION: u32 = 4;
+/// Version 5: a JPEG whose header declares more blocks than its data can code is a bad file
+/// (older caches may hold its grey-filled pixels).
+const VERSION: u32 = 5;
 const HEADER_BYTES: usize = 4096;
 const STATE_FILLING: u32 = 1;
 const STATE_COMPLETE: u32 = 2;
