@@ -114,7 +114,10 @@ impl StagingStreams for CudaStaging {
     }
 
     fn new_event(&mut self) -> Result<CudaEvent, DriverError> {
-        self.compute.context().new_event(None)
+        // With timing: the ring measures how long compute waited for an upload.
+        self.compute
+            .context()
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
     }
 
     fn is_complete(&mut self, event: &CudaEvent) -> Result<bool, DriverError> {
@@ -180,6 +183,13 @@ impl StagingStreams for CudaStaging {
 
     fn compute_record(&mut self, event: &CudaEvent) -> Result<(), DriverError> {
         event.record(&self.compute)
+    }
+
+    fn elapsed_ms(&mut self, from: &CudaEvent, to: &CudaEvent) -> Result<Option<f32>, DriverError> {
+        if !(from.try_is_complete()? && to.try_is_complete()?) {
+            return Ok(None);
+        }
+        from.elapsed_ms(to).map(Some)
     }
 }
 

@@ -105,12 +105,13 @@ pub fn data_wait_line(
         _ => "input-bound: more --workers, a warm cache or a larger --prefetch-depth",
     };
     format!(
-        "GPU {ordinal} (rank {rank}): data wait {:.1} % of {:.1} s over {} steps · {} of {} batches not uploaded when compute wanted them · {} host waits on a busy slot (depth {depth}) · {verdict}",
+        "GPU {ordinal} (rank {rank}): data wait {:.1} % of {:.1} s over {} steps · the GPU waited for {} of {} uploads ({:.1} ms in all) · {} host waits on a busy slot (depth {depth}) · {verdict}",
         100.0 * meter.share(),
         meter.total.as_secs_f64(),
         meter.steps,
         staging.compute_stalls,
-        staging.batches,
+        staging.measured,
+        staging.compute_wait_time.as_secs_f64() * 1e3,
         staging.host_waits,
     )
 }
@@ -159,8 +160,7 @@ impl<S: StagingStreams> Feeder<S> {
         &self.ring
     }
 
-    /// The ring, mutable (for tests and simulators).
-    #[cfg(test)]
+    /// The ring, mutable (to measure its waits; for tests and simulators).
     pub fn ring_mut(&mut self) -> &mut StagingRing<S> {
         &mut self.ring
     }
@@ -354,11 +354,18 @@ mod tests {
         meter.record(Duration::from_millis(0), Duration::from_millis(100));
         let stats = crate::cuda::staging::StagingStats {
             batches: 2,
+            measured: 2,
+            compute_stalls: 1,
+            compute_wait_time: Duration::from_micros(250),
             ..Default::default()
         };
         let line = data_wait_line(1, 3, &meter, &stats, 2);
         assert!(
             line.starts_with("GPU 3 (rank 1): data wait 0.5 % of 0.2 s over 2 steps"),
+            "{line}"
+        );
+        assert!(
+            line.contains("the GPU waited for 1 of 2 uploads (0.2 ms in all)"),
             "{line}"
         );
         assert!(line.contains("compute-bound"), "{line}");

@@ -116,6 +116,13 @@ pub trait StagingStreams {
     fn compute_wait(&mut self, event: &Self::Event) -> Result<(), Self::Error>;
     /// Records the compute stream's current work into `event`.
     fn compute_record(&mut self, event: &Self::Event) -> Result<(), Self::Error>;
+    /// Milliseconds on the device's clock from `from`'s completion to `to`'s (negative when
+    /// `to` completed first), once both have completed; `None` before.
+    fn elapsed_ms(
+        &mut self,
+        from: &Self::Event,
+        to: &Self::Event,
+    ) -> Result<Option<f32>, Self::Error>;
 }
 
 /// A batch in caller-owned host memory (for CUDA: pinned), shared with the ring until its
@@ -156,6 +163,11 @@ impl SlotState {
 struct Slot<E> {
     copied: E,
     consumed: E,
+    /// Recorded on the compute stream just before it waits for `copied`: the device time
+    /// from `asked` to `copied` is how long compute waited for this upload.
+    asked: E,
+    /// `asked` and `copied` of the last batch computed from this slot are not measured yet.
+    unmeasured: bool,
     state: SlotState,
     /// The caller's buffer of the last external upload, released once that upload completed.
     held: Option<ExternalBatch>,
@@ -170,9 +182,13 @@ pub struct StagingStats {
     pub host_waits: u64,
     /// Host time spent in those waits.
     pub host_wait_time: Duration,
-    /// Batches whose upload had not completed when compute asked for them (the compute stream
-    /// then waits on the copy: a GPU-side data wait).
+    /// Batches whose upload completed after the compute stream reached them, so that it
+    /// waited for the copy (measured on the device's clock: a GPU-side data wait).
     pub compute_stalls: u64,
+    /// The compute stream's time waiting for those uploads.
+    pub compute_wait_time: Duration,
+    /// Batches whose wait has been measured (the last few of a run may not be yet).
+    pub measured: u64,
 }
 
 /// A batch ready for compute.
@@ -210,6 +226,8 @@ impl<S: StagingStreams> StagingRing<S> {
                 Ok(Slot {
                     copied: streams.new_event().map_err(wrap)?,
                     consumed: streams.new_event().map_err(wrap)?,
+                    asked: streams.new_event().map_err(wrap)?,
+                    unmeasured: false,
                     state: SlotState::Free,
                     held: None,
                 })
@@ -286,6 +304,11 @@ impl<S: StagingStreams> StagingRing<S> {
         }
         // The previous external batch of this slot has been copied: give it back.
         self.slots[index].held = None;
+        // The last chance to measure how long compute waited for the slot's previous batch:
+        // the refill records `copied` again (a measurement the device has not reached yet
+        // is left out, never blocked on).
+        self.measure_waits()?;
+        self.slots[index].unmeasured = false;
         Ok(index)
     }
 
@@ -360,10 +383,10 @@ impl<S: StagingStreams> StagingRing<S> {
                 })
             }
         };
-        if !self.streams.is_complete(&slot.copied).map_err(wrap)? {
-            self.stats.compute_stalls += 1;
-        }
+        let slot = &self.slots[index];
+        self.streams.compute_record(&slot.asked).map_err(wrap)?;
         self.streams.compute_wait(&slot.copied).map_err(wrap)?;
+        self.slots[index].unmeasured = true;
         self.slots[index].state = SlotState::Computing { seq };
         self.stats.batches += 1;
         Ok(StagedBatch {
@@ -371,6 +394,28 @@ impl<S: StagingStreams> StagingRing<S> {
             slot: index,
             bytes,
         })
+    }
+
+    /// Adds to the counters the compute waits of the batches whose `asked` and `copied` have
+    /// both completed on the device, without blocking the host (the trainer calls it at the
+    /// end of each step, and a slot's refill first).
+    pub fn measure_waits(&mut self) -> Result<(), StagingError> {
+        for slot in self.slots.iter_mut().filter(|s| s.unmeasured) {
+            let Some(ms) = self
+                .streams
+                .elapsed_ms(&slot.asked, &slot.copied)
+                .map_err(wrap)?
+            else {
+                continue;
+            };
+            slot.unmeasured = false;
+            self.stats.measured += 1;
+            if ms > 0.0 {
+                self.stats.compute_stalls += 1;
+                self.stats.compute_wait_time += Duration::from_secs_f64(f64::from(ms) / 1e3);
+            }
+        }
+        Ok(())
     }
 
     /// Marks the end of the kernels reading the current batch (records `consumed` on the
@@ -484,6 +529,8 @@ enum Op {
 struct EventState {
     recorded: u64,
     completed: u64,
+    /// The simulator's clock (operations run so far) when the latest recording completed.
+    completed_at: u64,
 }
 
 /// A deterministic simulator of a copy stream and a compute stream, for testing the ring's
@@ -508,6 +555,11 @@ pub struct SimStreams {
     rng: u64,
     /// At most this many operations run per API call (0 = streams only move on host waits).
     eagerness: u32,
+    /// Operations run so far: the clock of [`StagingStreams::elapsed_ms`] (one per ms).
+    clock: u64,
+    /// When both streams can move: always the compute stream (`Some(true)`), always the copy
+    /// stream (`Some(false)`), or a seeded coin (`None`).
+    prefer_compute: Option<bool>,
     consumed: Vec<Vec<u8>>,
     violations: Vec<String>,
 }
@@ -537,6 +589,8 @@ impl SimStreams {
             compute: VecDeque::new(),
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
             eagerness,
+            clock: 0,
+            prefer_compute: None,
             consumed: Vec::new(),
             violations: Vec::new(),
         }
@@ -566,18 +620,23 @@ impl SimStreams {
             (false, false) => return false,
             (true, false) => true,
             (false, true) => false,
-            (true, true) => self.next_random() & 1 == 0,
+            (true, true) => match self.prefer_compute {
+                Some(compute) => !compute,
+                None => self.next_random() & 1 == 0,
+            },
         };
         let op = if pick_copy {
             self.copy.pop_front()
         } else {
             self.compute.pop_front()
         };
+        self.clock += 1;
         match op.expect("a runnable stream has an operation") {
             Op::Wait { .. } => {}
             Op::Record { event, generation } => {
                 let e = &mut self.events[event];
                 e.completed = e.completed.max(generation);
+                e.completed_at = self.clock;
             }
             Op::Upload { slot, bytes } => {
                 if self.device_unread[slot] {
@@ -638,7 +697,7 @@ impl SimStreams {
     /// does between `begin_compute` and `end_compute`).
     pub fn launch_consume(&mut self, slot: usize) -> Result<(), SimError> {
         self.check_slot(slot)?;
-        self.compute.push_back(Op::Consume { slot });
+        self.push_compute(Op::Consume { slot });
         self.wander();
         Ok(())
     }
@@ -656,6 +715,18 @@ impl SimStreams {
     /// Reuse rules broken so far (empty when the ring behaved).
     pub fn violations(&self) -> &[String] {
         &self.violations
+    }
+
+    /// The same simulator, but whenever both streams can move it runs the compute stream
+    /// (`true`: compute always gets ahead of the copies) or the copy stream (`false`).
+    pub fn preferring_compute(mut self, compute: bool) -> Self {
+        self.prefer_compute = Some(compute);
+        self
+    }
+
+    /// Queues `op` on the compute stream.
+    fn push_compute(&mut self, op: Op) {
+        self.compute.push_back(op);
     }
 
     fn check_slot(&self, slot: usize) -> Result<(), SimError> {
@@ -774,15 +845,21 @@ impl StagingStreams for SimStreams {
 
     fn compute_wait(&mut self, event: &usize) -> Result<(), SimError> {
         let wait = self.wait_op(*event);
-        self.compute.push_back(wait);
+        self.push_compute(wait);
         self.wander();
         Ok(())
     }
 
     fn compute_record(&mut self, event: &usize) -> Result<(), SimError> {
         let record = self.record_op(*event);
-        self.compute.push_back(record);
+        self.push_compute(record);
         self.wander();
         Ok(())
+    }
+
+    fn elapsed_ms(&mut self, from: &usize, to: &usize) -> Result<Option<f32>, SimError> {
+        let (a, b) = (self.events[*from], self.events[*to]);
+        let done = |e: EventState| e.recorded > 0 && e.completed >= e.recorded;
+        Ok((done(a) && done(b)).then_some(b.completed_at as f32 - a.completed_at as f32))
     }
 }

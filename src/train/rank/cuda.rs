@@ -339,6 +339,11 @@ where
         total: Duration,
     ) -> Result<(), TrainError> {
         self.feeder.record(waited, total);
+        // How long the GPU waited for the uploads it has got past (no host wait).
+        self.feeder
+            .ring_mut()
+            .measure_waits()
+            .map_err(|e| feed_error(FeedError::Staging(e)))?;
         if let Some(t) = comm.timeline() {
             t.flush().map_err(cuda("trace flush"))?;
         }
