@@ -278,6 +278,20 @@ fn checkpoint_from_another_model_or_class_list() {
         s(&cache),
     ]);
     assert_one_line_error(&out, &["--init-from", "--resume"]);
+    // --zero-init-residual shapes a fresh initialisation, which --init-from replaces.
+    let out = birdtrain(&[
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--zero-init-residual",
+        "--init-from",
+        s(&weights),
+        "--out",
+        s(&tmp.path().join("zeroed")),
+    ]);
+    assert_one_line_error(&out, &["--zero-init-residual", "--init-from"]);
+    assert_eq!(out.status.code(), Some(2));
     // Plateau flags on a resumed run whose schedule is not plateau.
     let out = birdtrain(&[
         "--data",

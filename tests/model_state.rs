@@ -160,3 +160,37 @@ fn loads_bf16_tensors_as_pytorch_may_write_them() {
         assert!((a - b).abs() <= b.abs() / 128.0 + 1e-30);
     }
 }
+
+#[test]
+fn zero_init_residual_zeroes_exactly_the_last_batch_norm_of_each_block() {
+    // torchvision's zero_init_residual: bn3 of every Bottleneck, bn2 of every BasicBlock
+    // (the CIFAR members' blocks too); nothing else changes.
+    for (arch, last, blocks) in [
+        (Arch::ResNet50, ".bn3.weight", 16),
+        (Arch::ResNet18, ".bn2.weight", 8),
+        (Arch::ResNet20, ".bn2.weight", 9),
+    ] {
+        let g = Graph::new(arch, 10);
+        let plain = ModelState::init(&g, 5);
+        let mut zeroed = plain.clone();
+        zeroed.zero_residual_gammas(&g);
+        let changed: Vec<&str> = g
+            .params()
+            .iter()
+            .zip(plain.params.iter().zip(&zeroed.params))
+            .filter(|(_, (a, b))| a != b)
+            .map(|(p, _)| p.name.as_str())
+            .collect();
+        assert_eq!(changed.len(), blocks, "{arch}: {changed:?}");
+        assert!(
+            changed.iter().all(|n| n.ends_with(last)),
+            "{arch}: {changed:?}"
+        );
+        for (p, v) in g.params().iter().zip(&zeroed.params) {
+            if changed.contains(&p.name.as_str()) {
+                assert!(v.iter().all(|&x| x == 0.0), "{}", p.name);
+            }
+        }
+        assert_eq!(plain.buffers, zeroed.buffers);
+    }
+}

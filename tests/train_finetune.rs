@@ -121,3 +121,65 @@ fn init_from_replaces_the_head_and_keeps_the_rest() {
     let metrics = std::fs::read_to_string(tuned.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
 }
+
+#[test]
+fn zero_init_residual_starts_training_from_identity_blocks() {
+    // One step at a vanishing rate: the saved weights are the initialisation's, so the last
+    // batch norm of every block has γ = 0 with the flag and γ = 1 without it.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    birdtrain(&[
+        "synth",
+        "--out",
+        s(&data),
+        "--classes",
+        "2",
+        "--train-per-class",
+        "4",
+        "--valid-per-class",
+        "2",
+        "--size",
+        "16x16",
+        "--format",
+        "png",
+    ]);
+    for (flag, gamma) in [(true, 0.0f32), (false, 1.0)] {
+        let run = tmp.path().join(format!("run-{flag}"));
+        let mut args = vec![
+            "--data",
+            s(&data),
+            "--gpus",
+            "0",
+            "--model",
+            "resnet8",
+            "--image-size",
+            "16",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-12",
+            "--weight-decay",
+            "0",
+            "--out",
+            s(&run),
+            "--quiet",
+        ];
+        if flag {
+            args.push("--zero-init-residual");
+        }
+        birdtrain(&args);
+        let file = run.join("model.safetensors");
+        let (_, last) = tensor(&file, "layer1.0.bn2.weight");
+        assert!(
+            last.iter().all(|&g| (g - gamma).abs() < 1e-6),
+            "{flag}: {last:?}"
+        );
+        let (_, first) = tensor(&file, "layer1.0.bn1.weight");
+        assert!(
+            first.iter().all(|&g| (g - 1.0).abs() < 1e-6),
+            "{flag}: {first:?}"
+        );
+    }
+}

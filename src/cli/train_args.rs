@@ -281,6 +281,10 @@ pub struct TrainArgs {
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
     #[arg(long, value_name = "FILE")]
     pub init_from: Option<PathBuf>,
+    /// Start every residual block as the identity: the γ of its last batch norm at 0
+    /// (torchvision's zero_init_residual; steadier first steps at large batches).
+    #[arg(long)]
+    pub zero_init_residual: bool,
     /// Flat layout (<class>/<images>): share of each class held out for validation.
     #[arg(long, value_name = "F")]
     pub valid_fraction: Option<f32>,
@@ -663,6 +667,18 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
             ),
         });
     }
+    if let (true, Some(path)) = (args.zero_init_residual, &args.init_from) {
+        return Err(CliError::BadValue {
+            flag: "--zero-init-residual",
+            value: "given".into(),
+            hint: format!(
+                "the weights of --init-from {} replace the initialisation it changes: give one of the two",
+                path.display()
+            ),
+        });
+    }
+    // A resumed run goes on from its own weights; the flag only shapes a fresh start.
+    cfg.zero_init_residual = args.zero_init_residual;
     cfg.init_from = args.init_from.clone();
     if let Some(path) = &cfg.init_from {
         super::paths::expect_file(path, "--init-from takes a .safetensors weights file")?;

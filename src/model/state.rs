@@ -6,7 +6,7 @@ use std::path::Path;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-use super::graph::{BufferKind, Graph, ParamKind};
+use super::graph::{BufferKind, Graph, Node, ParamKind};
 use super::init::{init_buffer, init_param};
 use super::ModelError;
 
@@ -54,6 +54,22 @@ impl ModelState {
                 .map(|p| init_param(p, seed, fan_in))
                 .collect(),
             buffers: graph.buffers().iter().map(init_buffer).collect(),
+        }
+    }
+
+    /// torchvision's `zero_init_residual`: the γ of every batch norm whose output is added to
+    /// a shortcut (`bn3` of a bottleneck, `bn2` of a basic block) set to 0, so each residual
+    /// block starts as the identity (Goyal et al., "Accurate, Large Minibatch SGD", 2017).
+    pub fn zero_residual_gammas(&mut self, graph: &Graph) {
+        for node in graph.nodes() {
+            if let Node::BatchNorm {
+                residual: Some(_),
+                weight,
+                ..
+            } = node
+            {
+                self.params[*weight].fill(0.0);
+            }
         }
     }
 

@@ -99,6 +99,9 @@ pub struct TrainConfig {
     pub crop_pct: f32,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
     pub init_from: Option<PathBuf>,
+    /// A fresh initialisation starts every residual block as the identity
+    /// (`--zero-init-residual`, see [`crate::model::ModelState::zero_residual_gammas`]).
+    pub zero_init_residual: bool,
     /// Last incomplete batch policy.
     pub last_batch: LastBatch,
     /// How each training epoch's order is drawn (`--sampler`).
@@ -170,6 +173,7 @@ impl TrainConfig {
             color_jitter: 0.0,
             auto_augment: None,
             init_from: None,
+            zero_init_residual: false,
             last_batch: LastBatch::Partial,
             sampler: Sampling::Shuffle,
             on_bad_image: OnBadImage::Skip,

@@ -52,7 +52,7 @@ pub enum TrainError {
         epoch: u64,
     },
     /// The loss became NaN or infinite: the run stops without saving the diverged weights.
-    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
     NonFiniteLoss {
         /// "training loss" or "validation loss".
         what: &'static str,
@@ -70,7 +70,7 @@ pub enum TrainError {
     },
     /// The weights or batch-norm statistics overflowed: the run stops before they reach a
     /// checkpoint.
-    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, or add --warmup-epochs)")]
+    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
     NonFiniteWeights {
         /// The first tensor (torchvision name) with a non-finite value.
         tensor: String,

@@ -204,7 +204,13 @@ impl Shared {
                         path,
                         HeadPolicy::ReplaceMismatched { seed: cfg.seed },
                     )?,
-                    None => ModelState::init(&graph, cfg.seed),
+                    None => {
+                        let mut fresh = ModelState::init(&graph, cfg.seed);
+                        if cfg.zero_init_residual {
+                            fresh.zero_residual_gammas(&graph);
+                        }
+                        fresh
+                    }
                 };
                 (state, None, DataPosition::start())
             }
