@@ -726,6 +726,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
         };
         let (batch, line) = train::largest_gpu_batch(&cfg, classes)?;
         cfg.batch_size = batch;
+        // The measured batch meets the same checks as a given one (host memory included).
+        cfg.validate().map_err(CliError::Train)?;
+        super::counts::check_train_counts(&cfg)?;
         note = Some(match note {
             Some(n) => format!("{n}\n{line}"),
             None => line,

@@ -697,7 +697,7 @@ impl SimStreams {
     /// does between `begin_compute` and `end_compute`).
     pub fn launch_consume(&mut self, slot: usize) -> Result<(), SimError> {
         self.check_slot(slot)?;
-        self.push_compute(Op::Consume { slot });
+        self.compute.push_back(Op::Consume { slot });
         self.wander();
         Ok(())
     }
@@ -722,11 +722,6 @@ impl SimStreams {
     pub fn preferring_compute(mut self, compute: bool) -> Self {
         self.prefer_compute = Some(compute);
         self
-    }
-
-    /// Queues `op` on the compute stream.
-    fn push_compute(&mut self, op: Op) {
-        self.compute.push_back(op);
     }
 
     fn check_slot(&self, slot: usize) -> Result<(), SimError> {
@@ -845,14 +840,14 @@ impl StagingStreams for SimStreams {
 
     fn compute_wait(&mut self, event: &usize) -> Result<(), SimError> {
         let wait = self.wait_op(*event);
-        self.push_compute(wait);
+        self.compute.push_back(wait);
         self.wander();
         Ok(())
     }
 
     fn compute_record(&mut self, event: &usize) -> Result<(), SimError> {
         let record = self.record_op(*event);
-        self.push_compute(record);
+        self.compute.push_back(record);
         self.wander();
         Ok(())
     }
