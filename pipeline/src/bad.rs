@@ -24,17 +24,21 @@ pub enum BadFileKind {
     Truncated,
     /// More pixels than the decompression-bomb limit allows.
     TooLarge,
+    /// A valid image in a form the decoder cannot read correctly (it would return wrong
+    /// pixels without an error), so the file is refused instead.
+    Unsupported,
 }
 
 impl BadFileKind {
     /// Every kind, in code order (the cache stores a bad record's kind as its index here).
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::Empty,
         Self::Unreadable,
         Self::NotAnImage,
         Self::Corrupt,
         Self::TooLarge,
         Self::Truncated,
+        Self::Unsupported,
     ];
 
     /// A stable one-byte code (kept in the cache file; never reorder [`Self::ALL`]).
@@ -60,6 +64,7 @@ impl fmt::Display for BadFileKind {
             Self::Corrupt => "corrupt image",
             Self::Truncated => "truncated image (the file ends before the image data does)",
             Self::TooLarge => "too many pixels (decompression-bomb guard)",
+            Self::Unsupported => "an image form the decoder cannot read correctly",
         })
     }
 }

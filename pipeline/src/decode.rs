@@ -136,9 +136,9 @@ pub(crate) fn decode_rgb8(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, Dec
 #[derive(Debug, PartialEq, Eq)]
 enum JpegWalk {
     /// The first start-of-scan segment begins at this offset (its entropy data follows);
-    /// with the [`SequentialFrame`] its frame header declares, when the frame is
-    /// Huffman-coded sequential (baseline or extended: SOF0, SOF1) and names its height.
-    Scan(usize, Option<SequentialFrame>),
+    /// with the [`HuffmanFrame`] its frame header declares, when the frame is Huffman-coded
+    /// (sequential SOF0/SOF1 or progressive SOF2) and names its height.
+    Scan(usize, Option<HuffmanFrame>),
 
     /// The file ends inside the headers.
     Ended,
@@ -176,8 +176,11 @@ fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
                 if len < 2 {
                     return JpegWalk::Malformed;
                 }
-                if matches!(marker, 0xC0 | 0xC1) {
-                    frame = bytes.get(at + 2..at + len).and_then(sequential_frame);
+                if matches!(marker, 0xC0..=0xC2) {
+                    let progressive = marker == 0xC2;
+                    frame = bytes
+                        .get(at + 2..at + len)
+                        .and_then(|f| huffman_frame(f, progressive));
                 }
                 at += len;
                 if at > bytes.len() {
@@ -188,20 +191,34 @@ fn walk_to_first_scan(bytes: &[u8]) -> JpegWalk {
     }
 }
 
-/// What a sequential frame header declares.
+/// What a Huffman-coded frame header declares.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
-struct SequentialFrame {
+struct HuffmanFrame {
+    /// Progressive (SOF2), else sequential (SOF0, SOF1).
+    progressive: bool,
+    /// Colour components.
+    components: usize,
     /// Width × height.
     pixels: u64,
     /// 8×8 blocks over all components, without the padding to whole MCUs.
     blocks: u64,
 }
 
-/// The [`SequentialFrame`] of a sequential frame header (after its length: precision, height,
-/// width, components with their sampling factors); `None` for a header that is cut short, has
-/// no height yet (a DNL marker gives it later) or a sampling factor of 0 (malformed: the
-/// decoder reports it).
-fn sequential_frame(frame: &[u8]) -> Option<SequentialFrame> {
+impl HuffmanFrame {
+    /// The fewest bits any Huffman coding of the frame's blocks takes: every block has a DC
+    /// code of at least one bit (a progressive file's first DC scan codes each block, and only
+    /// its AC scans can cover empty blocks in runs), and a sequential block also ends with an
+    /// end-of-block code or carries AC codes, at least one more bit.
+    fn least_bits(&self) -> u64 {
+        self.blocks * if self.progressive { 1 } else { 2 }
+    }
+}
+
+/// The [`HuffmanFrame`] of a frame header (after its length: precision, height, width,
+/// components with their sampling factors); `None` for a header that is cut short, has no
+/// height yet (a DNL marker gives it later) or a sampling factor of 0 (malformed: the decoder
+/// reports it).
+fn huffman_frame(frame: &[u8], progressive: bool) -> Option<HuffmanFrame> {
     let height = u64::from(u16::from_be_bytes([*frame.get(1)?, *frame.get(2)?]));
     let width = u64::from(u16::from_be_bytes([*frame.get(3)?, *frame.get(4)?]));
     let count = usize::from(*frame.get(5)?);
@@ -223,13 +240,19 @@ fn sequential_frame(frame: &[u8]) -> Option<SequentialFrame> {
             w * rows
         })
         .sum();
-    Some(SequentialFrame {
+    Some(HuffmanFrame {
+        progressive,
+        components: factors.len(),
         pixels: width * height,
         blocks,
     })
 }
 
-/// Refuses a JPEG whose data ends early, which the decoders would otherwise finish by
+/// Refuses a JPEG the decoders would misread without an error: one whose data ends early
+/// (they would fill the missing rows with grey), or a sequential colour image coded one
+/// component per scan (wrong colours).
+///
+/// A JPEG whose data ends early, which the decoders would otherwise finish by
 /// filling the missing rows with grey. A complete JPEG has an end-of-image marker (FF D9)
 /// after its first scan: entropy-coded data never holds one (a data byte FF is followed by
 /// 00), and the headers before the scan are skipped by their lengths, so an EXIF
@@ -252,18 +275,30 @@ fn refuse_truncated_jpeg(bytes: &[u8], max_pixels: u64) -> Result<(), DecodeFail
             ))
         }
     };
-    // Huffman-coded sequential data spends at least two bits on every block (a DC code and
-    // an end-of-block code, each at least one bit long): less data than that is a header that
-    // claims more image than the file holds, which the decoders would fill with grey. (Too
-    // many pixels is reported as such by the general path.)
-    if let Some(SequentialFrame { blocks, .. }) = frame.filter(|f| f.pixels <= max_pixels) {
+    // Less data than any Huffman coding of the declared blocks needs is a header that claims
+    // more image than the file holds, which the decoders would fill with grey. (Too many
+    // pixels is reported as such by the general path.)
+    if let Some(f) = frame.filter(|f| f.pixels <= max_pixels) {
         let data = (bytes.len() - scan) as u64;
-        if data.saturating_mul(8) < 2 * blocks {
+        if data.saturating_mul(8) < f.least_bits() {
             return Err(DecodeFailure::new(
                 BadFileKind::Truncated,
                 format!(
-                    "its header declares {blocks} blocks of 8×8 pixels, which take at least {} bytes, but only {data} bytes of image data follow",
-                    (2 * blocks).div_ceil(8)
+                    "its header declares {} blocks of 8×8 pixels, which take at least {} bytes, but only {data} bytes of image data follow",
+                    f.blocks,
+                    f.least_bits().div_ceil(8)
+                ),
+            ));
+        }
+        // A sequential colour image coded one component per scan (legal, rare): the JPEG
+        // decoder (zune-jpeg 0.5.15) returns wrong colours for it without an error.
+        let scan_components = bytes.get(scan + 2).map_or(0, |&n| usize::from(n));
+        if !f.progressive && f.components > 1 && scan_components < f.components {
+            return Err(DecodeFailure::new(
+                BadFileKind::Unsupported,
+                format!(
+                    "a sequential JPEG whose {} colour components are coded in separate scans, which the decoder cannot read correctly (re-encode it, e.g. with the usual interleaved scan)",
+                    f.components
                 ),
             ));
         }
@@ -467,6 +502,40 @@ mod tests {
         // Past the pixel limit it is still a decompression bomb, not a cut file.
         let bomb = with_declared_size(&small, 65000, 65000);
         assert_eq!(kind_of(&bomb), Some(BadFileKind::TooLarge));
+    }
+
+    #[test]
+    fn a_progressive_header_claiming_more_image_than_the_data_holds_is_truncated() {
+        // A progressive file codes every block in its first DC scan, at least one bit each.
+        let fixture = |name: &str| {
+            std::fs::read(format!(
+                "{}/tests/fixtures/{name}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap()
+        };
+        let progressive = fixture("progressive_32.jpg");
+        assert_eq!(kind_of(&progressive), None);
+        let sof2 = progressive
+            .windows(2)
+            .position(|m| m == [0xFF, 0xC2])
+            .unwrap();
+        let mut lying = progressive.clone();
+        lying[sof2 + 5..sof2 + 9].copy_from_slice(&[0x20, 0x00, 0x20, 0x00]); // 8192×8192
+        assert_eq!(kind_of(&lying), Some(BadFileKind::Truncated));
+    }
+
+    #[test]
+    fn a_sequential_jpeg_coded_one_component_per_scan_is_refused_not_miscoloured() {
+        // Flat (245, 187, 150) in three single-component scans (tests/fixtures/make_fixtures.py;
+        // PIL reads it flat); zune-jpeg 0.5.15 returns wrong colours for such files without an
+        // error.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/non_interleaved_32.jpg"
+        );
+        let bytes = std::fs::read(path).unwrap();
+        assert_eq!(kind_of(&bytes), Some(BadFileKind::Unsupported));
     }
 
     #[test]
