@@ -385,6 +385,50 @@ fn bad_image_skipped_and_reported_or_fatal_with_on_bad_image_fail() {
         !stderr.contains('\x1b'),
         "colour codes in a pipe: {stderr:?}"
     );
+    // A refused resume (the data changed) touches no report.
+    std::fs::write(&bad, valid_png()).unwrap();
+    let refused = birdtrain(&[
+        "--resume",
+        s(&run),
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--epochs",
+        "2",
+        "--quiet",
+    ]);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        run.join("bad_files_train.txt").exists(),
+        "a refused resume removed the report"
+    );
+    // A run that reads the fixed data through to its end removes the stale report.
+    let fixed = birdtrain(&[
+        "--resume",
+        s(&run),
+        "--data",
+        s(&data),
+        "--gpus",
+        "0",
+        "--epochs",
+        "2",
+        "--quiet",
+        "--allow-data-change",
+    ]);
+    assert!(fixed.status.success(), "{fixed:?}");
+    assert!(
+        !run.join("bad_files_train.txt").exists(),
+        "the stale report stayed"
+    );
+}
+
+/// A small valid PNG (what the synthetic sets hold).
+fn valid_png() -> Vec<u8> {
+    let img = image::RgbImage::from_pixel(16, 16, image::Rgb([40, 90, 200]));
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut bytes, image::ImageFormat::Png).unwrap();
+    bytes.into_inner()
 }
 
 /// Runs the binary with the flags of every resumed-schedule test before `args`, asserting

@@ -87,18 +87,16 @@ impl BadFile {
 }
 
 /// Writes the report: one JSON object per line (`path`, `kind`, `detail`), via a temporary
-/// file renamed into place so a reader never sees half a report. With no bad file there is
-/// no report: an earlier run's is removed, none is created.
+/// file renamed into place so a reader never sees half a report. With no bad file (yet)
+/// nothing is written and an earlier report is left as it is: only a consumer that read the
+/// whole split again knows it is stale (the trainer removes it after a finished run).
 pub(crate) fn write_report(path: &Path, files: &[BadFile]) -> Result<(), PipelineError> {
     let err = |source| PipelineError::Report {
         path: path.to_path_buf(),
         source,
     };
     if files.is_empty() {
-        return match std::fs::remove_file(path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(err(e)),
-            _ => Ok(()),
-        };
+        return Ok(());
     }
     let tmp = path.with_extension("tmp");
     let mut out = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(err)?);

@@ -230,7 +230,7 @@ impl PipelineBuilder {
         self
     }
     /// Where to write the bad-files report (JSON lines), kept up to date as files are found;
-    /// absent while there is none (an earlier report there is removed at `build`).
+    /// not written while there is none (an earlier report there is left alone).
     pub fn bad_files_report(mut self, path: impl Into<PathBuf>) -> Self {
         self.bad_files_report = Some(path.into());
         self

@@ -854,6 +854,22 @@ fn bad_files_line(shared: &Shared) -> Option<String> {
     (!parts.is_empty()).then(|| format!("unreadable files skipped: {}", parts.join(", ")))
 }
 
+/// After a run that trained and ended normally, every split was read again: a report left
+/// by an earlier run in this folder for a split with no bad file now lists fixed files.
+fn remove_stale_bad_file_reports(shared: &Shared) {
+    for (split, pipe) in [
+        (pipeline::Split::Train, &shared.train_pipe),
+        (pipeline::Split::Valid, &shared.valid_pipe),
+    ] {
+        let path = shared.folder.bad_files_path(split);
+        if pipe.bad_files().is_empty() && path.exists() {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!("could not remove the stale report {}: {e}", path.display());
+            }
+        }
+    }
+}
+
 /// Trace process id of the input engine's row (ranks use their rank).
 const ENGINE_PID: u32 = 10_000;
 
@@ -924,6 +940,9 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
     if let Some(line) = bad_files_line(&shared) {
         summary.push('\n');
         summary.push_str(&line);
+    }
+    if writer && !first.interrupted && first.session.1 > 0.0 {
+        remove_stale_bad_file_reports(&shared);
     }
     summary.push_str(&format!(
         "\nweights checksum {:016x} on {} rank(s){} · {} cross-rank checks passed",
