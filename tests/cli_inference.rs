@@ -601,6 +601,22 @@ fn predict_skips_or_fails_on_bad_files_as_asked() {
     let out = predict(&[s(&links)]);
     assert_one_line_error(&out, &["broken.png"]);
     assert!(out.stdout.is_empty(), "{}", text(&out));
+    // Named on the command line it is the same bad file, not a mistyped path.
+    let out = ok(predict(&[
+        "--on-bad-image",
+        "skip",
+        s(&broken),
+        s(&links.join("a.png")),
+    ]));
+    let lines = json_lines(&out);
+    assert_eq!(lines[0]["path"], s(&broken), "{}", text(&out));
+    assert!(
+        lines[0]["error"].is_string() && lines[1]["top"].is_array(),
+        "{}",
+        text(&out)
+    );
+    let out = predict(&[s(&tmp.path().join("typo.png"))]);
+    assert_one_line_error(&out, &["typo.png", "does not exist"]);
 }
 
 #[test]

@@ -125,6 +125,9 @@ fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
                     });
                 }
             }
+            // A broken link named on the command line is a bad file like one in a folder
+            // (--on-bad-image decides), not a mistyped path.
+            None if arg.symlink_metadata().is_ok() => files.push(arg.clone()),
             _ => {
                 super::paths::expect_file(arg, HINT)?;
                 files.push(arg.clone());

@@ -282,7 +282,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     pub init_from: Option<PathBuf>,
     /// Start every residual block as the identity: the γ of its last batch norm at 0
-    /// (torchvision's zero_init_residual; steadier first steps at large batches).
+    /// (torchvision's zero_init_residual; steadier first steps at large rates). Not with
+    /// --init-from; a resumed run goes on from its own weights.
     #[arg(long)]
     pub zero_init_residual: bool,
     /// Flat layout (<class>/<images>): share of each class held out for validation.
@@ -669,12 +670,9 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     if let (true, Some(path)) = (args.zero_init_residual, &args.init_from) {
         return Err(CliError::BadValue {
-            flag: "--zero-init-residual",
-            value: "given".into(),
-            hint: format!(
-                "the weights of --init-from {} replace the initialisation it changes: give one of the two",
-                path.display()
-            ),
+            flag: "--init-from",
+            value: path.display().to_string(),
+            hint: "these weights replace the fresh initialisation that --zero-init-residual changes: give one of the two".into(),
         });
     }
     // A resumed run goes on from its own weights; the flag only shapes a fresh start.
