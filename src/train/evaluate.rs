@@ -367,16 +367,20 @@ pub fn predict_each(
     let pipe = b.build().map_err(bad_image_error)?;
     let classes = model.meta.classes.len();
     // A file the engine passed over (rejected by the scan, or skipped as no readable image
-    // before the samples that follow it were delivered): the reason it logged.
-    let skipped = |pipe: &pipeline::Pipeline, path: &PathBuf| Prediction {
-        path: path.clone(),
-        top: Err(pipe
-            .bad_files()
-            .iter()
-            .find(|f| &f.path == path)
-            .map_or("not read".to_string(), |f| {
+    // before the samples that follow it were delivered): the reason it logged. The engine's
+    // list is copied again only when it lacks the file, not once per skipped file.
+    let mut logged: Vec<pipeline::BadFile> = Vec::new();
+    let mut skipped = |path: &PathBuf| {
+        if !logged.iter().any(|f| &f.path == path) {
+            logged = pipe.bad_files();
+        }
+        let reason = logged.iter().find(|f| &f.path == path);
+        Prediction {
+            path: path.clone(),
+            top: Err(reason.map_or("not read".to_string(), |f| {
                 format!("{} ({})", f.kind, f.detail)
             })),
+        }
     };
     // Samples are the list minus the files the engine passed over, in order; every copy of
     // a path shares its fate, so matching each sample to the next equal path is exact.
@@ -399,7 +403,7 @@ pub fn predict_each(
         for (i, &id) in b.sample_ids.iter().enumerate() {
             let path = pipe.sample_path(id).unwrap_or(Path::new(""));
             while next < images.len() && images[next] != path {
-                emit(skipped(&pipe, &images[next]));
+                emit(skipped(&images[next]));
                 next += 1;
             }
             if next == images.len() {
@@ -420,7 +424,7 @@ pub fn predict_each(
         }
     }
     for path in &images[next..] {
-        emit(skipped(&pipe, path));
+        emit(skipped(path));
     }
     Ok(())
 }

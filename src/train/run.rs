@@ -834,15 +834,20 @@ fn checkpoint_files<D: Device>(
     })
 }
 
+/// The run's engines with the split each reads.
+fn split_engines(shared: &Shared) -> [(pipeline::Split, &pipeline::Pipeline); 2] {
+    [
+        (pipeline::Split::Train, &shared.train_pipe),
+        (pipeline::Split::Valid, &shared.valid_pipe),
+    ]
+}
+
 /// The summary's count of the unreadable files the engines skipped, with where they are
 /// listed; `None` when every file was read.
 fn bad_files_line(shared: &Shared) -> Option<String> {
-    let counts = [
-        (pipeline::Split::Train, shared.train_pipe.bad_files().len()),
-        (pipeline::Split::Valid, shared.valid_pipe.bad_files().len()),
-    ];
-    let parts: Vec<String> = counts
+    let parts: Vec<String> = split_engines(shared)
         .iter()
+        .map(|(split, pipe)| (split, pipe.bad_files().len()))
         .filter(|(_, n)| *n > 0)
         .map(|(split, n)| {
             format!(
@@ -857,10 +862,7 @@ fn bad_files_line(shared: &Shared) -> Option<String> {
 /// After a run that trained and ended normally, every split was read again: a report left
 /// by an earlier run in this folder for a split with no bad file now lists fixed files.
 fn remove_stale_bad_file_reports(shared: &Shared) {
-    for (split, pipe) in [
-        (pipeline::Split::Train, &shared.train_pipe),
-        (pipeline::Split::Valid, &shared.valid_pipe),
-    ] {
+    for (split, pipe) in split_engines(shared) {
         let path = shared.folder.bad_files_path(split);
         if pipe.bad_files().is_empty() && path.exists() {
             if let Err(e) = std::fs::remove_file(&path) {

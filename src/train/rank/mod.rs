@@ -624,21 +624,20 @@ pub(crate) fn unflatten_buffers(shared: &Shared, row: &[f32]) -> Vec<Vec<f32>> {
 /// epoch end, with rank 0's batch counters.
 pub(crate) fn mean_buffers(shared: &Shared, rows: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let world = rows.len() as f64;
-    let mut mean = Vec::new();
-    let mut at = 0;
-    for spec in shared.graph.buffers() {
-        let n = spec.numel();
-        let t = (at..at + n)
-            .map(|i| {
-                if spec.kind == BufferKind::NumBatchesTracked {
-                    rows[0][i]
-                } else {
-                    (rows.iter().map(|r| f64::from(r[i])).sum::<f64>() / world) as f32
-                }
-            })
-            .collect();
-        at += n;
-        mean.push(t);
-    }
-    mean
+    let kinds = shared
+        .graph
+        .buffers()
+        .iter()
+        .flat_map(|spec| std::iter::repeat_n(spec.kind, spec.numel()));
+    let mean: Vec<f32> = kinds
+        .enumerate()
+        .map(|(i, kind)| {
+            if kind == BufferKind::NumBatchesTracked {
+                rows[0][i]
+            } else {
+                (rows.iter().map(|r| f64::from(r[i])).sum::<f64>() / world) as f32
+            }
+        })
+        .collect();
+    unflatten_buffers(shared, &mean)
 }
