@@ -8,6 +8,8 @@
 //! - [`buckets`]: groups parameters (in backward order) into gradient buckets laid out
 //!   contiguously in one flat buffer, and [`buckets::GradientSync`], which starts each bucket's
 //!   average as soon as backward has produced it, in the same order on every rank.
+//! - [`comm_guard`]: the raw communicator behind a count of the calls in flight, so an abort
+//!   from another thread never frees it under a call.
 //! - [`watchdog`]: aborts a collective that exceeds its timeout, naming the rank, so a rank
 //!   that stops answering is an error, never a hang.
 //! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the torchrun
@@ -28,6 +30,7 @@
 pub mod buckets;
 pub mod checksum;
 pub mod collective;
+pub mod comm_guard;
 pub mod launch;
 pub mod local;
 pub mod nccl;

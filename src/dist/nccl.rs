@@ -16,7 +16,9 @@
 //! timeout (a rank stopped answering) or an asynchronous NCCL error aborts the communicator
 //! (`ncclCommAbort`, which makes the pending kernels return) and surfaces as an error naming
 //! the rank, never as a hang. Host exchanges wait on their own completion event, never on the
-//! watchdog's polling tick.
+//! watchdog's polling tick. The raw communicator sits behind a [`CommGuard`]: every NCCL call
+//! runs inside it, and an abort from another thread (the watchdog, the process's abort group)
+//! frees the communicator only when no call is using it.
 //!
 //! libnccl is loaded at run time from wherever [`crate::cuda::library`] finds it (the CUDA
 //! toolkit, `LD_LIBRARY_PATH`, or NVIDIA's pip wheel `nvidia/nccl/lib/libnccl.so.2`), so a
@@ -26,16 +28,16 @@ use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::ptr;
-use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::{result as drv, CudaEvent, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::sys::{
-    cudaStream_t, ncclComm, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
 };
 
 use super::collective::{Collective, CollectiveError};
+use super::comm_guard::{CommGuard, CommGuardError, RawComm};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
 use crate::cuda::library::{self, Lib};
 use crate::cuda::timeline::{rows, GpuTimeline};
@@ -267,52 +269,51 @@ pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
 }
 
 /// A raw communicator handed from the init thread to its owner.
-struct RawComm(ncclComm_t);
+struct InitComm(ncclComm_t);
 
 // SAFETY: a freshly created communicator is not yet used by any thread; ownership moves to the
 // receiving thread, which is the only one using it from then on.
-unsafe impl Send for RawComm {}
+unsafe impl Send for InitComm {}
 
-/// The raw communicator, shared with the watchdog so it can abort from its own thread.
-#[derive(Debug)]
-struct CommHandle {
-    comm: AtomicPtr<ncclComm>,
+/// A live NCCL communicator, as [`CommGuard`] hands it to one call at a time.
+#[derive(Debug, Clone, Copy)]
+struct NcclHandle {
+    comm: ncclComm_t,
     rank: usize,
 }
 
-impl CommHandle {
-    fn get(&self) -> Result<ncclComm_t, NcclError> {
-        let p = self.comm.load(Ordering::Acquire);
-        if p.is_null() {
-            Err(NcclError::UseAfterAbort { rank: self.rank })
-        } else {
-            Ok(p)
-        }
-    }
-}
+// SAFETY: NCCL communicators may be used from any thread; the guard makes sure the handle is
+// never freed while a call uses it, and freed exactly once.
+unsafe impl Send for NcclHandle {}
+// SAFETY: as above (shared only through the guard).
+unsafe impl Sync for NcclHandle {}
 
-impl Abortable for CommHandle {
+impl RawComm for NcclHandle {
     fn abort(&self) -> Result<(), String> {
-        let p = self.comm.swap(ptr::null_mut(), Ordering::AcqRel);
-        if p.is_null() {
-            return Ok(());
-        }
         let lib = nccl().map_err(|e| e.to_string())?;
-        // SAFETY: `p` came from ncclCommInitRank and is no longer reachable through the
-        // handle, so it is aborted exactly once and never used again by this handle.
-        lib.check("ncclCommAbort", self.rank, unsafe { (lib.comm_abort)(p) })
-            .map_err(|e| e.to_string())
+        // SAFETY: the handle came from ncclCommInitRank; the guard calls this once, with no
+        // call in flight, and never hands the handle out again.
+        lib.check("ncclCommAbort", self.rank, unsafe {
+            (lib.comm_abort)(self.comm)
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    fn destroy(&self) -> Result<(), String> {
+        let lib = nccl().map_err(|e| e.to_string())?;
+        // SAFETY: as in `abort`.
+        lib.check("ncclCommDestroy", self.rank, unsafe {
+            (lib.comm_destroy)(self.comm)
+        })
+        .map_err(|e| e.to_string())
     }
 
     fn async_error(&self) -> Option<String> {
-        let p = self.comm.load(Ordering::Acquire);
-        if p.is_null() {
-            return None;
-        }
         let lib = nccl().ok()?;
         let mut code = ncclResult_t::ncclSuccess;
-        // SAFETY: `p` is a live communicator (non-null) and `code` a valid out pointer.
-        let r = unsafe { (lib.comm_get_async_error)(p, &mut code) };
+        // SAFETY: the guard keeps the communicator live during this call; `code` is a valid
+        // out pointer.
+        let r = unsafe { (lib.comm_get_async_error)(self.comm, &mut code) };
         match (r, code) {
             (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess)
             | (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => None,
@@ -321,6 +322,16 @@ impl Abortable for CommHandle {
             }
             (e, _) => Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(e))),
         }
+    }
+}
+
+/// The raw communicator behind its guard, shared with the watchdog and the process's abort
+/// group so they can abort it from their own threads.
+type CommHandle = CommGuard<NcclHandle>;
+
+fn use_after_abort(e: CommGuardError) -> NcclError {
+    match e {
+        CommGuardError::UseAfterAbort { rank } => NcclError::UseAfterAbort { rank },
     }
 }
 
@@ -403,7 +414,7 @@ impl Communicator {
                             )
                         };
                         lib.check("ncclCommInitRank", rank, code)?;
-                        Ok(RawComm(comm))
+                        Ok(InitComm(comm))
                     });
                 // The receiver may have given up already; then the communicator leaks, which is
                 // fine for a process that is exiting with an error.
@@ -425,10 +436,7 @@ impl Communicator {
             }
         };
         Ok(Communicator {
-            handle: Arc::new(CommHandle {
-                comm: AtomicPtr::new(comm),
-                rank,
-            }),
+            handle: Arc::new(CommGuard::new(rank, NcclHandle { comm, rank })),
             stream,
             rank,
             world_size,
@@ -478,16 +486,21 @@ impl Communicator {
         root: usize,
     ) -> Result<(), NcclError> {
         let lib = nccl()?;
-        let comm = self.handle.get()?;
-        let code = (lib.broadcast)(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            len,
-            T::TYPE,
-            root as c_int,
-            comm,
-            self.stream.cu_stream() as cudaStream_t,
-        );
+        let stream = self.stream.cu_stream() as cudaStream_t;
+        let code = self
+            .handle
+            .with(|comm| {
+                (lib.broadcast)(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    len,
+                    T::TYPE,
+                    root as c_int,
+                    comm.comm,
+                    stream,
+                )
+            })
+            .map_err(use_after_abort)?;
         lib.check("ncclBroadcast", self.rank, code)
     }
 
@@ -503,21 +516,26 @@ impl Communicator {
         average: bool,
     ) -> Result<(), NcclError> {
         let lib = nccl()?;
-        let comm = self.handle.get()?;
         let op = if average {
             ncclRedOp_t::ncclAvg
         } else {
             ncclRedOp_t::ncclSum
         };
-        let code = (lib.all_reduce)(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            len,
-            T::TYPE,
-            op,
-            comm,
-            self.stream.cu_stream() as cudaStream_t,
-        );
+        let stream = self.stream.cu_stream() as cudaStream_t;
+        let code = self
+            .handle
+            .with(|comm| {
+                (lib.all_reduce)(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    len,
+                    T::TYPE,
+                    op,
+                    comm.comm,
+                    stream,
+                )
+            })
+            .map_err(use_after_abort)?;
         lib.check("ncclAllReduce", self.rank, code)
     }
 
@@ -558,18 +576,9 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        let p = self.handle.comm.swap(ptr::null_mut(), Ordering::AcqRel);
-        if p.is_null() {
-            return;
-        }
-        if let Ok(lib) = nccl() {
-            // SAFETY: `p` is live and owned by this communicator; after the swap nothing else
-            // (the watchdog included) can reach it.
-            let code = unsafe { (lib.comm_destroy)(p) };
-            if let Err(e) = lib.check("ncclCommDestroy", self.rank, code) {
-                tracing::warn!("{e}");
-            }
-        }
+        // Destroyed unless it was aborted; the guard waits for any call in flight (the
+        // watchdog's poll) and ends the communicator exactly once.
+        self.handle.destroy();
     }
 }
 
@@ -692,8 +701,21 @@ impl NcclCollective {
     /// an abort by the watchdog ends the wait too), then reports a fault if there was one.
     fn wait(&self, event: &CudaEvent, op: &'static str) -> Result<(), NcclError> {
         let waited = event.synchronize().map_err(self.driver(op));
-        self.watchdog.check()?;
+        self.check_live()?;
         waited
+    }
+
+    /// Ok unless this rank's watchdog fired or the communicator was aborted from elsewhere
+    /// (the process's abort group): an aborted collective's event completes too, and its
+    /// result must not be taken for a real one.
+    fn check_live(&self) -> Result<(), NcclError> {
+        self.watchdog.check()?;
+        if self.comm.handle.is_aborted() {
+            return Err(NcclError::UseAfterAbort {
+                rank: self.comm.rank,
+            });
+        }
+        Ok(())
     }
 
     /// Sums `len` f64 values at device address `ptr` over every rank, after the compute work
@@ -792,7 +814,7 @@ impl Collective for NcclCollective {
         scale: f32,
     ) -> Result<(), CollectiveError> {
         let rank = self.comm.rank;
-        self.watchdog.check().map_err(NcclError::from)?;
+        self.check_live()?;
         if range.start > range.end || range.end > buffer.len {
             return Err(NcclError::OutOfRange {
                 rank,
@@ -855,7 +877,7 @@ impl Collective for NcclCollective {
 
     fn finish_averages(&mut self, _buffer: &mut DeviceGrads) -> Result<(), CollectiveError> {
         self.step += 1;
-        self.watchdog.check().map_err(NcclError::from)?;
+        self.check_live()?;
         // The communication stream runs buckets in order: the last one done means all are.
         if let Some(last) = self.last.take() {
             self.compute()
@@ -889,7 +911,7 @@ impl Collective for NcclCollective {
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
-        Ok(self.watchdog.check().map_err(NcclError::from)?)
+        Ok(self.check_live()?)
     }
 
     fn abort(&self, reason: &str) {
@@ -897,7 +919,7 @@ impl Collective for NcclCollective {
             "rank {}: aborting the NCCL communicator: {reason}",
             self.comm.rank
         );
-        if let Err(e) = self.comm.handle.abort() {
+        if let Err(e) = Abortable::abort(&*self.comm.handle) {
             tracing::warn!("rank {}: ncclCommAbort: {e}", self.comm.rank);
         }
     }
