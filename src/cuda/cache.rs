@@ -350,8 +350,7 @@ mod race_tests {
                 .map(|_| {
                     s.spawn(|| {
                         (0..100)
-                            .map(|_| cache.store("k1", &image).map_err(|e| e.to_string()))
-                            .collect::<Result<(), String>>()
+                            .try_for_each(|_| cache.store("k1", &image).map_err(|e| e.to_string()))
                     })
                 })
                 .collect();

@@ -18,7 +18,8 @@
 //! - [`rendezvous`]: the TCP handshake through which node 0 hands the NCCL unique id (and each
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
 //!   world size, dataset and model.
-//! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
+//! - [`ranks`]: one driver thread per local GPU with its streams and communicator;
+//!   [`abort_group`]: the first failing rank aborts every communicator of the process.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling`.
 //! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
@@ -27,6 +28,7 @@
 //! multi-rank logic (buckets overlapping backward, uneven last batches, agreeing on a stop,
 //! watchdog aborts) runs on CPU threads exactly as it runs on GPUs.
 
+pub mod abort_group;
 pub mod buckets;
 pub mod checksum;
 pub mod collective;

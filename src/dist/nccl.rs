@@ -114,6 +114,12 @@ pub enum NcclError {
         /// Time waited.
         waited: Duration,
     },
+    /// Joining the communicator was given up because another rank of this process failed.
+    #[error("rank {rank}: stopped joining the NCCL communicator because another rank of this process failed")]
+    InitAbandoned {
+        /// This rank.
+        rank: usize,
+    },
     /// Using a communicator after it was aborted.
     #[error("rank {rank}: the NCCL communicator was aborted; no further collectives are possible")]
     UseAfterAbort {
@@ -371,6 +377,20 @@ impl Communicator {
         unique_id: &[u8],
         timeout: Duration,
     ) -> Result<Self, NcclError> {
+        Self::init_unless(stream, rank, world_size, unique_id, timeout, &|| false)
+    }
+
+    /// [`Communicator::init`] that gives up as soon as `abandon()` is true (checked every
+    /// 50 ms): another rank of this process failed and will never join, so waiting for it
+    /// would last the whole `timeout`.
+    pub fn init_unless(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world_size: usize,
+        unique_id: &[u8],
+        timeout: Duration,
+        abandon: &dyn Fn() -> bool,
+    ) -> Result<Self, NcclError> {
         ensure_available()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
             return Err(NcclError::BadRank { rank, world_size });
@@ -386,8 +406,9 @@ impl Communicator {
             *dst = src as c_char;
         }
         // ncclCommInitRank blocks until all ranks join, with no timeout of its own: run it on a
-        // helper thread and give up after `timeout`. On timeout the helper stays blocked inside
-        // NCCL (nothing can cancel it); the caller is expected to exit with the error.
+        // helper thread and give up after `timeout` or when abandoned. Then the helper stays
+        // blocked inside NCCL (nothing can cancel it); the caller is expected to exit with the
+        // error.
         let ctx = stream.context().clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -425,14 +446,23 @@ impl Communicator {
                 rank,
                 code: e.to_string(),
             })?;
-        let comm = match rx.recv_timeout(timeout) {
-            Ok(outcome) => outcome?.0,
-            Err(_) => {
-                return Err(NcclError::InitTimeout {
-                    rank,
-                    world_size,
-                    waited: timeout,
-                })
+        let start = std::time::Instant::now();
+        let comm = loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            match rx.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(outcome) => break outcome?.0,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !left.is_zero() => {
+                    if abandon() {
+                        return Err(NcclError::InitAbandoned { rank });
+                    }
+                }
+                Err(_) => {
+                    return Err(NcclError::InitTimeout {
+                        rank,
+                        world_size,
+                        waited: timeout,
+                    })
+                }
             }
         };
         Ok(Communicator {
@@ -471,6 +501,41 @@ impl Communicator {
             Duration::from_millis(20),
             self.abort_target(),
         )
+    }
+
+    /// A barrier on the new communicator: an all-reduce of one value on the communication
+    /// stream, waited for on the host (a blocking-sync event, under a watchdog of `timeout`).
+    ///
+    /// Why an all-reduce rather than a host barrier among the local threads: it covers every
+    /// rank of every node, not only this process's; it proves the communicator works (its
+    /// transports connect here, before the rank's first large allocations take the memory
+    /// NCCL's connection buffers need, and a broken transport is an error at start naming the
+    /// barrier, not a timeout in the first step's bucket); and an abort of the communicator
+    /// (the watchdog, or the process's abort group when another local rank fails) ends it.
+    pub fn barrier(&self, timeout: Duration) -> Result<(), NcclError> {
+        let driver = |op: &'static str| {
+            let rank = self.rank;
+            move |source| NcclError::Driver { op, rank, source }
+        };
+        let mut one = self
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(driver("allocate the barrier's value"))?;
+        self.all_reduce_sum_in_place(&mut one)?;
+        let done = Arc::new(host_wait_event(&self.stream).map_err(driver("record the barrier"))?);
+        done.record(&self.stream)
+            .map_err(driver("record the barrier"))?;
+        let dog = self.watchdog(timeout);
+        let probe = done.clone();
+        dog.watch("the barrier after joining the communicator", move || {
+            probe.try_is_complete().map_err(|e| e.to_string())
+        })?;
+        let waited = done.synchronize().map_err(driver("wait for the barrier"));
+        dog.check()?;
+        if self.handle.is_aborted() {
+            return Err(NcclError::UseAfterAbort { rank: self.rank });
+        }
+        waited
     }
 
     /// Broadcasts `len` elements at device address `ptr` from `root` to every rank, in place,
@@ -580,6 +645,16 @@ impl Drop for Communicator {
         // watchdog's poll) and ends the communicator exactly once.
         self.handle.destroy();
     }
+}
+
+/// A new event that the host will wait on: with blocking synchronisation, so the waiting
+/// thread sleeps in the driver instead of spinning a core (one per rank otherwise) until the
+/// GPU gets there. Timing stays on (the flag set cannot say "blocking without timing"), which
+/// costs one timestamp per record.
+pub fn host_wait_event(stream: &CudaStream) -> Result<CudaEvent, DriverError> {
+    stream.context().new_event(Some(
+        cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+    ))
 }
 
 /// A rank's flat gradient buffer on its GPU: the device address and length of the f32 arena

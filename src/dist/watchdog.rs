@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 /// Something the watchdog can abort: a communicator.
 pub trait Abortable: Send + Sync {
-    /// Aborts every pending operation; later operations fail. Called at most once.
+    /// Aborts every pending operation; later operations fail. May be called more than once
+    /// (the watchdog, the rank's own failure and the process's abort group may each ask);
+    /// calls after the first do nothing.
     fn abort(&self) -> Result<(), String>;
     /// An error raised asynchronously by pending operations, if any.
     fn async_error(&self) -> Option<String>;

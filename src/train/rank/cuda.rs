@@ -467,7 +467,8 @@ struct GpuRankSpec<'a> {
     rank: usize,
     local_index: usize,
     ordinal: usize,
-    /// Aborts the other ranks' collectives when this rank fails before its collective exists.
+    /// Aborts every communicator of the process when this rank fails before its collective
+    /// exists (returning the error does too; this is the earliest moment).
     abort_early: &'a dyn Fn(&str),
 }
 
@@ -736,13 +737,14 @@ pub(crate) fn launch(
                         local_index,
                         ordinal,
                         comm,
+                        aborts,
                         ..
                     } = ctx;
                     let stops = stops.clone();
-                    let target = comm.abort_target();
+                    // Every communicator of this process, not only this rank's: the other
+                    // local ranks must not wait in their collectives for this one.
                     let abort_early = move |reason: &str| {
-                        tracing::error!("{reason}");
-                        let _ = target.abort();
+                        aborts.fail(rank, reason);
                     };
                     run_gpu_rank(
                         &body_shared,
