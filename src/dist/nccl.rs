@@ -820,7 +820,8 @@ impl NcclCollective {
         let dst = std::slice::from_raw_parts_mut(host, len);
         drv::memcpy_dtoh_async(dst, ptr, stream.cu_stream())
             .map_err(self.driver("copy a device sum to the host"))?;
-        let done = Arc::new(self.event("record a device sum")?);
+        // The host waits on it (`wait_device_sum`): blocking sync, no spinning core.
+        let done = Arc::new(host_wait_event(&stream).map_err(self.driver("record a device sum"))?);
         done.record(&stream)
             .map_err(self.driver("record a device sum"))?;
         self.watch(format!("{label} in step {}", self.step + 1), &done)?;
@@ -851,7 +852,8 @@ impl NcclCollective {
             let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
             collective(&self.comm, p, n)?;
         }
-        let done = Arc::new(self.event("record a host exchange")?);
+        let done =
+            Arc::new(host_wait_event(&stream).map_err(self.driver("record a host exchange"))?);
         done.record(&stream)
             .map_err(self.driver("record a host exchange"))?;
         self.watch(label, &done)?;
@@ -859,8 +861,11 @@ impl NcclCollective {
         stream
             .memcpy_dtoh(&buf.slice(0..n), values)
             .map_err(self.driver("download host values"))?;
-        stream
-            .synchronize()
+        // The download into pageable memory is done when the call returns; the event's wait
+        // (not a stream synchronise, which spins under the default scheduling) is a guard.
+        done.record(&stream)
+            .map_err(self.driver("download host values"))?;
+        done.synchronize()
             .map_err(self.driver("download host values"))
     }
 

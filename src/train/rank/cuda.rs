@@ -419,12 +419,8 @@ impl GpuCollective for SingleRank<DeviceGrads> {
         let dst = std::slice::from_raw_parts_mut(host, len);
         cudarc::driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream())
             .map_err(cuda("copy the step totals"))?;
-        let done = Arc::new(
-            device
-                .context()
-                .new_event(None)
-                .map_err(cuda("record the step totals"))?,
-        );
+        // The host waits on it: blocking sync, so no core spins per rank.
+        let done = Arc::new(nccl::host_wait_event(stream).map_err(cuda("record the step totals"))?);
         done.record(stream)
             .map_err(cuda("record the step totals"))?;
         Ok(done)
