@@ -8,6 +8,7 @@
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
 #                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
 #   bash .gpu/gpu-run.sh auto    # --batch-size auto: resnet50 at 224 px trains at the batch picked
+#   bash .gpu/gpu-run.sh syncbn  # a resnet50 224 px epoch with --sync-bn against without (images/s)
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
@@ -148,6 +149,30 @@ phase_train() {
   train_checks
   big_set
   train_data_wait
+  sync_bn_cost
+}
+
+phase_syncbn() {
+  big_set
+  sync_bn_cost
+}
+
+# --sync-bn against without: resnet50 at 224 px on the data-wait run's set and cache, two
+# epochs each, the last (warm) epoch's training images/s compared. On one GPU, NCCL has one
+# rank, so this is what the sync-BN path itself costs (a second BN pass forward, its kernels,
+# one-rank sums on the side communicator and stream, no host round trip), not the overlap with
+# the buckets that several GPUs would show. The sync-BN run logs at info level, so the check
+# can see that its sums ran on the side communicator.
+sync_bn_cost() {
+  [ "$gpus" = 0 ] && { note "SKIP sync-bn-cost: needs a GPU (the CPU has no side communicator)"; return; }
+  local b=$work/synth-big r=$work/runs-syncbn c=$work/cache
+  rm -rf "$r"; mkdir -p "$r"
+  local common=(--data "$b" --gpus "$gpus" --model resnet50 --image-size 224 --batch-size 128
+    --epochs 2 --cache-dir "$c")
+  step syncbn-plain 120 "$bin" "${common[@]}" --out "$r/plain"
+  RUST_LOG=birdtrain=info step syncbn-synced 120 "$bin" "${common[@]}" --sync-bn --out "$r/synced"
+  grep -E "^epoch " "$out/syncbn-plain.log" "$out/syncbn-synced.log"
+  check $checks sync-bn-cost "$out/syncbn-synced.log" "$out/syncbn-plain.log"
 }
 
 # The CPU accuracy test's set and model (tests/train_accuracy.rs): accuracy, trace, eval on
@@ -258,6 +283,7 @@ phase_all() {
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
   train_data_wait
   phase_auto
+  sync_bn_cost
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
   bench_scaling
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 60 "$bin" bench step --model resnet50 --batch-size 256 \
@@ -268,8 +294,8 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|ncu|all) ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|ncu|all (one per device call)" >&2; exit 2 ;;
+  tests|bench|train|auto|syncbn|ncu|all) ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"

@@ -54,6 +54,13 @@ fn the_checks_catch_a_wrong_convolution() {
     struct Transposed(CpuBackend);
     impl Backend for Transposed {
         type Tensor = Vec<f32>;
+        type Sums = Vec<f64>;
+        fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+            self.0.alloc_sums(len)
+        }
+        fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> birdtrain::backend::SumsMut<'a> {
+            self.0.sums_mut(sums)
+        }
         fn name(&self) -> String {
             "transposed".into()
         }

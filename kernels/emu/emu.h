@@ -215,6 +215,12 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// Explicitly rounded double operations (never contracted into an FMA; nor is plain host code,
+// built in ISO C++ mode without -mfma).
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
 
 // Warp-collective m16n8k16 emulation using the PTX fragment layout.
 struct WarpMma { unsigned a[32][4]; unsigned b[32][2]; };

@@ -6,8 +6,9 @@
 //!   bucket is complete ([`Collective::start_average`]) and finished before the optimizer
 //!   ([`Collective::finish_averages`]);
 //! - the initial weights are broadcast from rank 0 ([`Collective::broadcast`]);
-//! - small host vectors are summed (the step's loss and hit counts, the stop flag,
-//!   synchronised batch-norm statistics, checksums: [`Collective::sum`]);
+//! - small host vectors are summed (the step's loss and hit counts, the stop flag, checksums:
+//!   [`Collective::sum`]), and synchronised batch norm's per-channel sums where the backend
+//!   keeps them ([`Collective::sum_sums`]: on the device for GPU ranks);
 //! - a failing rank aborts the group with a reason ([`Collective::abort`]), and every rank's
 //!   next call fails instead of waiting for it.
 //!
@@ -22,6 +23,8 @@ use std::ops::Range;
 use super::buckets::BucketError;
 use super::nccl::NcclError;
 use super::watchdog::WatchdogError;
+use crate::backend::bn_sync::SumThroughHostError;
+use crate::backend::SumsMut;
 
 /// Errors of a collective operation. Each names the rank that saw it.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +107,26 @@ pub trait Collective: Send {
     /// Sums `values` element-wise over every rank, in place (host values; returns when the
     /// sum is there, waiting on the operation itself, not on a polling tick).
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError>;
+
+    /// Sums synchronised batch norm's per-channel `sums` element-wise over every rank, in
+    /// place, where the backend keeps them: the same call for a rank with images (its
+    /// backend's sums) and for one replaying a step with zeros (host values).
+    ///
+    /// The default goes through [`Collective::sum`] (device sums are downloaded and uploaded
+    /// again), so CPU ranks and any collective without a device path take part with the same
+    /// call order. NCCL overrides it: sums in device memory are reduced on the device, on a
+    /// communicator and stream of their own, ordered against compute by events, never behind
+    /// the gradient buckets in flight and never through the host.
+    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), CollectiveError> {
+        let rank = self.rank();
+        sums.sum_through_host(|v| self.sum(v)).map_err(|e| match e {
+            SumThroughHostError::Sum(e) => e,
+            SumThroughHostError::Device(e) => CollectiveError::Buffer {
+                rank,
+                detail: format!("synchronised batch norm's sums: {e}"),
+            },
+        })
+    }
 
     /// Ok unless the group was aborted.
     fn check(&self) -> Result<(), CollectiveError>;

@@ -23,7 +23,7 @@
 //! Generic over the raw handle ([`RawComm`]), so the locking is tested on the CPU with a fake
 //! communicator that records any use after it was freed.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::watchdog::Abortable;
 
@@ -66,11 +66,21 @@ struct State<H> {
 }
 
 /// A raw communicator shared by its owner's calls and an aborting thread. See the module docs.
-#[derive(Debug)]
 pub struct CommGuard<H> {
     state: Mutex<State<H>>,
     idle: Condvar,
     rank: usize,
+    /// Communicators made from this one (a side communicator for small sums): aborted with it,
+    /// so whatever aborts this communicator (the watchdog, the abort group) reaches them too.
+    dependents: Mutex<Vec<Arc<dyn Abortable>>>,
+}
+
+impl<H> std::fmt::Debug for CommGuard<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommGuard")
+            .field("rank", &self.rank)
+            .finish()
+    }
 }
 
 impl<H: RawComm> CommGuard<H> {
@@ -84,6 +94,37 @@ impl<H: RawComm> CommGuard<H> {
             }),
             idle: Condvar::new(),
             rank,
+            dependents: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Makes `dependent` end with this communicator: an abort of this one aborts it too (at
+    /// once, if this one was aborted already).
+    pub fn add_dependent(&self, dependent: Arc<dyn Abortable>) {
+        if self.is_aborted() {
+            let _ = dependent.abort();
+            return;
+        }
+        self.dependents
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(dependent.clone());
+        // An abort between the check and the push has already walked the list.
+        if self.is_aborted() {
+            let _ = dependent.abort();
+        }
+    }
+
+    fn abort_dependents(&self) {
+        let dependents = self
+            .dependents
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for d in dependents {
+            if let Err(e) = d.abort() {
+                tracing::warn!("rank {}: aborting a dependent communicator: {e}", self.rank);
+            }
         }
     }
 
@@ -154,6 +195,9 @@ impl<H: RawComm> CommGuard<H> {
             return AbortOutcome::AlreadyEnded;
         }
         state.ending = Some(Ending::Abort);
+        drop(state);
+        self.abort_dependents();
+        let mut state = self.lock();
         if state.in_flight > 0 {
             return AbortOutcome::Deferred {
                 in_flight: state.in_flight,
@@ -230,7 +274,14 @@ impl<H: RawComm> Abortable for CommGuard<H> {
     }
 
     fn async_error(&self) -> Option<String> {
-        self.with(|h| h.async_error()).ok().flatten()
+        self.with(|h| h.async_error()).ok().flatten().or_else(|| {
+            let dependents = self
+                .dependents
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            dependents.iter().find_map(|d| d.async_error())
+        })
     }
 }
 
@@ -427,6 +478,22 @@ mod tests {
         assert_eq!(fake.destroys.load(Ordering::SeqCst), 0);
         assert!(Abortable::async_error(&*guard).is_none());
         assert_eq!(fake.uses_after_free.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn aborting_a_communicator_aborts_its_dependents_even_when_added_late() {
+        let (parent_fake, parent) = guarded();
+        let (side_fake, side) = guarded();
+        parent.add_dependent(side.clone());
+        assert!(Abortable::async_error(&*parent).is_none());
+        Abortable::abort(&*parent).unwrap();
+        assert_eq!(parent_fake.aborts.load(Ordering::SeqCst), 1);
+        assert_eq!(side_fake.aborts.load(Ordering::SeqCst), 1);
+        assert!(side.with(|_| ()).is_err());
+        // A dependent made after the abort is aborted as it is added.
+        let (late_fake, late) = guarded();
+        parent.add_dependent(late);
+        assert_eq!(late_fake.aborts.load(Ordering::SeqCst), 1);
     }
 
     #[test]

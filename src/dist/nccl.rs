@@ -39,6 +39,8 @@ use cudarc::nccl::sys::{
 use super::collective::{Collective, CollectiveError};
 use super::comm_guard::{CommGuard, CommGuardError, RawComm};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
+use crate::backend::bn_sync::SumThroughHostError;
+use crate::backend::SumsMut;
 use crate::cuda::library::{self, Lib};
 use crate::cuda::timeline::{rows, GpuTimeline};
 use crate::cuda::{grad, GpuDevice};
@@ -169,7 +171,13 @@ struct NcclLib {
         cudaStream_t,
     ) -> ncclResult_t,
     error_string: unsafe extern "C" fn(ncclResult_t) -> *const c_char,
+    /// `ncclCommSplit` (NCCL ≥ 2.18), when the library has it.
+    comm_split: Option<CommSplitFn>,
 }
+
+/// `ncclCommSplit(comm, color, key, &newcomm, config)`; a null config inherits the parent's.
+type CommSplitFn =
+    unsafe extern "C" fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut c_void) -> ncclResult_t;
 
 impl NcclLib {
     fn open() -> Result<NcclLib, String> {
@@ -200,6 +208,11 @@ impl NcclLib {
             all_reduce: sym!(b"ncclAllReduce\0"),
             broadcast: sym!(b"ncclBroadcast\0"),
             error_string: sym!(b"ncclGetErrorString\0"),
+            // SAFETY: NCCL's C function of this signature (nccl.h, 2.18 and later); optional:
+            // an older library gets the second communicator from a second init instead.
+            comm_split: unsafe { lib.get::<CommSplitFn>(b"ncclCommSplit\0") }
+                .ok()
+                .map(|f| *f),
             _lib: lib,
             path,
         })
@@ -281,6 +294,36 @@ struct InitComm(ncclComm_t);
 // receiving thread, which is the only one using it from then on.
 unsafe impl Send for InitComm {}
 
+/// The communicator a helper thread blocked in NCCL (init or split) hands over: waited for at
+/// most `timeout`, and given up when `abandon()` turns true (checked every 50 ms).
+fn wait_for_comm(
+    rx: &std::sync::mpsc::Receiver<Result<InitComm, NcclError>>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    abandon: &dyn Fn() -> bool,
+) -> Result<InitComm, NcclError> {
+    let start = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        match rx.recv_timeout(left.min(Duration::from_millis(50))) {
+            Ok(outcome) => return outcome,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !left.is_zero() => {
+                if abandon() {
+                    return Err(NcclError::InitAbandoned { rank });
+                }
+            }
+            Err(_) => {
+                return Err(NcclError::InitTimeout {
+                    rank,
+                    world_size,
+                    waited: timeout,
+                })
+            }
+        }
+    }
+}
+
 /// A live NCCL communicator, as [`CommGuard`] hands it to one call at a time.
 #[derive(Debug, Clone, Copy)]
 struct NcclHandle {
@@ -353,6 +396,10 @@ impl NcclElement for f32 {
 
 impl NcclElement for f64 {
     const TYPE: ncclDataType_t = ncclDataType_t::ncclFloat64;
+}
+
+impl NcclElement for u8 {
+    const TYPE: ncclDataType_t = ncclDataType_t::ncclUint8;
 }
 
 /// One rank of an NCCL communicator, bound to its communication stream.
@@ -446,25 +493,7 @@ impl Communicator {
                 rank,
                 code: e.to_string(),
             })?;
-        let start = std::time::Instant::now();
-        let comm = loop {
-            let left = timeout.saturating_sub(start.elapsed());
-            match rx.recv_timeout(left.min(Duration::from_millis(50))) {
-                Ok(outcome) => break outcome?.0,
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !left.is_zero() => {
-                    if abandon() {
-                        return Err(NcclError::InitAbandoned { rank });
-                    }
-                }
-                Err(_) => {
-                    return Err(NcclError::InitTimeout {
-                        rank,
-                        world_size,
-                        waited: timeout,
-                    })
-                }
-            }
-        };
+        let comm = wait_for_comm(&rx, rank, world_size, timeout, abandon)?.0;
         Ok(Communicator {
             handle: Arc::new(CommGuard::new(rank, NcclHandle { comm, rank })),
             stream,
@@ -501,6 +530,91 @@ impl Communicator {
             Duration::from_millis(20),
             self.abort_target(),
         )
+    }
+
+    /// A second communicator over the same ranks, its collectives on `stream`, made by
+    /// `ncclCommSplit` (every rank calls it at the same point, as for an init). `None` when the
+    /// library has no `ncclCommSplit` (NCCL before 2.18), or when `NCCL_COMM_SPLIT_SHARE_RESOURCES`
+    /// asks the child to share the parent's resources (NCCL then forbids using the two
+    /// concurrently, which is the point of a second communicator): the caller then makes one
+    /// with a second init. Waits at most `timeout` for the other ranks, and gives up when this
+    /// communicator is aborted meanwhile.
+    pub fn split(
+        &self,
+        stream: Arc<CudaStream>,
+        timeout: Duration,
+    ) -> Result<Option<Communicator>, NcclError> {
+        let lib = nccl()?;
+        let Some(split) = lib.comm_split else {
+            return Ok(None);
+        };
+        if std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").is_ok_and(|v| v.trim() != "0") {
+            return Ok(None);
+        }
+        let rank = self.rank;
+        let ctx = stream.context().clone();
+        let handle = self.handle.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("nccl-split-{rank}"))
+            .spawn(move || {
+                let outcome = ctx
+                    .bind_to_thread()
+                    .map_err(|source| NcclError::Driver {
+                        op: "bind context",
+                        rank,
+                        source,
+                    })
+                    .and_then(|()| {
+                        let mut child: ncclComm_t = ptr::null_mut();
+                        // Inside the guard: the parent is not freed while NCCL splits it (an
+                        // abort meanwhile ends it when the split returns).
+                        let code = handle
+                            .with(|parent| {
+                                // SAFETY: a live communicator, a valid out pointer, and a null
+                                // config (inherit the parent's).
+                                unsafe {
+                                    split(
+                                        parent.comm,
+                                        0,
+                                        rank as c_int,
+                                        &mut child,
+                                        ptr::null_mut(),
+                                    )
+                                }
+                            })
+                            .map_err(use_after_abort)?;
+                        lib.check("ncclCommSplit", rank, code)?;
+                        Ok(InitComm(child))
+                    });
+                let _ = tx.send(outcome);
+            })
+            .map_err(|e| NcclError::Call {
+                op: "spawn ncclCommSplit thread",
+                rank,
+                code: e.to_string(),
+            })?;
+        let child = wait_for_comm(&rx, rank, self.world_size, timeout, &|| {
+            self.handle.is_aborted()
+        })?;
+        Ok(Some(Communicator {
+            handle: Arc::new(CommGuard::new(
+                rank,
+                NcclHandle {
+                    comm: child.0,
+                    rank,
+                },
+            )),
+            stream,
+            rank,
+            world_size: self.world_size,
+        }))
+    }
+
+    /// Makes `child` end with this communicator: aborting this one (its watchdog, the abort
+    /// group) aborts the child too.
+    pub fn adopt(&self, child: &Communicator) {
+        self.handle.add_dependent(child.abort_target());
     }
 
     /// A barrier on the new communicator: an all-reduce of one value on the communication
@@ -702,6 +816,19 @@ pub struct NcclCollective {
     small_f64: Scratch<f64>,
     small_f32: Scratch<f32>,
     timeline: Option<GpuTimeline>,
+    /// Synchronised batch norm's sums, once [`NcclCollective::open_side_sums`] made them a
+    /// communicator and stream of their own.
+    side: Option<SideSums>,
+}
+
+/// The communicator and stream of synchronised batch norm's small sums, beside the gradient
+/// buckets' (see [`NcclCollective::open_side_sums`]).
+struct SideSums {
+    comm: Communicator,
+    /// Recorded on the compute stream before each sum; the side stream waits for it.
+    ready: CudaEvent,
+    /// Host sums (a rank replaying a step without images) go through this buffer.
+    scratch: Scratch<f64>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -729,7 +856,70 @@ impl NcclCollective {
             small_f64: Scratch { buf: None },
             small_f32: Scratch { buf: None },
             timeline: None,
+            side: None,
         }
+    }
+
+    /// Gives synchronised batch norm's sums ([`Collective::sum_sums`]) a communicator and a
+    /// stream of their own, so they run beside the gradient buckets' all-reduces instead of
+    /// queueing behind them on the communication stream. Every rank calls it at the same point
+    /// (a collective call), before its first sync-BN step; `timeout` bounds the wait for the
+    /// others.
+    ///
+    /// The communicator comes from `ncclCommSplit` (NCCL ≥ 2.18, loaded when present); with an
+    /// older library, from a second `ncclCommInitRank` whose unique id rank 0 draws and hands
+    /// to the others over the first communicator (no second rendezvous). Either way it is
+    /// aborted with the first (the watchdog and the abort group reach it) and passes the same
+    /// barrier before use.
+    pub fn open_side_sums(&mut self, timeout: Duration) -> Result<(), NcclError> {
+        if self.side.is_some() {
+            return Ok(());
+        }
+        let (rank, world) = (self.comm.rank, self.comm.world_size);
+        let stream = self
+            .compute()
+            .context()
+            .new_stream()
+            .map_err(self.driver("create the sync-BN stream"))?;
+        let (comm, how) = match self.comm.split(stream.clone(), timeout)? {
+            Some(comm) => (comm, "ncclCommSplit"),
+            None => {
+                let mut id = if rank == 0 {
+                    new_unique_id()?
+                } else {
+                    vec![0u8; UNIQUE_ID_BYTES]
+                };
+                let mut scratch = Scratch { buf: None };
+                let label = "hand-out of the sync-BN communicator's id".to_string();
+                self.host_exchange(&self.comm, &mut scratch, &mut id, label, |comm, p, n| {
+                    // SAFETY: `p` addresses the scratch buffer of `n` bytes, used by the
+                    // communication stream only.
+                    unsafe { comm.broadcast_raw::<u8>(p, n, 0) }
+                })?;
+                let main = self.comm.handle.clone();
+                let comm = Communicator::init_unless(stream, rank, world, &id, timeout, &|| {
+                    main.is_aborted()
+                })?;
+                (comm, "a second ncclCommInitRank")
+            }
+        };
+        tracing::info!(
+            "rank {rank}: sync-BN sums on a communicator and stream of their own ({how}), on the device"
+        );
+        self.comm.adopt(&comm);
+        comm.barrier(timeout)?;
+        let ready = self.event("create the sync-BN ready event")?;
+        self.side = Some(SideSums {
+            comm,
+            ready,
+            scratch: Scratch { buf: None },
+        });
+        Ok(())
+    }
+
+    /// Whether synchronised batch norm's sums have their own communicator.
+    pub fn has_side_sums(&self) -> bool {
+        self.side.is_some()
     }
 
     /// The communicator.
@@ -835,12 +1025,13 @@ impl NcclCollective {
         T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
     >(
         &self,
+        comm: &Communicator,
         scratch: &mut Scratch<T>,
         values: &mut [T],
         label: String,
         collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
     ) -> Result<(), NcclError> {
-        let stream = self.comm.stream.clone();
+        let stream = comm.stream.clone();
         let n = values.len();
         let buf = scratch
             .get(&stream, n)
@@ -850,7 +1041,7 @@ impl NcclCollective {
             .map_err(self.driver("upload host values"))?;
         {
             let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
-            collective(&self.comm, p, n)?;
+            collective(comm, p, n)?;
         }
         let done =
             Arc::new(host_wait_event(&stream).map_err(self.driver("record a host exchange"))?);
@@ -867,6 +1058,33 @@ impl NcclCollective {
             .map_err(self.driver("download host values"))?;
         done.synchronize()
             .map_err(self.driver("download host values"))
+    }
+
+    /// Sums `len` f64 at device address `ptr` over every rank on the side communicator:
+    /// after the compute work issued so far, before the compute work issued next (events), with
+    /// no host wait.
+    fn side_device_sum(&self, side: &SideSums, ptr: u64, len: usize) -> Result<(), NcclError> {
+        self.check_live()?;
+        side.ready
+            .record(self.compute())
+            .map_err(self.driver("record compute for a sync-BN sum"))?;
+        let stream = side.comm.stream();
+        stream
+            .wait(&side.ready)
+            .map_err(self.driver("order a sync-BN sum after compute"))?;
+        // SAFETY: the backend's sums hold `len` live f64 at `ptr` (DeviceSums); compute wrote
+        // them before `ready` and reads them again only after `done`.
+        unsafe { side.comm.all_reduce_raw::<f64>(ptr, len, false) }?;
+        let done = Arc::new(self.event("record a sync-BN sum")?);
+        done.record(stream)
+            .map_err(self.driver("record a sync-BN sum"))?;
+        self.compute()
+            .wait(&done)
+            .map_err(self.driver("order compute after a sync-BN sum"))?;
+        self.watch(
+            format!("sync-BN sum of {len} values in step {}", self.step + 1),
+            &done,
+        )
     }
 
     /// Waits for an event returned by [`NcclCollective::sum_on_device`].
@@ -970,7 +1188,7 @@ impl Collective for NcclCollective {
     fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+        let result = self.host_exchange(&self.comm, &mut scratch, values, label, |comm, p, n| {
             // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
             // communication stream only.
             unsafe { comm.broadcast_raw::<f32>(p, n, root) }
@@ -982,11 +1200,45 @@ impl Collective for NcclCollective {
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
         let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+        let result = self.host_exchange(&self.comm, &mut scratch, values, label, |comm, p, n| {
             // SAFETY: as in `broadcast`.
             unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
         });
         self.small_f64 = scratch;
+        Ok(result?)
+    }
+
+    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), CollectiveError> {
+        let Some(mut side) = self.side.take() else {
+            // No side communicator: through the host, on the main one.
+            let rank = self.comm.rank;
+            return sums.sum_through_host(|v| self.sum(v)).map_err(|e| match e {
+                SumThroughHostError::Sum(e) => e,
+                SumThroughHostError::Device(e) => CollectiveError::Buffer {
+                    rank,
+                    detail: format!("synchronised batch norm's sums: {e}"),
+                },
+            });
+        };
+        let result = match &mut sums {
+            SumsMut::Device(d) => self.side_device_sum(&side, d.device_ptr(), d.len()),
+            SumsMut::Host(values) => {
+                let label = format!(
+                    "sync-BN sum of {} values in step {}",
+                    values.len(),
+                    self.step + 1
+                );
+                let mut scratch = std::mem::replace(&mut side.scratch, Scratch { buf: None });
+                let r =
+                    self.host_exchange(&side.comm, &mut scratch, values, label, |comm, p, n| {
+                        // SAFETY: as in `sum`, on the side communicator's stream.
+                        unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+                    });
+                side.scratch = scratch;
+                r
+            }
+        };
+        self.side = Some(side);
         Ok(result?)
     }
 

@@ -198,6 +198,15 @@ pub fn conv_kind(op: &str, s: &ConvShape) -> String {
 
 impl Backend for CpuBackend {
     type Tensor = Vec<f32>;
+    type Sums = Vec<f64>;
+
+    fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> crate::backend::SumsMut<'a> {
+        crate::backend::SumsMut::Host(sums)
+    }
 
     fn name(&self) -> String {
         match self.kernels {

@@ -13,7 +13,8 @@
 //! collective averages in place on the communication stream; the fused
 //! [`DeviceOptimizer`] keeps f32 master weights on the device; the step's loss and hit
 //! counts and the stop wish stay on the device and are summed there, read one step later:
-//! a step has no host synchronisation (with `--sync-bn` the BN statistics do cross the host).
+//! a step has no host synchronisation. With `--sync-bn`, the BN layers' sums stay on the
+//! device too, summed on a side communicator and stream of their own beside the buckets.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -472,7 +473,7 @@ struct GpuRankSpec<'a> {
 fn run_gpu_rank<C>(
     shared: &Shared,
     spec: GpuRankSpec<'_>,
-    make_comm: impl FnOnce(&Arc<GpuDevice>) -> C,
+    make_comm: impl FnOnce(&Arc<GpuDevice>) -> Result<C, TrainError>,
     stop: &dyn Fn(u64) -> bool,
 ) -> Result<RankReport, TrainError>
 where
@@ -500,7 +501,15 @@ where
     let device = backend.device().clone();
     // The optimizer works on the same device and stream as the network.
     let opt_backend = backend.clone();
-    let comm = make_comm(&device);
+    // Before the network's allocations: a collective that connects (the sync-BN side
+    // communicator) takes its memory first.
+    let comm = match make_comm(&device) {
+        Ok(c) => c,
+        Err(e) => {
+            abort_early(&format!("rank {rank} failed: {e}"));
+            return Err(e);
+        }
+    };
     let built = (|| -> Result<_, TrainError> {
         let mut net = Network::new(
             StagedBackend::new(backend),
@@ -775,7 +784,7 @@ pub(crate) fn launch(
                         Err(e) => tracing::warn!("no trace timeline: {e}"),
                     }
                 }
-                single
+                Ok(single)
             },
             &|step| stop(0, step),
         )?;
@@ -795,14 +804,16 @@ pub(crate) fn launch(
     })
 }
 
-/// The NCCL collective of a rank, with its trace timeline when tracing.
+/// The NCCL collective of a rank, with its trace timeline when tracing, and with `--sync-bn`
+/// (batch norm not frozen) the side communicator its BN sums run on, on the device, beside
+/// the gradient buckets.
 fn nccl_collective(
     comm: Communicator,
     device: &Arc<GpuDevice>,
     shared: &Shared,
     rank: usize,
     timeout: Duration,
-) -> NcclCollective {
+) -> Result<NcclCollective, TrainError> {
     let mut c = NcclCollective::new(comm, device.clone(), timeout);
     if shared.trace.is_enabled() {
         match GpuTimeline::new(shared.trace.clone(), rank as u32, device.stream()) {
@@ -810,7 +821,12 @@ fn nccl_collective(
             Err(e) => tracing::warn!("rank {rank}: no trace timeline: {e}"),
         }
     }
-    c
+    let cfg = &shared.cfg;
+    if cfg.dist.sync_bn && !cfg.freeze_bn {
+        c.open_side_sums(cfg.dist.rendezvous_timeout())
+            .map_err(|e| TrainError::from(CollectiveError::from(e)))?;
+    }
+    Ok(c)
 }
 
 #[cfg(test)]

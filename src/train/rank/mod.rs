@@ -31,7 +31,7 @@ use super::folder::DataPosition;
 use super::lr_find::LrTrace;
 use super::setup::Shared;
 use super::TrainError;
-use crate::backend::Backend;
+use crate::backend::{Backend, SumsMut};
 use crate::cuda::staging::feed::HostBatch;
 use crate::dist::buckets::GradientSync;
 use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
@@ -204,6 +204,10 @@ struct HookState<'a, C: Collective> {
 impl<C: Collective> BnAllReduce for BnOverCollective<'_, '_, C> {
     fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
         Ok(self.state.borrow_mut().comm.sum(values)?)
+    }
+
+    fn sum_sums(&mut self, sums: SumsMut<'_>) -> Result<(), GradHookError> {
+        Ok(self.state.borrow_mut().comm.sum_sums(sums)?)
     }
 }
 
@@ -445,11 +449,15 @@ impl<D: Device> Rank<D> {
         };
         for e in events {
             match e {
+                // The same call as a rank with images makes (on a GPU: on the collective's
+                // side communicator), with host zeros.
                 SyncEvent::BnForward { channels } => {
-                    self.comm.sum(&mut vec![0.0; 2 * channels + 1])?;
+                    let mut zeros = vec![0.0; 2 * channels + 1];
+                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
                 }
                 SyncEvent::BnBackward { channels } => {
-                    self.comm.sum(&mut vec![0.0; 2 * channels])?;
+                    let mut zeros = vec![0.0; 2 * channels];
+                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
                 }
                 SyncEvent::GradReady(p) => {
                     self.sync.grad_ready(&mut self.comm, &mut self.grads, p)?;
