@@ -215,6 +215,12 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// Round-to-nearest arithmetic intrinsics (x86-64 SSE arithmetic is IEEE round-to-nearest; the
+// emulator is built without FMA contraction, so these are the device's exact operations).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
 
 // Warp-collective m16n8k16 emulation using the PTX fragment layout.
 struct WarpMma { unsigned a[32][4]; unsigned b[32][2]; };

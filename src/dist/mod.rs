@@ -18,6 +18,8 @@
 //!   world size, dataset and model.
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
+//! - [`device_group`]: the test-only rehearsal's collective of N GPU ranks sharing one GPU in
+//!   one process (no NCCL), reduced in rank order on the device; [`same_gpu`] its CUDA side.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling`.
 //! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
 //!
@@ -28,11 +30,13 @@
 pub mod buckets;
 pub mod checksum;
 pub mod collective;
+pub mod device_group;
 pub mod launch;
 pub mod local;
 pub mod nccl;
 pub mod ranks;
 pub mod rendezvous;
+pub mod same_gpu;
 pub mod scaling;
 pub mod settings;
 pub mod single;
