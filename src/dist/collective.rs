@@ -14,8 +14,10 @@
 //! Two implementations: [`super::local::LocalCollective`] for CPU ranks on threads of one
 //! process (buckets reduced on a communication thread, so the reduction overlaps backward as
 //! on a GPU), and [`super::nccl::NcclCollective`] for GPUs (NCCL on a communication stream,
-//! also across machines). Every rank must issue the same calls in the same order; both
-//! implementations detect a rank that stops answering with a [`super::watchdog::Watchdog`].
+//! also across machines); and, for tests only, [`super::device_group::DeviceCollective`]: N GPU
+//! ranks sharing one GPU, reduced on the device without NCCL. Every rank must issue the same
+//! calls in the same order; every implementation detects a rank that stops answering with a
+//! [`super::watchdog::Watchdog`].
 
 use std::ops::Range;
 

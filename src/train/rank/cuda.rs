@@ -47,6 +47,8 @@ use crate::train::run::{run_rank, Launched, RankReport, StopWish};
 use crate::train::setup::{pipeline_for, Shared};
 use crate::train::TrainError;
 
+mod rehearsal;
+
 /// The step totals of the last two steps: on the device (written by the loss kernels, summed
 /// by NCCL) and in page-locked host memory (copied there after the sum), one slot per step.
 struct DeviceTotals {
@@ -628,6 +630,9 @@ pub(crate) fn launch(
             0,
             "use at least 1 staging slot (2 overlaps the copy of batch k+1 with batch k)",
         ));
+    }
+    if let Some(ranks) = rehearsal::requested()? {
+        return rehearsal::launch(cfg, n, ranks, folder, resumed, stop);
     }
     let plan = launch_plan(n, cfg)?;
     for note in &plan.overrides {
