@@ -207,8 +207,21 @@ fn a_pytorchjob_pod_drives_its_gpus() {
         ("MASTER_PORT", "23456"),
         ("PYTHONUNBUFFERED", "1"),
     ];
-    let mut flags = FLAGS.to_vec();
-    flags.extend(["--gpus", "8", "--cache-dir", "/cache"]);
+    // The README manifest's command.
+    let flags = [
+        "--data",
+        "/data/285birds",
+        "--out",
+        "/runs/birds",
+        "--gpus",
+        "8",
+        "--cache-dir",
+        "/cache",
+        "--rendezvous-timeout",
+        "900",
+        "--batch-size",
+        "64",
+    ];
     let v = dry_json(&flags, &pod);
     assert_eq!(
         v,

@@ -137,7 +137,7 @@ pub enum TrainError {
     /// A collective failed: a rank stopped answering, failed, or the group was aborted.
     #[error(transparent)]
     Collective(Box<CollectiveError>),
-    /// The launch flags or torchrun variables (`--gpus`, `--nodes`, `WORLD_SIZE`, …) do not
+    /// The launch flags or launcher variables (`--gpus`, `--nodes`, `WORLD_SIZE`, …) do not
     /// describe a run this machine can start; the message names the flag or variable.
     #[error(transparent)]
     Launch(#[from] LaunchError),
