@@ -284,6 +284,24 @@ fn a_dry_run_reads_no_data_writes_nothing_and_asks_no_driver() {
         (v["global_batch"].clone(), v["lr"].clone()),
         (Value::Null, Value::Null)
     );
+    // …where the run can measure it: one process, on GPUs.
+    let mut auto = FLAGS[..4].to_vec();
+    auto.extend(["--batch-size", "auto", "--dry-run"]);
+    let out = birdtrain(&auto, &torchrun_worker("0"));
+    assert_one_line_error(&out, &["--batch-size", "each of the 8 processes"]);
+    let out = birdtrain(
+        &[
+            "--data",
+            "d",
+            "--gpus",
+            "0",
+            "--batch-size",
+            "auto",
+            "--dry-run",
+        ],
+        &[],
+    );
+    assert_one_line_error(&out, &["--batch-size", "on the CPU"]);
     // Without the driver, "every GPU" has no count unless CUDA_VISIBLE_DEVICES says it.
     let out = birdtrain(&["--data", "d", "--gpus", "all", "--dry-run"], &[]);
     assert_one_line_error(&out, &["--gpus all", "CUDA_VISIBLE_DEVICES"]);

@@ -62,6 +62,9 @@ pub(crate) fn resolve(args: TrainArgs, env: Env<'_>) -> Result<DryRun, CliError>
         cfg.replicas = plan.nodes * local;
     }
     let measured = args.batch_size == Some(BatchSize::Auto);
+    if measured {
+        crate::train::check_auto_batch(&plan)?;
+    }
     let mut notes = vec![format!("devices from {}", plan.devices_source)];
     notes.extend(plan.overrides.iter().cloned());
     notes.extend(restart.into_iter().chain(cpu_note));

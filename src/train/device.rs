@@ -24,32 +24,46 @@ impl DeviceChoice {
     }
 }
 
-/// `--batch-size auto`: the largest per-GPU batch that every GPU of the run holds for
-/// `cfg`'s model and image size with `classes` classes, measured on each device
-/// ([`crate::cuda::memory::auto_batch_size`]: a probe network's footprint against the free
-/// memory) and rounded down to a multiple of 8 (from 16 on); with it, the line that says so.
-/// Refused on the CPU, and with several processes (each would measure only its own GPUs).
-pub fn largest_gpu_batch(
-    cfg: &super::TrainConfig,
-    classes: usize,
-) -> Result<(usize, String), super::TrainError> {
-    let refused = |reason: String| super::TrainError::InvalidConfig {
+/// The error of a `--batch-size auto` that cannot be measured.
+fn auto_refused(reason: String) -> super::TrainError {
+    super::TrainError::InvalidConfig {
         flag: "--batch-size",
         value: "auto".into(),
         hint: reason,
-    };
-    let DeviceChoice::Cuda(n) = cfg.device else {
-        return Err(refused(
+    }
+}
+
+/// Refuses `--batch-size auto` where it cannot be measured: on the CPU (a plan without GPUs),
+/// and with several processes (each would measure only its own GPUs).
+pub fn check_auto_batch(plan: &LaunchPlan) -> Result<(), super::TrainError> {
+    if plan.devices.is_empty() {
+        return Err(auto_refused(
             "auto measures a GPU's memory; on the CPU give a number, e.g. --batch-size 64".into(),
         ));
-    };
-    let plan = super::rank::cuda::launch_plan(n, cfg)?;
+    }
     if plan.is_multi_node() {
-        return Err(refused(format!(
+        return Err(auto_refused(format!(
             "each of the {} processes would measure only its own GPUs; give every node the same number",
             plan.nodes
         )));
     }
+    Ok(())
+}
+
+/// `--batch-size auto`: the largest per-GPU batch that every GPU of the run holds for
+/// `cfg`'s model and image size with `classes` classes, measured on each device
+/// ([`crate::cuda::memory::auto_batch_size`]: a probe network's footprint against the free
+/// memory) and rounded down to a multiple of 8 (from 16 on); with it, the line that says so.
+/// Refused where [`check_auto_batch`] refuses it.
+pub fn largest_gpu_batch(
+    cfg: &super::TrainConfig,
+    classes: usize,
+) -> Result<(usize, String), super::TrainError> {
+    let plan = match cfg.device {
+        DeviceChoice::Cuda(n) => super::rank::cuda::launch_plan(n, cfg)?,
+        DeviceChoice::Cpu => LaunchPlan::single_node(Vec::new()),
+    };
+    check_auto_batch(&plan)?;
     let graph = Graph::new(cfg.arch, classes);
     let image_size = cfg.image_size;
     let mut smallest: Option<(usize, String)> = None;
@@ -61,7 +75,7 @@ pub fn largest_gpu_batch(
         };
         let backend = CudaBackend::new(ordinal).map_err(opened)?;
         let (batch, footprint) = crate::cuda::memory::auto_batch_size(&backend, &graph, image_size)
-            .map_err(|e| refused(format!("{device}: {e}")))?;
+            .map_err(|e| auto_refused(format!("{device}: {e}")))?;
         let (free, _) = backend.device().memory().map_err(opened)?;
         let batch = if batch >= 16 { batch / 8 * 8 } else { batch };
         if smallest.as_ref().is_none_or(|(b, _)| batch < *b) {
@@ -76,7 +90,7 @@ pub fn largest_gpu_batch(
             smallest = Some((batch, line));
         }
     }
-    smallest.ok_or_else(|| refused("no GPU to measure".into()))
+    smallest.ok_or_else(|| auto_refused("no GPU to measure".into()))
 }
 
 #[cfg(test)]
@@ -89,5 +103,16 @@ mod tests {
         assert_eq!(DeviceChoice::of_plan(&plan), DeviceChoice::Cpu);
         let plan = LaunchPlan::single_node(vec![2]);
         assert_eq!(DeviceChoice::of_plan(&plan), DeviceChoice::Cuda(1));
+    }
+
+    #[test]
+    fn an_auto_batch_is_measured_by_one_process_on_gpus_only() {
+        let gpus = LaunchPlan::single_node(vec![0, 1]);
+        assert!(check_auto_batch(&gpus).is_ok());
+        let e = check_auto_batch(&LaunchPlan::single_node(Vec::new())).unwrap_err();
+        assert!(e.to_string().contains("on the CPU give a number"), "{e}");
+        let torchrun = LaunchPlan { nodes: 4, ..gpus };
+        let e = check_auto_batch(&torchrun).unwrap_err();
+        assert!(e.to_string().contains("each of the 4 processes"), "{e}");
     }
 }
