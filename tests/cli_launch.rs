@@ -235,7 +235,7 @@ fn a_pytorchjob_pod_drives_its_gpus() {
 }
 
 #[test]
-fn a_dry_run_reads_no_data_writes_nothing_and_asks_no_driver() {
+fn a_dry_run_reads_no_data_and_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     // No data folder, no GPU driver here: a real run would refuse both.
@@ -317,6 +317,26 @@ fn a_dry_run_reads_no_data_writes_nothing_and_asks_no_driver() {
         stdout.contains("devices          [0, 1]") && stdout.contains("global batch     64"),
         "{stdout}"
     );
+}
+
+#[test]
+fn a_dry_run_never_loads_the_gpu_driver() {
+    // glibc's loader names every library it looks for under LD_DEBUG=libs: a run asks for
+    // libcuda (found or not) before anything else, a dry run never does.
+    let debug = [("LD_DEBUG", "libs")];
+    let run = birdtrain(&["--data", "absent", "--gpus", "2"], &debug);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("libcuda"),
+        "the loader's trace shows no probe:\n{stderr}"
+    );
+    let dry = birdtrain(
+        &["--data", "absent", "--gpus", "2", "--dry-run", "--json"],
+        &debug,
+    );
+    assert!(dry.status.success(), "{}", text(&dry));
+    let stderr = String::from_utf8_lossy(&dry.stderr);
+    assert!(!stderr.contains("libcuda"), "{stderr}");
 }
 
 #[test]
