@@ -402,3 +402,26 @@ fn a_restarted_torchrun_worker_resumes_the_run_in_out() {
     let e = run(&no_out, &cpu_worker("1"));
     assert_one_line_error(&e, &["--out", "TORCHELASTIC_RESTART_COUNT"]);
 }
+
+#[test]
+fn a_flag_over_a_launcher_value_wins_and_the_run_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("data"), 2, 4);
+    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run"));
+    let mut args = train_args(&data, &cache, &out, 1);
+    args.extend(["--nodes", "1", "--node-rank", "0"].map(String::from));
+    let mut task = srun_task();
+    task.retain(|(k, _)| *k != "CUDA_VISIBLE_DEVICES");
+    let trained = ok(run(&args, &task));
+    let stdout = String::from_utf8_lossy(&trained.stdout);
+    assert!(
+        stdout.contains("--nodes 1 overrides SLURM_NTASKS=2")
+            && stdout.contains("--node-rank 0 overrides SLURM_PROCID=1"),
+        "{}",
+        text(&trained)
+    );
+    assert!(
+        out.join("checkpoint.json").exists(),
+        "node 0 writes the run"
+    );
+}

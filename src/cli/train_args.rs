@@ -802,7 +802,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     let plan = super::launcher::plan(&args, &launch::process_env, &launch::probe_gpus())?;
     let (args, restart) = super::launcher::resume_restarted(args, &plan)?;
     let (cfg, note) = config_for(&args, &plan)?;
-    for note in restart.iter().chain(&note) {
+    for note in plan.overrides.iter().chain(&restart).chain(&note) {
         outln!("{note}");
     }
     let stop = install_stop_signals("saving a checkpoint");

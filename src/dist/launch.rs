@@ -582,8 +582,11 @@ fn local_devices(
 ) -> Result<(Vec<usize>, String), LaunchError> {
     let every = |asked: String| -> Result<(Vec<usize>, String), LaunchError> {
         match visible {
-            VisibleGpus::Listed(d) => Ok((d.iter().map(|d| d.ordinal).collect(), asked)),
-            VisibleGpus::Missing(_) => Ok((Vec::new(), asked)),
+            VisibleGpus::Listed(d) => Ok((
+                d.iter().map(|d| d.ordinal).collect(),
+                format!("every visible GPU ({asked})"),
+            )),
+            VisibleGpus::Missing(_) => Ok((Vec::new(), format!("no GPU visible ({asked})"))),
             VisibleGpus::Unknown => Err(LaunchError::GpuCountUnknown { asked }),
         }
     };
