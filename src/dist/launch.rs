@@ -1129,7 +1129,7 @@ mod tests {
         );
         let p = plan(&NONE, &env, &gpus(4)).unwrap();
         assert_eq!((p.launcher, p.node_rank), (Launcher::Slurm, 1));
-        assert_eq!(p.overrides.len(), 2, "{:?}", p.overrides);
+        assert_eq!(p.overrides, ["SLURM_PROCID=1 wins over RANK=0"]);
     }
 
     #[test]

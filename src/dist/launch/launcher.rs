@@ -308,10 +308,13 @@ fn read_slurm(env: Env<'_>, seen: &mut LauncherEnv) -> Result<(), LaunchError> {
             hint: "ask for a GPU per task (srun --gpus-per-task 1) and no more tasks per machine than GPUs, or one task per machine driving them all (--ntasks-per-node 1)",
         });
     }
-    for var in ["WORLD_SIZE", "RANK"] {
-        if let Some(v) = env(var).filter(|v| !v.trim().is_empty()) {
+    // A job script may export WORLD_SIZE (alike for every task); only a different value is news.
+    for (var, slurm) in [("WORLD_SIZE", tasks), ("RANK", rank)] {
+        if let Some(v) = env(var).filter(|v| v.trim() != slurm.value.to_string()) {
             seen.ignored.push(format!(
-                "Slurm's SLURM_NTASKS/SLURM_PROCID win over {var}={}",
+                "{}={} wins over {var}={}",
+                slurm.var,
+                slurm.value,
                 v.trim()
             ));
         }
