@@ -189,11 +189,11 @@ fn bad_unique_id_is_an_error() {
 #[test]
 #[ignore = "needs a CUDA GPU and NCCL"]
 fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
-    use birdtrain::dist::launch::{detect_cuda_devices, resolve, GpuCount, LaunchFlags};
+    use birdtrain::dist::launch::{probe_gpus, resolve, GpuCount, LaunchFlags};
     use birdtrain::dist::ranks::run_local_ranks;
     use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
 
-    let devices = detect_cuda_devices();
+    let devices = probe_gpus();
     let flags = LaunchFlags {
         gpus: Some(GpuCount::All),
         ..LaunchFlags::default()

@@ -426,13 +426,7 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
     use crate::dist::rendezvous::{rendezvous, NodeInfo};
     use cudarc::driver::DevicePtr;
 
-    let launch = LaunchPlan {
-        devices: (0..gpus).collect(),
-        nodes: 1,
-        node_rank: 0,
-        master: None,
-        overrides: Vec::new(),
-    };
+    let launch = LaunchPlan::single_node((0..gpus).collect());
     let me = NodeInfo {
         nodes: 1,
         node_rank: 0,

@@ -77,7 +77,7 @@ impl CliError {
     }
 
     /// The process exit code: 2 for usage mistakes (a flag value the CLI or the trainer's
-    /// settings refuse, a missing flag, launch flags or torchrun variables that describe no
+    /// settings refuse, a missing flag, launch flags or launcher variables that describe no
     /// run), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {

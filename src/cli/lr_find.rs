@@ -45,6 +45,13 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
             hint: "lr-find starts from the model's first weights (or --init-from); it does not continue a run".into(),
         });
     }
+    if args.train.dry_run {
+        return Err(CliError::BadValue {
+            flag: "--dry-run",
+            value: "true".into(),
+            hint: "it checks a training launch: give it to the training command (birdtrain --data … --dry-run)".into(),
+        });
+    }
     // The sweep's own flags first: a bad one is named as such (not as the --epochs or the
     // --stop-after-steps derived from it), and nothing is printed before every value is checked.
     let range = LrRange {

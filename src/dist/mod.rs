@@ -10,9 +10,9 @@
 //!   average as soon as backward has produced it, in the same order on every rank.
 //! - [`watchdog`]: aborts a collective that exceeds its timeout, naming the rank, so a rank
 //!   that stops answering is an error, never a hang.
-//! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the torchrun
-//!   environment variables into a [`launch::LaunchPlan`]; [`settings`] holds those settings
-//!   and their defaults.
+//! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the variables of
+//!   the launcher (torchrun, Slurm's `srun`, a PyTorchJob) into a [`launch::LaunchPlan`];
+//!   [`settings`] holds those settings and their defaults.
 //! - [`rendezvous`]: the TCP handshake through which node 0 hands the NCCL unique id (and each
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
 //!   world size, dataset and model.

@@ -1,8 +1,9 @@
 //! The TCP rendezvous that starts a multi-node run.
 //!
-//! Node 0 listens on the `--master` port. Every other node connects (retrying until the
-//! timeout, since nodes start in any order), says hello — protocol version, node rank, node
-//! count, local GPU count, dataset fingerprint, model name — and waits. Once every node has
+//! Node 0 listens on the launch plan's rendezvous port (the `--master` port; under torchrun,
+//! whose agent holds `MASTER_PORT`, the port above it). Every other node connects (retrying
+//! until the timeout, since nodes start in any order), says hello — protocol version, node
+//! rank, node count, local GPU count, dataset fingerprint, model name — and waits. Once every node has
 //! arrived and agrees with node 0, node 0 creates the NCCL unique id (an opaque byte string from
 //! a closure, so this module needs no NCCL) and answers each node its global rank offset, the
 //! world size in GPUs and the id. Any disagreement is answered with an error message that both

@@ -10,11 +10,12 @@ use super::launch::{GpuCount, LaunchError, LaunchFlags};
 /// How the ranks of a run are launched and joined.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DistSettings {
-    /// Nodes (processes) of a multi-node run (`None`: WORLD_SIZE, else 1).
+    /// Nodes (processes) of a multi-node run (`None`: the launcher's, else 1).
     pub nodes: Option<usize>,
-    /// This node's rank (`None`: RANK, else 0).
+    /// This node's rank (`None`: the launcher's, else 0).
     pub node_rank: Option<usize>,
-    /// Rendezvous address host:port of node 0 (`None`: MASTER_ADDR:MASTER_PORT).
+    /// Rendezvous address host:port of node 0 (`None`: the launcher's, see
+    /// [`super::launch::LaunchPlan::rendezvous_addr`]).
     pub master: Option<String>,
     /// Seconds to wait for every node at the rendezvous.
     pub rendezvous_timeout: u64,

@@ -30,7 +30,7 @@ mod multirank_tests;
 
 pub use augment::{augment_for, augments_for, erase_for, max_shift, Augmentation};
 pub use config::TrainConfig;
-pub use device::{cuda_device_count, largest_gpu_batch, DeviceChoice};
+pub use device::{check_auto_batch, largest_gpu_batch, DeviceChoice};
 pub use ema::{EmaRecipe, ModelEma};
 pub use error::TrainError;
 pub use evaluate::{

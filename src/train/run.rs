@@ -98,10 +98,11 @@ pub(crate) fn train_until(
     result
 }
 
-/// Whether this process is node 0 (or the only node), by `--node-rank` or torchrun's `RANK`;
-/// a value that does not parse counts as node 0 here and is refused by the launch.
+/// Whether this process is node 0 (or the only node), by `--node-rank` or the launcher's
+/// `RANK` or `SLURM_PROCID`; a value that does not parse counts as node 0 here and is refused
+/// by the launch.
 fn first_node(cfg: &TrainConfig) -> bool {
-    let env_rank = || std::env::var("RANK").ok()?.trim().parse::<usize>().ok();
+    let env_rank = || crate::dist::launch::launcher::node_rank(&crate::dist::launch::process_env);
     cfg.dist.node_rank.or_else(env_rank).unwrap_or(0) == 0
 }
 

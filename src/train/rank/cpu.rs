@@ -298,7 +298,7 @@ pub(crate) fn check_single_node(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<(), TrainError> {
     let flags = cfg.dist.launch_flags(Some("0"))?;
-    let plan = launch::resolve(&flags, env, &[])?;
+    let plan = launch::resolve(&flags, env, &launch::VisibleGpus::Listed(Vec::new()))?;
     for note in &plan.overrides {
         tracing::info!("{note}");
     }

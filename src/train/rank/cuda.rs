@@ -460,7 +460,7 @@ pub(crate) fn launch_plan(n: usize, cfg: &TrainConfig) -> Result<LaunchPlan, Tra
     Ok(launch::resolve(
         &flags,
         &launch::process_env,
-        &launch::detect_cuda_devices(),
+        &launch::probe_gpus(),
     )?)
 }
 
@@ -673,7 +673,7 @@ pub(crate) fn launch(
             fingerprint: valid.fingerprint(),
             model: cfg.arch.name().to_string(),
         };
-        let master = plan.master.as_ref().map(ToString::to_string);
+        let master = plan.rendezvous_addr().map(|m| m.to_string());
         rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
             nccl::new_unique_id().map_err(|e| e.to_string())
         })
