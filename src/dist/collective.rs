@@ -7,7 +7,9 @@
 //!   ([`Collective::finish_averages`]);
 //! - the initial weights are broadcast from rank 0 ([`Collective::broadcast`]);
 //! - small host vectors are summed (the step's loss and hit counts, the stop flag,
-//!   synchronised batch-norm statistics, checksums: [`Collective::sum`]);
+//!   synchronised batch-norm statistics, checksums: [`Collective::sum`]); a sum that waits
+//!   for work done outside the collectives (validation, rank 0 writing the run folder) has a
+//!   timeout of its own ([`Collective::sum_within`]);
 //! - a failing rank aborts the group with a reason ([`Collective::abort`]), and every rank's
 //!   next call fails instead of waiting for it.
 //!
@@ -20,6 +22,7 @@
 //! [`super::watchdog::Watchdog`].
 
 use std::ops::Range;
+use std::time::Duration;
 
 use super::buckets::BucketError;
 use super::nccl::NcclError;
@@ -106,6 +109,13 @@ pub trait Collective: Send {
     /// Sums `values` element-wise over every rank, in place (host values; returns when the
     /// sum is there, waiting on the operation itself, not on a polling tick).
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError>;
+
+    /// [`Collective::sum`] under `timeout` instead of the collective timeout: for a sum the
+    /// ranks reach far apart because some of them first do long work outside the collectives
+    /// (validating their share, rank 0 writing a checkpoint to a slow disk). A failing rank
+    /// still aborts it at once, and so does an asynchronous error of the communicator (a peer
+    /// process that died), whatever the timeout.
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError>;
 
     /// Ok unless the group was aborted.
     fn check(&self) -> Result<(), CollectiveError>;

@@ -681,10 +681,22 @@ impl NcclCollective {
 
     /// Registers `event` (recorded after a collective) with the watchdog.
     fn watch(&self, label: String, event: &Arc<CudaEvent>) -> Result<(), NcclError> {
+        self.watch_within(label, None, event)
+    }
+
+    /// [`NcclCollective::watch`] with a timeout of its own (`None`: the collective timeout).
+    fn watch_within(
+        &self,
+        label: String,
+        timeout: Option<Duration>,
+        event: &Arc<CudaEvent>,
+    ) -> Result<(), NcclError> {
         let probe = event.clone();
-        self.watchdog.watch(label, move || {
-            probe.try_is_complete().map_err(|e| e.to_string())
-        })?;
+        let done = move || probe.try_is_complete().map_err(|e| e.to_string());
+        match timeout {
+            Some(t) => self.watchdog.watch_within(label, t, done)?,
+            None => self.watchdog.watch(label, done)?,
+        }
         Ok(())
     }
 
@@ -732,7 +744,8 @@ impl NcclCollective {
 
     /// A collective on host `values`: uploads them into `scratch` on the communication
     /// stream, runs `collective` on the device copy (address, length), waits for it (watched
-    /// under `label`), and downloads the result into `values`.
+    /// under `label`, for `timeout` when given, else the collective timeout), and downloads
+    /// the result into `values`.
     fn host_exchange<
         T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
     >(
@@ -740,6 +753,7 @@ impl NcclCollective {
         scratch: &mut Scratch<T>,
         values: &mut [T],
         label: String,
+        timeout: Option<Duration>,
         collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
     ) -> Result<(), NcclError> {
         let stream = self.comm.stream.clone();
@@ -757,7 +771,7 @@ impl NcclCollective {
         let done = Arc::new(self.event("record a host exchange")?);
         done.record(&stream)
             .map_err(self.driver("record a host exchange"))?;
-        self.watch(label, &done)?;
+        self.watch_within(label, timeout, &done)?;
         self.wait(&done, "wait for a host exchange")?;
         stream
             .memcpy_dtoh(&buf.slice(0..n), values)
@@ -765,6 +779,23 @@ impl NcclCollective {
         stream
             .synchronize()
             .map_err(self.driver("download host values"))
+    }
+
+    /// A sum of host values over every rank, watched for `timeout` (`None`: the collective
+    /// timeout).
+    fn sum_for(
+        &mut self,
+        values: &mut [f64],
+        timeout: Option<Duration>,
+    ) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        let result = self.host_exchange(&mut scratch, values, label, timeout, |comm, p, n| {
+            // SAFETY: as in `broadcast`.
+            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+        });
+        self.small_f64 = scratch;
+        Ok(result?)
     }
 
     /// Waits for an event returned by [`NcclCollective::sum_on_device`].
@@ -868,7 +899,7 @@ impl Collective for NcclCollective {
     fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
+        let result = self.host_exchange(&mut scratch, values, label, None, |comm, p, n| {
             // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
             // communication stream only.
             unsafe { comm.broadcast_raw::<f32>(p, n, root) }
@@ -878,14 +909,11 @@ impl Collective for NcclCollective {
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
-        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
-        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
-            // SAFETY: as in `broadcast`.
-            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
-        });
-        self.small_f64 = scratch;
-        Ok(result?)
+        self.sum_for(values, None)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
+        self.sum_for(values, Some(timeout))
     }
 
     fn check(&self) -> Result<(), CollectiveError> {

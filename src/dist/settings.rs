@@ -21,6 +21,12 @@ pub struct DistSettings {
     pub rendezvous_timeout: u64,
     /// Seconds a collective may take before every rank aborts (a rank stopped answering).
     pub collective_timeout: u64,
+    /// Seconds the ranks wait for each other at an epoch end or a checkpoint, where they meet
+    /// after work outside the collectives: each rank validating its share, rank 0 writing
+    /// metrics, `best/`, the checkpoint and the report (a large split or a slow disk can take
+    /// longer than any collective should). A rank that fails meanwhile still aborts the others
+    /// at once; this bounds only a writer that hangs or a peer that vanished unnoticed.
+    pub epoch_end_timeout: u64,
     /// Gradient bucket size in MiB (one average per bucket, started during backward).
     pub bucket_mb: f64,
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
@@ -42,6 +48,7 @@ impl Default for DistSettings {
             master: None,
             rendezvous_timeout: 300,
             collective_timeout: 600,
+            epoch_end_timeout: 3600,
             bucket_mb: 25.0,
             prefetch_depth: 2,
             trace: None,
@@ -70,6 +77,12 @@ impl DistSettings {
     /// The collective (watchdog) timeout.
     pub fn collective_timeout(&self) -> Duration {
         Duration::from_secs(self.collective_timeout.max(1))
+    }
+
+    /// How long the ranks wait for each other at an epoch end or a checkpoint (never less
+    /// than the collective timeout).
+    pub fn epoch_end_timeout(&self) -> Duration {
+        Duration::from_secs(self.epoch_end_timeout.max(self.collective_timeout).max(1))
     }
 
     /// The bucket planner settings for f32 gradients.

@@ -75,6 +75,14 @@ impl<B> Collective for SingleRank<B> {
         Ok(())
     }
 
+    fn sum_within(
+        &mut self,
+        _values: &mut [f64],
+        _timeout: std::time::Duration,
+    ) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
     fn check(&self) -> Result<(), CollectiveError> {
         Ok(())
     }

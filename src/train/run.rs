@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
-use super::evaluate::{evaluate_until, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
 use super::lr_find::LrTrace;
@@ -23,6 +22,7 @@ use super::rank::{
 };
 use super::setup::Shared;
 use super::summary::{format_summary, SummaryHeader};
+use super::validation::{validate, EpochFigures, Validation};
 use super::TrainError;
 use crate::dist::collective::Collective;
 use crate::model::{ModelState, StepStats};
@@ -53,6 +53,9 @@ pub struct TrainOutcome {
     pub lr_sweep: Option<LrTrace>,
     /// Whether this process wrote the run folder (node 0 of a multi-node run).
     pub writer: bool,
+    /// Validation images each local rank evaluated over the run (its share of every pass,
+    /// the moving average's included): every rank validates a slice of the split.
+    pub validated_images: Vec<u64>,
 }
 
 /// Whether a rank wants to stop before global step `step` (Ctrl-C, or a test's plan): asked
@@ -263,6 +266,8 @@ pub(crate) struct RankReport {
     pub session: (f64, f64),
     /// The learning-rate sweep's record (`lr-find`).
     pub lr_trace: Option<LrTrace>,
+    /// Validation images this rank evaluated (its share of every pass).
+    pub validated_images: u64,
 }
 
 /// The first error of the ranks, preferring a cause over the aborts it caused elsewhere.
@@ -310,6 +315,7 @@ fn epochs<D: Device>(
     let mut early_stopped = false;
     let mut best = shared.best;
     let mut session = (0.0f64, 0.0f64);
+    let mut validated_images = 0u64;
     if rank.position.epoch >= cfg.epochs && rank.is_writer() && cfg.resume.is_some() {
         tracing::warn!(
             "--epochs {}: the resumed run has trained {} epochs already, so there is nothing to train (hint: a larger --epochs goes on)",
@@ -361,24 +367,29 @@ fn epochs<D: Device>(
         let unvalidated = rank.position.clone();
         rank.position = rank.position.next_epoch();
         let mut validation_stopped = false;
-        if rank.is_writer() && !sweep {
+        if !sweep {
             let at = rank.position.global_step;
             let wish = || stop(at);
-            match end_epoch(
-                shared,
-                rank,
-                &train_line,
-                acc.wait_share(),
-                &mut best,
-                &wish,
-            )? {
-                Some(line) => last_valid = Some(line),
-                None => validation_stopped = true,
+            // Every rank validates its share and learns the whole split's figures, or that a
+            // rank was stopped during its pass.
+            match validate(shared, rank, epoch + 1, &wish)? {
+                Validation::Stopped => validation_stopped = true,
+                Validation::Done(figures) => {
+                    validated_images += figures.own_images;
+                    if rank.is_writer() {
+                        let line = end_epoch(
+                            shared,
+                            rank,
+                            &train_line,
+                            acc.wait_share(),
+                            &mut best,
+                            figures,
+                        )?;
+                        last_valid = Some(line);
+                    }
+                    wait_for_writer(shared, rank)?;
+                }
             }
-        }
-        // Every rank learns whether rank 0 stopped during validation (one small sum an epoch).
-        if !sweep {
-            validation_stopped = writer_value(rank, f64::from(u8::from(validation_stopped)))? > 0.5;
         }
         if validation_stopped {
             rank.position = unvalidated;
@@ -393,7 +404,6 @@ fn epochs<D: Device>(
             interrupted = true;
             break;
         }
-        share_lr_scale(shared, rank)?;
         if let Some(line) = rank.device.input_line(rank.rank) {
             shared.say(line);
         }
@@ -441,6 +451,7 @@ fn epochs<D: Device>(
         best,
         session,
         lr_trace: rank.lr_trace.take(),
+        validated_images,
     })
 }
 
@@ -461,7 +472,7 @@ fn early_stop_due<D: Device>(
 }
 
 /// Rank 0's `value` on every rank, through a one-value sum to which the others give 0 (rank
-/// 0 alone has the validation figures); a rank alone keeps its own.
+/// 0 alone holds the best epoch's record); a rank alone keeps its own.
 fn writer_value<D: Device>(rank: &mut Rank<D>, value: f64) -> Result<f64, TrainError> {
     if rank.world == 1 {
         return Ok(value);
@@ -471,14 +482,29 @@ fn writer_value<D: Device>(rank: &mut Rank<D>, value: f64) -> Result<f64, TrainE
     Ok(sum[0])
 }
 
-/// Hands rank 0's learning-rate scale (the plateau schedule's cuts, decided with the
-/// validation figures only rank 0 has) to every rank, at an epoch boundary.
-fn share_lr_scale<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
-    if !matches!(shared.schedule.decay, Decay::Plateau(_)) {
+/// Every rank waits here for rank 0 to finish writing the run folder (the epoch's metrics,
+/// `best/`, the checkpoint and the report, or a `--save-every` checkpoint), and learns rank
+/// 0's learning-rate scale (the plateau schedule's cut, decided before the checkpoint that
+/// records it; the other ranks never decide). The wait is bounded by `--epoch-end-timeout`,
+/// not the collective timeout: a large split or a slow disk may take longer than any
+/// collective should, and a rank 0 that fails meanwhile aborts the group at once (its error,
+/// its thread's panic or its process's death end the wait without a timeout; see
+/// [`crate::dist::collective::Collective::sum_within`]).
+fn wait_for_writer<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
+    if rank.world == 1 {
         return Ok(());
     }
     // An f32 through f64 and back is exact.
-    rank.position.lr_scale = writer_value(rank, f64::from(rank.position.lr_scale))? as f32;
+    let mut scale = [if rank.is_writer() {
+        f64::from(rank.position.lr_scale)
+    } else {
+        0.0
+    }];
+    rank.comm
+        .sum_within(&mut scale, shared.cfg.dist.epoch_end_timeout())?;
+    if matches!(shared.schedule.decay, Decay::Plateau(_)) {
+        rank.position.lr_scale = scale[0] as f32;
+    }
     Ok(())
 }
 
@@ -578,6 +604,7 @@ fn train_epoch<D: Device>(
             if rank.is_writer() {
                 save_checkpoint(shared, rank, best, rows.as_deref())?;
             }
+            wait_for_writer(shared, rank)?;
         }
         let elapsed = started.elapsed().as_secs_f64();
         let acc = &mut rank.position.partial_train;
@@ -622,34 +649,23 @@ fn settle<D: Device>(
     Ok(wish)
 }
 
-/// Validation, metrics, the best epoch, checkpoint and report after an epoch (rank 0).
+/// Metrics, the best epoch, checkpoint and report after a validated epoch (rank 0).
 fn end_epoch<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     train_line: &EpochMetrics,
     wait_share: f64,
     best: &mut Option<BestEpoch>,
-    stop: &dyn Fn() -> bool,
-) -> Result<Option<EpochMetrics>, TrainError> {
+    figures: EpochFigures,
+) -> Result<EpochMetrics, TrainError> {
     let cfg = &shared.cfg;
     let epoch = train_line.epoch;
-    let bar = EpochBar::new(
-        cfg.progress && cfg.verbose,
-        format!("epoch {epoch}/{} valid", cfg.epochs),
-        shared.valid_pipe.steps_per_epoch(),
-        0,
-    );
-    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop)?;
-    bar.finish();
-    let Some(report) = report else {
-        return Ok(None);
-    };
-    let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
+    let EpochFigures {
+        valid: valid_line,
+        average: ema_line,
+        ..
+    } = figures;
     check_valid_loss(shared, &valid_line, &rank.position)?;
-    let ema_line = match validate_average(shared, rank, epoch, stop)? {
-        Averaged::Stopped => return Ok(None),
-        Averaged::Line(line) => line,
-    };
     // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
     let judged = match &ema_line {
         Some(line) if cfg.best_rule.monitor.follows_average() => line,
@@ -662,7 +678,7 @@ fn end_epoch<D: Device>(
         *best = Some(BestEpoch::of(judged));
     }
     // The plateau schedule's cut is decided here, before the checkpoint that records it;
-    // the other ranks learn it from `share_lr_scale`.
+    // the other ranks learn it from `wait_for_writer`.
     let mut cut_note = String::new();
     if let (Decay::Plateau(p), Some(b)) = (shared.schedule.decay, *best) {
         let position = &mut rank.position;
@@ -727,7 +743,7 @@ fn end_epoch<D: Device>(
     if !cut_note.is_empty() {
         shared.say(format!("epoch {epoch}/{}{cut_note}", cfg.epochs));
     }
-    Ok(Some(valid_line))
+    Ok(valid_line)
 }
 
 /// Writes the run's checkpoint ([`checkpoint_files`]); `rank_rows` are the ranks' own batch-norm buffers of a
@@ -744,36 +760,6 @@ fn save_checkpoint<D: Device>(
         .folder
         .save_checkpoint(files.meta.clone(), files.tensors())?;
     Ok(())
-}
-
-/// Validation through the moving average of the weights, when the run keeps one: the
-/// average is loaded into the replica for the pass and the replica's own weights put back
-/// (bit for bit: they are read back in the form they are held).
-fn validate_average<D: Device>(
-    shared: &Shared,
-    rank: &mut Rank<D>,
-    epoch: u64,
-    stop: &dyn Fn() -> bool,
-) -> Result<Averaged, TrainError> {
-    let Some(ema) = &rank.ema else {
-        return Ok(Averaged::Line(None));
-    };
-    let live = rank.net.state()?;
-    rank.net.load_state(&ema.state)?;
-    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop);
-    rank.net.load_state(&live)?;
-    Ok(match report? {
-        Some(r) => Averaged::Line(Some(r.totals.finish(epoch, MetricsSplit::ValidEma))),
-        None => Averaged::Stopped,
-    })
-}
-
-/// What the validation of the moving average gave.
-enum Averaged {
-    /// Its figures (`None`: the run keeps no average).
-    Line(Option<EpochMetrics>),
-    /// A stop came during the pass.
-    Stopped,
 }
 
 /// A checkpoint's sidecar and tensor files.
@@ -973,6 +959,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         replica_checksums,
         lr_sweep: first.lr_trace.clone(),
         writer,
+        validated_images: reports.iter().map(|r| r.validated_images).collect(),
     })
 }
 

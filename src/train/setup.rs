@@ -28,7 +28,9 @@ pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
-/// file order on one; batches in memory from `allocator` when given (pinned, for GPUs).
+/// file order, also sliced over `ranks` (each rank validates its share, the last shares of
+/// the last batch possibly empty); batches in memory from `allocator` when given (pinned, for
+/// GPUs).
 pub(crate) fn pipeline_for(
     cfg: &TrainConfig,
     folder: &RunFolder,
@@ -43,7 +45,7 @@ pub(crate) fn pipeline_for(
         .store_size(cfg.store_size)
         .resize_mode(cfg.resize_mode)
         .seed(cfg.seed)
-        .replicas(if training { ranks } else { 1 })
+        .replicas(ranks)
         .batch_size(cfg.batch_size)
         .shuffle(training)
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
@@ -89,7 +91,7 @@ pub(crate) struct Shared {
     pub classes: Vec<String>,
     /// The training engine (every rank reads its own slice).
     pub train_pipe: Pipeline,
-    /// The validation engine (rank 0).
+    /// The validation engine (every rank validates its own slice).
     pub valid_pipe: Pipeline,
     /// The starting weights and buffers.
     pub initial: ModelState,
@@ -148,6 +150,7 @@ impl Shared {
     ) -> Result<Shared, TrainError> {
         let mut cfg = cfg.clone();
         cfg.replicas = ranks;
+        let valid_pipe = sliced_for(&cfg, &folder, valid_pipe, ranks)?;
         let classes = train_pipe.classes().to_vec();
         let graph = Graph::new(cfg.arch, classes.len());
         let steps_per_epoch = train_pipe.steps_per_epoch();
@@ -521,6 +524,23 @@ impl Shared {
             ));
         }
     }
+}
+
+/// The validation engine sliced over `ranks`: the GPU launcher builds one before the
+/// rendezvous tells it the rank count (its fingerprint goes there), and it is built again here
+/// when the count turns out another.
+fn sliced_for(
+    cfg: &TrainConfig,
+    folder: &RunFolder,
+    valid_pipe: Pipeline,
+    ranks: usize,
+) -> Result<Pipeline, TrainError> {
+    if valid_pipe.replicas() == ranks {
+        return Ok(valid_pipe);
+    }
+    // Dropped first: it releases the cache file before the new engine opens it.
+    drop(valid_pipe);
+    pipeline_for(cfg, folder, Split::Valid, ranks, None)
 }
 
 /// A checkpoint's moving average and its update count.
