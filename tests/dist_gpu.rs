@@ -191,7 +191,7 @@ fn bad_unique_id_is_an_error() {
 fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
     use birdtrain::dist::launch::{probe_gpus, resolve, GpuCount, LaunchFlags};
     use birdtrain::dist::ranks::run_local_ranks;
-    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
+    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
 
     let devices = probe_gpus();
     let flags = LaunchFlags {
@@ -205,6 +205,7 @@ fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
         local_gpus: plan.devices.len(),
         fingerprint: 1,
         model: "resnet18".into(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(10), || {
         new_unique_id().map_err(|e| e.to_string())

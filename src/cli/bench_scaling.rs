@@ -423,7 +423,7 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
     use crate::dist::launch::LaunchPlan;
     use crate::dist::nccl::{new_unique_id, DeviceGrads, NcclCollective};
     use crate::dist::ranks::run_local_ranks;
-    use crate::dist::rendezvous::{rendezvous, NodeInfo};
+    use crate::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
     use cudarc::driver::DevicePtr;
 
     let launch = LaunchPlan::single_node((0..gpus).collect());
@@ -433,6 +433,7 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
         local_gpus: gpus,
         fingerprint: 0,
         model: String::new(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(60), || {
         new_unique_id().map_err(|e| e.to_string())

@@ -15,6 +15,7 @@ use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFo
 use super::rank::RANK_BUFFERS_TENSOR;
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
+use crate::dist::rendezvous::StartPoint;
 use crate::model::{Graph, HeadPolicy, ModelState};
 use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
 use crate::trace::TraceRecorder;
@@ -526,6 +527,19 @@ impl Shared {
     }
 }
 
+/// What the rendezvous compares of the checkpoint a node resumes (every node must resume the
+/// same one: only the weights are broadcast): its global step and its weights file's
+/// checksum, or a fresh start.
+pub(crate) fn start_point(resumed: Option<&(PathBuf, CheckpointMeta)>) -> StartPoint {
+    match resumed {
+        Some((_, meta)) => StartPoint::Checkpoint {
+            step: meta.step,
+            weights: meta.model_checksum.clone(),
+        },
+        None => StartPoint::Fresh,
+    }
+}
+
 /// The validation engine sliced over `ranks`: the GPU launcher builds one before the
 /// rendezvous tells it the rank count (its fingerprint goes there), and it is built again here
 /// when the count turns out another.
@@ -819,6 +833,22 @@ mod tests {
                 .unwrap();
         }
         m
+    }
+
+    #[test]
+    fn the_rendezvous_compares_the_resumed_checkpoints_step_and_weights() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = meta(tmp.path());
+        m.step = 120;
+        m.model_checksum = "00aa11bb22cc33dd".into();
+        assert_eq!(
+            start_point(Some(&(tmp.path().to_path_buf(), m))),
+            StartPoint::Checkpoint {
+                step: 120,
+                weights: "00aa11bb22cc33dd".into()
+            }
+        );
+        assert_eq!(start_point(None), StartPoint::Fresh);
     }
 
     #[test]

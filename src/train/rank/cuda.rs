@@ -44,7 +44,7 @@ use crate::model::{GradHookError, Network, StepStats};
 use crate::train::config::TrainConfig;
 use crate::train::folder::{CheckpointMeta, RunFolder};
 use crate::train::run::{run_rank, Launched, RankReport, StopWish};
-use crate::train::setup::{pipeline_for, Shared};
+use crate::train::setup::{pipeline_for, start_point, Shared};
 use crate::train::TrainError;
 
 mod rehearsal;
@@ -672,6 +672,7 @@ pub(crate) fn launch(
             local_gpus: plan.devices.len(),
             fingerprint: valid.fingerprint(),
             model: cfg.arch.name().to_string(),
+            start: start_point(resumed),
         };
         let master = plan.rendezvous_addr().map(|m| m.to_string());
         rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
