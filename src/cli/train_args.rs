@@ -53,7 +53,9 @@ pub struct DistArgs {
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
     #[arg(long, default_value_t = DistSettings::default().prefetch_depth)]
     pub prefetch_depth: usize,
-    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
+    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits;
+    /// node k > 0 of a multi-node run writes its own beside it (trace.node<k>.json for
+    /// trace.json).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm: normalise with the statistics of the global batch (every

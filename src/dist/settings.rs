@@ -31,7 +31,8 @@ pub struct DistSettings {
     pub bucket_mb: f64,
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
     pub prefetch_depth: usize,
-    /// Write a Chrome trace (Perfetto) of the ranks' work to this file.
+    /// Write a Chrome trace (Perfetto) of the ranks' work to this file (node k > 0 of a
+    /// multi-node run writes `<stem>.node<k>.<ext>` beside it).
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm across GPU ranks.
     pub sync_bn: bool,

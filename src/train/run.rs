@@ -7,7 +7,7 @@
 //! average, then (rank 0) validation, metrics, checkpoint and report. The summary is built
 //! from every rank's report.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,7 @@ use super::progress::EpochBar;
 use super::rank::{
     account, mean_buffers, Device, PendingStep, Rank, StepPlan, RANK_BUFFERS_TENSOR,
 };
-use super::setup::Shared;
+use super::setup::{node_rank, Shared};
 use super::summary::{format_summary, SummaryHeader};
 use super::validation::{validate, EpochFigures, Validation};
 use super::TrainError;
@@ -75,22 +75,26 @@ pub(crate) fn train_until(
 ) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
     if let Some(path) = &cfg.dist.trace {
-        crate::trace::check_destination(path).map_err(|e| TrainError::Trace(e.to_string()))?;
+        let path = node_trace_path(path, node_rank(cfg));
+        crate::trace::check_destination(&path).map_err(|e| TrainError::Trace(e.to_string()))?;
+    }
+    let folder = RunFolder::new(&cfg.out);
+    if node_rank(cfg) != 0 {
+        // Only node 0 writes the run folder, and only node 0 cleans or removes it: the other
+        // nodes of a multi-node run may share it on a network file system, where their
+        // cleaning would delete node 0's temporary files and their removal its run. They
+        // neither create, lock nor check it (its state is node 0's to judge).
+        return run(cfg, &folder, stop);
     }
     refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
     // folder exists from the start; a run that fails before its first checkpoint removes the
     // folder it created ("nothing half-written").
-    let folder = RunFolder::new(&cfg.out);
     let created = folder.create()?;
-    // One writer per folder, held until the run returns. Only node 0 writes the run folder;
-    // the other nodes of a multi-node run may share it on a network file system.
+    // One writer per folder, held until the run returns.
     // (A folder this process created is left alone when the lock fails: the holder may be
     // the process that won the race to create it.)
-    let _lock = match first_node(cfg) {
-        true => Some(folder.lock()?),
-        false => None,
-    };
+    let _lock = folder.lock()?;
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
     folder.clean();
@@ -101,12 +105,25 @@ pub(crate) fn train_until(
     result
 }
 
-/// Whether this process is node 0 (or the only node), by `--node-rank` or the launcher's
-/// `RANK` or `SLURM_PROCID`; a value that does not parse counts as node 0 here and is refused
-/// by the launch.
-fn first_node(cfg: &TrainConfig) -> bool {
-    let env_rank = || crate::dist::launch::launcher::node_rank(&crate::dist::launch::process_env);
-    cfg.dist.node_rank.or_else(env_rank).unwrap_or(0) == 0
+/// Where node `node` writes the `--trace` asked for as `path`: node 0 (or the only node) the
+/// path itself, node k > 0 a file of its own beside it, `trace.node<k>.json` for
+/// `trace.json` (the nodes may share a file system, where one path would hold only the last
+/// node to finish).
+pub(crate) fn node_trace_path(path: &Path, node: usize) -> PathBuf {
+    if node == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(
+        || std::ffi::OsString::from("trace"),
+        std::ffi::OsStr::to_os_string,
+    );
+    let mut name = stem;
+    name.push(format!(".node{node}"));
+    if let Some(ext) = path.extension() {
+        name.push(".");
+        name.push(ext);
+    }
+    path.with_file_name(name)
 }
 
 /// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
@@ -830,17 +847,18 @@ fn split_engines(shared: &Shared) -> [(pipeline::Split, &pipeline::Pipeline); 2]
 }
 
 /// The summary's count of the unreadable files the engines skipped, with where they are
-/// listed; `None` when every file was read.
-fn bad_files_line(shared: &Shared) -> Option<String> {
+/// listed (by node 0, the `writer`); `None` when every file was read.
+fn bad_files_line(shared: &Shared, writer: bool) -> Option<String> {
     let parts: Vec<String> = split_engines(shared)
         .iter()
         .map(|(split, pipe)| (split, pipe.bad_files().len()))
         .filter(|(_, n)| *n > 0)
-        .map(|(split, n)| {
-            format!(
+        .map(|(split, n)| match writer {
+            true => format!(
                 "{n} in {split} (listed in {})",
                 shared.folder.bad_files_path(split).display()
-            )
+            ),
+            false => format!("{n} in {split} (node 0 lists its own in its run folder)"),
         })
         .collect();
     (!parts.is_empty()).then(|| format!("unreadable files skipped: {}", parts.join(", ")))
@@ -892,7 +910,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
     if let Some(path) = &cfg.dist.trace {
         shared
             .trace
-            .save(path)
+            .save(&node_trace_path(path, node_rank(cfg)))
             .map_err(|e| TrainError::Trace(e.to_string()))?;
     }
     let lines = if writer {
@@ -926,7 +944,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         summary.push('\n');
         summary.push_str(note);
     }
-    if let Some(line) = bad_files_line(&shared) {
+    if let Some(line) = bad_files_line(&shared, writer) {
         summary.push('\n');
         summary.push_str(&line);
     }
@@ -996,6 +1014,59 @@ mod tests {
             engine_span_name(&before, &now),
             "engine: 4 decoded · 4 cache hits · 0.5 s decode work · 0.4 s crop and jitter work · ready queue 50 % · cache 100 % filled"
         );
+    }
+
+    #[test]
+    fn node_k_writes_its_trace_beside_node_0s() {
+        let at = |p: &str, node| node_trace_path(Path::new(p), node);
+        assert_eq!(at("out/trace.json", 0), Path::new("out/trace.json"));
+        assert_eq!(at("out/trace.json", 3), Path::new("out/trace.node3.json"));
+        assert_eq!(at("trace", 1), Path::new("trace.node1"));
+        assert_eq!(
+            at("/t/run.trace.json", 2),
+            Path::new("/t/run.trace.node2.json")
+        );
+    }
+
+    /// A node other than 0 leaves the run folder to node 0: it cleans nothing (node 0's
+    /// temporary files of a checkpoint in progress on a shared folder), creates nothing and
+    /// removes nothing, even when its run fails.
+    #[test]
+    fn a_node_other_than_0_never_cleans_creates_or_removes_the_run_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        std::fs::create_dir_all(run.join("best")).unwrap();
+        let leftovers = [
+            "checkpoint.json.tmp4242",
+            "model-s00000007-0011223344556677.safetensors.tmp4242",
+            "best/checkpoint.json.tmp4242",
+        ];
+        for f in leftovers {
+            std::fs::write(run.join(f), b"node 0 is writing this").unwrap();
+        }
+        let mut cfg = TrainConfig::new(tmp.path().join("data"));
+        cfg.out = run.clone();
+        cfg.dist.nodes = Some(2);
+        cfg.dist.node_rank = Some(1);
+        cfg.dist.master = Some("127.0.0.1:29500".into());
+        // Several nodes on the CPU are refused by the launch, after the folder's handling.
+        let e = train_until(&cfg, &|_, _| false).unwrap_err();
+        assert!(e.to_string().contains("multi-node"), "{e}");
+        for f in leftovers {
+            assert!(run.join(f).exists(), "node 1 removed {f}");
+        }
+        assert!(run.join("best").is_dir());
+        // Nor does it create a missing folder (and so never removes one either).
+        cfg.out = tmp.path().join("absent");
+        train_until(&cfg, &|_, _| false).unwrap_err();
+        assert!(!cfg.out.exists());
+        // Node 0 does clean: the same leftovers go.
+        cfg.out = run.clone();
+        cfg.dist.node_rank = Some(0);
+        train_until(&cfg, &|_, _| false).unwrap_err();
+        for f in leftovers {
+            assert!(!run.join(f).exists(), "node 0 kept {f}");
+        }
     }
 
     #[test]

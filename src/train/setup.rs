@@ -68,8 +68,11 @@ pub(crate) fn pipeline_for(
         } else {
             pipeline::LastBatch::Partial
         })
-        .on_bad_image(cfg.on_bad_image)
-        .bad_files_report(folder.bad_files_path(split));
+        .on_bad_image(cfg.on_bad_image);
+    // The run folder is node 0's alone (see `node_rank`).
+    if node_rank(cfg) == 0 {
+        b = b.bad_files_report(folder.bad_files_path(split));
+    }
     if cfg.workers > 0 {
         b = b.workers(cfg.workers);
     }
@@ -525,6 +528,15 @@ impl Shared {
             ));
         }
     }
+}
+
+/// This process's node rank, by `--node-rank` or the launcher's `RANK` or `SLURM_PROCID` (0
+/// for a single node): node 0 alone writes, cleans and removes the run folder, and the other
+/// nodes name their `--trace` files by it. A value that does not parse counts as node 0 here
+/// and is refused by the launch.
+pub(crate) fn node_rank(cfg: &TrainConfig) -> usize {
+    let env_rank = || crate::dist::launch::launcher::node_rank(&crate::dist::launch::process_env);
+    cfg.dist.node_rank.or_else(env_rank).unwrap_or(0)
 }
 
 /// What the rendezvous compares of the checkpoint a node resumes (every node must resume the
