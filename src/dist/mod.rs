@@ -15,7 +15,7 @@
 //!   [`settings`] holds those settings and their defaults.
 //! - [`rendezvous`]: the TCP handshake through which node 0 hands the NCCL unique id (and each
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
-//!   world size, dataset and model.
+//!   world size, dataset, model and the checkpoint they start from.
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
 //! - [`device_group`]: the test-only rehearsal's collective of N GPU ranks sharing one GPU in
