@@ -1,11 +1,12 @@
 //! The training loop: one for every device and rank count.
 //!
-//! [`train`] prepares the run folder, lets the device's launcher ([`super::rank::cpu`] or
-//! [`super::rank::cuda`]) set up the shared state and start one thread per local rank, and
-//! each rank runs [`run_rank`]: the epochs, each step ([`super::rank::Rank::step`]), the
-//! agreement on stopping, cross-rank checksums, and at every epoch end the batch-norm
-//! average, then (rank 0) validation, metrics, checkpoint and report. The summary is built
-//! from every rank's report.
+//! [`train`] prepares the run folder (node 0 alone), lets the device's launcher
+//! ([`super::rank::cpu`] or [`super::rank::cuda`]) set up the shared state and start one
+//! thread per local rank, and each rank runs [`run_rank`]: the epochs, each step
+//! ([`super::rank::Rank::step`]), the agreement on stopping, cross-rank checksums, and at
+//! every epoch end the batch-norm average, its share of the validation
+//! ([`super::validation`]), then rank 0's metrics, checkpoint and report, which the others
+//! wait for under `--epoch-end-timeout`. The summary is built from every rank's report.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
