@@ -91,3 +91,19 @@ impl DistSettings {
         BucketSettings::f32_mb(self.bucket_mb)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_epoch_end_wait_is_never_shorter_than_a_collective() {
+        let mut d = DistSettings::default();
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(3600));
+        d.collective_timeout = 7200;
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(7200));
+        d.epoch_end_timeout = 0;
+        d.collective_timeout = 0;
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(1));
+    }
+}
