@@ -136,7 +136,10 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
     let crop_pct = crop_pct_for(args.crop_pct, &meta)?;
     let (valid_fraction, seed) = split_settings(&args, &meta)?;
-    let source = pipeline::DatasetSource::at(&args.data, valid_fraction);
+    // The checkpoint's split rule: a run trained before per-class splitting is scored on the
+    // images it held out then.
+    let source = pipeline::DatasetSource::at(&args.data, valid_fraction)
+        .with_split_rule(meta.settings.split_rule());
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)

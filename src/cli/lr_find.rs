@@ -16,7 +16,7 @@ use crate::train::{self, TrainError};
 /// File of the sweep's points inside the output folder.
 pub const POINTS_FILE: &str = crate::train::folder::LR_FIND_FILE;
 /// File of the sweep's picture inside the output folder.
-pub const PLOT_FILE: &str = "lr_find.png";
+pub const PLOT_FILE: &str = crate::train::folder::LR_FIND_PLOT_FILE;
 
 /// Flags of `birdtrain lr-find`: the training flags (model, data, batch, optimizer,
 /// augmentation, devices…), and the sweep's.

@@ -22,6 +22,7 @@ pub mod lr_find;
 mod mix;
 mod progress;
 mod rank;
+mod resumed_files;
 mod run;
 mod setup;
 mod summary;

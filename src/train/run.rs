@@ -786,6 +786,8 @@ struct CheckpointFiles {
     model: Vec<u8>,
     optimizer: Vec<u8>,
     ema: Option<Vec<u8>>,
+    /// What the training engine has read of its files so far ([`super::folder::TrainFiles`]).
+    train_files: Vec<u8>,
 }
 
 impl CheckpointFiles {
@@ -794,6 +796,7 @@ impl CheckpointFiles {
             model: &self.model,
             optimizer: &self.optimizer,
             ema: self.ema.as_deref(),
+            train_files: Some(&self.train_files),
         }
     }
 }
@@ -836,6 +839,7 @@ fn checkpoint_files<D: Device>(
         model,
         optimizer,
         ema,
+        train_files: super::folder::TrainFiles::of(&shared.train_pipe).to_bytes(),
     })
 }
 

@@ -25,7 +25,7 @@ pub(crate) const CHECKSUM_EVERY: u64 = 50;
 
 /// The dataset as the engine reads it (`--data`, see [`DatasetSource::at`]).
 pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
-    DatasetSource::at(&cfg.data, cfg.valid_fraction)
+    DatasetSource::at(&cfg.data, cfg.valid_fraction).with_split_rule(cfg.split_rule)
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
@@ -200,7 +200,15 @@ impl Shared {
                     source,
                 })?;
                 optimizer.load_safetensors_bytes(&bytes, &optimizer_file)?;
-                let position = resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
+                let mut position =
+                    resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
+                super::resumed_files::check_resumed_contents(
+                    &cfg,
+                    run,
+                    meta,
+                    &train_pipe,
+                    &mut position,
+                )?;
                 rank_buffers = saved_rank_buffers(&graph, &bytes, ranks);
                 (state, Some(optimizer), position)
             }
@@ -360,6 +368,7 @@ impl Shared {
             best: None,
             model_ema_file: None,
             model_ema_checksum: None,
+            train_files: None,
         }
     }
 
@@ -395,6 +404,15 @@ impl Shared {
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));
+        if let (Some(f), Some(rule)) = (cfg.valid_fraction, source(cfg).split_rule()) {
+            self.say(format!(
+                "validation split: {} of {} images held out, {} (--valid-fraction {f}, seed {})",
+                self.valid_pipe.len(),
+                self.train_pipe.len() + self.valid_pipe.len(),
+                rule.words(),
+                cfg.seed
+            ));
+        }
         if cfg.sampler == pipeline::Sampling::Balanced {
             self.say(format!(
                 "balanced sampling: {} draws per epoch with replacement, each class equally likely",
