@@ -482,6 +482,14 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
 
 /// Runs `birdtrain bench scaling`.
 pub fn run(args: BenchScalingArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.json {
+        // Checked before the measurement: never a run folder's own file or a best/ folder.
+        super::paths::Guarded {
+            runs: Vec::new(),
+            data: None,
+        }
+        .check_file("--json", path)?;
+    }
     let devices = detect_cuda_devices();
     if devices.len() > 1 {
         eprintln!(

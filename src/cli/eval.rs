@@ -123,6 +123,21 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if let Some(path) = &args.confusion {
         super::paths::check_output_file(path, "--confusion takes a file to write (CSV)")?;
     }
+    // No output may replace a file of the run evaluated (or of any run), land in a best/
+    // folder or among the dataset's images.
+    let guard = super::paths::Guarded {
+        runs: vec![("--checkpoint", args.checkpoint.as_path())],
+        data: Some(&args.data),
+    };
+    if let Some(path) = &args.predictions {
+        guard.check_file("--predictions", path)?;
+    }
+    if let Some(path) = &args.confusion {
+        guard.check_file("--confusion", path)?;
+    }
+    if let Some(dir) = &args.cache_dir {
+        guard.check_folder("--cache-dir", dir)?;
+    }
     // Neither output may overwrite the other, nor the CSV file the images are listed in.
     let mut files: Vec<(&'static str, &std::path::Path)> = Vec::new();
     if args.data.is_file() {

@@ -130,6 +130,17 @@ pub(crate) fn node_trace_path(path: &Path, node: usize) -> PathBuf {
 /// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
 /// unless `--overwrite` says so.
 fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if let Some(owner) = super::folder::best_folder_owner(&cfg.out) {
+        return Err(TrainError::InvalidConfig {
+            flag: "--out",
+            value: cfg.out.display().to_string(),
+            hint: format!(
+                "it is the best-epoch folder of the run {}, which only that run writes; continue from it into a new folder (--resume {} --out NEW)",
+                owner.display(),
+                cfg.out.display()
+            ),
+        });
+    }
     if cfg.overwrite || cfg.resume.as_deref() == Some(cfg.out.as_path()) {
         return Ok(());
     }
