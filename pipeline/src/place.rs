@@ -37,16 +37,16 @@ pub fn resolve(path: &Path) -> PathBuf {
 
 impl DatasetSource {
     /// The dataset folder that `path` would be written into, if any: for a folder layout its
-    /// root; for a CSV file the CSV itself or a folder holding an image it lists (of any
-    /// split); for a list of files, a folder holding one of them. `None` when `path` lies
-    /// outside all of them. Paths are compared resolved ([`resolve`]), so links and `..` do
-    /// not hide a folder.
+    /// root; for a CSV file the CSV itself, an image it lists, or a folder holding an image
+    /// it lists (of any split); for a list of files, one of them or a folder holding one.
+    /// `None` when `path` lies outside all of them, or in a hidden folder (or is a hidden
+    /// file) inside them, which no scan reads (`--data D --cache-dir D/.cache` is fine).
+    /// Paths are compared resolved ([`resolve`]), so links and `..` do not hide a folder.
     pub fn folder_holding(&self, path: &Path) -> Result<Option<PathBuf>, PipelineError> {
         let target = resolve(path);
-        let inside = |folder: &Path| target.starts_with(resolve(folder));
         match self {
             Self::Folder { root } | Self::Flat { root, .. } => {
-                Ok(inside(root).then(|| root.clone()))
+                Ok(inside(&target, root).then(|| root.clone()))
             }
             Self::Csv { file, base, .. } => {
                 if resolve(file) == target {
@@ -66,23 +66,37 @@ impl DatasetSource {
     }
 }
 
-/// The first of the folders holding `files` that `target` (resolved) lies in.
+/// Whether `target` (resolved) lies in `folder` and in no hidden folder below it (nor is a
+/// hidden file there).
+fn inside(target: &Path, folder: &Path) -> bool {
+    target.strip_prefix(resolve(folder)).is_ok_and(|rest| {
+        !rest
+            .components()
+            .any(|c| c.as_os_str().as_encoded_bytes().first() == Some(&b'.'))
+    })
+}
+
+/// The first folder holding one of `files` that `target` (resolved) is one of, or lies in.
 fn first_folder_holding<'a>(
     target: &Path,
     files: impl Iterator<Item = &'a Path>,
 ) -> Option<PathBuf> {
-    let mut folders: Vec<&Path> = files
-        .map(|f| match f.parent() {
+    let mut by_folder: std::collections::BTreeMap<&Path, Vec<&std::ffi::OsStr>> =
+        Default::default();
+    for file in files {
+        let folder = match file.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
-        })
-        .collect();
-    folders.sort();
-    folders.dedup();
-    folders
-        .into_iter()
-        .find(|folder| target.starts_with(resolve(folder)))
-        .map(Path::to_path_buf)
+        };
+        let names = by_folder.entry(folder).or_default();
+        names.extend(file.file_name());
+    }
+    by_folder.into_iter().find_map(|(folder, names)| {
+        let real = resolve(folder);
+        let listed = target.parent() == Some(real.as_path())
+            && target.file_name().is_some_and(|n| names.contains(&n));
+        (listed || inside(target, &real)).then(|| folder.to_path_buf())
+    })
 }
 
 #[cfg(test)]
@@ -127,5 +141,18 @@ mod tests {
         // The CSV's own folder holds no image: a run folder beside the CSV is fine.
         assert_eq!(listed.folder_holding(&root.join("run")).unwrap(), None);
         assert_eq!(listed.folder_holding(&data.join("run")).unwrap(), None);
+        // A hidden folder inside the data is read by no scan; a listed hidden image still is
+        // the dataset's.
+        assert_eq!(folder.folder_holding(&data.join(".cache/x")).unwrap(), None);
+        assert_eq!(
+            folder.folder_holding(&data.join("a/.trace.json")).unwrap(),
+            None
+        );
+        std::fs::write(data.join("a/.2.png"), b"x").unwrap();
+        std::fs::write(&csv, "path,label\ndata/a/.2.png,a\n").unwrap();
+        assert_eq!(
+            listed.folder_holding(&data.join("a/.2.png")).unwrap(),
+            Some(root.join("data/a"))
+        );
     }
 }
