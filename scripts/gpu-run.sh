@@ -10,6 +10,9 @@
 #   bash .gpu/gpu-run.sh auto    # --batch-size auto: resnet50 at 224 px trains at the batch picked
 #   bash .gpu/gpu-run.sh syncbn  # a resnet50 224 px epoch with --sync-bn against without (images/s)
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
+#   bash .gpu/gpu-run.sh multi   # several ranks on the one GPU (< 6 min, most important first):
+#                                # N ranks rehearsed in one process (BIRDTRAIN_REHEARSE_RANKS),
+#                                # NCCL between two processes, torchrun (standalone, restart)
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -263,6 +266,78 @@ sanitize() {
   tail -5 "$out/sanitize-memcheck.log"
 }
 
+# Several ranks on the one GPU (ARCHITECTURE.md, "Rehearsing N GPUs on one GPU"), most important
+# first: the rehearsal of N ranks in one process, then NCCL between two processes, then torchrun.
+# One PASS/FAIL line per test (gpu_checks.py tests): a test that skips for want of a GPU or NCCL
+# fails here.
+phase_multi() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step test-ranks 200 "$here/train_gpu_ranks" --ignored --test-threads 1 --show-output ranks_
+  $checks tests "$out/test-ranks.log" ranks_ 7 | tee -a "$summary"
+  step test-nccl 150 "$here/train_gpu_ranks" --ignored --test-threads 1 --show-output nccl_
+  $checks tests "$out/test-nccl.log" nccl_ 2 | tee -a "$summary"
+  torchrun_checks
+}
+
+# torchrun (PyTorch's launcher, `python3 -m torch.distributed.run`) starting birdtrain without
+# --gpus: a standalone one-process run trains on the GPU; with --max-restarts 1, kill -9 of the
+# worker after its first checkpoint makes torchrun restart it, and the restarted worker resumes
+# the run in --out (TORCHELASTIC_RESTART_COUNT > 0) to the last epoch.
+torchrun_checks() {
+  local launcher=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
+  if ! python3 -c "import torch.distributed.run" >"$out/torchrun-import.log" 2>&1; then
+    note "FAIL torchrun: python3 cannot import torch.distributed.run ($out/torchrun-import.log)"
+    return
+  fi
+  local d=$work/synth-multi r=$work/runs-multi c=$work/cache-multi
+  rm -rf "$r"; mkdir -p "$r"
+  [ -d "$d/train" ] || "$bin" synth --out "$d" --classes 4 --train-per-class 60 --valid-per-class 4 --size 32x32 --format png >/dev/null
+  local common=(--data "$d" --model resnet8 --image-size 32 --batch-size 16 --cache-dir "$c" --seed 5)
+  step torchrun-standalone 90 "${launcher[@]}" --no-python "$bin" "${common[@]}" --epochs 2 --out "$r/standalone"
+  check $checks torchrun "$r/standalone" "$out/torchrun-standalone.log" 2
+  step torchrun-restart 150 bash "$here/gpu-run.sh" torchrun-kill "$r/restart" \
+    "${launcher[@]}" --max-restarts 1 --no-python "$bin" "${common[@]}" --epochs 6 --save-every 5 --out "$r/restart"
+  check $checks torchrun "$r/restart" "$out/torchrun-restart.log" 6 resumed
+}
+
+# gpu-run.sh torchrun-kill RUN CMD...: runs CMD (a torchrun launch writing RUN) in the
+# background, kill -9s its birdtrain worker once RUN/checkpoint.json exists, and waits for CMD.
+torchrun_kill() {
+  local run=$1; shift
+  "$@" &
+  local launcher=$! i worker=""
+  for i in $(seq 1200); do
+    [ -f "$run/checkpoint.json" ] && break
+    kill -0 "$launcher" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ ! -f "$run/checkpoint.json" ]; then
+    echo "no checkpoint in $run before the launcher ended or 120 s passed"
+    kill "$launcher" 2>/dev/null; wait "$launcher"; return 3
+  fi
+  # The worker: the birdtrain process among the launcher's descendants.
+  local pids=("$launcher") p
+  while [ ${#pids[@]} -gt 0 ] && [ -z "$worker" ]; do
+    local next=()
+    for p in "${pids[@]}"; do
+      while read -r child comm; do
+        [ "$comm" = birdtrain ] && worker=$child
+        next+=("$child")
+      done < <(ps -o pid=,comm= --ppid "$p")
+    done
+    pids=("${next[@]}")
+  done
+  if [ -z "$worker" ]; then
+    echo "no birdtrain worker under the launcher (pid $launcher)"
+    wait "$launcher"; return 3
+  fi
+  local at
+  at=$(python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print("epoch", d["epoch"], "step", d["step"])' "$run/checkpoint.json" 2>&1)
+  echo "kill -9 of worker $worker after its first checkpoint ($at)"
+  kill -9 "$worker"
+  wait "$launcher"
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -294,8 +369,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|all) ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|all (one per device call)" >&2; exit 2 ;;
+  tests|bench|train|auto|syncbn|ncu|multi|all) ;;
+  torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"

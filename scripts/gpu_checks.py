@@ -13,6 +13,13 @@
   data-wait LOG MAX_PERCENT       the last epoch line of a training log shows data-wait <= MAX
   bench JSONL                     ours vs the PyTorch peer per model (ms per step, ratio)
   top-kernels BENCH_JSON N        the N kernels with the most time in a --breakdown line
+  tests LOG PREFIX N              one line per test named PREFIX… in a test binary's log (run
+                                  with --show-output): PASS with the last line it printed, FAIL
+                                  with its panic, or when it printed "skipped" (no GPU), never
+                                  finished, or fewer than N such tests ran
+  torchrun RUN LOG EPOCHS [resumed]  a run under torchrun: RUN/checkpoint.json covers EPOCHS,
+                                  LOG shows a GPU run (and, with `resumed`, a worker killed and
+                                  the restarted one resuming)
   sync-bn-cost LOG_SYNC LOG_PLAIN the last epoch's training images/s with --sync-bn against
                                   without (a measurement: PASS when both ran and the sync-BN
                                   run put its sums on the side communicator, on the device)
@@ -177,6 +184,63 @@ def top_kernels(path, n):
     return 1
 
 
+def tests(log, prefix, expected):
+    """One PASS/FAIL line per test of a libtest log whose name starts with `prefix`."""
+    text = open(log, errors="replace").read()
+    verdicts = dict(re.findall(rf"^test ({re.escape(prefix)}\S*) \.\.\. (ok|FAILED|ignored)", text, re.M))
+    started = re.findall(rf"^test ({re.escape(prefix)}\S*) \.\.\. ", text, re.M)
+    skipped = dict(re.findall(r"^skipped (\S+?): (.*)$", text, re.M))
+
+    def block(name):
+        """What the test printed (--show-output: its successes / failures section)."""
+        m = re.search(rf"^---- {re.escape(name)} stdout ----\n(.*?)(?=^---- |^successes:|^failures:|\Z)",
+                      text, re.M | re.S)
+        return [l for l in (m.group(1).splitlines() if m else []) if l.strip()]
+
+    rc = 0
+    for name in dict.fromkeys(started):
+        verdict, lines = verdicts.get(name), block(name)
+        if verdict is None:
+            rc |= say(False, name, "did not finish (timed out or crashed; see the log)")
+        elif name in skipped:
+            rc |= say(False, name, f"skipped: {skipped[name][:160]}")
+        elif verdict == "ok":
+            rc |= say(True, name, lines[-1] if lines else "ok")
+        elif verdict == "ignored":
+            rc |= say(False, name, "ignored (run the binary with --ignored)")
+        else:
+            panic = next((lines[i + 1] for i, l in enumerate(lines)
+                          if "panicked at" in l and i + 1 < len(lines)), "failed (see the log)")
+            rc |= say(False, name, panic[:300])
+    ran = len(dict.fromkeys(started))
+    if ran < int(expected):
+        rc |= say(False, f"{prefix}*", f"only {ran} of {expected} tests ran (see {log})")
+    return rc
+
+
+def torchrun(run, log, epochs, resumed=None):
+    what = "torchrun-restart" if resumed else "torchrun"
+    try:
+        meta = json.load(open(f"{run}/checkpoint.json"))
+    except (OSError, ValueError) as e:
+        return say(False, what, f"no readable {run}/checkpoint.json ({e})")
+    text = open(log, errors="replace").read()
+    problems = []
+    if meta.get("epoch") != int(epochs):
+        problems.append(f"the checkpoint covers {meta.get('epoch')} epochs, not {epochs}")
+    if not re.search(r"device .*GPU", text):
+        problems.append("no GPU device line in the log (trained on the CPU?)")
+    if resumed:
+        if "kill -9 of worker" not in text:
+            problems.append("no worker was killed")
+        if "resuming" not in text:
+            problems.append("the restarted worker did not say it was resuming")
+    if problems:
+        return say(False, what, "; ".join(problems))
+    done = f"{epochs} epochs in {run}"
+    return say(True, what, f"{done}, a worker killed after its first checkpoint and resumed by torchrun's restart" if resumed else done)
+
+
 def last_epoch_rate(log):
     rates = [float(m) for l in open(log) if l.startswith("epoch ")
              for m in re.findall(r"([0-9.]+) images/s", l)]
@@ -199,6 +263,7 @@ def main(argv):
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
         "same-weights": (same_weights, (2, 3)), "eval-match": (eval_match, (3,)),
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
+        "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:

@@ -406,10 +406,10 @@ fn sync_bn_on_the_side_communicator_matches_the_path_through_the_host() {
 #[test]
 #[ignore = "needs at least two CUDA GPUs and NCCL"]
 fn gpu_ranks_with_sync_bn_on_the_side_communicator_match_one_cpu_network() {
-    use birdtrain::dist::launch::{detect_cuda_devices, resolve, GpuCount, LaunchFlags};
+    use birdtrain::dist::launch::{probe_gpus, resolve, GpuCount, LaunchFlags};
     use birdtrain::dist::nccl::{new_unique_id, NcclCollective};
     use birdtrain::dist::ranks::run_local_ranks;
-    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
+    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
     use birdtrain::dist::sync_bn::CollectiveBn;
     let gpus = cudarc::driver::CudaContext::device_count().unwrap() as usize;
     if gpus < 2 {
@@ -420,13 +420,14 @@ fn gpu_ranks_with_sync_bn_on_the_side_communicator_match_one_cpu_network() {
         gpus: Some(GpuCount::All),
         ..LaunchFlags::default()
     };
-    let plan = resolve(&flags, &|_| None, &detect_cuda_devices()).unwrap();
+    let plan = resolve(&flags, &|_| None, &probe_gpus()).unwrap();
     let me = NodeInfo {
         nodes: 1,
         node_rank: 0,
         local_gpus: plan.devices.len(),
         fingerprint: 1,
         model: "resnet18".into(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(10), || {
         new_unique_id().map_err(|e| e.to_string())

@@ -211,11 +211,11 @@ fn bad_unique_id_is_an_error() {
 #[test]
 #[ignore = "needs a CUDA GPU and NCCL"]
 fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
-    use birdtrain::dist::launch::{detect_cuda_devices, resolve, GpuCount, LaunchFlags};
+    use birdtrain::dist::launch::{probe_gpus, resolve, GpuCount, LaunchFlags};
     use birdtrain::dist::ranks::run_local_ranks;
-    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
+    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
 
-    let devices = detect_cuda_devices();
+    let devices = probe_gpus();
     let flags = LaunchFlags {
         gpus: Some(GpuCount::All),
         ..LaunchFlags::default()
@@ -227,6 +227,7 @@ fn run_local_ranks_gives_every_gpu_a_rank_and_identical_weights() {
         local_gpus: plan.devices.len(),
         fingerprint: 1,
         model: "resnet18".into(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(10), || {
         new_unique_id().map_err(|e| e.to_string())
@@ -480,9 +481,9 @@ fn an_abort_racing_collectives_on_a_real_communicator_is_an_error_not_a_crash() 
 #[test]
 #[ignore = "needs at least two CUDA GPUs and NCCL"]
 fn one_failing_gpu_rank_ends_every_rank_naming_it() {
-    use birdtrain::dist::launch::{detect_cuda_devices, resolve, GpuCount, LaunchFlags};
+    use birdtrain::dist::launch::{probe_gpus, resolve, GpuCount, LaunchFlags};
     use birdtrain::dist::ranks::{run_local_ranks, RanksError};
-    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo};
+    use birdtrain::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
     let n = CudaContext::device_count().unwrap() as usize;
     if n < 2 {
         eprintln!("skipped: {n} GPU(s); NCCL refuses two ranks on one GPU");
@@ -492,13 +493,14 @@ fn one_failing_gpu_rank_ends_every_rank_naming_it() {
         gpus: Some(GpuCount::All),
         ..LaunchFlags::default()
     };
-    let plan = resolve(&flags, &|_| None, &detect_cuda_devices()).unwrap();
+    let plan = resolve(&flags, &|_| None, &probe_gpus()).unwrap();
     let me = NodeInfo {
         nodes: 1,
         node_rank: 0,
         local_gpus: plan.devices.len(),
         fingerprint: 1,
         model: "resnet18".into(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(10), || {
         new_unique_id().map_err(|e| e.to_string())

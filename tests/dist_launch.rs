@@ -1,18 +1,21 @@
-//! Launch configuration: flags, torchrun variables and the device list.
+//! Launch configuration: flags, launcher variables and the device list (the rules of each
+//! launcher are unit tests in `src/dist/launch.rs`).
 
 use std::collections::HashMap;
 
 use birdtrain::dist::launch::{
-    resolve, Device, GpuCount, LaunchError, LaunchFlags, LaunchPlan, MasterAddr,
+    resolve, Device, GpuCount, LaunchError, LaunchFlags, LaunchPlan, MasterAddr, VisibleGpus,
 };
 
-fn devices(n: usize) -> Vec<Device> {
-    (0..n)
-        .map(|ordinal| Device {
-            ordinal,
-            name: format!("Fake GPU {ordinal}"),
-        })
-        .collect()
+fn devices(n: usize) -> VisibleGpus {
+    VisibleGpus::Listed(
+        (0..n)
+            .map(|ordinal| Device {
+                ordinal,
+                name: format!("Fake GPU {ordinal}"),
+            })
+            .collect(),
+    )
 }
 
 fn run(flags: LaunchFlags, env: &[(&str, &str)], n: usize) -> Result<LaunchPlan, LaunchError> {
@@ -40,8 +43,9 @@ fn gpus_flag_parses_counts_and_all() {
 
 #[test]
 fn single_node_defaults() {
+    // No flag: every GPU, as `--help` says.
     let plan = run(LaunchFlags::default(), &[], 4).unwrap();
-    assert_eq!(plan.devices, vec![0]);
+    assert_eq!(plan.devices, vec![0, 1, 2, 3]);
     assert_eq!((plan.nodes, plan.node_rank), (1, 0));
     assert!(!plan.is_multi_node() && plan.is_master());
     // No GPU and no flag: the CPU.
@@ -76,7 +80,7 @@ fn too_many_gpus_lists_the_devices() {
 }
 
 #[test]
-fn torchrun_environment_is_used() {
+fn launch_environment_is_used() {
     let env = [
         ("WORLD_SIZE", "4"),
         ("RANK", "2"),
@@ -87,7 +91,11 @@ fn torchrun_environment_is_used() {
     let plan = run(LaunchFlags::default(), &env, 2).unwrap();
     assert_eq!((plan.nodes, plan.node_rank), (4, 2));
     assert_eq!(plan.devices, vec![1], "LOCAL_RANK picks the GPU");
-    assert_eq!(plan.master.unwrap().to_string(), "10.1.2.3:29500");
+    // Without torchrun's own variables nothing holds MASTER_PORT: the rendezvous takes it.
+    assert_eq!(
+        plan.rendezvous_addr().unwrap().to_string(),
+        "10.1.2.3:29500"
+    );
     assert!(plan.overrides.is_empty());
 }
 
@@ -134,7 +142,7 @@ fn conflicts_are_clear_errors() {
     ));
     assert!(matches!(
         run(two_nodes.clone(), &[("RANK", "1")], 1),
-        Err(LaunchError::MissingMaster { nodes: 2 })
+        Err(LaunchError::MissingMaster { nodes: 2, .. })
     ));
     assert!(matches!(
         run(
@@ -145,7 +153,8 @@ fn conflicts_are_clear_errors() {
         Err(LaunchError::NodeRankOutOfRange {
             node_rank: 2,
             nodes: 2,
-            source_name: "RANK"
+            source_name: "RANK",
+            ..
         })
     ));
     assert!(matches!(
@@ -157,11 +166,19 @@ fn conflicts_are_clear_errors() {
     ));
     assert!(matches!(
         run(gpus("2"), &[("LOCAL_RANK", "0")], 2),
-        Err(LaunchError::LocalRankConflict { local_rank: 0, .. })
+        Err(LaunchError::LocalGpuConflict {
+            var: "LOCAL_RANK",
+            index: 0,
+            ..
+        })
     ));
     assert!(matches!(
         run(LaunchFlags::default(), &[("LOCAL_RANK", "3")], 2),
-        Err(LaunchError::LocalRankMissingDevice { local_rank: 3, .. })
+        Err(LaunchError::LocalGpuMissing {
+            var: "LOCAL_RANK",
+            index: 3,
+            ..
+        })
     ));
     assert!(matches!(
         run(LaunchFlags::default(), &[("WORLD_SIZE", "two")], 1),

@@ -8,11 +8,9 @@ const T: std::time::Duration = std::time::Duration::from_secs(5);
 
 fn plan(devices: Vec<usize>) -> LaunchPlan {
     LaunchPlan {
-        devices,
         nodes: 2,
         node_rank: 1,
-        master: None,
-        overrides: Vec::new(),
+        ..LaunchPlan::single_node(devices)
     }
 }
 

@@ -215,8 +215,11 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
-// Explicitly rounded double operations (never contracted into an FMA; nor is plain host code,
-// built in ISO C++ mode without -mfma).
+// Round-to-nearest arithmetic intrinsics (x86-64 SSE arithmetic is IEEE round-to-nearest; the
+// emulator is built without FMA contraction, so these are the device's exact operations).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }

@@ -1,4 +1,4 @@
-// ops_check.cpp: every other kernel file (bn, pool, linear, loss, input, optim), run on the host
+// ops_check.cpp: every other kernel file (bn, pool, linear, loss, input, optim, collective), run on the host
 // emulator (emu.h), against f64 references that follow the CPU backend's rules.
 #include "emu.h"
 #include "rest_x.cu"  // the other kernel files, one namespace each (written by the test)
@@ -8,6 +8,8 @@
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 static std::mt19937 rng(7);
 static std::vector<float> rnd(size_t n, float s) { std::uniform_real_distribution<float> U(-s, s); std::vector<float> v(n); for (auto& x : v) x = rb(U(rng)); return v; }
+// Full-precision f32 values (no bf16 rounding): every product and sum of a reduction rounds.
+static std::vector<float> rnd32(size_t n, float s) { std::uniform_real_distribution<float> U(-s, s); std::vector<float> v(n); for (auto& x : v) x = U(rng); return v; }
 static std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __float2bfloat16_rn(v[i]); return o; }
 static void check_bits(const char* what, const std::vector<bf16>& got, const std::vector<bf16>& want);
 static std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __bfloat162float(v[i]); return o; }
@@ -309,6 +311,65 @@ void test_scale(long n, float alpha) {
     check("scale_f32", x, ref, 0, 0);
 }
 
+// collective.cu: `ranks` buffers of n values (+ a guard value each, which must stay untouched),
+// averaged with a scale per rank / summed in f64, on a grid smaller than n / 256 when n is large
+// (the grid-stride loop). Checked bit for bit against the rule the CPU ranks' LocalCollective
+// follows (each value times its scale in f32, summed in rank order, divided by the rank count)
+// and against the f64 mean; every rank must receive the same bits.
+void test_collective(long n, int ranks) {
+    printf("rank_average_f32 / rank_sum_f64 n=%ld ranks=%d\n", n, ranks);
+    const float scales[4] = {1.5f, 0.5f, 0.75f, 1.25f};
+    std::vector<std::vector<float>> g(ranks);
+    k_collective::RankBuffersF32 b32{};
+    std::vector<float> exact(n);
+    std::vector<double> mean(n, 0.0);
+    for (int r = 0; r < ranks; ++r) {
+        g[r] = rnd32(n + 1, 2.0f);
+        g[r][n] = 1234.5f;  // guard
+        b32.ptr[r] = g[r].data();
+        b32.scale[r] = ranks == 1 ? 1.0f : scales[r];
+    }
+    for (long i = 0; i < n; ++i) {
+        float acc = b32.scale[0] * g[0][i];
+        for (int r = 1; r < ranks; ++r) acc = acc + b32.scale[r] * g[r][i];
+        exact[i] = acc / (float)ranks;
+        for (int r = 0; r < ranks; ++r) mean[i] += (double)b32.scale[r] * g[r][i];
+        mean[i] /= ranks;
+    }
+    emu_launch(ew(n), {256, 1, 1}, [&] { k_collective::rank_average_f32(b32, ranks, n); });
+    std::vector<double> exact_d(exact.begin(), exact.end());
+    std::vector<float> every, guards;  // every rank's values one after the other
+    for (int r = 0; r < ranks; ++r) {
+        every.insert(every.end(), g[r].begin(), g[r].begin() + n);
+        guards.push_back(g[r][n]);
+    }
+    std::vector<double> exact_all;
+    for (int r = 0; r < ranks; ++r) exact_all.insert(exact_all.end(), exact_d.begin(), exact_d.end());
+    check("rank_average_f32 (rule, all)", every, exact_all, 0, 0);
+    check("guards untouched", guards, std::vector<double>(ranks, 1234.5), 0, 0);
+    check("rank_average_f32 (f64 mean)", g[0], mean, 1e-6, 1e-6);
+    std::vector<std::vector<double>> v(ranks);
+    k_collective::RankBuffersF64 b64{};
+    std::vector<double> sum(n, 0.0);
+    for (int r = 0; r < ranks; ++r) {
+        auto f = rnd32(n + 1, 100.0f);
+        v[r].assign(f.begin(), f.end());
+        for (long i = 0; i < n; ++i) v[r][i] += 1e-9 * (double)(i % 7);  // not f32-representable
+        v[r][n] = -7.0;
+        b64.ptr[r] = v[r].data();
+        for (long i = 0; i < n; ++i) sum[i] += v[r][i];  // rank order, as the kernel
+    }
+    emu_launch(ew(n), {256, 1, 1}, [&] { k_collective::rank_sum_f64(b64, ranks, n); });
+    std::vector<double> every_d, sum_all, guards_d;
+    for (int r = 0; r < ranks; ++r) {
+        every_d.insert(every_d.end(), v[r].begin(), v[r].begin() + n);
+        sum_all.insert(sum_all.end(), sum.begin(), sum.end());
+        guards_d.push_back(v[r][n]);
+    }
+    check("rank_sum_f64 (rank order, all)", every_d, sum_all, 0, 0);
+    check("guards untouched", guards_d, std::vector<double>(ranks, -7.0), 0, 0);
+}
+
 // Rows holding a NaN or infinite logit are never counted correct (rank = INT_MAX).
 void test_loss_nonfinite() {
     printf("softmax with non-finite logits\n");
@@ -562,6 +623,11 @@ int main(int argc, char** argv) {
     test_loss_totals(1);
     test_loss_totals(700);
     test_scale(3000, 0.75f);
+    test_collective(1, 1);
+    test_collective(5, 4);                     // fewer values than threads
+    test_collective(257, 2);                   // one past a block
+    test_collective(3001, 3);                  // past 8 blocks of 256: the grid-stride loop
+    test_collective(2053, 4);
     test_loss_nonfinite();
     test_input(2, 17);
     test_input_mix(5, 13, {BT_MIX_BLEND, 0.3f, 0, 0, 0, 0});

@@ -36,7 +36,7 @@ impl std::fmt::Display for CheckLine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:<10} {:<6} {:>2} kernels  ptx {:>8} B  cubin {:>8} B  {:>6.2} s",
+            "{:<13} {:<6} {:>2} kernels  ptx {:>8} B  cubin {:>8} B  {:>6.2} s",
             self.file, self.arch, self.kernels, self.ptx_bytes, self.cubin_bytes, self.seconds
         )
     }

@@ -2,7 +2,7 @@
 //!
 //! Training is the default command (`birdtrain --data DIR …` ≡ `birdtrain train --data DIR …`).
 //! Every failure ends in one line on stderr (`error: …`) and a non-zero exit code: 2 for a
-//! usage error (an unparsable flag, or a value, launch flag or torchrun variable that the CLI,
+//! usage error (an unparsable flag, or a value, launch flag or launcher variable that the CLI,
 //! the training settings or the launch refuse: [`CliError::exit_code`]), 1 for everything
 //! else, 130 and 143 after Ctrl-C and SIGTERM (once the checkpoint is saved), 101 after a
 //! panic (a bug, reported as one line by [`panic_hook`]).
@@ -34,11 +34,13 @@ pub mod bench_scaling;
 pub mod bench_step;
 mod counts;
 pub mod demo;
+mod dry_run;
 pub mod env;
 mod error;
 pub mod eval;
 pub mod kernels;
 pub mod kernels_report;
+mod launcher;
 pub mod lr_find;
 mod output;
 pub mod panic_hook;

@@ -11,6 +11,7 @@ use clap::Args;
 use pipeline::{AutoAugment, LastBatch, OnBadImage, ResizeMode, Sampling};
 
 use super::CliError;
+use crate::dist::launch::{self, LaunchPlan};
 use crate::dist::DistSettings;
 use crate::model::Arch;
 use crate::optim::{Decay, Plateau, ScheduleChoice};
@@ -23,13 +24,16 @@ use crate::train::{
 /// defaults are [`DistSettings::default`]'s: the settings own them, the flags only spell them.
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct DistArgs {
-    /// Number of nodes (processes) in a multi-node run [default: WORLD_SIZE, else 1].
+    /// Number of nodes (processes) in a multi-node run [default: WORLD_SIZE or
+    /// SLURM_NTASKS, else 1].
     #[arg(long)]
     pub nodes: Option<usize>,
-    /// This node's rank, 0..nodes; node 0 serves the rendezvous [default: RANK, else 0].
+    /// This node's rank, 0..nodes; node 0 serves the rendezvous [default: RANK or
+    /// SLURM_PROCID, else 0].
     #[arg(long)]
     pub node_rank: Option<usize>,
-    /// Rendezvous address host:port of node 0 [default: MASTER_ADDR:MASTER_PORT].
+    /// Rendezvous address host:port of node 0 [default: MASTER_ADDR:MASTER_PORT, under
+    /// torchrun MASTER_PORT + 1; under Slurm its first host:29500].
     #[arg(long)]
     pub master: Option<String>,
     /// Seconds to wait for every node at the rendezvous.
@@ -38,13 +42,20 @@ pub struct DistArgs {
     /// Seconds a collective may take before every rank aborts (a rank stopped answering).
     #[arg(long, default_value_t = DistSettings::default().collective_timeout)]
     pub collective_timeout: u64,
+    /// Seconds the ranks wait for each other at an epoch end or a checkpoint (validation of
+    /// each rank's share, rank 0 writing the run folder), in place of --collective-timeout;
+    /// a rank that fails there still stops the others at once.
+    #[arg(long, default_value_t = DistSettings::default().epoch_end_timeout)]
+    pub epoch_end_timeout: u64,
     /// Gradient bucket size in MiB (one average per bucket, started during backward).
     #[arg(long, default_value_t = DistSettings::default().bucket_mb)]
     pub bucket_mb: f64,
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
     #[arg(long, default_value_t = DistSettings::default().prefetch_depth)]
     pub prefetch_depth: usize,
-    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
+    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits;
+    /// node k > 0 of a multi-node run writes its own beside it (trace.node<k>.json for
+    /// trace.json).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm: normalise with the statistics of the global batch (every
@@ -68,6 +79,7 @@ impl From<&DistSettings> for DistArgs {
             master: d.master.clone(),
             rendezvous_timeout: d.rendezvous_timeout,
             collective_timeout: d.collective_timeout,
+            epoch_end_timeout: d.epoch_end_timeout,
             bucket_mb: d.bucket_mb,
             prefetch_depth: d.prefetch_depth,
             trace: d.trace.clone(),
@@ -85,6 +97,7 @@ impl DistArgs {
             master: self.master.clone(),
             rendezvous_timeout: self.rendezvous_timeout,
             collective_timeout: self.collective_timeout,
+            epoch_end_timeout: self.epoch_end_timeout,
             bucket_mb: self.bucket_mb,
             prefetch_depth: self.prefetch_depth,
             trace: self.trace.clone(),
@@ -100,9 +113,17 @@ pub struct TrainArgs {
     /// Dataset root: train/valid[/test]/<class>/<images>, or <class>/<images> with --valid-fraction, or a CSV file listing the images (path, label[, split] columns).
     #[arg(long, value_name = "DIR")]
     pub data: Option<PathBuf>,
-    /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none.
+    /// GPUs to use: a count (0 = CPU) or `all`. Default: every GPU, or the CPU when none;
+    /// one process per GPU (torchrun, srun): the GPU of LOCAL_RANK or SLURM_LOCALID.
     #[arg(long, value_name = "N|all")]
     pub gpus: Option<String>,
+    /// Print what this launch resolves to (nodes, ranks, devices, batch, lr, workers) and
+    /// exit: reads no data, writes nothing, asks no GPU driver.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: print it as one line of JSON.
+    #[arg(long, requires = "dry_run")]
+    pub json: bool,
     /// Multi-GPU and multi-node flags.
     #[command(flatten)]
     pub dist: DistArgs,
@@ -167,7 +188,7 @@ pub struct TrainArgs {
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
     pub image_size: Option<u32>,
-    /// Decode workers (default: available cores).
+    /// Decode workers (default: available cores, shared among torchrun's LOCAL_WORLD_SIZE).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
     /// CPU backend threads (default: available cores).
@@ -345,21 +366,35 @@ fn parse<T: FromStr>(flag: &'static str, value: &str, hint: &str) -> Result<T, C
     })
 }
 
-/// Turns the flags (and, with `--resume`, the checkpoint's settings) into a [`TrainConfig`].
+/// Turns the flags (and, with `--resume`, the checkpoint's settings) into a [`TrainConfig`],
+/// on the GPUs the driver lists and the launcher's variables.
 ///
 /// With `--resume RUN`, every setting (model, image size, seed, batch, replicas, epochs,
 /// optimizer and its hyper-parameters, schedule, augmentation…) defaults to the checkpoint's;
 /// flags given again override them, except model, image size and resize mode, which must match.
 pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliError> {
+    let plan = super::launcher::plan(args, &launch::process_env, &launch::probe_gpus())?;
+    config_for(args, &plan)
+}
+
+/// [`to_config`] for the launch `plan`; with `--dry-run`, neither the data nor the run folder
+/// is looked at (a resumed run's checkpoint is read).
+pub(crate) fn config_for(
+    args: &TrainArgs,
+    plan: &LaunchPlan,
+) -> Result<(TrainConfig, Option<String>), CliError> {
     let data = args.data.clone().ok_or(CliError::Missing {
         flag: "--data DIR",
         hint: "point it at a dataset folder, or try `birdtrain demo`",
     })?;
-    super::paths::expect_data(
-        &data,
-        "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction), or a CSV file listing the images",
-    )?;
-    if args.valid_fraction.is_some() && data.join("train").is_dir() {
+    let look = !args.dry_run;
+    if look {
+        super::paths::expect_data(
+            &data,
+            "--data must be a folder with train/ and valid/ (or class folders with --valid-fraction), or a CSV file listing the images",
+        )?;
+    }
+    if look && args.valid_fraction.is_some() && data.join("train").is_dir() {
         return Err(CliError::BadValue {
             flag: "--valid-fraction",
             value: args.valid_fraction.unwrap_or_default().to_string(),
@@ -441,7 +476,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
             .image_size
             .unwrap_or(if cfg.arch.is_cifar() { 32 } else { 224 });
     }
-    let (device, note) = DeviceChoice::resolve(args.gpus.as_deref()).map_err(CliError::Train)?;
+    let device = DeviceChoice::of_plan(plan);
+    let note = plan.cpu_fallback.clone();
     cfg.device = device;
     if let Some(v) = args.replicas {
         cfg.replicas = v;
@@ -517,6 +553,8 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     set_step(&mut cfg.schedule, args)?;
     if let Some(v) = args.workers {
         cfg.workers = v;
+    } else if plan.local_processes > 1 {
+        cfg.workers = plan.default_workers(pipeline::limits::cores());
     }
     if let Some(v) = args.threads {
         cfg.threads = v;
@@ -678,7 +716,7 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     // A resumed run goes on from its own weights; the flag only shapes a fresh start.
     cfg.zero_init_residual = args.zero_init_residual;
     cfg.init_from = args.init_from.clone();
-    if let Some(path) = &cfg.init_from {
+    if let Some(path) = cfg.init_from.as_ref().filter(|_| look) {
         super::paths::expect_file(path, "--init-from takes a .safetensors weights file")?;
     }
     cfg.resume = args.resume.clone();
@@ -712,9 +750,11 @@ pub fn to_config(args: &TrainArgs) -> Result<(TrainConfig, Option<String>), CliE
     }
     cfg.validate().map_err(CliError::Train)?;
     super::counts::check_train_counts(&cfg)?;
-    super::paths::check_train_paths(&cfg)?;
+    if look {
+        super::paths::check_train_paths(&cfg)?;
+    }
     let mut note = note;
-    if args.batch_size == Some(BatchSize::Auto) {
+    if look && args.batch_size == Some(BatchSize::Auto) {
         let classes = match &resumed {
             Some(meta) => meta.classes.len(),
             None => pipeline::DatasetSource::at(&cfg.data, cfg.valid_fraction)
@@ -765,8 +805,13 @@ pub(crate) fn next_run_dir(root: &Path, model: &str) -> PathBuf {
 /// Runs the training command. Ctrl-C or SIGTERM finishes the current step, saves a checkpoint
 /// and exits with 128 + the signal's number (130 after Ctrl-C, 143 after SIGTERM).
 pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
-    let (cfg, note) = to_config(&args)?;
-    if let Some(note) = note {
+    if args.dry_run {
+        return super::dry_run::run(args);
+    }
+    let plan = super::launcher::plan(&args, &launch::process_env, &launch::probe_gpus())?;
+    let (args, restart) = super::launcher::resume_restarted(args, &plan)?;
+    let (cfg, note) = config_for(&args, &plan)?;
+    for note in plan.overrides.iter().chain(&restart).chain(&note) {
         outln!("{note}");
     }
     let stop = install_stop_signals("saving a checkpoint");

@@ -3,7 +3,8 @@
 //! backend built on them; and what only a GPU rank needs around it: the staging ring that
 //! uploads batches from pinned memory on a copy stream ([`staging`]), the backend wrapper
 //! that reads them and leaves the loss on the device ([`staged`]), the fused optimizer with
-//! f32 master weights ([`optim`]), the gradient scale kernel ([`grad`]), memory planning
+//! f32 master weights ([`optim`]), the gradient scale kernel ([`grad`]), the reductions over
+//! ranks sharing one GPU ([`rank_reduce`], for the rehearsal's collective), memory planning
 //! ([`memory`]) and the `--trace` timeline of stream work ([`timeline`]).
 //!
 //! Nothing here needs CUDA at build time: cudarc loads libnvrtc and libcuda dynamically, and
@@ -21,6 +22,7 @@ pub mod library;
 pub mod memory;
 pub mod nvrtc;
 pub mod optim;
+pub mod rank_reduce;
 pub mod sources;
 pub mod staged;
 pub mod staging;

@@ -52,6 +52,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "optim.cu",
         text: include_str!("../../kernels/optim.cu"),
     },
+    KernelFile {
+        name: "collective.cu",
+        text: include_str!("../../kernels/collective.cu"),
+    },
 ];
 
 impl KernelFile {

@@ -7,18 +7,23 @@
 //!   ([`Collective::finish_averages`]);
 //! - the initial weights are broadcast from rank 0 ([`Collective::broadcast`]);
 //! - small host vectors are summed (the step's loss and hit counts, the stop flag, checksums:
-//!   [`Collective::sum`]), and synchronised batch norm's per-channel sums where the backend
-//!   keeps them ([`Collective::sum_sums`]: on the device for GPU ranks);
+//!   [`Collective::sum`]); a sum that waits for work done outside the collectives
+//!   (validation, rank 0 writing the run folder) has a timeout of its own
+//!   ([`Collective::sum_within`]); synchronised batch norm's per-channel sums are summed where
+//!   the backend keeps them ([`Collective::sum_sums`]: on the device for GPU ranks);
 //! - a failing rank aborts the group with a reason ([`Collective::abort`]), and every rank's
 //!   next call fails instead of waiting for it.
 //!
 //! Two implementations: [`super::local::LocalCollective`] for CPU ranks on threads of one
 //! process (buckets reduced on a communication thread, so the reduction overlaps backward as
 //! on a GPU), and [`super::nccl::NcclCollective`] for GPUs (NCCL on a communication stream,
-//! also across machines). Every rank must issue the same calls in the same order; both
-//! implementations detect a rank that stops answering with a [`super::watchdog::Watchdog`].
+//! also across machines); and, for tests only, [`super::device_group::DeviceCollective`]: N GPU
+//! ranks sharing one GPU, reduced on the device without NCCL. Every rank must issue the same
+//! calls in the same order; every implementation detects a rank that stops answering with a
+//! [`super::watchdog::Watchdog`].
 
 use std::ops::Range;
+use std::time::Duration;
 
 use super::buckets::BucketError;
 use super::nccl::NcclError;
@@ -107,6 +112,13 @@ pub trait Collective: Send {
     /// Sums `values` element-wise over every rank, in place (host values; returns when the
     /// sum is there, waiting on the operation itself, not on a polling tick).
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError>;
+
+    /// [`Collective::sum`] under `timeout` instead of the collective timeout: for a sum the
+    /// ranks reach far apart because some of them first do long work outside the collectives
+    /// (validating their share, rank 0 writing a checkpoint to a slow disk). A failing rank
+    /// still aborts it at once, and so does an asynchronous error of the communicator (a peer
+    /// process that died), whatever the timeout.
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError>;
 
     /// Sums synchronised batch norm's per-channel `sums` element-wise over every rank, in
     /// place, where the backend keeps them: the same call for a rank with images (its

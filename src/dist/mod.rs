@@ -12,15 +12,17 @@
 //!   from another thread never frees it under a call.
 //! - [`watchdog`]: aborts a collective that exceeds its timeout, naming the rank, so a rank
 //!   that stops answering is an error, never a hang.
-//! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the torchrun
-//!   environment variables into a [`launch::LaunchPlan`]; [`settings`] holds those settings
-//!   and their defaults.
+//! - [`launch`]: resolves `--gpus`, `--nodes`, `--node-rank`, `--master` and the variables of
+//!   the launcher (torchrun, Slurm's `srun`, a PyTorchJob) into a [`launch::LaunchPlan`];
+//!   [`settings`] holds those settings and their defaults.
 //! - [`rendezvous`]: the TCP handshake through which node 0 hands the NCCL unique id (and each
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
-//!   world size, dataset and model.
+//!   world size, dataset, model and the checkpoint they start from.
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator;
 //!   [`abort_group`]: the first failing rank aborts every communicator of the process.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
+//! - [`device_group`]: the test-only rehearsal's collective of N GPU ranks sharing one GPU in
+//!   one process (no NCCL), reduced in rank order on the device; [`same_gpu`] its CUDA side.
 //! - [`scaling`]: the arithmetic behind `birdtrain bench scaling`.
 //! - [`checksum()`]: a bit-exact weight checksum to prove replicas stay identical.
 //!
@@ -33,11 +35,13 @@ pub mod buckets;
 pub mod checksum;
 pub mod collective;
 pub mod comm_guard;
+pub mod device_group;
 pub mod launch;
 pub mod local;
 pub mod nccl;
 pub mod ranks;
 pub mod rendezvous;
+pub mod same_gpu;
 pub mod scaling;
 pub mod settings;
 pub mod single;

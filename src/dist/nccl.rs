@@ -891,11 +891,18 @@ impl NcclCollective {
                 };
                 let mut scratch = Scratch { buf: None };
                 let label = "hand-out of the sync-BN communicator's id".to_string();
-                self.host_exchange(&self.comm, &mut scratch, &mut id, label, |comm, p, n| {
-                    // SAFETY: `p` addresses the scratch buffer of `n` bytes, used by the
-                    // communication stream only.
-                    unsafe { comm.broadcast_raw::<u8>(p, n, 0) }
-                })?;
+                self.host_exchange(
+                    &self.comm,
+                    &mut scratch,
+                    &mut id,
+                    label,
+                    None,
+                    |comm, p, n| {
+                        // SAFETY: `p` addresses the scratch buffer of `n` bytes, used by the
+                        // communication stream only.
+                        unsafe { comm.broadcast_raw::<u8>(p, n, 0) }
+                    },
+                )?;
                 let main = self.comm.handle.clone();
                 let comm = Communicator::init_unless(stream, rank, world, &id, timeout, &|| {
                     main.is_aborted()
@@ -955,10 +962,22 @@ impl NcclCollective {
 
     /// Registers `event` (recorded after a collective) with the watchdog.
     fn watch(&self, label: String, event: &Arc<CudaEvent>) -> Result<(), NcclError> {
+        self.watch_within(label, None, event)
+    }
+
+    /// [`NcclCollective::watch`] with a timeout of its own (`None`: the collective timeout).
+    fn watch_within(
+        &self,
+        label: String,
+        timeout: Option<Duration>,
+        event: &Arc<CudaEvent>,
+    ) -> Result<(), NcclError> {
         let probe = event.clone();
-        self.watchdog.watch(label, move || {
-            probe.try_is_complete().map_err(|e| e.to_string())
-        })?;
+        let done = move || probe.try_is_complete().map_err(|e| e.to_string());
+        match timeout {
+            Some(t) => self.watchdog.watch_within(label, t, done)?,
+            None => self.watchdog.watch(label, done)?,
+        }
         Ok(())
     }
 
@@ -1020,7 +1039,8 @@ impl NcclCollective {
 
     /// A collective on host `values`: uploads them into `scratch` on the communication
     /// stream, runs `collective` on the device copy (address, length), waits for it (watched
-    /// under `label`), and downloads the result into `values`.
+    /// under `label`, for `timeout` when given, else the collective timeout), and downloads
+    /// the result into `values`.
     fn host_exchange<
         T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
     >(
@@ -1029,6 +1049,7 @@ impl NcclCollective {
         scratch: &mut Scratch<T>,
         values: &mut [T],
         label: String,
+        timeout: Option<Duration>,
         collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
     ) -> Result<(), NcclError> {
         let stream = comm.stream.clone();
@@ -1047,7 +1068,7 @@ impl NcclCollective {
             Arc::new(host_wait_event(&stream).map_err(self.driver("record a host exchange"))?);
         done.record(&stream)
             .map_err(self.driver("record a host exchange"))?;
-        self.watch(label, &done)?;
+        self.watch_within(label, timeout, &done)?;
         self.wait(&done, "wait for a host exchange")?;
         stream
             .memcpy_dtoh(&buf.slice(0..n), values)
@@ -1085,6 +1106,30 @@ impl NcclCollective {
             format!("sync-BN sum of {len} values in step {}", self.step + 1),
             &done,
         )
+    }
+
+    /// A sum of host values over every rank, watched for `timeout` (`None`: the collective
+    /// timeout).
+    fn sum_for(
+        &mut self,
+        values: &mut [f64],
+        timeout: Option<Duration>,
+    ) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        let result = self.host_exchange(
+            &self.comm,
+            &mut scratch,
+            values,
+            label,
+            timeout,
+            |comm, p, n| {
+                // SAFETY: as in `broadcast`.
+                unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+            },
+        );
+        self.small_f64 = scratch;
+        Ok(result?)
     }
 
     /// Waits for an event returned by [`NcclCollective::sum_on_device`].
@@ -1188,24 +1233,28 @@ impl Collective for NcclCollective {
     fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        let result = self.host_exchange(&self.comm, &mut scratch, values, label, |comm, p, n| {
-            // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
-            // communication stream only.
-            unsafe { comm.broadcast_raw::<f32>(p, n, root) }
-        });
+        let result = self.host_exchange(
+            &self.comm,
+            &mut scratch,
+            values,
+            label,
+            None,
+            |comm, p, n| {
+                // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
+                // communication stream only.
+                unsafe { comm.broadcast_raw::<f32>(p, n, root) }
+            },
+        );
         self.small_f32 = scratch;
         Ok(result?)
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
-        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
-        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
-        let result = self.host_exchange(&self.comm, &mut scratch, values, label, |comm, p, n| {
-            // SAFETY: as in `broadcast`.
-            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
-        });
-        self.small_f64 = scratch;
-        Ok(result?)
+        self.sum_for(values, None)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
+        self.sum_for(values, Some(timeout))
     }
 
     fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), CollectiveError> {
@@ -1229,11 +1278,17 @@ impl Collective for NcclCollective {
                     self.step + 1
                 );
                 let mut scratch = std::mem::replace(&mut side.scratch, Scratch { buf: None });
-                let r =
-                    self.host_exchange(&side.comm, &mut scratch, values, label, |comm, p, n| {
+                let r = self.host_exchange(
+                    &side.comm,
+                    &mut scratch,
+                    values,
+                    label,
+                    None,
+                    |comm, p, n| {
                         // SAFETY: as in `sum`, on the side communicator's stream.
                         unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
-                    });
+                    },
+                );
                 side.scratch = scratch;
                 r
             }

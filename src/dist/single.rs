@@ -76,6 +76,14 @@ impl<B> Collective for SingleRank<B> {
         Ok(())
     }
 
+    fn sum_within(
+        &mut self,
+        _values: &mut [f64],
+        _timeout: std::time::Duration,
+    ) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
     fn sum_sums(&mut self, _sums: SumsMut<'_>) -> Result<(), CollectiveError> {
         // One rank: the sums are already the total (and stay where they are: no round trip).
         Ok(())

@@ -1,7 +1,8 @@
-//! Which device trains: `--gpus N|all`, with the CPU as the default when no GPU exists; and
-//! the largest batch the chosen GPUs hold (`--batch-size auto`).
+//! Which device trains (the launch plan's GPUs, or the CPU when it has none); and the largest
+//! batch the chosen GPUs hold (`--batch-size auto`).
 
 use crate::cuda::CudaBackend;
+use crate::dist::launch::LaunchPlan;
 use crate::model::Graph;
 
 /// Where a run computes.
@@ -13,101 +14,56 @@ pub enum DeviceChoice {
     Cuda(usize),
 }
 
-/// The CUDA devices present, or why there are none (no driver library, driver error).
-///
-/// The driver is loaded dynamically, so a machine without CUDA answers `Err` instead of
-/// failing to start.
-pub fn cuda_device_count() -> Result<usize, String> {
-    // SAFETY: only probes whether the driver library can be opened; loads nothing else.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err("no CUDA driver library (libcuda) on this machine".into());
-    }
-    // The driver library exists; a failing init is reported, never unwrapped.
-    match crate::panics::catch_expected(cudarc::driver::CudaContext::device_count) {
-        Ok(Ok(n)) => Ok(n.max(0) as usize),
-        Ok(Err(e)) => Err(format!("the CUDA driver reports {e}")),
-        Err(_) => Err("the CUDA driver library could not be used".into()),
+impl DeviceChoice {
+    /// Where the run of a launch plan computes: its GPUs, or the CPU when it drives none.
+    pub fn of_plan(plan: &LaunchPlan) -> Self {
+        match plan.devices.len() {
+            0 => Self::Cpu,
+            n => Self::Cuda(n),
+        }
     }
 }
 
-impl DeviceChoice {
-    /// Resolves `--gpus`: `None` picks every GPU present or, with none, the CPU (and says so
-    /// in the returned note); `Some(0)` is the CPU; `Some(n)` needs n devices; `all` is every
-    /// device (at least one).
-    pub fn resolve(gpus: Option<&str>) -> Result<(Self, Option<String>), super::TrainError> {
-        let count = cuda_device_count();
-        let found = *count.as_ref().unwrap_or(&0);
-        let why = match &count {
-            Ok(_) => String::new(),
-            Err(reason) => format!("; {reason}"),
-        };
-        let not_enough = |requested: &str| super::TrainError::NotEnoughGpus {
-            requested: requested.to_string(),
-            found,
-            extra: why.clone(),
-        };
-        match gpus.map(str::trim) {
-            None => {
-                if found == 0 {
-                    Ok((
-                        Self::Cpu,
-                        Some(format!("no GPU found{why}: training on the CPU (--gpus 0)")),
-                    ))
-                } else {
-                    Ok((Self::Cuda(found), None))
-                }
-            }
-            Some("all") => {
-                if found == 0 {
-                    Err(not_enough("all"))
-                } else {
-                    Ok((Self::Cuda(found), None))
-                }
-            }
-            Some(text) => {
-                let n: usize = text.parse().map_err(|_| super::TrainError::InvalidConfig {
-                    flag: "--gpus",
-                    value: text.to_string(),
-                    hint: "a number of GPUs (0 = CPU) or `all`".into(),
-                })?;
-                if n == 0 {
-                    Ok((Self::Cpu, None))
-                } else if n > found {
-                    Err(not_enough(text))
-                } else {
-                    Ok((Self::Cuda(n), None))
-                }
-            }
-        }
+/// The error of a `--batch-size auto` that cannot be measured.
+fn auto_refused(reason: String) -> super::TrainError {
+    super::TrainError::InvalidConfig {
+        flag: "--batch-size",
+        value: "auto".into(),
+        hint: reason,
     }
+}
+
+/// Refuses `--batch-size auto` where it cannot be measured: on the CPU (a plan without GPUs),
+/// and with several processes (each would measure only its own GPUs).
+pub fn check_auto_batch(plan: &LaunchPlan) -> Result<(), super::TrainError> {
+    if plan.devices.is_empty() {
+        return Err(auto_refused(
+            "auto measures a GPU's memory; on the CPU give a number, e.g. --batch-size 64".into(),
+        ));
+    }
+    if plan.is_multi_node() {
+        return Err(auto_refused(format!(
+            "each of the {} processes would measure only its own GPUs; give every node the same number",
+            plan.nodes
+        )));
+    }
+    Ok(())
 }
 
 /// `--batch-size auto`: the largest per-GPU batch that every GPU of the run holds for
 /// `cfg`'s model and image size with `classes` classes, measured on each device
 /// ([`crate::cuda::memory::auto_batch_size`]: a probe network's footprint against the free
 /// memory) and rounded down to a multiple of 8 (from 16 on); with it, the line that says so.
-/// Refused on the CPU, and with several processes (each would measure only its own GPUs).
+/// Refused where [`check_auto_batch`] refuses it.
 pub fn largest_gpu_batch(
     cfg: &super::TrainConfig,
     classes: usize,
 ) -> Result<(usize, String), super::TrainError> {
-    let refused = |reason: String| super::TrainError::InvalidConfig {
-        flag: "--batch-size",
-        value: "auto".into(),
-        hint: reason,
+    let plan = match cfg.device {
+        DeviceChoice::Cuda(n) => super::rank::cuda::launch_plan(n, cfg)?,
+        DeviceChoice::Cpu => LaunchPlan::single_node(Vec::new()),
     };
-    let DeviceChoice::Cuda(n) = cfg.device else {
-        return Err(refused(
-            "auto measures a GPU's memory; on the CPU give a number, e.g. --batch-size 64".into(),
-        ));
-    };
-    let plan = super::rank::cuda::launch_plan(n, cfg)?;
-    if plan.is_multi_node() {
-        return Err(refused(format!(
-            "each of the {} processes would measure only its own GPUs; give every node the same number",
-            plan.nodes
-        )));
-    }
+    check_auto_batch(&plan)?;
     let graph = Graph::new(cfg.arch, classes);
     let image_size = cfg.image_size;
     let mut smallest: Option<(usize, String)> = None;
@@ -119,7 +75,7 @@ pub fn largest_gpu_batch(
         };
         let backend = CudaBackend::new(ordinal).map_err(opened)?;
         let (batch, footprint) = crate::cuda::memory::auto_batch_size(&backend, &graph, image_size)
-            .map_err(|e| refused(format!("{device}: {e}")))?;
+            .map_err(|e| auto_refused(format!("{device}: {e}")))?;
         let (free, _) = backend.device().memory().map_err(opened)?;
         let batch = if batch >= 16 { batch / 8 * 8 } else { batch };
         if smallest.as_ref().is_none_or(|(b, _)| batch < *b) {
@@ -134,7 +90,7 @@ pub fn largest_gpu_batch(
             smallest = Some((batch, line));
         }
     }
-    smallest.ok_or_else(|| refused("no GPU to measure".into()))
+    smallest.ok_or_else(|| auto_refused("no GPU to measure".into()))
 }
 
 #[cfg(test)]
@@ -142,24 +98,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gpus_flag_values() {
-        assert_eq!(
-            DeviceChoice::resolve(Some("0")).unwrap().0,
-            DeviceChoice::Cpu
-        );
-        let err = DeviceChoice::resolve(Some("two")).unwrap_err().to_string();
-        assert!(err.contains("--gpus") && err.contains("two"), "{err}");
-        let found = cuda_device_count().unwrap_or(0);
-        let err = DeviceChoice::resolve(Some(&(found + 1).to_string()))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--gpus 0 trains on the CPU"), "{err}");
-        if found == 0 {
-            let (choice, note) = DeviceChoice::resolve(None).unwrap();
-            assert_eq!(choice, DeviceChoice::Cpu);
-            assert!(note.unwrap().contains("training on the CPU"));
-            let err = DeviceChoice::resolve(Some("all")).unwrap_err().to_string();
-            assert!(err.starts_with("--gpus all:"), "{err}");
-        }
+    fn a_plan_without_devices_trains_on_the_cpu() {
+        let plan = LaunchPlan::single_node(Vec::new());
+        assert_eq!(DeviceChoice::of_plan(&plan), DeviceChoice::Cpu);
+        let plan = LaunchPlan::single_node(vec![2]);
+        assert_eq!(DeviceChoice::of_plan(&plan), DeviceChoice::Cuda(1));
+    }
+
+    #[test]
+    fn an_auto_batch_is_measured_by_one_process_on_gpus_only() {
+        let gpus = LaunchPlan::single_node(vec![0, 1]);
+        assert!(check_auto_batch(&gpus).is_ok());
+        let e = check_auto_batch(&LaunchPlan::single_node(Vec::new())).unwrap_err();
+        assert!(e.to_string().contains("on the CPU give a number"), "{e}");
+        let torchrun = LaunchPlan { nodes: 4, ..gpus };
+        let e = check_auto_batch(&torchrun).unwrap_err();
+        assert!(e.to_string().contains("each of the 4 processes"), "{e}");
     }
 }

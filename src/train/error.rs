@@ -103,16 +103,6 @@ pub enum TrainError {
         /// What would be valid.
         hint: String,
     },
-    /// More GPUs were asked for than are present.
-    #[error("--gpus {requested}: only {found} CUDA device(s) present (hint: --gpus 0 trains on the CPU{extra})")]
-    NotEnoughGpus {
-        /// What was asked for: a count, or `all`.
-        requested: String,
-        /// The count found.
-        found: usize,
-        /// Extra detail (why no device was found).
-        extra: String,
-    },
     /// An image given to `predict` cannot be decoded.
     #[error("cannot classify {path}: {reason} (hint: leave it out, or --on-bad-image skip classifies the others)")]
     BadImage {
@@ -147,7 +137,7 @@ pub enum TrainError {
     /// A collective failed: a rank stopped answering, failed, or the group was aborted.
     #[error(transparent)]
     Collective(Box<CollectiveError>),
-    /// The launch flags or torchrun variables (`--gpus`, `--nodes`, `WORLD_SIZE`, …) do not
+    /// The launch flags or launcher variables (`--gpus`, `--nodes`, `WORLD_SIZE`, …) do not
     /// describe a run this machine can start; the message names the flag or variable.
     #[error(transparent)]
     Launch(#[from] LaunchError),

@@ -285,7 +285,7 @@ pub(crate) fn shared_for_cpu(
 ) -> Result<Shared, TrainError> {
     let ranks = cfg.replicas;
     let train = pipeline_for(cfg, folder, Split::Train, ranks, None)?;
-    let valid = pipeline_for(cfg, folder, Split::Valid, 1, None)?;
+    let valid = pipeline_for(cfg, folder, Split::Valid, ranks, None)?;
     Shared::new(cfg, ranks, resumed, train, valid, folder.clone(), true)
 }
 
@@ -298,7 +298,7 @@ pub(crate) fn check_single_node(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<(), TrainError> {
     let flags = cfg.dist.launch_flags(Some("0"))?;
-    let plan = launch::resolve(&flags, env, &[])?;
+    let plan = launch::resolve(&flags, env, &launch::VisibleGpus::Listed(Vec::new()))?;
     for note in &plan.overrides {
         tracing::info!("{note}");
     }

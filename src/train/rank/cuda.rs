@@ -45,8 +45,10 @@ use crate::model::{GradHookError, Network, StepStats};
 use crate::train::config::TrainConfig;
 use crate::train::folder::{CheckpointMeta, RunFolder};
 use crate::train::run::{run_rank, Launched, RankReport, StopWish};
-use crate::train::setup::{pipeline_for, Shared};
+use crate::train::setup::{pipeline_for, start_point, Shared};
 use crate::train::TrainError;
+
+mod rehearsal;
 
 /// The step totals of the last two steps: on the device (written by the loss kernels, summed
 /// by NCCL) and in page-locked host memory (copied there after the sum), one slot per step.
@@ -455,7 +457,7 @@ pub(crate) fn launch_plan(n: usize, cfg: &TrainConfig) -> Result<LaunchPlan, Tra
     Ok(launch::resolve(
         &flags,
         &launch::process_env,
-        &launch::detect_cuda_devices(),
+        &launch::probe_gpus(),
     )?)
 }
 
@@ -635,6 +637,9 @@ pub(crate) fn launch(
             "use at least 1 staging slot (2 overlaps the copy of batch k+1 with batch k)",
         ));
     }
+    if let Some(ranks) = rehearsal::requested()? {
+        return rehearsal::launch(cfg, n, ranks, folder, resumed, stop);
+    }
     let plan = launch_plan(n, cfg)?;
     for note in &plan.overrides {
         tracing::info!("{note}");
@@ -673,8 +678,9 @@ pub(crate) fn launch(
             local_gpus: plan.devices.len(),
             fingerprint: valid.fingerprint(),
             model: cfg.arch.name().to_string(),
+            start: start_point(resumed),
         };
-        let master = plan.master.as_ref().map(ToString::to_string);
+        let master = plan.rendezvous_addr().map(|m| m.to_string());
         rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
             nccl::new_unique_id().map_err(|e| e.to_string())
         })
