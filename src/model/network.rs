@@ -1110,8 +1110,6 @@ impl<B: Backend> Network<B> {
             output,
             weight,
             bias,
-            running_mean,
-            running_var,
             ..
         } = *node
         else {
@@ -1150,36 +1148,136 @@ impl<B: Backend> Network<B> {
             }
         };
         let (mut moments, grads) = sums;
-        let mut rm = take(&mut self.buffers, running_mean);
-        let mut rv = take(&mut self.buffers, running_var);
         let r = self
             .backend
             .bn_sync_moments(shape, &tm, &tv, &mut moments)
-            .map_err(ModelError::from)
-            .and_then(|()| {
-                reduce
-                    .sum_sums(self.backend.sums_mut(&mut moments))
-                    .map_err(|source| ModelError::BnSync {
-                        layer: self.bn_name(weight),
-                        source,
-                    })
-            })
-            .and_then(|()| {
-                Ok(self.backend.bn_sync_statistics(
-                    c,
-                    &mut moments,
-                    &mut tm,
-                    &mut tv,
-                    &mut rm,
-                    &mut rv,
-                    self.config.bn_momentum,
-                )?)
-            });
+            .map_err(ModelError::from);
+        self.bn_scratch = Some((tm, tv));
+        let r = r.and_then(|()| self.sum_bn_moments(node, &mut moments, reduce));
+        self.put_bn_sums(k, (moments, grads));
+        r
+    }
+
+    /// Synchronised BN forward, part 2: sums layer `node`'s packed moments over every replica
+    /// and turns the total into the global mean and biased variance (into the scratch pair)
+    /// and the advance of its running statistics: the same on every replica, one with no
+    /// image included.
+    fn sum_bn_moments(
+        &mut self,
+        node: &Node,
+        moments: &mut B::Sums,
+        reduce: &mut dyn BnAllReduce,
+    ) -> Result<(), ModelError> {
+        let Node::BatchNorm {
+            weight,
+            running_mean,
+            running_var,
+            channels,
+            ..
+        } = *node
+        else {
+            unreachable!("sum_bn_moments is only called for BatchNorm nodes");
+        };
+        reduce
+            .sum_sums(self.backend.sums_mut(moments))
+            .map_err(|source| ModelError::BnSync {
+                layer: self.bn_name(weight),
+                source,
+            })?;
+        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
+        let mut rm = take(&mut self.buffers, running_mean);
+        let mut rv = take(&mut self.buffers, running_var);
+        let r = self.backend.bn_sync_statistics(
+            channels,
+            moments,
+            &mut tm,
+            &mut tv,
+            &mut rm,
+            &mut rv,
+            self.config.bn_momentum,
+        );
         self.buffers[running_mean] = Some(rm);
         self.buffers[running_var] = Some(rv);
         self.bn_scratch = Some((tm, tv));
-        self.put_bn_sums(k, (moments, grads));
-        r
+        Ok(r?)
+    }
+
+    /// What a replica with no image in a step does instead of [`Network::train_step_synced`]
+    /// (same `sync_bn`): it takes part in every collective of the step, in the order a replica
+    /// with images issues them (NCCL pairs collectives by order), calling `on_grad_ready`
+    /// where that replica reports a gradient and, with synchronised batch norm
+    /// ([`Network::synced_step_events`]), summing zeros for its BN sums. The forward totals
+    /// that come back are the global batch's: they advance this replica's running statistics
+    /// (and its batch counters) exactly as every other replica's, so synchronised replicas
+    /// keep identical statistics, as they would in PyTorch's SyncBatchNorm. Nothing is
+    /// computed on images and the gradient tensors are left as they are.
+    pub fn step_without_images(
+        &mut self,
+        on_grad_ready: &mut dyn FnMut(usize) -> Result<(), GradHookError>,
+        sync_bn: Option<&mut dyn BnAllReduce>,
+    ) -> Result<(), ModelError> {
+        self.grads_for = None;
+        let graph = self.graph.clone();
+        let report = |p: usize, hook: &mut dyn FnMut(usize) -> Result<(), GradHookError>| {
+            hook(p).map_err(|source| ModelError::GradHook {
+                param: graph.params()[p].name.clone(),
+                source,
+            })
+        };
+        let reduce = match sync_bn {
+            Some(r) if !self.config.freeze_bn => r,
+            _ => {
+                for p in grad_ready_order(&graph) {
+                    report(p, on_grad_ready)?;
+                }
+                return Ok(());
+            }
+        };
+        let bn_nodes: Vec<(usize, &Node)> = graph
+            .nodes()
+            .iter()
+            .enumerate()
+            .filter(|(_, node)| matches!(node, Node::BatchNorm { .. }))
+            .collect();
+        let (mut forward, mut backward) = (bn_nodes.iter(), bn_nodes.iter().rev());
+        for event in synced_step_events(&graph) {
+            match event {
+                SyncEvent::BnForward { channels } => {
+                    let &(k, node) = forward.next().expect("a forward event per BN node");
+                    let (mut moments, grads) = self.take_bn_sums(k, channels)?;
+                    let zeros = vec![0.0; bn_sync::moments_len(channels)];
+                    let r = self
+                        .backend
+                        .sums_mut(&mut moments)
+                        .write(&zeros)
+                        .map_err(ModelError::from)
+                        .and_then(|()| self.sum_bn_moments(node, &mut moments, reduce));
+                    self.put_bn_sums(k, (moments, grads));
+                    r?;
+                }
+                SyncEvent::BnBackward { channels } => {
+                    let &(_, node) = backward.next().expect("a backward event per BN node");
+                    let Node::BatchNorm { weight, .. } = *node else {
+                        unreachable!("filtered to BatchNorm nodes");
+                    };
+                    // Nothing here reads the total back: host zeros do.
+                    let mut zeros = vec![0.0; bn_sync::grad_sums_len(channels)];
+                    reduce
+                        .sum_sums(SumsMut::Host(&mut zeros))
+                        .map_err(|source| ModelError::BnSync {
+                            layer: self.bn_name(weight),
+                            source,
+                        })?;
+                }
+                SyncEvent::GradReady(p) => report(p, on_grad_ready)?,
+            }
+        }
+        for (i, b) in graph.buffers().iter().enumerate() {
+            if b.kind == BufferKind::NumBatchesTracked {
+                self.batches_tracked[i] += 1.0;
+            }
+        }
+        Ok(())
     }
 
     /// Synchronised BN backward: after the frozen-statistics op, sums dγ = Σdz·x̂ and

@@ -11,7 +11,8 @@
 //!    this rank's share of the step's images (computed from the data order, no exchange);
 //!    with synchronised batch norm each BN layer sums its statistics over the ranks;
 //! 3. a rank without images this step issues the same collectives with zeros (every rank must
-//!    take part in every collective, in the same order);
+//!    take part in every collective, in the same order); with synchronised batch norm the
+//!    global statistics advance its running statistics as every other rank's;
 //! 4. the step's averages finish, the optimizer updates the master weights and the replica;
 //! 5. the step's loss and hit counts and this rank's wish to stop start a small sum over the
 //!    ranks, read one step later ([`Rank::settle`]), so a step never waits for the host.
@@ -36,7 +37,7 @@ use crate::cuda::staging::feed::HostBatch;
 use crate::dist::buckets::GradientSync;
 use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
 use crate::model::{
-    BnAllReduce, BufferKind, GradHookError, InputBatch, ModelState, Network, StepStats, SyncEvent,
+    BnAllReduce, BufferKind, GradHookError, InputBatch, ModelState, Network, StepStats,
 };
 use crate::optim::RankOptimizer;
 
@@ -435,35 +436,29 @@ impl<D: Device> Rank<D> {
         Ok(stats)
     }
 
-    /// A rank without images replays a step's collectives with zeros, in exactly the order a
-    /// rank with images issues them ([`Network::synced_step_events`]).
+    /// A rank without images takes part in the step's collectives with zeros, in exactly the
+    /// order a rank with images issues them; with synchronised batch norm its BN layers' sums
+    /// are zeros and the global statistics advance its running statistics as every other
+    /// rank's ([`Network::step_without_images`]).
     fn replay_empty(&mut self, sync_bn: bool) -> Result<(), TrainError> {
-        let events = if sync_bn {
-            self.net.synced_step_events()
-        } else {
-            self.net
-                .grad_ready_order()
-                .into_iter()
-                .map(SyncEvent::GradReady)
-                .collect()
-        };
-        for e in events {
-            match e {
-                // The same call as a rank with images makes (on a GPU: on the collective's
-                // side communicator), with host zeros.
-                SyncEvent::BnForward { channels } => {
-                    let mut zeros = vec![0.0; 2 * channels + 1];
-                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
-                }
-                SyncEvent::BnBackward { channels } => {
-                    let mut zeros = vec![0.0; 2 * channels];
-                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
-                }
-                SyncEvent::GradReady(p) => {
-                    self.sync.grad_ready(&mut self.comm, &mut self.grads, p)?;
-                }
-            }
-        }
+        let Rank {
+            net,
+            comm,
+            grads,
+            sync,
+            ..
+        } = self;
+        let state = RefCell::new(HookState::<D::Comm> { comm, grads, sync });
+        let mut bn = BnOverCollective { state: &state };
+        net.step_without_images(
+            &mut |param| {
+                let mut st = state.borrow_mut();
+                let st = &mut *st;
+                st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
+                Ok(())
+            },
+            sync_bn.then_some(&mut bn as &mut dyn BnAllReduce),
+        )?;
         Ok(())
     }
 
