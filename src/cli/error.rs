@@ -97,12 +97,14 @@ impl CliError {
             CliError::BadValue { .. }
             | CliError::Missing { .. }
             | CliError::WouldOverwrite { .. }
-            | CliError::Pipeline(pipeline::PipelineError::InvalidSetting { .. })
-            | CliError::Train(
+            | CliError::Pipeline(pipeline::PipelineError::InvalidSetting { .. }) => 2,
+            // A setting refused inside a rank of several is still a usage mistake.
+            CliError::Train(e) => match e.unranked() {
                 TrainError::InvalidConfig { .. }
                 | TrainError::Launch(_)
-                | TrainError::Pipeline(pipeline::PipelineError::InvalidSetting { .. }),
-            ) => 2,
+                | TrainError::Pipeline(pipeline::PipelineError::InvalidSetting { .. }) => 2,
+                _ => 1,
+            },
             _ => 1,
         }
     }

@@ -162,9 +162,45 @@ pub enum TrainError {
     /// A broken invariant of the trainer itself (a bug), with what was found.
     #[error("internal error (please report): {0}")]
     Internal(String),
+    /// One rank of a run of several failed with `source`: the rank and its device put in front
+    /// of an error that does not say where it happened (a GPU out of memory, a backend op);
+    /// see [`TrainError::on_rank`].
+    #[error("rank {rank} ({device}): {source}")]
+    OnRank {
+        /// The rank that failed.
+        rank: usize,
+        /// Its device ("cuda:1", "CPU").
+        device: String,
+        /// Its own error.
+        source: Box<TrainError>,
+    },
 }
 
 impl TrainError {
+    /// This error as rank `rank`'s (on `device`) in a run of several ranks, where the user must
+    /// learn which one failed: wrapped in [`TrainError::OnRank`], unless its message names the
+    /// rank already ("rank N: …" of the collective, the divergence check and the driver
+    /// threads, "NCCL … failed on rank N").
+    pub fn on_rank(self, rank: usize, device: impl Into<String>) -> TrainError {
+        if names_rank(&self.to_string(), rank) {
+            return self;
+        }
+        TrainError::OnRank {
+            rank,
+            device: device.into(),
+            source: Box::new(self),
+        }
+    }
+
+    /// The error itself, without the rank a run of several put in front of it (what callers
+    /// that tell errors apart by kind, such as the CLI's exit code, look at).
+    pub fn unranked(&self) -> &TrainError {
+        match self {
+            TrainError::OnRank { source, .. } => source.unranked(),
+            other => other,
+        }
+    }
+
     /// Whether this error only reports that another rank aborted the group (its own error is
     /// the cause worth showing).
     pub fn is_abort_consequence(&self) -> bool {
@@ -175,6 +211,7 @@ impl TrainError {
             )
         }
         match self {
+            TrainError::OnRank { source, .. } => source.is_abort_consequence(),
             TrainError::Collective(e) => matches!(**e, CollectiveError::Aborted { .. }),
             TrainError::Model(ModelError::GradHook { source, .. })
             | TrainError::Model(ModelError::BnSync { source, .. }) => aborted(source.as_ref()),
@@ -183,11 +220,46 @@ impl TrainError {
     }
 }
 
+/// Whether `text` names rank `rank` ("rank 1" but not "rank 12").
+fn names_rank(text: &str, rank: usize) -> bool {
+    let own = format!("rank {rank}");
+    text.match_indices(&own).any(|(at, _)| {
+        !text[at + own.len()..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_digit())
+    })
+}
+
 /// The `--resume` part of [`TrainError::RunExists`]'s hint, when the run can be continued.
 fn resume_hint(path: &std::path::Path, resumable: bool) -> String {
     if resumable {
         format!("continue it with --resume {}, ", path.display())
     } else {
         String::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_is_named_once() {
+        let bare = TrainError::Internal("out of memory".into());
+        let e = bare.on_rank(1, "CPU");
+        assert_eq!(
+            e.to_string(),
+            "rank 1 (CPU): internal error (please report): out of memory"
+        );
+        // Named already (at the start, or inside), not twice; rank 12 is not rank 1.
+        for text in ["rank 1: stuck", "NCCL all-reduce failed on rank 1: 5"] {
+            let e = TrainError::Trace(text.into()).on_rank(1, "cuda:1");
+            assert_eq!(e.to_string(), text);
+        }
+        let e = TrainError::Trace("rank 12: stuck".into()).on_rank(1, "cuda:1");
+        assert_eq!(e.to_string(), "rank 1 (cuda:1): rank 12: stuck");
+        // The kind is still there for those who tell errors apart by it.
+        assert!(matches!(e.unranked(), TrainError::Trace(_)));
     }
 }

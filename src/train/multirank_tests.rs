@@ -456,6 +456,9 @@ struct Scripted {
     /// This rank stops answering at its n-th sum (0-based): it waits until the group is
     /// aborted, as a rank stuck in a kernel or a dead peer would look to the others.
     stall_at_sum: Option<usize>,
+    /// This rank fails its n-th sum (0-based) with an error that does not say where it
+    /// happened, as a device running out of memory would.
+    fail_at_sum: Option<usize>,
     sums: usize,
     /// Buckets of a step; with `watch_overlap`, the last one's start waits (10 s at most)
     /// for an earlier one's average and counts in `overlapped` when it came.
@@ -471,6 +474,7 @@ impl Scripted {
         Scripted {
             inner,
             stall_at_sum: None,
+            fail_at_sum: None,
             sums: 0,
             buckets,
             watch_overlap: false,
@@ -536,6 +540,13 @@ impl Collective for Scripted {
             }
             panic!("the group was never aborted");
         }
+        if self.fail_at_sum == Some(n) {
+            return Err(CollectiveError::Buckets(
+                crate::dist::buckets::BucketError::EmptyParameter {
+                    name: "injected: out of memory".into(),
+                },
+            ));
+        }
         self.inner.sum(values)
     }
 
@@ -598,6 +609,29 @@ fn a_rank_that_stops_answering_is_aborted_by_the_watchdog_naming_it() {
     );
     assert!(err.contains("rank 2 never joined"), "{err}");
     assert!(err.contains("300ms"), "{err}");
+}
+
+#[test]
+fn a_failing_ranks_error_names_it_and_its_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 6);
+    let cfg = config(&data, tmp.path(), "run", 3, 2);
+    let overlapped = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let err = run_scripted(&cfg, Duration::from_secs(60), &overlapped, |c| {
+        if c.rank() == 1 {
+            c.fail_at_sum = Some(2);
+        }
+    })
+    .unwrap_err();
+    // Its own error, not another rank's report of the abort, named once by rank and device.
+    let text = err.to_string();
+    assert!(
+        text.starts_with("rank 1 (CPU): ") && text.contains("injected: out of memory"),
+        "{text}"
+    );
+    assert_eq!(text.matches("rank 1").count(), 1, "{text}");
+    assert!(start.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

@@ -225,6 +225,7 @@ pub(crate) fn run_cpu_ranks<C: Collective<Buffer = HostGrads>>(
     stop: &StopWish<'_>,
 ) -> Result<Vec<RankReport>, TrainError> {
     let cpu = CpuBackend::new(shared.cfg.threads)?;
+    let world = comms.len();
     let results: Vec<Result<RankReport, TrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -241,16 +242,23 @@ pub(crate) fn run_cpu_ranks<C: Collective<Buffer = HostGrads>>(
         handles
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|panic| {
-                    Err(TrainError::Internal(format!(
-                        "rank {rank} panicked: {}",
-                        panic_text(&panic)
-                    )))
-                }),
-                Err(e) => Err(TrainError::Internal(format!(
-                    "cannot start the thread of rank {rank}: {e}"
-                ))),
+            .map(|(rank, h)| {
+                let result = match h {
+                    Ok(h) => h.join().unwrap_or_else(|panic| {
+                        Err(TrainError::Internal(format!(
+                            "its thread panicked: {}",
+                            panic_text(&panic)
+                        )))
+                    }),
+                    Err(e) => Err(TrainError::Internal(format!(
+                        "cannot start its thread: {e}"
+                    ))),
+                };
+                // Several ranks: the user learns which one failed.
+                result.map_err(|e| match world {
+                    1 => e,
+                    _ => e.on_rank(rank, "CPU"),
+                })
             })
             .collect()
     });

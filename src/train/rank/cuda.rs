@@ -604,13 +604,17 @@ fn with_stop_bridge<R>(
     })
 }
 
-/// A rank's failure as the trainer's error: the trainer's own errors pass through unchanged.
-fn ranks_error(e: ranks::RanksError) -> TrainError {
+/// A rank's failure as the error the user sees. In a run of several ranks it names the rank
+/// and its device (`device` gives a global rank's): the trainer's own errors keep their kind
+/// inside [`TrainError::OnRank`] (unless they name the rank already), the rest become a
+/// device error of that rank.
+fn ranks_error(e: ranks::RanksError, world: usize, device: &dyn Fn(usize) -> String) -> TrainError {
     match e {
         ranks::RanksError::Body { rank, source } => match source.downcast::<TrainError>() {
+            Ok(train) if world > 1 => train.on_rank(rank, device(rank)),
             Ok(train) => *train,
             Err(other) => TrainError::Device {
-                device: format!("GPU rank {rank}"),
+                device: format!("{} (rank {rank})", device(rank)),
                 reason: other.to_string(),
             },
         },
@@ -772,7 +776,17 @@ pub(crate) fn launch(
                 })
             },
         )
-        .map_err(ranks_error)?
+        .map_err(|e| {
+            ranks_error(e, world, &|rank| {
+                let ordinal = rank
+                    .checked_sub(assignment.rank_offset)
+                    .and_then(|local| plan.devices.get(local));
+                match ordinal {
+                    Some(o) => format!("cuda:{o}"),
+                    None => "a GPU of another node".into(),
+                }
+            })
+        })?
     } else {
         let report = run_gpu_rank(
             &shared,
@@ -840,14 +854,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_trainer_error_from_a_rank_passes_through_unchanged() {
-        let e = ranks_error(ranks::RanksError::Body {
-            rank: 1,
-            source: Box::new(config_error("--bucket-mb", 0, "positive")),
+    fn a_ranks_error_names_the_rank_and_device_once_and_keeps_its_kind() {
+        let device = |rank: usize| format!("cuda:{}", rank + 4);
+        // A trainer error that does not say where it happened (an out-of-memory of the
+        // backend, a refused setting): the rank and its device in front, the kind kept.
+        let oom = TrainError::Backend(crate::backend::BackendError::OutOfMemory {
+            bytes: 1 << 30,
+            what: "activations".into(),
+            hint: "--batch-size 64 fits".into(),
         });
+        let e = ranks_error(
+            ranks::RanksError::Body {
+                rank: 1,
+                source: Box::new(oom),
+            },
+            2,
+            &device,
+        );
+        let text = e.to_string();
+        assert!(text.starts_with("rank 1 (cuda:5): "), "{text}");
+        assert!(matches!(e.unranked(), TrainError::Backend(_)), "{e:?}");
+        let e = ranks_error(
+            ranks::RanksError::Body {
+                rank: 1,
+                source: Box::new(config_error("--bucket-mb", 0, "positive")),
+            },
+            2,
+            &device,
+        );
         assert!(
             matches!(
-                e,
+                e.unranked(),
                 TrainError::InvalidConfig {
                     flag: "--bucket-mb",
                     ..
@@ -855,13 +892,45 @@ mod tests {
             ),
             "{e}"
         );
-        let e = ranks_error(ranks::RanksError::Body {
-            rank: 2,
-            source: "NCCL timed out".into(),
-        });
+        // One that names its rank already is not named twice.
+        let diverged = TrainError::Diverged {
+            rank: 1,
+            step: 7,
+            mine: 1,
+            reference: 2,
+        };
+        let e = ranks_error(
+            ranks::RanksError::Body {
+                rank: 1,
+                source: Box::new(diverged),
+            },
+            2,
+            &device,
+        );
+        assert!(matches!(e, TrainError::Diverged { rank: 1, .. }), "{e}");
+        assert_eq!(e.to_string().matches("rank 1").count(), 1, "{e}");
+        // One rank alone: nothing to tell apart.
+        let e = ranks_error(
+            ranks::RanksError::Body {
+                rank: 0,
+                source: Box::new(config_error("--bucket-mb", 0, "positive")),
+            },
+            1,
+            &device,
+        );
+        assert!(matches!(e, TrainError::InvalidConfig { .. }), "{e}");
+        // A failure that is not the trainer's: a device error naming both.
+        let e = ranks_error(
+            ranks::RanksError::Body {
+                rank: 2,
+                source: "NCCL timed out".into(),
+            },
+            3,
+            &device,
+        );
         let text = e.to_string();
         assert!(
-            text.contains("GPU rank 2") && text.contains("NCCL timed out"),
+            text.contains("cuda:6 (rank 2)") && text.contains("NCCL timed out"),
             "{text}"
         );
     }

@@ -207,19 +207,26 @@ pub(crate) fn launch(
         handles
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|panic| {
-                    Err(TrainError::Internal(format!(
-                        "rank {rank} panicked: {}",
-                        panic_text(&panic)
-                    )))
-                }),
-                Err(e) => {
-                    group.abort(&format!("cannot start the thread of rank {rank}: {e}"));
-                    Err(TrainError::Internal(format!(
-                        "cannot start the thread of rank {rank}: {e}"
-                    )))
-                }
+            .map(|(rank, h)| {
+                let result = match h {
+                    Ok(h) => h.join().unwrap_or_else(|panic| {
+                        Err(TrainError::Internal(format!(
+                            "its thread panicked: {}",
+                            panic_text(&panic)
+                        )))
+                    }),
+                    Err(e) => {
+                        group.abort(&format!("cannot start the thread of rank {rank}: {e}"));
+                        Err(TrainError::Internal(format!(
+                            "cannot start its thread: {e}"
+                        )))
+                    }
+                };
+                // Several ranks: the user learns which one failed.
+                result.map_err(|e| match ranks {
+                    1 => e,
+                    _ => e.on_rank(rank, format!("cuda:{ordinal}")),
+                })
             })
             .collect()
     });
