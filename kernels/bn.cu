@@ -23,16 +23,18 @@
 //   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
 // and, for a residual block, dres = g (overwritten or accumulated).
 // Synchronised batch norm (--sync-bn) runs the frozen-statistics backward with the global
-// statistics and then adds the cross-replica correction with bn_affine_accumulate:
-//   dx += a[c] + b[c]·x   (a, b: f32 [C]).
+// statistics (dgamma, dbeta and dres), then bn_bwd_apply with batch statistics again, its
+// dbeta and dgamma replaced by the global ones on this replica's scale: dx is the global
+// backward in one evaluation, rounded once (over one replica: plain BN's dx, bit for bit).
 // The arithmetic around the replicas' sums stays on the device (the bn_sync_* kernels, one
 // thread per channel): bn_sync_moments packs Σx = rows·mean and Σx² = (rows−1)·var + rows·mean²
 // and the rows; after the sum, bn_sync_statistics writes the global mean and biased variance
 // (for the frozen-statistics forward) and advances the running statistics; backward,
 // bn_sync_grad_sums packs dgamma and dbeta times rows / global rows, and after the sum
-// bn_sync_coefficients computes a and b. They follow src/backend/bn_sync.rs (the CPU's
-// arithmetic) operation for operation in f64, with explicitly rounded operations (__dmul_rn,
-// __dadd_rn, ...) so that no multiply-add is contracted into an FMA: the same bits as the host.
+// bn_sync_reductions rounds the totals to f32 for bn_bwd_apply. They follow
+// src/backend/bn_sync.rs (the CPU's arithmetic) operation for operation in f64, with explicitly
+// rounded operations (__dmul_rn, __dadd_rn, ...) so that no multiply-add is contracted into an
+// FMA: the same bits as the host.
 //
 // Data layout. x, y, residual, dy, dx, dres: NHWC bf16 viewed as an M×C matrix (M = N·H·W),
 // channels innermost. gamma, beta: bf16 [C] (the working copy of the weights); mean, invstd,
@@ -184,17 +186,6 @@ extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const float* __r
     }
 }
 
-// dx[i] += a[c] + b[c]·x[i], c = i mod channels (grid-stride, 256 threads; f32 arithmetic,
-// one bf16 rounding of the result).
-extern "C" __global__ void bn_affine_accumulate(const bf16* __restrict__ x, const float* __restrict__ a,
-                                                const float* __restrict__ b, bf16* __restrict__ dx,
-                                                long total, int channels) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int c = (int)(i % channels);
-        dx[i] = bt_to_bf16(bt_to_f32(dx[i]) + a[c] + b[c] * bt_to_f32(x[i]));
-    }
-}
-
 // Synchronised BN, forward, before the replicas' sum: sums = [rows·mean | (rows−1)⁺·var +
 // rows·mean² | rows] from this replica's batch mean and unbiased variance.
 extern "C" __global__ void bn_sync_moments(const float* __restrict__ mean, const float* __restrict__ var,
@@ -241,20 +232,15 @@ extern "C" __global__ void bn_sync_grad_sums(const float* __restrict__ dgamma, c
     sums[channels + c] = __dmul_rn((double)dbeta[c], share);
 }
 
-// Synchronised BN, backward, after the sum: the correction dx += a + b·x per channel,
-//   a = −k·mdb + k·invstd·mean·mdg,  b = −k·invstd·mdg,  k = gamma·invstd,
-// mdg, mdb = the summed dgamma, dbeta over this replica's rows (the global means on its scale).
-extern "C" __global__ void bn_sync_coefficients(const double* __restrict__ sums, const bf16* __restrict__ gamma,
-                                                const float* __restrict__ mean, const float* __restrict__ invstd,
-                                                double rows, int channels, float* __restrict__ a,
-                                                float* __restrict__ b) {
+// Synchronised BN, backward, after the sum: the global Σdz·x̂ and Σdz on this replica's scale
+// (sums = [Σdgamma | Σdbeta]) rounded to f32, for bn_bwd_apply in place of its own dgamma,
+// dbeta (divided by this replica's rows there: the global means).
+extern "C" __global__ void bn_sync_reductions(const double* __restrict__ sums, int channels,
+                                              float* __restrict__ dgamma, float* __restrict__ dbeta) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
-    const double mdg = __ddiv_rn(sums[c], rows), mdb = __ddiv_rn(sums[channels + c], rows);
-    const double is = (double)invstd[c];
-    const double k = __dmul_rn((double)bt_to_f32(gamma[c]), is);
-    a[c] = (float)__dadd_rn(__dmul_rn(-k, mdb), __dmul_rn(__dmul_rn(__dmul_rn(k, is), (double)mean[c]), mdg));
-    b[c] = (float)__dmul_rn(__dmul_rn(-k, is), mdg);
+    dgamma[c] = (float)sums[c];
+    dbeta[c] = (float)sums[channels + c];
 }
 
 // The gradient reaching the batch norm itself: dy masked by the ReLU (y > 0) when present.

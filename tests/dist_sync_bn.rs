@@ -2,7 +2,8 @@
 //! `train_step_synced` and an in-process `LocalBnGroup` compute what one network computes on
 //! the whole global batch — the same loss, running statistics, and (image-weighted average
 //! of the replicas') gradients — also when the images are split unevenly. Without
-//! synchronisation they do not, which shows the test can fail.
+//! synchronisation they do not, which shows the test can fail. And one replica with it is
+//! plain batch norm, one value per channel included.
 
 use std::time::Duration;
 
@@ -259,5 +260,120 @@ fn the_announced_event_sequence_is_what_a_synced_step_issues() {
         assert!(expected
             .iter()
             .any(|e| matches!(e, SyncEvent::BnBackward { .. })));
+    }
+}
+
+/// What one step left: the loss, the gradients by parameter name, the BN buffers.
+type StepResult = (f64, Vec<(String, Vec<f32>)>, Vec<Vec<f32>>);
+
+/// One replica's step with and without synchronised batch norm (a group of one: the sums are
+/// its own) on `images` random images of side `size`.
+fn one_replica_both_ways(arch: Arch, size: u32, images: usize) -> [StepResult; 2] {
+    let graph = Graph::new(arch, 3);
+    let px = (size * size * 3) as usize;
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let pixels: Vec<u8> = (0..images * px).map(|_| rng.random()).collect();
+    let labels: Vec<u32> = (0..images).map(|_| rng.random_range(0..3)).collect();
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: images,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let run = |sync: bool| {
+        let mut net = Network::new(CpuBackend::new(1).unwrap(), &graph, images, size).unwrap();
+        net.set_config(NetworkConfig {
+            label_smoothing: 0.1,
+            ..NetworkConfig::default()
+        });
+        let mut state = ModelState::init(&graph, 9);
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for (p, spec) in state.params.iter_mut().zip(graph.params()) {
+            if spec.name.contains("bn") || spec.name.contains("downsample.1") {
+                for v in p.iter_mut() {
+                    *v += rng.random_range(-0.3..0.3);
+                }
+            }
+        }
+        net.load_state(&state).unwrap();
+        let mut group = LocalBnGroup::new(1, Duration::from_secs(60));
+        let reducer: Option<&mut dyn BnAllReduce> = if sync { Some(&mut group[0]) } else { None };
+        let stats = net
+            .train_step_synced(&batch, &mut |_, _| Ok(()), reducer)
+            .unwrap();
+        let flat = net.grads_f32().unwrap();
+        let mut at = 0;
+        let grads = graph
+            .params()
+            .iter()
+            .map(|p| {
+                let g = flat[at..at + p.numel()].to_vec();
+                at += p.numel();
+                (p.name.clone(), g)
+            })
+            .collect();
+        (stats.loss_sum, grads, net.state().unwrap().buffers)
+    };
+    [run(false), run(true)]
+}
+
+/// Synchronised batch norm over one replica is plain batch norm: the same loss, gradients and
+/// running statistics up to rounding. Tolerances: the synchronised path normalises with the
+/// statistics its f64 sums give back (the fused op's mean exactly, its variance through f32),
+/// so each BN layer's invstd may differ by an ulp; 1e-6 of the loss, 1e-4 of a gradient
+/// tensor's largest value and 1e-5 of a running statistic cover that with a margin of 10 or
+/// more. With one value per channel (resnet8 on 4-pixel images: its last stage is 1×1 for one
+/// image; resnet18 on 32 pixels likewise) the exact input gradient of such a layer is 0 and
+/// its output β, whatever its input: every gradient that only flows through those layers is
+/// exactly 0 on both paths, not rounding residue that differs between them (which made
+/// upstream gradients and BN biases differ by their whole size before).
+#[test]
+fn one_replica_with_sync_bn_is_plain_batch_norm() {
+    for (arch, size, images, one_value) in [
+        (Arch::ResNet8, 8, 3, false),
+        (Arch::ResNet8, 4, 1, true),
+        (Arch::ResNet18, 32, 1, true),
+    ] {
+        let case = format!("{arch} on {images} image(s) of {size} px");
+        let [plain, synced] = one_replica_both_ways(arch, size, images);
+        assert!(
+            (plain.0 - synced.0).abs() <= 1e-6 * plain.0.abs(),
+            "{case}: loss {} plain, {} synchronised",
+            plain.0,
+            synced.0
+        );
+        for ((name, want), (_, got)) in plain.1.iter().zip(&synced.1) {
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let worst = want
+                .iter()
+                .zip(got)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 1e-4 * scale,
+                "{case}: gradient of {name} differs by {worst} (largest value {scale})"
+            );
+            if one_value {
+                // Only the classifier and the β of the one-value layers (the last stage's BN
+                // biases) see a gradient; everything before the last stage gets exactly 0.
+                let last_stage = if arch == Arch::ResNet8 {
+                    "layer3."
+                } else {
+                    "layer4."
+                };
+                let live = name.starts_with("fc.")
+                    || (name.starts_with(last_stage) && name.ends_with(".bias"));
+                if !live {
+                    assert!(
+                        want.iter().chain(got).all(|&v| v == 0.0),
+                        "{case}: gradient of {name} should be exactly 0 (largest {scale})"
+                    );
+                }
+            }
+        }
+        for (b, (want, got)) in plain.2.iter().zip(&synced.2).enumerate() {
+            close(&format!("{case}: buffer {b}"), got, want, 1e-5, 1e-5);
+        }
     }
 }

@@ -494,18 +494,6 @@ void test_optim(float max_norm) {
     }
 }
 
-void test_bn_affine(int rows, int C) {
-    printf("bn_affine_accumulate rows=%d C=%d\n", rows, C);
-    auto x = rnd((size_t)rows * C, 2.0f), dx = rnd((size_t)rows * C, 1.0f);
-    auto a = rnd(C, 0.5f), b = rnd(C, 0.5f);
-    std::vector<double> ref(x.size());
-    for (size_t i = 0; i < x.size(); ++i) { int c = i % C; ref[i] = (double)dx[i] + a[c] + (double)b[c] * x[i]; }
-    auto X = tobf(x), DX = tobf(dx);
-    long total = (long)rows * C;
-    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_affine_accumulate(X.data(), a.data(), b.data(), DX.data(), total, C); });
-    check("dx += a + b·x", fromb(DX), ref, 1e-6, 1.0 / 128);
-}
-
 // Synchronised BN: the bn_sync_* kernels of two replicas, summed between them as a collective
 // would, against the host arithmetic of src/backend/bn_sync.rs transcribed below, bit for bit
 // (the kernels use explicitly rounded f64 operations for exactly this).
@@ -576,21 +564,56 @@ void test_bn_sync(int C, int rows0, int rows1) {
         check_same(r ? "grad sums (replica 1)" : "grad sums (replica 0)", gsums[r], want);
         for (int i = 0; i < 2 * C; ++i) gtotal[i] += gsums[r][i];
     }
-    auto gamma = rnd(C, 1.5f), smean = rnd(C, 2.0f), sinv = rnd(C, 1.0f);
-    for (auto& v : sinv) v = std::fabs(v) + 0.1f;
-    auto G = tobf(gamma);
-    std::vector<float> a(C, 7.0f), b(C, 7.0f);
-    double n0 = rows[0];
-    emu_launch(grid, block, [&] { k_bn::bn_sync_coefficients(gtotal.data(), G.data(), smean.data(), sinv.data(), n0, C, a.data(), b.data()); });
-    std::vector<double> wa(C), wb(C);
-    for (int c = 0; c < C; ++c) {
-        double mdg = gtotal[c] / n0, mdb = gtotal[C + c] / n0, is = (double)sinv[c];
-        double k = (double)__bfloat162float(G[c]) * is;
-        wa[c] = (float)(-k * mdb + k * is * (double)smean[c] * mdg);
-        wb[c] = (float)(-k * is * mdg);
+    // After the sum: the global reductions, rounded to f32 for bn_bwd_apply.
+    std::vector<float> rdg(C, 7.0f), rdb(C, 7.0f);
+    emu_launch(grid, block, [&] { k_bn::bn_sync_reductions(gtotal.data(), C, rdg.data(), rdb.data()); });
+    std::vector<double> wdg(C), wdb(C);
+    for (int c = 0; c < C; ++c) { wdg[c] = (float)gtotal[c]; wdb[c] = (float)gtotal[C + c]; }
+    check_same("global dgamma", widen(rdg), wdg);
+    check_same("global dbeta", widen(rdb), wdb);
+}
+
+// Synchronised BN over one replica is plain BN's backward, bit for bit: the frozen-statistics
+// backward, the sums (share 1), bn_sync_reductions and bn_bwd_apply on the global reductions
+// give plain batch statistics' dx. With one row per channel that dx is exactly 0 (the exact
+// gradient: the output is beta whatever x is), not the rounding residue of a correction.
+void test_bn_sync_one_replica(int rows, int C, bool relu) {
+    printf("bn_sync one replica rows=%d C=%d relu=%d\n", rows, C, relu);
+    const int per = 37, slabs = (rows + per - 1) / per;
+    auto x = rnd((size_t)rows * C, 2.0f), gamma = rnd(C, 1.5f), beta = rnd(C, 0.5f), dy = rnd((size_t)rows * C, 1.0f);
+    auto X = tobf(x), G = tobf(gamma), B = tobf(beta), DY = tobf(dy);
+    std::vector<float> pm((size_t)slabs * C), pv((size_t)slabs * C), sm(C), si(C), rm(C, 0.0f), rv(C, 1.0f);
+    const dim3e fin_grid{(unsigned)((C + 31) / 32), 1, 1}, fin_block{32, 32, 1};
+    emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_stats_partial(X.data(), rows, C, per, pm.data(), pv.data()); });
+    emu_launch(fin_grid, fin_block, [&] { k_bn::bn_stats_finalize(pm.data(), pv.data(), slabs, rows, C, per, 1e-5f, 0.1f, sm.data(), si.data(), rm.data(), rv.data()); });
+    long total = (long)rows * C;
+    std::vector<bf16> Y(x.size());
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_apply(X.data(), sm.data(), si.data(), G.data(), B.data(), nullptr, Y.data(), total, C, relu); });
+    std::vector<float> pb((size_t)slabs * C), pg((size_t)slabs * C), db(C), dg(C);
+    emu_launch({(unsigned)((C + 31) / 32), (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_bwd_partial(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, relu, pb.data(), pg.data()); });
+    emu_launch(fin_grid, fin_block, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, db.data(), dg.data()); });
+    std::vector<bf16> plain(x.size()), frozen(x.size()), synced(x.size());
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), db.data(), dg.data(), total, C, relu, 1, plain.data(), nullptr, 0); });
+    // Synchronised: frozen-statistics dx first (then overwritten), the sums, the reductions.
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), db.data(), dg.data(), total, C, relu, 0, frozen.data(), nullptr, 0); });
+    synced = frozen;
+    const dim3e grid{(unsigned)((C + 127) / 128), 1, 1}, block{128, 1, 1};
+    std::vector<double> moments(2 * C + 1, 0.0), gsums(2 * C, -1.0);
+    moments[2 * C] = rows;
+    emu_launch(grid, block, [&] { k_bn::bn_sync_grad_sums(dg.data(), db.data(), moments.data(), (double)rows, C, gsums.data()); });
+    std::vector<float> rdg(C), rdb(C);
+    emu_launch(grid, block, [&] { k_bn::bn_sync_reductions(gsums.data(), C, rdg.data(), rdb.data()); });
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_bwd_apply(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), rdb.data(), rdg.data(), total, C, relu, 1, synced.data(), nullptr, 0); });
+    check_bits("dx synced = plain", synced, plain);
+    if (C % 8 == 0) {
+        std::vector<bf16> vec = frozen;
+        emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_bwd_apply_vec(DY.data(), Y.data(), X.data(), sm.data(), si.data(), G.data(), rdb.data(), rdg.data(), total, C, relu, 1, vec.data(), nullptr, 0); });
+        check_bits("dx synced (vec) = plain", vec, plain);
     }
-    check_same("coefficient a", widen(a), wa);
-    check_same("coefficient b", widen(b), wb);
+    if (rows == 1) {
+        std::vector<double> zeros(x.size(), 0.0);
+        check("dx of one row is 0", fromb(synced), zeros, 0, 0);
+    }
 }
 
 int main(int argc, char** argv) {
@@ -601,10 +624,11 @@ int main(int argc, char** argv) {
     test_bn(45, 520, true, true, true);
     test_bn(2101, 24, false, true, true, 5);   // 421 slabs, the last one row
     test_bn(1000, 36, true, false, true, 3);   // 334 slabs, C % 8 != 0 (scalar reductions only)
-    test_bn_affine(33, 40);
-    test_bn_affine(7, 3);
     test_bn_sync(40, 96, 32);
     test_bn_sync(300, 1, 500);   // a replica with one row; C over two blocks
+    test_bn_sync_one_replica(96, 40, true);
+    test_bn_sync_one_replica(50, 3, false);
+    test_bn_sync_one_replica(1, 24, true);  // one value per channel
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
     test_pool(2, 9, 7, 16, 3, 2, 1);           // the ResNet stem pool, odd sizes

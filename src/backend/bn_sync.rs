@@ -6,9 +6,10 @@
 //! scale). The backend packs them from its own tensors into [`Backend::Sums`] (f64), a
 //! reducer sums them in place where they are ([`SumsMut`]: host memory, or device memory that
 //! a GPU collective reduces without a host round trip), and the backend turns the sums into
-//! the global statistics and the gradient correction. The functions here are that arithmetic
-//! on the host, in f64: the trait's default implementations (the CPU backend's) and the
-//! reference the CUDA kernels follow.
+//! the global statistics and the global backward reductions, with which the backend's own
+//! batch-statistics backward writes the input gradient. The functions here are that
+//! arithmetic on the host, in f64: the trait's default implementations (the CPU backend's)
+//! and the reference the CUDA kernels follow.
 //!
 //! [`Backend::Sums`]: super::Backend::Sums
 
@@ -216,40 +217,122 @@ pub fn grad_sums(
     Ok(out)
 }
 
-/// Backward, after the sum: the per-channel correction `dx += a + b·x` that turns the frozen
-/// statistics' backward into the global one, `−γ·invstd·(Σdβ/N + x̂·Σdγ/N)` written as an
-/// affine map of the input. The global mean of a sum, on this replica's scale, is the sum over
-/// this replica's rows.
-pub fn backward_coefficients(
-    shape: BnShape,
+/// Backward, after the sum: the global Σdz·x̂ and Σdz of the layer on this replica's scale (the
+/// summed `sums`, rounded to f32), as `(dgamma, dbeta)`. Over this replica's rows they have
+/// the global batch's means (`Σ/rows`), so the backend's own batch-statistics input gradient
+/// ([`input_gradient`] on the CPU, `bn_bwd_apply` on the GPU) run with them in place of its
+/// local reductions is the global backward; over one replica they are its own dγ and dβ, bit
+/// for bit, so synchronised batch norm over one replica is plain batch norm.
+pub fn global_reductions(
+    channels: usize,
     sums: &[f64],
-    gamma: &[f32],
-    mean: &[f32],
-    invstd: &[f32],
 ) -> Result<(Vec<f32>, Vec<f32>), BackendError> {
-    let c = shape.channels;
-    if sums.len() != grad_sums_len(c) || gamma.len() < c || mean.len() < c || invstd.len() < c {
+    let c = channels;
+    if sums.len() != grad_sums_len(c) {
+        return Err(shape_error(
+            "bn_sync_backward",
+            format!("{} sums for {c} channels", sums.len()),
+        ));
+    }
+    let dgamma = sums[..c].iter().map(|&v| v as f32).collect();
+    let dbeta = sums[c..].iter().map(|&v| v as f32).collect();
+    Ok((dgamma, dbeta))
+}
+
+/// The per-channel constants of batch norm's input gradient with batch statistics over `rows`
+/// rows, from its reductions dγ = Σdz·x̂ and dβ = Σdz: `k = γ·invstd` (an f32 product, as the
+/// frozen-statistics backward forms it), `mdb = dβ/rows` and `c2 = invstd·dγ/rows`, so that
+/// `dx = k·(dz − (mdb + (x − mean)·c2))`.
+pub fn input_gradient_constants(
+    rows: usize,
+    gamma: &[f32],
+    invstd: &[f32],
+    dgamma: &[f32],
+    dbeta: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = rows.max(1) as f64;
+    let c = gamma
+        .len()
+        .min(invstd.len())
+        .min(dgamma.len())
+        .min(dbeta.len());
+    let k = (0..c).map(|ch| gamma[ch] * invstd[ch]).collect();
+    let mdb = (0..c).map(|ch| (f64::from(dbeta[ch]) / n) as f32).collect();
+    let c2 = (0..c)
+        .map(|ch| (f64::from(invstd[ch]) * f64::from(dgamma[ch]) / n) as f32)
+        .collect();
+    (k, mdb, c2)
+}
+
+/// What [`input_gradient`] reads: a batch norm's forward over `shape.rows × shape.channels`
+/// (NHWC), the gradient reaching its output, and the two reductions of its backward.
+#[derive(Debug, Clone, Copy)]
+pub struct InputGradientArgs<'a> {
+    /// Rows and channels.
+    pub shape: BnShape,
+    /// The forward's input.
+    pub x: &'a [f32],
+    /// The forward's output (for the ReLU mask).
+    pub y: &'a [f32],
+    /// The gradient of the output.
+    pub dy: &'a [f32],
+    /// γ.
+    pub gamma: &'a [f32],
+    /// The mean it normalised with.
+    pub mean: &'a [f32],
+    /// The inverse standard deviation it normalised with.
+    pub invstd: &'a [f32],
+    /// Whether a ReLU followed.
+    pub relu: bool,
+    /// Σdz·x̂ per channel.
+    pub dgamma: &'a [f32],
+    /// Σdz per channel.
+    pub dbeta: &'a [f32],
+}
+
+/// Batch norm's input gradient with batch statistics on the host, element by element:
+/// `dx = k·(dz − (mdb + (x − mean)·c2))` ([`input_gradient_constants`]), `dz = dy` masked by
+/// the ReLU. The CPU backend's own pass computes the same in SIMD lanes.
+pub fn input_gradient(a: InputGradientArgs<'_>, dx: &mut [f32]) -> Result<(), BackendError> {
+    let (rows, c) = (a.shape.rows, a.shape.channels);
+    let n = rows * c;
+    if [a.x.len(), a.y.len(), a.dy.len(), dx.len()]
+        .iter()
+        .any(|&len| len < n)
+        || [a.gamma.len(), a.mean.len(), a.invstd.len()]
+            .iter()
+            .chain([a.dgamma.len(), a.dbeta.len()].iter())
+            .any(|&len| len < c)
+    {
         return Err(shape_error(
             "bn_sync_backward",
             format!(
-                "{c} channels, {} sums, gamma {} mean {} invstd {}",
-                sums.len(),
-                gamma.len(),
-                mean.len(),
-                invstd.len()
+                "{rows} × {c}: x {} y {} dy {} dx {}, per channel gamma {} mean {} invstd {} dgamma {} dbeta {}",
+                a.x.len(),
+                a.y.len(),
+                a.dy.len(),
+                dx.len(),
+                a.gamma.len(),
+                a.mean.len(),
+                a.invstd.len(),
+                a.dgamma.len(),
+                a.dbeta.len()
             ),
         ));
     }
-    let rows = shape.rows as f64;
-    let mut a = vec![0.0f32; c];
-    let mut b = vec![0.0f32; c];
-    for ch in 0..c {
-        let mdg = sums[ch] / rows;
-        let mdb = sums[c + ch] / rows;
-        let is = f64::from(invstd[ch]);
-        let kk = f64::from(gamma[ch]) * is;
-        a[ch] = (-kk * mdb + kk * is * f64::from(mean[ch]) * mdg) as f32;
-        b[ch] = (-kk * is * mdg) as f32;
+    if c == 0 {
+        return Ok(());
     }
-    Ok((a, b))
+    let (k, mdb, c2) = input_gradient_constants(rows, a.gamma, a.invstd, a.dgamma, a.dbeta);
+    for (i, d) in dx[..n].iter_mut().enumerate() {
+        let ch = i % c;
+        let dz = if a.relu && a.y[i] <= 0.0 {
+            0.0
+        } else {
+            a.dy[i]
+        };
+        let centred = (a.x[i] - a.mean[ch]) * c2[ch] + mdb[ch];
+        *d = k[ch] * (dz - centred);
+    }
+    Ok(())
 }

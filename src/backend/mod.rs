@@ -172,6 +172,30 @@ pub struct BnBackward<'a, T> {
     pub dbeta: &'a mut T,
 }
 
+/// Inputs of synchronised batch norm's input gradient ([`Backend::bn_sync_backward`]): the
+/// layer's forward and the gradient of its output, as [`BnBackward`] reads them.
+#[derive(Debug)]
+pub struct BnSyncBackward<'a, T> {
+    /// Shape of `x` seen as `rows × channels` (this replica's rows).
+    pub shape: BnShape,
+    /// The forward input.
+    pub x: &'a T,
+    /// The forward output (its sign is the ReLU mask).
+    pub y: &'a T,
+    /// Scale γ.
+    pub gamma: &'a T,
+    /// The global mean the forward normalised with.
+    pub saved_mean: &'a T,
+    /// The global inverse std the forward normalised with.
+    pub saved_invstd: &'a T,
+    /// Whether the forward applied ReLU.
+    pub relu: bool,
+    /// Gradient of the loss with respect to `y`.
+    pub dy: &'a T,
+    /// Gradient with respect to `x` (overwritten).
+    pub dx: &'a mut T,
+}
+
 /// A buffer's device address and the tensors viewing ranges of it ([`Backend::alloc_views`]).
 pub type GradientViews<T> = (u64, Vec<T>);
 
@@ -253,42 +277,6 @@ pub trait Backend: Send {
 
     /// Backward of [`Backend::bn_forward`], see [`BnBackward`].
     fn bn_backward(&self, a: BnBackward<'_, Self::Tensor>) -> Result<(), BackendError>;
-
-    /// `dx[r, c] += a[c] + b[c]·x[r, c]` over the first `shape.rows` rows: the cross-replica
-    /// correction synchronised batch norm adds to a frozen-statistics backward.
-    ///
-    /// The default works on the host through download/upload: exact and
-    /// backend-independent, but a device round trip per call on a GPU (the CUDA backend
-    /// overrides it with a kernel).
-    fn channel_affine_accumulate(
-        &self,
-        shape: BnShape,
-        x: &Self::Tensor,
-        a: &[f32],
-        b: &[f32],
-        dx: &mut Self::Tensor,
-    ) -> Result<(), BackendError> {
-        let (rows, c) = (shape.rows, shape.channels);
-        let xv = self.download(x)?;
-        let mut dv = self.download(dx)?;
-        if xv.len() < rows * c || dv.len() < rows * c || a.len() != c || b.len() != c {
-            return Err(BackendError::Shape {
-                op: "channel_affine_accumulate",
-                detail: format!(
-                    "{rows}×{c} with x {} dx {} a {} b {} values",
-                    xv.len(),
-                    dv.len(),
-                    a.len(),
-                    b.len()
-                ),
-            });
-        }
-        for (i, d) in dv[..rows * c].iter_mut().enumerate() {
-            let ch = i % c;
-            *d += a[ch] + b[ch] * xv[i];
-        }
-        self.upload(&dv, dx)
-    }
 
     /// f64 values synchronised batch norm sums over replicas ([`bn_sync`]), kept where the
     /// backend computes: host memory on the CPU, device memory on a GPU.
@@ -381,29 +369,49 @@ pub trait Backend: Send {
         self.sums_mut(grads).write(&sums)
     }
 
-    /// Synchronised BN backward, after the sum: `dx += a + b·x` per channel over the first
-    /// `shape.rows` rows, the correction from the summed `grads`
-    /// ([`bn_sync::backward_coefficients`]).
-    #[allow(clippy::too_many_arguments)]
+    /// Synchronised BN backward, after the sum: `dx` ← the batch-statistics input gradient of
+    /// the layer with the global reductions of the summed `grads` in place of this replica's
+    /// own ([`bn_sync::global_reductions`]), i.e. the backend's own batch-norm backward pass
+    /// over the global batch, overwriting what the frozen-statistics backward wrote. One
+    /// evaluation per element, rounded once: no correction added to a rounded gradient (a
+    /// channel whose dz is all its mean, as with one value per channel, gets exactly 0).
+    ///
+    /// The default computes on the host ([`bn_sync::input_gradient`]); the CPU backend runs
+    /// its own SIMD pass, the CUDA backend its `bn_bwd_apply` kernel.
     fn bn_sync_backward(
         &self,
-        shape: BnShape,
         grads: &mut Self::Sums,
-        gamma: &Self::Tensor,
-        mean: &Self::Tensor,
-        invstd: &Self::Tensor,
-        x: &Self::Tensor,
-        dx: &mut Self::Tensor,
+        a: BnSyncBackward<'_, Self::Tensor>,
     ) -> Result<(), BackendError> {
         let sums = self.sums_mut(grads).read()?;
-        let (a, b) = bn_sync::backward_coefficients(
-            shape,
-            &sums,
-            &self.download(gamma)?,
-            &self.download(mean)?,
-            &self.download(invstd)?,
+        let (dgamma, dbeta) = bn_sync::global_reductions(a.shape.channels, &sums)?;
+        let (x, y, dy) = (
+            self.download(a.x)?,
+            self.download(a.y)?,
+            self.download(a.dy)?,
+        );
+        let (gamma, mean, invstd) = (
+            self.download(a.gamma)?,
+            self.download(a.saved_mean)?,
+            self.download(a.saved_invstd)?,
+        );
+        let mut dx = self.download(a.dx)?;
+        bn_sync::input_gradient(
+            bn_sync::InputGradientArgs {
+                shape: a.shape,
+                x: &x,
+                y: &y,
+                dy: &dy,
+                gamma: &gamma,
+                mean: &mean,
+                invstd: &invstd,
+                relu: a.relu,
+                dgamma: &dgamma,
+                dbeta: &dbeta,
+            },
+            &mut dx,
         )?;
-        self.channel_affine_accumulate(shape, x, &a, &b, dx)
+        self.upload(&dx, a.dx)
     }
 
     /// Max pooling (torch semantics: padding never wins a max).

@@ -15,8 +15,8 @@ use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, DeviceSums,
-    LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, BnSyncBackward, ConvShape,
+    DeviceSums, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
 };
 use crate::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -130,7 +130,7 @@ struct Workspace {
     /// `norm` holds the ImageNet scale/shift (a pageable upload synchronises the stream, so
     /// the constants go up once, not every step).
     norm_ready: bool,
-    /// Synchronised batch norm's correction coefficients a and b (f32 [C] each).
+    /// Synchronised batch norm's global reductions dgamma and dbeta (f32 [C] each).
     sync_a: Option<CudaSlice<f32>>,
     sync_b: Option<CudaSlice<f32>>,
 }
@@ -767,60 +767,95 @@ impl Backend for CudaBackend {
 
     fn bn_sync_backward(
         &self,
-        shape: BnShape,
         grads: &mut CudaSums,
-        gamma: &CudaTensor,
-        mean: &CudaTensor,
-        invstd: &CudaTensor,
-        x: &CudaTensor,
-        dx: &mut CudaTensor,
+        a: BnSyncBackward<'_, CudaTensor>,
     ) -> Result<(), BackendError> {
         let op = "bn_sync_backward";
-        let (rows, c) = (shape.rows, shape.channels);
+        let (rows, c) = (a.shape.rows, a.shape.channels);
         for (what, len) in [
-            ("gamma", gamma.len),
-            ("mean", mean.len),
-            ("invstd", invstd.len),
+            ("gamma", a.gamma.len),
+            ("saved_mean", a.saved_mean.len),
+            ("saved_invstd", a.saved_invstd.len),
         ] {
             check_len(op, what, len, c)?;
         }
-        check_len(op, "x", x.len, rows * c)?;
-        check_len(op, "dx", dx.len, rows * c)?;
+        for (what, len) in [
+            ("x", a.x.len),
+            ("y", a.y.len),
+            ("dy", a.dy.len),
+            ("dx", a.dx.len),
+        ] {
+            check_len(op, what, len, rows * c)?;
+        }
         check_sums(op, grads, crate::backend::bn_sync::grad_sums_len(c))?;
-        if c == 0 {
+        if c == 0 || rows == 0 {
             return Ok(());
         }
-        let (c_i, rows_f) = (to_i32(op, "channels", c)?, rows as f64);
+        let c_i = to_i32(op, "channels", c)?;
         let total = (rows * c) as i64;
         let mut work = self.work();
         let w = &mut *work;
         ensure(&self.dev, &mut w.sync_a, c, op)?;
         ensure(&self.dev, &mut w.sync_b, c, op)?;
-        let (a, b) = (
+        let (dgamma, dbeta) = (
             w.sync_a.as_mut().expect("ensured"),
             w.sync_b.as_mut().expect("ensured"),
         );
-        let g = gamma.bf16(op, "gamma")?;
-        let (m, is) = (mean.f32(op, "mean")?, invstd.f32(op, "invstd")?);
         launch!(
             self,
             op,
             "bn.cu",
-            "bn_sync_coefficients",
+            "bn_sync_reductions",
             per_channel_cfg(c),
-            [&grads.buf, g, m, is, &rows_f, &c_i, &mut *a, &mut *b]
+            [&grads.buf, &c_i, &mut *dgamma, &mut *dbeta]
         );
-        let (xs, dxs) = (x.bf16(op, "x")?, dx.bf16_mut(op, "dx")?);
-        // The coefficients stay in the workspace, in stream order: no wait, no host copy.
+        // The batch-statistics backward's own element-wise pass, on the global reductions (in
+        // the workspace, in stream order: no wait, no host copy); the residual's gradient was
+        // written by the frozen-statistics backward before.
+        let (x, y, dy) = (a.x.bf16(op, "x")?, a.y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
+        let (mean, invstd) = (
+            a.saved_mean.f32(op, "saved_mean")?,
+            a.saved_invstd.f32(op, "saved_invstd")?,
+        );
+        let gamma = a.gamma.bf16(op, "gamma")?;
+        let dx = a.dx.bf16_mut(op, "dx")?;
+        let (relu, batch_stats, acc) = (i32::from(a.relu), 1i32, 0i32);
+        let vec = c % 8 == 0;
+        let apply = if vec {
+            "bn_bwd_apply_vec"
+        } else {
+            "bn_bwd_apply"
+        };
+        let cfg = if vec {
+            self.channel_rows_cfg(op, apply, rows * c / 8)?
+        } else {
+            elementwise_cfg(rows * c)
+        };
         launch!(
             self,
             op,
             "bn.cu",
-            "bn_affine_accumulate",
-            elementwise_cfg(rows * c),
-            [xs, &*a, &*b, dxs, &total, &c_i]
+            apply,
+            cfg,
+            [
+                dy,
+                y,
+                x,
+                mean,
+                invstd,
+                gamma,
+                &*dbeta,
+                &*dgamma,
+                &total,
+                &c_i,
+                &relu,
+                &batch_stats,
+                dx,
+                &NULL_PTR,
+                &acc
+            ]
         );
-        self.note_work(6 * rows * c, 0.0);
+        self.note_work(2 * rows * c * (4 + usize::from(a.relu)), 0.0);
         Ok(())
     }
 
@@ -1175,46 +1210,6 @@ impl Backend for CudaBackend {
         };
         launch!(self, op, "conv.cu", kernel, cfg, [dy, x, dw, &args]);
         self.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
-        Ok(())
-    }
-
-    fn channel_affine_accumulate(
-        &self,
-        shape: BnShape,
-        x: &CudaTensor,
-        a: &[f32],
-        b: &[f32],
-        dx: &mut CudaTensor,
-    ) -> Result<(), BackendError> {
-        let op = "channel_affine_accumulate";
-        let (rows, c) = (shape.rows, shape.channels);
-        check_len(op, "x", x.len, rows * c)?;
-        check_len(op, "dx", dx.len, rows * c)?;
-        if a.len() != c || b.len() != c || c == 0 {
-            return Err(BackendError::Shape {
-                op,
-                detail: format!("{c} channels but {} and {} coefficients", a.len(), b.len()),
-            });
-        }
-        let c_i = to_i32(op, "channels", c)?;
-        let total = (rows * c) as i64;
-        let stream = self.dev.stream();
-        let da = stream.clone_htod(a).map_err(drv_err(op))?;
-        let db = stream.clone_htod(b).map_err(drv_err(op))?;
-        let xs = x.bf16(op, "x")?;
-        let dxs = dx.bf16_mut(op, "dx")?;
-        launch!(
-            self,
-            op,
-            "bn.cu",
-            "bn_affine_accumulate",
-            elementwise_cfg(rows * c),
-            [xs, &da, &db, dxs, &total, &c_i]
-        );
-        self.note_work(6 * rows * c, 0.0);
-        // `da`/`db` are freed at the end of scope; with event tracking off, wait for the
-        // kernel first (this op is on the slow, host-assisted --sync-bn path anyway).
-        stream.synchronize().map_err(drv_err(op))?;
         Ok(())
     }
 

@@ -17,8 +17,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::backend::{aug_ints, CudaSums, InputMix};
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnShape, ConvShape, LinearShape, LossStats,
-    PoolShape, Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnShape, BnSyncBackward, ConvShape, LinearShape,
+    LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -255,16 +255,10 @@ impl Backend for StagedBackend {
     }
     fn bn_sync_backward(
         &self,
-        shape: BnShape,
         grads: &mut CudaSums,
-        gamma: &CudaTensor,
-        mean: &CudaTensor,
-        invstd: &CudaTensor,
-        x: &CudaTensor,
-        dx: &mut CudaTensor,
+        a: BnSyncBackward<'_, CudaTensor>,
     ) -> Result<(), BackendError> {
-        self.inner
-            .bn_sync_backward(shape, grads, gamma, mean, invstd, x, dx)
+        self.inner.bn_sync_backward(grads, a)
     }
 
     fn name(&self) -> String {
@@ -331,16 +325,6 @@ impl Backend for StagedBackend {
     }
     fn bn_backward(&self, a: BnBackward<'_, CudaTensor>) -> Result<(), BackendError> {
         self.inner.bn_backward(a)
-    }
-    fn channel_affine_accumulate(
-        &self,
-        shape: BnShape,
-        x: &CudaTensor,
-        a: &[f32],
-        b: &[f32],
-        dx: &mut CudaTensor,
-    ) -> Result<(), BackendError> {
-        self.inner.channel_affine_accumulate(shape, x, a, b, dx)
     }
     fn maxpool_forward(
         &self,

@@ -2,7 +2,8 @@
 
 use crate::backend::bn_sync::{self, SumThroughHostError};
 use crate::backend::{
-    Backend, BnBackward, BnForward, BnMode, BnShape, LinearShape, PoolShape, SumsMut, TensorRole,
+    Backend, BnBackward, BnForward, BnMode, BnShape, BnSyncBackward, LinearShape, PoolShape,
+    SumsMut, TensorRole,
 };
 
 use super::graph::{BufferKind, Graph, Node, ParamKind, ValueDims};
@@ -789,12 +790,13 @@ impl<B: Backend> Network<B> {
     /// How: forward sums per-channel Σx, Σx² and the row count over replicas, then runs the
     /// backend's fused op in frozen mode with those statistics and advances the running
     /// statistics itself (unbiased variance over the global rows). Backward runs the fused op
-    /// in frozen mode (local Σdz and Σdz·x̂ come back as dβ and dγ), sums them over replicas
-    /// and adds the cross-replica correction `dx += a + b·x` per channel. The parameter
+    /// in frozen mode (local Σdz and Σdz·x̂ come back as dβ and dγ, and the residual's
+    /// gradient), sums them over replicas and writes dx with the backend's batch-statistics
+    /// input gradient on the global sums ([`Backend::bn_sync_backward`]). The parameter
     /// gradients stay local, to be averaged with every other gradient.
     ///
     /// The per-channel sums stay where the backend keeps them ([`Backend::Sums`]): the
-    /// backend packs them and turns the summed values into statistics and corrections
+    /// backend packs them and turns the summed values into statistics and reductions
     /// (`bn_sync_*` ops, kernels on a GPU), and the reducer sums them in place
     /// ([`BnAllReduce::sum_sums`]: NCCL on the device; other reducers through the host).
     pub fn train_step_synced(
@@ -1280,10 +1282,12 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
-    /// Synchronised BN backward: after the frozen-statistics op, sums dγ = Σdz·x̂ and
-    /// dβ = Σdz over replicas (weighted by image share) and adds `−γ·invstd·(Σdβ/N + x̂·Σdγ/N)` to dx, written as the
-    /// per-channel affine map `a + b·x` of the input (the backend's `bn_sync_*` ops around the
-    /// reducer's sum, as in forward).
+    /// Synchronised BN backward: after the frozen-statistics op (which gave this replica's
+    /// dγ = Σdz·x̂ and dβ = Σdz, and the residual's gradient), sums dγ and dβ over replicas
+    /// (weighted by image share) and writes dx as the batch-statistics backward over the
+    /// global batch, `k·(dz − Σdβ/N − x̂·Σdγ/N)`: the backend's own pass with the global
+    /// reductions in place of the local ones (the `bn_sync_*` ops around the reducer's sum,
+    /// as in forward). Over one replica this is plain batch norm's backward, bit for bit.
     fn sync_bn_backward(
         &mut self,
         k: usize,
@@ -1293,8 +1297,10 @@ impl<B: Backend> Network<B> {
     ) -> Result<(), ModelError> {
         let Node::BatchNorm {
             input,
+            output,
             weight,
             bias,
+            relu,
             ..
         } = *node
         else {
@@ -1323,13 +1329,18 @@ impl<B: Backend> Network<B> {
             })
             .and_then(|()| {
                 Ok(self.backend.bn_sync_backward(
-                    shape,
                     &mut grads,
-                    get(&self.params, weight),
-                    mean_t,
-                    invstd_t,
-                    get(&self.acts, input),
-                    &mut dx,
+                    BnSyncBackward {
+                        shape,
+                        x: get(&self.acts, input),
+                        y: get(&self.acts, output),
+                        gamma: get(&self.params, weight),
+                        saved_mean: mean_t,
+                        saved_invstd: invstd_t,
+                        relu,
+                        dy: get(&self.grad_bufs, self.grad_slot[output]),
+                        dx: &mut dx,
+                    },
                 )?)
             });
         self.grad_bufs[self.grad_slot[input]] = Some(dx);
@@ -1487,8 +1498,9 @@ impl<B: Backend> Network<B> {
                         gamma: get(&self.params, weight),
                         saved_mean: mean,
                         saved_invstd: invstd,
-                        // Synchronised: the local op gives the frozen part and the two local
-                        // reductions (dγ, dβ); the global correction follows.
+                        // Synchronised: the local op gives the two local reductions (dγ, dβ)
+                        // and the residual's gradient; dx is written again from the global
+                        // reductions.
                         batch_stats: batch_stats && !synced,
                         relu,
                         dy: get(&self.grad_bufs, self.grad_slot[output]),

@@ -5,13 +5,15 @@
 //!
 //! - Forward, training: one pass gathers per-channel `Σ(x − s)` and `Σ(x − s)²` around a
 //!   shift `s` (the first row; shifting keeps `E[d²] − E[d]²` from cancelling when the mean
-//!   is large against the spread), a second writes `y = act(x·scale + shift (+ residual))`
-//!   with the per-channel `scale = γ·invstd`, `shift = β − mean·scale`. ReLU is a `max`.
+//!   is large against the spread), a second writes `y = act((x − mean)·scale + β (+ residual))`
+//!   with the per-channel `scale = γ·invstd`: the mean subtracted first, so that a channel
+//!   of one value per batch (its own mean) gives exactly β, as the GPU's kernel does, not the
+//!   rounding residue of `x·scale` (large: invstd is 1/√eps there). ReLU is a `max`.
 //! - Backward: one pass computes `dz` (the incoming gradient masked by the ReLU with a
 //!   select on `y`), writes the residual's gradient, and gathers `Σdz` and `Σdz·(x − mean)`; a
-//!   second writes `dx = k·dz + c·(x − mean) + b` with per-channel constants (`k = γ·invstd`,
-//!   `c = −k·invstd·mean(dz·x̂)/…`, see [`backward`]). With fixed statistics (frozen, eval) the
-//!   first pass writes `dx = k·dz` itself.
+//!   second writes `dx = k·(dz − (mdb + (x − mean)·c2))` with per-channel constants
+//!   (`k = γ·invstd`, `mdb = mean(dz)`, `c2 = invstd·mean(dz·x̂)`, see [`input_gradient`]).
+//!   With fixed statistics (frozen, eval) the first pass writes `dx = k·dz` itself.
 //!
 //! Reductions run in f32 lanes within a fixed block of rows and are combined across blocks in
 //! f64 in block order, so the result does not depend on the thread count. Inner loops index by
@@ -71,14 +73,15 @@ impl SimdTask for Moments<'_> {
     }
 }
 
-/// `y = act(x·scale + shift (+ residual))` over one block of rows.
+/// `y = act((x − mean)·scale + β (+ residual))` over one block of rows.
 struct Apply<'a> {
     x: &'a [f32],
     residual: Option<&'a [f32]>,
     y: &'a mut [f32],
     c: usize,
+    mean: &'a [f32],
     scale: &'a [f32],
-    shift: &'a [f32],
+    beta: &'a [f32],
     relu: bool,
 }
 
@@ -98,10 +101,14 @@ impl Apply<'_> {
             while ch < full {
                 // SAFETY: ch + LANES ≤ c for every row and per-channel vector.
                 unsafe {
-                    let mut v = S::mul_add(
+                    let d = S::sub(
                         S::load(xr.as_ptr().add(ch)),
+                        S::load(self.mean.as_ptr().add(ch)),
+                    );
+                    let mut v = S::mul_add(
+                        d,
                         S::load(self.scale.as_ptr().add(ch)),
-                        S::load(self.shift.as_ptr().add(ch)),
+                        S::load(self.beta.as_ptr().add(ch)),
                     );
                     if RES {
                         v = S::add(v, S::load(rr.as_ptr().add(ch)));
@@ -114,7 +121,7 @@ impl Apply<'_> {
                 ch += S::LANES;
             }
             for ch in full..c {
-                let mut v = xr[ch] * self.scale[ch] + self.shift[ch];
+                let mut v = (xr[ch] - self.mean[ch]) * self.scale[ch] + self.beta[ch];
                 if RES {
                     v += rr[ch];
                 }
@@ -179,9 +186,7 @@ pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
         }
     }
     let scale: Vec<f32> = (0..c).map(|ch| a.gamma[ch] * a.saved_invstd[ch]).collect();
-    let shift: Vec<f32> = (0..c)
-        .map(|ch| a.beta[ch] - a.saved_mean[ch] * scale[ch])
-        .collect();
+    let (mean, beta): (&[f32], &[f32]) = (a.saved_mean, a.beta);
     let residual = a.residual.map(|r| &r[..rows * c]);
     let relu = a.relu;
     a.y[..rows * c]
@@ -198,8 +203,9 @@ pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
                     residual,
                     y,
                     c,
+                    mean,
                     scale: &scale,
-                    shift: &shift,
+                    beta,
                     relu,
                 },
             );
@@ -321,7 +327,8 @@ impl SimdTask for Reduce<'_> {
     }
 }
 
-/// Backward pass 2 with batch statistics: `dx = k·dz + cx·(x − mean) + b` per channel.
+/// Backward pass 2 with batch statistics: `dx = k·(dz − (mdb + (x − mean)·c2))` per channel
+/// (see [`input_gradient`]).
 struct InputGrad<'a> {
     x: &'a [f32],
     y: &'a [f32],
@@ -330,8 +337,8 @@ struct InputGrad<'a> {
     c: usize,
     mean: &'a [f32],
     k: &'a [f32],
-    cx: &'a [f32],
-    b: &'a [f32],
+    mdb: &'a [f32],
+    c2: &'a [f32],
     relu: bool,
 }
 
@@ -357,19 +364,20 @@ impl InputGrad<'_> {
                         S::load(xr.as_ptr().add(ch)),
                         S::load(self.mean.as_ptr().add(ch)),
                     );
-                    let v = S::mul_add(
-                        S::load(self.cx.as_ptr().add(ch)),
+                    let centred = S::mul_add(
                         d,
-                        S::load(self.b.as_ptr().add(ch)),
+                        S::load(self.c2.as_ptr().add(ch)),
+                        S::load(self.mdb.as_ptr().add(ch)),
                     );
-                    let v = S::mul_add(S::load(self.k.as_ptr().add(ch)), dz, v);
+                    let v = S::mul(S::load(self.k.as_ptr().add(ch)), S::sub(dz, centred));
                     S::store(dxr.as_mut_ptr().add(ch), v);
                 }
                 ch += S::LANES;
             }
             for ch in full..c {
                 let dz = if RELU && yr[ch] <= 0.0 { 0.0 } else { dyr[ch] };
-                dxr[ch] = self.k[ch] * dz + (self.cx[ch] * (xr[ch] - self.mean[ch]) + self.b[ch]);
+                let centred = (xr[ch] - self.mean[ch]) * self.c2[ch] + self.mdb[ch];
+                dxr[ch] = self.k[ch] * (dz - centred);
             }
         }
     }
@@ -387,9 +395,8 @@ impl SimdTask for InputGrad<'_> {
     }
 }
 
-/// Backward of [`forward`]. With batch statistics,
-/// `dx = k·(dz − Σdz/N − x̂·Σdz·x̂/N)`, `k = γ·invstd`, `x̂ = (x − mean)·invstd`, written
-/// as `k·dz + cx·(x − mean) + b` with `cx = −k·invstd²·Σdz(x−mean)/N`, `b = −k·Σdz/N`.
+/// Backward of [`forward`]. Pass 1 gives dβ = Σdz and dγ = Σdz·x̂ (and, with fixed
+/// statistics, `dx = k·dz`); with batch statistics pass 2 is [`input_gradient`] from them.
 pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     let n = rows * c;
@@ -451,15 +458,59 @@ pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
     if !batch {
         return;
     }
-    let nf = rows as f64;
-    let mut cx = vec![0.0f32; c];
-    let mut b = vec![0.0f32; c];
-    for ch in 0..c {
-        let (kk, is) = (f64::from(k[ch]), f64::from(invstd[ch]));
-        cx[ch] = (-kk * is * is * sg[ch] / nf) as f32;
-        b[ch] = (-kk * sb[ch] / nf) as f32;
-    }
-    a.dx[..n]
+    input_gradient(
+        level,
+        InputGradient {
+            rows,
+            channels: c,
+            x,
+            y,
+            dy,
+            mean,
+            invstd,
+            gamma,
+            relu,
+            dgamma: a.dgamma,
+            dbeta: a.dbeta,
+        },
+        &mut a.dx[..n],
+    );
+}
+
+/// What [`input_gradient`] reads: a batch norm's forward (`rows × channels`) and the two
+/// reductions of its backward.
+pub(super) struct InputGradient<'a> {
+    pub rows: usize,
+    pub channels: usize,
+    pub x: &'a [f32],
+    pub y: &'a [f32],
+    pub dy: &'a [f32],
+    pub mean: &'a [f32],
+    pub invstd: &'a [f32],
+    pub gamma: &'a [f32],
+    pub relu: bool,
+    /// Σdz·x̂ per channel.
+    pub dgamma: &'a [f32],
+    /// Σdz per channel.
+    pub dbeta: &'a [f32],
+}
+
+/// The input gradient of batch norm with batch statistics,
+/// `dx = k·(dz − Σdz/N − x̂·Σdz·x̂/N)`, `k = γ·invstd`, `x̂ = (x − mean)·invstd`, from dβ = Σdz
+/// and dγ = Σdz·x̂ ([`crate::backend::bn_sync::input_gradient_constants`]). The mean terms are
+/// subtracted from dz before the product with k, as the GPU's kernel does: a channel whose dz
+/// is all its mean (one row) gets exactly 0, not the rounding residue of two products of k.
+/// Synchronised batch norm runs it with the global reductions in place of the local ones.
+pub(super) fn input_gradient(level: SimdLevel, a: InputGradient<'_>, dx: &mut [f32]) {
+    let (rows, c) = (a.rows, a.channels);
+    let n = rows * c;
+    let (k, mdb, c2) = crate::backend::bn_sync::input_gradient_constants(
+        rows, a.gamma, a.invstd, a.dgamma, a.dbeta,
+    );
+    let block = BLOCK_ROWS * c;
+    let (x, y, dy) = (&a.x[..n], &a.y[..n], &a.dy[..n]);
+    let (mean, relu) = (a.mean, a.relu);
+    dx[..n]
         .par_chunks_mut(block)
         .enumerate()
         .for_each(|(bi, dx)| {
@@ -475,8 +526,8 @@ pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
                     c,
                     mean,
                     k: &k,
-                    cx: &cx,
-                    b: &b,
+                    mdb: &mdb,
+                    c2: &c2,
                     relu,
                 },
             );

@@ -35,8 +35,8 @@ pub use simd::{SimdLevel, SIMD_ENV};
 
 use super::error::check_len;
 use super::{
-    Backend, BackendError, BnBackward, BnForward, ConvShape, LinearShape, LossStats, PoolShape,
-    Targets, TensorRole,
+    bn_sync, Backend, BackendError, BnBackward, BnForward, BnSyncBackward, ConvShape, LinearShape,
+    LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -445,6 +445,50 @@ impl Backend for CpuBackend {
             Kernels::Fast => self.pool.install(|| bn::backward(self.level, a)),
             Kernels::Reference => self.pool.install(|| bn_ref::backward(a)),
         }
+        Ok(())
+    }
+
+    fn bn_sync_backward(
+        &self,
+        grads: &mut Vec<f64>,
+        a: BnSyncBackward<'_, Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        let (r, c) = (a.shape.rows, a.shape.channels);
+        let op = "bn_sync_backward";
+        for (name, len) in [
+            ("x", a.x.len()),
+            ("y", a.y.len()),
+            ("dy", a.dy.len()),
+            ("dx", a.dx.len()),
+        ] {
+            check_len(op, name, len, r * c)?;
+        }
+        for (name, len) in [
+            ("gamma", a.gamma.len()),
+            ("saved_mean", a.saved_mean.len()),
+            ("saved_invstd", a.saved_invstd.len()),
+        ] {
+            check_len(op, name, len, c)?;
+        }
+        let (dgamma, dbeta) = bn_sync::global_reductions(c, grads)?;
+        let bytes = 4.0 * (r * c * 4) as f64;
+        let _t = self.profiler.time(|| "bn_sync_bwd".into(), 0.0, bytes);
+        // The batch-statistics backward's own second pass, on the global reductions.
+        let pass = bn::InputGradient {
+            rows: r,
+            channels: c,
+            x: a.x,
+            y: a.y,
+            dy: a.dy,
+            mean: a.saved_mean,
+            invstd: a.saved_invstd,
+            gamma: a.gamma,
+            relu: a.relu,
+            dgamma: &dgamma,
+            dbeta: &dbeta,
+        };
+        self.pool
+            .install(|| bn::input_gradient(self.level, pass, a.dx.as_mut_slice()));
         Ok(())
     }
 
