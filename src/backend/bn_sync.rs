@@ -336,3 +336,55 @@ pub fn input_gradient(a: InputGradientArgs<'_>, dx: &mut [f32]) -> Result<(), Ba
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Σx² rebuilt as `(rows − 1)·var + rows·mean²` from a replica's f32 mean and variance
+    /// does not cancel catastrophically: the sum and the subtraction of the global mean² are
+    /// f64, so the variance that comes back loses about `(mean/std)²·2⁻⁵³`, below 1e-7 even at
+    /// a mean of 10⁴ standard deviations. Over one replica the mean comes back exactly and the
+    /// variance as its biased value; over two, as the pooled variance of the means and
+    /// variances given (each replica's f32 rounding of its own mean is its op's, not this
+    /// arithmetic's).
+    #[test]
+    fn moments_rebuilt_from_f32_means_keep_the_variance() {
+        for ratio in [1.0f64, 1e2, 1e4] {
+            let std = 0.25f64;
+            let (mean, var) = ((ratio * std) as f32, (std * std) as f32);
+            let rows = 49usize;
+            let shape = BnShape { rows, channels: 1 };
+            let sums = moments(shape, &[mean], &[var]).unwrap();
+            let (gm, gv, n) = global_statistics(1, &sums).unwrap();
+            assert_eq!((gm[0], n), (f64::from(mean), rows as f64), "ratio {ratio}");
+            let biased = f64::from(var) * (rows - 1) as f64 / rows as f64;
+            let err = (gv[0] - biased).abs() / biased;
+            assert!(err < 1e-7, "ratio {ratio}: variance off by {err}");
+
+            // Two replicas: 49 rows around `mean`, 15 around `mean + std`.
+            let other = (f64::from(mean) + std) as f32;
+            let shape2 = BnShape {
+                rows: 15,
+                channels: 1,
+            };
+            let mut total = sums.clone();
+            for (t, s) in total
+                .iter_mut()
+                .zip(moments(shape2, &[other], &[var]).unwrap())
+            {
+                *t += s;
+            }
+            let (_, gv, n) = global_statistics(1, &total).unwrap();
+            let (m0, m1, v) = (f64::from(mean), f64::from(other), f64::from(var));
+            let m = (49.0 * m0 + 15.0 * m1) / n;
+            let pooled =
+                (48.0 * v + 14.0 * v + 49.0 * (m0 - m).powi(2) + 15.0 * (m1 - m).powi(2)) / n;
+            let err = (gv[0] - pooled).abs() / pooled;
+            assert!(
+                err < 1e-7,
+                "ratio {ratio}, two replicas: variance off by {err}"
+            );
+        }
+    }
+}
