@@ -116,6 +116,30 @@ fn the_checks_catch_a_wrong_convolution() {
         ) -> Result<(), BackendError> {
             self.0.conv_backward_data(s, dy, w, dx, acc)
         }
+        fn bn_fusion(&self) -> bool {
+            self.0.bn_fusion()
+        }
+        fn conv_forward_moments(
+            &self,
+            s: &ConvShape,
+            x: &Vec<f32>,
+            w: &Vec<f32>,
+            y: &mut Vec<f32>,
+            moments: &mut Vec<f32>,
+        ) -> Result<(), BackendError> {
+            self.0.conv_forward_moments(s, x, w, y, moments)
+        }
+        fn conv_backward_data_bn(
+            &self,
+            s: &ConvShape,
+            dy: &Vec<f32>,
+            w: &Vec<f32>,
+            dx: &mut Vec<f32>,
+            acc: bool,
+            bn: birdtrain::backend::BnGradEpilogue<'_, Vec<f32>>,
+        ) -> Result<(), BackendError> {
+            self.0.conv_backward_data_bn(s, dy, w, dx, acc, bn)
+        }
         fn conv_backward_weight(
             &self,
             s: &ConvShape,
@@ -284,6 +308,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         mode: BnMode::Train,
         momentum: 0.1,
         eps: 1e-5,
+        moments: None,
     })
     .unwrap();
     let (mut dx, mut dres, mut dg, mut db) = (
@@ -306,6 +331,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         dresidual: Some((&mut dres, false)),
         dgamma: &mut dg,
         dbeta: &mut db,
+        prepared: false,
     })
     .unwrap();
     out.extend([y, m, is, rm, rv, dx, dres, dg, db]);

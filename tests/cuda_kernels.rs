@@ -306,6 +306,7 @@ fn bn_forward_and_backward_match_cpu() {
             mode: case.mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })
         .unwrap();
         gb.bn_forward(BnForward {
@@ -323,6 +324,7 @@ fn bn_forward_and_backward_match_cpu() {
             mode: case.mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })
         .unwrap();
         let tag = format!(
@@ -386,6 +388,7 @@ fn bn_forward_and_backward_match_cpu() {
                 dresidual: case.residual.then_some((&mut dres.c, acc)),
                 dgamma: &mut dg.c,
                 dbeta: &mut db.c,
+                prepared: false,
             })
             .unwrap();
             // The GPU uses its own saved statistics (compared above).
@@ -403,6 +406,7 @@ fn bn_forward_and_backward_match_cpu() {
                 dresidual: case.residual.then_some((&mut dres.g, acc)),
                 dgamma: &mut dg.g,
                 dbeta: &mut db.g,
+                prepared: false,
             })
             .unwrap();
             // dγ, dβ: f32 sums over `rows` terms; dx: bf16 with a cancellation (g − means).

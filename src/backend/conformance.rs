@@ -225,6 +225,7 @@ impl<B: Backend> Pair<'_, B> {
             mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })?;
         let (mut dx, mut dg, mut db) = (vec![0.0; rows * c], vec![0.0; c], vec![0.0; c]);
         let mut dres = dres0.clone();
@@ -242,6 +243,7 @@ impl<B: Backend> Pair<'_, B> {
             dresidual: residual.then_some((&mut dres, true)),
             dgamma: &mut dg,
             dbeta: &mut db,
+            prepared: false,
         })?;
 
         let act = TensorRole::Activation;
@@ -270,6 +272,7 @@ impl<B: Backend> Pair<'_, B> {
             mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })?;
         self.check(format!("bn_forward y {tag}"), &ty, &y)?;
         self.check(format!("bn_forward running_mean {tag}"), &trm, &rm)?;
@@ -301,6 +304,7 @@ impl<B: Backend> Pair<'_, B> {
             dresidual: residual.then_some((&mut tdres, true)),
             dgamma: &mut tdg,
             dbeta: &mut tdb,
+            prepared: false,
         })?;
         self.check(format!("bn_backward dx {tag}"), &tdx, &dx)?;
         self.check(format!("bn_backward dgamma {tag}"), &tdg, &dg)?;

@@ -552,7 +552,14 @@ mod tests {
             (Pass::Dgrad, shape(256, 56, 64, 64, 3, 1)),
             (Pass::Dgrad, shape(256, 14, 256, 256, 3, 1)),
         ] {
-            for s in [s, ConvShape { kernel: 1, padding: 0, ..s }] {
+            for s in [
+                s,
+                ConvShape {
+                    kernel: 1,
+                    padding: 0,
+                    ..s
+                },
+            ] {
                 let l = plan(pass, &s, &gpu).unwrap();
                 let fused = l.bn_epilogue_kernel().unwrap();
                 assert_eq!(

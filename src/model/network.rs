@@ -1,9 +1,11 @@
 //! Executes a [`Graph`] forward and backward on a [`Backend`].
 
 use crate::backend::{
-    Backend, BnBackward, BnForward, BnMode, BnShape, LinearShape, PoolShape, TensorRole,
+    Backend, BnBackward, BnForward, BnGradEpilogue, BnMode, BnShape, LinearShape, PoolShape,
+    TensorRole,
 };
 
+use super::bn_fusion::FusionPlan;
 use super::graph::{BufferKind, Graph, Node, ParamKind, ValueDims};
 use super::{Augment, InputBatch, ModelError, ModelState, StepStats};
 
@@ -66,6 +68,14 @@ pub struct Network<B: Backend> {
     bn_scratch: Option<(B::Tensor, B::Tensor)>,
     /// Rows over every replica per node, from the last synchronised forward.
     bn_global_rows: Vec<f64>,
+    /// Which batch-norm work the convolutions take ([`Backend::bn_fusion`] when the network
+    /// was built; [`FusionPlan::none`] otherwise).
+    fusion: FusionPlan,
+    /// Per BN node (fused networks only): its input's moments, as the convolution before it
+    /// leaves them in a training forward.
+    bn_moments: Vec<Option<B::Tensor>>,
+    /// Per BN node: whether `bn_moments` holds this forward's moments.
+    moments_ready: Vec<bool>,
 }
 
 impl<B: Backend> std::fmt::Debug for Network<B> {
@@ -176,7 +186,15 @@ fn grad_flow(node: &Node) -> (Vec<usize>, usize) {
 /// live from the first contribution (at its last consumer) until its producer has consumed
 /// it, so a ResNet needs only a few buffers at a time instead of one per value (about half
 /// the activation memory). Returns each value's buffer and each buffer's per-image size.
-fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usize>) {
+///
+/// With a [`FusionPlan`], a batch norm whose residual gradient stays in place writes no
+/// residual gradient, and its output's gradient lives on until the convolution that reads it
+/// as `residual_grad` (its residual's first reader) has run.
+fn plan_grad_buffers(
+    graph: &Graph,
+    dims: &[ValueDims],
+    fusion: &FusionPlan,
+) -> (Vec<usize>, Vec<usize>) {
     let mut slot = vec![usize::MAX; dims.len()];
     let mut sizes: Vec<usize> = Vec::new();
     let mut free: Vec<usize> = Vec::new();
@@ -204,12 +222,26 @@ fn plan_grad_buffers(graph: &Graph, dims: &[ValueDims]) -> (Vec<usize>, Vec<usiz
         slot[v] = b;
     };
     assign(dims.len() - 1, &mut slot, &mut free);
-    for node in graph.nodes().iter().rev() {
-        let (writes, consumed) = grad_flow(node);
+    for (k, node) in graph.nodes().iter().enumerate().rev() {
+        let (mut writes, consumed) = grad_flow(node);
+        if fusion.residual_in_place[k] {
+            if let Node::BatchNorm {
+                residual: Some(r), ..
+            } = *node
+            {
+                writes.retain(|&v| v != r);
+            }
+        }
         for v in writes {
             assign(v, &mut slot, &mut free);
         }
-        free.push(slot[consumed]);
+        // In place: the consumer of the residual frees it (below).
+        if !fusion.residual_in_place[k] {
+            free.push(slot[consumed]);
+        }
+        if let Some(v) = fusion.residual_from[k] {
+            free.push(slot[v]);
+        }
     }
     (slot, sizes)
 }
@@ -227,14 +259,19 @@ pub struct BufferPlan {
     pub params: usize,
     /// Buffers (batch-norm running statistics and counters).
     pub buffers: usize,
-    /// Saved batch mean and inverse std of every BN layer, and the synchronised-BN scratch.
+    /// Saved batch mean and inverse std of every BN layer, its moments where the backend
+    /// fuses batch norm into the convolutions, and the synchronised-BN scratch.
     pub statistics: usize,
 }
 
-/// The [`BufferPlan`] of `graph` at images of side `image_size`.
+/// The [`BufferPlan`] of `graph` at images of side `image_size`: the larger of the unfused
+/// and the fused network's (a backend decides which runs).
 pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
     let dims = graph.value_dims(image_size);
-    let (_, grad_sizes) = plan_grad_buffers(graph, &dims);
+    let grads =
+        |fusion: &FusionPlan| -> usize { plan_grad_buffers(graph, &dims, fusion).1.iter().sum() };
+    let activation_grads_per_image =
+        grads(&FusionPlan::none(graph)).max(grads(&FusionPlan::of(graph)));
     let channels: Vec<usize> = graph
         .nodes()
         .iter()
@@ -246,10 +283,11 @@ pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
     let widest = channels.iter().copied().max().unwrap_or(1);
     BufferPlan {
         activations_per_image: dims.iter().map(|d| d.per_image()).sum(),
-        activation_grads_per_image: grad_sizes.iter().sum(),
+        activation_grads_per_image,
         params: graph.param_count(),
         buffers: graph.buffers().iter().map(|b| b.numel()).sum(),
-        statistics: 2 * channels.iter().sum::<usize>() + 2 * widest,
+        // saved mean and invstd, the fused path's moments, the synchronised-BN scratch
+        statistics: (2 + 3) * channels.iter().sum::<usize>() + 2 * widest,
     }
 }
 
@@ -374,7 +412,12 @@ impl<B: Backend> Network<B> {
                 backend.alloc(max_batch * d.per_image(), TensorRole::Activation)?,
             ));
         }
-        let (grad_slot, sizes) = plan_grad_buffers(graph, &dims);
+        let fusion = if backend.bn_fusion() {
+            FusionPlan::of(graph)
+        } else {
+            FusionPlan::none(graph)
+        };
+        let (grad_slot, sizes) = plan_grad_buffers(graph, &dims, &fusion);
         let mut grad_bufs = Vec::with_capacity(sizes.len());
         for per_image in sizes {
             grad_bufs.push(Some(
@@ -414,6 +457,15 @@ impl<B: Backend> Network<B> {
             backend.alloc(max_channels, TensorRole::Statistic)?,
             backend.alloc(max_channels, TensorRole::Statistic)?,
         ));
+        let mut bn_moments = Vec::new();
+        for (k, node) in graph.nodes().iter().enumerate() {
+            bn_moments.push(match node {
+                Node::BatchNorm { channels, .. } if fusion.stats_for.contains(&Some(k)) => {
+                    Some(backend.alloc(3 * channels, TensorRole::Statistic)?)
+                }
+                _ => None,
+            });
+        }
         let mut net = Network {
             backend,
             graph: std::sync::Arc::new(graph.clone()),
@@ -432,6 +484,9 @@ impl<B: Backend> Network<B> {
             grads_for: None,
             bn_scratch,
             bn_global_rows: vec![0.0; graph.nodes().len()],
+            moments_ready: vec![false; graph.nodes().len()],
+            fusion,
+            bn_moments,
         };
         net.load_state(&ModelState::init(graph, 0))?;
         Ok(net)
@@ -903,6 +958,7 @@ impl<B: Backend> Network<B> {
         mut sync_bn: Option<&mut dyn BnAllReduce>,
     ) -> Result<(), ModelError> {
         let n = input.len;
+        self.moments_ready.iter_mut().for_each(|r| *r = false);
         let mut x0 = take(&mut self.acts, 0);
         let r = self.backend.input(input, &mut x0);
         self.acts[0] = Some(x0);
@@ -921,12 +977,29 @@ impl<B: Backend> Network<B> {
                         .conv_shape(node, &self.dims, n)
                         .expect("conv node");
                     let mut y = take(&mut self.acts, output);
-                    let r = self.backend.conv_forward(
-                        &s,
-                        get(&self.acts, input),
-                        get(&self.params, weight),
-                        &mut y,
-                    );
+                    // Fused, in training: the batch norm's statistics come with the output.
+                    let stats_for = self.fusion.stats_for[k].filter(|_| mode == BnMode::Train);
+                    let r = match stats_for {
+                        Some(bn) => {
+                            let mut m = take(&mut self.bn_moments, bn);
+                            let r = self.backend.conv_forward_moments(
+                                &s,
+                                get(&self.acts, input),
+                                get(&self.params, weight),
+                                &mut y,
+                                &mut m,
+                            );
+                            self.bn_moments[bn] = Some(m);
+                            self.moments_ready[bn] = r.is_ok();
+                            r
+                        }
+                        None => self.backend.conv_forward(
+                            &s,
+                            get(&self.acts, input),
+                            get(&self.params, weight),
+                            &mut y,
+                        ),
+                    };
                     self.acts[output] = Some(y);
                     r?;
                 }
@@ -961,6 +1034,8 @@ impl<B: Backend> Network<B> {
                             take(&mut self.buffers, running_var),
                         ),
                     };
+                    let moments = std::mem::take(&mut self.moments_ready[k])
+                        .then(|| get(&self.bn_moments, k));
                     let r = self.backend.bn_forward(BnForward {
                         shape,
                         x: get(&self.acts, input),
@@ -980,6 +1055,8 @@ impl<B: Backend> Network<B> {
                         },
                         momentum: self.config.bn_momentum,
                         eps: self.config.bn_eps,
+                        // Synchronised: global_bn_stats read them already.
+                        moments: moments.filter(|_| global.is_none()),
                     });
                     self.acts[output] = Some(y);
                     self.saved[k] = Some((mean, invstd));
@@ -1101,6 +1178,7 @@ impl<B: Backend> Network<B> {
             mode: BnMode::Train,
             momentum: 1.0,
             eps: self.config.bn_eps,
+            moments: self.moments_ready[k].then(|| get(&self.bn_moments, k)),
         });
         self.acts[output] = Some(y);
         self.saved[k] = Some((mean_t, invstd_t));
@@ -1282,6 +1360,65 @@ impl<B: Backend> Network<B> {
         synced_step_events(&self.graph)
     }
 
+    /// The data gradient of conv node `k` finishing the incoming gradient of batch-norm node
+    /// `p` (which produced the convolution's input; [`FusionPlan::finishes`]): the mask, the
+    /// residual gradient left in place for it, and p's two reductions into its γ and β
+    /// gradients, which p's backward then reads (`prepared`).
+    fn finishing_backward_data(
+        &mut self,
+        k: usize,
+        p: usize,
+        s: &crate::backend::ConvShape,
+        written: &[bool],
+    ) -> Result<(), ModelError> {
+        let Node::Conv {
+            input,
+            output,
+            weight,
+            ..
+        } = self.graph.nodes()[k]
+        else {
+            unreachable!("finishing_backward_data is only called for Conv nodes");
+        };
+        let Node::BatchNorm {
+            input: bn_input,
+            relu,
+            weight: gamma,
+            bias: beta,
+            ..
+        } = self.graph.nodes()[p]
+        else {
+            unreachable!("a convolution finishes a BatchNorm node");
+        };
+        let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
+        let mut dgamma = take(&mut self.param_grads, gamma);
+        let mut dbeta = take(&mut self.param_grads, beta);
+        let (mean, invstd) = self.saved[p].as_ref().expect("bn saved stats");
+        let r = self.backend.conv_backward_data_bn(
+            s,
+            get(&self.grad_bufs, self.grad_slot[output]),
+            get(&self.params, weight),
+            &mut dx,
+            written[input],
+            BnGradEpilogue {
+                x: get(&self.acts, bn_input),
+                y: get(&self.acts, input),
+                relu,
+                saved_mean: mean,
+                saved_invstd: invstd,
+                residual_grad: self.fusion.residual_from[k]
+                    .map(|v| get(&self.grad_bufs, self.grad_slot[v])),
+                dgamma: &mut dgamma,
+                dbeta: &mut dbeta,
+            },
+        );
+        self.grad_bufs[self.grad_slot[input]] = Some(dx);
+        self.param_grads[gamma] = Some(dgamma);
+        self.param_grads[beta] = Some(dbeta);
+        r?;
+        Ok(())
+    }
+
     /// Reverse pass. A value's gradient is complete before it is consumed, because every
     /// consumer comes after its producer in node order; `written` says whether a gradient
     /// buffer already holds a contribution (then the next one accumulates).
@@ -1385,7 +1522,11 @@ impl<B: Backend> Network<B> {
                     debug_assert!(!written[input]);
                     let d = self.dims[input];
                     let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
-                    let mut dres = residual.map(|v| take(&mut self.grad_bufs, self.grad_slot[v]));
+                    // Fused, the residual's gradient may stay in place: its reader takes it
+                    // from dy (and its buffer is not this residual's yet: not touched).
+                    let mut dres = residual
+                        .filter(|_| !self.fusion.residual_in_place[k])
+                        .map(|v| take(&mut self.grad_bufs, self.grad_slot[v]));
                     let mut dgamma = take(&mut self.param_grads, weight);
                     let mut dbeta = take(&mut self.param_grads, bias);
                     let (mean, invstd) = self.saved[k].as_ref().expect("bn saved stats");
@@ -1411,6 +1552,7 @@ impl<B: Backend> Network<B> {
                         dresidual: dres.as_mut().map(|t| (t, acc)),
                         dgamma: &mut dgamma,
                         dbeta: &mut dbeta,
+                        prepared: self.fusion.prepared[k],
                     });
                     self.grad_bufs[self.grad_slot[input]] = Some(dx);
                     if let (Some(v), Some(t)) = (residual, dres) {
@@ -1449,7 +1591,10 @@ impl<B: Backend> Network<B> {
                     // Reported before the data gradient is computed: the earlier the bucket
                     // completes, the more of backward its all-reduce hides behind.
                     self.grad_final(weight, hook)?;
-                    if input != 0 {
+                    if let Some(p) = self.fusion.finishes[k] {
+                        self.finishing_backward_data(k, p, &s, &written)?;
+                        written[input] = true;
+                    } else if input != 0 {
                         let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
                         let r = self.backend.conv_backward_data(
                             &s,
@@ -1466,5 +1611,83 @@ impl<B: Backend> Network<B> {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Arch;
+
+    /// Replays the reverse pass's gradient reads and writes against the buffer plan of
+    /// `graph` with `fusion`: every gradient read must still be in its buffer, and no write
+    /// may land in a buffer that holds another live gradient.
+    fn replay(graph: &Graph, fusion: &FusionPlan) {
+        let dims = graph.value_dims(32);
+        let (slot, sizes) = plan_grad_buffers(graph, &dims, fusion);
+        let nodes = graph.nodes();
+        let logits = dims.len() - 1;
+        // The node (in reverse order: the last to run) that reads each gradient last.
+        let mut last_read = vec![usize::MAX; dims.len()];
+        let reads_of = |k: usize| -> Vec<usize> {
+            let (_, consumed) = grad_flow(&nodes[k]);
+            [Some(consumed), fusion.residual_from[k]]
+                .into_iter()
+                .flatten()
+                .collect()
+        };
+        for k in 0..nodes.len() {
+            for v in reads_of(k) {
+                last_read[v] = last_read[v].min(k);
+            }
+        }
+        let mut owner: Vec<Option<usize>> = vec![None; sizes.len()];
+        owner[slot[logits]] = Some(logits);
+        for k in (0..nodes.len()).rev() {
+            let reads = reads_of(k);
+            for &v in &reads {
+                assert_eq!(
+                    owner[slot[v]],
+                    Some(v),
+                    "node {k} reads {v}'s gradient from a buffer holding another"
+                );
+            }
+            let (mut writes, _) = grad_flow(&nodes[k]);
+            if fusion.residual_in_place[k] {
+                if let Node::BatchNorm {
+                    residual: Some(r), ..
+                } = nodes[k]
+                {
+                    writes.retain(|&v| v != r);
+                }
+            }
+            for v in writes {
+                assert!(
+                    owner[slot[v]].is_none() || owner[slot[v]] == Some(v),
+                    "node {k} writes {v}'s gradient over {:?}'s",
+                    owner[slot[v]]
+                );
+                owner[slot[v]] = Some(v);
+            }
+            for v in reads {
+                if last_read[v] == k {
+                    owner[slot[v]] = None;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_two_live_gradients_share_a_buffer_fused_or_not() {
+        for arch in [
+            Arch::ResNet8,
+            Arch::ResNet20,
+            Arch::ResNet18,
+            Arch::ResNet50,
+        ] {
+            let graph = Graph::new(arch, 10);
+            replay(&graph, &FusionPlan::none(&graph));
+            replay(&graph, &FusionPlan::of(&graph));
+        }
     }
 }

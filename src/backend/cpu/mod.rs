@@ -16,6 +16,7 @@
 //! every op (`bench step --breakdown`).
 
 mod bn;
+mod bn_fused;
 mod bn_ref;
 mod conv;
 mod dense;
@@ -35,8 +36,8 @@ pub use simd::{SimdLevel, SIMD_ENV};
 
 use super::error::check_len;
 use super::{
-    Backend, BackendError, BnBackward, BnForward, ConvShape, LinearShape, LossStats, PoolShape,
-    Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape, LinearShape,
+    LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -70,6 +71,8 @@ pub struct CpuBackend {
     scratch: Arc<Mutex<Scratch>>,
     plans: Arc<direct::PlanCache>,
     profiler: Arc<profile::Profiler>,
+    /// Whether networks run batch norm fused into the convolutions ([`Backend::bn_fusion`]).
+    bn_fusion: bool,
 }
 
 impl Clone for CpuBackend {
@@ -82,6 +85,7 @@ impl Clone for CpuBackend {
             scratch: Arc::default(),
             plans: Arc::clone(&self.plans),
             profiler: Arc::clone(&self.profiler),
+            bn_fusion: self.bn_fusion,
         }
     }
 }
@@ -92,6 +96,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("threads", &self.threads)
             .field("level", &self.level)
             .field("kernels", &self.kernels)
+            .field("bn_fusion", &self.bn_fusion)
             .finish()
     }
 }
@@ -146,7 +151,16 @@ impl CpuBackend {
             scratch: Arc::default(),
             plans: Arc::default(),
             profiler: Arc::default(),
+            bn_fusion: false,
         })
+    }
+
+    /// Makes networks built on this backend run batch norm fused into the convolutions
+    /// (`true`) or not (`false`, the default): the CUDA backend's fused sequence with the
+    /// reductions computed after each convolution (`bn_fused.rs`), so the sequence can be
+    /// checked against the unfused one without a GPU. It saves nothing on the CPU.
+    pub fn set_bn_fusion(&mut self, on: bool) {
+        self.bn_fusion = on;
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -373,9 +387,90 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn bn_fusion(&self) -> bool {
+        self.bn_fusion
+    }
+
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+        moments: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        check_len(
+            "conv_forward_moments",
+            "moments",
+            moments.len(),
+            3 * s.c_out,
+        )?;
+        self.conv_forward(s, x, w, y)?;
+        let rows = s.n * s.out_h() * s.out_w();
+        let _t = self
+            .profiler
+            .time(|| "bn_moments".into(), 0.0, 4.0 * (rows * s.c_out) as f64);
+        self.pool
+            .install(|| bn_fused::moments(y, rows, s.c_out, moments));
+        Ok(())
+    }
+
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &Vec<f32>,
+        w: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        let op = "conv_backward_data_bn";
+        let (rows, c) = (s.n * s.h * s.w, s.c_in);
+        for (name, len) in [("x", bn.x.len()), ("y", bn.y.len())] {
+            check_len(op, name, len, rows * c)?;
+        }
+        if let Some(r) = bn.residual_grad {
+            check_len(op, "residual_grad", r.len(), rows * c)?;
+        }
+        for (name, len) in [
+            ("saved_mean", bn.saved_mean.len()),
+            ("saved_invstd", bn.saved_invstd.len()),
+            ("dgamma", bn.dgamma.len()),
+            ("dbeta", bn.dbeta.len()),
+        ] {
+            check_len(op, name, len, c)?;
+        }
+        self.conv_backward_data(s, dy, w, dx, accumulate)?;
+        let streams = 4 + usize::from(bn.residual_grad.is_some());
+        let _t = self.profiler.time(
+            || "bn_grad_finish".into(),
+            0.0,
+            4.0 * (rows * c * streams) as f64,
+        );
+        self.pool.install(|| {
+            bn_fused::finish_grad(
+                rows,
+                c,
+                dx,
+                bn.residual_grad.map(|r| &r[..]),
+                bn.y,
+                bn.relu,
+                bn.x,
+                bn.saved_mean,
+                bn.saved_invstd,
+                bn.dgamma,
+                bn.dbeta,
+            )
+        });
+        Ok(())
+    }
+
     fn bn_forward(&self, a: BnForward<'_, Vec<f32>>) -> Result<(), BackendError> {
         let (r, c) = (a.shape.rows, a.shape.channels);
         let op = "bn_forward";
+        if let Some(m) = a.moments {
+            check_len(op, "moments", m.len(), 3 * c)?;
+        }
         check_len(op, "x", a.x.len(), r * c)?;
         check_len(op, "y", a.y.len(), r * c)?;
         if let Some(res) = a.residual {
