@@ -22,6 +22,10 @@
 //   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)   (batch statistics), or
 //   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
 // and, for a residual block, dres = g (overwritten or accumulated).
+// Fused into the convolutions (BIRDTRAIN_BN_FUSION, the end of this file), the statistics and
+// the backward reductions come from the convolutions' epilogues as per-tile records instead:
+// bn_stats_merge / bn_sums_merge merge them, bn_moments_finalize replaces bn_stats_finalize,
+// and bn_bwd_apply runs with the mask off on the finished gradient.
 // Synchronised batch norm (--sync-bn) runs the frozen-statistics backward with the global
 // statistics and then adds the cross-replica correction with bn_affine_accumulate:
 //   dx += a[c] + b[c]·x   (a, b: f32 [C], computed on the host from the replicas' sums).

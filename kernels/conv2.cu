@@ -27,6 +27,11 @@
 // 1×1 convolutions take plain GEMM paths: forward and dgrad move a pointer along the
 // channels (stride 2: the row bases are strided, the loop is the same; dgrad writes strided
 // rows); wgrad at stride 1 walks both operands as contiguous rows.
+// Batch-norm epilogues (BIRDTRAIN_BN_FUSION; conv2_fwd_stats_*, conv2_dgrad_bn_*: the same
+// GEMMs, see BnEpilogue): while the bf16 output tile is staged in shared memory, the forward
+// reduces each output channel's tile statistics (mean, M2) and the dgrad finishes the gradient
+// of the batch norm that produced its input (residual gradient, ReLU mask) and reduces Σg,
+// Σg·x̂, each into its own per-tile record; bn.cu merges the records in a fixed order.
 //
 // Pipeline. STAGES shared-memory stages, each holding one BK = 32 slice of A and B. Stages
 // 0..STAGES-2 are issued before the loop; iteration kt waits for its stage
@@ -725,8 +730,9 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
-// Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}. The host (src/cuda/conv.rs) picks one per
-// layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
+// Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}, and with a batch-norm epilogue
+// conv2_fwd_stats[_1x1]_{tile}, conv2_dgrad_bn[_1x1]_{tile}. The host (src/cuda/conv.rs) picks
+// one per layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
 
 // y = conv(x, w)
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)

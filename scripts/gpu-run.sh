@@ -12,6 +12,10 @@
 #   bash .gpu/gpu-run.sh multi   # several ranks on the one GPU (< 6 min, most important first):
 #                                # N ranks rehearsed in one process (BIRDTRAIN_REHEARSE_RANKS),
 #                                # NCCL between two processes, torchrun (standalone, restart)
+#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min): the fused
+#                                # ops and the resnet18 step against the CPU, twice to the bit,
+#                                # synchronised BN, then resnet50 and resnet18 steps fused and
+#                                # separate (BIRDTRAIN_BN_FUSION=0) with --breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -116,6 +120,8 @@ phase_bench() {
   bench_pair resnet18
   bench_compiled_peer
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
+  BIRDTRAIN_BN_FUSION=0 step bench-resnet50-separate 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
+  check $checks fusion-bench "$out/bench-resnet50.log" "$out/bench-resnet50-separate.log" resnet50
   bench_scaling
 }
 
@@ -313,6 +319,27 @@ torchrun_kill() {
   wait "$launcher"
 }
 
+# Batch norm fused into the convolutions (BIRDTRAIN_BN_FUSION, ARCHITECTURE.md): its GPU tests
+# first, then the steps fused and separate on the GPU alone, one after the other.
+phase_fusion() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check 120 "$bin" kernels check --arch sm_90
+  step test-fusion-ops 120 "$here/cuda_kernels" --ignored --test-threads 1 --show-output fused_batch_norm
+  $checks tests "$out/test-fusion-ops.log" fused_batch_norm 1 | tee -a "$summary"
+  step test-fusion-step 150 "$here/cuda_step" --ignored --test-threads 1 --show-output \
+    resnet18_step_matches_cpu fused_resnet18_steps_repeat_bitwise
+  $checks tests "$out/test-fusion-step.log" resnet18_step 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-step.log" fused_resnet18 1 | tee -a "$summary"
+  step test-fusion-sync 90 "$here/cuda_sync_bn" --ignored --test-threads 1 --nocapture
+  local m
+  for m in resnet50 resnet18; do
+    step "bench-$m-fused" 90 "$bin" bench step --model $m --batch-size 256 --json --breakdown --warmup 10 --steps 30
+    BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 90 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
+    check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
+  done
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -343,9 +370,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|ncu|multi|all) ;;
+  tests|bench|train|auto|ncu|multi|fusion|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|ncu|multi|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"

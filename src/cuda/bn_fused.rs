@@ -229,9 +229,14 @@ impl CudaBackend {
             bn.saved_mean.f32(op, "saved_mean")?,
             bn.saved_invstd.f32(op, "saved_invstd")?,
         );
+        let plan = self.epilogue_plan(Pass::Dgrad, s);
+        if plan.is_none() {
+            // No fused kernel: the plain data gradient first (before the workspace is held).
+            self.conv_backward_data(s, dy, w, dx, accumulate)?;
+        }
         let mut work = self.work();
         let wk = &mut *work;
-        let records = match self.epilogue_plan(Pass::Dgrad, s) {
+        let records = match plan {
             Some(dgrad) => {
                 let mut launch = Conv2Launch {
                     kernel: dgrad.bn_epilogue_kernel,
@@ -290,8 +295,7 @@ impl CudaBackend {
                 records
             }
             None => {
-                // No fused kernel: the data gradient, then its finish and the slab sums.
-                self.conv_backward_data(s, dy, w, dx, accumulate)?;
+                // Then its finish and the slab sums.
                 let dxs = dx.bf16_mut(op, "dx")?;
                 let total = (rows * c) as i64;
                 launch!(

@@ -1690,4 +1690,28 @@ mod tests {
             replay(&graph, &FusionPlan::of(&graph));
         }
     }
+
+    #[test]
+    fn keeping_residual_gradients_in_place_needs_no_more_gradient_memory() {
+        // The block output's gradient lives on in place of the block input's copy: the same
+        // size in an identity block, so the plan's total does not grow.
+        for arch in [
+            Arch::ResNet8,
+            Arch::ResNet56,
+            Arch::ResNet18,
+            Arch::ResNet50,
+        ] {
+            let graph = Graph::new(arch, 10);
+            let dims = graph.value_dims(224);
+            let total =
+                |f: &FusionPlan| -> usize { plan_grad_buffers(&graph, &dims, f).1.iter().sum() };
+            let separate = total(&FusionPlan::none(&graph));
+            let fused = total(&FusionPlan::of(&graph));
+            eprintln!("{arch}: gradient buffers {fused} fused, {separate} separate per image");
+            assert!(
+                fused <= separate,
+                "{arch}: fused {fused} > separate {separate}"
+            );
+        }
+    }
 }
