@@ -28,19 +28,29 @@
 // and bn_bwd_apply runs with the mask off on the finished gradient.
 // Synchronised batch norm (--sync-bn) runs the frozen-statistics backward with the global
 // statistics and then adds the cross-replica correction with bn_affine_accumulate:
-//   dx += a[c] + b[c]·x   (a, b: f32 [C], computed on the host from the replicas' sums).
+//   dx += a[c] + b[c]·x   (a, b: f32 [C]).
+// The arithmetic around the replicas' sums stays on the device (the bn_sync_* kernels, one
+// thread per channel): bn_sync_moments packs Σx = rows·mean and Σx² = (rows−1)·var + rows·mean²
+// and the rows; after the sum, bn_sync_statistics writes the global mean and biased variance
+// (for the frozen-statistics forward) and advances the running statistics; backward,
+// bn_sync_grad_sums packs dgamma and dbeta times rows / global rows, and after the sum
+// bn_sync_coefficients computes a and b. They follow src/backend/bn_sync.rs (the CPU's
+// arithmetic) operation for operation in f64, with explicitly rounded operations (__dmul_rn,
+// __dadd_rn, ...) so that no multiply-add is contracted into an FMA: the same bits as the host.
 //
 // Data layout. x, y, residual, dy, dx, dres: NHWC bf16 viewed as an M×C matrix (M = N·H·W),
 // channels innermost. gamma, beta: bf16 [C] (the working copy of the weights); mean, invstd,
 // running stats, dgamma, dbeta: f32 [C].
-// Partial buffers: f32 [slabs][C].
+// Partial buffers: f32 [slabs][C]. Synchronised-BN sums: f64, [Σx | Σx² | rows] (2C + 1)
+// forward, [Σdgamma | Σdbeta] (2C) backward.
 //
 // Launch configuration. Reductions: block (32, 8): threadIdx.x walks 32 consecutive channels
 // (coalesced 64-byte rows), threadIdx.y strides over the slab's rows; grid (ceil(C/32), slabs)
 // with `rows_per_slab` rows per slab (the host picks slabs ≈ 4 per SM); the *_vec reductions
 // (C % 8 == 0, C ≤ 2048) use 256 threads on 16-byte channel groups instead (see below). Finalize:
 // block (32, FIN_Y = 32), grid ceil(C/32): threadIdx.x the channel (coalesced 128-byte rows of a
-// slab), threadIdx.y the slab lane. bn_eval_prepare: one thread per channel, 128 per block.
+// slab), threadIdx.y the slab lane. bn_eval_prepare and the bn_sync_* kernels: one thread per
+// channel, 128 per block.
 // Element-wise kernels: grid-stride loops, 256 threads; the *_vec variants (C % 8 == 0, every
 // ResNet layer) move 16 bytes per thread and access, on one wave of blocks (as many as fit the
 // SMs) whose stride is a multiple of C / 8 (each thread keeps its channels' parameters in
@@ -187,6 +197,68 @@ extern "C" __global__ void bn_affine_accumulate(const bf16* __restrict__ x, cons
         const int c = (int)(i % channels);
         dx[i] = bt_to_bf16(bt_to_f32(dx[i]) + a[c] + b[c] * bt_to_f32(x[i]));
     }
+}
+
+// Synchronised BN, forward, before the replicas' sum: sums = [rows·mean | (rows−1)⁺·var +
+// rows·mean² | rows] from this replica's batch mean and unbiased variance.
+extern "C" __global__ void bn_sync_moments(const float* __restrict__ mean, const float* __restrict__ var,
+                                           double rows, int channels, double* __restrict__ sums) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c == 0) sums[2 * channels] = rows;
+    if (c >= channels) return;
+    const double m = (double)mean[c];
+    sums[c] = __dmul_rn(rows, m);
+    const double scale = fmax(__dsub_rn(rows, 1.0), 0.0);
+    sums[channels + c] = __dadd_rn(__dmul_rn(scale, (double)var[c]), __dmul_rn(__dmul_rn(rows, m), m));
+}
+
+// Synchronised BN, forward, after the sum: the global mean and biased variance into mean and
+// var (f32, for the frozen-statistics forward), and the running statistics advanced with the
+// global mean and unbiased variance. A sum of no rows (no step has one; the host reports it)
+// leaves every output untouched.
+extern "C" __global__ void bn_sync_statistics(const double* __restrict__ sums, int channels, float momentum,
+                                              float* __restrict__ mean, float* __restrict__ var,
+                                              float* __restrict__ running_mean,
+                                              float* __restrict__ running_var) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const double rows = sums[2 * channels];
+    if (c >= channels || !(rows >= 1.0)) return;
+    const double m = __ddiv_rn(sums[c], rows);
+    const double v = fmax(__dsub_rn(__ddiv_rn(sums[channels + c], rows), __dmul_rn(m, m)), 0.0);
+    mean[c] = (float)m;
+    var[c] = (float)v;
+    const double unbias = rows > 1.0 ? __ddiv_rn(rows, __dsub_rn(rows, 1.0)) : 1.0;
+    const double mo = (double)momentum, keep = __dsub_rn(1.0, mo);
+    running_mean[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(mo, m));
+    running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]), __dmul_rn(__dmul_rn(mo, v), unbias));
+}
+
+// Synchronised BN, backward, before the sum: sums = [dgamma·share | dbeta·share], share = this
+// replica's rows / the global rows (moments[2C], from the same layer's summed forward).
+extern "C" __global__ void bn_sync_grad_sums(const float* __restrict__ dgamma, const float* __restrict__ dbeta,
+                                             const double* __restrict__ moments, double rows, int channels,
+                                             double* __restrict__ sums) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const double share = __ddiv_rn(rows, moments[2 * channels]);
+    sums[c] = __dmul_rn((double)dgamma[c], share);
+    sums[channels + c] = __dmul_rn((double)dbeta[c], share);
+}
+
+// Synchronised BN, backward, after the sum: the correction dx += a + b·x per channel,
+//   a = −k·mdb + k·invstd·mean·mdg,  b = −k·invstd·mdg,  k = gamma·invstd,
+// mdg, mdb = the summed dgamma, dbeta over this replica's rows (the global means on its scale).
+extern "C" __global__ void bn_sync_coefficients(const double* __restrict__ sums, const bf16* __restrict__ gamma,
+                                                const float* __restrict__ mean, const float* __restrict__ invstd,
+                                                double rows, int channels, float* __restrict__ a,
+                                                float* __restrict__ b) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const double mdg = __ddiv_rn(sums[c], rows), mdb = __ddiv_rn(sums[channels + c], rows);
+    const double is = (double)invstd[c];
+    const double k = __dmul_rn((double)bt_to_f32(gamma[c]), is);
+    a[c] = (float)__dadd_rn(__dmul_rn(-k, mdb), __dmul_rn(__dmul_rn(__dmul_rn(k, is), (double)mean[c]), mdg));
+    b[c] = (float)__dmul_rn(__dmul_rn(-k, is), mdg);
 }
 
 // The gradient reaching the batch norm itself: dy masked by the ReLU (y > 0) when present.

@@ -8,14 +8,16 @@
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
 #                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
 #   bash .gpu/gpu-run.sh auto    # --batch-size auto: resnet50 at 224 px trains at the batch picked
+#   bash .gpu/gpu-run.sh syncbn  # a resnet50 224 px epoch with --sync-bn against without (images/s)
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
 #   bash .gpu/gpu-run.sh multi   # several ranks on the one GPU (< 6 min, most important first):
 #                                # N ranks rehearsed in one process (BIRDTRAIN_REHEARSE_RANKS),
 #                                # NCCL between two processes, torchrun (standalone, restart)
-#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min): the fused
-#                                # ops and the resnet18 step against the CPU, twice to the bit,
-#                                # synchronised BN, then resnet50 and resnet18 steps fused and
-#                                # separate (BIRDTRAIN_BN_FUSION=0) with --breakdown
+#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min; off unless
+#                                # BIRDTRAIN_BN_FUSION=1, which this phase sets where it wants
+#                                # it): the fused ops and the resnet18 step against the CPU,
+#                                # twice to the bit, synchronised BN fused, then resnet50 and
+#                                # resnet18 steps fused and separate with --breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -120,8 +122,6 @@ phase_bench() {
   bench_pair resnet18
   bench_compiled_peer
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
-  BIRDTRAIN_BN_FUSION=0 step bench-resnet50-separate 150 "$bin" bench step --model resnet50 --batch-size 256 --json --breakdown
-  check $checks fusion-bench "$out/bench-resnet50.log" "$out/bench-resnet50-separate.log" resnet50
   bench_scaling
 }
 
@@ -157,6 +157,30 @@ phase_train() {
   train_checks
   big_set
   train_data_wait
+  sync_bn_cost
+}
+
+phase_syncbn() {
+  big_set
+  sync_bn_cost
+}
+
+# --sync-bn against without: resnet50 at 224 px on the data-wait run's set and cache, two
+# epochs each, the last (warm) epoch's training images/s compared. On one GPU, NCCL has one
+# rank, so this is what the sync-BN path itself costs (a second BN pass forward, its kernels,
+# one-rank sums on the side communicator and stream, no host round trip), not the overlap with
+# the buckets that several GPUs would show. The sync-BN run logs at info level, so the check
+# can see that its sums ran on the side communicator.
+sync_bn_cost() {
+  [ "$gpus" = 0 ] && { note "SKIP sync-bn-cost: needs a GPU (the CPU has no side communicator)"; return; }
+  local b=$work/synth-big r=$work/runs-syncbn c=$work/cache
+  rm -rf "$r"; mkdir -p "$r"
+  local common=(--data "$b" --gpus "$gpus" --model resnet50 --image-size 224 --batch-size 128
+    --epochs 2 --cache-dir "$c")
+  step syncbn-plain 120 "$bin" "${common[@]}" --out "$r/plain"
+  RUST_LOG=birdtrain=info step syncbn-synced 120 "$bin" "${common[@]}" --sync-bn --out "$r/synced"
+  grep -E "^epoch " "$out/syncbn-plain.log" "$out/syncbn-synced.log"
+  check $checks sync-bn-cost "$out/syncbn-synced.log" "$out/syncbn-plain.log"
 }
 
 # The CPU accuracy test's set and model (tests/train_accuracy.rs): accuracy, trace, eval on
@@ -319,8 +343,10 @@ torchrun_kill() {
   wait "$launcher"
 }
 
-# Batch norm fused into the convolutions (BIRDTRAIN_BN_FUSION, ARCHITECTURE.md): its GPU tests
-# first, then the steps fused and separate on the GPU alone, one after the other.
+# Batch norm fused into the convolutions (BIRDTRAIN_BN_FUSION=1, ARCHITECTURE.md; off by default
+# until a GPU has run these and measured it faster): its GPU tests first (they choose the fused
+# sequence themselves, or are run here with the variable set), then the steps fused and
+# separate on the GPU alone, one after the other, each with the variable set explicitly.
 phase_fusion() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check 120 "$bin" kernels check --arch sm_90
@@ -330,14 +356,36 @@ phase_fusion() {
     resnet18_step_matches_cpu fused_resnet18_steps_repeat_bitwise
   $checks tests "$out/test-fusion-step.log" resnet18_step 1 | tee -a "$summary"
   $checks tests "$out/test-fusion-step.log" fused_resnet18 1 | tee -a "$summary"
-  step test-fusion-sync 90 "$here/cuda_sync_bn" --ignored --test-threads 1 --nocapture
+  # Synchronised BN with the fused moments: two replicas through the host against the CPU on
+  # the whole batch (the test sets the fusion), then the side communicator's device path with
+  # every network of that test fused.
+  step test-fusion-sync 120 "$here/cuda_sync_bn" --ignored --test-threads 1 --show-output \
+    fused_gpu_replicas_with_sync_bn
+  $checks tests "$out/test-fusion-sync.log" fused_gpu_replicas 1 | tee -a "$summary"
+  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 90 "$here/cuda_sync_bn" --ignored --test-threads 1 \
+    --show-output sync_bn_on_the_side_communicator
+  $checks tests "$out/test-fusion-sync-side.log" sync_bn_on_the_side 1 | tee -a "$summary"
   local m
   for m in resnet50 resnet18; do
-    step "bench-$m-fused" 90 "$bin" bench step --model $m --batch-size 256 --json --breakdown --warmup 10 --steps 30
+    BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 90 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
     BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 90 "$bin" bench step --model $m --batch-size 256 \
       --json --breakdown --warmup 10 --steps 30
     check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
   done
+}
+
+# bench_pair's step for model $1 again with batch norm fused (BIRDTRAIN_BN_FUSION=1), the same
+# steps, right after it on the same GPU, and the fused-against-separate line.
+bench_fused() {
+  local m=$1 steps=${BENCH_STEPS:-50}
+  if [ "${BIRDTRAIN_BN_FUSION:-0}" = 1 ]; then
+    note "SKIP bn-fusion $m: BIRDTRAIN_BN_FUSION=1 for the whole run, so bench-$m ran fused already"
+    return
+  fi
+  BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 150 "$bin" bench step --model $m --batch-size 256 --json \
+    --breakdown --warmup $(( steps < 15 ? 5 : 15 )) --steps "$steps"
+  check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m.log" $m
 }
 
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
@@ -358,8 +406,10 @@ phase_all() {
   done
   step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1 --nocapture
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
+  BENCH_STEPS=${BENCH_STEPS:-20} bench_fused resnet50
   train_data_wait
   phase_auto
+  sync_bn_cost
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
   bench_scaling
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 60 "$bin" bench step --model resnet50 --batch-size 256 \
@@ -370,12 +420,12 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|ncu|multi|fusion|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
-note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"
+note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: off})"
 discover
 shift
 "phase_$phase" "$@"

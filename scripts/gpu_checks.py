@@ -14,7 +14,7 @@
   bench JSONL                     ours vs the PyTorch peer per model (ms per step, ratio)
   top-kernels BENCH_JSON N        the N kernels with the most time in a --breakdown line
   fusion-bench FUSED SEPARATE MODEL  `bench step --breakdown` logs with batch norm fused into
-                                  the convolutions and separate (BIRDTRAIN_BN_FUSION=0): ms per
+                                  the convolutions (BIRDTRAIN_BN_FUSION=1) and separate: ms per
                                   step and their batch-norm and convolution kernels; PASS when
                                   the fused step is faster
   tests LOG PREFIX N              one line per test named PREFIX… in a test binary's log (run
@@ -24,6 +24,9 @@
   torchrun RUN LOG EPOCHS [resumed]  a run under torchrun: RUN/checkpoint.json covers EPOCHS,
                                   LOG shows a GPU run (and, with `resumed`, a worker killed and
                                   the restarted one resuming)
+  sync-bn-cost LOG_SYNC LOG_PLAIN the last epoch's training images/s with --sync-bn against
+                                  without (a measurement: PASS when both ran and the sync-BN
+                                  run put its sums on the side communicator, on the device)
 Standard library only: it runs on the GPU machine's python3 and here.
 """
 import json
@@ -271,13 +274,30 @@ def torchrun(run, log, epochs, resumed=None):
     return say(True, what, f"{done}, a worker killed after its first checkpoint and resumed by torchrun's restart" if resumed else done)
 
 
+def last_epoch_rate(log):
+    rates = [float(m) for l in open(log) if l.startswith("epoch ")
+             for m in re.findall(r"([0-9.]+) images/s", l)]
+    return rates[-1] if rates else None
+
+
+def sync_bn_cost(log_sync, log_plain):
+    synced, plain = last_epoch_rate(log_sync), last_epoch_rate(log_plain)
+    if synced is None or plain is None:
+        return say(False, "sync-bn-cost", f"no epoch line with images/s in {log_sync if synced is None else log_plain}")
+    text = open(log_sync).read()
+    if "sync-BN sums on a communicator and stream of their own" not in text:
+        return say(False, "sync-bn-cost", f"{log_sync} does not say its BN sums ran on the side communicator")
+    return say(True, "sync-bn-cost", f"{synced:.0f} images/s with --sync-bn, {plain:.0f} without "
+               f"(x{synced / plain:.3f}, last epoch)")
+
+
 def main(argv):
     commands = {
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
         "same-weights": (same_weights, (2, 3)), "eval-match": (eval_match, (3,)),
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
         "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
-        "fusion-bench": (fusion_bench, (3,)),
+        "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
         print(__doc__, file=sys.stderr)

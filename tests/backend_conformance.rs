@@ -109,6 +109,13 @@ struct Transposed(CpuBackend, Fault);
 
 impl Backend for Transposed {
     type Tensor = Vec<f32>;
+    type Sums = Vec<f64>;
+    fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+        self.0.alloc_sums(len)
+    }
+    fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> birdtrain::backend::SumsMut<'a> {
+        self.0.sums_mut(sums)
+    }
     fn name(&self) -> String {
         "transposed".into()
     }

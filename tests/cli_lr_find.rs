@@ -152,11 +152,12 @@ fn a_sweep_keeps_off_folders_that_hold_a_run_or_a_sweep() {
     let mut args = sweep_args(&data, &cache, &sweep, &steps);
     args.push("--overwrite".into());
     ok(run_with(&args, &[]));
-    // A training run's folder: refused, and a sweep cannot continue it either.
+    // A training run's folder: refused, --overwrite or not, and a sweep cannot continue it
+    // either.
     let run = tmp.path().join("run");
     ok(run_with(&train_args(&data, &cache, &run, 1), &[]));
     let into_run = run_with(&sweep_args(&data, &cache, &run, &steps), &[]);
-    let line = assert_one_line_error(&into_run, &["holds a run already"]);
+    let line = assert_one_line_error(&into_run, &["holds a training run", "--out"]);
     assert!(!line.contains("--resume"), "{line}");
 }
 

@@ -1,8 +1,8 @@
 //! Whole-network checks of the CUDA backend against the CPU reference (GPU only: `#[ignore]`d;
 //! `cargo test --release --test cuda_step -- --ignored`):
 //! - one resnet18 training step: the loss and every parameter gradient, with v1, with v2 and
-//!   batch norm in its own passes (`BIRDTRAIN_BN_FUSION=0`), and with v2 and batch norm fused
-//!   into the convolutions;
+//!   batch norm in its own passes (the default), and with v2 and batch norm fused into the
+//!   convolutions (`BIRDTRAIN_BN_FUSION=1`; each test sets the sequence itself);
 //! - the fused step twice on the same batch: the same bits;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!

@@ -5,7 +5,9 @@ use std::net::TcpListener;
 use std::thread;
 use std::time::Duration;
 
-use birdtrain::dist::rendezvous::{join, rendezvous, serve, Assignment, NodeInfo, RendezvousError};
+use birdtrain::dist::rendezvous::{
+    join, rendezvous, serve, Assignment, NodeInfo, RendezvousError, StartPoint,
+};
 
 // Generous: only a failing test waits this long, and the machine may be busy.
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -17,6 +19,7 @@ fn node(nodes: usize, node_rank: usize, gpus: usize) -> NodeInfo {
         local_gpus: gpus,
         fingerprint: 0xfeed_beef,
         model: "resnet18".to_string(),
+        start: StartPoint::Fresh,
     }
 }
 

@@ -2,7 +2,10 @@
 //! `train_step_synced` and an in-process `LocalBnGroup` compute what one network computes on
 //! the whole global batch — the same loss, running statistics, and (image-weighted average
 //! of the replicas') gradients — also when the images are split unevenly. Without
-//! synchronisation they do not, which shows the test can fail.
+//! synchronisation they do not, which shows the test can fail. The same holds with batch norm
+//! fused into the convolutions (`CpuBackend::set_bn_fusion`: the CPU runs the fused sequence
+//! the GPU runs with `BIRDTRAIN_BN_FUSION=1`), whose local sums come from the convolutions'
+//! moments.
 
 use std::time::Duration;
 
@@ -25,7 +28,14 @@ struct Outcome {
 }
 
 fn network(graph: &Graph, max_batch: usize) -> Network<CpuBackend> {
-    let mut net = Network::new(CpuBackend::new(1).unwrap(), graph, max_batch, SIZE).unwrap();
+    network_fused(graph, max_batch, false)
+}
+
+/// [`network`] with batch norm fused into the convolutions (`fused`) or not.
+fn network_fused(graph: &Graph, max_batch: usize, fused: bool) -> Network<CpuBackend> {
+    let mut backend = CpuBackend::new(1).unwrap();
+    backend.set_bn_fusion(fused);
+    let mut net = Network::new(backend, graph, max_batch, SIZE).unwrap();
     net.set_config(NetworkConfig {
         label_smoothing: 0.1,
         ..NetworkConfig::default()
@@ -75,6 +85,7 @@ fn replicas(
     labels: &[u32],
     split: &[usize],
     sync: bool,
+    fused: bool,
 ) -> Vec<Outcome> {
     let mut group = LocalBnGroup::new(split.len(), Duration::from_secs(60)).into_iter();
     std::thread::scope(|s| {
@@ -89,7 +100,7 @@ fn replicas(
                 start += n;
                 let mut reducer = group.next().unwrap();
                 s.spawn(move || {
-                    let mut net = network(graph, n);
+                    let mut net = network_fused(graph, n, fused);
                     let r: Option<&mut dyn BnAllReduce> =
                         if sync { Some(&mut reducer) } else { None };
                     step(&mut net, px, lb, r)
@@ -114,7 +125,8 @@ fn close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
     worst
 }
 
-fn check(split: &[usize]) {
+/// Replicas (fused or not) of `split` against one unfused network on the whole batch.
+fn check(split: &[usize], fused: bool) {
     let graph = Graph::new(Arch::ResNet8, 3);
     let total: usize = split.iter().sum();
     let mut rng = ChaCha8Rng::seed_from_u64(17);
@@ -122,7 +134,7 @@ fn check(split: &[usize]) {
     let labels: Vec<u32> = (0..total).map(|_| rng.random_range(0..3)).collect();
     let mut whole_net = network(&graph, total);
     let whole = step(&mut whole_net, &pixels, &labels, None);
-    let parts = replicas(&graph, &pixels, &labels, split, true);
+    let parts = replicas(&graph, &pixels, &labels, split, true, fused);
 
     // Forward: the same normalisation, hence the same per-image losses.
     let loss: f64 = parts.iter().map(|p| p.stats.loss_sum).sum();
@@ -147,17 +159,24 @@ fn check(split: &[usize]) {
         }
     }
     let worst = close("gradient", &avg, &whole.grads, 2e-5, 2e-3);
-    println!("split {split:?}: worst gradient error {worst:.3} of tolerance");
+    println!("split {split:?} fused {fused}: worst gradient error {worst:.3} of tolerance");
 }
 
 #[test]
 fn two_replicas_with_sync_bn_equal_one_network_on_the_global_batch() {
-    check(&[3, 3]);
+    check(&[3, 3], false);
 }
 
 #[test]
 fn an_uneven_split_over_three_replicas_is_weighted_by_image_count() {
-    check(&[1, 2, 4]);
+    check(&[1, 2, 4], false);
+}
+
+#[test]
+fn fused_replicas_with_sync_bn_equal_one_network_on_the_global_batch() {
+    // The statistics of the global batch, summed from each replica's convolution moments.
+    check(&[3, 3], true);
+    check(&[1, 2, 4], true);
 }
 
 #[test]
@@ -168,7 +187,7 @@ fn without_sync_bn_the_replicas_differ_from_the_global_batch() {
     let labels: Vec<u32> = (0..6).map(|_| rng.random_range(0..3)).collect();
     let mut whole_net = network(&graph, 6);
     let whole = step(&mut whole_net, &pixels, &labels, None);
-    let parts = replicas(&graph, &pixels, &labels, &[3, 3], false);
+    let parts = replicas(&graph, &pixels, &labels, &[3, 3], false, false);
     let loss: f64 = parts.iter().map(|p| p.stats.loss_sum).sum();
     let mut avg = vec![0.0f32; whole.grads.len()];
     for p in &parts {
@@ -230,10 +249,19 @@ impl BnAllReduce for Recorder<'_> {
 fn the_announced_event_sequence_is_what_a_synced_step_issues() {
     // An empty replica replays `synced_step_events` instead of stepping: it must match the
     // real order exactly or NCCL collectives would pair up wrongly.
-    for arch in [Arch::ResNet8, Arch::ResNet18] {
+    // Fused networks too: their backward reduces a batch norm's sums in the convolution after
+    // it, and must still report them, and every gradient, in the announced order.
+    for (arch, fused) in [
+        (Arch::ResNet8, false),
+        (Arch::ResNet18, false),
+        (Arch::ResNet8, true),
+        (Arch::ResNet18, true),
+    ] {
         let graph = Graph::new(arch, 3);
         let size = if arch.is_cifar() { SIZE } else { 32 };
-        let mut net = Network::new(CpuBackend::new(2).unwrap(), &graph, 2, size).unwrap();
+        let mut backend = CpuBackend::new(2).unwrap();
+        backend.set_bn_fusion(fused);
+        let mut net = Network::new(backend, &graph, 2, size).unwrap();
         let log = std::cell::RefCell::new(Vec::new());
         let pixels = vec![100u8; 2 * (size * size * 3) as usize];
         let batch = InputBatch {
@@ -255,7 +283,7 @@ fn the_announced_event_sequence_is_what_a_synced_step_issues() {
         )
         .unwrap();
         let expected = net.synced_step_events();
-        assert_eq!(log.into_inner(), expected, "{arch}");
+        assert_eq!(log.into_inner(), expected, "{arch} fused {fused}");
         assert!(expected
             .iter()
             .any(|e| matches!(e, SyncEvent::BnBackward { .. })));

@@ -128,3 +128,37 @@ fn a_failing_probe_aborts() {
     );
     assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
 }
+
+#[test]
+fn a_collective_with_a_timeout_of_its_own_outlives_the_watchdogs_and_times_out_at_its_own() {
+    let comm = Arc::new(FakeComm::default());
+    let dog = Watchdog::start(
+        4,
+        Duration::from_millis(50),
+        Duration::from_millis(2),
+        comm.clone(),
+    );
+    // The wait for the writer: far longer than the collective timeout.
+    dog.watch_within("wait for rank 0", Duration::from_secs(3600), || Ok(false))
+        .unwrap();
+    assert!(matches!(
+        dog.wait_idle(Duration::from_millis(400)),
+        Err(WatchdogError::StillPending { pending: 1, .. })
+    ));
+    assert_eq!(comm.aborts.load(Ordering::SeqCst), 0);
+    // Its own timeout, when it is the shorter one, is the one that fires.
+    dog.watch_within("short wait", Duration::from_millis(20), || Ok(false))
+        .unwrap();
+    let err = dog.wait_idle(PATIENCE).unwrap_err();
+    let WatchdogError::Aborted(fault) = &err else {
+        panic!("expected an abort, got {err}");
+    };
+    assert_eq!(fault.label, "short wait");
+    assert_eq!(
+        fault.kind,
+        FaultKind::Timeout {
+            timeout: Duration::from_millis(20)
+        }
+    );
+    assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
+}

@@ -13,8 +13,8 @@ use std::time::Duration;
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::dist::sync_bn::LocalBnGroup;
 use birdtrain::model::{
-    Arch, Augment, BnAllReduce, Graph, InputBatch, Mix, ModelState, Network, NetworkConfig, Node,
-    StepStats,
+    Arch, Augment, BnAllReduce, FusionPlan, Graph, InputBatch, Mix, ModelState, Network,
+    NetworkConfig, Node, StepStats,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -315,4 +315,73 @@ fn synchronised_replicas_fused_match_synchronised_replicas_separate() {
     for (f, s) in fused.iter().zip(&separate) {
         compare(&graph, f, s, 1e-4);
     }
+}
+
+#[test]
+fn a_synchronised_fused_step_takes_each_statistic_from_its_convolution() {
+    // The synced step's local sums must come from the convolutions' moments (the statistics
+    // pass over x leaves the synced step too), not from a second pass over x: the CPU's
+    // profile counts x once more for every batch norm that reduces x itself. One replica
+    // (its sum is its own values), fused and separate, every bn_fwd byte counted.
+    let graph = Graph::new(Arch::ResNet8, 3);
+    let (n, size) = (3usize, 8u32);
+    let (px, labels) = images(n, size, 7);
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let bn_fwd_bytes = |fused: bool| -> f64 {
+        let mut net = network(&graph, fused, n, size);
+        let mut reducer = LocalBnGroup::new(1, Duration::from_secs(60)).pop().unwrap();
+        net.backend().set_profiling(true);
+        net.train_step_synced(&batch, &mut |_, _| Ok(()), Some(&mut reducer))
+            .unwrap();
+        let profile = net.backend().take_profile();
+        let calls = |name: &str| {
+            profile
+                .iter()
+                .find(|o| o.name == name)
+                .map_or(0, |o| o.calls)
+        };
+        let bns = graph
+            .nodes()
+            .iter()
+            .filter(|node| matches!(node, Node::BatchNorm { .. }))
+            .count() as u64;
+        // Two forward ops per synchronised batch norm (the local statistics, then the
+        // normalisation with the global ones); moments from every convolution before one.
+        assert_eq!(calls("bn_fwd"), 2 * bns, "fused {fused}");
+        assert_eq!(calls("bn_moments"), if fused { bns } else { 0 });
+        profile
+            .iter()
+            .filter(|o| o.name == "bn_fwd")
+            .map(|o| o.bytes)
+            .sum()
+    };
+    // The statistics pass each fused batch norm leaves out: one read of its input.
+    let dims = graph.value_dims(size);
+    let plan = FusionPlan::of(&graph);
+    let left_out: f64 = graph
+        .nodes()
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| plan.stats_for.contains(&Some(*k)))
+        .map(|(_, node)| match *node {
+            Node::BatchNorm {
+                input, channels, ..
+            } => 4.0 * (n * dims[input].h * dims[input].w * channels) as f64,
+            _ => unreachable!("statistics are for batch norms"),
+        })
+        .sum();
+    assert!(left_out > 0.0);
+    let (fused, separate) = (bn_fwd_bytes(true), bn_fwd_bytes(false));
+    assert_eq!(
+        separate - fused,
+        left_out,
+        "bn_fwd bytes: fused {fused}, separate {separate}"
+    );
 }

@@ -628,6 +628,93 @@ void test_bn_affine(int rows, int C) {
     check("dx += a + b·x", fromb(DX), ref, 1e-6, 1.0 / 128);
 }
 
+// Synchronised BN: the bn_sync_* kernels of two replicas, summed between them as a collective
+// would, against the host arithmetic of src/backend/bn_sync.rs transcribed below, bit for bit
+// (the kernels use explicitly rounded f64 operations for exactly this).
+static void check_same(const char* what, const std::vector<double>& got, const std::vector<double>& want) {
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i)
+        if (memcmp(&got[i], &want[i], sizeof(double)) != 0) { if (bad < 3) printf("    %s[%zu]: got %.17g want %.17g\n", what, i, got[i], want[i]); ++bad; }
+    printf("  %-28s %s (%zu, bit for bit)\n", what, bad ? "FAIL" : "ok", want.size());
+    fails += bad > 0;
+}
+static std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+void test_bn_sync(int C, int rows0, int rows1) {
+    printf("bn_sync C=%d rows %d + %d\n", C, rows0, rows1);
+    const int rows[2] = {rows0, rows1};
+    const float momentum = 0.1f;
+    const dim3e grid{(unsigned)((C + 127) / 128), 1, 1}, block{128, 1, 1};
+    // Forward: each replica packs its moments; the "collective" sums them.
+    std::vector<float> mean[2], var[2];
+    std::vector<double> sums[2], want_sum(2 * C + 1, 0.0);
+    for (int r = 0; r < 2; ++r) {
+        mean[r] = rnd(C, 3.0f);
+        var[r] = rnd(C, 1.0f);
+        for (auto& v : var[r]) v = std::fabs(v) + 0.01f;
+        sums[r].assign(2 * C + 1, -1.0);
+        double n = rows[r];
+        emu_launch(grid, block, [&] { k_bn::bn_sync_moments(mean[r].data(), var[r].data(), n, C, sums[r].data()); });
+        std::vector<double> want(2 * C + 1);
+        for (int c = 0; c < C; ++c) {
+            double m = mean[r][c];
+            want[c] = n * m;
+            want[C + c] = std::max(n - 1.0, 0.0) * (double)var[r][c] + n * m * m;
+        }
+        want[2 * C] = n;
+        check_same(r ? "moments (replica 1)" : "moments (replica 0)", sums[r], want);
+        for (int i = 0; i < 2 * C + 1; ++i) want_sum[i] += want[i];
+    }
+    std::vector<double> total(2 * C + 1);
+    for (int i = 0; i < 2 * C + 1; ++i) total[i] = sums[0][i] + sums[1][i];
+    // After the sum: the global statistics and the running ones (the same on both replicas).
+    std::vector<float> gm(C, 7.0f), gv(C, 7.0f), rm = rnd(C, 0.5f), rv(C, 1.0f);
+    std::vector<float> rm0 = rm, rv0 = rv;
+    emu_launch(grid, block, [&] { k_bn::bn_sync_statistics(total.data(), C, momentum, gm.data(), gv.data(), rm.data(), rv.data()); });
+    double n = total[2 * C];
+    std::vector<double> wm(C), wv(C), wrm(C), wrv(C);
+    for (int c = 0; c < C; ++c) {
+        double m = total[c] / n, v = std::max(total[C + c] / n - m * m, 0.0);
+        double unbias = n > 1.0 ? n / (n - 1.0) : 1.0, mo = (double)momentum;
+        wm[c] = (float)m;
+        wv[c] = (float)v;
+        wrm[c] = (float)((1.0 - mo) * (double)rm0[c] + mo * m);
+        wrv[c] = (float)((1.0 - mo) * (double)rv0[c] + mo * v * unbias);
+    }
+    check_same("global mean", widen(gm), wm);
+    check_same("global variance", widen(gv), wv);
+    check_same("running mean", widen(rm), wrm);
+    check_same("running variance", widen(rv), wrv);
+    // Backward: each replica packs its dgamma, dbeta on the global scale; summed; coefficients.
+    std::vector<double> gsums[2], gtotal(2 * C, 0.0);
+    for (int r = 0; r < 2; ++r) {
+        auto dg = rnd(C, 2.0f), db = rnd(C, 2.0f);
+        gsums[r].assign(2 * C, -1.0);
+        double nr = rows[r];
+        emu_launch(grid, block, [&] { k_bn::bn_sync_grad_sums(dg.data(), db.data(), total.data(), nr, C, gsums[r].data()); });
+        std::vector<double> want(2 * C);
+        double share = nr / n;
+        for (int c = 0; c < C; ++c) { want[c] = (double)dg[c] * share; want[C + c] = (double)db[c] * share; }
+        check_same(r ? "grad sums (replica 1)" : "grad sums (replica 0)", gsums[r], want);
+        for (int i = 0; i < 2 * C; ++i) gtotal[i] += gsums[r][i];
+    }
+    auto gamma = rnd(C, 1.5f), smean = rnd(C, 2.0f), sinv = rnd(C, 1.0f);
+    for (auto& v : sinv) v = std::fabs(v) + 0.1f;
+    auto G = tobf(gamma);
+    std::vector<float> a(C, 7.0f), b(C, 7.0f);
+    double n0 = rows[0];
+    emu_launch(grid, block, [&] { k_bn::bn_sync_coefficients(gtotal.data(), G.data(), smean.data(), sinv.data(), n0, C, a.data(), b.data()); });
+    std::vector<double> wa(C), wb(C);
+    for (int c = 0; c < C; ++c) {
+        double mdg = gtotal[c] / n0, mdb = gtotal[C + c] / n0, is = (double)sinv[c];
+        double k = (double)__bfloat162float(G[c]) * is;
+        wa[c] = (float)(-k * mdb + k * is * (double)smean[c] * mdg);
+        wb[c] = (float)(-k * is * mdg);
+    }
+    check_same("coefficient a", widen(a), wa);
+    check_same("coefficient b", widen(b), wb);
+}
+
 int main(int argc, char** argv) {
     test_bn(150, 40, true, true, true);
     test_bn(77, 3, false, false, true);
@@ -642,6 +729,8 @@ int main(int argc, char** argv) {
     test_bn_merges(130, 72, 128, 1);           // two records (of 128 and 2 rows), groups of one
     test_bn_affine(33, 40);
     test_bn_affine(7, 3);
+    test_bn_sync(40, 96, 32);
+    test_bn_sync(300, 1, 500);   // a replica with one row; C over two blocks
     test_pool(2, 9, 7, 5, 3, 2, 1);
     test_pool(1, 7, 7, 3, 2, 2, 0);
     test_pool(2, 9, 7, 16, 3, 2, 1);           // the ResNet stem pool, odd sizes

@@ -12,10 +12,13 @@
 //! | after it      | bad-records bitmap (files that failed to decode), same size    |
 //! | after it      | record checks: `count × u64`, a filled record's xxh3 or a bad  |
 //! |               | record's tag (its index and its [`BadFileKind`])               |
+//! | after it      | sources: `count × u64`, the content hash of the file a filled  |
+//! |               | record was decoded from ([`crate::content_hash`])              |
 //! | 4096-aligned  | records: `count × S·S·3` u8, NHWC RGB                          |
 //!
 //! **Never serve a damaged record.** Each record carries an xxh3-64 of its pixels (seeded
-//! with its index, so a record moved elsewhere fails too), verified the first time a process
+//! with its index and its source's content hash, so a record moved elsewhere, or given
+//! another source's hash, fails too), verified the first time a process
 //! serves it (later serves in that process trust the verified bit: about one hash per record
 //! per process). A bad record carries a tag instead, so a stray "bad" bit is caught as well.
 //! The header checksum covers the header fields and the labels; the map checksum covers the
@@ -63,8 +66,9 @@ const MAGIC: &[u8; 8] = b"BRDCACHE";
 /// are rebuilt). Version 4: `--resize-mode center-crop` stores torchvision's `Resize` then
 /// `CenterCrop` square exactly (its whole-pixel roundings), not the image's exact centre.
 /// Version 5: a JPEG whose header declares more blocks than its data can code is a bad file
-/// (older caches may hold its grey-filled pixels).
-const VERSION: u32 = 5;
+/// (older caches may hold its grey-filled pixels). Version 6: each filled record keeps the
+/// content hash of the file it was decoded from (what a run records of its training files).
+const VERSION: u32 = 6;
 const HEADER_BYTES: usize = 4096;
 const STATE_FILLING: u32 = 1;
 const STATE_COMPLETE: u32 = 2;
@@ -86,6 +90,7 @@ struct Layout {
     filled: usize,
     bad: usize,
     checks: usize,
+    sources: usize,
     records: usize,
     total: usize,
 }
@@ -97,7 +102,8 @@ impl Layout {
         let filled = (labels + 4 * count).next_multiple_of(8);
         let bad = filled + 8 * words;
         let checks = bad + 8 * words;
-        let records = (checks + 8 * count).next_multiple_of(4096);
+        let sources = checks + 8 * count;
+        let records = (sources + 8 * count).next_multiple_of(4096);
         Self {
             count,
             record_bytes,
@@ -105,6 +111,7 @@ impl Layout {
             filled,
             bad,
             checks,
+            sources,
             records,
             total: records + count * record_bytes,
         }
@@ -122,15 +129,17 @@ impl Layout {
         (layout.total as u64 == len).then_some(layout)
     }
 
-    /// The end of the record checks (the map checksum covers `filled..map_end`).
+    /// The end of the sources (the map checksum covers `filled..map_end`).
     fn map_end(&self) -> usize {
-        self.checks + 8 * self.count
+        self.sources + 8 * self.count
     }
 }
 
-/// The check of a filled record: xxh3-64 of its pixels, seeded with its index.
-fn record_sum(pixels: &[u8], index: usize) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(pixels, SUM_SEED ^ index as u64)
+/// The check of a filled record: xxh3-64 of its pixels, seeded with its index and the
+/// content hash of its source file (so the check covers that hash too).
+fn record_sum(pixels: &[u8], index: usize, source: u64) -> u64 {
+    let seed = xxhash_rust::xxh3::xxh3_64_with_seed(&source.to_le_bytes(), SUM_SEED ^ index as u64);
+    xxhash_rust::xxh3::xxh3_64_with_seed(pixels, seed)
 }
 
 /// The check of a bad record: a value only this index gives, with the kind in the low byte.
@@ -734,6 +743,30 @@ impl Cache {
         unsafe { &*(self.base.add(self.layout.checks + 8 * i) as *const AtomicU64) }
     }
 
+    fn source_word(&self, i: usize) -> &AtomicU64 {
+        debug_assert!(i < self.layout.count);
+        // SAFETY: as `word`: the sources region is 8-aligned and holds `count` words.
+        unsafe { &*(self.base.add(self.layout.sources + 8 * i) as *const AtomicU64) }
+    }
+
+    /// The content hash of the file record `i` was decoded from, when the record is filled
+    /// (not verified here: [`Cache::lookup`] verifies it with the pixels).
+    pub(crate) fn source(&self, i: usize) -> Option<u64> {
+        if i >= self.layout.count || Self::bit_set(&self.rejected, i) {
+            return None;
+        }
+        let bit = 1u64 << (i % 64);
+        if self
+            .word(self.layout.filled, i / 64)
+            .load(Ordering::Acquire)
+            & bit
+            == 0
+        {
+            return None;
+        }
+        Some(self.source_word(i).load(Ordering::Relaxed)).filter(|&h| h != 0)
+    }
+
     /// The cache file's path.
     pub(crate) fn path(&self) -> &Path {
         &self.path
@@ -786,7 +819,8 @@ impl Cache {
             if Self::bit_set(&self.verified, i) {
                 return Lookup::Hit(record);
             }
-            if record_sum(record, i) == self.check_word(i).load(Ordering::Relaxed) {
+            let source = self.source_word(i).load(Ordering::Relaxed);
+            if record_sum(record, i, source) == self.check_word(i).load(Ordering::Relaxed) {
                 self.verified[i / 64].fetch_or(bit, Ordering::Relaxed);
                 return Lookup::Hit(record);
             }
@@ -936,13 +970,14 @@ pub(crate) struct RecordWriter<'a> {
 }
 
 impl RecordWriter<'_> {
-    /// Writes the whole record with one positioned write, then its check, then publishes it.
+    /// Writes the whole record with one positioned write, then the content hash of its
+    /// source file (`source`) and its check, then publishes it.
     /// Writing through the file rather than the shared map spares a page fault per page of a
     /// fresh record (about 8 % of a first epoch) and turns a full disk into an error value;
     /// the kernel keeps the map coherent with the file's page cache, so readers see the bytes
     /// through the map once the bit is published. On an error nothing is published and the
     /// claim is released (a later pass decodes the image again).
-    pub(crate) fn write_and_commit(self, pixels: &[u8]) -> std::io::Result<()> {
+    pub(crate) fn write_and_commit(self, pixels: &[u8], source: u64) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
         let bytes = self.cache.layout.record_bytes;
         if pixels.len() != bytes {
@@ -959,9 +994,10 @@ impl RecordWriter<'_> {
         let at = self.cache.layout.records + self.index * bytes;
         file.write_all_at(pixels, at as u64)?;
         let i = self.index;
+        self.cache.source_word(i).store(source, Ordering::Relaxed);
         self.cache
             .check_word(i)
-            .store(record_sum(pixels, i), Ordering::Relaxed);
+            .store(record_sum(pixels, i, source), Ordering::Relaxed);
         self.cache.verified[i / 64].fetch_or(1 << (i % 64), Ordering::Relaxed);
         self.commit();
         Ok(())

@@ -42,6 +42,34 @@ pub enum PipelineError {
         /// Its folder.
         path: PathBuf,
     },
+    /// After the validation share was held out, a class has no readable training image left
+    /// (training on it would never see the class).
+    #[error("class `{class}` has no readable training image after the validation split: --valid-fraction {fraction} holds out {held} of its {files} files in {path}{} (hint: a smaller --valid-fraction, or more images in the class)", if held < files { ", and the others are unreadable" } else { "" })]
+    ClassWithoutTrainingImages {
+        /// The class name.
+        class: String,
+        /// The validation share.
+        fraction: f32,
+        /// The class's files held out.
+        held: usize,
+        /// The class's files (or CSV rows).
+        files: usize,
+        /// Its folder, or the CSV file listing it.
+        path: PathBuf,
+    },
+    /// A file the engine would write (its bad-files report, its cache) lies inside the
+    /// dataset, where it would become part of the data or replace an image.
+    #[error("{what} {path} is inside the dataset {data} (hint: {hint})")]
+    WritesIntoDataset {
+        /// What would be written ("the bad-files report", "the cache folder").
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// The dataset folder (or the CSV's image folder) it lies in.
+        data: PathBuf,
+        /// What to do instead.
+        hint: &'static str,
+    },
     /// Every image of the split is unreadable.
     #[error("every image of split `{split}` under {root} is unreadable ({bad} bad files; see the bad-files report)")]
     AllImagesBad {

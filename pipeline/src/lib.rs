@@ -2,7 +2,7 @@
 //!
 //! The engine turns a folder of images into a stream of ready-to-train micro-batches: it
 //! **scans** an image-folder dataset (the Kaggle "285 birds" `train/valid/test/<class>/`
-//! layout, a flat `<class>/` layout with a seeded valid split, or a list of files with
+//! layout, a flat `<class>/` layout with a seeded valid split of each class, or a list of files with
 //! labels, [`DatasetSource::list`]), **decodes** JPEG, PNG, BMP, WebP and GIF to RGB8 on a
 //! pool of OS threads, **resizes** to `S×S` with SIMD
 //! (`fast_image_resize`), **caches** the result in one memory-mapped file per split and resize
@@ -62,6 +62,7 @@ pub mod bench;
 mod buffer;
 mod builder;
 mod cache;
+mod content;
 mod crop;
 mod decode;
 mod error;
@@ -70,8 +71,10 @@ pub mod limits;
 mod options;
 mod order;
 mod pipeline;
+mod place;
 mod resize;
 mod scan;
+mod split;
 mod stats;
 pub mod synth;
 mod worker;
@@ -83,10 +86,13 @@ pub use bad::{BadFile, BadFileKind};
 pub use batch::Batch;
 pub use buffer::{BatchAllocator, HostBuffer, VecAllocator};
 pub use builder::{check_store_size, MirroredLater, PipelineBuilder};
+pub use content::{content_hash, hash_file, FileState};
 pub use crop::{check_crop_pct, CropWindow, RandomResizedCrop};
 pub use error::PipelineError;
 pub use jitter::{Adjust, ColorJitter, JitterDraw};
 pub use options::{LastBatch, OnBadImage, ResizeMode, Sampling, Split};
 pub use pipeline::{EpochIter, EpochStream, Pipeline};
+pub use place::resolve;
 pub use scan::DatasetSource;
+pub use split::{held_out, SplitRule};
 pub use stats::{CacheHealth, EngineStats};

@@ -162,17 +162,23 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
         crate::DatasetSource::Flat {
             root,
             valid_fraction,
-        } => (root, format!("flat-{valid_fraction}-{}", b.seed)),
+            rule,
+        } => (
+            root,
+            format!("flat-{valid_fraction}-{}{}", b.seed, rule_key(*rule)),
+        ),
         crate::DatasetSource::Csv {
             file,
             base,
             valid_fraction,
+            rule,
         } => (
             base,
             format!(
-                "csv-{}-{valid_fraction:?}-{}",
+                "csv-{}-{valid_fraction:?}-{}{}",
                 file.file_name().unwrap_or_default().to_string_lossy(),
-                b.seed
+                b.seed,
+                rule_key(*rule)
             ),
         ),
     };
@@ -194,6 +200,47 @@ fn cache_path(b: &PipelineBuilder) -> PathBuf {
         b.stored_side(),
         b.resize_mode
     ))
+}
+
+/// The bad-files report and a cache folder given by the caller must lie outside the dataset
+/// (a list of files to classify is no dataset folder: anything may lie beside them).
+fn refuse_writes_into_dataset(b: &PipelineBuilder) -> Result<(), PipelineError> {
+    if matches!(b.source, crate::DatasetSource::List { .. }) {
+        return Ok(());
+    }
+    let places = [
+        (
+            "the bad-files report",
+            b.bad_files_report.as_deref(),
+            "write it outside the dataset; a trainer writes it into its run folder, so give --out a folder outside --data",
+        ),
+        (
+            "the cache folder",
+            b.cache_dir.as_deref(),
+            "give --cache-dir a folder outside --data",
+        ),
+    ];
+    for (what, path, hint) in places {
+        let Some(path) = path else { continue };
+        if let Some(data) = b.source.folder_holding(path)? {
+            return Err(PipelineError::WritesIntoDataset {
+                what,
+                path: path.to_path_buf(),
+                data,
+                hint,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The split rule's part of a cache file's key: none for version 1, so the caches made
+/// before version 2 keep their names.
+fn rule_key(rule: crate::SplitRule) -> String {
+    match rule {
+        crate::SplitRule::PerFileDraw => String::new(),
+        rule => format!("-split{}", rule.version()),
+    }
 }
 
 /// Checks the counts that depend on the dataset and the machine; returns the bytes of one
@@ -262,6 +309,7 @@ fn check_counts(b: &PipelineBuilder, images: usize) -> Result<usize, PipelineErr
 
 impl Pipeline {
     pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
+        refuse_writes_into_dataset(&b)?;
         let scanned = crate::scan::scan(&b.source, b.split, b.seed)?;
         if b.on_bad_image == OnBadImage::Fail {
             if let Some(first) = scanned.bad.first() {
@@ -355,6 +403,7 @@ impl Pipeline {
             mirrored_later: b.mirrored_later.clone(),
             on_bad: b.on_bad_image,
             max_pixels: b.max_pixels,
+            contents: crate::content::Contents::new(labels.len()),
             cache,
             counters,
             bad: Mutex::new(log),
@@ -462,6 +511,34 @@ impl Pipeline {
     /// own key includes them).
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
+    }
+
+    /// Every file of the split in sample order: its size and times at the scan, and its
+    /// content hash where this engine has read its bytes or its cache holds the hash (a
+    /// trainer records them with its checkpoints; see [`FileState`](crate::FileState)).
+    pub fn files(&self) -> Vec<crate::FileState> {
+        let shared = &self.inner.shared;
+        shared
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| crate::FileState {
+                size: s.size,
+                mtime_ns: u64::try_from(s.mtime_ns).unwrap_or(u64::MAX),
+                ctime_ns: i64::try_from(s.identity.ctime_ns).unwrap_or(0),
+                inode: s.identity.inode,
+                content: shared.contents.get(i).or_else(|| shared.cache.source(i)),
+            })
+            .collect()
+    }
+
+    /// Takes `hash` as sample `index`'s content hash where none is known yet: a trainer
+    /// hands back what a resumed checkpoint recorded of files it found unchanged, so its
+    /// next checkpoint records them too before this engine reads them again.
+    pub fn assume_content(&self, index: usize, hash: u64) {
+        if hash != 0 {
+            self.inner.shared.contents.note(index, hash);
+        }
     }
 
     /// The cache file in use.

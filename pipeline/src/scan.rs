@@ -1,15 +1,17 @@
 //! Scanning a dataset folder into a sorted list of samples with class labels.
 //!
 //! Two layouts: the Kaggle "285 birds" `<root>/{train,valid,test}/<class>/<file>` and a flat
-//! `<root>/<class>/<file>` whose valid share is picked per file by a seeded hash, so the split
-//! is stable for a seed and does not move when files are added elsewhere. The class index is
-//! always the sorted folder names of the train split (flat: of the root).
+//! `<root>/<class>/<file>` whose valid share is held out of each class by a seeded hash of the
+//! paths ([`crate::split`]), so the split is stable for a seed and moves at most one file when
+//! a file is added. The class index is always the sorted folder names of the train split
+//! (flat: of the root).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 use crate::bad::{BadFile, BadFileKind};
+use crate::split::{held_out_mask, SplitRule};
 use crate::{PipelineError, Split};
 
 /// Where a dataset lives and how it is laid out.
@@ -26,6 +28,8 @@ pub enum DatasetSource {
         root: PathBuf,
         /// Share of files in the valid split, in `[0, 1)`.
         valid_fraction: f32,
+        /// How the share is held out.
+        rule: SplitRule,
     },
     /// A CSV file listing the images: a header naming a path column (`path`, `filepath(s)`,
     /// `file`, `filename` or `image`), a label column (`label(s)` or `class`) and,
@@ -33,8 +37,9 @@ pub enum DatasetSource {
     /// `train`, `valid`/`val`/`validation` or `test`), in any order and case, other columns
     /// ignored (the Kaggle birds CSV has this shape). Relative paths are relative to the CSV's
     /// folder. Classes are the sorted labels of the train rows. Without a split column,
-    /// `valid_fraction` splits the rows as the flat layout does. A class whose rows in the
-    /// split name no readable image is an error, as an empty class folder is.
+    /// `valid_fraction` splits the rows as the flat layout does (a class is then every label
+    /// the rows name, and one left with no training row is an error). A class whose rows in
+    /// the split name no readable image is an error, as an empty class folder is.
     Csv {
         /// The CSV file.
         file: PathBuf,
@@ -42,6 +47,8 @@ pub enum DatasetSource {
         base: PathBuf,
         /// Without a split column: the share of rows in the valid split.
         valid_fraction: Option<f32>,
+        /// How the share is held out.
+        rule: SplitRule,
     },
     /// A list of image files with their labels, in the given order (a CSV-labelled dataset,
     /// or files to classify). The split only names the cache; every split is the whole list.
@@ -59,11 +66,36 @@ impl DatasetSource {
         Self::Folder { root: root.into() }
     }
 
-    /// A flat `<root>/<class>/<file>` dataset split by a seeded hash.
+    /// A flat `<root>/<class>/<file>` dataset, `valid_fraction` of each class held out by
+    /// the current rule ([`SplitRule::CURRENT`]; [`DatasetSource::with_split_rule`] picks
+    /// another).
     pub fn flat(root: impl Into<PathBuf>, valid_fraction: f32) -> Self {
         Self::Flat {
             root: root.into(),
             valid_fraction,
+            rule: SplitRule::CURRENT,
+        }
+    }
+
+    /// The same source with the validation share held out by `rule` (a run keeps the rule
+    /// it trained with); no change for sources that hold no share out.
+    pub fn with_split_rule(mut self, rule: SplitRule) -> Self {
+        if let Self::Flat { rule: r, .. } | Self::Csv { rule: r, .. } = &mut self {
+            *r = rule;
+        }
+        self
+    }
+
+    /// How the validation share is held out, for a source that holds one out by a share.
+    pub fn split_rule(&self) -> Option<SplitRule> {
+        match self {
+            Self::Flat { rule, .. } => Some(*rule),
+            Self::Csv {
+                rule,
+                valid_fraction: Some(_),
+                ..
+            } => Some(*rule),
+            _ => None,
         }
     }
 
@@ -92,6 +124,7 @@ impl DatasetSource {
             file,
             base,
             valid_fraction,
+            rule: SplitRule::CURRENT,
         }
     }
 
@@ -313,12 +346,14 @@ pub(crate) fn scan(
         DatasetSource::Flat {
             root,
             valid_fraction,
-        } => scan_flat(root, split, *valid_fraction, seed),
+            rule,
+        } => scan_flat(root, split, *valid_fraction, *rule, seed),
         DatasetSource::Csv {
             file,
             base,
             valid_fraction,
-        } => scan_csv(file, base, split, *valid_fraction, seed),
+            rule,
+        } => scan_csv(file, base, split, *valid_fraction, *rule, seed),
         DatasetSource::List { classes, samples } => scan_list(classes, samples),
     }
 }
@@ -328,6 +363,15 @@ struct CsvRow {
     path: PathBuf,
     label: String,
     split: Option<Split>,
+}
+
+/// The image paths a dataset CSV lists, every split (relative ones joined to `base`).
+pub(crate) fn listed_paths(file: &Path, base: &Path) -> Result<Vec<PathBuf>, PipelineError> {
+    Ok(read_csv(file, base)?
+        .0
+        .into_iter()
+        .map(|r| r.path)
+        .collect())
 }
 
 /// The column of `headers` named by one of `names` (compared trimmed, in lower case).
@@ -410,6 +454,7 @@ fn scan_csv(
     base: &Path,
     split: Split,
     valid_fraction: Option<f32>,
+    rule: SplitRule,
     seed: u64,
 ) -> Result<ScannedSplit, PipelineError> {
     if !file.is_file() {
@@ -428,32 +473,39 @@ fn scan_csv(
             });
         }
     }
-    // A row's split: its own column, else the flat layout's seeded draw, else train.
-    let split_of = |row: &CsvRow| match (row.split, valid_fraction) {
-        (Some(s), _) => s,
-        (None, Some(f)) => {
-            let rel = row.path.strip_prefix(base).unwrap_or(&row.path);
-            if split_draw(seed, rel) < f64::from(f) {
-                Split::Valid
-            } else {
-                Split::Train
-            }
-        }
-        (None, None) => Split::Train,
-    };
+    let splits = csv_splits(&rows, base, valid_fraction, rule, seed);
+    // Held out per class, every label the rows name is a class (one left without a training
+    // row is refused below); otherwise the train rows' labels are.
+    let per_class = valid_fraction.is_some() && rule == SplitRule::PerClass;
     let mut classes: Vec<String> = rows
         .iter()
-        .filter(|r| split_of(r) == Split::Train)
-        .map(|r| r.label.clone())
+        .zip(&splits)
+        .filter(|(_, s)| per_class || **s == Split::Train)
+        .map(|(r, _)| r.label.clone())
         .collect();
     classes.sort();
     classes.dedup();
+    if let (Some(fraction), true) = (valid_fraction, split == Split::Train) {
+        for class in &classes {
+            let of_class = || rows.iter().zip(&splits).filter(|(r, _)| &r.label == class);
+            if !of_class().any(|(_, s)| *s == Split::Train) {
+                let files = of_class().count();
+                return Err(PipelineError::ClassWithoutTrainingImages {
+                    class: class.clone(),
+                    fraction,
+                    held: files,
+                    files,
+                    path: file.to_path_buf(),
+                });
+            }
+        }
+    }
     let mut samples = Vec::new();
     let mut bad = Vec::new();
     // Per class: rows in this split, and the label of each bad file.
     let mut rows_per_class = vec![0usize; classes.len()];
     let mut bad_labels = Vec::new();
-    for row in rows.iter().filter(|r| split_of(r) == split) {
+    for (row, _) in rows.iter().zip(&splits).filter(|(_, s)| **s == split) {
         let label = classes
             .binary_search(&row.label)
             .map_err(|_| PipelineError::UnknownClass {
@@ -587,16 +639,48 @@ fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError>
     })
 }
 
-/// A uniform number in `[0, 1)` from the seed and the file's path relative to the root.
-fn split_draw(seed: u64, relative: &Path) -> f64 {
-    let h = xxhash_rust::xxh3::xxh3_64_with_seed(relative.as_os_str().as_encoded_bytes(), seed);
-    (h >> 11) as f64 / (1u64 << 53) as f64
+/// Each row's split: its own column, else held out by `rule` at `valid_fraction` among the
+/// rows of its label (paths relative to `base`), else train.
+fn csv_splits(
+    rows: &[CsvRow],
+    base: &Path,
+    valid_fraction: Option<f32>,
+    rule: SplitRule,
+    seed: u64,
+) -> Vec<Split> {
+    let mut splits: Vec<Split> = rows
+        .iter()
+        .map(|r| r.split.unwrap_or(Split::Train))
+        .collect();
+    let Some(fraction) = valid_fraction else {
+        return splits;
+    };
+    let mut by_label: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (i, row) in rows.iter().enumerate() {
+        if row.split.is_none() {
+            by_label.entry(&row.label).or_default().push(i);
+        }
+    }
+    for indices in by_label.values() {
+        let relative: Vec<&Path> = indices
+            .iter()
+            .map(|&i| rows[i].path.strip_prefix(base).unwrap_or(&rows[i].path))
+            .collect();
+        let held = held_out_mask(rule, fraction, seed, &relative);
+        for (&i, held) in indices.iter().zip(held) {
+            if held {
+                splits[i] = Split::Valid;
+            }
+        }
+    }
+    splits
 }
 
 fn scan_flat(
     root: &Path,
     split: Split,
     valid_fraction: f32,
+    rule: SplitRule,
     seed: u64,
 ) -> Result<ScannedSplit, PipelineError> {
     if !(0.0..1.0).contains(&valid_fraction) {
@@ -621,28 +705,53 @@ fn scan_flat(
             split: split.to_string(),
         });
     }
+    let want_valid = split == Split::Valid;
     let mut samples = Vec::new();
     let mut bad = Vec::new();
     for (label, class) in class_folders.iter().enumerate() {
         let dir = root.join(&class.folder);
-        let mut all = Vec::new();
-        class_files(&dir, label as u32, &mut all, &mut bad)?;
-        if all.is_empty() {
+        let mut good = Vec::new();
+        let mut unusable = Vec::new();
+        class_files(&dir, label as u32, &mut good, &mut unusable)?;
+        if good.is_empty() {
             return Err(PipelineError::ClassWithoutImages {
                 class: class.name.clone(),
                 path: dir,
             });
         }
-        let want_valid = split == Split::Valid;
-        samples.extend(all.into_iter().filter(|s| {
-            let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
-            (split_draw(seed, rel) < f64::from(valid_fraction)) == want_valid
-        }));
+        // Every file of the class takes part, readable or not: the split depends on the
+        // names alone, so a file that becomes readable moves no other file.
+        let relative: Vec<&Path> = good
+            .iter()
+            .map(|s| s.path.as_path())
+            .chain(unusable.iter().map(|b| b.path.as_path()))
+            .map(|p| p.strip_prefix(root).unwrap_or(p))
+            .collect();
+        let held = held_out_mask(rule, valid_fraction, seed, &relative);
+        let (good_held, bad_held) = held.split_at(good.len());
+        if split == Split::Train && good_held.iter().all(|h| *h) {
+            return Err(PipelineError::ClassWithoutTrainingImages {
+                class: class.name.clone(),
+                fraction: valid_fraction,
+                held: held.iter().filter(|h| **h).count(),
+                files: held.len(),
+                path: dir,
+            });
+        }
+        samples.extend(
+            good.into_iter()
+                .zip(good_held)
+                .filter(|(_, h)| **h == want_valid)
+                .map(|(s, _)| s),
+        );
+        bad.extend(
+            unusable
+                .into_iter()
+                .zip(bad_held)
+                .filter(|(_, h)| **h == want_valid)
+                .map(|(b, _)| b),
+        );
     }
-    bad.retain(|b| {
-        let rel = b.path.strip_prefix(root).unwrap_or(&b.path);
-        (split_draw(seed, rel) < f64::from(valid_fraction)) == (split == Split::Valid)
-    });
     if samples.is_empty() {
         return Err(PipelineError::EmptySplit {
             root: root.to_path_buf(),

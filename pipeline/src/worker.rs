@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     pub(crate) on_bad: OnBadImage,
     pub(crate) max_pixels: u64,
     pub(crate) cache: Cache,
+    /// The content hash of each sample's file, once read (or found in the cache).
+    pub(crate) contents: crate::content::Contents,
     pub(crate) counters: Counters,
     pub(crate) bad: Mutex<BadLog>,
     pub(crate) report: Option<std::path::PathBuf>,
@@ -354,6 +356,9 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
     };
     match shared.cache.lookup(i) {
         Lookup::Hit(record) => {
+            if let Some(source) = shared.cache.source(i) {
+                shared.contents.note(i, source);
+            }
             after.apply(record, dest, scratch, shared, &sample.path)?;
             shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(Outcome::Hit);
@@ -381,6 +386,8 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         let file = BadFile::new(sample.path.clone(), BadFileKind::Unreadable, e.to_string());
         return bad(shared, job.index, file, Some(Box::new(e)));
     }
+    // The bytes are here anyway: their hash is what a run records of this file's contents.
+    let source = crate::content::content_hash(&scratch.bytes);
     let kind = if scratch.bytes.is_empty() {
         Some(BadFileKind::Empty)
     } else {
@@ -404,6 +411,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         );
         return bad(shared, job.index, file, Some(failure.source));
     }
+    shared.contents.note(i, source);
     if claim.is_none() && after.is_copy() {
         resize(scratch, dest, &sample.path)?;
         Counters::add_nanos(&shared.counters.decode_nanos, started);
@@ -417,7 +425,7 @@ fn produce(job: &Job, scratch: &mut Scratch) -> Result<Outcome, PipelineError> {
         let placed =
             resized.and_then(|()| after.apply(&record, dest, scratch, shared, &sample.path));
         if let (Ok(()), Some(claim)) = (&placed, claim) {
-            if let Err(e) = claim.write_and_commit(&record) {
+            if let Err(e) = claim.write_and_commit(&record, source) {
                 shared.cache.note_write_failure(&e);
             }
         }

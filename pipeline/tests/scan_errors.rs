@@ -198,22 +198,18 @@ fn the_flat_layout_split_is_stable_for_a_seed_and_partitions_the_files() {
         60,
         "the splits partition the files"
     );
-    assert!(
-        (8..=22).contains(&valid.len()),
-        "about a quarter in valid: {}",
-        valid.len()
-    );
+    assert_eq!(valid.len(), 15, "a quarter of each class's 20 files");
     // Stable: the same seed gives the same split, another seed another one.
     assert_eq!(files(&build(Split::Valid, 1)), valid);
     assert_ne!(files(&build(Split::Valid, 2)), valid);
-    // Adding a file does not move any other file between splits.
+    // Adding a file moves at most one other file between the splits.
     std::fs::copy(
         flat.path().join("class_00/train_00000.png"),
         flat.path().join("class_00/zz_new.png"),
     )
     .unwrap();
     let after = files(&build(Split::Valid, 1));
-    assert!(after.is_superset(&valid) && after.len() <= valid.len() + 1);
+    assert!(valid.difference(&after).count() <= 1 && after.len() <= valid.len() + 1);
     assert!(matches!(
         build_err(flat.path(), cache.path()),
         PipelineError::InvalidSetting { .. }

@@ -13,12 +13,14 @@
 //! - `accumulate: true` means "add into the destination" (a value with two consumers, such as a
 //!   residual block input, receives gradient from both); `false` overwrites.
 
+pub mod bn_sync;
 pub mod conformance;
 pub mod cpu;
 
 mod error;
 mod shapes;
 
+pub use bn_sync::{DeviceSums, SumsMut};
 pub use error::BackendError;
 pub use shapes::{BnMode, BnShape, ConvShape, LinearShape, PoolShape};
 
@@ -359,6 +361,122 @@ pub trait Backend: Send {
             *d += a[ch] + b[ch] * xv[i];
         }
         self.upload(&dv, dx)
+    }
+
+    /// f64 values synchronised batch norm sums over replicas ([`bn_sync`]), kept where the
+    /// backend computes: host memory on the CPU, device memory on a GPU.
+    type Sums: Send;
+
+    /// Zeroed sums of `len` values.
+    fn alloc_sums(&self, len: usize) -> Result<Self::Sums, BackendError>;
+
+    /// The sums as a reducer sees them (it sums them in place, over replicas).
+    fn sums_mut<'a>(&self, sums: &'a mut Self::Sums) -> SumsMut<'a>;
+
+    /// Synchronised BN forward, before the replicas' sum: `moments` (2·channels + 1 values)
+    /// ← Σx, Σx² per channel and the rows of this replica's batch, from its batch `mean` and
+    /// unbiased `var` ([`bn_sync::moments`]).
+    ///
+    /// The defaults of the four `bn_sync_*` ops compute on the host through download and
+    /// upload (the CPU backend's; exact). The CUDA backend runs them as kernels, so with a
+    /// collective that sums device memory a synchronised layer never crosses to the host.
+    fn bn_sync_moments(
+        &self,
+        shape: BnShape,
+        mean: &Self::Tensor,
+        var: &Self::Tensor,
+        moments: &mut Self::Sums,
+    ) -> Result<(), BackendError> {
+        let sums = bn_sync::moments(shape, &self.download(mean)?, &self.download(var)?)?;
+        self.sums_mut(moments).write(&sums)
+    }
+
+    /// Synchronised BN forward, after the sum: the global batch's mean and biased variance
+    /// into the first `channels` values of `mean` and `var` (what the frozen-statistics op
+    /// then normalises with), and the running statistics advanced with the global mean and
+    /// unbiased variance by `momentum` ([`bn_sync::global_statistics`],
+    /// [`bn_sync::advance_running`]).
+    #[allow(clippy::too_many_arguments)]
+    fn bn_sync_statistics(
+        &self,
+        channels: usize,
+        moments: &mut Self::Sums,
+        mean: &mut Self::Tensor,
+        var: &mut Self::Tensor,
+        running_mean: &mut Self::Tensor,
+        running_var: &mut Self::Tensor,
+        momentum: f32,
+    ) -> Result<(), BackendError> {
+        let sums = self.sums_mut(moments).read()?;
+        let (gm, gv, rows) = bn_sync::global_statistics(channels, &sums)?;
+        let len = self.len(mean);
+        let mut hm = vec![0.0f32; len];
+        let mut hv = vec![1.0f32; len];
+        for ch in 0..channels.min(len) {
+            hm[ch] = gm[ch] as f32;
+            hv[ch] = gv[ch] as f32;
+        }
+        self.upload(&hm, mean)?;
+        self.upload(&hv, var)?;
+        let mut rm = self.download(running_mean)?;
+        let mut rv = self.download(running_var)?;
+        bn_sync::advance_running(&mut rm, &mut rv, &gm, &gv, rows, momentum);
+        self.upload(&rm, running_mean)?;
+        self.upload(&rv, running_var)
+    }
+
+    /// Synchronised BN backward, before the sum: `grads` (2·channels values) ← this
+    /// replica's dγ and dβ times its share of the global rows, read from the summed
+    /// `moments` of the same layer's forward ([`bn_sync::grad_sums`]).
+    fn bn_sync_grad_sums(
+        &self,
+        shape: BnShape,
+        moments: &mut Self::Sums,
+        dgamma: &Self::Tensor,
+        dbeta: &Self::Tensor,
+        grads: &mut Self::Sums,
+    ) -> Result<(), BackendError> {
+        let global_rows = self
+            .sums_mut(moments)
+            .read()?
+            .get(2 * shape.channels)
+            .copied()
+            .ok_or_else(|| BackendError::Shape {
+                op: "bn_sync_grad_sums",
+                detail: format!("forward sums too short for {} channels", shape.channels),
+            })?;
+        let sums = bn_sync::grad_sums(
+            shape,
+            global_rows,
+            &self.download(dgamma)?,
+            &self.download(dbeta)?,
+        )?;
+        self.sums_mut(grads).write(&sums)
+    }
+
+    /// Synchronised BN backward, after the sum: `dx += a + b·x` per channel over the first
+    /// `shape.rows` rows, the correction from the summed `grads`
+    /// ([`bn_sync::backward_coefficients`]).
+    #[allow(clippy::too_many_arguments)]
+    fn bn_sync_backward(
+        &self,
+        shape: BnShape,
+        grads: &mut Self::Sums,
+        gamma: &Self::Tensor,
+        mean: &Self::Tensor,
+        invstd: &Self::Tensor,
+        x: &Self::Tensor,
+        dx: &mut Self::Tensor,
+    ) -> Result<(), BackendError> {
+        let sums = self.sums_mut(grads).read()?;
+        let (a, b) = bn_sync::backward_coefficients(
+            shape,
+            &sums,
+            &self.download(gamma)?,
+            &self.download(mean)?,
+            &self.download(invstd)?,
+        )?;
+        self.channel_affine_accumulate(shape, x, &a, &b, dx)
     }
 
     /// Max pooling (torch semantics: padding never wins a max).

@@ -106,6 +106,13 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
         super::counts::check_workers(w)?;
     }
     super::paths::check_cache_dir(args.cache_dir.as_deref())?;
+    if let Some(dir) = &args.cache_dir {
+        super::paths::Guarded {
+            runs: Vec::new(),
+            data: Some(&args.data),
+        }
+        .check_folder("--cache-dir", dir)?;
+    }
     let mut opts = PipelineBenchOptions::new(&args.data);
     opts.split = split;
     opts.valid_fraction = args.valid_fraction;

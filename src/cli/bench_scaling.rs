@@ -423,7 +423,7 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
     use crate::dist::launch::LaunchPlan;
     use crate::dist::nccl::{new_unique_id, DeviceGrads, NcclCollective};
     use crate::dist::ranks::run_local_ranks;
-    use crate::dist::rendezvous::{rendezvous, NodeInfo};
+    use crate::dist::rendezvous::{rendezvous, NodeInfo, StartPoint};
     use cudarc::driver::DevicePtr;
 
     let launch = LaunchPlan::single_node((0..gpus).collect());
@@ -433,6 +433,7 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
         local_gpus: gpus,
         fingerprint: 0,
         model: String::new(),
+        start: StartPoint::Fresh,
     };
     let assignment = rendezvous(None, &me, Duration::from_secs(60), || {
         new_unique_id().map_err(|e| e.to_string())
@@ -481,6 +482,14 @@ pub fn measure_allreduce(plan: &BucketPlan, gpus: usize, steps: usize) -> anyhow
 
 /// Runs `birdtrain bench scaling`.
 pub fn run(args: BenchScalingArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.json {
+        // Checked before the measurement: never a run folder's own file or a best/ folder.
+        super::paths::Guarded {
+            runs: Vec::new(),
+            data: None,
+        }
+        .check_file("--json", path)?;
+    }
     let devices = detect_cuda_devices();
     if devices.len() > 1 {
         eprintln!(

@@ -64,6 +64,19 @@ pub enum CliError {
         /// Its flag.
         flag: &'static str,
     },
+    /// A path a command would write lies where writing destroys something: a run folder's
+    /// own file, a `best/` folder, the dataset.
+    #[error("{flag} {path} {clash} (hint: {hint})")]
+    WouldOverwrite {
+        /// The flag naming the path.
+        flag: &'static str,
+        /// The path given.
+        path: PathBuf,
+        /// What is there, naming it.
+        clash: String,
+        /// What to do instead.
+        hint: String,
+    },
     /// Another command's error (benchmarks and kernel tools owned by other modules).
     #[error("{0:#}")]
     Other(anyhow::Error),
@@ -83,6 +96,7 @@ impl CliError {
         match self {
             CliError::BadValue { .. }
             | CliError::Missing { .. }
+            | CliError::WouldOverwrite { .. }
             | CliError::Pipeline(pipeline::PipelineError::InvalidSetting { .. })
             | CliError::Train(
                 TrainError::InvalidConfig { .. }

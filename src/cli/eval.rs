@@ -123,6 +123,21 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if let Some(path) = &args.confusion {
         super::paths::check_output_file(path, "--confusion takes a file to write (CSV)")?;
     }
+    // No output may replace a file of the run evaluated (or of any run), land in a best/
+    // folder or among the dataset's images.
+    let guard = super::paths::Guarded {
+        runs: vec![("--checkpoint", args.checkpoint.as_path())],
+        data: Some(&args.data),
+    };
+    if let Some(path) = &args.predictions {
+        guard.check_file("--predictions", path)?;
+    }
+    if let Some(path) = &args.confusion {
+        guard.check_file("--confusion", path)?;
+    }
+    if let Some(dir) = &args.cache_dir {
+        guard.check_folder("--cache-dir", dir)?;
+    }
     // Neither output may overwrite the other, nor the CSV file the images are listed in.
     let mut files: Vec<(&'static str, &std::path::Path)> = Vec::new();
     if args.data.is_file() {
@@ -136,7 +151,10 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
     let crop_pct = crop_pct_for(args.crop_pct, &meta)?;
     let (valid_fraction, seed) = split_settings(&args, &meta)?;
-    let source = pipeline::DatasetSource::at(&args.data, valid_fraction);
+    // The checkpoint's split rule: a run trained before per-class splitting is scored on the
+    // images it held out then.
+    let source = pipeline::DatasetSource::at(&args.data, valid_fraction)
+        .with_split_rule(meta.settings.split_rule());
     let mut b = PipelineBuilder::new(source)
         .split(split)
         .image_size(meta.image_size)

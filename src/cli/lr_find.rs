@@ -16,7 +16,7 @@ use crate::train::{self, TrainError};
 /// File of the sweep's points inside the output folder.
 pub const POINTS_FILE: &str = crate::train::folder::LR_FIND_FILE;
 /// File of the sweep's picture inside the output folder.
-pub const PLOT_FILE: &str = "lr_find.png";
+pub const PLOT_FILE: &str = crate::train::folder::LR_FIND_PLOT_FILE;
 
 /// Flags of `birdtrain lr-find`: the training flags (model, data, batch, optimizer,
 /// augmentation, devices…), and the sweep's.
@@ -63,7 +63,9 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
     let (mut cfg, note) = to_config(&args.train)?;
     if args.train.out.is_none() {
         cfg.out = next_run_dir(Path::new("runs"), &format!("lr-find-{}", cfg.arch.name()));
+        super::paths::check_train_paths(&cfg)?;
     }
+    refuse_training_run(&cfg.out)?;
     cfg.lr_range = Some(range);
     cfg.stop_after_steps = Some(range.steps);
     // Every epoch has a step at least, so the sweep never runs out of epochs.
@@ -96,6 +98,39 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
         Some(signal) => Ok(ExitCode::from(128 + signal as u8)),
         None => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// lr-find never writes into a training run's folder, `--overwrite` or not: a sweep writes
+/// two files and no checkpoint, so "replacing" the run would delete its history and best
+/// epoch while its checkpoint stayed (a half-deleted run that still resumes). Replacing an
+/// earlier sweep is what `--overwrite` is for here.
+fn refuse_training_run(out: &Path) -> Result<(), CliError> {
+    let folder = crate::train::RunFolder::new(out);
+    let mut found: Vec<&str> = [
+        crate::train::checkpoint::SIDECAR_FILE,
+        crate::train::folder::METRICS_FILE,
+    ]
+    .into_iter()
+    .filter(|f| out.join(f).exists())
+    .collect();
+    if folder.best_path().exists() {
+        found.push("best/");
+    }
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(CliError::WouldOverwrite {
+        flag: "--out",
+        path: out.to_path_buf(),
+        clash: format!(
+            "holds a training run ({}): lr-find never replaces one, even with --overwrite, since its sweep saves no checkpoint and would leave the run without its history",
+            found.join(", ")
+        ),
+        hint: format!(
+            "give lr-find a new --out; to train afresh there, `birdtrain --out {} --overwrite` replaces the run",
+            out.display()
+        ),
+    })
 }
 
 /// `lr_find.jsonl` (one point per line) and `lr_find.png`.

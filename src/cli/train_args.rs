@@ -42,13 +42,20 @@ pub struct DistArgs {
     /// Seconds a collective may take before every rank aborts (a rank stopped answering).
     #[arg(long, default_value_t = DistSettings::default().collective_timeout)]
     pub collective_timeout: u64,
+    /// Seconds the ranks wait for each other at an epoch end or a checkpoint (validation of
+    /// each rank's share, rank 0 writing the run folder), in place of --collective-timeout;
+    /// a rank that fails there still stops the others at once.
+    #[arg(long, default_value_t = DistSettings::default().epoch_end_timeout)]
+    pub epoch_end_timeout: u64,
     /// Gradient bucket size in MiB (one average per bucket, started during backward).
     #[arg(long, default_value_t = DistSettings::default().bucket_mb)]
     pub bucket_mb: f64,
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
     #[arg(long, default_value_t = DistSettings::default().prefetch_depth)]
     pub prefetch_depth: usize,
-    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits.
+    /// Write a Chrome trace (open in Perfetto) of copies, compute, all-reduces and waits;
+    /// node k > 0 of a multi-node run writes its own beside it (trace.node<k>.json for
+    /// trace.json).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm: normalise with the statistics of the global batch (every
@@ -72,6 +79,7 @@ impl From<&DistSettings> for DistArgs {
             master: d.master.clone(),
             rendezvous_timeout: d.rendezvous_timeout,
             collective_timeout: d.collective_timeout,
+            epoch_end_timeout: d.epoch_end_timeout,
             bucket_mb: d.bucket_mb,
             prefetch_depth: d.prefetch_depth,
             trace: d.trace.clone(),
@@ -89,6 +97,7 @@ impl DistArgs {
             master: self.master.clone(),
             rendezvous_timeout: self.rendezvous_timeout,
             collective_timeout: self.collective_timeout,
+            epoch_end_timeout: self.epoch_end_timeout,
             bucket_mb: self.bucket_mb,
             prefetch_depth: self.prefetch_depth,
             trace: self.trace.clone(),

@@ -16,7 +16,7 @@ use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnShape, ConvShape,
-    LinearShape, LossStats, PoolShape, Targets, TensorRole,
+    DeviceSums, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
 };
 use crate::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -130,6 +130,55 @@ struct Workspace {
     /// `norm` holds the ImageNet scale/shift (a pageable upload synchronises the stream, so
     /// the constants go up once, not every step).
     norm_ready: bool,
+    /// Synchronised batch norm's correction coefficients a and b (f32 [C] each).
+    sync_a: Option<CudaSlice<f32>>,
+    sync_b: Option<CudaSlice<f32>>,
+}
+
+/// Synchronised batch norm's sums on the GPU (f64 device memory): the collective sums them in
+/// place on the device, or, without a device path, through the host.
+pub struct CudaSums {
+    buf: CudaSlice<f64>,
+    stream: Arc<cudarc::driver::CudaStream>,
+}
+
+impl std::fmt::Debug for CudaSums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaSums")
+            .field("len", &self.buf.len())
+            .finish()
+    }
+}
+
+impl DeviceSums for CudaSums {
+    fn device_ptr(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let (p, _record) = self.buf.device_ptr(&self.stream);
+        p
+    }
+
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn download(&self) -> Result<Vec<f64>, BackendError> {
+        // On the compute stream, after the kernels that wrote them (returns when copied).
+        self.stream
+            .clone_dtoh(&self.buf)
+            .map_err(drv_err("download synchronised BN sums"))
+    }
+
+    fn upload(&mut self, values: &[f64]) -> Result<(), BackendError> {
+        if values.len() != self.buf.len() {
+            return Err(BackendError::Shape {
+                op: "upload synchronised BN sums",
+                detail: format!("{} values into {}", values.len(), self.buf.len()),
+            });
+        }
+        self.stream
+            .memcpy_htod(values, &mut self.buf)
+            .map_err(drv_err("upload synchronised BN sums"))
+    }
 }
 
 /// Per-launch timing (the `--breakdown` of `bench step`).
@@ -186,8 +235,8 @@ pub struct CudaBackend {
     conv: ConvVersion,
     /// What the v2 tile choice models.
     limits: GpuLimits,
-    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`,
-    /// [`bn_fused`]); it takes the v2 kernels.
+    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION=1`,
+    /// off by default, [`bn_fused`]); it takes the v2 kernels.
     bn_fusion: bool,
     /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
     conv2: Arc<Mutex<Conv2Scratch>>,
@@ -258,6 +307,26 @@ fn oom_or_device(op: &'static str, bytes: usize, e: cudarc::driver::DriverError)
     } else {
         drv_err(op)(e)
     }
+}
+
+/// One thread per channel, 128 per block (bn_eval_prepare, the bn_sync_* kernels).
+fn per_channel_cfg(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `sums` holds exactly `want` values (a reducer sums all of them).
+fn check_sums(op: &'static str, sums: &CudaSums, want: usize) -> Result<(), BackendError> {
+    if sums.buf.len() != want {
+        return Err(BackendError::Shape {
+            op,
+            detail: format!("{} sums, needs {want}", sums.buf.len()),
+        });
+    }
+    Ok(())
 }
 
 fn elementwise_cfg(total: usize) -> LaunchConfig {
@@ -595,6 +664,174 @@ fn gemm_grid(m: usize, n: usize, z: usize) -> LaunchConfig {
 
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
+    type Sums = CudaSums;
+
+    fn alloc_sums(&self, len: usize) -> Result<CudaSums, BackendError> {
+        let op = "alloc_sums";
+        let buf = self
+            .dev
+            .stream()
+            .alloc_zeros::<f64>(len.max(1))
+            .map_err(|e| oom_or_device(op, 8 * len, e))?;
+        self.dev.note_allocation(8 * len.max(1));
+        Ok(CudaSums {
+            buf,
+            stream: self.dev.stream().clone(),
+        })
+    }
+
+    fn sums_mut<'a>(&self, sums: &'a mut CudaSums) -> SumsMut<'a> {
+        SumsMut::Device(sums)
+    }
+
+    fn bn_sync_moments(
+        &self,
+        shape: BnShape,
+        mean: &CudaTensor,
+        var: &CudaTensor,
+        moments: &mut CudaSums,
+    ) -> Result<(), BackendError> {
+        let op = "bn_sync_moments";
+        let c = shape.channels;
+        check_len(op, "mean", mean.len, c)?;
+        check_len(op, "var", var.len, c)?;
+        check_sums(op, moments, crate::backend::bn_sync::moments_len(c))?;
+        let (c_i, rows) = (to_i32(op, "channels", c)?, shape.rows as f64);
+        let (m, v) = (mean.f32(op, "mean")?, var.f32(op, "var")?);
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sync_moments",
+            per_channel_cfg(c),
+            [m, v, &rows, &c_i, &mut moments.buf]
+        );
+        Ok(())
+    }
+
+    fn bn_sync_statistics(
+        &self,
+        channels: usize,
+        moments: &mut CudaSums,
+        mean: &mut CudaTensor,
+        var: &mut CudaTensor,
+        running_mean: &mut CudaTensor,
+        running_var: &mut CudaTensor,
+        momentum: f32,
+    ) -> Result<(), BackendError> {
+        let op = "bn_sync_statistics";
+        let c = channels;
+        for (what, len) in [
+            ("mean", mean.len),
+            ("var", var.len),
+            ("running_mean", running_mean.len),
+            ("running_var", running_var.len),
+        ] {
+            check_len(op, what, len, c)?;
+        }
+        check_sums(op, moments, crate::backend::bn_sync::moments_len(c))?;
+        let c_i = to_i32(op, "channels", c)?;
+        let (m, v) = (mean.f32_mut(op, "mean")?, var.f32_mut(op, "var")?);
+        let (rm, rv) = (
+            running_mean.f32_mut(op, "running_mean")?,
+            running_var.f32_mut(op, "running_var")?,
+        );
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sync_statistics",
+            per_channel_cfg(c),
+            [&moments.buf, &c_i, &momentum, m, v, rm, rv]
+        );
+        Ok(())
+    }
+
+    fn bn_sync_grad_sums(
+        &self,
+        shape: BnShape,
+        moments: &mut CudaSums,
+        dgamma: &CudaTensor,
+        dbeta: &CudaTensor,
+        grads: &mut CudaSums,
+    ) -> Result<(), BackendError> {
+        let op = "bn_sync_grad_sums";
+        let c = shape.channels;
+        check_len(op, "dgamma", dgamma.len, c)?;
+        check_len(op, "dbeta", dbeta.len, c)?;
+        check_sums(op, moments, crate::backend::bn_sync::moments_len(c))?;
+        check_sums(op, grads, crate::backend::bn_sync::grad_sums_len(c))?;
+        let (c_i, rows) = (to_i32(op, "channels", c)?, shape.rows as f64);
+        let (dg, db) = (dgamma.f32(op, "dgamma")?, dbeta.f32(op, "dbeta")?);
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sync_grad_sums",
+            per_channel_cfg(c),
+            [dg, db, &moments.buf, &rows, &c_i, &mut grads.buf]
+        );
+        Ok(())
+    }
+
+    fn bn_sync_backward(
+        &self,
+        shape: BnShape,
+        grads: &mut CudaSums,
+        gamma: &CudaTensor,
+        mean: &CudaTensor,
+        invstd: &CudaTensor,
+        x: &CudaTensor,
+        dx: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "bn_sync_backward";
+        let (rows, c) = (shape.rows, shape.channels);
+        for (what, len) in [
+            ("gamma", gamma.len),
+            ("mean", mean.len),
+            ("invstd", invstd.len),
+        ] {
+            check_len(op, what, len, c)?;
+        }
+        check_len(op, "x", x.len, rows * c)?;
+        check_len(op, "dx", dx.len, rows * c)?;
+        check_sums(op, grads, crate::backend::bn_sync::grad_sums_len(c))?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (c_i, rows_f) = (to_i32(op, "channels", c)?, rows as f64);
+        let total = (rows * c) as i64;
+        let mut work = self.work();
+        let w = &mut *work;
+        ensure(&self.dev, &mut w.sync_a, c, op)?;
+        ensure(&self.dev, &mut w.sync_b, c, op)?;
+        let (a, b) = (
+            w.sync_a.as_mut().expect("ensured"),
+            w.sync_b.as_mut().expect("ensured"),
+        );
+        let g = gamma.bf16(op, "gamma")?;
+        let (m, is) = (mean.f32(op, "mean")?, invstd.f32(op, "invstd")?);
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sync_coefficients",
+            per_channel_cfg(c),
+            [&grads.buf, g, m, is, &rows_f, &c_i, &mut *a, &mut *b]
+        );
+        let (xs, dxs) = (x.bf16(op, "x")?, dx.bf16_mut(op, "dx")?);
+        // The coefficients stay in the workspace, in stream order: no wait, no host copy.
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_affine_accumulate",
+            elementwise_cfg(rows * c),
+            [xs, &*a, &*b, dxs, &total, &c_i]
+        );
+        self.note_work(6 * rows * c, 0.0);
+        Ok(())
+    }
 
     fn name(&self) -> String {
         format!(

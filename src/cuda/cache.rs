@@ -2,10 +2,13 @@
 //! so that a second start compiles nothing.
 //!
 //! One file per key, `<key>.btk`: the magic `BTK1`, the PTX length (u64 LE), the PTX, the cubin.
-//! Files are written to a temporary name and renamed, so a reader never sees a torn file; a file
-//! that does not parse is treated as a miss and rewritten.
+//! Files are written to a temporary name of their writer's own and renamed, so a reader never
+//! sees a torn file and concurrent writers (rank threads, pods on a shared volume) never clash;
+//! a file that does not parse is treated as a miss and rewritten. A cache that cannot be written
+//! is one warning: the compiled kernels are used anyway.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use super::arch::GpuArch;
@@ -84,7 +87,14 @@ impl KernelCache {
         })
     }
 
-    /// Stores `image` under `key` (temporary file + rename).
+    /// Stores `image` under `key`: written whole under a temporary name no other writer
+    /// uses, then renamed over the entry, so readers see the old entry or the new one, never
+    /// a part of either.
+    ///
+    /// Many writers may store one key at once: the rank threads of one process compile the
+    /// same kernels at the same moment on a cold cache, and pods sharing a cache volume may
+    /// share process ids. The temporary name holds the process id, a per-process counter and a
+    /// random salt, and is created exclusively, so no writer ever truncates another's file.
     pub fn store(&self, key: &str, image: &CompiledImage) -> Result<(), CudaError> {
         let err = |path: &Path| {
             let path = path.to_path_buf();
@@ -97,11 +107,66 @@ impl KernelCache {
         bytes.extend_from_slice(image.ptx.as_bytes());
         bytes.extend_from_slice(&image.cubin);
         let final_path = self.path(key);
-        let tmp = self.dir.join(format!("{key}.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, &bytes).map_err(err(&tmp))?;
-        std::fs::rename(&tmp, &final_path).map_err(err(&final_path))
+        let (tmp, mut file) = self.create_temp(key)?;
+        let written = std::io::Write::write_all(&mut file, &bytes)
+            .map_err(err(&tmp))
+            .and_then(|()| {
+                drop(file);
+                std::fs::rename(&tmp, &final_path).map_err(err(&final_path))
+            });
+        if written.is_err() {
+            // Best effort: a leftover temporary file only wastes space.
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
+    }
+
+    /// A new, exclusively created temporary file for `key` (see [`KernelCache::store`]).
+    fn create_temp(&self, key: &str) -> Result<(PathBuf, std::fs::File), CudaError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let pid = std::process::id();
+        let mut attempt = 0;
+        loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let salt: u64 = rand::random();
+            let tmp = self.dir.join(format!("{key}.{pid}.{n}.{salt:016x}.tmp"));
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+            {
+                Ok(file) => return Ok((tmp, file)),
+                // Another writer's name (vanishingly unlikely): draw again.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 8 => {
+                    attempt += 1;
+                }
+                Err(source) => return Err(CudaError::Cache { path: tmp, source }),
+            }
+        }
+    }
+
+    /// [`KernelCache::store`] for a kernel that was just compiled and will be used either way:
+    /// a failure (a read-only or missing folder, a full disk) is a warning, given once per
+    /// `warned` flag, since every kernel file of the run would fail the same way. Returns
+    /// whether the image was stored.
+    pub fn store_or_warn(&self, key: &str, image: &CompiledImage, warned: &AtomicBool) -> bool {
+        match self.store(key, image) {
+            Ok(()) => true,
+            Err(e) => {
+                if !warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{e}; compiled kernels are used but not cached, so the next start \
+                         compiles them again"
+                    );
+                }
+                false
+            }
+        }
     }
 }
+
+/// Whether this process has already warned that its kernel cache cannot be written.
+static STORE_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Compiles kernel files through the cache: NVRTC runs only on a miss.
 #[derive(Debug, Clone)]
@@ -175,7 +240,7 @@ impl KernelCompiler {
         }
         let compiled = nvrtc::compile_file(file, arch, &self.include)?;
         if let Some(cache) = &self.cache {
-            cache.store(&key, &compiled.image)?;
+            cache.store_or_warn(&key, &compiled.image, &STORE_WARNED);
         }
         Ok(compiled)
     }
@@ -247,5 +312,144 @@ mod tests {
         )
         .unwrap();
         assert!(cache.load("bad").is_none());
+    }
+}
+
+#[cfg(test)]
+mod race_tests {
+    use super::*;
+
+    #[test]
+    fn eight_writers_storing_one_key_all_succeed_and_readers_see_whole_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache::new(dir.path().join("k"));
+        // A large entry, so a torn or truncated file cannot go unnoticed.
+        let image = CompiledImage {
+            ptx: "x".repeat(64 * 1024),
+            cubin: (0..128 * 1024).map(|i| (i % 251) as u8).collect(),
+        };
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut seen = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    if let Ok(bytes) = std::fs::read(cache.path("k1")) {
+                        let loaded = cache.load("k1");
+                        assert_eq!(
+                            loaded.as_ref(),
+                            Some(&image),
+                            "a reader saw a partial entry ({} bytes on disk)",
+                            bytes.len()
+                        );
+                        seen += 1;
+                    }
+                }
+                seen
+            });
+            let writers: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..100)
+                            .try_for_each(|_| cache.store("k1", &image).map_err(|e| e.to_string()))
+                    })
+                })
+                .collect();
+            let stored: Vec<_> = writers.into_iter().map(|w| w.join()).collect();
+            // Stop the reader before judging, so a failure cannot leave it spinning.
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let seen = reader.join().expect("the reader saw only whole entries");
+            for r in stored {
+                r.expect("writer thread").expect("every store succeeds");
+            }
+            assert!(seen > 0);
+        });
+        assert_eq!(cache.load("k1"), Some(image));
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("k"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "k1.btk")
+            .collect();
+        assert!(left.is_empty(), "temporary files left behind: {left:?}");
+    }
+}
+
+#[cfg(test)]
+mod unwritable_tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Everything logged at warning level while `f` runs.
+    fn warnings(f: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        text
+    }
+
+    fn image() -> CompiledImage {
+        CompiledImage {
+            ptx: ".version 9.0".into(),
+            cubin: vec![1, 2, 3],
+        }
+    }
+
+    fn assert_warns_once_and_stores_nothing(cache: &KernelCache) {
+        let warned = AtomicBool::new(false);
+        let mut stored = Vec::new();
+        let text = warnings(|| {
+            for key in ["a", "b", "c"] {
+                stored.push(cache.store_or_warn(key, &image(), &warned));
+            }
+        });
+        assert_eq!(stored, [false, false, false]);
+        assert_eq!(text.matches("WARN").count(), 1, "{text}");
+        assert!(
+            text.contains("kernel cache") && text.contains("not cached"),
+            "{text}"
+        );
+        assert!(cache.load("a").is_none());
+    }
+
+    #[test]
+    fn a_cache_folder_that_cannot_exist_warns_once_and_the_kernel_is_still_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"not a folder").unwrap();
+        assert_warns_once_and_stores_nothing(&KernelCache::new(file.join("kernels")));
+    }
+
+    #[test]
+    fn an_entry_that_cannot_be_replaced_warns_once_and_leaves_no_temporary_file() {
+        // The rename fails (the entry's name is taken by a folder): the write path's failure
+        // after the temporary file exists, which must clean it up.
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache::new(dir.path());
+        for key in ["a", "b", "c"] {
+            std::fs::create_dir_all(dir.path().join(format!("{key}.btk")).join("x")).unwrap();
+        }
+        assert_warns_once_and_stores_nothing(&cache);
+        let temps: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(temps.is_empty(), "{temps:?}");
     }
 }

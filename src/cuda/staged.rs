@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::backend::{aug_ints, InputMix};
+use super::backend::{aug_ints, CudaSums, InputMix};
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, ConvShape, LinearShape,
@@ -205,6 +205,67 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Backend for StagedBackend {
     type Tensor = CudaTensor;
+    type Sums = CudaSums;
+
+    fn alloc_sums(&self, len: usize) -> Result<CudaSums, BackendError> {
+        self.inner.alloc_sums(len)
+    }
+    fn sums_mut<'a>(&self, sums: &'a mut CudaSums) -> crate::backend::SumsMut<'a> {
+        self.inner.sums_mut(sums)
+    }
+    fn bn_sync_moments(
+        &self,
+        shape: BnShape,
+        mean: &CudaTensor,
+        var: &CudaTensor,
+        moments: &mut CudaSums,
+    ) -> Result<(), BackendError> {
+        self.inner.bn_sync_moments(shape, mean, var, moments)
+    }
+    fn bn_sync_statistics(
+        &self,
+        channels: usize,
+        moments: &mut CudaSums,
+        mean: &mut CudaTensor,
+        var: &mut CudaTensor,
+        running_mean: &mut CudaTensor,
+        running_var: &mut CudaTensor,
+        momentum: f32,
+    ) -> Result<(), BackendError> {
+        self.inner.bn_sync_statistics(
+            channels,
+            moments,
+            mean,
+            var,
+            running_mean,
+            running_var,
+            momentum,
+        )
+    }
+    fn bn_sync_grad_sums(
+        &self,
+        shape: BnShape,
+        moments: &mut CudaSums,
+        dgamma: &CudaTensor,
+        dbeta: &CudaTensor,
+        grads: &mut CudaSums,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .bn_sync_grad_sums(shape, moments, dgamma, dbeta, grads)
+    }
+    fn bn_sync_backward(
+        &self,
+        shape: BnShape,
+        grads: &mut CudaSums,
+        gamma: &CudaTensor,
+        mean: &CudaTensor,
+        invstd: &CudaTensor,
+        x: &CudaTensor,
+        dx: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .bn_sync_backward(shape, grads, gamma, mean, invstd, x, dx)
+    }
 
     fn name(&self) -> String {
         format!("{} · staged input", self.inner.name())

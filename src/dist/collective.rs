@@ -6,8 +6,11 @@
 //!   bucket is complete ([`Collective::start_average`]) and finished before the optimizer
 //!   ([`Collective::finish_averages`]);
 //! - the initial weights are broadcast from rank 0 ([`Collective::broadcast`]);
-//! - small host vectors are summed (the step's loss and hit counts, the stop flag,
-//!   synchronised batch-norm statistics, checksums: [`Collective::sum`]);
+//! - small host vectors are summed (the step's loss and hit counts, the stop flag, checksums:
+//!   [`Collective::sum`]); a sum that waits for work done outside the collectives
+//!   (validation, rank 0 writing the run folder) has a timeout of its own
+//!   ([`Collective::sum_within`]); synchronised batch norm's per-channel sums are summed where
+//!   the backend keeps them ([`Collective::sum_sums`]: on the device for GPU ranks);
 //! - a failing rank aborts the group with a reason ([`Collective::abort`]), and every rank's
 //!   next call fails instead of waiting for it.
 //!
@@ -20,10 +23,13 @@
 //! [`super::watchdog::Watchdog`].
 
 use std::ops::Range;
+use std::time::Duration;
 
 use super::buckets::BucketError;
 use super::nccl::NcclError;
 use super::watchdog::WatchdogError;
+use crate::backend::bn_sync::SumThroughHostError;
+use crate::backend::SumsMut;
 
 /// Errors of a collective operation. Each names the rank that saw it.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +112,33 @@ pub trait Collective: Send {
     /// Sums `values` element-wise over every rank, in place (host values; returns when the
     /// sum is there, waiting on the operation itself, not on a polling tick).
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError>;
+
+    /// [`Collective::sum`] under `timeout` instead of the collective timeout: for a sum the
+    /// ranks reach far apart because some of them first do long work outside the collectives
+    /// (validating their share, rank 0 writing a checkpoint to a slow disk). A failing rank
+    /// still aborts it at once, and so does an asynchronous error of the communicator (a peer
+    /// process that died), whatever the timeout.
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError>;
+
+    /// Sums synchronised batch norm's per-channel `sums` element-wise over every rank, in
+    /// place, where the backend keeps them: the same call for a rank with images (its
+    /// backend's sums) and for one replaying a step with zeros (host values).
+    ///
+    /// The default goes through [`Collective::sum`] (device sums are downloaded and uploaded
+    /// again), so CPU ranks and any collective without a device path take part with the same
+    /// call order. NCCL overrides it: sums in device memory are reduced on the device, on a
+    /// communicator and stream of their own, ordered against compute by events, never behind
+    /// the gradient buckets in flight and never through the host.
+    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), CollectiveError> {
+        let rank = self.rank();
+        sums.sum_through_host(|v| self.sum(v)).map_err(|e| match e {
+            SumThroughHostError::Sum(e) => e,
+            SumThroughHostError::Device(e) => CollectiveError::Buffer {
+                rank,
+                detail: format!("synchronised batch norm's sums: {e}"),
+            },
+        })
+    }
 
     /// Ok unless the group was aborted.
     fn check(&self) -> Result<(), CollectiveError>;

@@ -721,22 +721,48 @@ impl<D: RankDevice> DeviceCollective<D> {
         self.check()
     }
 
-    /// Runs a host round (sum or broadcast) to its end, watched by the watchdog.
+    /// A sum of host values over the group, watched for `timeout` (`None`: the collective
+    /// timeout).
+    fn sum_for(
+        &mut self,
+        values: &mut [f64],
+        timeout: Option<Duration>,
+    ) -> Result<(), CollectiveError> {
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        match self.blocking(label, Part::Sum(values.to_vec()), timeout)? {
+            Outcome::Sum(v) if v.len() == values.len() => {
+                values.copy_from_slice(&v);
+                Ok(())
+            }
+            other => Err(CollectiveError::Mismatch {
+                rank: self.rank,
+                what: "sum".into(),
+                detail: format!("{} values here, {other:?} from the group", values.len()),
+            }),
+        }
+    }
+
+    /// Runs a host round (sum or broadcast) to its end, watched by the watchdog (for
+    /// `timeout` when given, else the collective timeout).
     fn blocking(
         &mut self,
         label: String,
         part: Part<D::Marker>,
+        timeout: Option<Duration>,
     ) -> Result<Outcome, CollectiveError> {
         self.check()?;
         let seq = self.seq();
         let done = Arc::new(AtomicBool::new(false));
         let probe = done.clone();
-        self.watchdog
-            .watch(label.clone(), move || Ok(probe.load(Ordering::Acquire)))
-            .map_err(|source| CollectiveError::Watchdog {
-                source,
-                detail: String::new(),
-            })?;
+        let finished = move || Ok(probe.load(Ordering::Acquire));
+        match timeout {
+            Some(t) => self.watchdog.watch_within(label.clone(), t, finished),
+            None => self.watchdog.watch(label.clone(), finished),
+        }
+        .map_err(|source| CollectiveError::Watchdog {
+            source,
+            detail: String::new(),
+        })?;
         let device = self.device()?;
         let out = self
             .group
@@ -814,7 +840,7 @@ impl<D: RankDevice> Collective for DeviceCollective<D> {
             values: (self.rank == root).then(|| values.to_vec()),
         };
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        match self.blocking(label, part)? {
+        match self.blocking(label, part, None)? {
             Outcome::Broadcast(v) if v.len() == values.len() => {
                 values.copy_from_slice(&v);
                 Ok(())
@@ -828,18 +854,11 @@ impl<D: RankDevice> Collective for DeviceCollective<D> {
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
-        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
-        match self.blocking(label, Part::Sum(values.to_vec()))? {
-            Outcome::Sum(v) if v.len() == values.len() => {
-                values.copy_from_slice(&v);
-                Ok(())
-            }
-            other => Err(CollectiveError::Mismatch {
-                rank: self.rank,
-                what: "sum".into(),
-                detail: format!("{} values here, {other:?} from the group", values.len()),
-            }),
-        }
+        self.sum_for(values, None)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
+        self.sum_for(values, Some(timeout))
     }
 
     fn check(&self) -> Result<(), CollectiveError> {

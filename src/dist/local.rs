@@ -218,6 +218,8 @@ enum Outcome {
 #[derive(Debug)]
 struct Round {
     label: String,
+    /// How long its ranks wait for each other (the same on every rank).
+    timeout: Duration,
     parts: Vec<Option<Part>>,
     arrived: usize,
     phase: Phase,
@@ -254,8 +256,8 @@ impl Group {
         self.changed.notify_all();
     }
 
-    /// The oldest round still gathering and the ranks it waits for.
-    fn stuck(&self) -> Option<(String, Vec<usize>)> {
+    /// The oldest round still gathering, the ranks it waits for and its timeout.
+    fn stuck(&self) -> Option<(String, Vec<usize>, Duration)> {
         let state = self.lock();
         let (_, round) = state
             .rounds
@@ -265,16 +267,17 @@ impl Group {
         let missing = (0..self.world)
             .filter(|&r| round.parts[r].is_none())
             .collect();
-        Some((round.label.clone(), missing))
+        Some((round.label.clone(), missing, round.timeout))
     }
 
-    /// Joins round `seq` with `part` and returns once it is done (or aborted while still
-    /// gathering).
+    /// Joins round `seq` (which waits `timeout` for its ranks) with `part` and returns once
+    /// it is done (or aborted while still gathering).
     fn join(
         &self,
         rank: usize,
         seq: u64,
         label: &str,
+        timeout: Duration,
         part: Part,
     ) -> Result<Outcome, CollectiveError> {
         let mut state = self.lock();
@@ -287,6 +290,7 @@ impl Group {
         let world = self.world;
         let round = state.rounds.entry(seq).or_insert_with(|| Round {
             label: label.to_string(),
+            timeout,
             parts: (0..world).map(|_| None).collect(),
             arrived: 0,
             phase: Phase::Gathering,
@@ -401,10 +405,9 @@ struct GroupAbort {
 impl Abortable for GroupAbort {
     fn abort(&self) -> Result<(), String> {
         let reason = match self.group.stuck() {
-            Some((label, missing)) if !missing.is_empty() => format!(
-                "rank {}'s watchdog: {label} did not complete within {:?}; {} never joined it",
+            Some((label, missing, timeout)) if !missing.is_empty() => format!(
+                "rank {}'s watchdog: {label} did not complete within {timeout:?}; {} never joined it",
                 self.rank,
-                self.timeout,
                 ranks_text(&missing)
             ),
             _ => format!(
@@ -463,6 +466,8 @@ struct Job {
 pub struct LocalCollective {
     rank: usize,
     world: usize,
+    /// The collective timeout.
+    timeout: Duration,
     group: Arc<Group>,
     // Before the thread handle: dropped (stopping its thread) after the thread is joined.
     watchdog: Arc<Watchdog>,
@@ -496,6 +501,7 @@ impl LocalCollective {
         LocalCollective {
             rank,
             world: group.world,
+            timeout,
             watchdog: Arc::new(Watchdog::start(rank, timeout, WATCHDOG_POLL, target)),
             group,
             jobs: None,
@@ -538,18 +544,25 @@ impl LocalCollective {
         }
     }
 
-    /// Runs a blocking round on the calling thread, watched by the watchdog.
-    fn blocking(&mut self, label: String, part: Part) -> Result<Outcome, CollectiveError> {
+    /// Runs a blocking round on the calling thread, watched by the watchdog for `timeout`.
+    fn blocking(
+        &mut self,
+        label: String,
+        part: Part,
+        timeout: Duration,
+    ) -> Result<Outcome, CollectiveError> {
         let seq = self.seq();
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let probe = done.clone();
         self.watchdog
-            .watch(label.clone(), move || Ok(probe.load(Ordering::Acquire)))
+            .watch_within(label.clone(), timeout, move || {
+                Ok(probe.load(Ordering::Acquire))
+            })
             .map_err(|source| CollectiveError::Watchdog {
                 source,
                 detail: String::new(),
             })?;
-        let out = self.group.join(self.rank, seq, &label, part);
+        let out = self.group.join(self.rank, seq, &label, timeout, part);
         done.store(true, Ordering::Release);
         out.map_err(|e| self.explain(e))
     }
@@ -562,6 +575,7 @@ impl LocalCollective {
         let (tx, results) = mpsc::channel();
         let group = self.group.clone();
         let rank = self.rank;
+        let timeout = self.timeout;
         let averaged = self.averaged.clone();
         let thread = std::thread::Builder::new()
             .name(format!("comm-{rank}"))
@@ -574,7 +588,7 @@ impl LocalCollective {
                             .for_each(|v| *v *= job.scale);
                     }
                     let out = group
-                        .join(rank, job.seq, &job.label, Part::Average(job.range))
+                        .join(rank, job.seq, &job.label, timeout, Part::Average(job.range))
                         .map(|_| job.bucket);
                     job.done.store(true, Ordering::Release);
                     if out.is_ok() {
@@ -693,7 +707,7 @@ impl Collective for LocalCollective {
         }
         let part = Part::Broadcast((self.rank == root).then(|| values.to_vec()));
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        match self.blocking(label, part)? {
+        match self.blocking(label, part, self.timeout)? {
             Outcome::Broadcast(v) if v.len() == values.len() => {
                 values.copy_from_slice(&v);
                 Ok(())
@@ -708,11 +722,15 @@ impl Collective for LocalCollective {
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
+        self.sum_within(values, self.timeout)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
         if self.world == 1 {
             return Ok(());
         }
         let label = format!("sum of {} values", values.len());
-        match self.blocking(label, Part::Sum(values.to_vec()))? {
+        match self.blocking(label, Part::Sum(values.to_vec()), timeout)? {
             Outcome::Sum(v) => {
                 values.copy_from_slice(&v);
                 Ok(())
@@ -853,6 +871,47 @@ mod tests {
                 .iter()
                 .all(|e| e.contains("did not complete within 200ms")),
             "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn a_sum_with_its_own_timeout_waits_for_a_late_rank_past_the_collective_timeout() {
+        let ranks = LocalGroup::ranks(2, Duration::from_millis(100));
+        let results: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|mut c| {
+                    s.spawn(move || {
+                        if c.rank() == 0 {
+                            // Rank 0 writes the run folder for far longer than 100 ms.
+                            std::thread::sleep(Duration::from_millis(600));
+                        }
+                        let mut v = vec![c.rank() as f64 + 1.0];
+                        c.sum_within(&mut v, Duration::from_secs(60))
+                            .map(|()| v)
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in results {
+            assert_eq!(r.unwrap(), vec![3.0]);
+        }
+    }
+
+    #[test]
+    fn a_sum_with_its_own_timeout_names_that_timeout_when_it_fires() {
+        let mut ranks = LocalGroup::ranks(2, Duration::from_secs(60));
+        let _absent = ranks.pop().unwrap();
+        let mut waiter = ranks.pop().unwrap();
+        let e = waiter
+            .sum_within(&mut [1.0], Duration::from_millis(150))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("within 150ms") && e.contains("rank 1 never joined"),
+            "{e}"
         );
     }
 

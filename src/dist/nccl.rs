@@ -16,7 +16,9 @@
 //! timeout (a rank stopped answering) or an asynchronous NCCL error aborts the communicator
 //! (`ncclCommAbort`, which makes the pending kernels return) and surfaces as an error naming
 //! the rank, never as a hang. Host exchanges wait on their own completion event, never on the
-//! watchdog's polling tick.
+//! watchdog's polling tick. The raw communicator sits behind a [`CommGuard`]: every NCCL call
+//! runs inside it, and an abort from another thread (the watchdog, the process's abort group)
+//! frees the communicator only when no call is using it.
 //!
 //! libnccl is loaded at run time from wherever [`crate::cuda::library`] finds it (the CUDA
 //! toolkit, `LD_LIBRARY_PATH`, or NVIDIA's pip wheel `nvidia/nccl/lib/libnccl.so.2`), so a
@@ -26,17 +28,19 @@ use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::ptr;
-use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::{result as drv, CudaEvent, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::sys::{
-    cudaStream_t, ncclComm, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
 };
 
 use super::collective::{Collective, CollectiveError};
+use super::comm_guard::{CommGuard, CommGuardError, RawComm};
 use super::watchdog::{Abortable, Watchdog, WatchdogError};
+use crate::backend::bn_sync::SumThroughHostError;
+use crate::backend::SumsMut;
 use crate::cuda::library::{self, Lib};
 use crate::cuda::timeline::{rows, GpuTimeline};
 use crate::cuda::{grad, GpuDevice};
@@ -112,6 +116,12 @@ pub enum NcclError {
         /// Time waited.
         waited: Duration,
     },
+    /// Joining the communicator was given up because another rank of this process failed.
+    #[error("rank {rank}: stopped joining the NCCL communicator because another rank of this process failed")]
+    InitAbandoned {
+        /// This rank.
+        rank: usize,
+    },
     /// Using a communicator after it was aborted.
     #[error("rank {rank}: the NCCL communicator was aborted; no further collectives are possible")]
     UseAfterAbort {
@@ -161,7 +171,13 @@ struct NcclLib {
         cudaStream_t,
     ) -> ncclResult_t,
     error_string: unsafe extern "C" fn(ncclResult_t) -> *const c_char,
+    /// `ncclCommSplit` (NCCL ≥ 2.18), when the library has it.
+    comm_split: Option<CommSplitFn>,
 }
+
+/// `ncclCommSplit(comm, color, key, &newcomm, config)`; a null config inherits the parent's.
+type CommSplitFn =
+    unsafe extern "C" fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut c_void) -> ncclResult_t;
 
 impl NcclLib {
     fn open() -> Result<NcclLib, String> {
@@ -192,6 +208,11 @@ impl NcclLib {
             all_reduce: sym!(b"ncclAllReduce\0"),
             broadcast: sym!(b"ncclBroadcast\0"),
             error_string: sym!(b"ncclGetErrorString\0"),
+            // SAFETY: NCCL's C function of this signature (nccl.h, 2.18 and later); optional:
+            // an older library gets the second communicator from a second init instead.
+            comm_split: unsafe { lib.get::<CommSplitFn>(b"ncclCommSplit\0") }
+                .ok()
+                .map(|f| *f),
             _lib: lib,
             path,
         })
@@ -267,52 +288,81 @@ pub fn new_unique_id() -> Result<Vec<u8>, NcclError> {
 }
 
 /// A raw communicator handed from the init thread to its owner.
-struct RawComm(ncclComm_t);
+struct InitComm(ncclComm_t);
 
 // SAFETY: a freshly created communicator is not yet used by any thread; ownership moves to the
 // receiving thread, which is the only one using it from then on.
-unsafe impl Send for RawComm {}
+unsafe impl Send for InitComm {}
 
-/// The raw communicator, shared with the watchdog so it can abort from its own thread.
-#[derive(Debug)]
-struct CommHandle {
-    comm: AtomicPtr<ncclComm>,
+/// The communicator a helper thread blocked in NCCL (init or split) hands over: waited for at
+/// most `timeout`, and given up when `abandon()` turns true (checked every 50 ms).
+fn wait_for_comm(
+    rx: &std::sync::mpsc::Receiver<Result<InitComm, NcclError>>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    abandon: &dyn Fn() -> bool,
+) -> Result<InitComm, NcclError> {
+    let start = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        match rx.recv_timeout(left.min(Duration::from_millis(50))) {
+            Ok(outcome) => return outcome,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !left.is_zero() => {
+                if abandon() {
+                    return Err(NcclError::InitAbandoned { rank });
+                }
+            }
+            Err(_) => {
+                return Err(NcclError::InitTimeout {
+                    rank,
+                    world_size,
+                    waited: timeout,
+                })
+            }
+        }
+    }
+}
+
+/// A live NCCL communicator, as [`CommGuard`] hands it to one call at a time.
+#[derive(Debug, Clone, Copy)]
+struct NcclHandle {
+    comm: ncclComm_t,
     rank: usize,
 }
 
-impl CommHandle {
-    fn get(&self) -> Result<ncclComm_t, NcclError> {
-        let p = self.comm.load(Ordering::Acquire);
-        if p.is_null() {
-            Err(NcclError::UseAfterAbort { rank: self.rank })
-        } else {
-            Ok(p)
-        }
-    }
-}
+// SAFETY: NCCL communicators may be used from any thread; the guard makes sure the handle is
+// never freed while a call uses it, and freed exactly once.
+unsafe impl Send for NcclHandle {}
+// SAFETY: as above (shared only through the guard).
+unsafe impl Sync for NcclHandle {}
 
-impl Abortable for CommHandle {
+impl RawComm for NcclHandle {
     fn abort(&self) -> Result<(), String> {
-        let p = self.comm.swap(ptr::null_mut(), Ordering::AcqRel);
-        if p.is_null() {
-            return Ok(());
-        }
         let lib = nccl().map_err(|e| e.to_string())?;
-        // SAFETY: `p` came from ncclCommInitRank and is no longer reachable through the
-        // handle, so it is aborted exactly once and never used again by this handle.
-        lib.check("ncclCommAbort", self.rank, unsafe { (lib.comm_abort)(p) })
-            .map_err(|e| e.to_string())
+        // SAFETY: the handle came from ncclCommInitRank; the guard calls this once, with no
+        // call in flight, and never hands the handle out again.
+        lib.check("ncclCommAbort", self.rank, unsafe {
+            (lib.comm_abort)(self.comm)
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    fn destroy(&self) -> Result<(), String> {
+        let lib = nccl().map_err(|e| e.to_string())?;
+        // SAFETY: as in `abort`.
+        lib.check("ncclCommDestroy", self.rank, unsafe {
+            (lib.comm_destroy)(self.comm)
+        })
+        .map_err(|e| e.to_string())
     }
 
     fn async_error(&self) -> Option<String> {
-        let p = self.comm.load(Ordering::Acquire);
-        if p.is_null() {
-            return None;
-        }
         let lib = nccl().ok()?;
         let mut code = ncclResult_t::ncclSuccess;
-        // SAFETY: `p` is a live communicator (non-null) and `code` a valid out pointer.
-        let r = unsafe { (lib.comm_get_async_error)(p, &mut code) };
+        // SAFETY: the guard keeps the communicator live during this call; `code` is a valid
+        // out pointer.
+        let r = unsafe { (lib.comm_get_async_error)(self.comm, &mut code) };
         match (r, code) {
             (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess)
             | (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => None,
@@ -321,6 +371,16 @@ impl Abortable for CommHandle {
             }
             (e, _) => Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(e))),
         }
+    }
+}
+
+/// The raw communicator behind its guard, shared with the watchdog and the process's abort
+/// group so they can abort it from their own threads.
+type CommHandle = CommGuard<NcclHandle>;
+
+fn use_after_abort(e: CommGuardError) -> NcclError {
+    match e {
+        CommGuardError::UseAfterAbort { rank } => NcclError::UseAfterAbort { rank },
     }
 }
 
@@ -336,6 +396,10 @@ impl NcclElement for f32 {
 
 impl NcclElement for f64 {
     const TYPE: ncclDataType_t = ncclDataType_t::ncclFloat64;
+}
+
+impl NcclElement for u8 {
+    const TYPE: ncclDataType_t = ncclDataType_t::ncclUint8;
 }
 
 /// One rank of an NCCL communicator, bound to its communication stream.
@@ -360,6 +424,20 @@ impl Communicator {
         unique_id: &[u8],
         timeout: Duration,
     ) -> Result<Self, NcclError> {
+        Self::init_unless(stream, rank, world_size, unique_id, timeout, &|| false)
+    }
+
+    /// [`Communicator::init`] that gives up as soon as `abandon()` is true (checked every
+    /// 50 ms): another rank of this process failed and will never join, so waiting for it
+    /// would last the whole `timeout`.
+    pub fn init_unless(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world_size: usize,
+        unique_id: &[u8],
+        timeout: Duration,
+        abandon: &dyn Fn() -> bool,
+    ) -> Result<Self, NcclError> {
         ensure_available()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
             return Err(NcclError::BadRank { rank, world_size });
@@ -375,8 +453,9 @@ impl Communicator {
             *dst = src as c_char;
         }
         // ncclCommInitRank blocks until all ranks join, with no timeout of its own: run it on a
-        // helper thread and give up after `timeout`. On timeout the helper stays blocked inside
-        // NCCL (nothing can cancel it); the caller is expected to exit with the error.
+        // helper thread and give up after `timeout` or when abandoned. Then the helper stays
+        // blocked inside NCCL (nothing can cancel it); the caller is expected to exit with the
+        // error.
         let ctx = stream.context().clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -403,7 +482,7 @@ impl Communicator {
                             )
                         };
                         lib.check("ncclCommInitRank", rank, code)?;
-                        Ok(RawComm(comm))
+                        Ok(InitComm(comm))
                     });
                 // The receiver may have given up already; then the communicator leaks, which is
                 // fine for a process that is exiting with an error.
@@ -414,21 +493,9 @@ impl Communicator {
                 rank,
                 code: e.to_string(),
             })?;
-        let comm = match rx.recv_timeout(timeout) {
-            Ok(outcome) => outcome?.0,
-            Err(_) => {
-                return Err(NcclError::InitTimeout {
-                    rank,
-                    world_size,
-                    waited: timeout,
-                })
-            }
-        };
+        let comm = wait_for_comm(&rx, rank, world_size, timeout, abandon)?.0;
         Ok(Communicator {
-            handle: Arc::new(CommHandle {
-                comm: AtomicPtr::new(comm),
-                rank,
-            }),
+            handle: Arc::new(CommGuard::new(rank, NcclHandle { comm, rank })),
             stream,
             rank,
             world_size,
@@ -465,6 +532,126 @@ impl Communicator {
         )
     }
 
+    /// A second communicator over the same ranks, its collectives on `stream`, made by
+    /// `ncclCommSplit` (every rank calls it at the same point, as for an init). `None` when the
+    /// library has no `ncclCommSplit` (NCCL before 2.18), or when `NCCL_COMM_SPLIT_SHARE_RESOURCES`
+    /// asks the child to share the parent's resources (NCCL then forbids using the two
+    /// concurrently, which is the point of a second communicator): the caller then makes one
+    /// with a second init. Waits at most `timeout` for the other ranks, and gives up when this
+    /// communicator is aborted meanwhile.
+    pub fn split(
+        &self,
+        stream: Arc<CudaStream>,
+        timeout: Duration,
+    ) -> Result<Option<Communicator>, NcclError> {
+        let lib = nccl()?;
+        let Some(split) = lib.comm_split else {
+            return Ok(None);
+        };
+        if std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").is_ok_and(|v| v.trim() != "0") {
+            return Ok(None);
+        }
+        let rank = self.rank;
+        let ctx = stream.context().clone();
+        let handle = self.handle.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("nccl-split-{rank}"))
+            .spawn(move || {
+                let outcome = ctx
+                    .bind_to_thread()
+                    .map_err(|source| NcclError::Driver {
+                        op: "bind context",
+                        rank,
+                        source,
+                    })
+                    .and_then(|()| {
+                        let mut child: ncclComm_t = ptr::null_mut();
+                        // Inside the guard: the parent is not freed while NCCL splits it (an
+                        // abort meanwhile ends it when the split returns).
+                        let code = handle
+                            .with(|parent| {
+                                // SAFETY: a live communicator, a valid out pointer, and a null
+                                // config (inherit the parent's).
+                                unsafe {
+                                    split(
+                                        parent.comm,
+                                        0,
+                                        rank as c_int,
+                                        &mut child,
+                                        ptr::null_mut(),
+                                    )
+                                }
+                            })
+                            .map_err(use_after_abort)?;
+                        lib.check("ncclCommSplit", rank, code)?;
+                        Ok(InitComm(child))
+                    });
+                let _ = tx.send(outcome);
+            })
+            .map_err(|e| NcclError::Call {
+                op: "spawn ncclCommSplit thread",
+                rank,
+                code: e.to_string(),
+            })?;
+        let child = wait_for_comm(&rx, rank, self.world_size, timeout, &|| {
+            self.handle.is_aborted()
+        })?;
+        Ok(Some(Communicator {
+            handle: Arc::new(CommGuard::new(
+                rank,
+                NcclHandle {
+                    comm: child.0,
+                    rank,
+                },
+            )),
+            stream,
+            rank,
+            world_size: self.world_size,
+        }))
+    }
+
+    /// Makes `child` end with this communicator: aborting this one (its watchdog, the abort
+    /// group) aborts the child too.
+    pub fn adopt(&self, child: &Communicator) {
+        self.handle.add_dependent(child.abort_target());
+    }
+
+    /// A barrier on the new communicator: an all-reduce of one value on the communication
+    /// stream, waited for on the host (a blocking-sync event, under a watchdog of `timeout`).
+    ///
+    /// Why an all-reduce rather than a host barrier among the local threads: it covers every
+    /// rank of every node, not only this process's; it proves the communicator works (its
+    /// transports connect here, before the rank's first large allocations take the memory
+    /// NCCL's connection buffers need, and a broken transport is an error at start naming the
+    /// barrier, not a timeout in the first step's bucket); and an abort of the communicator
+    /// (the watchdog, or the process's abort group when another local rank fails) ends it.
+    pub fn barrier(&self, timeout: Duration) -> Result<(), NcclError> {
+        let driver = |op: &'static str| {
+            let rank = self.rank;
+            move |source| NcclError::Driver { op, rank, source }
+        };
+        let mut one = self
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(driver("allocate the barrier's value"))?;
+        self.all_reduce_sum_in_place(&mut one)?;
+        let done = Arc::new(host_wait_event(&self.stream).map_err(driver("record the barrier"))?);
+        done.record(&self.stream)
+            .map_err(driver("record the barrier"))?;
+        let dog = self.watchdog(timeout);
+        let probe = done.clone();
+        dog.watch("the barrier after joining the communicator", move || {
+            probe.try_is_complete().map_err(|e| e.to_string())
+        })?;
+        let waited = done.synchronize().map_err(driver("wait for the barrier"));
+        dog.check()?;
+        if self.handle.is_aborted() {
+            return Err(NcclError::UseAfterAbort { rank: self.rank });
+        }
+        waited
+    }
+
     /// Broadcasts `len` elements at device address `ptr` from `root` to every rank, in place,
     /// on the communication stream.
     ///
@@ -478,16 +665,21 @@ impl Communicator {
         root: usize,
     ) -> Result<(), NcclError> {
         let lib = nccl()?;
-        let comm = self.handle.get()?;
-        let code = (lib.broadcast)(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            len,
-            T::TYPE,
-            root as c_int,
-            comm,
-            self.stream.cu_stream() as cudaStream_t,
-        );
+        let stream = self.stream.cu_stream() as cudaStream_t;
+        let code = self
+            .handle
+            .with(|comm| {
+                (lib.broadcast)(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    len,
+                    T::TYPE,
+                    root as c_int,
+                    comm.comm,
+                    stream,
+                )
+            })
+            .map_err(use_after_abort)?;
         lib.check("ncclBroadcast", self.rank, code)
     }
 
@@ -503,21 +695,26 @@ impl Communicator {
         average: bool,
     ) -> Result<(), NcclError> {
         let lib = nccl()?;
-        let comm = self.handle.get()?;
         let op = if average {
             ncclRedOp_t::ncclAvg
         } else {
             ncclRedOp_t::ncclSum
         };
-        let code = (lib.all_reduce)(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            len,
-            T::TYPE,
-            op,
-            comm,
-            self.stream.cu_stream() as cudaStream_t,
-        );
+        let stream = self.stream.cu_stream() as cudaStream_t;
+        let code = self
+            .handle
+            .with(|comm| {
+                (lib.all_reduce)(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    len,
+                    T::TYPE,
+                    op,
+                    comm.comm,
+                    stream,
+                )
+            })
+            .map_err(use_after_abort)?;
         lib.check("ncclAllReduce", self.rank, code)
     }
 
@@ -558,19 +755,20 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        let p = self.handle.comm.swap(ptr::null_mut(), Ordering::AcqRel);
-        if p.is_null() {
-            return;
-        }
-        if let Ok(lib) = nccl() {
-            // SAFETY: `p` is live and owned by this communicator; after the swap nothing else
-            // (the watchdog included) can reach it.
-            let code = unsafe { (lib.comm_destroy)(p) };
-            if let Err(e) = lib.check("ncclCommDestroy", self.rank, code) {
-                tracing::warn!("{e}");
-            }
-        }
+        // Destroyed unless it was aborted; the guard waits for any call in flight (the
+        // watchdog's poll) and ends the communicator exactly once.
+        self.handle.destroy();
     }
+}
+
+/// A new event that the host will wait on: with blocking synchronisation, so the waiting
+/// thread sleeps in the driver instead of spinning a core (one per rank otherwise) until the
+/// GPU gets there. Timing stays on (the flag set cannot say "blocking without timing"), which
+/// costs one timestamp per record.
+pub fn host_wait_event(stream: &CudaStream) -> Result<CudaEvent, DriverError> {
+    stream.context().new_event(Some(
+        cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+    ))
 }
 
 /// A rank's flat gradient buffer on its GPU: the device address and length of the f32 arena
@@ -618,6 +816,19 @@ pub struct NcclCollective {
     small_f64: Scratch<f64>,
     small_f32: Scratch<f32>,
     timeline: Option<GpuTimeline>,
+    /// Synchronised batch norm's sums, once [`NcclCollective::open_side_sums`] made them a
+    /// communicator and stream of their own.
+    side: Option<SideSums>,
+}
+
+/// The communicator and stream of synchronised batch norm's small sums, beside the gradient
+/// buckets' (see [`NcclCollective::open_side_sums`]).
+struct SideSums {
+    comm: Communicator,
+    /// Recorded on the compute stream before each sum; the side stream waits for it.
+    ready: CudaEvent,
+    /// Host sums (a rank replaying a step without images) go through this buffer.
+    scratch: Scratch<f64>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -645,7 +856,77 @@ impl NcclCollective {
             small_f64: Scratch { buf: None },
             small_f32: Scratch { buf: None },
             timeline: None,
+            side: None,
         }
+    }
+
+    /// Gives synchronised batch norm's sums ([`Collective::sum_sums`]) a communicator and a
+    /// stream of their own, so they run beside the gradient buckets' all-reduces instead of
+    /// queueing behind them on the communication stream. Every rank calls it at the same point
+    /// (a collective call), before its first sync-BN step; `timeout` bounds the wait for the
+    /// others.
+    ///
+    /// The communicator comes from `ncclCommSplit` (NCCL ≥ 2.18, loaded when present); with an
+    /// older library, from a second `ncclCommInitRank` whose unique id rank 0 draws and hands
+    /// to the others over the first communicator (no second rendezvous). Either way it is
+    /// aborted with the first (the watchdog and the abort group reach it) and passes the same
+    /// barrier before use.
+    pub fn open_side_sums(&mut self, timeout: Duration) -> Result<(), NcclError> {
+        if self.side.is_some() {
+            return Ok(());
+        }
+        let (rank, world) = (self.comm.rank, self.comm.world_size);
+        let stream = self
+            .compute()
+            .context()
+            .new_stream()
+            .map_err(self.driver("create the sync-BN stream"))?;
+        let (comm, how) = match self.comm.split(stream.clone(), timeout)? {
+            Some(comm) => (comm, "ncclCommSplit"),
+            None => {
+                let mut id = if rank == 0 {
+                    new_unique_id()?
+                } else {
+                    vec![0u8; UNIQUE_ID_BYTES]
+                };
+                let mut scratch = Scratch { buf: None };
+                let label = "hand-out of the sync-BN communicator's id".to_string();
+                self.host_exchange(
+                    &self.comm,
+                    &mut scratch,
+                    &mut id,
+                    label,
+                    None,
+                    |comm, p, n| {
+                        // SAFETY: `p` addresses the scratch buffer of `n` bytes, used by the
+                        // communication stream only.
+                        unsafe { comm.broadcast_raw::<u8>(p, n, 0) }
+                    },
+                )?;
+                let main = self.comm.handle.clone();
+                let comm = Communicator::init_unless(stream, rank, world, &id, timeout, &|| {
+                    main.is_aborted()
+                })?;
+                (comm, "a second ncclCommInitRank")
+            }
+        };
+        tracing::info!(
+            "rank {rank}: sync-BN sums on a communicator and stream of their own ({how}), on the device"
+        );
+        self.comm.adopt(&comm);
+        comm.barrier(timeout)?;
+        let ready = self.event("create the sync-BN ready event")?;
+        self.side = Some(SideSums {
+            comm,
+            ready,
+            scratch: Scratch { buf: None },
+        });
+        Ok(())
+    }
+
+    /// Whether synchronised batch norm's sums have their own communicator.
+    pub fn has_side_sums(&self) -> bool {
+        self.side.is_some()
     }
 
     /// The communicator.
@@ -681,10 +962,22 @@ impl NcclCollective {
 
     /// Registers `event` (recorded after a collective) with the watchdog.
     fn watch(&self, label: String, event: &Arc<CudaEvent>) -> Result<(), NcclError> {
+        self.watch_within(label, None, event)
+    }
+
+    /// [`NcclCollective::watch`] with a timeout of its own (`None`: the collective timeout).
+    fn watch_within(
+        &self,
+        label: String,
+        timeout: Option<Duration>,
+        event: &Arc<CudaEvent>,
+    ) -> Result<(), NcclError> {
         let probe = event.clone();
-        self.watchdog.watch(label, move || {
-            probe.try_is_complete().map_err(|e| e.to_string())
-        })?;
+        let done = move || probe.try_is_complete().map_err(|e| e.to_string());
+        match timeout {
+            Some(t) => self.watchdog.watch_within(label, t, done)?,
+            None => self.watchdog.watch(label, done)?,
+        }
         Ok(())
     }
 
@@ -692,8 +985,21 @@ impl NcclCollective {
     /// an abort by the watchdog ends the wait too), then reports a fault if there was one.
     fn wait(&self, event: &CudaEvent, op: &'static str) -> Result<(), NcclError> {
         let waited = event.synchronize().map_err(self.driver(op));
-        self.watchdog.check()?;
+        self.check_live()?;
         waited
+    }
+
+    /// Ok unless this rank's watchdog fired or the communicator was aborted from elsewhere
+    /// (the process's abort group): an aborted collective's event completes too, and its
+    /// result must not be taken for a real one.
+    fn check_live(&self) -> Result<(), NcclError> {
+        self.watchdog.check()?;
+        if self.comm.handle.is_aborted() {
+            return Err(NcclError::UseAfterAbort {
+                rank: self.comm.rank,
+            });
+        }
+        Ok(())
     }
 
     /// Sums `len` f64 values at device address `ptr` over every rank, after the compute work
@@ -723,7 +1029,8 @@ impl NcclCollective {
         let dst = std::slice::from_raw_parts_mut(host, len);
         drv::memcpy_dtoh_async(dst, ptr, stream.cu_stream())
             .map_err(self.driver("copy a device sum to the host"))?;
-        let done = Arc::new(self.event("record a device sum")?);
+        // The host waits on it (`wait_device_sum`): blocking sync, no spinning core.
+        let done = Arc::new(host_wait_event(&stream).map_err(self.driver("record a device sum"))?);
         done.record(&stream)
             .map_err(self.driver("record a device sum"))?;
         self.watch(format!("{label} in step {}", self.step + 1), &done)?;
@@ -732,17 +1039,20 @@ impl NcclCollective {
 
     /// A collective on host `values`: uploads them into `scratch` on the communication
     /// stream, runs `collective` on the device copy (address, length), waits for it (watched
-    /// under `label`), and downloads the result into `values`.
+    /// under `label`, for `timeout` when given, else the collective timeout), and downloads
+    /// the result into `values`.
     fn host_exchange<
         T: NcclElement + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
     >(
         &self,
+        comm: &Communicator,
         scratch: &mut Scratch<T>,
         values: &mut [T],
         label: String,
+        timeout: Option<Duration>,
         collective: impl FnOnce(&Communicator, u64, usize) -> Result<(), NcclError>,
     ) -> Result<(), NcclError> {
-        let stream = self.comm.stream.clone();
+        let stream = comm.stream.clone();
         let n = values.len();
         let buf = scratch
             .get(&stream, n)
@@ -752,19 +1062,74 @@ impl NcclCollective {
             .map_err(self.driver("upload host values"))?;
         {
             let (p, _record) = cudarc::driver::DevicePtr::device_ptr(&*buf, &stream);
-            collective(&self.comm, p, n)?;
+            collective(comm, p, n)?;
         }
-        let done = Arc::new(self.event("record a host exchange")?);
+        let done =
+            Arc::new(host_wait_event(&stream).map_err(self.driver("record a host exchange"))?);
         done.record(&stream)
             .map_err(self.driver("record a host exchange"))?;
-        self.watch(label, &done)?;
+        self.watch_within(label, timeout, &done)?;
         self.wait(&done, "wait for a host exchange")?;
         stream
             .memcpy_dtoh(&buf.slice(0..n), values)
             .map_err(self.driver("download host values"))?;
-        stream
-            .synchronize()
+        // The download into pageable memory is done when the call returns; the event's wait
+        // (not a stream synchronise, which spins under the default scheduling) is a guard.
+        done.record(&stream)
+            .map_err(self.driver("download host values"))?;
+        done.synchronize()
             .map_err(self.driver("download host values"))
+    }
+
+    /// Sums `len` f64 at device address `ptr` over every rank on the side communicator:
+    /// after the compute work issued so far, before the compute work issued next (events), with
+    /// no host wait.
+    fn side_device_sum(&self, side: &SideSums, ptr: u64, len: usize) -> Result<(), NcclError> {
+        self.check_live()?;
+        side.ready
+            .record(self.compute())
+            .map_err(self.driver("record compute for a sync-BN sum"))?;
+        let stream = side.comm.stream();
+        stream
+            .wait(&side.ready)
+            .map_err(self.driver("order a sync-BN sum after compute"))?;
+        // SAFETY: the backend's sums hold `len` live f64 at `ptr` (DeviceSums); compute wrote
+        // them before `ready` and reads them again only after `done`.
+        unsafe { side.comm.all_reduce_raw::<f64>(ptr, len, false) }?;
+        let done = Arc::new(self.event("record a sync-BN sum")?);
+        done.record(stream)
+            .map_err(self.driver("record a sync-BN sum"))?;
+        self.compute()
+            .wait(&done)
+            .map_err(self.driver("order compute after a sync-BN sum"))?;
+        self.watch(
+            format!("sync-BN sum of {len} values in step {}", self.step + 1),
+            &done,
+        )
+    }
+
+    /// A sum of host values over every rank, watched for `timeout` (`None`: the collective
+    /// timeout).
+    fn sum_for(
+        &mut self,
+        values: &mut [f64],
+        timeout: Option<Duration>,
+    ) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
+        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
+        let result = self.host_exchange(
+            &self.comm,
+            &mut scratch,
+            values,
+            label,
+            timeout,
+            |comm, p, n| {
+                // SAFETY: as in `broadcast`.
+                unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+            },
+        );
+        self.small_f64 = scratch;
+        Ok(result?)
     }
 
     /// Waits for an event returned by [`NcclCollective::sum_on_device`].
@@ -792,7 +1157,7 @@ impl Collective for NcclCollective {
         scale: f32,
     ) -> Result<(), CollectiveError> {
         let rank = self.comm.rank;
-        self.watchdog.check().map_err(NcclError::from)?;
+        self.check_live()?;
         if range.start > range.end || range.end > buffer.len {
             return Err(NcclError::OutOfRange {
                 rank,
@@ -855,7 +1220,7 @@ impl Collective for NcclCollective {
 
     fn finish_averages(&mut self, _buffer: &mut DeviceGrads) -> Result<(), CollectiveError> {
         self.step += 1;
-        self.watchdog.check().map_err(NcclError::from)?;
+        self.check_live()?;
         // The communication stream runs buckets in order: the last one done means all are.
         if let Some(last) = self.last.take() {
             self.compute()
@@ -868,28 +1233,72 @@ impl Collective for NcclCollective {
     fn broadcast(&mut self, values: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::replace(&mut self.small_f32, Scratch { buf: None });
         let label = format!("broadcast of {} values from rank {root}", values.len());
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
-            // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
-            // communication stream only.
-            unsafe { comm.broadcast_raw::<f32>(p, n, root) }
-        });
+        let result = self.host_exchange(
+            &self.comm,
+            &mut scratch,
+            values,
+            label,
+            None,
+            |comm, p, n| {
+                // SAFETY: `p` addresses the scratch buffer of at least `n` values, used by the
+                // communication stream only.
+                unsafe { comm.broadcast_raw::<f32>(p, n, root) }
+            },
+        );
         self.small_f32 = scratch;
         Ok(result?)
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
-        let mut scratch = std::mem::replace(&mut self.small_f64, Scratch { buf: None });
-        let label = format!("sum of {} values in step {}", values.len(), self.step + 1);
-        let result = self.host_exchange(&mut scratch, values, label, |comm, p, n| {
-            // SAFETY: as in `broadcast`.
-            unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
-        });
-        self.small_f64 = scratch;
+        self.sum_for(values, None)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
+        self.sum_for(values, Some(timeout))
+    }
+
+    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), CollectiveError> {
+        let Some(mut side) = self.side.take() else {
+            // No side communicator: through the host, on the main one.
+            let rank = self.comm.rank;
+            return sums.sum_through_host(|v| self.sum(v)).map_err(|e| match e {
+                SumThroughHostError::Sum(e) => e,
+                SumThroughHostError::Device(e) => CollectiveError::Buffer {
+                    rank,
+                    detail: format!("synchronised batch norm's sums: {e}"),
+                },
+            });
+        };
+        let result = match &mut sums {
+            SumsMut::Device(d) => self.side_device_sum(&side, d.device_ptr(), d.len()),
+            SumsMut::Host(values) => {
+                let label = format!(
+                    "sync-BN sum of {} values in step {}",
+                    values.len(),
+                    self.step + 1
+                );
+                let mut scratch = std::mem::replace(&mut side.scratch, Scratch { buf: None });
+                let r = self.host_exchange(
+                    &side.comm,
+                    &mut scratch,
+                    values,
+                    label,
+                    None,
+                    |comm, p, n| {
+                        // SAFETY: as in `sum`, on the side communicator's stream.
+                        unsafe { comm.all_reduce_raw::<f64>(p, n, false) }
+                    },
+                );
+                side.scratch = scratch;
+                r
+            }
+        };
+        self.side = Some(side);
         Ok(result?)
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
-        Ok(self.watchdog.check().map_err(NcclError::from)?)
+        Ok(self.check_live()?)
     }
 
     fn abort(&self, reason: &str) {
@@ -897,7 +1306,7 @@ impl Collective for NcclCollective {
             "rank {}: aborting the NCCL communicator: {reason}",
             self.comm.rank
         );
-        if let Err(e) = self.comm.handle.abort() {
+        if let Err(e) = Abortable::abort(&*self.comm.handle) {
             tracing::warn!("rank {}: ncclCommAbort: {e}", self.comm.rank);
         }
     }

@@ -3,11 +3,18 @@
 //! Node 0 listens on the launch plan's rendezvous port (the `--master` port; under torchrun,
 //! whose agent holds `MASTER_PORT`, the port above it). Every other node connects (retrying
 //! until the timeout, since nodes start in any order), says hello — protocol version, node
-//! rank, node count, local GPU count, dataset fingerprint, model name — and waits. Once every node has
+//! rank, node count, local GPU count, dataset fingerprint, model name, the checkpoint it
+//! starts from — and waits. Once every node has
 //! arrived and agrees with node 0, node 0 creates the NCCL unique id (an opaque byte string from
 //! a closure, so this module needs no NCCL) and answers each node its global rank offset, the
 //! world size in GPUs and the id. Any disagreement is answered with an error message that both
 //! sides report; a node that never arrives fails the rendezvous with the missing node ranks.
+//!
+//! The checkpoint matters because only the weights are broadcast at the start: the optimizer
+//! state, the data position, the moving average and the best epoch each node reads from its
+//! own `--resume` folder, so nodes resuming different checkpoints (a folder not shared, or an
+//! older copy) would train on silently from different states. Its identity (global step and
+//! the weights file's checksum, or a fresh start) must be the same on every node.
 //!
 //! Wire format: one JSON object per line, each side sends exactly one message. Every socket
 //! operation has a deadline; no loop runs unbounded.
@@ -19,7 +26,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 /// Version of the wire protocol; nodes running different versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Longest message accepted (a hello or welcome is a few hundred bytes).
 const MAX_MESSAGE_BYTES: u64 = 64 * 1024;
@@ -119,6 +126,38 @@ pub struct NodeInfo {
     pub fingerprint: u64,
     /// Model name (every node must build the same model).
     pub model: String,
+    /// The checkpoint this node starts from (every node must start from the same one).
+    pub start: StartPoint,
+}
+
+/// Where a node's training starts: a fresh start or a checkpoint, named by what identifies
+/// it. Only the weights are broadcast from rank 0, so every node must start from the same
+/// point ([`serve`] refuses a node that does not).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartPoint {
+    /// No `--resume`: weights from the seed or `--init-from`, nothing else carried over.
+    #[default]
+    Fresh,
+    /// `--resume` of a checkpoint.
+    Checkpoint {
+        /// Its global step.
+        step: u64,
+        /// The checksum of its weights file, as its sidecar records it.
+        weights: String,
+    },
+}
+
+impl std::fmt::Display for StartPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartPoint::Fresh => f.write_str("a fresh start (no --resume)"),
+            StartPoint::Checkpoint { step, weights } => write!(
+                f,
+                "the checkpoint of global step {step} (weights checksum {weights})"
+            ),
+        }
+    }
 }
 
 /// What every node learns from the rendezvous.
@@ -142,6 +181,9 @@ struct Hello {
     gpus: usize,
     fingerprint: u64,
     model: String,
+    /// Absent from an older version's hello, which the protocol check then refuses by name.
+    #[serde(default)]
+    start: StartPoint,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -288,6 +330,12 @@ fn validate(me: &NodeInfo, hello: &Hello, arrived: &[Option<Hello>]) -> Result<(
         return Err(format!(
             "model mismatch: node {} builds {:?} but node 0 builds {:?}; pass the same --model everywhere",
             hello.node_rank, hello.model, me.model
+        ));
+    }
+    if hello.start != me.start {
+        return Err(format!(
+            "checkpoint mismatch: node {} starts from {} but node 0 from {}; only the weights are broadcast, so every node must resume the same checkpoint (hint: share the run folder between the nodes, or copy node 0's to the others, and pass the same --resume everywhere)",
+            hello.node_rank, hello.start, me.start
         ));
     }
     Ok(())
@@ -503,6 +551,7 @@ pub fn join(master: &str, me: &NodeInfo, timeout: Duration) -> Result<Assignment
             gpus: me.local_gpus,
             fingerprint: me.fingerprint,
             model: me.model.clone(),
+            start: me.start.clone(),
         },
     )?;
     let line = match read_message(&stream, &peer) {
@@ -606,7 +655,128 @@ pub fn rendezvous(
 
 #[cfg(test)]
 mod tests {
-    use super::{hex, unhex};
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    fn node(node_rank: usize, start: StartPoint) -> NodeInfo {
+        NodeInfo {
+            nodes: 2,
+            node_rank,
+            local_gpus: 1,
+            fingerprint: 7,
+            model: "resnet50".into(),
+            start,
+        }
+    }
+
+    fn resumed(step: u64, weights: &str) -> StartPoint {
+        StartPoint::Checkpoint {
+            step,
+            weights: weights.into(),
+        }
+    }
+
+    /// Node 0 serves on loopback while node 1 joins from a thread.
+    fn meet(
+        first: StartPoint,
+        second: StartPoint,
+    ) -> (
+        Result<Assignment, RendezvousError>,
+        Result<Assignment, RendezvousError>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let joiner = std::thread::spawn(move || join(&addr, &node(1, second), TIMEOUT));
+        let served = serve(&listener, &node(0, first), TIMEOUT, || Ok(vec![1; 128]));
+        (served, joiner.join().unwrap())
+    }
+
+    #[test]
+    fn nodes_starting_from_the_same_point_meet() {
+        for start in [StartPoint::Fresh, resumed(120, "00aa11bb22cc33dd")] {
+            let (served, joined) = meet(start.clone(), start.clone());
+            assert_eq!(served.unwrap().world_size, 2, "{start}");
+            assert_eq!(joined.unwrap().rank_offset, 1, "{start}");
+        }
+    }
+
+    #[test]
+    fn a_node_resuming_another_checkpoint_is_refused_on_both_sides_naming_both_values() {
+        let cases = [
+            // Another step (an older copy of the run folder).
+            (
+                resumed(120, "aaaa"),
+                resumed(80, "bbbb"),
+                ["step 120", "step 80"],
+            ),
+            // The same step, other weights (another run's folder).
+            (resumed(120, "aaaa"), resumed(120, "cccc"), ["aaaa", "cccc"]),
+            // One node resumes, the other starts afresh (its --resume folder missing).
+            (
+                resumed(120, "aaaa"),
+                StartPoint::Fresh,
+                ["step 120", "fresh start"],
+            ),
+            (
+                StartPoint::Fresh,
+                resumed(40, "dddd"),
+                ["fresh start", "step 40"],
+            ),
+        ];
+        for (first, second, named) in cases {
+            let (served, joined) = meet(first.clone(), second.clone());
+            let reason = match served.unwrap_err() {
+                RendezvousError::Rejected { reason } => reason,
+                other => panic!("{first} vs {second}: {other}"),
+            };
+            // Which node has which, in one line, with the way out.
+            let node_1 = format!("node 1 starts from {second}");
+            let node_0 = format!("node 0 from {first}");
+            assert!(
+                reason.contains(&node_1) && reason.contains(&node_0),
+                "{reason}"
+            );
+            for value in named {
+                assert!(reason.contains(value), "{value}: {reason}");
+            }
+            assert!(
+                reason.contains("share the run folder") && reason.contains("copy"),
+                "{reason}"
+            );
+            assert!(!reason.contains('\n'), "{reason}");
+            match joined.unwrap_err() {
+                RendezvousError::Rejected { reason: theirs } => assert_eq!(theirs, reason),
+                other => panic!("node 1: {other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_hello_of_the_previous_protocol_is_refused_by_version_not_ignored() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let old = std::thread::spawn(move || {
+            let stream = TcpStream::connect(&addr).unwrap();
+            stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+            // Version 1 had no checkpoint identity.
+            let hello = r#"{"protocol":1,"node_rank":1,"nodes":2,"gpus":1,"fingerprint":7,"model":"resnet50"}"#;
+            (&stream)
+                .write_all(format!("{hello}\n").as_bytes())
+                .unwrap();
+            read_message(&stream, "node 0").unwrap()
+        });
+        let e = serve(&listener, &node(0, StartPoint::Fresh), TIMEOUT, || {
+            Ok(vec![1; 128])
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("protocol 1"), "{e}");
+        let reply: Reply = serde_json::from_str(&old.join().unwrap()).unwrap();
+        assert!(
+            matches!(&reply, Reply::Error { reason } if reason.contains("protocol 1")),
+            "{reply:?}"
+        );
+    }
 
     #[test]
     fn hex_round_trips_and_rejects_garbage() {

@@ -21,11 +21,18 @@ pub struct DistSettings {
     pub rendezvous_timeout: u64,
     /// Seconds a collective may take before every rank aborts (a rank stopped answering).
     pub collective_timeout: u64,
+    /// Seconds the ranks wait for each other at an epoch end or a checkpoint, where they meet
+    /// after work outside the collectives: each rank validating its share, rank 0 writing
+    /// metrics, `best/`, the checkpoint and the report (a large split or a slow disk can take
+    /// longer than any collective should). A rank that fails meanwhile still aborts the others
+    /// at once; this bounds only a writer that hangs or a peer that vanished unnoticed.
+    pub epoch_end_timeout: u64,
     /// Gradient bucket size in MiB (one average per bucket, started during backward).
     pub bucket_mb: f64,
     /// Staging slots per GPU (batch k+1 uploads while batch k computes).
     pub prefetch_depth: usize,
-    /// Write a Chrome trace (Perfetto) of the ranks' work to this file.
+    /// Write a Chrome trace (Perfetto) of the ranks' work to this file (node k > 0 of a
+    /// multi-node run writes `<stem>.node<k>.<ext>` beside it).
     pub trace: Option<PathBuf>,
     /// Synchronised batch norm across GPU ranks.
     pub sync_bn: bool,
@@ -42,6 +49,7 @@ impl Default for DistSettings {
             master: None,
             rendezvous_timeout: 300,
             collective_timeout: 600,
+            epoch_end_timeout: 3600,
             bucket_mb: 25.0,
             prefetch_depth: 2,
             trace: None,
@@ -72,8 +80,30 @@ impl DistSettings {
         Duration::from_secs(self.collective_timeout.max(1))
     }
 
+    /// How long the ranks wait for each other at an epoch end or a checkpoint (never less
+    /// than the collective timeout).
+    pub fn epoch_end_timeout(&self) -> Duration {
+        Duration::from_secs(self.epoch_end_timeout.max(self.collective_timeout).max(1))
+    }
+
     /// The bucket planner settings for f32 gradients.
     pub fn bucket_settings(&self) -> BucketSettings {
         BucketSettings::f32_mb(self.bucket_mb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_epoch_end_wait_is_never_shorter_than_a_collective() {
+        let mut d = DistSettings::default();
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(3600));
+        d.collective_timeout = 7200;
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(7200));
+        d.epoch_end_timeout = 0;
+        d.collective_timeout = 0;
+        assert_eq!(d.epoch_end_timeout(), Duration::from_secs(1));
     }
 }

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::collective::{Collective, CollectiveError};
+use crate::backend::SumsMut;
 use crate::cuda::timeline::GpuTimeline;
 use crate::cuda::GpuDevice;
 
@@ -72,6 +73,19 @@ impl<B> Collective for SingleRank<B> {
     }
 
     fn sum(&mut self, _values: &mut [f64]) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
+    fn sum_within(
+        &mut self,
+        _values: &mut [f64],
+        _timeout: std::time::Duration,
+    ) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
+    fn sum_sums(&mut self, _sums: SumsMut<'_>) -> Result<(), CollectiveError> {
+        // One rank: the sums are already the total (and stay where they are: no round trip).
         Ok(())
     }
 

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 /// Something the watchdog can abort: a communicator.
 pub trait Abortable: Send + Sync {
-    /// Aborts every pending operation; later operations fail. Called at most once.
+    /// Aborts every pending operation; later operations fail. May be called more than once
+    /// (the watchdog, the rank's own failure and the process's abort group may each ask);
+    /// calls after the first do nothing.
     fn abort(&self) -> Result<(), String>;
     /// An error raised asynchronously by pending operations, if any.
     fn async_error(&self) -> Option<String>;
@@ -91,6 +93,8 @@ type Probe = Box<dyn FnMut() -> Result<bool, String> + Send>;
 struct Pending {
     label: String,
     since: Instant,
+    /// How long it may take: the watchdog's timeout, or the call's own.
+    timeout: Duration,
     done: Probe,
 }
 
@@ -173,6 +177,18 @@ impl Watchdog {
         label: impl Into<String>,
         done: impl FnMut() -> Result<bool, String> + Send + 'static,
     ) -> Result<(), WatchdogError> {
+        self.watch_within(label, self.shared.timeout, done)
+    }
+
+    /// [`Watchdog::watch`] with a timeout of its own for this collective (a wait for work
+    /// done outside the collectives, which may take longer than any collective should).
+    /// Asynchronous errors still abort at once, whatever the timeout.
+    pub fn watch_within(
+        &self,
+        label: impl Into<String>,
+        timeout: Duration,
+        done: impl FnMut() -> Result<bool, String> + Send + 'static,
+    ) -> Result<(), WatchdogError> {
         let mut state = self.shared.lock();
         if let Some(f) = &state.fault {
             return Err(WatchdogError::Aborted(f.clone()));
@@ -180,6 +196,7 @@ impl Watchdog {
         state.pending.push(Pending {
             label: label.into(),
             since: Instant::now(),
+            timeout,
             done: Box::new(done),
         });
         Ok(())
@@ -264,13 +281,8 @@ fn run(shared: &Shared, poll: Duration) {
                     Ok(true) => {
                         state.pending.swap_remove(i);
                     }
-                    Ok(false) if p.since.elapsed() > shared.timeout => {
-                        fault = Some((
-                            p.label.clone(),
-                            FaultKind::Timeout {
-                                timeout: shared.timeout,
-                            },
-                        ));
+                    Ok(false) if p.since.elapsed() > p.timeout => {
+                        fault = Some((p.label.clone(), FaultKind::Timeout { timeout: p.timeout }));
                     }
                     Ok(false) => i += 1,
                     Err(message) => fault = Some((p.label.clone(), FaultKind::Error { message })),

@@ -1,8 +1,9 @@
 //! Executes a [`Graph`] forward and backward on a [`Backend`].
 
+use crate::backend::bn_sync::{self, SumThroughHostError};
 use crate::backend::{
     Backend, BnBackward, BnForward, BnGradEpilogue, BnMode, BnShape, LinearShape, PoolShape,
-    TensorRole,
+    SumsMut, TensorRole,
 };
 
 use super::bn_fusion::FusionPlan;
@@ -66,8 +67,9 @@ pub struct Network<B: Backend> {
     /// Global (mean, biased variance) scratch of synchronised batch norm, `max_channels`
     /// values each: the frozen-statistics op reads them as its "running" statistics.
     bn_scratch: Option<(B::Tensor, B::Tensor)>,
-    /// Rows over every replica per node, from the last synchronised forward.
-    bn_global_rows: Vec<f64>,
+    /// Per BN node, the sums of synchronised batch norm: forward (Σx, Σx², rows) and
+    /// backward (Σdγ, Σdβ), allocated by the first synchronised step.
+    bn_sums: Vec<Option<BnSums<B>>>,
     /// Which batch-norm work the convolutions take ([`Backend::bn_fusion`] when the network
     /// was built; [`FusionPlan::none`] otherwise).
     fusion: FusionPlan,
@@ -77,6 +79,9 @@ pub struct Network<B: Backend> {
     /// Per BN node: whether `bn_moments` holds this forward's moments.
     moments_ready: Vec<bool>,
 }
+
+/// A synchronised BN layer's forward and backward sums.
+type BnSums<B> = (<B as Backend>::Sums, <B as Backend>::Sums);
 
 impl<B: Backend> std::fmt::Debug for Network<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -307,6 +312,17 @@ pub type GradHookError = Box<dyn std::error::Error + Send + Sync>;
 pub trait BnAllReduce {
     /// Sums `values` element-wise over every replica, in place.
     fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError>;
+
+    /// Sums a backend's sums over every replica, in place, where they are. The default goes
+    /// through the host ([`BnAllReduce::sum_in_place`]; device sums are downloaded and
+    /// uploaded again); a reducer with a device path (NCCL) sums device memory on the device.
+    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), GradHookError> {
+        sums.sum_through_host(|v| self.sum_in_place(v))
+            .map_err(|e| match e {
+                SumThroughHostError::Device(e) => Box::new(e) as GradHookError,
+                SumThroughHostError::Sum(e) => e,
+            })
+    }
 }
 
 /// A shorter-lived handle on an optional reducer (`Option::as_deref_mut` cannot shorten the
@@ -483,7 +499,7 @@ impl<B: Backend> Network<B> {
             saved,
             grads_for: None,
             bn_scratch,
-            bn_global_rows: vec![0.0; graph.nodes().len()],
+            bn_sums: (0..graph.nodes().len()).map(|_| None).collect(),
             moments_ready: vec![false; graph.nodes().len()],
             fusion,
             bn_moments,
@@ -832,8 +848,10 @@ impl<B: Backend> Network<B> {
     /// and adds the cross-replica correction `dx += a + b·x` per channel. The parameter
     /// gradients stay local, to be averaged with every other gradient.
     ///
-    /// The per-channel vectors cross to the host (a device round trip per BN layer on a GPU):
-    /// exact, not fast.
+    /// The per-channel sums stay where the backend keeps them ([`Backend::Sums`]): the
+    /// backend packs them and turns the summed values into statistics and corrections
+    /// (`bn_sync_*` ops, kernels on a GPU), and the reducer sums them in place
+    /// ([`BnAllReduce::sum_sums`]: NCCL on the device; other reducers through the host).
     pub fn train_step_synced(
         &mut self,
         input: &InputBatch<'_>,
@@ -1020,16 +1038,19 @@ impl<B: Backend> Network<B> {
                         rows: n * d.h * d.w,
                         channels,
                     };
-                    let global = match reborrow(&mut sync_bn) {
-                        Some(r) => Some(self.global_bn_stats(k, node, shape, r)?),
-                        None => None,
+                    let synced = match reborrow(&mut sync_bn) {
+                        Some(r) => {
+                            self.global_bn_stats(k, node, shape, r)?;
+                            true
+                        }
+                        None => false,
                     };
                     let mut y = take(&mut self.acts, output);
                     let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
                     // Synchronised: the global statistics stand in for the running ones.
-                    let (mut rm, mut rv) = match global {
-                        Some(_) => self.bn_scratch.take().expect(BORROWED),
-                        None => (
+                    let (mut rm, mut rv) = match synced {
+                        true => self.bn_scratch.take().expect(BORROWED),
+                        false => (
                             take(&mut self.buffers, running_mean),
                             take(&mut self.buffers, running_var),
                         ),
@@ -1048,28 +1069,21 @@ impl<B: Backend> Network<B> {
                         saved_invstd: &mut invstd,
                         running_mean: &mut rm,
                         running_var: &mut rv,
-                        mode: if global.is_some() {
-                            BnMode::Frozen
-                        } else {
-                            mode
-                        },
+                        mode: if synced { BnMode::Frozen } else { mode },
                         momentum: self.config.bn_momentum,
                         eps: self.config.bn_eps,
                         // Synchronised: global_bn_stats read them already.
-                        moments: moments.filter(|_| global.is_none()),
+                        moments: moments.filter(|_| !synced),
                     });
                     self.acts[output] = Some(y);
                     self.saved[k] = Some((mean, invstd));
-                    if global.is_some() {
+                    if synced {
                         self.bn_scratch = Some((rm, rv));
                     } else {
                         self.buffers[running_mean] = Some(rm);
                         self.buffers[running_var] = Some(rv);
                     }
                     r?;
-                    if let Some((mean, var)) = global {
-                        self.advance_running_stats(k, running_mean, running_var, &mean, &var)?;
-                    }
                 }
                 Node::MaxPool {
                     input,
@@ -1135,25 +1149,46 @@ impl<B: Backend> Network<B> {
         name.strip_suffix(".weight").unwrap_or(name).to_string()
     }
 
-    /// Synchronised BN forward, part 1: sums Σx, Σx² and the rows over replicas, writes the
-    /// global mean and biased variance into the scratch pair and returns them.
+    /// The forward and backward sums of synchronised BN layer `k` (allocated on its first
+    /// synchronised step); give them back with [`Network::put_bn_sums`].
+    fn take_bn_sums(&mut self, k: usize, channels: usize) -> Result<BnSums<B>, ModelError> {
+        match self.bn_sums[k].take() {
+            Some(sums) => Ok(sums),
+            None => Ok((
+                self.backend.alloc_sums(bn_sync::moments_len(channels))?,
+                self.backend.alloc_sums(bn_sync::grad_sums_len(channels))?,
+            )),
+        }
+    }
+
+    fn put_bn_sums(&mut self, k: usize, sums: BnSums<B>) {
+        self.bn_sums[k] = Some(sums);
+    }
+
+    /// Synchronised BN forward, part 1: the global mean and biased variance of layer `k`'s
+    /// batch over every replica into the scratch pair (what the frozen-statistics op then
+    /// normalises with), and its running statistics advanced with them.
     ///
     /// The local moments come from the backend's own fused op in training mode with
     /// momentum 1 on the scratch pair (running mean ← batch mean, running variance ← unbiased
-    /// batch variance): no extra backend op, and on a GPU only `2·channels` values cross to
-    /// the host. It also writes `y`, which the frozen-mode call right after overwrites.
+    /// batch variance): no extra statistics kernel. It also writes `y`, which the frozen-mode
+    /// call right after overwrites. The backend packs Σx, Σx² and the rows into the layer's
+    /// sums, the reducer sums them where they are (on a GPU with a device path: on the device),
+    /// and the backend turns them into the statistics.
     fn global_bn_stats(
         &mut self,
         k: usize,
         node: &Node,
         shape: BnShape,
         reduce: &mut dyn BnAllReduce,
-    ) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+    ) -> Result<(), ModelError> {
         let Node::BatchNorm {
             input,
             output,
             weight,
             bias,
+            running_mean,
+            running_var,
             ..
         } = *node
         else {
@@ -1182,86 +1217,53 @@ impl<B: Backend> Network<B> {
         });
         self.acts[output] = Some(y);
         self.saved[k] = Some((mean_t, invstd_t));
-        let local = r
+        let sums = match r
             .map_err(ModelError::from)
-            .and_then(|()| Ok((self.backend.download(&tm)?, self.backend.download(&tv)?)));
-        self.bn_scratch = Some((tm, tv));
-        let (local_mean, local_var) = local?;
-        let n = shape.rows as f64;
-        let sum = (0..c).map(|ch| n * f64::from(local_mean[ch]));
-        // Σx² = (n − 1)·unbiased variance + n·mean² (for n = 1 the variance is 0).
-        let sumsq = (0..c).map(|ch| {
-            let m = f64::from(local_mean[ch]);
-            (n - 1.0).max(0.0) * f64::from(local_var[ch]) + n * m * m
-        });
-        let mut buf = Vec::with_capacity(2 * c + 1);
-        buf.extend(sum);
-        buf.extend(sumsq);
-        buf.push(n);
-        reduce
-            .sum_in_place(&mut buf)
-            .map_err(|source| ModelError::BnSync {
-                layer: self.bn_name(weight),
-                source,
-            })?;
-        let rows = buf[2 * c];
-        if rows < 1.0 {
-            return Err(ModelError::BadBatch(format!(
-                "synchronised batch norm at {}: the replicas hold {rows} rows in all",
-                self.bn_name(weight)
-            )));
-        }
-        let mean: Vec<f64> = buf[..c].iter().map(|s| s / rows).collect();
-        let var: Vec<f64> = (0..c)
-            .map(|ch| (buf[c + ch] / rows - mean[ch] * mean[ch]).max(0.0))
-            .collect();
-        let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
-        let len = self.backend.len(&tm);
-        let mut hm = vec![0.0f32; len];
-        let mut hv = vec![1.0f32; len];
-        for ch in 0..c {
-            hm[ch] = mean[ch] as f32;
-            hv[ch] = var[ch] as f32;
-        }
+            .and_then(|()| self.take_bn_sums(k, c))
+        {
+            Ok(sums) => sums,
+            Err(e) => {
+                self.bn_scratch = Some((tm, tv));
+                return Err(e);
+            }
+        };
+        let (mut moments, grads) = sums;
+        let mut rm = take(&mut self.buffers, running_mean);
+        let mut rv = take(&mut self.buffers, running_var);
         let r = self
             .backend
-            .upload(&hm, &mut tm)
-            .and_then(|()| self.backend.upload(&hv, &mut tv));
+            .bn_sync_moments(shape, &tm, &tv, &mut moments)
+            .map_err(ModelError::from)
+            .and_then(|()| {
+                reduce
+                    .sum_sums(self.backend.sums_mut(&mut moments))
+                    .map_err(|source| ModelError::BnSync {
+                        layer: self.bn_name(weight),
+                        source,
+                    })
+            })
+            .and_then(|()| {
+                Ok(self.backend.bn_sync_statistics(
+                    c,
+                    &mut moments,
+                    &mut tm,
+                    &mut tv,
+                    &mut rm,
+                    &mut rv,
+                    self.config.bn_momentum,
+                )?)
+            });
+        self.buffers[running_mean] = Some(rm);
+        self.buffers[running_var] = Some(rv);
         self.bn_scratch = Some((tm, tv));
-        r?;
-        self.bn_global_rows[k] = rows;
-        Ok((mean, var))
-    }
-
-    /// Synchronised BN forward, part 2: running statistics advance with the global batch's
-    /// mean and unbiased variance (as the local op does with its own batch).
-    fn advance_running_stats(
-        &mut self,
-        k: usize,
-        running_mean: usize,
-        running_var: usize,
-        mean: &[f64],
-        var: &[f64],
-    ) -> Result<(), ModelError> {
-        let rows = self.bn_global_rows[k];
-        let unbias = if rows > 1.0 { rows / (rows - 1.0) } else { 1.0 };
-        let m = f64::from(self.config.bn_momentum);
-        let mut rm = self.backend.download(get(&self.buffers, running_mean))?;
-        let mut rv = self.backend.download(get(&self.buffers, running_var))?;
-        for ch in 0..mean.len().min(rm.len()).min(rv.len()) {
-            rm[ch] = ((1.0 - m) * f64::from(rm[ch]) + m * mean[ch]) as f32;
-            rv[ch] = ((1.0 - m) * f64::from(rv[ch]) + m * var[ch] * unbias) as f32;
-        }
-        let t = self.buffers[running_mean].as_mut().expect(BORROWED);
-        self.backend.upload(&rm, t)?;
-        let t = self.buffers[running_var].as_mut().expect(BORROWED);
-        self.backend.upload(&rv, t)?;
-        Ok(())
+        self.put_bn_sums(k, (moments, grads));
+        r
     }
 
     /// Synchronised BN backward: after the frozen-statistics op, sums dγ = Σdz·x̂ and
     /// dβ = Σdz over replicas (weighted by image share) and adds `−γ·invstd·(Σdβ/N + x̂·Σdγ/N)` to dx, written as the
-    /// per-channel affine map `a + b·x` of the input.
+    /// per-channel affine map `a + b·x` of the input (the backend's `bn_sync_*` ops around the
+    /// reducer's sum, as in forward).
     fn sync_bn_backward(
         &mut self,
         k: usize,
@@ -1278,56 +1280,41 @@ impl<B: Backend> Network<B> {
         else {
             unreachable!("sync_bn_backward is only called for BatchNorm nodes");
         };
-        let c = shape.channels;
-        // Each replica's dz is the gradient of its *own* mean loss; the step's gradient is
-        // the image-weighted mean of the replicas' (the NCCL path scales by the image share).
-        // So replica r contributes its sums × rows_r/rows, which puts everyone on the global
-        // loss's scale, and reads the sums back × rows/rows_r, on its own scale again.
-        let share = shape.rows as f64 / self.bn_global_rows[k];
-        let mut buf: Vec<f64> = Vec::with_capacity(2 * c);
-        buf.extend(
-            self.backend
-                .download(get(&self.param_grads, weight))?
-                .iter()
-                .take(c)
-                .map(|&v| f64::from(v) * share),
-        );
-        buf.extend(
-            self.backend
-                .download(get(&self.param_grads, bias))?
-                .iter()
-                .take(c)
-                .map(|&v| f64::from(v) * share),
-        );
-        reduce
-            .sum_in_place(&mut buf)
-            .map_err(|source| ModelError::BnSync {
-                layer: self.bn_name(weight),
-                source,
-            })?;
-        // Global mean = (sum on this replica's scale) / global rows = sum / rows_r.
-        let rows = shape.rows as f64;
-        let gamma = self.backend.download(get(&self.params, weight))?;
-        let (mean_t, invstd_t) = self.saved[k].as_ref().expect("bn saved stats");
-        let mean = self.backend.download(mean_t)?;
-        let invstd = self.backend.download(invstd_t)?;
-        let mut a = vec![0.0f32; c];
-        let mut b = vec![0.0f32; c];
-        for ch in 0..c {
-            let mdg = buf[ch] / rows;
-            let mdb = buf[c + ch] / rows;
-            let is = f64::from(invstd[ch]);
-            let kk = f64::from(gamma[ch]) * is;
-            a[ch] = (-kk * mdb + kk * is * f64::from(mean[ch]) * mdg) as f32;
-            b[ch] = (-kk * is * mdg) as f32;
-        }
+        let (mut moments, mut grads) = self.take_bn_sums(k, shape.channels)?;
         let mut dx = take(&mut self.grad_bufs, self.grad_slot[input]);
-        let r =
-            self.backend
-                .channel_affine_accumulate(shape, get(&self.acts, input), &a, &b, &mut dx);
+        let (mean_t, invstd_t) = self.saved[k].as_ref().expect("bn saved stats");
+        let r = self
+            .backend
+            .bn_sync_grad_sums(
+                shape,
+                &mut moments,
+                get(&self.param_grads, weight),
+                get(&self.param_grads, bias),
+                &mut grads,
+            )
+            .map_err(ModelError::from)
+            .and_then(|()| {
+                reduce
+                    .sum_sums(self.backend.sums_mut(&mut grads))
+                    .map_err(|source| ModelError::BnSync {
+                        layer: self.bn_name(weight),
+                        source,
+                    })
+            })
+            .and_then(|()| {
+                Ok(self.backend.bn_sync_backward(
+                    shape,
+                    &mut grads,
+                    get(&self.params, weight),
+                    mean_t,
+                    invstd_t,
+                    get(&self.acts, input),
+                    &mut dx,
+                )?)
+            });
         self.grad_bufs[self.grad_slot[input]] = Some(dx);
-        r?;
-        Ok(())
+        self.put_bn_sums(k, (moments, grads));
+        r
     }
 
     /// Hands parameter `p`'s (final) gradient to the hook. Every parameter belongs to exactly

@@ -23,6 +23,9 @@ pub struct TrainConfig {
     pub data: PathBuf,
     /// Flat layout: the share of each class held out for validation.
     pub valid_fraction: Option<f32>,
+    /// How that share is held out: the current rule for a new run, the checkpoint's for a
+    /// resumed one (so it keeps the split it trained with).
+    pub split_rule: pipeline::SplitRule,
     /// Where to train.
     pub device: DeviceChoice,
     /// Network.
@@ -138,6 +141,7 @@ impl TrainConfig {
         Self {
             data: data.into(),
             valid_fraction: None,
+            split_rule: pipeline::SplitRule::CURRENT,
             device: DeviceChoice::Cpu,
             arch: Arch::ResNet50,
             epochs: 10,
@@ -264,6 +268,7 @@ impl TrainConfig {
             last_batch: self.last_batch,
             sampler: self.sampler,
             valid_fraction: self.valid_fraction,
+            split_version: self.split_rule.version(),
             save_every: self.save_every,
             early_stop: self.early_stop,
             monitor: self.best_rule.monitor,
@@ -301,6 +306,7 @@ impl TrainConfig {
         self.last_batch = s.last_batch;
         self.sampler = s.sampler;
         self.valid_fraction = s.valid_fraction;
+        self.split_rule = s.split_rule();
         self.save_every = s.save_every;
         self.early_stop = s.early_stop;
         self.best_rule = s.best_rule();

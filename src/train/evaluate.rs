@@ -92,13 +92,27 @@ pub(crate) fn evaluate_until<B: Backend>(
     views: Views,
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<EvalReport>, TrainError> {
+    evaluate_share_until(net, pipe, 0, views, stop)
+}
+
+/// [`evaluate_until`] over replica `share`'s slice of the split only (a training run's
+/// ranks each validate theirs, `pipe` built with one replica per rank and `shuffle(false)`):
+/// the shares' figures add up to the whole split's, up to the order of the loss sums. A share
+/// may hold no image.
+pub(crate) fn evaluate_share_until<B: Backend>(
+    net: &mut Network<B>,
+    pipe: &Pipeline,
+    share: usize,
+    views: Views,
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<EvalReport>, TrainError> {
     let start = std::time::Instant::now();
     let classes = net.graph().num_classes();
     let mut totals = MetricsAccumulator::default();
     let mut per_class = vec![(0u64, 0u64); classes];
     let mut confusion = vec![0u64; classes * classes];
-    let mut samples = Vec::with_capacity(pipe.len());
-    for batch in pipe.epoch(0, 0, 0)? {
+    let mut samples = Vec::with_capacity(pipe.len().div_ceil(pipe.replicas()));
+    for batch in pipe.epoch(0, share, 0)? {
         if stop() {
             return Ok(None);
         }

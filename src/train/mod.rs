@@ -5,8 +5,9 @@
 //! ([`crate::dist::collective::Collective`]): in-process for CPU ranks on threads
 //! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines). The loop (`run.rs`)
 //! is the same code for all of them: setup and resume (`setup.rs`), epochs and steps, the
-//! agreement on stopping, validation, metrics, checkpoints and report in the run folder
-//! ([`folder`], written by rank 0 alone), the summary. Batch-norm statistics are kept per
+//! agreement on stopping, validation (each rank its share of the split, `validation.rs`),
+//! metrics, checkpoints and report in the run folder ([`folder`], written by rank 0 alone),
+//! the summary. Batch-norm statistics are kept per
 //! rank during an epoch (as in PyTorch DDP) and averaged over the ranks at every epoch end
 //! and checkpoint.
 
@@ -21,9 +22,11 @@ pub mod lr_find;
 mod mix;
 mod progress;
 mod rank;
+mod resumed_files;
 mod run;
 mod setup;
 mod summary;
+mod validation;
 
 #[cfg(test)]
 mod multirank_tests;

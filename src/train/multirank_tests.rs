@@ -324,6 +324,103 @@ fn a_stop_during_validation_checkpoints_at_once_and_the_resume_validates_first()
     assert_eq!(figures(&whole), figures(&cut));
 }
 
+/// The validation figures of epoch 1 in a run folder, by split: (accuracy, top-5, loss).
+fn validation_figures(run: &Path) -> Vec<(String, f64, f64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["split"] != "train")
+        .map(|v| {
+            (
+                v["split"].as_str().unwrap().to_string(),
+                v["accuracy"].as_f64().unwrap(),
+                v["top5"].as_f64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Every rank validates its slice of the split (with the replica's weights and the moving
+/// average rank 0 broadcasts), and one sum gives the whole split's figures: three ranks give
+/// one rank's accuracy exactly, and its loss up to the order of the sums, on the same
+/// checkpoint, also with an odd split (the last batch leaves two ranks without an image) and
+/// a split smaller than the rank count (a rank with no validation image at all).
+#[test]
+fn three_ranks_validate_their_shares_and_give_one_ranks_figures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), 12);
+    // 7 validation images (odd) of 4 classes; and 2 of 2 classes (one each, every class
+    // needs one) with as many training images.
+    let mut files: Vec<PathBuf> = std::fs::read_dir(data.join("valid").join("class_00"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    std::fs::remove_file(&files[0]).unwrap();
+    let small = tmp.path().join("small");
+    write_dataset(&SynthConfig {
+        out: small.clone(),
+        classes: 2,
+        train_per_class: 24,
+        valid_per_class: 1,
+        test_per_class: 0,
+        width: 16,
+        height: 16,
+        format: ImageFormatKind::Png,
+        seed: 9,
+    })
+    .unwrap();
+    for (data, images, shares) in [(&data, 7, [3u64, 2, 2]), (&small, 2, [1, 1, 0])] {
+        let run = |name: &str, ranks: usize, batch: usize| {
+            let mut cfg = config(data, tmp.path(), name, ranks, batch);
+            cfg.freeze_bn = false;
+            cfg.model_ema = Some(crate::train::EmaRecipe {
+                steps: 1,
+                decay: 0.9,
+            });
+            cfg
+        };
+        // The checkpoint: epoch 1 trained (48 images, 2 ranks × 3: 8 steps) and stopped
+        // during its validation, which each resume below does first.
+        let cut = run(&format!("cut-{images}"), 2, 3);
+        let stopped = train_until(&cut, &|_, step| step == 8).unwrap();
+        assert!(stopped.interrupted);
+        let resumed = |name: &str, ranks: usize, batch: usize| {
+            let mut cfg = run(&format!("{name}-{images}"), ranks, batch);
+            cfg.resume = Some(cut.out.clone());
+            let outcome = train(&cfg);
+            (outcome, validation_figures(&cfg.out))
+        };
+        // The same global batch (6), so both resume at the same point.
+        let (one, one_figures) = resumed("one", 1, 6);
+        let (three, three_figures) = resumed("three", 3, 2);
+        assert_eq!(one.epochs_done, 1);
+        assert_eq!(three.epochs_done, 1);
+        // Two passes (the weights and their average), each rank its share.
+        assert_eq!(one.validated_images, vec![2 * images]);
+        assert_eq!(
+            three.validated_images,
+            shares.iter().map(|n| 2 * n).collect::<Vec<_>>(),
+            "{images} images"
+        );
+        assert_eq!(one_figures.len(), 2, "{one_figures:?}");
+        for (a, b) in one_figures.iter().zip(&three_figures) {
+            assert_eq!(a.0, b.0);
+            assert_eq!((a.1, a.2), (b.1, b.2), "{images} images, {}: accuracy", a.0);
+            let d = (a.3 - b.3).abs();
+            assert!(
+                d <= 1e-6 * a.3.abs().max(1.0),
+                "{images} images, {}: loss {} on one rank, {} on three",
+                a.0,
+                a.3,
+                b.3
+            );
+        }
+    }
+}
+
 #[test]
 fn a_run_stopped_on_two_ranks_resumes_on_three_as_if_never_stopped() {
     let tmp = tempfile::tempdir().unwrap();
@@ -440,6 +537,10 @@ impl Collective for Scripted {
             panic!("the group was never aborted");
         }
         self.inner.sum(values)
+    }
+
+    fn sum_within(&mut self, values: &mut [f64], timeout: Duration) -> Result<(), CollectiveError> {
+        self.inner.sum_within(values, timeout)
     }
 
     fn check(&self) -> Result<(), CollectiveError> {

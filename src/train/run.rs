@@ -1,19 +1,19 @@
 //! The training loop: one for every device and rank count.
 //!
-//! [`train`] prepares the run folder, lets the device's launcher ([`super::rank::cpu`] or
-//! [`super::rank::cuda`]) set up the shared state and start one thread per local rank, and
-//! each rank runs [`run_rank`]: the epochs, each step ([`super::rank::Rank::step`]), the
-//! agreement on stopping, cross-rank checksums, and at every epoch end the batch-norm
-//! average, then (rank 0) validation, metrics, checkpoint and report. The summary is built
-//! from every rank's report.
+//! [`train`] prepares the run folder (node 0 alone), lets the device's launcher
+//! ([`super::rank::cpu`] or [`super::rank::cuda`]) set up the shared state and start one
+//! thread per local rank, and each rank runs [`run_rank`]: the epochs, each step
+//! ([`super::rank::Rank::step`]), the agreement on stopping, cross-rank checksums, and at
+//! every epoch end the batch-norm average, its share of the validation
+//! ([`super::validation`]), then rank 0's metrics, checkpoint and report, which the others
+//! wait for under `--epoch-end-timeout`. The summary is built from every rank's report.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::config::TrainConfig;
 use super::device::DeviceChoice;
-use super::evaluate::{evaluate_until, Views};
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
 use super::folder::{BestEpoch, CheckpointMeta, CheckpointTensors, DataPosition, RunFolder};
 use super::lr_find::LrTrace;
@@ -21,8 +21,9 @@ use super::progress::EpochBar;
 use super::rank::{
     account, mean_buffers, Device, PendingStep, Rank, StepPlan, RANK_BUFFERS_TENSOR,
 };
-use super::setup::Shared;
+use super::setup::{node_rank, Shared};
 use super::summary::{format_summary, SummaryHeader};
+use super::validation::{validate, EpochFigures, Validation};
 use super::TrainError;
 use crate::dist::collective::Collective;
 use crate::model::{ModelState, StepStats};
@@ -53,6 +54,9 @@ pub struct TrainOutcome {
     pub lr_sweep: Option<LrTrace>,
     /// Whether this process wrote the run folder (node 0 of a multi-node run).
     pub writer: bool,
+    /// Validation images each local rank evaluated over the run (its share of every pass,
+    /// the moving average's included): every rank validates a slice of the split.
+    pub validated_images: Vec<u64>,
 }
 
 /// Whether a rank wants to stop before global step `step` (Ctrl-C, or a test's plan): asked
@@ -72,22 +76,26 @@ pub(crate) fn train_until(
 ) -> Result<TrainOutcome, TrainError> {
     cfg.validate()?;
     if let Some(path) = &cfg.dist.trace {
-        crate::trace::check_destination(path).map_err(|e| TrainError::Trace(e.to_string()))?;
+        let path = node_trace_path(path, node_rank(cfg));
+        crate::trace::check_destination(&path).map_err(|e| TrainError::Trace(e.to_string()))?;
+    }
+    let folder = RunFolder::new(&cfg.out);
+    if node_rank(cfg) != 0 {
+        // Only node 0 writes the run folder, and only node 0 cleans or removes it: the other
+        // nodes of a multi-node run may share it on a network file system, where their
+        // cleaning would delete node 0's temporary files and their removal its run. They
+        // neither create, lock nor check it (its state is node 0's to judge).
+        return run(cfg, &folder, stop);
     }
     refuse_existing_run(cfg)?;
     // The engine writes its bad-files reports into the run folder while it scans, so the
     // folder exists from the start; a run that fails before its first checkpoint removes the
     // folder it created ("nothing half-written").
-    let folder = RunFolder::new(&cfg.out);
     let created = folder.create()?;
-    // One writer per folder, held until the run returns. Only node 0 writes the run folder;
-    // the other nodes of a multi-node run may share it on a network file system.
+    // One writer per folder, held until the run returns.
     // (A folder this process created is left alone when the lock fails: the holder may be
     // the process that won the race to create it.)
-    let _lock = match first_node(cfg) {
-        true => Some(folder.lock()?),
-        false => None,
-    };
+    let _lock = folder.lock()?;
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
     folder.clean();
@@ -98,17 +106,41 @@ pub(crate) fn train_until(
     result
 }
 
-/// Whether this process is node 0 (or the only node), by `--node-rank` or the launcher's
-/// `RANK` or `SLURM_PROCID`; a value that does not parse counts as node 0 here and is refused
-/// by the launch.
-fn first_node(cfg: &TrainConfig) -> bool {
-    let env_rank = || crate::dist::launch::launcher::node_rank(&crate::dist::launch::process_env);
-    cfg.dist.node_rank.or_else(env_rank).unwrap_or(0) == 0
+/// Where node `node` writes the `--trace` asked for as `path`: node 0 (or the only node) the
+/// path itself, node k > 0 a file of its own beside it, `trace.node<k>.json` for
+/// `trace.json` (the nodes may share a file system, where one path would hold only the last
+/// node to finish).
+pub(crate) fn node_trace_path(path: &Path, node: usize) -> PathBuf {
+    if node == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(
+        || std::ffi::OsString::from("trace"),
+        std::ffi::OsStr::to_os_string,
+    );
+    let mut name = stem;
+    name.push(format!(".node{node}"));
+    if let Some(ext) = path.extension() {
+        name.push(".");
+        name.push(ext);
+    }
+    path.with_file_name(name)
 }
 
 /// A fresh run (or a resume into another folder) must not overwrite a run already in `--out`
 /// unless `--overwrite` says so.
 fn refuse_existing_run(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if let Some(owner) = super::folder::best_folder_owner(&cfg.out) {
+        return Err(TrainError::InvalidConfig {
+            flag: "--out",
+            value: cfg.out.display().to_string(),
+            hint: format!(
+                "it is the best-epoch folder of the run {}, which only that run writes; continue from it into a new folder (--resume {} --out NEW)",
+                owner.display(),
+                cfg.out.display()
+            ),
+        });
+    }
     if cfg.overwrite || cfg.resume.as_deref() == Some(cfg.out.as_path()) {
         return Ok(());
     }
@@ -263,6 +295,8 @@ pub(crate) struct RankReport {
     pub session: (f64, f64),
     /// The learning-rate sweep's record (`lr-find`).
     pub lr_trace: Option<LrTrace>,
+    /// Validation images this rank evaluated (its share of every pass).
+    pub validated_images: u64,
 }
 
 /// The first error of the ranks, preferring a cause over the aborts it caused elsewhere.
@@ -310,6 +344,7 @@ fn epochs<D: Device>(
     let mut early_stopped = false;
     let mut best = shared.best;
     let mut session = (0.0f64, 0.0f64);
+    let mut validated_images = 0u64;
     if rank.position.epoch >= cfg.epochs && rank.is_writer() && cfg.resume.is_some() {
         tracing::warn!(
             "--epochs {}: the resumed run has trained {} epochs already, so there is nothing to train (hint: a larger --epochs goes on)",
@@ -361,24 +396,29 @@ fn epochs<D: Device>(
         let unvalidated = rank.position.clone();
         rank.position = rank.position.next_epoch();
         let mut validation_stopped = false;
-        if rank.is_writer() && !sweep {
+        if !sweep {
             let at = rank.position.global_step;
             let wish = || stop(at);
-            match end_epoch(
-                shared,
-                rank,
-                &train_line,
-                acc.wait_share(),
-                &mut best,
-                &wish,
-            )? {
-                Some(line) => last_valid = Some(line),
-                None => validation_stopped = true,
+            // Every rank validates its share and learns the whole split's figures, or that a
+            // rank was stopped during its pass.
+            match validate(shared, rank, epoch + 1, &wish)? {
+                Validation::Stopped => validation_stopped = true,
+                Validation::Done(figures) => {
+                    validated_images += figures.own_images;
+                    if rank.is_writer() {
+                        let line = end_epoch(
+                            shared,
+                            rank,
+                            &train_line,
+                            acc.wait_share(),
+                            &mut best,
+                            figures,
+                        )?;
+                        last_valid = Some(line);
+                    }
+                    wait_for_writer(shared, rank)?;
+                }
             }
-        }
-        // Every rank learns whether rank 0 stopped during validation (one small sum an epoch).
-        if !sweep {
-            validation_stopped = writer_value(rank, f64::from(u8::from(validation_stopped)))? > 0.5;
         }
         if validation_stopped {
             rank.position = unvalidated;
@@ -393,7 +433,6 @@ fn epochs<D: Device>(
             interrupted = true;
             break;
         }
-        share_lr_scale(shared, rank)?;
         if let Some(line) = rank.device.input_line(rank.rank) {
             shared.say(line);
         }
@@ -441,6 +480,7 @@ fn epochs<D: Device>(
         best,
         session,
         lr_trace: rank.lr_trace.take(),
+        validated_images,
     })
 }
 
@@ -461,7 +501,7 @@ fn early_stop_due<D: Device>(
 }
 
 /// Rank 0's `value` on every rank, through a one-value sum to which the others give 0 (rank
-/// 0 alone has the validation figures); a rank alone keeps its own.
+/// 0 alone holds the best epoch's record); a rank alone keeps its own.
 fn writer_value<D: Device>(rank: &mut Rank<D>, value: f64) -> Result<f64, TrainError> {
     if rank.world == 1 {
         return Ok(value);
@@ -471,14 +511,29 @@ fn writer_value<D: Device>(rank: &mut Rank<D>, value: f64) -> Result<f64, TrainE
     Ok(sum[0])
 }
 
-/// Hands rank 0's learning-rate scale (the plateau schedule's cuts, decided with the
-/// validation figures only rank 0 has) to every rank, at an epoch boundary.
-fn share_lr_scale<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
-    if !matches!(shared.schedule.decay, Decay::Plateau(_)) {
+/// Every rank waits here for rank 0 to finish writing the run folder (the epoch's metrics,
+/// `best/`, the checkpoint and the report, or a `--save-every` checkpoint), and learns rank
+/// 0's learning-rate scale (the plateau schedule's cut, decided before the checkpoint that
+/// records it; the other ranks never decide). The wait is bounded by `--epoch-end-timeout`,
+/// not the collective timeout: a large split or a slow disk may take longer than any
+/// collective should, and a rank 0 that fails meanwhile aborts the group at once (its error,
+/// its thread's panic or its process's death end the wait without a timeout; see
+/// [`crate::dist::collective::Collective::sum_within`]).
+fn wait_for_writer<D: Device>(shared: &Shared, rank: &mut Rank<D>) -> Result<(), TrainError> {
+    if rank.world == 1 {
         return Ok(());
     }
     // An f32 through f64 and back is exact.
-    rank.position.lr_scale = writer_value(rank, f64::from(rank.position.lr_scale))? as f32;
+    let mut scale = [if rank.is_writer() {
+        f64::from(rank.position.lr_scale)
+    } else {
+        0.0
+    }];
+    rank.comm
+        .sum_within(&mut scale, shared.cfg.dist.epoch_end_timeout())?;
+    if matches!(shared.schedule.decay, Decay::Plateau(_)) {
+        rank.position.lr_scale = scale[0] as f32;
+    }
     Ok(())
 }
 
@@ -578,6 +633,7 @@ fn train_epoch<D: Device>(
             if rank.is_writer() {
                 save_checkpoint(shared, rank, best, rows.as_deref())?;
             }
+            wait_for_writer(shared, rank)?;
         }
         let elapsed = started.elapsed().as_secs_f64();
         let acc = &mut rank.position.partial_train;
@@ -622,34 +678,23 @@ fn settle<D: Device>(
     Ok(wish)
 }
 
-/// Validation, metrics, the best epoch, checkpoint and report after an epoch (rank 0).
+/// Metrics, the best epoch, checkpoint and report after a validated epoch (rank 0).
 fn end_epoch<D: Device>(
     shared: &Shared,
     rank: &mut Rank<D>,
     train_line: &EpochMetrics,
     wait_share: f64,
     best: &mut Option<BestEpoch>,
-    stop: &dyn Fn() -> bool,
-) -> Result<Option<EpochMetrics>, TrainError> {
+    figures: EpochFigures,
+) -> Result<EpochMetrics, TrainError> {
     let cfg = &shared.cfg;
     let epoch = train_line.epoch;
-    let bar = EpochBar::new(
-        cfg.progress && cfg.verbose,
-        format!("epoch {epoch}/{} valid", cfg.epochs),
-        shared.valid_pipe.steps_per_epoch(),
-        0,
-    );
-    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop)?;
-    bar.finish();
-    let Some(report) = report else {
-        return Ok(None);
-    };
-    let valid_line = report.totals.finish(epoch, MetricsSplit::Valid);
+    let EpochFigures {
+        valid: valid_line,
+        average: ema_line,
+        ..
+    } = figures;
     check_valid_loss(shared, &valid_line, &rank.position)?;
-    let ema_line = match validate_average(shared, rank, epoch, stop)? {
-        Averaged::Stopped => return Ok(None),
-        Averaged::Line(line) => line,
-    };
     // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
     let judged = match &ema_line {
         Some(line) if cfg.best_rule.monitor.follows_average() => line,
@@ -662,7 +707,7 @@ fn end_epoch<D: Device>(
         *best = Some(BestEpoch::of(judged));
     }
     // The plateau schedule's cut is decided here, before the checkpoint that records it;
-    // the other ranks learn it from `share_lr_scale`.
+    // the other ranks learn it from `wait_for_writer`.
     let mut cut_note = String::new();
     if let (Decay::Plateau(p), Some(b)) = (shared.schedule.decay, *best) {
         let position = &mut rank.position;
@@ -727,7 +772,7 @@ fn end_epoch<D: Device>(
     if !cut_note.is_empty() {
         shared.say(format!("epoch {epoch}/{}{cut_note}", cfg.epochs));
     }
-    Ok(Some(valid_line))
+    Ok(valid_line)
 }
 
 /// Writes the run's checkpoint ([`checkpoint_files`]); `rank_rows` are the ranks' own batch-norm buffers of a
@@ -746,42 +791,14 @@ fn save_checkpoint<D: Device>(
     Ok(())
 }
 
-/// Validation through the moving average of the weights, when the run keeps one: the
-/// average is loaded into the replica for the pass and the replica's own weights put back
-/// (bit for bit: they are read back in the form they are held).
-fn validate_average<D: Device>(
-    shared: &Shared,
-    rank: &mut Rank<D>,
-    epoch: u64,
-    stop: &dyn Fn() -> bool,
-) -> Result<Averaged, TrainError> {
-    let Some(ema) = &rank.ema else {
-        return Ok(Averaged::Line(None));
-    };
-    let live = rank.net.state()?;
-    rank.net.load_state(&ema.state)?;
-    let report = evaluate_until(&mut rank.net, &shared.valid_pipe, Views::AsStored, stop);
-    rank.net.load_state(&live)?;
-    Ok(match report? {
-        Some(r) => Averaged::Line(Some(r.totals.finish(epoch, MetricsSplit::ValidEma))),
-        None => Averaged::Stopped,
-    })
-}
-
-/// What the validation of the moving average gave.
-enum Averaged {
-    /// Its figures (`None`: the run keeps no average).
-    Line(Option<EpochMetrics>),
-    /// A stop came during the pass.
-    Stopped,
-}
-
 /// A checkpoint's sidecar and tensor files.
 struct CheckpointFiles {
     meta: CheckpointMeta,
     model: Vec<u8>,
     optimizer: Vec<u8>,
     ema: Option<Vec<u8>>,
+    /// What the training engine has read of its files so far ([`super::folder::TrainFiles`]).
+    train_files: Vec<u8>,
 }
 
 impl CheckpointFiles {
@@ -790,6 +807,7 @@ impl CheckpointFiles {
             model: &self.model,
             optimizer: &self.optimizer,
             ema: self.ema.as_deref(),
+            train_files: Some(&self.train_files),
         }
     }
 }
@@ -832,6 +850,7 @@ fn checkpoint_files<D: Device>(
         model,
         optimizer,
         ema,
+        train_files: super::folder::TrainFiles::of(&shared.train_pipe).to_bytes(),
     })
 }
 
@@ -844,17 +863,18 @@ fn split_engines(shared: &Shared) -> [(pipeline::Split, &pipeline::Pipeline); 2]
 }
 
 /// The summary's count of the unreadable files the engines skipped, with where they are
-/// listed; `None` when every file was read.
-fn bad_files_line(shared: &Shared) -> Option<String> {
+/// listed (by node 0, the `writer`); `None` when every file was read.
+fn bad_files_line(shared: &Shared, writer: bool) -> Option<String> {
     let parts: Vec<String> = split_engines(shared)
         .iter()
         .map(|(split, pipe)| (split, pipe.bad_files().len()))
         .filter(|(_, n)| *n > 0)
-        .map(|(split, n)| {
-            format!(
+        .map(|(split, n)| match writer {
+            true => format!(
                 "{n} in {split} (listed in {})",
                 shared.folder.bad_files_path(split).display()
-            )
+            ),
+            false => format!("{n} in {split} (node 0 lists its own in its run folder)"),
         })
         .collect();
     (!parts.is_empty()).then(|| format!("unreadable files skipped: {}", parts.join(", ")))
@@ -906,7 +926,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
     if let Some(path) = &cfg.dist.trace {
         shared
             .trace
-            .save(path)
+            .save(&node_trace_path(path, node_rank(cfg)))
             .map_err(|e| TrainError::Trace(e.to_string()))?;
     }
     let lines = if writer {
@@ -940,7 +960,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         summary.push('\n');
         summary.push_str(note);
     }
-    if let Some(line) = bad_files_line(&shared) {
+    if let Some(line) = bad_files_line(&shared, writer) {
         summary.push('\n');
         summary.push_str(&line);
     }
@@ -973,6 +993,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         replica_checksums,
         lr_sweep: first.lr_trace.clone(),
         writer,
+        validated_images: reports.iter().map(|r| r.validated_images).collect(),
     })
 }
 
@@ -1009,6 +1030,59 @@ mod tests {
             engine_span_name(&before, &now),
             "engine: 4 decoded · 4 cache hits · 0.5 s decode work · 0.4 s crop and jitter work · ready queue 50 % · cache 100 % filled"
         );
+    }
+
+    #[test]
+    fn node_k_writes_its_trace_beside_node_0s() {
+        let at = |p: &str, node| node_trace_path(Path::new(p), node);
+        assert_eq!(at("out/trace.json", 0), Path::new("out/trace.json"));
+        assert_eq!(at("out/trace.json", 3), Path::new("out/trace.node3.json"));
+        assert_eq!(at("trace", 1), Path::new("trace.node1"));
+        assert_eq!(
+            at("/t/run.trace.json", 2),
+            Path::new("/t/run.trace.node2.json")
+        );
+    }
+
+    /// A node other than 0 leaves the run folder to node 0: it cleans nothing (node 0's
+    /// temporary files of a checkpoint in progress on a shared folder), creates nothing and
+    /// removes nothing, even when its run fails.
+    #[test]
+    fn a_node_other_than_0_never_cleans_creates_or_removes_the_run_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        std::fs::create_dir_all(run.join("best")).unwrap();
+        let leftovers = [
+            "checkpoint.json.tmp4242",
+            "model-s00000007-0011223344556677.safetensors.tmp4242",
+            "best/checkpoint.json.tmp4242",
+        ];
+        for f in leftovers {
+            std::fs::write(run.join(f), b"node 0 is writing this").unwrap();
+        }
+        let mut cfg = TrainConfig::new(tmp.path().join("data"));
+        cfg.out = run.clone();
+        cfg.dist.nodes = Some(2);
+        cfg.dist.node_rank = Some(1);
+        cfg.dist.master = Some("127.0.0.1:29500".into());
+        // Several nodes on the CPU are refused by the launch, after the folder's handling.
+        let e = train_until(&cfg, &|_, _| false).unwrap_err();
+        assert!(e.to_string().contains("multi-node"), "{e}");
+        for f in leftovers {
+            assert!(run.join(f).exists(), "node 1 removed {f}");
+        }
+        assert!(run.join("best").is_dir());
+        // Nor does it create a missing folder (and so never removes one either).
+        cfg.out = tmp.path().join("absent");
+        train_until(&cfg, &|_, _| false).unwrap_err();
+        assert!(!cfg.out.exists());
+        // Node 0 does clean: the same leftovers go.
+        cfg.out = run.clone();
+        cfg.dist.node_rank = Some(0);
+        train_until(&cfg, &|_, _| false).unwrap_err();
+        for f in leftovers {
+            assert!(!run.join(f).exists(), "node 0 kept {f}");
+        }
     }
 
     #[test]

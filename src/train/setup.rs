@@ -15,6 +15,7 @@ use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFo
 use super::rank::RANK_BUFFERS_TENSOR;
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
+use crate::dist::rendezvous::StartPoint;
 use crate::model::{Graph, HeadPolicy, ModelState};
 use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
 use crate::trace::TraceRecorder;
@@ -24,11 +25,13 @@ pub(crate) const CHECKSUM_EVERY: u64 = 50;
 
 /// The dataset as the engine reads it (`--data`, see [`DatasetSource::at`]).
 pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
-    DatasetSource::at(&cfg.data, cfg.valid_fraction)
+    DatasetSource::at(&cfg.data, cfg.valid_fraction).with_split_rule(cfg.split_rule)
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
-/// file order on one; batches in memory from `allocator` when given (pinned, for GPUs).
+/// file order, also sliced over `ranks` (each rank validates its share, the last shares of
+/// the last batch possibly empty); batches in memory from `allocator` when given (pinned, for
+/// GPUs).
 pub(crate) fn pipeline_for(
     cfg: &TrainConfig,
     folder: &RunFolder,
@@ -43,7 +46,7 @@ pub(crate) fn pipeline_for(
         .store_size(cfg.store_size)
         .resize_mode(cfg.resize_mode)
         .seed(cfg.seed)
-        .replicas(if training { ranks } else { 1 })
+        .replicas(ranks)
         .batch_size(cfg.batch_size)
         .shuffle(training)
         .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
@@ -65,8 +68,11 @@ pub(crate) fn pipeline_for(
         } else {
             pipeline::LastBatch::Partial
         })
-        .on_bad_image(cfg.on_bad_image)
-        .bad_files_report(folder.bad_files_path(split));
+        .on_bad_image(cfg.on_bad_image);
+    // The run folder is node 0's alone (see `node_rank`).
+    if node_rank(cfg) == 0 {
+        b = b.bad_files_report(folder.bad_files_path(split));
+    }
     if cfg.workers > 0 {
         b = b.workers(cfg.workers);
     }
@@ -89,7 +95,7 @@ pub(crate) struct Shared {
     pub classes: Vec<String>,
     /// The training engine (every rank reads its own slice).
     pub train_pipe: Pipeline,
-    /// The validation engine (rank 0).
+    /// The validation engine (every rank validates its own slice).
     pub valid_pipe: Pipeline,
     /// The starting weights and buffers.
     pub initial: ModelState,
@@ -148,6 +154,7 @@ impl Shared {
     ) -> Result<Shared, TrainError> {
         let mut cfg = cfg.clone();
         cfg.replicas = ranks;
+        let valid_pipe = sliced_for(&cfg, &folder, valid_pipe, ranks)?;
         let classes = train_pipe.classes().to_vec();
         let graph = Graph::new(cfg.arch, classes.len());
         let steps_per_epoch = train_pipe.steps_per_epoch();
@@ -193,7 +200,15 @@ impl Shared {
                     source,
                 })?;
                 optimizer.load_safetensors_bytes(&bytes, &optimizer_file)?;
-                let position = resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
+                let mut position =
+                    resume_position(&cfg, run, meta, &dataset, steps_per_epoch as u64)?;
+                super::resumed_files::check_resumed_contents(
+                    &cfg,
+                    run,
+                    meta,
+                    &train_pipe,
+                    &mut position,
+                )?;
                 rank_buffers = saved_rank_buffers(&graph, &bytes, ranks);
                 (state, Some(optimizer), position)
             }
@@ -353,6 +368,7 @@ impl Shared {
             best: None,
             model_ema_file: None,
             model_ema_checksum: None,
+            train_files: None,
         }
     }
 
@@ -388,6 +404,15 @@ impl Shared {
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));
+        if let (Some(f), Some(rule)) = (cfg.valid_fraction, source(cfg).split_rule()) {
+            self.say(format!(
+                "validation split: {} of {} images held out, {} (--valid-fraction {f}, seed {})",
+                self.valid_pipe.len(),
+                self.train_pipe.len() + self.valid_pipe.len(),
+                rule.words(),
+                cfg.seed
+            ));
+        }
         if cfg.sampler == pipeline::Sampling::Balanced {
             self.say(format!(
                 "balanced sampling: {} draws per epoch with replacement, each class equally likely",
@@ -521,6 +546,45 @@ impl Shared {
             ));
         }
     }
+}
+
+/// This process's node rank, by `--node-rank` or the launcher's `RANK` or `SLURM_PROCID` (0
+/// for a single node): node 0 alone writes, cleans and removes the run folder, and the other
+/// nodes name their `--trace` files by it. A value that does not parse counts as node 0 here
+/// and is refused by the launch.
+pub(crate) fn node_rank(cfg: &TrainConfig) -> usize {
+    let env_rank = || crate::dist::launch::launcher::node_rank(&crate::dist::launch::process_env);
+    cfg.dist.node_rank.or_else(env_rank).unwrap_or(0)
+}
+
+/// What the rendezvous compares of the checkpoint a node resumes (every node must resume the
+/// same one: only the weights are broadcast): its global step and its weights file's
+/// checksum, or a fresh start.
+pub(crate) fn start_point(resumed: Option<&(PathBuf, CheckpointMeta)>) -> StartPoint {
+    match resumed {
+        Some((_, meta)) => StartPoint::Checkpoint {
+            step: meta.step,
+            weights: meta.model_checksum.clone(),
+        },
+        None => StartPoint::Fresh,
+    }
+}
+
+/// The validation engine sliced over `ranks`: the GPU launcher builds one before the
+/// rendezvous tells it the rank count (its fingerprint goes there), and it is built again here
+/// when the count turns out another.
+fn sliced_for(
+    cfg: &TrainConfig,
+    folder: &RunFolder,
+    valid_pipe: Pipeline,
+    ranks: usize,
+) -> Result<Pipeline, TrainError> {
+    if valid_pipe.replicas() == ranks {
+        return Ok(valid_pipe);
+    }
+    // Dropped first: it releases the cache file before the new engine opens it.
+    drop(valid_pipe);
+    pipeline_for(cfg, folder, Split::Valid, ranks, None)
 }
 
 /// A checkpoint's moving average and its update count.
@@ -799,6 +863,22 @@ mod tests {
                 .unwrap();
         }
         m
+    }
+
+    #[test]
+    fn the_rendezvous_compares_the_resumed_checkpoints_step_and_weights() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = meta(tmp.path());
+        m.step = 120;
+        m.model_checksum = "00aa11bb22cc33dd".into();
+        assert_eq!(
+            start_point(Some(&(tmp.path().to_path_buf(), m))),
+            StartPoint::Checkpoint {
+                step: 120,
+                weights: "00aa11bb22cc33dd".into()
+            }
+        );
+        assert_eq!(start_point(None), StartPoint::Fresh);
     }
 
     #[test]

@@ -32,6 +32,14 @@ fn fix(t: &mut Stored) {
 
 impl Backend for Bf16Cpu {
     type Tensor = Stored;
+    type Sums = Vec<f64>;
+
+    fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+        self.0.alloc_sums(len)
+    }
+    fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> birdtrain::backend::SumsMut<'a> {
+        self.0.sums_mut(sums)
+    }
 
     fn name(&self) -> String {
         format!("{} · bf16 storage", self.0.name())

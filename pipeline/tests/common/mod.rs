@@ -96,6 +96,7 @@ pub struct CacheLayout {
     pub filled: usize,
     pub bad: usize,
     pub checks: usize,
+    pub sources: usize,
     pub records: usize,
     pub record_bytes: usize,
 }
@@ -107,12 +108,14 @@ impl CacheLayout {
         let filled = (labels + 4 * count).next_multiple_of(8);
         let bad = filled + 8 * words;
         let checks = bad + 8 * words;
-        let records = (checks + 8 * count).next_multiple_of(4096);
+        let sources = checks + 8 * count;
+        let records = (sources + 8 * count).next_multiple_of(4096);
         Self {
             labels,
             filled,
             bad,
             checks,
+            sources,
             records,
             record_bytes: size * size * 3,
         }

@@ -36,7 +36,7 @@ pub use simd::{SimdLevel, SIMD_ENV};
 
 use super::error::check_len;
 use super::{
-    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape, LinearShape,
+    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, ConvShape, LinearShape,
     LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
@@ -212,6 +212,15 @@ pub fn conv_kind(op: &str, s: &ConvShape) -> String {
 
 impl Backend for CpuBackend {
     type Tensor = Vec<f32>;
+    type Sums = Vec<f64>;
+
+    fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> crate::backend::SumsMut<'a> {
+        crate::backend::SumsMut::Host(sums)
+    }
 
     fn name(&self) -> String {
         match self.kernels {
@@ -492,7 +501,10 @@ impl Backend for CpuBackend {
                 detail: "zero rows".into(),
             });
         }
-        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize)) as f64;
+        // x read, y written, the residual read; in training without moments x is read once
+        // more for the batch statistics (with them, the convolution reduced it already).
+        let reduces = a.mode == BnMode::Train && a.moments.is_none();
+        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize + reduces as usize)) as f64;
         let _t = self.profiler.time(|| "bn_fwd".into(), 0.0, bytes);
         match self.kernels {
             Kernels::Fast => self.pool.install(|| bn::forward(self.level, a)),

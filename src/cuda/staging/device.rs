@@ -114,10 +114,12 @@ impl StagingStreams for CudaStaging {
     }
 
     fn new_event(&mut self) -> Result<CudaEvent, DriverError> {
-        // With timing: the ring measures how long compute waited for an upload.
-        self.compute
-            .context()
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        // With timing: the ring measures how long compute waited for an upload. With blocking
+        // sync: the host waits on these events (a slot's reuse), and should sleep in the
+        // driver while it does, not spin a core.
+        self.compute.context().new_event(Some(
+            cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+        ))
     }
 
     fn is_complete(&mut self, event: &CudaEvent) -> Result<bool, DriverError> {

@@ -27,6 +27,7 @@ use super::files::{
     bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
 };
 use super::metrics::{EpochMetrics, MetricsAccumulator};
+use super::train_files::{self, TrainFilesRef};
 use super::FolderError;
 use crate::optim::{Decay, OptimizerChoice, Plateau, ScheduleChoice};
 
@@ -38,7 +39,8 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Stable name of the current moving average of the weights (`--model-ema`).
 pub const MODEL_EMA_FILE: &str = "model_ema.safetensors";
 
-/// The tensor files of one checkpoint, as safetensors bytes.
+/// The tensor files of one checkpoint, as safetensors bytes, and the record of its training
+/// files.
 #[derive(Debug, Clone, Copy)]
 pub struct CheckpointTensors<'a> {
     /// The weights and buffers.
@@ -47,15 +49,19 @@ pub struct CheckpointTensors<'a> {
     pub optimizer: &'a [u8],
     /// The moving average of the weights, when the run keeps one.
     pub ema: Option<&'a [u8]>,
+    /// The record of the training files ([`super::train_files::TrainFiles::to_bytes`]), when
+    /// the run keeps one.
+    pub train_files: Option<&'a [u8]>,
 }
 
 impl<'a> CheckpointTensors<'a> {
-    /// Weights and optimizer state, no average.
+    /// Weights and optimizer state, no average, no record of the training files.
     pub fn pair(model: &'a [u8], optimizer: &'a [u8]) -> Self {
         Self {
             model,
             optimizer,
             ema: None,
+            train_files: None,
         }
     }
 }
@@ -101,6 +107,14 @@ impl DataPosition {
         }
     }
 
+    /// The start of this position's epoch, with its figures so far dropped (the epoch is
+    /// trained again from its first step; the global step is recounted by the caller).
+    pub fn restart_epoch(&mut self) {
+        self.step_in_epoch = 0;
+        self.samples_in_epoch = 0;
+        self.partial_train = MetricsAccumulator::default();
+    }
+
     /// The start of the next epoch (the global step carries on).
     pub fn next_epoch(&self) -> DataPosition {
         DataPosition {
@@ -139,6 +153,10 @@ fn default_plateau_factor() -> f32 {
 
 fn one() -> f32 {
     1.0
+}
+
+fn split_version_one() -> u32 {
+    1
 }
 
 fn half() -> f32 {
@@ -343,6 +361,11 @@ pub struct RunSettings {
     pub sampler: Sampling,
     /// Flat layout validation share.
     pub valid_fraction: Option<f32>,
+    /// How the share was held out ([`pipeline::SplitRule::version`]): 2, round(F × n) of
+    /// each class; absent in checkpoints made before version 2 existed, whose runs drew each
+    /// file on its own (1), so they evaluate and resume on that split.
+    #[serde(default = "split_version_one")]
+    pub split_version: u32,
     /// `--save-every`: optimizer steps between checkpoints inside an epoch (0: epoch ends
     /// only); absent in older checkpoints.
     #[serde(default)]
@@ -371,6 +394,13 @@ impl RunSettings {
         };
         self.schedule
             .decay(self.step_every, self.step_gamma, plateau)
+    }
+
+    /// The rule that held the validation share out ([`RunSettings::split_version`]; an
+    /// unknown version is refused when the sidecar is loaded).
+    pub fn split_rule(&self) -> pipeline::SplitRule {
+        pipeline::SplitRule::from_version(self.split_version)
+            .unwrap_or(pipeline::SplitRule::CURRENT)
     }
 
     /// The rule that picks the best epoch.
@@ -590,6 +620,10 @@ pub struct CheckpointMeta {
     /// xxh3-64 of the moving average's file, hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_ema_checksum: Option<String>,
+    /// The record of the training files' sizes, times and content hashes
+    /// ([`super::train_files`]); absent in older checkpoints and lr-find's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_files: Option<TrainFilesRef>,
 }
 
 impl CheckpointMeta {
@@ -647,6 +681,9 @@ impl CheckpointMeta {
             meta.check_file(run, &meta.optimizer_state_file, &meta.optimizer_checksum)?;
             if let Some((file, sum)) = meta.model_ema() {
                 meta.check_file(run, file, sum)?;
+            }
+            if let Some(r) = &meta.train_files {
+                meta.check_file(run, &r.file, &r.checksum)?;
             }
         }
         Ok(meta)
@@ -706,6 +743,12 @@ impl CheckpointMeta {
                 self.image_size
             ));
         }
+        if pipeline::SplitRule::from_version(self.settings.split_version).is_none() {
+            return Err(format!(
+                "field `split_version` is {} (this birdtrain knows split versions 1 and 2; a newer one wrote it)",
+                self.settings.split_version
+            ));
+        }
         if self.model_ema_file.is_some() != self.model_ema_checksum.is_some() {
             return Err(
                 "fields `model_ema_file` and `model_ema_checksum` come together or not at all"
@@ -713,12 +756,14 @@ impl CheckpointMeta {
             );
         }
         let ema = self.model_ema_file.iter().map(|f| ("model_ema_file", f));
+        let files = self.train_files.iter().map(|r| ("train_files", &r.file));
         for (name, file) in [
             ("model_file", &self.model_file),
             ("optimizer_state_file", &self.optimizer_state_file),
         ]
         .into_iter()
         .chain(ema)
+        .chain(files)
         {
             // Tensor files live inside the run folder: a bare file name.
             let bare = Path::new(file)
@@ -782,6 +827,7 @@ pub(crate) fn write_checkpoint_for(
         model,
         optimizer,
         ema,
+        train_files: files_record,
     } = tensors;
     let nth = fault::begin_checkpoint(target);
     let stage = |name: &'static str, path: &Path| {
@@ -814,6 +860,20 @@ pub(crate) fn write_checkpoint_for(
     stage("model", &model_path)?;
     let optimizer_path = run.join(&meta.optimizer_state_file);
     write_atomic(&optimizer_path, optimizer)?;
+    meta.train_files = match files_record {
+        Some(bytes) => {
+            let checksum = bytes_checksum(bytes);
+            let file = train_files::file_name(&checksum);
+            // Named by its checksum: a file of that name holds these bytes already (the
+            // record changes only while the first epoch reads the files).
+            let path = run.join(&file);
+            if !path.exists() {
+                write_atomic(&path, bytes)?;
+            }
+            Some(TrainFilesRef { file, checksum })
+        }
+        None => None,
+    };
     stage("optimizer", &optimizer_path)?;
 
     let sidecar = run.join(SIDECAR_FILE);
@@ -872,25 +932,28 @@ pub fn clean_run_folder(run: &Path) {
     }
 }
 
-/// `model-s…` / `optimizer-s…` / `model_ema-s…` files written by [`write_checkpoint`].
-fn is_versioned_tensor_file(name: &str) -> bool {
-    ["model-s", "optimizer-s", "model_ema-s"]
+/// `model-s…` / `optimizer-s…` / `model_ema-s…` files and `train_files-…` records written
+/// by [`write_checkpoint`].
+pub(crate) fn is_versioned_tensor_file(name: &str) -> bool {
+    let tensors = ["model-s", "optimizer-s", "model_ema-s"]
         .iter()
         .any(|p| name.starts_with(p))
-        && name.ends_with(".safetensors")
+        && name.ends_with(".safetensors");
+    tensors || (name.starts_with(train_files::PREFIX) && name.ends_with(".bin"))
 }
 
 impl CheckpointMeta {
-    /// Whether the sidecar names tensor file `name`.
+    /// Whether the sidecar names tensor file (or record) `name`.
     fn names(&self, name: &str) -> bool {
         name == self.model_file
             || name == self.optimizer_state_file
             || self.model_ema_file.as_deref() == Some(name)
+            || self.train_files.as_ref().is_some_and(|r| r.file == name)
     }
 }
 
 /// Names made by [`temp_path`]: `<name>.tmp<pid>`.
-fn is_temp_name(name: &str) -> bool {
+pub(crate) fn is_temp_name(name: &str) -> bool {
     name.rsplit_once(".tmp").is_some_and(|(stem, pid)| {
         !stem.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
     })
@@ -995,6 +1058,7 @@ pub(crate) mod tests {
                 last_batch: LastBatch::Partial,
                 sampler: Sampling::Balanced,
                 valid_fraction: None,
+                split_version: 2,
                 save_every: 0,
                 early_stop: 3,
                 monitor: Monitor::ValLoss,
@@ -1010,6 +1074,7 @@ pub(crate) mod tests {
             }),
             model_ema_file: None,
             model_ema_checksum: None,
+            train_files: None,
         }
     }
 
@@ -1085,6 +1150,7 @@ pub(crate) mod tests {
             "clip_grad_norm",
             "color_jitter",
             "auto_augment",
+            "split_version",
         ] {
             settings.remove(field).unwrap();
         }
@@ -1126,6 +1192,12 @@ pub(crate) mod tests {
         assert_eq!(old.settings.model_ema, None, "no moving average");
         assert_eq!(old.settings.clip_grad_norm, None, "no clipping");
         assert_eq!(old.settings.auto_augment, None, "no automatic augmentation");
+        assert_eq!(
+            old.settings.split_rule(),
+            pipeline::SplitRule::PerFileDraw,
+            "the split of its time: each file drawn on its own"
+        );
+        assert_eq!(old.train_files, None);
         assert_eq!(old.model_ema(), None);
         assert_eq!(
             (old.settings.plateau_patience, old.settings.plateau_factor),
@@ -1289,6 +1361,7 @@ pub(crate) mod tests {
             model,
             optimizer: b"state",
             ema: Some(ema),
+            train_files: None,
         };
         write_checkpoint(dir.path(), m.clone(), with_average(b"w 1", b"avg 1")).unwrap();
         let first = CheckpointMeta::load(dir.path()).unwrap();
@@ -1325,6 +1398,49 @@ pub(crate) mod tests {
         assert!(names(dir.path())
             .iter()
             .all(|n| !n.starts_with("model_ema")));
+    }
+
+    #[test]
+    fn the_record_of_the_training_files_is_a_checked_file_written_once_per_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = meta(dir.path());
+        let with_record = |record: &'static [u8]| CheckpointTensors {
+            train_files: Some(record),
+            ..CheckpointTensors::pair(b"w", b"s")
+        };
+        write_checkpoint(dir.path(), m.clone(), with_record(b"record 1")).unwrap();
+        let first = CheckpointMeta::load(dir.path()).unwrap();
+        let r = first.train_files.clone().expect("the sidecar names it");
+        assert!(r.file.starts_with("train_files-") && r.file.ends_with(".bin"));
+        assert_eq!(fs::read(dir.path().join(&r.file)).unwrap(), b"record 1");
+        // The same record at the next checkpoint is the same file, kept.
+        m.data_position.global_step = 11;
+        write_checkpoint(dir.path(), m.clone(), with_record(b"record 1")).unwrap();
+        assert_eq!(
+            CheckpointMeta::load(dir.path()).unwrap().train_files,
+            Some(r.clone())
+        );
+        // Another one supersedes it; a damaged one is a torn checkpoint for a resume.
+        m.data_position.global_step = 12;
+        write_checkpoint(dir.path(), m.clone(), with_record(b"record 2")).unwrap();
+        assert!(!dir.path().join(&r.file).exists());
+        let third = CheckpointMeta::load(dir.path()).unwrap();
+        let current = third.train_files.clone().unwrap();
+        fs::write(dir.path().join(&current.file), b"record ?").unwrap();
+        let err = CheckpointMeta::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains(&current.file) && err.contains("checksum"),
+            "{err}"
+        );
+        CheckpointMeta::load_weights_only(dir.path()).unwrap();
+        // A split version this build does not know is refused, naming the field.
+        let mut newer = third;
+        newer.settings.split_version = 3;
+        newer.save(dir.path()).unwrap();
+        let err = CheckpointMeta::load_weights_only(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("split_version"), "{err}");
     }
 
     #[test]

@@ -1,15 +1,18 @@
 //! Fault injection for the crash-safety tests of checkpoint writing.
 //!
-//! `BIRDTRAIN_FAULT=checkpoint:<stage>[@<n>][:enospc]` makes the n-th checkpoint written by
-//! this process (1 when `@n` is absent) fail at `<stage>`; `best:<stage>…` does the same to the
-//! n-th copy of the best epoch written into `RUN/best/` (each kind counted on its own; see
-//! [`super::checkpoint::write_checkpoint`] for the stages): by default the process kills
-//! itself with SIGKILL there (what `kill -9`, the OOM killer or a power cut leave behind);
-//! with `:enospc` the write returns "No space left on device" instead, as a full disk would.
+//! `BIRDTRAIN_FAULT=checkpoint:<stage>[@<n>][:enospc|:delay=<seconds>]` makes the n-th
+//! checkpoint written by this process (1 when `@n` is absent) fail at `<stage>`;
+//! `best:<stage>…` does the same to the n-th copy of the best epoch written into `RUN/best/`
+//! (each kind counted on its own; see [`super::checkpoint::write_checkpoint`] for the stages):
+//! by default the process kills itself with SIGKILL there (what `kill -9`, the OOM killer or a
+//! power cut leave behind); with `:enospc` the write returns "No space left on device" instead,
+//! as a full disk would; with `:delay=<seconds>` the write waits that long there and goes on,
+//! as a slow disk or network file system would (the other ranks then wait for the writer).
 //! The variable is read once; without it every call is a no-op.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 /// The environment variable that arms a fault.
 pub const FAULT_ENV: &str = "BIRDTRAIN_FAULT";
@@ -32,12 +35,23 @@ impl FaultTarget {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What happens at the armed stage.
+#[derive(Debug, Clone, PartialEq)]
+enum Effect {
+    /// SIGKILL.
+    Kill,
+    /// The write fails with ENOSPC.
+    Enospc,
+    /// The write waits, then goes on.
+    Delay(Duration),
+}
+
+#[derive(Debug, Clone, PartialEq)]
 struct Fault {
     target: FaultTarget,
     stage: String,
     nth: u64,
-    enospc: bool,
+    effect: Effect,
 }
 
 fn parse(spec: &str) -> Option<Fault> {
@@ -45,9 +59,15 @@ fn parse(spec: &str) -> Option<Fault> {
         Some(rest) => (FaultTarget::Checkpoint, rest),
         None => (FaultTarget::Best, spec.strip_prefix("best:")?),
     };
-    let (rest, enospc) = match rest.strip_suffix(":enospc") {
-        Some(r) => (r, true),
-        None => (rest, false),
+    let (rest, effect) = match rest.strip_suffix(":enospc") {
+        Some(r) => (r, Effect::Enospc),
+        None => match rest.split_once(":delay=") {
+            Some((r, secs)) => {
+                let secs: f64 = secs.parse().ok()?;
+                (r, Effect::Delay(Duration::try_from_secs_f64(secs).ok()?))
+            }
+            None => (rest, Effect::Kill),
+        },
     };
     let (stage, nth) = match rest.split_once('@') {
         Some((stage, n)) => (stage, n.parse().ok()?),
@@ -57,7 +77,7 @@ fn parse(spec: &str) -> Option<Fault> {
         target,
         stage: stage.to_string(),
         nth,
-        enospc,
+        effect,
     })
 }
 
@@ -86,8 +106,13 @@ pub(crate) fn at(target: FaultTarget, stage: &str, nth: u64) -> std::io::Result<
     if fault.target != target || fault.stage != stage || fault.nth != nth {
         return Ok(());
     }
-    if fault.enospc {
-        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    match fault.effect {
+        Effect::Kill => {}
+        Effect::Enospc => return Err(std::io::Error::from_raw_os_error(libc::ENOSPC)),
+        Effect::Delay(d) => {
+            std::thread::sleep(d);
+            return Ok(());
+        }
     }
     // SAFETY: kill(2) on our own pid with a valid signal number; it does not return.
     unsafe {
@@ -108,7 +133,7 @@ mod tests {
                 target: FaultTarget::Checkpoint,
                 stage: "sidecar".into(),
                 nth: 1,
-                enospc: false
+                effect: Effect::Kill
             })
         );
         assert_eq!(
@@ -117,7 +142,7 @@ mod tests {
                 target: FaultTarget::Checkpoint,
                 stage: "model".into(),
                 nth: 3,
-                enospc: true
+                effect: Effect::Enospc
             })
         );
         assert_eq!(
@@ -126,9 +151,20 @@ mod tests {
                 target: FaultTarget::Best,
                 stage: "links".into(),
                 nth: 2,
-                enospc: false
+                effect: Effect::Kill
             })
         );
+        assert_eq!(
+            parse("checkpoint:sidecar@1:delay=2.5"),
+            Some(Fault {
+                target: FaultTarget::Checkpoint,
+                stage: "sidecar".into(),
+                nth: 1,
+                effect: Effect::Delay(Duration::from_millis(2500))
+            })
+        );
+        assert_eq!(parse("checkpoint:sidecar:delay=soon"), None);
+        assert_eq!(parse("checkpoint:sidecar:delay=-1"), None);
         assert_eq!(parse("model@3"), None);
         assert_eq!(parse("checkpoint:model@x"), None);
     }

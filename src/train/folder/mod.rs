@@ -1,9 +1,11 @@
 //! The run folder (`--out RUN`): checkpoint, metrics and report, in one place.
 //!
 //! A run folder holds `model.safetensors`, `optimizer.safetensors`, the `checkpoint.json`
-//! sidecar ([`checkpoint`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the
-//! input engine's `bad_files_<split>.txt`, and `best/`: the checkpoint of the epoch with the
-//! best validation figures, itself a run folder written by the same protocol. [`RunFolder`]
+//! sidecar ([`checkpoint`]), the record of the training files ([`train_files`]),
+//! `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the input engine's
+//! `bad_files_<split>.txt`, and `best/`: the checkpoint of the epoch with the best validation
+//! figures, itself a run folder written by the same protocol, which nothing writes into but
+//! the run that owns it (`--resume RUN/best` continues into a new `--out`). [`RunFolder`]
 //! is the only writer; every file is written atomically ([`files`]). The module depends on
 //! nothing else of the trainer (it takes serialised tensors and plain values), so the loop
 //! and any later change to the folder's format meet in one place.
@@ -14,6 +16,7 @@ pub mod fault;
 pub mod files;
 pub mod metrics;
 pub mod report;
+pub mod train_files;
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +28,7 @@ pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
+pub use train_files::{TrainFiles, TrainFilesRef};
 
 /// File name of the metrics inside a run folder.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -32,6 +36,8 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 pub const REPORT_FILE: &str = "report.png";
 /// File of a learning-rate sweep's points (`birdtrain lr-find`) inside its folder.
 pub const LR_FIND_FILE: &str = "lr_find.jsonl";
+/// File of a learning-rate sweep's picture inside its folder.
+pub const LR_FIND_PLOT_FILE: &str = "lr_find.png";
 /// The file a writing process holds an exclusive lock on ([`RunFolder::lock`]).
 pub const LOCK_FILE: &str = ".birdtrain.lock";
 
@@ -129,7 +135,9 @@ impl RunFolder {
 
     /// Prepares `metrics.jsonl` for a run that continues with epoch `next_epoch` (0-based):
     /// a fresh run starts an empty file; a resumed one keeps the lines of the epochs before
-    /// (copied from `resumed_from` when that is another folder), so no epoch appears twice.
+    /// (copied from `resumed_from` when that is another folder; from the run that holds it
+    /// when that is a `best/` folder, which keeps no metrics of its own), so no epoch
+    /// appears twice.
     pub fn start_metrics(
         &self,
         resumed_from: Option<&Path>,
@@ -142,7 +150,8 @@ impl RunFolder {
                 Ok(())
             }
             Some(run) => {
-                let from = run.join(METRICS_FILE);
+                let owner = best_folder_owner(run);
+                let from = owner.as_deref().unwrap_or(run).join(METRICS_FILE);
                 if run != self.root && from.exists() {
                     let bytes = std::fs::read(&from).map_err(|source| FolderError::Io {
                         path: from.clone(),
@@ -267,6 +276,11 @@ impl RunFolder {
         let model = read(&meta.model_file)?;
         let optimizer = read(&meta.optimizer_state_file)?;
         let ema = meta.model_ema_file.as_deref().map(read).transpose()?;
+        let record = meta
+            .train_files
+            .as_ref()
+            .map(|r| read(&r.file))
+            .transpose()?;
         let best = meta.best;
         self.save_best(
             meta,
@@ -274,6 +288,7 @@ impl RunFolder {
                 model: &model,
                 optimizer: &optimizer,
                 ema: ema.as_deref(),
+                train_files: record.as_deref(),
             },
         )?;
         Ok(best)
@@ -287,6 +302,48 @@ impl RunFolder {
             .filter(|f| self.root.join(f).exists())
             .collect()
     }
+}
+
+/// Whether `dir` holds a run (its sidecar, metrics or lock file), a folder whose own files a
+/// command must never overwrite.
+pub fn is_run_folder(dir: &Path) -> bool {
+    [
+        checkpoint::SIDECAR_FILE,
+        METRICS_FILE,
+        LOCK_FILE,
+        LR_FIND_FILE,
+    ]
+    .iter()
+    .any(|f| dir.join(f).exists())
+}
+
+/// The run whose best-epoch folder `dir` is (`RUN` for `RUN/best`), when it is one: a folder
+/// named `best` inside a run folder. Such a folder is written by its run alone.
+pub fn best_folder_owner(dir: &Path) -> Option<PathBuf> {
+    let dir = pipeline::resolve(dir);
+    let owner = dir.parent()?;
+    (dir.file_name()? == checkpoint::BEST_DIR && is_run_folder(owner)).then(|| owner.to_path_buf())
+}
+
+/// Whether `name` is a file a run writes into its folder (the sidecar, tensor files and their
+/// stable names, the record of the training files, metrics, report, lock, bad-files
+/// reports, an lr-find sweep's files, the temporary files of any of them).
+pub fn is_run_file_name(name: &str) -> bool {
+    const FIXED: [&str; 9] = [
+        checkpoint::SIDECAR_FILE,
+        checkpoint::MODEL_FILE,
+        checkpoint::OPTIMIZER_FILE,
+        checkpoint::MODEL_EMA_FILE,
+        METRICS_FILE,
+        REPORT_FILE,
+        LOCK_FILE,
+        LR_FIND_FILE,
+        LR_FIND_PLOT_FILE,
+    ];
+    FIXED.contains(&name)
+        || checkpoint::is_versioned_tensor_file(name)
+        || checkpoint::is_temp_name(name)
+        || (name.starts_with("bad_files_") && name.ends_with(".txt"))
 }
 
 #[cfg(test)]
@@ -360,6 +417,7 @@ mod tests {
                     model: b"best weights",
                     optimizer: b"best state",
                     ema: Some(b"best average"),
+                    train_files: Some(b"best record"),
                 },
             )
             .unwrap();
@@ -378,12 +436,74 @@ mod tests {
             std::fs::read(second.best_path().join(average)).unwrap(),
             b"best average"
         );
+        let record = copied.train_files.as_ref().expect("the record travels");
+        assert_eq!(
+            std::fs::read(second.best_path().join(&record.file)).unwrap(),
+            b"best record"
+        );
         // A damaged best/ is not copied (the resumed run starts a new best).
         std::fs::write(first.best_path().join(&saved.model_file), b"edited").unwrap();
         second.remove_best().unwrap();
         assert_eq!(second.copy_best_from(first.path()).unwrap(), None);
         assert!(!second.best_path().exists());
         second.remove_best().unwrap();
+    }
+
+    #[test]
+    fn a_run_continued_from_its_best_folder_takes_the_runs_metrics_up_to_that_epoch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunFolder::new(tmp.path().join("run"));
+        run.create().unwrap();
+        for e in 1..=4 {
+            run.record_epoch(
+                &line(e, MetricsSplit::Train),
+                &line(e, MetricsSplit::Valid),
+                None,
+            )
+            .unwrap();
+        }
+        std::fs::create_dir(run.best_path()).unwrap();
+        assert_eq!(
+            best_folder_owner(&run.best_path()),
+            Some(pipeline::resolve(run.path()))
+        );
+        assert_eq!(best_folder_owner(run.path()), None);
+        // best/ holds epoch 2: the new folder's history is the run's first two epochs.
+        let new = RunFolder::new(tmp.path().join("new"));
+        new.create().unwrap();
+        new.start_metrics(Some(&run.best_path()), 2).unwrap();
+        let kept: Vec<u64> = new.metrics().unwrap().iter().map(|m| m.epoch).collect();
+        assert_eq!(kept, vec![1, 1, 2, 2]);
+        assert_eq!(run.metrics().unwrap().len(), 8, "the run keeps its own");
+    }
+
+    #[test]
+    fn a_runs_own_files_are_known_by_name() {
+        for name in [
+            "checkpoint.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "model_ema.safetensors",
+            "model-s00000010-0123456789abcdef.safetensors",
+            "train_files-0123456789abcdef.bin",
+            "metrics.jsonl",
+            "report.png",
+            ".birdtrain.lock",
+            "bad_files_train.txt",
+            "lr_find.jsonl",
+            "lr_find.png",
+            "checkpoint.json.tmp123",
+        ] {
+            assert!(is_run_file_name(name), "{name}");
+        }
+        for name in [
+            "predictions.jsonl",
+            "confusion.csv",
+            "trace.json",
+            "notes.txt",
+        ] {
+            assert!(!is_run_file_name(name), "{name}");
+        }
     }
 
     #[test]

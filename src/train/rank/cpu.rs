@@ -285,7 +285,7 @@ pub(crate) fn shared_for_cpu(
 ) -> Result<Shared, TrainError> {
     let ranks = cfg.replicas;
     let train = pipeline_for(cfg, folder, Split::Train, ranks, None)?;
-    let valid = pipeline_for(cfg, folder, Split::Valid, 1, None)?;
+    let valid = pipeline_for(cfg, folder, Split::Valid, ranks, None)?;
     Shared::new(cfg, ranks, resumed, train, valid, folder.clone(), true)
 }
 

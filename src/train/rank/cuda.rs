@@ -13,7 +13,8 @@
 //! collective averages in place on the communication stream; the fused
 //! [`DeviceOptimizer`] keeps f32 master weights on the device; the step's loss and hit
 //! counts and the stop wish stay on the device and are summed there, read one step later:
-//! a step has no host synchronisation (with `--sync-bn` the BN statistics do cross the host).
+//! a step has no host synchronisation. With `--sync-bn`, the BN layers' sums stay on the
+//! device too, summed on a side communicator and stream of their own beside the buckets.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -44,7 +45,7 @@ use crate::model::{GradHookError, Network, StepStats};
 use crate::train::config::TrainConfig;
 use crate::train::folder::{CheckpointMeta, RunFolder};
 use crate::train::run::{run_rank, Launched, RankReport, StopWish};
-use crate::train::setup::{pipeline_for, Shared};
+use crate::train::setup::{pipeline_for, start_point, Shared};
 use crate::train::TrainError;
 
 mod rehearsal;
@@ -421,12 +422,8 @@ impl GpuCollective for SingleRank<DeviceGrads> {
         let dst = std::slice::from_raw_parts_mut(host, len);
         cudarc::driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream())
             .map_err(cuda("copy the step totals"))?;
-        let done = Arc::new(
-            device
-                .context()
-                .new_event(None)
-                .map_err(cuda("record the step totals"))?,
-        );
+        // The host waits on it: blocking sync, so no core spins per rank.
+        let done = Arc::new(nccl::host_wait_event(stream).map_err(cuda("record the step totals"))?);
         done.record(stream)
             .map_err(cuda("record the step totals"))?;
         Ok(done)
@@ -469,7 +466,8 @@ struct GpuRankSpec<'a> {
     rank: usize,
     local_index: usize,
     ordinal: usize,
-    /// Aborts the other ranks' collectives when this rank fails before its collective exists.
+    /// Aborts every communicator of the process when this rank fails before its collective
+    /// exists (returning the error does too; this is the earliest moment).
     abort_early: &'a dyn Fn(&str),
 }
 
@@ -477,7 +475,7 @@ struct GpuRankSpec<'a> {
 fn run_gpu_rank<C>(
     shared: &Shared,
     spec: GpuRankSpec<'_>,
-    make_comm: impl FnOnce(&Arc<GpuDevice>) -> C,
+    make_comm: impl FnOnce(&Arc<GpuDevice>) -> Result<C, TrainError>,
     stop: &dyn Fn(u64) -> bool,
 ) -> Result<RankReport, TrainError>
 where
@@ -505,7 +503,15 @@ where
     let device = backend.device().clone();
     // The optimizer works on the same device and stream as the network.
     let opt_backend = backend.clone();
-    let comm = make_comm(&device);
+    // Before the network's allocations: a collective that connects (the sync-BN side
+    // communicator) takes its memory first.
+    let comm = match make_comm(&device) {
+        Ok(c) => c,
+        Err(e) => {
+            abort_early(&format!("rank {rank} failed: {e}"));
+            return Err(e);
+        }
+    };
     let built = (|| -> Result<_, TrainError> {
         let mut net = Network::new(
             StagedBackend::new(backend),
@@ -672,6 +678,7 @@ pub(crate) fn launch(
             local_gpus: plan.devices.len(),
             fingerprint: valid.fingerprint(),
             model: cfg.arch.name().to_string(),
+            start: start_point(resumed),
         };
         let master = plan.rendezvous_addr().map(|m| m.to_string());
         rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
@@ -741,13 +748,14 @@ pub(crate) fn launch(
                         local_index,
                         ordinal,
                         comm,
+                        aborts,
                         ..
                     } = ctx;
                     let stops = stops.clone();
-                    let target = comm.abort_target();
+                    // Every communicator of this process, not only this rank's: the other
+                    // local ranks must not wait in their collectives for this one.
                     let abort_early = move |reason: &str| {
-                        tracing::error!("{reason}");
-                        let _ = target.abort();
+                        aborts.fail(rank, reason);
                     };
                     run_gpu_rank(
                         &body_shared,
@@ -782,7 +790,7 @@ pub(crate) fn launch(
                         Err(e) => tracing::warn!("no trace timeline: {e}"),
                     }
                 }
-                single
+                Ok(single)
             },
             &|step| stop(0, step),
         )?;
@@ -802,14 +810,16 @@ pub(crate) fn launch(
     })
 }
 
-/// The NCCL collective of a rank, with its trace timeline when tracing.
+/// The NCCL collective of a rank, with its trace timeline when tracing, and with `--sync-bn`
+/// (batch norm not frozen) the side communicator its BN sums run on, on the device, beside
+/// the gradient buckets.
 fn nccl_collective(
     comm: Communicator,
     device: &Arc<GpuDevice>,
     shared: &Shared,
     rank: usize,
     timeout: Duration,
-) -> NcclCollective {
+) -> Result<NcclCollective, TrainError> {
     let mut c = NcclCollective::new(comm, device.clone(), timeout);
     if shared.trace.is_enabled() {
         match GpuTimeline::new(shared.trace.clone(), rank as u32, device.stream()) {
@@ -817,7 +827,12 @@ fn nccl_collective(
             Err(e) => tracing::warn!("rank {rank}: no trace timeline: {e}"),
         }
     }
-    c
+    let cfg = &shared.cfg;
+    if cfg.dist.sync_bn && !cfg.freeze_bn {
+        c.open_side_sums(cfg.dist.rendezvous_timeout())
+            .map_err(|e| TrainError::from(CollectiveError::from(e)))?;
+    }
+    Ok(c)
 }
 
 #[cfg(test)]

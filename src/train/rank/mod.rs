@@ -31,7 +31,7 @@ use super::folder::DataPosition;
 use super::lr_find::LrTrace;
 use super::setup::Shared;
 use super::TrainError;
-use crate::backend::Backend;
+use crate::backend::{Backend, SumsMut};
 use crate::cuda::staging::feed::HostBatch;
 use crate::dist::buckets::GradientSync;
 use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
@@ -205,6 +205,10 @@ impl<C: Collective> BnAllReduce for BnOverCollective<'_, '_, C> {
     fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
         Ok(self.state.borrow_mut().comm.sum(values)?)
     }
+
+    fn sum_sums(&mut self, sums: SumsMut<'_>) -> Result<(), GradHookError> {
+        Ok(self.state.borrow_mut().comm.sum_sums(sums)?)
+    }
 }
 
 /// One rank: see the module docs. Fields are dropped in declaration order: the device and
@@ -295,7 +299,7 @@ impl<D: Device> Rank<D> {
         })
     }
 
-    /// Rank 0 validates and writes the run folder.
+    /// Rank 0 writes the run folder (every rank validates its share).
     pub(crate) fn is_writer(&self) -> bool {
         self.rank == 0
     }
@@ -445,11 +449,15 @@ impl<D: Device> Rank<D> {
         };
         for e in events {
             match e {
+                // The same call as a rank with images makes (on a GPU: on the collective's
+                // side communicator), with host zeros.
                 SyncEvent::BnForward { channels } => {
-                    self.comm.sum(&mut vec![0.0; 2 * channels + 1])?;
+                    let mut zeros = vec![0.0; 2 * channels + 1];
+                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
                 }
                 SyncEvent::BnBackward { channels } => {
-                    self.comm.sum(&mut vec![0.0; 2 * channels])?;
+                    let mut zeros = vec![0.0; 2 * channels];
+                    self.comm.sum_sums(SumsMut::Host(&mut zeros))?;
                 }
                 SyncEvent::GradReady(p) => {
                     self.sync.grad_ready(&mut self.comm, &mut self.grads, p)?;
@@ -575,6 +583,54 @@ impl<D: Device> Rank<D> {
             ema.update(&shared.graph, &live, plan.epoch);
         }
         Ok(())
+    }
+
+    /// The moving average of the weights on every rank, for each to validate its share of
+    /// the split with: rank 0 keeps it, the others receive it in one broadcast of its
+    /// parameters and buffers (exact: f32 values copied). `None` when the run keeps none.
+    /// Every rank must call it at the same point.
+    pub(crate) fn shared_average(
+        &mut self,
+        shared: &Shared,
+    ) -> Result<Option<ModelState>, TrainError> {
+        if shared.cfg.model_ema.is_none() {
+            return Ok(None);
+        }
+        let kept = self.ema.as_ref().map(|e| &e.state);
+        if self.world == 1 {
+            return Ok(kept.cloned());
+        }
+        let graph = &shared.graph;
+        let params: usize = graph.params().iter().map(|p| p.numel()).sum();
+        let buffers: usize = graph.buffers().iter().map(|b| b.numel()).sum();
+        let mut flat = if self.is_writer() {
+            let state = kept.ok_or_else(|| {
+                TrainError::Internal("rank 0 holds no moving average of the weights".into())
+            })?;
+            let mut flat = state.flat_params();
+            flat.extend(state.buffers.iter().flatten());
+            flat
+        } else {
+            vec![0.0; params + buffers]
+        };
+        self.comm.broadcast(&mut flat, 0)?;
+        if flat.len() != params + buffers {
+            return Err(TrainError::Internal(format!(
+                "the moving average arrived with {} values, the model has {}",
+                flat.len(),
+                params + buffers
+            )));
+        }
+        let mut state = ModelState {
+            params: graph
+                .params()
+                .iter()
+                .map(|p| vec![0.0; p.numel()])
+                .collect(),
+            buffers: unflatten_buffers(shared, &flat[params..]),
+        };
+        state.set_flat_params(&flat[..params])?;
+        Ok(Some(state))
     }
 
     /// Aborts the collective (this rank failed: nobody may wait for it).

@@ -196,7 +196,9 @@ pub(crate) fn launch(
                                 ordinal,
                                 abort_early: &abort_early,
                             },
-                            |device| rank_collective(device, group, rank, timeout, fault, shared),
+                            |device| {
+                                Ok(rank_collective(device, group, rank, timeout, fault, shared))
+                            },
                             &|step| stop(rank, step),
                         )
                     })
