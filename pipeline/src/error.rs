@@ -261,8 +261,11 @@ pub enum PipelineError {
         /// Steps in an epoch.
         steps: usize,
     },
+    /// A thread of the engine (a decode worker, the orchestrator) could not start.
+    #[error(transparent)]
+    Thread(#[from] crate::threads::ThreadStartError),
     /// The engine's runtime could not start.
-    #[error("cannot start the engine runtime: {source}")]
+    #[error("cannot start the engine runtime: {source} (hint: the process may have hit a limit on memory or open files: see `ulimit -v` and `ulimit -n`)")]
     Runtime {
         /// The I/O error from tokio or the OS.
         #[source]

@@ -814,7 +814,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     for note in plan.overrides.iter().chain(&restart).chain(&note) {
         outln!("{note}");
     }
-    let stop = install_stop_signals("saving a checkpoint");
+    let stop = install_stop_signals("saving a checkpoint")?;
     let outcome = train::train(&cfg, &stop.flag)?;
     match stop.signal() {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
@@ -963,8 +963,9 @@ impl StopSignals {
 
 /// Installs the handlers of SIGINT and SIGTERM (what Slurm, Kubernetes and systemd send before
 /// they kill): the first one sets the stop flag, a second one exits at once. `finishing` says
-/// what the command does before it exits ("saving a checkpoint").
-pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
+/// what the command does before it exits ("saving a checkpoint"). A thread the OS refuses
+/// is an error (the run would not stop cleanly).
+pub(crate) fn install_stop_signals(finishing: &'static str) -> Result<StopSignals, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let stop = StopSignals {
         flag: Arc::new(AtomicBool::new(false)),
@@ -973,7 +974,7 @@ pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
     let (flag, received) = (stop.flag.clone(), stop.received.clone());
     match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
         Ok(mut signals) => {
-            std::thread::spawn(move || {
+            let started = pipeline::threads::spawn("stop-signals", move || {
                 for signal in signals.forever() {
                     let name = if signal == SIGTERM {
                         "SIGTERM"
@@ -990,10 +991,13 @@ pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
                     eprintln!("\n{name}: finishing this step, {finishing}, then exiting ({name} again to quit now)");
                 }
             });
+            if let Err(e) = started {
+                return Err(TrainError::from(e).into());
+            }
         }
         Err(e) => tracing::warn!(
             "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop at once, without {finishing}"
         ),
     }
-    stop
+    Ok(stop)
 }

@@ -16,7 +16,8 @@
 //! - [`rendezvous`]: the TCP handshake through which node 0 hands the NCCL unique id (and each
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
 //!   world size, dataset, model and the checkpoint they start from.
-//! - [`ranks`]: one driver thread per local GPU with its streams and communicator.
+//! - [`ranks`]: one driver thread per local GPU with its streams and communicator;
+//!   [`start_gate`]: the threads of a group start together or not at all.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
 //! - [`device_group`]: the test-only rehearsal's collective of N GPU ranks sharing one GPU in
 //!   one process (no NCCL), reduced in rank order on the device; [`same_gpu`] its CUDA side.
@@ -40,6 +41,7 @@ pub mod same_gpu;
 pub mod scaling;
 pub mod settings;
 pub mod single;
+pub mod start_gate;
 pub mod sync_bn;
 pub mod watchdog;
 

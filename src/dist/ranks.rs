@@ -4,17 +4,18 @@
 //! GPU of the [`LaunchPlan`], gives each a [`RankContext`] (compute, copy and communication
 //! streams, the communicator of its global rank) and runs the caller's body on it. Context and
 //! stream creation finish on every thread before any thread enters `ncclCommInitRank` (a
-//! barrier): NCCL's init blocks until every rank joins, so a rank that failed earlier would
+//! [`StartGate`], which a thread the OS refuses calls off): NCCL's init blocks until every rank joins, so a rank that failed earlier would
 //! otherwise leave the others waiting forever.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::launch::LaunchPlan;
 use super::nccl::{Communicator, NcclError};
 use super::rendezvous::Assignment;
+use super::start_gate::StartGate;
 
 /// The error a rank's body returns (any error; the trainer returns its own and finds it
 /// again by downcasting).
@@ -74,13 +75,13 @@ pub enum RanksError {
         message: String,
     },
     /// The OS refused a thread.
-    #[error("cannot start the driver thread of rank {rank}: {source}")]
+    #[error("rank {rank}: {source}")]
     Spawn {
         /// Global rank.
         rank: usize,
-        /// The OS error.
+        /// The refused thread, the limit and a hint.
         #[source]
-        source: std::io::Error,
+        source: pipeline::threads::ThreadStartError,
     },
 }
 
@@ -136,14 +137,16 @@ where
         });
     }
     let body = Arc::new(body);
-    let barrier = Arc::new(Barrier::new(plan.devices.len()));
+    // After their setup, and before NCCL's init, the threads wait for each other; a thread
+    // that cannot start calls the start off.
+    let gate = Arc::new(StartGate::new(plan.devices.len()));
     let failed = Arc::new(AtomicBool::new(false));
     let mut handles = Vec::new();
     for (local_index, &ordinal) in plan.devices.iter().enumerate() {
         let rank = assignment.rank_offset + local_index;
         let world_size = assignment.world_size;
         let id = assignment.unique_id.clone();
-        let (t_body, t_barrier, t_failed) = (body.clone(), barrier.clone(), failed.clone());
+        let (t_body, t_gate, t_failed) = (body.clone(), gate.clone(), failed.clone());
         let handle = std::thread::Builder::new()
             .name(format!("gpu-{ordinal}"))
             .spawn(move || -> Result<R, RanksError> {
@@ -162,9 +165,9 @@ where
                 if setup.is_err() {
                     t_failed.store(true, Ordering::SeqCst);
                 }
-                t_barrier.wait();
+                let all_started = t_gate.arrive();
                 let (ctx, compute, copy, comm_stream) = setup?;
-                if t_failed.load(Ordering::SeqCst) {
+                if !all_started || t_failed.load(Ordering::SeqCst) {
                     return Err(RanksError::PeerFailed { rank });
                 }
                 let comm = Communicator::init(comm_stream, rank, world_size, &id, init_timeout)?;
@@ -183,20 +186,15 @@ where
         match handle {
             Ok(h) => handles.push((rank, h)),
             Err(source) => {
-                // Threads already started wait at the barrier for this one: let them through
-                // with the failure flag set.
+                // Threads already started wait at the gate for this one: let them through
+                // with the failure flag set (no helper threads: the OS refuses threads now).
                 failed.store(true, Ordering::SeqCst);
-                for _ in handles.len()..plan.devices.len() {
-                    std::thread::spawn({
-                        let barrier = barrier.clone();
-                        move || {
-                            barrier.wait();
-                        }
-                    });
-                }
+                gate.call_off();
                 for (_, h) in handles {
                     let _ = h.join();
                 }
+                let thread = format!("gpu-{ordinal}");
+                let source = pipeline::threads::ThreadStartError { thread, source };
                 return Err(RanksError::Spawn { rank, source });
             }
         }

@@ -122,6 +122,9 @@ pub enum TrainError {
     /// The input engine failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// A thread (a rank's, a helper's) could not start: a limit on threads or memory.
+    #[error(transparent)]
+    Thread(#[from] pipeline::threads::ThreadStartError),
     /// The model failed (bad weights file, shape mismatch…).
     #[error(transparent)]
     Model(#[from] ModelError),
