@@ -330,7 +330,8 @@ pub struct TrainArgs {
     /// interrupted epoch on the new set instead of refusing.
     #[arg(long)]
     pub allow_data_change: bool,
-    /// Replace the run already in --out (its checkpoint and metrics) instead of refusing.
+    /// Replace the run already in --out instead of refusing: its files (checkpoint, weights,
+    /// metrics, best/, report) are deleted, all at once, before the new run starts.
     #[arg(long)]
     pub overwrite: bool,
     /// Also save a checkpoint every N optimizer steps inside an epoch (a killed run loses at

@@ -96,6 +96,15 @@ pub(crate) fn train_until(
     // (A folder this process created is left alone when the lock fails: the holder may be
     // the process that won the race to create it.)
     let _lock = folder.lock()?;
+    // --overwrite replaces the run there whole, at once, before anything new is written:
+    // never its checkpoint kept while its history and best/ are gone (a new run failing
+    // before its first checkpoint left such a half-deleted run that still resumed).
+    if cfg.overwrite
+        && cfg.resume.as_deref() != Some(cfg.out.as_path())
+        && !folder.existing_run().is_empty()
+    {
+        folder.remove_run()?;
+    }
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
     folder.clean();
