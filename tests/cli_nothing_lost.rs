@@ -635,3 +635,46 @@ fn address_space_limits_at_start_up_are_one_line_or_a_success() {
     }
     assert!(failures > 0, "no limit was tight enough to fail");
 }
+
+/// A full disk while `report.png` is drawn: the run folder's one line with the disk's hint
+/// (it was the plotting backend's raw error), and no temporary file left.
+#[test]
+fn a_full_disk_while_drawing_the_report_names_it_with_the_disk_hint() {
+    use birdtrain::train::{EpochMetrics, MetricsSplit};
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(disk) = cli_support::Tmpfs::mount(&tmp.path().join("full"), 64 * 1024) else {
+        return;
+    };
+    // Filled to the last block.
+    let _ = std::fs::write(disk.path().join("filler"), vec![0u8; 1 << 20]);
+    let line = |split, loss| EpochMetrics {
+        epoch: 1,
+        split,
+        loss,
+        accuracy: 0.5,
+        top5: 1.0,
+        images_per_sec: 100.0,
+        seconds: 1.0,
+    };
+    let report = disk.path().join("report.png");
+    let err = birdtrain::train::write_report(
+        &report,
+        &[
+            line(MetricsSplit::Train, 1.0),
+            line(MetricsSplit::Valid, 0.9),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("report.png")
+            && err.contains("No space left")
+            && err.contains("hint: free space"),
+        "{err}"
+    );
+    let names: Vec<String> = std::fs::read_dir(disk.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["filler"]);
+}

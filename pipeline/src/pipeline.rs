@@ -361,7 +361,7 @@ fn check_counts(b: &PipelineBuilder, images: usize) -> Result<usize, PipelineErr
 impl Pipeline {
     pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
         refuse_writes_into_dataset(&b)?;
-        let scanned = crate::scan::scan(&b.source, b.split, b.seed)?;
+        let scanned = crate::scan::scan(&b.source, b.split, b.seed, b.known_classes.as_deref())?;
         if b.on_bad_image == OnBadImage::Fail {
             if let Some(first) = scanned.bad.first() {
                 return Err(PipelineError::BadImage {

@@ -202,11 +202,7 @@ pub fn report(
             );
         }
         None => {
-            let _ = writeln!(
-                s,
-                "no suggestion: {} points are too few (the first 10 and the last are left out); lower --start-lr or --end-lr (the loss diverged early), or raise --num-steps",
-                points.len()
-            );
+            let _ = writeln!(s, "no suggestion: {}", LrTrace::no_suggestion(points));
         }
     }
     let _ = writeln!(

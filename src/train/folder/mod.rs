@@ -358,6 +358,19 @@ pub fn is_run_folder(dir: &Path) -> bool {
     .any(|f| dir.join(f).exists())
 }
 
+/// Whether a process holds `dir`'s run-folder lock now (a run, resume or `lr-find` writing
+/// into it). Probed with a shared lock taken and dropped at once, so a run starting at that
+/// very moment may see the folder in use once: only an error path asks.
+pub fn is_in_use(dir: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(dir.join(LOCK_FILE)) else {
+        return false;
+    };
+    matches!(
+        file.try_lock_shared(),
+        Err(std::fs::TryLockError::WouldBlock)
+    )
+}
+
 /// The run whose best-epoch folder `dir` is (`RUN` for `RUN/best`), when it is one: a folder
 /// named `best` inside a run folder. Such a folder is written by its run alone.
 pub fn best_folder_owner(dir: &Path) -> Option<PathBuf> {
