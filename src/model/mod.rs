@@ -29,4 +29,4 @@ pub use network::{
     SyncEvent,
 };
 pub(crate) use network::{ohwi_to_oihw, oihw_to_ohwi};
-pub use state::{HeadPolicy, ModelState};
+pub use state::{HeadPolicy, ModelState, NewHead};

@@ -52,7 +52,7 @@ pub enum TrainError {
         epoch: u64,
     },
     /// The loss became NaN or infinite: the run stops without saving the diverged weights.
-    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
+    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: {hint})")]
     NonFiniteLoss {
         /// "training loss" or "validation loss".
         what: &'static str,
@@ -67,10 +67,12 @@ pub enum TrainError {
         /// What the run folder keeps ("the last checkpoint in RUN is kept", or that none
         /// was saved yet).
         kept: String,
+        /// What to change ([`divergence_hint`]).
+        hint: String,
     },
     /// The weights or batch-norm statistics overflowed: the run stops before they reach a
     /// checkpoint.
-    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
+    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: {hint})")]
     NonFiniteWeights {
         /// The first tensor (torchvision name) with a non-finite value.
         tensor: String,
@@ -82,6 +84,8 @@ pub enum TrainError {
         lr: f32,
         /// What the run folder keeps (as for [`TrainError::NonFiniteLoss`]).
         kept: String,
+        /// What to change ([`divergence_hint`]).
+        hint: String,
     },
     /// `--out` names a folder that holds a run already.
     #[error("{path} holds a run already ({found}) (hint: {}choose another --out, or pass --overwrite to replace it)", resume_hint(.path, *.resumable))]
@@ -122,6 +126,9 @@ pub enum TrainError {
     /// The input engine failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// A thread (a rank's, a helper's) could not start: a limit on threads or memory.
+    #[error(transparent)]
+    Thread(#[from] pipeline::threads::ThreadStartError),
     /// The model failed (bad weights file, shape mismatch…).
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -164,6 +171,36 @@ pub enum TrainError {
     Internal(String),
 }
 
+/// What to change after a divergence with `weight_decay` and a peak learning rate of
+/// `peak_lr`: a weight decay beyond the usual range (above 0.1) that overturns the weights
+/// at each step (learning rate × decay ≥ 1) is named as the cause; otherwise the learning
+/// rate is (an absurd rate makes any decay overturn them).
+pub(crate) fn divergence_hint(weight_decay: f32, peak_lr: f32) -> String {
+    let product = weight_decay * peak_lr;
+    if weight_decay > 0.1 && product >= 1.0 {
+        format!(
+            "--weight-decay {} × the learning rate {} = {} ≥ 1: each step would scale the weights by 1 − {}; use a --weight-decay well below {} (usual values: 1e-4 to 5e-2)",
+            short(weight_decay),
+            short(peak_lr),
+            short(product),
+            short(product),
+            short(1.0 / peak_lr)
+        )
+    } else {
+        "lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual".into()
+    }
+}
+
+/// A value for a message: as written when of moderate size, else in scientific notation
+/// (`1e30`, not thirty-one digits).
+fn short(v: f32) -> String {
+    if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-4) {
+        format!("{v:e}")
+    } else {
+        format!("{}", (v * 1e4).round() / 1e4)
+    }
+}
+
 impl TrainError {
     /// Whether this error only reports that another rank aborted the group (its own error is
     /// the cause worth showing).
@@ -189,5 +226,22 @@ fn resume_hint(path: &std::path::Path, resumable: bool) -> String {
         format!("continue it with --resume {}, ", path.display())
     } else {
         String::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::divergence_hint;
+
+    #[test]
+    fn an_absurd_weight_decay_is_named_and_an_absurd_rate_is_blamed_on_the_rate() {
+        let decay = divergence_hint(1e30, 0.0125);
+        assert!(decay.contains("--weight-decay 1e30"), "{decay}");
+        assert!(decay.contains("well below 80"), "{decay}");
+        assert!(!decay.contains("lower --lr"), "{decay}");
+        // --lr 1e7 with the usual decay: the rate is the cause, though lr × decay ≥ 1.
+        let rate = divergence_hint(5e-4, 156_250.0);
+        assert!(rate.starts_with("lower --lr"), "{rate}");
+        assert!(divergence_hint(5e-4, 0.1).starts_with("lower --lr"));
     }
 }

@@ -27,12 +27,14 @@ mod optim;
 mod pool;
 mod profile;
 mod simd;
+mod threads;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use optim::{CpuOptimizer, UpdateRule};
 pub use profile::OpTime;
 pub use simd::{SimdLevel, SIMD_ENV};
+pub(crate) use threads::start_pool;
 
 use super::error::check_len;
 use super::{
@@ -135,14 +137,7 @@ impl CpuBackend {
         } else {
             threads
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("cpu-backend-{i}"))
-            .build()
-            .map_err(|e| BackendError::Device {
-                op: "CpuBackend::new",
-                source: Box::new(e),
-            })?;
+        let pool = start_pool(threads, "cpu-backend")?;
         Ok(CpuBackend {
             pool: Arc::new(pool),
             threads,

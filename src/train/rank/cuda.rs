@@ -578,17 +578,17 @@ where
 }
 
 /// Runs `f` while a helper thread copies the caller's stop wishes into `local`, which the
-/// driver threads (needing `'static` data) poll.
+/// driver threads (needing `'static` data) poll; an error when the OS refuses that thread.
 fn with_stop_bridge<R>(
     stop: &StopWish<'_>,
     ranks: usize,
     rank_offset: usize,
     local: &Arc<Vec<AtomicBool>>,
     f: impl FnOnce() -> R,
-) -> R {
+) -> Result<R, TrainError> {
     let finished = AtomicBool::new(false);
     std::thread::scope(|s| {
-        s.spawn(|| {
+        pipeline::threads::spawn_scoped(s, "stop-bridge", || {
             while !finished.load(Ordering::SeqCst) {
                 for i in 0..ranks {
                     if stop(rank_offset + i, u64::MAX) {
@@ -597,10 +597,10 @@ fn with_stop_bridge<R>(
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-        });
+        })?;
         let r = f();
         finished.store(true, Ordering::SeqCst);
-        r
+        Ok(r)
     })
 }
 
@@ -614,6 +614,8 @@ fn ranks_error(e: ranks::RanksError) -> TrainError {
                 reason: other.to_string(),
             },
         },
+        // A refused thread is no fault of the GPUs: its own line and hint.
+        ranks::RanksError::Spawn { source, .. } => TrainError::Thread(source),
         other => TrainError::Device {
             device: "GPUs".into(),
             reason: other.to_string(),
@@ -771,7 +773,7 @@ pub(crate) fn launch(
                     .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
                 })
             },
-        )
+        )?
         .map_err(ranks_error)?
     } else {
         let report = run_gpu_rank(
