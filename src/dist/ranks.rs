@@ -401,48 +401,46 @@ where
             aborts.clone(),
             done_tx.clone(),
         );
-        let spawned = std::thread::Builder::new()
-            .name(format!("gpu-{ordinal}"))
-            .spawn(move || {
-                let prepared = unpanicked(rank, || setup.prepare(rank, ordinal));
-                if let Err(e) = &prepared {
-                    t_aborts.fail(rank, &e.to_string());
-                }
-                // Every thread reaches this, failed or not, so none waits here forever.
-                let all_started = t_gate.arrive();
-                let outcome = prepared.and_then(|prepared| {
-                    unpanicked(rank, || {
-                        if !all_started || t_aborts.has_failed() {
-                            return Err(RanksError::PeerFailed { rank });
-                        }
-                        let comm = setup.connect(
-                            &prepared,
-                            rank,
-                            world_size,
-                            &id,
-                            limits.init_timeout,
-                            &|| t_aborts.has_failed(),
-                        )?;
-                        t_aborts.join(rank, setup.abort_target(&comm));
-                        setup.barrier(&comm, rank, limits.init_timeout)?;
-                        body(RankSlot {
-                            rank,
-                            local_index,
-                            world_size,
-                            ordinal,
-                            prepared,
-                            comm,
-                            aborts: t_aborts.clone(),
-                        })
-                        .map_err(|source| RanksError::Body { rank, source })
+        let spawned = pipeline::threads::spawn(format!("gpu-{ordinal}"), move || {
+            let prepared = unpanicked(rank, || setup.prepare(rank, ordinal));
+            if let Err(e) = &prepared {
+                t_aborts.fail(rank, &e.to_string());
+            }
+            // Every thread reaches this, failed or not, so none waits here forever.
+            let all_started = t_gate.arrive();
+            let outcome = prepared.and_then(|prepared| {
+                unpanicked(rank, || {
+                    if !all_started || t_aborts.has_failed() {
+                        return Err(RanksError::PeerFailed { rank });
+                    }
+                    let comm = setup.connect(
+                        &prepared,
+                        rank,
+                        world_size,
+                        &id,
+                        limits.init_timeout,
+                        &|| t_aborts.has_failed(),
+                    )?;
+                    t_aborts.join(rank, setup.abort_target(&comm));
+                    setup.barrier(&comm, rank, limits.init_timeout)?;
+                    body(RankSlot {
+                        rank,
+                        local_index,
+                        world_size,
+                        ordinal,
+                        prepared,
+                        comm,
+                        aborts: t_aborts.clone(),
                     })
-                });
-                if let Err(e) = &outcome {
-                    // At once, on this thread: the other ranks must not wait for the join.
-                    t_aborts.fail(rank, &e.to_string());
-                }
-                let _ = done.send((local_index, outcome));
+                    .map_err(|source| RanksError::Body { rank, source })
+                })
             });
+            if let Err(e) = &outcome {
+                // At once, on this thread: the other ranks must not wait for the join.
+                t_aborts.fail(rank, &e.to_string());
+            }
+            let _ = done.send((local_index, outcome));
+        });
         match spawned {
             Ok(h) => handles.push(Some(h)),
             Err(source) => {
@@ -453,8 +451,6 @@ where
                 for h in handles.into_iter().flatten() {
                     let _ = h.join();
                 }
-                let thread = format!("gpu-{ordinal}");
-                let source = pipeline::threads::ThreadStartError { thread, source };
                 return Err(RanksError::Spawn { rank, source });
             }
         }
