@@ -22,6 +22,10 @@
 //   dx = gamma·invstd·(g − dbeta/M − x̂·dgamma/M)   (batch statistics), or
 //   dx = gamma·invstd·g                             (frozen statistics: a fixed affine map),
 // and, for a residual block, dres = g (overwritten or accumulated).
+// Fused into the convolutions (BIRDTRAIN_BN_FUSION, the end of this file), the statistics and
+// the backward reductions come from the convolutions' epilogues as per-tile records instead:
+// bn_stats_merge / bn_sums_merge merge them, bn_moments_finalize replaces bn_stats_finalize,
+// and bn_bwd_apply runs with the mask off on the finished gradient.
 // Synchronised batch norm (--sync-bn) runs the frozen-statistics backward with the global
 // statistics (dgamma, dbeta and dres), then bn_bwd_apply with batch statistics again, its
 // dbeta and dgamma replaced by the global ones on this replica's scale: dx is the global
@@ -535,5 +539,130 @@ extern "C" __global__ void bn_bwd_partial_vec(const bf16* __restrict__ dy, const
             part_dbeta[(long)blockIdx.y * channels + grp * 8 + e] = sb[e];
             part_dgamma[(long)blockIdx.y * channels + grp * 8 + e] = sg[e];
         }
+    }
+}
+
+// ---- the fused path (BIRDTRAIN_BN_FUSION): merges of per-tile partial records -------------
+// With the fusion on, the batch statistics of a convolution's output come from the forward
+// GEMM's epilogue (conv2.cu, EPI_STATS: per 128-row tile, each channel's mean and M2) and the
+// backward sums Σg, Σg·x̂ from the dgrad GEMM's epilogue (EPI_BN_GRAD); where no fused GEMM
+// applies, bn_stats_partial / bn_bwd_partial write records of the same form. The records are
+// merged here in a fixed order (strided lanes and the fixed tree, as the finalize kernels
+// above): no atomics, the same bits every run, whatever order the blocks ran in. Many records
+// (one per tile of a large layer) are merged in two launches: groups of `per_group` records
+// each, then the groups.
+//
+// The forward's merge ends in the layer's moments, f32 [3][C]: mean, M2 = Σ(x − mean)², and
+// the row count. They are the one interface between the statistics and the normalisation:
+// bn_moments_finalize turns them into the saved mean, 1/sqrt(var + eps) and the running
+// statistics, so a cross-rank merge of moments (synchronised batch norm) fits in between.
+
+// Rows of record b when record b holds rows [b·per, min(rows, (b + 1)·per)).
+__device__ __forceinline__ float record_rows(int b, int rows, long per) {
+    return (float)max(0L, min((long)rows, (b + 1) * per) - b * per);
+}
+
+// Block (32, FIN_Y), grid (ceil(C/32), groups): group g merges records
+// [g·per_group, min(records, (g + 1)·per_group)) of (mean, M2) pairs (planes [records][C]),
+// record b holding rows [b·rows_per_record, ...) of `rows`, into (mean, M2[, count]) at row g of
+// the out planes (out_count may be null). Chan's combination in its two-pass form:
+// mean = Σ n_b·mean_b / n, then M2 = Σ (M2_b + n_b·(mean_b − mean)²), every term ≥ 0.
+extern "C" __global__ void bn_stats_merge(const float* __restrict__ part_mean,
+                                          const float* __restrict__ part_m2, int records, int rows,
+                                          int channels, long rows_per_record, int per_group,
+                                          float* __restrict__ out_mean, float* __restrict__ out_m2,
+                                          float* __restrict__ out_count) {
+    __shared__ float s_sum[FIN_Y][32];
+    const int ty = threadIdx.y;
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const bool live = c < channels;
+    const int b0 = blockIdx.y * per_group, b1 = min(records, b0 + per_group);
+    float n = 0.0f, sum = 0.0f;
+    if (live) {
+#pragma unroll 4
+        for (int b = b0 + ty; b < b1; b += FIN_Y) {
+            const float nb = record_rows(b, rows, rows_per_record);
+            n += nb;
+            sum = fmaf(nb, part_mean[(long)b * channels + c], sum);
+        }
+    }
+    n = fin_lane_sum(n, s_sum);
+    sum = fin_lane_sum(sum, s_sum);
+    const float mean = n > 0.0f ? sum / n : 0.0f;
+    float m2 = 0.0f;
+    if (live) {
+#pragma unroll 4
+        for (int b = b0 + ty; b < b1; b += FIN_Y) {
+            const float nb = record_rows(b, rows, rows_per_record);
+            const float d = part_mean[(long)b * channels + c] - mean;
+            m2 += fmaf(nb * d, d, part_m2[(long)b * channels + c]);
+        }
+    }
+    m2 = fin_lane_sum(m2, s_sum);
+    if (ty != 0 || !live) return;
+    const long at = (long)blockIdx.y * channels + c;
+    out_mean[at] = mean;
+    out_m2[at] = m2;
+    if (out_count != nullptr) out_count[at] = n;
+}
+
+// moments [3][C] (mean, M2, count) → the saved mean and 1/sqrt(var + eps) (biased variance)
+// and, when running_mean is not null, the running statistics with the unbiased variance and
+// `momentum`: bn_stats_finalize's formulas. One thread per channel, 128 per block.
+extern "C" __global__ void bn_moments_finalize(const float* __restrict__ moments, int channels,
+                                               float eps, float momentum,
+                                               float* __restrict__ mean_out,
+                                               float* __restrict__ invstd_out,
+                                               float* __restrict__ running_mean,
+                                               float* __restrict__ running_var) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const float mean = moments[c], m2 = moments[channels + c], n = moments[2 * channels + c];
+    const float var = n > 0.0f ? m2 / n : 0.0f;
+    mean_out[c] = mean;
+    invstd_out[c] = rsqrtf(var + eps);
+    if (running_mean != nullptr) {
+        const float unbiased = n > 1.0f ? m2 / (n - 1.0f) : var;
+        running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean;
+        running_var[c] = (1.0f - momentum) * running_var[c] + momentum * unbiased;
+    }
+}
+
+// Block (32, FIN_Y), grid (ceil(C/32), groups): group g sums records
+// [g·per_group, min(records, (g + 1)·per_group)) of the two planes (Σg, Σg·x̂: [records][C])
+// into row g of out_b and out_g (strided lanes, then the fixed tree).
+extern "C" __global__ void bn_sums_merge(const float* __restrict__ part_b,
+                                         const float* __restrict__ part_g, int records,
+                                         int channels, int per_group, float* __restrict__ out_b,
+                                         float* __restrict__ out_g) {
+    __shared__ float s_sum[FIN_Y][32];
+    const int ty = threadIdx.y;
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const int b0 = blockIdx.y * per_group, b1 = min(records, b0 + per_group);
+    float sb = 0.0f, sg = 0.0f;
+    if (c < channels) {
+#pragma unroll 4
+        for (int b = b0 + ty; b < b1; b += FIN_Y) {
+            sb += part_b[(long)b * channels + c];
+            sg += part_g[(long)b * channels + c];
+        }
+    }
+    sb = fin_lane_sum(sb, s_sum);
+    sg = fin_lane_sum(sg, s_sum);
+    if (ty != 0 || c >= channels) return;
+    out_b[(long)blockIdx.y * channels + c] = sb;
+    out_g[(long)blockIdx.y * channels + c] = sg;
+}
+
+// g[i] = [y[i] > 0]·(g[i] + residual[i]) in place (bf16 rounding of the sum first; residual
+// and y may be null: no residual, no ReLU): what the fused dgrad epilogue does to dx, for a
+// convolution no fused GEMM takes (v1 kernels). Grid-stride, 256 threads.
+extern "C" __global__ void bn_grad_finish(bf16* __restrict__ g, const bf16* __restrict__ residual,
+                                          const bf16* __restrict__ y, long total) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        float v = bt_to_f32(g[i]);
+        if (residual != nullptr) v = bt_to_f32(bt_to_bf16(v + bt_to_f32(residual[i])));
+        if (y != nullptr && !(bt_to_f32(y[i]) > 0.0f)) v = 0.0f;
+        g[i] = bt_to_bf16(v);
     }
 }

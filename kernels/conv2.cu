@@ -27,6 +27,11 @@
 // 1×1 convolutions take plain GEMM paths: forward and dgrad move a pointer along the
 // channels (stride 2: the row bases are strided, the loop is the same; dgrad writes strided
 // rows); wgrad at stride 1 walks both operands as contiguous rows.
+// Batch-norm epilogues (BIRDTRAIN_BN_FUSION; conv2_fwd_stats_*, conv2_dgrad_bn_*: the same
+// GEMMs, see BnEpilogue): while the bf16 output tile is staged in shared memory, the forward
+// reduces each output channel's tile statistics (mean, M2) and the dgrad finishes the gradient
+// of the batch norm that produced its input (residual gradient, ReLU mask) and reduces Σg,
+// Σg·x̂, each into its own per-tile record; bn.cu merges the records in a fixed order.
 //
 // Pipeline. STAGES shared-memory stages, each holding one BK = 32 slice of A and B. Stages
 // 0..STAGES-2 are issued before the loop; iteration kt waits for its stage
@@ -219,6 +224,61 @@ struct PixelCursor {
     }
 };
 
+// Batch-norm work a forward or dgrad GEMM takes into its epilogue (BIRDTRAIN_BN_FUSION; the
+// kernels named conv2_fwd_stats_* and conv2_dgrad_bn_*). EPI_NONE is the plain epilogue.
+//   EPI_STATS (forward): besides y, the tile's (mean, M2 = Σ(y − mean)²) of every output
+//     channel over the tile's valid rows, two-pass in f32 from the bf16 values stored in y
+//     (what the batch norm reads), into record blockIdx.x of part: planes [2][gridDim.x][K].
+//     The tile's row count min(BM, M − m0) is implied by the record index (bn_stats_merge
+//     derives it), so it is not stored.
+//   EPI_BN_GRAD (dgrad): dx becomes the gradient g at the output of the normalisation of the
+//     batch norm that produced this convolution's input: g = [bn_y > 0]·(dgrad [+ dx] [+
+//     residual]) (bf16 roundings in that order, as the unfused kernels round them), and the
+//     tile's Σg and Σg·x̂ (x̂ = (bn_x − mean)·invstd) of every input channel go to record
+//     blockIdx.z·gridDim.x + blockIdx.x of part: planes [2][gridDim.z·gridDim.x][C]. A block
+//     past its phase's rows writes a zero record, so every record is written.
+// Per channel, TPC = THREADS / BN threads each sum a fixed span of rows of the staged tile,
+// and thread 0 of the column adds their sums in a fixed order: no atomics, the same bits
+// every run; the partial records are merged in a fixed order by bn.cu (bn_stats_merge,
+// bn_sums_merge).
+enum { EPI_NONE = 0, EPI_STATS = 1, EPI_BN_GRAD = 2 };
+
+struct BnEpilogue {
+    float* part;           // the partial records (see above)
+    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); null: no ReLU
+    const bf16* bn_x;      // BN_GRAD: the batch norm's input
+    const float* mean;     // BN_GRAD: its saved mean and 1/sqrt(var + eps)
+    const float* invstd;
+    const bf16* residual;  // BN_GRAD: a gradient added before the mask; may be null
+};
+
+// Eight bf16 sums of two 16-byte chunks, each in f32 and rounded once (round to nearest even).
+__device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
+    const unsigned* pa = reinterpret_cast<const unsigned*>(&a);
+    const unsigned* pb = reinterpret_cast<const unsigned*>(&b);
+    unsigned sum[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float s0 = __uint_as_float(pa[e] << 16) + __uint_as_float(pb[e] << 16);
+        const float s1 = __uint_as_float(pa[e] & 0xffff0000u) + __uint_as_float(pb[e] & 0xffff0000u);
+        sum[e] = (unsigned)__bfloat16_as_ushort(bt_to_bf16(s0)) | ((unsigned)__bfloat16_as_ushort(bt_to_bf16(s1)) << 16);
+    }
+    return make_uint4(sum[0], sum[1], sum[2], sum[3]);
+}
+
+// Each bf16 of `v` where the matching bf16 of `y` is not > 0 becomes +0 (the ReLU's backward).
+__device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
+    unsigned* pv = reinterpret_cast<unsigned*>(&v);
+    const unsigned* py = reinterpret_cast<const unsigned*>(&y);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const unsigned lo = __uint_as_float(py[e] << 16) > 0.0f ? 0x0000ffffu : 0u;
+        const unsigned hi = __uint_as_float(py[e] & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u;
+        pv[e] &= lo | hi;
+    }
+    return v;
+}
+
 // Hides a pointer's origin from the optimiser, so that `p + offset` in the loop stays one
 // wide multiply-add on a fixed register pair instead of being re-derived from its parts.
 template <class P>
@@ -230,9 +290,11 @@ __device__ __forceinline__ P opaque(P p) {
 }
 
 // The GEMM with its gathers, pipeline and epilogue. One instantiation per extern "C" kernel.
-template <int MODE, int GATHER, class T>
+template <int MODE, int GATHER, class T, int EPI = EPI_NONE>
 __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const bf16* __restrict__ b_src,
-                                           void* out, const Conv2Args& a) {
+                                           void* out, const Conv2Args& a, const BnEpilogue& ep = BnEpilogue{}) {
+    static_assert(EPI == EPI_NONE || (EPI == EPI_STATS && MODE == FWD) || (EPI == EPI_BN_GRAD && MODE == DGRAD),
+                  "forward epilogues take statistics, dgrad ones the batch norm's gradient");
     typedef Geometry<MODE, T> G;
     CONV2_SMEM(smem_raw);
     __shared__ int row_out[T::BM];  // dgrad: dx offset of each tile row (phases scatter rows)
@@ -249,8 +311,17 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     } else if (MODE == DGRAD) {
         f = dgrad_phase(a, blockIdx.z);
         M = a.n * f.hn * f.wn; N = a.c; KD = f.rn * f.sn * a.k;
-        if (m0 >= M) return;                  // this phase has fewer rows than the largest one
-        if (KD == 0 && a.accumulate) return;  // a phase without taps adds nothing
+        if (m0 >= M) {                        // this phase has fewer rows than the largest one
+            if (EPI == EPI_BN_GRAD) {
+                // ... but its record is summed with the others: zeros.
+                const long rec = (long)blockIdx.z * gridDim.x + blockIdx.x, plane = (long)gridDim.z * gridDim.x * N;
+                for (int col = tid; col < T::BN; col += T::THREADS)
+                    if (n0 + col < N) ep.part[rec * N + n0 + col] = ep.part[plane + rec * N + n0 + col] = 0.0f;
+            }
+            return;
+        }
+        // A phase without taps adds nothing (the BN epilogue still masks and sums dx).
+        if (KD == 0 && a.accumulate && EPI == EPI_NONE) return;
     } else {
         M = a.k; N = a.r * a.s * a.c;
         kd_begin = blockIdx.z * a.k_chunk;
@@ -555,27 +626,113 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         if (m >= M || n >= N) continue;
         const long o = MODE == FWD ? (long)m * N + n : (long)row_out[row] + n;
         uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
-        if (MODE == DGRAD && a.accumulate) {
-            const uint4 old = *reinterpret_cast<const uint4*>(y + o);
-            const unsigned* pv = reinterpret_cast<const unsigned*>(&v);
-            const unsigned* po = reinterpret_cast<const unsigned*>(&old);
-            unsigned sum[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float s0 = __uint_as_float(pv[e] << 16) + __uint_as_float(po[e] << 16);
-                const float s1 = __uint_as_float(pv[e] & 0xffff0000u) + __uint_as_float(po[e] & 0xffff0000u);
-                sum[e] = (unsigned)__bfloat16_as_ushort(bt_to_bf16(s0)) |
-                         ((unsigned)__bfloat16_as_ushort(bt_to_bf16(s1)) << 16);
-            }
-            v = make_uint4(sum[0], sum[1], sum[2], sum[3]);
+        if (MODE == DGRAD && a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
+        if (EPI == EPI_BN_GRAD) {
+            if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
+            if (ep.bn_y != nullptr) v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
+    }
+    if (EPI == EPI_NONE) return;
+
+    // ---- batch-norm partial records (see BnEpilogue) ---------------------------------------
+    // A thread owns a column pair (one 4-byte bf16x2 load per row: two independent sums) and a
+    // span of SPAN rows; the TPC spans of a pair are added in span order by span 0.
+    constexpr int PAIRS = T::BN / 2, TPC = T::THREADS / PAIRS, SPAN = T::BM / TPC;
+    static_assert(T::THREADS % PAIRS == 0 && T::BM % TPC == 0, "whole row spans per column pair");
+    static_assert(T::BM * LDC * 2 + 2 * TPC * T::BN * 4 <= T::STAGES * G::STAGE_ELEMS * 2,
+                  "the reduction scratch fits behind the staged tile");
+    float* red_a = reinterpret_cast<float*>(smem_raw + T::BM * LDC * 2);  // [TPC][BN]
+    float* red_b = red_a + TPC * T::BN;
+    const int col = (tid % PAIRS) * 2, span = tid / PAIRS;
+    const int rows = min(T::BM, M - m0);
+    const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
+    const int c = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
+    const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);  // row r at [r * LDC / 2]
+    if (EPI == EPI_STATS) {
+        // Two passes over the staged bf16 tile: the tile mean, then Σ(v − mean)².
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll 2
+        for (int r = r0; r < r1; ++r) {
+            const unsigned v = cs_pair[r * (LDC / 2)];
+            s0 += __uint_as_float(v << 16);
+            s1 += __uint_as_float(v & 0xffff0000u);
+        }
+        red_a[span * T::BN + col] = s0;
+        red_a[span * T::BN + col + 1] = s1;
+        __syncthreads();
+        float t0 = 0.0f, t1 = 0.0f;
+#pragma unroll
+        for (int p = 0; p < TPC; ++p) {
+            t0 += red_a[p * T::BN + col];
+            t1 += red_a[p * T::BN + col + 1];
+        }
+        const float mean0 = t0 / (float)rows, mean1 = t1 / (float)rows;
+        float q0 = 0.0f, q1 = 0.0f;
+#pragma unroll 2
+        for (int r = r0; r < r1; ++r) {
+            const unsigned v = cs_pair[r * (LDC / 2)];
+            const float d0 = __uint_as_float(v << 16) - mean0, d1 = __uint_as_float(v & 0xffff0000u) - mean1;
+            q0 = fmaf(d0, d0, q0);
+            q1 = fmaf(d1, d1, q1);
+        }
+        red_b[span * T::BN + col] = q0;
+        red_b[span * T::BN + col + 1] = q1;
+        __syncthreads();
+        if (span == 0 && c < N) {
+            q0 = 0.0f;
+            q1 = 0.0f;
+#pragma unroll
+            for (int p = 0; p < TPC; ++p) {
+                q0 += red_b[p * T::BN + col];
+                q1 += red_b[p * T::BN + col + 1];
+            }
+            const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + c;
+            bt_store2_f32(ep.part + at, mean0, mean1);
+            bt_store2_f32(ep.part + plane + at, q0, q1);
+        }
+    } else {
+        __syncthreads();  // every g is staged
+        float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
+        if (c < N) {
+            const float mu0 = ep.mean[c], mu1 = ep.mean[c + 1], is0 = ep.invstd[c], is1 = ep.invstd[c + 1];
+#pragma unroll 2
+            for (int r = r0; r < r1; ++r) {
+                const unsigned v = cs_pair[r * (LDC / 2)];
+                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + row_out[r] + c);
+                const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
+                b0 += v0;
+                b1 += v1;
+                g0 += v0 * (__uint_as_float(x << 16) - mu0) * is0;
+                g1 += v1 * (__uint_as_float(x & 0xffff0000u) - mu1) * is1;
+            }
+        }
+        red_a[span * T::BN + col] = b0;
+        red_a[span * T::BN + col + 1] = b1;
+        red_b[span * T::BN + col] = g0;
+        red_b[span * T::BN + col + 1] = g1;
+        __syncthreads();
+        if (span == 0 && c < N) {
+#pragma unroll
+            for (int p = 1; p < TPC; ++p) {
+                b0 += red_a[p * T::BN + col];
+                b1 += red_a[p * T::BN + col + 1];
+                g0 += red_b[p * T::BN + col];
+                g1 += red_b[p * T::BN + col + 1];
+            }
+            const long plane = (long)gridDim.z * gridDim.x * N;
+            const long at = ((long)blockIdx.z * gridDim.x + blockIdx.x) * N + c;
+            bt_store2_f32(ep.part + at, b0, b1);
+            bt_store2_f32(ep.part + plane + at, g0, g1);
+        }
     }
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
-// Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}. The host (src/cuda/conv.rs) picks one per
-// layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
+// Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}, and with a batch-norm epilogue
+// conv2_fwd_stats[_1x1]_{tile}, conv2_dgrad_bn[_1x1]_{tile}. The host (src/cuda/conv.rs) picks
+// one per layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
 
 // y = conv(x, w)
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
@@ -618,6 +775,71 @@ conv2_dgrad_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt
 extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_dgrad_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args) {
     conv2_gemm<DGRAD, UNIT, T128x64>(dy, wt, dx, args);
+}
+
+// The same GEMMs with the batch-norm epilogues (BnEpilogue). Forward: y = conv(x, w) and the
+// tile statistics of y in part ([2][gridDim.x][K]: means, then M2).
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_stats_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args, float* part) {
+    BnEpilogue ep{};
+    ep.part = part;
+    conv2_gemm<FWD, GENERAL, T128x128, EPI_STATS>(x, w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_stats_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args, float* part) {
+    BnEpilogue ep{};
+    ep.part = part;
+    conv2_gemm<FWD, GENERAL, T128x64, EPI_STATS>(x, w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_stats_1x1_128x128(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args, float* part) {
+    BnEpilogue ep{};
+    ep.part = part;
+    conv2_gemm<FWD, UNIT, T128x128, EPI_STATS>(x, w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_stats_1x1_128x64(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* y, Conv2Args args, float* part) {
+    BnEpilogue ep{};
+    ep.part = part;
+    conv2_gemm<FWD, UNIT, T128x64, EPI_STATS>(x, w, y, args, ep);
+}
+
+// dgrad finishing the gradient of the batch norm that produced x: dx = [bn_y > 0]·(dgrad(dy, wt)
+// [+ dx with args.accumulate] [+ residual]) (bn_y, residual may be null), and the tile sums
+// Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.z·gridDim.x][C]).
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_dgrad_bn_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
+    const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
+    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv2_gemm<DGRAD, GENERAL, T128x128, EPI_BN_GRAD>(dy, wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_dgrad_bn_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
+    const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
+    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv2_gemm<DGRAD, GENERAL, T128x64, EPI_BN_GRAD>(dy, wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_dgrad_bn_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
+    const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
+    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv2_gemm<DGRAD, UNIT, T128x128, EPI_BN_GRAD>(dy, wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_dgrad_bn_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
+    const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
+    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv2_gemm<DGRAD, UNIT, T128x64, EPI_BN_GRAD>(dy, wt, dx, args, ep);
 }
 
 // dw[z] = wgrad(dy, x) over slice z (f32); grid.z = reduction slices of args.k_chunk pixels

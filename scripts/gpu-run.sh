@@ -13,6 +13,11 @@
 #   bash .gpu/gpu-run.sh multi   # several ranks on the one GPU (< 6 min, most important first):
 #                                # N ranks rehearsed in one process (BIRDTRAIN_REHEARSE_RANKS),
 #                                # NCCL between two processes, torchrun (standalone, restart)
+#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min; off unless
+#                                # BIRDTRAIN_BN_FUSION=1, which this phase sets where it wants
+#                                # it): the fused ops and the resnet18 step against the CPU,
+#                                # twice to the bit, synchronised BN fused, then resnet50 and
+#                                # resnet18 steps fused and separate with --breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -338,6 +343,51 @@ torchrun_kill() {
   wait "$launcher"
 }
 
+# Batch norm fused into the convolutions (BIRDTRAIN_BN_FUSION=1, ARCHITECTURE.md; off by default
+# until a GPU has run these and measured it faster): its GPU tests first (they choose the fused
+# sequence themselves, or are run here with the variable set), then the steps fused and
+# separate on the GPU alone, one after the other, each with the variable set explicitly.
+phase_fusion() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check 120 "$bin" kernels check --arch sm_90
+  step test-fusion-ops 120 "$here/cuda_kernels" --ignored --test-threads 1 --show-output fused_batch_norm
+  $checks tests "$out/test-fusion-ops.log" fused_batch_norm 1 | tee -a "$summary"
+  step test-fusion-step 150 "$here/cuda_step" --ignored --test-threads 1 --show-output \
+    resnet18_step_matches_cpu fused_resnet18_steps_repeat_bitwise
+  $checks tests "$out/test-fusion-step.log" resnet18_step 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-step.log" fused_resnet18 1 | tee -a "$summary"
+  # Synchronised BN with the fused moments: two replicas through the host against the CPU on
+  # the whole batch (the test sets the fusion), then the side communicator's device path with
+  # every network of that test fused.
+  step test-fusion-sync 120 "$here/cuda_sync_bn" --ignored --test-threads 1 --show-output \
+    fused_gpu_replicas_with_sync_bn
+  $checks tests "$out/test-fusion-sync.log" fused_gpu_replicas 1 | tee -a "$summary"
+  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 90 "$here/cuda_sync_bn" --ignored --test-threads 1 \
+    --show-output sync_bn_on_the_side_communicator
+  $checks tests "$out/test-fusion-sync-side.log" sync_bn_on_the_side 1 | tee -a "$summary"
+  local m
+  for m in resnet50 resnet18; do
+    BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 90 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
+    BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 90 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
+    check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
+  done
+}
+
+# bench_pair's step for model $1 again with batch norm fused (BIRDTRAIN_BN_FUSION=1), the same
+# steps, right after it on the same GPU, and the fused-against-separate line.
+bench_fused() {
+  local m=$1 steps=${BENCH_STEPS:-50}
+  if [ "${BIRDTRAIN_BN_FUSION:-0}" = 1 ]; then
+    note "SKIP bn-fusion $m: BIRDTRAIN_BN_FUSION=1 for the whole run, so bench-$m ran fused already"
+    return
+  fi
+  BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 150 "$bin" bench step --model $m --batch-size 256 --json \
+    --breakdown --warmup $(( steps < 15 ? 5 : 15 )) --steps "$steps"
+  check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m.log" $m
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -356,6 +406,7 @@ phase_all() {
   done
   step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1 --nocapture
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
+  BENCH_STEPS=${BENCH_STEPS:-20} bench_fused resnet50
   train_data_wait
   phase_auto
   sync_bn_cost
@@ -369,12 +420,12 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
-note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus)"
+note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: off})"
 discover
 shift
 "phase_$phase" "$@"

@@ -13,6 +13,10 @@
   data-wait LOG MAX_PERCENT       the last epoch line of a training log shows data-wait <= MAX
   bench JSONL                     ours vs the PyTorch peer per model (ms per step, ratio)
   top-kernels BENCH_JSON N        the N kernels with the most time in a --breakdown line
+  fusion-bench FUSED SEPARATE MODEL  `bench step --breakdown` logs with batch norm fused into
+                                  the convolutions (BIRDTRAIN_BN_FUSION=1) and separate: ms per
+                                  step and their batch-norm and convolution kernels; PASS when
+                                  the fused step is faster
   tests LOG PREFIX N              one line per test named PREFIX… in a test binary's log (run
                                   with --show-output): PASS with the last line it printed, FAIL
                                   with its panic, or when it printed "skipped" (no GPU), never
@@ -184,6 +188,35 @@ def top_kernels(path, n):
     return 1
 
 
+def last_report(path):
+    """The last `bench step --json` line of a log."""
+    rows = [json.loads(l) for l in open(path) if l.startswith("{") and "ms_per_step" in l]
+    if not rows:
+        raise ValueError(f"no bench step JSON line in {path}")
+    return rows[-1]
+
+
+def fusion_bench(fused_log, separate_log, model):
+    fused, separate = last_report(fused_log), last_report(separate_log)
+
+    def kinds(report):
+        """ms per step in batch-norm kernels, in convolution kernels (with their epilogues)."""
+        bn = conv = 0.0
+        for r in report.get("breakdown") or []:
+            name = r["kernel"].split()[0]
+            if name.startswith("bn_"):
+                bn += r["ms_per_step"]
+            elif name.startswith("conv"):
+                conv += r["ms_per_step"]
+        return bn, conv
+
+    (fb, fc), (sb, sc) = kinds(fused), kinds(separate)
+    f, s = fused["ms_per_step"], separate["ms_per_step"]
+    detail = (f"fused {f:.2f} ms (bn kernels {fb:.2f}, convolutions {fc:.2f}) vs separate {s:.2f} ms "
+              f"(bn {sb:.2f}, convolutions {sc:.2f}): {100 * (1 - f / s):.1f} % less ({fused.get('device', '?')})")
+    return say(f < s, f"bn-fusion {model}", detail)
+
+
 def tests(log, prefix, expected):
     """One PASS/FAIL line per test of a libtest log whose name starts with `prefix`."""
     text = open(log, errors="replace").read()
@@ -264,7 +297,7 @@ def main(argv):
         "same-weights": (same_weights, (2, 3)), "eval-match": (eval_match, (3,)),
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
         "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
-        "sync-bn-cost": (sync_bn_cost, (2,)),
+        "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
         print(__doc__, file=sys.stderr)

@@ -65,9 +65,22 @@ fn checked(ptr: *mut u8, size: usize) -> *mut u8 {
     ptr
 }
 
+/// Whether a thread is already writing the out-of-memory line and ending the process.
+static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Writes the out-of-memory line with raw writes (no allocation can succeed now) and exits
-/// without running destructors or flushing buffers that may need memory.
+/// without running destructors or flushing buffers that may need memory. Threads whose
+/// allocations fail at the same moment wait for the first one's exit: one line, not one per
+/// thread.
 fn exit_out_of_memory(size: usize) -> ! {
+    if ENDING.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        loop {
+            // SAFETY: pause(2) only waits for a signal; the first thread's _exit ends this one.
+            unsafe {
+                libc::pause();
+            }
+        }
+    }
     let mut line = [0u8; 512];
     let mut len = 0;
     let mut put = |bytes: &[u8]| {

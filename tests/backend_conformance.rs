@@ -3,7 +3,10 @@
 //! (im2col + GEMM, f64 batch-norm reductions), at the vector width this processor dispatches
 //! to and at the portable fallback (the same generic code the AVX-512 instantiation is).
 
-use birdtrain::backend::conformance::{check_convs, check_network, check_ops, compare, Tolerance};
+use birdtrain::backend::conformance::{
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_convs, check_network,
+    check_ops, compare, Tolerance,
+};
 use birdtrain::backend::cpu::{CpuBackend, Kernels, SimdLevel};
 use birdtrain::backend::{
     Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape,
@@ -34,6 +37,19 @@ fn cpu_one_thread_conforms_op_by_op() {
 }
 
 #[test]
+fn fused_batch_norm_ops_conform() {
+    // The harness the GPU's fused kernels are held to (tests/cuda_kernels.rs), on the fast CPU
+    // backend: its fused ops compose the separate ones, so they must agree to f32 rounding.
+    let cpu = fast(2, SimdLevel::best());
+    let reports = check_bn_fusion(&cpu, &bn_fusion_shapes(), Tolerance::F32).unwrap();
+    assert_eq!(reports.len(), 8 * (4 + 3 * 3 + 3 + 3), "checks per shape");
+    for r in &reports {
+        eprintln!("{r}");
+    }
+    check_bn_fusion_repeatable(&cpu, &bn_fusion_shapes()).unwrap();
+}
+
+#[test]
 fn direct_convolutions_match_im2col_at_odd_shapes() {
     for level in levels() {
         let reports = check_convs(&fast(2, level), Tolerance::F32).unwrap();
@@ -51,58 +67,237 @@ fn direct_convolutions_match_im2col_at_odd_shapes() {
 fn the_checks_catch_a_wrong_convolution() {
     // A backend that is not the reference must fail the harness: feed it a shape whose
     // weights were transposed (OIHW read as OHWI) and expect a mismatch.
-    struct Transposed(CpuBackend);
-    impl Backend for Transposed {
-        type Tensor = Vec<f32>;
-        type Sums = Vec<f64>;
-        fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
-            self.0.alloc_sums(len)
-        }
-        fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> birdtrain::backend::SumsMut<'a> {
-            self.0.sums_mut(sums)
-        }
-        fn name(&self) -> String {
-            "transposed".into()
-        }
-        fn alloc(
-            &self,
-            len: usize,
-            role: birdtrain::backend::TensorRole,
-        ) -> Result<Vec<f32>, BackendError> {
-            self.0.alloc(len, role)
-        }
-        fn alloc_views(
-            &self,
-            total: usize,
-            ranges: &[std::ops::Range<usize>],
-            role: birdtrain::backend::TensorRole,
-        ) -> Result<Option<birdtrain::backend::GradientViews<Vec<f32>>>, BackendError> {
-            self.0.alloc_views(total, ranges, role)
-        }
-        fn len(&self, t: &Vec<f32>) -> usize {
-            t.len()
-        }
-        fn upload(&self, src: &[f32], dst: &mut Vec<f32>) -> Result<(), BackendError> {
-            self.0.upload(src, dst)
-        }
-        fn download(&self, src: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
-            self.0.download(src)
-        }
-        fn input(
-            &self,
-            b: &birdtrain::model::InputBatch<'_>,
-            out: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            self.0.input(b, out)
-        }
-        fn conv_forward(
-            &self,
-            s: &ConvShape,
-            x: &Vec<f32>,
-            w: &Vec<f32>,
-            y: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            let mut wt = w.clone();
+    let err = check_convs(
+        &Transposed(CpuBackend::new(1).unwrap(), Fault::Weights),
+        Tolerance::F32,
+    )
+    .unwrap_err();
+    assert!(matches!(err, BackendError::Mismatch { .. }), "{err}");
+    assert!(err.to_string().contains("conv_forward"), "{err}");
+}
+
+#[test]
+fn the_fused_checks_catch_a_wrong_convolution_and_a_missing_mask() {
+    let shapes = bn_fusion_shapes();
+    let err = check_bn_fusion(
+        &Transposed(CpuBackend::new(1).unwrap(), Fault::Weights),
+        &shapes,
+        Tolerance::F32,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("conv_forward_moments y"), "{err}");
+    let err = check_bn_fusion(
+        &Transposed(CpuBackend::new(1).unwrap(), Fault::NoMask),
+        &shapes,
+        Tolerance::F32,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("conv_backward_data_bn g"), "{err}");
+}
+
+/// What [`Transposed`] gets wrong.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// Its convolutions read OIHW weights as OHWI.
+    Weights,
+    /// Its fused data gradient forgets the ReLU mask.
+    NoMask,
+}
+
+/// The CPU backend with one deliberate fault, for the harness to catch.
+struct Transposed(CpuBackend, Fault);
+
+impl Backend for Transposed {
+    type Tensor = Vec<f32>;
+    type Sums = Vec<f64>;
+    fn alloc_sums(&self, len: usize) -> Result<Vec<f64>, BackendError> {
+        self.0.alloc_sums(len)
+    }
+    fn sums_mut<'a>(&self, sums: &'a mut Vec<f64>) -> birdtrain::backend::SumsMut<'a> {
+        self.0.sums_mut(sums)
+    }
+    fn name(&self) -> String {
+        "transposed".into()
+    }
+    fn alloc(
+        &self,
+        len: usize,
+        role: birdtrain::backend::TensorRole,
+    ) -> Result<Vec<f32>, BackendError> {
+        self.0.alloc(len, role)
+    }
+    fn alloc_views(
+        &self,
+        total: usize,
+        ranges: &[std::ops::Range<usize>],
+        role: birdtrain::backend::TensorRole,
+    ) -> Result<Option<birdtrain::backend::GradientViews<Vec<f32>>>, BackendError> {
+        self.0.alloc_views(total, ranges, role)
+    }
+    fn len(&self, t: &Vec<f32>) -> usize {
+        t.len()
+    }
+    fn upload(&self, src: &[f32], dst: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.0.upload(src, dst)
+    }
+    fn download(&self, src: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        self.0.download(src)
+    }
+    fn input(
+        &self,
+        b: &birdtrain::model::InputBatch<'_>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.input(b, out)
+    }
+    fn conv_forward(
+        &self,
+        s: &ConvShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.conv_forward(s, x, &self.weights(s, w), y)
+    }
+    fn conv_backward_data(
+        &self,
+        s: &ConvShape,
+        dy: &Vec<f32>,
+        w: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        acc: bool,
+    ) -> Result<(), BackendError> {
+        self.0.conv_backward_data(s, dy, w, dx, acc)
+    }
+    fn bn_fusion(&self) -> bool {
+        self.0.bn_fusion()
+    }
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+        moments: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0
+            .conv_forward_moments(s, x, &self.weights(s, w), y, moments)
+    }
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &Vec<f32>,
+        w: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        acc: bool,
+        bn: birdtrain::backend::BnGradEpilogue<'_, Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        let relu = bn.relu && self.1 != Fault::NoMask;
+        self.0.conv_backward_data_bn(
+            s,
+            dy,
+            w,
+            dx,
+            acc,
+            birdtrain::backend::BnGradEpilogue { relu, ..bn },
+        )
+    }
+    fn conv_backward_weight(
+        &self,
+        s: &ConvShape,
+        x: &Vec<f32>,
+        dy: &Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.conv_backward_weight(s, x, dy, dw)
+    }
+    fn bn_forward(&self, a: BnForward<'_, Vec<f32>>) -> Result<(), BackendError> {
+        self.0.bn_forward(a)
+    }
+    fn bn_backward(&self, a: BnBackward<'_, Vec<f32>>) -> Result<(), BackendError> {
+        self.0.bn_backward(a)
+    }
+    fn maxpool_forward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        x: &Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.maxpool_forward(s, x, y)
+    }
+    fn maxpool_backward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        x: &Vec<f32>,
+        dy: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        acc: bool,
+    ) -> Result<(), BackendError> {
+        self.0.maxpool_backward(s, x, dy, dx, acc)
+    }
+    fn gap_forward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        x: &Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.gap_forward(n, hw, c, x, y)
+    }
+    fn gap_backward(
+        &self,
+        n: usize,
+        hw: usize,
+        c: usize,
+        dy: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        acc: bool,
+    ) -> Result<(), BackendError> {
+        self.0.gap_backward(n, hw, c, dy, dx, acc)
+    }
+    fn linear_forward(
+        &self,
+        s: &birdtrain::backend::LinearShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        b: &Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.linear_forward(s, x, w, b, y)
+    }
+    fn linear_backward(
+        &self,
+        s: &birdtrain::backend::LinearShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        dy: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+        db: &mut Vec<f32>,
+        acc: bool,
+    ) -> Result<(), BackendError> {
+        self.0.linear_backward(s, x, w, dy, dx, dw, db, acc)
+    }
+    fn softmax_cross_entropy(
+        &self,
+        n: usize,
+        classes: usize,
+        logits: &Vec<f32>,
+        targets: &birdtrain::backend::Targets<'_>,
+        d: Option<&mut Vec<f32>>,
+        p: Option<&mut Vec<f32>>,
+    ) -> Result<birdtrain::backend::LossStats, BackendError> {
+        self.0
+            .softmax_cross_entropy(n, classes, logits, targets, d, p)
+    }
+}
+
+impl Transposed {
+    /// The weight its convolutions use: `w` itself, or transposed (OIHW read as OHWI).
+    fn weights(&self, s: &ConvShape, w: &[f32]) -> Vec<f32> {
+        let mut wt = w.to_vec();
+        if self.1 == Fault::Weights {
             let k = s.kernel * s.kernel;
             for o in 0..s.c_out {
                 for t in 0..k {
@@ -111,111 +306,9 @@ fn the_checks_catch_a_wrong_convolution() {
                     }
                 }
             }
-            self.0.conv_forward(s, x, &wt, y)
         }
-        fn conv_backward_data(
-            &self,
-            s: &ConvShape,
-            dy: &Vec<f32>,
-            w: &Vec<f32>,
-            dx: &mut Vec<f32>,
-            acc: bool,
-        ) -> Result<(), BackendError> {
-            self.0.conv_backward_data(s, dy, w, dx, acc)
-        }
-        fn conv_backward_weight(
-            &self,
-            s: &ConvShape,
-            x: &Vec<f32>,
-            dy: &Vec<f32>,
-            dw: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            self.0.conv_backward_weight(s, x, dy, dw)
-        }
-        fn bn_forward(&self, a: BnForward<'_, Vec<f32>>) -> Result<(), BackendError> {
-            self.0.bn_forward(a)
-        }
-        fn bn_backward(&self, a: BnBackward<'_, Vec<f32>>) -> Result<(), BackendError> {
-            self.0.bn_backward(a)
-        }
-        fn maxpool_forward(
-            &self,
-            s: &birdtrain::backend::PoolShape,
-            x: &Vec<f32>,
-            y: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            self.0.maxpool_forward(s, x, y)
-        }
-        fn maxpool_backward(
-            &self,
-            s: &birdtrain::backend::PoolShape,
-            x: &Vec<f32>,
-            dy: &Vec<f32>,
-            dx: &mut Vec<f32>,
-            acc: bool,
-        ) -> Result<(), BackendError> {
-            self.0.maxpool_backward(s, x, dy, dx, acc)
-        }
-        fn gap_forward(
-            &self,
-            n: usize,
-            hw: usize,
-            c: usize,
-            x: &Vec<f32>,
-            y: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            self.0.gap_forward(n, hw, c, x, y)
-        }
-        fn gap_backward(
-            &self,
-            n: usize,
-            hw: usize,
-            c: usize,
-            dy: &Vec<f32>,
-            dx: &mut Vec<f32>,
-            acc: bool,
-        ) -> Result<(), BackendError> {
-            self.0.gap_backward(n, hw, c, dy, dx, acc)
-        }
-        fn linear_forward(
-            &self,
-            s: &birdtrain::backend::LinearShape,
-            x: &Vec<f32>,
-            w: &Vec<f32>,
-            b: &Vec<f32>,
-            y: &mut Vec<f32>,
-        ) -> Result<(), BackendError> {
-            self.0.linear_forward(s, x, w, b, y)
-        }
-        fn linear_backward(
-            &self,
-            s: &birdtrain::backend::LinearShape,
-            x: &Vec<f32>,
-            w: &Vec<f32>,
-            dy: &Vec<f32>,
-            dx: &mut Vec<f32>,
-            dw: &mut Vec<f32>,
-            db: &mut Vec<f32>,
-            acc: bool,
-        ) -> Result<(), BackendError> {
-            self.0.linear_backward(s, x, w, dy, dx, dw, db, acc)
-        }
-        fn softmax_cross_entropy(
-            &self,
-            n: usize,
-            classes: usize,
-            logits: &Vec<f32>,
-            targets: &birdtrain::backend::Targets<'_>,
-            d: Option<&mut Vec<f32>>,
-            p: Option<&mut Vec<f32>>,
-        ) -> Result<birdtrain::backend::LossStats, BackendError> {
-            self.0
-                .softmax_cross_entropy(n, classes, logits, targets, d, p)
-        }
+        wt
     }
-    let err = check_convs(&Transposed(CpuBackend::new(1).unwrap()), Tolerance::F32).unwrap_err();
-    assert!(matches!(err, BackendError::Mismatch { .. }), "{err}");
-    assert!(err.to_string().contains("conv_forward"), "{err}");
 }
 
 /// Runs every convolution pass and a batch norm forward/backward on `b`, returning all outputs.
@@ -291,6 +384,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         mode: BnMode::Train,
         momentum: 0.1,
         eps: 1e-5,
+        moments: None,
     })
     .unwrap();
     let (mut dx, mut dres, mut dg, mut db) = (
@@ -313,6 +407,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         dresidual: Some((&mut dres, false)),
         dgamma: &mut dg,
         dbeta: &mut db,
+        prepared: false,
     })
     .unwrap();
     out.extend([y, m, is, rm, rv, dx, dres, dg, db]);

@@ -169,6 +169,7 @@ fn bn_case(case: &BnCase, seed: u64) {
             mode: case.mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })
         .unwrap();
         (y, m, is, rm, rv)
@@ -211,6 +212,7 @@ fn bn_case(case: &BnCase, seed: u64) {
         dresidual: case.residual.then_some((&mut dres, false)),
         dgamma: &mut dg,
         dbeta: &mut db,
+        prepared: false,
     })
     .unwrap();
     let name = format!(

@@ -566,3 +566,391 @@ fn a_flat_folder_without_a_validation_share_names_the_flag() {
     let out = birdtrain(&["--data", s(&flat), "--gpus", "0", "--model", "resnet8"]);
     assert_one_line_error(&out, &["train", "--valid-fraction"]);
 }
+
+/// The training flags of a tiny CPU run on `data` into `out` (no cache folder of the user's),
+/// plus `extra`.
+fn train_flags<'a>(
+    data: &'a Path,
+    cache: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "--data",
+        s(data),
+        "--gpus",
+        "0",
+        "--model",
+        "resnet8",
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--cache-dir",
+        s(cache),
+        "--out",
+        s(out),
+        "--quiet",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// A CSV at `path` with the given header and rows.
+fn csv(path: &Path, header: &str, rows: &[String]) -> PathBuf {
+    let mut text = format!("{header}\n");
+    for row in rows {
+        text += row;
+        text.push('\n');
+    }
+    std::fs::write(path, text).unwrap();
+    path.to_path_buf()
+}
+
+/// Issue 34's messages that pointed the wrong way, about flags and layouts: each now names
+/// the flag that is wrong and never suggests what was given already (or an internal name).
+#[test]
+fn messages_name_the_flag_that_is_wrong_and_not_what_was_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let cache = tmp.path().join("cache");
+    let out = tmp.path().join("run");
+    // --step-gamma 0 was reported against --step-every.
+    let run = birdtrain(&train_flags(
+        &data,
+        &cache,
+        &out,
+        &["--schedule", "step", "--step-gamma", "0"],
+    ));
+    let line = assert_one_line_error(&run, &["--step-gamma", "(0, 1]"]);
+    assert!(!line.contains("--step-every"), "{line}");
+    // An absurd --weight-decay diverges; the hint named --lr.
+    let run = birdtrain(&train_flags(
+        &data,
+        &cache,
+        &out,
+        &["--weight-decay", "1e30"],
+    ));
+    let line = assert_one_line_error(&run, &["diverged", "hint: --weight-decay 1e30"]);
+    assert!(!line.contains("lower --lr"), "{line}");
+    assert!(!out.exists());
+    // The flat layout's hints: without a share, no internal name; with one, images straight
+    // in the root are no flat dataset, and the hint says so rather than <root>/train/.
+    let flat = data.join("train");
+    let run = birdtrain(&train_flags(&flat, &cache, &out, &[]));
+    let line = assert_one_line_error(&run, &["--valid-fraction"]);
+    assert!(!line.contains("DatasetSource"), "{line}");
+    let loose = tmp.path().join("loose");
+    std::fs::create_dir(&loose).unwrap();
+    for entry in std::fs::read_dir(flat.join("class_00")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), loose.join(entry.file_name())).unwrap();
+    }
+    let run = birdtrain(&train_flags(
+        &loose,
+        &cache,
+        &out,
+        &["--valid-fraction", "0.2"],
+    ));
+    let line = assert_one_line_error(&run, &["flat", "<root>/<class>/"]);
+    assert!(!line.contains("<root>/train/"), "{line}");
+    // CSV files: the hint fits the file and the flags as given.
+    let rows: Vec<String> = std::fs::read_dir(flat.join("class_00"))
+        .unwrap()
+        .map(|e| format!("{},a", e.unwrap().path().display()))
+        .chain(
+            std::fs::read_dir(flat.join("class_01"))
+                .unwrap()
+                .map(|e| format!("{},b", e.unwrap().path().display())),
+        )
+        .collect();
+    let header_only = csv(&tmp.path().join("empty.csv"), "path,label", &[]);
+    let run = birdtrain(&train_flags(
+        &header_only,
+        &cache,
+        &out,
+        &["--valid-fraction", "0.2"],
+    ));
+    let line = assert_one_line_error(&run, &["empty.csv", "lists no image"]);
+    assert!(!line.contains("--valid-fraction"), "{line}");
+    assert!(!line.contains("a header row"), "{line}");
+    let unsplit = csv(&tmp.path().join("unsplit.csv"), "path,label", &rows);
+    let run = birdtrain(&train_flags(&unsplit, &cache, &out, &[]));
+    assert_one_line_error(
+        &run,
+        &[
+            "no image of split `valid`",
+            "split column",
+            "--valid-fraction",
+        ],
+    );
+    let split_rows: Vec<String> = rows.iter().map(|r| format!("{r},train")).collect();
+    let split = csv(
+        &tmp.path().join("split.csv"),
+        "path,label,split",
+        &split_rows,
+    );
+    let run = birdtrain(&train_flags(
+        &split,
+        &cache,
+        &out,
+        &["--valid-fraction", "0.2"],
+    ));
+    let line = assert_one_line_error(&run, &["--valid-fraction", "has a split column"]);
+    assert!(!line.contains("[0, 1)"), "{line}");
+    let run = birdtrain(&train_flags(&split, &cache, &out, &[]));
+    let line = assert_one_line_error(&run, &["split.csv", "rows whose split is `valid`"]);
+    assert!(!line.contains("a header row"), "{line}");
+    assert!(!out.exists());
+}
+
+/// A run folder whose run has not written its first checkpoint is "in use", not "not a run
+/// folder", for --resume, eval and predict.
+#[test]
+fn a_run_folder_in_use_before_its_first_checkpoint_is_called_in_use() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let busy = tmp.path().join("busy");
+    std::fs::create_dir(&busy).unwrap();
+    // What a starting run holds: the folder's lock, no checkpoint.json yet.
+    let lock = std::fs::File::create(busy.join(".birdtrain.lock")).unwrap();
+    lock.lock().unwrap();
+    let cache = tmp.path().join("cache");
+    let resume = birdtrain(&train_flags(&data, &cache, &busy, &["--resume", s(&busy)]));
+    let eval = birdtrain(&["eval", "--checkpoint", s(&busy), "--data", s(&data)]);
+    let image = data.join("valid/class_00");
+    let predict = birdtrain(&["predict", "--checkpoint", s(&busy), s(&image)]);
+    for run in [&resume, &eval, &predict] {
+        let line = assert_one_line_error(run, &["busy", "in use", "first checkpoint"]);
+        assert!(!line.contains("is this a birdtrain run folder"), "{line}");
+    }
+    // Once nobody holds it, the folder is what it is: no run.
+    drop(lock);
+    let eval = birdtrain(&["eval", "--checkpoint", s(&busy), "--data", s(&data)]);
+    assert_one_line_error(&eval, &["busy", "checkpoint.json"]);
+}
+
+/// `--init-from`: weights holding NaN are refused naming the file and the tensor (training
+/// from them diverged at once, and the hint said "lower --lr"); a class head of another
+/// class count is replaced, and the start says so; a backbone-only file (no head) starts a
+/// new head too.
+#[test]
+fn init_from_checks_its_weights_and_says_what_it_replaces() {
+    use safetensors::SafeTensors;
+    let tmp = tempfile::tempdir().unwrap();
+    let three = dataset(&tmp.path().join("d3"), 3, 0);
+    let two = dataset(&tmp.path().join("d2"), 2, 1);
+    let cache = tmp.path().join("cache");
+    let source = tmp.path().join("source");
+    tiny_run(&three, &source, &cache);
+    let bytes = std::fs::read(source.join("model.safetensors")).unwrap();
+    let tensors = SafeTensors::deserialize(&bytes).unwrap();
+    // The file again, with `edit` applied to each (name, f32 values), `None` dropping it.
+    /// Each tensor's new bytes, or `None` to leave it out.
+    type Edit<'a> = &'a dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>;
+    let rewrite = |name: &str, edit: Edit<'_>| {
+        let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .tensors()
+            .into_iter()
+            .filter_map(|(n, v)| {
+                edit(&n, v.data().to_vec()).map(|data| (n, v.dtype(), v.shape().to_vec(), data))
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = kept
+            .iter()
+            .map(|(n, dtype, shape, data)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+                )
+            })
+            .collect();
+        let path = tmp.path().join(name);
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        path
+    };
+    let nan = rewrite("nan.safetensors", &|n, mut data| {
+        if n == "conv1.weight" {
+            data[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+        Some(data)
+    });
+    let out = tmp.path().join("run");
+    let run = birdtrain(&train_flags(
+        &three,
+        &cache,
+        &out,
+        &["--init-from", s(&nan)],
+    ));
+    let line = assert_one_line_error(&run, &["nan.safetensors", "conv1.weight", "NaN"]);
+    assert!(!line.contains("--lr"), "{line}");
+    assert!(!out.exists());
+    // Three classes into two: a new head, said at the start.
+    let run = birdtrain(&train_flags(
+        &two,
+        &cache,
+        &out,
+        &["--init-from", s(&source.join("model.safetensors"))],
+    ));
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("a new class head (fc.weight, fc.bias) for 2 classes")
+            && stdout.contains("the file's is for 3 classes"),
+        "{stdout}"
+    );
+    // A backbone without a head.
+    let backbone = rewrite("backbone.safetensors", &|n, data| {
+        (!n.starts_with("fc.")).then_some(data)
+    });
+    let out2 = tmp.path().join("run2");
+    let run = birdtrain(&train_flags(
+        &two,
+        &cache,
+        &out2,
+        &["--init-from", s(&backbone)],
+    ));
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("the file has none (backbone only)"),
+        "{stdout}"
+    );
+}
+
+/// `--resume` with other values of settings that shape the training (seed, rate,
+/// augmentation, mixup, sampler, label smoothing, frozen batch norm) says so, once, naming
+/// each value and the checkpoint's, and which wins (as for another batch size).
+#[test]
+fn a_resume_with_other_settings_warns_naming_each() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let cache = tmp.path().join("cache");
+    let out = tmp.path().join("run");
+    tiny_run(&data, &out, &cache);
+    let resume = |epochs: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--data",
+            s(&data),
+            "--gpus",
+            "0",
+            "--resume",
+            s(&out),
+            "--epochs",
+            epochs,
+            "--cache-dir",
+            s(&cache),
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let run = birdtrain(&args);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        String::from_utf8_lossy(&run.stderr).into_owned()
+    };
+    let stderr = resume(
+        "2",
+        &[
+            "--seed",
+            "5",
+            "--lr",
+            "0.1",
+            "--augment",
+            "none",
+            "--mixup",
+            "0.2",
+            "--sampler",
+            "balanced",
+            "--label-smoothing",
+            "0.1",
+            "--freeze-bn",
+        ],
+    );
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    for needle in [
+        "--seed 5 (the checkpoint's: 0)",
+        "--lr 0.1 (the checkpoint's: 0.8)",
+        "--augment none (the checkpoint's: pad-crop)",
+        "--mixup 0.2 (the checkpoint's: 0)",
+        "--sampler balanced (the checkpoint's: shuffle)",
+        "--label-smoothing 0.1 (the checkpoint's: 0)",
+        "--freeze-bn true (the checkpoint's: false)",
+        "the values given win",
+    ] {
+        assert!(warnings[0].contains(needle), "`{needle}` missing: {stderr}");
+    }
+    // The checkpoint's own values (now those given above) again: nothing to say.
+    let stderr = resume("3", &["--lr", "0.1", "--seed", "5"]);
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
+/// A CSV listing a file twice, in both train and valid, or under two labels: one warning
+/// each, naming the file and its lines (each row is used as written).
+#[test]
+fn a_csv_listing_a_file_again_is_warned_about_naming_the_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 0);
+    let file = |split: &str, class: &str, i: usize| {
+        data.join(format!("{split}/{class}/{split}_{i:05}.png"))
+            .display()
+            .to_string()
+    };
+    let mut rows = Vec::new();
+    for (class, label) in [("class_00", "a"), ("class_01", "b")] {
+        for i in 0..6 {
+            rows.push(format!("{},{label},train", file("train", class, i)));
+        }
+        for i in 0..2 {
+            rows.push(format!("{},{label},valid", file("valid", class, i)));
+        }
+    }
+    // Lines 18, 19 and 20 (the header is line 1).
+    rows.push(format!("{},a,train", file("train", "class_00", 0)));
+    rows.push(format!("{},a,valid", file("train", "class_00", 1)));
+    rows.push(format!("{},b,train", file("train", "class_00", 2)));
+    let list = csv(&tmp.path().join("list.csv"), "path,label,split", &rows);
+    let cache = tmp.path().join("cache");
+    let out = tmp.path().join("run");
+    let run = birdtrain(&train_flags(&list, &cache, &out, &[]));
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let warned = |name: &str| -> Vec<&str> {
+        stderr
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains(name))
+            .collect()
+    };
+    let twice = warned("train_00000.png");
+    assert_eq!(twice.len(), 1, "{stderr}");
+    assert!(
+        twice[0].contains("more than once") && twice[0].contains("line 2, line 18"),
+        "{stderr}"
+    );
+    let splits = warned("train_00001.png");
+    assert_eq!(splits.len(), 1, "{stderr}");
+    assert!(
+        splits[0].contains("more than one split")
+            && splits[0].contains("train line 3, valid line 19"),
+        "{stderr}"
+    );
+    let labels = warned("train_00002.png");
+    assert_eq!(labels.len(), 1, "{stderr}");
+    assert!(
+        labels[0].contains("more than one label") && labels[0].contains("`a` line 4, `b` line 20"),
+        "{stderr}"
+    );
+}

@@ -760,7 +760,8 @@ fn eval_reports_the_loss_the_run_validated_with() {
     args.extend(["--label-smoothing", "0.3"].map(String::from));
     ok(run_with(&args, &[]));
     let report = &eval_json(&run, &data, &cache, &[]);
-    assert_eq!(report["label_smoothing"].as_f64(), Some(0.3f32 as f64));
+    // As given, not the f32 widened (0.30000001192092896).
+    assert_eq!(report["label_smoothing"].as_f64(), Some(0.3));
     let last = last_metrics(&run);
     assert_eq!(last["split"], "valid", "{last}");
     assert!(
@@ -834,4 +835,189 @@ fn predict_hands_out_each_answer_while_the_list_is_still_being_read() {
     for (p, path) in answers.iter().zip(&images) {
         assert_eq!(&p.path, path, "answers in the order given");
     }
+}
+
+/// `eval --valid-fraction` on a train/valid/test folder is refused (it read the folder as a
+/// flat one, its split folders as classes); a test set alone, a folder without `train/` or a
+/// CSV of test rows, is evaluated with the checkpoint's classes, as the whole dataset is.
+#[test]
+fn eval_takes_the_layout_as_it_is_and_a_test_set_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, cache, run) = trained(tmp.path());
+    let out = birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--valid-fraction",
+        "0.2",
+    ]);
+    assert_one_line_error(&out, &["--valid-fraction", "train/ folder", "flat"]);
+    // The validation images as a test set of their own: the same figures.
+    let whole = eval_json(&run, &data, &cache, &[]);
+    let alone = tmp.path().join("alone");
+    std::fs::create_dir(&alone).unwrap();
+    std::os::unix::fs::symlink(data.join("valid"), alone.join("test")).unwrap();
+    let folder = eval_json(&run, &alone, &cache, &["--split", "test"]);
+    assert_eq!(folder["images"], whole["images"], "{folder}");
+    assert_eq!(folder["accuracy"], whole["accuracy"], "{folder}");
+    let mut rows = String::from("path,label,split\n");
+    for class in ["class_00", "class_01", "class_02"] {
+        for entry in std::fs::read_dir(data.join("valid").join(class)).unwrap() {
+            rows += &format!("{},{class},test\n", entry.unwrap().path().display());
+        }
+    }
+    let list = tmp.path().join("test.csv");
+    std::fs::write(&list, rows).unwrap();
+    let listed = eval_json(&run, &list, &cache, &["--split", "test"]);
+    assert_eq!(listed["images"], whole["images"], "{listed}");
+    assert_eq!(listed["accuracy"], whole["accuracy"], "{listed}");
+    // A class the checkpoint does not know is still refused.
+    let stranger = tmp.path().join("stranger");
+    std::fs::create_dir_all(stranger.join("test")).unwrap();
+    std::os::unix::fs::symlink(data.join("valid/class_00"), stranger.join("test/zebra")).unwrap();
+    let out = birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&stranger),
+        "--split",
+        "test",
+    ]);
+    assert_one_line_error(&out, &["zebra"]);
+}
+
+/// `predict --on-bad-image skip` passes over a link loop in a folder as training does (it
+/// stopped there), and when every file is bad, each still gets its line before the error.
+#[test]
+fn predict_skip_reports_a_link_loop_and_every_bad_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, _cache, run) = trained(tmp.path());
+    let photos = tmp.path().join("photos");
+    std::fs::create_dir_all(photos.join("sub")).unwrap();
+    let image = data.join("valid/class_01");
+    let first = std::fs::read_dir(&image)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::copy(&first, photos.join("a.png")).unwrap();
+    std::os::unix::fs::symlink(&photos, photos.join("sub/up")).unwrap();
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", s(&run), "--json"];
+        args.extend_from_slice(extra);
+        birdtrain_output(&args)
+    };
+    let out = ok(predict(&["--on-bad-image", "skip", s(&photos)]));
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2, "{}", text(&out));
+    assert!(lines[0]["top"].is_array(), "{}", text(&out));
+    assert!(
+        lines[1]["path"].as_str().unwrap().ends_with("sub/up")
+            && lines[1]["error"].as_str().unwrap().contains("link loop"),
+        "{}",
+        text(&out)
+    );
+    // Without skip, the loop is an error with the way out.
+    let out = predict(&[s(&photos)]);
+    assert_one_line_error(&out, &["sub/up", "loop", "--on-bad-image skip"]);
+    // Every file bad: a line for each on stdout, then one error.
+    let bad = tmp.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::write(bad.join("x.png"), b"not a picture").unwrap();
+    std::fs::write(bad.join("y.jpg"), b"nor this").unwrap();
+    let out = predict(&["--on-bad-image", "skip", s(&bad)]);
+    assert!(!out.status.success(), "{}", text(&out));
+    let lines = json_lines(&out);
+    let paths: Vec<&str> = lines.iter().map(|l| l["path"].as_str().unwrap()).collect();
+    assert_eq!(
+        paths,
+        [s(&bad.join("x.png")), s(&bad.join("y.jpg"))],
+        "{}",
+        text(&out)
+    );
+    assert!(
+        lines.iter().all(|l| l["error"].is_string()),
+        "{}",
+        text(&out)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `eval --json` prints the settings as given (`0.9`, not `0.8999999761581421`), and
+/// `--workers 0` means the default, as its help says.
+#[test]
+fn eval_json_prints_settings_as_given_and_workers_0_is_the_default() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, cache, run) = trained(tmp.path());
+    let out = ok(birdtrain_output(&[
+        "eval",
+        "--checkpoint",
+        s(&run),
+        "--data",
+        s(&data),
+        "--cache-dir",
+        s(&cache),
+        "--crop-pct",
+        "0.9",
+        "--workers",
+        "0",
+        "--json",
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("\"crop_pct\":0.9,"), "{stdout}");
+    assert!(stdout.contains("\"label_smoothing\":0.0,"), "{stdout}");
+}
+
+/// A cache file cut short is rebuilt with the warning "What survives what" promises, naming
+/// it (it was rebuilt in silence).
+#[test]
+fn a_cache_file_cut_short_is_rebuilt_with_a_warning() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, cache, run) = trained(tmp.path());
+    let eval = || {
+        ok(birdtrain_output(&[
+            "eval",
+            "--checkpoint",
+            s(&run),
+            "--data",
+            s(&data),
+            "--cache-dir",
+            s(&cache),
+            "--json",
+        ]))
+    };
+    let before = json_lines(&eval())[0].clone();
+    let files: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().contains("valid"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let len = std::fs::metadata(&files[0]).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&files[0])
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let out = eval();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = files[0].file_name().unwrap().to_string_lossy();
+    assert!(
+        stderr.contains(&*name) && stderr.contains("cut short") && stderr.contains("rebuilding"),
+        "{stderr}"
+    );
+    assert_eq!(json_lines(&out)[0]["accuracy"], before["accuracy"]);
+    // Rebuilt whole: the next run reads it without a word.
+    let out = eval();
+    assert!(out.stderr.is_empty(), "{}", text(&out));
 }

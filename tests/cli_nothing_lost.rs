@@ -499,10 +499,182 @@ fn running_out_of_memory_is_one_line_not_an_abort() {
         assert_eq!(run.status.code(), Some(1), "{mib} MiB: {stderr}");
         let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
         assert_eq!(errors.len(), 1, "{mib} MiB: {stderr}");
+        // A thread's stack is address space too: where a thread is what no longer fits,
+        // the line names it.
         assert!(
-            errors[0].contains("out of memory") && errors[0].contains("hint"),
+            (errors[0].contains("out of memory") || errors[0].contains("could not start thread"))
+                && errors[0].contains("hint"),
             "{mib} MiB: {stderr}"
         );
         assert!(!stderr.contains("panicked"), "{mib} MiB: {stderr}");
     }
+}
+
+/// Asserts the one line of a thread the OS refused: exit 1, one `error:` line naming the
+/// thread, the limit and a hint, no panic (`what` says which run it was).
+fn assert_refused_thread(run: &std::process::Output, thread: &str, what: &str) {
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{what}: {stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{what}: {stderr}");
+    for needle in [
+        &format!("could not start thread `{thread}"),
+        "ulimit",
+        "hint",
+    ] {
+        assert!(
+            errors[0].contains(needle),
+            "{what}: `{needle}` missing: {stderr}"
+        );
+    }
+    assert!(!stderr.contains("panicked"), "{what}: {stderr}");
+}
+
+/// Every place that starts a thread, made to fail as the OS would (the fault hook
+/// `BIRDTRAIN_FAULT=thread:<name>[@<n>]`): at start-up (the signal thread), in the input
+/// engine (decode workers, the orchestrator, a buffer's allocation), in the CPU backend's
+/// pool and in the ranks (a rank, its communication thread, its watchdog). Each ends in one
+/// line naming the thread with a hint, exit 1: never a panic, never a rank waiting for a rank
+/// that never started, and no run folder left behind.
+#[test]
+fn a_thread_that_cannot_start_is_one_line_with_a_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("cache");
+    for (fault, thread) in [
+        ("stop-signals", "stop-signals"),
+        ("pipeline-decode@2", "pipeline-decode-1"),
+        ("pipeline-orchestrator@2", "pipeline-orchestrator"),
+        ("pipeline-alloc", "pipeline-alloc"),
+        ("cpu-backend@2", "cpu-backend-1"),
+        ("rank-1", "rank-1"),
+        ("comm-0", "comm-0"),
+        ("watchdog-1", "watchdog-1"),
+    ] {
+        let out = tmp.path().join(format!("run-{fault}"));
+        let args = train_args(
+            &data,
+            &out,
+            &[
+                "--replicas",
+                "2",
+                "--threads",
+                "2",
+                "--workers",
+                "2",
+                "--cache-dir",
+                s(&cache),
+                "--collective-timeout",
+                "600",
+            ],
+        );
+        let started = std::time::Instant::now();
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+            .args(&args)
+            .env("BIRDTRAIN_FAULT", format!("thread:{fault}"))
+            .output()
+            .unwrap();
+        assert_refused_thread(&run, thread, fault);
+        // The other rank was told at once, not after the collective timeout.
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "{fault}: took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            !out.exists(),
+            "{fault}: the failed run left {}",
+            out.display()
+        );
+    }
+    // Inference commands start the engine the same way.
+    let run_dir = tmp.path().join("trained");
+    tiny_run(&data, &run_dir, &cache);
+    let eval = std::process::Command::new(env!("CARGO_BIN_EXE_birdtrain"))
+        .args(["eval", "--checkpoint", s(&run_dir), "--data", s(&data)])
+        .env("BIRDTRAIN_FAULT", "thread:pipeline-orchestrator")
+        .output()
+        .unwrap();
+    assert_refused_thread(&eval, "pipeline-orchestrator", "eval");
+}
+
+/// Address-space limits that run out at thread creation or elsewhere in the start of a
+/// small run (`ulimit -v` through the shell, as a user sets it): each ends in exit 1 with one
+/// `error:` line and a hint, or in a clean success; never a panic (exit 101) or an abort
+/// (exit 134).
+#[test]
+fn address_space_limits_at_start_up_are_one_line_or_a_success() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("d"), 2, 4);
+    let cache = tmp.path().join("cache");
+    let mut failures = 0;
+    for kib in [
+        35_000, 40_000, 45_000, 50_000, 60_000, 80_000, 150_000, 300_000,
+    ] {
+        let out = tmp.path().join(format!("run-{kib}"));
+        let args = train_args(&data, &out, &["--cache-dir", s(&cache), "--workers", "2"]);
+        let command = format!("ulimit -v {kib}; exec \"$0\" \"$@\"");
+        let run = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&command)
+            .arg(env!("CARGO_BIN_EXE_birdtrain"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!stderr.contains("panicked"), "{kib} KiB: {stderr}");
+        if run.status.success() {
+            assert!(out.join("checkpoint.json").exists(), "{kib} KiB: {stderr}");
+            continue;
+        }
+        failures += 1;
+        assert_eq!(run.status.code(), Some(1), "{kib} KiB: {stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{kib} KiB: {stderr}");
+        assert!(errors[0].contains("hint"), "{kib} KiB: {stderr}");
+    }
+    assert!(failures > 0, "no limit was tight enough to fail");
+}
+
+/// A full disk while `report.png` is drawn: the run folder's one line with the disk's hint
+/// (it was the plotting backend's raw error), and no temporary file left.
+#[test]
+fn a_full_disk_while_drawing_the_report_names_it_with_the_disk_hint() {
+    use birdtrain::train::{EpochMetrics, MetricsSplit};
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(disk) = cli_support::Tmpfs::mount(&tmp.path().join("full"), 64 * 1024) else {
+        return;
+    };
+    // Filled to the last block.
+    let _ = std::fs::write(disk.path().join("filler"), vec![0u8; 1 << 20]);
+    let line = |split, loss| EpochMetrics {
+        epoch: 1,
+        split,
+        loss,
+        accuracy: 0.5,
+        top5: 1.0,
+        images_per_sec: 100.0,
+        seconds: 1.0,
+    };
+    let report = disk.path().join("report.png");
+    let err = birdtrain::train::write_report(
+        &report,
+        &[
+            line(MetricsSplit::Train, 1.0),
+            line(MetricsSplit::Valid, 0.9),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("report.png")
+            && err.contains("No space left")
+            && err.contains("hint: free space"),
+        "{err}"
+    );
+    let names: Vec<String> = std::fs::read_dir(disk.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["filler"]);
 }

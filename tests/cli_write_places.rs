@@ -321,3 +321,38 @@ fn out_and_cache_dir_inside_the_data_are_refused_before_anything_is_written() {
     ok(csv_run(&beside));
     assert!(beside.join("checkpoint.json").exists());
 }
+
+/// `--overwrite` replaces a run whole: a new run that fails before its first checkpoint (it
+/// diverges at once) leaves no run behind, never the old checkpoint and weights without
+/// their metrics and `best/` (a half-deleted run that still resumed); files of other names
+/// stay. A new run that succeeds is all that is there.
+#[test]
+fn overwrite_replaces_a_run_whole_even_when_the_new_run_fails() {
+    let t = trained();
+    let notes = t.run.join("notes.txt");
+    std::fs::write(&notes, b"mine").unwrap();
+    let failing = with(
+        train_args(&t.data, &t.cache, &t.run, 1),
+        &["--overwrite", "--lr", "1e7"],
+    );
+    let out = run_with(&failing, &[]);
+    assert_one_line_error(&out, &["diverged"]);
+    let left: Vec<String> = std::fs::read_dir(&t.run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    assert_eq!(left, ["notes.txt"], "{}", text(&out));
+    let resume = run_with(&resume_args(&t.run, &t.data), &[]);
+    assert!(!resume.status.success(), "{}", text(&resume));
+    // A new run over it: its own files only, and the notes.
+    ok(run_with(
+        &with(train_args(&t.data, &t.cache, &t.run, 1), &["--overwrite"]),
+        &[],
+    ));
+    let meta = CheckpointMeta::load(&t.run).unwrap();
+    assert_eq!(meta.epoch, 1);
+    assert_eq!(std::fs::read(&notes).unwrap(), b"mine");
+    let metrics = std::fs::read_to_string(t.run.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+}

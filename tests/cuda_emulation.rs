@@ -37,6 +37,11 @@ fn cxx20_available(dir: &Path) -> bool {
 /// Compiles kernels/emu/`check`.cpp against the translation units in `dir` and runs it:
 /// (whether it passed, its output).
 fn build_and_try(dir: &Path, check: &str) -> (bool, String) {
+    build_and_try_args(dir, check, &[])
+}
+
+/// [`build_and_try`] with arguments for the check program.
+fn build_and_try_args(dir: &Path, check: &str, args: &[&str]) -> (bool, String) {
     let emu = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu");
     let exe: PathBuf = dir.join(check);
     let out = Command::new(compiler())
@@ -53,6 +58,7 @@ fn build_and_try(dir: &Path, check: &str) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     let run = Command::new(&exe)
+        .args(args)
         .output()
         .expect("run the emulated kernels");
     let text = format!(
@@ -96,6 +102,10 @@ fn kernels_match_references_under_emulation() {
         ));
     }
     std::fs::write(dir.path().join("rest_x.cu"), rest).unwrap();
+    // bn.cu's merges and finalize, for the fused epilogues' end-to-end checks in conv2_check.
+    let bn = KernelFile::by_name("bn.cu").unwrap();
+    let bn_ns = format!("namespace k_bn {{\n{}\n}}\n", bn.text.replace(INCLUDE, ""));
+    std::fs::write(dir.path().join("bn_ns.cu"), &bn_ns).unwrap();
     // A copy of conv2.cu with one index broken (the epilogue's fragment row: the lower 8 rows
     // of every 16-row mma tile are never staged), which the v2 check must catch.
     let broken = dir.path().join("broken");
@@ -110,24 +120,64 @@ fn kernels_match_references_under_emulation() {
         expand_common(&conv2.text.replace(correct_row, "g, col")),
     )
     .unwrap();
-    let (conv_out, conv2_out, ops_out, (broken_ok, broken_out)) = std::thread::scope(|s| {
-        let conv = s.spawn(|| build_and_run(dir.path(), "conv_check"));
-        let conv2 = s.spawn(|| build_and_run(dir.path(), "conv2_check"));
-        let ops = s.spawn(|| build_and_run(dir.path(), "ops_check"));
-        let broken = s.spawn(|| build_and_try(&broken, "conv2_check"));
-        (
-            conv.join().unwrap(),
-            conv2.join().unwrap(),
-            ops.join().unwrap(),
-            broken.join().unwrap(),
+    std::fs::write(broken.join("bn_ns.cu"), &bn_ns).unwrap();
+    // Copies with the batch-norm epilogues broken, one bug each: the forward statistics divide
+    // a tail tile's sum by the full tile height, and the dgrad sums read every row's x̂ at the
+    // first row of the thread's span. Both checks must catch theirs.
+    let epilogue_bugs = [
+        ("mean0 = t0 / (float)rows", "mean0 = t0 / (float)T::BM"),
+        ("ep.bn_x + row_out[r] + c", "ep.bn_x + row_out[r0] + c"),
+    ];
+    let mut broken_epilogues = Vec::new();
+    for (i, (right, wrong)) in epilogue_bugs.iter().enumerate() {
+        assert!(
+            conv2.text.matches(right).count() == 1,
+            "conv2.cu's BN epilogue changed ({right}): update this test"
+        );
+        let d = dir.path().join(format!("broken_epilogue{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("conv2_x.cu"),
+            expand_common(&conv2.text.replace(right, wrong)),
         )
-    });
+        .unwrap();
+        std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
+        broken_epilogues.push(d);
+    }
+    let (conv_out, conv2_out, ops_out, (broken_ok, broken_out), epilogue_outs) =
+        std::thread::scope(|s| {
+            let conv = s.spawn(|| build_and_run(dir.path(), "conv_check"));
+            let conv2 = s.spawn(|| build_and_run(dir.path(), "conv2_check"));
+            let ops = s.spawn(|| build_and_run(dir.path(), "ops_check"));
+            // The broken copies stop at their first failing case.
+            let broken = s.spawn(|| build_and_try_args(&broken, "conv2_check", &["--first"]));
+            let epilogues: Vec<_> = broken_epilogues
+                .iter()
+                .map(|d| s.spawn(move || build_and_try_args(d, "conv2_check", &["--first"])))
+                .collect();
+            (
+                conv.join().unwrap(),
+                conv2.join().unwrap(),
+                ops.join().unwrap(),
+                broken.join().unwrap(),
+                epilogues
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>(),
+            )
+        });
     assert!(conv_out.contains("ALL OK"), "{conv_out}");
     assert!(conv2_out.contains("ALL OK"), "{conv2_out}");
     assert!(
         !broken_ok && broken_out.contains("FAIL"),
         "a broken conv2.cu passed its emulated check:\n{broken_out}"
     );
+    for ((right, wrong), (ok, out)) in epilogue_bugs.iter().zip(&epilogue_outs) {
+        assert!(
+            !ok && out.contains("FAIL"),
+            "conv2.cu with `{right}` broken to `{wrong}` passed its emulated check:\n{out}"
+        );
+    }
     assert!(ops_out.contains("ALL OK"), "{ops_out}");
     // Every kernel of every file was exercised.
     let all = format!(

@@ -6,6 +6,9 @@
 //! does differently: bf16 outputs (relative rounding 2⁻⁸ ≈ 0.0039) and f32 accumulation order.
 //! Stated per kernel below; shapes include odd sizes and tiles that are not multiples of 16/128.
 
+use birdtrain::backend::conformance::{
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, Tolerance,
+};
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
     Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, Targets,
@@ -263,6 +266,44 @@ fn bn_cases() -> Vec<BnCase> {
     ]
 }
 
+/// The fused batch-norm ops (`BIRDTRAIN_BN_FUSION`) against the CPU reference, once per
+/// convolution generation: with v2 the epilogue kernels (`conv2_fwd_stats_*`,
+/// `conv2_dgrad_bn_*`) and the fixed-order merges run (two launches for the 288-tile shape),
+/// with v1, and where v2 declines a shape (the 3-channel stem's data gradient, 5 channels),
+/// the plain kernels, `bn_grad_finish` and the slab reductions. Tolerance: 1 % of each
+/// tensor's largest reference value + 1 % relative (bf16 outputs y and g, moments of the
+/// stored bf16 y; inputs are bf16 already). Then every op twice: the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
+        let reports = check_bn_fusion(&gb, &bn_fusion_shapes(), tol)
+            .unwrap_or_else(|e| panic!("{version:?}: {e}"));
+        for r in &reports {
+            println!("{version:?} {r}");
+        }
+        let kernels: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+        // The fused kernels ran with v2 only; the fallback's with v1.
+        let fused = kernels
+            .iter()
+            .any(|k| k.starts_with("conv2_fwd_stats_") || k.starts_with("conv2_dgrad_bn_"));
+        assert_eq!(
+            fused,
+            version == ConvVersion::V2,
+            "{version:?}: {kernels:?}"
+        );
+        assert!(kernels.contains(&"bn_grad_finish"), "{kernels:?}");
+        assert!(kernels.contains(&"bn_moments_finalize"), "{kernels:?}");
+        check_bn_fusion_repeatable(&gb, &bn_fusion_shapes())
+            .unwrap_or_else(|e| panic!("{version:?}: {e}"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bn_forward_and_backward_match_cpu() {
@@ -306,6 +347,7 @@ fn bn_forward_and_backward_match_cpu() {
             mode: case.mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })
         .unwrap();
         gb.bn_forward(BnForward {
@@ -323,6 +365,7 @@ fn bn_forward_and_backward_match_cpu() {
             mode: case.mode,
             momentum: 0.1,
             eps: 1e-5,
+            moments: None,
         })
         .unwrap();
         let tag = format!(
@@ -386,6 +429,7 @@ fn bn_forward_and_backward_match_cpu() {
                 dresidual: case.residual.then_some((&mut dres.c, acc)),
                 dgamma: &mut dg.c,
                 dbeta: &mut db.c,
+                prepared: false,
             })
             .unwrap();
             // The GPU uses its own saved statistics (compared above).
@@ -403,6 +447,7 @@ fn bn_forward_and_backward_match_cpu() {
                 dresidual: case.residual.then_some((&mut dres.g, acc)),
                 dgamma: &mut dg.g,
                 dbeta: &mut db.g,
+                prepared: false,
             })
             .unwrap();
             // dγ, dβ: f32 sums over `rows` terms; dx: bf16 with a cancellation (g − means).

@@ -1,6 +1,9 @@
 //! Whole-network checks of the CUDA backend against the CPU reference (GPU only: `#[ignore]`d;
 //! `cargo test --release --test cuda_step -- --ignored`):
-//! - one resnet18 training step: the loss and every parameter gradient;
+//! - one resnet18 training step: the loss and every parameter gradient, with v1, with v2 and
+//!   batch norm in its own passes (the default), and with v2 and batch norm fused into the
+//!   convolutions (`BIRDTRAIN_BN_FUSION=1`; each test sets the sequence itself);
+//! - the fused step twice on the same batch: the same bits;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!
 //! Tolerances. Each gradient tensor is compared as a whole (relative L2 error
@@ -76,14 +79,60 @@ fn resnet18_step_matches_cpu() {
     // assertion, once per convolution generation: a wrong kernel shows as the first layer (in
     // backward order) whose error jumps, and in the generation it belongs to.
     let mut failures = Vec::new();
-    for version in [ConvVersion::V1, ConvVersion::V2] {
+    for (version, fusion) in [
+        (ConvVersion::V1, false),
+        (ConvVersion::V2, false),
+        (ConvVersion::V2, true),
+    ] {
         failures.extend(
-            resnet18_step_table(version)
+            resnet18_step_table(version, fusion)
                 .into_iter()
-                .map(|f| format!("{version:?} {f}")),
+                .map(|f| format!("{version:?} bn fusion {fusion}: {f}")),
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_resnet18_steps_repeat_bitwise() {
+    // Two networks with batch norm fused, the same weights and batch: the loss, every gradient
+    // and every running statistic to the bit (fixed-order merges, no atomics). The separate
+    // passes' step beside it, for the table: the two sequences differ by summation order.
+    let graph = Graph::new(Arch::ResNet18, 10);
+    let (n, size) = (4, 64u32);
+    let (pixels, labels, aug) = step_batch(n, size as usize);
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: Some(&aug),
+        mix: None,
+    };
+    let step = |fusion: bool| {
+        let mut backend = CudaBackend::new(0).unwrap();
+        backend.set_conv_version(ConvVersion::V2);
+        backend.set_bn_fusion(fusion);
+        let mut net = Network::new(backend, &graph, n, size).unwrap();
+        step_tensors(&mut net, &graph, &batch)
+    };
+    let (la, ta) = step(true);
+    let (lb, tb) = step(true);
+    let (lu, tu) = step(false);
+    println!("loss fused {la} again {lb} separate {lu}");
+    assert_eq!(la.to_bits(), lb.to_bits(), "loss {la} then {lb}");
+    for ((name, a), ((_, b), (_, u))) in ta.iter().zip(tb.iter().zip(&tu)) {
+        let (rel, _) = rel_err(a, u);
+        println!("  {name:<34} fused vs separate {rel:>8.4}");
+        if let Some(i) = a
+            .iter()
+            .zip(b)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            panic!("{name}[{i}]: {} then {}", a[i], b[i]);
+        }
+    }
 }
 
 /// The batch of the resnet18 step checks: `n` synthetic `size`-px images, and per-image
@@ -140,21 +189,26 @@ fn step_tensors<B: Backend>(
     (loss, out)
 }
 
-/// One resnet18 step on the GPU (convolutions of `version`), on the CPU storing in bf16 what
-/// the GPU stores so (the floor) and on the f32 CPU (the reference), twice (without and with
-/// augmentation); prints every tensor's error and returns the failures.
-fn resnet18_step_table(version: ConvVersion) -> Vec<String> {
+/// One resnet18 step on the GPU (convolutions of `version`, batch norm fused into them with
+/// `fusion` and v2), on the CPU storing in bf16 what the GPU stores so (the floor) and on the
+/// f32 CPU (the reference), twice (without and with augmentation); prints every tensor's
+/// error and returns the failures.
+fn resnet18_step_table(version: ConvVersion, fusion: bool) -> Vec<String> {
     let graph = Graph::new(Arch::ResNet18, 10);
     let (n, size) = (4, 64u32);
     let mut backend = CudaBackend::new(0).unwrap();
     backend.set_conv_version(version);
+    backend.set_bn_fusion(fusion);
     let mut gpu = Network::new(backend, &graph, n, size).unwrap();
     let mut bf16 = Network::new(Bf16Cpu(CpuBackend::new(0).unwrap()), &graph, n, size).unwrap();
     let mut f32cpu = Network::new(CpuBackend::new(0).unwrap(), &graph, n, size).unwrap();
     let (pixels, labels, aug) = step_batch(n, size as usize);
     let mut failures = Vec::new();
     for augment in [None, Some(&aug[..])] {
-        let pass = format!("{version:?} augment={}", augment.is_some());
+        let pass = format!(
+            "{version:?} bn fusion {fusion} augment={}",
+            augment.is_some()
+        );
         let batch = InputBatch {
             pixels: &pixels,
             labels: &labels,

@@ -3,7 +3,9 @@
 //!   through an in-process `LocalBnGroup` (through the host; no NCCL, so one GPU suffices),
 //!   against one CPU network on the whole batch: the GPU side of `--sync-bn` (the fused op's
 //!   moments with momentum 1, the `bn_sync_*` kernels, the frozen-statistics kernels,
-//!   `bn_bwd_apply` on the global reductions);
+//!   `bn_bwd_apply` on the global reductions), with batch norm in its own passes and fused
+//!   into the v2 convolutions (the local sums from the convolutions' moments forward and
+//!   their dgrad epilogues backward);
 //! - the `bn_sync_*` kernels against the CPU backend's host arithmetic, op by op, bit for bit;
 //! - the device path (NCCL's side communicator, no host round trip) against the path through
 //!   the host, one rank on one GPU, and with two or more GPUs against the CPU network.
@@ -14,6 +16,7 @@ use std::time::Duration;
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
+use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::CudaBackend;
 
 #[path = "common/bf16_cpu.rs"]
@@ -64,6 +67,22 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn two_gpu_replicas_with_sync_bn_match_one_cpu_network_on_the_whole_batch() {
+    replicas_against_the_whole_batch(false);
+}
+
+/// The same with batch norm fused into the v2 convolutions (`BIRDTRAIN_BN_FUSION=1`, set here
+/// whatever the environment says): the replicas' local sums come from the convolutions'
+/// moments, their backward from the dgrad epilogues, and the statistics must still be the
+/// whole batch's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_gpu_replicas_with_sync_bn_match_one_cpu_network_on_the_whole_batch() {
+    replicas_against_the_whole_batch(true);
+}
+
+/// Two replicas on the GPU with batch norm fused (`fusion`, v2 convolutions) or in its own
+/// passes, against one CPU network on the whole batch.
+fn replicas_against_the_whole_batch(fusion: bool) {
     let graph = Graph::new(Arch::ResNet18, 5);
     let split = [2usize, 6];
     let total: usize = split.iter().sum();
@@ -89,8 +108,13 @@ fn two_gpu_replicas_with_sync_bn_match_one_cpu_network_on_the_whole_batch() {
                 let mut reducer = group.next().unwrap();
                 let graph = &graph;
                 s.spawn(move || {
-                    let mut gpu =
-                        Network::new(CudaBackend::new(0).unwrap(), graph, n, SIZE).unwrap();
+                    let mut backend = CudaBackend::new(0).unwrap();
+                    if fusion {
+                        backend.set_conv_version(ConvVersion::V2);
+                    }
+                    backend.set_bn_fusion(fusion);
+                    assert_eq!(backend.bn_fusion(), fusion);
+                    let mut gpu = Network::new(backend, graph, n, SIZE).unwrap();
                     step(&mut gpu, px, lb, Some(&mut reducer))
                 })
             })

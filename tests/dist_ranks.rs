@@ -390,3 +390,59 @@ fn a_rank_that_ignores_the_abort_is_left_behind_after_the_grace() {
         "the call waited for the rank that ignored the abort"
     );
 }
+
+/// With `BIRDTRAIN_FAULT=thread:gpu-2` (set by the test below for a child run of this one),
+/// the OS refuses the third driver thread: the two started wait at the start gate and are
+/// released at once, none connects, and the error names rank 6 and its thread. Without the
+/// fault, all four start and finish.
+#[test]
+fn a_driver_thread_the_os_refuses_calls_the_start_off() {
+    let refused = std::env::var("BIRDTRAIN_FAULT").as_deref() == Ok("thread:gpu-2");
+    let (plan, assignment) = node_one();
+    let setup = FakeSetup::new(4);
+    let log = setup.log.clone();
+    let started = std::time::Instant::now();
+    let outcome = run_ranks_with(
+        setup,
+        &plan,
+        &assignment,
+        limits(),
+        |_: RankSlot<(), Arc<FakeComm>>| Ok(()),
+    );
+    if refused {
+        let err = outcome.unwrap_err();
+        assert!(matches!(err, RanksError::Spawn { rank: 6, .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("rank 6") && text.contains("gpu-2") && text.contains("hint"),
+            "{text}"
+        );
+        let steps = log.lock().unwrap().clone();
+        assert!(
+            !steps.iter().any(|s| s.contains("connect")),
+            "a rank connected although the start was called off: {steps:?}"
+        );
+        assert!(started.elapsed() < PATIENCE, "the started ranks waited");
+    } else {
+        assert_eq!(outcome.unwrap().len(), 4);
+    }
+}
+
+#[test]
+fn a_refused_driver_thread_is_an_error_not_a_wait() {
+    // The fault hook is read once per process: run the test above in a child with it armed.
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "a_driver_thread_the_os_refuses_calls_the_start_off",
+            "--nocapture",
+        ])
+        .env("BIRDTRAIN_FAULT", "thread:gpu-2")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+}

@@ -2,8 +2,11 @@
 //! `train_step_synced` and an in-process `LocalBnGroup` compute what one network computes on
 //! the whole global batch — the same loss, running statistics, and (image-weighted average
 //! of the replicas') gradients — also when the images are split unevenly. Without
-//! synchronisation they do not, which shows the test can fail. And one replica with it is
-//! plain batch norm, one value per channel included.
+//! synchronisation they do not, which shows the test can fail. The same holds with batch norm
+//! fused into the convolutions (`CpuBackend::set_bn_fusion`: the CPU runs the fused sequence
+//! the GPU runs with `BIRDTRAIN_BN_FUSION=1`), whose local sums come from the convolutions'
+//! moments forward and from the dgrad epilogues backward. And one replica with it is plain
+//! batch norm, one value per channel included.
 
 use std::time::Duration;
 
@@ -26,7 +29,14 @@ struct Outcome {
 }
 
 fn network(graph: &Graph, max_batch: usize) -> Network<CpuBackend> {
-    let mut net = Network::new(CpuBackend::new(1).unwrap(), graph, max_batch, SIZE).unwrap();
+    network_fused(graph, max_batch, false)
+}
+
+/// [`network`] with batch norm fused into the convolutions (`fused`) or not.
+fn network_fused(graph: &Graph, max_batch: usize, fused: bool) -> Network<CpuBackend> {
+    let mut backend = CpuBackend::new(1).unwrap();
+    backend.set_bn_fusion(fused);
+    let mut net = Network::new(backend, graph, max_batch, SIZE).unwrap();
     net.set_config(NetworkConfig {
         label_smoothing: 0.1,
         ..NetworkConfig::default()
@@ -76,6 +86,7 @@ fn replicas(
     labels: &[u32],
     split: &[usize],
     sync: bool,
+    fused: bool,
 ) -> Vec<Outcome> {
     let mut group = LocalBnGroup::new(split.len(), Duration::from_secs(60)).into_iter();
     std::thread::scope(|s| {
@@ -90,7 +101,7 @@ fn replicas(
                 start += n;
                 let mut reducer = group.next().unwrap();
                 s.spawn(move || {
-                    let mut net = network(graph, n);
+                    let mut net = network_fused(graph, n, fused);
                     let r: Option<&mut dyn BnAllReduce> =
                         if sync { Some(&mut reducer) } else { None };
                     step(&mut net, px, lb, r)
@@ -115,7 +126,8 @@ fn close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
     worst
 }
 
-fn check(split: &[usize]) {
+/// Replicas (fused or not) of `split` against one unfused network on the whole batch.
+fn check(split: &[usize], fused: bool) {
     let graph = Graph::new(Arch::ResNet8, 3);
     let total: usize = split.iter().sum();
     let mut rng = ChaCha8Rng::seed_from_u64(17);
@@ -123,7 +135,7 @@ fn check(split: &[usize]) {
     let labels: Vec<u32> = (0..total).map(|_| rng.random_range(0..3)).collect();
     let mut whole_net = network(&graph, total);
     let whole = step(&mut whole_net, &pixels, &labels, None);
-    let parts = replicas(&graph, &pixels, &labels, split, true);
+    let parts = replicas(&graph, &pixels, &labels, split, true, fused);
 
     // Forward: the same normalisation, hence the same per-image losses.
     let loss: f64 = parts.iter().map(|p| p.stats.loss_sum).sum();
@@ -148,17 +160,24 @@ fn check(split: &[usize]) {
         }
     }
     let worst = close("gradient", &avg, &whole.grads, 2e-5, 2e-3);
-    println!("split {split:?}: worst gradient error {worst:.3} of tolerance");
+    println!("split {split:?} fused {fused}: worst gradient error {worst:.3} of tolerance");
 }
 
 #[test]
 fn two_replicas_with_sync_bn_equal_one_network_on_the_global_batch() {
-    check(&[3, 3]);
+    check(&[3, 3], false);
 }
 
 #[test]
 fn an_uneven_split_over_three_replicas_is_weighted_by_image_count() {
-    check(&[1, 2, 4]);
+    check(&[1, 2, 4], false);
+}
+
+#[test]
+fn fused_replicas_with_sync_bn_equal_one_network_on_the_global_batch() {
+    // The statistics of the global batch, summed from each replica's convolution moments.
+    check(&[3, 3], true);
+    check(&[1, 2, 4], true);
 }
 
 #[test]
@@ -169,7 +188,7 @@ fn without_sync_bn_the_replicas_differ_from_the_global_batch() {
     let labels: Vec<u32> = (0..6).map(|_| rng.random_range(0..3)).collect();
     let mut whole_net = network(&graph, 6);
     let whole = step(&mut whole_net, &pixels, &labels, None);
-    let parts = replicas(&graph, &pixels, &labels, &[3, 3], false);
+    let parts = replicas(&graph, &pixels, &labels, &[3, 3], false, false);
     let loss: f64 = parts.iter().map(|p| p.stats.loss_sum).sum();
     let mut avg = vec![0.0f32; whole.grads.len()];
     for p in &parts {
@@ -204,62 +223,124 @@ fn frozen_bn_ignores_the_reducer() {
     assert_eq!(out.stats.count, 2);
 }
 
-/// Records the reducer's calls into a shared log (one replica: sums are the identity).
-struct Recorder<'a>(&'a std::cell::RefCell<Vec<SyncEvent>>);
+/// Records the reducer's calls into a log and passes them on to `inner`, when there is one
+/// (without: one replica, sums are the identity).
+struct Recorder<'a> {
+    log: &'a std::cell::RefCell<Vec<SyncEvent>>,
+    inner: Option<LocalBnGroup>,
+}
 
 impl BnAllReduce for Recorder<'_> {
     fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError> {
-        let mut log = self.0.borrow_mut();
-        let backward = log
-            .iter()
-            .any(|e| matches!(e, SyncEvent::GradReady(_) | SyncEvent::BnBackward { .. }));
-        // Forward sends 2c+1 values (Σx, Σx², rows), backward 2c (Σdz·x̂, Σdz).
-        log.push(if backward || values.len() % 2 == 0 {
-            SyncEvent::BnBackward {
-                channels: values.len() / 2,
-            }
-        } else {
-            SyncEvent::BnForward {
-                channels: values.len() / 2,
-            }
-        });
-        Ok(())
+        {
+            let mut log = self.log.borrow_mut();
+            let backward = log
+                .iter()
+                .any(|e| matches!(e, SyncEvent::GradReady(_) | SyncEvent::BnBackward { .. }));
+            // Forward sends 2c+1 values (Σx, Σx², rows), backward 2c (Σdz·x̂, Σdz).
+            log.push(if backward || values.len() % 2 == 0 {
+                SyncEvent::BnBackward {
+                    channels: values.len() / 2,
+                }
+            } else {
+                SyncEvent::BnForward {
+                    channels: values.len() / 2,
+                }
+            });
+        }
+        match &mut self.inner {
+            Some(group) => group.sum_in_place(values),
+            None => Ok(()),
+        }
     }
 }
 
-#[test]
-fn the_announced_event_sequence_is_what_a_synced_step_issues() {
-    // An empty replica replays `synced_step_events` instead of stepping: it must match the
-    // real order exactly or NCCL collectives would pair up wrongly.
-    for arch in [Arch::ResNet8, Arch::ResNet18] {
-        let graph = Graph::new(arch, 3);
-        let size = if arch.is_cifar() { SIZE } else { 32 };
-        let mut net = Network::new(CpuBackend::new(2).unwrap(), &graph, 2, size).unwrap();
-        let log = std::cell::RefCell::new(Vec::new());
-        let pixels = vec![100u8; 2 * (size * size * 3) as usize];
-        let batch = InputBatch {
-            pixels: &pixels,
-            labels: &[0, 2],
-            len: 2,
-            image_size: size,
-            augment: None,
-            mix: None,
-        };
-        let mut rec = Recorder(&log);
-        net.train_step_synced(
-            &batch,
-            &mut |p, _| {
+/// The calls of one synchronised step, recorded: `Some(pixels)` steps on two images,
+/// `None` is a replica with no image ([`Network::step_without_images`]).
+fn recorded_step(
+    arch: Arch,
+    fused: bool,
+    pixels: Option<&[u8]>,
+    group: Option<LocalBnGroup>,
+) -> (Vec<SyncEvent>, Vec<SyncEvent>, Vec<Vec<f32>>) {
+    let graph = Graph::new(arch, 3);
+    let size = if arch.is_cifar() { SIZE } else { 32 };
+    let mut backend = CpuBackend::new(1).unwrap();
+    backend.set_bn_fusion(fused);
+    let mut net = Network::new(backend, &graph, 2, size).unwrap();
+    let log = std::cell::RefCell::new(Vec::new());
+    let mut rec = Recorder {
+        log: &log,
+        inner: group,
+    };
+    match pixels {
+        Some(pixels) => {
+            let batch = InputBatch {
+                pixels,
+                labels: &[0, 2],
+                len: 2,
+                image_size: size,
+                augment: None,
+                mix: None,
+            };
+            net.train_step_synced(
+                &batch,
+                &mut |p, _| {
+                    log.borrow_mut().push(SyncEvent::GradReady(p));
+                    Ok(())
+                },
+                Some(&mut rec),
+            )
+            .map(|_| ())
+        }
+        None => net.step_without_images(
+            &mut |p| {
                 log.borrow_mut().push(SyncEvent::GradReady(p));
                 Ok(())
             },
             Some(&mut rec),
-        )
-        .unwrap();
-        let expected = net.synced_step_events();
-        assert_eq!(log.into_inner(), expected, "{arch}");
+        ),
+    }
+    .unwrap();
+    let expected = net.synced_step_events();
+    (log.into_inner(), expected, net.state().unwrap().buffers)
+}
+
+#[test]
+fn the_announced_event_sequence_is_what_a_synced_step_issues() {
+    // An empty replica replays `synced_step_events` instead of stepping
+    // (`step_without_images`): both must match the real order exactly or NCCL collectives
+    // would pair up wrongly. Fused networks too: their backward reduces a batch norm's sums in
+    // the convolution after it, and must still report them, and every gradient, in the
+    // announced order.
+    for (arch, fused) in [
+        (Arch::ResNet8, false),
+        (Arch::ResNet18, false),
+        (Arch::ResNet8, true),
+        (Arch::ResNet18, true),
+    ] {
+        let size = if arch.is_cifar() { SIZE } else { 32 };
+        let pixels = vec![100u8; 2 * (size * size * 3) as usize];
+        let (log, expected, _) = recorded_step(arch, fused, Some(&pixels), None);
+        assert_eq!(log, expected, "{arch} fused {fused}");
         assert!(expected
             .iter()
             .any(|e| matches!(e, SyncEvent::BnBackward { .. })));
+
+        // Two replicas, one of them empty: each issues the announced sequence, paired call
+        // by call (a mismatch fails on its length or times out), and the empty one's running
+        // statistics advance with the global batch's, as the stepping one's.
+        let mut group = LocalBnGroup::new(2, Duration::from_secs(20)).into_iter();
+        let (stepping, empty) = (group.next(), group.next());
+        let ((log, expected, stepped), (empty_log, _, replayed)) = std::thread::scope(|s| {
+            let pixels = &pixels;
+            let a = s.spawn(move || recorded_step(arch, fused, Some(pixels), stepping));
+            let b = s.spawn(move || recorded_step(arch, fused, None, empty));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert_eq!(log, expected, "{arch} fused {fused}, stepping");
+        assert_eq!(empty_log, expected, "{arch} fused {fused}, empty");
+        assert_eq!(stepped, replayed, "{arch} fused {fused}: BN buffers");
     }
 }
 

@@ -2,10 +2,11 @@
 //! disassembled by nvdisasm/cuobjdump (scripts/install-cuda-tools.sh). Skips, saying why, where
 //! NVRTC or the tools are missing. Holds the v2 kernels to the goals: no spills, and
 //! under 64 non-mma instructions per 32 mma in the main loop (the small-C wgrad, whose every
-//! column checks its own tap, under 96).
+//! column checks its own tap, under 96). The kernels with batch-norm epilogues
+//! (`BIRDTRAIN_BN_FUSION`) are held to the same bars as the plain ones.
 
 use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
-use birdtrain::cuda::conv::V2_GEMM_KERNELS;
+use birdtrain::cuda::conv::{V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
 use birdtrain::cuda::GpuArch;
 
 #[test]
@@ -20,7 +21,7 @@ fn v2_kernels_meet_the_instruction_and_spill_goals() {
     }
     let arch = GpuArch { major: 9, minor: 0 };
     let rows = report(arch, smem_per_sm(arch)).expect("kernels report");
-    for name in V2_GEMM_KERNELS {
+    for name in V2_GEMM_KERNELS.iter().chain(V2_BN_EPILOGUE_KERNELS) {
         let r = rows
             .iter()
             .find(|r| r.kernel == *name)

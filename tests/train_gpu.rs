@@ -313,7 +313,8 @@ fn a_resumed_gpu_run_continues_with_its_optimizer_state() {
 #[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
 fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
     // One rank: the global batch is the local one, so --sync-bn (statistics through NCCL and
-    // the host, frozen-mode kernels plus the correction) must train like the fused kernels.
+    // the host, frozen-mode kernels, then bn_bwd_apply on the global reductions) must train
+    // like the fused kernels.
     // The two paths round to bf16 at different points, so their weights are not equal; the
     // reference is the f32 CPU run of the same three steps: the synced run must be as near to
     // it as the fused one is (a wrong statistic or gradient moves it far off). A first H100

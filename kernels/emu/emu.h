@@ -313,6 +313,11 @@ inline void emu_fiber_entry() {
     emu_fail("a finished thread was resumed");
 }
 
+// The order emu_launch runs a grid's blocks in: 0 is row-major (x fastest); any other value
+// seeds a pseudo-random permutation, so a check can run a kernel twice in different orders and
+// demand the same bits (a GPU gives no order: a result that depends on it is not deterministic).
+inline unsigned g_emu_block_order = 0;
+
 // Runs kernel() over the grid: every thread of a block a fiber, block after block.
 template <class F>
 void emu_launch(dim3e grid, dim3e block, F kernel) {
@@ -321,10 +326,19 @@ void emu_launch(dim3e grid, dim3e block, F kernel) {
     g_kernel = kernel;
     while (g_stacks.size() < nthreads) g_stacks.emplace_back(new char[kEmuStack]);
     const unsigned nwarps = (nthreads + 31) / 32;
+    std::vector<dim3e> order;
     for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-        blockIdx = {bx, by, bz};
+    for (unsigned bx = 0; bx < grid.x; ++bx) order.push_back({bx, by, bz});
+    if (g_emu_block_order != 0) {
+        unsigned long long r = g_emu_block_order;
+        for (size_t i = order.size(); i > 1; --i) {  // Fisher-Yates with a 64-bit LCG
+            r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+            std::swap(order[i - 1], order[(size_t)((r >> 33) % i)]);
+        }
+    }
+    for (const dim3e& b : order) {
+        blockIdx = b;
         g_fibers.assign(nthreads, EmuFiber{});
         g_block_barrier = EmuBarrier{(int)nthreads, 0, 0};
         g_warp_barriers.assign(nwarps, EmuBarrier{});

@@ -4,6 +4,7 @@
 #include "rest_x.cu"  // the other kernel files, one namespace each (written by the test)
 #include <cstdio>
 #include <random>
+#include <cstring>
 
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 static std::mt19937 rng(7);
@@ -494,6 +495,127 @@ void test_optim(float max_norm) {
     }
 }
 
+static void check_bits_f(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+    const bool same = got.size() == want.size() && memcmp(got.data(), want.data(), got.size() * 4) == 0;
+    printf("  %-28s %s (%zu, bitwise)\n", what, same ? "ok" : "FAIL", want.size());
+    fails += !same;
+}
+
+// The fused path's merges of partial records (bn_stats_merge, bn_sums_merge: one launch, or
+// groups of `group` records and then the groups), bn_moments_finalize and bn_grad_finish, fed
+// by the slab kernels (what runs where no fused convolution applies) and checked against f64;
+// in one launch they are the finalize kernels' own arithmetic, so their results must equal
+// bn_stats_finalize's and bn_bwd_finalize's bit for bit; and another block order gives the
+// same bits.
+void test_bn_merges(int rows, int C, int per, int group) {
+    const int slabs = (rows + per - 1) / per;
+    printf("bn merges rows=%d C=%d rows/record=%d records=%d group=%d\n", rows, C, per, slabs, group);
+    auto x = rnd((size_t)rows * C, 1.0f);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = rb(x[i] + (i % C) * 0.5f);
+    std::vector<double> mean(C, 0), m2(C, 0);
+    for (int r = 0; r < rows; ++r) for (int c = 0; c < C; ++c) mean[c] += x[(size_t)r * C + c];
+    for (int c = 0; c < C; ++c) mean[c] /= rows;
+    for (int r = 0; r < rows; ++r) for (int c = 0; c < C; ++c) { double d = x[(size_t)r * C + c] - mean[c]; m2[c] += d * d; }
+    std::vector<double> ref(mean);
+    ref.insert(ref.end(), m2.begin(), m2.end());
+    ref.insert(ref.end(), (size_t)C, (double)rows);
+    auto X = tobf(x);
+    const unsigned cx = (unsigned)((C + 31) / 32);
+    std::vector<float> part(2 * (size_t)slabs * C);
+    float* pm = part.data();
+    float* pv = part.data() + (size_t)slabs * C;
+    emu_launch({cx, (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_stats_partial(X.data(), rows, C, per, pm, pv); });
+    auto merge = [&](bool two) {
+        std::vector<float> mom(3 * (size_t)C, NAN);
+        if (!two) {
+            emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_stats_merge(pm, pv, slabs, rows, C, (long)per, slabs, mom.data(), mom.data() + C, mom.data() + 2 * C); });
+            return mom;
+        }
+        const int groups = (slabs + group - 1) / group;
+        std::vector<float> mid(2 * (size_t)groups * C, NAN);
+        emu_launch({cx, (unsigned)groups, 1}, {32, 32, 1}, [&] { k_bn::bn_stats_merge(pm, pv, slabs, rows, C, (long)per, group, mid.data(), mid.data() + (size_t)groups * C, nullptr); });
+        emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_stats_merge(mid.data(), mid.data() + (size_t)groups * C, groups, rows, C, (long)per * group, groups, mom.data(), mom.data() + C, mom.data() + 2 * C); });
+        return mom;
+    };
+    const auto one = merge(false), two = merge(true);
+    check("moments", one, ref, 1e-5, 1e-4);
+    check("moments, 2 levels", two, ref, 1e-5, 1e-4);
+    g_emu_block_order = 77;
+    const auto two_again = merge(true);
+    g_emu_block_order = 0;
+    check_bits_f("moments, other block order", two_again, two);
+    // finalize: the slab finalize's results, bit for bit
+    std::vector<float> rm = rnd(C, 0.5f), rv(C);
+    for (auto& v : rv) v = 1.0f + std::fabs(rnd(1, 0.5f)[0]);
+    std::vector<float> sm(C, NAN), si(C, NAN), rm1 = rm, rv1 = rv, sm2(C, NAN), si2(C, NAN), rm2 = rm, rv2 = rv;
+    emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_moments_finalize(one.data(), C, 1e-5f, 0.1f, sm.data(), si.data(), rm1.data(), rv1.data()); });
+    emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_stats_finalize(pm, pv, slabs, rows, C, per, 1e-5f, 0.1f, sm2.data(), si2.data(), rm2.data(), rv2.data()); });
+    check_bits_f("finalize = slab finalize: mean", sm, sm2);
+    check_bits_f("finalize = slab finalize: invstd", si, si2);
+    check_bits_f("finalize = slab finalize: running", std::vector<float>{rm1.begin(), rm1.end()}, rm2);
+    check_bits_f("finalize = slab finalize: running var", rv1, rv2);
+    std::vector<double> si_ref(C), rv_ref(C);
+    for (int c = 0; c < C; ++c) { si_ref[c] = 1.0 / std::sqrt(m2[c] / rows + 1e-5); rv_ref[c] = 0.9 * rv[c] + 0.1 * m2[c] / (rows > 1 ? rows - 1 : 1); }
+    check("finalize invstd", si, si_ref, 1e-5, 1e-3);
+    check("finalize running var", rv1, rv_ref, 1e-5, 1e-3);
+    // eval: no running statistics written
+    std::vector<float> sm3(C, NAN), si3(C, NAN);
+    emu_launch({(unsigned)((C + 127) / 128), 1, 1}, {128, 1, 1}, [&] { k_bn::bn_moments_finalize(two.data(), C, 1e-5f, 0.1f, sm3.data(), si3.data(), nullptr, nullptr); });
+    check("finalize (no running) invstd", si3, si_ref, 1e-5, 1e-3);
+    // backward sums from the slab reduction (ReLU mask from a y), both merges
+    auto dy = rnd(x.size(), 1.0f), y = rnd(x.size(), 1.0f);
+    auto DY = tobf(dy), Y = tobf(y);
+    std::vector<double> sums(2 * (size_t)C, 0);
+    for (size_t i = 0; i < x.size(); ++i) {
+        const int c = (int)(i % C);
+        const double g = y[i] > 0 ? dy[i] : 0.0;
+        sums[c] += g;
+        sums[C + c] += g * (x[i] - (double)sm[c]) * si[c];
+    }
+    std::vector<float> pb((size_t)slabs * C), pg((size_t)slabs * C);
+    emu_launch({cx, (unsigned)slabs, 1}, {32, 8, 1}, [&] { k_bn::bn_bwd_partial(DY.data(), Y.data(), X.data(), sm.data(), si.data(), rows, C, per, 1, pb.data(), pg.data()); });
+    auto sum_merge = [&](bool two) {
+        std::vector<float> out(2 * (size_t)C, NAN);
+        if (!two) {
+            emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_sums_merge(pb.data(), pg.data(), slabs, C, slabs, out.data(), out.data() + C); });
+            return out;
+        }
+        const int groups = (slabs + group - 1) / group;
+        std::vector<float> mid(2 * (size_t)groups * C, NAN);
+        emu_launch({cx, (unsigned)groups, 1}, {32, 32, 1}, [&] { k_bn::bn_sums_merge(pb.data(), pg.data(), slabs, C, group, mid.data(), mid.data() + (size_t)groups * C); });
+        emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_sums_merge(mid.data(), mid.data() + (size_t)groups * C, groups, C, groups, out.data(), out.data() + C); });
+        return out;
+    };
+    const auto s1 = sum_merge(false), s2 = sum_merge(true);
+    check("sums", s1, sums, 1e-3, 1e-4);
+    check("sums, 2 levels", s2, sums, 1e-3, 1e-4);
+    g_emu_block_order = 91;
+    const auto s2_again = sum_merge(true);
+    g_emu_block_order = 0;
+    check_bits_f("sums, other block order", s2_again, s2);
+    std::vector<float> db(C), dg(C);
+    emu_launch({cx, 1, 1}, {32, 32, 1}, [&] { k_bn::bn_bwd_finalize(pb.data(), pg.data(), slabs, C, db.data(), dg.data()); });
+    check_bits_f("sums = slab finalize: dbeta", std::vector<float>(s1.begin(), s1.begin() + C), db);
+    check_bits_f("sums = slab finalize: dgamma", std::vector<float>(s1.begin() + C, s1.end()), dg);
+    // bn_grad_finish: g = [y > 0]·(g + residual), with and without either
+    auto res = rnd(x.size(), 1.0f);
+    auto RES = tobf(res);
+    for (int variant = 0; variant < 3; ++variant) {
+        const bool with_res = variant != 1, with_relu = variant != 2;
+        auto G = DY;
+        std::vector<bf16> want(x.size());
+        for (size_t i = 0; i < x.size(); ++i) {
+            float v = dy[i];
+            if (with_res) v = rb(v + res[i]);
+            if (with_relu && !(y[i] > 0)) v = 0.0f;
+            want[i] = __float2bfloat16_rn(v);
+        }
+        const long total = (long)x.size();
+        emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_grad_finish(G.data(), with_res ? RES.data() : nullptr, with_relu ? Y.data() : nullptr, total); });
+        check_bits(with_res && with_relu ? "grad_finish res relu" : with_res ? "grad_finish res" : "grad_finish relu", G, want);
+    }
+}
+
 // Synchronised BN: the bn_sync_* kernels of two replicas, summed between them as a collective
 // would, against the host arithmetic of src/backend/bn_sync.rs transcribed below, bit for bit
 // (the kernels use explicitly rounded f64 operations for exactly this).
@@ -624,6 +746,10 @@ int main(int argc, char** argv) {
     test_bn(45, 520, true, true, true);
     test_bn(2101, 24, false, true, true, 5);   // 421 slabs, the last one row
     test_bn(1000, 36, true, false, true, 3);   // 334 slabs, C % 8 != 0 (scalar reductions only)
+    test_bn_merges(300, 40, 7, 4);             // 43 records: one launch, or 11 groups
+    test_bn_merges(2101, 24, 5, 128);          // 421 records (the last one row): 4 groups
+    test_bn_merges(1, 3, 128, 2);              // one row, one record
+    test_bn_merges(130, 72, 128, 1);           // two records (of 128 and 2 rows), groups of one
     test_bn_sync(40, 96, 32);
     test_bn_sync(300, 1, 500);   // a replica with one row; C over two blocks
     test_bn_sync_one_replica(96, 40, true);

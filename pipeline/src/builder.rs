@@ -14,6 +14,7 @@ use crate::{
 pub struct PipelineBuilder {
     pub(crate) source: DatasetSource,
     pub(crate) split: Split,
+    pub(crate) known_classes: Option<Vec<String>>,
     pub(crate) image_size: u32,
     pub(crate) store_size: Option<u32>,
     pub(crate) resize_mode: ResizeMode,
@@ -77,6 +78,7 @@ impl PipelineBuilder {
         Self {
             source,
             split: Split::Train,
+            known_classes: None,
             image_size: 224,
             store_size: None,
             resize_mode: ResizeMode::Direct,
@@ -107,6 +109,15 @@ impl PipelineBuilder {
     /// Which split to read.
     pub fn split(mut self, split: Split) -> Self {
         self.split = split;
+        self
+    }
+    /// The class list of a model trained before, numbering the classes where the source
+    /// has no training split to take them from: a folder without `train/`, a CSV file
+    /// without train rows (a test set evaluated alone). A source with a training split
+    /// numbers its classes itself, as always; a class of the split outside the list is an
+    /// error.
+    pub fn known_classes(mut self, classes: Vec<String>) -> Self {
+        self.known_classes = Some(classes);
         self
     }
     /// Side `S` of the square images handed out (and stored, unless

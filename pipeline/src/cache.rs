@@ -353,6 +353,32 @@ fn judge(bytes: &[u8], key: &CacheKey, layout: &Layout, file_len: u64) -> Verdic
     }
 }
 
+/// Why a cache file of `len` bytes where `layout` needs another size is this dataset's
+/// file cut short (or padded): empty, shorter than its header, or a header of this version
+/// that names this dataset. `None` for a cache of another dataset or format (an edited
+/// dataset reuses the file name: its rebuild is no damage).
+fn cut_short(file: &File, len: u64, key: &CacheKey, layout: &Layout) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let size = format!("{len} bytes where {} are needed", layout.total);
+    if len == 0 {
+        return Some(format!("it is empty ({size})"));
+    }
+    let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
+    file.read_exact_at(&mut header, 0).ok()?;
+    let ours = header.starts_with(&MAGIC[..header.len().min(MAGIC.len())]);
+    if !ours {
+        return None;
+    }
+    if header.len() < 48 {
+        return Some(format!("it is cut short inside its header ({size})"));
+    }
+    let same_dataset = read_u32(&header, 8) == VERSION
+        && read_u32(&header, 16) == key.image_size
+        && read_u64(&header, 24) == key.count as u64
+        && read_u64(&header, 32) == key.fingerprint;
+    same_dataset.then(|| format!("it is cut short ({size})"))
+}
+
 impl Cache {
     /// Opens (resuming, or rebuilding) the cache at `path` for `key`, with `labels` per record.
     /// A place that cannot hold the cache, or a file that cannot be memory-mapped, gives a
@@ -378,7 +404,14 @@ impl Cache {
                 Ok(true) => {
                     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
                     if len != layout.total as u64 {
-                        // Truncated, or another shape: nothing in it can be trusted.
+                        // Truncated, or another shape: nothing in it can be trusted. A file
+                        // of this very dataset cut short is damage, and said so.
+                        if let Some(why) = cut_short(&file, len, &key, &layout) {
+                            tracing::warn!(
+                                "cache file {}: {why} (a damaged file); rebuilding it",
+                                path.display()
+                            );
+                        }
                         return Self::create_or_disable(path, key, labels, layout);
                     }
                     // SAFETY: we hold the exclusive lock, so no other writer changes the file;

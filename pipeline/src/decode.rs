@@ -341,7 +341,20 @@ fn decode_general(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, DecodeFailu
             "unrecognised leading bytes (not JPEG, PNG, BMP, WebP or GIF)",
         ));
     }
-    let mut decoder = reader.into_decoder().map_err(failed)?;
+    let mut decoder = reader.into_decoder().map_err(|e| match e {
+        // The decoder refuses a header that declares more than it may allocate (a PNG of
+        // 2³¹ × 2³¹): too large, like any image past the pixel limit, not corrupt.
+        image::ImageError::Limits(_) => DecodeFailure::new(
+            BadFileKind::TooLarge,
+            match png_size(bytes) {
+                Some((w, h)) => format!("{w}x{h} pixels; the limit is {max_pixels}"),
+                None => format!(
+                    "its header declares more pixels than the decoder may allocate; the limit is {max_pixels}"
+                ),
+            },
+        ),
+        other => failed(other),
+    })?;
     let (w, h) = decoder.dimensions();
     if u64::from(w) * u64::from(h) > max_pixels || w == 0 || h == 0 {
         return Err(DecodeFailure::new(
@@ -356,6 +369,16 @@ fn decode_general(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, DecodeFailu
     let mut img = DynamicImage::from_decoder(decoder).map_err(failed)?;
     img.apply_orientation(orientation);
     Ok(to_rgb8_on_white(img))
+}
+
+/// A PNG's width and height as its header declares them (`None` for another format).
+fn png_size(bytes: &[u8]) -> Option<(u32, u32)> {
+    const SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
+    if bytes.len() < 24 || !bytes.starts_with(SIGNATURE) || &bytes[12..16] != b"IHDR" {
+        return None;
+    }
+    let word = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+    Some((word(16), word(20)))
 }
 
 /// A decoder error: `truncated` when the data ran out (an unexpected end of file anywhere in
@@ -502,6 +525,39 @@ mod tests {
         // Past the pixel limit it is still a decompression bomb, not a cut file.
         let bomb = with_declared_size(&small, 65000, 65000);
         assert_eq!(kind_of(&bomb), Some(BadFileKind::TooLarge));
+    }
+
+    #[test]
+    fn a_png_header_of_two_to_the_31_squared_is_too_large_not_corrupt() {
+        let mut bytes = Vec::new();
+        RgbImage::from_pixel(4, 4, image::Rgb([1, 2, 3]))
+            .write_to(&mut Cursor::new(&mut bytes), image::ImageFormat::Png)
+            .unwrap();
+        // IHDR's width and height, and the chunk's CRC-32 over its type and data.
+        bytes[16..20].copy_from_slice(&(1u32 << 31).to_be_bytes());
+        bytes[20..24].copy_from_slice(&(1u32 << 31).to_be_bytes());
+        let crc = bytes[12..29].iter().fold(!0u32, |mut crc, &b| {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+            crc
+        });
+        bytes[29..33].copy_from_slice(&(!crc).to_be_bytes());
+        let mut out = Pixels::default();
+        let why = decode_rgb8_into(&bytes, DEFAULT_MAX_PIXELS, &mut out).unwrap_err();
+        assert_eq!(why.kind, BadFileKind::TooLarge, "{}", why.source);
+        assert!(
+            why.source
+                .to_string()
+                .contains("2147483648x2147483648 pixels"),
+            "{}",
+            why.source
+        );
     }
 
     #[test]

@@ -25,12 +25,16 @@ pub enum PipelineError {
         source: std::io::Error,
     },
     /// The split holds no image at all.
-    #[error("split `{split}` under {root} is empty: no class folder with images (hint: expected <root>/{split}/<class>/<image files>)")]
+    #[error("split `{split}` under {root} is empty: {what} (hint: {hint})")]
     EmptySplit {
         /// The dataset root.
         root: PathBuf,
         /// The split's name.
         split: String,
+        /// What is missing ("no class folder with images").
+        what: &'static str,
+        /// What the layout in use expects.
+        hint: String,
     },
     /// A class folder has no readable image.
     #[error(
@@ -80,6 +84,16 @@ pub enum PipelineError {
         /// How many files were bad.
         bad: usize,
     },
+    /// A dataset CSV lists no image of the split asked for.
+    #[error("{file}: no image of split `{split}` (hint: {hint})")]
+    CsvSplitEmpty {
+        /// The CSV file.
+        file: PathBuf,
+        /// The split's name.
+        split: String,
+        /// What to add, for the file as it is (its split column or not, the share given).
+        hint: String,
+    },
     /// A dataset CSV that cannot be read as one.
     #[error("{file}{}: {reason} (hint: a header row with path and label columns, one row per image)", if *line > 0 { format!(" line {line}") } else { String::new() })]
     BadCsv {
@@ -109,6 +123,8 @@ pub enum PipelineError {
         first: PathBuf,
         /// What is wrong with it.
         reason: String,
+        /// Every bad file, with what is wrong with it (a caller that reports each file).
+        files: Vec<crate::BadFile>,
     },
     /// A class of a dataset CSV none of whose files in the split is a readable image.
     #[error("class `{class}` of {file} has no readable image in split `{split}` ({bad} bad files; the first, {first}) (hint: fix those files or remove the class's rows)")]
@@ -261,8 +277,11 @@ pub enum PipelineError {
         /// Steps in an epoch.
         steps: usize,
     },
+    /// A thread of the engine (a decode worker, the orchestrator) could not start.
+    #[error(transparent)]
+    Thread(#[from] crate::threads::ThreadStartError),
     /// The engine's runtime could not start.
-    #[error("cannot start the engine runtime: {source}")]
+    #[error("cannot start the engine runtime: {source} (hint: the process may have hit a limit on memory or open files: see `ulimit -v` and `ulimit -n`)")]
     Runtime {
         /// The I/O error from tokio or the OS.
         #[source]
@@ -284,6 +303,7 @@ impl PipelineError {
             bad: bad.len(),
             first: first.map(|f| f.path.clone()).unwrap_or_default(),
             reason: first.map_or(String::new(), |f| format!("{} ({})", f.kind, f.detail)),
+            files: bad.to_vec(),
         }
     }
 

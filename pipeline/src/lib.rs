@@ -77,6 +77,7 @@ mod scan;
 mod split;
 mod stats;
 pub mod synth;
+pub mod threads;
 mod worker;
 
 pub use autoaugment::{

@@ -44,26 +44,77 @@ struct Inner {
     pool: BufferPool,
     jobs: flume::Sender<Job>,
     job_capacity: usize,
-    runtime: Option<tokio::runtime::Runtime>,
+    orchestrator: Option<Orchestrator>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// How long dropping a pipeline waits for its runtime's tasks (see `Drop for Inner`).
 const RUNTIME_SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The stage tasks' runtime: a current-thread tokio runtime driven by one OS thread of the
+/// engine's own. Why not tokio's multi-thread runtime: it starts its worker inside `build()`
+/// and panics when the OS refuses that thread; this one starts through
+/// [`crate::threads::spawn`], so a refused thread is an error with a hint.
+struct Orchestrator {
+    /// Spawns the stage tasks (polled by the orchestrator thread).
+    handle: tokio::runtime::Handle,
+    /// Dropped to stop the thread, which then drops the runtime and its tasks.
+    stop: Option<flume::Sender<()>>,
+    /// Says that the runtime and every task are dropped.
+    stopped: flume::Receiver<()>,
+}
+
+impl Orchestrator {
+    fn start() -> Result<Self, PipelineError> {
+        let (stop, stop_rx) = flume::bounded::<()>(1);
+        let (stopped_tx, stopped) = flume::bounded(1);
+        let (ready_tx, ready) = flume::bounded(1);
+        // The runtime is built, run and dropped on its thread alone: a runtime dropped by a
+        // caller inside someone's async context would panic (tokio forbids blocking there).
+        crate::threads::spawn("pipeline-orchestrator", move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().build() {
+                Ok(runtime) => runtime,
+                Err(source) => {
+                    let _ = ready_tx.send(Err(source));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(runtime.handle().clone()));
+            runtime.block_on(async move {
+                let _ = stop_rx.recv_async().await;
+            });
+            // The stage tasks go with the runtime, here, outside any async context.
+            drop(runtime);
+            let _ = stopped_tx.send(());
+        })?;
+        let handle = ready
+            .recv()
+            .map_err(|_| PipelineError::Runtime {
+                source: std::io::Error::other(
+                    "the orchestrator thread ended before its runtime started",
+                ),
+            })?
+            .map_err(|source| PipelineError::Runtime { source })?;
+        Ok(Self {
+            handle,
+            stop: Some(stop),
+            stopped,
+        })
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                // Inside someone's async context blocking is forbidden (tokio panics): the
-                // tasks wind down alone and release the cache a moment later.
-                rt.shutdown_background();
-            } else {
-                // Wait until the stage tasks are dropped: they hold the mapped cache, and a
-                // caller may rewrite or delete its file as soon as the pipeline is gone (a
-                // late header write into a file cut meanwhile is a SIGBUS). The tasks never
-                // block, so this returns at once; the bound only guards a stuck allocator.
-                rt.shutdown_timeout(RUNTIME_SHUTDOWN_WAIT);
+        if let Some(mut orchestrator) = self.orchestrator.take() {
+            drop(orchestrator.stop.take());
+            // Inside someone's async context the caller must not block: the tasks wind down
+            // alone and release the cache a moment later. Elsewhere, wait until the stage
+            // tasks are dropped: they hold the mapped cache, and a caller may rewrite or
+            // delete its file as soon as the pipeline is gone (a late header write into a
+            // file cut meanwhile is a SIGBUS). The tasks never block, so this returns at
+            // once; the bound only guards a stuck allocator.
+            if tokio::runtime::Handle::try_current().is_err() {
+                let _ = orchestrator.stopped.recv_timeout(RUNTIME_SHUTDOWN_WAIT);
             }
         }
         // Closing the job channel stops the workers once queued jobs are done.
@@ -310,7 +361,7 @@ fn check_counts(b: &PipelineBuilder, images: usize) -> Result<usize, PipelineErr
 impl Pipeline {
     pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
         refuse_writes_into_dataset(&b)?;
-        let scanned = crate::scan::scan(&b.source, b.split, b.seed)?;
+        let scanned = crate::scan::scan(&b.source, b.split, b.seed, b.known_classes.as_deref())?;
         if b.on_bad_image == OnBadImage::Fail {
             if let Some(first) = scanned.bad.first() {
                 return Err(PipelineError::BadImage {
@@ -412,11 +463,7 @@ impl Pipeline {
         let job_capacity = (b.workers * 4).max(buffer_bytes / shared.image_bytes());
         let (jobs, job_rx) = flume::bounded(job_capacity);
         let threads = spawn_pool(b.workers, job_rx, b.stored_side(), b.resize_mode)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("pipeline-orchestrator")
-            .build()
-            .map_err(|source| PipelineError::Runtime { source })?;
+        let orchestrator = Orchestrator::start()?;
         Ok(Self {
             inner: Arc::new(Inner {
                 shared,
@@ -432,7 +479,7 @@ impl Pipeline {
                 pool: BufferPool::new(b.allocator, buffer_bytes),
                 jobs,
                 job_capacity,
-                runtime: Some(runtime),
+                orchestrator: Some(orchestrator),
                 threads,
             }),
         })
@@ -663,7 +710,11 @@ impl Pipeline {
             cancel: Arc::clone(&cancel),
         };
         let pool = i.pool.clone();
-        let runtime = i.runtime.as_ref().expect("runtime lives as long as Inner");
+        let runtime = &i
+            .orchestrator
+            .as_ref()
+            .expect("the orchestrator lives as long as Inner")
+            .handle;
         let planned = runtime.spawn(planner.run(start_step, steps, pool, pending_tx));
         let assembler = Assembler {
             shared: Arc::clone(&i.shared),
@@ -776,17 +827,19 @@ impl Planner {
 }
 
 impl BufferPool {
-    /// A slot without blocking the async worker: allocation (possibly pinned memory, slow)
-    /// runs on tokio's blocking pool.
+    /// A slot without blocking the orchestrator: allocation (possibly pinned memory, slow)
+    /// runs on a thread of its own (a pool allocates at most `2 × prefetch + 2` buffers, so
+    /// few such threads ever start; tokio's blocking pool would panic where the OS refuses
+    /// one).
     async fn take_async(&self) -> Result<crate::buffer::Slot, PipelineError> {
         if self.free() > 0 {
             return self.take();
         }
         let (tx, rx) = flume::bounded(1);
         let this = self.clone();
-        tokio::task::spawn_blocking(move || {
+        crate::threads::spawn("pipeline-alloc", move || {
             let _ = tx.send(this.take());
-        });
+        })?;
         rx.recv_async()
             .await
             .map_err(|_| PipelineError::Allocator {

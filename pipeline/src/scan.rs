@@ -155,7 +155,7 @@ impl DatasetSource {
     /// The class names, as a training engine on this source would number them (the train
     /// split's, sorted), without building one: a scan of the train split's listing.
     pub fn classes(&self) -> Result<Vec<String>, PipelineError> {
-        scan(self, Split::Train, 0).map(|s| s.classes)
+        scan(self, Split::Train, 0, None).map(|s| s.classes)
     }
 }
 
@@ -332,17 +332,20 @@ fn require_dir(path: &Path, hint: &'static str) -> Result<(), PipelineError> {
     }
 }
 
-/// Scans `split` of `source`. `seed` only matters for the flat layout's valid selection.
+/// Scans `split` of `source`. `seed` only matters for the flat layout's valid selection;
+/// `known` numbers the classes where the source has no training split (see
+/// [`PipelineBuilder::known_classes`](crate::PipelineBuilder::known_classes)).
 pub(crate) fn scan(
     source: &DatasetSource,
     split: Split,
     seed: u64,
+    known: Option<&[String]>,
 ) -> Result<ScannedSplit, PipelineError> {
     if let Some(root) = source.root() {
         require_dir(root, "pass the dataset root with --data")?;
     }
     match source {
-        DatasetSource::Folder { root } => scan_folder(root, split),
+        DatasetSource::Folder { root } => scan_folder(root, split, known),
         DatasetSource::Flat {
             root,
             valid_fraction,
@@ -353,7 +356,7 @@ pub(crate) fn scan(
             base,
             valid_fraction,
             rule,
-        } => scan_csv(file, base, split, *valid_fraction, *rule, seed),
+        } => scan_csv(file, base, split, *valid_fraction, *rule, seed, known),
         DatasetSource::List { classes, samples } => scan_list(classes, samples),
     }
 }
@@ -363,6 +366,8 @@ struct CsvRow {
     path: PathBuf,
     label: String,
     split: Option<Split>,
+    /// Its line in the file (the header is line 1).
+    line: u64,
 }
 
 /// The image paths a dataset CSV lists, every split (relative ones joined to `base`).
@@ -444,9 +449,75 @@ fn read_csv(file: &Path, base: &Path) -> Result<(Vec<CsvRow>, bool), PipelineErr
             },
             label: label.to_string(),
             split,
+            line,
         });
     }
     Ok((rows, split_col.is_some()))
+}
+
+/// The repeated rows of a dataset CSV warned about at most this many times (then one count).
+const WARNED_REPEATS: usize = 10;
+
+/// Warns, once per process and file, about every file a dataset CSV lists more than once:
+/// under two labels (the same image teaches two classes), in two splits (the validation
+/// scores a training image), or twice alike (it counts twice an epoch); each with its lines.
+/// The rows are used as written.
+fn warn_about_repeated_rows(file: &Path, rows: &[CsvRow], splits: &[Split]) {
+    static WARNED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    let mut by_path: std::collections::HashMap<&Path, Vec<usize>> = Default::default();
+    for (i, row) in rows.iter().enumerate() {
+        by_path.entry(row.path.as_path()).or_default().push(i);
+    }
+    let mut repeated: Vec<&Vec<usize>> = by_path.values().filter(|r| r.len() > 1).collect();
+    if repeated.is_empty() {
+        return;
+    }
+    {
+        let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+        if warned.iter().any(|f| f == file) {
+            return;
+        }
+        warned.push(file.to_path_buf());
+    }
+    repeated.sort_by_key(|r| r[0]);
+    for group in repeated.iter().take(WARNED_REPEATS) {
+        let first = &rows[group[0]];
+        let lines = |show: &dyn Fn(&CsvRow, Split) -> String| {
+            group
+                .iter()
+                .map(|&i| show(&rows[i], splits[i]))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let (what, listed) = if group.iter().any(|&i| rows[i].label != first.label) {
+            (
+                "under more than one label (the same image teaches each class)",
+                lines(&|r, _| format!("`{}` line {}", r.label, r.line)),
+            )
+        } else if group.iter().any(|&i| splits[i] != splits[group[0]]) {
+            (
+                "in more than one split (the validation scores a training image)",
+                lines(&|r, s| format!("{s} line {}", r.line)),
+            )
+        } else {
+            (
+                "more than once (the image counts that many times an epoch)",
+                lines(&|r, _| format!("line {}", r.line)),
+            )
+        };
+        tracing::warn!(
+            "{} lists {} {what}: {listed}",
+            file.display(),
+            first.path.display()
+        );
+    }
+    if repeated.len() > WARNED_REPEATS {
+        tracing::warn!(
+            "{} lists {} more files more than once (each row is used as written)",
+            file.display(),
+            repeated.len() - WARNED_REPEATS
+        );
+    }
 }
 
 fn scan_csv(
@@ -456,6 +527,7 @@ fn scan_csv(
     valid_fraction: Option<f32>,
     rule: SplitRule,
     seed: u64,
+    known: Option<&[String]>,
 ) -> Result<ScannedSplit, PipelineError> {
     if !file.is_file() {
         return Err(PipelineError::MissingDir {
@@ -465,15 +537,23 @@ fn scan_csv(
     }
     let (rows, has_split_column) = read_csv(file, base)?;
     if let Some(f) = valid_fraction {
-        if has_split_column || !(0.0..1.0).contains(&f) {
+        if has_split_column {
             return Err(PipelineError::InvalidSetting {
                 name: "--valid-fraction",
                 value: f.to_string(),
-                hint: "a fraction in [0, 1), and only for a CSV without a split column",
+                hint: "the CSV has a split column, whose rows say their split: leave --valid-fraction out (it splits a CSV without one)",
+            });
+        }
+        if !(0.0..1.0).contains(&f) {
+            return Err(PipelineError::InvalidSetting {
+                name: "--valid-fraction",
+                value: f.to_string(),
+                hint: "a fraction in [0, 1)",
             });
         }
     }
     let splits = csv_splits(&rows, base, valid_fraction, rule, seed);
+    warn_about_repeated_rows(file, &rows, &splits);
     // Held out per class, every label the rows name is a class (one left without a training
     // row is refused below); otherwise the train rows' labels are.
     let per_class = valid_fraction.is_some() && rule == SplitRule::PerClass;
@@ -485,6 +565,10 @@ fn scan_csv(
         .collect();
     classes.sort();
     classes.dedup();
+    // A split evaluated alone (no train rows) takes the trained model's classes.
+    if let (Some(known), true) = (known, split != Split::Train && classes.is_empty()) {
+        classes = known.to_vec();
+    }
     if let (Some(fraction), true) = (valid_fraction, split == Split::Train) {
         for class in &classes {
             let of_class = || rows.iter().zip(&splits).filter(|(r, _)| &r.label == class);
@@ -542,15 +626,24 @@ fn scan_csv(
         ));
     }
     if samples.is_empty() {
-        let how = if has_split_column {
-            "rows of that split"
+        // What to add, for the file as it is: never what was given already.
+        let hint = if rows.is_empty() {
+            "the file lists no image, only its header: add one row per image".to_string()
+        } else if has_split_column {
+            format!("add rows whose split is `{split}`")
+        } else if split == Split::Test {
+            "a CSV without a split column has no test rows: add a split column".to_string()
+        } else if let Some(f) = valid_fraction {
+            format!(
+                "--valid-fraction {f} holds out round(F × n) of a label's n rows, at least one of two: every label here has one row or F is too small; a larger --valid-fraction, or more rows"
+            )
         } else {
-            "a split column, or --valid-fraction to hold out a share of the rows"
+            "add a split column, or give --valid-fraction F to hold out a share of each label's rows".to_string()
         };
-        return Err(PipelineError::BadCsv {
+        return Err(PipelineError::CsvSplitEmpty {
             file: file.to_path_buf(),
-            line: 0,
-            reason: format!("no image of split `{split}`; add {how}"),
+            split: split.to_string(),
+            hint,
         });
     }
     Ok(ScannedSplit {
@@ -591,25 +684,39 @@ fn scan_list(classes: &[String], list: &[(PathBuf, u32)]) -> Result<ScannedSplit
     })
 }
 
-fn scan_folder(root: &Path, split: Split) -> Result<ScannedSplit, PipelineError> {
+fn scan_folder(
+    root: &Path,
+    split: Split,
+    known: Option<&[String]>,
+) -> Result<ScannedSplit, PipelineError> {
     let train_dir = root.join(Split::Train.as_str());
-    require_dir(
-        &train_dir,
-        "the folder layout needs <root>/train/<class>/ (the class index comes from it); a flat <root>/<class>/ folder needs a validation share: --valid-fraction F (DatasetSource::flat)",
-    )?;
-    let train_classes = class_dirs(&train_dir)?;
-    let classes = names(&train_classes);
     let split_dir = root.join(split.as_str());
-    require_dir(&split_dir, "expected <root>/{train,valid,test}/<class>/")?;
-    let split_classes = if split == Split::Train {
-        train_classes
-    } else {
-        class_dirs(&split_dir)?
+    // A split evaluated alone takes the trained model's classes.
+    let alone = split != Split::Train && !train_dir.is_dir() && split_dir.is_dir();
+    let (classes, split_classes) = match known {
+        Some(known) if alone => (known.to_vec(), class_dirs(&split_dir)?),
+        _ => {
+            require_dir(
+                &train_dir,
+                "the folder layout needs <root>/train/<class>/ (the class index comes from it); a flat <root>/<class>/ folder needs a validation share: --valid-fraction F",
+            )?;
+            let train_classes = class_dirs(&train_dir)?;
+            let classes = names(&train_classes);
+            require_dir(&split_dir, "expected <root>/{train,valid,test}/<class>/")?;
+            let split_classes = if split == Split::Train {
+                train_classes
+            } else {
+                class_dirs(&split_dir)?
+            };
+            (classes, split_classes)
+        }
     };
     if split_classes.is_empty() {
         return Err(PipelineError::EmptySplit {
             root: root.to_path_buf(),
             split: split.to_string(),
+            what: "no class folder with images",
+            hint: format!("expected <root>/{split}/<class>/<image files>"),
         });
     }
     let mut samples = Vec::new();
@@ -703,6 +810,8 @@ fn scan_flat(
         return Err(PipelineError::EmptySplit {
             root: root.to_path_buf(),
             split: split.to_string(),
+            what: "no class folder with images",
+            hint: "a flat dataset (--valid-fraction) is <root>/<class>/<image files>: one folder per class; images straight in the root have no class".into(),
         });
     }
     let want_valid = split == Split::Valid;
@@ -756,6 +865,10 @@ fn scan_flat(
         return Err(PipelineError::EmptySplit {
             root: root.to_path_buf(),
             split: split.to_string(),
+            what: "no image held out",
+            hint: format!(
+                "--valid-fraction {valid_fraction} holds out round(F × n) of a class's n files, at least one of two: every class here has one file or F is too small; a larger --valid-fraction, or more images"
+            ),
         });
     }
     Ok(ScannedSplit {

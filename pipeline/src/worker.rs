@@ -278,22 +278,20 @@ pub(crate) fn spawn_pool(
     (0..workers)
         .map(|i| {
             let jobs = jobs.clone();
-            std::thread::Builder::new()
-                .name(format!("pipeline-decode-{i}"))
-                .spawn(move || {
-                    let mut scratch = Scratch {
-                        resizer: SquareResizer::new(stored_side, mode),
-                        bytes: Vec::new(),
-                        pixels: Pixels::default(),
-                        record: Vec::new(),
-                        image: Vec::new(),
-                        augment: AugmentScratch::default(),
-                    };
-                    while let Ok(job) = jobs.recv() {
-                        run(job, &mut scratch);
-                    }
-                })
-                .map_err(|source| PipelineError::Runtime { source })
+            crate::threads::spawn(format!("pipeline-decode-{i}"), move || {
+                let mut scratch = Scratch {
+                    resizer: SquareResizer::new(stored_side, mode),
+                    bytes: Vec::new(),
+                    pixels: Pixels::default(),
+                    record: Vec::new(),
+                    image: Vec::new(),
+                    augment: AugmentScratch::default(),
+                };
+                while let Ok(job) = jobs.recv() {
+                    run(job, &mut scratch);
+                }
+            })
+            .map_err(PipelineError::from)
         })
         .collect()
 }

@@ -37,6 +37,9 @@ pub enum BackendError {
         /// The first element out of tolerance.
         detail: String,
     },
+    /// A thread of the backend's pool could not start (a limit on threads or memory).
+    #[error(transparent)]
+    Thread(#[from] pipeline::threads::ThreadStartError),
     /// A device/driver/kernel failure, with the underlying error.
     #[error("{op}: device error: {source}")]
     Device {

@@ -138,6 +138,14 @@ pub struct BnForward<'a, T> {
     pub momentum: f32,
     /// Variance epsilon (torch: 1e-5).
     pub eps: f32,
+    /// `Train` only: the batch statistics of `x` already reduced, as [`Backend::conv_forward_moments`]
+    /// leaves them (f32, `3·channels`: every channel's mean, then its M2 = Σ(x − mean)², then
+    /// its row count); the op then reads them instead of `x` to normalise with and to advance
+    /// the running statistics (the unbiased variance divides by count − 1). The one interface
+    /// between the statistics and the normalisation, so moments merged over replicas (Chan's
+    /// combination, for synchronised batch norm) may stand in for the local ones. `None`: the
+    /// op reduces `x` itself.
+    pub moments: Option<&'a T>,
 }
 
 /// Inputs of the fused batch-norm backward (inverse of [`BnForward`]).
@@ -169,6 +177,36 @@ pub struct BnBackward<'a, T> {
     /// Gradient of γ (overwritten).
     pub dgamma: &'a mut T,
     /// Gradient of β (overwritten).
+    pub dbeta: &'a mut T,
+    /// The incoming gradient is already finished ([`Backend::conv_backward_data_bn`]): `dy`
+    /// holds g, the gradient at the normalisation's output (every contribution summed, the
+    /// ReLU's mask applied), and `dgamma`, `dbeta` already hold Σg·x̂ and Σg. The op then
+    /// neither masks nor reduces: it writes `dx` (and the residual's gradient, g) from them.
+    pub prepared: bool,
+}
+
+/// The batch norm whose output a convolution reads, for [`Backend::conv_backward_data_bn`]:
+/// the data gradient of that convolution is the last contribution to the batch norm's
+/// incoming gradient, so its epilogue can finish that gradient and reduce it.
+#[derive(Debug)]
+pub struct BnGradEpilogue<'a, T> {
+    /// The batch norm's input (for x̂), shaped as the convolution's input.
+    pub x: &'a T,
+    /// The batch norm's output (the convolution's input): its sign is the ReLU's mask.
+    pub y: &'a T,
+    /// Whether the batch norm applied a ReLU.
+    pub relu: bool,
+    /// Its saved mean (the statistics it normalised with).
+    pub saved_mean: &'a T,
+    /// Its saved inverse standard deviation.
+    pub saved_invstd: &'a T,
+    /// A gradient added before the mask: the batch norm's output reaches a residual add too,
+    /// whose gradient (the consumer's g) is not in `dx`. `None` when `dx` has every other
+    /// contribution (or there is none).
+    pub residual_grad: Option<&'a T>,
+    /// Receives Σg·x̂ per channel (overwritten): the batch norm's γ gradient.
+    pub dgamma: &'a mut T,
+    /// Receives Σg per channel (overwritten): its β gradient.
     pub dbeta: &'a mut T,
 }
 
@@ -270,6 +308,41 @@ pub trait Backend: Send {
         x: &Self::Tensor,
         dy: &Self::Tensor,
         dw: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Whether a network on this backend should run batch norm fused into the convolutions
+    /// around it: [`Backend::conv_forward_moments`] for the statistics and
+    /// [`Backend::conv_backward_data_bn`] for the backward reductions (the CUDA backend's
+    /// `BIRDTRAIN_BN_FUSION`). Both ops work whatever this says (a backend without fused
+    /// kernels composes them from its other ops); it only chooses the sequence. No default: a
+    /// backend that wraps another must pass this on.
+    fn bn_fusion(&self) -> bool;
+
+    /// `y = conv(x, w)` as [`Backend::conv_forward`], and the batch statistics of `y` in
+    /// `moments` (`3·c_out` values: the layout of [`BnForward::moments`]), for the batch norm
+    /// in training mode that reads `y`.
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        y: &mut Self::Tensor,
+        moments: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// The data gradient of a convolution whose input is the output of a batch norm, finished
+    /// for that batch norm's backward: `dx = [y > 0]·(dgrad(dy, w) [+ dx] [+ residual_grad])`
+    /// (the mask only with `bn.relu`; `dx` added with `accumulate`), each sum rounded to the
+    /// storage type in that order, and its reductions Σdx·x̂ into `bn.dgamma` and Σdx into
+    /// `bn.dbeta`. The batch norm's backward then runs with [`BnBackward::prepared`].
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &Self::Tensor,
+        w: &Self::Tensor,
+        dx: &mut Self::Tensor,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, Self::Tensor>,
     ) -> Result<(), BackendError>;
 
     /// Fused batch norm (+ residual add) (+ ReLU), see [`BnForward`].

@@ -36,7 +36,7 @@ pub struct BenchPipelineArgs {
     /// from its stored square.
     #[arg(long, value_name = "S")]
     pub store_size: Option<u32>,
-    /// Decode workers (default: available cores).
+    /// Decode workers (default, or 0: the available cores).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
     /// Pixel cache folder.
@@ -124,7 +124,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<(), CliError> {
     opts.cache_dir = args.cache_dir.clone();
     opts.seed = args.seed;
     opts.prefetch = args.prefetch;
-    if let Some(w) = args.workers {
+    if let Some(w) = args.workers.filter(|&w| w > 0) {
         opts.workers = w;
     }
     opts.crop = engine_crop(&args)?;

@@ -19,7 +19,8 @@ pub struct EvalArgs {
     /// Dataset root, or its CSV file (the layout used for training).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
-    /// Split to evaluate: valid or test (or train).
+    /// Split to evaluate: valid or test (or train). A test/ folder without train/, or a CSV
+    /// of test rows only, is evaluated with the checkpoint's classes.
     #[arg(long, value_name = "valid|test", default_value = "valid")]
     pub split: String,
     /// Flat layout (or a CSV file without a split column): the validation share [default:
@@ -29,7 +30,7 @@ pub struct EvalArgs {
     /// Images per batch.
     #[arg(long, value_name = "B", default_value_t = 64)]
     pub batch_size: usize,
-    /// Decode workers (default: available cores).
+    /// Decode workers (default, or 0: the available cores).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
     /// Pixel cache folder.
@@ -150,13 +151,16 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     // come (a --batch-size beyond the split would otherwise allocate for images never seen).
     let meta = CheckpointMeta::load_weights_only(&args.checkpoint).map_err(TrainError::from)?;
     let crop_pct = crop_pct_for(args.crop_pct, &meta)?;
-    let (valid_fraction, seed) = split_settings(&args, &meta)?;
+    let (valid_fraction, seed) = split_settings(&args, split, &meta)?;
     // The checkpoint's split rule: a run trained before per-class splitting is scored on the
     // images it held out then.
     let source = pipeline::DatasetSource::at(&args.data, valid_fraction)
         .with_split_rule(meta.settings.split_rule());
     let mut b = PipelineBuilder::new(source)
         .split(split)
+        // A test set alone (a folder without train/, a CSV without train rows) is numbered
+        // by the checkpoint's classes.
+        .known_classes(meta.classes.clone())
         .image_size(meta.image_size)
         .store_size(meta.settings.store_size)
         .resize_mode(meta.settings.resize_mode)
@@ -165,7 +169,7 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
         .batch_size(args.batch_size)
         .center_crop(Some(crop_pct))
         .shuffle(false);
-    if let Some(w) = args.workers {
+    if let Some(w) = args.workers.filter(|&w| w > 0) {
         b = b.workers(w);
     }
     if let Some(c) = &args.cache_dir {
@@ -210,13 +214,37 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
 /// out. Flags that differ from the checkpoint's are taken, with one warning (that split is
 /// not training's and may hold training images); a flat folder with no share known is an
 /// error that says how to give one.
-fn split_settings(args: &EvalArgs, meta: &CheckpointMeta) -> Result<(Option<f32>, u64), CliError> {
+fn split_settings(
+    args: &EvalArgs,
+    split: Split,
+    meta: &CheckpointMeta,
+) -> Result<(Option<f32>, u64), CliError> {
     let seed = args.seed.unwrap_or(meta.seed);
     // The folder layout's train/ implies a folder; it holds its own valid/ split.
     if args.data.join("train").is_dir() {
-        return Ok((args.valid_fraction, seed));
+        if let Some(f) = args.valid_fraction {
+            return Err(CliError::BadValue {
+                flag: "--valid-fraction",
+                value: f.to_string(),
+                hint: format!(
+                    "{} has a train/ folder, so its {split}/ folder is the split evaluated; --valid-fraction is for flat <class>/<images> folders",
+                    args.data.display()
+                ),
+            });
+        }
+        return Ok((None, seed));
     }
     let trained = meta.settings.valid_fraction;
+    // A split folder alone (test/ without train/): the folder layout, numbered by the
+    // checkpoint's classes. A flat layout has no test split, so test/ is never its class;
+    // valid/ is read so only when training had no flat split.
+    let alone = args.data.is_dir() && args.data.join(split.as_str()).is_dir();
+    if alone
+        && args.valid_fraction.is_none()
+        && (split == Split::Test || (split == Split::Valid && trained.is_none()))
+    {
+        return Ok((None, seed));
+    }
     let fraction = args.valid_fraction.or(trained);
     if fraction.is_none() {
         if args.data.is_dir() {
@@ -266,7 +294,7 @@ fn predictions_jsonl(pipe: &pipeline::Pipeline, classes: &[String], r: &EvalRepo
             "path": path,
             "label": classes[s.label as usize],
             "predicted": classes[s.predicted as usize],
-            "probability": s.probability,
+            "probability": as_given(s.probability),
             "correct": s.label == s.predicted,
         });
         out += &line.to_string();
@@ -290,6 +318,12 @@ fn confusion_csv(classes: &[String], r: &EvalReport) -> Result<Vec<u8>, CliError
         .map_err(|e| CliError::Other(anyhow::anyhow!("confusion matrix: {e}")))
 }
 
+/// An `f32` setting as it was written (`0.01`), not its binary value widened to f64
+/// (`0.009999999776482582`): the shortest decimal that reads back as the same f32.
+pub(crate) fn as_given(value: f32) -> f64 {
+    value.to_string().parse().unwrap_or(f64::from(value))
+}
+
 /// What `birdtrain eval --json` prints.
 pub fn eval_json(
     model: &str,
@@ -311,9 +345,9 @@ pub fn eval_json(
         "model": model,
         "split": split,
         "tta": input.views == Views::WithMirror,
-        "crop_pct": input.crop_pct,
+        "crop_pct": as_given(input.crop_pct),
         "ema": input.weights == Weights::MovingAverage,
-        "label_smoothing": input.label_smoothing,
+        "label_smoothing": as_given(input.label_smoothing),
         "images": r.totals.count,
         "loss": t.loss,
         "accuracy": t.accuracy,

@@ -81,7 +81,7 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
         "lr-find: {} steps, lr {:e} to {:e} in --lr's units (for a global batch of 256), each step's training loss recorded",
         range.steps, range.start, range.end
     );
-    let stop = install_stop_signals("writing the sweep so far");
+    let stop = install_stop_signals("writing the sweep so far")?;
     let outcome = train::train(&cfg, &stop.flag)?;
     // Every node holds the same sweep; node 0 writes and reports it.
     if outcome.writer {
@@ -202,11 +202,7 @@ pub fn report(
             );
         }
         None => {
-            let _ = writeln!(
-                s,
-                "no suggestion: {} points are too few (the first 10 and the last are left out); lower --start-lr or --end-lr (the loss diverged early), or raise --num-steps",
-                points.len()
-            );
+            let _ = writeln!(s, "no suggestion: {}", LrTrace::no_suggestion(points));
         }
     }
     let _ = writeln!(

@@ -28,11 +28,11 @@ pub struct PredictArgs {
     /// Images per batch.
     #[arg(long, value_name = "B", default_value_t = 64)]
     pub batch_size: usize,
-    /// Decode workers (default: available cores).
+    /// Decode workers (default, or 0: the available cores).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
-    /// A file that is no readable image: fail (stop, naming it) or skip (report it, classify
-    /// the others).
+    /// A file that is no readable image (or a link loop in a folder): fail (stop, naming it)
+    /// or skip (report it, classify the others).
     #[arg(long, value_name = "fail|skip", default_value = "fail")]
     pub on_bad_image: String,
     /// Test-time augmentation: classify each image and its mirror image and average the
@@ -76,7 +76,37 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
         value: args.on_bad_image.clone(),
         hint: "expected fail or skip".into(),
     })?;
-    let images = expand(&args.images)?;
+    let listed = expand(&args.images, on_bad_image)?;
+    let images: Vec<PathBuf> = listed
+        .iter()
+        .filter_map(|l| match l {
+            Listed::File(path) => Some(path.clone()),
+            Listed::Skipped(..) => None,
+        })
+        .collect();
+    let print = |p: &Prediction| {
+        if args.json {
+            outln!("{}", json_line(p));
+        } else {
+            out!("{}", text_lines(p));
+        }
+    };
+    if images.is_empty() {
+        // Every entry is a link loop skipped: each is reported, and nothing is classified.
+        for l in &listed {
+            if let Listed::Skipped(path, reason) = l {
+                print(&Prediction {
+                    path: path.clone(),
+                    top: Err(reason.clone()),
+                });
+            }
+        }
+        return Err(CliError::BadValue {
+            flag: "IMAGE",
+            value: args.images[0].display().to_string(),
+            hint: "no file to classify: every entry is a link loop (listed above)".into(),
+        });
+    }
     let mut model = load_weights_for_inference(
         &args.checkpoint,
         args.batch_size.min(images.len()),
@@ -84,39 +114,60 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
     )?;
     let opts = PredictOptions {
         top_k: args.top_k,
-        workers: args.workers,
+        workers: args.workers.filter(|&w| w > 0),
         on_bad_image,
         views: Views::from_tta(args.tta),
         crop_pct: super::eval::crop_pct_for(args.crop_pct, &model.meta)?,
     };
     // Each answer is printed as its batch is classified: a list cut short keeps what was done.
+    // The entries the listing skipped (link loops) are printed in their place.
     let mut skipped = 0;
-    predict_each(&mut model, &images, &opts, |p| {
-        skipped += usize::from(p.top.is_err());
-        if args.json {
-            outln!("{}", json_line(&p));
-        } else {
-            out!("{}", text_lines(&p));
+    let mut pending = listed.iter().peekable();
+    let print_skipped_before = |pending: &mut std::iter::Peekable<std::slice::Iter<'_, Listed>>,
+                                skipped: &mut usize| {
+        while let Some(Listed::Skipped(path, reason)) = pending.peek() {
+            *skipped += 1;
+            print(&Prediction {
+                path: path.clone(),
+                top: Err(reason.clone()),
+            });
+            pending.next();
         }
+    };
+    predict_each(&mut model, &images, &opts, |p| {
+        print_skipped_before(&mut pending, &mut skipped);
+        pending.next();
+        skipped += usize::from(p.top.is_err());
+        print(&p);
     })?;
+    print_skipped_before(&mut pending, &mut skipped);
     if skipped > 0 {
         eprintln!(
             "warning: {skipped} of {} files skipped: not readable images (listed above)",
-            images.len()
+            listed.len()
         );
     }
     Ok(())
 }
 
+/// An entry of the listing: a file to classify, or one skipped with its reason (a link
+/// loop, with `--on-bad-image skip`).
+enum Listed {
+    File(PathBuf),
+    Skipped(PathBuf, String),
+}
+
 /// The files to classify: each file as given, each folder's files walked in sorted order.
-fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
+/// With `--on-bad-image skip`, a link loop in a folder is listed as skipped (training skips
+/// such an entry too); with `fail` it is an error naming it.
+fn expand(args: &[PathBuf], on_bad_image: OnBadImage) -> Result<Vec<Listed>, CliError> {
     const HINT: &str = "predict takes image files or folders of them";
     let mut files = Vec::new();
     for arg in args {
         match super::paths::kind_of(arg) {
             Some("a folder") => {
                 let before = files.len();
-                walk(arg, &mut files)?;
+                walk(arg, on_bad_image, &mut files)?;
                 if files.len() == before {
                     return Err(CliError::BadValue {
                         flag: "IMAGE",
@@ -127,10 +178,10 @@ fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
             }
             // A broken link named on the command line is a bad file like one in a folder
             // (--on-bad-image decides), not a mistyped path.
-            None if arg.symlink_metadata().is_ok() => files.push(arg.clone()),
+            None if arg.symlink_metadata().is_ok() => files.push(Listed::File(arg.clone())),
             _ => {
                 super::paths::expect_file(arg, HINT)?;
-                files.push(arg.clone());
+                files.push(Listed::File(arg.clone()));
             }
         }
     }
@@ -138,9 +189,10 @@ fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
 }
 
 /// The non-hidden files under `dir`, sorted by name at each level; links are followed (a
-/// loop is an error naming it). A broken link is listed like a file: classifying it fails
-/// as for any unreadable file, so `--on-bad-image` decides (skip reports it, fail names it).
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
+/// loop is skipped or an error naming it, as `on_bad_image` says). A broken link is listed
+/// like a file: classifying it fails as for any unreadable file, so `--on-bad-image` decides
+/// (skip reports it, fail names it).
+fn walk(dir: &Path, on_bad_image: OnBadImage, out: &mut Vec<Listed>) -> Result<(), CliError> {
     let hidden =
         |e: &walkdir::DirEntry| e.depth() > 0 && e.file_name().as_encoded_bytes()[0] == b'.';
     let entries = walkdir::WalkDir::new(dir)
@@ -151,20 +203,39 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), CliError> {
     for entry in entries {
         if let Err(e) = &entry {
             if let Some(link) = broken_link(e) {
-                out.push(link);
+                out.push(Listed::File(link));
+                continue;
+            }
+            if let (Some(ancestor), Some(path), OnBadImage::Skip) =
+                (e.loop_ancestor(), e.path(), on_bad_image)
+            {
+                out.push(Listed::Skipped(
+                    path.to_path_buf(),
+                    format!(
+                        "a link loop: it leads back to {}",
+                        printable(&ancestor.to_string_lossy())
+                    ),
+                ));
                 continue;
             }
         }
         let entry = entry.map_err(|e| {
             let path = e.path().unwrap_or(dir).to_path_buf();
+            let source = if e.loop_ancestor().is_some() {
+                std::io::Error::other(format!(
+                    "{e} (hint: remove the link, or --on-bad-image skip passes over it)"
+                ))
+            } else {
+                e.into()
+            };
             TrainError::Io {
                 path,
                 what: "list",
-                source: e.into(),
+                source,
             }
         })?;
         if !entry.file_type().is_dir() {
-            out.push(entry.into_path());
+            out.push(Listed::File(entry.into_path()));
         }
     }
     Ok(())
@@ -206,7 +277,9 @@ fn json_line(p: &Prediction) -> String {
             "path": path,
             "top": top
                 .iter()
-                .map(|(class, prob)| serde_json::json!({"class": class, "probability": prob}))
+                .map(|(class, prob)| {
+                    serde_json::json!({"class": class, "probability": super::eval::as_given(*prob)})
+                })
                 .collect::<Vec<_>>(),
         }),
         Err(reason) => serde_json::json!({"path": path, "error": reason}),

@@ -188,10 +188,11 @@ pub struct TrainArgs {
     /// Stored and training image size S (images become S×S).
     #[arg(long, value_name = "S")]
     pub image_size: Option<u32>,
-    /// Decode workers (default: available cores, shared among torchrun's LOCAL_WORLD_SIZE).
+    /// Decode workers (default, or 0: the available cores, shared among torchrun's
+    /// LOCAL_WORLD_SIZE).
     #[arg(long, value_name = "W")]
     pub workers: Option<usize>,
-    /// CPU backend threads (default: available cores).
+    /// CPU backend threads (default, or 0: one per available core).
     #[arg(long, value_name = "T")]
     pub threads: Option<usize>,
     /// Pixel cache folder (default: the per-user cache folder).
@@ -299,7 +300,8 @@ pub struct TrainArgs {
     /// No augmentation: the same as --augment none.
     #[arg(long)]
     pub no_augment: bool,
-    /// Start from these weights (torchvision names); the head is replaced if classes differ.
+    /// Start from these weights (torchvision names); a new class head when the file's has
+    /// another class count or it has none (a backbone alone), said at the start.
     #[arg(long, value_name = "FILE")]
     pub init_from: Option<PathBuf>,
     /// Start every residual block as the identity: the γ of its last batch norm at 0
@@ -330,7 +332,8 @@ pub struct TrainArgs {
     /// interrupted epoch on the new set instead of refusing.
     #[arg(long)]
     pub allow_data_change: bool,
-    /// Replace the run already in --out (its checkpoint and metrics) instead of refusing.
+    /// Replace the run already in --out instead of refusing: its files (checkpoint, weights,
+    /// metrics, best/, report) are deleted, all at once, before the new run starts.
     #[arg(long)]
     pub overwrite: bool,
     /// Also save a checkpoint every N optimizer steps inside an epoch (a killed run loses at
@@ -551,7 +554,7 @@ pub(crate) fn config_for(
     }
     set_plateau(&mut cfg.schedule, args)?;
     set_step(&mut cfg.schedule, args)?;
-    if let Some(v) = args.workers {
+    if let Some(v) = args.workers.filter(|&w| w > 0) {
         cfg.workers = v;
     } else if plan.local_processes > 1 {
         cfg.workers = plan.default_workers(pipeline::limits::cores());
@@ -740,6 +743,17 @@ pub(crate) fn config_for(
         cfg.best_rule.min_delta = v;
     }
     cfg.progress = !args.quiet;
+    if let (Some(meta), Some(run), true) = (&resumed, &args.resume, look) {
+        let changed = resume_overrides(meta, &cfg);
+        if !changed.is_empty() {
+            // As for another batch size: said once, and the values given are used.
+            tracing::warn!(
+                "resuming {} with {}: the values given win from here on (leave the flags out to keep the checkpoint's)",
+                run.display(),
+                changed.join(", ")
+            );
+        }
+    }
     if resumed.is_none() {
         cfg.out = match &args.out {
             Some(out) => out.clone(),
@@ -773,6 +787,52 @@ pub(crate) fn config_for(
         });
     }
     Ok((cfg, note))
+}
+
+/// The settings of `cfg` that differ from the checkpoint `meta` a run resumes, as
+/// "--lr 0.1 (the checkpoint's: 0.8)": the flags given again with other values.
+fn resume_overrides(meta: &CheckpointMeta, cfg: &TrainConfig) -> Vec<String> {
+    let mut saved = TrainConfig::new(&cfg.data);
+    saved.apply_settings(&meta.settings);
+    let mut changed = Vec::new();
+    let mut differ = |flag: &str, now: String, then: String| {
+        if now != then {
+            changed.push(format!("{flag} {now} (the checkpoint's: {then})"));
+        }
+    };
+    differ("--seed", cfg.seed.to_string(), meta.seed.to_string());
+    differ("--lr", cfg.lr.to_string(), saved.lr.to_string());
+    differ(
+        "--augment",
+        cfg.augment.as_str().to_string(),
+        saved.augment.as_str().to_string(),
+    );
+    differ(
+        "--mixup",
+        cfg.mix.mixup.to_string(),
+        saved.mix.mixup.to_string(),
+    );
+    differ(
+        "--cutmix",
+        cfg.mix.cutmix.to_string(),
+        saved.mix.cutmix.to_string(),
+    );
+    differ(
+        "--sampler",
+        cfg.sampler.as_str().to_string(),
+        saved.sampler.as_str().to_string(),
+    );
+    differ(
+        "--label-smoothing",
+        cfg.label_smoothing.to_string(),
+        saved.label_smoothing.to_string(),
+    );
+    differ(
+        "--freeze-bn",
+        cfg.freeze_bn.to_string(),
+        saved.freeze_bn.to_string(),
+    );
+    changed
 }
 
 /// `--batch-size`: images per replica, or `auto`.
@@ -814,7 +874,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode, CliError> {
     for note in plan.overrides.iter().chain(&restart).chain(&note) {
         outln!("{note}");
     }
-    let stop = install_stop_signals("saving a checkpoint");
+    let stop = install_stop_signals("saving a checkpoint")?;
     let outcome = train::train(&cfg, &stop.flag)?;
     match stop.signal() {
         Some(signal) if outcome.interrupted => Ok(ExitCode::from(128 + signal as u8)),
@@ -963,8 +1023,9 @@ impl StopSignals {
 
 /// Installs the handlers of SIGINT and SIGTERM (what Slurm, Kubernetes and systemd send before
 /// they kill): the first one sets the stop flag, a second one exits at once. `finishing` says
-/// what the command does before it exits ("saving a checkpoint").
-pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
+/// what the command does before it exits ("saving a checkpoint"). A thread the OS refuses
+/// is an error (the run would not stop cleanly).
+pub(crate) fn install_stop_signals(finishing: &'static str) -> Result<StopSignals, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let stop = StopSignals {
         flag: Arc::new(AtomicBool::new(false)),
@@ -973,7 +1034,7 @@ pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
     let (flag, received) = (stop.flag.clone(), stop.received.clone());
     match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
         Ok(mut signals) => {
-            std::thread::spawn(move || {
+            let started = pipeline::threads::spawn("stop-signals", move || {
                 for signal in signals.forever() {
                     let name = if signal == SIGTERM {
                         "SIGTERM"
@@ -990,10 +1051,13 @@ pub(crate) fn install_stop_signals(finishing: &'static str) -> StopSignals {
                     eprintln!("\n{name}: finishing this step, {finishing}, then exiting ({name} again to quit now)");
                 }
             });
+            if let Err(e) = started {
+                return Err(TrainError::from(e).into());
+            }
         }
         Err(e) => tracing::warn!(
             "signal handlers not installed ({e}); Ctrl-C and SIGTERM will stop at once, without {finishing}"
         ),
     }
-    stop
+    Ok(stop)
 }

@@ -15,8 +15,8 @@ use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, BnSyncBackward, ConvShape,
-    DeviceSums, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnShape, BnSyncBackward,
+    ConvShape, DeviceSums, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
 };
 use crate::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -235,6 +235,9 @@ pub struct CudaBackend {
     conv: ConvVersion,
     /// What the v2 tile choice models.
     limits: GpuLimits,
+    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION=1`,
+    /// off by default, [`bn_fused`]); it takes the v2 kernels.
+    bn_fusion: bool,
     /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
     conv2: Arc<Mutex<Conv2Scratch>>,
     work: Arc<Mutex<Workspace>>,
@@ -350,6 +353,11 @@ macro_rules! launch {
     }};
 }
 
+// After the macro, which it uses.
+#[path = "bn_fused.rs"]
+mod bn_fused;
+pub use bn_fused::{bn_fusion_from_env, parse_bn_fusion, BN_FUSION_ENV};
+
 impl CudaBackend {
     /// The backend on device `ordinal`; kernels compile (or load from the disk cache) now.
     pub fn new(ordinal: usize) -> Result<CudaBackend, CudaError> {
@@ -371,6 +379,7 @@ impl CudaBackend {
             dev,
             sms,
             conv: ConvVersion::from_env()?,
+            bn_fusion: bn_fusion_from_env()?,
             limits: GpuLimits {
                 sms: sms as usize,
                 smem_per_sm,
@@ -1213,6 +1222,34 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn bn_fusion(&self) -> bool {
+        // The epilogues are v2 kernels; with v1 the fused ops would only compose the passes.
+        self.bn_fusion && self.conv == ConvVersion::V2
+    }
+
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        moments: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.fused_conv_forward_moments(s, x, w, y, moments)
+    }
+
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &CudaTensor,
+        w: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, CudaTensor>,
+    ) -> Result<(), BackendError> {
+        self.fused_conv_backward_data_bn(s, dy, w, dx, accumulate, bn)
+    }
+
     fn bn_forward(&self, a: BnForward<'_, CudaTensor>) -> Result<(), BackendError> {
         let op = "bn_forward";
         let (rows, c) = (a.shape.rows, a.shape.channels);
@@ -1249,8 +1286,14 @@ impl Backend for CudaBackend {
             let invstd = a.saved_invstd.f32_mut(op, "saved_invstd")?;
             let run_mean = a.running_mean.f32_mut(op, "running_mean")?;
             let run_var = a.running_var.f32_mut(op, "running_var")?;
-            match a.mode {
-                BnMode::Train => {
+            match (a.mode, a.moments) {
+                (BnMode::Train, Some(moments)) => {
+                    // Fused: the convolution's epilogue reduced x already.
+                    self.finalize_moments(
+                        op, moments, c, a.eps, a.momentum, mean, invstd, run_mean, run_var,
+                    )?;
+                }
+                (BnMode::Train, None) => {
                     let (per, slabs) = self.slabs(rows);
                     let mut work = self.work();
                     let w = &mut *work;
@@ -1285,7 +1328,7 @@ impl Backend for CudaBackend {
                         ]
                     );
                 }
-                BnMode::Frozen | BnMode::Eval => {
+                (BnMode::Frozen | BnMode::Eval, _) => {
                     let eps = a.eps;
                     launch!(
                         self,
@@ -1372,7 +1415,8 @@ impl Backend for CudaBackend {
             check_len(op, name, len, c)?;
         }
         let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
-        let relu = i32::from(a.relu);
+        // Prepared (bn_fused): dy is g already, masked; dgamma and dbeta are its reductions.
+        let relu = i32::from(a.relu && !a.prepared);
         let (x, y, dy) = (a.x.bf16(op, "x")?, a.y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
         let (mean, invstd) = (
             a.saved_mean.f32(op, "saved_mean")?,
@@ -1384,7 +1428,7 @@ impl Backend for CudaBackend {
             to_i32(op, "rows per slab", per)?,
             to_i32(op, "slabs", slabs)?,
         );
-        {
+        if !a.prepared {
             let mut work = self.work();
             let w = &mut *work;
             ensure(&self.dev, &mut w.f32a, slabs * c, op)?;
@@ -1402,7 +1446,7 @@ impl Backend for CudaBackend {
                 cfg,
                 [dy, y, x, mean, invstd, &rows_i, &c_i, &per_i, &relu, &mut *pb, &mut *pg]
             );
-            self.note_work(2 * rows * c * (2 + usize::from(a.relu)), 0.0);
+            self.note_work(2 * rows * c * (2 + relu as usize), 0.0);
             let dbeta = a.dbeta.f32_mut(op, "dbeta")?;
             let dgamma = a.dgamma.f32_mut(op, "dgamma")?;
             launch!(
@@ -1458,7 +1502,7 @@ impl Backend for CudaBackend {
                     ]
                 );
                 self.note_work(
-                    2 * rows * c * (4 + usize::from(a.relu) + usize::from(acc == 1)),
+                    2 * rows * c * (4 + relu as usize + usize::from(acc == 1)),
                     0.0,
                 );
             }
@@ -1488,7 +1532,7 @@ impl Backend for CudaBackend {
                         &acc
                     ]
                 );
-                self.note_work(2 * rows * c * (3 + usize::from(a.relu)), 0.0);
+                self.note_work(2 * rows * c * (3 + relu as usize), 0.0);
             }
         }
         Ok(())
@@ -2124,8 +2168,14 @@ mod tests {
 
     #[test]
     fn every_launch_passes_as_many_arguments_as_its_kernel_takes() {
-        let source = include_str!("backend.rs");
-        let body = &source[..source.find("#[cfg(test)]").unwrap()];
+        let backend = include_str!("backend.rs");
+        let fused = include_str!("bn_fused.rs");
+        let source = format!(
+            "{}{}",
+            &backend[..backend.find("#[cfg(test)]").unwrap()],
+            &fused[..fused.find("#[cfg(test)]").unwrap()]
+        );
+        let body = source.as_str();
         let mut launches = 0;
         for (at, _) in body.match_indices("launch!(") {
             // launch!(self, op, file, kernel, cfg, [args...])
@@ -2153,6 +2203,21 @@ mod tests {
                     names.extend(
                         crate::cuda::conv::V2_GEMM_KERNELS
                             .iter()
+                            .map(|k| k.to_string()),
+                    );
+                }
+                if stmt.contains("bn_epilogue_kernel") {
+                    // A v2 GEMM with a batch-norm epilogue (bn_fused.rs), of the pass its
+                    // plan is named after (`fwd.` or `dgrad.`).
+                    let pass = if stmt.contains("fwd.") {
+                        "conv2_fwd"
+                    } else {
+                        "conv2_dgrad"
+                    };
+                    names.extend(
+                        crate::cuda::conv::V2_BN_EPILOGUE_KERNELS
+                            .iter()
+                            .filter(|k| k.starts_with(pass))
                             .map(|k| k.to_string()),
                     );
                 }

@@ -162,7 +162,8 @@ impl Conv2Tile {
     }
 
     /// Dynamic shared memory of `pass` with this tile: STAGES × (A + B tiles), or the bf16
-    /// output staging of the epilogue if larger (it reuses the same bytes).
+    /// output staging of the epilogue and the batch-norm epilogues' reduction scratch behind
+    /// it (four floats per thread) if larger (they reuse the same bytes).
     pub fn smem_bytes(self, pass: Pass) -> usize {
         let (bm, bn) = self.dims();
         let a = match pass {
@@ -175,7 +176,7 @@ impl Conv2Tile {
         };
         let epilogue = match pass {
             Pass::Wgrad => 0,
-            _ => bm * (bn + SKEW) * 2,
+            _ => bm * (bn + SKEW) * 2 + 4 * self.threads() as usize * 4,
         };
         (STAGES * (a + b) * 2).max(epilogue)
     }
@@ -283,6 +284,36 @@ pub const V2_GEMM_KERNELS: &[&str] = &[
     "conv2_wgrad_1x1_128x128",
     "conv2_wgrad_1x1_64x128",
 ];
+
+/// The GEMM kernels of kernels/conv2.cu with a batch-norm epilogue (`BIRDTRAIN_BN_FUSION`):
+/// forward ones that also write the tile statistics of y (`(x, w, y, args, part)`), dgrad ones
+/// that finish the gradient of the batch norm before the convolution and write its tile sums
+/// (`(dy, wt, dx, args, part, bn_y, bn_x, mean, invstd, residual)`). Same tiles and gathers as
+/// the plain kernels, so [`Conv2Launch::bn_epilogue_kernel`] maps one onto the other.
+pub const V2_BN_EPILOGUE_KERNELS: &[&str] = &[
+    "conv2_fwd_stats_128x128",
+    "conv2_fwd_stats_128x64",
+    "conv2_fwd_stats_1x1_128x128",
+    "conv2_fwd_stats_1x1_128x64",
+    "conv2_dgrad_bn_128x128",
+    "conv2_dgrad_bn_128x64",
+    "conv2_dgrad_bn_1x1_128x128",
+    "conv2_dgrad_bn_1x1_128x64",
+];
+
+impl Conv2Launch {
+    /// The kernel with the batch-norm epilogue for this launch (forward: `conv2_fwd_stats_*`,
+    /// dgrad: `conv2_dgrad_bn_*`, same tile and gather); `None` for wgrad, which has none.
+    pub fn bn_epilogue_kernel(&self) -> Option<&'static str> {
+        let (plain, infix) = match self.pass {
+            Pass::Forward => ("conv2_fwd_", "conv2_fwd_stats_"),
+            Pass::Dgrad => ("conv2_dgrad_", "conv2_dgrad_bn_"),
+            Pass::Wgrad => return None,
+        };
+        let name = format!("{infix}{}", self.kernel.strip_prefix(plain)?);
+        V2_BN_EPILOGUE_KERNELS.iter().copied().find(|k| *k == name)
+    }
+}
 
 fn kernel_name(pass: Pass, gather: Gather, tile: Conv2Tile) -> &'static str {
     let infix = match gather {
@@ -497,6 +528,54 @@ mod tests {
             let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
             assert_eq!(sig.split(',').count(), 4, "{sig}");
         }
+    }
+
+    #[test]
+    fn every_bn_epilogue_kernel_exists_with_its_arguments_and_pairs_with_a_plain_one() {
+        let file = KernelFile::by_name("conv2.cu").unwrap();
+        let names = file.kernel_names();
+        for k in V2_BN_EPILOGUE_KERNELS {
+            assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
+            let at = file
+                .text
+                .find(&format!("\n{k}("))
+                .expect("kernel signature");
+            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            let want = if k.starts_with("conv2_fwd") { 5 } else { 10 };
+            assert_eq!(sig.split(',').count(), want, "{sig}");
+        }
+        let gpu = GpuLimits::H100;
+        let mut mapped = Vec::new();
+        for (pass, s) in [
+            (Pass::Forward, shape(256, 56, 64, 64, 3, 1)),
+            (Pass::Forward, shape(256, 14, 256, 256, 3, 1)),
+            (Pass::Dgrad, shape(256, 56, 64, 64, 3, 1)),
+            (Pass::Dgrad, shape(256, 14, 256, 256, 3, 1)),
+        ] {
+            for s in [
+                s,
+                ConvShape {
+                    kernel: 1,
+                    padding: 0,
+                    ..s
+                },
+            ] {
+                let l = plan(pass, &s, &gpu).unwrap();
+                let fused = l.bn_epilogue_kernel().unwrap();
+                assert_eq!(
+                    fused.replace("_stats", "").replace("_bn", ""),
+                    l.kernel,
+                    "{fused} is not {}'s epilogue form",
+                    l.kernel
+                );
+                mapped.push(fused);
+            }
+        }
+        mapped.sort();
+        mapped.dedup();
+        assert_eq!(mapped.len(), V2_BN_EPILOGUE_KERNELS.len(), "{mapped:?}");
+        let w = plan(Pass::Wgrad, &shape(256, 56, 64, 64, 3, 1), &gpu).unwrap();
+        assert_eq!(w.bn_epilogue_kernel(), None);
     }
 
     #[test]

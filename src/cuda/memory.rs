@@ -69,6 +69,21 @@ fn stem_padded_values(image_size: u32) -> usize {
     8 * (image_size as usize).pow(2)
 }
 
+/// Bytes per image of the fused batch norm's per-tile records (`BIRDTRAIN_BN_FUSION`,
+/// src/cuda/bn_fused.rs): two f32 planes per 128 rows of the largest convolution output or
+/// input, a 1/16 of its bf16 bytes, plus the first merge level's groups (1/128 of that).
+fn bn_partials_per_image(graph: &Graph, image_size: u32) -> usize {
+    let largest = graph
+        .value_dims(image_size)
+        .iter()
+        .skip(1)
+        .map(|d| d.per_image())
+        .max()
+        .unwrap_or(0);
+    let records = (2 * 4 * largest).div_ceil(128);
+    records + records.div_ceil(128)
+}
+
 /// The device optimizer's state: f32 master weights and up to two moments (Adam's).
 fn optimizer_bytes(params: usize) -> usize {
     3 * 4 * params
@@ -84,7 +99,7 @@ const SPLIT_WGRAD_PLANES: usize = 128 << 20;
 /// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
 /// slots and the loss rows; the v2 convolutions' scratch (the stem input and weight padded to
 /// 8 channels in bf16, the largest weight rearranged for the strided dgrad, the split weight
-/// gradient's planes); 1 MiB of kernel scratch.
+/// gradient's planes); the fused batch norm's tile records; 1 MiB of kernel scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
@@ -92,6 +107,7 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let per_image = 2 * (plan.activations_per_image + plan.activation_grads_per_image)
         + (1 + STAGING_SLOTS) * pixels
         + stem_padded
+        + bn_partials_per_image(graph, image_size)
         + 4 * graph.num_classes();
     let optimizer = optimizer_bytes(plan.params);
     let largest_weight = graph

@@ -17,8 +17,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::backend::{aug_ints, CudaSums, InputMix};
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnShape, BnSyncBackward, ConvShape, LinearShape,
-    LossStats, PoolShape, Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
+    ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -319,6 +319,31 @@ impl Backend for StagedBackend {
         dw: &mut CudaTensor,
     ) -> Result<(), BackendError> {
         self.inner.conv_backward_weight(s, x, dy, dw)
+    }
+    fn bn_fusion(&self) -> bool {
+        self.inner.bn_fusion()
+    }
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        moments: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_forward_moments(s, x, w, y, moments)
+    }
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &CudaTensor,
+        w: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, CudaTensor>,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .conv_backward_data_bn(s, dy, w, dx, accumulate, bn)
     }
     fn bn_forward(&self, a: BnForward<'_, CudaTensor>) -> Result<(), BackendError> {
         self.inner.bn_forward(a)

@@ -75,6 +75,9 @@ pub enum CollectiveError {
     /// An NCCL or CUDA call failed.
     #[error(transparent)]
     Nccl(#[from] NcclError),
+    /// A rank's helper thread (its communication thread) could not start.
+    #[error(transparent)]
+    Thread(#[from] pipeline::threads::ThreadStartError),
 }
 
 /// What the ranks of a run do together. One value per rank; see the module docs.

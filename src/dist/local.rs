@@ -577,32 +577,26 @@ impl LocalCollective {
         let rank = self.rank;
         let timeout = self.timeout;
         let averaged = self.averaged.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("comm-{rank}"))
-            .spawn(move || {
-                for job in rx {
-                    if job.scale != 1.0 {
-                        // SAFETY: the range is lent to this thread until its round is done.
-                        unsafe { job.range.slice() }
-                            .iter_mut()
-                            .for_each(|v| *v *= job.scale);
-                    }
-                    let out = group
-                        .join(rank, job.seq, &job.label, timeout, Part::Average(job.range))
-                        .map(|_| job.bucket);
-                    job.done.store(true, Ordering::Release);
-                    if out.is_ok() {
-                        averaged.fetch_add(1, Ordering::Release);
-                    }
-                    if tx.send(out).is_err() {
-                        return;
-                    }
+        let thread = pipeline::threads::spawn(format!("comm-{rank}"), move || {
+            for job in rx {
+                if job.scale != 1.0 {
+                    // SAFETY: the range is lent to this thread until its round is done.
+                    unsafe { job.range.slice() }
+                        .iter_mut()
+                        .for_each(|v| *v *= job.scale);
                 }
-            })
-            .map_err(|e| CollectiveError::Buffer {
-                rank: self.rank,
-                detail: format!("cannot start the communication thread: {e}"),
-            })?;
+                let out = group
+                    .join(rank, job.seq, &job.label, timeout, Part::Average(job.range))
+                    .map(|_| job.bucket);
+                job.done.store(true, Ordering::Release);
+                if out.is_ok() {
+                    averaged.fetch_add(1, Ordering::Release);
+                }
+                if tx.send(out).is_err() {
+                    return;
+                }
+            }
+        })?;
         self.jobs = Some(jobs);
         self.results = Some(results);
         self.thread = Some(thread);

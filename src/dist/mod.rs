@@ -19,7 +19,8 @@
 //!   node's global rank offset) to every other node, after checking that all nodes agree on the
 //!   world size, dataset, model and the checkpoint they start from.
 //! - [`ranks`]: one driver thread per local GPU with its streams and communicator;
-//!   [`abort_group`]: the first failing rank aborts every communicator of the process.
+//!   [`abort_group`]: the first failing rank aborts every communicator of the process;
+//!   [`start_gate`]: the threads of a group start together or not at all.
 //! - [`sync_bn`]: synchronised batch norm's cross-rank sums over any collective.
 //! - [`device_group`]: the test-only rehearsal's collective of N GPU ranks sharing one GPU in
 //!   one process (no NCCL), reduced in rank order on the device; [`same_gpu`] its CUDA side.
@@ -45,6 +46,7 @@ pub mod same_gpu;
 pub mod scaling;
 pub mod settings;
 pub mod single;
+pub mod start_gate;
 pub mod sync_bn;
 pub mod watchdog;
 

@@ -488,10 +488,15 @@ impl Communicator {
                 // fine for a process that is exiting with an error.
                 let _ = tx.send(outcome);
             })
-            .map_err(|e| NcclError::Call {
+            .map_err(|source| NcclError::Call {
                 op: "spawn ncclCommInitRank thread",
                 rank,
-                code: e.to_string(),
+                // The refused thread, the limit and the hint.
+                code: pipeline::threads::ThreadStartError {
+                    thread: format!("nccl-init-{rank}"),
+                    source,
+                }
+                .to_string(),
             })?;
         let comm = wait_for_comm(&rx, rank, world_size, timeout, abandon)?.0;
         Ok(Communicator {

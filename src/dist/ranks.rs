@@ -6,7 +6,7 @@
 //!
 //! What a driver thread does, in order:
 //! 1. creates its context and streams; every thread finishes this before any enters
-//!    `ncclCommInitRank` (a host barrier), because NCCL's init blocks until every rank joins;
+//!    `ncclCommInitRank` (a [`StartGate`], which a thread the OS refuses calls off), because NCCL's init blocks until every rank joins;
 //! 2. joins the communicator, giving up as soon as another local rank has failed (its init
 //!    would otherwise wait for a rank that will never come);
 //! 3. puts the communicator into the process's [`AbortGroup`];
@@ -25,7 +25,7 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -34,6 +34,7 @@ use super::abort_group::AbortGroup;
 use super::launch::LaunchPlan;
 use super::nccl::{Communicator, NcclError};
 use super::rendezvous::Assignment;
+use super::start_gate::StartGate;
 use super::watchdog::Abortable;
 
 /// The error a rank's body returns (any error; the trainer returns its own and finds it
@@ -112,13 +113,13 @@ pub enum RanksError {
         message: String,
     },
     /// The OS refused a thread.
-    #[error("cannot start the driver thread of rank {rank}: {source}")]
+    #[error("rank {rank}: {source}")]
     Spawn {
         /// Global rank.
         rank: usize,
-        /// The OS error.
+        /// The refused thread, the limit and a hint.
         #[source]
-        source: std::io::Error,
+        source: pipeline::threads::ThreadStartError,
     },
 }
 
@@ -383,7 +384,9 @@ where
     let local = plan.devices.len();
     let setup = Arc::new(setup);
     let body = Arc::new(body);
-    let barrier = Arc::new(Barrier::new(local));
+    // After their setup, and before NCCL's init, the threads wait for each other; a thread
+    // the OS refuses calls the start off.
+    let gate = Arc::new(StartGate::new(local));
     let aborts = AbortGroup::new();
     let (done_tx, done_rx) = mpsc::channel::<(usize, Result<R, RanksError>)>();
     let mut handles = Vec::new();
@@ -391,69 +394,60 @@ where
         let rank = assignment.rank_offset + local_index;
         let world_size = assignment.world_size;
         let id = assignment.unique_id.clone();
-        let (setup, body, t_barrier, t_aborts, done) = (
+        let (setup, body, t_gate, t_aborts, done) = (
             setup.clone(),
             body.clone(),
-            barrier.clone(),
+            gate.clone(),
             aborts.clone(),
             done_tx.clone(),
         );
-        let spawned = std::thread::Builder::new()
-            .name(format!("gpu-{ordinal}"))
-            .spawn(move || {
-                let prepared = unpanicked(rank, || setup.prepare(rank, ordinal));
-                if let Err(e) = &prepared {
-                    t_aborts.fail(rank, &e.to_string());
-                }
-                // Every thread reaches this, failed or not, so none waits here forever.
-                t_barrier.wait();
-                let outcome = prepared.and_then(|prepared| {
-                    unpanicked(rank, || {
-                        if t_aborts.has_failed() {
-                            return Err(RanksError::PeerFailed { rank });
-                        }
-                        let comm = setup.connect(
-                            &prepared,
-                            rank,
-                            world_size,
-                            &id,
-                            limits.init_timeout,
-                            &|| t_aborts.has_failed(),
-                        )?;
-                        t_aborts.join(rank, setup.abort_target(&comm));
-                        setup.barrier(&comm, rank, limits.init_timeout)?;
-                        body(RankSlot {
-                            rank,
-                            local_index,
-                            world_size,
-                            ordinal,
-                            prepared,
-                            comm,
-                            aborts: t_aborts.clone(),
-                        })
-                        .map_err(|source| RanksError::Body { rank, source })
+        let spawned = pipeline::threads::spawn(format!("gpu-{ordinal}"), move || {
+            let prepared = unpanicked(rank, || setup.prepare(rank, ordinal));
+            if let Err(e) = &prepared {
+                t_aborts.fail(rank, &e.to_string());
+            }
+            // Every thread reaches this, failed or not, so none waits here forever.
+            let all_started = t_gate.arrive();
+            let outcome = prepared.and_then(|prepared| {
+                unpanicked(rank, || {
+                    if !all_started || t_aborts.has_failed() {
+                        return Err(RanksError::PeerFailed { rank });
+                    }
+                    let comm = setup.connect(
+                        &prepared,
+                        rank,
+                        world_size,
+                        &id,
+                        limits.init_timeout,
+                        &|| t_aborts.has_failed(),
+                    )?;
+                    t_aborts.join(rank, setup.abort_target(&comm));
+                    setup.barrier(&comm, rank, limits.init_timeout)?;
+                    body(RankSlot {
+                        rank,
+                        local_index,
+                        world_size,
+                        ordinal,
+                        prepared,
+                        comm,
+                        aborts: t_aborts.clone(),
                     })
-                });
-                if let Err(e) = &outcome {
-                    // At once, on this thread: the other ranks must not wait for the join.
-                    t_aborts.fail(rank, &e.to_string());
-                }
-                let _ = done.send((local_index, outcome));
+                    .map_err(|source| RanksError::Body { rank, source })
+                })
             });
+            if let Err(e) = &outcome {
+                // At once, on this thread: the other ranks must not wait for the join.
+                t_aborts.fail(rank, &e.to_string());
+            }
+            let _ = done.send((local_index, outcome));
+        });
         match spawned {
             Ok(h) => handles.push(Some(h)),
             Err(source) => {
-                // Threads already started wait at the barrier for this one: let them through
-                // with the failure recorded.
+                // Threads already started wait at the gate for this one: call the start off
+                // with the failure recorded (no helper threads: the OS refuses threads now).
                 aborts.fail(rank, &format!("cannot start its driver thread: {source}"));
-                for _ in handles.len()..local {
-                    std::thread::spawn({
-                        let barrier = barrier.clone();
-                        move || {
-                            barrier.wait();
-                        }
-                    });
-                }
+                gate.call_off();
                 for h in handles.into_iter().flatten() {
                     let _ = h.join();
                 }

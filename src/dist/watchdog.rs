@@ -58,6 +58,15 @@ pub enum WatchdogError {
     /// The communicator was aborted.
     #[error("rank {}: {} — communicator aborted{}", .0.rank, describe(.0), abort_note(.0))]
     Aborted(Fault),
+    /// The watchdog's thread could not start: no collective may run unwatched (it could
+    /// hang forever), so each one is refused with the reason.
+    #[error("rank {rank}: {reason}")]
+    NotStarted {
+        /// The rank.
+        rank: usize,
+        /// Why (the refused thread, the limit and a hint).
+        reason: String,
+    },
     /// `wait_idle` ran out of time without a fault (only possible with a limit shorter than
     /// the watchdog's own timeout).
     #[error("rank {rank}: {pending} collective(s) still pending after {waited:?}")]
@@ -124,6 +133,8 @@ impl Shared {
 pub struct Watchdog {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// Why the thread could not start, when it could not.
+    not_started: Option<String>,
 }
 
 impl std::fmt::Debug for Watchdog {
@@ -137,7 +148,8 @@ impl std::fmt::Debug for Watchdog {
 
 impl Watchdog {
     /// Starts the watchdog thread for `rank`, aborting `target` when a collective runs longer
-    /// than `timeout`; probes run every `poll`.
+    /// than `timeout`; probes run every `poll`. When the OS refuses the thread, every
+    /// [`Watchdog::watch`] and [`Watchdog::check`] fails with [`WatchdogError::NotStarted`].
     pub fn start(
         rank: usize,
         timeout: Duration,
@@ -157,16 +169,30 @@ impl Watchdog {
         });
         let worker = Arc::clone(&shared);
         let poll = poll.max(Duration::from_millis(1));
-        let thread = std::thread::Builder::new()
-            .name(format!("nccl-watchdog-{rank}"))
-            .spawn(move || run(&worker, poll))
-            .ok();
-        if thread.is_none() {
-            tracing::warn!(
-                "rank {rank}: could not start the watchdog thread; collectives will not time out"
-            );
+        // A thread the OS refuses makes every collective an error (see
+        // `WatchdogError::NotStarted`), never a run whose collectives cannot time out.
+        let (thread, not_started) = match pipeline::threads::spawn(
+            format!("watchdog-{rank}"),
+            move || run(&worker, poll),
+        ) {
+            Ok(thread) => (Some(thread), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        Watchdog {
+            shared,
+            thread,
+            not_started,
         }
-        Watchdog { shared, thread }
+    }
+
+    fn started(&self) -> Result<(), WatchdogError> {
+        match &self.not_started {
+            Some(reason) => Err(WatchdogError::NotStarted {
+                rank: self.shared.rank,
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Registers a collective in flight; `done` returns Ok(true) once it has completed.
@@ -189,6 +215,7 @@ impl Watchdog {
         timeout: Duration,
         done: impl FnMut() -> Result<bool, String> + Send + 'static,
     ) -> Result<(), WatchdogError> {
+        self.started()?;
         let mut state = self.shared.lock();
         if let Some(f) = &state.fault {
             return Err(WatchdogError::Aborted(f.clone()));
@@ -204,6 +231,7 @@ impl Watchdog {
 
     /// Ok unless the communicator was aborted.
     pub fn check(&self) -> Result<(), WatchdogError> {
+        self.started()?;
         match &self.shared.lock().fault {
             Some(f) => Err(WatchdogError::Aborted(f.clone())),
             None => Ok(()),

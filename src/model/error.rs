@@ -57,6 +57,19 @@ pub enum ModelError {
         /// Extra advice (", hint: …") or empty.
         hint: String,
     },
+    /// A tensor of a weights file holds NaN or an infinity (a damaged file, or the weights
+    /// of a run that diverged): training from it would diverge at once.
+    #[error("{}: tensor '{name}' holds {value} at index {index} (hint: the file is damaged or comes from a run that diverged; use other weights)", path.display())]
+    NonFinite {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        name: String,
+        /// The first value that is not finite.
+        value: f32,
+        /// Its index in the tensor.
+        index: usize,
+    },
     /// A [`super::ModelState`] or flat vector does not match the graph.
     #[error("state mismatch: {0}")]
     StateMismatch(String),

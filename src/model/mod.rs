@@ -11,6 +11,7 @@
 //!   (`layer2.0.downsample.0.weight`).
 
 mod arch;
+mod bn_fusion;
 mod error;
 mod graph;
 mod init;
@@ -19,6 +20,7 @@ mod network;
 mod state;
 
 pub use arch::Arch;
+pub use bn_fusion::FusionPlan;
 pub use error::ModelError;
 pub use graph::{BufferKind, BufferSpec, Graph, Node, ParamKind, ParamSpec, ValueDims};
 pub use input::{Augment, InputBatch, Mix, PixelBox, StepStats, IMAGENET_MEAN, IMAGENET_STD};
@@ -27,4 +29,4 @@ pub use network::{
     SyncEvent,
 };
 pub(crate) use network::{ohwi_to_oihw, oihw_to_ohwi};
-pub use state::{HeadPolicy, ModelState};
+pub use state::{HeadPolicy, ModelState, NewHead};

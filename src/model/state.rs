@@ -179,17 +179,29 @@ impl ModelState {
 
     /// Reads a safetensors file written by [`ModelState::save_safetensors`] or by PyTorch
     /// (`safetensors.torch.save_file(model.state_dict(), …)`; F32, F16, BF16 or F64 tensors).
-    /// Extra tensors in the file are ignored; a missing `num_batches_tracked` reads as 0.
+    /// Extra tensors in the file are ignored; a missing `num_batches_tracked` reads as 0; a
+    /// tensor holding NaN or an infinity is refused, naming it.
     pub fn load_safetensors(
         graph: &Graph,
         path: &Path,
         head: HeadPolicy,
     ) -> Result<ModelState, ModelError> {
+        Self::load_with_head(graph, path, head).map(|(state, _)| state)
+    }
+
+    /// [`ModelState::load_safetensors`], also saying what became of the class head: with
+    /// [`HeadPolicy::ReplaceMismatched`], a head of another class count, or none at all (a
+    /// backbone-only file), is initialised afresh, and the returned [`NewHead`] says so.
+    pub fn load_with_head(
+        graph: &Graph,
+        path: &Path,
+        head: HeadPolicy,
+    ) -> Result<(ModelState, Option<NewHead>), ModelError> {
         let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::from_safetensors_bytes(graph, &bytes, path, head)
+        Self::parse(graph, &bytes, path, head)
     }
 
     /// Parses safetensors bytes (`path` is only used in error messages).
@@ -199,6 +211,15 @@ impl ModelState {
         path: &Path,
         head: HeadPolicy,
     ) -> Result<ModelState, ModelError> {
+        Self::parse(graph, bytes, path, head).map(|(state, _)| state)
+    }
+
+    fn parse(
+        graph: &Graph,
+        bytes: &[u8],
+        path: &Path,
+        head: HeadPolicy,
+    ) -> Result<(ModelState, Option<NewHead>), ModelError> {
         let st = SafeTensors::deserialize(bytes).map_err(|source| ModelError::Safetensors {
             path: path.to_path_buf(),
             source,
@@ -209,33 +230,51 @@ impl ModelState {
             name: name.to_string(),
             arch: graph.arch().to_string(),
         };
+        let mut new_head: Option<NewHead> = None;
         let mut params = Vec::with_capacity(graph.params().len());
         for spec in graph.params() {
-            let view = st.tensor(&spec.name).map_err(|_| missing(&spec.name))?;
             let is_head = matches!(spec.kind, ParamKind::LinearWeight | ParamKind::LinearBias);
-            if view.shape() != spec.shape.as_slice() {
-                match head {
-                    HeadPolicy::ReplaceMismatched { seed } if is_head => {
-                        params.push(init_param(spec, seed, fan_in));
-                        continue;
-                    }
-                    _ => {
-                        let hint = if is_head {
-                            ", hint: the class count differs; fine-tune with a fresh head (--init-from)"
-                        } else {
-                            ", hint: the file is from another model"
-                        };
-                        return Err(ModelError::TensorMismatch {
-                            path: path.to_path_buf(),
-                            name: spec.name.clone(),
-                            expected: format!("{:?}", spec.shape),
-                            got: format!("{:?}", view.shape()),
-                            hint: hint.to_string(),
-                        });
-                    }
+            let fresh_head = match head {
+                HeadPolicy::ReplaceMismatched { seed } if is_head => Some(seed),
+                _ => None,
+            };
+            let view = match (st.tensor(&spec.name), fresh_head) {
+                (Ok(view), _) => view,
+                (Err(_), Some(seed)) => {
+                    // A backbone-only file: the classifier starts afresh.
+                    new_head
+                        .get_or_insert_with(|| NewHead::empty(graph))
+                        .tensors
+                        .push(spec.name.clone());
+                    params.push(init_param(spec, seed, fan_in));
+                    continue;
                 }
+                (Err(_), None) => return Err(missing(&spec.name)),
+            };
+            if view.shape() != spec.shape.as_slice() {
+                if let Some(seed) = fresh_head {
+                    let note = new_head.get_or_insert_with(|| NewHead::empty(graph));
+                    note.tensors.push(spec.name.clone());
+                    if spec.kind == ParamKind::LinearWeight {
+                        note.file_classes = view.shape().first().copied();
+                    }
+                    params.push(init_param(spec, seed, fan_in));
+                    continue;
+                }
+                let hint = if is_head {
+                    ", hint: the class count differs; fine-tune with a fresh head (--init-from)"
+                } else {
+                    ", hint: the file is from another model"
+                };
+                return Err(ModelError::TensorMismatch {
+                    path: path.to_path_buf(),
+                    name: spec.name.clone(),
+                    expected: format!("{:?}", spec.shape),
+                    got: format!("{:?}", view.shape()),
+                    hint: hint.to_string(),
+                });
             }
-            params.push(to_f32(&view, &spec.name, path)?);
+            params.push(finite(to_f32(&view, &spec.name, path)?, &spec.name, path)?);
         }
         let mut buffers = Vec::with_capacity(graph.buffers().len());
         for spec in graph.buffers() {
@@ -256,9 +295,57 @@ impl ModelState {
                     hint: ", hint: the file is from another model".to_string(),
                 });
             }
-            buffers.push(to_f32(&view, &spec.name, path)?);
+            buffers.push(finite(to_f32(&view, &spec.name, path)?, &spec.name, path)?);
         }
-        Ok(ModelState { params, buffers })
+        Ok((ModelState { params, buffers }, new_head))
+    }
+}
+
+/// A class head initialised afresh by [`ModelState::load_with_head`] (fine-tuning).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewHead {
+    /// The head tensors initialised afresh (`fc.weight`, `fc.bias`).
+    pub tensors: Vec<String>,
+    /// The file's class count, when it has a head of another size; `None`: it has none.
+    pub file_classes: Option<usize>,
+    /// The model's class count.
+    pub classes: usize,
+}
+
+impl NewHead {
+    fn empty(graph: &Graph) -> Self {
+        Self {
+            tensors: Vec::new(),
+            file_classes: None,
+            classes: graph.num_classes(),
+        }
+    }
+
+    /// What happened, in words: "a new class head (fc.weight, fc.bias) for 3 classes: the
+    /// file's is for 1000".
+    pub fn describe(&self) -> String {
+        let why = match self.file_classes {
+            Some(n) => format!("the file's is for {n} classes"),
+            None => "the file has none (backbone only)".into(),
+        };
+        format!(
+            "a new class head ({}) for {} classes, initialised from the seed: {why}",
+            self.tensors.join(", "),
+            self.classes
+        )
+    }
+}
+
+/// `values` when every one is finite, else the error naming the tensor and the file.
+fn finite(values: Vec<f32>, name: &str, path: &Path) -> Result<Vec<f32>, ModelError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(values),
+        Some(at) => Err(ModelError::NonFinite {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+            value: values[at],
+            index: at,
+        }),
     }
 }
 

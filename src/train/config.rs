@@ -397,11 +397,18 @@ impl TrainConfig {
             gamma,
         } = self.schedule
         {
-            if every_epochs == 0 || !(gamma > 0.0 && gamma <= 1.0) {
+            if every_epochs == 0 {
                 return bad(
                     "--step-every",
-                    format!("{every_epochs} (gamma {gamma})"),
-                    "decay every ≥ 1 epoch by a factor in (0, 1]",
+                    every_epochs.to_string(),
+                    "decay every ≥ 1 epoch",
+                );
+            }
+            if !(gamma > 0.0 && gamma <= 1.0) {
+                return bad(
+                    "--step-gamma",
+                    gamma.to_string(),
+                    "the factor each step multiplies the learning rate by, in (0, 1]",
                 );
             }
         }

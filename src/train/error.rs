@@ -52,7 +52,7 @@ pub enum TrainError {
         epoch: u64,
     },
     /// The loss became NaN or infinite: the run stops without saving the diverged weights.
-    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
+    #[error("training diverged: the {what} is {loss} at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: {hint})")]
     NonFiniteLoss {
         /// "training loss" or "validation loss".
         what: &'static str,
@@ -67,10 +67,12 @@ pub enum TrainError {
         /// What the run folder keeps ("the last checkpoint in RUN is kept", or that none
         /// was saved yet).
         kept: String,
+        /// What to change ([`divergence_hint`]).
+        hint: String,
     },
     /// The weights or batch-norm statistics overflowed: the run stops before they reach a
     /// checkpoint.
-    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual)")]
+    #[error("training diverged: {tensor} holds NaN or infinite values at step {step} (epoch {epoch}, learning rate {lr:.6}); {kept} (hint: {hint})")]
     NonFiniteWeights {
         /// The first tensor (torchvision name) with a non-finite value.
         tensor: String,
@@ -82,6 +84,8 @@ pub enum TrainError {
         lr: f32,
         /// What the run folder keeps (as for [`TrainError::NonFiniteLoss`]).
         kept: String,
+        /// What to change ([`divergence_hint`]).
+        hint: String,
     },
     /// `--out` names a folder that holds a run already.
     #[error("{path} holds a run already ({found}) (hint: {}choose another --out, or pass --overwrite to replace it)", resume_hint(.path, *.resumable))]
@@ -122,6 +126,9 @@ pub enum TrainError {
     /// The input engine failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// A thread (a rank's, a helper's) could not start: a limit on threads or memory.
+    #[error(transparent)]
+    Thread(#[from] pipeline::threads::ThreadStartError),
     /// The model failed (bad weights file, shape mismatch…).
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -176,6 +183,36 @@ pub enum TrainError {
     },
 }
 
+/// What to change after a divergence with `weight_decay` and a peak learning rate of
+/// `peak_lr`: a weight decay beyond the usual range (above 0.1) that overturns the weights
+/// at each step (learning rate × decay ≥ 1) is named as the cause; otherwise the learning
+/// rate is (an absurd rate makes any decay overturn them).
+pub(crate) fn divergence_hint(weight_decay: f32, peak_lr: f32) -> String {
+    let product = weight_decay * peak_lr;
+    if weight_decay > 0.1 && product >= 1.0 {
+        format!(
+            "--weight-decay {} × the learning rate {} = {} ≥ 1: each step would scale the weights by 1 − {}; use a --weight-decay well below {} (usual values: 1e-4 to 5e-2)",
+            short(weight_decay),
+            short(peak_lr),
+            short(product),
+            short(product),
+            short(1.0 / peak_lr)
+        )
+    } else {
+        "lower --lr, e.g. by 10×, add --warmup-epochs, or start deep models with --zero-init-residual".into()
+    }
+}
+
+/// A value for a message: as written when of moderate size, else in scientific notation
+/// (`1e30`, not thirty-one digits).
+fn short(v: f32) -> String {
+    if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-4) {
+        format!("{v:e}")
+    } else {
+        format!("{}", (v * 1e4).round() / 1e4)
+    }
+}
+
 impl TrainError {
     /// This error as rank `rank`'s (on `device`) in a run of several ranks, where the user must
     /// learn which one failed: wrapped in [`TrainError::OnRank`], unless its message names the
@@ -220,15 +257,19 @@ impl TrainError {
     }
 }
 
-/// Whether `text` names rank `rank` ("rank 1" but not "rank 12").
+/// Whether `text` names rank `rank`: "rank 1", or a thread named after it ("rank-1",
+/// "gpu-0-rank-1"), but not "rank 12".
 fn names_rank(text: &str, rank: usize) -> bool {
-    let own = format!("rank {rank}");
-    text.match_indices(&own).any(|(at, _)| {
-        !text[at + own.len()..]
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_digit())
-    })
+    [format!("rank {rank}"), format!("rank-{rank}")]
+        .iter()
+        .any(|own| {
+            text.match_indices(own.as_str()).any(|(at, _)| {
+                !text[at + own.len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_digit())
+            })
+        })
 }
 
 /// The `--resume` part of [`TrainError::RunExists`]'s hint, when the run can be continued.
@@ -261,5 +302,41 @@ mod tests {
         assert_eq!(e.to_string(), "rank 1 (cuda:1): rank 12: stuck");
         // The kind is still there for those who tell errors apart by it.
         assert!(matches!(e.unranked(), TrainError::Trace(_)));
+        // A rank's thread the OS refused is named after the rank: not named again.
+        let refused = |thread: &str| {
+            TrainError::Thread(pipeline::threads::ThreadStartError {
+                thread: thread.into(),
+                source: std::io::Error::from(std::io::ErrorKind::WouldBlock),
+            })
+        };
+        for thread in ["rank-1", "gpu-0-rank-1"] {
+            let e = refused(thread).on_rank(1, "CPU");
+            assert!(matches!(e, TrainError::Thread(_)), "{e}");
+            let text = e.to_string();
+            assert!(
+                text.starts_with(&format!("could not start thread `{thread}`")),
+                "{text}"
+            );
+        }
+        // A thread inside the rank (its watchdog) or another rank's name: the rank in front.
+        for thread in ["watchdog-1", "rank-12"] {
+            let text = refused(thread).on_rank(1, "CPU").to_string();
+            assert!(
+                text.starts_with(&format!("rank 1 (CPU): could not start thread `{thread}`")),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_absurd_weight_decay_is_named_and_an_absurd_rate_is_blamed_on_the_rate() {
+        let decay = divergence_hint(1e30, 0.0125);
+        assert!(decay.contains("--weight-decay 1e30"), "{decay}");
+        assert!(decay.contains("well below 80"), "{decay}");
+        assert!(!decay.contains("lower --lr"), "{decay}");
+        // --lr 1e7 with the usual decay: the rate is the cause, though lr × decay ≥ 1.
+        let rate = divergence_hint(5e-4, 156_250.0);
+        assert!(rate.starts_with("lower --lr"), "{rate}");
+        assert!(divergence_hint(5e-4, 0.1).starts_with("lower --lr"));
     }
 }

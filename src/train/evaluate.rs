@@ -312,9 +312,29 @@ pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
 
 /// "10 classes: a, b, c, …".
 pub(crate) fn summarise(classes: &[String]) -> String {
-    let shown: Vec<_> = classes.iter().take(4).map(|c| printable(c)).collect();
+    // Joined by ", ", a name holding a comma (or edge spaces, or nothing) would read as two
+    // classes, or none: then every name is quoted.
+    let ambiguous = classes
+        .iter()
+        .any(|c| c.contains(',') || c.trim() != c || c.is_empty());
+    let shown: Vec<String> = classes
+        .iter()
+        .take(4)
+        .map(|c| {
+            if ambiguous {
+                format!("`{}`", printable(c))
+            } else {
+                printable(c).into_owned()
+            }
+        })
+        .collect();
     let more = if classes.len() > 4 { ", …" } else { "" };
-    format!("{} classes: {}{more}", classes.len(), shown.join(", "))
+    let noun = if classes.len() == 1 {
+        "class"
+    } else {
+        "classes"
+    };
+    format!("{} {noun}: {}{more}", classes.len(), shown.join(", "))
 }
 
 /// One image's top-k classes, or why it could not be read.
@@ -378,7 +398,29 @@ pub fn predict_each(
     if let Some(w) = opts.workers {
         b = b.workers(w);
     }
-    let pipe = b.build().map_err(bad_image_error)?;
+    // Told to skip, and no file is a readable image: each is still reported, then the
+    // error (nothing was classified).
+    let every_file_bad = |e: PipelineError,
+                          images: &[PathBuf],
+                          emit: &mut dyn FnMut(Prediction)| {
+        if let (PipelineError::ListAllBad { files, .. }, OnBadImage::Skip) = (&e, opts.on_bad_image)
+        {
+            for path in images {
+                let reason = files.iter().find(|f| &f.path == path);
+                emit(Prediction {
+                    path: path.clone(),
+                    top: Err(reason.map_or("not read".to_string(), |f| {
+                        format!("{} ({})", f.kind, f.detail)
+                    })),
+                });
+            }
+        }
+        bad_image_error(e)
+    };
+    let pipe = match b.build() {
+        Ok(pipe) => pipe,
+        Err(e) => return Err(every_file_bad(e, images, &mut emit)),
+    };
     let classes = model.meta.classes.len();
     // A file the engine passed over (rejected by the scan, or skipped as no readable image
     // before the samples that follow it were delivered): the reason it logged. The engine's
@@ -400,7 +442,10 @@ pub fn predict_each(
     // a path shares its fate, so matching each sample to the next equal path is exact.
     let mut next = 0;
     for b in pipe.epoch(0, 0, 0).map_err(bad_image_error)? {
-        let b = b.map_err(bad_image_error)?;
+        let b = match b {
+            Ok(b) => b,
+            Err(e) => return Err(every_file_bad(e, &images[next..], &mut emit)),
+        };
         if b.len == 0 {
             continue;
         }
@@ -454,5 +499,26 @@ fn bad_image_error(e: PipelineError) -> TrainError {
             },
         },
         other => TrainError::Pipeline(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summarise;
+
+    #[test]
+    fn a_class_list_is_quoted_when_a_name_would_read_as_two() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(summarise(&names(&["a", "b"])), "2 classes: a, b");
+        assert_eq!(summarise(&names(&["a"])), "1 class: a");
+        // "bird, small" and "owl" are two classes, not three.
+        assert_eq!(
+            summarise(&names(&["bird, small", "owl"])),
+            "2 classes: `bird, small`, `owl`"
+        );
+        assert_eq!(
+            summarise(&names(&["a", "b", "c", "d", "e"])),
+            "5 classes: a, b, c, d, …"
+        );
     }
 }

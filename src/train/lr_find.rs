@@ -135,12 +135,50 @@ impl LrTrace {
         self.diverged.is_some()
     }
 
-    /// The point of steepest descent of the smoothed loss (none with fewer than 2 points
-    /// once the first 10 and the last are left out).
-    pub fn suggestion(points: &[LrPoint]) -> Option<LrPoint> {
-        let end = points.len().checked_sub(SKIP.1)?;
-        let kept = points.get(SKIP.0..end)?;
+    /// The points the suggestion looks at: all but the first 10 and the last.
+    fn kept(points: &[LrPoint]) -> &[LrPoint] {
+        let end = points.len().saturating_sub(SKIP.1);
+        points.get(SKIP.0..end).unwrap_or(&[])
+    }
+
+    /// Whether the smoothed loss of `kept` never falls by a thousandth of where it starts (a
+    /// one-class dataset's loss is 0 at every rate): no rate is better than another.
+    fn flat(kept: &[LrPoint]) -> bool {
+        let Some(first) = kept.first() else {
+            return false;
+        };
+        let lowest = kept
+            .iter()
+            .map(|p| p.smoothed)
+            .fold(f64::INFINITY, f64::min);
+        first.smoothed - lowest <= 1e-3 * first.smoothed.abs().max(1e-12)
+    }
+
+    /// Why [`LrTrace::suggestion`] gives none for `points`, in words, with what to change.
+    pub fn no_suggestion(points: &[LrPoint]) -> String {
+        let kept = Self::kept(points);
         if kept.len() < 2 {
+            let n = points.len();
+            return format!(
+                "{n} point{} too few (the first 10 and the last are left out); lower --start-lr or --end-lr (the loss diverged early), or raise --num-steps",
+                if n == 1 { " is" } else { "s are" }
+            );
+        }
+        if kept.iter().all(|p| p.smoothed.abs() <= 1e-6) {
+            return "the loss is 0 at every rate: with a single class every prediction is right, so no rate is better than another (add a class)".into();
+        }
+        format!(
+            "the smoothed loss never falls over the rates swept (from {:.4} at lr {:.3e}), so no rate stands out; lower --start-lr, or check that the labels fit the images",
+            kept[0].smoothed, kept[0].lr
+        )
+    }
+
+    /// The point of steepest descent of the smoothed loss: none with fewer than 2 points
+    /// once the first 10 and the last are left out, nor when the loss never falls
+    /// ([`LrTrace::no_suggestion`] says why).
+    pub fn suggestion(points: &[LrPoint]) -> Option<LrPoint> {
+        let kept = Self::kept(points);
+        if kept.len() < 2 || Self::flat(kept) {
             return None;
         }
         let y: Vec<f64> = kept.iter().map(|p| p.smoothed).collect();
@@ -221,6 +259,30 @@ mod tests {
         let points: Vec<LrPoint> = y.iter().enumerate().map(|(i, &v)| point(i, v)).collect();
         assert_eq!(LrTrace::suggestion(&points).map(|p| p.step), Some(17));
         assert_eq!(LrTrace::suggestion(&points[..12]), None);
+        assert!(LrTrace::no_suggestion(&points[..12]).starts_with("12 points are too few"));
+        assert!(LrTrace::no_suggestion(&points[..1]).starts_with("1 point is too few"));
+    }
+
+    #[test]
+    fn a_loss_that_never_falls_suggests_nothing_and_says_why() {
+        let curve = |f: fn(usize) -> f64| -> Vec<LrPoint> {
+            (0..30)
+                .map(|i| LrPoint {
+                    step: i as u64,
+                    lr: 1e-4 * 1.3f32.powi(i as i32),
+                    loss: f(i),
+                    smoothed: f(i),
+                })
+                .collect()
+        };
+        // One class: the loss is 0 at every rate (before: a "suggestion" out of rounding).
+        let zero = curve(|_| 0.0);
+        assert_eq!(LrTrace::suggestion(&zero), None);
+        assert!(LrTrace::no_suggestion(&zero).contains("single class"));
+        // A loss that only rises.
+        let rising = curve(|i| 1.0 + i as f64 * 0.1);
+        assert_eq!(LrTrace::suggestion(&rising), None);
+        assert!(LrTrace::no_suggestion(&rising).contains("never falls"));
     }
 
     #[test]

@@ -8,6 +8,45 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 /// A bar over the steps of one epoch's training or validation.
 pub(crate) struct EpochBar {
     bar: ProgressBar,
+    /// Redraws a shown bar between steps (its ETA, its elapsed time).
+    _ticker: Option<Ticker>,
+}
+
+/// A thread that ticks a bar every 250 ms until dropped. indicatif's own steady tick starts
+/// its thread with `std::thread::spawn`, which panics where the OS refuses a thread (and
+/// starts one even for a hidden bar); this one starts only for a shown bar, and a refused
+/// thread only means a bar redrawn at each step instead.
+struct Ticker {
+    stop: Option<flume::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ticker {
+    fn start(bar: &ProgressBar) -> Option<Self> {
+        let bar = bar.clone();
+        let (stop, stopped) = flume::bounded::<()>(0);
+        let thread = pipeline::threads::spawn("progress-tick", move || {
+            while let Err(flume::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(Duration::from_millis(250))
+            {
+                bar.tick();
+            }
+        })
+        .ok()?;
+        Some(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl EpochBar {
@@ -25,8 +64,11 @@ impl EpochBar {
         );
         bar.set_prefix(label);
         bar.set_position(start as u64);
-        bar.enable_steady_tick(Duration::from_millis(250));
-        Self { bar }
+        let ticker = if enabled { Ticker::start(&bar) } else { None };
+        Self {
+            bar,
+            _ticker: ticker,
+        }
     }
 
     /// Moves to `step` (1-based steps done) and shows the running figures.

@@ -96,6 +96,15 @@ pub(crate) fn train_until(
     // (A folder this process created is left alone when the lock fails: the holder may be
     // the process that won the race to create it.)
     let _lock = folder.lock()?;
+    // --overwrite replaces the run there whole, at once, before anything new is written:
+    // never its checkpoint kept while its history and best/ are gone (a new run failing
+    // before its first checkpoint left such a half-deleted run that still resumed).
+    if cfg.overwrite
+        && cfg.resume.as_deref() != Some(cfg.out.as_path())
+        && !folder.existing_run().is_empty()
+    {
+        folder.remove_run()?;
+    }
     // What an interrupted checkpoint or run left behind (temporary files, superseded tensor
     // files) goes before anything new is written.
     folder.clean();
@@ -174,7 +183,13 @@ fn check_loss(
         epoch: position.epoch + 1,
         lr: shared.lr_at(step_index, position),
         kept: kept_checkpoint(shared),
+        hint: diverged_hint(shared),
     })
+}
+
+/// What to change after a divergence (see [`super::error::divergence_hint`]).
+fn diverged_hint(shared: &Shared) -> String {
+    super::error::divergence_hint(shared.cfg.weight_decay, shared.schedule.base_lr)
 }
 
 /// What a diverged run leaves in its folder, for the error line: the last checkpoint, or
@@ -208,6 +223,7 @@ fn check_valid_loss(
         epoch: valid.epoch,
         lr: shared.lr_at(global_step.saturating_sub(1), position),
         kept: kept_checkpoint(shared),
+        hint: diverged_hint(shared),
     })
 }
 
@@ -233,6 +249,7 @@ fn check_finite_state(
                 epoch: position.epoch + u64::from(position.step_in_epoch > 0),
                 lr: shared.lr_at(position.global_step.saturating_sub(1), position),
                 kept: kept_checkpoint(shared),
+                hint: diverged_hint(shared),
             });
         }
     }
@@ -347,9 +364,10 @@ fn epochs<D: Device>(
     let mut validated_images = 0u64;
     if rank.position.epoch >= cfg.epochs && rank.is_writer() && cfg.resume.is_some() {
         tracing::warn!(
-            "--epochs {}: the resumed run has trained {} epochs already, so there is nothing to train (hint: a larger --epochs goes on)",
+            "--epochs {}: the resumed run has trained {} epoch{} already, so there is nothing to train (hint: a larger --epochs goes on)",
             cfg.epochs,
-            rank.position.epoch
+            rank.position.epoch,
+            if rank.position.epoch == 1 { "" } else { "s" }
         );
     }
     // A resumed run that had already stopped early stops again at once (a larger or zero

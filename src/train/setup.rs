@@ -129,6 +129,8 @@ pub(crate) struct Shared {
     /// The moving average of the weights the run starts with (`--model-ema`): the resumed
     /// checkpoint's, else the starting weights.
     pub ema: Option<ModelEma>,
+    /// What `--init-from` did not take from its file (a new class head), for the start lines.
+    pub init_note: Option<String>,
 }
 
 impl Shared {
@@ -184,6 +186,7 @@ impl Shared {
         };
         let kind = cfg.optimizer.kind(cfg.momentum, cfg.nesterov);
         let mut rank_buffers = None;
+        let mut init_note = None;
         let (initial, optimizer, position) = match resumed {
             Some((run, meta)) => {
                 check_resume(&cfg, run, meta, &classes)?;
@@ -214,11 +217,17 @@ impl Shared {
             }
             None => {
                 let state = match &cfg.init_from {
-                    Some(path) => ModelState::load_safetensors(
-                        &graph,
-                        path,
-                        HeadPolicy::ReplaceMismatched { seed: cfg.seed },
-                    )?,
+                    Some(path) => {
+                        let (state, head) = ModelState::load_with_head(
+                            &graph,
+                            path,
+                            HeadPolicy::ReplaceMismatched { seed: cfg.seed },
+                        )?;
+                        init_note = head.map(|head| {
+                            format!("--init-from {}: {}", path.display(), head.describe())
+                        });
+                        state
+                    }
                     None => {
                         let mut fresh = ModelState::init(&graph, cfg.seed);
                         if cfg.zero_init_residual {
@@ -298,6 +307,7 @@ impl Shared {
             trace,
             checksum_every: CHECKSUM_EVERY,
             best,
+            init_note,
             ema,
         })
     }
@@ -404,6 +414,9 @@ impl Shared {
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));
+        if let Some(note) = &self.init_note {
+            self.say(note);
+        }
         if let (Some(f), Some(rule)) = (cfg.valid_fraction, source(cfg).split_rule()) {
             self.say(format!(
                 "validation split: {} of {} images held out, {} (--valid-fraction {f}, seed {})",

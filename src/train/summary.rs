@@ -108,15 +108,22 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         .filter(|m| m.split == MetricsSplit::ValidEma)
         .collect();
     if let Some(last) = averaged.last() {
-        let top = averaged
-            .iter()
-            .copied()
-            .reduce(|a, b| if b.accuracy > a.accuracy { b } else { a })
-            .unwrap_or(last);
+        // A run judged by the average names its best epoch in the line above, by its rule
+        // (ties and --min-delta included): this line names no other.
+        let highest = if judged == MetricsSplit::ValidEma {
+            String::new()
+        } else {
+            let top = averaged
+                .iter()
+                .copied()
+                .reduce(|a, b| if b.accuracy > a.accuracy { b } else { a })
+                .unwrap_or(last);
+            format!(" · highest {:.4} at epoch {}", top.accuracy, top.epoch)
+        };
         let _ = writeln!(
             s,
-            "moving average: valid accuracy {:.4} (top-5 {:.4}) · highest {:.4} at epoch {} · eval --ema and predict --ema use it",
-            last.accuracy, last.top5, top.accuracy, top.epoch
+            "moving average: valid accuracy {:.4} (top-5 {:.4}){highest} · eval --ema and predict --ema use it",
+            last.accuracy, last.top5
         );
     }
     let mean_speed = if train_seconds > 0.0 {
@@ -238,6 +245,28 @@ mod tests {
             ),
             "{text}"
         );
+        // Judged by the average: one best epoch, named once, by the rule (epoch 2 here, the
+        // later of two equal accuracies with the lower loss), never a second one.
+        let mut tied = lines.clone();
+        tied.push(mk(1, MetricsSplit::ValidEma, 0.8));
+        tied.push(EpochMetrics {
+            loss: 0.1,
+            ..mk(2, MetricsSplit::ValidEma, 0.8)
+        });
+        let judged_by_average = SummaryHeader {
+            best: None,
+            best_rule: BestRule {
+                monitor: Monitor::ValEmaAccuracy,
+                min_delta: 0.0,
+            },
+            ..header.clone()
+        };
+        let text = format_summary(&judged_by_average, &tied);
+        assert!(
+            text.contains("best of the moving average 0.8000 at epoch 2"),
+            "{text}"
+        );
+        assert!(!text.contains("at epoch 1"), "{text}");
         std::fs::write(dir.path().join("model_ema.safetensors"), b"x").unwrap();
         let text = format_summary(&header, &averaged);
         assert!(

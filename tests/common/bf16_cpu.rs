@@ -7,8 +7,8 @@
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
-    Backend, BackendError, BnBackward, BnForward, ConvShape, GradientViews, LinearShape, LossStats,
-    PoolShape, Targets, TensorRole,
+    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape, GradientViews,
+    LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use birdtrain::model::InputBatch;
 
@@ -109,6 +109,69 @@ impl Backend for Bf16Cpu {
         fix(dw);
         Ok(())
     }
+    fn bn_fusion(&self) -> bool {
+        self.0.bn_fusion()
+    }
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &Stored,
+        w: &Stored,
+        y: &mut Stored,
+        moments: &mut Stored,
+    ) -> Result<(), BackendError> {
+        // The moments of the stored (rounded) output, as the GPU's epilogue reads it.
+        self.0.conv_forward(s, &x.v, &w.v, &mut y.v)?;
+        fix(y);
+        let rows = s.n * s.out_h() * s.out_w();
+        let mut m = vec![0.0f32; 3 * s.c_out];
+        let yv = &y.v[..rows * s.c_out];
+        for ch in 0..s.c_out {
+            let vals = yv.iter().skip(ch).step_by(s.c_out).map(|&v| f64::from(v));
+            let mean = vals.clone().sum::<f64>() / rows as f64;
+            let m2: f64 = vals.map(|v| (v - mean) * (v - mean)).sum();
+            m[ch] = mean as f32;
+            m[s.c_out + ch] = m2 as f32;
+            m[2 * s.c_out + ch] = rows as f32;
+        }
+        moments.v[..3 * s.c_out].copy_from_slice(&m);
+        Ok(())
+    }
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &Stored,
+        w: &Stored,
+        dx: &mut Stored,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, Stored>,
+    ) -> Result<(), BackendError> {
+        // Rounded as the GPU rounds: the product, each sum, then the mask.
+        self.0
+            .conv_backward_data(s, &dy.v, &w.v, &mut dx.v, accumulate)?;
+        fix(dx);
+        let (rows, c) = (s.n * s.h * s.w, s.c_in);
+        let round = |v: f32| half::bf16::from_f32(v).to_f32();
+        let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+        for i in 0..rows * c {
+            let ch = i % c;
+            let mut g = dx.v[i];
+            if let Some(r) = bn.residual_grad {
+                g = round(g + r.v[i]);
+            }
+            if bn.relu && bn.y.v[i] <= 0.0 {
+                g = 0.0;
+            }
+            dx.v[i] = g;
+            sb[ch] += f64::from(g);
+            sg[ch] += f64::from(g * (bn.x.v[i] - bn.saved_mean.v[ch]) * bn.saved_invstd.v[ch]);
+        }
+        for ch in 0..c {
+            bn.dbeta.v[ch] = sb[ch] as f32;
+            bn.dgamma.v[ch] = sg[ch] as f32;
+        }
+        Ok(())
+    }
     fn bn_forward(&self, a: BnForward<'_, Stored>) -> Result<(), BackendError> {
         self.0.bn_forward(BnForward {
             shape: a.shape,
@@ -125,6 +188,7 @@ impl Backend for Bf16Cpu {
             mode: a.mode,
             momentum: a.momentum,
             eps: a.eps,
+            moments: a.moments.map(|m| &m.v),
         })?;
         fix(a.y);
         Ok(())
@@ -144,6 +208,7 @@ impl Backend for Bf16Cpu {
             dresidual,
             dgamma,
             dbeta,
+            prepared,
         } = a;
         let (dres, acc) = match dresidual {
             Some((d, acc)) => (Some(d), acc),
@@ -164,6 +229,7 @@ impl Backend for Bf16Cpu {
             dresidual: dres.as_mut().map(|d| (&mut d.v, acc)),
             dgamma: &mut dgamma.v,
             dbeta: &mut dbeta.v,
+            prepared,
         })?;
         fix(dx);
         if let Some(d) = dres {

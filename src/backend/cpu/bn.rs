@@ -150,8 +150,25 @@ impl SimdTask for Apply<'_> {
 pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     let x = &a.x[..rows * c];
-    match a.mode {
-        BnMode::Train => {
+    match (a.mode, a.moments) {
+        (BnMode::Train, Some(moments)) => {
+            let (mean, var, n) = super::bn_fused::batch_stats(moments, c);
+            let m = f64::from(a.momentum);
+            for ch in 0..c {
+                a.saved_mean[ch] = mean[ch] as f32;
+                a.saved_invstd[ch] = (1.0 / (var[ch] + f64::from(a.eps)).sqrt()) as f32;
+                let unbiased = if n > 1.0 {
+                    var[ch] * n / (n - 1.0)
+                } else {
+                    var[ch]
+                };
+                a.running_mean[ch] =
+                    ((1.0 - m) * f64::from(a.running_mean[ch]) + m * mean[ch]) as f32;
+                a.running_var[ch] =
+                    ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
+            }
+        }
+        (BnMode::Train, None) => {
             let shift = &x[..c];
             let partials: Vec<(Vec<f32>, Vec<f32>)> = x
                 .par_chunks(BLOCK_ROWS * c)
@@ -178,7 +195,7 @@ pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
                     ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
             }
         }
-        BnMode::Frozen | BnMode::Eval => {
+        (BnMode::Frozen | BnMode::Eval, _) => {
             for ch in 0..c {
                 a.saved_mean[ch] = a.running_mean[ch];
                 a.saved_invstd[ch] = 1.0 / (a.running_var[ch] + a.eps).sqrt();
@@ -421,7 +438,8 @@ pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
     } else {
         dx_all.chunks_mut(block).map(Some).collect()
     };
-    let relu = a.relu;
+    // Prepared: dy is the masked gradient already, and dgamma, dbeta its reductions.
+    let relu = a.relu && !a.prepared;
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dres_blocks
         .into_par_iter()
         .zip(dx_blocks)
@@ -444,16 +462,19 @@ pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
             )
         })
         .collect();
-    let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
-    for (pb, pg) in &partials {
-        for ch in 0..c {
-            sb[ch] += f64::from(pb[ch]);
-            sg[ch] += f64::from(pg[ch]);
+    // Prepared: dgamma and dbeta hold the reductions already, as input_gradient reads them.
+    if !a.prepared {
+        let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+        for (pb, pg) in &partials {
+            for ch in 0..c {
+                sb[ch] += f64::from(pb[ch]);
+                sg[ch] += f64::from(pg[ch]);
+            }
         }
-    }
-    for ch in 0..c {
-        a.dbeta[ch] = sb[ch] as f32;
-        a.dgamma[ch] = (sg[ch] * f64::from(invstd[ch])) as f32;
+        for ch in 0..c {
+            a.dbeta[ch] = sb[ch] as f32;
+            a.dgamma[ch] = (sg[ch] * f64::from(invstd[ch])) as f32;
+        }
     }
     if !batch {
         return;

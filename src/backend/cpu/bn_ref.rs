@@ -43,8 +43,25 @@ fn channel_sums(
 pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     let x = &a.x[..rows * c];
-    match a.mode {
-        BnMode::Train => {
+    match (a.mode, a.moments) {
+        (BnMode::Train, Some(moments)) => {
+            let (mean, var, n) = super::bn_fused::batch_stats(moments, c);
+            let m = f64::from(a.momentum);
+            for ch in 0..c {
+                a.saved_mean[ch] = mean[ch] as f32;
+                a.saved_invstd[ch] = (1.0 / (var[ch] + f64::from(a.eps)).sqrt()) as f32;
+                let unbiased = if n > 1.0 {
+                    var[ch] * n / (n - 1.0)
+                } else {
+                    var[ch]
+                };
+                a.running_mean[ch] =
+                    ((1.0 - m) * f64::from(a.running_mean[ch]) + m * mean[ch]) as f32;
+                a.running_var[ch] =
+                    ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
+            }
+        }
+        (BnMode::Train, None) => {
             let sums = channel_sums(x, rows, c, |_, v| f64::from(v));
             let mean: Vec<f64> = sums.iter().map(|s| s / rows as f64).collect();
             let sq = channel_sums(x, rows, c, |ch, v| {
@@ -67,7 +84,7 @@ pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
                     ((1.0 - m) * f64::from(a.running_var[ch]) + m * unbiased) as f32;
             }
         }
-        BnMode::Frozen | BnMode::Eval => {
+        (BnMode::Frozen | BnMode::Eval, _) => {
             for ch in 0..c {
                 a.saved_mean[ch] = a.running_mean[ch];
                 a.saved_invstd[ch] = 1.0 / (a.running_var[ch] + a.eps).sqrt();
@@ -104,7 +121,8 @@ pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
 
 pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
-    let relu = a.relu;
+    // Prepared: dy is the masked gradient already, and dgamma, dbeta its reductions.
+    let relu = a.relu && !a.prepared;
     let y = &a.y[..rows * c];
     let dy = &a.dy[..rows * c];
     let x = &a.x[..rows * c];
@@ -113,7 +131,12 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
     // dz = dy masked by the ReLU (recomputed where needed instead of stored).
     let dz = |i: usize| if relu && y[i] <= 0.0 { 0.0 } else { dy[i] };
     // Σ dz and Σ dz·x̂ per channel, per fixed block of rows, combined in block order.
-    let partials: Vec<(Vec<f64>, Vec<f64>)> = (0..rows.div_ceil(BLOCK_ROWS))
+    let blocks = if a.prepared {
+        0
+    } else {
+        rows.div_ceil(BLOCK_ROWS)
+    };
+    let partials: Vec<(Vec<f64>, Vec<f64>)> = (0..blocks)
         .into_par_iter()
         .map(|b| {
             let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
@@ -133,6 +156,12 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
         })
         .collect();
     let (mut dbeta, mut dgamma) = (vec![0.0f64; c], vec![0.0f64; c]);
+    if a.prepared {
+        for ch in 0..c {
+            dbeta[ch] = f64::from(a.dbeta[ch]);
+            dgamma[ch] = f64::from(a.dgamma[ch]);
+        }
+    }
     for (sb, sg) in partials {
         for ch in 0..c {
             dbeta[ch] += sb[ch];

@@ -16,6 +16,7 @@
 //! every op (`bench step --breakdown`).
 
 mod bn;
+mod bn_fused;
 mod bn_ref;
 mod conv;
 mod dense;
@@ -26,17 +27,19 @@ mod optim;
 mod pool;
 mod profile;
 mod simd;
+mod threads;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use optim::{CpuOptimizer, UpdateRule};
 pub use profile::OpTime;
 pub use simd::{SimdLevel, SIMD_ENV};
+pub(crate) use threads::start_pool;
 
 use super::error::check_len;
 use super::{
-    bn_sync, Backend, BackendError, BnBackward, BnForward, BnSyncBackward, ConvShape, LinearShape,
-    LossStats, PoolShape, Targets, TensorRole,
+    bn_sync, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnSyncBackward,
+    ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -70,6 +73,8 @@ pub struct CpuBackend {
     scratch: Arc<Mutex<Scratch>>,
     plans: Arc<direct::PlanCache>,
     profiler: Arc<profile::Profiler>,
+    /// Whether networks run batch norm fused into the convolutions ([`Backend::bn_fusion`]).
+    bn_fusion: bool,
 }
 
 impl Clone for CpuBackend {
@@ -82,6 +87,7 @@ impl Clone for CpuBackend {
             scratch: Arc::default(),
             plans: Arc::clone(&self.plans),
             profiler: Arc::clone(&self.profiler),
+            bn_fusion: self.bn_fusion,
         }
     }
 }
@@ -92,6 +98,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("threads", &self.threads)
             .field("level", &self.level)
             .field("kernels", &self.kernels)
+            .field("bn_fusion", &self.bn_fusion)
             .finish()
     }
 }
@@ -130,14 +137,7 @@ impl CpuBackend {
         } else {
             threads
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("cpu-backend-{i}"))
-            .build()
-            .map_err(|e| BackendError::Device {
-                op: "CpuBackend::new",
-                source: Box::new(e),
-            })?;
+        let pool = start_pool(threads, "cpu-backend")?;
         Ok(CpuBackend {
             pool: Arc::new(pool),
             threads,
@@ -146,7 +146,16 @@ impl CpuBackend {
             scratch: Arc::default(),
             plans: Arc::default(),
             profiler: Arc::default(),
+            bn_fusion: false,
         })
+    }
+
+    /// Makes networks built on this backend run batch norm fused into the convolutions
+    /// (`true`) or not (`false`, the default): the CUDA backend's fused sequence with the
+    /// reductions computed after each convolution (`bn_fused.rs`), so the sequence can be
+    /// checked against the unfused one without a GPU. It saves nothing on the CPU.
+    pub fn set_bn_fusion(&mut self, on: bool) {
+        self.bn_fusion = on;
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -382,9 +391,90 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn bn_fusion(&self) -> bool {
+        self.bn_fusion
+    }
+
+    fn conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+        moments: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        check_len(
+            "conv_forward_moments",
+            "moments",
+            moments.len(),
+            3 * s.c_out,
+        )?;
+        self.conv_forward(s, x, w, y)?;
+        let rows = s.n * s.out_h() * s.out_w();
+        let _t = self
+            .profiler
+            .time(|| "bn_moments".into(), 0.0, 4.0 * (rows * s.c_out) as f64);
+        self.pool
+            .install(|| bn_fused::moments(y, rows, s.c_out, moments));
+        Ok(())
+    }
+
+    fn conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &Vec<f32>,
+        w: &Vec<f32>,
+        dx: &mut Vec<f32>,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        let op = "conv_backward_data_bn";
+        let (rows, c) = (s.n * s.h * s.w, s.c_in);
+        for (name, len) in [("x", bn.x.len()), ("y", bn.y.len())] {
+            check_len(op, name, len, rows * c)?;
+        }
+        if let Some(r) = bn.residual_grad {
+            check_len(op, "residual_grad", r.len(), rows * c)?;
+        }
+        for (name, len) in [
+            ("saved_mean", bn.saved_mean.len()),
+            ("saved_invstd", bn.saved_invstd.len()),
+            ("dgamma", bn.dgamma.len()),
+            ("dbeta", bn.dbeta.len()),
+        ] {
+            check_len(op, name, len, c)?;
+        }
+        self.conv_backward_data(s, dy, w, dx, accumulate)?;
+        let streams = 4 + usize::from(bn.residual_grad.is_some());
+        let _t = self.profiler.time(
+            || "bn_grad_finish".into(),
+            0.0,
+            4.0 * (rows * c * streams) as f64,
+        );
+        self.pool.install(|| {
+            bn_fused::finish_grad(
+                rows,
+                c,
+                dx,
+                bn.residual_grad.map(|r| &r[..]),
+                bn.y,
+                bn.relu,
+                bn.x,
+                bn.saved_mean,
+                bn.saved_invstd,
+                bn.dgamma,
+                bn.dbeta,
+            )
+        });
+        Ok(())
+    }
+
     fn bn_forward(&self, a: BnForward<'_, Vec<f32>>) -> Result<(), BackendError> {
         let (r, c) = (a.shape.rows, a.shape.channels);
         let op = "bn_forward";
+        if let Some(m) = a.moments {
+            check_len(op, "moments", m.len(), 3 * c)?;
+        }
         check_len(op, "x", a.x.len(), r * c)?;
         check_len(op, "y", a.y.len(), r * c)?;
         if let Some(res) = a.residual {
@@ -406,7 +496,10 @@ impl Backend for CpuBackend {
                 detail: "zero rows".into(),
             });
         }
-        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize)) as f64;
+        // x read, y written, the residual read; in training without moments x is read once
+        // more for the batch statistics (with them, the convolution reduced it already).
+        let reduces = a.mode == BnMode::Train && a.moments.is_none();
+        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize + reduces as usize)) as f64;
         let _t = self.profiler.time(|| "bn_fwd".into(), 0.0, bytes);
         match self.kernels {
             Kernels::Fast => self.pool.install(|| bn::forward(self.level, a)),

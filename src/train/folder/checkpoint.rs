@@ -649,6 +649,11 @@ impl CheckpointMeta {
         }
         let path = run.join(SIDECAR_FILE);
         let text = fs::read_to_string(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound && super::is_in_use(run) {
+                return FolderError::InUseBeforeCheckpoint {
+                    path: run.to_path_buf(),
+                };
+            }
             bad(format!(
                 "cannot read {SIDECAR_FILE} ({e}); is this a birdtrain run folder?"
             ))

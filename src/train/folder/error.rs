@@ -41,6 +41,13 @@ pub enum FolderError {
         /// The run folder.
         path: PathBuf,
     },
+    /// A `--resume` or `--checkpoint` folder that a run is writing, before its first
+    /// checkpoint.
+    #[error("{path} is in use by a birdtrain run that has not saved its first checkpoint yet (no checkpoint.json) (hint: wait until its first epoch ends, when it writes one)")]
+    InUseBeforeCheckpoint {
+        /// The run folder.
+        path: PathBuf,
+    },
     /// report.png could not be drawn.
     #[error("cannot draw report {path}: {reason}")]
     Report {

@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The environment variable that arms a fault.
-pub const FAULT_ENV: &str = "BIRDTRAIN_FAULT";
+/// The environment variable that arms a fault (shared with the thread-start hook of
+/// [`pipeline::threads`], `thread:<name>[@<n>]`).
+pub const FAULT_ENV: &str = pipeline::threads::FAULT_ENV;
 
 /// Which checkpoint a fault and a count refer to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -294,6 +294,47 @@ impl RunFolder {
         Ok(best)
     }
 
+    /// Deletes the run this folder holds, whole (`--overwrite`): the sidecar first, so that
+    /// from then on the folder is no run to resume (a kill midway leaves no checkpoint
+    /// without its history), then every other file a run writes and `best/`; files of
+    /// other names are left alone, and so is the lock this process holds.
+    pub fn remove_run(&self) -> Result<(), FolderError> {
+        let remove = |path: PathBuf| {
+            let result = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            match result {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(FolderError::Io {
+                    path,
+                    what: "remove (--overwrite) the previous run's",
+                    source: e,
+                }),
+                _ => Ok(()),
+            }
+        };
+        remove(self.root.join(checkpoint::SIDECAR_FILE))?;
+        files::sync_dir(&self.root);
+        let entries = std::fs::read_dir(&self.root).map_err(|source| FolderError::Io {
+            path: self.root.clone(),
+            what: "list",
+            source,
+        })?;
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name == LOCK_FILE {
+                continue;
+            }
+            if name == checkpoint::BEST_DIR || is_run_file_name(&name) {
+                remove(entry.path())?;
+            }
+        }
+        files::sync_dir(&self.root);
+        Ok(())
+    }
+
     /// What in the folder shows that a run is there already (the sidecar, metrics), in
     /// words; empty when nothing does.
     pub fn existing_run(&self) -> Vec<&'static str> {
@@ -315,6 +356,19 @@ pub fn is_run_folder(dir: &Path) -> bool {
     ]
     .iter()
     .any(|f| dir.join(f).exists())
+}
+
+/// Whether a process holds `dir`'s run-folder lock now (a run, resume or `lr-find` writing
+/// into it). Probed with a shared lock taken and dropped at once, so a run starting at that
+/// very moment may see the folder in use once: only an error path asks.
+pub fn is_in_use(dir: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(dir.join(LOCK_FILE)) else {
+        return false;
+    };
+    matches!(
+        file.try_lock_shared(),
+        Err(std::fs::TryLockError::WouldBlock)
+    )
 }
 
 /// The run whose best-epoch folder `dir` is (`RUN` for `RUN/best`), when it is one: a folder

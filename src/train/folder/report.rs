@@ -10,7 +10,9 @@ use std::sync::Once;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use super::files::{commit_temp, temp_path};
+use image::ImageEncoder;
+
+use super::files::{commit_temp, write_temp};
 use super::metrics::{EpochMetrics, MetricsSplit};
 use super::FolderError;
 
@@ -49,29 +51,40 @@ fn with_average(mut curves: Vec<Curve<'static>>, average: Vec<(f64, f64)>) -> Ve
 /// Draws the report of `lines` (as read from `metrics.jsonl`) into `path` (PNG), through a
 /// temporary file and a rename.
 pub fn write_report(path: &Path, lines: &[EpochMetrics]) -> Result<(), FolderError> {
-    write_png(path, |tmp| draw(tmp, lines))
+    write_png(path, REPORT_SIZE, |pixels| draw(pixels, lines))
 }
 
-/// Runs `draw` on a temporary file beside `path` and renames it into place (removed on
-/// failure, which names `path`).
+/// Sides of `report.png` and `lr_find.png`, in pixels.
+const REPORT_SIZE: (u32, u32) = (1500, 480);
+const LR_PLOT_SIZE: (u32, u32) = (800, 520);
+
+/// Runs `draw` on an RGB picture of `size` in memory, then writes it as a PNG to a temporary
+/// file beside `path` and renames it into place. Drawing in memory keeps the file's errors
+/// the run folder's (a full disk gets its hint), apart from the drawing's own.
 fn write_png(
     path: &Path,
-    draw: impl FnOnce(&Path) -> Result<(), Box<dyn std::error::Error>>,
+    size: (u32, u32),
+    draw: impl FnOnce(&mut [u8]) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<(), FolderError> {
     register_font();
-    let tmp = temp_path(path).with_extension("png");
-    draw(&tmp).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        FolderError::Report {
+    let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
+    draw(&mut pixels).map_err(|e| FolderError::Report {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(&pixels, size.0, size.1, image::ExtendedColorType::Rgb8)
+        .map_err(|e| FolderError::Report {
             path: path.to_path_buf(),
             reason: e.to_string(),
-        }
-    })?;
+        })?;
+    let tmp = write_temp(path, &png)?;
     commit_temp(&tmp, path)
 }
 
-fn draw(path: &Path, lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::Error>> {
-    let root = BitMapBackend::new(path, (1500, 480)).into_drawing_area();
+fn draw(pixels: &mut [u8], lines: &[EpochMetrics]) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::with_buffer(pixels, REPORT_SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, 3));
     let last_epoch = lines.iter().map(|m| m.epoch).max().unwrap_or(1).max(1) as f64;
@@ -153,15 +166,17 @@ pub fn write_lr_plot(
     points: &[(f64, f64, f64)],
     suggested: Option<(f64, f64)>,
 ) -> Result<(), FolderError> {
-    write_png(path, |tmp| draw_lr(tmp, points, suggested))
+    write_png(path, LR_PLOT_SIZE, |pixels| {
+        draw_lr(pixels, points, suggested)
+    })
 }
 
 fn draw_lr(
-    path: &Path,
+    pixels: &mut [u8],
     points: &[(f64, f64, f64)],
     suggested: Option<(f64, f64)>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let root = BitMapBackend::new(path, (800, 520)).into_drawing_area();
+    let root = BitMapBackend::with_buffer(pixels, LR_PLOT_SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let lr = |f: fn(f64, f64) -> f64, start| points.iter().map(|p| p.0).fold(start, f);
     let (lo, hi) = (lr(f64::min, f64::INFINITY), lr(f64::max, 0.0));

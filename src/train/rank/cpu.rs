@@ -17,9 +17,10 @@ use super::{pack_totals, Device, Rank, TOTALS_LEN};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::cuda::staging::feed::HostBatch;
-use crate::dist::collective::Collective;
+use crate::dist::collective::{Collective, CollectiveError};
 use crate::dist::launch;
 use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
+use crate::dist::start_gate::StartGate;
 use crate::model::{GradHookError, Network, NetworkConfig, StepStats};
 use crate::optim::{ConvOrder, CpuRankOptimizer, ParamLayout};
 use crate::train::config::TrainConfig;
@@ -226,19 +227,30 @@ pub(crate) fn run_cpu_ranks<C: Collective<Buffer = HostGrads>>(
 ) -> Result<Vec<RankReport>, TrainError> {
     let cpu = CpuBackend::new(shared.cfg.threads)?;
     let world = comms.len();
+    // The ranks start together or not at all: one whose thread the OS refuses would leave
+    // the others waiting in their first collective until its timeout.
+    let gate = StartGate::new(world);
     let results: Vec<Result<RankReport, TrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
                 let backend = cpu.clone();
                 let rank = comm.rank();
-                std::thread::Builder::new()
-                    .name(format!("rank-{rank}"))
-                    .spawn_scoped(s, move || {
-                        run_cpu_rank(shared, backend, comm, &|step| stop(rank, step))
-                    })
+                let gate = &gate;
+                pipeline::threads::spawn_scoped(s, format!("rank-{rank}"), move || {
+                    if !gate.arrive() {
+                        return Err(TrainError::Collective(Box::new(CollectiveError::Aborted {
+                            rank,
+                            reason: "another rank's thread could not start".into(),
+                        })));
+                    }
+                    run_cpu_rank(shared, backend, comm, &|step| stop(rank, step))
+                })
             })
             .collect();
+        if handles.iter().any(Result::is_err) {
+            gate.call_off();
+        }
         handles
             .into_iter()
             .enumerate()
@@ -250,9 +262,8 @@ pub(crate) fn run_cpu_ranks<C: Collective<Buffer = HostGrads>>(
                             panic_text(&panic)
                         )))
                     }),
-                    Err(e) => Err(TrainError::Internal(format!(
-                        "cannot start its thread: {e}"
-                    ))),
+                    // Its thread's name (`rank-N`) says which rank.
+                    Err(e) => Err(TrainError::Thread(e)),
                 };
                 // Several ranks: the user learns which one failed.
                 result.map_err(|e| match world {

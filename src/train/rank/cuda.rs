@@ -578,17 +578,17 @@ where
 }
 
 /// Runs `f` while a helper thread copies the caller's stop wishes into `local`, which the
-/// driver threads (needing `'static` data) poll.
+/// driver threads (needing `'static` data) poll; an error when the OS refuses that thread.
 fn with_stop_bridge<R>(
     stop: &StopWish<'_>,
     ranks: usize,
     rank_offset: usize,
     local: &Arc<Vec<AtomicBool>>,
     f: impl FnOnce() -> R,
-) -> R {
+) -> Result<R, TrainError> {
     let finished = AtomicBool::new(false);
     std::thread::scope(|s| {
-        s.spawn(|| {
+        pipeline::threads::spawn_scoped(s, "stop-bridge", || {
             while !finished.load(Ordering::SeqCst) {
                 for i in 0..ranks {
                     if stop(rank_offset + i, u64::MAX) {
@@ -597,10 +597,10 @@ fn with_stop_bridge<R>(
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-        });
+        })?;
         let r = f();
         finished.store(true, Ordering::SeqCst);
-        r
+        Ok(r)
     })
 }
 
@@ -618,6 +618,12 @@ fn ranks_error(e: ranks::RanksError, world: usize, device: &dyn Fn(usize) -> Str
                 reason: other.to_string(),
             },
         },
+        // A refused thread is no fault of the GPUs: its own line and hint (its name,
+        // `gpu-O`, gives the device, not the rank).
+        ranks::RanksError::Spawn { rank, source } if world > 1 => {
+            TrainError::Thread(source).on_rank(rank, device(rank))
+        }
+        ranks::RanksError::Spawn { source, .. } => TrainError::Thread(source),
         other => TrainError::Device {
             device: "GPUs".into(),
             reason: other.to_string(),
@@ -775,7 +781,7 @@ pub(crate) fn launch(
                     .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
                 })
             },
-        )
+        )?
         .map_err(|e| {
             ranks_error(e, world, &|rank| {
                 let ordinal = rank
@@ -933,6 +939,30 @@ mod tests {
             text.contains("cuda:6 (rank 2)") && text.contains("NCCL timed out"),
             "{text}"
         );
+        // A driver thread the OS refused: its own line and hint, the rank named once in
+        // front (the thread's name gives only the device).
+        let refused = |rank: usize, world: usize| {
+            ranks_error(
+                ranks::RanksError::Spawn {
+                    rank,
+                    source: pipeline::threads::ThreadStartError {
+                        thread: format!("gpu-{}", rank + 4),
+                        source: std::io::Error::from(std::io::ErrorKind::WouldBlock),
+                    },
+                },
+                world,
+                &device,
+            )
+        };
+        let e = refused(1, 2);
+        let text = e.to_string();
+        assert!(
+            text.starts_with("rank 1 (cuda:5): could not start thread `gpu-5`"),
+            "{text}"
+        );
+        assert_eq!(text.matches("rank 1").count(), 1, "{text}");
+        assert!(matches!(e.unranked(), TrainError::Thread(_)), "{e:?}");
+        assert!(matches!(refused(0, 1), TrainError::Thread(_)));
     }
 
     #[test]

@@ -180,9 +180,10 @@ pub(crate) fn launch(
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
                 let (shared, group) = (&shared, &group);
-                std::thread::Builder::new()
-                    .name(format!("gpu-{ordinal}-rank-{rank}"))
-                    .spawn_scoped(s, move || {
+                pipeline::threads::spawn_scoped(
+                    s,
+                    format!("gpu-{ordinal}-rank-{rank}"),
+                    move || {
                         let _guard = AbortOnPanic { group, rank };
                         let abort_early = |reason: &str| {
                             tracing::error!("{reason}");
@@ -201,9 +202,14 @@ pub(crate) fn launch(
                             },
                             &|step| stop(rank, step),
                         )
-                    })
+                    },
+                )
             })
             .collect();
+        // Before any join: the ranks that started would wait for this one.
+        if let Some(Err(e)) = handles.iter().find(|h| h.is_err()) {
+            group.abort(&e.to_string());
+        }
         handles
             .into_iter()
             .enumerate()
@@ -215,12 +221,9 @@ pub(crate) fn launch(
                             panic_text(&panic)
                         )))
                     }),
-                    Err(e) => {
-                        group.abort(&format!("cannot start the thread of rank {rank}: {e}"));
-                        Err(TrainError::Internal(format!(
-                            "cannot start its thread: {e}"
-                        )))
-                    }
+                    // Its thread's name (`gpu-O-rank-N`) says which rank; the group was
+                    // aborted before any join.
+                    Err(e) => Err(TrainError::Thread(e)),
                 };
                 // Several ranks: the user learns which one failed.
                 result.map_err(|e| match ranks {

@@ -1,0 +1,526 @@
+//! Batch norm fused into the convolutions around it (`BIRDTRAIN_BN_FUSION=1`; off by default
+//! until a GPU run has passed its tests and measured it faster than the separate passes):
+//! the launches behind [`Backend::conv_forward_moments`] and
+//! [`Backend::conv_backward_data_bn`] on [`CudaBackend`], and the two pieces of the batch-norm
+//! ops that read what they leave ([`BnForward::moments`], [`BnBackward::prepared`]).
+//!
+//! Forward: the v2 forward GEMM with the statistics epilogue (`conv2_fwd_stats_*`) writes
+//! per-tile (mean, M2) records of its output, `bn_stats_merge` merges them in a fixed order
+//! into the layer's moments (mean, M2, count per channel: a tensor of the network's), and the
+//! batch norm's `bn_moments_finalize` turns those into the saved mean, 1/sqrt(var + eps) and
+//! the running statistics; `bn_stats_partial` no longer reads the convolution's output. The
+//! moments are where a cross-replica merge (synchronised batch norm) fits.
+//!
+//! Backward: the v2 dgrad GEMM with the batch-norm epilogue (`conv2_dgrad_bn_*`) of the
+//! convolution that reads a batch norm's output finishes that batch norm's incoming gradient
+//! (the residual's gradient added, the ReLU's mask applied) and writes per-tile Σg, Σg·x̂;
+//! `bn_sums_merge` sums them in a fixed order into dβ and dγ, and the batch norm's backward is
+//! one apply pass over g and x (`bn_bwd_partial` and the mask's read of y leave the step).
+//!
+//! Where no v2 kernel takes a shape (`BIRDTRAIN_CONV=v1`, channel counts v2 refuses), the same
+//! ops run the plain convolution and then the slab reductions (`bn_stats_partial`,
+//! `bn_grad_finish` + `bn_bwd_partial`), whose records the same merges read: the ops keep
+//! their meaning on every path. No atomics anywhere: the same bits every run.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{
+    check_len, dev_err, drv_err, elementwise_cfg, ensure, reduction_launch, to_i32, Conv2Scratch,
+    CudaBackend, NULL_PTR,
+};
+use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
+use crate::cuda::conv::{Conv2Launch, Pass};
+use crate::cuda::error::CudaError;
+use crate::cuda::tensor::CudaTensor;
+
+/// The environment variable that selects the batch-norm sequence: `1` fuses batch norm into the
+/// convolutions, `0` (or unset) runs it in its own passes. Off by default: the fused sequence
+/// has not yet run on a GPU, and until a GPU session has passed its tests and measured it
+/// faster (`gpu-run.sh fusion`), no other run should take it unasked.
+pub const BN_FUSION_ENV: &str = "BIRDTRAIN_BN_FUSION";
+
+/// Parses the value of `BIRDTRAIN_BN_FUSION` (unset or empty: off).
+pub fn parse_bn_fusion(value: Option<&str>) -> Result<bool, CudaError> {
+    match value.map(str::trim) {
+        Some("1") => Ok(true),
+        None | Some("") | Some("0") => Ok(false),
+        Some(other) => Err(CudaError::Unsupported {
+            what: format!(
+                "{BN_FUSION_ENV}={other:?}: expected 0 (batch norm in its own passes) or 1 \
+                 (fused into the convolutions); unset means 0"
+            ),
+        }),
+    }
+}
+
+/// Whether the environment asks for the fused sequence.
+pub fn bn_fusion_from_env() -> Result<bool, CudaError> {
+    parse_bn_fusion(std::env::var(BN_FUSION_ENV).ok().as_deref())
+}
+
+/// Rows of one forward tile record (BM of every v2 forward tile shape).
+const TILE_ROWS: usize = 128;
+/// Records merged in one launch at most; more are merged in groups of [`MERGE_GROUP`], then
+/// the groups (a lane of the one-launch merge would walk hundreds of records: a layer of
+/// 3.2M rows has 25 088 tiles).
+const MERGE_SINGLE: usize = 256;
+/// Records per group of the first of two merge launches.
+const MERGE_GROUP: usize = 128;
+
+/// bn_stats_merge / bn_sums_merge: block (32 channels, 32 record lanes), one block row per group.
+fn merge_cfg(c: usize, groups: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(32) as u32, groups as u32, 1),
+        block_dim: (32, 32, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A v2 launch and the name of its kernel with the batch-norm epilogue.
+struct EpilogueLaunch {
+    launch: Conv2Launch,
+    bn_epilogue_kernel: &'static str,
+}
+
+impl CudaBackend {
+    /// Selects the fused batch-norm sequence (`true`) or the separate passes (`false`) for
+    /// networks built afterwards (tests compare both on one device; `BIRDTRAIN_BN_FUSION` sets
+    /// it at start).
+    pub fn set_bn_fusion(&mut self, on: bool) {
+        self.bn_fusion = on;
+    }
+
+    /// The v2 launch of `pass` with its batch-norm epilogue kernel, when v2 takes the shape.
+    fn epilogue_plan(&self, pass: Pass, s: &ConvShape) -> Option<EpilogueLaunch> {
+        let launch = self.conv2_plan(pass, s)?;
+        let bn_epilogue_kernel = launch.bn_epilogue_kernel()?;
+        Some(EpilogueLaunch {
+            launch,
+            bn_epilogue_kernel,
+        })
+    }
+
+    /// See [`Backend::conv_forward_moments`].
+    pub(super) fn fused_conv_forward_moments(
+        &self,
+        s: &ConvShape,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        moments: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        let op = "conv_forward_moments";
+        Self::conv_args(op, s)?;
+        check_len(op, "x", x.len, s.x_len())?;
+        check_len(op, "w", w.len, s.w_len())?;
+        check_len(op, "y", y.len, s.y_len())?;
+        check_len(op, "moments", moments.len, 3 * s.c_out)?;
+        let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
+        let Some(fwd) = self.epilogue_plan(Pass::Forward, s) else {
+            // No fused kernel: the convolution, then the slab statistics of its output.
+            self.conv_forward(s, x, w, y)?;
+            let (per, slabs) = self.slabs(rows);
+            let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
+            let per_i = to_i32(op, "rows per slab", per)?;
+            let mut work = self.work();
+            let w = &mut *work;
+            ensure(&self.dev, &mut w.f32a, 2 * slabs * c, op)?;
+            let part = w.f32a.as_mut().expect("ensured");
+            {
+                let (mut pm, mut pv) = part.split_at_mut(slabs * c);
+                let (partial, cfg) = reduction_launch(c, slabs, "bn_stats_partial");
+                let yb = y.bf16(op, "y")?;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    partial,
+                    cfg,
+                    [yb, &rows_i, &c_i, &per_i, &mut pm, &mut pv]
+                );
+                self.note_work(2 * rows * c, 0.0);
+            }
+            let moments = moments.f32_mut(op, "moments")?;
+            return self.merge_moments(op, part, slabs, rows, c, per, moments, &mut w.f32b);
+        };
+        let records = fwd.launch.grid.0 as usize;
+        let launch = Conv2Launch {
+            kernel: fwd.bn_epilogue_kernel,
+            ..fwd.launch
+        };
+        let cfg = self.conv2_prepare(op, &launch)?;
+        let (xs, ws, ys) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+        let mut work = self.work();
+        let wk = &mut *work;
+        ensure(&self.dev, &mut wk.f32a, 2 * records * c, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        {
+            let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+            let Conv2Scratch { x8, w8, .. } = &mut *scratch;
+            let (xs, ws) = if launch.pad_channels {
+                self.pad_to_8(op, xs, s.n * s.h * s.w, s.c_in, x8)?;
+                let rows_w = s.c_out * s.kernel * s.kernel;
+                self.pad_to_8(op, ws, rows_w, s.c_in, w8)?;
+                (x8.as_ref().expect("padded"), w8.as_ref().expect("padded"))
+            } else {
+                (xs, ws)
+            };
+            let kernel = fwd.bn_epilogue_kernel; // conv::V2_BN_EPILOGUE_KERNELS
+            launch!(
+                self,
+                op,
+                "conv2.cu",
+                kernel,
+                cfg,
+                [xs, ws, ys, &launch.args, &mut *part]
+            );
+            self.note_work(
+                2 * (s.x_len() + s.w_len() + s.y_len()) + 8 * records * c,
+                s.flops(),
+            );
+        }
+        let moments = moments.f32_mut(op, "moments")?;
+        self.merge_moments(op, part, records, rows, c, TILE_ROWS, moments, &mut wk.f32b)
+    }
+
+    /// See [`Backend::conv_backward_data_bn`].
+    pub(super) fn fused_conv_backward_data_bn(
+        &self,
+        s: &ConvShape,
+        dy: &CudaTensor,
+        w: &CudaTensor,
+        dx: &mut CudaTensor,
+        accumulate: bool,
+        bn: BnGradEpilogue<'_, CudaTensor>,
+    ) -> Result<(), BackendError> {
+        let op = "conv_backward_data_bn";
+        Self::conv_args(op, s)?;
+        check_len(op, "dy", dy.len, s.y_len())?;
+        check_len(op, "w", w.len, s.w_len())?;
+        check_len(op, "dx", dx.len, s.x_len())?;
+        check_len(op, "bn x", bn.x.len, s.x_len())?;
+        check_len(op, "bn y", bn.y.len, s.x_len())?;
+        if let Some(r) = bn.residual_grad {
+            check_len(op, "residual_grad", r.len, s.x_len())?;
+        }
+        for (name, len) in [
+            ("saved_mean", bn.saved_mean.len),
+            ("saved_invstd", bn.saved_invstd.len),
+            ("dgamma", bn.dgamma.len),
+            ("dbeta", bn.dbeta.len),
+        ] {
+            check_len(op, name, len, s.c_in)?;
+        }
+        let (rows, c) = (s.n * s.h * s.w, s.c_in);
+        let stream = self.dev.stream().clone();
+        // The optional pointers (null: no residual gradient, no ReLU).
+        let (res_ptr, _res_rec) = match bn.residual_grad {
+            Some(t) => {
+                let (p, rec) = t.bf16(op, "residual_grad")?.device_ptr(&stream);
+                (p, Some(rec))
+            }
+            None => (0u64, None),
+        };
+        let (y_ptr, _y_rec) = if bn.relu {
+            let (p, rec) = bn.y.bf16(op, "bn y")?.device_ptr(&stream);
+            (p, Some(rec))
+        } else {
+            (0u64, None)
+        };
+        let (bx, mean, invstd) = (
+            bn.x.bf16(op, "bn x")?,
+            bn.saved_mean.f32(op, "saved_mean")?,
+            bn.saved_invstd.f32(op, "saved_invstd")?,
+        );
+        let plan = self.epilogue_plan(Pass::Dgrad, s);
+        if plan.is_none() {
+            // No fused kernel: the plain data gradient first (before the workspace is held).
+            self.conv_backward_data(s, dy, w, dx, accumulate)?;
+        }
+        let mut work = self.work();
+        let wk = &mut *work;
+        let records = match plan {
+            Some(dgrad) => {
+                let mut launch = Conv2Launch {
+                    kernel: dgrad.bn_epilogue_kernel,
+                    ..dgrad.launch
+                };
+                launch.args.accumulate = i32::from(accumulate);
+                let records = launch.grid.0 as usize * launch.grid.2 as usize;
+                let cfg = self.conv2_prepare(op, &launch)?;
+                ensure(&self.dev, &mut wk.f32a, 2 * records * c, op)?;
+                let part = wk.f32a.as_mut().expect("ensured");
+                let (dys, ws, dxs) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+                let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+                let ws = if launch.rearrange_weight {
+                    ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
+                    let wt = scratch.wt.as_mut().expect("ensured");
+                    launch!(
+                        self,
+                        op,
+                        "conv2.cu",
+                        "conv2_dgrad_weights",
+                        elementwise_cfg(s.w_len() / 8),
+                        [ws, wt, &launch.args]
+                    );
+                    scratch.wt.as_ref().expect("ensured")
+                } else {
+                    ws
+                };
+                let kernel = dgrad.bn_epilogue_kernel; // conv::V2_BN_EPILOGUE_KERNELS
+                launch!(
+                    self,
+                    op,
+                    "conv2.cu",
+                    kernel,
+                    cfg,
+                    [
+                        dys,
+                        ws,
+                        dxs,
+                        &launch.args,
+                        &mut *part,
+                        &y_ptr,
+                        bx,
+                        mean,
+                        invstd,
+                        &res_ptr
+                    ]
+                );
+                let streams = 2
+                    + usize::from(accumulate)
+                    + usize::from(bn.residual_grad.is_some())
+                    + usize::from(bn.relu);
+                self.note_work(
+                    2 * (s.y_len() + s.w_len() + s.x_len() * streams) + 8 * records * c,
+                    s.flops(),
+                );
+                records
+            }
+            None => {
+                // Then its finish and the slab sums.
+                let dxs = dx.bf16_mut(op, "dx")?;
+                let total = (rows * c) as i64;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    "bn_grad_finish",
+                    elementwise_cfg(rows * c),
+                    [&mut *dxs, &res_ptr, &y_ptr, &total]
+                );
+                let (per, slabs) = self.slabs(rows);
+                let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
+                let (per_i, no_relu) = (to_i32(op, "rows per slab", per)?, 0i32);
+                ensure(&self.dev, &mut wk.f32a, 2 * slabs * c, op)?;
+                let part = wk.f32a.as_mut().expect("ensured");
+                let (mut pb, mut pg) = part.split_at_mut(slabs * c);
+                let (partial, cfg) = reduction_launch(c, slabs, "bn_bwd_partial");
+                let g = &*dxs;
+                launch!(
+                    self,
+                    op,
+                    "bn.cu",
+                    partial,
+                    cfg,
+                    [g, g, bx, mean, invstd, &rows_i, &c_i, &per_i, &no_relu, &mut pb, &mut pg]
+                );
+                slabs
+            }
+        };
+        let part = wk.f32a.as_ref().expect("ensured");
+        let (dbeta, dgamma) = (
+            bn.dbeta.f32_mut(op, "dbeta")?,
+            bn.dgamma.f32_mut(op, "dgamma")?,
+        );
+        self.merge_sums(op, part, records, c, dbeta, dgamma, &mut wk.f32b)
+    }
+
+    /// Merges `records` (mean, M2) records (planes of `records × c` at the start of `part`;
+    /// record b holds rows [b·per, (b + 1)·per) of `rows`) into `moments` (mean, M2, count),
+    /// in one launch or, beyond [`MERGE_SINGLE`] records, through groups in `mid`.
+    #[allow(clippy::too_many_arguments)]
+    fn merge_moments(
+        &self,
+        op: &'static str,
+        part: &CudaSlice<f32>,
+        records: usize,
+        rows: usize,
+        c: usize,
+        per: usize,
+        moments: &mut CudaSlice<f32>,
+        mid: &mut Option<CudaSlice<f32>>,
+    ) -> Result<(), BackendError> {
+        let (rows_i, c_i, records_i) = (
+            to_i32(op, "rows", rows)?,
+            to_i32(op, "channels", c)?,
+            to_i32(op, "records", records)?,
+        );
+        let (pm, pv) = part.split_at(records * c);
+        let (mut mm, mut rest) = moments.split_at_mut(c);
+        let (mut mq, mut mn) = rest.split_at_mut(c);
+        let per_i = per as i64;
+        if records <= MERGE_SINGLE {
+            launch!(
+                self,
+                op,
+                "bn.cu",
+                "bn_stats_merge",
+                merge_cfg(c, 1),
+                [
+                    &pm, &pv, &records_i, &rows_i, &c_i, &per_i, &records_i, &mut mm, &mut mq,
+                    &mut mn
+                ]
+            );
+            return Ok(());
+        }
+        let groups = records.div_ceil(MERGE_GROUP);
+        ensure(&self.dev, mid, 2 * groups * c, op)?;
+        let (mut gm, mut gq) = mid.as_mut().expect("ensured").split_at_mut(groups * c);
+        let (group_i, groups_i) = (MERGE_GROUP as i32, to_i32(op, "groups", groups)?);
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_stats_merge",
+            merge_cfg(c, groups),
+            [&pm, &pv, &records_i, &rows_i, &c_i, &per_i, &group_i, &mut gm, &mut gq, &NULL_PTR]
+        );
+        let per_group = per_i * MERGE_GROUP as i64;
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_stats_merge",
+            merge_cfg(c, 1),
+            [
+                &mut gm, &mut gq, &groups_i, &rows_i, &c_i, &per_group, &groups_i, &mut mm,
+                &mut mq, &mut mn
+            ]
+        );
+        Ok(())
+    }
+
+    /// Sums `records` (Σg, Σg·x̂) records (planes of `records × c` at the start of `part`) into
+    /// dβ and dγ, in one launch or through groups in `mid`.
+    #[allow(clippy::too_many_arguments)]
+    fn merge_sums(
+        &self,
+        op: &'static str,
+        part: &CudaSlice<f32>,
+        records: usize,
+        c: usize,
+        dbeta: &mut CudaSlice<f32>,
+        dgamma: &mut CudaSlice<f32>,
+        mid: &mut Option<CudaSlice<f32>>,
+    ) -> Result<(), BackendError> {
+        let (c_i, records_i) = (to_i32(op, "channels", c)?, to_i32(op, "records", records)?);
+        let (pb, pg) = part.split_at(records * c);
+        if records <= MERGE_SINGLE {
+            launch!(
+                self,
+                op,
+                "bn.cu",
+                "bn_sums_merge",
+                merge_cfg(c, 1),
+                [&pb, &pg, &records_i, &c_i, &records_i, dbeta, dgamma]
+            );
+            return Ok(());
+        }
+        let groups = records.div_ceil(MERGE_GROUP);
+        ensure(&self.dev, mid, 2 * groups * c, op)?;
+        let (mut gb, mut gg) = mid.as_mut().expect("ensured").split_at_mut(groups * c);
+        let (group_i, groups_i) = (MERGE_GROUP as i32, to_i32(op, "groups", groups)?);
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sums_merge",
+            merge_cfg(c, groups),
+            [&pb, &pg, &records_i, &c_i, &group_i, &mut gb, &mut gg]
+        );
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_sums_merge",
+            merge_cfg(c, 1),
+            [&mut gb, &mut gg, &groups_i, &c_i, &groups_i, dbeta, dgamma]
+        );
+        Ok(())
+    }
+
+    /// The batch norm's statistics from its moments ([`BnForward::moments`]): saved mean and
+    /// 1/sqrt(var + eps), and the running statistics advanced with `momentum`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn finalize_moments(
+        &self,
+        op: &'static str,
+        moments: &CudaTensor,
+        c: usize,
+        eps: f32,
+        momentum: f32,
+        mean: &mut CudaSlice<f32>,
+        invstd: &mut CudaSlice<f32>,
+        running_mean: &mut CudaSlice<f32>,
+        running_var: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        check_len(op, "moments", moments.len, 3 * c)?;
+        let m = moments.f32(op, "moments")?;
+        let c_i = to_i32(op, "channels", c)?;
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            op,
+            "bn.cu",
+            "bn_moments_finalize",
+            cfg,
+            [
+                m,
+                &c_i,
+                &eps,
+                &momentum,
+                mean,
+                invstd,
+                running_mean,
+                running_var
+            ]
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_parses_and_a_bad_value_names_it() {
+        // Off unless asked for: the fused sequence has not run on a GPU yet.
+        assert!(!parse_bn_fusion(None).unwrap());
+        assert!(!parse_bn_fusion(Some("")).unwrap());
+        assert!(parse_bn_fusion(Some(" 1 ")).unwrap());
+        assert!(!parse_bn_fusion(Some("0")).unwrap());
+        let e = parse_bn_fusion(Some("yes")).unwrap_err().to_string();
+        assert!(
+            e.contains("BIRDTRAIN_BN_FUSION=\"yes\"") && e.contains("expected 0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn merges_split_where_one_launch_would_walk_too_many_records() {
+        // One launch: at most 8 records per lane (32 lanes).
+        assert_eq!(MERGE_SINGLE / 32, 8);
+        // resnet50's stem at batch 256: 25 088 tiles → 196 groups, then one merge of 196.
+        let groups = 25_088usize.div_ceil(MERGE_GROUP);
+        assert_eq!(groups, 196);
+        assert!(groups <= MERGE_SINGLE);
+        assert_eq!(TILE_ROWS, crate::cuda::conv::Conv2Tile::T128x64.dims().0);
+        assert_eq!(TILE_ROWS, crate::cuda::conv::Conv2Tile::T128x128.dims().0);
+    }
+}

@@ -1,0 +1,226 @@
+//! Which batch-norm work a [`super::Network`] hands to the convolutions around each batch
+//! norm when its backend fuses them ([`crate::backend::Backend::bn_fusion`]): a plan read off
+//! the graph once.
+//!
+//! - Forward: a convolution whose output a batch norm reads leaves that batch norm's moments
+//!   (`conv_forward_moments`), in training mode.
+//! - Backward: the convolution that is the *first* reader of a batch norm's output (its data
+//!   gradient is then the last contribution to that output's gradient) finishes the batch
+//!   norm's incoming gradient: mask, reductions (`conv_backward_data_bn`). That batch norm's
+//!   backward is then `prepared`.
+//! - Residuals: a prepared batch norm with a residual input normally writes the residual's
+//!   gradient (its g) into the residual's buffer, which the residual's first reader, a
+//!   convolution, then adds its own data gradient to. When that reader's data gradient is
+//!   fused as well, the copy is skipped: the convolution reads g straight from the batch
+//!   norm's output gradient (`residual_grad`), which stays alive until then.
+
+use super::graph::{Graph, Node};
+
+/// The fused batch-norm sequence of one graph (indices are node indices).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusionPlan {
+    /// Conv node → the batch-norm node whose input is its output.
+    pub stats_for: Vec<Option<usize>>,
+    /// Conv node → the batch-norm node whose output is its input, when this convolution's
+    /// data gradient is the last contribution to that output's gradient.
+    pub finishes: Vec<Option<usize>>,
+    /// Batch-norm node → whether a convolution finishes its incoming gradient.
+    pub prepared: Vec<bool>,
+    /// Batch-norm node → whether it leaves its residual's gradient in its own output's
+    /// gradient buffer instead of writing it (the reader adds it from there).
+    pub residual_in_place: Vec<bool>,
+    /// Conv node → the value whose gradient buffer holds a residual gradient its fused data
+    /// gradient adds (the output of a batch norm with `residual_in_place`).
+    pub residual_from: Vec<Option<usize>>,
+}
+
+impl FusionPlan {
+    /// The plan of `graph`.
+    pub fn of(graph: &Graph) -> FusionPlan {
+        let nodes = graph.nodes();
+        let values = graph.value_count();
+        let (mut producer, mut first_reader) = (vec![None; values], vec![None; values]);
+        for (k, node) in nodes.iter().enumerate() {
+            let (reads, output) = reads_and_output(node);
+            producer[output] = Some(k);
+            for v in reads {
+                first_reader[v].get_or_insert(k);
+            }
+        }
+        let n = nodes.len();
+        let mut plan = FusionPlan {
+            stats_for: vec![None; n],
+            finishes: vec![None; n],
+            prepared: vec![false; n],
+            residual_in_place: vec![false; n],
+            residual_from: vec![None; n],
+        };
+        for (k, node) in nodes.iter().enumerate() {
+            if let Node::BatchNorm { input, .. } = *node {
+                if let Some(c) = producer[input].filter(|&c| matches!(nodes[c], Node::Conv { .. }))
+                {
+                    plan.stats_for[c] = Some(k);
+                }
+            }
+            if let Node::Conv { input, .. } = *node {
+                let bn = producer[input].filter(|&p| matches!(nodes[p], Node::BatchNorm { .. }));
+                if input != 0 && first_reader[input] == Some(k) {
+                    if let Some(p) = bn {
+                        plan.finishes[k] = Some(p);
+                        plan.prepared[p] = true;
+                    }
+                }
+            }
+        }
+        for (q, node) in nodes.iter().enumerate() {
+            let Node::BatchNorm {
+                residual: Some(r),
+                output,
+                ..
+            } = *node
+            else {
+                continue;
+            };
+            let Some(c1) = first_reader[r] else { continue };
+            if plan.prepared[q] && plan.finishes[c1].is_some() && plan.residual_from[c1].is_none() {
+                plan.residual_in_place[q] = true;
+                plan.residual_from[c1] = Some(output);
+            }
+        }
+        plan
+    }
+
+    /// The plan of a network that does not fuse: nothing moves.
+    pub fn none(graph: &Graph) -> FusionPlan {
+        let n = graph.nodes().len();
+        FusionPlan {
+            stats_for: vec![None; n],
+            finishes: vec![None; n],
+            prepared: vec![false; n],
+            residual_in_place: vec![false; n],
+            residual_from: vec![None; n],
+        }
+    }
+}
+
+/// The values a node reads (input, and a batch norm's residual) and the value it writes.
+fn reads_and_output(node: &Node) -> (Vec<usize>, usize) {
+    match *node {
+        Node::Conv { input, output, .. }
+        | Node::MaxPool { input, output, .. }
+        | Node::GlobalAvgPool { input, output }
+        | Node::Linear { input, output, .. } => (vec![input], output),
+        Node::BatchNorm {
+            input,
+            output,
+            residual,
+            ..
+        } => (
+            [Some(input), residual].into_iter().flatten().collect(),
+            output,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Arch;
+
+    fn name_of(graph: &Graph, node: usize) -> String {
+        let w = match graph.nodes()[node] {
+            Node::Conv { weight, .. } | Node::BatchNorm { weight, .. } => weight,
+            _ => return format!("node {node}"),
+        };
+        graph.params()[w]
+            .name
+            .trim_end_matches(".weight")
+            .to_string()
+    }
+
+    #[test]
+    fn a_basic_block_hands_its_batch_norms_to_the_convolutions_around_them() {
+        let graph = Graph::new(Arch::ResNet8, 10);
+        let plan = FusionPlan::of(&graph);
+        let find = |name: &str| {
+            (0..graph.nodes().len())
+                .find(|&k| name_of(&graph, k) == name)
+                .unwrap_or_else(|| panic!("{name}"))
+        };
+        // Every convolution leaves the statistics of the batch norm after it.
+        for (k, node) in graph.nodes().iter().enumerate() {
+            if matches!(node, Node::Conv { .. }) {
+                assert!(plan.stats_for[k].is_some(), "{}", name_of(&graph, k));
+            }
+        }
+        assert_eq!(plan.stats_for[find("conv1")], Some(find("bn1")));
+        // conv2 finishes bn1 within a block; a block's conv1 finishes the batch norm before
+        // the block, the shortcut's convolution (read after conv1) never.
+        assert_eq!(
+            plan.finishes[find("layer1.0.conv2")],
+            Some(find("layer1.0.bn1"))
+        );
+        assert_eq!(plan.finishes[find("layer1.0.conv1")], Some(find("bn1")));
+        assert_eq!(
+            plan.finishes[find("layer2.0.conv1")],
+            Some(find("layer1.0.bn2"))
+        );
+        assert_eq!(plan.finishes[find("layer2.0.downsample.0")], None);
+        // The stem convolution reads the image: it finishes nothing.
+        assert_eq!(plan.finishes[find("conv1")], None);
+        // The last batch norm feeds the pool, not a convolution: not prepared.
+        assert!(!plan.prepared[find("layer3.0.bn2")]);
+        assert!(plan.prepared[find("layer2.0.bn2")]);
+        assert!(!plan.prepared[find("layer2.0.downsample.1")]);
+        // An identity block's residual gradient stays in place for its conv1; a downsampling
+        // block's shortcut is a batch norm, not a convolution: written as before.
+        assert!(plan.residual_in_place[find("layer1.0.bn2")]);
+        let out = match graph.nodes()[find("layer1.0.bn2")] {
+            Node::BatchNorm { output, .. } => output,
+            _ => unreachable!(),
+        };
+        assert_eq!(plan.residual_from[find("layer1.0.conv1")], Some(out));
+        assert!(!plan.residual_in_place[find("layer2.0.bn2")]);
+        assert!(!plan.residual_in_place[find("layer3.0.bn2")]);
+    }
+
+    #[test]
+    fn a_resnet50_hands_over_every_batch_norm_a_convolution_reads() {
+        let graph = Graph::new(Arch::ResNet50, 10);
+        let plan = FusionPlan::of(&graph);
+        let bns: Vec<usize> = (0..graph.nodes().len())
+            .filter(|&k| matches!(graph.nodes()[k], Node::BatchNorm { .. }))
+            .collect();
+        // 53 batch norms: each gets its statistics from its convolution.
+        assert_eq!(bns.len(), 53);
+        assert_eq!(plan.stats_for.iter().flatten().count(), 53);
+        // Prepared: all but the stem's (read by the max pool), the four shortcuts' (read by
+        // the residual add) and the last block's (read by the pool).
+        let prepared = bns.iter().filter(|&&k| plan.prepared[k]).count();
+        assert_eq!(prepared, 53 - 1 - 4 - 1);
+        // In place: the identity blocks' residuals whose reader's data gradient is fused
+        // (12 identity blocks; layer1.0's shortcut reads the max pool, but it is a
+        // downsampling block anyway), less the last block, which is not prepared.
+        let in_place = bns.iter().filter(|&&k| plan.residual_in_place[k]).count();
+        assert_eq!(in_place, 16 - 4 - 1);
+        assert_eq!(plan.residual_from.iter().flatten().count(), in_place);
+        // resnet18: layer1.0 is an identity block reading the max pool: its conv1 finishes
+        // nothing, so its residual is written as before.
+        let r18 = Graph::new(Arch::ResNet18, 10);
+        let p18 = FusionPlan::of(&r18);
+        let conv1 = (0..r18.nodes().len())
+            .find(|&k| name_of(&r18, k) == "layer1.0.conv1")
+            .unwrap();
+        assert_eq!(p18.finishes[conv1], None);
+        assert_eq!(p18.residual_from[conv1], None);
+    }
+
+    #[test]
+    fn the_empty_plan_moves_nothing() {
+        let graph = Graph::new(Arch::ResNet8, 10);
+        let plan = FusionPlan::none(&graph);
+        assert!(plan.stats_for.iter().all(Option::is_none));
+        assert!(plan.finishes.iter().all(Option::is_none));
+        assert!(!plan.prepared.iter().any(|&p| p) && !plan.residual_in_place.iter().any(|&p| p));
+    }
+}
