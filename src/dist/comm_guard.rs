@@ -2,7 +2,7 @@
 //! a call that is using it.
 //!
 //! A rank's driver thread calls NCCL on its communicator while its watchdog (or the abort of
-//! the whole process, [`super::ranks::AbortGroup`]) may abort it from another thread, and
+//! the whole process, [`super::abort_group::AbortGroup`]) may abort it from another thread, and
 //! `ncclCommAbort` frees the communicator. Handing out the raw handle and aborting it from
 //! elsewhere is a use-after-free: a crash instead of an error. [`CommGuard`] counts the calls
 //! in flight: every use of the raw handle runs inside [`CommGuard::with`], and an abort marks

@@ -67,7 +67,7 @@ pub enum TrainError {
         /// What the run folder keeps ("the last checkpoint in RUN is kept", or that none
         /// was saved yet).
         kept: String,
-        /// What to change ([`divergence_hint`]).
+        /// What to change: the weight decay where it overturns the weights, else the learning rate.
         hint: String,
     },
     /// The weights or batch-norm statistics overflowed: the run stops before they reach a
@@ -84,7 +84,7 @@ pub enum TrainError {
         lr: f32,
         /// What the run folder keeps (as for [`TrainError::NonFiniteLoss`]).
         kept: String,
-        /// What to change ([`divergence_hint`]).
+        /// What to change: the weight decay where it overturns the weights, else the learning rate.
         hint: String,
     },
     /// `--out` names a folder that holds a run already.
