@@ -225,9 +225,12 @@ const TRAIN_EXCEPTIONS: [(&str, &str, &str); 1] = [(
 /// thread starts and the abort of a process's communicators belong to `train/launch`.
 const NOT_IN_RANKS: [&str; 5] = ["launch", "rendezvous", "ranks", "start_gate", "abort_group"];
 
+/// A leaf of a `use` tree: its segments and its alias (`as`).
+type Leaf = (Vec<String>, Option<String>);
+
 /// A `use` tree or path starting at `text[at..]`: each leaf's segments with its alias
 /// (`as`), and where the tree ends. `{a, b::{c, self}}`, `*` and `as` are understood.
-fn use_tree(text: &str, at: usize) -> (Vec<(Vec<String>, Option<String>)>, usize) {
+fn use_tree(text: &str, at: usize) -> (Vec<Leaf>, usize) {
     fn skip_space(text: &str, mut i: usize) -> usize {
         while text[i..].starts_with(|c: char| c.is_whitespace()) {
             i += text[i..].chars().next().map_or(1, char::len_utf8);
@@ -240,11 +243,7 @@ fn use_tree(text: &str, at: usize) -> (Vec<(Vec<String>, Option<String>)>, usize
             .map_or(text.len(), |n| i + n);
         (end > i).then(|| &text[i..end])
     }
-    fn tree(
-        text: &str,
-        mut i: usize,
-        prefix: Vec<String>,
-    ) -> (Vec<(Vec<String>, Option<String>)>, usize) {
+    fn tree(text: &str, mut i: usize, prefix: Vec<String>) -> (Vec<Leaf>, usize) {
         let mut segs = prefix;
         loop {
             i = skip_space(text, i);
@@ -500,7 +499,7 @@ fn train_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
             let inner = &path[1..];
             let k = (0..=inner.len())
                 .rev()
-                .find(|&k| parsed.contains_key(&inner[..k].to_vec()))?;
+                .find(|&k| parsed.contains_key(&inner[..k]))?;
             let module = inner[..k].to_vec();
             match inner.get(k).and_then(|name| reexports[&module].get(name)) {
                 Some(target) => {

@@ -3,11 +3,12 @@
 //! A run is R ranks (`rank/`): each owns a backend, a model replica, its share of every
 //! global batch and its optimizer, and they are joined by a collective
 //! ([`crate::dist::collective::Collective`]): in-process for CPU ranks on threads
-//! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines). The loop (`run.rs`)
-//! is the same code for all of them: setup and resume (`setup.rs`), epochs and steps, the
-//! agreement on stopping, validation (each rank its share of the split, `validation.rs`),
-//! metrics, checkpoints and report in the run folder ([`folder`], written by rank 0 alone),
-//! the summary. Batch-norm statistics are kept per
+//! (`--replicas R`), NCCL for GPUs (`--gpus N`, also across machines), started by a launcher
+//! (`launch/`). The loop (`epochs.rs`) is the same code for all of them: setup and resume
+//! (`setup.rs`), epochs and steps, the agreement on stopping, validation (each rank its share
+//! of the split, `validation.rs`), metrics, checkpoints and report in the run folder
+//! ([`folder`], written by rank 0 alone, `epoch_end.rs`), the summary (`outcome.rs`); `run.rs`
+//! is the entry. Batch-norm statistics are kept per
 //! rank during an epoch (as in PyTorch DDP) and averaged over the ranks at every epoch end
 //! and checkpoint.
 
