@@ -1,8 +1,11 @@
 //! The crate's modules depend on each other in one direction only (ARCHITECTURE.md):
 //! oom ← panics ← trace ← backend ← model ← optim ← cuda ← dist ← train ← cli. A `crate::` path in code (not
 //! in comments) that points up the stack fails this test, and so does clap or anyhow outside
-//! the command line.
+//! the command line. Inside `src/train` the files are layered too (`TRAIN_LAYERS`: building
+//! blocks ← config ← setup ← rank ← epochs ← launch ← run), and no file reaches itself
+//! through others.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The layers, bottom first. A module may use the layers below it.
@@ -182,4 +185,570 @@ fn the_checker_sees_upward_paths_and_ignores_comments() {
     // The one known exception stays allowed, and only for its module.
     assert!(violations("backend", "use crate::model::InputBatch;").is_empty());
     assert_eq!(violations("optim", "use crate::train::X;"), vec!["train"]);
+}
+
+/// The layers inside `src/train`, bottom first, each with the modules it holds (a directory
+/// module with every file under it). A file may use files of its own layer and of the layers
+/// below; `train/mod.rs` is the facade above them all (its re-exports are followed, never
+/// used as such). The per-step device code (`rank`) sits below the epochs loop that drives it,
+/// and both below the launchers that start ranks, so what a launcher calls back (`run_rank`,
+/// `RankReport`, `Launched`, `StopWish`) is never defined above it.
+const TRAIN_LAYERS: [(&str, &[&str]); 7] = [
+    (
+        "building blocks",
+        &[
+            "error", "folder", "augment", "mix", "ema", "lr_find", "progress", "summary",
+            "evaluate", "device",
+        ],
+    ),
+    ("config", &["config"]),
+    ("setup", &["setup", "resumed_files"]),
+    ("rank", &["rank"]),
+    (
+        "epochs",
+        &["validation", "report", "divergence", "epoch_end", "epochs"],
+    ),
+    ("launch", &["launch"]),
+    ("run", &["outcome", "run", "multirank_tests"]),
+];
+
+/// Known edges that close a circle inside `src/train`, each with the reason it is still there.
+/// Nothing else may be added, and one that is gone must leave this list.
+const TRAIN_EXCEPTIONS: [(&str, &str, &str); 1] = [(
+    "folder/train_files",
+    "folder/checkpoint",
+    "the sidecar's file name (SIDECAR_FILE) in an error message; the folder's own file names \
+     move to a module of their own with the split of checkpoint.rs",
+)];
+
+/// What the per-step device code (`src/train/rank/`) must not use: launchers, rendezvous,
+/// thread starts and the abort of a process's communicators belong to `train/launch`.
+const NOT_IN_RANKS: [&str; 5] = ["launch", "rendezvous", "ranks", "start_gate", "abort_group"];
+
+/// A leaf of a `use` tree: its segments and its alias (`as`).
+type Leaf = (Vec<String>, Option<String>);
+
+/// A `use` tree or path starting at `text[at..]`: each leaf's segments with its alias
+/// (`as`), and where the tree ends. `{a, b::{c, self}}`, `*` and `as` are understood.
+fn use_tree(text: &str, at: usize) -> (Vec<Leaf>, usize) {
+    fn skip_space(text: &str, mut i: usize) -> usize {
+        while text[i..].starts_with(|c: char| c.is_whitespace()) {
+            i += text[i..].chars().next().map_or(1, char::len_utf8);
+        }
+        i
+    }
+    fn ident(text: &str, i: usize) -> Option<&str> {
+        let end = text[i..]
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .map_or(text.len(), |n| i + n);
+        (end > i).then(|| &text[i..end])
+    }
+    fn tree(text: &str, mut i: usize, prefix: Vec<String>) -> (Vec<Leaf>, usize) {
+        let mut segs = prefix;
+        loop {
+            i = skip_space(text, i);
+            if text[i..].starts_with('{') {
+                let mut out = Vec::new();
+                i += 1;
+                loop {
+                    i = skip_space(text, i);
+                    if text[i..].starts_with('}') {
+                        return (out, i + 1);
+                    }
+                    let (sub, end) = tree(text, i, segs.clone());
+                    out.extend(sub);
+                    i = skip_space(text, end);
+                    if text[i..].starts_with(',') {
+                        i += 1;
+                    } else if text[i..].starts_with('}') {
+                        return (out, i + 1);
+                    } else {
+                        return (out, i);
+                    }
+                }
+            }
+            if text[i..].starts_with('*') {
+                return (vec![(segs, None)], i + 1);
+            }
+            let Some(name) = ident(text, i) else {
+                return (vec![(segs, None)], i);
+            };
+            i += name.len();
+            if name != "self" {
+                segs.push(name.to_string());
+            }
+            let next = skip_space(text, i);
+            if text[next..].starts_with("::") {
+                i = next + 2;
+                continue;
+            }
+            if text[next..].starts_with("as ") {
+                let alias_at = skip_space(text, next + 2);
+                if let Some(alias) = ident(text, alias_at) {
+                    return (
+                        vec![(segs, Some(alias.to_string()))],
+                        alias_at + alias.len(),
+                    );
+                }
+            }
+            return (vec![(segs, None)], i);
+        }
+    }
+    tree(text, at, Vec::new())
+}
+
+/// The inline modules of `code` (`mod tests { … }`): each name with the range of its body,
+/// found by matching braces (a brace between quotes, `'{'`, does not count).
+fn inline_modules(code: &str) -> Vec<(String, std::ops::Range<usize>)> {
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("mod ") {
+        let before = code[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &code[at + 4..];
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let after = rest[name.len()..].trim_start();
+        if name.is_empty() || !after.starts_with('{') {
+            continue;
+        }
+        let open = code.len() - after.len();
+        let mut depth = 0usize;
+        let mut end = code.len();
+        for (i, c) in code[open..].char_indices() {
+            if c != '{' && c != '}' {
+                continue;
+            }
+            let at = open + i;
+            if code[..at].ends_with('\'') && code[at + 1..].starts_with('\'') {
+                continue; // a quoted brace
+            }
+            if c == '{' {
+                depth += 1;
+            } else {
+                depth -= 1;
+                if depth == 0 {
+                    end = at;
+                    break;
+                }
+            }
+        }
+        out.push((name, open..end));
+    }
+    out
+}
+
+/// A file of `src/train` as the checker reads it: its module path (`["rank", "cpu"]`; empty
+/// for `train/mod.rs`), its code without comments, its inline modules (where `super::` means
+/// something else) and the child modules it declares.
+struct TrainFile {
+    module: Vec<String>,
+    code: String,
+    inline: Vec<(String, std::ops::Range<usize>)>,
+    children: BTreeSet<String>,
+}
+
+impl TrainFile {
+    /// `rel` is the path under `src/train` (`rank/cpu.rs`, `mod.rs`).
+    fn new(rel: &str, text: &str) -> TrainFile {
+        let stem = rel.strip_suffix(".rs").unwrap_or(rel);
+        let mut module: Vec<String> = stem.split('/').map(str::to_string).collect();
+        if module.last().is_some_and(|m| m == "mod") {
+            module.pop();
+        }
+        let code: String = text.lines().map(code).collect::<Vec<_>>().join("\n");
+        let inline = inline_modules(&code);
+        let children = code
+            .lines()
+            .filter_map(|l| {
+                let l = l.trim();
+                let l = l.rsplit_once(") ").map_or(l, |(_, r)| r); // `pub(crate) mod x;`
+                let l = l.strip_prefix("pub ").unwrap_or(l);
+                let name = l.strip_prefix("mod ")?.strip_suffix(';')?;
+                Some(name.trim().to_string())
+            })
+            .collect();
+        TrainFile {
+            module,
+            code,
+            inline,
+            children,
+        }
+    }
+
+    /// Every path the code names from `crate`, `super`, `self` or a child module, resolved
+    /// from the (inline) module it is named in against the crate root (`["train", "rank", "Device"]`,
+    /// `["dist", "launch", "probe_gpus"]`).
+    fn paths(&self) -> Vec<Vec<String>> {
+        let mut out = Vec::new();
+        let mut here = vec!["train".to_string()];
+        here.extend(self.module.iter().cloned());
+        let code = self.code.as_str();
+        let mut i = 0;
+        while i < code.len() {
+            let c = code[i..].chars().next().unwrap();
+            let starts = (c.is_alphabetic() || c == '_')
+                && !code[..i]
+                    .chars()
+                    .last()
+                    .is_some_and(|p| p.is_alphanumeric() || p == '_' || p == ':' || p == '$');
+            if !starts {
+                i += c.len_utf8();
+                continue;
+            }
+            let word_end = code[i..]
+                .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .map_or(code.len(), |n| i + n);
+            let word = &code[i..word_end];
+            let rooted = ["crate", "super", "self"].contains(&word) || self.children.contains(word);
+            if !rooted || !code[word_end..].starts_with("::") {
+                i = word_end;
+                continue;
+            }
+            let mut base = here.clone();
+            for (name, body) in &self.inline {
+                if body.contains(&i) {
+                    base.push(name.clone());
+                }
+            }
+            let (leaves, end) = use_tree(code, i);
+            for (segs, _) in leaves {
+                out.push(absolute(&base, &segs));
+            }
+            i = end.max(word_end);
+        }
+        out
+    }
+
+    /// The re-exports of this file: exported name → the path it stands for.
+    fn reexports(&self) -> BTreeMap<String, Vec<String>> {
+        let mut out = BTreeMap::new();
+        let mut here = vec!["train".to_string()];
+        here.extend(self.module.iter().cloned());
+        for (at, _) in self.code.match_indices("use ") {
+            let before = self.code[..at].trim_end();
+            if !(before.ends_with("pub")
+                || before.ends_with("pub(crate)")
+                || before.ends_with("pub(super)"))
+            {
+                continue;
+            }
+            let (leaves, _) = use_tree(&self.code, at + 4);
+            for (segs, alias) in leaves {
+                let Some(first) = segs.first() else { continue };
+                let rooted = ["crate", "super", "self"].contains(&first.as_str())
+                    || self.children.contains(first);
+                if !rooted {
+                    continue; // another crate's item
+                }
+                let path = absolute(&here, &segs);
+                if let Some(name) = alias.or_else(|| path.last().cloned()) {
+                    out.insert(name, path);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `segs` (starting with `crate`, `super`, `self` or a child module) from module `base`.
+fn absolute(base: &[String], segs: &[String]) -> Vec<String> {
+    let mut path: Vec<String> = base.to_vec();
+    let mut rest = segs;
+    if rest.first().is_some_and(|s| s == "crate") {
+        path.clear();
+        rest = &rest[1..];
+    }
+    while let Some(first) = rest.first() {
+        match first.as_str() {
+            "super" => {
+                path.pop();
+            }
+            "self" => {}
+            _ => break,
+        }
+        rest = &rest[1..];
+    }
+    path.extend(rest.iter().cloned());
+    path
+}
+
+/// The files of `src/train` (module path → file) and the edges between them: `a → b` when
+/// `a`'s code names something `b` defines (re-exports followed to where the item lives).
+/// Module paths are written `rank/cpu`; `train/mod.rs` is the empty one.
+fn train_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
+    let parsed: BTreeMap<Vec<String>, TrainFile> = files
+        .iter()
+        .map(|(rel, text)| {
+            let f = TrainFile::new(rel, text);
+            (f.module.clone(), f)
+        })
+        .collect();
+    let reexports: BTreeMap<&Vec<String>, BTreeMap<String, Vec<String>>> =
+        parsed.iter().map(|(m, f)| (m, f.reexports())).collect();
+    // The file defining what `path` (from the crate root) names, if it lies in src/train.
+    let resolve = |path: &[String]| -> Option<Vec<String>> {
+        let mut path = path.to_vec();
+        for _ in 0..8 {
+            if path.first().is_none_or(|s| s != "train") {
+                return None;
+            }
+            let inner = &path[1..];
+            let k = (0..=inner.len())
+                .rev()
+                .find(|&k| parsed.contains_key(&inner[..k]))?;
+            let module = inner[..k].to_vec();
+            match inner.get(k).and_then(|name| reexports[&module].get(name)) {
+                Some(target) => {
+                    let mut next = target.clone();
+                    next.extend(inner[k + 1..].iter().cloned());
+                    path = next;
+                }
+                None => return Some(module),
+            }
+        }
+        None
+    };
+    let mut edges = BTreeSet::new();
+    for (module, file) in &parsed {
+        for path in file.paths() {
+            if let Some(target) = resolve(&path) {
+                if &target != module {
+                    edges.insert((module.join("/"), target.join("/")));
+                }
+            }
+        }
+    }
+    edges
+}
+
+/// The layer of a `src/train` module path (`rank/cuda` is in `rank`'s).
+fn train_layer(module: &str) -> Option<usize> {
+    let first = module.split('/').next()?;
+    TRAIN_LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&first))
+}
+
+fn is_train_exception(from: &str, to: &str) -> bool {
+    TRAIN_EXCEPTIONS
+        .iter()
+        .any(|(f, t, _)| *f == from && *t == to)
+}
+
+/// Upward edges (and any use of the facade `train/mod.rs`), as messages.
+fn train_violations(edges: &BTreeSet<(String, String)>) -> Vec<String> {
+    let name = |l: Option<usize>| l.map_or("no layer", |l| TRAIN_LAYERS[l].0);
+    edges
+        .iter()
+        .filter(|(from, to)| !from.is_empty() && !is_train_exception(from, to))
+        .filter_map(|(from, to)| {
+            let (lf, lt) = (train_layer(from), train_layer(to));
+            if to.is_empty() {
+                return Some(format!(
+                    "{from} uses an item defined in train/mod.rs, the facade"
+                ));
+            }
+            (lt > lf).then(|| {
+                format!(
+                    "{from} ({}) uses {to}, which sits above it ({})",
+                    name(lf),
+                    name(lt)
+                )
+            })
+        })
+        .collect()
+}
+
+/// Every circle among the files (a strongly connected component of two or more), each sorted.
+fn train_cycles(edges: &BTreeSet<(String, String)>) -> Vec<Vec<String>> {
+    let kept: Vec<&(String, String)> = edges
+        .iter()
+        .filter(|(f, t)| !is_train_exception(f, t))
+        .collect();
+    let nodes: BTreeSet<&String> = kept.iter().flat_map(|(f, t)| [f, t]).collect();
+    let reach = |from: &String| -> BTreeSet<&String> {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from];
+        while let Some(n) = todo.pop() {
+            for (f, t) in &kept {
+                if f == n && seen.insert(t) {
+                    todo.push(t);
+                }
+            }
+        }
+        seen
+    };
+    let reaches: BTreeMap<&String, BTreeSet<&String>> =
+        nodes.iter().map(|n| (*n, reach(n))).collect();
+    let mut cycles: BTreeSet<Vec<String>> = BTreeSet::new();
+    for n in &nodes {
+        if !reaches[n].contains(n) {
+            continue;
+        }
+        let mut cycle: Vec<String> = nodes
+            .iter()
+            .filter(|m| reaches[n].contains(*m) && reaches[*m].contains(n))
+            .map(|m| m.to_string())
+            .collect();
+        cycle.sort();
+        cycles.insert(cycle);
+    }
+    cycles.into_iter().collect()
+}
+
+/// The files of `src/train`, as (path under `src/train`, text).
+fn read_train_files() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    files.sort();
+    files
+        .iter()
+        .map(|f| {
+            let rel = f
+                .strip_prefix(&dir)
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .replace('\\', "/");
+            (rel, std::fs::read_to_string(f).unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn the_trainer_is_layered_without_a_circle() {
+    let files = read_train_files();
+    let edges = train_edges(&files);
+    let mut unplaced: Vec<String> = files
+        .iter()
+        .map(|(rel, text)| TrainFile::new(rel, text).module.join("/"))
+        .filter(|m| !m.is_empty() && train_layer(m).is_none())
+        .collect();
+    unplaced.dedup();
+    assert!(
+        unplaced.is_empty(),
+        "src/train modules without a layer (add them to TRAIN_LAYERS): {unplaced:?}"
+    );
+    let found = train_violations(&edges);
+    let order: Vec<&str> = TRAIN_LAYERS.iter().map(|(n, _)| *n).collect();
+    assert!(
+        found.is_empty(),
+        "src/train's dependencies must point down ({}):\n{}",
+        order.join(" ← "),
+        found.join("\n")
+    );
+    let cycles = train_cycles(&edges);
+    assert!(
+        cycles.is_empty(),
+        "import circles in src/train:\n{}",
+        cycles
+            .iter()
+            .map(|c| c.join(" ⇄ "))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    for (from, to, why) in TRAIN_EXCEPTIONS {
+        assert!(
+            edges.contains(&(from.to_string(), to.to_string())),
+            "{from} no longer uses {to} ({why}): remove it from TRAIN_EXCEPTIONS"
+        );
+    }
+}
+
+#[test]
+fn the_per_step_rank_code_starts_no_ranks() {
+    let mut found = Vec::new();
+    for (rel, text) in read_train_files() {
+        if !rel.starts_with("rank/") {
+            continue;
+        }
+        for path in TrainFile::new(&rel, &text).paths() {
+            if path.first().is_some_and(|m| m == "dist")
+                && path
+                    .get(1)
+                    .is_some_and(|m| NOT_IN_RANKS.contains(&m.as_str()))
+            {
+                found.push(format!("src/train/{rel} uses crate::{}", path.join("::")));
+            }
+        }
+    }
+    found.dedup();
+    assert!(
+        found.is_empty(),
+        "launch code in the per-step rank code (it belongs to src/train/launch):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_train_checker_sees_back_edges_circles_and_reexports() {
+    let file = |rel: &str, text: &str| (rel.to_string(), text.to_string());
+    let files = vec![
+        file(
+            "mod.rs",
+            "mod error;\nmod setup;\nmod epochs;\nmod report;\nmod launch;\n\
+             pub use error::TrainError;\n",
+        ),
+        file("error.rs", "pub enum TrainError {}\n"),
+        // A back edge: setup names a launcher (in code, after its tests module, whose
+        // `super::` is setup itself; comments do not count).
+        file(
+            "setup.rs",
+            "use super::TrainError;\n// super::launch::go is the launcher\n\
+             #[cfg(test)]\nmod tests {\n    use super::s;\n}\n\
+             pub fn s() { super::launch::cpu::go(); }\n",
+        ),
+        // A circle inside one layer: epochs ⇄ report.
+        file(
+            "epochs.rs",
+            "use super::report::{RankReport, first_cause};\npub fn run_rank() {}\n",
+        ),
+        file(
+            "report.rs",
+            "pub struct RankReport;\nfn f() { crate::train::epochs::run_rank() }\n",
+        ),
+        file(
+            "launch/mod.rs",
+            "pub(crate) mod cpu;\nfn l() { cpu::go() }\n",
+        ),
+        file(
+            "launch/cpu.rs",
+            "use crate::train::{epochs::run_rank, TrainError};\npub fn go() {}\n\
+             #[cfg(test)]\nmod tests {\n    use super::*;\n    fn f() { let _ = '}'; }\n    use super::super::cpu::go;\n}\n",
+        ),
+    ];
+    let edges = train_edges(&files);
+    let has = |a: &str, b: &str| edges.contains(&(a.to_string(), b.to_string()));
+    // Re-exports lead to the defining file, not the facade.
+    assert!(has("setup", "error") && has("launch/cpu", "error"));
+    assert!(!edges.iter().any(|(_, t)| t.is_empty()), "{edges:?}");
+    assert!(has("launch", "launch/cpu") && has("launch/cpu", "epochs"));
+    // `super::*` and `super::super::cpu` inside the tests name the file itself.
+    assert!(!has("launch/cpu", "launch"), "{edges:?}");
+    assert!(!has("setup", "launch"), "a comment counted: {edges:?}");
+    let violations = train_violations(&edges);
+    assert_eq!(violations.len(), 1, "{violations:?}");
+    assert!(
+        violations[0].starts_with("setup (setup) uses launch/cpu"),
+        "{violations:?}"
+    );
+    assert_eq!(
+        train_cycles(&edges),
+        vec![vec!["epochs".to_string(), "report".to_string()]]
+    );
+    let (leaves, _) = use_tree("crate::{a::{b, c as d}, e::*}", 0);
+    let leaves: Vec<_> = leaves.into_iter().map(|(s, a)| (s.join("::"), a)).collect();
+    assert_eq!(
+        leaves,
+        vec![
+            ("crate::a::b".to_string(), None),
+            ("crate::a::c".to_string(), Some("d".to_string())),
+            ("crate::e".to_string(), None),
+        ]
+    );
 }

@@ -336,7 +336,8 @@ where
     )
 }
 
-fn panic_text(panic: &(dyn Any + Send)) -> String {
+/// A panic's message (`"unknown panic"` when it carries no text).
+pub(crate) fn panic_text(panic: &(dyn Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

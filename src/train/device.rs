@@ -1,9 +1,9 @@
-//! Which device trains (the launch plan's GPUs, or the CPU when it has none); and the largest
-//! batch the chosen GPUs hold (`--batch-size auto`).
+//! Which device trains: the launch plan's GPUs, or the CPU when it has none. The plan comes
+//! from the `--gpus` flag, the launcher's variables and the GPUs the one probe found
+//! ([`crate::dist::launch::resolve`] over [`crate::dist::launch::probe_gpus`]), so the choice
+//! is a pure function of the flag and the devices found.
 
-use crate::cuda::CudaBackend;
 use crate::dist::launch::LaunchPlan;
-use crate::model::Graph;
 
 /// Where a run computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,78 +24,10 @@ impl DeviceChoice {
     }
 }
 
-/// The error of a `--batch-size auto` that cannot be measured.
-fn auto_refused(reason: String) -> super::TrainError {
-    super::TrainError::InvalidConfig {
-        flag: "--batch-size",
-        value: "auto".into(),
-        hint: reason,
-    }
-}
-
-/// Refuses `--batch-size auto` where it cannot be measured: on the CPU (a plan without GPUs),
-/// and with several processes (each would measure only its own GPUs).
-pub fn check_auto_batch(plan: &LaunchPlan) -> Result<(), super::TrainError> {
-    if plan.devices.is_empty() {
-        return Err(auto_refused(
-            "auto measures a GPU's memory; on the CPU give a number, e.g. --batch-size 64".into(),
-        ));
-    }
-    if plan.is_multi_node() {
-        return Err(auto_refused(format!(
-            "each of the {} processes would measure only its own GPUs; give every node the same number",
-            plan.nodes
-        )));
-    }
-    Ok(())
-}
-
-/// `--batch-size auto`: the largest per-GPU batch that every GPU of the run holds for
-/// `cfg`'s model and image size with `classes` classes, measured on each device
-/// ([`crate::cuda::memory::auto_batch_size`]: a probe network's footprint against the free
-/// memory) and rounded down to a multiple of 8 (from 16 on); with it, the line that says so.
-/// Refused where [`check_auto_batch`] refuses it.
-pub fn largest_gpu_batch(
-    cfg: &super::TrainConfig,
-    classes: usize,
-) -> Result<(usize, String), super::TrainError> {
-    let plan = match cfg.device {
-        DeviceChoice::Cuda(n) => super::rank::cuda::launch_plan(n, cfg)?,
-        DeviceChoice::Cpu => LaunchPlan::single_node(Vec::new()),
-    };
-    check_auto_batch(&plan)?;
-    let graph = Graph::new(cfg.arch, classes);
-    let image_size = cfg.image_size;
-    let mut smallest: Option<(usize, String)> = None;
-    for &ordinal in &plan.devices {
-        let device = format!("cuda:{ordinal}");
-        let opened = |e: crate::cuda::CudaError| super::TrainError::Device {
-            device: device.clone(),
-            reason: e.to_string(),
-        };
-        let backend = CudaBackend::new(ordinal).map_err(opened)?;
-        let (batch, footprint) = crate::cuda::memory::auto_batch_size(&backend, &graph, image_size)
-            .map_err(|e| auto_refused(format!("{device}: {e}")))?;
-        let (free, _) = backend.device().memory().map_err(opened)?;
-        let batch = if batch >= 16 { batch / 8 * 8 } else { batch };
-        if smallest.as_ref().is_none_or(|(b, _)| batch < *b) {
-            let line = format!(
-                "--batch-size auto: {batch} images per GPU ({} at {image_size} px: {} MiB fixed + {:.1} MiB per image, {} MiB free on {device}{})",
-                cfg.arch,
-                footprint.fixed_bytes >> 20,
-                footprint.per_image_bytes as f64 / (1u64 << 20) as f64,
-                free >> 20,
-                if plan.devices.len() > 1 { ", the least of the GPUs" } else { "" }
-            );
-            smallest = Some((batch, line));
-        }
-    }
-    smallest.ok_or_else(|| auto_refused("no GPU to measure".into()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dist::launch::{resolve, Device, GpuCount, LaunchError, LaunchFlags, VisibleGpus};
 
     #[test]
     fn a_plan_without_devices_trains_on_the_cpu() {
@@ -105,14 +37,72 @@ mod tests {
         assert_eq!(DeviceChoice::of_plan(&plan), DeviceChoice::Cuda(1));
     }
 
+    /// The device flag against the devices found, both branches on any machine: the GPUs are
+    /// given here, never asked of the driver.
     #[test]
-    fn an_auto_batch_is_measured_by_one_process_on_gpus_only() {
-        let gpus = LaunchPlan::single_node(vec![0, 1]);
-        assert!(check_auto_batch(&gpus).is_ok());
-        let e = check_auto_batch(&LaunchPlan::single_node(Vec::new())).unwrap_err();
-        assert!(e.to_string().contains("on the CPU give a number"), "{e}");
-        let torchrun = LaunchPlan { nodes: 4, ..gpus };
-        let e = check_auto_batch(&torchrun).unwrap_err();
-        assert!(e.to_string().contains("each of the 4 processes"), "{e}");
+    fn the_device_flag_resolves_against_the_gpus_found_with_or_without_any() {
+        let found = |n: usize| {
+            VisibleGpus::Listed(
+                (0..n)
+                    .map(|ordinal| Device {
+                        ordinal,
+                        name: "a GPU".into(),
+                    })
+                    .collect(),
+            )
+        };
+        let none = VisibleGpus::Missing("no CUDA driver library".into());
+        let choose = |gpus: Option<GpuCount>, visible: &VisibleGpus| {
+            let flags = LaunchFlags {
+                gpus,
+                ..LaunchFlags::default()
+            };
+            resolve(&flags, &|_| None, visible).map(|plan| (DeviceChoice::of_plan(&plan), plan))
+        };
+        // GPUs found: no flag or `all` takes every one, a count the first N, 0 the CPU.
+        let (device, plan) = choose(None, &found(2)).unwrap();
+        assert_eq!((device, plan.devices), (DeviceChoice::Cuda(2), vec![0, 1]));
+        assert_eq!(plan.cpu_fallback, None);
+        assert_eq!(
+            choose(Some(GpuCount::All), &found(3)).unwrap().0,
+            DeviceChoice::Cuda(3)
+        );
+        assert_eq!(
+            choose(Some(GpuCount::Count(1)), &found(2))
+                .unwrap()
+                .1
+                .devices,
+            vec![0]
+        );
+        assert_eq!(
+            choose(Some(GpuCount::Count(0)), &found(2)).unwrap().0,
+            DeviceChoice::Cpu
+        );
+        // None found: no flag falls back to the CPU and says why; asking for GPUs is refused.
+        let (device, plan) = choose(None, &none).unwrap();
+        assert_eq!(device, DeviceChoice::Cpu);
+        let note = plan.cpu_fallback.unwrap();
+        assert!(note.contains("no CUDA driver library"), "{note}");
+        assert_eq!(
+            choose(Some(GpuCount::Count(0)), &none).unwrap().0,
+            DeviceChoice::Cpu
+        );
+        for asked in [GpuCount::All, GpuCount::Count(1)] {
+            let e = choose(Some(asked), &none).unwrap_err();
+            assert!(matches!(e, LaunchError::NoDevices { .. }), "{e}");
+        }
+        // More than found: refused, naming how many there are.
+        let e = choose(Some(GpuCount::Count(3)), &found(2)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LaunchError::TooManyGpus {
+                    requested: 3,
+                    present: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

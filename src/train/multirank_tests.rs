@@ -13,8 +13,9 @@ use pipeline::LastBatch;
 
 use super::evaluate::load_checkpoint_for_inference;
 use super::folder::{CheckpointMeta, RunFolder};
-use super::rank::cpu::{run_cpu_ranks, shared_for_cpu};
-use super::run::{train_until, RankReport};
+use super::launch::cpu::{run_cpu_ranks, shared_for_cpu};
+use super::report::RankReport;
+use super::run::train_until;
 use super::{TrainConfig, TrainError, TrainOutcome};
 use crate::dist::collective::{Collective, CollectiveError};
 use crate::dist::local::{HostGrads, LocalCollective, LocalGroup};
@@ -260,7 +261,7 @@ fn ranks_with_their_own_statistics_resume_bit_for_bit_from_inside_an_epoch() {
     // The weights file holds the ranks' mean; the optimizer file each rank's own.
     let optimizer = std::fs::read(first.out.join("optimizer.safetensors")).unwrap();
     let (shape, _) =
-        crate::optim::read_f32_tensor(&optimizer, super::rank::RANK_BUFFERS_TENSOR).unwrap();
+        crate::optim::read_f32_tensor(&optimizer, super::setup::RANK_BUFFERS_TENSOR).unwrap();
     assert_eq!(shape[0], 2);
     let mut second = live("stopped");
     second.resume = Some(first.out.clone());
@@ -271,7 +272,7 @@ fn ranks_with_their_own_statistics_resume_bit_for_bit_from_inside_an_epoch() {
     );
     // An epoch-end checkpoint has no rows: the ranks agree there.
     let optimizer = std::fs::read(second.out.join("optimizer.safetensors")).unwrap();
-    assert!(crate::optim::read_f32_tensor(&optimizer, super::rank::RANK_BUFFERS_TENSOR).is_none());
+    assert!(crate::optim::read_f32_tensor(&optimizer, super::setup::RANK_BUFFERS_TENSOR).is_none());
 }
 
 #[test]

@@ -12,13 +12,16 @@ use super::ema::ModelEma;
 use super::evaluate::summarise;
 use super::folder::checkpoint::BEST_DIR;
 use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
-use super::rank::RANK_BUFFERS_TENSOR;
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::dist::rendezvous::StartPoint;
 use crate::model::{Graph, HeadPolicy, ModelState};
 use crate::optim::{Hyper, Optimizer, OptimizerKind, Schedule};
 use crate::trace::TraceRecorder;
+
+/// The tensor of the optimizer file that holds every rank's batch-norm buffers at a
+/// checkpoint inside an epoch (shape `[ranks, buffer values]`).
+pub(crate) const RANK_BUFFERS_TENSOR: &str = "rank_bn_buffers";
 
 /// Steps between two comparisons of the ranks' weight checksums (and at every epoch end).
 pub(crate) const CHECKSUM_EVERY: u64 = 50;

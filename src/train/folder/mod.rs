@@ -14,6 +14,7 @@ pub mod checkpoint;
 mod error;
 pub mod fault;
 pub mod files;
+mod lock;
 pub mod metrics;
 pub mod report;
 pub mod train_files;
@@ -27,6 +28,7 @@ pub use checkpoint::{
 pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
+pub use lock::{is_in_use, RunLock, LOCK_FILE};
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
 pub use train_files::{TrainFiles, TrainFilesRef};
 
@@ -38,15 +40,6 @@ pub const REPORT_FILE: &str = "report.png";
 pub const LR_FIND_FILE: &str = "lr_find.jsonl";
 /// File of a learning-rate sweep's picture inside its folder.
 pub const LR_FIND_PLOT_FILE: &str = "lr_find.png";
-/// The file a writing process holds an exclusive lock on ([`RunFolder::lock`]).
-pub const LOCK_FILE: &str = ".birdtrain.lock";
-
-/// An exclusive hold on a run folder, released when dropped (or when the process dies, by
-/// the kernel: a killed run leaves no stale lock behind).
-#[derive(Debug)]
-pub struct RunLock {
-    _file: std::fs::File,
-}
 
 /// A run folder and the operations the trainer performs on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,28 +94,7 @@ impl RunFolder {
     /// deleting each other's temporary files and writing the same epochs twice. The lock is
     /// the OS's advisory file lock on [`LOCK_FILE`], which a process killed with -9 drops.
     pub fn lock(&self) -> Result<RunLock, FolderError> {
-        let path = self.root.join(LOCK_FILE);
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|source| FolderError::Io {
-                path: path.clone(),
-                what: "open the run folder's lock file",
-                source,
-            })?;
-        match file.try_lock() {
-            Ok(()) => Ok(RunLock { _file: file }),
-            Err(std::fs::TryLockError::WouldBlock) => Err(FolderError::InUse {
-                path: self.root.clone(),
-            }),
-            Err(std::fs::TryLockError::Error(source)) => Err(FolderError::Io {
-                path,
-                what: "lock",
-                source,
-            }),
-        }
+        RunLock::take(&self.root)
     }
 
     /// Removes a folder this run created but never committed a checkpoint to ("nothing
@@ -356,19 +328,6 @@ pub fn is_run_folder(dir: &Path) -> bool {
     ]
     .iter()
     .any(|f| dir.join(f).exists())
-}
-
-/// Whether a process holds `dir`'s run-folder lock now (a run, resume or `lr-find` writing
-/// into it). Probed with a shared lock taken and dropped at once, so a run starting at that
-/// very moment may see the folder in use once: only an error path asks.
-pub fn is_in_use(dir: &Path) -> bool {
-    let Ok(file) = std::fs::File::open(dir.join(LOCK_FILE)) else {
-        return false;
-    };
-    matches!(
-        file.try_lock_shared(),
-        Err(std::fs::TryLockError::WouldBlock)
-    )
 }
 
 /// The run whose best-epoch folder `dir` is (`RUN` for `RUN/best`), when it is one: a folder

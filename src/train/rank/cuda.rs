@@ -1,11 +1,7 @@
-//! GPU ranks: one driver thread per GPU, NCCL between them (also across machines).
-//!
-//! [`launch`] resolves the launch plan (`--gpus`, `--nodes`, `--node-rank`, `--master` or
-//! torchrun's variables), runs the rendezvous (node 0 creates the NCCL unique id; a single
-//! node just creates it), builds the input engine with a pinned-memory allocator and starts
-//! one driver thread per local GPU through [`crate::dist::ranks::run_local_ranks`]. The NCCL
-//! communicator is created even for `--gpus 1`, so one GPU takes the same path as many (a
-//! single GPU can also run without NCCL: [`crate::dist::DistSettings::nccl`]).
+//! GPU ranks: the per-step device side of a rank on one GPU, over NCCL, over the same-GPU
+//! rehearsal's collective, or (one GPU) no collective at all, and how one is built
+//! ([`gpu_rank`]). The launchers that start the driver threads, run the rendezvous and create
+//! the NCCL communicators are above, in `train/launch/` (`cuda.rs`, `rehearsal.rs`).
 //!
 //! A GPU rank ([`CudaDevice`]) feeds its backend from a ring of `--prefetch-depth` device
 //! slots (batch k+1 uploads on the copy stream while batch k computes); backward writes each
@@ -17,38 +13,30 @@
 //! device too, summed on a side communicator and stream of their own beside the buckets.
 
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
-use pipeline::{Pipeline, PipelineError, Split};
+use pipeline::{Pipeline, PipelineError};
 
-use super::cpu::network_config;
-use super::{Device, Rank, TOTALS_LEN};
+use super::{network_config, Device, Rank, TOTALS_LEN};
 use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
 use crate::cuda::staged::StagedBackend;
 use crate::cuda::staging::device::CudaStaging;
 use crate::cuda::staging::feed::{data_wait_line, FeedError, Feeder, HostBatch};
-use crate::cuda::staging::pinned::{is_pinned, pinned_allocator};
+use crate::cuda::staging::pinned::is_pinned;
 use crate::cuda::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::cuda::timeline::{rows, GpuTimeline};
 use crate::cuda::{CudaBackend, CudaTensor, GpuDevice};
 use crate::dist::collective::{Collective, CollectiveError};
-use crate::dist::launch::{self, LaunchPlan};
-use crate::dist::nccl::{self, Communicator, DeviceGrads, NcclCollective};
-use crate::dist::ranks::{self, RankContext};
-use crate::dist::rendezvous::{self, Assignment, NodeInfo};
+use crate::dist::device_group::{DeviceCollective, HostTarget};
+use crate::dist::nccl::{self, DeviceGrads, NcclCollective};
+use crate::dist::same_gpu::SameGpuRank;
 use crate::dist::single::SingleRank;
 use crate::model::{GradHookError, Network, StepStats};
-use crate::train::config::TrainConfig;
-use crate::train::folder::{CheckpointMeta, RunFolder};
-use crate::train::run::{run_rank, Launched, RankReport, StopWish};
-use crate::train::setup::{pipeline_for, start_point, Shared};
+use crate::train::setup::Shared;
 use crate::train::TrainError;
-
-mod rehearsal;
 
 /// The step totals of the last two steps: on the device (written by the loss kernels, summed
 /// by NCCL) and in page-locked host memory (copied there after the sum), one slot per step.
@@ -440,7 +428,33 @@ impl GpuCollective for SingleRank<DeviceGrads> {
     }
 }
 
-fn config_error(flag: &'static str, value: impl ToString, hint: impl ToString) -> TrainError {
+impl GpuCollective for DeviceCollective<SameGpuRank> {
+    unsafe fn sum_on_device(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        host: *mut f64,
+    ) -> Result<Arc<CudaEvent>, TrainError> {
+        Ok(self.start_device_sum(ptr, len, HostTarget(host), "step totals sum")?)
+    }
+
+    fn wait_device_sum(&self, event: &CudaEvent) -> Result<(), TrainError> {
+        Ok(DeviceCollective::wait_device_sum(self, |m| {
+            std::ptr::eq(Arc::as_ptr(m), event)
+        })?)
+    }
+
+    fn timeline(&mut self) -> Option<&mut GpuTimeline> {
+        self.timeline_mut()
+    }
+}
+
+/// A refused setting: `flag` with `value`, and what to give instead.
+pub(crate) fn config_error(
+    flag: &'static str,
+    value: impl ToString,
+    hint: impl ToString,
+) -> TrainError {
     TrainError::InvalidConfig {
         flag,
         value: value.to_string(),
@@ -448,36 +462,25 @@ fn config_error(flag: &'static str, value: impl ToString, hint: impl ToString) -
     }
 }
 
-/// The launch plan for `--gpus n` and the distributed settings.
-pub(crate) fn launch_plan(n: usize, cfg: &TrainConfig) -> Result<LaunchPlan, TrainError> {
-    let flags = cfg
-        .dist
-        .launch_flags(Some(&n.to_string()))
-        .map_err(|e| config_error("--gpus", n, e))?;
-    Ok(launch::resolve(
-        &flags,
-        &launch::process_env,
-        &launch::probe_gpus(),
-    )?)
-}
-
 /// Where a GPU rank is and how it reaches the others.
-struct GpuRankSpec<'a> {
-    rank: usize,
-    local_index: usize,
-    ordinal: usize,
+pub(crate) struct GpuRankSpec<'a> {
+    pub rank: usize,
+    pub local_index: usize,
+    pub ordinal: usize,
     /// Aborts every communicator of the process when this rank fails before its collective
     /// exists (returning the error does too; this is the earliest moment).
-    abort_early: &'a dyn Fn(&str),
+    pub abort_early: &'a dyn Fn(&str),
 }
 
-/// Builds the GPU rank of `spec` and runs it to the end.
-fn run_gpu_rank<C>(
+/// Builds the GPU rank of `spec`: its backend on the device, its collective from `make_comm`,
+/// its replica with the gradients as views of one flat buffer, its staging ring and step
+/// totals, its device optimizer. A failure aborts the others first (before the collective
+/// exists through `spec`'s `abort_early`, then through the collective).
+pub(crate) fn gpu_rank<C>(
     shared: &Shared,
     spec: GpuRankSpec<'_>,
     make_comm: impl FnOnce(&Arc<GpuDevice>) -> Result<C, TrainError>,
-    stop: &dyn Fn(u64) -> bool,
-) -> Result<RankReport, TrainError>
+) -> Result<Rank<CudaDevice<C>>, TrainError>
 where
     C: Collective<Buffer = DeviceGrads> + GpuCollective,
 {
@@ -561,7 +564,7 @@ where
         }
     };
     let params = shared.graph.params();
-    let mut r = Rank::new(shared, rank, local_index, gpu, comm, grads, net, |flat| {
+    Rank::new(shared, rank, local_index, gpu, comm, grads, net, |flat| {
         DeviceOptimizer::new(
             &opt_backend,
             shared.kind,
@@ -573,404 +576,5 @@ where
             device: format!("cuda:{ordinal}"),
             reason: e.to_string(),
         })
-    })?;
-    run_rank(shared, &mut r, stop)
-}
-
-/// Runs `f` while a helper thread copies the caller's stop wishes into `local`, which the
-/// driver threads (needing `'static` data) poll; an error when the OS refuses that thread.
-fn with_stop_bridge<R>(
-    stop: &StopWish<'_>,
-    ranks: usize,
-    rank_offset: usize,
-    local: &Arc<Vec<AtomicBool>>,
-    f: impl FnOnce() -> R,
-) -> Result<R, TrainError> {
-    let finished = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        pipeline::threads::spawn_scoped(s, "stop-bridge", || {
-            while !finished.load(Ordering::SeqCst) {
-                for i in 0..ranks {
-                    if stop(rank_offset + i, u64::MAX) {
-                        local[i].store(true, Ordering::SeqCst);
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        })?;
-        let r = f();
-        finished.store(true, Ordering::SeqCst);
-        Ok(r)
     })
-}
-
-/// A rank's failure as the error the user sees. In a run of several ranks it names the rank
-/// and its device (`device` gives a global rank's): the trainer's own errors keep their kind
-/// inside [`TrainError::OnRank`] (unless they name the rank already), the rest become a
-/// device error of that rank.
-fn ranks_error(e: ranks::RanksError, world: usize, device: &dyn Fn(usize) -> String) -> TrainError {
-    match e {
-        ranks::RanksError::Body { rank, source } => match source.downcast::<TrainError>() {
-            Ok(train) if world > 1 => train.on_rank(rank, device(rank)),
-            Ok(train) => *train,
-            Err(other) => TrainError::Device {
-                device: format!("{} (rank {rank})", device(rank)),
-                reason: other.to_string(),
-            },
-        },
-        // A refused thread is no fault of the GPUs: its own line and hint (its name,
-        // `gpu-O`, gives the device, not the rank).
-        ranks::RanksError::Spawn { rank, source } if world > 1 => {
-            TrainError::Thread(source).on_rank(rank, device(rank))
-        }
-        ranks::RanksError::Spawn { source, .. } => TrainError::Thread(source),
-        other => TrainError::Device {
-            device: "GPUs".into(),
-            reason: other.to_string(),
-        },
-    }
-}
-
-/// Trains on `n` GPUs of this node (and those of the other nodes, if any).
-pub(crate) fn launch(
-    cfg: &TrainConfig,
-    n: usize,
-    folder: &RunFolder,
-    resumed: Option<&(PathBuf, CheckpointMeta)>,
-    stop: &StopWish<'_>,
-) -> Result<Launched, TrainError> {
-    let dist = &cfg.dist;
-    if dist.prefetch_depth == 0 {
-        return Err(config_error(
-            "--prefetch-depth",
-            0,
-            "use at least 1 staging slot (2 overlaps the copy of batch k+1 with batch k)",
-        ));
-    }
-    if let Some(ranks) = rehearsal::requested()? {
-        return rehearsal::launch(cfg, n, ranks, folder, resumed, stop);
-    }
-    let plan = launch_plan(n, cfg)?;
-    for note in &plan.overrides {
-        tracing::info!("{note}");
-    }
-    let first = *plan.devices.first().ok_or_else(|| {
-        config_error(
-            "--gpus",
-            n,
-            "no GPU in the launch plan (--gpus 0 trains on the CPU)",
-        )
-    })?;
-    let alone = plan.devices.len() == 1 && plan.nodes == 1;
-    let mut notes = Vec::new();
-    let use_nccl = match (dist.nccl, alone) {
-        (true, _) | (false, false) => match nccl::ensure_available() {
-            Ok(_) => true,
-            Err(e) if alone => {
-                notes.push(format!("one GPU without NCCL ({e})"));
-                false
-            }
-            Err(e) => {
-                return Err(TrainError::Device {
-                    device: format!("{} GPUs", plan.devices.len()),
-                    reason: e.to_string(),
-                })
-            }
-        },
-        (false, true) => false,
-    };
-    // The validation engine also gives the dataset's fingerprint for the rendezvous.
-    let valid = pipeline_for(cfg, folder, Split::Valid, 1, None)?;
-    let assignment = if use_nccl {
-        let me = NodeInfo {
-            nodes: plan.nodes,
-            node_rank: plan.node_rank,
-            local_gpus: plan.devices.len(),
-            fingerprint: valid.fingerprint(),
-            model: cfg.arch.name().to_string(),
-            start: start_point(resumed),
-        };
-        let master = plan.rendezvous_addr().map(|m| m.to_string());
-        rendezvous::rendezvous(master.as_deref(), &me, dist.rendezvous_timeout(), || {
-            nccl::new_unique_id().map_err(|e| e.to_string())
-        })
-        .map_err(|e| TrainError::Device {
-            device: format!("node {} of {}", plan.node_rank, plan.nodes),
-            reason: format!("rendezvous failed: {e}"),
-        })?
-    } else {
-        Assignment {
-            rank_offset: 0,
-            world_size: 1,
-            node_gpus: vec![1],
-            unique_id: Vec::new(),
-        }
-    };
-    let world = assignment.world_size;
-    let ctx = cudarc::driver::CudaContext::new(first).map_err(|e| TrainError::Device {
-        device: format!("cuda:{first}"),
-        reason: e.to_string(),
-    })?;
-    let allocator = pinned_allocator(ctx);
-    let train = pipeline_for(cfg, folder, Split::Train, world, Some(allocator.clone()))?;
-    let shared = Arc::new(Shared::new(
-        cfg,
-        world,
-        resumed,
-        train,
-        valid,
-        folder.clone(),
-        plan.is_master(),
-    )?);
-    let devices = format!(
-        "{world} GPU(s) on {} node(s){} · prefetch depth {} · buckets of {} MiB · batch norm {}",
-        plan.nodes,
-        if use_nccl { " via NCCL" } else { "" },
-        dist.prefetch_depth,
-        dist.bucket_mb,
-        if dist.sync_bn && !cfg.freeze_bn {
-            "synchronised across GPUs"
-        } else {
-            "per GPU"
-        }
-    );
-    if plan.is_master() {
-        shared.say_start(&devices, resumed);
-    }
-    let local_stops: Arc<Vec<AtomicBool>> = Arc::new(
-        (0..plan.devices.len())
-            .map(|_| AtomicBool::new(false))
-            .collect(),
-    );
-    let timeout = dist.collective_timeout();
-    let reports = if use_nccl {
-        with_stop_bridge(
-            stop,
-            plan.devices.len(),
-            assignment.rank_offset,
-            &local_stops,
-            || {
-                let body_shared = shared.clone();
-                let stops = local_stops.clone();
-                ranks::run_local_ranks(&plan, &assignment, dist.rendezvous_timeout(), move |ctx| {
-                    let RankContext {
-                        rank,
-                        local_index,
-                        ordinal,
-                        comm,
-                        aborts,
-                        ..
-                    } = ctx;
-                    let stops = stops.clone();
-                    // Every communicator of this process, not only this rank's: the other
-                    // local ranks must not wait in their collectives for this one.
-                    let abort_early = move |reason: &str| {
-                        aborts.fail(rank, reason);
-                    };
-                    run_gpu_rank(
-                        &body_shared,
-                        GpuRankSpec {
-                            rank,
-                            local_index,
-                            ordinal,
-                            abort_early: &abort_early,
-                        },
-                        |device| nccl_collective(comm, device, &body_shared, rank, timeout),
-                        &move |_| stops[local_index].load(Ordering::SeqCst),
-                    )
-                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-                })
-            },
-        )?
-        .map_err(|e| {
-            ranks_error(e, world, &|rank| {
-                let ordinal = rank
-                    .checked_sub(assignment.rank_offset)
-                    .and_then(|local| plan.devices.get(local));
-                match ordinal {
-                    Some(o) => format!("cuda:{o}"),
-                    None => "a GPU of another node".into(),
-                }
-            })
-        })?
-    } else {
-        let report = run_gpu_rank(
-            &shared,
-            GpuRankSpec {
-                rank: 0,
-                local_index: 0,
-                ordinal: first,
-                abort_early: &|_| {},
-            },
-            |device| {
-                let mut single = SingleRank::new(Some(device.clone()));
-                if shared.trace.is_enabled() {
-                    match GpuTimeline::new(shared.trace.clone(), 0, device.stream()) {
-                        Ok(t) => single.timeline = Some(t),
-                        Err(e) => tracing::warn!("no trace timeline: {e}"),
-                    }
-                }
-                Ok(single)
-            },
-            &|step| stop(0, step),
-        )?;
-        vec![report]
-    };
-    let (buffers, bytes) = allocator.allocated();
-    notes.push(format!(
-        "engine batches assembled in pinned host memory: {buffers} buffer(s), {:.1} MiB",
-        bytes as f64 / (1024.0 * 1024.0)
-    ));
-    Ok(Launched {
-        shared,
-        reports,
-        devices,
-        notes,
-        writer: plan.is_master(),
-    })
-}
-
-/// The NCCL collective of a rank, with its trace timeline when tracing, and with `--sync-bn`
-/// (batch norm not frozen) the side communicator its BN sums run on, on the device, beside
-/// the gradient buckets.
-fn nccl_collective(
-    comm: Communicator,
-    device: &Arc<GpuDevice>,
-    shared: &Shared,
-    rank: usize,
-    timeout: Duration,
-) -> Result<NcclCollective, TrainError> {
-    let mut c = NcclCollective::new(comm, device.clone(), timeout);
-    if shared.trace.is_enabled() {
-        match GpuTimeline::new(shared.trace.clone(), rank as u32, device.stream()) {
-            Ok(t) => c.set_timeline(Some(t)),
-            Err(e) => tracing::warn!("rank {rank}: no trace timeline: {e}"),
-        }
-    }
-    let cfg = &shared.cfg;
-    if cfg.dist.sync_bn && !cfg.freeze_bn {
-        c.open_side_sums(cfg.dist.rendezvous_timeout())
-            .map_err(|e| TrainError::from(CollectiveError::from(e)))?;
-    }
-    Ok(c)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_ranks_error_names_the_rank_and_device_once_and_keeps_its_kind() {
-        let device = |rank: usize| format!("cuda:{}", rank + 4);
-        // A trainer error that does not say where it happened (an out-of-memory of the
-        // backend, a refused setting): the rank and its device in front, the kind kept.
-        let oom = TrainError::Backend(crate::backend::BackendError::OutOfMemory {
-            bytes: 1 << 30,
-            what: "activations".into(),
-            hint: "--batch-size 64 fits".into(),
-        });
-        let e = ranks_error(
-            ranks::RanksError::Body {
-                rank: 1,
-                source: Box::new(oom),
-            },
-            2,
-            &device,
-        );
-        let text = e.to_string();
-        assert!(text.starts_with("rank 1 (cuda:5): "), "{text}");
-        assert!(matches!(e.unranked(), TrainError::Backend(_)), "{e:?}");
-        let e = ranks_error(
-            ranks::RanksError::Body {
-                rank: 1,
-                source: Box::new(config_error("--bucket-mb", 0, "positive")),
-            },
-            2,
-            &device,
-        );
-        assert!(
-            matches!(
-                e.unranked(),
-                TrainError::InvalidConfig {
-                    flag: "--bucket-mb",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        // One that names its rank already is not named twice.
-        let diverged = TrainError::Diverged {
-            rank: 1,
-            step: 7,
-            mine: 1,
-            reference: 2,
-        };
-        let e = ranks_error(
-            ranks::RanksError::Body {
-                rank: 1,
-                source: Box::new(diverged),
-            },
-            2,
-            &device,
-        );
-        assert!(matches!(e, TrainError::Diverged { rank: 1, .. }), "{e}");
-        assert_eq!(e.to_string().matches("rank 1").count(), 1, "{e}");
-        // One rank alone: nothing to tell apart.
-        let e = ranks_error(
-            ranks::RanksError::Body {
-                rank: 0,
-                source: Box::new(config_error("--bucket-mb", 0, "positive")),
-            },
-            1,
-            &device,
-        );
-        assert!(matches!(e, TrainError::InvalidConfig { .. }), "{e}");
-        // A failure that is not the trainer's: a device error naming both.
-        let e = ranks_error(
-            ranks::RanksError::Body {
-                rank: 2,
-                source: "NCCL timed out".into(),
-            },
-            3,
-            &device,
-        );
-        let text = e.to_string();
-        assert!(
-            text.contains("cuda:6 (rank 2)") && text.contains("NCCL timed out"),
-            "{text}"
-        );
-        // A driver thread the OS refused: its own line and hint, the rank named once in
-        // front (the thread's name gives only the device).
-        let refused = |rank: usize, world: usize| {
-            ranks_error(
-                ranks::RanksError::Spawn {
-                    rank,
-                    source: pipeline::threads::ThreadStartError {
-                        thread: format!("gpu-{}", rank + 4),
-                        source: std::io::Error::from(std::io::ErrorKind::WouldBlock),
-                    },
-                },
-                world,
-                &device,
-            )
-        };
-        let e = refused(1, 2);
-        let text = e.to_string();
-        assert!(
-            text.starts_with("rank 1 (cuda:5): could not start thread `gpu-5`"),
-            "{text}"
-        );
-        assert_eq!(text.matches("rank 1").count(), 1, "{text}");
-        assert!(matches!(e.unranked(), TrainError::Thread(_)), "{e:?}");
-        assert!(matches!(refused(0, 1), TrainError::Thread(_)));
-    }
-
-    #[test]
-    fn more_gpus_than_present_is_an_error_listing_the_devices() {
-        // This machine may have no GPU: asking for 64 fails either way, naming the flag.
-        let mut cfg = TrainConfig::new("data");
-        cfg.device = crate::train::DeviceChoice::Cuda(64);
-        let e = launch_plan(64, &cfg).unwrap_err();
-        assert!(e.to_string().contains("--gpus"), "{e}");
-    }
 }

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use pipeline::Pipeline;
 
+use super::config::TrainConfig;
 use super::ema::ModelEma;
 use super::folder::metrics::MetricsAccumulator;
 use super::folder::DataPosition;
@@ -37,7 +38,8 @@ use crate::cuda::staging::feed::HostBatch;
 use crate::dist::buckets::GradientSync;
 use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
 use crate::model::{
-    BnAllReduce, BufferKind, GradHookError, InputBatch, ModelState, Network, StepStats,
+    BnAllReduce, BufferKind, GradHookError, InputBatch, ModelState, Network, NetworkConfig,
+    StepStats,
 };
 use crate::optim::RankOptimizer;
 
@@ -64,6 +66,15 @@ pub(crate) fn unpack_totals(v: [f64; TOTALS_LEN]) -> (StepStats, bool) {
         count: v[3].round() as usize,
     };
     (stats, v[4] > 0.5)
+}
+
+/// The options of a rank's replica, the same on every device.
+pub(crate) fn network_config(cfg: &TrainConfig) -> NetworkConfig {
+    NetworkConfig {
+        label_smoothing: cfg.label_smoothing,
+        freeze_bn: cfg.freeze_bn,
+        ..NetworkConfig::default()
+    }
 }
 
 /// What one device brings to a rank.
@@ -649,10 +660,6 @@ impl From<CollectiveError> for TrainError {
         TrainError::Collective(Box::new(e))
     }
 }
-
-/// The tensor of the optimizer file that holds every rank's batch-norm buffers at a
-/// checkpoint inside an epoch (shape `[ranks, buffer values]`).
-pub(crate) const RANK_BUFFERS_TENSOR: &str = "rank_bn_buffers";
 
 /// Splits a flat row of buffers (graph order) into the network's buffer tensors.
 pub(crate) fn unflatten_buffers(shared: &Shared, row: &[f32]) -> Vec<Vec<f32>> {

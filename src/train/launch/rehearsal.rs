@@ -18,17 +18,19 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaEvent};
 use pipeline::Split;
 
-use super::{config_error, launch_plan, run_gpu_rank, GpuCollective, GpuRankSpec};
+use super::plan::launch_plan;
+use super::rank_threads::join_ranks;
 use crate::cuda::rank_reduce::MAX_RANKS;
 use crate::cuda::staging::pinned::pinned_allocator;
 use crate::cuda::timeline::GpuTimeline;
 use crate::cuda::GpuDevice;
-use crate::dist::device_group::{DeviceCollective, DeviceGroup, HostTarget};
+use crate::dist::device_group::{DeviceCollective, DeviceGroup};
 use crate::dist::same_gpu::SameGpuRank;
 use crate::train::config::TrainConfig;
+use crate::train::epochs::run_rank;
 use crate::train::folder::{CheckpointMeta, RunFolder};
-use crate::train::rank::cpu::panic_text;
-use crate::train::run::{first_cause, Launched, RankReport, StopWish};
+use crate::train::rank::cuda::{config_error, gpu_rank, GpuRankSpec};
+use crate::train::report::{Launched, StopWish};
 use crate::train::setup::{pipeline_for, Shared};
 use crate::train::TrainError;
 
@@ -176,7 +178,7 @@ pub(crate) fn launch(
     shared.say_start(&devices, resumed);
     let group = DeviceGroup::<Arc<CudaEvent>>::new(ranks);
     let timeout = dist.collective_timeout();
-    let results: Vec<Result<RankReport, TrainError>> = std::thread::scope(|s| {
+    let reports = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
                 let (shared, group) = (&shared, &group);
@@ -189,19 +191,16 @@ pub(crate) fn launch(
                             tracing::error!("{reason}");
                             group.abort(reason);
                         };
-                        run_gpu_rank(
-                            shared,
-                            GpuRankSpec {
-                                rank,
-                                local_index: rank,
-                                ordinal,
-                                abort_early: &abort_early,
-                            },
-                            |device| {
-                                Ok(rank_collective(device, group, rank, timeout, fault, shared))
-                            },
-                            &|step| stop(rank, step),
-                        )
+                        let spec = GpuRankSpec {
+                            rank,
+                            local_index: rank,
+                            ordinal,
+                            abort_early: &abort_early,
+                        };
+                        let mut r = gpu_rank(shared, spec, |device| {
+                            Ok(rank_collective(device, group, rank, timeout, fault, shared))
+                        })?;
+                        run_rank(shared, &mut r, &|step| stop(rank, step))
                     },
                 )
             })
@@ -210,40 +209,8 @@ pub(crate) fn launch(
         if let Some(Err(e)) = handles.iter().find(|h| h.is_err()) {
             group.abort(&e.to_string());
         }
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                let result = match h {
-                    Ok(h) => h.join().unwrap_or_else(|panic| {
-                        Err(TrainError::Internal(format!(
-                            "its thread panicked: {}",
-                            panic_text(&panic)
-                        )))
-                    }),
-                    // Its thread's name (`gpu-O-rank-N`) says which rank; the group was
-                    // aborted before any join.
-                    Err(e) => Err(TrainError::Thread(e)),
-                };
-                // Several ranks: the user learns which one failed.
-                result.map_err(|e| match ranks {
-                    1 => e,
-                    _ => e.on_rank(rank, format!("cuda:{ordinal}")),
-                })
-            })
-            .collect()
-    });
-    let mut reports = Vec::with_capacity(ranks);
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(report) => reports.push(report),
-            Err(e) => errors.push(e),
-        }
-    }
-    if let Some(e) = first_cause(errors) {
-        return Err(e);
-    }
+        join_ranks(handles, &|_| format!("cuda:{ordinal}"))
+    })?;
     let (buffers, bytes) = allocator.allocated();
     let notes = vec![format!(
         "engine batches assembled in pinned host memory: {buffers} buffer(s), {:.1} MiB",
@@ -256,27 +223,6 @@ pub(crate) fn launch(
         notes,
         writer: true,
     })
-}
-
-impl GpuCollective for DeviceCollective<SameGpuRank> {
-    unsafe fn sum_on_device(
-        &mut self,
-        ptr: u64,
-        len: usize,
-        host: *mut f64,
-    ) -> Result<Arc<CudaEvent>, TrainError> {
-        Ok(self.start_device_sum(ptr, len, HostTarget(host), "step totals sum")?)
-    }
-
-    fn wait_device_sum(&self, event: &CudaEvent) -> Result<(), TrainError> {
-        Ok(DeviceCollective::wait_device_sum(self, |m| {
-            std::ptr::eq(Arc::as_ptr(m), event)
-        })?)
-    }
-
-    fn timeline(&mut self) -> Option<&mut GpuTimeline> {
-        self.timeline_mut()
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,57 @@
+//! The run folder's one-writer lock: the OS's advisory lock on [`LOCK_FILE`], taken by the
+//! process that writes the folder, and probed by those that only read it.
+
+use std::path::Path;
+
+use super::FolderError;
+
+/// The file a writing process holds an exclusive lock on ([`super::RunFolder::lock`]).
+pub const LOCK_FILE: &str = ".birdtrain.lock";
+
+/// An exclusive hold on a run folder, released when dropped (or when the process dies, by
+/// the kernel: a killed run leaves no stale lock behind).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    /// Takes the lock of the run folder `root` ([`super::RunFolder::lock`] says why).
+    pub(super) fn take(root: &Path) -> Result<RunLock, FolderError> {
+        let path = root.join(LOCK_FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| FolderError::Io {
+                path: path.clone(),
+                what: "open the run folder's lock file",
+                source,
+            })?;
+        match file.try_lock() {
+            Ok(()) => Ok(RunLock { _file: file }),
+            Err(std::fs::TryLockError::WouldBlock) => Err(FolderError::InUse {
+                path: root.to_path_buf(),
+            }),
+            Err(std::fs::TryLockError::Error(source)) => Err(FolderError::Io {
+                path,
+                what: "lock",
+                source,
+            }),
+        }
+    }
+}
+
+/// Whether a process holds `dir`'s run-folder lock now (a run, resume or `lr-find` writing
+/// into it). Probed with a shared lock taken and dropped at once, so a run starting at that
+/// very moment may see the folder in use once: only an error path asks.
+pub fn is_in_use(dir: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(dir.join(LOCK_FILE)) else {
+        return false;
+    };
+    matches!(
+        file.try_lock_shared(),
+        Err(std::fs::TryLockError::WouldBlock)
+    )
+}
