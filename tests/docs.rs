@@ -1,7 +1,7 @@
 //! The documentation stays true: `docs/flags.md` is what the clap tree renders
 //! (`BIRDTRAIN_UPDATE_DOCS=1` rewrites it), the README stays short, and every markdown link in
 //! README.md, ARCHITECTURE.md and docs/ stays inside the repository and resolves (file and
-//! heading).
+//! heading), as does every `../` path they name.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -183,6 +183,24 @@ fn anchors(text: &str) -> HashSet<String> {
     seen
 }
 
+/// Every path in a line that climbs with `../`, in prose, code spans or code blocks alike: a
+/// file the reader cannot find in the repository is as broken as a link to it.
+fn parent_paths(line: &str) -> Vec<&str> {
+    let mut found = Vec::new();
+    let mut rest = line;
+    while let Some(at) = rest.find("../") {
+        let start = rest[..at]
+            .rfind(|c: char| c.is_whitespace() || "`(<\"'[".contains(c))
+            .map_or(0, |i| i + 1);
+        let end = rest[at..]
+            .find(|c: char| c.is_whitespace() || "`)>\"']#,;".contains(c))
+            .map_or(rest.len(), |i| at + i);
+        found.push(&rest[start..end]);
+        rest = &rest[end..];
+    }
+    found
+}
+
 fn relative(path: &Path) -> String {
     path.strip_prefix(root())
         .unwrap_or(path)
@@ -199,6 +217,32 @@ fn no_link_leaves_the_repository_and_every_link_resolves() {
         for (n, line) in text.lines().enumerate() {
             if line.contains("http://") || line.contains("https://") {
                 broken.push(format!("{name}:{}: a web address: {line}", n + 1));
+            }
+        }
+        for (n, line) in text.lines().enumerate() {
+            for path in parent_paths(line) {
+                let outside = file
+                    .parent()
+                    .unwrap()
+                    .join(path)
+                    .components()
+                    .fold(Vec::new(), |mut kept, part| {
+                        match part {
+                            std::path::Component::ParentDir => {
+                                kept.pop();
+                            }
+                            other => kept.push(other),
+                        }
+                        kept
+                    })
+                    .into_iter()
+                    .collect::<PathBuf>();
+                if !outside.starts_with(root()) {
+                    broken.push(format!(
+                        "{name}:{}: `{path}` is outside the repository",
+                        n + 1
+                    ));
+                }
             }
         }
         for link in links(&text) {
@@ -246,6 +290,10 @@ fn the_link_reader_finds_what_it_must() {
     assert_eq!(
         targets,
         ["docs/a.md#x", "p.png", "other.md", "https://example.org"]
+    );
+    assert_eq!(
+        parent_paths("see `../shared/x.py` and [a](../ARCHITECTURE.md#b), ../../y"),
+        ["../shared/x.py", "../ARCHITECTURE.md", "../../y"]
     );
     let headings = anchors("# A b\n## A b\n```\n# not\n```\n### `birdtrain eval`: Options\n");
     let expected: HashSet<String> = ["a-b", "a-b-1", "birdtrain-eval-options"]
