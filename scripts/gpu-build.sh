@@ -2,7 +2,7 @@
 # Builds, on this (GPU-less) machine, everything a GPU session runs, into .gpu/ (ignored by git):
 # the birdtrain binary, the #[ignore]d GPU test binaries under stable names, and the PyTorch peer.
 # (`gpu-build.sh NAME...`: only those test binaries.)
-# Then hand .gpu to the GPU machine and run scripts/gpu-run.sh there (see ARCHITECTURE.md).
+# Then hand .gpu to the GPU machine and run scripts/gpu-run.sh there (see docs/gpu-journal.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_PROFILE_RELEASE_DEBUG=0

@@ -1,6 +1,6 @@
 //! The launchers cluster users already use, through the binary: the environment a torchrun
-//! worker, an `srun` task of the README's sbatch script and a PyTorchJob pod see goes in,
-//! `--dry-run --json` comes out (the README's "Clusters" commands are these); and a torchrun
+//! worker, an `srun` task of docs/gpus.md's sbatch script and a PyTorchJob pod see goes in,
+//! `--dry-run --json` comes out (the "Clusters" commands of docs/gpus.md are these); and a torchrun
 //! worker restarted after a failure resumes its run instead of refusing the folder.
 
 mod cli_support;
@@ -59,7 +59,7 @@ fn cores() -> u64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as u64
 }
 
-/// The README's training flags; the data folder is on the cluster, not here.
+/// The training flags of docs/gpus.md's examples; the data folder is on the cluster, not here.
 const FLAGS: [&str; 6] = [
     "--data",
     "/shared/285birds",
@@ -70,7 +70,7 @@ const FLAGS: [&str; 6] = [
 ];
 
 /// What torchrun gives worker 5 of `torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1
-/// --master-addr head --master-port 29500 --no-python birdtrain …` (the README's command).
+/// --master-addr head --master-port 29500 --no-python birdtrain …` (docs/gpus.md's command).
 fn torchrun_worker(restart: &'static str) -> Vec<(&'static str, &'static str)> {
     vec![
         ("TORCHELASTIC_RUN_ID", "none"),
@@ -129,7 +129,7 @@ fn one_device_per_worker_is_the_workers_gpu() {
     assert_eq!(dry_json(&FLAGS, &env)["devices"], json!([3]));
 }
 
-/// What `srun` gives the task on the second machine of the README's sbatch script
+/// What `srun` gives the task on the second machine of docs/gpus.md's sbatch script
 /// (`--nodes 2 --ntasks-per-node 1 --gpus-per-node 4`).
 fn srun_task() -> Vec<(&'static str, &'static str)> {
     vec![
@@ -207,7 +207,7 @@ fn a_pytorchjob_pod_drives_its_gpus() {
         ("MASTER_PORT", "23456"),
         ("PYTHONUNBUFFERED", "1"),
     ];
-    // The README manifest's command.
+    // The command of docs/gpus.md's manifest.
     let flags = [
         "--data",
         "/data/285birds",

@@ -38,6 +38,7 @@ mod dry_run;
 pub mod env;
 mod error;
 pub mod eval;
+pub mod flags_doc;
 pub mod kernels;
 pub mod kernels_report;
 mod launcher;
