@@ -5,8 +5,8 @@
 //! whatever the workers or the cache.
 
 use crate::common;
+use common::pixels_by_id;
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
@@ -213,18 +213,6 @@ fn builder(im: &Listed) -> PipelineBuilder {
     im.train_builder(SIDE, SEED)
 }
 
-fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64) -> HashMap<u64, Vec<u8>> {
-    let record = (SIDE * SIDE * 3) as usize;
-    let mut out = HashMap::new();
-    for b in p.epoch(epoch, 0, 0).unwrap() {
-        let b = b.unwrap();
-        for (i, &id) in b.sample_ids.iter().enumerate() {
-            out.insert(id, b.pixels()[i * record..(i + 1) * record].to_vec());
-        }
-    }
-    out
-}
-
 #[test]
 fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
     let im = images(12);
@@ -249,8 +237,8 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
                 .unwrap();
             let mut changed = 0;
             for epoch in 0..2 {
-                let before = pixels_by_id(&plain, epoch);
-                let after = pixels_by_id(&augmented, epoch);
+                let before = pixels_by_id(&plain, epoch, 0, 0);
+                let after = pixels_by_id(&augmented, epoch, 0, 0);
                 assert_eq!(before.len(), 12);
                 for (id, plain) in &before {
                     let mut want = plain.clone();
@@ -273,7 +261,7 @@ fn each_image_is_its_plain_image_with_its_draw_then_the_jitter_applied() {
     }
     // The cache keeps the images as decoded: a plain pipeline on it still sees them so.
     let again = builder(&im).build().unwrap();
-    assert_eq!(pixels_by_id(&again, 0), pixels_by_id(&plain, 0));
+    assert_eq!(pixels_by_id(&again, 0, 0, 0), pixels_by_id(&plain, 0, 0, 0));
 }
 
 #[test]
@@ -286,14 +274,20 @@ fn the_draws_depend_on_seed_epoch_and_sample_only() {
         .workers(1)
         .build()
         .unwrap();
-    assert_eq!(pixels_by_id(&one, 3), pixels_by_id(&other_workers, 3));
+    assert_eq!(
+        pixels_by_id(&one, 3, 0, 0),
+        pixels_by_id(&other_workers, 3, 0, 0)
+    );
     let other_seed = builder(&im)
         .auto_augment(policy)
         .seed(SEED + 1)
         .build()
         .unwrap();
-    assert_ne!(pixels_by_id(&one, 3), pixels_by_id(&other_seed, 3));
-    assert_ne!(pixels_by_id(&one, 3), pixels_by_id(&one, 4));
+    assert_ne!(
+        pixels_by_id(&one, 3, 0, 0),
+        pixels_by_id(&other_seed, 3, 0, 0)
+    );
+    assert_ne!(pixels_by_id(&one, 3, 0, 0), pixels_by_id(&one, 4, 0, 0));
     let stats = one.stats();
     assert!(
         stats.transform_seconds > 0.0,

@@ -4,8 +4,7 @@
 //! is counted.
 
 use crate::common;
-
-use std::collections::HashMap;
+use common::pixels_by_id;
 
 use pipeline::{ColorJitter, PipelineBuilder, RandomResizedCrop};
 
@@ -20,18 +19,6 @@ fn images(count: usize) -> Listed {
 
 fn builder(im: &Listed) -> PipelineBuilder {
     im.train_builder(SIDE, SEED)
-}
-
-fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64, replica: usize) -> HashMap<u64, Vec<u8>> {
-    let record = (SIDE * SIDE * 3) as usize;
-    let mut out = HashMap::new();
-    for b in p.epoch(epoch, replica, 0).unwrap() {
-        let b = b.unwrap();
-        for (i, &id) in b.sample_ids.iter().enumerate() {
-            out.insert(id, b.pixels()[i * record..(i + 1) * record].to_vec());
-        }
-    }
-    out
 }
 
 #[test]
@@ -53,8 +40,8 @@ fn each_image_is_its_plain_image_with_its_draw_applied() {
             .build()
             .unwrap();
         for epoch in 0..2 {
-            let before = pixels_by_id(&plain, epoch, 0);
-            let after = pixels_by_id(&jittered, epoch, 0);
+            let before = pixels_by_id(&plain, epoch, 0, 0);
+            let after = pixels_by_id(&jittered, epoch, 0, 0);
             assert_eq!(after.len(), 10);
             let mut changed = 0;
             for (id, px) in &after {
@@ -76,8 +63,8 @@ fn the_jitter_depends_on_seed_epoch_and_sample_only() {
     let im = images(8);
     let jitter = Some(ColorJitter::uniform(0.5));
     let one = builder(&im).color_jitter(jitter).build().unwrap();
-    let reference = pixels_by_id(&one, 2, 0);
-    let other_epoch = pixels_by_id(&one, 3, 0);
+    let reference = pixels_by_id(&one, 2, 0, 0);
+    let other_epoch = pixels_by_id(&one, 3, 0, 0);
     assert!(reference.iter().all(|(id, px)| other_epoch[id] != *px));
     let two = builder(&im)
         .color_jitter(jitter)
@@ -86,15 +73,15 @@ fn the_jitter_depends_on_seed_epoch_and_sample_only() {
         .workers(1)
         .build()
         .unwrap();
-    let mut split = pixels_by_id(&two, 2, 0);
-    split.extend(pixels_by_id(&two, 2, 1));
+    let mut split = pixels_by_id(&two, 2, 0, 0);
+    split.extend(pixels_by_id(&two, 2, 1, 0));
     assert_eq!(split, reference);
     let uncached = builder(&im)
         .color_jitter(jitter)
         .cache(false)
         .build()
         .unwrap();
-    assert_eq!(pixels_by_id(&uncached, 2, 0), reference);
+    assert_eq!(pixels_by_id(&uncached, 2, 0, 0), reference);
 }
 
 #[test]
@@ -104,14 +91,14 @@ fn the_cache_keeps_the_decoded_colours_and_the_work_after_it_is_counted() {
         .color_jitter(Some(ColorJitter::uniform(0.4)))
         .build()
         .unwrap();
-    pixels_by_id(&jittered, 0, 0);
-    pixels_by_id(&jittered, 1, 0);
+    pixels_by_id(&jittered, 0, 0, 0);
+    pixels_by_id(&jittered, 1, 0, 0);
     let stats = jittered.stats();
     assert_eq!((stats.decoded, stats.cache_hits), (6, 6), "{stats:?}");
     assert!(stats.transform_seconds > 0.0, "{stats:?}");
     drop(jittered);
     let plain = builder(&im).build().unwrap();
-    for (id, px) in pixels_by_id(&plain, 0, 0) {
+    for (id, px) in pixels_by_id(&plain, 0, 0, 0) {
         let path = &im.files[id as usize].0;
         let want = image::open(path).unwrap().to_rgb8().into_raw();
         assert_eq!(px, want, "sample {id}: the cache holds the file's colours");

@@ -6,6 +6,26 @@ use std::path::{Path, PathBuf};
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 use pipeline::{Batch, DatasetSource, Pipeline, PipelineBuilder};
 
+/// Every image that replica `replica`'s epoch `epoch` of `p` hands out from batch `start` on,
+/// by sample id.
+pub fn pixels_by_id(
+    p: &Pipeline,
+    epoch: u64,
+    replica: usize,
+    start: usize,
+) -> std::collections::HashMap<u64, Vec<u8>> {
+    let record = p.image_size() as usize * p.image_size() as usize * 3;
+    let mut out = std::collections::HashMap::new();
+    for b in p.epoch(epoch, replica, start).unwrap() {
+        let b = b.unwrap();
+        assert_eq!(b.pixels().len(), b.len * record);
+        for (i, &id) in b.sample_ids.iter().enumerate() {
+            out.insert(id, b.pixels()[i * record..(i + 1) * record].to_vec());
+        }
+    }
+    out
+}
+
 /// A temporary dataset plus a temporary cache directory.
 pub struct Fixture {
     pub data: tempfile::TempDir,

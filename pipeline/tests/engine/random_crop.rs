@@ -5,8 +5,7 @@
 //! centred window, from the cache or straight from the file.
 
 use crate::common;
-
-use std::collections::HashMap;
+use common::pixels_by_id;
 
 use pipeline::{CropWindow, PipelineBuilder, RandomResizedCrop, Split};
 
@@ -35,23 +34,6 @@ fn builder(r: &Listed, crop: Option<RandomResizedCrop>) -> PipelineBuilder {
 }
 
 /// Each sample's pixels in one replica's epoch, from `start`.
-fn pixels_by_id(
-    p: &pipeline::Pipeline,
-    epoch: u64,
-    replica: usize,
-    start: usize,
-) -> HashMap<u64, Vec<u8>> {
-    let record = (SIDE * SIDE * 3) as usize;
-    let mut out = HashMap::new();
-    for b in p.epoch(epoch, replica, start).unwrap() {
-        let b = b.unwrap();
-        for (i, &id) in b.sample_ids.iter().enumerate() {
-            out.insert(id, b.pixels()[i * record..(i + 1) * record].to_vec());
-        }
-    }
-    out
-}
-
 /// Checks that `px` is window `w` of a ramp scaled to the square; returns the pixels checked.
 fn assert_window(px: &[u8], w: CropWindow, what: &str) -> usize {
     let mut checked = 0;

@@ -4,8 +4,7 @@
 //! they came from the cache or the file, and each store size has its own cache.
 
 use crate::common;
-
-use std::collections::HashMap;
+use common::pixels_by_id;
 
 use pipeline::{CropWindow, PipelineBuilder, RandomResizedCrop, Split};
 
@@ -36,19 +35,6 @@ fn builder(r: &Listed) -> PipelineBuilder {
         .workers(2)
         .batch_size(4)
         .seed(SEED)
-}
-
-fn pixels_by_id(p: &pipeline::Pipeline, epoch: u64) -> HashMap<u64, Vec<u8>> {
-    let record = p.image_size() as usize * p.image_size() as usize * 3;
-    let mut out = HashMap::new();
-    for b in p.epoch(epoch, 0, 0).unwrap() {
-        let b = b.unwrap();
-        assert_eq!(b.pixels().len(), b.len * record);
-        for (i, &id) in b.sample_ids.iter().enumerate() {
-            out.insert(id, b.pixels()[i * record..(i + 1) * record].to_vec());
-        }
-    }
-    out
 }
 
 /// Checks that `px` (`IMAGE`² pixels) is window `w` of a `STORED`² ramp scaled to `IMAGE`;
@@ -91,7 +77,7 @@ fn each_image_is_its_whole_stored_square_scaled_down() {
     let r = ramps(6);
     let p = builder(&r).build().unwrap();
     assert_eq!((p.image_size(), p.store_size()), (IMAGE, STORED));
-    let first = pixels_by_id(&p, 0);
+    let first = pixels_by_id(&p, 0, 0, 0);
     assert_eq!(first.len(), 6);
     for (id, px) in &first {
         let checked = assert_window(px, CropWindow::full(STORED), &format!("sample {id}"));
@@ -99,13 +85,13 @@ fn each_image_is_its_whole_stored_square_scaled_down() {
         assert_eq!(px[2], (*id * 20) as u8, "blue is the sample's own");
     }
     // The second epoch comes from the cache, which holds the 48-pixel squares themselves.
-    let second = pixels_by_id(&p, 1);
+    let second = pixels_by_id(&p, 1, 0, 0);
     assert_eq!(p.stats().decoded, 6, "{:?}", p.stats());
     assert_eq!(second, first);
     drop(p);
     let stored = builder(&r).image_size(STORED).build().unwrap();
     assert_eq!(stored.store_size(), STORED);
-    for (id, px) in pixels_by_id(&stored, 0) {
+    for (id, px) in pixels_by_id(&stored, 0, 0, 0) {
         let want = image::RgbImage::from_fn(STORED, STORED, |x, y| {
             image::Rgb([(5 * x) as u8, (5 * y) as u8, (id * 20) as u8])
         });
@@ -127,7 +113,7 @@ fn the_random_crop_is_drawn_on_the_stored_square() {
             .build()
             .unwrap();
         for epoch in 0..2 {
-            let pixels = pixels_by_id(&p, epoch);
+            let pixels = pixels_by_id(&p, epoch, 0, 0);
             for (id, px) in &pixels {
                 let w = crop.window(SEED, epoch, *id, STORED);
                 let what = format!("sample {id} epoch {epoch} cached {cached}");
@@ -161,7 +147,7 @@ fn the_centre_crop_is_a_share_of_the_stored_side() {
             .build()
             .unwrap();
         for epoch in 0..2 {
-            for (id, px) in pixels_by_id(&p, epoch) {
+            for (id, px) in pixels_by_id(&p, epoch, 0, 0) {
                 let what = format!("sample {id} epoch {epoch} cached {cached}");
                 assert_eq!(
                     assert_window(&px, window, &what),
@@ -177,11 +163,11 @@ fn the_centre_crop_is_a_share_of_the_stored_side() {
 fn each_store_size_has_its_own_cache() {
     let r = ramps(4);
     let large = builder(&r).build().unwrap();
-    let from_large = pixels_by_id(&large, 0);
+    let from_large = pixels_by_id(&large, 0, 0, 0);
     drop(large);
     let small = builder(&r).store_size(None).build().unwrap();
     assert_eq!(small.store_size(), IMAGE);
-    let from_small = pixels_by_id(&small, 0);
+    let from_small = pixels_by_id(&small, 0, 0, 0);
     assert_eq!(
         small.stats().decoded,
         4,
@@ -199,7 +185,7 @@ fn each_store_size_has_its_own_cache() {
     // Another image size cut from the same store reads the same records, and the data
     // fingerprint (which a checkpoint compares) follows the image size, not the store.
     let other = builder(&r).image_size(16).build().unwrap();
-    pixels_by_id(&other, 0);
+    pixels_by_id(&other, 0, 0, 0);
     assert_eq!(other.stats().decoded, 0, "{:?}", other.stats());
     let large = builder(&r).build().unwrap();
     assert_eq!(large.fingerprint(), small.fingerprint());
