@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
-    echo "usage: gpu-build.sh (one GPU test binary now; gpu-run.sh picks its tests by module)" >&2
+    echo "usage: gpu-build.sh (no arguments: it builds the one GPU test binary, whose tests gpu-run.sh picks by module)" >&2
     exit 2
 fi
 export CARGO_PROFILE_RELEASE_DEBUG=0
