@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repository root, with .gpu/ built by scripts/gpu-build.sh.
 # One phase per device call (each fits the 600 s limit of a call), logs under $OUT:
 #
-#   bash .gpu/gpu-run.sh tests [TEST...]  # birdtrain env, nvidia-smi, kernel check, GPU tests
+#   bash .gpu/gpu-run.sh tests [MODULE...]  # birdtrain env, nvidia-smi, kernel check, GPU tests
 #   bash .gpu/gpu-run.sh bench   # bench step vs the PyTorch peer (eager and --compile), v1 vs
 #                                # v2 convolutions, bench scaling with the measured step
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
@@ -50,8 +50,10 @@ export BIRDTRAIN_KERNEL_CACHE=$work/kernels
 # The binary for the tests that start it (they run away from their build tree here).
 export BIRDTRAIN_BIN=$bin
 
-# The GPU test binaries (scripts/gpu-build.sh builds them); cuda_memory fills the GPU's memory,
-# so `all` runs it alone, after the others.
+# The GPU test binary (scripts/gpu-build.sh builds it) and its modules, each run on its own
+# (`$test_bin MODULE::` runs that module's tests); cuda_memory fills the GPU's memory, so `all`
+# runs it alone, after the others.
+test_bin=$here/gpu
 gpu_tests=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
 shared_tests=()
 for t in "${gpu_tests[@]}"; do [ "$t" = cuda_memory ] || shared_tests+=("$t"); done
@@ -108,11 +110,11 @@ phase_tests() {
   step kernels-check 120 "$bin" kernels check --arch sm_90
   # Tests that need two GPUs skip themselves with a line saying so; --nocapture keeps that line
   # (and the tests' measured figures) in the logs: grep "skipped".
-  # `gpu-run.sh tests NAME...` runs only those test binaries (the rest of an unfinished call).
+  # `gpu-run.sh tests MODULE...` runs only those modules (the rest of an unfinished call).
   local t names=("$@")
   [ ${#names[@]} -gt 0 ] || names=("${gpu_tests[@]}")
   for t in "${names[@]}"; do
-    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 --nocapture
+    step "test-$t" 150 "$test_bin" --ignored --test-threads 1 --nocapture "$t::"
     grep -E "^test |test result|skipped" "$out/test-$t.log" | tail -40
   done
 }
@@ -183,7 +185,7 @@ sync_bn_cost() {
   check $checks sync-bn-cost "$out/syncbn-synced.log" "$out/syncbn-plain.log"
 }
 
-# The CPU accuracy test's set and model (tests/train_accuracy.rs): accuracy, trace, eval on
+# The CPU accuracy test's set and model (tests/train/accuracy.rs): accuracy, trace, eval on
 # the CPU, exact resume (also after kill -9).
 train_checks() {
   local size=32 model=resnet8
@@ -267,7 +269,7 @@ ncu_top() {
 
 sanitize() {
   step sanitize-memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    "$here/cuda_kernels" --ignored --test-threads 1
+    "$test_bin" --ignored --test-threads 1 cuda_kernels::
   tail -5 "$out/sanitize-memcheck.log"
 }
 
@@ -277,10 +279,10 @@ sanitize() {
 # fails here.
 phase_multi() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-  step test-ranks 200 "$here/train_gpu_ranks" --ignored --test-threads 1 --show-output ranks_
-  $checks tests "$out/test-ranks.log" ranks_ 7 | tee -a "$summary"
-  step test-nccl 150 "$here/train_gpu_ranks" --ignored --test-threads 1 --show-output nccl_
-  $checks tests "$out/test-nccl.log" nccl_ 2 | tee -a "$summary"
+  step test-ranks 200 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::ranks_
+  $checks tests "$out/test-ranks.log" train_gpu_ranks::ranks_ 7 | tee -a "$summary"
+  step test-nccl 150 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::nccl_
+  $checks tests "$out/test-nccl.log" train_gpu_ranks::nccl_ 2 | tee -a "$summary"
   torchrun_checks
 }
 
@@ -350,21 +352,22 @@ torchrun_kill() {
 phase_fusion() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check 120 "$bin" kernels check --arch sm_90
-  step test-fusion-ops 120 "$here/cuda_kernels" --ignored --test-threads 1 --show-output fused_batch_norm
-  $checks tests "$out/test-fusion-ops.log" fused_batch_norm 1 | tee -a "$summary"
-  step test-fusion-step 150 "$here/cuda_step" --ignored --test-threads 1 --show-output \
-    resnet18_step_matches_cpu fused_resnet18_steps_repeat_bitwise
-  $checks tests "$out/test-fusion-step.log" resnet18_step 1 | tee -a "$summary"
-  $checks tests "$out/test-fusion-step.log" fused_resnet18 1 | tee -a "$summary"
+  step test-fusion-ops 120 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_kernels::fused_batch_norm
+  $checks tests "$out/test-fusion-ops.log" cuda_kernels::fused_batch_norm 1 | tee -a "$summary"
+  step test-fusion-step 150 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_step::resnet18_step_matches_cpu cuda_step::fused_resnet18_steps_repeat_bitwise
+  $checks tests "$out/test-fusion-step.log" cuda_step::resnet18_step 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-step.log" cuda_step::fused_resnet18 1 | tee -a "$summary"
   # Synchronised BN with the fused moments: two replicas through the host against the CPU on
   # the whole batch (the test sets the fusion), then the side communicator's device path with
   # every network of that test fused.
-  step test-fusion-sync 120 "$here/cuda_sync_bn" --ignored --test-threads 1 --show-output \
-    fused_gpu_replicas_with_sync_bn
-  $checks tests "$out/test-fusion-sync.log" fused_gpu_replicas 1 | tee -a "$summary"
-  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 90 "$here/cuda_sync_bn" --ignored --test-threads 1 \
-    --show-output sync_bn_on_the_side_communicator
-  $checks tests "$out/test-fusion-sync-side.log" sync_bn_on_the_side 1 | tee -a "$summary"
+  step test-fusion-sync 120 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_sync_bn::fused_gpu_replicas_with_sync_bn
+  $checks tests "$out/test-fusion-sync.log" cuda_sync_bn::fused_gpu_replicas 1 | tee -a "$summary"
+  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 90 "$test_bin" --ignored --test-threads 1 \
+    --show-output cuda_sync_bn::sync_bn_on_the_side_communicator
+  $checks tests "$out/test-fusion-sync-side.log" cuda_sync_bn::sync_bn_on_the_side 1 | tee -a "$summary"
   local m
   for m in resnet50 resnet18; do
     BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 90 "$bin" bench step --model $m --batch-size 256 \
@@ -396,7 +399,7 @@ phase_all() {
   local t
   step kernels-check 120 "$bin" kernels check --arch sm_90 &
   for t in "${shared_tests[@]}"; do
-    step "test-$t" 150 "$here/$t" --ignored --test-threads 1 --nocapture &
+    step "test-$t" 150 "$test_bin" --ignored --test-threads 1 --nocapture "$t::" &
   done
   train_checks >"$out/train-checks.txt" 2>&1 &
   big_set &
@@ -404,7 +407,7 @@ phase_all() {
   for t in "${shared_tests[@]}"; do
     grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -30
   done
-  step test-cuda_memory 90 "$here/cuda_memory" --ignored --test-threads 1 --nocapture
+  step test-cuda_memory 90 "$test_bin" --ignored --test-threads 1 --nocapture cuda_memory::
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet50
   BENCH_STEPS=${BENCH_STEPS:-20} bench_fused resnet50
   train_data_wait

@@ -17,7 +17,8 @@
                                   the convolutions (BIRDTRAIN_BN_FUSION=1) and separate: ms per
                                   step and their batch-norm and convolution kernels; PASS when
                                   the fused step is faster
-  tests LOG PREFIX N              one line per test named PREFIX… in a test binary's log (run
+  tests LOG PREFIX N              one line per test named PREFIX… (`module::test`) in a test
+                                  binary's log (run
                                   with --show-output): PASS with the last line it printed, FAIL
                                   with its panic, or when it printed "skipped" (no GPU), never
                                   finished, or fewer than N such tests ran
@@ -218,7 +219,9 @@ def fusion_bench(fused_log, separate_log, model):
 
 
 def tests(log, prefix, expected):
-    """One PASS/FAIL line per test of a libtest log whose name starts with `prefix`."""
+    """One PASS/FAIL line per test of a libtest log whose name starts with `prefix` (its full
+    name in the test binary, `module::test`; a test's own `skipped NAME:` line may give the
+    name without its module)."""
     text = open(log, errors="replace").read()
     verdicts = dict(re.findall(rf"^test ({re.escape(prefix)}\S*) \.\.\. (ok|FAILED|ignored)", text, re.M))
     started = re.findall(rf"^test ({re.escape(prefix)}\S*) \.\.\. ", text, re.M)
@@ -233,10 +236,11 @@ def tests(log, prefix, expected):
     rc = 0
     for name in dict.fromkeys(started):
         verdict, lines = verdicts.get(name), block(name)
+        skip = skipped.get(name, skipped.get(name.rsplit("::", 1)[-1]))
         if verdict is None:
             rc |= say(False, name, "did not finish (timed out or crashed; see the log)")
-        elif name in skipped:
-            rc |= say(False, name, f"skipped: {skipped[name][:160]}")
+        elif skip is not None:
+            rc |= say(False, name, f"skipped: {skip[:160]}")
         elif verdict == "ok":
             rc |= say(True, name, lines[-1] if lines else "ok")
         elif verdict == "ignored":

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command; CI runs it through .ci/run).
-# 1. installs NVRTC + CUDA headers from PyPI wheels (no GPU needed),
+# 1. installs NVRTC + CUDA headers from PyPI wheels (no GPU needed), and PyTorch and torchvision
+#    for the reference tests (Debian's packages, scripts/install-test-peers.sh),
 # 2. runs every test of the workspace (GPU tests are #[ignore]d) and fails on any panic
-#    message in its output,
+#    message in its output; a reference test whose peer is missing fails, it does not skip,
 # 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90,
 # 4. builds the API docs, warnings as errors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-cuda-tools.sh
 . scripts/cuda-env.sh
+# Where the peers cannot be installed, the tests comparing with them fail and say why.
+bash scripts/install-test-peers.sh \
+    || echo "warning: the PyTorch/torchvision reference tests will fail (see above)" >&2
+export BIRDTRAIN_REQUIRE_PEERS=1
 # Every panic is a bug. CLI tests fail on a panic of the binary themselves; this catches the
 # rest: a "panicked at" line in the output of a run where every test passed comes from a
 # thread whose output the harness did not capture (and whose error may have been swallowed).

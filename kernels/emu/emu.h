@@ -16,7 +16,7 @@
 //
 // __shared__ arrays are function statics (one block runs at a time); dynamic shared memory is a
 // static buffer of BT_EMU_DYN_SMEM bytes. Slow next to a GPU, so the checks use small shapes;
-// tests/cuda_emulation.rs builds and runs conv_check.cpp, conv2_check.cpp and ops_check.cpp.
+// tests/gpu/cuda_emulation.rs builds and runs conv_check.cpp, conv2_check.cpp and ops_check.cpp.
 #pragma once
 #include <algorithm>
 #include <array>

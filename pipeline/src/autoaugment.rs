@@ -1368,8 +1368,8 @@ mod tests {
     }
 
     /// Bytes torchvision 0.14's `_apply_op` gave (uint8 tensors, bilinear, no fill;
-    /// `pipeline/tests/torchvision_autoaugment.py`), so the check runs where torchvision is
-    /// absent; `tests/auto_augment.rs` compares every operation on larger images where it is
+    /// `pipeline/tests/engine/torchvision_autoaugment.py`), so the check runs where torchvision is
+    /// absent; `tests/engine/auto_augment.rs` compares every operation on larger images where it is
     /// present.
     #[test]
     fn operations_reproduce_torchvisions_bytes() {

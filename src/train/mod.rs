@@ -12,7 +12,7 @@
 //! rank during an epoch (as in PyTorch DDP) and averaged over the ranks at every epoch end
 //! and checkpoint.
 
-// In layers, bottom first (`tests/dependency_order.rs` checks them): a module uses its own
+// In layers, bottom first (`tests/architecture/dependency_order.rs` checks them): a module uses its own
 // group and the groups above it, never one below; within a group, no circle.
 mod augment;
 mod device;

@@ -766,7 +766,7 @@ fn sync_bn_ranks_equal_one_rank_when_the_last_step_leaves_a_rank_without_images(
 /// variances summed in f64 on one path, straight from the fused op on the other: ulps per
 /// step; measured 5e-7 after two epochs, so 1e-5 leaves a margin of 20). The degenerate case
 /// (one value per channel), which resnet8 cannot reach above 8 pixels, is checked on the
-/// network in `tests/dist_sync_bn.rs`.
+/// network in `tests/dist/sync_bn.rs`.
 #[test]
 fn sync_bn_on_one_rank_trains_as_plain_batch_norm() {
     let tmp = tempfile::tempdir().unwrap();

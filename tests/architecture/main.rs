@@ -1,0 +1,3 @@
+//! The source tree's architecture rules (one test binary; `cargo test --test architecture`).
+
+mod dependency_order;

@@ -1,0 +1,901 @@
+//! Every CUDA kernel against the CPU reference backend (GPU only: `#[ignore]`d; run with
+//! `cargo test --release --test gpu -- --ignored cuda_kernels::`).
+//!
+//! Rule (llm.c): |gpu − cpu| ≤ tol + |cpu|·eps per element. Inputs are rounded to bf16 on the
+//! host first, so both backends see identical values and the tolerance only covers what the GPU
+//! does differently: bf16 outputs (relative rounding 2⁻⁸ ≈ 0.0039) and f32 accumulation order.
+//! Stated per kernel below; shapes include odd sizes and tiles that are not multiples of 16/128.
+
+use birdtrain::backend::conformance::{
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, Tolerance,
+};
+use birdtrain::backend::cpu::CpuBackend;
+use birdtrain::backend::{
+    Backend, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape, PoolShape, Targets,
+    TensorRole,
+};
+use birdtrain::cuda::conv::ConvVersion;
+use birdtrain::cuda::CudaBackend;
+use birdtrain::model::{Augment, InputBatch, Mix, PixelBox};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// bf16 output rounding (2 ulps) + f32 accumulation.
+const EPS_BF16: f32 = 1.0 / 128.0;
+
+fn gpu() -> CudaBackend {
+    CudaBackend::new(0).expect("a CUDA device (these tests are for the GPU machine)")
+}
+
+/// The GPU backend once per convolution generation (v1 conv.cu, v2 conv2.cu), same tolerances.
+fn gpu_per_conv_version() -> Vec<(ConvVersion, CudaBackend)> {
+    let base = gpu();
+    [ConvVersion::V1, ConvVersion::V2]
+        .into_iter()
+        .map(|v| {
+            let mut b = base.clone();
+            b.set_conv_version(v);
+            (v, b)
+        })
+        .collect()
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(0).unwrap()
+}
+
+/// Uniform values in [-scale, scale], rounded to bf16.
+fn data(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len)
+        .map(|_| half::bf16::from_f32(rng.random_range(-scale..scale)).to_f32())
+        .collect()
+}
+
+/// Tensors on both backends holding the same values.
+struct Pair {
+    c: Vec<f32>,
+    g: birdtrain::cuda::CudaTensor,
+}
+
+fn pair(gb: &CudaBackend, v: &[f32], role: TensorRole) -> Pair {
+    let mut g = gb.alloc(v.len(), role).unwrap();
+    gb.upload(v, &mut g).unwrap();
+    Pair { c: v.to_vec(), g }
+}
+
+#[track_caller]
+fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32, eps: f32) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let mut worst = (0usize, 0.0f32);
+    for (i, (&g, &c)) in gpu.iter().zip(cpu).enumerate() {
+        let excess = (g - c).abs() - (tol + c.abs() * eps);
+        if excess > worst.1 || !g.is_finite() {
+            worst = (i, excess.max(f32::MIN_POSITIVE));
+        }
+    }
+    let (i, excess) = worst;
+    assert!(
+        excess <= 0.0,
+        "{what}: element {i}: gpu {} vs cpu {} exceeds tol {tol} + |cpu|·{eps}",
+        gpu[i],
+        cpu[i]
+    );
+}
+
+fn conv_shapes() -> Vec<ConvShape> {
+    let c = |n, h, w, c_in, c_out, kernel, stride, padding| ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel,
+        stride,
+        padding,
+    };
+    vec![
+        c(2, 15, 13, 3, 16, 7, 2, 3), // stem-like: 3 channels (scalar gather path), odd sizes
+        c(3, 8, 8, 16, 32, 3, 1, 1),  // 3×3, vector path
+        c(2, 14, 14, 64, 64, 1, 1, 0), // 1×1 = plain GEMM
+        c(2, 9, 11, 24, 40, 3, 2, 1), // strided 3×3, odd spatial sizes
+        c(1, 5, 5, 8, 136, 1, 2, 0),  // 1×1 stride 2, output channels > one 128 tile
+        c(2, 6, 6, 20, 12, 3, 1, 1),  // channels not multiples of 8 (scalar path)
+        // v2 paths (kernels/conv2.cu): a k-step spanning taps, stride-3 phases, 1×1 GEMM rows
+        // with a channel tail, the 7×7 filter on 16 channels, several waves of 128×128 tiles.
+        c(1, 10, 13, 72, 72, 3, 1, 1),
+        c(1, 11, 8, 8, 16, 5, 3, 2),
+        c(3, 12, 12, 40, 8, 1, 1, 0),
+        c(1, 9, 9, 16, 64, 7, 2, 3),
+        c(4, 28, 28, 128, 256, 3, 1, 1),
+        // The stem as a network runs it: 64 filters, 4096 output pixels (wgrad in slices of
+        // many k-steps, several column tiles).
+        c(4, 64, 64, 3, 64, 7, 2, 3),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_forward_matches_cpu() {
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for s in conv_shapes() {
+            let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+            let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+            let mut yc = vec![0.0; s.y_len()];
+            cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
+            let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+            gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+            // tol: f32 sums of up to 1k bf16 products, summed in another order.
+            assert_close(
+                &format!("conv_forward {version:?} {s:?}"),
+                &gb.download(&yg).unwrap(),
+                &yc,
+                1e-2,
+                EPS_BF16,
+            );
+        }
+        // The selected generation is the one that ran.
+        let ran: Vec<String> = gb
+            .take_profile()
+            .unwrap()
+            .into_iter()
+            .map(|k| k.name.to_string())
+            .collect();
+        gb.set_profiling(false);
+        let v2 = ran.iter().any(|k| k.starts_with("conv2_fwd"));
+        assert_eq!(v2, version == ConvVersion::V2, "{version:?} ran {ran:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_backward_data_matches_cpu() {
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for s in conv_shapes() {
+            for accumulate in [false, true] {
+                let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+                let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+                let dx0 = data(&mut rng, s.x_len(), 1.0);
+                let mut dxc = dx0.clone();
+                cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
+                    .unwrap();
+                let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
+                gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
+                    .unwrap();
+                assert_close(
+                    &format!("conv_backward_data {version:?} {s:?} acc={accumulate}"),
+                    &gb.download(&dxg).unwrap(),
+                    &dxc,
+                    1e-2,
+                    EPS_BF16,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_backward_weight_matches_cpu() {
+    let cb = cpu();
+    for (version, gb) in gpu_per_conv_version() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for s in conv_shapes() {
+            let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+            let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+            let mut dwc = vec![0.0; s.w_len()];
+            cb.conv_backward_weight(&s, &x.c, &dy.c, &mut dwc).unwrap();
+            // Garbage in the destination must be overwritten, not accumulated into.
+            let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+            gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
+            let first = gb.download(&dwg).unwrap();
+            // f32 output: only the summation order differs (split reductions over ~1k terms).
+            assert_close(
+                &format!("conv_backward_weight {version:?} {s:?}"),
+                &first,
+                &dwc,
+                2e-3,
+                1e-4,
+            );
+            if version == ConvVersion::V2 {
+                // v2 sums its reduction slices in a fixed order: the same bits again (what
+                // makes a resumed GPU run continue exactly). v1 adds them with atomics.
+                gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
+                let again = gb.download(&dwg).unwrap();
+                assert!(
+                    first
+                        .iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "conv_backward_weight {s:?} is not reproducible"
+                );
+            }
+        }
+    }
+}
+
+struct BnCase {
+    rows: usize,
+    channels: usize,
+    residual: bool,
+    relu: bool,
+    mode: BnMode,
+}
+
+fn bn_cases() -> Vec<BnCase> {
+    vec![
+        BnCase {
+            rows: 2 * 7 * 9,
+            channels: 16,
+            residual: false,
+            relu: true,
+            mode: BnMode::Train,
+        },
+        BnCase {
+            rows: 3 * 13 * 13,
+            channels: 40,
+            residual: true,
+            relu: true,
+            mode: BnMode::Train,
+        },
+        BnCase {
+            rows: 1000,
+            channels: 3,
+            residual: true,
+            relu: false,
+            mode: BnMode::Train,
+        },
+        BnCase {
+            rows: 4 * 5 * 5,
+            channels: 72,
+            residual: false,
+            relu: true,
+            mode: BnMode::Frozen,
+        },
+        BnCase {
+            rows: 77,
+            channels: 33,
+            residual: true,
+            relu: true,
+            mode: BnMode::Eval,
+        },
+    ]
+}
+
+/// The fused batch-norm ops (`BIRDTRAIN_BN_FUSION`) against the CPU reference, once per
+/// convolution generation: with v2 the epilogue kernels (`conv2_fwd_stats_*`,
+/// `conv2_dgrad_bn_*`) and the fixed-order merges run (two launches for the 288-tile shape),
+/// with v1, and where v2 declines a shape (the 3-channel stem's data gradient, 5 channels),
+/// the plain kernels, `bn_grad_finish` and the slab reductions. Tolerance: 1 % of each
+/// tensor's largest reference value + 1 % relative (bf16 outputs y and g, moments of the
+/// stored bf16 y; inputs are bf16 already). Then every op twice: the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
+        let reports = check_bn_fusion(&gb, &bn_fusion_shapes(), tol)
+            .unwrap_or_else(|e| panic!("{version:?}: {e}"));
+        for r in &reports {
+            println!("{version:?} {r}");
+        }
+        let kernels: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+        // The fused kernels ran with v2 only; the fallback's with v1.
+        let fused = kernels
+            .iter()
+            .any(|k| k.starts_with("conv2_fwd_stats_") || k.starts_with("conv2_dgrad_bn_"));
+        assert_eq!(
+            fused,
+            version == ConvVersion::V2,
+            "{version:?}: {kernels:?}"
+        );
+        assert!(kernels.contains(&"bn_grad_finish"), "{kernels:?}");
+        assert!(kernels.contains(&"bn_moments_finalize"), "{kernels:?}");
+        check_bn_fusion_repeatable(&gb, &bn_fusion_shapes())
+            .unwrap_or_else(|e| panic!("{version:?}: {e}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bn_forward_and_backward_match_cpu() {
+    let (gb, cb) = (gpu(), cpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for case in bn_cases() {
+        let (r, c) = (case.rows, case.channels);
+        let shape = BnShape {
+            rows: r,
+            channels: c,
+        };
+        // A channel offset makes the batch mean non-trivial (tests the Welford path).
+        let xv: Vec<f32> = data(&mut rng, r * c, 1.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| half::bf16::from_f32(v + (i % c) as f32 * 0.25).to_f32())
+            .collect();
+        let x = pair(&gb, &xv, TensorRole::Activation);
+        let gamma = pair(&gb, &data(&mut rng, c, 1.0), TensorRole::Weight);
+        let beta = pair(&gb, &data(&mut rng, c, 0.5), TensorRole::Weight);
+        let res = pair(&gb, &data(&mut rng, r * c, 1.0), TensorRole::Activation);
+        let rm0 = data(&mut rng, c, 0.5);
+        let rv0: Vec<f32> = (0..c).map(|_| rng.random_range(0.5..1.5)).collect();
+        let mut rm = pair(&gb, &rm0, TensorRole::Statistic);
+        let mut rv = pair(&gb, &rv0, TensorRole::Statistic);
+        let mut sm = pair(&gb, &vec![0.0; c], TensorRole::Statistic);
+        let mut si = pair(&gb, &vec![0.0; c], TensorRole::Statistic);
+        let mut y = pair(&gb, &vec![0.0; r * c], TensorRole::Activation);
+        cb.bn_forward(BnForward {
+            shape,
+            x: &x.c,
+            gamma: &gamma.c,
+            beta: &beta.c,
+            residual: case.residual.then_some(&res.c),
+            relu: case.relu,
+            y: &mut y.c,
+            saved_mean: &mut sm.c,
+            saved_invstd: &mut si.c,
+            running_mean: &mut rm.c,
+            running_var: &mut rv.c,
+            mode: case.mode,
+            momentum: 0.1,
+            eps: 1e-5,
+            moments: None,
+        })
+        .unwrap();
+        gb.bn_forward(BnForward {
+            shape,
+            x: &x.g,
+            gamma: &gamma.g,
+            beta: &beta.g,
+            residual: case.residual.then_some(&res.g),
+            relu: case.relu,
+            y: &mut y.g,
+            saved_mean: &mut sm.g,
+            saved_invstd: &mut si.g,
+            running_mean: &mut rm.g,
+            running_var: &mut rv.g,
+            mode: case.mode,
+            momentum: 0.1,
+            eps: 1e-5,
+            moments: None,
+        })
+        .unwrap();
+        let tag = format!(
+            "bn rows={r} c={c} res={} relu={} {:?}",
+            case.residual, case.relu, case.mode
+        );
+        // Statistics in f32 (Welford) vs f64 on the CPU.
+        assert_close(
+            &format!("{tag} saved_mean"),
+            &gb.download(&sm.g).unwrap(),
+            &sm.c,
+            1e-4,
+            1e-4,
+        );
+        assert_close(
+            &format!("{tag} saved_invstd"),
+            &gb.download(&si.g).unwrap(),
+            &si.c,
+            1e-4,
+            1e-3,
+        );
+        assert_close(
+            &format!("{tag} running_mean"),
+            &gb.download(&rm.g).unwrap(),
+            &rm.c,
+            1e-4,
+            1e-4,
+        );
+        assert_close(
+            &format!("{tag} running_var"),
+            &gb.download(&rv.g).unwrap(),
+            &rv.c,
+            1e-4,
+            1e-3,
+        );
+        // y is bf16.
+        let yg = gb.download(&y.g).unwrap();
+        assert_close(&format!("{tag} y"), &yg, &y.c, 1e-2, EPS_BF16);
+
+        // Backward from the GPU's own y (same ReLU mask on both sides).
+        let yb = pair(&gb, &yg, TensorRole::Activation);
+        let dy = pair(&gb, &data(&mut rng, r * c, 1.0), TensorRole::Activation);
+        let dres0 = data(&mut rng, r * c, 1.0);
+        for acc in [false, true] {
+            let mut dx = pair(&gb, &vec![0.0; r * c], TensorRole::Activation);
+            let mut dres = pair(&gb, &dres0, TensorRole::Activation);
+            let mut dg = pair(&gb, &vec![3.0; c], TensorRole::WeightGrad);
+            let mut db = pair(&gb, &vec![3.0; c], TensorRole::WeightGrad);
+            let batch_stats = case.mode == BnMode::Train;
+            cb.bn_backward(BnBackward {
+                shape,
+                x: &x.c,
+                y: &yb.c,
+                gamma: &gamma.c,
+                saved_mean: &sm.c,
+                saved_invstd: &si.c,
+                batch_stats,
+                relu: case.relu,
+                dy: &dy.c,
+                dx: &mut dx.c,
+                dresidual: case.residual.then_some((&mut dres.c, acc)),
+                dgamma: &mut dg.c,
+                dbeta: &mut db.c,
+                prepared: false,
+            })
+            .unwrap();
+            // The GPU uses its own saved statistics (compared above).
+            gb.bn_backward(BnBackward {
+                shape,
+                x: &x.g,
+                y: &yb.g,
+                gamma: &gamma.g,
+                saved_mean: &sm.g,
+                saved_invstd: &si.g,
+                batch_stats,
+                relu: case.relu,
+                dy: &dy.g,
+                dx: &mut dx.g,
+                dresidual: case.residual.then_some((&mut dres.g, acc)),
+                dgamma: &mut dg.g,
+                dbeta: &mut db.g,
+                prepared: false,
+            })
+            .unwrap();
+            // dγ, dβ: f32 sums over `rows` terms; dx: bf16 with a cancellation (g − means).
+            let scale = (r as f32).sqrt();
+            assert_close(
+                &format!("{tag} dgamma"),
+                &gb.download(&dg.g).unwrap(),
+                &dg.c,
+                1e-3 * scale,
+                1e-3,
+            );
+            assert_close(
+                &format!("{tag} dbeta"),
+                &gb.download(&db.g).unwrap(),
+                &db.c,
+                1e-3 * scale,
+                1e-3,
+            );
+            assert_close(
+                &format!("{tag} dx"),
+                &gb.download(&dx.g).unwrap(),
+                &dx.c,
+                2e-2,
+                2e-2,
+            );
+            if case.residual {
+                assert_close(
+                    &format!("{tag} dres acc={acc}"),
+                    &gb.download(&dres.g).unwrap(),
+                    &dres.c,
+                    1e-2,
+                    EPS_BF16,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pools_match_cpu() {
+    let (gb, cb) = (gpu(), cpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for s in [
+        PoolShape {
+            n: 2,
+            h: 16,
+            w: 16,
+            c: 8,
+            kernel: 3,
+            stride: 2,
+            padding: 1,
+        },
+        PoolShape {
+            n: 3,
+            h: 15,
+            w: 9,
+            c: 5,
+            kernel: 3,
+            stride: 2,
+            padding: 1,
+        },
+        PoolShape {
+            n: 1,
+            h: 7,
+            w: 7,
+            c: 3,
+            kernel: 2,
+            stride: 2,
+            padding: 0,
+        },
+        // The stem's pool as a 64-px network runs it.
+        PoolShape {
+            n: 4,
+            h: 32,
+            w: 32,
+            c: 64,
+            kernel: 3,
+            stride: 2,
+            padding: 1,
+        },
+    ] {
+        let input = s.n * s.h * s.w * s.c;
+        let out = s.n * s.out_h() * s.out_w() * s.c;
+        // After a ReLU, as in the network: half the inputs are 0, so windows tie and the
+        // first maximum (window order) must win on both backends.
+        let relu: Vec<f32> = data(&mut rng, input, 1.0)
+            .into_iter()
+            .map(|v| v.max(0.0))
+            .collect();
+        let x = pair(&gb, &relu, TensorRole::Activation);
+        let mut y = pair(&gb, &vec![0.0; out], TensorRole::Activation);
+        cb.maxpool_forward(&s, &x.c, &mut y.c).unwrap();
+        gb.maxpool_forward(&s, &x.g, &mut y.g).unwrap();
+        // A max selects an input: exact.
+        assert_close(
+            &format!("maxpool_forward {s:?}"),
+            &gb.download(&y.g).unwrap(),
+            &y.c,
+            0.0,
+            0.0,
+        );
+        let dy = pair(&gb, &data(&mut rng, out, 1.0), TensorRole::Activation);
+        for acc in [false, true] {
+            let dx0 = data(&mut rng, input, 1.0);
+            let mut dx = pair(&gb, &dx0, TensorRole::Activation);
+            cb.maxpool_backward(&s, &x.c, &dy.c, &mut dx.c, acc)
+                .unwrap();
+            gb.maxpool_backward(&s, &x.g, &dy.g, &mut dx.g, acc)
+                .unwrap();
+            assert_close(
+                &format!("maxpool_backward {s:?} acc={acc}"),
+                &gb.download(&dx.g).unwrap(),
+                &dx.c,
+                1e-2,
+                EPS_BF16,
+            );
+        }
+    }
+    for (n, hw, c) in [(2, 49, 64), (3, 1, 5), (1, 17, 130)] {
+        let x = pair(
+            &gb,
+            &data(&mut rng, n * hw * c, 1.0),
+            TensorRole::Activation,
+        );
+        let mut y = pair(&gb, &vec![0.0; n * c], TensorRole::Activation);
+        cb.gap_forward(n, hw, c, &x.c, &mut y.c).unwrap();
+        gb.gap_forward(n, hw, c, &x.g, &mut y.g).unwrap();
+        assert_close(
+            &format!("gap_forward {n}x{hw}x{c}"),
+            &gb.download(&y.g).unwrap(),
+            &y.c,
+            1e-3,
+            EPS_BF16,
+        );
+        let dy = pair(&gb, &data(&mut rng, n * c, 1.0), TensorRole::Activation);
+        for acc in [false, true] {
+            let mut dx = pair(
+                &gb,
+                &data(&mut rng, n * hw * c, 1.0),
+                TensorRole::Activation,
+            );
+            cb.gap_backward(n, hw, c, &dy.c, &mut dx.c, acc).unwrap();
+            gb.gap_backward(n, hw, c, &dy.g, &mut dx.g, acc).unwrap();
+            assert_close(
+                &format!("gap_backward {n}x{hw}x{c} acc={acc}"),
+                &gb.download(&dx.g).unwrap(),
+                &dx.c,
+                1e-3,
+                EPS_BF16,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_matches_cpu() {
+    let (gb, cb) = (gpu(), cpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    for s in [
+        LinearShape {
+            n: 4,
+            inputs: 64,
+            outputs: 10,
+        },
+        LinearShape {
+            n: 33,
+            inputs: 517,
+            outputs: 285,
+        },
+    ] {
+        let x = pair(
+            &gb,
+            &data(&mut rng, s.n * s.inputs, 1.0),
+            TensorRole::Activation,
+        );
+        let w = pair(
+            &gb,
+            &data(&mut rng, s.outputs * s.inputs, 0.1),
+            TensorRole::Weight,
+        );
+        let b = pair(&gb, &data(&mut rng, s.outputs, 0.1), TensorRole::Weight);
+        let mut y = pair(&gb, &vec![0.0; s.n * s.outputs], TensorRole::Activation);
+        cb.linear_forward(&s, &x.c, &w.c, &b.c, &mut y.c).unwrap();
+        gb.linear_forward(&s, &x.g, &w.g, &b.g, &mut y.g).unwrap();
+        assert_close(
+            &format!("linear_forward {s:?}"),
+            &gb.download(&y.g).unwrap(),
+            &y.c,
+            1e-2,
+            EPS_BF16,
+        );
+        let dy = pair(
+            &gb,
+            &data(&mut rng, s.n * s.outputs, 1.0),
+            TensorRole::Activation,
+        );
+        for acc in [false, true] {
+            let mut dx = pair(
+                &gb,
+                &data(&mut rng, s.n * s.inputs, 1.0),
+                TensorRole::Activation,
+            );
+            let mut dw = pair(
+                &gb,
+                &vec![5.0; s.outputs * s.inputs],
+                TensorRole::WeightGrad,
+            );
+            let mut db = pair(&gb, &vec![5.0; s.outputs], TensorRole::WeightGrad);
+            cb.linear_backward(&s, &x.c, &w.c, &dy.c, &mut dx.c, &mut dw.c, &mut db.c, acc)
+                .unwrap();
+            gb.linear_backward(&s, &x.g, &w.g, &dy.g, &mut dx.g, &mut dw.g, &mut db.g, acc)
+                .unwrap();
+            assert_close(
+                &format!("linear dx {s:?} acc={acc}"),
+                &gb.download(&dx.g).unwrap(),
+                &dx.c,
+                1e-2,
+                EPS_BF16,
+            );
+            assert_close(
+                &format!("linear dw {s:?}"),
+                &gb.download(&dw.g).unwrap(),
+                &dw.c,
+                1e-4,
+                1e-4,
+            );
+            assert_close(
+                &format!("linear db {s:?}"),
+                &gb.download(&db.g).unwrap(),
+                &db.c,
+                1e-4,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn softmax_cross_entropy_matches_cpu() {
+    let (gb, cb) = (gpu(), cpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for (n, classes, smoothing, own_weight) in [
+        (5, 10, 0.0f32, 1.0f32),
+        (37, 285, 0.1, 1.0),
+        (3, 7, 0.2, 1.0),
+        (37, 285, 0.1, 0.35),
+        (6, 10, 0.0, 0.8),
+    ] {
+        let z = pair(
+            &gb,
+            &data(&mut rng, n * classes, 4.0),
+            TensorRole::Activation,
+        );
+        let labels: Vec<u32> = (0..n)
+            .map(|_| rng.random_range(0..classes as u32))
+            .collect();
+        let mut dz = pair(&gb, &vec![0.0; n * classes], TensorRole::Activation);
+        let (mut pc, mut pg) = (Vec::new(), Vec::new());
+        let targets = Targets {
+            own_weight,
+            ..Targets::labels(&labels, smoothing)
+        };
+        let sc = cb
+            .softmax_cross_entropy(n, classes, &z.c, &targets, Some(&mut dz.c), Some(&mut pc))
+            .unwrap();
+        let sg = gb
+            .softmax_cross_entropy(n, classes, &z.g, &targets, Some(&mut dz.g), Some(&mut pg))
+            .unwrap();
+        let tag = format!("softmax n={n} k={classes} eps={smoothing} own={own_weight}");
+        assert!(
+            (sg.loss_sum - sc.loss_sum).abs() <= 1e-4 + sc.loss_sum.abs() * 1e-5,
+            "{tag}: loss {} vs {}",
+            sg.loss_sum,
+            sc.loss_sum
+        );
+        assert_eq!(
+            (sg.correct_top1, sg.correct_top5),
+            (sc.correct_top1, sc.correct_top5),
+            "{tag}"
+        );
+        assert_close(&format!("{tag} probs"), &pg, &pc, 1e-6, 1e-5);
+        assert_close(
+            &format!("{tag} dlogits"),
+            &gb.download(&dz.g).unwrap(),
+            &dz.c,
+            1e-6,
+            EPS_BF16,
+        );
+    }
+    // Bad input is an error value, not a kernel fault.
+    let z = gb.alloc(10, TensorRole::Activation).unwrap();
+    assert!(gb
+        .softmax_cross_entropy(1, 10, &z, &Targets::labels(&[10], 0.0), None, None)
+        .is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn input_transform_matches_cpu() {
+    let (gb, cb) = (gpu(), cpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for (n, size) in [(3usize, 32u32), (2, 17)] {
+        let s = size as usize;
+        let pixels: Vec<u8> = (0..n * s * s * 3).map(|_| rng.random()).collect();
+        let labels = vec![0u32; n];
+        let m = Augment::max_shift(size);
+        // Image 1 erased (random erasing) on a box reaching the bottom-right corner.
+        let aug: Vec<Augment> = (0..n as u32)
+            .map(|i| Augment {
+                dy: rng.random_range(-m..=m),
+                dx: rng.random_range(-m..=m),
+                flip: rng.random(),
+                erase: (i == 1).then_some(PixelBox {
+                    y0: size / 3,
+                    y1: size,
+                    x0: size / 2,
+                    x1: size,
+                }),
+            })
+            .collect();
+        // Mixing pairs image b with n − 1 − b (n = 3: the middle one with itself); CutMix
+        // with a box inside the image and one on its right and bottom edges.
+        let mixes = [
+            None,
+            Some(Mix::Blend { lambda: 0.3 }),
+            Some(Mix::Paste(PixelBox {
+                y0: 3,
+                y1: size / 2 + 3,
+                x0: 2,
+                x1: size / 2,
+            })),
+            Some(Mix::Paste(PixelBox {
+                y0: size / 2,
+                y1: size,
+                x0: size / 3,
+                x1: size,
+            })),
+        ];
+        for (augment, mix) in [None, Some(&aug[..])]
+            .into_iter()
+            .flat_map(|a| mixes.map(|m| (a, m)))
+        {
+            let batch = InputBatch {
+                pixels: &pixels,
+                labels: &labels,
+                len: n,
+                image_size: size,
+                augment,
+                mix,
+            };
+            let mut xc = vec![0.0; n * s * s * 3];
+            cb.input(&batch, &mut xc).unwrap();
+            let mut xg = gb.alloc(xc.len(), TensorRole::Activation).unwrap();
+            gb.input(&batch, &mut xg).unwrap();
+            // Normalised values in about [-2.2, 2.7], rounded to bf16.
+            assert_close(
+                &format!("input n={n} s={s} aug={} mix={mix:?}", augment.is_some()),
+                &gb.download(&xg).unwrap(),
+                &xc,
+                1e-5,
+                1.0 / 256.0,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_optimizer_matches_cpu_optimizer() {
+    use birdtrain::cuda::optim::DeviceOptimizer;
+    use birdtrain::model::{Arch, Graph};
+    use birdtrain::optim::{Hyper, Optimizer, OptimizerKind};
+    let gb = gpu();
+    let graph = Graph::new(Arch::ResNet8, 10);
+    let sizes: Vec<usize> = graph.params().iter().map(|p| p.numel()).collect();
+    let n: usize = sizes.iter().sum();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let hyper = Hyper {
+        weight_decay: 0.01,
+        ..Hyper::default()
+    };
+    // The update is element-wise, so one flat layout serves both sides.
+    let split = |flat: &[f32]| -> Vec<Vec<f32>> {
+        let mut off = 0;
+        sizes
+            .iter()
+            .map(|&k| {
+                off += k;
+                flat[off - k..off].to_vec()
+            })
+            .collect()
+    };
+    for kind in [
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            nesterov: true,
+        },
+        OptimizerKind::Sgd {
+            momentum: 0.0,
+            nesterov: false,
+        },
+        OptimizerKind::Adam,
+        OptimizerKind::AdamW,
+    ] {
+        let init = data(&mut rng, n, 0.5);
+        let mut cpu_params = init.clone();
+        let mut cpu_opt = Optimizer::new(kind, hyper, graph.params());
+        let mut dev_opt = DeviceOptimizer::new(&gb, kind, hyper, graph.params(), &init).unwrap();
+        let mut working: Vec<_> = sizes
+            .iter()
+            .map(|&k| gb.alloc(k, TensorRole::Weight).unwrap())
+            .collect();
+        for step in 0..3 {
+            let grads = data(&mut rng, n, 1.0);
+            cpu_opt.step(&mut cpu_params, &grads, 0.05).unwrap();
+            let g: Vec<_> = split(&grads)
+                .iter()
+                .map(|v| pair(&gb, v, TensorRole::WeightGrad).g)
+                .collect();
+            let g_refs: Vec<_> = g.iter().collect();
+            let mut w_refs: Vec<_> = working.iter_mut().collect();
+            dev_opt.step(&g_refs, &mut w_refs, 0.05, 1.0).unwrap();
+            let tag = format!("{kind:?} step {step}");
+            assert_close(
+                &format!("{tag} master"),
+                &dev_opt.master().unwrap(),
+                &cpu_params,
+                1e-6,
+                1e-5,
+            );
+            let work: Vec<f32> = working
+                .iter()
+                .flat_map(|w| gb.download(w).unwrap())
+                .collect();
+            assert_close(
+                &format!("{tag} working bf16"),
+                &work,
+                &cpu_params,
+                1e-6,
+                1.0 / 256.0,
+            );
+        }
+    }
+}
