@@ -18,7 +18,7 @@ pub fn flags_markdown() -> String {
     let mut page = String::from("# Flags\n\n");
     page.push_str(
         "Generated from the command-line definitions in `src/cli/` (their doc comments are the \
-         `--help` texts): edit those, then run `BIRDTRAIN_UPDATE_DOCS=1 cargo test --test docs` \
+         `--help` texts): edit those, then run `BIRDTRAIN_UPDATE_DOCS=1 cargo test --test architecture docs::` \
          to rewrite this page; `tests/docs.rs` fails while it is out of date. What the training \
          settings do, in more words: [training.md](training.md).\n\n",
     );

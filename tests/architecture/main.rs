@@ -1,3 +1,5 @@
-//! The source tree's architecture rules (one test binary; `cargo test --test architecture`).
+//! The repository's own rules (one test binary; `cargo test --test architecture`): the source
+//! tree's dependency order, and documentation that stays true to the code.
 
 mod dependency_order;
+mod docs;

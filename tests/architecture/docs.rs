@@ -43,7 +43,7 @@ fn flags_page_is_what_the_command_line_renders() {
             .unwrap_or(on_disk.lines().count().min(rendered.lines().count()));
         panic!(
             "docs/flags.md is out of date (first difference at line {}: {:?}); rewrite it with \
-             `{UPDATE_DOCS_VAR}=1 cargo test --test docs`",
+             `{UPDATE_DOCS_VAR}=1 cargo test --test architecture docs::`",
             first + 1,
             rendered.lines().nth(first).unwrap_or("<end of page>")
         );
