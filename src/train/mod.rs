@@ -49,6 +49,7 @@ pub use folder::{
 };
 pub use mix::MixRecipe;
 pub use run::{train, TrainOutcome};
+pub(crate) use setup::check_resumed;
 pub use summary::{format_summary, SummaryHeader};
 
 pub use crate::optim::OptimizerChoice;

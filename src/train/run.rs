@@ -468,7 +468,7 @@ fn epochs<D: Device>(
             } else {
                 ""
             };
-            let rule = cfg.best_rule;
+            let rule = cfg.best_rule();
             let by = if rule.min_delta > 0.0 {
                 format!(" by more than {}", rule.min_delta)
             } else {
@@ -715,12 +715,12 @@ fn end_epoch<D: Device>(
     check_valid_loss(shared, &valid_line, &rank.position)?;
     // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
     let judged = match &ema_line {
-        Some(line) if cfg.best_rule.monitor.follows_average() => line,
+        Some(line) if cfg.best_rule().monitor.follows_average() => line,
         _ => &valid_line,
     };
     // A non-finite figure of the average is never the best (nothing could beat it after).
     let improved = judged.loss.is_finite()
-        && best.is_none_or(|b| cfg.best_rule.improves(&b, judged.accuracy, judged.loss));
+        && best.is_none_or(|b| cfg.best_rule().improves(&b, judged.accuracy, judged.loss));
     if improved {
         *best = Some(BestEpoch::of(judged));
     }
@@ -742,7 +742,7 @@ fn end_epoch<D: Device>(
                     format!("×{}", p.factor)
                 },
                 shared.lr_at(position.global_step, position),
-                cfg.best_rule.monitor.words(),
+                cfg.best_rule().monitor.words(),
                 epoch - b.epoch,
                 match p.cooldown {
                     0 => String::new(),
@@ -963,7 +963,7 @@ fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome, TrainErro
         out: cfg.out.clone(),
         data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
         best: first.best.filter(|_| writer),
-        best_rule: cfg.best_rule,
+        best_rule: cfg.best_rule(),
     };
     let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);

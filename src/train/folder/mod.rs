@@ -10,20 +10,24 @@
 //! nothing else of the trainer (it takes serialised tensors and plain values), so the loop
 //! and any later change to the folder's format meet in one place.
 
+mod best;
 pub mod checkpoint;
 mod error;
 pub mod fault;
 pub mod files;
 pub mod metrics;
+pub mod names;
+mod position;
 pub mod report;
+pub mod settings;
 pub mod train_files;
 
 use std::path::{Path, PathBuf};
 
-pub use checkpoint::{
-    BestEpoch, BestRule, CheckpointMeta, CheckpointTensors, DataPosition, DatasetStamp, EmaRecipe,
-    Monitor, RunSettings,
-};
+pub use best::{BestEpoch, BestRule, Monitor};
+pub use checkpoint::{CheckpointMeta, CheckpointTensors};
+pub use position::{DataPosition, DatasetStamp};
+pub use settings::RunSettings;
 pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
