@@ -19,7 +19,10 @@ pub(crate) trait Choice: FromStr + Clone + Send + Sync + 'static {
 /// The clap parser of a choice flag: one of the names or aliases, any case.
 pub(crate) fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
     let values = T::NAMES.iter().map(|&name| {
-        let aliases = T::ALIASES.iter().filter(|(_, n)| *n == name).map(|(a, _)| *a);
+        let aliases = T::ALIASES
+            .iter()
+            .filter(|(_, n)| *n == name)
+            .map(|(a, _)| *a);
         PossibleValue::new(name).aliases(aliases)
     });
     PossibleValuesParser::new(values).map(|word: String| {
@@ -54,7 +57,7 @@ number_flags!(f32, f64, u32, u64);
 
 impl FlagValue for bool {
     fn parser() -> ValueParser {
-        clap::value_parser!(bool).into()
+        clap::value_parser!(bool)
     }
     // On and off are in the flag's own words.
     fn shown(&self) -> Option<String> {
@@ -103,7 +106,9 @@ pub struct AugmentWord(pub crate::train::Augmentation);
 impl FromStr for AugmentWord {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {
-        crate::train::Augmentation::parse(s).map(AugmentWord).ok_or(())
+        crate::train::Augmentation::parse(s)
+            .map(AugmentWord)
+            .ok_or(())
     }
 }
 
@@ -125,8 +130,9 @@ impl FromStr for PolicyWord {
 }
 
 impl Choice for PolicyWord {
-    const NAMES: &'static [&'static str] =
-        &["ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn", "none"];
+    const NAMES: &'static [&'static str] = &[
+        "ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn", "none",
+    ];
     const ALIASES: &'static [(&'static str, &'static str)] = &[
         ("ta-wide", "ta_wide"),
         ("trivialaugmentwide", "ta_wide"),

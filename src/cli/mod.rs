@@ -28,6 +28,7 @@ macro_rules! outln {
     };
 }
 
+pub mod augment_args;
 pub mod bench_pipeline;
 pub mod bench_plan;
 pub mod bench_scaling;
@@ -47,11 +48,10 @@ mod output;
 pub mod panic_hook;
 mod paths;
 pub mod predict;
-mod sidecar;
-pub mod synth;
-pub mod augment_args;
 pub mod settings_args;
+mod sidecar;
 mod stop_signals;
+pub mod synth;
 pub mod train_args;
 pub mod train_command;
 pub mod train_config;

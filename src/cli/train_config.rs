@@ -227,9 +227,15 @@ fn apply_recipe(cfg: &mut TrainConfig, args: &TrainArgs) -> Result<(), CliError>
     refuse_unless(
         matches!(schedule, Decay::Plateau(_)),
         [
-            ("--plateau-patience", r.plateau_patience.map(|v| v.to_string())),
+            (
+                "--plateau-patience",
+                r.plateau_patience.map(|v| v.to_string()),
+            ),
             ("--plateau-factor", r.plateau_factor.map(|v| v.to_string())),
-            ("--plateau-cooldown", r.plateau_cooldown.map(|v| v.to_string())),
+            (
+                "--plateau-cooldown",
+                r.plateau_cooldown.map(|v| v.to_string()),
+            ),
             ("--plateau-min-lr", r.plateau_min_lr.map(|v| v.to_string())),
         ],
         || tuning_hint(&schedule, "plateau"),
@@ -238,9 +244,14 @@ fn apply_recipe(cfg: &mut TrainConfig, args: &TrainArgs) -> Result<(), CliError>
         cfg.mix().is_on(),
         [
             ("--mixup-prob", r.mixup_prob.map(|v| v.to_string())),
-            ("--mixup-switch-prob", r.mixup_switch_prob.map(|v| v.to_string())),
+            (
+                "--mixup-switch-prob",
+                r.mixup_switch_prob.map(|v| v.to_string()),
+            ),
         ],
-        || "it shares out the batches of --mixup and --cutmix, and both are off: add --mixup A or --cutmix A".into(),
+        || {
+            "it shares out the batches of --mixup and --cutmix, and both are off: add --mixup A or --cutmix A".into()
+        },
     )?;
     if args.no_augment && args.augment.augment.is_some() {
         return Err(CliError::BadValue {
@@ -264,8 +275,14 @@ fn apply_recipe(cfg: &mut TrainConfig, args: &TrainArgs) -> Result<(), CliError>
     refuse_unless(
         cfg.model_ema.is_some(),
         [
-            ("--model-ema-steps", args.model_ema_steps.map(|n| n.to_string())),
-            ("--model-ema-decay", args.model_ema_decay.map(|d| d.to_string())),
+            (
+                "--model-ema-steps",
+                args.model_ema_steps.map(|n| n.to_string()),
+            ),
+            (
+                "--model-ema-decay",
+                args.model_ema_decay.map(|d| d.to_string()),
+            ),
         ],
         || "it tunes the moving average of the weights, which is off: add --model-ema".into(),
     )?;
@@ -332,7 +349,10 @@ fn check_start(args: &TrainArgs) -> Result<(), CliError> {
 fn resume_overrides(meta: &CheckpointMeta, cfg: &TrainConfig) -> Vec<String> {
     let mut changed = Vec::new();
     if cfg.seed != meta.seed {
-        changed.push(format!("--seed {} (the checkpoint's: {})", cfg.seed, meta.seed));
+        changed.push(format!(
+            "--seed {} (the checkpoint's: {})",
+            cfg.seed, meta.seed
+        ));
     }
     let (now, then) = (cfg.augmentation(), meta.settings.augmentation());
     if now.as_str() != then.as_str() {

@@ -14,8 +14,8 @@ use rand_chacha::ChaCha8Rng;
 
 use pipeline::RandomResizedCrop;
 
-use crate::model::{Augment, PixelBox};
 use super::folder::RunSettings;
+use crate::model::{Augment, PixelBox};
 
 /// What training does to each image (`--augment`).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -96,7 +96,7 @@ impl BestRule {
 
 /// The epoch with the best validation figures so far, by the run's [`BestRule`] (the
 /// moving average's figures when it monitors them). Its checkpoint is kept in `RUN/best/`
-/// ([`BEST_DIR`]).
+/// ([`super::names::BEST_DIR`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct BestEpoch {
     /// The epoch (1-based, as the metrics count).
@@ -190,5 +190,4 @@ mod tests {
         assert!(Monitor::ValEmaAccuracy.follows_average() && !Monitor::ValLoss.follows_average());
         assert!("loss".parse::<Monitor>().is_err());
     }
-
 }

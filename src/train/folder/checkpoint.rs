@@ -21,11 +21,11 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::best::BestEpoch;
 use super::fault::{self, FaultTarget};
 use super::files::{
     bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
 };
-use super::best::BestEpoch;
 use super::position::{DataPosition, DatasetStamp};
 use super::settings::RunSettings;
 use super::train_files::{self, TrainFilesRef};
@@ -499,6 +499,7 @@ pub(crate) mod tests {
 
     /// A sidecar for tensor files `model.safetensors` and `optimizer.safetensors` written
     /// into `dir`.
+    #[allow(clippy::needless_update)]
     pub(crate) fn meta(dir: &Path) -> CheckpointMeta {
         fs::write(dir.join(MODEL_FILE), b"weights").unwrap();
         fs::write(dir.join(OPTIMIZER_FILE), b"state").unwrap();
@@ -568,6 +569,8 @@ pub(crate) mod tests {
                 early_stop: 3,
                 monitor: Monitor::ValLoss,
                 min_delta: 0.01,
+                // A setting recorded later starts at its default here.
+                ..RunSettings::default()
             },
             model_checksum: file_checksum(&dir.join(MODEL_FILE)).unwrap(),
             optimizer_checksum: file_checksum(&dir.join(OPTIMIZER_FILE)).unwrap(),

@@ -26,12 +26,12 @@ use std::path::{Path, PathBuf};
 
 pub use best::{BestEpoch, BestRule, Monitor};
 pub use checkpoint::{CheckpointMeta, CheckpointTensors};
-pub use position::{DataPosition, DatasetStamp};
-pub use settings::RunSettings;
 pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
+pub use position::{DataPosition, DatasetStamp};
+pub use settings::RunSettings;
 pub use train_files::{TrainFiles, TrainFilesRef};
 
 /// File name of the metrics inside a run folder.

@@ -1,5 +1,5 @@
 //! The training settings a checkpoint records (`checkpoint.json`'s `settings`), each declared
-//! once in [`recorded_settings!`]'s table.
+//! once in the table of the `recorded_settings!` macro.
 //!
 //! A row of the table is one setting: its documentation (the record field's doc and the
 //! flag's `--help` text), how the record reads it from an older checkpoint (serde), its field
@@ -16,6 +16,9 @@
 //! pipeline` takes too; `unflagged` holds the recorded settings whose flags are spelled
 //! differently from their record (`--augment` and `--crop-scale`, `--model-ema` and its
 //! tuning, `--auto-augment` and its strengths) or that no flag sets (the split's version).
+
+// The rows' docs are also the flags' `--help` texts, where `<class>` is a placeholder.
+#![allow(rustdoc::invalid_html_tags)]
 
 use serde::{Deserialize, Serialize};
 
