@@ -35,6 +35,8 @@ pub(crate) fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 /// A value a recorded setting's flag takes: how clap parses it and how `--help` prints the
 /// default.
 pub(crate) trait FlagValue: Clone + Send + Sync + 'static {
+    /// Whether the value is one of a list of words (then matched in any case).
+    const IS_CHOICE: bool = false;
     /// The clap parser.
     fn parser() -> ValueParser;
     /// The default as `--help` prints it (`None`: not printed).
@@ -72,6 +74,7 @@ macro_rules! choice_flags {
             const ALIASES: &'static [(&'static str, &'static str)] = $aliases;
         }
         impl FlagValue for $t {
+            const IS_CHOICE: bool = true;
             fn parser() -> ValueParser {
                 ValueParser::new(choice::<$t>())
             }

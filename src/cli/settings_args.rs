@@ -77,6 +77,7 @@ macro_rules! flag_struct {
                     value_name = $value_name,
                     help_heading = $heading,
                     value_parser = <$flag_ty as FlagValue>::parser(),
+                    ignore_case = <$flag_ty as FlagValue>::IS_CHOICE,
                     help = help_text(&[$($doc),*], RunSettings::default().$field.shown_default())
                     $(, $($extra)+)?
                 )]
