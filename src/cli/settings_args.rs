@@ -120,3 +120,49 @@ macro_rules! flag_structs {
 }
 
 recorded_settings!(flag_structs);
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use crate::cli::Cli;
+    use crate::train::RunSettings;
+
+    #[test]
+    fn a_flag_given_overrides_the_checkpoint_and_one_left_out_keeps_it() {
+        let cli =
+            Cli::try_parse_from(["birdtrain", "--lr", "0.1", "--color-jitter", "0.4"]).unwrap();
+        let mut resumed = RunSettings {
+            lr: 0.5,
+            momentum: 0.8,
+            ..RunSettings::default()
+        };
+        cli.train.recipe.apply(&mut resumed);
+        cli.train.augment.engine.apply(&mut resumed);
+        assert_eq!(
+            (resumed.lr, resumed.momentum, resumed.color_jitter),
+            (0.1, 0.8, 0.4)
+        );
+    }
+
+    #[test]
+    fn every_training_flag_has_a_heading_and_a_row_prints_its_typed_default() {
+        let cli = Cli::command();
+        for arg in cli.get_arguments() {
+            let id = arg.get_id().as_str();
+            if !arg.is_hide_set() && !["help", "version"].contains(&id) {
+                assert!(arg.get_help_heading().is_some(), "--{id} has no heading");
+            }
+        }
+        let arg = |id: &str| cli.get_arguments().find(|a| a.get_id() == id).unwrap();
+        let help = |id: &str| arg(id).get_help().unwrap().to_string();
+        assert_eq!(arg("lr").get_help_heading(), Some("Optimizer"));
+        assert!(help("lr").ends_with("[default: 0.8]"), "{}", help("lr"));
+        assert!(help("weight_decay").ends_with("[default: 0.0005]"));
+        assert!(help("schedule").ends_with("[default: cosine]"));
+        assert!(
+            !help("store_size").contains("[default"),
+            "an optional setting"
+        );
+    }
+}

@@ -396,3 +396,44 @@ mod auto_augment_policy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_field_list_is_the_records_keys() {
+        let every = RunSettings {
+            store_size: Some(256),
+            clip_grad_norm: Some(1.0),
+            valid_fraction: Some(0.2),
+            crop_scale: Some([0.3, 1.0]),
+            model_ema: Some(crate::train::EmaRecipe::TORCHVISION),
+            auto_augment: Some(pipeline::AutoAugment::TrivialAugmentWide),
+            ..RunSettings::default()
+        };
+        let value = serde_json::to_value(&every).unwrap();
+        let mut keys: Vec<&str> = value
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        let mut fields = RunSettings::FIELDS.to_vec();
+        keys.sort_unstable();
+        fields.sort_unstable();
+        assert_eq!(keys, fields);
+    }
+
+    #[test]
+    fn a_new_run_records_the_current_split_and_reads_an_absent_one_as_version_1() {
+        assert_eq!(
+            RunSettings::default().split_rule(),
+            pipeline::SplitRule::CURRENT
+        );
+        let mut value = serde_json::to_value(RunSettings::default()).unwrap();
+        value.as_object_mut().unwrap().remove("split_version");
+        let old: RunSettings = serde_json::from_value(value).unwrap();
+        assert_eq!(old.split_version, 1);
+    }
+}
