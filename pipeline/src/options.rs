@@ -14,6 +14,9 @@ macro_rules! cli_enum {
         }
 
         impl $name {
+            /// Every value's command-line spelling, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+
             /// The command-line spelling of this value.
             pub fn as_str(self) -> &'static str {
                 match self { $(Self::$variant => $text),+ }

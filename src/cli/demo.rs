@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Args;
 use pipeline::synth::{write_dataset, ImageFormatKind, SynthConfig};
 
-use super::{train_args, CliError, TrainArgs};
+use super::{train_command, CliError, TrainArgs};
 
 /// Flags of `birdtrain demo`.
 #[derive(Debug, Clone, Args)]
@@ -89,7 +89,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         overwrite: args.overwrite,
         ..TrainArgs::default()
     };
-    train_args::run(train)
+    train_command::run(train)
 }
 
 fn next_demo_dir() -> PathBuf {

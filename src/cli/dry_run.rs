@@ -15,7 +15,8 @@ use std::process::ExitCode;
 use pipeline::limits;
 use serde::Serialize;
 
-use super::train_args::{config_for, BatchSize, TrainArgs};
+use super::train_args::{BatchSize, TrainArgs};
+use super::train_config::config_for;
 use super::CliError;
 use crate::dist::launch::{self, Env, VisibleGpus};
 use crate::train::DeviceChoice;

@@ -21,8 +21,8 @@ pub struct EvalArgs {
     pub data: PathBuf,
     /// Split to evaluate: valid or test (or train). A test/ folder without train/, or a CSV
     /// of test rows only, is evaluated with the checkpoint's classes.
-    #[arg(long, value_name = "valid|test", default_value = "valid")]
-    pub split: String,
+    #[arg(long, value_name = "SPLIT", default_value = "valid", value_parser = super::choice::choice::<Split>(), ignore_case = true)]
+    pub split: Split,
     /// Flat layout (or a CSV file without a split column): the validation share [default:
     /// the checkpoint's, the share used in training]
     #[arg(long, value_name = "F")]
@@ -98,11 +98,7 @@ pub(crate) fn crop_pct_for(flag: Option<f32>, meta: &CheckpointMeta) -> Result<f
 
 /// Evaluates and prints loss, top-1, top-5 and the per-class table.
 pub fn run(args: EvalArgs) -> Result<(), CliError> {
-    let split: Split = args.split.parse().map_err(|_| CliError::BadValue {
-        flag: "--split",
-        value: args.split.clone(),
-        hint: "expected valid or test (or train)".into(),
-    })?;
+    let split = args.split;
     super::paths::expect_data(
         &args.data,
         "--data must be the dataset folder or its CSV file",
@@ -198,12 +194,12 @@ pub fn run(args: EvalArgs) -> Result<(), CliError> {
     if args.json {
         outln!(
             "{}",
-            eval_json(&model.meta.model, &args.split, classes, input, &report)
+            eval_json(&model.meta.model, split.as_str(), classes, input, &report)
         );
     } else {
         out!(
             "{}",
-            format_eval(&model.meta.model, &args.split, classes, input, &report)
+            format_eval(&model.meta.model, split.as_str(), classes, input, &report)
         );
     }
     Ok(())

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use super::train_args::{install_stop_signals, next_run_dir, to_config, TrainArgs};
+use super::stop_signals::install_stop_signals;
+use super::train_args::TrainArgs;
+use super::train_config::{next_run_dir, to_config};
 use super::CliError;
 use crate::train::folder::files::write_atomic;
 use crate::train::folder::report::write_lr_plot;
@@ -72,7 +74,7 @@ pub fn run(args: LrFindArgs) -> Result<ExitCode, CliError> {
     cfg.epochs = range.steps;
     // Nothing is validated or saved: the flags about either have nothing to act on.
     (cfg.model_ema, cfg.save_every, cfg.early_stop) = (None, 0, 0);
-    cfg.best_rule = crate::train::BestRule::default();
+    cfg.set_best_rule(crate::train::BestRule::default());
     cfg.validate()?;
     if let Some(note) = note {
         outln!("{note}");

@@ -28,10 +28,12 @@ macro_rules! outln {
     };
 }
 
+pub mod augment_args;
 pub mod bench_pipeline;
 pub mod bench_plan;
 pub mod bench_scaling;
 pub mod bench_step;
+pub mod choice;
 mod counts;
 pub mod demo;
 mod dry_run;
@@ -47,9 +49,13 @@ mod output;
 pub mod panic_hook;
 mod paths;
 pub mod predict;
+pub mod settings_args;
 mod sidecar;
+mod stop_signals;
 pub mod synth;
 pub mod train_args;
+pub mod train_command;
+pub mod train_config;
 
 use std::ffi::OsString;
 use std::io::Write as _;
@@ -159,8 +165,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         output::keep_running_when_closed();
     }
     match cli.command {
-        None => train_args::run(*cli.train),
-        Some(Command::Train(args)) => train_args::run(*args),
+        None => train_command::run(*cli.train),
+        Some(Command::Train(args)) => train_command::run(*args),
         Some(Command::LrFind(args)) => lr_find::run(*args),
         Some(Command::Eval(args)) => eval::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Predict(args)) => predict::run(args).map(|()| ExitCode::SUCCESS),
@@ -291,7 +297,7 @@ mod tests {
         let parse = |extra: &[&str]| {
             let mut args = vec!["birdtrain", "--data", "d"];
             args.extend_from_slice(extra);
-            Cli::try_parse_from(args).unwrap().train.nesterov
+            Cli::try_parse_from(args).unwrap().train.recipe.nesterov
         };
         assert_eq!(parse(&[]), None);
         assert_eq!(parse(&["--nesterov"]), Some(true));

@@ -33,8 +33,8 @@ pub struct PredictArgs {
     pub workers: Option<usize>,
     /// A file that is no readable image (or a link loop in a folder): fail (stop, naming it)
     /// or skip (report it, classify the others).
-    #[arg(long, value_name = "fail|skip", default_value = "fail")]
-    pub on_bad_image: String,
+    #[arg(long, value_name = "POLICY", default_value = "fail", value_parser = super::choice::choice::<OnBadImage>(), ignore_case = true)]
+    pub on_bad_image: OnBadImage,
     /// Test-time augmentation: classify each image and its mirror image and average the
     /// probabilities (twice the compute).
     #[arg(long)]
@@ -71,11 +71,7 @@ pub fn run(args: PredictArgs) -> Result<(), CliError> {
     if let Some(w) = args.workers {
         super::counts::check_workers(w)?;
     }
-    let on_bad_image: OnBadImage = args.on_bad_image.parse().map_err(|_| CliError::BadValue {
-        flag: "--on-bad-image",
-        value: args.on_bad_image.clone(),
-        hint: "expected fail or skip".into(),
-    })?;
+    let on_bad_image = args.on_bad_image;
     let listed = expand(&args.images, on_bad_image)?;
     let images: Vec<PathBuf> = listed
         .iter()

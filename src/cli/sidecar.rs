@@ -6,22 +6,7 @@ use std::path::Path;
 use super::CliError;
 use crate::train::checkpoint::SIDECAR_FILE;
 use crate::train::folder::FolderError;
-use crate::train::TrainError;
-
-/// Fields of `settings` in the sidecar (the others sit at its top level).
-const SETTINGS: [&str; 11] = [
-    "lr",
-    "momentum",
-    "weight_decay",
-    "label_smoothing",
-    "warmup_epochs",
-    "schedule",
-    "step_every",
-    "step_gamma",
-    "last_batch",
-    "valid_fraction",
-    "nesterov",
-];
+use crate::train::{RunSettings, TrainError};
 
 /// Rewrites an error met while turning `run`'s sidecar into a configuration: a flag's check
 /// becomes "checkpoint.json: field `settings.lr` is `-1` (…)".
@@ -29,7 +14,7 @@ pub(crate) fn sidecar_error(run: &Path, e: TrainError) -> CliError {
     let reason = match e {
         TrainError::InvalidConfig { flag, value, hint } => {
             let name = flag.trim_start_matches("--").replace('-', "_");
-            let field = if SETTINGS.contains(&name.as_str()) {
+            let field = if RunSettings::FIELDS.contains(&name.as_str()) {
                 format!("settings.{name}")
             } else {
                 name

@@ -34,8 +34,6 @@ pub struct DistSettings {
     /// Write a Chrome trace (Perfetto) of the ranks' work to this file (node k > 0 of a
     /// multi-node run writes `<stem>.node<k>.<ext>` beside it).
     pub trace: Option<PathBuf>,
-    /// Synchronised batch norm across GPU ranks.
-    pub sync_bn: bool,
     /// GPU ranks join through NCCL. `false` runs a single GPU with no communication library
     /// (also the fallback when one GPU finds no NCCL).
     pub nccl: bool,
@@ -53,7 +51,6 @@ impl Default for DistSettings {
             bucket_mb: 25.0,
             prefetch_depth: 2,
             trace: None,
-            sync_bn: false,
             nccl: true,
         }
     }

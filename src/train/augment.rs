@@ -14,6 +14,7 @@ use rand_chacha::ChaCha8Rng;
 
 use pipeline::RandomResizedCrop;
 
+use super::folder::RunSettings;
 use crate::model::{Augment, PixelBox};
 
 /// What training does to each image (`--augment`).
@@ -196,6 +197,20 @@ pub fn augments_for(seed: u64, epoch: u64, sample_ids: &[u64], image_size: u32) 
         .iter()
         .map(|&id| augment_for(seed, epoch, id, image_size))
         .collect()
+}
+
+/// The recorded augmentation as the training uses it.
+impl RunSettings {
+    /// What training does to each image (`augment` and `crop_scale`).
+    pub fn augmentation(&self) -> Augmentation {
+        Augmentation::recorded(self.augment, self.crop_scale)
+    }
+
+    /// Records `augmentation` (`--augment`, `--crop-scale`).
+    pub fn set_augmentation(&mut self, augmentation: Augmentation) {
+        self.augment = augmentation != Augmentation::None;
+        self.crop_scale = augmentation.recorded_crop_scale();
+    }
 }
 
 #[cfg(test)]

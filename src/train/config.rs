@@ -1,31 +1,30 @@
 //! Everything a training run is asked to do, independent of how it was asked (CLI, test).
 
+use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 
-use pipeline::{LastBatch, OnBadImage, ResizeMode, Sampling};
+use pipeline::{LastBatch, OnBadImage};
 
-use super::augment::Augmentation;
 use super::device::DeviceChoice;
-use super::ema::EmaRecipe;
-use super::folder::{BestRule, RunSettings};
+use super::folder::RunSettings;
 use super::lr_find::LrRange;
-use super::mix::MixRecipe;
 use super::TrainError;
 use crate::dist::DistSettings;
 use crate::model::Arch;
-use crate::optim::{Decay, OptimizerChoice, Plateau};
+use crate::optim::{Decay, OptimizerChoice};
 
-/// A training run's settings. [`TrainConfig::new`] holds every default (the command line
-/// takes its defaults from it).
+/// A training run's settings: the recorded recipe ([`RunSettings`], what `checkpoint.json`
+/// stores and a resumed run continues with) and what this invocation adds (data, device,
+/// run folder, …). [`TrainConfig::new`] holds every default (the command line takes its
+/// defaults from it and from [`RunSettings::default`]). The recipe's fields read through
+/// the config (`cfg.lr`), since the training code uses both alike.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
+    /// The recorded recipe: optimizer hyper-parameters, schedule, augmentation, data order,
+    /// checkpoints (see [`RunSettings`]).
+    pub settings: RunSettings,
     /// Dataset root (`train/valid/test/<class>/…`, or flat `<class>/…` with `valid_fraction`).
     pub data: PathBuf,
-    /// Flat layout: the share of each class held out for validation.
-    pub valid_fraction: Option<f32>,
-    /// How that share is held out: the current rule for a new run, the checkpoint's for a
-    /// resumed one (so it keeps the split it trained with).
-    pub split_rule: pipeline::SplitRule,
     /// Where to train.
     pub device: DeviceChoice,
     /// Network.
@@ -36,47 +35,13 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Data-parallel replicas (CPU) or GPUs.
     pub replicas: usize,
-    /// Learning rate for a global batch of 256; scaled linearly to the real global batch.
-    pub lr: f32,
     /// Optimizer family.
     pub optimizer: OptimizerChoice,
-    /// SGD momentum; Adam's β1 stays 0.9.
-    pub momentum: f32,
-    /// Nesterov momentum for SGD.
-    pub nesterov: bool,
-    /// Weight decay (never on batch norm or biases).
-    pub weight_decay: f32,
-    /// Label smoothing of the cross-entropy.
-    pub label_smoothing: f32,
-    /// Linear warmup length in epochs.
-    pub warmup_epochs: u32,
-    /// Decay after warmup.
-    pub schedule: Decay,
     /// Training image size S (S×S).
     pub image_size: u32,
-    /// Side of the squares the input engine caches, the crops' source (`--store-size`;
-    /// `None`: the image size).
-    pub store_size: Option<u32>,
-    /// How each image becomes its stored square (`--resize-mode`).
-    pub resize_mode: ResizeMode,
-    /// The hue part of the colour jitter (`--color-jitter-hue`; 0: none).
-    pub color_jitter_hue: f32,
-    /// The share of training images randomly erased (`--random-erase`; 0: none).
-    pub random_erase: f32,
-    /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, …).
-    pub mix: MixRecipe,
-    /// The moving average of the weights (`--model-ema`; none: off).
-    pub model_ema: Option<EmaRecipe>,
-    /// The global L2 norm the averaged gradients are clipped to (`--clip-grad-norm`).
-    pub clip_grad_norm: Option<f32>,
     /// `birdtrain lr-find`: the swept rates, which replace the schedule; the run then
     /// neither validates nor checkpoints (none: a training run).
     pub lr_range: Option<LrRange>,
-    /// Strength of the training images' colour jitter (`--color-jitter`; 0: none).
-    pub color_jitter: f32,
-    /// The automatic augmentation policy of training images (`--auto-augment`,
-    /// `--ra-magnitude`, `--augmix-severity`; none: off).
-    pub auto_augment: Option<pipeline::AutoAugment>,
     /// Decode workers (0 = available cores).
     pub workers: usize,
     /// CPU backend threads (0 = available cores). Results are bit-reproducible for a given
@@ -95,67 +60,53 @@ pub struct TrainConfig {
     pub allow_data_change: bool,
     /// Replace the run already in `out` (without it, such a folder is refused).
     pub overwrite: bool,
-    /// What training does to each image (`--augment`).
-    pub augment: Augmentation,
-    /// Validation (and, by default, `eval` and `predict` of the checkpoint) sees the centred
-    /// square covering this share of each stored image's side (`--crop-pct`; 1: all of it).
-    pub crop_pct: f32,
     /// Start from these weights (torchvision names); the head is replaced if classes differ.
     pub init_from: Option<PathBuf>,
     /// A fresh initialisation starts every residual block as the identity
     /// (`--zero-init-residual`, see [`crate::model::ModelState::zero_residual_gammas`]).
     pub zero_init_residual: bool,
-    /// Last incomplete batch policy.
-    pub last_batch: LastBatch,
-    /// How each training epoch's order is drawn (`--sampler`).
-    pub sampler: Sampling,
     /// Bad image policy.
     pub on_bad_image: OnBadImage,
-    /// Batch norm uses running statistics during training (fine-tuning; exact replica
-    /// equivalence).
-    pub freeze_bn: bool,
     /// Stop (saving a checkpoint, as on Ctrl-C) once this many optimizer steps were taken in
     /// total. For tests of resume and for quick looks.
     pub stop_after_steps: Option<u64>,
-    /// Also checkpoint every this many optimizer steps inside an epoch, so that a killed run
-    /// loses at most that many (0: at epoch ends only).
-    pub save_every: u64,
-    /// Stop once the monitored figure has not improved for this many epochs (0: never). The
-    /// best epoch's checkpoint is kept in `RUN/best/` either way.
-    pub early_stop: u64,
-    /// What picks the best epoch (`RUN/best/`) and counts as an improvement for
-    /// `early_stop`: `--monitor` and `--min-delta`.
-    pub best_rule: BestRule,
     /// Draw progress bars (they also hide themselves when stderr is not a terminal).
     pub progress: bool,
     /// Print the start lines, epoch lines and summary on stdout.
     pub verbose: bool,
     /// How the ranks are launched and joined (buckets, timeouts, trace; GPUs: staging depth,
-    /// nodes, synchronised batch norm).
+    /// nodes).
     pub dist: DistSettings,
+}
+
+impl Deref for TrainConfig {
+    type Target = RunSettings;
+
+    fn deref(&self) -> &RunSettings {
+        &self.settings
+    }
+}
+
+impl DerefMut for TrainConfig {
+    fn deref_mut(&mut self) -> &mut RunSettings {
+        &mut self.settings
+    }
 }
 
 impl TrainConfig {
     /// The defaults of `birdtrain --data DATA`.
     pub fn new(data: impl Into<PathBuf>) -> Self {
         Self {
+            settings: RunSettings::default(),
             data: data.into(),
-            valid_fraction: None,
-            split_rule: pipeline::SplitRule::CURRENT,
             device: DeviceChoice::Cpu,
             arch: Arch::ResNet50,
             epochs: 10,
             batch_size: 32,
             replicas: 1,
-            lr: 0.8,
             optimizer: OptimizerChoice::Sgd,
-            momentum: 0.9,
-            nesterov: true,
-            weight_decay: 5e-4,
-            label_smoothing: 0.0,
-            warmup_epochs: 1,
-            schedule: Decay::Cosine,
             image_size: 224,
+            lr_range: None,
             workers: 0,
             threads: 0,
             cache_dir: None,
@@ -164,38 +115,23 @@ impl TrainConfig {
             resume: None,
             allow_data_change: false,
             overwrite: false,
-            augment: Augmentation::PadCrop,
-            crop_pct: 1.0,
-            store_size: None,
-            resize_mode: ResizeMode::Direct,
-            mix: MixRecipe::OFF,
-            model_ema: None,
-            clip_grad_norm: None,
-            lr_range: None,
-            random_erase: 0.0,
-            color_jitter_hue: 0.0,
-            color_jitter: 0.0,
-            auto_augment: None,
             init_from: None,
             zero_init_residual: false,
-            last_batch: LastBatch::Partial,
-            sampler: Sampling::Shuffle,
             on_bad_image: OnBadImage::Skip,
-            freeze_bn: false,
             stop_after_steps: None,
-            save_every: 0,
-            early_stop: 0,
-            best_rule: BestRule::default(),
             progress: true,
             verbose: true,
             dist: DistSettings::default(),
         }
     }
 
-    /// `--step-every` when the schedule is not step decay (what a checkpoint records).
-    pub const DEFAULT_STEP_EVERY: u32 = 30;
-    /// `--step-gamma` when the schedule is not step decay.
-    pub const DEFAULT_STEP_GAMMA: f32 = 0.1;
+    /// The recipe a checkpoint records: the settings, with a store size equal to the image
+    /// size left out (the engine's default).
+    pub fn recorded_settings(&self) -> RunSettings {
+        let mut settings = self.settings.clone();
+        settings.store_size = self.store_size.filter(|&s| s != self.image_size);
+        settings
+    }
 
     /// Replicas × per-replica batch.
     pub fn global_batch(&self) -> usize {
@@ -219,97 +155,6 @@ impl TrainConfig {
     /// `--lr` scaled to the batch a step really holds ([`Self::effective_global_batch`]).
     pub fn scaled_lr_for(&self, train_images: usize) -> f32 {
         self.lr * self.effective_global_batch(train_images) as f32 / 256.0
-    }
-
-    /// The settings a checkpoint records so that `--resume` continues the same way.
-    pub fn settings(&self) -> RunSettings {
-        let (step_every, step_gamma) = match self.schedule {
-            Decay::Step {
-                every_epochs,
-                gamma,
-            } => (every_epochs, gamma),
-            _ => (Self::DEFAULT_STEP_EVERY, Self::DEFAULT_STEP_GAMMA),
-        };
-        let plateau = match self.schedule {
-            Decay::Plateau(p) => p,
-            _ => Plateau::DEFAULT,
-        };
-        RunSettings {
-            lr: self.lr,
-            momentum: self.momentum,
-            nesterov: self.nesterov,
-            weight_decay: self.weight_decay,
-            label_smoothing: self.label_smoothing,
-            warmup_epochs: self.warmup_epochs,
-            schedule: self.schedule.choice(),
-            step_every,
-            step_gamma,
-            plateau_patience: plateau.patience,
-            plateau_factor: plateau.factor,
-            plateau_cooldown: plateau.cooldown,
-            plateau_min_lr: plateau.min_lr,
-            augment: self.augment != Augmentation::None,
-            crop_scale: self.augment.recorded_crop_scale(),
-            crop_pct: self.crop_pct,
-            store_size: self.store_size.filter(|&s| s != self.image_size),
-            resize_mode: self.resize_mode,
-            random_erase: self.random_erase,
-            color_jitter_hue: self.color_jitter_hue,
-            mixup: self.mix.mixup,
-            cutmix: self.mix.cutmix,
-            mixup_prob: self.mix.prob,
-            mixup_switch_prob: self.mix.switch_prob,
-            model_ema: self.model_ema,
-            clip_grad_norm: self.clip_grad_norm,
-            color_jitter: self.color_jitter,
-            auto_augment: self.auto_augment,
-            freeze_bn: self.freeze_bn,
-            sync_bn: self.dist.sync_bn,
-            last_batch: self.last_batch,
-            sampler: self.sampler,
-            valid_fraction: self.valid_fraction,
-            split_version: self.split_rule.version(),
-            save_every: self.save_every,
-            early_stop: self.early_stop,
-            monitor: self.best_rule.monitor,
-            min_delta: self.best_rule.min_delta,
-        }
-    }
-
-    /// Takes over the settings of a checkpoint (before flags given on resume are applied).
-    pub fn apply_settings(&mut self, s: &RunSettings) {
-        self.lr = s.lr;
-        self.momentum = s.momentum;
-        self.nesterov = s.nesterov;
-        self.weight_decay = s.weight_decay;
-        self.label_smoothing = s.label_smoothing;
-        self.warmup_epochs = s.warmup_epochs;
-        self.schedule = s.decay();
-        self.augment = Augmentation::recorded(s.augment, s.crop_scale);
-        self.crop_pct = s.crop_pct;
-        self.store_size = s.store_size;
-        self.resize_mode = s.resize_mode;
-        self.random_erase = s.random_erase;
-        self.color_jitter_hue = s.color_jitter_hue;
-        self.mix = MixRecipe {
-            mixup: s.mixup,
-            cutmix: s.cutmix,
-            prob: s.mixup_prob,
-            switch_prob: s.mixup_switch_prob,
-        };
-        self.model_ema = s.model_ema;
-        self.clip_grad_norm = s.clip_grad_norm;
-        self.color_jitter = s.color_jitter;
-        self.auto_augment = s.auto_augment;
-        self.freeze_bn = s.freeze_bn;
-        self.dist.sync_bn = s.sync_bn;
-        self.last_batch = s.last_batch;
-        self.sampler = s.sampler;
-        self.valid_fraction = s.valid_fraction;
-        self.split_rule = s.split_rule();
-        self.save_every = s.save_every;
-        self.early_stop = s.early_stop;
-        self.best_rule = s.best_rule();
     }
 
     /// The input engine's colour jitter of training images, when asked for.
@@ -365,7 +210,7 @@ impl TrainConfig {
                 "in [0, 1)",
             );
         }
-        let delta = self.best_rule.min_delta;
+        let delta = self.min_delta;
         if !(delta >= 0.0 && delta.is_finite()) {
             return bad(
                 "--min-delta",
@@ -395,7 +240,7 @@ impl TrainConfig {
         if let Decay::Step {
             every_epochs,
             gamma,
-        } = self.schedule
+        } = self.decay()
         {
             if every_epochs == 0 {
                 return bad(
@@ -413,7 +258,7 @@ impl TrainConfig {
             }
         }
         // The engine owns the crops' rules; checked here, before anything is written.
-        if let Some(crop) = self.augment.engine_crop() {
+        if let Some(crop) = self.augmentation().engine_crop() {
             crop.validate()?;
         }
         pipeline::check_crop_pct(self.crop_pct)?;
@@ -426,7 +271,7 @@ impl TrainConfig {
         if let Some(policy) = self.auto_augment {
             policy.validate()?;
         }
-        self.mix.validate()?;
+        self.mix().validate()?;
         if let Some(n) = self.clip_grad_norm {
             if !(n > 0.0 && n.is_finite()) {
                 return bad(
@@ -441,10 +286,10 @@ impl TrainConfig {
         }
         if let Some(ema) = &self.model_ema {
             ema.validate()?;
-        } else if self.best_rule.monitor.follows_average() {
+        } else if self.monitor.follows_average() {
             return bad(
                 "--monitor",
-                self.best_rule.monitor.name().into(),
+                self.monitor.name().into(),
                 "it watches the moving average of the weights, which is off: add --model-ema",
             );
         }
@@ -455,7 +300,7 @@ impl TrainConfig {
                 "the share of training images erased, from 0 to 1 (torchvision's recipe uses 0.1, timm's 0.25)",
             );
         }
-        if let Decay::Plateau(p) = self.schedule {
+        if let Decay::Plateau(p) = self.decay() {
             if p.patience == 0 {
                 return bad(
                     "--plateau-patience",

@@ -16,9 +16,29 @@
 
 use std::collections::HashMap;
 
-pub use super::folder::checkpoint::EmaRecipe;
+use serde::{Deserialize, Serialize};
+
 use super::TrainError;
 use crate::model::{BufferKind, Graph, ModelState};
+
+/// `--model-ema-steps` and `--model-ema-decay`: the moving average of the weights as a
+/// checkpoint records it (what it does: `crate::train::ModelEma`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EmaRecipe {
+    /// Optimizer steps between updates (`--model-ema-steps`).
+    pub steps: u32,
+    /// The decay before torchvision's adjustment (`--model-ema-decay`; f64: in f32 the
+    /// 1 − 0.99998 that matters would keep two digits).
+    pub decay: f64,
+}
+
+impl EmaRecipe {
+    /// torchvision's defaults.
+    pub const TORCHVISION: Self = Self {
+        steps: 32,
+        decay: 0.99998,
+    };
+}
 
 impl EmaRecipe {
     /// Checks both values, naming the flag of a bad one.

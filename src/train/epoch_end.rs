@@ -30,12 +30,12 @@ pub(crate) fn end_epoch<D: Device>(
     check_valid_loss(shared, &valid_line, &rank.position)?;
     // `--monitor val_ema_…` judges the epoch by its moving average (refused without one).
     let judged = match &ema_line {
-        Some(line) if cfg.best_rule.monitor.follows_average() => line,
+        Some(line) if cfg.best_rule().monitor.follows_average() => line,
         _ => &valid_line,
     };
     // A non-finite figure of the average is never the best (nothing could beat it after).
     let improved = judged.loss.is_finite()
-        && best.is_none_or(|b| cfg.best_rule.improves(&b, judged.accuracy, judged.loss));
+        && best.is_none_or(|b| cfg.best_rule().improves(&b, judged.accuracy, judged.loss));
     if improved {
         *best = Some(BestEpoch::of(judged));
     }
@@ -57,7 +57,7 @@ pub(crate) fn end_epoch<D: Device>(
                     format!("×{}", p.factor)
                 },
                 shared.lr_at(position.global_step, position),
-                cfg.best_rule.monitor.words(),
+                cfg.best_rule().monitor.words(),
                 epoch - b.epoch,
                 match p.cooldown {
                     0 => String::new(),

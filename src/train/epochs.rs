@@ -162,7 +162,7 @@ fn epochs<D: Device>(
             } else {
                 ""
             };
-            let rule = cfg.best_rule;
+            let rule = cfg.best_rule();
             let by = if rule.min_delta > 0.0 {
                 format!(" by more than {}", rule.min_delta)
             } else {

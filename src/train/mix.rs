@@ -121,6 +121,20 @@ impl MixRecipe {
     }
 }
 
+/// The recorded mixing as the training uses it.
+impl super::folder::RunSettings {
+    /// Mixup and CutMix of training batches (`--mixup`, `--cutmix`, `--mixup-prob`,
+    /// `--mixup-switch-prob`).
+    pub fn mix(&self) -> MixRecipe {
+        MixRecipe {
+            mixup: self.mixup,
+            cutmix: self.cutmix,
+            prob: self.mixup_prob,
+            switch_prob: self.mixup_switch_prob,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

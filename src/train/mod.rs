@@ -66,6 +66,7 @@ pub use launch::auto_batch::{check_auto_batch, largest_gpu_batch};
 pub use mix::MixRecipe;
 pub use outcome::TrainOutcome;
 pub use run::train;
+pub(crate) use setup::check_resumed;
 pub use summary::{format_summary, SummaryHeader};
 
 pub use crate::optim::OptimizerChoice;

@@ -119,7 +119,7 @@ fn sync_bn_ranks_train_like_one_rank_with_live_batch_norm() {
         let mut cfg = config(&data, tmp.path(), name, ranks, batch);
         cfg.freeze_bn = false;
         cfg.lr = 0.4;
-        cfg.dist.sync_bn = sync_bn;
+        cfg.sync_bn = sync_bn;
         cfg
     };
     let one = live("one", 1, 12, false);
@@ -734,7 +734,7 @@ fn sync_bn_ranks_equal_one_rank_when_the_last_step_leaves_a_rank_without_images(
     let live = |name: &str, ranks: usize, batch: usize| {
         let mut cfg = config(&data, tmp.path(), name, ranks, batch);
         cfg.freeze_bn = false;
-        cfg.dist.sync_bn = true;
+        cfg.sync_bn = true;
         cfg.lr = 0.4;
         cfg.epochs = 2;
         cfg
@@ -774,7 +774,7 @@ fn sync_bn_on_one_rank_trains_as_plain_batch_norm() {
     let run = |name: &str, sync_bn: bool| {
         let mut cfg = config(&data, tmp.path(), name, 1, 8);
         cfg.freeze_bn = false;
-        cfg.dist.sync_bn = sync_bn;
+        cfg.sync_bn = sync_bn;
         cfg.lr = 0.4;
         cfg.epochs = 2;
         cfg.image_size = 8;

@@ -139,7 +139,7 @@ pub(crate) fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome
         out: cfg.out.clone(),
         data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
         best: first.best.filter(|_| writer),
-        best_rule: cfg.best_rule,
+        best_rule: cfg.best_rule(),
     };
     let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);

@@ -28,7 +28,7 @@ pub(crate) const CHECKSUM_EVERY: u64 = 50;
 
 /// The dataset as the engine reads it (`--data`, see [`DatasetSource::at`]).
 pub(crate) fn source(cfg: &TrainConfig) -> DatasetSource {
-    DatasetSource::at(&cfg.data, cfg.valid_fraction).with_split_rule(cfg.split_rule)
+    DatasetSource::at(&cfg.data, cfg.valid_fraction).with_split_rule(cfg.split_rule())
 }
 
 /// The engine of `split`: the training split shuffled and sliced over `ranks`, validation in
@@ -52,12 +52,12 @@ pub(crate) fn pipeline_for(
         .replicas(ranks)
         .batch_size(cfg.batch_size)
         .shuffle(training)
-        .random_resized_crop(cfg.augment.engine_crop().filter(|_| training))
+        .random_resized_crop(cfg.augmentation().engine_crop().filter(|_| training))
         .center_crop((!training).then_some(cfg.crop_pct))
         .color_jitter(cfg.engine_jitter().filter(|_| training))
         .auto_augment(cfg.auto_augment.filter(|_| training))
         .mirrored_later(
-            cfg.augment
+            cfg.augmentation()
                 .mirrored_later(cfg.seed, cfg.image_size)
                 .filter(|_| training),
         )
@@ -181,7 +181,7 @@ impl Shared {
             steps_per_epoch: steps_per_epoch as u64,
             warmup_epochs: cfg.warmup_epochs,
             total_epochs: cfg.epochs as u32,
-            decay: cfg.schedule,
+            decay: cfg.decay(),
         };
         let hyper = Hyper {
             weight_decay: cfg.weight_decay,
@@ -272,13 +272,13 @@ impl Shared {
             best = start_best(&folder, resumed)?;
             if let (Some(b), Some((_, meta))) = (best, resumed) {
                 let then = meta.settings.monitor;
-                if then != cfg.best_rule.monitor {
+                if then != cfg.monitor {
                     // The record was judged by another figure: it cannot be compared.
                     tracing::warn!(
                         "the best epoch so far (epoch {}) was picked by {}; with --monitor {} the next epoch starts a new best (best/ keeps epoch {} until then)",
                         b.epoch,
                         then.name(),
-                        cfg.best_rule.monitor.name(),
+                        cfg.monitor.name(),
                         b.epoch
                     );
                     best = None;
@@ -374,7 +374,7 @@ impl Shared {
             replicas: cfg.replicas,
             batch_size: cfg.batch_size,
             epochs: cfg.epochs,
-            settings: cfg.settings(),
+            settings: cfg.recorded_settings(),
             model_checksum: String::new(),
             optimizer_checksum: String::new(),
             dataset: Some(self.dataset.clone()),
@@ -435,7 +435,7 @@ impl Shared {
                 self.train_pipe.len()
             ));
         }
-        if let Some(crop) = cfg.augment.engine_crop() {
+        if let Some(crop) = cfg.augmentation().engine_crop() {
             self.say(format!(
                 "random resized crop: {:.0}–{:.0} % of each stored image's area, aspect {:.2}–{:.2}, scaled to {} px and mirrored at random",
                 crop.scale.0 * 100.0,
@@ -494,8 +494,8 @@ impl Shared {
                 cfg.random_erase * 100.0
             ));
         }
-        if cfg.mix.is_on() {
-            let mix = &cfg.mix;
+        if cfg.mix().is_on() {
+            let mix = &cfg.mix();
             let kinds = match (mix.mixup > 0.0, mix.cutmix > 0.0) {
                 (true, true) => format!(
                     "mixup (α {}) or CutMix (α {}, {:.0} % of them)",
@@ -809,6 +809,28 @@ fn check_resume(
     meta: &CheckpointMeta,
     classes: &[String],
 ) -> Result<(), TrainError> {
+    check_resumed(run, meta, cfg.arch, cfg.image_size)?;
+    if meta.classes != classes {
+        return Err(TrainError::CheckpointMismatch {
+            path: run.to_path_buf(),
+            what: "class list",
+            expected: summarise(classes),
+            found: summarise(&meta.classes),
+            hint: "resume on the dataset the checkpoint was trained on",
+        });
+    }
+    Ok(())
+}
+
+/// Whether the checkpoint `meta` of `run` can continue as `arch` on images of `image_size`:
+/// the weights fit no other model, and its cache and crops no other size. The command line
+/// asks before anything else, the setup again for every caller.
+pub(crate) fn check_resumed(
+    run: &std::path::Path,
+    meta: &CheckpointMeta,
+    arch: crate::model::Arch,
+    image_size: u32,
+) -> Result<(), TrainError> {
     let mismatch = |what, expected: String, found: String, hint| TrainError::CheckpointMismatch {
         path: run.to_path_buf(),
         what,
@@ -816,28 +838,20 @@ fn check_resume(
         found,
         hint,
     };
-    if meta.model != cfg.arch.name() {
+    if meta.model != arch.name() {
         return Err(mismatch(
             "model",
-            cfg.arch.name().into(),
+            arch.name().into(),
             meta.model.clone(),
             "resume with the checkpoint's --model, or start a new run",
         ));
     }
-    if meta.image_size != cfg.image_size {
+    if meta.image_size != image_size {
         return Err(mismatch(
             "image size",
-            cfg.image_size.to_string(),
+            image_size.to_string(),
             meta.image_size.to_string(),
             "resume with the checkpoint's --image-size",
-        ));
-    }
-    if meta.classes != classes {
-        return Err(mismatch(
-            "class list",
-            summarise(classes),
-            summarise(&meta.classes),
-            "resume on the dataset the checkpoint was trained on",
         ));
     }
     Ok(())

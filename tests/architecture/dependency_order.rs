@@ -214,12 +214,7 @@ const TRAIN_LAYERS: [(&str, &[&str]); 7] = [
 
 /// Known edges that close a circle inside `src/train`, each with the reason it is still there.
 /// Nothing else may be added, and one that is gone must leave this list.
-const TRAIN_EXCEPTIONS: [(&str, &str, &str); 1] = [(
-    "folder/train_files",
-    "folder/checkpoint",
-    "the sidecar's file name (SIDECAR_FILE) in an error message; the folder's own file names \
-     move to a module of their own with the split of checkpoint.rs",
-)];
+const TRAIN_EXCEPTIONS: [(&str, &str, &str); 0] = [];
 
 /// What the per-step device code (`src/train/rank/`) must not use: launchers, rendezvous,
 /// thread starts and the abort of a process's communicators belong to `train/launch`.

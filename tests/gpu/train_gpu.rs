@@ -327,7 +327,7 @@ fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
     plain.stop_after_steps = Some(3);
     let mut synced = plain.clone();
     synced.out = tmp.path().join("synced");
-    synced.dist.sync_bn = true;
+    synced.sync_bn = true;
     let mut on_cpu = plain.clone();
     on_cpu.out = tmp.path().join("cpu");
     on_cpu.device = DeviceChoice::Cpu;
@@ -479,7 +479,7 @@ fn batch_size_auto_measures_the_gpu_and_the_batch_it_picks_trains() {
         "--quiet",
     ])
     .unwrap();
-    let (cfg, note) = birdtrain::cli::train_args::to_config(&cli.train).unwrap();
+    let (cfg, note) = birdtrain::cli::train_config::to_config(&cli.train).unwrap();
     let note = note.expect("the line that says what auto picked");
     println!("{note}");
     assert!(

@@ -106,7 +106,7 @@ fn the_split_holds_out_each_classs_share_and_a_run_keeps_the_split_it_trained_wi
     let old = tmp.path().join("old");
     let mut cfg = TrainConfig::new(&data);
     cfg.valid_fraction = Some(0.25);
-    cfg.split_rule = SplitRule::PerFileDraw;
+    cfg.split_version = SplitRule::PerFileDraw.version();
     cfg.arch = "resnet8".parse().unwrap();
     (cfg.image_size, cfg.epochs, cfg.batch_size, cfg.seed) = (16, 1, 4, 3);
     (cfg.threads, cfg.workers) = (1, 1);

@@ -2,7 +2,7 @@
 //! flags parse into `TrainArgs::dist`; a CPU run passes over the GPU-only ones (the launch flags it
 //! checks, and refuses several nodes: `train::rank::cpu`).
 
-use birdtrain::cli::train_args::to_config;
+use birdtrain::cli::train_config::to_config;
 use birdtrain::cli::Cli;
 use birdtrain::train::DeviceChoice;
 use clap::Parser;

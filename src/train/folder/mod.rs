@@ -10,26 +10,30 @@
 //! nothing else of the trainer (it takes serialised tensors and plain values), so the loop
 //! and any later change to the folder's format meet in one place.
 
+mod best;
 pub mod checkpoint;
 mod error;
 pub mod fault;
 pub mod files;
 mod lock;
 pub mod metrics;
+pub mod names;
+mod position;
 pub mod report;
+pub mod settings;
 pub mod train_files;
 
 use std::path::{Path, PathBuf};
 
-pub use checkpoint::{
-    BestEpoch, BestRule, CheckpointMeta, CheckpointTensors, DataPosition, DatasetStamp, EmaRecipe,
-    Monitor, RunSettings,
-};
+pub use best::{BestEpoch, BestRule, Monitor};
+pub use checkpoint::{CheckpointMeta, CheckpointTensors};
 pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
 pub use lock::{is_in_use, RunLock, LOCK_FILE};
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
+pub use position::{DataPosition, DatasetStamp};
+pub use settings::RunSettings;
 pub use train_files::{TrainFiles, TrainFilesRef};
 
 /// File name of the metrics inside a run folder.

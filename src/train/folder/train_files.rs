@@ -128,7 +128,7 @@ impl TrainFiles {
                 reason: format!(
                     "{} does not match the checksum in {} (torn or edited checkpoint)",
                     r.file,
-                    super::checkpoint::SIDECAR_FILE
+                    super::names::SIDECAR_FILE
                 ),
             });
         }

@@ -186,7 +186,7 @@ pub(crate) fn launch(
         if use_nccl { " via NCCL" } else { "" },
         dist.prefetch_depth,
         dist.bucket_mb,
-        if dist.sync_bn && !cfg.freeze_bn {
+        if cfg.sync_bn && !cfg.freeze_bn {
             "synchronised across GPUs"
         } else {
             "per GPU"
@@ -306,7 +306,7 @@ fn nccl_collective(
         }
     }
     let cfg = &shared.cfg;
-    if cfg.dist.sync_bn && !cfg.freeze_bn {
+    if cfg.sync_bn && !cfg.freeze_bn {
         c.open_side_sums(cfg.dist.rendezvous_timeout())
             .map_err(|e| TrainError::from(CollectiveError::from(e)))?;
     }

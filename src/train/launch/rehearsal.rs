@@ -169,7 +169,7 @@ pub(crate) fn launch(
         "{ranks} GPU ranks rehearsed on cuda:{ordinal} ({RANKS_ENV}: one process, device-side collective, no NCCL) · prefetch depth {} · buckets of {} MiB · batch norm {}",
         dist.prefetch_depth,
         dist.bucket_mb,
-        if dist.sync_bn && !cfg.freeze_bn {
+        if cfg.sync_bn && !cfg.freeze_bn {
             "synchronised across GPUs"
         } else {
             "per GPU"

@@ -363,7 +363,7 @@ impl<D: Device> Rank<D> {
             1.0
         };
         self.sync.begin_step(scale);
-        let sync_bn = shared.cfg.dist.sync_bn && !shared.cfg.freeze_bn;
+        let sync_bn = shared.cfg.sync_bn && !shared.cfg.freeze_bn;
         let mark = self.device.mark(&mut self.comm)?;
         let stats = if batch.len > 0 {
             self.device.before_compute(&self.net, plan.stop)?;
@@ -403,7 +403,7 @@ impl<D: Device> Rank<D> {
         sync_bn: bool,
     ) -> Result<StepStats, TrainError> {
         let cfg = &shared.cfg;
-        let augments = cfg.augment.device_augments(
+        let augments = cfg.augmentation().device_augments(
             cfg.random_erase,
             cfg.seed,
             plan.epoch,
@@ -416,7 +416,7 @@ impl<D: Device> Rank<D> {
             len: batch.len,
             image_size: batch.image_size,
             augment: augments.as_deref(),
-            mix: cfg.mix.draw(
+            mix: cfg.mix().draw(
                 cfg.seed,
                 plan.epoch,
                 &batch.sample_ids[..batch.len],
