@@ -149,11 +149,8 @@ pub(crate) unsafe fn capsule(
     // SAFETY: raw is a valid leaked box; the destructor frees it unless a consumer took it.
     unsafe {
         (*raw).managed.manager_ctx = raw.cast();
-        let capsule = ffi::PyCapsule_New(
-            raw.cast(),
-            CAPSULE_NAME.as_ptr(),
-            Some(capsule_destructor),
-        );
+        let capsule =
+            ffi::PyCapsule_New(raw.cast(), CAPSULE_NAME.as_ptr(), Some(capsule_destructor));
         if capsule.is_null() {
             delete_owned(raw.cast());
             return Err(PyErr::fetch(py));

@@ -24,9 +24,8 @@ const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 /// Parses one of the engine's enums, naming the Python argument when the word is unknown.
 fn parse<T: FromStr>(argument: &str, word: &str, expected: &str) -> PyResult<T> {
-    word.parse().map_err(|_| {
-        PyValueError::new_err(format!("{argument}={word:?}: expected {expected}"))
-    })
+    word.parse()
+        .map_err(|_| PyValueError::new_err(format!("{argument}={word:?}: expected {expected}")))
 }
 
 /// One split of a dataset, ready to hand out epochs of one rank.
@@ -86,8 +85,7 @@ impl Engine {
         let split: Split = parse("split", split, "'train', 'valid' or 'test'")?;
         let resize_mode: ResizeMode =
             parse("resize_mode", resize_mode, "'direct' or 'center-crop'")?;
-        let last_batch: LastBatch =
-            parse("last_batch", last_batch, "'partial', 'drop' or 'pad'")?;
+        let last_batch: LastBatch = parse("last_batch", last_batch, "'partial', 'drop' or 'pad'")?;
         let on_bad_image: OnBadImage = parse("on_bad_image", on_bad_image, "'skip' or 'fail'")?;
         let auto_augment = match auto_augment {
             None => None,
@@ -198,10 +196,7 @@ impl Engine {
             }
         })
         .map_err(|e| to_py(e.into()))?;
-        Ok(EpochBatches {
-            rx,
-            pid: self.pid,
-        })
+        Ok(EpochBatches { rx, pid: self.pid })
     }
 }
 
@@ -269,9 +264,8 @@ impl EpochBatches {
                 Box::new(batch),
             )?
         };
-        let labels = unsafe {
-            dlpack::capsule(py, label_data, dlpack::Element::I64, &[len], labels)?
-        };
+        let labels =
+            unsafe { dlpack::capsule(py, label_data, dlpack::Element::I64, &[len], labels)? };
         Ok(Some((images, labels, step)))
     }
 }
