@@ -249,3 +249,14 @@ def test_a_flat_folder_is_split_by_valid_fraction(tmp_path, cache_dir):
 def test_a_missing_folder_is_a_clear_error(tmp_path, cache_dir):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         birdtrain.Loader(tmp_path / "nowhere", cache_dir=cache_dir)
+
+
+def test_a_batch_never_turned_into_a_tensor_still_returns_its_buffer(dataset, cache_dir):
+    # One batch an epoch: no later batch takes the buffer back before it is counted.
+    loader = birdtrain.Loader(dataset, image_size=16, batch_size=33, cache_dir=cache_dir)
+    batches = loader._engine.epoch(0, 0)
+    images, labels, step = next(batches)
+    assert step == 0
+    free = loader._engine.free_buffers()
+    del images, labels  # capsules dropped unconsumed
+    assert loader._engine.free_buffers() == free + 1

@@ -78,3 +78,25 @@ def test_a_loader_used_after_fork_refuses_with_a_clear_error(dataset, cache_dir)
     assert "another process" in message and "fork" in message
     # The parent's loader still works.
     assert sum(x.shape[0] for x, _ in loader) == 33
+
+
+def test_rank_and_world_size_come_from_torch_distributed(dataset, tmp_path):
+    import json
+
+    here = Path(__file__).parent
+    # The environment says otherwise: an initialised process group wins.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", PYTHONPATH=str(here))
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(here / "ddp_worker.py"), str(dataset),
+             str(tmp_path / f"cache{rank}"), str(tmp_path / "store"), str(rank)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for rank in (0, 1)
+    ]
+    results = [json.loads(child.communicate(timeout=300)[0]) for child in children]
+    assert [child.returncode for child in children] == [0, 0]
+    assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
+    seen = [set(r["seen"]) for r in results]
+    assert not seen[0] & seen[1]
+    assert len(seen[0] | seen[1]) == 33
