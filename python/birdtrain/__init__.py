@@ -10,6 +10,7 @@ depend on the number of workers, and ``state_dict()`` resumes an epoch exactly.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -21,6 +22,9 @@ __all__ = ["Loader", "LoaderError", "BadImageError"]
 
 #: The ``state_dict`` layout this version writes and reads.
 STATE_VERSION = 1
+
+#: Bad files named one by one in warnings; the rest are counted once (``bad_files`` has all).
+WARNED_BAD_FILES = 20
 
 
 def _check_int(name: str, value: Any, least: int) -> int:
@@ -192,6 +196,8 @@ class Loader:
         self._pin = pin_memory and torch.cuda.is_available()
         self._epoch = 0
         self._step = 0
+        self._warned = 0
+        self._warn_new_bad_files()
 
     @property
     def classes(self) -> List[str]:
@@ -212,6 +218,25 @@ class Loader:
     def bad_files(self) -> List[Tuple[str, str]]:
         """Bad files skipped so far: ``(path, kind)``, kind e.g. ``"truncated"``."""
         return [(os.fspath(p), kind) for p, kind in self._engine.bad_files()]
+
+    def stats(self) -> Dict[str, Any]:
+        """The engine's counters: ``decoded``, ``cache_hits``, ``bad_files``, ``batches``,
+        ``decode_images_per_sec``, ``consumer_wait_seconds``, ``cache_fill`` (0 to 1)."""
+        return self._engine.stats()
+
+    def _warn_new_bad_files(self) -> None:
+        count = self._engine.stats()["bad_files"]
+        if count <= self._warned:
+            return
+        files = self.bad_files
+        for path, kind in files[self._warned : WARNED_BAD_FILES]:
+            warnings.warn(f"birdtrain: skipping bad file {path}: {kind}", stacklevel=3)
+        if self._warned <= WARNED_BAD_FILES < len(files):
+            warnings.warn(
+                f"birdtrain: more than {WARNED_BAD_FILES} bad files; loader.bad_files lists them all",
+                stacklevel=3,
+            )
+        self._warned = len(files)
 
     def __len__(self) -> int:
         """Batches of this rank per epoch (the same on every rank)."""
@@ -236,6 +261,7 @@ class Loader:
                 images = images.pin_memory()
             if self._epoch == epoch:
                 self._step = step + 1
+            self._warn_new_bad_files()
             yield images, labels
         if self._epoch == epoch and self._step >= steps:
             self._epoch, self._step = epoch + 1, 0

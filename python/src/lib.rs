@@ -162,6 +162,21 @@ impl Engine {
         self.pipeline.free_buffers()
     }
 
+    /// The engine's counters: decoded images, cache hits, bad files, batches, decode rate,
+    /// the consumer's wait and the cache's fill.
+    fn stats(&self, py: Python<'_>) -> PyResult<PyObject> {
+        let s = self.pipeline.stats();
+        let stats = pyo3::types::PyDict::new(py);
+        stats.set_item("decoded", s.decoded)?;
+        stats.set_item("cache_hits", s.cache_hits)?;
+        stats.set_item("bad_files", s.bad_files)?;
+        stats.set_item("batches", s.batches)?;
+        stats.set_item("decode_images_per_sec", s.decode_images_per_sec)?;
+        stats.set_item("consumer_wait_seconds", s.consumer_wait_seconds)?;
+        stats.set_item("cache_fill", s.cache_fill)?;
+        Ok(stats.into_any().unbind())
+    }
+
     /// The pixel cache file.
     fn cache_path(&self) -> PathBuf {
         self.pipeline.cache_path().to_path_buf()

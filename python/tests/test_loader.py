@@ -173,9 +173,13 @@ def bad_dataset(root: Path) -> Path:
 
 def test_bad_files_are_skipped_and_listed(tmp_path, cache_dir):
     root = bad_dataset(tmp_path / "data")
-    loader = birdtrain.Loader(root, image_size=16, batch_size=5, cache_dir=cache_dir)
-    total = sum(x.shape[0] for x, _ in loader)
+    with pytest.warns(UserWarning) as warned:
+        loader = birdtrain.Loader(root, image_size=16, batch_size=5, cache_dir=cache_dir)
+        total = sum(x.shape[0] for x, _ in loader)
     assert total == 12
+    named = sorted(Path(str(w.message).split(": ")[1]).name for w in warned)
+    assert named == ["empty.jpg", "notes.jpg", "truncated.jpg"], "one warning per bad file"
+    assert loader.stats()["bad_files"] == 3
     listed = {Path(p).name: kind for p, kind in loader.bad_files}
     assert set(listed) == {"truncated.jpg", "notes.jpg", "empty.jpg"}
     assert listed["empty.jpg"] == "empty"
