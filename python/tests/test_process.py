@@ -1,4 +1,5 @@
-"""Ctrl-C interrupts a blocked iteration; a loader used after fork refuses clearly."""
+"""Ctrl-C interrupts a blocked iteration; a loader used after fork refuses clearly, one built
+after fork works; rank and world size from torch.distributed."""
 
 from __future__ import annotations
 
@@ -59,23 +60,29 @@ def test_ctrl_c_interrupts_a_blocked_iteration(tmp_path):
     assert waited < 1.0, f"the interrupt took {waited:.1f} s"
 
 
-def iterate_in_child(loader, queue):
+def iterate_in_child(loader, queue, dataset, cache_dir):
     try:
         next(iter(loader))
         queue.put("iterated")
     except RuntimeError as e:
         queue.put(str(e))
+    # A loader built in the child works.
+    fresh = birdtrain.Loader(dataset, image_size=16, batch_size=4, cache_dir=cache_dir)
+    queue.put(sum(x.shape[0] for x, _ in fresh))
 
 
 def test_a_loader_used_after_fork_refuses_with_a_clear_error(dataset, cache_dir):
     loader = birdtrain.Loader(dataset, image_size=16, batch_size=4, cache_dir=cache_dir)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=iterate_in_child, args=(loader, queue))
+    child = context.Process(target=iterate_in_child, args=(loader, queue, dataset, cache_dir))
     child.start()
     message = queue.get(timeout=60)
+    built_in_child = queue.get(timeout=120)
     child.join(timeout=60)
     assert "another process" in message and "fork" in message
+    assert built_in_child == 33
+    assert child.exitcode == 0
     # The parent's loader still works.
     assert sum(x.shape[0] for x, _ in loader) == 33
 
