@@ -33,6 +33,17 @@ impl Batch {
         &self.slot().pixels.as_slice()[..bytes]
     }
 
+    /// `len × S × S × 3` bytes, writable: for a consumer that finishes the images in place
+    /// (a mirror, a colour change) before handing the buffer on without a copy.
+    pub fn pixels_mut(&mut self) -> &mut [u8] {
+        let bytes = self.len * self.image_size as usize * self.image_size as usize * 3;
+        let slot = self
+            .slot
+            .as_mut()
+            .expect("a batch owns its slot until dropped (programmer error otherwise)");
+        &mut slot.pixels.as_mut_slice()[..bytes]
+    }
+
     /// The class index of each image.
     pub fn labels(&self) -> &[u32] {
         &self.slot().labels
@@ -65,5 +76,37 @@ impl Drop for Batch {
             // The pool may be gone (pipeline dropped): then the buffer is simply freed.
             let _ = self.returner.send(slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pixels_mut_writes_what_pixels_reads_and_the_buffer_goes_back_to_the_pool() {
+        let (returner, returned) = flume::unbounded();
+        let mut batch = Batch {
+            epoch: 0,
+            step: 0,
+            replica: 0,
+            len: 1,
+            image_size: 2,
+            sample_ids: vec![7],
+            // A pool buffer may be larger than the batch: only its first bytes are the batch's.
+            slot: Some(Slot {
+                pixels: Box::new(vec![0u8; 20]),
+                labels: vec![3],
+                ids: Vec::new(),
+            }),
+            returner,
+        };
+        assert_eq!(batch.pixels_mut().len(), 12);
+        batch.pixels_mut()[11] = 9;
+        assert_eq!(batch.pixels()[11], 9);
+        drop(batch);
+        let slot = returned.try_recv().expect("the slot is returned");
+        assert_eq!(slot.pixels.as_slice()[11], 9);
+        assert_eq!(slot.ids, vec![7]);
     }
 }
