@@ -5,7 +5,8 @@
 # 2. runs every test of the workspace (GPU tests are #[ignore]d) and fails on any panic
 #    message in its output; a reference test whose peer is missing fails, it does not skip,
 # 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90,
-# 4. builds the API docs, warnings as errors.
+# 4. builds the API docs, warnings as errors,
+# 5. builds the Python package (python/) and runs its pytest suite (scripts/test-python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-cuda-tools.sh
@@ -27,3 +28,5 @@ fi
 cargo run --quiet -- kernels check --arch sm_80,sm_90
 # The API docs build without a warning (broken links, private items named in public docs).
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace
+# The input engine's Python package: built as a user builds it, tested against torch.
+bash scripts/test-python.sh
