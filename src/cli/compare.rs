@@ -59,7 +59,8 @@ fn rows(runs: &[PathBuf], figures: Vec<RunFigures>) -> Vec<Row> {
     let base = figures.first().cloned();
     runs.iter()
         .zip(figures)
-        .map(|(run, figures)| {
+        .enumerate()
+        .map(|(i, (run, figures))| {
             let base = base.as_ref().expect("one run at least");
             let speedup = match (figures.images_per_sec, base.images_per_sec) {
                 (Some(a), Some(b)) if b > 0.0 => Some(a / b),
@@ -70,6 +71,11 @@ fn rows(runs: &[PathBuf], figures: Vec<RunFigures>) -> Vec<Row> {
                 _ => None,
             };
             let efficiency = speedup.zip(devices).map(|(s, d)| s / d);
+            // The baseline is 1 by definition, also where its figures are unknown.
+            let (speedup, efficiency) = match i {
+                0 => (Some(1.0), Some(1.0)),
+                _ => (speedup, efficiency),
+            };
             Row {
                 run: run.clone(),
                 figures,

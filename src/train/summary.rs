@@ -236,6 +236,21 @@ mod tests {
         assert!(text.contains("data-wait 1.2%"), "{text}");
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
         assert!(!text.contains("moving average"), "{text}");
+        assert!(!text.contains("machine time"), "none recorded: {text}");
+        let priced = SummaryHeader {
+            machine_time: MachineTime::of(&[crate::train::folder::Segment {
+                devices: 2,
+                ranks: 2,
+                seconds: 1800.0,
+                price_per_hour: Some(3.0),
+            }]),
+            ..header.clone()
+        };
+        let text = format_summary(&priced, &lines);
+        assert!(
+            text.contains("\nmachine time 1800.0 s · 1.0000 device-hours · cost 3.0000\n"),
+            "{text}"
+        );
         // A run with --model-ema: its figures and file, the table unchanged.
         let mut averaged = lines.clone();
         averaged.push(mk(1, MetricsSplit::ValidEma, 0.8));

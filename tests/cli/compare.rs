@@ -283,3 +283,41 @@ fn compare_refuses_a_folder_that_holds_no_run_naming_it() {
     let out = birdtrain_output(&["compare", s(&missing)]);
     assert_one_line_error(&out, &["missing"]);
 }
+
+#[test]
+fn a_checkpoint_from_before_the_record_reads_with_its_time_and_price_unknown() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(&tmp.path().join("data"), 2, 4);
+    let cache = tmp.path().join("cache");
+    let run = tmp.path().join("old");
+    ok(run_with(
+        &args(&data, &cache, &run, 1, 4),
+        &[(PRICE_ENV, "1")],
+    ));
+    let sidecar = run.join("checkpoint.json");
+    let mut value: Value =
+        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+    value
+        .as_object_mut()
+        .unwrap()
+        .remove("machine_time")
+        .expect("a new run records its machine time");
+    std::fs::write(&sidecar, serde_json::to_string_pretty(&value).unwrap()).unwrap();
+    let row = &compare(&[&run])[0];
+    for unknown in ["devices", "seconds", "cost"] {
+        assert!(row[unknown].is_null(), "{unknown}: {row}");
+    }
+    assert_eq!(
+        (row["speedup"].as_f64(), row["efficiency"].as_f64()),
+        (Some(1.0), Some(1.0))
+    );
+    assert!(row["images_per_sec"].as_f64().unwrap() > 0.0, "{row}");
+    // Resumed, it records the segments from then on.
+    let resumed = [
+        resume_args(&run, &data),
+        vec!["--epochs".into(), "2".into()],
+    ]
+    .concat();
+    ok(run_with(&resumed, &[(PRICE_ENV, "1")]));
+    assert_eq!(CheckpointMeta::load(&run).unwrap().machine_time.len(), 1);
+}

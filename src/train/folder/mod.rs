@@ -40,8 +40,7 @@ pub use run_figures::RunFigures;
 pub use settings::RunSettings;
 pub use train_files::{TrainFiles, TrainFilesRef};
 
-/// File name of the metrics inside a run folder.
-pub const METRICS_FILE: &str = "metrics.jsonl";
+pub use names::METRICS_FILE;
 /// File name of the report picture inside a run folder.
 pub const REPORT_FILE: &str = "report.png";
 /// File of a learning-rate sweep's points (`birdtrain lr-find`) inside its folder.

@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::checkpoint::CheckpointMeta;
+use super::error::FolderError;
 use super::machine_time::MachineTime;
-use super::metrics::{EpochMetrics, MetricsSplit};
-use super::{FolderError, RunFolder};
+use super::metrics::{read_metrics, EpochMetrics, MetricsSplit};
+use super::names::METRICS_FILE;
 
 /// A run's headline figures (`None`: the folder does not record it).
 #[derive(Debug, Clone, PartialEq)]
@@ -39,7 +40,11 @@ impl RunFigures {
     /// The figures of run folder `run`, refused when it holds no checkpoint.
     pub fn read(run: &Path) -> Result<RunFigures, FolderError> {
         let meta = CheckpointMeta::load_weights_only(run)?;
-        let lines = RunFolder::new(run).metrics()?;
+        let metrics = run.join(METRICS_FILE);
+        let lines = match metrics.exists() {
+            true => read_metrics(&metrics)?,
+            false => Vec::new(),
+        };
         let valid: Vec<&EpochMetrics> = lines
             .iter()
             .filter(|m| m.split == MetricsSplit::Valid)
