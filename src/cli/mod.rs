@@ -34,6 +34,7 @@ pub mod bench_plan;
 pub mod bench_scaling;
 pub mod bench_step;
 pub mod choice;
+pub mod compare;
 mod counts;
 pub mod demo;
 mod dry_run;
@@ -109,6 +110,8 @@ pub enum Command {
     Kernels(KernelsCommand),
     /// What birdtrain finds on this machine: CPU, CUDA driver and GPUs, NVRTC, headers, NCCL.
     Env(env::EnvArgs),
+    /// Runs side by side: accuracy, training time, speed-up, scaling efficiency, price to train.
+    Compare(compare::CompareArgs),
 }
 
 /// `birdtrain bench …`
@@ -187,6 +190,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Some(Command::Kernels(KernelsCommand::Report(args))) => kernels_report::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),
+        Some(Command::Compare(args)) => compare::run(args).map(|()| ExitCode::SUCCESS),
         Some(Command::Env(args)) => env::run(args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(CliError::Other),

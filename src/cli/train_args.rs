@@ -188,6 +188,12 @@ pub struct TrainArgs {
     /// metrics, best/, report) are deleted, all at once, before the new run starts.
     #[arg(long, help_heading = "Run folder")]
     pub overwrite: bool,
+    /// The price of one device for one hour (per GPU on GPUs, per machine on the CPU),
+    /// recorded with this segment of the run (a resumed run may run elsewhere at another
+    /// price); the summary and `birdtrain compare` print the cost [default:
+    /// BIRDTRAIN_PRICE_PER_HOUR, else unknown]
+    #[arg(long, value_name = "P", help_heading = "Run folder")]
+    pub price_per_hour: Option<String>,
     /// Print what this launch resolves to (nodes, ranks, devices, batch, lr, workers) and
     /// exit: reads no data, writes nothing, asks no GPU driver.
     #[arg(long, help_heading = "Output")]

@@ -15,6 +15,27 @@ use crate::train::{
     self, Augmentation, CheckpointMeta, DeviceChoice, EmaRecipe, TrainConfig, TrainError,
 };
 
+/// The variable that gives `--price-per-hour` when the flag is not given.
+pub const PRICE_ENV: &str = "BIRDTRAIN_PRICE_PER_HOUR";
+
+/// `--price-per-hour`, else [`PRICE_ENV`] (the flag wins): a finite number ≥ 0, or refused
+/// naming the one it came from.
+fn price_per_hour(flag: Option<&str>, env: Option<&str>) -> Result<Option<f64>, CliError> {
+    let (source, text) = match (flag, env) {
+        (Some(text), _) => ("--price-per-hour", text),
+        (None, Some(text)) => (PRICE_ENV, text),
+        (None, None) => return Ok(None),
+    };
+    match text.trim().parse::<f64>() {
+        Ok(price) if price.is_finite() && price >= 0.0 => Ok(Some(price)),
+        _ => Err(CliError::BadValue {
+            flag: source,
+            value: text.to_string(),
+            hint: "expected the price of one device for one hour, a number ≥ 0 (per GPU on GPUs, per machine on the CPU)".into(),
+        }),
+    }
+}
+
 /// Turns the flags (and, with `--resume`, the checkpoint's settings) into a [`TrainConfig`],
 /// on the GPUs the driver lists and the launcher's variables.
 ///
@@ -122,6 +143,10 @@ pub(crate) fn config_for(
     cfg.allow_data_change = args.allow_data_change;
     cfg.overwrite = args.overwrite;
     cfg.stop_after_steps = args.stop_after_steps;
+    cfg.price_per_hour = price_per_hour(
+        args.price_per_hour.as_deref(),
+        std::env::var(PRICE_ENV).ok().as_deref(),
+    )?;
     cfg.progress = !args.quiet;
     if let (Some(meta), Some(run), true) = (&resumed, &args.resume, look) {
         let changed = resume_overrides(meta, &cfg);

@@ -77,6 +77,10 @@ pub struct TrainConfig {
     /// How the ranks are launched and joined (buckets, timeouts, trace; GPUs: staging depth,
     /// nodes).
     pub dist: DistSettings,
+    /// The price of one device for one hour (`--price-per-hour`: per GPU on GPUs, per
+    /// machine on the CPU), recorded with this segment of the run; not a recorded setting, as
+    /// a resumed run may run elsewhere at another price.
+    pub price_per_hour: Option<f64>,
 }
 
 impl Deref for TrainConfig {
@@ -122,6 +126,7 @@ impl TrainConfig {
             progress: true,
             verbose: true,
             dist: DistSettings::default(),
+            price_per_hour: None,
         }
     }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::folder::metrics::EpochMetrics;
-use super::folder::BestEpoch;
+use super::folder::{machine_time, BestEpoch, MachineTime};
 use super::lr_find::LrTrace;
 use super::report::Launched;
 use super::setup::{node_rank, Shared};
@@ -140,6 +140,9 @@ pub(crate) fn outcome(launched: Launched, wall: Duration) -> Result<TrainOutcome
         data_wait_share: (first.session.1 > 0.0).then(|| first.session.0 / first.session.1),
         best: first.best.filter(|_| writer),
         best_rule: cfg.best_rule(),
+        machine_time: writer
+            .then(|| MachineTime::of(&machine_time::recorded(&cfg.out)))
+            .flatten(),
     };
     let replica_checksums: Vec<u64> = reports.iter().map(|r| r.checksum).collect();
     let in_sync = replica_checksums.windows(2).all(|w| w[0] == w[1]);

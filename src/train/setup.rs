@@ -8,10 +8,11 @@ use std::sync::Arc;
 use pipeline::{BatchAllocator, DatasetSource, Pipeline, PipelineBuilder, Split};
 
 use super::config::TrainConfig;
+use super::device::DeviceChoice;
 use super::ema::ModelEma;
 use super::evaluate::summarise;
 use super::folder::checkpoint::BEST_DIR;
-use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder};
+use super::folder::{BestEpoch, CheckpointMeta, DataPosition, DatasetStamp, RunFolder, Segment};
 use super::TrainError;
 use crate::dist::buckets::{specs_from_numel, BucketPlan};
 use crate::dist::rendezvous::StartPoint;
@@ -134,6 +135,11 @@ pub(crate) struct Shared {
     pub ema: Option<ModelEma>,
     /// What `--init-from` did not take from its file (a new class head), for the start lines.
     pub init_note: Option<String>,
+    /// The machine time of the segments before this one (the resumed checkpoint's).
+    pub earlier_segments: Vec<Segment>,
+    /// When this segment started (the shared state's construction, before the engines'
+    /// first epoch).
+    pub started: std::time::Instant,
 }
 
 impl Shared {
@@ -157,6 +163,7 @@ impl Shared {
         folder: RunFolder,
         writer: bool,
     ) -> Result<Shared, TrainError> {
+        let started = std::time::Instant::now();
         let mut cfg = cfg.clone();
         cfg.replicas = ranks;
         let valid_pipe = sliced_for(&cfg, &folder, valid_pipe, ranks)?;
@@ -312,6 +319,10 @@ impl Shared {
             best,
             init_note,
             ema,
+            earlier_segments: resumed
+                .map(|(_, meta)| meta.machine_time.clone())
+                .unwrap_or_default(),
+            started,
         })
     }
 
@@ -382,7 +393,29 @@ impl Shared {
             model_ema_file: None,
             model_ema_checksum: None,
             train_files: None,
+            machine_time: self.machine_time(),
         }
+    }
+
+    /// The machine time of the run's segments up to now: the resumed checkpoint's, then this
+    /// one's, from its start to now.
+    pub(crate) fn machine_time(&self) -> Vec<Segment> {
+        let cfg = &self.cfg;
+        // GPUs are paid per device (one per GPU rank: the rehearsal's test switch, several
+        // ranks on one GPU, counts each as one), CPU runs per machine (CPU ranks are threads
+        // of one process).
+        let devices = match cfg.device {
+            DeviceChoice::Cpu => 1,
+            DeviceChoice::Cuda(_) => cfg.replicas,
+        };
+        let mut segments = self.earlier_segments.clone();
+        segments.push(Segment {
+            devices,
+            ranks: cfg.replicas,
+            seconds: self.started.elapsed().as_secs_f64(),
+            price_per_hour: cfg.price_per_hour,
+        });
+        segments
     }
 
     /// The lines that open a run.

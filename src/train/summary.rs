@@ -3,7 +3,8 @@
 use std::fmt::Write;
 
 use super::folder::metrics::{EpochMetrics, MetricsSplit};
-use super::folder::{BestEpoch, BestRule, Monitor};
+use super::folder::run_figures::training_rate;
+use super::folder::{BestEpoch, BestRule, MachineTime, Monitor};
 
 /// What the summary says besides the per-epoch table.
 #[derive(Debug, Clone)]
@@ -20,6 +21,8 @@ pub struct SummaryHeader {
     pub best: Option<BestEpoch>,
     /// The rule that picked it (`--monitor`, `--min-delta`).
     pub best_rule: BestRule,
+    /// The machine time the run's checkpoint records (all its segments), when it has one.
+    pub machine_time: Option<MachineTime>,
 }
 
 /// Formats the per-epoch table (train and valid side by side) and the headline figures.
@@ -45,7 +48,7 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
             .rev()
             .find(|m| m.epoch == e && m.split == split)
     };
-    let (mut images, mut train_seconds) = (0.0, 0.0);
+    let mut train_seconds = 0.0;
     for &e in &epochs {
         let t = find(e, MetricsSplit::Train);
         let v = find(e, MetricsSplit::Valid);
@@ -54,7 +57,6 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
             None => format!("{:>w$}", "-"),
         };
         if let Some(t) = t {
-            images += t.images_per_sec * t.seconds;
             train_seconds += t.seconds;
         }
         let _ = writeln!(
@@ -126,11 +128,7 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
             last.accuracy, last.top5
         );
     }
-    let mean_speed = if train_seconds > 0.0 {
-        images / train_seconds
-    } else {
-        0.0
-    };
+    let mean_speed = training_rate(lines).unwrap_or(0.0);
     let per_epoch = if epochs.is_empty() {
         0.0
     } else {
@@ -144,6 +142,9 @@ pub fn format_summary(header: &SummaryHeader, lines: &[EpochMetrics]) -> String 
         "wall time {:.1} s · training {:.1} images/s · {:.2} s per epoch (training){wait}",
         header.wall_seconds, mean_speed, per_epoch
     );
+    if let Some(time) = header.machine_time {
+        let _ = writeln!(s, "{}", time.line());
+    }
     let _ = write!(
         s,
         "run folder {}: {}",
@@ -218,6 +219,7 @@ mod tests {
             data_wait_share: Some(0.012),
             best: None,
             best_rule: BestRule::default(),
+            machine_time: None,
         };
         let text = format_summary(&header, &lines);
         assert!(text.contains("valid accuracy 0.9000"), "{text}");
@@ -234,6 +236,21 @@ mod tests {
         assert!(text.contains("data-wait 1.2%"), "{text}");
         assert_eq!(text.lines().filter(|l| l.contains('│')).count(), 3);
         assert!(!text.contains("moving average"), "{text}");
+        assert!(!text.contains("machine time"), "none recorded: {text}");
+        let priced = SummaryHeader {
+            machine_time: MachineTime::of(&[crate::train::folder::Segment {
+                devices: 2,
+                ranks: 2,
+                seconds: 1800.0,
+                price_per_hour: Some(3.0),
+            }]),
+            ..header.clone()
+        };
+        let text = format_summary(&priced, &lines);
+        assert!(
+            text.contains("\nmachine time 1800.0 s · 1.0000 device-hours · cost 3.0000\n"),
+            "{text}"
+        );
         // A run with --model-ema: its figures and file, the table unchanged.
         let mut averaged = lines.clone();
         averaged.push(mk(1, MetricsSplit::ValidEma, 0.8));
@@ -290,6 +307,7 @@ mod tests {
                 loss: 1.0,
             }),
             best_rule: BestRule::default(),
+            machine_time: None,
         };
         // Stopped before the first epoch ended: a checkpoint, no metrics, no report, no best/.
         std::fs::write(dir.path().join("model.safetensors"), b"x").unwrap();
@@ -322,6 +340,7 @@ mod tests {
             data_wait_share: None,
             best: None,
             best_rule: BestRule::default(),
+            machine_time: None,
         };
         let lines = [
             mk(1, 0.5, 1.0),

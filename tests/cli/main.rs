@@ -5,6 +5,7 @@ mod bench_cpu;
 #[path = "../cli_support/mod.rs"]
 mod cli_support;
 mod commands;
+mod compare;
 mod env;
 mod errors;
 mod inference;

@@ -26,6 +26,7 @@ use super::fault::{self, FaultTarget};
 use super::files::{
     bytes_checksum, commit_temp, file_checksum, sync_dir, temp_path, write_atomic, write_temp,
 };
+use super::machine_time::Segment;
 use super::position::{DataPosition, DatasetStamp};
 use super::settings::RunSettings;
 use super::train_files::{self, TrainFilesRef};
@@ -119,6 +120,10 @@ pub struct CheckpointMeta {
     /// ([`super::train_files`]); absent in older checkpoints and lr-find's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_files: Option<TrainFilesRef>,
+    /// The machine time of each segment of the run up to this checkpoint
+    /// ([`super::machine_time`]); absent in older checkpoints (their time is unknown).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub machine_time: Vec<Segment>,
 }
 
 impl CheckpointMeta {
@@ -583,6 +588,12 @@ pub(crate) mod tests {
             model_ema_file: None,
             model_ema_checksum: None,
             train_files: None,
+            machine_time: vec![Segment {
+                devices: 1,
+                ranks: 2,
+                seconds: 12.5,
+                price_per_hour: Some(0.4),
+            }],
         }
     }
 
@@ -622,6 +633,11 @@ pub(crate) mod tests {
         let m = meta(dir.path());
         let mut value = serde_json::to_value(&m).unwrap();
         value.as_object_mut().unwrap().remove("best");
+        value
+            .as_object_mut()
+            .unwrap()
+            .remove("machine_time")
+            .unwrap();
         value["data_position"]
             .as_object_mut()
             .unwrap()
@@ -664,6 +680,7 @@ pub(crate) mod tests {
         }
         let old: CheckpointMeta = serde_json::from_value(value).unwrap();
         assert_eq!(old.best, None);
+        assert!(old.machine_time.is_empty(), "its time is unknown");
         assert_eq!(old.data_position.lr_scale, 1.0);
         assert_eq!(old.data_position.plateau_last_cut, None);
         assert_eq!(

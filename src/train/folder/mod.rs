@@ -1,8 +1,8 @@
 //! The run folder (`--out RUN`): checkpoint, metrics and report, in one place.
 //!
 //! A run folder holds `model.safetensors`, `optimizer.safetensors`, the `checkpoint.json`
-//! sidecar ([`checkpoint`]), the record of the training files ([`train_files`]),
-//! `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the input engine's
+//! sidecar ([`checkpoint`]) with the machine time of each segment ([`machine_time`]), the
+//! record of the training files ([`train_files`]), `metrics.jsonl` ([`metrics`]), `report.png` ([`report`]), the input engine's
 //! `bad_files_<split>.txt`, and `best/`: the checkpoint of the epoch with the best validation
 //! figures, itself a run folder written by the same protocol, which nothing writes into but
 //! the run that owns it (`--resume RUN/best` continues into a new `--out`). [`RunFolder`]
@@ -16,10 +16,12 @@ mod error;
 pub mod fault;
 pub mod files;
 mod lock;
+pub mod machine_time;
 pub mod metrics;
 pub mod names;
 mod position;
 pub mod report;
+pub mod run_figures;
 pub mod settings;
 pub mod train_files;
 
@@ -31,13 +33,14 @@ pub(crate) use error::io_hint;
 pub use error::FolderError;
 use files::write_atomic;
 pub use lock::{is_in_use, RunLock, LOCK_FILE};
+pub use machine_time::{MachineTime, Segment};
 use metrics::{append_metrics, read_metrics, truncate_metrics_from, EpochMetrics};
 pub use position::{DataPosition, DatasetStamp};
+pub use run_figures::RunFigures;
 pub use settings::RunSettings;
 pub use train_files::{TrainFiles, TrainFilesRef};
 
-/// File name of the metrics inside a run folder.
-pub const METRICS_FILE: &str = "metrics.jsonl";
+pub use names::METRICS_FILE;
 /// File name of the report picture inside a run folder.
 pub const REPORT_FILE: &str = "report.png";
 /// File of a learning-rate sweep's points (`birdtrain lr-find`) inside its folder.

@@ -13,3 +13,5 @@ pub const MODEL_EMA_FILE: &str = "model_ema.safetensors";
 /// The folder inside a run folder that holds the best epoch's checkpoint (itself a run
 /// folder: `eval`, `predict` and `--resume` take it).
 pub const BEST_DIR: &str = "best";
+/// File name of the metrics inside a run folder.
+pub const METRICS_FILE: &str = "metrics.jsonl";
