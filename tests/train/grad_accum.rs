@@ -17,8 +17,8 @@ use crate::cli_support::{assert_one_line_error, birdtrain_output};
 /// The largest difference allowed between accumulated and whole-batch weights after three
 /// SGD steps (lr 1.6, momentum, weight decay): the micro-batches' weighted means summed in
 /// another order than one batch's mean differ by f32 roundings, measured at 1.2e-7 (one
-/// replica) and 3e-8 (two); a wrong weighting of the micro-batches moves weights by 1e-3
-/// and more.
+/// replica) and 3e-8 (two), so the bound leaves two orders of magnitude for other thread
+/// counts; a wrong weighting (each micro-batch's mean taken whole) would scale the gradient.
 const BOUND: f32 = 1e-5;
 
 /// 4 classes × 19 = 76 training images: with a global batch of 32, steps of 32, 32 and a
