@@ -199,4 +199,16 @@ fn accumulation_on_gpus_is_refused_for_now() {
     );
     cfg.device = DeviceChoice::Cpu;
     cfg.validate().unwrap();
+    // The command line says it in one line, exit 2, before any driver is loaded.
+    let run = birdtrain_output(&[
+        "--data",
+        "absent",
+        "--gpus",
+        "2",
+        "--grad-accum-steps",
+        "2",
+        "--dry-run",
+    ]);
+    assert_eq!(run.status.code(), Some(2));
+    assert_one_line_error(&run, &["--grad-accum-steps", "CPU ranks"]);
 }

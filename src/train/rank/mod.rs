@@ -491,7 +491,8 @@ impl<D: Device> Rank<D> {
         let pixels: &[u8] = (*batch.pixels).as_ref();
         let input = InputBatch {
             pixels: &pixels[images.start * image_bytes..],
-            labels: &batch.labels[images.clone()],
+            // From the micro-batch's first image on (the network reads `len` of them).
+            labels: &batch.labels[images.start.min(batch.labels.len())..],
             len: images.len(),
             image_size: batch.image_size,
             augment: augments.as_deref(),
