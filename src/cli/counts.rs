@@ -16,13 +16,24 @@ pub(crate) const THREADS_PER_CORE: usize = 4;
 pub(crate) fn check_train_counts(cfg: &TrainConfig) -> Result<(), CliError> {
     check_threads(cfg.threads)?;
     check_workers(cfg.workers)?;
-    if cfg.replicas.checked_mul(cfg.batch_size).is_none() {
+    if cfg
+        .replicas
+        .checked_mul(cfg.batch_size)
+        .and_then(|b| b.checked_mul(cfg.grad_accum_steps as usize))
+        .is_none()
+    {
         return Err(CliError::BadValue {
             flag: "--batch-size",
             value: cfg.batch_size.to_string(),
             hint: format!(
-                "{} replicas × {} images per step overflows; use a smaller --batch-size",
-                cfg.replicas, cfg.batch_size
+                "{} replicas × {} images per step{} overflows; use a smaller --batch-size",
+                cfg.replicas,
+                cfg.batch_size,
+                if cfg.grad_accum_steps > 1 {
+                    format!(" × {} accumulation steps", cfg.grad_accum_steps)
+                } else {
+                    String::new()
+                }
             ),
         });
     }

@@ -138,9 +138,15 @@ impl TrainConfig {
         settings
     }
 
-    /// Replicas × per-replica batch.
+    /// The images of one rank's optimizer step: `--batch-size` × `--grad-accum-steps` (the
+    /// input engine's batch; the network sees micro-batches of `--batch-size`).
+    pub fn rank_step_batch(&self) -> usize {
+        self.batch_size * self.grad_accum_steps as usize
+    }
+
+    /// Replicas × per-replica batch × accumulation steps: the images of one optimizer step.
     pub fn global_batch(&self) -> usize {
-        self.replicas * self.batch_size
+        self.replicas * self.rank_step_batch()
     }
 
     /// `--lr` scaled linearly from a global batch of 256 to this run's.
@@ -186,6 +192,20 @@ impl TrainConfig {
                 "--batch-size",
                 "0".into(),
                 "use at least 1 image per replica",
+            );
+        }
+        if self.grad_accum_steps == 0 {
+            return bad(
+                "--grad-accum-steps",
+                "0".into(),
+                "use at least 1 micro-batch per optimizer step",
+            );
+        }
+        if self.grad_accum_steps > 1 && matches!(self.device, DeviceChoice::Cuda(_)) {
+            return bad(
+                "--grad-accum-steps",
+                self.grad_accum_steps.to_string(),
+                "gradient accumulation runs on CPU ranks for now; leave out --gpus or use --grad-accum-steps 1",
             );
         }
         if self.replicas == 0 {

@@ -296,6 +296,7 @@ fn train_epoch<D: Device>(
             local_images: shared.rank_images(step, rank.rank),
             global_images: shared.step_images(step),
             stop: stop(rank.position.global_step),
+            micro_batches: shared.micro_batches(step),
         };
         let (issued, waited) = rank.step(shared, &plan)?;
         rank.update_average(shared, &plan)?;

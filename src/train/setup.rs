@@ -51,7 +51,13 @@ pub(crate) fn pipeline_for(
         .resize_mode(cfg.resize_mode)
         .seed(cfg.seed)
         .replicas(ranks)
-        .batch_size(cfg.batch_size)
+        // A training batch is one rank's optimizer step: its K micro-batches together (the
+        // data order and position count optimizer steps).
+        .batch_size(if training {
+            cfg.rank_step_batch()
+        } else {
+            cfg.batch_size
+        })
         .shuffle(training)
         .random_resized_crop(cfg.augmentation().engine_crop().filter(|_| training))
         .center_crop((!training).then_some(cfg.crop_pct))
@@ -144,10 +150,14 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The images a rank's network must hold at once: the largest micro-batch either engine
-    /// can really deliver (the first step's), not `--batch-size` when the data is smaller.
+    /// can really deliver (the first step's, a training step's cut to `--batch-size` when it
+    /// accumulates), not `--batch-size` when the data is smaller.
     pub(crate) fn network_batch(&self) -> usize {
         let first = |p: &Pipeline| p.micro_batch_len(0, 0).unwrap_or(0);
-        first(&self.train_pipe).max(first(&self.valid_pipe)).max(1)
+        first(&self.train_pipe)
+            .min(self.cfg.batch_size)
+            .max(first(&self.valid_pipe))
+            .max(1)
     }
 
     /// The shared state of a run of `ranks` ranks (`cfg.replicas` is set to it). `resumed` is
@@ -351,6 +361,19 @@ impl Shared {
         self.train_pipe.micro_batch_len(step, rank).unwrap_or(0)
     }
 
+    /// The micro-batches of `step` (`--grad-accum-steps`), the same on every rank: as many
+    /// as the largest rank's share needs, at least one.
+    pub(crate) fn micro_batches(&self, step: usize) -> usize {
+        if self.cfg.grad_accum_steps <= 1 {
+            return 1;
+        }
+        let most = (0..self.ranks())
+            .map(|r| self.rank_images(step, r))
+            .max()
+            .unwrap_or(0);
+        most.div_ceil(self.cfg.batch_size).max(1)
+    }
+
     /// Every rank's images at `step`, from the data order.
     pub(crate) fn step_images(&self, step: usize) -> usize {
         (0..self.ranks()).map(|r| self.rank_images(step, r)).sum()
@@ -444,9 +467,14 @@ impl Shared {
             ),
         };
         self.say(format!(
-            "device {device} · global batch {} ({} per rank) · {rate} · {} · {} steps per epoch",
+            "device {device} · global batch {} ({} per rank{}) · {rate} · {} · {} steps per epoch",
             cfg.global_batch(),
             cfg.batch_size,
+            if cfg.grad_accum_steps > 1 {
+                format!(" × {} accumulated", cfg.grad_accum_steps)
+            } else {
+                String::new()
+            },
             cfg.optimizer.name(),
             self.steps_per_epoch
         ));

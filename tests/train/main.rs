@@ -14,6 +14,7 @@ mod epoch_end;
 mod faults;
 mod finetune;
 mod gpu_args;
+mod grad_accum;
 mod mix;
 mod replicas;
 mod resume;

@@ -675,6 +675,7 @@ pub(crate) mod tests {
             "color_jitter",
             "auto_augment",
             "split_version",
+            "grad_accum_steps",
         ] {
             settings.remove(field).unwrap();
         }
@@ -736,6 +737,8 @@ pub(crate) mod tests {
             ),
             (0, 0, false)
         );
+        // A checkpoint from before gradient accumulation took one micro-batch per step.
+        assert_eq!(old.settings.grad_accum_steps, 1);
     }
 
     #[test]

@@ -133,6 +133,12 @@ macro_rules! recorded_settings {
                 /// resumed run keeps it on.
                 freeze_bn: bool = false => bool ["Model", "BOOL", warn,
                     num_args = 0, default_missing_value = "true"];
+                /// Gradient accumulation: each optimizer step sums the gradients of K
+                /// micro-batches of --batch-size per rank (batch norm sees each micro-batch
+                /// alone), so the global batch is ranks × --batch-size × K (CPU ranks for
+                /// now).
+                #[serde(default = "one_step")]
+                grad_accum_steps: u32 = 1 => u32 ["Distributed", "K", warn];
                 /// Synchronised batch norm: normalise with the statistics of the global batch
                 /// (every rank's images, GPUs or CPU replicas) instead of each rank's own;
                 /// costs two small all-reduces per BN layer. A resumed run keeps it on.
@@ -280,6 +286,10 @@ fn default_plateau_factor() -> f32 {
 
 fn one() -> f32 {
     1.0
+}
+
+fn one_step() -> u32 {
+    1
 }
 
 fn split_version_one() -> u32 {

@@ -106,6 +106,26 @@ impl<C: Collective<Buffer = HostGrads>> Device for CpuDevice<C> {
         Ok(())
     }
 
+    fn accumulate_gradient(
+        grads: &mut HostGrads,
+        range: Range<usize>,
+        grad: &Vec<f32>,
+        weight: f32,
+        first: bool,
+    ) -> Result<(), GradHookError> {
+        let n = range.len();
+        let dst = grads.range_mut(range)?;
+        let src = grad
+            .get(..n)
+            .ok_or_else(|| format!("a gradient of {} values for a range of {n}", grad.len()))?;
+        if first {
+            dst.iter_mut().zip(src).for_each(|(d, &g)| *d = weight * g);
+        } else {
+            dst.iter_mut().zip(src).for_each(|(d, &g)| *d += weight * g);
+        }
+        Ok(())
+    }
+
     fn zero_gradients(&mut self, grads: &mut HostGrads) -> Result<(), TrainError> {
         grads.fill_zero().map_err(TrainError::Internal)
     }

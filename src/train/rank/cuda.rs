@@ -234,6 +234,18 @@ where
         })
     }
 
+    fn accumulate_gradient(
+        _grads: &mut DeviceGrads,
+        _range: Range<usize>,
+        _grad: &CudaTensor,
+        _weight: f32,
+        _first: bool,
+    ) -> Result<(), GradHookError> {
+        // `TrainConfig::validate` refuses --grad-accum-steps above 1 with --gpus: the
+        // backward writes each gradient into the buffer, so a sum needs a kernel of its own.
+        Err("gradient accumulation (--grad-accum-steps above 1) runs on CPU ranks for now".into())
+    }
+
     fn place_gradient(
         grads: &mut DeviceGrads,
         range: Range<usize>,

@@ -126,6 +126,17 @@ pub(crate) trait Device {
         grad: &<Self::Backend as Backend>::Tensor,
     ) -> Result<(), GradHookError>;
 
+    /// Adds `weight` × a parameter's gradient of one micro-batch into `range` of the flat
+    /// buffer (`first`: the step's first micro-batch, which overwrites instead), for
+    /// `--grad-accum-steps`. A device that cannot accumulate refuses.
+    fn accumulate_gradient(
+        grads: &mut <Self::Comm as Collective>::Buffer,
+        range: Range<usize>,
+        grad: &<Self::Backend as Backend>::Tensor,
+        weight: f32,
+        first: bool,
+    ) -> Result<(), GradHookError>;
+
     /// Zeros the flat buffer (a rank without images contributes zeros).
     fn zero_gradients(
         &mut self,
@@ -194,6 +205,21 @@ pub(crate) struct StepPlan {
     pub global_images: usize,
     /// This rank would like to stop after this step.
     pub stop: bool,
+    /// Micro-batches of the step, the same on every rank (`--grad-accum-steps`; 1 without
+    /// accumulation): the most any rank's share of the step holds.
+    pub micro_batches: usize,
+}
+
+/// How one micro-batch's gradients reach the flat buffer when a step accumulates several.
+#[derive(Debug, Clone, Copy)]
+struct MicroStep {
+    /// The step's first micro-batch: its gradients overwrite the buffer.
+    first: bool,
+    /// The step's last micro-batch: its backward starts the buckets' averages.
+    last: bool,
+    /// The micro-batch's share of this rank's images in the step (each micro-batch's
+    /// gradient is its images' mean, the sum of the weighted ones the rank's mean).
+    weight: f32,
 }
 
 /// A step whose totals are on their way.
@@ -365,9 +391,11 @@ impl<D: Device> Rank<D> {
         self.sync.begin_step(scale);
         let sync_bn = shared.cfg.sync_bn && !shared.cfg.freeze_bn;
         let mark = self.device.mark(&mut self.comm)?;
-        let stats = if batch.len > 0 {
+        let stats = if plan.micro_batches > 1 {
+            self.accumulate(shared, plan, &batch, sync_bn)?
+        } else if batch.len > 0 {
             self.device.before_compute(&self.net, plan.stop)?;
-            let stats = self.forward_backward(shared, plan, &batch, sync_bn);
+            let stats = self.forward_backward(shared, plan, &batch, 0..batch.len, sync_bn, None);
             self.device.after_compute(&self.net)?;
             stats?
         } else {
@@ -395,33 +423,80 @@ impl<D: Device> Rank<D> {
         Ok((PendingStep { pending }, waited))
     }
 
-    fn forward_backward(
+    /// A step of several micro-batches (`--grad-accum-steps`): each of `--batch-size` of this
+    /// rank's images, forward and backward on its own (batch norm normalises each alone),
+    /// their gradients summed, weighted by their shares of the rank's images, into the flat
+    /// buffer; only the last micro-batch's backward starts the averages, so the ranks average
+    /// once per optimizer step. Every rank runs `plan.micro_batches` of them, those past its
+    /// images without images, so that every rank issues the same collectives (synchronised
+    /// batch norm sums per micro-batch).
+    fn accumulate(
         &mut self,
         shared: &Shared,
         plan: &StepPlan,
         batch: &HostBatch,
         sync_bn: bool,
     ) -> Result<StepStats, TrainError> {
+        let size = shared.cfg.batch_size;
+        let mut total = StepStats::default();
+        if batch.len == 0 {
+            self.device.zero_gradients(&mut self.grads)?;
+        } else {
+            self.device.before_compute(&self.net, plan.stop)?;
+        }
+        for micro in 0..plan.micro_batches {
+            let last = micro + 1 == plan.micro_batches;
+            let images = (micro * size).min(batch.len)..((micro + 1) * size).min(batch.len);
+            if images.is_empty() {
+                self.replay_micro_without_images(sync_bn, last)?;
+                continue;
+            }
+            let step = MicroStep {
+                first: micro == 0,
+                last,
+                weight: images.len() as f32 / batch.len as f32,
+            };
+            let stats = self.forward_backward(shared, plan, batch, images, sync_bn, Some(step))?;
+            total.loss_sum += stats.loss_sum;
+            total.correct_top1 += stats.correct_top1;
+            total.correct_top5 += stats.correct_top5;
+            total.count += stats.count;
+        }
+        self.device.after_compute(&self.net)?;
+        Ok(total)
+    }
+
+    /// Forward and backward of `images` of `batch`; `micro`: one micro-batch of several,
+    /// whose gradients add into the buffer (none: the step's only batch, whose gradients are
+    /// placed there and averaged).
+    fn forward_backward(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+        batch: &HostBatch,
+        images: Range<usize>,
+        sync_bn: bool,
+        micro: Option<MicroStep>,
+    ) -> Result<StepStats, TrainError> {
         let cfg = &shared.cfg;
+        let ids = &batch.sample_ids[images.clone()];
         let augments = cfg.augmentation().device_augments(
             cfg.random_erase,
             cfg.seed,
             plan.epoch,
-            &batch.sample_ids[..batch.len],
+            ids,
             cfg.image_size,
         );
+        let image_bytes = batch.image_size as usize * batch.image_size as usize * 3;
+        let pixels: &[u8] = (*batch.pixels).as_ref();
         let input = InputBatch {
-            pixels: (*batch.pixels).as_ref(),
-            labels: &batch.labels,
-            len: batch.len,
+            pixels: &pixels[images.start * image_bytes..],
+            // From the micro-batch's first image on (the network reads `len` of them).
+            labels: &batch.labels[images.start.min(batch.labels.len())..],
+            len: images.len(),
             image_size: batch.image_size,
             augment: augments.as_deref(),
-            mix: cfg.mix().draw(
-                cfg.seed,
-                plan.epoch,
-                &batch.sample_ids[..batch.len],
-                cfg.image_size,
-            ),
+            mix: cfg.mix().draw(cfg.seed, plan.epoch, ids, cfg.image_size),
         };
         let Rank {
             net,
@@ -438,8 +513,13 @@ impl<D: Device> Rank<D> {
                 let mut st = state.borrow_mut();
                 let st = &mut *st;
                 let range = st.sync.plan().param_elements(param);
-                D::place_gradient(st.grads, range, grad)?;
-                st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
+                match micro {
+                    None => D::place_gradient(st.grads, range, grad)?,
+                    Some(m) => D::accumulate_gradient(st.grads, range, grad, m.weight, m.first)?,
+                }
+                if micro.is_none_or(|m| m.last) {
+                    st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
+                }
                 Ok(())
             },
             sync_bn.then_some(&mut bn as &mut dyn BnAllReduce),
@@ -452,6 +532,13 @@ impl<D: Device> Rank<D> {
     /// are zeros and the global statistics advance its running statistics as every other
     /// rank's ([`Network::step_without_images`]).
     fn replay_empty(&mut self, sync_bn: bool) -> Result<(), TrainError> {
+        self.replay_micro_without_images(sync_bn, true)
+    }
+
+    /// One micro-batch without images of a step that has several: the same collectives as a
+    /// rank with images (its synchronised batch norm sums), and where it is the `last`, the
+    /// buckets' averages of what the buffer holds.
+    fn replay_micro_without_images(&mut self, sync_bn: bool, last: bool) -> Result<(), TrainError> {
         let Rank {
             net,
             comm,
@@ -463,6 +550,9 @@ impl<D: Device> Rank<D> {
         let mut bn = BnOverCollective { state: &state };
         net.step_without_images(
             &mut |param| {
+                if !last {
+                    return Ok(());
+                }
                 let mut st = state.borrow_mut();
                 let st = &mut *st;
                 st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
