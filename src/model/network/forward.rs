@@ -4,7 +4,7 @@ use crate::backend::{Backend, BnForward, BnMode};
 use crate::model::graph::Node;
 use crate::model::{Augment, InputBatch, ModelError, StepStats};
 
-use super::sync_bn::{reborrow, BnAllReduce};
+use super::hooks::{reborrow, BnAllReduce};
 use super::{get, take, Network, BORROWED};
 
 impl<B: Backend> Network<B> {
