@@ -7,7 +7,8 @@ use crate::backend::bn_sync::SumThroughHostError;
 use crate::backend::SumsMut;
 use crate::model::graph::{Graph, Node};
 
-/// The gradient-ready callback of [`Network::train_step_with`](super::Network::train_step_with): parameter index (into
+/// The gradient-ready callback of
+/// [`Network::train_step_with`](super::Network::train_step_with): parameter index (into
 /// `graph.params()`) and its final gradient tensor.
 pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError> + 'a;
 
@@ -30,7 +31,8 @@ pub(super) fn grad_ready_order(graph: &Graph) -> Vec<usize> {
     order
 }
 
-/// Cross-replica sums for synchronised batch norm ([`Network::train_step_synced`](super::Network::train_step_synced)).
+/// Cross-replica sums for synchronised batch norm
+/// ([`Network::train_step_synced`](super::Network::train_step_synced)).
 ///
 /// Every replica calls [`BnAllReduce::sum_in_place`] the same number of times, in the same
 /// order (once per BN layer in forward, once per BN layer in backward), with vectors of the
