@@ -2,8 +2,9 @@
 //! oom ← panics ← trace ← backend ← model ← optim ← cuda ← dist ← train ← cli. A `crate::` path in code (not
 //! in comments) that points up the stack fails this test, and so does clap or anyhow outside
 //! the command line. Inside `src/train` the files are layered too (`TRAIN_LAYERS`: building
-//! blocks ← config ← setup ← rank ← epochs ← launch ← run), and no file reaches itself
-//! through others.
+//! blocks ← config ← setup ← rank ← epochs ← launch ← run). No file of `src/` or
+//! `pipeline/src/` reaches itself through others (`crate_edges` says what counts as an edge;
+//! `KNOWN_CIRCLE_EDGES` lists, with reasons, the edges that still close a circle).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -962,6 +963,59 @@ fn the_train_checker_sees_back_edges_circles_and_reexports() {
             ("crate::a::b".to_string(), None),
             ("crate::a::c".to_string(), Some("d".to_string())),
             ("crate::e".to_string(), None),
+        ]
+    );
+}
+
+#[test]
+fn the_crate_checker_sees_circles_across_folders_and_between_parent_and_child() {
+    let file = |rel: &str, text: &str| (rel.to_string(), text.to_string());
+    let files = vec![
+        file("lib.rs", "pub mod a;\npub mod b;\npub mod c;\n"),
+        // A facade: declaring and re-exporting its children is no use of them.
+        file(
+            "a/mod.rs",
+            "mod x;\nmod y;\npub use x::X;\npub(crate) use y::Y;\n",
+        ),
+        file(
+            "a/x.rs",
+            "pub struct X;\nfn f() { let _ = super::Y; let _ = crate::c::C; }\n",
+        ),
+        file("a/y.rs", "pub struct Y;\n"),
+        // A parent that uses its child while the child uses what the parent defines.
+        file(
+            "b/mod.rs",
+            "mod kid;\npub struct Top;\nfn g() { kid::k() }\n\
+             #[path = \"far.rs\"]\nmod near;\n",
+        ),
+        file("b/kid.rs", "pub fn k() { let _ = super::Top; }\n"),
+        // A `#[path]` file is the module its declaring file names: its `super` is `b`.
+        file("b/far.rs", "fn h() { let _ = super::Top; }\n"),
+        // A circle across folders, and a visibility path that is no use.
+        file(
+            "c.rs",
+            "pub(in crate::b) struct C;\nfn i() { crate::a::X; }\n",
+        ),
+    ];
+    let edges = crate_edges(&files);
+    let has = |a: &str, b: &str| edges.contains(&(a.to_string(), b.to_string()));
+    assert!(
+        !has("a", "a/x") && !has("a", "a/y"),
+        "a re-export counted: {edges:?}"
+    );
+    assert!(
+        has("a/x", "a/y"),
+        "re-exports lead to the defining file: {edges:?}"
+    );
+    assert!(has("b", "b/kid") && has("b/kid", "b"));
+    assert!(has("b/near", "b"), "{edges:?}");
+    assert!(!edges.iter().any(|(f, _)| f == "b/far"), "{edges:?}");
+    assert!(!has("c", "b"), "a visibility path counted: {edges:?}");
+    assert_eq!(
+        cycles(&edges),
+        vec![
+            vec!["a/x".to_string(), "c".to_string()],
+            vec!["b".to_string(), "b/kid".to_string()],
         ]
     );
 }
