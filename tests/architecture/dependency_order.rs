@@ -221,6 +221,9 @@ const TRAIN_EXCEPTIONS: [(&str, &str, &str); 0] = [];
 /// thread starts and the abort of a process's communicators belong to `train/launch`.
 const NOT_IN_RANKS: [&str; 5] = ["launch", "rendezvous", "ranks", "start_gate", "abort_group"];
 
+/// A `#[path]` file: its path relative to the declaring file's folder, and its module.
+type PathModule = (String, Vec<String>);
+
 /// A leaf of a `use` tree: its segments and its alias (`as`).
 type Leaf = (Vec<String>, Option<String>);
 
@@ -396,7 +399,7 @@ impl SourceFile {
 
     /// The files declared with `#[path = "…"] mod name;`: (the file's path relative to this
     /// file's folder, the module it is).
-    fn path_modules(&self) -> Vec<(String, Vec<String>)> {
+    fn path_modules(&self) -> Vec<PathModule> {
         let lines: Vec<&str> = self.code.lines().map(str::trim).collect();
         lines
             .windows(2)
@@ -528,7 +531,7 @@ fn crate_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
         })
         .collect();
     // `#[path = "x.rs"] mod name;` makes x.rs the module `name` of the declaring file.
-    let declared: Vec<(&String, Vec<(String, Vec<String>)>)> = files
+    let declared: Vec<(&String, Vec<PathModule>)> = files
         .iter()
         .map(|(rel, _)| (rel, parsed[&SourceFile::new(rel, "").module].path_modules()))
         .collect();
