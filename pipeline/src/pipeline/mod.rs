@@ -207,7 +207,7 @@ impl Pipeline {
             }
         }
         if let Some(path) = &b.bad_files_report {
-            crate::bad::write_report(path, &log.files)?;
+            crate::bad_report::write_report(path, &log.files)?;
         }
         let counters = Counters::new();
         counters
