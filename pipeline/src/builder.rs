@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use crate::buffer::{BatchAllocator, VecAllocator};
 use crate::{
-    AutoAugment, ColorJitter, DatasetSource, LastBatch, OnBadImage, Pipeline, PipelineError,
+    AutoAugment, ColorJitter, DatasetSource, LastBatch, OnBadImage, PipelineError,
     RandomResizedCrop, ResizeMode, Sampling, Split,
 };
 
-/// Configures and builds a [`Pipeline`].
+/// Configures and builds a [`Pipeline`](crate::Pipeline).
 #[derive(Clone)]
 pub struct PipelineBuilder {
     pub(crate) source: DatasetSource,
@@ -262,8 +262,8 @@ impl PipelineBuilder {
         self.store_size.unwrap_or(self.image_size)
     }
 
-    /// Scans the dataset, opens (or builds) the cache and starts the decode pool.
-    pub fn build(self) -> Result<Pipeline, PipelineError> {
+    /// Checks every setting, as [`PipelineBuilder::build`] does before it starts anything.
+    pub(crate) fn validate(&self) -> Result<(), PipelineError> {
         let positive = |name: &'static str, value: usize| {
             if value == 0 {
                 Err(PipelineError::InvalidSetting {
@@ -321,7 +321,7 @@ impl PipelineBuilder {
                 });
             }
         }
-        Pipeline::start(self)
+        Ok(())
     }
 }
 

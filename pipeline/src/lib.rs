@@ -57,6 +57,7 @@
 
 mod autoaugment;
 mod bad;
+mod bad_report;
 mod batch;
 pub mod bench;
 mod buffer;

@@ -122,7 +122,7 @@ impl Shared {
         log.files.push(file);
         self.counters.bad_files.fetch_add(1, Ordering::Relaxed);
         if let Some(path) = &self.report {
-            if let Err(e) = crate::bad::write_report(path, &log.files) {
+            if let Err(e) = crate::bad_report::write_report(path, &log.files) {
                 tracing::warn!("{e}");
             }
         }

@@ -77,6 +77,17 @@ impl<'a> Targets<'a> {
         }
     }
 
+    /// What the loss compares `input`'s logits with: its labels smoothed by `smoothing`, mixed
+    /// as the images were. (Built here, not by the batch, so the model's input types do not
+    /// depend back on the backend.)
+    pub fn of_batch(input: &InputBatch<'a>, smoothing: f32) -> Self {
+        Self {
+            labels: &input.labels[..input.len.min(input.labels.len())],
+            smoothing,
+            own_weight: input.mix.map_or(1.0, |m| m.own_weight(input.image_size)),
+        }
+    }
+
     /// Checks the labels against `classes` and the two weights' ranges (for `op`'s errors).
     pub fn check(&self, op: &'static str, n: usize, classes: usize) -> Result<(), BackendError> {
         let bad = |detail: String| BackendError::InvalidInput { op, detail };

@@ -149,7 +149,11 @@ where
         Ok(code) => code,
         Err(e) => {
             // Not eprintln!: a closed stderr (`2>&1 | head -1`) must not turn this into a panic.
-            let _ = writeln!(std::io::stderr(), "error: {}", one_line(&e.to_string()));
+            let _ = writeln!(
+                std::io::stderr(),
+                "error: {}",
+                panic_hook::one_line(&e.to_string())
+            );
             ExitCode::from(e.exit_code())
         }
     }
@@ -243,15 +247,6 @@ fn compact_usage_error(text: &str) -> String {
     format!("{head} (hint: {})", tips.join("; "))
 }
 
-/// Joins a multi-line message into one line.
-fn one_line(text: &str) -> String {
-    text.split('\n')
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// Warnings (e.g. skipped bad images) go to stderr; `RUST_LOG` overrides the level. They are
 /// coloured only when stderr is a terminal and `NO_COLOR` is unset (or empty), so logs and
 /// pipes get plain text.
@@ -280,6 +275,7 @@ fn use_colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::RunSettings;
     use clap::CommandFactory;
 
     #[test]
@@ -340,8 +336,42 @@ mod tests {
         }
     }
 
+    // The recorded settings' flags, parsed through the whole command line.
     #[test]
-    fn one_line_joins() {
-        assert_eq!(one_line("a\n  b\n\nc"), "a b c");
+    fn a_flag_given_overrides_the_checkpoint_and_one_left_out_keeps_it() {
+        let cli =
+            Cli::try_parse_from(["birdtrain", "--lr", "0.1", "--color-jitter", "0.4"]).unwrap();
+        let mut resumed = RunSettings {
+            lr: 0.5,
+            momentum: 0.8,
+            ..RunSettings::default()
+        };
+        cli.train.recipe.apply(&mut resumed);
+        cli.train.augment.engine.apply(&mut resumed);
+        assert_eq!(
+            (resumed.lr, resumed.momentum, resumed.color_jitter),
+            (0.1, 0.8, 0.4)
+        );
+    }
+
+    #[test]
+    fn every_training_flag_has_a_heading_and_a_row_prints_its_typed_default() {
+        let cli = Cli::command();
+        for arg in cli.get_arguments() {
+            let id = arg.get_id().as_str();
+            if !arg.is_hide_set() && !["help", "version"].contains(&id) {
+                assert!(arg.get_help_heading().is_some(), "--{id} has no heading");
+            }
+        }
+        let arg = |id: &str| cli.get_arguments().find(|a| a.get_id() == id).unwrap();
+        let help = |id: &str| arg(id).get_help().unwrap().to_string();
+        assert_eq!(arg("lr").get_help_heading(), Some("Optimizer"));
+        assert!(help("lr").ends_with("[default: 0.8]"), "{}", help("lr"));
+        assert!(help("weight_decay").ends_with("[default: 0.0005]"));
+        assert!(help("schedule").ends_with("[default: cosine]"));
+        assert!(
+            !help("store_size").contains("[default"),
+            "an optional setting"
+        );
     }
 }

@@ -42,8 +42,17 @@ fn report(info: &PanicHookInfo<'_>) -> String {
     format!(
         "error: birdtrain panicked at {place} (thread {thread}): {}; {BUG_MARKER}, please \
          report it to {report_to} with this line, the command you ran and `birdtrain --version`",
-        super::one_line(&message)
+        one_line(&message)
     )
+}
+
+/// Joins a multi-line message into one line.
+pub(super) fn one_line(text: &str) -> String {
+    text.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Panics when `BIRDTRAIN_FAULT=panic` asks for it (the tests' way to reach the hook).
@@ -53,5 +62,15 @@ pub(crate) fn inject_if_asked() {
             "injected by {}={PANIC_FAULT}",
             crate::train::fault::FAULT_ENV
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn one_line_joins() {
+        assert_eq!(one_line("a\n  b\n\nc"), "a b c");
     }
 }

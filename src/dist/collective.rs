@@ -25,7 +25,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use super::buckets::BucketError;
+use super::bucket_error::BucketError;
 use super::nccl::NcclError;
 use super::watchdog::WatchdogError;
 use crate::backend::bn_sync::SumThroughHostError;

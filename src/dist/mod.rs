@@ -32,6 +32,7 @@
 //! watchdog aborts) runs on CPU threads exactly as it runs on GPUs.
 
 pub mod abort_group;
+mod bucket_error;
 pub mod buckets;
 pub mod checksum;
 pub mod collective;

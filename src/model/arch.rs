@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::{Graph, ModelError};
+use super::ModelError;
 
 /// A ResNet variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,13 +56,6 @@ impl Arch {
     /// Whether this is one of the CIFAR-style small-image models.
     pub fn is_cifar(self) -> bool {
         matches!(self, Arch::ResNet8 | Arch::ResNet20 | Arch::ResNet56)
-    }
-
-    /// FLOPs (2 × multiply-adds) of one image's forward pass, convolutions and the classifier
-    /// (batch norm, pooling and activations are ignored, as usual for MFU). A training step
-    /// costs about 3× this.
-    pub fn forward_flops(self, image_size: u32, num_classes: usize) -> f64 {
-        Graph::new(self, num_classes).forward_flops(image_size)
     }
 }
 

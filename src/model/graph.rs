@@ -172,6 +172,17 @@ impl ValueDims {
     }
 }
 
+/// The network an [`Arch`] names, counted (it is built here, from the graph, so the
+/// architecture list needs no graph).
+impl Arch {
+    /// FLOPs (2 × multiply-adds) of one image's forward pass, convolutions and the classifier
+    /// (batch norm, pooling and activations are ignored, as usual for MFU). A training step
+    /// costs about 3× this.
+    pub fn forward_flops(self, image_size: u32, num_classes: usize) -> f64 {
+        Graph::new(self, num_classes).forward_flops(image_size)
+    }
+}
+
 /// The layer graph of one architecture and class count.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Graph {

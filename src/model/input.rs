@@ -137,16 +137,6 @@ pub struct InputBatch<'a> {
 }
 
 impl<'a> InputBatch<'a> {
-    /// What the loss compares this batch's logits with: its labels smoothed by
-    /// `smoothing`, mixed as the images were.
-    pub fn targets(&self, smoothing: f32) -> crate::backend::Targets<'a> {
-        crate::backend::Targets {
-            labels: &self.labels[..self.len.min(self.labels.len())],
-            smoothing,
-            own_weight: self.mix.map_or(1.0, |m| m.own_weight(self.image_size)),
-        }
-    }
-
     /// Checks buffer lengths, augment ranges and that the batch fits a network built for
     /// `max_batch` images of side `image_size`.
     pub fn validate(&self, max_batch: usize, image_size: u32) -> Result<(), ModelError> {

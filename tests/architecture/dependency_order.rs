@@ -2,8 +2,9 @@
 //! oom ← panics ← trace ← backend ← model ← optim ← cuda ← dist ← train ← cli. A `crate::` path in code (not
 //! in comments) that points up the stack fails this test, and so does clap or anyhow outside
 //! the command line. Inside `src/train` the files are layered too (`TRAIN_LAYERS`: building
-//! blocks ← config ← setup ← rank ← epochs ← launch ← run), and no file reaches itself
-//! through others.
+//! blocks ← config ← setup ← rank ← epochs ← launch ← run). No file of `src/` or
+//! `pipeline/src/` reaches itself through others (`crate_edges` says what counts as an edge;
+//! `KNOWN_CIRCLE_EDGES` lists, with reasons, the edges that still close a circle).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -220,6 +221,9 @@ const TRAIN_EXCEPTIONS: [(&str, &str, &str); 0] = [];
 /// thread starts and the abort of a process's communicators belong to `train/launch`.
 const NOT_IN_RANKS: [&str; 5] = ["launch", "rendezvous", "ranks", "start_gate", "abort_group"];
 
+/// A `#[path]` file: its path relative to the declaring file's folder, and its module.
+type PathModule = (String, Vec<String>);
+
 /// A leaf of a `use` tree: its segments and its alias (`as`).
 type Leaf = (Vec<String>, Option<String>);
 
@@ -336,24 +340,32 @@ fn inline_modules(code: &str) -> Vec<(String, std::ops::Range<usize>)> {
     out
 }
 
-/// A file of `src/train` as the checker reads it: its module path (`["rank", "cpu"]`; empty
-/// for `train/mod.rs`), its code without comments, its inline modules (where `super::` means
-/// something else) and the child modules it declares.
-struct TrainFile {
+/// A source file as the checker reads it: its module path from the crate root
+/// (`["train", "rank", "cpu"]`; empty for `lib.rs`), its code without comments, its inline
+/// modules (where `super::` means something else), the child modules it declares and where
+/// its re-exports (`pub use`, `pub(crate) use`, …) begin.
+struct SourceFile {
     module: Vec<String>,
     code: String,
     inline: Vec<(String, std::ops::Range<usize>)>,
     children: BTreeSet<String>,
+    reexport_at: BTreeSet<usize>,
 }
 
-impl TrainFile {
-    /// `rel` is the path under `src/train` (`rank/cpu.rs`, `mod.rs`).
-    fn new(rel: &str, text: &str) -> TrainFile {
+impl SourceFile {
+    /// `rel` is the path under the crate's `src` (`train/rank/cpu.rs`, `model/mod.rs`,
+    /// `lib.rs`).
+    fn new(rel: &str, text: &str) -> SourceFile {
         let stem = rel.strip_suffix(".rs").unwrap_or(rel);
         let mut module: Vec<String> = stem.split('/').map(str::to_string).collect();
-        if module.last().is_some_and(|m| m == "mod") {
+        if module.last().is_some_and(|m| m == "mod") || module == ["lib"] {
             module.pop();
         }
+        SourceFile::at(module, text)
+    }
+
+    /// The file of module `module` (a `#[path]` file lives elsewhere than its path says).
+    fn at(module: Vec<String>, text: &str) -> SourceFile {
         let code: String = text.lines().map(code).collect::<Vec<_>>().join("\n");
         let inline = inline_modules(&code);
         let children = code
@@ -366,21 +378,49 @@ impl TrainFile {
                 Some(name.trim().to_string())
             })
             .collect();
-        TrainFile {
+        let reexport_at = code
+            .match_indices("use ")
+            .filter(|(at, _)| {
+                let before = code[..*at].trim_end();
+                ["pub", "pub(crate)", "pub(super)", "pub(self)"]
+                    .iter()
+                    .any(|p| before.ends_with(p))
+            })
+            .map(|(at, _)| at + 4 + (code[at + 4..].len() - code[at + 4..].trim_start().len()))
+            .collect();
+        SourceFile {
             module,
             code,
             inline,
             children,
+            reexport_at,
         }
     }
 
+    /// The files declared with `#[path = "…"] mod name;`: (the file's path relative to this
+    /// file's folder, the module it is).
+    fn path_modules(&self) -> Vec<PathModule> {
+        let lines: Vec<&str> = self.code.lines().map(str::trim).collect();
+        lines
+            .windows(2)
+            .filter_map(|w| {
+                let file = w[0].strip_prefix("#[path = \"")?.strip_suffix("\"]")?;
+                let l = w[1].rsplit_once(") ").map_or(w[1], |(_, r)| r);
+                let l = l.strip_prefix("pub ").unwrap_or(l);
+                let name = l.strip_prefix("mod ")?.strip_suffix(';')?.trim();
+                let mut module = self.module.clone();
+                module.push(name.to_string());
+                Some((file.to_string(), module))
+            })
+            .collect()
+    }
+
     /// Every path the code names from `crate`, `super`, `self` or a child module, resolved
-    /// from the (inline) module it is named in against the crate root (`["train", "rank", "Device"]`,
-    /// `["dist", "launch", "probe_gpus"]`).
-    fn paths(&self) -> Vec<Vec<String>> {
+    /// from the (inline) module it is named in against the crate root (`["train", "rank",
+    /// "Device"]`, `["dist", "launch", "probe_gpus"]`). With `uses_only`, the paths of
+    /// re-exports are left out: they are followed to the defining file, never used as such.
+    fn named(&self, uses_only: bool) -> Vec<Vec<String>> {
         let mut out = Vec::new();
-        let mut here = vec!["train".to_string()];
-        here.extend(self.module.iter().cloned());
         let code = self.code.as_str();
         let mut i = 0;
         while i < code.len() {
@@ -399,39 +439,38 @@ impl TrainFile {
                 .map_or(code.len(), |n| i + n);
             let word = &code[i..word_end];
             let rooted = ["crate", "super", "self"].contains(&word) || self.children.contains(word);
-            if !rooted || !code[word_end..].starts_with("::") {
+            let visibility = code[..i].trim_end().ends_with("(in"); // `pub(in crate::a)`
+            if !rooted || visibility || !code[word_end..].starts_with("::") {
                 i = word_end;
                 continue;
             }
-            let mut base = here.clone();
+            let mut base = self.module.clone();
             for (name, body) in &self.inline {
                 if body.contains(&i) {
                     base.push(name.clone());
                 }
             }
             let (leaves, end) = use_tree(code, i);
-            for (segs, _) in leaves {
-                out.push(absolute(&base, &segs));
+            if !(uses_only && self.reexport_at.contains(&i)) {
+                for (segs, _) in leaves {
+                    out.push(absolute(&base, &segs));
+                }
             }
             i = end.max(word_end);
         }
         out
     }
 
+    /// Every path the code names (re-exports included), from the crate root.
+    fn paths(&self) -> Vec<Vec<String>> {
+        self.named(false)
+    }
+
     /// The re-exports of this file: exported name → the path it stands for.
     fn reexports(&self) -> BTreeMap<String, Vec<String>> {
         let mut out = BTreeMap::new();
-        let mut here = vec!["train".to_string()];
-        here.extend(self.module.iter().cloned());
-        for (at, _) in self.code.match_indices("use ") {
-            let before = self.code[..at].trim_end();
-            if !(before.ends_with("pub")
-                || before.ends_with("pub(crate)")
-                || before.ends_with("pub(super)"))
-            {
-                continue;
-            }
-            let (leaves, _) = use_tree(&self.code, at + 4);
+        for at in &self.reexport_at {
+            let (leaves, _) = use_tree(&self.code, *at);
             for (segs, alias) in leaves {
                 let Some(first) = segs.first() else { continue };
                 let rooted = ["crate", "super", "self"].contains(&first.as_str())
@@ -439,7 +478,7 @@ impl TrainFile {
                 if !rooted {
                     continue; // another crate's item
                 }
-                let path = absolute(&here, &segs);
+                let path = absolute(&self.module, &segs);
                 if let Some(name) = alias.or_else(|| path.last().cloned()) {
                     out.insert(name, path);
                 }
@@ -471,45 +510,70 @@ fn absolute(base: &[String], segs: &[String]) -> Vec<String> {
     path
 }
 
-/// The files of `src/train` (module path → file) and the edges between them: `a → b` when
-/// `a`'s code names something `b` defines (re-exports followed to where the item lives).
-/// Module paths are written `rank/cpu`; `train/mod.rs` is the empty one.
-fn train_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
-    let parsed: BTreeMap<Vec<String>, TrainFile> = files
+/// The edges between the files of one crate, given as (path under its `src`, text): `a → b`
+/// when `a`'s code uses something `b` defines. What counts as an edge:
+/// - a `crate::`, `super::`, `self::` or child-module path in code (comments and `$crate`
+///   do not count), resolved to the file that *defines* the item: a re-export is followed
+///   to the item's file, so re-exporting is never a use of its own, and a `mod.rs` that
+///   only declares and re-exports its children depends on none of them;
+/// - declaring a child (`mod x;`) is not an edge; a parent and a child form a circle only
+///   when each uses an item the other defines (`mod.rs` calling `x::f` while `x.rs` uses a
+///   type defined in `mod.rs`), which is then fixed like any other circle;
+/// - a file's own inline modules (`mod tests { use super::*; }`) are the file itself.
+///
+/// Module paths are written `train/rank/cpu`; the crate root (`lib.rs`) is the empty one.
+fn crate_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
+    let mut parsed: BTreeMap<Vec<String>, SourceFile> = files
         .iter()
         .map(|(rel, text)| {
-            let f = TrainFile::new(rel, text);
+            let f = SourceFile::new(rel, text);
             (f.module.clone(), f)
         })
         .collect();
+    // `#[path = "x.rs"] mod name;` makes x.rs the module `name` of the declaring file.
+    let declared: Vec<(&String, Vec<PathModule>)> = files
+        .iter()
+        .map(|(rel, _)| (rel, parsed[&SourceFile::new(rel, "").module].path_modules()))
+        .collect();
+    for (rel, path_modules) in declared {
+        let dir = rel.rsplit_once('/').map_or("", |(d, _)| d);
+        for (file, module) in path_modules {
+            let file_rel = if dir.is_empty() {
+                file
+            } else {
+                format!("{dir}/{file}")
+            };
+            let Some((_, text)) = files.iter().find(|(r, _)| *r == file_rel) else {
+                continue;
+            };
+            parsed.remove(&SourceFile::new(&file_rel, "").module);
+            parsed.insert(module.clone(), SourceFile::at(module, text));
+        }
+    }
     let reexports: BTreeMap<&Vec<String>, BTreeMap<String, Vec<String>>> =
         parsed.iter().map(|(m, f)| (m, f.reexports())).collect();
-    // The file defining what `path` (from the crate root) names, if it lies in src/train.
+    // The file defining what `path` (from the crate root) names, if it is one of `files`.
     let resolve = |path: &[String]| -> Option<Vec<String>> {
         let mut path = path.to_vec();
         for _ in 0..8 {
-            if path.first().is_none_or(|s| s != "train") {
-                return None;
-            }
-            let inner = &path[1..];
-            let k = (0..=inner.len())
+            let k = (0..=path.len())
                 .rev()
-                .find(|&k| parsed.contains_key(&inner[..k]))?;
-            let module = inner[..k].to_vec();
-            match inner.get(k).and_then(|name| reexports[&module].get(name)) {
-                Some(target) => {
+                .find(|&k| parsed.contains_key(&path[..k]))?;
+            let module = path[..k].to_vec();
+            match path.get(k).and_then(|name| reexports[&module].get(name)) {
+                Some(target) if *target != path[..=k] => {
                     let mut next = target.clone();
-                    next.extend(inner[k + 1..].iter().cloned());
+                    next.extend(path[k + 1..].iter().cloned());
                     path = next;
                 }
-                None => return Some(module),
+                _ => return Some(module),
             }
         }
         None
     };
     let mut edges = BTreeSet::new();
     for (module, file) in &parsed {
-        for path in file.paths() {
+        for path in file.named(true) {
             if let Some(target) = resolve(&path) {
                 if &target != module {
                     edges.insert((module.join("/"), target.join("/")));
@@ -518,6 +582,26 @@ fn train_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
         }
     }
     edges
+}
+
+/// The files of `src/train` (as `crate_edges` of those files alone) and the edges between
+/// them, with module paths relative to `src/train` (`rank/cpu`; `train/mod.rs` is the empty
+/// one). `files` are (path under `src/train`, text).
+fn train_edges(files: &[(String, String)]) -> BTreeSet<(String, String)> {
+    let files: Vec<(String, String)> = files
+        .iter()
+        .map(|(rel, text)| (format!("train/{rel}"), text.clone()))
+        .collect();
+    let strip = |m: String| -> String {
+        match m.strip_prefix("train/") {
+            Some(rest) => rest.to_string(),
+            None => String::new(), // `train` itself
+        }
+    };
+    crate_edges(&files)
+        .into_iter()
+        .map(|(f, t)| (strip(f), strip(t)))
+        .collect()
 }
 
 /// The layer of a `src/train` module path (`rank/cuda` is in `rank`'s).
@@ -560,17 +644,28 @@ fn train_violations(edges: &BTreeSet<(String, String)>) -> Vec<String> {
 
 /// Every circle among the files (a strongly connected component of two or more), each sorted.
 fn train_cycles(edges: &BTreeSet<(String, String)>) -> Vec<Vec<String>> {
-    let kept: Vec<&(String, String)> = edges
+    let kept: BTreeSet<(String, String)> = edges
         .iter()
         .filter(|(f, t)| !is_train_exception(f, t))
+        .cloned()
         .collect();
-    let nodes: BTreeSet<&String> = kept.iter().flat_map(|(f, t)| [f, t]).collect();
+    cycles(&kept)
+}
+
+/// Every circle among the nodes of `edges` (a strongly connected component of two or more),
+/// each sorted.
+fn cycles(edges: &BTreeSet<(String, String)>) -> Vec<Vec<String>> {
+    let mut next: BTreeMap<&String, Vec<&String>> = BTreeMap::new();
+    for (f, t) in edges {
+        next.entry(f).or_default().push(t);
+    }
+    let nodes: BTreeSet<&String> = edges.iter().flat_map(|(f, t)| [f, t]).collect();
     let reach = |from: &String| -> BTreeSet<&String> {
         let mut seen = BTreeSet::new();
         let mut todo = vec![from];
         while let Some(n) = todo.pop() {
-            for (f, t) in &kept {
-                if f == n && seen.insert(t) {
+            for t in next.get(n).into_iter().flatten() {
+                if seen.insert(*t) {
                     todo.push(t);
                 }
             }
@@ -595,9 +690,9 @@ fn train_cycles(edges: &BTreeSet<(String, String)>) -> Vec<Vec<String>> {
     cycles.into_iter().collect()
 }
 
-/// The files of `src/train`, as (path under `src/train`, text).
-fn read_train_files() -> Vec<(String, String)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train");
+/// The `.rs` files under `dir` (relative to the workspace), as (path under `dir`, text).
+fn read_files(dir: &str) -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
     let mut files = Vec::new();
     rust_files(&dir, &mut files);
     files.sort();
@@ -615,13 +710,85 @@ fn read_train_files() -> Vec<(String, String)> {
         .collect()
 }
 
+/// The files of `src/train`, as (path under `src/train`, text).
+fn read_train_files() -> Vec<(String, String)> {
+    read_files("src/train")
+}
+
+/// Known edges that close a circle among the files of a crate's `src` (the crate's `src`,
+/// from, to, why it is still there). Nothing else may be added, and one that is gone must
+/// leave this list.
+const KNOWN_CIRCLE_EDGES: [(&str, &str, &str, &str); 0] = [];
+
+/// The circles among the files of a crate's `src` (the binary's `main.rs`, a crate of its
+/// own, left out; the crate's `KNOWN_CIRCLE_EDGES` too), as messages, and the known edges
+/// that are gone.
+fn crate_circles(src: &str) -> (Vec<String>, Vec<String>) {
+    let files: Vec<(String, String)> = read_files(src)
+        .into_iter()
+        .filter(|(rel, _)| rel != "main.rs")
+        .collect();
+    let name = |m: &String| {
+        if m.is_empty() {
+            format!("{src}/lib.rs")
+        } else {
+            format!("{src}/{m}")
+        }
+    };
+    let all = crate_edges(&files);
+    let known = |f: &str, t: &str| {
+        KNOWN_CIRCLE_EDGES
+            .iter()
+            .any(|(c, kf, kt, _)| *c == src && *kf == f && *kt == t)
+    };
+    let edges: BTreeSet<(String, String)> =
+        all.iter().filter(|(f, t)| !known(f, t)).cloned().collect();
+    let circles = cycles(&edges)
+        .iter()
+        .map(|c| {
+            let inside: Vec<String> = edges
+                .iter()
+                .filter(|(f, t)| c.contains(f) && c.contains(t))
+                .map(|(f, t)| format!("  {} → {}", name(f), name(t)))
+                .collect();
+            format!(
+                "{}\n{}",
+                c.iter().map(name).collect::<Vec<_>>().join(" ⇄ "),
+                inside.join("\n")
+            )
+        })
+        .collect();
+    let gone = KNOWN_CIRCLE_EDGES
+        .iter()
+        .filter(|(c, f, t, _)| *c == src && !all.contains(&(f.to_string(), t.to_string())))
+        .map(|(_, f, t, why)| format!("{src}/{f} no longer uses {src}/{t} ({why})"))
+        .collect();
+    (circles, gone)
+}
+
+/// No file of `src/` or `pipeline/src/` reaches itself through others, inside a module
+/// folder or across folders (what counts as an edge: `crate_edges`).
+#[test]
+fn no_source_file_reaches_itself_through_others() {
+    let (mut found, mut gone) = crate_circles("src");
+    let (pipeline_found, pipeline_gone) = crate_circles("pipeline/src");
+    found.extend(pipeline_found);
+    gone.extend(pipeline_gone);
+    assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
+    assert!(
+        gone.is_empty(),
+        "remove from KNOWN_CIRCLE_EDGES:\n{}",
+        gone.join("\n")
+    );
+}
+
 #[test]
 fn the_trainer_is_layered_without_a_circle() {
     let files = read_train_files();
     let edges = train_edges(&files);
     let mut unplaced: Vec<String> = files
         .iter()
-        .map(|(rel, text)| TrainFile::new(rel, text).module.join("/"))
+        .map(|(rel, text)| SourceFile::new(&format!("train/{rel}"), text).module[1..].join("/"))
         .filter(|m| !m.is_empty() && train_layer(m).is_none())
         .collect();
     unplaced.dedup();
@@ -662,7 +829,7 @@ fn the_per_step_rank_code_starts_no_ranks() {
         if !rel.starts_with("rank/") {
             continue;
         }
-        for path in TrainFile::new(&rel, &text).paths() {
+        for path in SourceFile::new(&format!("train/{rel}"), &text).paths() {
             if path.first().is_some_and(|m| m == "dist")
                 && path
                     .get(1)
@@ -744,6 +911,59 @@ fn the_train_checker_sees_back_edges_circles_and_reexports() {
             ("crate::a::b".to_string(), None),
             ("crate::a::c".to_string(), Some("d".to_string())),
             ("crate::e".to_string(), None),
+        ]
+    );
+}
+
+#[test]
+fn the_crate_checker_sees_circles_across_folders_and_between_parent_and_child() {
+    let file = |rel: &str, text: &str| (rel.to_string(), text.to_string());
+    let files = vec![
+        file("lib.rs", "pub mod a;\npub mod b;\npub mod c;\n"),
+        // A facade: declaring and re-exporting its children is no use of them.
+        file(
+            "a/mod.rs",
+            "mod x;\nmod y;\npub use x::X;\npub(crate) use y::Y;\n",
+        ),
+        file(
+            "a/x.rs",
+            "pub struct X;\nfn f() { let _ = super::Y; let _ = crate::c::C; }\n",
+        ),
+        file("a/y.rs", "pub struct Y;\n"),
+        // A parent that uses its child while the child uses what the parent defines.
+        file(
+            "b/mod.rs",
+            "mod kid;\npub struct Top;\nfn g() { kid::k() }\n\
+             #[path = \"far.rs\"]\nmod near;\n",
+        ),
+        file("b/kid.rs", "pub fn k() { let _ = super::Top; }\n"),
+        // A `#[path]` file is the module its declaring file names: its `super` is `b`.
+        file("b/far.rs", "fn h() { let _ = super::Top; }\n"),
+        // A circle across folders, and a visibility path that is no use.
+        file(
+            "c.rs",
+            "pub(in crate::b) struct C;\nfn i() { crate::a::X; }\n",
+        ),
+    ];
+    let edges = crate_edges(&files);
+    let has = |a: &str, b: &str| edges.contains(&(a.to_string(), b.to_string()));
+    assert!(
+        !has("a", "a/x") && !has("a", "a/y"),
+        "a re-export counted: {edges:?}"
+    );
+    assert!(
+        has("a/x", "a/y"),
+        "re-exports lead to the defining file: {edges:?}"
+    );
+    assert!(has("b", "b/kid") && has("b/kid", "b"));
+    assert!(has("b/near", "b"), "{edges:?}");
+    assert!(!edges.iter().any(|(f, _)| f == "b/far"), "{edges:?}");
+    assert!(!has("c", "b"), "a visibility path counted: {edges:?}");
+    assert_eq!(
+        cycles(&edges),
+        vec![
+            vec!["a/x".to_string(), "c".to_string()],
+            vec!["b".to_string(), "b/kid".to_string()],
         ]
     );
 }

@@ -144,6 +144,15 @@ impl std::fmt::Debug for Pipeline {
     }
 }
 
+// Defined here, beside `Pipeline::start`, so the builder never reaches the engine it starts.
+impl PipelineBuilder {
+    /// Scans the dataset, opens (or builds) the cache and starts the decode pool.
+    pub fn build(self) -> Result<Pipeline, PipelineError> {
+        self.validate()?;
+        Pipeline::start(self)
+    }
+}
+
 impl Pipeline {
     pub(crate) fn start(b: PipelineBuilder) -> Result<Self, PipelineError> {
         refuse_writes_into_dataset(&b)?;
@@ -207,7 +216,7 @@ impl Pipeline {
             }
         }
         if let Some(path) = &b.bad_files_report {
-            crate::bad::write_report(path, &log.files)?;
+            crate::bad_report::write_report(path, &log.files)?;
         }
         let counters = Counters::new();
         counters

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result as drv, CudaEvent, CudaSlice, CudaStream, DriverError};
 
+use super::communicator::host_wait_event;
 use super::{new_unique_id, Communicator, NcclElement, NcclError, UNIQUE_ID_BYTES};
 use crate::backend::bn_sync::SumThroughHostError;
 use crate::backend::SumsMut;
@@ -13,16 +14,6 @@ use crate::cuda::timeline::{rows, GpuTimeline};
 use crate::cuda::{grad, GpuDevice};
 use crate::dist::collective::{Collective, CollectiveError};
 use crate::dist::watchdog::{Abortable, Watchdog};
-
-/// A new event that the host will wait on: with blocking synchronisation, so the waiting
-/// thread sleeps in the driver instead of spinning a core (one per rank otherwise) until the
-/// GPU gets there. Timing stays on (the flag set cannot say "blocking without timing"), which
-/// costs one timestamp per record.
-pub fn host_wait_event(stream: &CudaStream) -> Result<CudaEvent, DriverError> {
-    stream.context().new_event(Some(
-        cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
-    ))
-}
 
 /// A rank's flat gradient buffer on its GPU: the device address and length of the f32 arena
 /// the network's gradient tensors are views of. It does not own the memory: the network does,

@@ -6,16 +6,25 @@ use std::ptr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::sys::{
     cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
 };
 
-use super::collective::host_wait_event;
 use super::ffi::{ensure_available, nccl, UNIQUE_ID_BYTES};
 use super::NcclError;
 use crate::dist::comm_guard::{CommGuard, CommGuardError, RawComm};
 use crate::dist::watchdog::{Abortable, Watchdog};
+
+/// A new event that the host will wait on: with blocking synchronisation, so the waiting
+/// thread sleeps in the driver instead of spinning a core (one per rank otherwise) until the
+/// GPU gets there. Timing stays on (the flag set cannot say "blocking without timing"), which
+/// costs one timestamp per record.
+pub fn host_wait_event(stream: &CudaStream) -> Result<CudaEvent, DriverError> {
+    stream.context().new_event(Some(
+        cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+    ))
+}
 
 /// A raw communicator handed from the init thread to its owner.
 struct InitComm(ncclComm_t);

@@ -36,7 +36,7 @@ mod communicator;
 mod error;
 mod ffi;
 
-pub use collective::{host_wait_event, DeviceGrads, NcclCollective};
-pub use communicator::{Communicator, NcclElement};
+pub use collective::{DeviceGrads, NcclCollective};
+pub use communicator::{host_wait_event, Communicator, NcclElement};
 pub use error::NcclError;
 pub use ffi::{ensure_available, library, new_unique_id, UNIQUE_ID_BYTES};

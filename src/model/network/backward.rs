@@ -2,34 +2,11 @@
 //! gradient handed to the gradient-ready hook as soon as it is final.
 
 use crate::backend::{Backend, BnBackward, BnGradEpilogue, ConvShape};
-use crate::model::graph::{Graph, Node};
+use crate::model::graph::Node;
 use crate::model::ModelError;
 
-use super::sync_bn::{reborrow, BnAllReduce};
+use super::hooks::{grad_ready_order, reborrow, BnAllReduce, GradReadyHook};
 use super::{get, take, Network};
-
-/// The gradient-ready callback of [`Network::train_step_with`]: parameter index (into
-/// `graph.params()`) and its final gradient tensor.
-pub type GradReadyHook<'a, T> = dyn FnMut(usize, &T) -> Result<(), GradHookError> + 'a;
-
-/// What a gradient-ready hook may fail with (e.g. an NCCL launch error); it is carried to
-/// the caller inside [`ModelError::GradHook`](crate::model::ModelError::GradHook).
-pub type GradHookError = Box<dyn std::error::Error + Send + Sync>;
-
-/// See [`Network::grad_ready_order`].
-pub(super) fn grad_ready_order(graph: &Graph) -> Vec<usize> {
-    let mut order = Vec::with_capacity(graph.params().len());
-    for node in graph.nodes().iter().rev() {
-        match *node {
-            Node::Conv { weight, .. } => order.push(weight),
-            Node::BatchNorm { weight, bias, .. } | Node::Linear { weight, bias, .. } => {
-                order.extend([weight, bias])
-            }
-            Node::MaxPool { .. } | Node::GlobalAvgPool { .. } => {}
-        }
-    }
-    order
-}
 
 impl<B: Backend> Network<B> {
     /// Hands parameter `p`'s (final) gradient to the hook. Every parameter belongs to exactly

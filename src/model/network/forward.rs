@@ -1,10 +1,10 @@
 //! The forward pass of a [`Network`], and the inference steps built on it alone.
 
-use crate::backend::{Backend, BnForward, BnMode};
+use crate::backend::{Backend, BnForward, BnMode, Targets};
 use crate::model::graph::Node;
 use crate::model::{Augment, InputBatch, ModelError, StepStats};
 
-use super::sync_bn::{reborrow, BnAllReduce};
+use super::hooks::{reborrow, BnAllReduce};
 use super::{get, take, Network, BORROWED};
 
 impl<B: Backend> Network<B> {
@@ -25,7 +25,7 @@ impl<B: Backend> Network<B> {
             n,
             self.graph.num_classes(),
             get(&self.acts, logits),
-            &input.targets(self.config.label_smoothing),
+            &Targets::of_batch(input, self.config.label_smoothing),
             None,
             Some(&mut probs),
         )?;

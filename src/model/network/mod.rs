@@ -3,28 +3,29 @@
 //! [`Network`] is one struct whose work is split by concept: the plan it is built from (node
 //! shapes computed once, gradient buffers: `plan`), the weight layout conversion (`layout`),
 //! state in and out (`state`), the forward and backward passes (`forward`, `backward`) and
-//! synchronised batch norm (`sync_bn`). This file allocates a network and runs a step.
+//! synchronised batch norm (`sync_bn`), with the hooks a step calls (`hooks`). This file allocates a network and runs a step.
 
 mod backward;
 mod forward;
+mod hooks;
 mod layout;
 mod plan;
 mod state;
 mod sync_bn;
 
-use crate::backend::{Backend, BnMode, TensorRole};
+use crate::backend::{Backend, BnMode, Targets, TensorRole};
 
 use super::bn_fusion::FusionPlan;
 use super::graph::{BufferKind, Graph, Node};
 use super::{InputBatch, ModelError, ModelState, StepStats};
 
-pub use backward::{GradHookError, GradReadyHook};
+pub use hooks::{BnAllReduce, GradHookError, GradReadyHook};
 pub(crate) use layout::{ohwi_to_oihw, oihw_to_ohwi};
 pub use plan::{buffer_plan, BufferPlan};
-pub use sync_bn::{BnAllReduce, SyncEvent};
+pub use sync_bn::SyncEvent;
 
+use hooks::reborrow;
 use plan::Plan;
-use sync_bn::reborrow;
 
 /// Training options that change the math.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -346,7 +347,7 @@ impl<B: Backend> Network<B> {
             n,
             classes,
             get(&self.acts, logits),
-            &input.targets(self.config.label_smoothing),
+            &Targets::of_batch(input, self.config.label_smoothing),
             Some(&mut dlogits),
             None,
         );

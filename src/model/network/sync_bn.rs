@@ -1,46 +1,14 @@
-//! Synchronised batch norm: the cross-replica reducer a [`Network`] is handed, the order of a
-//! synchronised step's collectives, the global statistics of forward, the global reductions
-//! of backward, and the step of a replica with no image.
+//! Synchronised batch norm: the order of a synchronised step's collectives, the global
+//! statistics of forward, the global reductions of backward, and the step of a replica with
+//! no image. The reducer a [`Network`] is handed lives in `hooks`.
 
-use crate::backend::bn_sync::{self, SumThroughHostError};
+use crate::backend::bn_sync;
 use crate::backend::{Backend, BnForward, BnMode, BnShape, BnSyncBackward, SumsMut};
 use crate::model::graph::{BufferKind, Graph, Node};
 use crate::model::ModelError;
 
-use super::backward::{grad_ready_order, GradHookError};
+use super::hooks::{grad_ready_order, BnAllReduce, GradHookError};
 use super::{get, take, BnSums, Network, BORROWED};
-
-/// Cross-replica sums for synchronised batch norm ([`Network::train_step_synced`]).
-///
-/// Every replica calls [`BnAllReduce::sum_in_place`] the same number of times, in the same
-/// order (once per BN layer in forward, once per BN layer in backward), with vectors of the
-/// same length; each call returns when every replica's values are summed into `values`.
-pub trait BnAllReduce {
-    /// Sums `values` element-wise over every replica, in place.
-    fn sum_in_place(&mut self, values: &mut [f64]) -> Result<(), GradHookError>;
-
-    /// Sums a backend's sums over every replica, in place, where they are. The default goes
-    /// through the host ([`BnAllReduce::sum_in_place`]; device sums are downloaded and
-    /// uploaded again); a reducer with a device path (NCCL) sums device memory on the device.
-    fn sum_sums(&mut self, mut sums: SumsMut<'_>) -> Result<(), GradHookError> {
-        sums.sum_through_host(|v| self.sum_in_place(v))
-            .map_err(|e| match e {
-                SumThroughHostError::Device(e) => Box::new(e) as GradHookError,
-                SumThroughHostError::Sum(e) => e,
-            })
-    }
-}
-
-/// A shorter-lived handle on an optional reducer (`Option::as_deref_mut` cannot shorten the
-/// trait object's lifetime, which `&mut` makes invariant).
-pub(super) fn reborrow<'a>(
-    r: &'a mut Option<&mut dyn BnAllReduce>,
-) -> Option<&'a mut dyn BnAllReduce> {
-    match r {
-        Some(r) => Some(&mut **r),
-        None => None,
-    }
-}
 
 /// One cross-replica event of a synchronised training step, in the order
 /// [`Network::train_step_synced`] issues them (see [`Network::synced_step_events`]).

@@ -1,0 +1,378 @@
+//! Opening a cache: resuming, rebuilding, opening read-only, or going on without one.
+
+use std::fs::{File, OpenOptions};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use memmap2::MmapOptions;
+
+use crate::PipelineError;
+
+#[cfg(test)]
+use super::faults;
+use super::file::{io_err, is_unwritable, mapping_allowed, try_lock, MAPPING};
+use super::format::*;
+use super::key::CacheKey;
+use super::validate::{cut_short, judge, Verdict};
+use super::{Cache, Map};
+
+impl Cache {
+    /// Opens (resuming, or rebuilding) the cache at `path` for `key`, with `labels` per record.
+    /// A place that cannot hold the cache, or a file that cannot be memory-mapped, gives a
+    /// disabled cache and one warning, not an error.
+    pub(crate) fn open(path: &Path, key: CacheKey, labels: &[u32]) -> Result<Self, PipelineError> {
+        let layout = Layout::new(
+            key.count,
+            key.image_size as usize * key.image_size as usize * 3,
+        );
+        if let Some(dir) = path.parent() {
+            if let Err(e) = std::fs::create_dir_all(dir) {
+                if is_unwritable(&e) {
+                    return Ok(Self::disabled(path, layout, "creating its folder", &e));
+                }
+                return Err(io_err(dir, "creating the cache directory")(e));
+            }
+        }
+        let opened = OpenOptions::new().read(true).write(true).open(path);
+        #[cfg(test)]
+        let opened = faults::deny_write(path, opened);
+        match opened {
+            Ok(file) => match try_lock(&file) {
+                Ok(true) => {
+                    let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+                    if len != layout.total as u64 {
+                        // Truncated, or another shape: nothing in it can be trusted. A file
+                        // of this very dataset cut short is damage, and said so.
+                        if let Some(why) = cut_short(&file, len, &key, &layout) {
+                            tracing::warn!(
+                                "cache file {}: {why} (a damaged file); rebuilding it",
+                                path.display()
+                            );
+                        }
+                        return Self::create_or_disable(path, key, labels, layout);
+                    }
+                    // SAFETY: we hold the exclusive lock, so no other writer changes the file;
+                    // it is only grown or replaced by rename, never truncated in place.
+                    let map = match mapping_allowed(path)
+                        .and_then(|()| unsafe { MmapOptions::new().map_mut(&file) })
+                    {
+                        Ok(map) => map,
+                        Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+                    };
+                    match judge(&map, &key, &layout, len) {
+                        Verdict::Rebuild => {
+                            drop(map);
+                            Self::create_or_disable(path, key, labels, layout)
+                        }
+                        Verdict::Damaged(why) => {
+                            drop(map);
+                            tracing::warn!(
+                                "cache file {}: {why} (a damaged file); rebuilding it",
+                                path.display()
+                            );
+                            Self::create_or_disable(path, key, labels, layout)
+                        }
+                        verdict => {
+                            let cache =
+                                Self::from_map(path, Some(file), Map::Write(map), layout, true);
+                            if verdict == Verdict::Resumable {
+                                cache.begin_writes();
+                            }
+                            Ok(cache)
+                        }
+                    }
+                }
+                Ok(false) => Self::open_reader(path, file, key, layout),
+                Err(e) => Err(io_err(path, "locking")(e)),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Self::create_or_disable(path, key, labels, layout)
+            }
+            Err(e) if is_unwritable(&e) => match File::open(path) {
+                Ok(file) => Self::open_read_only(path, file, key, layout),
+                Err(e) => Ok(Self::disabled(path, layout, "opening", &e)),
+            },
+            Err(e) => Err(io_err(path, "opening")(e)),
+        }
+    }
+
+    /// A cache that caches nothing, after one warning saying why (`what` failed with `e`).
+    /// No cache at all, asked for ([`PipelineBuilder::cache`](crate::PipelineBuilder::cache)):
+    /// no file is made and every image is decoded each time it is served.
+    pub(crate) fn off(path: &Path, key: CacheKey) -> Self {
+        let layout = Layout::new(
+            key.count,
+            key.image_size as usize * key.image_size as usize * 3,
+        );
+        Self::from_map(path, None, Map::None, Layout { count: 0, ..layout }, false)
+    }
+
+    pub(super) fn disabled(path: &Path, layout: Layout, what: &str, e: &std::io::Error) -> Self {
+        let hint = if what != MAPPING {
+            "free space there or pass a writable --cache-dir".to_string()
+        } else if e.raw_os_error() == Some(libc::ENOMEM) {
+            let size = if layout.total >= 1 << 30 {
+                format!("{:.1} GiB", layout.total as f64 / (1u64 << 30) as f64)
+            } else {
+                format!("{} MiB", layout.total.div_ceil(1 << 20))
+            };
+            format!(
+                "mapping it takes {size} of address space: raise the memory limit \
+                 (`ulimit -v`, a cgroup), use a smaller image size, or free memory"
+            )
+        } else {
+            "its file system may not support memory maps: pass a --cache-dir on a local disk"
+                .to_string()
+        };
+        tracing::warn!(
+            "cache file {}: {what} failed ({e}); going on without the pixel cache, so every \
+             epoch decodes its images (hint: {hint})",
+            path.display()
+        );
+        Self::from_map(path, None, Map::None, Layout { count: 0, ..layout }, false)
+    }
+
+    /// Whether a header (mapped read-only) fits `key` and its checksums; the reason if not.
+    pub(super) fn readable(
+        map: &[u8],
+        key: &CacheKey,
+        layout: &Layout,
+        len: u64,
+    ) -> Result<(), String> {
+        match judge(map, key, layout, len) {
+            Verdict::Complete | Verdict::Resumable => Ok(()),
+            Verdict::Rebuild => Err("was built for another dataset, setting or format".into()),
+            Verdict::Damaged(why) => Err(format!("is damaged: {why}")),
+        }
+    }
+
+    /// Another pipeline writes this file: serve what it has published, write nothing.
+    pub(super) fn open_reader(
+        path: &Path,
+        file: File,
+        key: CacheKey,
+        layout: Layout,
+    ) -> Result<Self, PipelineError> {
+        let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        if len != layout.total as u64 {
+            // Not ours to rebuild: behave as an empty cache (decode in memory).
+            return Ok(Self::from_map(
+                path,
+                Some(file),
+                Map::None,
+                Layout { count: 0, ..layout },
+                false,
+            ));
+        }
+        // SAFETY: the writer never truncates a cache file in place (rebuilds are renamed over).
+        let map =
+            match mapping_allowed(path).and_then(|()| unsafe { MmapOptions::new().map(&file) }) {
+                Ok(map) => map,
+                Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+            };
+        // The writer's map checksum is stale while it fills (state `filling`), so only the
+        // header is checked here; every record is still verified before it is served.
+        let usable = map.len() >= HEADER_BYTES
+            && &map[0..8] == MAGIC
+            && read_u32(&map, 8) == VERSION
+            && read_u64(&map, OFF_HEADER_SUM) == header_sum(&map, &layout)
+            && read_u32(&map, 16) == key.image_size
+            && read_u64(&map, 24) == key.count as u64
+            && read_u64(&map, 32) == key.fingerprint
+            && read_u64(&map, 40) == layout.record_bytes as u64;
+        // Not ours to rebuild when unusable: behave as an empty cache (decode in memory).
+        let layout = if usable {
+            layout
+        } else {
+            Layout { count: 0, ..layout }
+        };
+        Ok(Self::from_map(
+            path,
+            Some(file),
+            Map::Read(map),
+            layout,
+            false,
+        ))
+    }
+
+    /// The file cannot be opened for writing (a read-only folder or disk): serve it as it
+    /// is when it is valid, else decode without it; one warning when it is not complete.
+    pub(super) fn open_read_only(
+        path: &Path,
+        file: File,
+        key: CacheKey,
+        layout: Layout,
+    ) -> Result<Self, PipelineError> {
+        let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        let unusable = |why: String| {
+            tracing::warn!(
+                "cache file {} is read-only and {why}; decoding without it (hint: pass a \
+                 writable --cache-dir)",
+                path.display()
+            );
+            Self::from_map(path, None, Map::None, Layout { count: 0, ..layout }, false)
+        };
+        if len != layout.total as u64 {
+            return Ok(unusable(
+                "was built for another dataset, setting or format".into(),
+            ));
+        }
+        // SAFETY: a read-only file on a read-only place; nobody can change it under us.
+        let map =
+            match mapping_allowed(path).and_then(|()| unsafe { MmapOptions::new().map(&file) }) {
+                Ok(map) => map,
+                Err(e) => return Ok(Self::disabled(path, layout, MAPPING, &e)),
+            };
+        if let Err(why) = Self::readable(&map, &key, &layout, len) {
+            return Ok(unusable(why));
+        }
+        let complete = read_u32(&map, OFF_STATE) == STATE_COMPLETE;
+        let cache = Self::from_map(path, Some(file), Map::Read(map), layout, false);
+        if !complete {
+            tracing::warn!(
+                "cache file {} is read-only and holds {} of {} records; the others are \
+                 decoded every epoch",
+                path.display(),
+                cache.resolved(),
+                layout.count
+            );
+        }
+        Ok(cache)
+    }
+
+    /// [`Cache::create`], or a disabled cache when the place cannot hold one.
+    pub(super) fn create_or_disable(
+        path: &Path,
+        key: CacheKey,
+        labels: &[u32],
+        layout: Layout,
+    ) -> Result<Self, PipelineError> {
+        match Self::create(path, key, labels, layout) {
+            Ok(cache) => Ok(cache),
+            Err((what, e)) if is_unwritable(&e) || what == MAPPING => {
+                Ok(Self::disabled(path, layout, what, &e))
+            }
+            Err((what, e)) => Err(io_err(path, what)(e)),
+        }
+    }
+
+    /// Builds a fresh cache in a temporary file and renames it into place. The header, the
+    /// labels, the bitmaps and the checks are written with one ordinary write, so every page
+    /// the map later writes to is allocated (a full disk fails here, as an error value).
+    pub(super) fn create(
+        path: &Path,
+        key: CacheKey,
+        labels: &[u32],
+        layout: Layout,
+    ) -> Result<Self, (&'static str, std::io::Error)> {
+        use std::os::unix::fs::FileExt;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let tmp = path.with_extension(format!("tmp.{}.{nanos}", std::process::id()));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| ("creating", e))?;
+        let built = (|| {
+            if !try_lock(&file).map_err(|e| ("locking", e))? {
+                return Err((
+                    "locking",
+                    std::io::Error::other("a brand-new temporary file is locked by someone else"),
+                ));
+            }
+            let mut meta = vec![0u8; layout.records];
+            meta[0..8].copy_from_slice(MAGIC);
+            meta[8..12].copy_from_slice(&VERSION.to_le_bytes());
+            meta[12..16].copy_from_slice(&STATE_FILLING.to_le_bytes());
+            meta[16..20].copy_from_slice(&key.image_size.to_le_bytes());
+            meta[20..24].copy_from_slice(&3u32.to_le_bytes());
+            meta[24..32].copy_from_slice(&(key.count as u64).to_le_bytes());
+            meta[32..40].copy_from_slice(&key.fingerprint.to_le_bytes());
+            meta[40..48].copy_from_slice(&(layout.record_bytes as u64).to_le_bytes());
+            if let Some(id) = current_boot_id() {
+                meta[OFF_BOOT..OFF_BOOT + BOOT_LEN].copy_from_slice(&id);
+            }
+            for (i, label) in labels.iter().enumerate() {
+                let at = layout.labels + 4 * i;
+                meta[at..at + 4].copy_from_slice(&label.to_le_bytes());
+            }
+            let sum = header_sum(&meta, &layout);
+            meta[OFF_HEADER_SUM..OFF_HEADER_SUM + 8].copy_from_slice(&sum.to_le_bytes());
+            file.write_all_at(&meta, 0)
+                .map_err(|e| ("writing the header", e))?;
+            file.set_len(layout.total as u64)
+                .map_err(|e| ("sizing", e))?;
+            // SAFETY: a file only this process knows about yet, locked by us.
+            let map = mapping_allowed(path)
+                .and_then(|()| unsafe { MmapOptions::new().map_mut(&file) })
+                .map_err(|e| (MAPPING, e))?;
+            map.flush_range(0, layout.records)
+                .map_err(|e| ("flushing the header", e))?;
+            std::fs::rename(&tmp, path).map_err(|e| ("renaming the new cache into place", e))?;
+            Ok(map)
+        })();
+        match built {
+            Ok(map) => {
+                let cache = Self::from_map(path, Some(file), Map::Write(map), layout, true);
+                cache.filling.store(true, Ordering::Release);
+                Ok(cache)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) fn from_map(
+        path: &Path,
+        file: Option<File>,
+        mut map: Map,
+        layout: Layout,
+        writable: bool,
+    ) -> Self {
+        let base = match &mut map {
+            Map::Write(m) => m.as_mut_ptr(),
+            Map::Read(m) => m.as_ptr().cast_mut(),
+            Map::None => std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+        };
+        let words = layout.count.div_ceil(64);
+        let bitmap = || (0..words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
+        let cache = Self {
+            path: path.to_path_buf(),
+            file,
+            map,
+            base,
+            layout,
+            writable,
+            claims: bitmap(),
+            verified: bitmap(),
+            rejected: bitmap(),
+            resolved: AtomicUsize::new(0),
+            filling: AtomicBool::new(false),
+            state_lock: Mutex::new(()),
+            damage_warned: AtomicBool::new(false),
+            damaged: AtomicU64::new(0),
+            write_failed: AtomicBool::new(false),
+            write_failures: AtomicU64::new(0),
+        };
+        let resolved = (0..words)
+            .map(|w| {
+                // Bits past the last record mean nothing (and are never set by a writer).
+                let valid = layout.count - 64 * w;
+                let mask = if valid >= 64 { !0 } else { (1u64 << valid) - 1 };
+                ((cache.word(cache.layout.filled, w).load(Ordering::Acquire)
+                    | cache.word(cache.layout.bad, w).load(Ordering::Acquire))
+                    & mask)
+                    .count_ones() as usize
+            })
+            .sum();
+        cache.resolved.store(resolved, Ordering::Relaxed);
+        cache
+    }
+}
