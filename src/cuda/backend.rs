@@ -455,6 +455,33 @@ impl CudaBackend {
     }
 
     /// Raises the kernel's dynamic shared memory limit to what `l` needs (> 48 KiB).
+    /// The weights as the data-gradient kernel of `l` reads them: `w` itself, or, when the
+    /// plan asks for it, `w` rearranged into the scratch's `wt` (one copy for the plain and
+    /// the batch-norm epilogue kernels).
+    fn dgrad_weights<'a>(
+        &self,
+        op: &'static str,
+        l: &Conv2Launch,
+        s: &ConvShape,
+        w: &'a CudaSlice<u16>,
+        scratch: &'a mut Conv2Scratch,
+    ) -> Result<&'a CudaSlice<u16>, BackendError> {
+        if !l.rearrange_weight {
+            return Ok(w);
+        }
+        ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
+        let wt = scratch.wt.as_mut().expect("ensured");
+        launch!(
+            self,
+            op,
+            "conv2.cu",
+            "conv2_dgrad_weights",
+            elementwise_cfg(s.w_len() / 8),
+            [w, wt, &l.args]
+        );
+        Ok(scratch.wt.as_ref().expect("ensured"))
+    }
+
     fn conv2_prepare(
         &self,
         op: &'static str,
@@ -1099,21 +1126,7 @@ impl Backend for CudaBackend {
             let cfg = self.conv2_prepare(op, &l)?;
             let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
             let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
-            let w = if l.rearrange_weight {
-                ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
-                let wt = scratch.wt.as_mut().expect("ensured");
-                launch!(
-                    self,
-                    op,
-                    "conv2.cu",
-                    "conv2_dgrad_weights",
-                    elementwise_cfg(s.w_len() / 8),
-                    [w, wt, &l.args]
-                );
-                scratch.wt.as_ref().expect("ensured")
-            } else {
-                w
-            };
+            let w = self.dgrad_weights(op, &l, s, w, &mut scratch)?;
             let kernel = l.kernel; // conv::V2_GEMM_KERNELS
             launch!(self, op, "conv2.cu", kernel, cfg, [dy, w, dx, &l.args]);
             self.note_work(

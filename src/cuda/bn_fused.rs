@@ -252,21 +252,7 @@ impl CudaBackend {
                 let part = wk.f32a.as_mut().expect("ensured");
                 let (dys, ws, dxs) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
                 let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
-                let ws = if launch.rearrange_weight {
-                    ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
-                    let wt = scratch.wt.as_mut().expect("ensured");
-                    launch!(
-                        self,
-                        op,
-                        "conv2.cu",
-                        "conv2_dgrad_weights",
-                        elementwise_cfg(s.w_len() / 8),
-                        [ws, wt, &launch.args]
-                    );
-                    scratch.wt.as_ref().expect("ensured")
-                } else {
-                    ws
-                };
+                let ws = self.dgrad_weights(op, &launch, s, ws, &mut scratch)?;
                 let kernel = dgrad.bn_epilogue_kernel; // conv::V2_BN_EPILOGUE_KERNELS
                 launch!(
                     self,
