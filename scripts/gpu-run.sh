@@ -18,6 +18,9 @@
 #                                # it): the fused ops and the resnet18 step against the CPU,
 #                                # twice to the bit, synchronised BN fused, then resnet50 and
 #                                # resnet18 steps fused and separate with --breakdown
+#   bash .gpu/gpu-run.sh pending # what has not run on a GPU yet, in one call: the correctness
+#                                # work of multi, tests and fusion side by side, then the fused
+#                                # and separate steps timed alone, then the --sync-bn cost
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -391,6 +394,47 @@ bench_fused() {
   check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m.log" $m
 }
 
+# What has not run on a GPU yet, in one call for a short lease (docs/gpu-journal.md, "Next"):
+# the correctness work of `multi`, `tests cuda_sync_bn dist_gpu cuda_kernels` and `fusion` side
+# by side on the one GPU (only pass/fail is read there), then, with the GPU alone, the fused
+# and separate steps of resnet50 and resnet18 one after the other, then the --sync-bn cost.
+phase_pending() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  local t
+  step test-ranks 260 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::ranks_ &
+  step test-nccl 220 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::nccl_ &
+  torchrun_checks >"$out/torchrun-checks.txt" 2>&1 &
+  for t in cuda_sync_bn dist_gpu cuda_kernels; do
+    step "test-$t" 220 "$test_bin" --ignored --test-threads 1 --nocapture "$t::" &
+  done
+  step test-fusion-step 220 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_step::resnet18_step_matches_cpu cuda_step::fused_resnet18_steps_repeat_bitwise &
+  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 150 "$test_bin" --ignored --test-threads 1 \
+    --show-output cuda_sync_bn::sync_bn_on_the_side_communicator &
+  big_set &
+  wait
+  cat "$out/torchrun-checks.txt"
+  $checks tests "$out/test-ranks.log" train_gpu_ranks::ranks_ 7 | tee -a "$summary"
+  $checks tests "$out/test-nccl.log" train_gpu_ranks::nccl_ 2 | tee -a "$summary"
+  for t in cuda_sync_bn dist_gpu cuda_kernels; do
+    grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -40
+  done
+  $checks tests "$out/test-cuda_kernels.log" cuda_kernels::fused_batch_norm 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-step.log" cuda_step::resnet18_step 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-step.log" cuda_step::fused_resnet18 1 | tee -a "$summary"
+  $checks tests "$out/test-cuda_sync_bn.log" cuda_sync_bn::fused_gpu_replicas 1 | tee -a "$summary"
+  $checks tests "$out/test-fusion-sync-side.log" cuda_sync_bn::sync_bn_on_the_side 1 | tee -a "$summary"
+  local m
+  for m in resnet50 resnet18; do
+    BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 75 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
+    BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 75 "$bin" bench step --model $m --batch-size 256 \
+      --json --breakdown --warmup 10 --steps 30
+    check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
+  done
+  sync_bn_cost
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -423,9 +467,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|pending|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|pending|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: off})"

@@ -233,9 +233,20 @@ def tests(log, prefix, expected):
                       text, re.M | re.S)
         return [l for l in (m.group(1).splitlines() if m else []) if l.strip()]
 
+    def nocapture(name):
+        """With --nocapture the test's output follows its `test NAME ... ` on the same and the
+        next lines, and the verdict comes alone at the end: (verdict, those lines)."""
+        m = re.search(rf"^test {re.escape(name)} \.\.\. (.*?)(?=^test |^failures:|^successes:|\Z)",
+                      text, re.M | re.S)
+        lines = [l for l in (m.group(1).splitlines() if m else []) if l.strip()]
+        ends = [v.group(1) for l in lines if (v := re.search(r"(?:^|\s)(ok|FAILED|ignored)\s*$", l))]
+        return (ends[-1] if ends else None), [l for l in lines if l.strip() not in ("ok", "FAILED")]
+
     rc = 0
     for name in dict.fromkeys(started):
         verdict, lines = verdicts.get(name), block(name)
+        if verdict is None:
+            verdict, lines = nocapture(name)
         skip = skipped.get(name, skipped.get(name.rsplit("::", 1)[-1]))
         if verdict is None:
             rc |= say(False, name, "did not finish (timed out or crashed; see the log)")
