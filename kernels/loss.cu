@@ -20,7 +20,9 @@
 // loss_totals turns the per-row outputs into the step's figures without leaving the device:
 // totals = [Σ loss, rows with rank 0 (top-1 hits), rows with rank < 5 (top-5 hits), N, stop],
 // f64, where `stop` (0 or 1, a kernel argument) is this rank's wish to stop after the step;
-// with N = 0 (a rank without images) the loss and rank pointers are not read.
+// with N = 0 (a rank without images) the loss and rank pointers are not read. With `add` set
+// (the second and later micro-batches of a --grad-accum-steps step) the first four figures are
+// added to what `totals` holds, so the step's figures are the sum over its micro-batches.
 // One block of 256 threads: each thread sums a strided share of the rows in f64, then a
 // shared-memory tree halves the partial sums (a fixed order: the same bits every run). The
 // trainer all-reduces `totals` on the device and reads it one step later, so a training step
@@ -74,7 +76,7 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
 #define BT_TOTALS_THREADS 256
 
 extern "C" __global__ void loss_totals(const float* __restrict__ loss, const int* __restrict__ rank,
-                                       int n, int stop, double* __restrict__ totals) {
+                                       int n, int stop, int add, double* __restrict__ totals) {
     __shared__ double part[3][BT_TOTALS_THREADS];
     double l = 0.0, top1 = 0.0, top5 = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -93,10 +95,17 @@ extern "C" __global__ void loss_totals(const float* __restrict__ loss, const int
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        totals[0] = part[0][0];
-        totals[1] = part[1][0];
-        totals[2] = part[2][0];
-        totals[3] = (double)n;
+        if (add) {
+            totals[0] += part[0][0];
+            totals[1] += part[1][0];
+            totals[2] += part[2][0];
+            totals[3] += (double)n;
+        } else {
+            totals[0] = part[0][0];
+            totals[1] = part[1][0];
+            totals[2] = part[2][0];
+            totals[3] = (double)n;
+        }
         totals[4] = (double)stop;
     }
 }

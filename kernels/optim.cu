@@ -21,6 +21,12 @@
 //     must get the same factor to the last bit, or their replicas drift apart.
 //   scale_f32: x ← alpha·x over a flat f32 range (a rank's gradient bucket times its share of
 //     the step's images before the average, when a short last batch is split unevenly).
+//   grad_accumulate (--grad-accum-steps K): the backward writes each micro-batch's gradient g
+//     into the flat buffer, and the weighted sum of the micro-batches is carried in an f32
+//     buffer acc beside it: mode 0 acc = w·g (the first micro-batch), 1 acc = acc + w·g, 2
+//     g = acc + w·g (the rank's last micro-batch with images: the sum where the buckets read
+//     it), 3 g = w·g (first and last). Products and sums are rounded separately (__fmul_rn,
+//     __fadd_rn, never contracted into an FMA), the CPU ranks' arithmetic.
 //
 // Data layout. master, buf, m, v: f32 flat; gradients f32 and working copies bf16 wherever the
 // tensors live; chunk table: arrays [chunks] of u64 gradient address, u64 working address (or
@@ -28,7 +34,7 @@
 //
 // Launch configuration. grid = number of chunks, 256 threads; each thread strides over its
 // chunk (CHUNK = 65536 on the host side, so a ResNet-50 update is ~400 blocks, one launch).
-// scale_f32: a grid-stride loop, 256 threads, at most 1024 blocks. grad_sumsq: the update's
+// scale_f32 and grad_accumulate: a grid-stride loop, 256 threads, at most 1024 blocks. grad_sumsq: the update's
 // chunk grid, 256 threads, a shared-memory tree per block. grad_sumsq_total: one block of
 // 256 threads, each summing a strided share of the partials in order, then a tree.
 #include "common.cuh"
@@ -151,4 +157,18 @@ extern "C" __global__ void scale_f32(float* __restrict__ x, long n, float alpha)
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x)
         x[i] *= alpha;
+}
+
+extern "C" __global__ void grad_accumulate(float* __restrict__ acc, float* __restrict__ g, long n,
+                                           float w, int mode) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        const float wg = __fmul_rn(w, g[i]);
+        switch (mode) {
+            case 0: acc[i] = wg; break;
+            case 1: acc[i] = __fadd_rn(acc[i], wg); break;
+            case 2: g[i] = __fadd_rn(acc[i], wg); break;
+            default: g[i] = wg; break;
+        }
+    }
 }

@@ -18,9 +18,9 @@
 #                                # it): the fused ops and the resnet18 step against the CPU,
 #                                # twice to the bit, synchronised BN fused, then resnet50 and
 #                                # resnet18 steps fused and separate with --breakdown
-#   bash .gpu/gpu-run.sh pending # what has not run on a GPU yet, in one call: the correctness
-#                                # work of multi, tests and fusion side by side, then the fused
-#                                # and separate steps timed alone, then the --sync-bn cost
+#   bash .gpu/gpu-run.sh pending # what has not run on a GPU yet, in one call: the tests of
+#                                # what changed side by side, then the fused and separate steps
+#                                # timed alone in rounds, the peer, the cost of --grad-accum-steps
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -395,44 +395,56 @@ bench_fused() {
 }
 
 # What has not run on a GPU yet, in one call for a short lease (docs/gpu-journal.md, "Next"):
-# the correctness work of `multi`, `tests cuda_sync_bn dist_gpu cuda_kernels` and `fusion` side
-# by side on the one GPU (only pass/fail is read there), then, with the GPU alone, the fused
-# and separate steps of resnet50 and resnet18 one after the other, then the --sync-bn cost.
+# side by side on the one GPU, the tests of what changed (gradient accumulation on the GPU, the
+# loss figures added over micro-batches, the fused ops' check with its bf16 input), only
+# pass/fail read there; then, with the GPU alone, the step with batch norm fused against
+# separate in alternating rounds without --breakdown (whose per-kernel timing distorts the
+# step), the eager PyTorch peer, and what accumulation costs a resnet50 epoch.
 phase_pending() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   local t
-  step test-ranks 260 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::ranks_ &
-  step test-nccl 220 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::nccl_ &
-  torchrun_checks >"$out/torchrun-checks.txt" 2>&1 &
-  for t in cuda_sync_bn dist_gpu cuda_kernels; do
-    step "test-$t" 220 "$test_bin" --ignored --test-threads 1 --nocapture "$t::" &
+  for t in cuda_kernels train_gpu_accum train_gpu cuda_step; do
+    step "test-$t" 240 "$test_bin" --ignored --test-threads 1 --show-output "$t::" &
   done
-  step test-fusion-step 220 "$test_bin" --ignored --test-threads 1 --show-output \
-    cuda_step::resnet18_step_matches_cpu cuda_step::fused_resnet18_steps_repeat_bitwise &
-  BIRDTRAIN_BN_FUSION=1 step test-fusion-sync-side 150 "$test_bin" --ignored --test-threads 1 \
-    --show-output cuda_sync_bn::sync_bn_on_the_side_communicator &
+  step test-ranks-1 200 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::ranks_1 &
   big_set &
   wait
-  cat "$out/torchrun-checks.txt"
-  $checks tests "$out/test-ranks.log" train_gpu_ranks::ranks_ 7 | tee -a "$summary"
-  $checks tests "$out/test-nccl.log" train_gpu_ranks::nccl_ 2 | tee -a "$summary"
-  for t in cuda_sync_bn dist_gpu cuda_kernels; do
-    grep -E "^test .* (FAILED|ok|ignored)|test result|skipped|panicked" "$out/test-$t.log" | tail -40
+  $checks tests "$out/test-cuda_kernels.log" cuda_kernels:: 10 | tee -a "$summary"
+  $checks tests "$out/test-train_gpu_accum.log" train_gpu_accum:: 2 | tee -a "$summary"
+  $checks tests "$out/test-train_gpu.log" train_gpu:: 10 | tee -a "$summary"
+  $checks tests "$out/test-cuda_step.log" cuda_step:: 5 | tee -a "$summary"
+  $checks tests "$out/test-ranks-1.log" train_gpu_ranks::ranks_1 1 | tee -a "$summary"
+  local r v fused=() separate=()
+  for r in 1 2 3; do
+    for v in 1 0; do
+      BIRDTRAIN_BN_FUSION=$v step "bench-resnet50-bn$v-r$r" 60 "$bin" bench step --model resnet50 \
+        --batch-size 256 --json --warmup 10 --steps 40
+    done
+    fused+=("$out/bench-resnet50-bn1-r$r.log"); separate+=("$out/bench-resnet50-bn0-r$r.log")
   done
-  $checks tests "$out/test-cuda_kernels.log" cuda_kernels::fused_batch_norm 1 | tee -a "$summary"
-  $checks tests "$out/test-fusion-step.log" cuda_step::resnet18_step 1 | tee -a "$summary"
-  $checks tests "$out/test-fusion-step.log" cuda_step::fused_resnet18 1 | tee -a "$summary"
-  $checks tests "$out/test-cuda_sync_bn.log" cuda_sync_bn::fused_gpu_replicas 1 | tee -a "$summary"
-  $checks tests "$out/test-fusion-sync-side.log" cuda_sync_bn::sync_bn_on_the_side 1 | tee -a "$summary"
-  local m
-  for m in resnet50 resnet18; do
-    BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 75 "$bin" bench step --model $m --batch-size 256 \
-      --json --breakdown --warmup 10 --steps 30
-    BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 75 "$bin" bench step --model $m --batch-size 256 \
-      --json --breakdown --warmup 10 --steps 30
-    check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
-  done
-  sync_bn_cost
+  check $checks fusion-rounds resnet50 "$(IFS=,; echo "${fused[*]}")" "$(IFS=,; echo "${separate[*]}")"
+  cp "$out/bench-resnet50-bn0-r1.log" "$out/bench-resnet50.log"
+  tail -1 "$out/bench-resnet50.log" >>"$out/bench.jsonl"
+  step peer-resnet50 120 python3 "$here/torch_resnet_step.py" --model resnet50 --batch-size 256
+  tail -1 "$out/peer-resnet50.log" >>"$out/bench.jsonl"
+  $checks bench "$out/bench.jsonl" | tee -a "$summary"
+  accum_cost
+  bench_compiled_peer
+}
+
+# What --grad-accum-steps costs a resnet50 epoch at 224 px on the data-wait run's set: 128 × 2
+# accumulated against 128 alone and against one batch of 256, two epochs each, the last
+# (warm) epoch's training images/s compared.
+accum_cost() {
+  [ "$gpus" = 0 ] && { note "SKIP accum-cost: needs a GPU"; return; }
+  local b=$work/synth-big r=$work/runs-accum c=$work/cache
+  rm -rf "$r"; mkdir -p "$r"
+  local common=(--data "$b" --gpus "$gpus" --model resnet50 --image-size 224 --epochs 2 --cache-dir "$c")
+  step accum-two 120 "$bin" "${common[@]}" --batch-size 128 --grad-accum-steps 2 --out "$r/two"
+  step accum-micro 120 "$bin" "${common[@]}" --batch-size 128 --out "$r/micro"
+  step accum-whole 120 "$bin" "${common[@]}" --batch-size 256 --out "$r/whole"
+  grep -E "^epoch |global batch" "$out/accum-two.log" "$out/accum-micro.log" "$out/accum-whole.log"
+  check $checks accum-cost "$out/accum-two.log" "$out/accum-micro.log" "$out/accum-whole.log"
 }
 
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:

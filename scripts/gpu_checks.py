@@ -28,6 +28,12 @@
   sync-bn-cost LOG_SYNC LOG_PLAIN the last epoch's training images/s with --sync-bn against
                                   without (a measurement: PASS when both ran and the sync-BN
                                   run put its sums on the side communicator, on the device)
+  fusion-rounds MODEL FUSED,… SEPARATE,…  `bench step` logs (no --breakdown) of rounds run in
+                                  turn, fused and separate: the median ms per step of each and
+                                  every round's figure; PASS when the fused median is lower
+  accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
+                                  against B alone and against one batch of B·K (a measurement:
+                                  PASS when all three ran and the accumulated run said so)
 Standard library only: it runs on the GPU machine's python3 and here.
 """
 import json
@@ -306,6 +312,33 @@ def sync_bn_cost(log_sync, log_plain):
                f"(x{synced / plain:.3f}, last epoch)")
 
 
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def fusion_rounds(model, fused_logs, separate_logs):
+    fused = [last_report(p)["ms_per_step"] for p in fused_logs.split(",")]
+    separate = [last_report(p)["ms_per_step"] for p in separate_logs.split(",")]
+    f, s = median(fused), median(separate)
+    rounds = "; ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(fused, separate))
+    device = last_report(fused_logs.split(",")[0]).get("device", "?")
+    return say(f < s, f"bn-fusion-timing {model}",
+               f"median fused {f:.2f} ms vs separate {s:.2f} ms a step ({100 * (1 - f / s):.1f} % less; "
+               f"rounds fused/separate {rounds}; {device})")
+
+
+def accum_cost(log_accum, log_micro, log_whole):
+    rates = [last_epoch_rate(p) for p in (log_accum, log_micro, log_whole)]
+    if any(r is None for r in rates):
+        return say(False, "accum-cost", "no epoch line with images/s in one of the three logs")
+    if "accumulated" not in open(log_accum).read():
+        return say(False, "accum-cost", f"{log_accum} does not say it accumulated")
+    a, m, w = rates
+    return say(True, "accum-cost", f"{a:.0f} images/s accumulated, {m:.0f} with the micro-batch alone "
+               f"(x{a / m:.3f}), {w:.0f} with one batch of the same size (x{a / w:.3f}), last epoch")
+
+
 def main(argv):
     commands = {
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
@@ -313,6 +346,7 @@ def main(argv):
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
         "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
+        "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
         print(__doc__, file=sys.stderr)

@@ -296,10 +296,16 @@ void test_loss_totals(int n) {
     double l = 0, t1 = 0, t5 = 0;
     for (int i = 0; i < n; ++i) { l += loss[i]; t1 += rank[i] == 0; t5 += rank[i] < 5; }
     std::vector<double> tot(5, -1.0);
-    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), n, n % 2, tot.data()); });
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), n, n % 2, 0, tot.data()); });
     check("loss_totals", tot, std::vector<double>{l, t1, t5, (double)n, (double)(n % 2)}, 1e-9, 1e-12);
+    // A second micro-batch (the first n / 3 rows again) adds its figures; stop is its own.
+    const int m = n / 3;
+    double l2 = 0, a1 = 0, a5 = 0;
+    for (int i = 0; i < m; ++i) { l2 += loss[i]; a1 += rank[i] == 0; a5 += rank[i] < 5; }
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), m, 1, 1, tot.data()); });
+    check("loss_totals (added)", tot, std::vector<double>{l + l2, t1 + a1, t5 + a5, (double)(n + m), 1.0}, 1e-9, 1e-12);
     std::vector<double> none(5, -1.0);
-    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(nullptr, nullptr, 0, 1, none.data()); });
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(nullptr, nullptr, 0, 1, 0, none.data()); });
     check("loss_totals (no images)", none, std::vector<double>{0, 0, 0, 0, 1}, 0, 0);
 }
 
@@ -310,6 +316,32 @@ void test_scale(long n, float alpha) {
     for (long i = 0; i < n; ++i) ref[i] = (double)(x[i] * alpha);
     emu_launch(ew(n), {256, 1, 1}, [&] { k_optim::scale_f32(x.data(), n, alpha); });
     check("scale_f32", x, ref, 0, 0);
+}
+
+// grad_accumulate: `micro` micro-batches of gradients (weights of unequal shares, summing to 1)
+// through modes 0, 1…, 2 (or 3 alone), checked bit for bit against the CPU ranks' rule
+// (first: w·g; then sum + w·g, each product and sum rounded to f32), the buffer the buckets
+// read (g) holding the sum at the end, and against the f64 weighted mean.
+void test_grad_accumulate(long n, int micro) {
+    printf("grad_accumulate n=%ld micro-batches=%d\n", n, micro);
+    std::vector<float> acc(n, NAN), g(n), w(micro), want(n);
+    std::vector<double> mean(n, 0.0);
+    float left = 1.0f;
+    for (int k = 0; k < micro; ++k) w[k] = k + 1 == micro ? left : (left -= 0.75f / micro, 0.75f / micro);
+    for (int k = 0; k < micro; ++k) {
+        auto part = rnd(n, 2.0f);
+        for (long i = 0; i < n; ++i) {
+            g[i] = part[i];
+            const float wg = w[k] * part[i];
+            want[i] = k == 0 ? wg : want[i] + wg;
+            mean[i] += (double)w[k] * part[i];
+        }
+        const int mode = micro == 1 ? 3 : k == 0 ? 0 : k + 1 == micro ? 2 : 1;
+        emu_launch(ew(n), {256, 1, 1}, [&] { k_optim::grad_accumulate(acc.data(), g.data(), n, w[k], mode); });
+    }
+    std::vector<double> exact(want.begin(), want.end());
+    check("grad_accumulate (the CPU ranks' rounding)", g, exact, 0, 0);
+    check("grad_accumulate (f64 weighted mean)", g, mean, 1e-6, 1e-6);
 }
 
 // collective.cu: `ranks` buffers of n values (+ a guard value each, which must stay untouched),
@@ -773,6 +805,9 @@ int main(int argc, char** argv) {
     test_loss_totals(1);
     test_loss_totals(700);
     test_scale(3000, 0.75f);
+    test_grad_accumulate(3000, 4);
+    test_grad_accumulate(300000, 3);
+    test_grad_accumulate(77, 1);
     test_collective(1, 1);
     test_collective(5, 4);                     // fewer values than threads
     test_collective(257, 2);                   // one past a block

@@ -1802,10 +1802,21 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Where the loss op leaves a step's figures on the device (kernels/loss.cu `loss_totals`).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceTotalsAt {
+    /// Device address of the five f64: loss sum, top-1 hits, top-5 hits, rows, `stop`.
+    pub addr: u64,
+    /// This rank's wish to stop after the step.
+    pub stop: bool,
+    /// Add the figures to what is there (a later micro-batch of the step) instead of
+    /// overwriting them.
+    pub add: bool,
+}
+
 impl CudaBackend {
-    /// The loss op; with `totals`, the step's figures go to the device address `totals`
-    /// (four f64: loss sum, top-1 hits, top-5 hits, rows; kernels/loss.cu `loss_totals`) and
-    /// nothing waits for the GPU.
+    /// The loss op; with `totals`, the step's figures go to the device (see
+    /// [`DeviceTotalsAt`]) and nothing waits for the GPU.
     #[allow(clippy::too_many_arguments)]
     fn softmax_impl(
         &self,
@@ -1815,7 +1826,7 @@ impl CudaBackend {
         targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
         probs: Option<&mut Vec<f32>>,
-        totals: Option<(u64, bool)>,
+        totals: Option<DeviceTotalsAt>,
     ) -> Result<LossStats, BackendError> {
         let op = "softmax_cross_entropy";
         check_len(op, "logits", logits.len, n * classes)?;
@@ -1943,9 +1954,9 @@ impl CudaBackend {
                 );
             }
         }
-        if let Some((totals, stop)) = totals {
+        if let Some(at) = totals {
             let n_i = to_i32(op, "n", n)?;
-            let stop = i32::from(stop);
+            let (stop, add, totals) = (i32::from(at.stop), i32::from(at.add), at.addr);
             let one_block = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (256, 1, 1),
@@ -1957,7 +1968,7 @@ impl CudaBackend {
                 "loss.cu",
                 "loss_totals",
                 one_block,
-                [&mut loss, &mut *rank, &n_i, &stop, &totals]
+                [&mut loss, &mut *rank, &n_i, &stop, &add, &totals]
             );
             return Ok(LossStats::default());
         }
@@ -1979,13 +1990,13 @@ impl CudaBackend {
     }
 
     /// [`Backend::softmax_cross_entropy`] that leaves the step's figures on the device: the
-    /// five f64 at `totals` receive the loss sum, top-1 and top-5 hits, the row count and
-    /// `stop`, and nothing waits for the GPU (the trainer reads them a step later).
+    /// five f64 at `totals.addr` receive (or, with `totals.add`, have added) the loss sum,
+    /// top-1 and top-5 hits, the row count, and `stop`, and nothing waits for the GPU (the
+    /// trainer reads them a step later).
     ///
     /// # Safety
-    /// `totals` must address five f64 of this device's memory, alive until the kernels queued
-    /// now have run.
-    #[allow(clippy::too_many_arguments)]
+    /// `totals.addr` must address five f64 of this device's memory, alive until the kernels
+    /// queued now have run.
     pub unsafe fn softmax_cross_entropy_on_device(
         &self,
         n: usize,
@@ -1993,19 +2004,10 @@ impl CudaBackend {
         logits: &CudaTensor,
         targets: &Targets<'_>,
         dlogits: Option<&mut CudaTensor>,
-        totals: u64,
-        stop: bool,
+        totals: DeviceTotalsAt,
     ) -> Result<(), BackendError> {
-        self.softmax_impl(
-            n,
-            classes,
-            logits,
-            targets,
-            dlogits,
-            None,
-            Some((totals, stop)),
-        )
-        .map(|_| ())
+        self.softmax_impl(n, classes, logits, targets, dlogits, None, Some(totals))
+            .map(|_| ())
     }
 
     /// The step figures of a rank without images: zeros and `stop`, written to the five f64
@@ -2020,14 +2022,14 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (n, stop) = (0i32, i32::from(stop));
+        let (n, stop, add) = (0i32, i32::from(stop), 0i32);
         launch!(
             self,
             op,
             "loss.cu",
             "loss_totals",
             one_block,
-            [&NULL_PTR, &NULL_PTR, &n, &stop, &totals]
+            [&NULL_PTR, &NULL_PTR, &n, &stop, &add, &totals]
         );
         Ok(())
     }

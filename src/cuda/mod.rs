@@ -30,7 +30,7 @@ pub mod tensor;
 pub mod timeline;
 
 pub use arch::GpuArch;
-pub use backend::{CudaBackend, CudaSums, KernelTime};
+pub use backend::{CudaBackend, CudaSums, DeviceTotalsAt, KernelTime};
 pub use cache::{KernelCache, KernelCompiler};
 pub use device::GpuDevice;
 pub use error::CudaError;

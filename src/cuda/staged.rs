@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::backend::{aug_ints, CudaSums, InputMix};
+use super::backend::{aug_ints, CudaSums, DeviceTotalsAt, InputMix};
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
@@ -45,7 +45,7 @@ struct InputWork {
 pub struct StagedBackend {
     inner: CudaBackend,
     staged: Mutex<Option<StagedInput>>,
-    deferred_loss: Mutex<Option<(u64, bool)>>,
+    deferred_loss: Mutex<Option<DeviceTotalsAt>>,
     work: Mutex<InputWork>,
 }
 
@@ -96,15 +96,15 @@ impl StagedBackend {
         *lock(&self.deferred_loss) = None;
     }
 
-    /// The next loss op writes the step's figures (five f64: loss sum, top-1 hits, top-5
-    /// hits, rows, `stop`) to device address `totals` and returns zeros instead of waiting for
-    /// the GPU.
+    /// The next loss op writes (or adds) the step's figures (five f64: loss sum, top-1 hits,
+    /// top-5 hits, rows, `stop`) to the device (see [`DeviceTotalsAt`]) and returns zeros
+    /// instead of waiting for the GPU.
     ///
     /// # Safety
-    /// `totals` must address five f64 of this device's memory that stay allocated until the
-    /// kernels queued by the next loss op have run.
-    pub unsafe fn defer_loss(&self, totals: u64, stop: bool) {
-        *lock(&self.deferred_loss) = Some((totals, stop));
+    /// `totals.addr` must address five f64 of this device's memory that stay allocated until
+    /// the kernels queued by the next loss op have run.
+    pub unsafe fn defer_loss(&self, totals: DeviceTotalsAt) {
+        *lock(&self.deferred_loss) = Some(totals);
     }
 
     fn input_from_slot(
@@ -426,11 +426,11 @@ impl Backend for StagedBackend {
         // Taken, not copied: one step's figures per `defer_loss`.
         let deferred = lock(&self.deferred_loss).take();
         match (deferred, probs) {
-            (Some((totals, stop)), None) => {
+            (Some(totals), None) => {
                 // SAFETY: `defer_loss`'s contract.
                 unsafe {
                     self.inner.softmax_cross_entropy_on_device(
-                        n, classes, logits, targets, dlogits, totals, stop,
+                        n, classes, logits, targets, dlogits, totals,
                     )
                 }?;
                 Ok(LossStats::default())

@@ -201,13 +201,6 @@ impl TrainConfig {
                 "use at least 1 micro-batch per optimizer step",
             );
         }
-        if self.grad_accum_steps > 1 && matches!(self.device, DeviceChoice::Cuda(_)) {
-            return bad(
-                "--grad-accum-steps",
-                self.grad_accum_steps.to_string(),
-                "gradient accumulation runs on CPU ranks for now; leave out --gpus or use --grad-accum-steps 1",
-            );
-        }
         if self.replicas == 0 {
             return bad("--replicas", "0".into(), "use at least 1 replica");
         }

@@ -149,6 +149,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The images of one rank's training step as the engine delivers them (all its
+    /// micro-batches with `--grad-accum-steps`; at least [`Shared::network_batch`]): what a GPU
+    /// rank's staging slot holds.
+    pub(crate) fn engine_batch(&self) -> usize {
+        self.train_pipe
+            .micro_batch_len(0, 0)
+            .unwrap_or(0)
+            .max(self.network_batch())
+    }
+
     /// The images a rank's network must hold at once: the largest micro-batch either engine
     /// can really deliver (the first step's, a training step's cut to `--batch-size` when it
     /// accumulates), not `--batch-size` when the data is smaller.

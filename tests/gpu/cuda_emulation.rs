@@ -179,6 +179,14 @@ fn kernels_match_references_under_emulation() {
         );
     }
     assert!(ops_out.contains("ALL OK"), "{ops_out}");
+    // The checks of gradient accumulation's kernels ran (a new kernel without a check fails
+    // here, not only on a GPU).
+    for name in [
+        "grad_accumulate (the CPU ranks' rounding) ok",
+        "loss_totals (added)",
+    ] {
+        assert!(ops_out.contains(name), "no {name:?} line in\n{ops_out}");
+    }
     // Every kernel of every file was exercised.
     let all = format!(
         "{}{}{}",

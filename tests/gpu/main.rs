@@ -14,4 +14,5 @@ mod cuda_step;
 mod cuda_sync_bn;
 mod dist_gpu;
 mod train_gpu;
+mod train_gpu_accum;
 mod train_gpu_ranks;

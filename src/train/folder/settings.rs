@@ -135,8 +135,7 @@ macro_rules! recorded_settings {
                     num_args = 0, default_missing_value = "true"];
                 /// Gradient accumulation: each optimizer step sums the gradients of K
                 /// micro-batches of --batch-size per rank (batch norm sees each micro-batch
-                /// alone), so the global batch is ranks × --batch-size × K (CPU ranks for
-                /// now).
+                /// alone), so the global batch is ranks × --batch-size × K.
                 #[serde(default = "one_step")]
                 grad_accum_steps: u32 = 1 => u32 ["Distributed", "K", warn];
                 /// Synchronised batch norm: normalise with the statistics of the global batch

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use pipeline::{EpochIter, Pipeline};
 
-use super::{network_config, pack_totals, Device, Rank, TOTALS_LEN};
+use super::{network_config, pack_totals, Device, MicroStep, Rank, TOTALS_LEN};
 use crate::backend::cpu::CpuBackend;
 use crate::cuda::staging::feed::HostBatch;
 use crate::dist::collective::Collective;
@@ -106,13 +106,27 @@ impl<C: Collective<Buffer = HostGrads>> Device for CpuDevice<C> {
         Ok(())
     }
 
+    fn begin_micro(
+        &mut self,
+        _net: &Network<CpuBackend>,
+        _images: Range<usize>,
+        _image_bytes: usize,
+        _first: bool,
+        _stop: bool,
+    ) -> Result<(), TrainError> {
+        // The host batch's slice is the micro-batch; its figures come back to the host.
+        Ok(())
+    }
+
     fn accumulate_gradient(
+        &mut self,
         grads: &mut HostGrads,
         range: Range<usize>,
         grad: &Vec<f32>,
-        weight: f32,
-        first: bool,
+        micro: MicroStep,
     ) -> Result<(), GradHookError> {
+        // The buffer holds the running sum: the backward hands each gradient over apart.
+        let (weight, first) = (micro.weight, micro.first);
         let n = range.len();
         let dst = grads.range_mut(range)?;
         let src = grad

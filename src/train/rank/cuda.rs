@@ -20,7 +20,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 use pipeline::{Pipeline, PipelineError};
 
-use super::{network_config, Device, Rank, TOTALS_LEN};
+use super::{network_config, Device, MicroStep, Rank, TOTALS_LEN};
 use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
 use crate::cuda::staged::StagedBackend;
 use crate::cuda::staging::device::CudaStaging;
@@ -28,7 +28,7 @@ use crate::cuda::staging::feed::{data_wait_line, FeedError, Feeder, HostBatch};
 use crate::cuda::staging::pinned::is_pinned;
 use crate::cuda::staging::{ExternalBatch, StagingError, StagingRing};
 use crate::cuda::timeline::{rows, GpuTimeline};
-use crate::cuda::{CudaBackend, CudaTensor, GpuDevice};
+use crate::cuda::{grad, CudaBackend, CudaTensor, DeviceTotalsAt, GpuDevice};
 use crate::dist::collective::{Collective, CollectiveError};
 use crate::dist::device_group::{DeviceCollective, HostTarget};
 use crate::dist::nccl::{self, DeviceGrads, NcclCollective};
@@ -101,6 +101,12 @@ pub(crate) struct CudaDevice<C> {
     ordinal: usize,
     prefetch_depth: usize,
     deferred: bool,
+    /// The staged slot of the step's batch (device address, bytes): each micro-batch of a
+    /// `--grad-accum-steps` step reads its images from there.
+    staged: Option<(u64, usize)>,
+    /// `--grad-accum-steps` above 1: the f32 sum of the micro-batches' gradients, beside the
+    /// flat buffer the backward writes (kernels/optim.cu `grad_accumulate`), and its address.
+    accumulator: Option<(CudaSlice<f32>, u64)>,
     _comm: std::marker::PhantomData<fn() -> C>,
 }
 
@@ -202,6 +208,7 @@ where
         };
         d.totals.slot = (d.totals.slot + 1) % DeviceTotals::SLOTS;
         d.deferred = false;
+        d.staged = None;
         if ready.batch.len > 0 {
             let slot = d.feeder.ring().streams().device_slot(ready.staged.slot);
             let ptr = slot.device_ptr(d.device.stream()).0;
@@ -209,6 +216,7 @@ where
             // slot's `consumed` event (after every kernel of this step) before it lets the copy
             // stream overwrite it.
             unsafe { net.backend().set_staged(ptr, ready.staged.bytes) };
+            d.staged = Some((ptr, ready.staged.bytes));
         }
         Ok(Some((ready.batch, ready.waited)))
     }
@@ -219,9 +227,45 @@ where
         stop: bool,
     ) -> Result<(), TrainError> {
         let d = self;
+        let at = DeviceTotalsAt {
+            addr: d.totals.device_slot(),
+            stop,
+            add: false,
+        };
         // SAFETY: the totals buffer lives as long as this device; the slot is summed and read
         // before it is written again two steps later.
-        unsafe { net.backend().defer_loss(d.totals.device_slot(), stop) };
+        unsafe { net.backend().defer_loss(at) };
+        d.deferred = true;
+        Ok(())
+    }
+
+    fn begin_micro(
+        &mut self,
+        net: &Network<StagedBackend>,
+        images: Range<usize>,
+        image_bytes: usize,
+        first: bool,
+        stop: bool,
+    ) -> Result<(), TrainError> {
+        let d = self;
+        let (ptr, bytes) = d
+            .staged
+            .ok_or_else(|| TrainError::Internal("a micro-batch without a staged batch".into()))?;
+        let (start, len) = (images.start * image_bytes, images.len() * image_bytes);
+        if start + len > bytes {
+            return Err(TrainError::Internal(format!(
+                "micro-batch images {images:?} of {image_bytes} bytes past the staged {bytes} bytes"
+            )));
+        }
+        // SAFETY: inside the staged slot (checked above), under `next_batch`'s guarantee.
+        unsafe { net.backend().set_staged(ptr + start as u64, len) };
+        let at = DeviceTotalsAt {
+            addr: d.totals.device_slot(),
+            stop,
+            add: !first,
+        };
+        // SAFETY: as in `before_compute`.
+        unsafe { net.backend().defer_loss(at) };
         d.deferred = true;
         Ok(())
     }
@@ -235,15 +279,37 @@ where
     }
 
     fn accumulate_gradient(
-        _grads: &mut DeviceGrads,
-        _range: Range<usize>,
-        _grad: &CudaTensor,
-        _weight: f32,
-        _first: bool,
+        &mut self,
+        grads: &mut DeviceGrads,
+        range: Range<usize>,
+        grad: &CudaTensor,
+        micro: MicroStep,
     ) -> Result<(), GradHookError> {
-        // `TrainConfig::validate` refuses --grad-accum-steps above 1 with --gpus: the
-        // backward writes each gradient into the buffer, so a sum needs a kernel of its own.
-        Err("gradient accumulation (--grad-accum-steps above 1) runs on CPU ranks for now".into())
+        // The backward wrote this micro-batch's gradient into its range of the buffer (a
+        // view, as for `place_gradient`); the sum so far is in the accumulator beside it.
+        let at = grads.ptr + 4 * range.start as u64;
+        if grad.device_address() != at || range.end > grads.len {
+            return Err(format!(
+                "a gradient at {:#x} is not the view of its bucket range {range:?} at {at:#x}",
+                grad.device_address()
+            )
+            .into());
+        }
+        let (_, base) = self
+            .accumulator
+            .as_ref()
+            .ok_or("a micro-batch's gradient on a GPU rank built without an accumulator")?;
+        let mode = grad::AccumulateMode::of(micro.first, micro.last_images);
+        grad::accumulate(
+            &self.device,
+            base + 4 * range.start as u64,
+            at,
+            range.len(),
+            micro.weight,
+            mode,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(())
     }
 
     fn place_gradient(
@@ -546,7 +612,8 @@ where
             ptr: base,
             len: plan.total_elements(),
         };
-        let slot_bytes = shared.network_batch() * (cfg.image_size as usize).pow(2) * 3;
+        // A slot holds the engine's batch: one step of this rank, all its micro-batches.
+        let slot_bytes = shared.engine_batch() * (cfg.image_size as usize).pow(2) * 3;
         let staging = CudaStaging::new(
             device.context(),
             device.stream().clone(),
@@ -556,6 +623,17 @@ where
         .map_err(cuda("allocating the staging ring"))?;
         let ring = StagingRing::new(staging)
             .map_err(|e| config_error("--prefetch-depth", dist.prefetch_depth, e))?;
+        let accumulator = match cfg.grad_accum_steps > 1 {
+            true => {
+                let stream = device.stream();
+                let acc = stream
+                    .alloc_zeros::<f32>(grads.len.max(1))
+                    .map_err(cuda("the gradient accumulator"))?;
+                let base = acc.device_ptr(stream).0;
+                Some((acc, base))
+            }
+            false => None,
+        };
         let gpu = CudaDevice::<C> {
             feeder: Feeder::new(ring),
             source: None,
@@ -564,6 +642,8 @@ where
             ordinal,
             prefetch_depth: dist.prefetch_depth,
             deferred: false,
+            staged: None,
+            accumulator,
             _comm: std::marker::PhantomData,
         };
         Ok((net, grads, gpu))

@@ -115,6 +115,19 @@ pub(crate) trait Device {
         stop: bool,
     ) -> Result<(), TrainError>;
 
+    /// Before each micro-batch of a `--grad-accum-steps` step: its images are `images` of
+    /// the step's batch (`image_bytes` each), the step's `first` micro-batch starts the
+    /// step's figures and later ones add to them (a GPU reads the micro-batch from its
+    /// staged slot and leaves the figures on the device; the CPU needs nothing).
+    fn begin_micro(
+        &mut self,
+        net: &Network<Self::Backend>,
+        images: Range<usize>,
+        image_bytes: usize,
+        first: bool,
+        stop: bool,
+    ) -> Result<(), TrainError>;
+
     /// The step's forward and backward are issued: the batch's input is no longer read.
     fn after_compute(&mut self, net: &Network<Self::Backend>) -> Result<(), TrainError>;
 
@@ -126,15 +139,16 @@ pub(crate) trait Device {
         grad: &<Self::Backend as Backend>::Tensor,
     ) -> Result<(), GradHookError>;
 
-    /// Adds `weight` × a parameter's gradient of one micro-batch into `range` of the flat
-    /// buffer (`first`: the step's first micro-batch, which overwrites instead), for
-    /// `--grad-accum-steps`. A device that cannot accumulate refuses.
+    /// Adds `micro.weight` × a parameter's gradient of one micro-batch into the step's sum
+    /// for `--grad-accum-steps` (`micro.first`: the step's first micro-batch, which starts the
+    /// sum): by the end of the rank's last micro-batch with images (`micro.last_images`),
+    /// `range` of the flat buffer holds the sum.
     fn accumulate_gradient(
+        &mut self,
         grads: &mut <Self::Comm as Collective>::Buffer,
         range: Range<usize>,
         grad: &<Self::Backend as Backend>::Tensor,
-        weight: f32,
-        first: bool,
+        micro: MicroStep,
     ) -> Result<(), GradHookError>;
 
     /// Zeros the flat buffer (a rank without images contributes zeros).
@@ -212,14 +226,17 @@ pub(crate) struct StepPlan {
 
 /// How one micro-batch's gradients reach the flat buffer when a step accumulates several.
 #[derive(Debug, Clone, Copy)]
-struct MicroStep {
-    /// The step's first micro-batch: its gradients overwrite the buffer.
-    first: bool,
+pub(crate) struct MicroStep {
+    /// The step's first micro-batch: its gradients start the sum.
+    pub first: bool,
     /// The step's last micro-batch: its backward starts the buckets' averages.
-    last: bool,
+    pub last: bool,
+    /// The micro-batch holding this rank's last images of the step: after it the sum is
+    /// complete (the later micro-batches of the step, if any, have no images here).
+    pub last_images: bool,
     /// The micro-batch's share of this rank's images in the step (each micro-batch's
     /// gradient is its images' mean, the sum of the weighted ones the rank's mean).
-    weight: f32,
+    pub weight: f32,
 }
 
 /// A step whose totals are on their way.
@@ -454,8 +471,17 @@ impl<D: Device> Rank<D> {
             let step = MicroStep {
                 first: micro == 0,
                 last,
+                last_images: images.end == batch.len,
                 weight: images.len() as f32 / batch.len as f32,
             };
+            let image_bytes = (batch.image_size as usize).pow(2) * 3;
+            self.device.begin_micro(
+                &self.net,
+                images.clone(),
+                image_bytes,
+                step.first,
+                plan.stop,
+            )?;
             let stats = self.forward_backward(shared, plan, batch, images, sync_bn, Some(step))?;
             total.loss_sum += stats.loss_sum;
             total.correct_top1 += stats.correct_top1;
@@ -503,6 +529,7 @@ impl<D: Device> Rank<D> {
             comm,
             grads,
             sync,
+            device,
             ..
         } = self;
         let state = RefCell::new(HookState::<D::Comm> { comm, grads, sync });
@@ -515,7 +542,7 @@ impl<D: Device> Rank<D> {
                 let range = st.sync.plan().param_elements(param);
                 match micro {
                     None => D::place_gradient(st.grads, range, grad)?,
-                    Some(m) => D::accumulate_gradient(st.grads, range, grad, m.weight, m.first)?,
+                    Some(m) => device.accumulate_gradient(st.grads, range, grad, m)?,
                 }
                 if micro.is_none_or(|m| m.last) {
                     st.sync.grad_ready(&mut *st.comm, st.grads, param)?;
