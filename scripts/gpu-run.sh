@@ -8,19 +8,18 @@
 #   bash .gpu/gpu-run.sh train   # --gpus 1 runs: accuracy bar, --trace, exact --resume, eval
 #                                # of the GPU checkpoint on the CPU, resnet50 224 px data-wait
 #   bash .gpu/gpu-run.sh auto    # --batch-size auto: resnet50 at 224 px trains at the batch picked
-#   bash .gpu/gpu-run.sh syncbn  # a resnet50 224 px epoch with --sync-bn against without (images/s)
+#   bash .gpu/gpu-run.sh syncbn  # a resnet50 224 px epoch with --sync-bn against without (images/s),
+#                                # and 128 × 2 accumulated against 128 and 256 (--grad-accum-steps)
 #   bash .gpu/gpu-run.sh ncu     # ncu on the three slowest kernels, compute-sanitizer memcheck
 #   bash .gpu/gpu-run.sh multi   # several ranks on the one GPU (< 6 min, most important first):
 #                                # N ranks rehearsed in one process (BIRDTRAIN_REHEARSE_RANKS),
 #                                # NCCL between two processes, torchrun (standalone, restart)
-#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min; off unless
-#                                # BIRDTRAIN_BN_FUSION=1, which this phase sets where it wants
-#                                # it): the fused ops and the resnet18 step against the CPU,
+#   bash .gpu/gpu-run.sh fusion  # batch norm fused into the convolutions (< 7 min; the default,
+#                                # BIRDTRAIN_BN_FUSION=0 turns it off; this phase sets it where
+#                                # it wants it): the fused ops and the resnet18 step against the CPU,
 #                                # twice to the bit, synchronised BN fused, then resnet50 and
-#                                # resnet18 steps fused and separate with --breakdown
-#   bash .gpu/gpu-run.sh pending # what has not run on a GPU yet, in one call: the tests of
-#                                # what changed side by side, then the fused and separate steps
-#                                # timed alone in rounds, the peer, the cost of --grad-accum-steps
+#                                # resnet18 steps fused and separate with --breakdown, then
+#                                # resnet50's in three alternating rounds without it
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -57,7 +56,8 @@ export BIRDTRAIN_BIN=$bin
 # (`$test_bin MODULE::` runs that module's tests); cuda_memory fills the GPU's memory, so `all`
 # runs it alone, after the others.
 test_bin=$here/gpu
-gpu_tests=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu dist_gpu)
+gpu_tests=(cuda_kernels cuda_step cuda_memory cuda_bench_step cuda_optim_state cuda_sync_bn train_gpu
+  train_gpu_accum train_gpu_ranks dist_gpu)
 shared_tests=()
 for t in "${gpu_tests[@]}"; do [ "$t" = cuda_memory ] || shared_tests+=("$t"); done
 
@@ -168,6 +168,7 @@ phase_train() {
 phase_syncbn() {
   big_set
   sync_bn_cost
+  accum_cost
 }
 
 # --sync-bn against without: resnet50 at 224 px on the data-wait run's set and cache, two
@@ -348,10 +349,11 @@ torchrun_kill() {
   wait "$launcher"
 }
 
-# Batch norm fused into the convolutions (BIRDTRAIN_BN_FUSION=1, ARCHITECTURE.md; off by default
-# until a GPU has run these and measured it faster): its GPU tests first (they choose the fused
-# sequence themselves, or are run here with the variable set), then the steps fused and
-# separate on the GPU alone, one after the other, each with the variable set explicitly.
+# Batch norm fused into the convolutions (ARCHITECTURE.md; the default since its tests passed
+# on an H100 and it measured faster there, 2026-11-27; BIRDTRAIN_BN_FUSION=0 turns it off): its
+# GPU tests first (they choose the fused sequence themselves, or are run here with the variable
+# set), then the steps fused and separate on the GPU alone, one after the other, each with the
+# variable set explicitly.
 phase_fusion() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check 120 "$bin" kernels check --arch sm_90
@@ -379,41 +381,26 @@ phase_fusion() {
       --json --breakdown --warmup 10 --steps 30
     check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m-separate.log" $m
   done
+  fusion_rounds
 }
 
-# bench_pair's step for model $1 again with batch norm fused (BIRDTRAIN_BN_FUSION=1), the same
-# steps, right after it on the same GPU, and the fused-against-separate line.
+# bench_pair's step for model $1 again with batch norm in its own passes
+# (BIRDTRAIN_BN_FUSION=0), the same steps, right after it on the same GPU, and the
+# fused-against-separate line (bench_pair's step is fused: the default).
 bench_fused() {
   local m=$1 steps=${BENCH_STEPS:-50}
-  if [ "${BIRDTRAIN_BN_FUSION:-0}" = 1 ]; then
-    note "SKIP bn-fusion $m: BIRDTRAIN_BN_FUSION=1 for the whole run, so bench-$m ran fused already"
+  if [ "${BIRDTRAIN_BN_FUSION:-1}" = 0 ]; then
+    note "SKIP bn-fusion $m: BIRDTRAIN_BN_FUSION=0 for the whole run, so bench-$m ran separate already"
     return
   fi
-  BIRDTRAIN_BN_FUSION=1 step "bench-$m-fused" 150 "$bin" bench step --model $m --batch-size 256 --json \
+  BIRDTRAIN_BN_FUSION=0 step "bench-$m-separate" 150 "$bin" bench step --model $m --batch-size 256 --json \
     --breakdown --warmup $(( steps < 15 ? 5 : 15 )) --steps "$steps"
-  check $checks fusion-bench "$out/bench-$m-fused.log" "$out/bench-$m.log" $m
+  check $checks fusion-bench "$out/bench-$m.log" "$out/bench-$m-separate.log" $m
 }
 
-# What has not run on a GPU yet, in one call for a short lease (docs/gpu-journal.md, "Next"):
-# side by side on the one GPU, the tests of what changed (gradient accumulation on the GPU, the
-# loss figures added over micro-batches, the fused ops' check with its bf16 input), only
-# pass/fail read there; then, with the GPU alone, the step with batch norm fused against
-# separate in alternating rounds without --breakdown (whose per-kernel timing distorts the
-# step), the eager PyTorch peer, and what accumulation costs a resnet50 epoch.
-phase_pending() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-  local t
-  for t in cuda_kernels train_gpu_accum train_gpu cuda_step; do
-    step "test-$t" 240 "$test_bin" --ignored --test-threads 1 --show-output "$t::" &
-  done
-  step test-ranks-1 200 "$test_bin" --ignored --test-threads 1 --show-output train_gpu_ranks::ranks_1 &
-  big_set &
-  wait
-  $checks tests "$out/test-cuda_kernels.log" cuda_kernels:: 10 | tee -a "$summary"
-  $checks tests "$out/test-train_gpu_accum.log" train_gpu_accum:: 2 | tee -a "$summary"
-  $checks tests "$out/test-train_gpu.log" train_gpu:: 10 | tee -a "$summary"
-  $checks tests "$out/test-cuda_step.log" cuda_step:: 5 | tee -a "$summary"
-  $checks tests "$out/test-ranks-1.log" train_gpu_ranks::ranks_1 1 | tee -a "$summary"
+# resnet50's step fused and separate in three alternating rounds without --breakdown (whose
+# per-kernel timing stretches the step), and the line comparing their medians.
+fusion_rounds() {
   local r v fused=() separate=()
   for r in 1 2 3; do
     for v in 1 0; do
@@ -423,13 +410,6 @@ phase_pending() {
     fused+=("$out/bench-resnet50-bn1-r$r.log"); separate+=("$out/bench-resnet50-bn0-r$r.log")
   done
   check $checks fusion-rounds resnet50 "$(IFS=,; echo "${fused[*]}")" "$(IFS=,; echo "${separate[*]}")"
-  cp "$out/bench-resnet50-bn0-r1.log" "$out/bench-resnet50.log"
-  tail -1 "$out/bench-resnet50.log" >>"$out/bench.jsonl"
-  step peer-resnet50 120 python3 "$here/torch_resnet_step.py" --model resnet50 --batch-size 256
-  tail -1 "$out/peer-resnet50.log" >>"$out/bench.jsonl"
-  $checks bench "$out/bench.jsonl" | tee -a "$summary"
-  accum_cost
-  bench_compiled_peer
 }
 
 # What --grad-accum-steps costs a resnet50 epoch at 224 px on the data-wait run's set: 128 × 2
@@ -469,6 +449,7 @@ phase_all() {
   train_data_wait
   phase_auto
   sync_bn_cost
+  accum_cost
   BENCH_STEPS=${BENCH_STEPS:-20} bench_pair resnet18
   bench_scaling
   BIRDTRAIN_CONV=v1 step bench-resnet50-conv-v1 60 "$bin" bench step --model resnet50 --batch-size 256 \
@@ -479,12 +460,12 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|pending|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|pending|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
-note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: off})"
+note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"
 discover
 shift
 "phase_$phase" "$@"

@@ -235,8 +235,8 @@ pub struct CudaBackend {
     conv: ConvVersion,
     /// What the v2 tile choice models.
     limits: GpuLimits,
-    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION=1`,
-    /// off by default, [`bn_fused`]); it takes the v2 kernels.
+    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on
+    /// unless `0`, [`bn_fused`]); it takes the v2 kernels.
     bn_fusion: bool,
     /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
     conv2: Arc<Mutex<Conv2Scratch>>,

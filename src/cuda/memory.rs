@@ -39,6 +39,23 @@ impl Footprint {
         self.fixed_bytes + self.per_image_bytes * batch as u64
     }
 
+    /// This footprint with `--grad-accum-steps` `k` (a batch is then one micro-batch): the
+    /// f32 gradient accumulator beside the gradient buffer (4 bytes a parameter) in the fixed
+    /// bytes, and per image of the micro-batch the k − 1 more images each staging slot holds
+    /// (a slot holds the whole step).
+    pub fn accumulating(self, graph: &Graph, image_size: u32, k: u32) -> Footprint {
+        if k <= 1 {
+            return self;
+        }
+        let params = buffer_plan(graph, image_size).params as u64;
+        let pixels = 3 * u64::from(image_size).pow(2);
+        Footprint {
+            fixed_bytes: self.fixed_bytes + 4 * params,
+            per_image_bytes: self.per_image_bytes
+                + u64::from(k - 1) * STAGING_SLOTS as u64 * pixels,
+        }
+    }
+
     /// The largest batch whose footprint fits `free_bytes` less [`HEADROOM`] (0 if none).
     pub fn largest_batch(&self, free_bytes: u64) -> usize {
         let usable = (free_bytes as f64 * (1.0 - HEADROOM)) as u64;
@@ -189,8 +206,10 @@ pub fn auto_batch_size(
     backend: &CudaBackend,
     graph: &Graph,
     image_size: u32,
+    accum_steps: u32,
 ) -> Result<(usize, Footprint), CudaError> {
-    let footprint = measure(backend, graph, image_size)?;
+    let footprint =
+        measure(backend, graph, image_size)?.accumulating(graph, image_size, accum_steps);
     let (free, _) = backend.device().memory()?;
     // An H100's memory holds more stem activations than the kernels' 32-bit indices reach.
     let batch = footprint
@@ -295,6 +314,22 @@ mod tests {
         assert!((est.per_image_bytes as usize) < per_value_grads, "{est:?}");
         // Fixed: bf16 weights, f32 gradients and at most three f32 optimizer vectors.
         assert!(est.fixed_bytes as usize >= plan.params * (2 + 4 + 12));
+    }
+
+    #[test]
+    fn accumulation_adds_the_accumulator_and_the_larger_staging_slots() {
+        let graph = Graph::new(Arch::ResNet50, 285);
+        let base = estimate(&graph, 224);
+        assert_eq!(base.accumulating(&graph, 224, 1), base);
+        let four = base.accumulating(&graph, 224, 4);
+        let params = buffer_plan(&graph, 224).params as u64;
+        assert_eq!(four.fixed_bytes, base.fixed_bytes + 4 * params);
+        // Each of the 2 slots holds 3 more images of 224² × 3 bytes per micro-batch image.
+        assert_eq!(
+            four.per_image_bytes,
+            base.per_image_bytes + 3 * 2 * 224 * 224 * 3
+        );
+        assert!(four.largest_batch(80 << 30) < base.largest_batch(80 << 30));
     }
 
     #[test]

@@ -18,7 +18,7 @@ fn measured_footprint_is_close_to_the_estimate_and_auto_fits() {
         (0.7..1.6).contains(&ratio),
         "measured {measured:?} vs estimated {estimated:?}"
     );
-    let (batch, _) = auto_batch_size(&backend, &graph, 128).unwrap();
+    let (batch, _) = auto_batch_size(&backend, &graph, 128, 1).unwrap();
     assert!(batch >= 8, "auto batch {batch}");
     // The picked batch really fits: build it and run a step.
     let mut net = Network::new(backend.clone(), &graph, batch, 128).unwrap();

@@ -488,7 +488,7 @@ fn batch_size_auto_measures_the_gpu_and_the_batch_it_picks_trains() {
     );
     let graph = Graph::new(Arch::ResNet8, 4);
     let backend = birdtrain::cuda::CudaBackend::new(0).unwrap();
-    let (measured, _) = birdtrain::cuda::memory::auto_batch_size(&backend, &graph, 64).unwrap();
+    let (measured, _) = birdtrain::cuda::memory::auto_batch_size(&backend, &graph, 64, 1).unwrap();
     drop(backend);
     assert_eq!(cfg.batch_size, measured / 8 * 8);
     // The largest batch must also fit a whole network of that size: build one and step it.

@@ -150,3 +150,20 @@ fn one_bucketed_all_reduce_per_optimizer_step_not_one_per_micro_batch() {
         "one all-reduce of each bucket per optimizer step"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC and NCCL"]
+fn batch_size_auto_measures_a_micro_batch_and_counts_the_accumulator() {
+    let mut cfg = TrainConfig::new("unused");
+    cfg.device = DeviceChoice::Cuda(1);
+    cfg.arch = Arch::ResNet50;
+    cfg.image_size = 224;
+    let (alone, _) = train::largest_gpu_batch(&cfg, 285).unwrap();
+    cfg.grad_accum_steps = 8;
+    let (micro, line) = train::largest_gpu_batch(&cfg, 285).unwrap();
+    println!("--batch-size auto: {alone} images without accumulation; {line}");
+    assert!(line.contains("per micro-batch, × 8 accumulated"), "{line}");
+    // The accumulator and the slots of 8 × the micro-batch take memory: a smaller (or, in a
+    // rounding step of 8, the same) micro-batch, never a larger one, and never none.
+    assert!(micro > 0 && micro <= alone, "{micro} against {alone}");
+}

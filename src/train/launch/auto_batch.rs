@@ -56,13 +56,22 @@ pub fn largest_gpu_batch(cfg: &TrainConfig, classes: usize) -> Result<(usize, St
             reason: e.to_string(),
         };
         let backend = CudaBackend::new(ordinal).map_err(opened)?;
-        let (batch, footprint) = crate::cuda::memory::auto_batch_size(&backend, &graph, image_size)
-            .map_err(|e| auto_refused(format!("{device}: {e}")))?;
+        let (batch, footprint) = crate::cuda::memory::auto_batch_size(
+            &backend,
+            &graph,
+            image_size,
+            cfg.grad_accum_steps,
+        )
+        .map_err(|e| auto_refused(format!("{device}: {e}")))?;
         let (free, _) = backend.device().memory().map_err(opened)?;
         let batch = if batch >= 16 { batch / 8 * 8 } else { batch };
         if smallest.as_ref().is_none_or(|(b, _)| batch < *b) {
+            let accumulated = match cfg.grad_accum_steps {
+                k if k > 1 => format!(" per micro-batch, × {k} accumulated"),
+                _ => String::new(),
+            };
             let line = format!(
-                "--batch-size auto: {batch} images per GPU ({} at {image_size} px: {} MiB fixed + {:.1} MiB per image, {} MiB free on {device}{})",
+                "--batch-size auto: {batch} images per GPU{accumulated} ({} at {image_size} px: {} MiB fixed + {:.1} MiB per image, {} MiB free on {device}{})",
                 cfg.arch,
                 footprint.fixed_bytes >> 20,
                 footprint.per_image_bytes as f64 / (1u64 << 20) as f64,
