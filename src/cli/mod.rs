@@ -38,6 +38,7 @@ pub mod compare;
 mod counts;
 pub mod demo;
 mod dry_run;
+mod elastic;
 pub mod env;
 mod error;
 pub mod eval;

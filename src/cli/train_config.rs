@@ -159,6 +159,19 @@ pub(crate) fn config_for(
             );
         }
     }
+    // Elastic resume: another rank count keeps the checkpoint's global batch (after the
+    // warning above, which is about values given, not this split).
+    let elastic = match &resumed {
+        Some(meta) => {
+            let ranks = match cfg.device {
+                DeviceChoice::Cuda(local) => plan.nodes * local,
+                DeviceChoice::Cpu => cfg.replicas,
+            };
+            let explicit = args.batch_size.is_some() || args.recipe.grad_accum_steps.is_some();
+            super::elastic::keep_global_batch(&mut cfg, meta, ranks, explicit)?
+        }
+        None => None,
+    };
     if resumed.is_none() {
         cfg.out = match &args.out {
             Some(out) => out.clone(),
@@ -172,7 +185,10 @@ pub(crate) fn config_for(
     if look {
         super::paths::check_train_paths(&cfg)?;
     }
-    let mut note = note;
+    let mut note = match (note, elastic) {
+        (Some(n), Some(e)) => Some(format!("{n}\n{e}")),
+        (n, e) => n.or(e),
+    };
     if look && args.batch_size == Some(BatchSize::Auto) {
         let classes = match &resumed {
             Some(meta) => meta.classes.len(),

@@ -1,8 +1,10 @@
 //! Gradient accumulation (`--grad-accum-steps K`, CPU ranks): K micro-batches of B per rank
 //! train to the weights of one batch of K·B (frozen batch norm, so batch statistics do not
 //! depend on the micro-batch), on one and on two replicas, also through a partial last step;
-//! a stop wished during a cycle checkpoints after it and resumes bit-exact; the banner and the
-//! checkpoint show the global batch; K = 0 and K > 1 on GPUs are refused.
+//! a stop wished during a cycle checkpoints after it and resumes bit-exact; with live batch
+//! norm, micro-batches train as replicas of the same size (each normalised alone), not as one
+//! batch; the banner and the checkpoint show the global batch; K = 0 is refused, and a GPU
+//! launch counts K in its global batch (tests/gpu/train_gpu_accum.rs runs it on a GPU).
 
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -212,4 +214,41 @@ fn accumulation_on_gpus_counts_every_gpu_and_micro_batch_in_the_global_batch() {
     let plan: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&run.stdout).trim()).unwrap();
     assert_eq!(plan["global_batch"], 64, "{plan}");
+}
+
+#[test]
+fn with_live_batch_norm_micro_batches_differ_only_by_their_own_statistics() {
+    // Live batch norm normalises each micro-batch of 8 with its own statistics: 4 micro-batches
+    // on one replica must train as 4 replicas of 8 (per-replica batch norm, the same groups of
+    // 8 images), not as one batch of 32, whose statistics span all 32. The two full steps
+    // only: the partial third splits its 21 images 8 + 8 + 5 on one replica, 6 + 5 + 5 + 5
+    // on four, other groups.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(&tmp.path().join("d"));
+    let live = |out: &str, replicas: usize, batch: usize, accum: u32| {
+        let mut cfg = config(&data, &tmp.path().join(out), replicas, batch, accum);
+        cfg.freeze_bn = false;
+        cfg.stop_after_steps = Some(2);
+        cfg
+    };
+    let micro = live("micro", 1, 8, 4);
+    let replicas = live("replicas", 4, 8, 1);
+    let whole = live("whole", 1, 32, 1);
+    for cfg in [&micro, &replicas, &whole] {
+        train::train(cfg, &AtomicBool::new(false)).unwrap();
+    }
+    let (wm, wr, ww) = (
+        weights(&micro.out),
+        weights(&replicas.out),
+        weights(&whole.out),
+    );
+    let (same_groups, one_batch) = (max_diff(&wm, &wr), max_diff(&wm, &ww));
+    println!(
+        "live batch norm: 1 × 8 × 4 against 4 replicas × 8: {same_groups:.3e}; against 1 × 32: {one_batch:.3e}"
+    );
+    assert!(same_groups < BOUND, "{same_groups}");
+    assert!(
+        one_batch > 100.0 * BOUND,
+        "one batch of 32 should differ by its statistics: {one_batch}"
+    );
 }

@@ -9,6 +9,7 @@ mod cache_folder_faults;
 mod cli_support;
 mod csv_data;
 mod data_identity;
+mod elastic;
 mod ema;
 mod epoch_end;
 mod faults;
