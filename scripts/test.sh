@@ -4,7 +4,7 @@
 #    for the reference tests (Debian's packages, scripts/install-test-peers.sh),
 # 2. runs every test of the workspace (GPU tests are #[ignore]d) and fails on any panic
 #    message in its output; a reference test whose peer is missing fails, it does not skip,
-# 3. compiles every CUDA kernel with NVRTC for sm_80 and sm_90,
+# 3. compiles every CUDA kernel with NVRTC for sm_80, sm_90 and sm_90a (Hopper's own target),
 # 4. builds the API docs, warnings as errors,
 # 5. builds the Python package (python/) and runs its pytest suite (scripts/test-python.sh).
 set -euo pipefail
@@ -25,7 +25,7 @@ if grep -n "panicked at" "$log"; then
     echo "error: the test output shows a panic (lines above) although the tests passed" >&2
     exit 1
 fi
-cargo run --quiet -- kernels check --arch sm_80,sm_90
+cargo run --quiet -- kernels check --arch sm_80,sm_90,sm_90a
 # The API docs build without a warning (broken links, private items named in public docs).
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace
 # The input engine's Python package: built as a user builds it, tested against torch.

@@ -96,7 +96,13 @@ mod tests {
         // 3 ranks × 8 = 24 on 2 ranks: a share of 12 in micro-batches of at most 8: 6 × 2.
         assert_eq!(split(24, 2, 8), Some(Split { batch: 6, accum: 2 }));
         // A share of a prime number of images above the recorded batch: single images.
-        assert_eq!(split(26, 2, 8), Some(Split { batch: 1, accum: 13 }));
+        assert_eq!(
+            split(26, 2, 8),
+            Some(Split {
+                batch: 1,
+                accum: 13
+            })
+        );
         assert_eq!(split(8, 0, 8), None);
         // Every split holds the global batch.
         for global in 1..=96 {

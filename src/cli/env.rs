@@ -211,7 +211,7 @@ fn probe_arch(gpus: &[Gpu]) -> GpuArch {
             GpuArch::parse_list(&format!("sm_{digits}")).ok()
         })
         .and_then(|archs| archs.first().copied())
-        .unwrap_or(GpuArch::DEFAULT_CHECK[GpuArch::DEFAULT_CHECK.len() - 1])
+        .unwrap_or(GpuArch::new(9, 0))
 }
 
 /// Looks at this machine (loads the libraries it finds, as training would).

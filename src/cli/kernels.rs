@@ -1,4 +1,4 @@
-//! `birdtrain kernels check [--arch sm_80,sm_90]`: compiles every CUDA kernel with NVRTC.
+//! `birdtrain kernels check [--arch sm_80,sm_90,sm_90a]`: compiles every CUDA kernel with NVRTC.
 //! Needs no GPU, only libnvrtc and the CUDA headers.
 
 use std::io::Write;
@@ -11,7 +11,7 @@ use crate::cuda::{self, GpuArch, KERNEL_FILES};
 #[derive(Debug, Clone, Args)]
 pub struct KernelsArgs {
     /// Comma-separated target architectures.
-    #[arg(long, default_value = "sm_80,sm_90")]
+    #[arg(long, default_value = "sm_80,sm_90,sm_90a")]
     pub arch: String,
 }
 
@@ -75,7 +75,7 @@ pub fn check(
 pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
     let archs = GpuArch::parse_list(&args.arch)?;
     if archs.is_empty() {
-        anyhow::bail!("--arch is empty: give architectures such as sm_80,sm_90");
+        anyhow::bail!("--arch is empty: give architectures such as sm_80,sm_90,sm_90a");
     }
     cuda::library::require_nvrtc()?;
     let (major, minor) = cuda::nvrtc::version()?;

@@ -65,13 +65,40 @@ pub struct ResUsage {
     pub stack: usize,
 }
 
+/// Which tensor-core instruction a kernel's main loop issues.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MmaKind {
+    /// No tensor-core instruction in a loop.
+    #[default]
+    None,
+    /// `mma.sync` (SASS `HMMA`): one warp, sm_80 and later.
+    MmaSync,
+    /// Hopper's `wgmma` (SASS `HGMMA`): a warpgroup, operands from shared memory (sm_90a).
+    Wgmma,
+}
+
+impl MmaKind {
+    /// The name the report prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            MmaKind::None => "-",
+            MmaKind::MmaSync => "mma.sync",
+            MmaKind::Wgmma => "wgmma",
+        }
+    }
+}
+
 /// The main loop of one function (`nvdisasm`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoopMix {
-    /// HMMA instructions in the loop body.
+    /// Tensor-core instructions (HMMA or HGMMA) in the loop body.
     pub mma: usize,
     /// Every other instruction in it.
     pub other: usize,
+    /// Which tensor-core instruction the loop issues (HGMMA where it has both).
+    pub kind: MmaKind,
+    /// Bulk tensor copies (TMA, SASS `UTMALDG`) anywhere in the function.
+    pub tma_loads: usize,
 }
 
 impl LoopMix {
@@ -114,7 +141,8 @@ pub fn parse_res_usage(text: &str) -> HashMap<String, ResUsage> {
 }
 
 /// Parses `nvdisasm` output into each function's main loop: for every backward branch to a
-/// label, the instructions from the label to the branch; the loop with the most HMMA wins.
+/// label, the instructions from the label to the branch; the loop with the most tensor-core
+/// instructions (HMMA for `mma.sync`, HGMMA for `wgmma`) wins; and the function's TMA loads.
 pub fn parse_sass(text: &str) -> HashMap<String, LoopMix> {
     let mut out = HashMap::new();
     let mut name: Option<String> = None;
@@ -134,17 +162,30 @@ pub fn parse_sass(text: &str) -> HashMap<String, LoopMix> {
                 continue; // a forward branch
             }
             let body = &instrs[start..=at];
-            let mma = body
-                .iter()
-                .filter(|i| opcode(i).starts_with("HMMA"))
-                .count();
+            let count = |prefix: &str| {
+                body.iter()
+                    .filter(|i| opcode(i).starts_with(prefix))
+                    .count()
+            };
+            let (sync, group) = (count("HMMA"), count("HGMMA"));
+            let mma = sync + group;
             if mma > best.mma {
                 best = LoopMix {
                     mma,
                     other: body.len() - mma,
+                    kind: if group > 0 {
+                        MmaKind::Wgmma
+                    } else {
+                        MmaKind::MmaSync
+                    },
+                    tma_loads: 0,
                 };
             }
         }
+        best.tma_loads = instrs
+            .iter()
+            .filter(|i| opcode(i).starts_with("UTMALDG"))
+            .count();
         out.insert(name, best);
     };
     for line in text.lines() {
@@ -331,7 +372,7 @@ pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow
 pub fn print(arch: GpuArch, rows: &[ReportRow]) {
     outln!("convolution kernels for {arch}: v1 (conv.cu) and v2 (conv2.cu); goal: < 64 other per 32 mma, no spills");
     outln!(
-        "{:<26} {:>7} {:>5} {:>6} {:>9} {:>7} {:>6} {:>9} {:>14}",
+        "{:<26} {:>7} {:>5} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>4} {:>14}",
         "kernel",
         "threads",
         "regs",
@@ -339,12 +380,14 @@ pub fn print(arch: GpuArch, rows: &[ReportRow]) {
         "smem KiB",
         "blk/SM",
         "occ%",
+        "mma kind",
         "loop mma",
+        "TMA",
         "other/32 mma"
     );
     for r in rows {
         outln!(
-            "{:<26} {:>7} {:>5} {:>6} {:>9.1} {:>7} {:>6.1} {:>9} {:>14}",
+            "{:<26} {:>7} {:>5} {:>6} {:>9.1} {:>7} {:>6.1} {:>9} {:>9} {:>4} {:>14}",
             r.kernel,
             r.threads,
             r.usage.regs,
@@ -352,7 +395,9 @@ pub fn print(arch: GpuArch, rows: &[ReportRow]) {
             (r.usage.shared + r.dynamic_smem) as f64 / 1024.0,
             r.blocks_per_sm,
             100.0 * r.occupancy(),
+            r.mix.kind.name(),
             r.mix.mma,
+            r.mix.tma_loads,
             r.mix
                 .other_per_32_mma()
                 .map_or("-".to_string(), |v| format!("{v:.1}"))
@@ -390,11 +435,47 @@ mod tests {
         /*0010*/                   BRA `(.L_x_1);
 ";
 
+    // A Hopper kernel's shape (sm_90a): TMA loads completing on an mbarrier, a loop of
+    // warpgroup MMAs waited on with WARPGROUP.DEPBAR (written in the form nvdisasm prints).
+    const SASS_WGMMA: &str = "\
+\t.section\t.text.conv3_fwd_128x128,\"ax\",@progbits
+        /*0000*/                   UTMALDG.2D [UR8], [UR4] ;
+        /*0010*/                   UTMALDG.2D [UR12], [UR4] ;
+.L_x_3:
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R3 ;
+        /*0030*/                   WARPGROUP.ARRIVE ;
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0070*/                   UTMALDG.2D [UR8], [UR4] ;
+        /*0080*/               @P1 BRA `(.L_x_3) ;
+        /*0090*/                   EXIT ;
+";
+
+    #[test]
+    fn sass_of_a_hopper_kernel_names_wgmma_and_counts_its_tma_loads() {
+        let m = parse_sass(SASS_WGMMA);
+        let k = &m["conv3_fwd_128x128"];
+        assert_eq!(k.kind, MmaKind::Wgmma);
+        assert_eq!(k.kind.name(), "wgmma");
+        assert_eq!((k.mma, k.other, k.tma_loads), (2, 5, 3));
+        // The mma.sync kernels of conv2.cu say so.
+        assert_eq!(parse_sass(SASS)["conv2_fwd_128x64"].kind.name(), "mma.sync");
+    }
+
     #[test]
     fn sass_main_loop_is_the_backward_branch_with_most_mma() {
         let m = parse_sass(SASS);
         let fwd = &m["conv2_fwd_128x64"];
-        assert_eq!(fwd, &LoopMix { mma: 2, other: 3 });
+        assert_eq!(
+            fwd,
+            &LoopMix {
+                mma: 2,
+                other: 3,
+                kind: MmaKind::MmaSync,
+                tma_loads: 0
+            }
+        );
         assert_eq!(fwd.other_per_32_mma(), Some(48.0));
         assert_eq!(m["conv2_pad_channels"], LoopMix::default());
         assert_eq!(m["conv2_pad_channels"].other_per_32_mma(), None);

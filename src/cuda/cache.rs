@@ -252,7 +252,7 @@ mod tests {
 
     #[test]
     fn key_changes_with_every_part() {
-        let arch = GpuArch { major: 8, minor: 0 };
+        let arch = GpuArch::new(8, 0);
         let base = CacheKeyParts {
             source: "a",
             arch,
@@ -272,7 +272,7 @@ mod tests {
         assert_ne!(
             k,
             CacheKeyParts {
-                arch: GpuArch { major: 9, minor: 0 },
+                arch: GpuArch::new(9, 0),
                 ..base.clone()
             }
             .key()

@@ -65,10 +65,7 @@ impl GpuDevice {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(CudaError::driver("reading the compute capability"))?;
-        let arch = GpuArch {
-            major: major as u32,
-            minor: minor as u32,
-        };
+        let arch = GpuArch::new(major as u32, minor as u32);
         if arch < GpuArch::MIN {
             return Err(CudaError::Unsupported {
                 what: format!(

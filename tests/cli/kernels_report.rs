@@ -19,7 +19,7 @@ fn v2_kernels_meet_the_instruction_and_spill_goals() {
         eprintln!("skipped: no NVRTC (. scripts/cuda-env.sh)");
         return;
     }
-    let arch = GpuArch { major: 9, minor: 0 };
+    let arch = GpuArch::new(9, 0);
     let rows = report(arch, smem_per_sm(arch)).expect("kernels report");
     for name in V2_GEMM_KERNELS.iter().chain(V2_BN_EPILOGUE_KERNELS) {
         let r = rows

@@ -134,12 +134,20 @@ fn four_replicas_resumed_on_two_keep_the_global_batch_and_end_as_the_uninterrupt
         stdout.contains("its global batch of 32 kept as 8 per rank × 2 accumulated"),
         "{stdout}"
     );
-    assert_eq!(scaled_lr(&stdout), scaled_lr(&first), "the same learning rate");
+    assert_eq!(
+        scaled_lr(&stdout),
+        scaled_lr(&first),
+        "the same learning rate"
+    );
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run.join("checkpoint.json")).unwrap()).unwrap();
     assert_eq!(
         (&meta["replicas"], &meta["global_batch"], &meta["step"]),
-        (&serde_json::json!(2), &serde_json::json!(32), &serde_json::json!(4)),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!(32),
+            &serde_json::json!(4)
+        ),
         "{meta}"
     );
     assert_eq!(meta["settings"]["grad_accum_steps"], 2, "{meta}");
@@ -150,7 +158,10 @@ fn four_replicas_resumed_on_two_keep_the_global_batch_and_end_as_the_uninterrupt
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
     println!("4 replicas straight against 4 then 2 × 2 accumulated: largest difference {d:.3e}");
-    assert!(d < BOUND, "the elastic run ends {d} from the uninterrupted one");
+    assert!(
+        d < BOUND,
+        "the elastic run ends {d} from the uninterrupted one"
+    );
 }
 
 #[test]
