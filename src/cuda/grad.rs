@@ -8,8 +8,18 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::device::GpuDevice;
 use super::error::CudaError;
 
-/// Threads per block of `scale_f32`.
+/// Threads per block of `scale_f32` and `grad_accumulate`.
 const THREADS: u32 = 256;
+
+/// Their launch: a grid-stride loop over `len` values, at most 1024 blocks.
+fn grid_stride(len: usize) -> LaunchConfig {
+    let blocks = len.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 /// Multiplies `len` f32 values at device address `ptr` by `alpha`, on `dev`'s compute stream
 /// (after the kernels already queued there, e.g. the ones that wrote the values).
@@ -21,12 +31,7 @@ pub fn scale_f32(dev: &GpuDevice, ptr: u64, len: usize, alpha: f32) -> Result<()
         what: format!("scaling {len} values"),
     })?;
     let f = dev.function("optim.cu", "scale_f32")?;
-    let blocks = len.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid_stride(len);
     let mut b = dev.stream().launch_builder(&f);
     b.arg(&ptr).arg(&n).arg(&alpha);
     // SAFETY: the arguments match scale_f32(float*, long, float) in kernels/optim.cu; the
@@ -82,12 +87,7 @@ pub fn accumulate(
         what: format!("accumulating {len} values"),
     })?;
     let f = dev.function("optim.cu", "grad_accumulate")?;
-    let blocks = len.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid_stride(len);
     let mode = mode as i32;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(&acc).arg(&grad).arg(&n).arg(&weight).arg(&mode);

@@ -13,6 +13,7 @@ mod cuda_optim_state;
 mod cuda_step;
 mod cuda_sync_bn;
 mod dist_gpu;
+mod support;
 mod train_gpu;
 mod train_gpu_accum;
 mod train_gpu_ranks;

@@ -13,6 +13,7 @@
 //! One GPU cannot show two ranks (NCCL refuses two ranks on one device): multi-GPU agreement
 //! is checked by the cross-rank checksum at run time on real multi-GPU machines.
 
+use crate::support::update_distance;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
@@ -352,18 +353,6 @@ fn sync_bn_on_one_gpu_trains_like_per_gpu_bn() {
         synced_off <= 2.0 * fused_off + 2e-2,
         "sync BN is {synced_off} from the CPU's update, fused BN {fused_off}"
     );
-}
-
-/// How far weights `a` are from `b`, relative to how far `b` moved from `start`: the L2 norm
-/// of the difference of the two updates over the norm of `b`'s update.
-fn update_distance(start: &[f32], a: &[f32], b: &[f32]) -> f64 {
-    assert!(start.len() == a.len() && a.len() == b.len());
-    let (mut diff, mut moved) = (0.0f64, 0.0f64);
-    for ((&s, &x), &y) in start.iter().zip(a).zip(b) {
-        diff += f64::from(x - y).powi(2);
-        moved += f64::from(y - s).powi(2);
-    }
-    (diff / moved.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 #[test]

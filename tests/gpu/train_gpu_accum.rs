@@ -7,6 +7,7 @@
 //!   floor (the distance of the GPU run from the f32 CPU run of the same batch).
 //! - The trace holds one bucketed all-reduce per optimizer step, not one per micro-batch.
 
+use crate::support::update_distance;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
@@ -64,16 +65,6 @@ fn weights(out: &Path) -> Vec<f32> {
     ModelState::load_safetensors(&graph, &out.join("model.safetensors"), HeadPolicy::Strict)
         .unwrap()
         .flat_params()
-}
-
-/// The L2 norm of the difference of two updates from `start` over the norm of `b`'s update.
-fn update_distance(start: &[f32], a: &[f32], b: &[f32]) -> f64 {
-    let (mut diff, mut moved) = (0.0f64, 0.0f64);
-    for ((&s, &x), &y) in start.iter().zip(a).zip(b) {
-        diff += f64::from(x - y).powi(2);
-        moved += f64::from(y - s).powi(2);
-    }
-    (diff / moved.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 #[test]

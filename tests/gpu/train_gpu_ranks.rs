@@ -22,6 +22,7 @@
 //! name is its priority (libtest runs them in name order): a short GPU call that runs out of
 //! time loses the least important.
 
+use crate::support::update_distance;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -352,18 +353,6 @@ fn weights(out: &Path, classes: usize) -> ModelState {
     let graph = Graph::new(Arch::ResNet8, classes);
     ModelState::load_safetensors(&graph, &out.join("model.safetensors"), HeadPolicy::Strict)
         .unwrap_or_else(|e| panic!("{}: {e}", out.display()))
-}
-
-/// How far weights `a` are from `b`, relative to how far `b` moved from `start`: the L2 norm of
-/// the difference of the two updates over the norm of `b`'s update.
-fn update_distance(start: &[f32], a: &[f32], b: &[f32]) -> f64 {
-    assert!(start.len() == a.len() && a.len() == b.len());
-    let (mut diff, mut moved) = (0.0f64, 0.0f64);
-    for ((&s, &x), &y) in start.iter().zip(a).zip(b) {
-        diff += f64::from(x - y).powi(2);
-        moved += f64::from(y - s).powi(2);
-    }
-    (diff / moved.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 /// The uninterrupted two-rank run the tests compare against: 2 ranks × 8 images, 2 epochs of

@@ -7,66 +7,28 @@ use std::path::{Path, PathBuf};
 
 use birdtrain::train::load_checkpoint_for_inference;
 
-use crate::cli_support::small_run::{dataset, ok, run_with, text};
+use crate::cli_support::small_run::{dataset, ok, resume_args, run_with, text, train_args};
 use crate::cli_support::{assert_one_line_error, s};
 
 /// As tests/train/grad_accum.rs: another summation order of the same images' gradients
 /// differs by f32 roundings (measured there at 1.2e-7), two orders of magnitude below this.
 const BOUND: f32 = 1e-5;
 
-/// 4 classes × 16 = 64 training images: 2 steps an epoch at a global batch of 32.
+/// 4 classes × 16 = 64 training images: 2 steps an epoch at a global batch of 32 (the small
+/// runs' flags with 8 images per replica, frozen batch norm, 2 epochs).
 fn args(data: &Path, cache: &Path, out: &Path, replicas: usize) -> Vec<String> {
-    [
-        "--data",
-        s(data),
-        "--gpus",
-        "0",
-        "--model",
-        "resnet8",
-        "--image-size",
-        "16",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "8",
-        "--replicas",
-        &replicas.to_string(),
-        "--freeze-bn",
-        "--threads",
-        "1",
-        "--workers",
-        "1",
-        "--cache-dir",
-        s(cache),
-        "--out",
-        s(out),
-        "--seed",
-        "3",
-        "--quiet",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
+    let mut a = train_args(data, cache, out, 2);
+    let at = a.iter().position(|f| f == "--batch-size").unwrap();
+    a[at + 1] = "8".into();
+    a.extend(["--replicas", &replicas.to_string(), "--freeze-bn"].map(String::from));
+    a
 }
 
 /// `--resume RUN` with `--replicas R` and nothing else that changes the batch.
 fn resume(run: &Path, data: &Path, replicas: usize) -> Vec<String> {
-    [
-        "--resume",
-        s(run),
-        "--data",
-        s(data),
-        "--replicas",
-        &replicas.to_string(),
-        "--threads",
-        "1",
-        "--workers",
-        "1",
-        "--quiet",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
+    let mut a = resume_args(run, data);
+    a.extend(["--replicas".to_string(), replicas.to_string()]);
+    a
 }
 
 fn weights(run: &Path) -> Vec<f32> {
