@@ -68,7 +68,7 @@ pub(crate) mod faults;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use memmap2::{Mmap, MmapMut};
@@ -107,13 +107,13 @@ pub(crate) struct Cache {
     base: *mut u8,
     layout: Layout,
     writable: bool,
-    /// In-memory claims, so two workers of this process never write one record at once.
-    claims: Vec<AtomicU64>,
+    /// Records a worker of this process decodes to write, so two workers of this process
+    /// never both decode one for the cache (the file's claims bitmap is taken at the write).
+    in_flight: Vec<AtomicU64>,
     /// Records whose check this process has verified (or written).
     verified: Vec<AtomicU64>,
     /// Records this process found damaged and cannot rewrite (a reader): decoded each time.
     rejected: Vec<AtomicU64>,
-    resolved: AtomicUsize,
     /// Whether the header says `filling` for this boot (required before any write).
     filling: AtomicBool,
     state_lock: Mutex<()>,
@@ -124,8 +124,9 @@ pub(crate) struct Cache {
 }
 
 // SAFETY: the raw base pointer refers to the map owned by this struct. Shared access is
-// coordinated by the atomic bitmaps: a record is written only by the worker that claimed it
-// and read only after its filled bit is published (release/acquire), see the module docs.
+// coordinated by the atomic bitmaps: a record is written only by the worker whose process
+// holds its bit in the file's claims bitmap, and read only after its filled bit is published
+// (release/acquire), see the module docs.
 unsafe impl Send for Cache {}
 unsafe impl Sync for Cache {}
 
@@ -141,8 +142,10 @@ impl Cache {
             return;
         }
         if let Map::Write(map) = &self.map {
-            // SAFETY: offsets inside the header page of our writable map; we are the only
-            // writer (exclusive lock), and the state word is 4-aligned.
+            // SAFETY: offsets inside the header page of our writable map, the state word
+            // 4-aligned. Other fillers may store the same values (state `filling`, this
+            // boot's id: identical bytes); only a process holding the file alone writes
+            // another state (see `Drop`).
             unsafe {
                 (*(self.base.add(OFF_STATE) as *const AtomicU32))
                     .store(STATE_FILLING, Ordering::Release);
@@ -207,9 +210,44 @@ impl Cache {
         self.writable && self.layout.count > 0 && !self.write_failed.load(Ordering::Relaxed)
     }
 
-    /// Records that are filled or known bad.
+    /// Records that are filled or known bad, by this process or any other filling the file.
     pub(crate) fn resolved(&self) -> usize {
-        self.resolved.load(Ordering::Relaxed)
+        (0..self.layout.count.div_ceil(64))
+            .map(|w| (self.resolved_word(w) & self.valid_bits(w)).count_ones() as usize)
+            .sum()
+    }
+
+    /// The filled and bad bits of bitmap word `w`.
+    fn resolved_word(&self, w: usize) -> u64 {
+        self.word(self.layout.filled, w).load(Ordering::Acquire)
+            | self.word(self.layout.bad, w).load(Ordering::Acquire)
+    }
+
+    /// The bits of bitmap word `w` that stand for records (the last word's others mean
+    /// nothing and are never set by a filler).
+    fn valid_bits(&self, w: usize) -> u64 {
+        let valid = self.layout.count - 64 * w;
+        if valid >= 64 {
+            !0
+        } else {
+            (1u64 << valid) - 1
+        }
+    }
+
+    /// Frees the claims of records that were never published: called by a process that has
+    /// the file alone, so their claimants are gone (killed between claim and publish).
+    fn drop_stale_claims(&self) {
+        if !self.writable() {
+            return;
+        }
+        for w in 0..self.layout.count.div_ceil(64) {
+            let stale =
+                self.word(self.layout.claims, w).load(Ordering::Relaxed) & !self.resolved_word(w);
+            if stale != 0 {
+                self.word(self.layout.claims, w)
+                    .fetch_and(!stale, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Records found damaged by this process.
@@ -283,15 +321,17 @@ impl Cache {
         kind
     }
 
-    /// A record failed its check: warn once per process, and forget it (a writer clears its
-    /// bit so it is decoded and rewritten; a reader decodes it each time).
+    /// A record failed its check: warn once per process, and forget it (a filler clears its
+    /// bit, then its claim, so it is decoded and rewritten by whichever process claims it
+    /// next; a reader decodes it each time).
     fn damage(&self, i: usize, region: usize, why: &str) {
         let bit = 1u64 << (i % 64);
         let counted = if self.writable() {
             self.begin_writes();
             let was = self.word(region, i / 64).fetch_and(!bit, Ordering::AcqRel);
             if was & bit != 0 {
-                self.resolved.fetch_sub(1, Ordering::Relaxed);
+                self.word(self.layout.claims, i / 64)
+                    .fetch_and(!bit, Ordering::AcqRel);
             }
             was & bit != 0
         } else {
@@ -331,39 +371,56 @@ impl Cache {
     }
 
     fn publish(&self, region: usize, i: usize) {
-        let bit = 1u64 << (i % 64);
-        if self.word(region, i / 64).fetch_or(bit, Ordering::Release) & bit == 0 {
-            self.resolved.fetch_add(1, Ordering::Relaxed);
-        }
+        self.word(region, i / 64)
+            .fetch_or(1 << (i % 64), Ordering::Release);
     }
 }
 
 impl Drop for Cache {
-    /// Flushes the map and records how far the cache got, with the map checksum, so another
-    /// boot can trust it.
+    /// Flushes the map and lets go of the file; the last filler to let go (the one that then
+    /// gets the file alone) records how far the cache got, with the map checksum, so another
+    /// boot can trust it. Letting go before trying for the exclusive lock means that of
+    /// fillers leaving at once, the last always gets it.
     fn drop(&mut self) {
-        let complete = self.resolved() == self.layout.count;
         let layout = self.layout;
         let quiet = self.write_failed.load(Ordering::Relaxed);
-        if let Map::Write(map) = &mut self.map {
-            if layout.count == 0 || map.flush().is_err() {
-                return;
-            }
-            let state = if complete {
-                STATE_COMPLETE
-            } else {
-                STATE_SYNCED
-            };
-            let sum = map_sum(map, &layout);
-            map[OFF_MAP_SUM..OFF_MAP_SUM + 8].copy_from_slice(&sum.to_le_bytes());
-            map[OFF_STATE..OFF_STATE + 4].copy_from_slice(&state.to_le_bytes());
-            if let Err(e) = map.flush_range(0, HEADER_BYTES) {
-                if !quiet {
-                    tracing::warn!(
-                        "cache file {}: flushing the header failed: {e}",
-                        self.path.display()
-                    );
-                }
+        let (Map::Write(map), Some(file)) = (&mut self.map, &self.file) else {
+            return;
+        };
+        if layout.count == 0 || map.flush().is_err() {
+            return;
+        }
+        if file::unlock(file).is_err() || !file::try_lock_exclusive(file).unwrap_or(false) {
+            // Others still fill it: the last of them seals it.
+            return;
+        }
+        // Alone: every other filler flushed its writes before letting go (the flush above
+        // then costs nothing for pages already clean).
+        if map.flush().is_err() {
+            return;
+        }
+        let resolved: usize = (0..layout.count.div_ceil(64))
+            .map(|w| {
+                let valid = layout.count - 64 * w;
+                let mask = if valid >= 64 { !0 } else { (1u64 << valid) - 1 };
+                let word = |region: usize| read_u64(map, region + 8 * w);
+                ((word(layout.filled) | word(layout.bad)) & mask).count_ones() as usize
+            })
+            .sum();
+        let state = if resolved == layout.count {
+            STATE_COMPLETE
+        } else {
+            STATE_SYNCED
+        };
+        let sum = map_sum(map, &layout);
+        map[OFF_MAP_SUM..OFF_MAP_SUM + 8].copy_from_slice(&sum.to_le_bytes());
+        map[OFF_STATE..OFF_STATE + 4].copy_from_slice(&state.to_le_bytes());
+        if let Err(e) = map.flush_range(0, HEADER_BYTES) {
+            if !quiet {
+                tracing::warn!(
+                    "cache file {}: flushing the header failed: {e}",
+                    self.path.display()
+                );
             }
         }
     }

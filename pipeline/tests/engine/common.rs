@@ -117,6 +117,7 @@ pub struct CacheLayout {
     pub bad: usize,
     pub checks: usize,
     pub sources: usize,
+    pub claims: usize,
     pub records: usize,
     pub record_bytes: usize,
 }
@@ -129,13 +130,15 @@ impl CacheLayout {
         let bad = filled + 8 * words;
         let checks = bad + 8 * words;
         let sources = checks + 8 * count;
-        let records = (sources + 8 * count).next_multiple_of(4096);
+        let claims = sources + 8 * count;
+        let records = (claims + 8 * words).next_multiple_of(4096);
         Self {
             labels,
             filled,
             bad,
             checks,
             sources,
+            claims,
             records,
             record_bytes: size * size * 3,
         }
