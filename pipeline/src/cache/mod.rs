@@ -65,6 +65,8 @@ mod writer;
 
 #[cfg(test)]
 pub(crate) mod faults;
+#[cfg(test)]
+mod tests;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

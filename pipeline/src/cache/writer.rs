@@ -41,7 +41,7 @@ impl Cache {
     /// mapped word: `true` for the one process (of all those mapping the file) that set it,
     /// when the record is not resolved yet. A claim stays set once its record is published
     /// (a published record is never written again unless it is found damaged).
-    fn claim_in_file(&self, i: usize) -> bool {
+    pub(super) fn claim_in_file(&self, i: usize) -> bool {
         let bit = 1u64 << (i % 64);
         if self
             .word(self.layout.claims, i / 64)
