@@ -14,6 +14,8 @@
 //! |               | record's tag (its index and its [`BadFileKind`])               |
 //! | after it      | sources: `count × u64`, the content hash of the file a filled  |
 //! |               | record was decoded from ([`crate::content_hash`])              |
+//! | after it      | claims bitmap: a record's bit is taken by the one process that |
+//! |               | writes it (see "Several processes fill one file")             |
 //! | 4096-aligned  | records: `count × S·S·3` u8, NHWC RGB                          |
 //!
 //! **Never serve a damaged record.** Each record carries an xxh3-64 of its pixels (seeded
@@ -31,30 +33,68 @@
 //! written (full disk, read-only, quota) or a file that cannot be memory-mapped (an address
 //! space limit, a file system without maps) gives one warning and the engine decodes what it
 //! cannot cache; a complete cache in a read-only folder is served as it is. Every page the
-//! writer touches through the map is allocated by an ordinary write when the file is made,
+//! filler touches through the map is allocated by an ordinary write when the file is made,
 //! so a full disk surfaces as an error value, never as a SIGBUS; records are written with
 //! positioned writes for the same reason.
 //!
-//! **Never serve a torn record.** A worker writes the pixels of record `i` straight into the
-//! map, then sets bit `i` with release ordering; readers test the bit with acquire ordering. A
-//! process killed mid-write leaves its page cache intact, so set bits are exact for any later
-//! process of the same boot. A crash of the machine is different (pages may reach the disk in
-//! any order), so the header carries a state: `filling` with the writer's boot id (bits are
-//! trusted only within that boot), `synced` (the writer flushed the whole map before writing
-//! this state, so bits are durable) or `complete` (every record resolved and flushed).
+//! **Never serve a torn record.** A filler writes the pixels of record `i` straight into the
+//! file, then its source hash and check, then sets bit `i` with release ordering; readers test
+//! the bit with acquire ordering. A process killed mid-write leaves its page cache intact, so
+//! set bits are exact for any later process of the same boot. A crash of the machine is
+//! different (pages may reach the disk in any order), so the header carries a state:
+//! `filling` with the fillers' boot id (bits are trusted only within that boot), `synced` (the
+//! whole map was flushed before this state was written, so bits are durable) or `complete`
+//! (every record resolved and flushed).
 //!
-//! **Two writers never share a file.** The writer holds an exclusive advisory lock
-//! (flock(2) on Unix) on the cache file for its whole life. A second pipeline
-//! or process that cannot get the lock opens the file read-only: it serves the records whose
-//! bits are set and decodes the rest in memory without writing. A cache that must be rebuilt
-//! (other fingerprint, wrong size, untrusted state) is built in a fresh temporary file and
-//! renamed over the old one, so a reader still mapping the old file is never cut short.
+//! **Several processes fill one file** (the ranks of one node, or loaders sharing a cache
+//! folder), each the records of its own samples, so a node's ranks fill it in one epoch. They
+//! are processes of one machine (one boot id, one page cache), and hold these locks (flock(2)
+//! on the cache file; its locks belong to each open file description, so two pipelines of one
+//! process are two fillers to each other):
+//! - Every filler holds a shared lock for as long as it has the file open.
+//! - A missing file is built in a temporary file, under our shared lock, and hard-linked into
+//!   place, which fails when another process created the file first: that process's file is
+//!   then opened. A file is created once.
+//! - Only a process that gets the exclusive lock without waiting (no other process has the file
+//!   open) judges the file as a whole (header, map checksum, state and boot id), frees the
+//!   claims of records never published (their claimants are gone) and resumes it, then holds
+//!   the shared lock; or rebuilds it: a fresh temporary file renamed over the old one while the
+//!   old one is still locked. Any other process waits for a shared lock (a process holds the
+//!   file alone only for such a moment), checks that the path still names the file it locked
+//!   (after a rebuild it starts over) and joins it, checking the header only (the map checksum
+//!   is stale while others fill). A header that does not fit its key (another view of the
+//!   dataset) is not its to rebuild while others fill: it decodes in memory. So a file is never
+//!   replaced under its fillers.
+//! - A worker claims a record in its process (in memory) before decoding it, so two workers
+//!   never both decode it for the cache; then, with the pixels ready, in the file: one atomic
+//!   `fetch_or` on the mapped claims word, so of all processes exactly one sees the bit clear,
+//!   and only that one writes the record. Another process that decoded the same image (ranks of
+//!   different world sizes, a bad split, a balanced sampler's repeat) serves its own pixels and
+//!   writes nothing, so no record is ever written by two processes at once. A claim stays set
+//!   while its record is resolved; a failed write releases it; a damaged record loses its bit,
+//!   then its claim, so any process may rewrite it. A process killed between claim and publish
+//!   leaves a claim without its bit: nobody serves those bytes, nobody writes the record while
+//!   the file has fillers, and the next process to have the file alone frees the claim (claims
+//!   are outside the map checksum).
+//! - A record another process published is served once its xxh3 is verified, the first time
+//!   this process serves it, as any record found at open; a process trusts its own writes.
+//! - Every filler writes state `filling` and its boot id (the same bytes from every filler of
+//!   one machine) before its first change. When it drops the cache it flushes its map, lets go
+//!   of its lock, then tries the exclusive lock without waiting: the one that gets it has the
+//!   file alone, so every other filler flushed and left, and it seals the file: `complete` or
+//!   `synced` with the map checksum, then flushes the header. Of fillers leaving at once, the
+//!   last always gets it (each lets go before trying). If every filler is killed, the state
+//!   stays `filling`: resumed in this boot, rebuilt after a reboot.
+//!
+//! A file that cannot be opened for writing (a read-only place) is served as it is when it is
+//! valid, without a lock: no process rewrites a file in place.
 //!
 //! The files: `format` (the header's fields, the [`Layout`] of the regions, the checks and
 //! checksums), `key` (what a file must have been made for), `validate` (what an existing
-//! header says), `open` (resuming, rebuilding, read-only or no cache), `writer` (claiming,
-//! writing and publishing a record), `file` (error values, the lock, the mapping check) and,
-//! in tests, `faults`; this file holds the open cache and serves its records.
+//! header says), `open` (creating, resuming, rebuilding, joining, read-only or no cache),
+//! `writer` (claiming, writing and publishing a record), `file` (error values, the locks, the
+//! mapping check) and, in tests, `faults` and `tests` (several handles on one file); this file
+//! holds the open cache, serves its records and seals it.
 
 mod file;
 mod format;
@@ -99,10 +139,10 @@ pub(crate) enum Lookup<'a> {
     Miss,
 }
 
-/// An open cache file (writer or read-only).
+/// An open cache file (a filler, or read-only).
 pub(crate) struct Cache {
     path: PathBuf,
-    // Kept open: as the writer, its lock lives as long as this handle; records are written
+    // Kept open: as a filler, its lock lives as long as this handle; records are written
     // through it (see `RecordWriter::write_and_commit`). `None` for a disabled cache.
     file: Option<File>,
     map: Map,
@@ -114,7 +154,7 @@ pub(crate) struct Cache {
     in_flight: Vec<AtomicU64>,
     /// Records whose check this process has verified (or written).
     verified: Vec<AtomicU64>,
-    /// Records this process found damaged and cannot rewrite (a reader): decoded each time.
+    /// Records this process found damaged and cannot rewrite (read-only): decoded each time.
     rejected: Vec<AtomicU64>,
     /// Whether the header says `filling` for this boot (required before any write).
     filling: AtomicBool,
@@ -267,7 +307,7 @@ impl Cache {
     }
 
     /// What the cache holds for sample `i`: verified pixels, a bad file's kind, or nothing.
-    /// A record whose check fails is reported once and treated as not cached (a writer then
+    /// A record whose check fails is reported once and treated as not cached (a filler then
     /// decodes and rewrites it).
     pub(crate) fn lookup(&self, i: usize) -> Lookup<'_> {
         if i >= self.layout.count || Self::bit_set(&self.rejected, i) {
@@ -281,7 +321,7 @@ impl Cache {
             != 0
         {
             let at = self.layout.records + i * self.layout.record_bytes;
-            // SAFETY: the filled bit was observed with acquire ordering after the writer's
+            // SAFETY: the filled bit was observed with acquire ordering after the filler's
             // release, and a filled record is written again only after its bit is cleared;
             // the range is inside the map.
             let record =
@@ -325,7 +365,7 @@ impl Cache {
 
     /// A record failed its check: warn once per process, and forget it (a filler clears its
     /// bit, then its claim, so it is decoded and rewritten by whichever process claims it
-    /// next; a reader decodes it each time).
+    /// next; read-only, it decodes it each time).
     fn damage(&self, i: usize, region: usize, why: &str) {
         let bit = 1u64 << (i % 64);
         let counted = if self.writable() {
