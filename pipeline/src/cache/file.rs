@@ -62,6 +62,30 @@ pub(super) fn lock_shared(file: &File) -> std::io::Result<()> {
     flock(file, libc::LOCK_SH)
 }
 
+/// [`lock_shared`], waiting at most `patience`: `Ok(false)` when another process held the file
+/// alone all that time (an engine of an older cache format holds its file alone for its whole
+/// life; waiting for it would hang this one).
+#[cfg(unix)]
+pub(super) fn lock_shared_within(
+    file: &File,
+    patience: std::time::Duration,
+) -> std::io::Result<bool> {
+    let start = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(1);
+    loop {
+        match flock(file, libc::LOCK_SH | libc::LOCK_NB) {
+            Ok(()) => return Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {}
+            Err(e) => return Err(e),
+        }
+        if start.elapsed() >= patience {
+            return Ok(false);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(50));
+    }
+}
+
 /// Releases this handle's lock.
 #[cfg(unix)]
 pub(super) fn unlock(file: &File) -> std::io::Result<()> {
@@ -106,6 +130,14 @@ pub(super) fn try_lock_exclusive(_file: &File) -> std::io::Result<bool> {
 #[cfg(not(unix))]
 pub(super) fn lock_shared(_file: &File) -> std::io::Result<()> {
     Ok(())
+}
+
+#[cfg(not(unix))]
+pub(super) fn lock_shared_within(
+    _file: &File,
+    _patience: std::time::Duration,
+) -> std::io::Result<bool> {
+    Ok(true)
 }
 
 #[cfg(not(unix))]

@@ -64,7 +64,8 @@
 //!   (after a rebuild it starts over) and joins it, checking the header only (the map checksum
 //!   is stale while others fill). A header that does not fit its key (another view of the
 //!   dataset) is not its to rebuild while others fill: it decodes in memory. So a file is never
-//!   replaced under its fillers.
+//!   replaced under its fillers. (An engine of format 6 or older held its file alone for its
+//!   whole run: after a minute's wait the open gives up and decodes without the cache.)
 //! - A worker claims a record in its process (in memory) before decoding it, so two workers
 //!   never both decode it for the cache; then, with the pixels ready, in the file: one atomic
 //!   `fetch_or` on the mapped claims word, so of all processes exactly one sees the bit clear,

@@ -1,4 +1,5 @@
-//! Opening a cache: resuming, rebuilding, opening read-only, or going on without one.
+//! Opening a cache: creating, resuming or rebuilding it alone, joining its fillers, opening it
+//! read-only, or going on without one.
 
 use std::fs::{File, OpenOptions};
 use std::path::Path;
@@ -12,7 +13,8 @@ use crate::PipelineError;
 #[cfg(test)]
 use super::faults;
 use super::file::{
-    io_err, is_unwritable, lock_shared, mapping_allowed, still_at, try_lock_exclusive, MAPPING,
+    io_err, is_unwritable, lock_shared, lock_shared_within, mapping_allowed, still_at,
+    try_lock_exclusive, MAPPING,
 };
 use super::format::*;
 use super::key::CacheKey;
@@ -50,6 +52,14 @@ fn place_new(tmp: &Path, path: &Path) -> std::io::Result<bool> {
         Err(e) => Err(e),
     }
 }
+
+/// How long an open waits for a process that holds the file alone (judging, rebuilding or
+/// sealing it takes moments).
+#[cfg(not(test))]
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+/// Shorter in the unit tests, which hold a file alone to see an open give up.
+#[cfg(test)]
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How many times an open starts over because the file it opened was replaced or created by
 /// another process meanwhile (each start over means another process made progress).
@@ -96,10 +106,24 @@ impl Cache {
                 Err(e) => return Err(io_err(path, "opening")(e)),
             };
             let alone = try_lock_exclusive(&file).map_err(io_err(path, "locking"))?;
-            if !alone {
-                // Others fill it, or one process holds it alone for a moment (opening,
-                // rebuilding or sealing it): wait for that moment to pass.
-                lock_shared(&file).map_err(io_err(path, "locking"))?;
+            // Others fill it, or one process holds it alone for a moment (opening, rebuilding
+            // or sealing it): wait for that moment to pass.
+            if !alone
+                && !lock_shared_within(&file, LOCK_PATIENCE).map_err(io_err(path, "locking"))?
+            {
+                tracing::warn!(
+                    "cache file {}: another process has held it alone for {} s (an engine of \
+                     an older cache format does so for its whole run); decoding without it",
+                    path.display(),
+                    LOCK_PATIENCE.as_secs()
+                );
+                return Ok(Self::from_map(
+                    path,
+                    None,
+                    Map::None,
+                    Layout { count: 0, ..layout },
+                    false,
+                ));
             }
             // A rebuild may have renamed a new file over this one before we locked it.
             if !still_at(&file, path).map_err(io_err(path, "locking"))? {

@@ -234,3 +234,26 @@ fn a_file_of_an_older_format_version_is_rebuilt() {
     assert_eq!(b.resolved(), 0, "nothing of the old file is served");
     assert_eq!(read_u32(&std::fs::read(&path).unwrap(), 8), VERSION);
 }
+
+#[test]
+fn a_process_holding_the_file_alone_for_long_is_not_waited_for_forever() {
+    let (_dir, path) = temp_cache();
+    let a = open(&path);
+    fill(&a, 0..COUNT);
+    drop(a);
+    // An engine of the previous format holds its file alone for its whole life.
+    let old_engine = std::fs::File::open(&path).unwrap();
+    assert!(super::file::try_lock_exclusive(&old_engine).unwrap());
+    let start = std::time::Instant::now();
+    let b = open(&path);
+    assert!(start.elapsed() >= std::time::Duration::from_secs(2));
+    assert!(!b.writable());
+    assert!(
+        matches!(b.lookup(0), Lookup::Miss),
+        "decoded without the cache"
+    );
+    drop(b);
+    drop(old_engine);
+    let c = open(&path);
+    assert_eq!(hit(&c, 0), pixels(0, 0), "the file was left as it was");
+}
