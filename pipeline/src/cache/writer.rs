@@ -51,8 +51,8 @@ impl Cache {
         {
             return false;
         }
-        // Published by a process whose claim was freed as stale (it let go of the file in
-        // between): the claim stays set, as for any published record.
+        // Resolved with its claim clear (a damage report that cleared the bit and claim of a
+        // record just rewritten): the claim stays set, as for any resolved record.
         self.resolved_word(i / 64) & bit == 0
     }
 }
