@@ -460,7 +460,7 @@ impl Cache {
         };
         let words = layout.count.div_ceil(64);
         let bitmap = || (0..words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
-        let cache = Self {
+        Self {
             path: path.to_path_buf(),
             file,
             map,
@@ -476,7 +476,6 @@ impl Cache {
             damaged: AtomicU64::new(0),
             write_failed: AtomicBool::new(false),
             write_failures: AtomicU64::new(0),
-        };
-        cache
+        }
     }
 }
