@@ -107,3 +107,28 @@ def test_rank_and_world_size_come_from_torch_distributed(dataset, tmp_path):
     seen = [set(r["seen"]) for r in results]
     assert not seen[0] & seen[1]
     assert len(seen[0] | seen[1]) == 33
+
+
+def test_the_ranks_of_a_node_fill_one_cache_in_the_first_epoch(dataset, tmp_path):
+    import json
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here))
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(here / "ddp_worker.py"), str(dataset),
+             str(tmp_path / "cache"), str(tmp_path / "store"), str(rank), "2"],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for rank in (0, 1)
+    ]
+    results = [json.loads(child.communicate(timeout=300)[0]) for child in children]
+    assert [child.returncode for child in children] == [0, 0]
+    # Each rank decodes its own share in the first epoch, into the one cache file they share;
+    # the second epoch (another permutation: the other rank's images too) decodes nothing.
+    for r in results:
+        first, second = r["decoded"]
+        assert first == len(r["epochs"][0]), r["decoded"]
+        assert second == first, r["decoded"]
+    assert sum(r["decoded"][0] for r in results) == 33
+    assert len(set(results[0]["epochs"][1]) | set(results[1]["epochs"][1])) == 33

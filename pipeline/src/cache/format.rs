@@ -12,7 +12,9 @@ pub(super) const MAGIC: &[u8; 8] = b"BRDCACHE";
 /// Version 5: a JPEG whose header declares more blocks than its data can code is a bad file
 /// (older caches may hold its grey-filled pixels). Version 6: each filled record keeps the
 /// content hash of the file it was decoded from (what a run records of its training files).
-pub(super) const VERSION: u32 = 6;
+/// Version 7: several processes fill one file, each claiming a record in the file's claims
+/// bitmap (after the sources) before it writes it.
+pub(super) const VERSION: u32 = 7;
 pub(super) const HEADER_BYTES: usize = 4096;
 pub(super) const STATE_FILLING: u32 = 1;
 pub(super) const STATE_COMPLETE: u32 = 2;
@@ -35,6 +37,8 @@ pub(super) struct Layout {
     pub(super) bad: usize,
     pub(super) checks: usize,
     pub(super) sources: usize,
+    /// The claims bitmap: a record's bit is set by the one process that writes it.
+    pub(super) claims: usize,
     pub(super) records: usize,
     pub(super) total: usize,
 }
@@ -47,7 +51,8 @@ impl Layout {
         let bad = filled + 8 * words;
         let checks = bad + 8 * words;
         let sources = checks + 8 * count;
-        let records = (sources + 8 * count).next_multiple_of(4096);
+        let claims = sources + 8 * count;
+        let records = (claims + 8 * words).next_multiple_of(4096);
         Self {
             count,
             record_bytes,
@@ -56,6 +61,7 @@ impl Layout {
             bad,
             checks,
             sources,
+            claims,
             records,
             total: records + count * record_bytes,
         }
@@ -73,7 +79,8 @@ impl Layout {
         (layout.total as u64 == len).then_some(layout)
     }
 
-    /// The end of the sources (the map checksum covers `filled..map_end`).
+    /// The end of the sources (the map checksum covers `filled..map_end`; the claims after
+    /// them change while a file is filled and mean nothing once its fillers are gone).
     pub(super) fn map_end(&self) -> usize {
         self.sources + 8 * self.count
     }

@@ -14,6 +14,8 @@
 //! |               | record's tag (its index and its [`BadFileKind`])               |
 //! | after it      | sources: `count × u64`, the content hash of the file a filled  |
 //! |               | record was decoded from ([`crate::content_hash`])              |
+//! | after it      | claims bitmap: a record's bit is taken by the one process that |
+//! |               | writes it (see "Several processes fill one file")             |
 //! | 4096-aligned  | records: `count × S·S·3` u8, NHWC RGB                          |
 //!
 //! **Never serve a damaged record.** Each record carries an xxh3-64 of its pixels (seeded
@@ -31,30 +33,69 @@
 //! written (full disk, read-only, quota) or a file that cannot be memory-mapped (an address
 //! space limit, a file system without maps) gives one warning and the engine decodes what it
 //! cannot cache; a complete cache in a read-only folder is served as it is. Every page the
-//! writer touches through the map is allocated by an ordinary write when the file is made,
+//! filler touches through the map is allocated by an ordinary write when the file is made,
 //! so a full disk surfaces as an error value, never as a SIGBUS; records are written with
 //! positioned writes for the same reason.
 //!
-//! **Never serve a torn record.** A worker writes the pixels of record `i` straight into the
-//! map, then sets bit `i` with release ordering; readers test the bit with acquire ordering. A
-//! process killed mid-write leaves its page cache intact, so set bits are exact for any later
-//! process of the same boot. A crash of the machine is different (pages may reach the disk in
-//! any order), so the header carries a state: `filling` with the writer's boot id (bits are
-//! trusted only within that boot), `synced` (the writer flushed the whole map before writing
-//! this state, so bits are durable) or `complete` (every record resolved and flushed).
+//! **Never serve a torn record.** A filler writes the pixels of record `i` straight into the
+//! file, then its source hash and check, then sets bit `i` with release ordering; readers test
+//! the bit with acquire ordering. A process killed mid-write leaves its page cache intact, so
+//! set bits are exact for any later process of the same boot. A crash of the machine is
+//! different (pages may reach the disk in any order), so the header carries a state:
+//! `filling` with the fillers' boot id (bits are trusted only within that boot), `synced` (the
+//! whole map was flushed before this state was written, so bits are durable) or `complete`
+//! (every record resolved and flushed).
 //!
-//! **Two writers never share a file.** The writer holds an exclusive advisory lock
-//! (flock(2) on Unix) on the cache file for its whole life. A second pipeline
-//! or process that cannot get the lock opens the file read-only: it serves the records whose
-//! bits are set and decodes the rest in memory without writing. A cache that must be rebuilt
-//! (other fingerprint, wrong size, untrusted state) is built in a fresh temporary file and
-//! renamed over the old one, so a reader still mapping the old file is never cut short.
+//! **Several processes fill one file** (the ranks of one node, or loaders sharing a cache
+//! folder), each the records of its own samples, so a node's ranks fill it in one epoch. They
+//! are processes of one machine (one boot id, one page cache), and hold these locks (flock(2)
+//! on the cache file; its locks belong to each open file description, so two pipelines of one
+//! process are two fillers to each other):
+//! - Every filler holds a shared lock for as long as it has the file open.
+//! - A missing file is built in a temporary file, under our shared lock, and hard-linked into
+//!   place, which fails when another process created the file first: that process's file is
+//!   then opened. A file is created once.
+//! - Only a process that gets the exclusive lock without waiting (no other process has the file
+//!   open) judges the file as a whole (header, map checksum, state and boot id), frees the
+//!   claims of records never published (their claimants are gone) and resumes it, then holds
+//!   the shared lock; or rebuilds it: a fresh temporary file renamed over the old one while the
+//!   old one is still locked. Any other process waits for a shared lock (a process holds the
+//!   file alone only for such a moment), checks that the path still names the file it locked
+//!   (after a rebuild it starts over) and joins it, checking the header only (the map checksum
+//!   is stale while others fill). A header that does not fit its key (another view of the
+//!   dataset) is not its to rebuild while others fill: it decodes in memory. So a file is never
+//!   replaced under its fillers. (An engine of format 6 or older held its file alone for its
+//!   whole run: after a minute's wait the open gives up and decodes without the cache.)
+//! - A worker claims a record in its process (in memory) before decoding it, so two workers
+//!   never both decode it for the cache; then, with the pixels ready, in the file: one atomic
+//!   `fetch_or` on the mapped claims word, so of all processes exactly one sees the bit clear,
+//!   and only that one writes the record. Another process that decoded the same image (ranks of
+//!   different world sizes, a bad split, a balanced sampler's repeat) serves its own pixels and
+//!   writes nothing, so no record is ever written by two processes at once. A claim stays set
+//!   while its record is resolved; a failed write releases it; a damaged record loses its bit,
+//!   then its claim, so any process may rewrite it. A process killed between claim and publish
+//!   leaves a claim without its bit: nobody serves those bytes, nobody writes the record while
+//!   the file has fillers, and the next process to have the file alone frees the claim (claims
+//!   are outside the map checksum).
+//! - A record another process published is served once its xxh3 is verified, the first time
+//!   this process serves it, as any record found at open; a process trusts its own writes.
+//! - Every filler writes state `filling` and its boot id (the same bytes from every filler of
+//!   one machine) before its first change. When it drops the cache it flushes its map, lets go
+//!   of its lock, then tries the exclusive lock without waiting: the one that gets it has the
+//!   file alone, so every other filler flushed and left, and it seals the file: `complete` or
+//!   `synced` with the map checksum, then flushes the header. Of fillers leaving at once, the
+//!   last always gets it (each lets go before trying). If every filler is killed, the state
+//!   stays `filling`: resumed in this boot, rebuilt after a reboot.
+//!
+//! A file that cannot be opened for writing (a read-only place) is served as it is when it is
+//! valid, without a lock: no process rewrites a file in place.
 //!
 //! The files: `format` (the header's fields, the [`Layout`] of the regions, the checks and
 //! checksums), `key` (what a file must have been made for), `validate` (what an existing
-//! header says), `open` (resuming, rebuilding, read-only or no cache), `writer` (claiming,
-//! writing and publishing a record), `file` (error values, the lock, the mapping check) and,
-//! in tests, `faults`; this file holds the open cache and serves its records.
+//! header says), `open` (creating, resuming, rebuilding, joining, read-only or no cache),
+//! `writer` (claiming, writing and publishing a record), `file` (error values, the locks, the
+//! mapping check) and, in tests, `faults` and `tests` (several handles on one file); this file
+//! holds the open cache, serves its records and seals it.
 
 mod file;
 mod format;
@@ -65,10 +106,12 @@ mod writer;
 
 #[cfg(test)]
 pub(crate) mod faults;
+#[cfg(test)]
+mod tests;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use memmap2::{Mmap, MmapMut};
@@ -97,23 +140,23 @@ pub(crate) enum Lookup<'a> {
     Miss,
 }
 
-/// An open cache file (writer or read-only).
+/// An open cache file (a filler, or read-only).
 pub(crate) struct Cache {
     path: PathBuf,
-    // Kept open: as the writer, its lock lives as long as this handle; records are written
+    // Kept open: as a filler, its lock lives as long as this handle; records are written
     // through it (see `RecordWriter::write_and_commit`). `None` for a disabled cache.
     file: Option<File>,
     map: Map,
     base: *mut u8,
     layout: Layout,
     writable: bool,
-    /// In-memory claims, so two workers of this process never write one record at once.
-    claims: Vec<AtomicU64>,
+    /// Records a worker of this process decodes to write, so two workers of this process
+    /// never both decode one for the cache (the file's claims bitmap is taken at the write).
+    in_flight: Vec<AtomicU64>,
     /// Records whose check this process has verified (or written).
     verified: Vec<AtomicU64>,
-    /// Records this process found damaged and cannot rewrite (a reader): decoded each time.
+    /// Records this process found damaged and cannot rewrite (read-only): decoded each time.
     rejected: Vec<AtomicU64>,
-    resolved: AtomicUsize,
     /// Whether the header says `filling` for this boot (required before any write).
     filling: AtomicBool,
     state_lock: Mutex<()>,
@@ -124,8 +167,9 @@ pub(crate) struct Cache {
 }
 
 // SAFETY: the raw base pointer refers to the map owned by this struct. Shared access is
-// coordinated by the atomic bitmaps: a record is written only by the worker that claimed it
-// and read only after its filled bit is published (release/acquire), see the module docs.
+// coordinated by the atomic bitmaps: a record is written only by the worker whose process
+// holds its bit in the file's claims bitmap, and read only after its filled bit is published
+// (release/acquire), see the module docs.
 unsafe impl Send for Cache {}
 unsafe impl Sync for Cache {}
 
@@ -141,8 +185,10 @@ impl Cache {
             return;
         }
         if let Map::Write(map) = &self.map {
-            // SAFETY: offsets inside the header page of our writable map; we are the only
-            // writer (exclusive lock), and the state word is 4-aligned.
+            // SAFETY: offsets inside the header page of our writable map, the state word
+            // 4-aligned. Other fillers may store the same values (state `filling`, this
+            // boot's id: identical bytes); only a process holding the file alone writes
+            // another state (see `Drop`).
             unsafe {
                 (*(self.base.add(OFF_STATE) as *const AtomicU32))
                     .store(STATE_FILLING, Ordering::Release);
@@ -207,9 +253,44 @@ impl Cache {
         self.writable && self.layout.count > 0 && !self.write_failed.load(Ordering::Relaxed)
     }
 
-    /// Records that are filled or known bad.
+    /// Records that are filled or known bad, by this process or any other filling the file.
     pub(crate) fn resolved(&self) -> usize {
-        self.resolved.load(Ordering::Relaxed)
+        (0..self.layout.count.div_ceil(64))
+            .map(|w| (self.resolved_word(w) & self.valid_bits(w)).count_ones() as usize)
+            .sum()
+    }
+
+    /// The filled and bad bits of bitmap word `w`.
+    fn resolved_word(&self, w: usize) -> u64 {
+        self.word(self.layout.filled, w).load(Ordering::Acquire)
+            | self.word(self.layout.bad, w).load(Ordering::Acquire)
+    }
+
+    /// The bits of bitmap word `w` that stand for records (the last word's others mean
+    /// nothing and are never set by a filler).
+    fn valid_bits(&self, w: usize) -> u64 {
+        let valid = self.layout.count - 64 * w;
+        if valid >= 64 {
+            !0
+        } else {
+            (1u64 << valid) - 1
+        }
+    }
+
+    /// Frees the claims of records that were never published: called by a process that has
+    /// the file alone, so their claimants are gone (killed between claim and publish).
+    fn drop_stale_claims(&self) {
+        if !self.writable() {
+            return;
+        }
+        for w in 0..self.layout.count.div_ceil(64) {
+            let stale =
+                self.word(self.layout.claims, w).load(Ordering::Relaxed) & !self.resolved_word(w);
+            if stale != 0 {
+                self.word(self.layout.claims, w)
+                    .fetch_and(!stale, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Records found damaged by this process.
@@ -227,7 +308,7 @@ impl Cache {
     }
 
     /// What the cache holds for sample `i`: verified pixels, a bad file's kind, or nothing.
-    /// A record whose check fails is reported once and treated as not cached (a writer then
+    /// A record whose check fails is reported once and treated as not cached (a filler then
     /// decodes and rewrites it).
     pub(crate) fn lookup(&self, i: usize) -> Lookup<'_> {
         if i >= self.layout.count || Self::bit_set(&self.rejected, i) {
@@ -241,7 +322,7 @@ impl Cache {
             != 0
         {
             let at = self.layout.records + i * self.layout.record_bytes;
-            // SAFETY: the filled bit was observed with acquire ordering after the writer's
+            // SAFETY: the filled bit was observed with acquire ordering after the filler's
             // release, and a filled record is written again only after its bit is cleared;
             // the range is inside the map.
             let record =
@@ -283,15 +364,17 @@ impl Cache {
         kind
     }
 
-    /// A record failed its check: warn once per process, and forget it (a writer clears its
-    /// bit so it is decoded and rewritten; a reader decodes it each time).
+    /// A record failed its check: warn once per process, and forget it (a filler clears its
+    /// bit, then its claim, so it is decoded and rewritten by whichever process claims it
+    /// next; read-only, it decodes it each time).
     fn damage(&self, i: usize, region: usize, why: &str) {
         let bit = 1u64 << (i % 64);
         let counted = if self.writable() {
             self.begin_writes();
             let was = self.word(region, i / 64).fetch_and(!bit, Ordering::AcqRel);
             if was & bit != 0 {
-                self.resolved.fetch_sub(1, Ordering::Relaxed);
+                self.word(self.layout.claims, i / 64)
+                    .fetch_and(!bit, Ordering::AcqRel);
             }
             was & bit != 0
         } else {
@@ -331,39 +414,56 @@ impl Cache {
     }
 
     fn publish(&self, region: usize, i: usize) {
-        let bit = 1u64 << (i % 64);
-        if self.word(region, i / 64).fetch_or(bit, Ordering::Release) & bit == 0 {
-            self.resolved.fetch_add(1, Ordering::Relaxed);
-        }
+        self.word(region, i / 64)
+            .fetch_or(1 << (i % 64), Ordering::Release);
     }
 }
 
 impl Drop for Cache {
-    /// Flushes the map and records how far the cache got, with the map checksum, so another
-    /// boot can trust it.
+    /// Flushes the map and lets go of the file; the last filler to let go (the one that then
+    /// gets the file alone) records how far the cache got, with the map checksum, so another
+    /// boot can trust it. Letting go before trying for the exclusive lock means that of
+    /// fillers leaving at once, the last always gets it.
     fn drop(&mut self) {
-        let complete = self.resolved() == self.layout.count;
         let layout = self.layout;
         let quiet = self.write_failed.load(Ordering::Relaxed);
-        if let Map::Write(map) = &mut self.map {
-            if layout.count == 0 || map.flush().is_err() {
-                return;
-            }
-            let state = if complete {
-                STATE_COMPLETE
-            } else {
-                STATE_SYNCED
-            };
-            let sum = map_sum(map, &layout);
-            map[OFF_MAP_SUM..OFF_MAP_SUM + 8].copy_from_slice(&sum.to_le_bytes());
-            map[OFF_STATE..OFF_STATE + 4].copy_from_slice(&state.to_le_bytes());
-            if let Err(e) = map.flush_range(0, HEADER_BYTES) {
-                if !quiet {
-                    tracing::warn!(
-                        "cache file {}: flushing the header failed: {e}",
-                        self.path.display()
-                    );
-                }
+        let (Map::Write(map), Some(file)) = (&mut self.map, &self.file) else {
+            return;
+        };
+        if layout.count == 0 || map.flush().is_err() {
+            return;
+        }
+        if file::unlock(file).is_err() || !file::try_lock_exclusive(file).unwrap_or(false) {
+            // Others still fill it: the last of them seals it.
+            return;
+        }
+        // Alone: every other filler flushed its writes before letting go (the flush above
+        // then costs nothing for pages already clean).
+        if map.flush().is_err() {
+            return;
+        }
+        let resolved: usize = (0..layout.count.div_ceil(64))
+            .map(|w| {
+                let valid = layout.count - 64 * w;
+                let mask = if valid >= 64 { !0 } else { (1u64 << valid) - 1 };
+                let word = |region: usize| read_u64(map, region + 8 * w);
+                ((word(layout.filled) | word(layout.bad)) & mask).count_ones() as usize
+            })
+            .sum();
+        let state = if resolved == layout.count {
+            STATE_COMPLETE
+        } else {
+            STATE_SYNCED
+        };
+        let sum = map_sum(map, &layout);
+        map[OFF_MAP_SUM..OFF_MAP_SUM + 8].copy_from_slice(&sum.to_le_bytes());
+        map[OFF_STATE..OFF_STATE + 4].copy_from_slice(&state.to_le_bytes());
+        if let Err(e) = map.flush_range(0, HEADER_BYTES) {
+            if !quiet {
+                tracing::warn!(
+                    "cache file {}: flushing the header failed: {e}",
+                    self.path.display()
+                );
             }
         }
     }

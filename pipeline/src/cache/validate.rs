@@ -10,15 +10,21 @@ use super::key::CacheKey;
 pub(super) enum Verdict {
     Complete,
     Resumable,
-    /// Another dataset, format or boot: rebuilt without a word (that is what caches do).
+    /// Another dataset, setting or boot: rebuilt without a word (that is what caches do).
     Rebuild,
+    /// A cache file of another format version (an older engine's): rebuilt with one warning,
+    /// since every record is decoded again.
+    OtherVersion(u32),
     /// The file contradicts its own checksums: rebuilt with a warning saying what failed.
     Damaged(&'static str),
 }
 
 pub(super) fn judge(bytes: &[u8], key: &CacheKey, layout: &Layout, file_len: u64) -> Verdict {
-    if bytes.len() < HEADER_BYTES || &bytes[0..8] != MAGIC || read_u32(bytes, 8) != VERSION {
+    if bytes.len() < HEADER_BYTES || &bytes[0..8] != MAGIC {
         return Verdict::Rebuild;
+    }
+    if read_u32(bytes, 8) != VERSION {
+        return Verdict::OtherVersion(read_u32(bytes, 8));
     }
     // The header is checked against its own layout first, so damage is told apart from a
     // cache of another dataset.

@@ -146,24 +146,31 @@ fn damaged_labels_or_checks_rebuild_the_file() {
 }
 
 #[test]
-fn a_damaged_cache_read_by_a_second_pipeline_is_decoded_in_memory() {
+fn a_damaged_record_found_by_a_second_filler_is_decoded_and_rewritten() {
     let fx = synth(2, 6, 0);
     let (path, n, reference) = filled(&fx);
     let layout = CacheLayout::new(n, 16);
-    // The writer holds the file (and its lock) while the damage happens under it, so the
-    // second pipeline is a reader: it must verify, not trust, and never write.
-    let writer = fx.builder().batch_size(4).build().unwrap();
+    // The first pipeline holds the file while the damage happens under it, so the second
+    // joins it as a filler (its map checksum is not checked then): it must verify, not
+    // trust, and rewrite the damaged record.
+    let first = fx.builder().batch_size(4).build().unwrap();
     edit(&path, |bytes| {
         bytes[layout.records + 3 * layout.record_bytes + 7] ^= 0xFF;
     });
-    let reader = fx.builder().batch_size(4).build().unwrap();
-    assert_eq!(pixels_by_id(&reader, 0), reference);
-    assert_eq!(reader.cache_health().damaged_records, 1);
-    assert_eq!(reader.stats().decoded, 1);
-    // A second epoch of the reader does not count it twice.
-    assert_eq!(pixels_by_id(&reader, 1), reference);
-    assert_eq!(reader.cache_health().damaged_records, 1);
-    drop(writer);
+    let second = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(pixels_by_id(&second, 0), reference);
+    assert_eq!(second.cache_health().damaged_records, 1);
+    assert_eq!(second.stats().decoded, 1);
+    // A second epoch does not count it twice, nor decode it again.
+    assert_eq!(pixels_by_id(&second, 1), reference);
+    assert_eq!(second.cache_health().damaged_records, 1);
+    assert_eq!(second.stats().decoded, 1);
+    drop(first);
+    drop(second);
+    let next = fx.builder().batch_size(4).build().unwrap();
+    assert_eq!(pixels_by_id(&next, 0), reference);
+    assert_eq!(next.stats().decoded, 0, "the record was rewritten");
+    assert_eq!(next.cache_health(), pipeline::CacheHealth::default());
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Two processes on one cache file: a process killed mid-fill leaves a cache the next one
-//! resumes without serving torn records; a second process reads what a live writer published.
+//! resumes without serving torn records; a second process serves what a live filler published
+//! (`cache_fillers` has processes filling one file together).
 //! The child processes are this test binary re-run on an `#[ignore]`d entry point.
 
 use crate::common;
@@ -125,7 +126,8 @@ fn a_second_process_reads_what_the_writer_published() {
     let fx = synth(2, 5, 0);
     let writer = parent_builder(&fx).build().unwrap();
     let reference = collect(&writer, 0, 0, 0);
-    // The writer is alive and holds the lock: the child opens the file read-only.
+    // The writer is alive and holds its shared lock: the child joins it as a filler, and
+    // finds every record there.
     let out = child("read", "child_read_all", fx.root(), fx.cache.path())
         .output()
         .unwrap();

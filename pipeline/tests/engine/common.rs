@@ -117,6 +117,7 @@ pub struct CacheLayout {
     pub bad: usize,
     pub checks: usize,
     pub sources: usize,
+    pub claims: usize,
     pub records: usize,
     pub record_bytes: usize,
 }
@@ -129,13 +130,15 @@ impl CacheLayout {
         let bad = filled + 8 * words;
         let checks = bad + 8 * words;
         let sources = checks + 8 * count;
-        let records = (sources + 8 * count).next_multiple_of(4096);
+        let claims = sources + 8 * count;
+        let records = (claims + 8 * words).next_multiple_of(4096);
         Self {
             labels,
             filled,
             bad,
             checks,
             sources,
+            claims,
             records,
             record_bytes: size * size * 3,
         }
@@ -237,4 +240,39 @@ pub fn in_own_process(name: &str, body: impl FnOnce()) {
         text.contains("1 passed"),
         "{name} did not run in its own process:\n{text}"
     );
+}
+
+/// Every warning or error message [`Catcher`] saw.
+pub static WARNINGS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// A tracing subscriber that keeps the message of every warning or error in [`WARNINGS`]
+/// (set as the global default in a test run [`in_own_process`]).
+pub struct Catcher;
+
+struct Message(String);
+
+impl tracing::field::Visit for Message {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl tracing::Subscriber for Catcher {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        WARNINGS.lock().unwrap().push(message.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
 }

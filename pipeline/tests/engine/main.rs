@@ -6,6 +6,7 @@ mod bad_file_kinds;
 mod bad_file_warnings;
 mod bench_report;
 mod cache_corruption;
+mod cache_fillers;
 mod cache_processes;
 mod cache_reuse;
 mod cache_truncation;
