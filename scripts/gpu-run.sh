@@ -435,8 +435,10 @@ accum_cost() {
 # PyTorch peer (torch.compile, bf16 autocast, channels_last, a DataLoader over the PNGs) train
 # resnet20 with one recipe, one after the other, each stopped at the end of its first epoch
 # with test accuracy >= 0.93; they share what is left of the call ($DEADLINE), birdtrain at most
-# half of it. $TTA_EPOCHS (default 15) sets the cosine schedule's length on both sides.
-# GPUS=0: 50 images a class, 2 epochs, target 0.5, on the CPU: a smoke test of the phase.
+# half of it. $TTA_EPOCHS (default 10) sets the cosine schedule's length on both sides.
+# GPUS=0: 200 images a class, 3 epochs of 64, target 0.5, on the CPU: a smoke test of the phase
+# ($TTA_PYTHON: an interpreter with torch and torchvision, default python3; here that is
+# /usr/bin/python3, Debian's python3-torch).
 phase_tta() {
   local src=$here/fashion-mnist d=$work/fmnist r=$work/tta
   if [ ! -f "$src/train-images-idx3-ubyte.gz" ]; then
@@ -444,16 +446,16 @@ phase_tta() {
     return
   fi
   local limit=() target=0.93 goal=2
-  local recipe=(--epochs "${TTA_EPOCHS:-15}" --batch-size 512 --lr 0.2 --warmup-epochs 1)
+  local recipe=(--epochs "${TTA_EPOCHS:-10}" --batch-size 256 --lr 0.2 --warmup-epochs 1)
   if [ "$gpus" = 0 ]; then
-    d=$work/fmnist-small limit=(--limit 50) target=0.5 goal=0
-    recipe=(--epochs 2 --batch-size 64 --lr 0.2 --warmup-epochs 1 --workers 2 --threads 2)
+    d=$work/fmnist-small limit=(--limit 200) target=0.5 goal=0
+    recipe=(--epochs 3 --batch-size 64 --lr 0.2 --warmup-epochs 1 --workers 2 --threads 2)
   fi
   step tta-convert 150 python3 "$here/fashion_mnist/convert.py" --src "$src" --dest "$d" "${limit[@]}" \
     || return
   # The driver stops its sides within the time left, less a margin for its own summary.
   local left=$((deadline - SECONDS - 30))
-  step tta 600 python3 "$here/fashion_mnist/run_tta.py" --bin "$bin" --data "$d" --gpus "$gpus" \
+  step tta 600 "${TTA_PYTHON:-python3}" "$here/fashion_mnist/run_tta.py" --bin "$bin" --data "$d" --gpus "$gpus" \
     "${recipe[@]}" --target "$target" --stop-at-target --time-limit "$left" --out "$r"
   cp "$r"/*.log "$r/tta.json" "$out/" 2>/dev/null
   grep -vE "^  " "$out/tta.log" | tail -6

@@ -7,7 +7,9 @@ reads each side's per-epoch test accuracy as it is printed (birdtrain's epoch li
 peer's JSON lines), timing every epoch end on this script's clock from the moment the side's
 command was started. Prints one line per side, the seconds to the end of the first epoch
 whose test accuracy is >= --target (or "not reached in N epochs" with the best accuracy), and
-the ratio peer / birdtrain; writes every epoch and the result to OUT/tta.json.
+the ratio peer / birdtrain; then evaluates birdtrain's last weights with the peer's model and
+transforms (a cross-check that both sides build the same network and images: the accuracies
+agree within rounding, bf16 on a GPU). Writes every epoch and the result to OUT/tta.json.
 
 The recipe, the same on both sides (flags below): resnet20, --image-size 32 (the 28 px images
 resized bilinearly), --augment pad-crop (shift by up to 4 px, zero padding in normalised
@@ -20,7 +22,7 @@ decodes every PNG, as the peer's DataLoader does every epoch.
 
 On the GPU machine (after convert.py; see README.md):
   python3 benches/fashion_mnist/run_tta.py --bin .gpu/birdtrain --data /tmp/fmnist --gpus 1 \
-      --epochs 30 --batch-size 512 --lr 0.4 --workers 12 --out /tmp/tta --time-limit 420
+      --epochs 10 --batch-size 256 --lr 0.2 --stop-at-target --out /tmp/tta --time-limit 420
 On the CPU, a smoke test of the whole script at a small scale (the peer without compile or AMP):
   python3 benches/fashion_mnist/convert.py --dest /tmp/fm-small --limit 50
   /usr/bin/python3 benches/fashion_mnist/run_tta.py --bin target/release/birdtrain \
@@ -207,9 +209,9 @@ def main():
     ap.add_argument("--bin", default="target/release/birdtrain", help="the birdtrain binary")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the peer")
     ap.add_argument("--gpus", type=int, default=1, help="birdtrain's --gpus; 0: both sides on the CPU")
-    ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--batch-size", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=0.4, help="for a global batch of 256")
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=0.2, help="for a global batch of 256")
     ap.add_argument("--warmup-epochs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, help="decode workers of both sides (default: theirs)")
