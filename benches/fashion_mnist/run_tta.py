@@ -7,7 +7,7 @@ reads each side's per-epoch test accuracy as it is printed (birdtrain's epoch li
 peer's JSON lines), timing every epoch end on this script's clock from the moment the side's
 command was started. Prints one line per side, the seconds to the end of the first epoch
 whose test accuracy is >= --target (or "not reached in N epochs" with the best accuracy), and
-the ratio peer / birdtrain; then evaluates birdtrain's last weights with the peer's model and
+the ratio peer / birdtrain; then evaluates birdtrain's best epoch with the peer's model and
 transforms (a cross-check that both sides build the same network and images: the accuracies
 agree within rounding, bf16 on a GPU). Writes every epoch and the result to OUT/tta.json.
 
@@ -87,24 +87,25 @@ def peer_command(a):
 
 
 def cross_check(a, bird):
-    """birdtrain's last weights evaluated by the peer's model and transforms: the same test
-    accuracy (within bf16 on a GPU) shows the two sides build the same network and images."""
-    weights = os.path.join(a.out, "birdtrain-run", "model.safetensors")
-    last = bird["epochs"][-1] if bird["epochs"] else None
-    if last is None or last["epoch"] != a.epochs or not os.path.exists(weights):
-        return None, "cross-check: skipped (birdtrain did not run to its last epoch)"
+    """birdtrain's best epoch (RUN/best/, kept whether or not the side was stopped early)
+    evaluated by the peer's model and transforms: the same test accuracy (within bf16 on a
+    GPU) shows that the two sides build the same network and the same images."""
+    weights = os.path.join(a.out, "birdtrain-run", "best", "model.safetensors")
+    best = max(bird["epochs"], key=lambda e: e["valid_accuracy"], default=None)
+    if best is None or not os.path.exists(weights):
+        return None, "cross-check: skipped (birdtrain finished no epoch)"
     cmd = peer_command(a) + ["--eval-weights", weights]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     rec = parse_last_json(done.stdout)
-    if done.returncode != 0 or rec is None:
+    if done.returncode != 0 or rec is None or "valid_accuracy" not in rec:
         tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
         return None, f"cross-check: FAILED to evaluate {weights}: {tail[0]}"
-    diff = abs(rec["valid_accuracy"] - last["valid_accuracy"])
-    return ({"peer_accuracy": rec["valid_accuracy"], "birdtrain_accuracy": last["valid_accuracy"],
-             "difference": round(diff, 4)},
-            f"cross-check: birdtrain's last weights in the peer's model and transforms: test "
-            f"accuracy {rec['valid_accuracy']:.4f} (birdtrain's own {last['valid_accuracy']:.4f}, "
-            f"difference {diff:.4f})")
+    diff = abs(rec["valid_accuracy"] - best["valid_accuracy"])
+    return ({"peer_accuracy": rec["valid_accuracy"], "birdtrain_accuracy": best["valid_accuracy"],
+             "epoch": best["epoch"], "difference": round(diff, 4)},
+            f"cross-check: birdtrain's best epoch ({best['epoch']}) in the peer's model and "
+            f"transforms: test accuracy {rec['valid_accuracy']:.4f} (birdtrain's own "
+            f"{best['valid_accuracy']:.4f}, difference {diff:.4f})")
 
 
 def parse_last_json(text):
@@ -221,7 +222,7 @@ def main():
     ap.add_argument("--stop-at-target", action="store_true",
                     help="end each side once it reaches the target (saves device time)")
     ap.add_argument("--no-cross-check", action="store_true",
-                    help="skip evaluating birdtrain's last weights with the peer's model")
+                    help="skip evaluating birdtrain's best epoch with the peer's model")
     ap.add_argument("--sides", default="birdtrain,torch", help="which sides, in order")
     ap.add_argument("--time-limit", type=float, default=3600,
                     help="seconds for both sides together; birdtrain may take half, the peer the rest")

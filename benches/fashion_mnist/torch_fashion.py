@@ -217,8 +217,8 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--warmup-epochs", type=int, default=1)
     ap.add_argument("--label-smoothing", type=float, default=0.0)
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                    help="DataLoader worker processes (default: one per core, as birdtrain)")
+    ap.add_argument("--workers", type=int, default=min(len(os.sched_getaffinity(0)), 16),
+                    help="DataLoader worker processes (default: one per core, at most 16)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (the CPU run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile (always off on the CPU)")
