@@ -245,6 +245,8 @@ def main():
         torch.backends.cudnn.allow_tf32 = True
     amp = on_gpu and not a.fp32
     compiled = on_gpu and not a.no_compile
+    if compiled and not hasattr(torch, "compile"):
+        sys.exit(f"error: torch {torch.__version__} has no torch.compile (PyTorch 2 does; or --no-compile)")
     fmt = torch.channels_last if on_gpu else torch.contiguous_format
 
     train_loader, valid_loader, classes = loaders(a, device)
