@@ -435,7 +435,7 @@ accum_cost() {
 # PyTorch peer (torch.compile, bf16 autocast, channels_last, a DataLoader over the PNGs) train
 # resnet20 with one recipe, one after the other, each stopped at the end of its first epoch
 # with test accuracy >= 0.93; they share what is left of the call ($DEADLINE), birdtrain at most
-# half of it. $TTA_EPOCHS (default 10) sets the cosine schedule's length on both sides.
+# half of it. $TTA_EPOCHS (default 12) sets the cosine schedule's length on both sides.
 # GPUS=0: 200 images a class, 3 epochs of 64, target 0.5, on the CPU: a smoke test of the phase
 # ($TTA_PYTHON: an interpreter with torch and torchvision, default python3; here that is
 # /usr/bin/python3, Debian's python3-torch).
@@ -446,7 +446,7 @@ phase_tta() {
     return
   fi
   local limit=() target=0.93 goal=2
-  local recipe=(--epochs "${TTA_EPOCHS:-10}" --batch-size 256 --lr 0.2 --warmup-epochs 1)
+  local recipe=(--epochs "${TTA_EPOCHS:-12}" --batch-size 256 --lr 0.2 --warmup-epochs 1)
   if [ "$gpus" = 0 ]; then
     d=$work/fmnist-small limit=(--limit 200) target=0.5 goal=0
     recipe=(--epochs 3 --batch-size 64 --lr 0.2 --warmup-epochs 1 --workers 2 --threads 2)

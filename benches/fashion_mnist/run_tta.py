@@ -22,7 +22,7 @@ decodes every PNG, as the peer's DataLoader does every epoch.
 
 On the GPU machine (after convert.py; see README.md):
   python3 benches/fashion_mnist/run_tta.py --bin .gpu/birdtrain --data /tmp/fmnist --gpus 1 \
-      --epochs 10 --batch-size 256 --lr 0.2 --stop-at-target --out /tmp/tta --time-limit 420
+      --epochs 12 --batch-size 256 --lr 0.2 --stop-at-target --out /tmp/tta --time-limit 420
 On the CPU, a smoke test of the whole script at a small scale (the peer without compile or AMP):
   python3 benches/fashion_mnist/convert.py --dest /tmp/fm-small --limit 50
   /usr/bin/python3 benches/fashion_mnist/run_tta.py --bin target/release/birdtrain \
@@ -210,7 +210,7 @@ def main():
     ap.add_argument("--bin", default="target/release/birdtrain", help="the birdtrain binary")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the peer")
     ap.add_argument("--gpus", type=int, default=1, help="birdtrain's --gpus; 0: both sides on the CPU")
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.2, help="for a global batch of 256")
     ap.add_argument("--warmup-epochs", type=int, default=1)
