@@ -361,9 +361,13 @@ def tta(path, goal):
     detail = f"to test accuracy {doc['target']}: " + "; ".join(parts)
     if ratio is not None:
         detail += f"; ratio {ratio:.2f}x (goal >= {float(goal):g}x)"
+    start = next((side.get("start") for side in doc["sides"] if side.get("start")), None)
+    if start:
+        detail += f"; {start.get('gpu') or start.get('device')}, torch {start.get('torch')}"
     check = doc.get("cross_check")
     if check:
-        detail += f"; birdtrain's weights in the peer's model: {check['peer_accuracy']:.4f}"
+        detail += (f"; birdtrain's best epoch in the peer's model: {check['peer_accuracy']:.4f} "
+                   f"(its own {check['birdtrain_accuracy']:.4f})")
     ok = ratio is not None and ratio >= float(goal)
     return say(ok, "tta", detail)
 

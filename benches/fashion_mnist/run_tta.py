@@ -108,6 +108,19 @@ def cross_check(a, bird):
             f"{best['valid_accuracy']:.4f}, difference {diff:.4f})")
 
 
+def peer_start(log_path):
+    """The peer's first JSON line (device, GPU name, torch version, steps per epoch)."""
+    with open(log_path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("start"):
+                return rec
+    return None
+
+
 def parse_last_json(text):
     for line in reversed(text.strip().splitlines()):
         try:
@@ -271,6 +284,9 @@ def main():
         print(f"ratio (torch seconds / birdtrain seconds to {a.target}): {ratio:.2f}x")
     elif len(results) == 2:
         print(f"ratio: none (a side did not reach {a.target})")
+    peer = next((s for s in results if s["side"] == "torch"), None)
+    if peer is not None:
+        peer["start"] = peer_start(peer["log"])
     check = None
     bird = next((s for s in results if s["side"] == "birdtrain"), None)
     if bird is not None and not a.no_cross_check:
