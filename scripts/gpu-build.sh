@@ -4,6 +4,10 @@
 # module per area: cuda_kernels, cuda_step, train_gpu_ranks, …) as .gpu/gpu, and the PyTorch
 # peer. Then hand .gpu to the GPU machine and run scripts/gpu-run.sh there (see docs/gpu-journal.md),
 # which picks the tests by module (`gpu-run.sh tests cuda_kernels dist_gpu`).
+# For the time-to-accuracy phase (`gpu-run.sh tta`) it also copies benches/fashion_mnist/ into
+# .gpu/fashion_mnist/ and, when Debian's dataset-fashion-mnist is installed here
+# (apt-get install -y dataset-fashion-mnist), its four idx .gz files (30 MB; the GPU machine has
+# no network) into .gpu/fashion-mnist/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
@@ -19,5 +23,12 @@ cargo test --release --no-run --message-format=json --test gpu \
 [ -x .gpu/gpu ] || { echo "error: no test binary gpu was built" >&2; exit 1; }
 cp target/release/birdtrain scripts/gpu-run.sh scripts/gpu_checks.py .gpu/
 cp ../shared/peers/torch_resnet_step.py .gpu/ 2>/dev/null || echo "note: ../shared/peers/torch_resnet_step.py not found; copy the peer into .gpu/ by hand"
+mkdir -p .gpu/fashion_mnist && cp benches/fashion_mnist/*.py .gpu/fashion_mnist/
+fmnist=/usr/share/datasets/fashion-mnist
+if [ -f "$fmnist/train-images-idx3-ubyte.gz" ]; then
+    mkdir -p .gpu/fashion-mnist && cp "$fmnist"/*-ubyte.gz .gpu/fashion-mnist/
+else
+    echo "note: $fmnist not found (apt-get install -y dataset-fashion-mnist): gpu-run.sh tta will have no data"
+fi
 strip .gpu/birdtrain .gpu/gpu 2>/dev/null || true
 du -sh .gpu && ls .gpu

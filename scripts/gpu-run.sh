@@ -20,6 +20,9 @@
 #                                # twice to the bit, synchronised BN fused, then resnet50 and
 #                                # resnet18 steps fused and separate with --breakdown, then
 #                                # resnet50's in three alternating rounds without it
+#   bash .gpu/gpu-run.sh tta     # time to accuracy on Fashion-MNIST (< 8 min): birdtrain and the
+#                                # PyTorch peer (torch.compile, bf16) train resnet20 with one
+#                                # recipe to test accuracy 0.93 (benches/fashion_mnist/README.md)
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -427,6 +430,38 @@ accum_cost() {
   check $checks accum-cost "$out/accum-two.log" "$out/accum-micro.log" "$out/accum-whole.log"
 }
 
+# Time to accuracy on Fashion-MNIST (benches/fashion_mnist/README.md): the idx files carried in
+# .gpu/fashion-mnist/ become an image folder (convert.py), then birdtrain (--gpus 1) and the
+# PyTorch peer (torch.compile, bf16 autocast, channels_last, a DataLoader over the PNGs) train
+# resnet20 with one recipe, one after the other, each stopped at the end of its first epoch
+# with test accuracy >= 0.93; they share what is left of the call ($DEADLINE), birdtrain at most
+# half of it. $TTA_EPOCHS (default 12) sets the cosine schedule's length on both sides.
+# GPUS=0: 200 images a class, 3 epochs of 64, target 0.5, on the CPU: a smoke test of the phase
+# ($TTA_PYTHON: an interpreter with torch and torchvision, default python3; here that is
+# /usr/bin/python3, Debian's python3-torch).
+phase_tta() {
+  local src=$here/fashion-mnist d=$work/fmnist r=$work/tta
+  if [ ! -f "$src/train-images-idx3-ubyte.gz" ]; then
+    note "FAIL tta: no idx files in $src (scripts/gpu-build.sh copies them where dataset-fashion-mnist is installed)"
+    return
+  fi
+  local limit=() target=0.93 goal=2
+  local recipe=(--epochs "${TTA_EPOCHS:-12}" --batch-size 256 --lr 0.2 --warmup-epochs 1)
+  if [ "$gpus" = 0 ]; then
+    d=$work/fmnist-small limit=(--limit 200) target=0.5 goal=0
+    recipe=(--epochs 3 --batch-size 64 --lr 0.2 --warmup-epochs 1 --workers 2 --threads 2)
+  fi
+  step tta-convert 150 python3 "$here/fashion_mnist/convert.py" --src "$src" --dest "$d" "${limit[@]}" \
+    || return
+  # The driver stops its sides within the time left, less a margin for its own summary.
+  local left=$((deadline - SECONDS - 30))
+  step tta 600 "${TTA_PYTHON:-python3}" "$here/fashion_mnist/run_tta.py" --bin "$bin" --data "$d" --gpus "$gpus" \
+    "${recipe[@]}" --target "$target" --stop-at-target --time-limit "$left" --out "$r"
+  cp "$r"/*.log "$r/tta.json" "$out/" 2>/dev/null
+  grep -vE "^  " "$out/tta.log" | tail -6
+  check $checks tta "$r/tta.json" "$goal"
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -460,9 +495,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

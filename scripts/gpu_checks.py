@@ -34,6 +34,11 @@
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
                                   against B alone and against one batch of B·K (a measurement:
                                   PASS when all three ran and the accumulated run said so)
+  tta JSON GOAL                   the time-to-accuracy driver's OUT/tta.json
+                                  (benches/fashion_mnist/run_tta.py): each side's seconds to
+                                  the target test accuracy and the ratio; PASS when both
+                                  reached it and the peer took at least GOAL times as long
+                                  (GOAL 0: when both reached it)
 Standard library only: it runs on the GPU machine's python3 and here.
 """
 import json
@@ -339,6 +344,34 @@ def accum_cost(log_accum, log_micro, log_whole):
                f"(x{a / m:.3f}), {w:.0f} with one batch of the same size (x{a / w:.3f}), last epoch")
 
 
+def tta(path, goal):
+    with open(path) as f:
+        doc = json.load(f)
+    parts = []
+    for side in doc["sides"]:
+        r = side["reached"]
+        if r:
+            parts.append(f"{side['side']} {r['wall_seconds']:.1f} s (epoch {r['epoch']}, "
+                         f"accuracy {r['valid_accuracy']:.4f})")
+        else:
+            best = max((e["valid_accuracy"] for e in side["epochs"]), default=0.0)
+            parts.append(f"{side['side']} not reached in {len(side['epochs'])} epochs "
+                         f"(best {best:.4f}{', timed out' if side['timed_out'] else ''})")
+    ratio = doc.get("ratio")
+    detail = f"to test accuracy {doc['target']}: " + "; ".join(parts)
+    if ratio is not None:
+        detail += f"; ratio {ratio:.2f}x (goal >= {float(goal):g}x)"
+    start = next((side.get("start") for side in doc["sides"] if side.get("start")), None)
+    if start:
+        detail += f"; {start.get('gpu') or start.get('device')}, torch {start.get('torch')}"
+    check = doc.get("cross_check")
+    if check:
+        detail += (f"; birdtrain's best epoch in the peer's model: {check['peer_accuracy']:.4f} "
+                   f"(its own {check['birdtrain_accuracy']:.4f})")
+    ok = ratio is not None and ratio >= float(goal)
+    return say(ok, "tta", detail)
+
+
 def main(argv):
     commands = {
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
@@ -347,6 +380,7 @@ def main(argv):
         "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
+        "tta": (tta, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:
         print(__doc__, file=sys.stderr)
