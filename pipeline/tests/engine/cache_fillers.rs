@@ -7,7 +7,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{pixels_by_id, synth};
@@ -121,20 +121,11 @@ fn two_pipelines_of_one_process_fill_one_cache_in_one_epoch() {
 }
 
 fn child(role: &str, test: &str, data: &Path, cache: &Path, sync: &Path) -> Command {
-    let test = format!("{}::{test}", module_path!().split_once("::").unwrap().1);
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--ignored",
-        "--exact",
-        &test,
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(ROLE, role)
-    .env(DATA, data)
-    .env(CACHE, cache)
-    .env(SYNC, sync)
-    .stdout(Stdio::piped());
+    let mut cmd = common::child_test(module_path!(), test);
+    cmd.env(ROLE, role)
+        .env(DATA, data)
+        .env(CACHE, cache)
+        .env(SYNC, sync);
     cmd
 }
 

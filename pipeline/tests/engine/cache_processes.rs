@@ -6,7 +6,7 @@
 use crate::common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use common::{collect, synth};
 use pipeline::{DatasetSource, PipelineBuilder};
@@ -14,20 +14,10 @@ use pipeline::{DatasetSource, PipelineBuilder};
 const ROLE: &str = "PIPELINE_TEST_CHILD_ROLE";
 
 fn child(role: &str, test: &str, data: &std::path::Path, cache: &std::path::Path) -> Command {
-    // The test's full name in this binary: its module, then its name.
-    let test = format!("{}::{test}", module_path!().split_once("::").unwrap().1);
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--ignored",
-        "--exact",
-        &test,
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(ROLE, role)
-    .env("PIPELINE_TEST_DATA", data)
-    .env("PIPELINE_TEST_CACHE", cache)
-    .stdout(Stdio::piped());
+    let mut cmd = common::child_test(module_path!(), test);
+    cmd.env(ROLE, role)
+        .env("PIPELINE_TEST_DATA", data)
+        .env("PIPELINE_TEST_CACHE", cache);
     cmd
 }
 

@@ -276,3 +276,21 @@ impl tracing::Subscriber for Catcher {
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
 }
+
+/// The command that runs one `#[ignore]`d test of this binary in a child process, its output
+/// piped: `module` is the calling module's `module_path!()`, `test` the test's name there; the
+/// caller adds the variables that give the child its role.
+pub fn child_test(module: &str, test: &str) -> std::process::Command {
+    // The test's full name in this binary: its module, then its name.
+    let test = format!("{}::{test}", module.split_once("::").unwrap().1);
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--ignored",
+        "--exact",
+        &test,
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .stdout(std::process::Stdio::piped());
+    cmd
+}
