@@ -6,7 +6,6 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::{compare, compare_scaled, conv, random, random_bf16, CheckReport, Pair, Tolerance};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnShape, ConvShape,
     TensorRole,
@@ -312,13 +311,7 @@ pub fn check_bn_fusion<B: Backend>(
     shapes: &[ConvShape],
     tol: Tolerance,
 ) -> Result<Vec<CheckReport>, BackendError> {
-    let mut pair = Pair {
-        reference: CpuBackend::reference(2)?,
-        test: backend,
-        tol,
-        scaled: true,
-        reports: Vec::new(),
-    };
+    let mut pair = Pair::new(backend, tol, true)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0xb4);
     for &s in shapes {
         pair.bn_fusion(s, &mut rng)?;

@@ -142,7 +142,19 @@ struct Pair<'a, B: Backend> {
     reports: Vec<CheckReport>,
 }
 
-impl<B: Backend> Pair<'_, B> {
+impl<'a, B: Backend> Pair<'a, B> {
+    /// `test` against a fresh CPU reference, its tolerance `scaled` or not by each tensor's
+    /// largest reference magnitude.
+    fn new(test: &'a B, tol: Tolerance, scaled: bool) -> Result<Self, BackendError> {
+        Ok(Pair {
+            reference: CpuBackend::reference(2)?,
+            test,
+            tol,
+            scaled,
+            reports: Vec::new(),
+        })
+    }
+
     fn up(&self, data: &[f32], role: TensorRole) -> Result<B::Tensor, BackendError> {
         let mut t = self.test.alloc(data.len(), role)?;
         self.test.upload(data, &mut t)?;

@@ -5,7 +5,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::{compare, conv, random, CheckReport, Pair, Tolerance};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnMode, BnShape, ConvShape, LinearShape,
     PoolShape, Targets, TensorRole,
@@ -420,13 +419,7 @@ pub fn check_ops<B: Backend>(
     backend: &B,
     tol: Tolerance,
 ) -> Result<Vec<CheckReport>, BackendError> {
-    let mut pair = Pair {
-        reference: CpuBackend::reference(2)?,
-        test: backend,
-        tol,
-        scaled: false,
-        reports: Vec::new(),
-    };
+    let mut pair = Pair::new(backend, tol, false)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     for s in [
         conv(2, 7, 6, 3, 8, 3, 1, 1),
@@ -477,13 +470,7 @@ pub fn check_convs<B: Backend>(
     backend: &B,
     tol: Tolerance,
 ) -> Result<Vec<CheckReport>, BackendError> {
-    let mut pair = Pair {
-        reference: CpuBackend::reference(2)?,
-        test: backend,
-        tol,
-        scaled: true,
-        reports: Vec::new(),
-    };
+    let mut pair = Pair::new(backend, tol, true)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0xc0de);
     for s in [
         // ResNet stems: 7×7 stride 2 on 3 channels, and the CIFAR 3×3 one.
