@@ -461,6 +461,7 @@ impl<D: Device> Rank<D> {
         } else {
             self.device.before_compute(&self.net, plan.stop)?;
         }
+        let image_bytes = (batch.image_size as usize).pow(2) * 3;
         for micro in 0..plan.micro_batches {
             let last = micro + 1 == plan.micro_batches;
             let images = (micro * size).min(batch.len)..((micro + 1) * size).min(batch.len);
@@ -474,7 +475,6 @@ impl<D: Device> Rank<D> {
                 last_images: images.end == batch.len,
                 weight: images.len() as f32 / batch.len as f32,
             };
-            let image_bytes = (batch.image_size as usize).pow(2) * 3;
             self.device.begin_micro(
                 &self.net,
                 images.clone(),
