@@ -16,7 +16,8 @@
 //
 // __shared__ arrays are function statics (one block runs at a time); dynamic shared memory is a
 // static buffer of BT_EMU_DYN_SMEM bytes. Slow next to a GPU, so the checks use small shapes;
-// tests/gpu/cuda_emulation.rs builds and runs conv_check.cpp, conv2_check.cpp and ops_check.cpp.
+// tests/gpu/cuda_emulation.rs builds and runs conv_check.cpp, conv2_check.cpp, conv3_check.cpp
+// and ops_check.cpp. hopper.h adds the sm_90a instructions (mbarrier, TMA, wgmma).
 #pragma once
 #include <algorithm>
 #include <array>
@@ -43,6 +44,7 @@ inline dim3e blockDim, gridDim;
 #define __forceinline__ inline
 #define __restrict__
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define BT_EMULATE 1
@@ -286,11 +288,14 @@ inline void bt_emu_ldmatrix(unsigned* r, const void* p, bool trans) {
     g_warp_barriers[warp].arrive_and_wait();
 }
 
+#include "hopper.h"  // mbarrier, TMA and wgmma (sm_90a kernels)
+
 // ---- launching ---------------------------------------------------------------------------
 
 inline void emu_fiber_exit() {
     EmuFiber& f = g_fibers[g_cur];
     if (!f.copies.empty()) emu_fail("thread exited with cp.async copies in flight");
+    emu_hopper_thread_exit();
     f.done = true;
     --g_live;
     g_block_barrier.leave();
@@ -347,6 +352,7 @@ void emu_launch(dim3e grid, dim3e block, F kernel) {
         g_shfl_f.assign(nwarps, {});
         g_shfl_i.assign(nwarps, {});
         g_ldsm.assign(nwarps, {});
+        emu_hopper_reset_block(nthreads);
         unsigned i = 0;
         for (unsigned tz = 0; tz < block.z; ++tz)
         for (unsigned ty = 0; ty < block.y; ++ty)

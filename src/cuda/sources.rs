@@ -33,6 +33,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         text: include_str!("../../kernels/conv2.cu"),
     },
     KernelFile {
+        name: "conv3.cu",
+        text: include_str!("../../kernels/conv3.cu"),
+    },
+    KernelFile {
         name: "bn.cu",
         text: include_str!("../../kernels/bn.cu"),
     },

@@ -3,7 +3,9 @@
 //! layouts emulated) and checks every kernel against f64 references that follow the CPU
 //! backend's rules. Catches indexing, tiling, masking and reduction bugs before a GPU session.
 //! The v2 convolutions (conv2.cu) run with their cp.async pipeline emulated, and a copy with
-//! one index deliberately broken must fail, so the check is known to catch such bugs.
+//! one index deliberately broken must fail, so the check is known to catch such bugs. The
+//! Hopper kernels (conv3.cu) run with wgmma, TMA and mbarrier emulated (kernels/emu/hopper.h),
+//! and copies with a missing wait or a wrong descriptor must fail.
 //! Skips (printing why) when no C++20 compiler is installed.
 
 use std::path::{Path, PathBuf};
@@ -75,8 +77,8 @@ fn build_and_run(dir: &Path, check: &str) -> String {
     text
 }
 
-/// The v1 and v2 convolution files are emulated alone (they share helper names).
-const ALONE: [&str; 2] = ["conv.cu", "conv2.cu"];
+/// The v1, v2 and v3 convolution files are emulated alone (they share helper names).
+const ALONE: [&str; 3] = ["conv.cu", "conv2.cu", "conv3.cu"];
 
 #[test]
 fn kernels_match_references_under_emulation() {
@@ -144,6 +146,43 @@ fn kernels_match_references_under_emulation() {
         std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
         broken_epilogues.push(d);
     }
+    // conv3.cu (Hopper: wgmma, TMA, mbarrier) and copies of it with one synchronisation or
+    // layout bug each, which its check (run under both TMA timings) must catch.
+    let conv3 = KernelFile::by_name("conv3.cu").unwrap();
+    std::fs::write(dir.path().join("conv3_x.cu"), conv3.expanded()).unwrap();
+    let conv3_bugs = [
+        // a consumer that reads a stage without waiting for its TMA loads
+        (
+            "c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);",
+            "",
+        ),
+        // a producer that refills a stage its consumers have not released
+        (
+            "if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);",
+            "",
+        ),
+        // a stage released while its wgmma may still read it
+        ("c3_wgmma_wait<1>(acc);", "c3_wgmma_wait<2>(acc);"),
+        // descriptors without the 128-byte swizzle the TMA loads wrote
+        ("(1ull << 62)", "(0ull << 62)"),
+        // the k-step advanced by 8 channels instead of 16 inside the swizzle atom
+        ("c3_desc(a_rows + kk * 32)", "c3_desc(a_rows + kk * 16)"),
+    ];
+    let mut broken_conv3 = Vec::new();
+    for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {
+        assert!(
+            conv3.text.matches(right).count() == 1,
+            "conv3.cu changed ({right}): update this test"
+        );
+        let d = dir.path().join(format!("broken_conv3_{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("conv3_x.cu"),
+            expand_common(&conv3.text.replace(right, wrong)),
+        )
+        .unwrap();
+        broken_conv3.push(d);
+    }
     let (conv_out, conv2_out, ops_out, (broken_ok, broken_out), epilogue_outs) =
         std::thread::scope(|s| {
             let conv = s.spawn(|| build_and_run(dir.path(), "conv_check"));
@@ -166,6 +205,27 @@ fn kernels_match_references_under_emulation() {
                     .collect::<Vec<_>>(),
             )
         });
+    let (conv3_out, conv3_broken) = std::thread::scope(|s| {
+        let good = s.spawn(|| build_and_run(dir.path(), "conv3_check"));
+        let broken: Vec<_> = broken_conv3
+            .iter()
+            .map(|d| s.spawn(move || build_and_try_args(d, "conv3_check", &["--first"])))
+            .collect();
+        (
+            good.join().unwrap(),
+            broken
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>(),
+        )
+    });
+    assert!(conv3_out.contains("ALL OK"), "{conv3_out}");
+    for ((right, wrong), (ok, out)) in conv3_bugs.iter().zip(&conv3_broken) {
+        assert!(
+            !ok && (out.contains("FAIL") || out.contains("emulator:")),
+            "conv3.cu with `{right}` broken to `{wrong}` passed its emulated check:\n{out}"
+        );
+    }
     assert!(conv_out.contains("ALL OK"), "{conv_out}");
     assert!(conv2_out.contains("ALL OK"), "{conv2_out}");
     assert!(
@@ -189,7 +249,11 @@ fn kernels_match_references_under_emulation() {
     }
     // Every kernel of every file was exercised.
     let all = format!(
-        "{}{}{}",
+        "{}{}{}{}",
+        std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv3_check.cpp")
+        )
+        .unwrap(),
         std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv2_check.cpp")
         )

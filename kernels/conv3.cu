@@ -1,0 +1,389 @@
+// conv3.cu: the third generation of the convolution kernels, for Hopper (sm_90a): 1×1
+// convolutions as GEMMs on the warpgroup tensor-core instruction (`wgmma.mma_async`), fed by
+// the Tensor Memory Accelerator (TMA) through a ring of shared-memory stages guarded by
+// mbarriers, with one producer warpgroup and two consumer warpgroups (warp specialisation).
+// Only the `sm_90a` target compiles the Hopper code (NVRTC rejects `wgmma` for plain sm_90);
+// for any other target every kernel here is a stub that traps, and the host launches these
+// kernels only on a compute capability 9.0 device with the sm_90a image
+// (`BIRDTRAIN_CONV=v3`, src/cuda/conv3.rs). conv2.cu stays the default until this file has
+// been measured faster on a GPU.
+//
+// Algorithm. A 1×1 convolution at stride 1 without padding is the GEMM
+//   y[M][N] = x[M][K] · w[N][K]ᵀ,  M = batch·height·width pixels, K = input channels,
+//                                  N = output channels (NHWC activations, KRSC = [N][K] weights),
+// both operands K-major (the reduction dimension contiguous), f32 accumulation, bf16 output.
+// The block's 128×128 output tile is split by rows between the two consumer warpgroups (64
+// rows each, one m64n128k16 wgmma per 16 of K). The k-loop walks K in BK = 64 slices: the
+// producer's elected thread waits until the consumers have released stage s (its "empty"
+// mbarrier), announces the stage's bytes on its "full" mbarrier (arrive.expect_tx) and issues
+// two TMA box loads (A: 64 channels × 128 pixels, B: 64 channels × 128 output channels),
+// whose completion the TMA unit reports to that mbarrier. Each consumer warpgroup waits on
+// the full mbarrier, issues four wgmma (k = 0, 16, 32, 48 of the slice: the descriptor's start
+// address advanced by 32 bytes inside the swizzle atom), commits them as one group, waits for
+// the previous slice's group (`wgmma.wait_group 1`: one group stays in flight) and then
+// releases that previous slice's stage. Everything outside the tensors (the M, N and K tails)
+// is filled with zeros by the TMA unit, so no thread tests a bound in the k-loop. The first
+// wgmma of the tile overwrites the accumulators (scale-d = 0) instead of zeroing them first.
+// Epilogue (all 384 threads): the accumulators are rounded to bf16 and staged in shared
+// memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
+// tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
+// summed in a fixed order) are written as per-tile records in conv2.cu's layout, which bn.cu
+// merges (bn_stats_merge): the same bits every run, in any block order.
+//
+// Data layout. x: NHWC bf16 viewed as [M][K]; w: [N][K] bf16; y: [M][N] bf16; K % 8 == 0 and
+// N % 8 == 0 (the tensor maps need 16-byte row pitches). Shared memory, from a 1024-byte
+// aligned base: STAGES × (A tile 128 rows × 128 bytes, B tile 128 rows × 128 bytes), each row
+// holding 64 channels in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8),
+// the pattern both TMA and wgmma apply to address bits), then the STAGES full and STAGES empty
+// mbarriers. The epilogue reuses the stages for the staged tile ([128][128 + 8] bf16) and its
+// reduction scratch. part ([2][gridDim.x][N]: tile means, then M2) as conv2_fwd_stats_*.
+//
+// Launch configuration. grid = (ceil(M/128), ceil(N/128)), 384 threads (warpgroup 0 the
+// producer, 1 and 2 the consumers), dynamic shared memory CONV3_SMEM_BYTES (4 stages of
+// 32 KiB, the barriers and 1 KiB of alignment slack: 132 KiB, one block per SM), the tensor
+// maps as `__grid_constant__` parameters (src/cuda/conv3.rs encodes them with
+// cuTensorMapEncodeTiled: bf16, 2-D, box 64 × 128, 128-byte swizzle, zero fill).
+#include "common.cuh"
+
+// The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 3 ints).
+struct Conv3Args {
+    int m;  // rows: pixels
+    int n;  // columns: output channels (% 8 == 0)
+    int k;  // reduction: input channels (% 8 == 0)
+};
+
+#define C3_BM 128
+#define C3_BN 128
+#define C3_BK 64
+#define C3_STAGES 4
+#define C3_THREADS 384
+#define C3_TILE_BYTES (C3_BM * C3_BK * 2)        // A and B tiles alike: 16 KiB
+#define C3_STAGE_BYTES (2 * C3_TILE_BYTES)
+#define C3_BARRIERS (C3_STAGES * C3_STAGE_BYTES)  // offset of the mbarriers from the base
+#define CONV3_SMEM_BYTES (C3_BARRIERS + 2 * C3_STAGES * 8 + 1024)
+#define C3_LDC (C3_BN + 8)  // row pitch of the staged output tile, in elements
+
+#if defined(BT_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define C3_HOPPER 1
+#endif
+
+#ifndef BT_EMULATE
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned (the emulator has its own).
+struct __align__(64) BtTmaMap {
+    unsigned long long opaque[16];
+};
+#endif
+
+#ifdef C3_HOPPER
+// ---- Hopper instructions (PTX ISA 8.0, sm_90a) --------------------------------------------
+
+// The offset of a shared-memory pointer in the block's shared window.
+__device__ __forceinline__ unsigned c3_shared(const void* p) {
+#ifdef BT_EMULATE
+    return emu_shared_offset(p);
+#else
+    return (unsigned)__cvta_generic_to_shared(p);
+#endif
+}
+
+__device__ __forceinline__ void c3_mbar_init(unsigned bar, unsigned count) {
+#ifdef BT_EMULATE
+    bt_emu_mbar_init(bar, (int)count);
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// Makes the barriers' initialisation visible to the other threads and to the TMA unit.
+__device__ __forceinline__ void c3_fence_barrier_init() {
+#ifndef BT_EMULATE
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void c3_mbar_arrive(unsigned bar) {
+#ifdef BT_EMULATE
+    bt_emu_mbar_arrive(bar);
+#else
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
+// One arrival that also announces `bytes` of TMA transactions to complete the phase.
+__device__ __forceinline__ void c3_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+#ifdef BT_EMULATE
+    bt_emu_mbar_arrive_expect_tx(bar, bytes);
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void c3_mbar_wait(unsigned bar, unsigned parity) {
+#ifdef BT_EMULATE
+    while (!bt_emu_mbar_try_wait(bar, parity)) {
+    }
+#else
+    unsigned done = 0;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+#endif
+}
+
+// TMA: the box at (c0, c1) of the tensor `map` into shared memory at `dst`, completing
+// its bytes on the mbarrier `bar`.
+__device__ __forceinline__ void c3_tma_load(unsigned dst, const BtTmaMap* map, int c0, int c1, unsigned bar) {
+#ifdef BT_EMULATE
+    bt_emu_tma_load_2d(dst, map, c0, c1, bar);
+#else
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+#endif
+}
+
+// The descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 bytes, 8-row
+// atoms 1024 bytes apart (the stride-dimension offset), the leading-dimension offset unused.
+__device__ __forceinline__ unsigned long long c3_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void c3_wgmma_fence() {
+#ifdef BT_EMULATE
+    bt_emu_wgmma_fence();
+#else
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void c3_wgmma_commit() {
+#ifdef BT_EMULATE
+    bt_emu_wgmma_commit();
+#else
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void c3_wgmma_wait(float* d) {
+#ifdef BT_EMULATE
+    (void)d;
+    bt_emu_wgmma_wait(N);
+#else
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// d (64 f32 per thread, the m64n128 accumulator fragment) = A·Bᵀ (+ d when scale_d).
+__device__ __forceinline__ void c3_wgmma_m64n128k16(float* d, unsigned long long desc_a, unsigned long long desc_b,
+                                                    int scale_d) {
+#ifdef BT_EMULATE
+    bt_emu_wgmma(d, 128, desc_a, desc_b, scale_d != 0);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "memory");
+#endif
+}
+
+// Keeps the compiler from moving accesses of the accumulators across a wgmma fence or wait
+// (the tensor cores write them asynchronously).
+__device__ __forceinline__ void c3_fence_acc(float* d) {
+#ifndef BT_EMULATE
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#else
+    (void)d;
+#endif
+}
+#endif  // C3_HOPPER
+
+enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1 };
+
+#ifdef BT_EMULATE
+#define C3_SMEM(name) unsigned char* name = g_emu_shared
+#else
+#define C3_SMEM(name) extern __shared__ __align__(1024) unsigned char name[]
+#endif
+
+template <int EPI>
+__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTmaMap* map_w, bf16* __restrict__ y,
+                                               const Conv3Args& a, float* __restrict__ part) {
+#ifdef C3_HOPPER
+    C3_SMEM(smem_raw);
+    // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
+    const unsigned raw = c3_shared(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const unsigned full0 = base + C3_BARRIERS, empty0 = full0 + 8 * C3_STAGES;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * C3_BN;
+    const int kt_count = (a.k + C3_BK - 1) / C3_BK;
+
+    if (tid == 0) {
+        for (int s = 0; s < C3_STAGES; ++s) {
+            c3_mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx
+            c3_mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
+        }
+        c3_fence_barrier_init();
+    }
+    __syncthreads();
+
+    float acc[64];
+    if (wg == 0) {
+        // Producer: one elected thread keeps the ring full.
+        if (tid == 0) {
+            for (int kt = 0; kt < kt_count; ++kt) {
+                const int s = kt % C3_STAGES, round = kt / C3_STAGES;
+                if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
+                const unsigned stage = base + s * C3_STAGE_BYTES, full = full0 + 8 * s;
+                c3_mbar_arrive_expect_tx(full, C3_STAGE_BYTES);
+                c3_tma_load(stage, map_x, kt * C3_BK, m0, full);
+                c3_tma_load(stage + C3_TILE_BYTES, map_w, kt * C3_BK, n0, full);
+            }
+        }
+    } else {
+        // Consumer warpgroup c: rows 64c .. 64c + 63 of the tile.
+        const int c = wg - 1;
+        c3_fence_acc(acc);
+        for (int kt = 0; kt < kt_count; ++kt) {
+            const int s = kt % C3_STAGES;
+            c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);
+            const unsigned stage = base + s * C3_STAGE_BYTES;
+            const unsigned a_rows = stage + c * 64 * 128, b_rows = stage + C3_TILE_BYTES;
+            c3_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < C3_BK / 16; ++kk)
+                c3_wgmma_m64n128k16(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+            c3_wgmma_commit();
+            // The previous slice's wgmma are done: its stage may be refilled.
+            c3_wgmma_wait<1>(acc);
+            if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((kt - 1) % C3_STAGES));
+        }
+        c3_wgmma_wait<0>(acc);
+        c3_fence_acc(acc);
+    }
+    // Every wgmma has read its stage and every TMA load has landed (each was waited for):
+    // the stages become the epilogue's staging area.
+    __syncthreads();
+
+    bf16* Cs = reinterpret_cast<bf16*>(smem);
+    if (wg > 0) {
+        const int warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
+#pragma unroll
+        for (int j = 0; j < C3_BN / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_base + 8 * h, col = 8 * j + 2 * (lane % 4);
+                const unsigned lo = __bfloat16_as_ushort(bt_to_bf16(acc[4 * j + 2 * h]));
+                const unsigned hi = __bfloat16_as_ushort(bt_to_bf16(acc[4 * j + 2 * h + 1]));
+                *reinterpret_cast<unsigned*>(Cs + row * C3_LDC + col) = lo | (hi << 16);
+            }
+    }
+    __syncthreads();
+    const int M = a.m, N = a.n;
+    constexpr int CHUNKS_PER_ROW = C3_BN / 8;
+    for (int ch = tid; ch < C3_BM * CHUNKS_PER_ROW; ch += C3_THREADS) {
+        const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+        const int m = m0 + row, n = n0 + col;
+        if (m >= M || n >= N) continue;
+        *reinterpret_cast<uint4*>(y + (long)m * N + n) = *reinterpret_cast<const uint4*>(Cs + row * C3_LDC + col);
+    }
+    if (EPI == C3_EPI_NONE) return;
+
+    // ---- per-tile statistics (conv2.cu's records, by the first 256 threads) ------------------
+    // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
+    // in span order by span 0.
+    constexpr int PAIRS = C3_BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
+    float* red_a = reinterpret_cast<float*>(smem + C3_BM * C3_LDC * 2);  // [TPC][BN]
+    float* red_b = red_a + TPC * C3_BN;
+    const bool reducer = tid < 256;
+    const int col = (tid % PAIRS) * 2, span = (tid / PAIRS) % TPC;
+    const int rows = min(C3_BM, M - m0);
+    const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
+    const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
+    const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
+    float mean0 = 0.0f, mean1 = 0.0f;
+    if (reducer) {
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int r = r0; r < r1; ++r) {
+            const unsigned v = cs_pair[r * (C3_LDC / 2)];
+            s0 += __uint_as_float(v << 16);
+            s1 += __uint_as_float(v & 0xffff0000u);
+        }
+        red_a[span * C3_BN + col] = s0;
+        red_a[span * C3_BN + col + 1] = s1;
+    }
+    __syncthreads();
+    if (reducer) {
+        float t0 = 0.0f, t1 = 0.0f;
+#pragma unroll
+        for (int p = 0; p < TPC; ++p) {
+            t0 += red_a[p * C3_BN + col];
+            t1 += red_a[p * C3_BN + col + 1];
+        }
+        mean0 = t0 / (float)rows;
+        mean1 = t1 / (float)rows;
+        float q0 = 0.0f, q1 = 0.0f;
+        for (int r = r0; r < r1; ++r) {
+            const unsigned v = cs_pair[r * (C3_LDC / 2)];
+            const float d0 = __uint_as_float(v << 16) - mean0, d1 = __uint_as_float(v & 0xffff0000u) - mean1;
+            q0 = fmaf(d0, d0, q0);
+            q1 = fmaf(d1, d1, q1);
+        }
+        red_b[span * C3_BN + col] = q0;
+        red_b[span * C3_BN + col + 1] = q1;
+    }
+    __syncthreads();
+    if (reducer && span == 0 && cn < N) {
+        float q0 = 0.0f, q1 = 0.0f;
+#pragma unroll
+        for (int p = 0; p < TPC; ++p) {
+            q0 += red_b[p * C3_BN + col];
+            q1 += red_b[p * C3_BN + col + 1];
+        }
+        const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
+        bt_store2_f32(part + at, mean0, mean1);
+        bt_store2_f32(part + plane + at, q0, q1);
+    }
+#else
+    __trap();  // compiled for a target without wgmma: the host never launches this
+#endif
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+// Names: conv3_fwd[_stats]_1x1 (the 128×128 tile of 384 threads). The host (src/cuda/conv3.rs)
+// passes CONV3_SMEM_BYTES of dynamic shared memory.
+
+// y = conv1x1(x, w)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y, Conv3Args args) {
+    conv3_gemm_1x1<C3_EPI_NONE>(&map_x, &map_w, y, args, nullptr);
+}
+
+// y = conv1x1(x, w) and the tile statistics of y in part ([2][gridDim.x][N]: means, then M2)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y,
+                    Conv3Args args, float* part) {
+    conv3_gemm_1x1<C3_EPI_STATS>(&map_x, &map_w, y, args, part);
+}

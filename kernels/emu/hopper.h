@@ -1,0 +1,264 @@
+// hopper.h: the emulator's Hopper (sm_90a) instructions, included by emu.h: the shared-memory
+// window, mbarrier with transaction counts, TMA tiled loads (cp.async.bulk.tensor) and the
+// warpgroup MMA (wgmma.mma_async) reading its operands through shared-memory descriptors.
+//
+// Every asynchronous operation is emulated at a legal timing chosen to expose a missing wait:
+// - wgmma reads shared memory and writes its accumulators only when the issuing thread's
+//   `wgmma.wait_group` retires its group, so a kernel that frees a stage (or reads the
+//   accumulators) before waiting reads or computes stale values and fails its check;
+// - a TMA load lands either lazily (the default: when a thread waits on its mbarrier and
+//   nothing else could complete the phase) or eagerly (at issue, g_emu_tma_eager): the first
+//   timing catches a consumer that reads a stage without waiting on its full barrier, the
+//   second a producer that refills a stage before its consumers released it.
+// A check runs each kernel under both timings and demands the same bits.
+#pragma once
+#include <map>
+
+// ---- the shared window -------------------------------------------------------------------
+// Kernels written for Hopper address shared memory as 32-bit offsets into the block's shared
+// window (descriptors hold 14-bit address fields): here, offsets into g_emu_shared, which is
+// 1024-byte aligned like the swizzle atoms it holds.
+#define BT_EMU_SHARED_WINDOW (227 * 1024)
+alignas(1024) inline unsigned char g_emu_shared[BT_EMU_SHARED_WINDOW];
+
+inline unsigned emu_shared_offset(const void* p) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    if (c < g_emu_shared || c >= g_emu_shared + BT_EMU_SHARED_WINDOW) emu_fail("a shared address outside the shared window");
+    return (unsigned)(c - g_emu_shared);
+}
+inline unsigned char* emu_shared_ptr(unsigned off, unsigned bytes) {
+    if ((size_t)off + bytes > BT_EMU_SHARED_WINDOW) emu_fail("a shared access beyond the shared window");
+    return g_emu_shared + off;
+}
+
+// The 128-byte swizzle: the 16-byte chunk bits [4:6] of an address XORed with its bits [7:9]
+// (the pattern TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with swizzle mode 1).
+inline unsigned emu_swizzle128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
+
+// ---- mbarrier ----------------------------------------------------------------------------
+
+struct EmuMbar {
+    int expected = 0;  // arrivals per phase
+    int pending = 0;   // arrivals still missing in the current phase
+    long tx = 0;       // transaction bytes still missing in the current phase
+    unsigned phase = 0;
+};
+inline std::map<unsigned, EmuMbar> g_mbars;
+
+struct EmuTmaLoad {
+    unsigned dst, bar;
+    const struct BtTmaMap* map;
+    int c0, c1;
+};
+inline std::vector<EmuTmaLoad> g_tma_inflight;
+inline bool g_emu_tma_eager = false;
+
+inline EmuMbar& emu_mbar(unsigned bar) {
+    auto it = g_mbars.find(bar);
+    if (it == g_mbars.end()) emu_fail("an mbarrier used before mbarrier.init");
+    return it->second;
+}
+
+inline void emu_mbar_settle(EmuMbar& b) {
+    if (b.pending == 0 && b.tx == 0) { b.phase ^= 1; b.pending = b.expected; g_spins = 0; }
+}
+
+inline void bt_emu_mbar_init(unsigned bar, int count) {
+    if (bar % 8) emu_fail("mbarrier not 8-byte aligned");
+    if (count < 1) emu_fail("mbarrier.init with a count below 1");
+    g_mbars[bar] = EmuMbar{count, count, 0, 0};
+}
+
+inline void bt_emu_mbar_arrive(unsigned bar) {
+    EmuMbar& b = emu_mbar(bar);
+    if (b.pending <= 0) emu_fail("mbarrier: more arrivals than its count in one phase");
+    --b.pending;
+    emu_mbar_settle(b);
+}
+
+inline void bt_emu_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    EmuMbar& b = emu_mbar(bar);
+    b.tx += bytes;
+    if (b.pending <= 0) emu_fail("mbarrier: more arrivals than its count in one phase");
+    --b.pending;
+    emu_mbar_settle(b);
+}
+
+inline void emu_tma_land(const EmuTmaLoad& l);
+
+// mbarrier.try_wait.parity: whether the phase of parity `parity` has completed (the current
+// phase is the other one). Lazy TMA loads on this barrier land here, when nothing else can
+// complete its phase.
+inline bool bt_emu_mbar_try_wait(unsigned bar, unsigned parity) {
+    EmuMbar& b = emu_mbar(bar);
+    if (b.phase != (parity & 1)) return true;
+    if (b.pending == 0 && b.tx > 0) {
+        std::vector<EmuTmaLoad> keep;
+        for (const EmuTmaLoad& l : g_tma_inflight) {
+            if (l.bar == bar) emu_tma_land(l); else keep.push_back(l);
+        }
+        g_tma_inflight.swap(keep);
+        if (b.phase != (parity & 1)) return true;
+    }
+    if (++g_spins > 64L * (long)g_fibers.size() + 4096) emu_fail("deadlock: an mbarrier phase that can never complete");
+    emu_yield();
+    return false;
+}
+
+// ---- TMA ---------------------------------------------------------------------------------
+
+// The emulator's tensor map (the GPU's is an opaque 128-byte CUtensorMap): what
+// cuTensorMapEncodeTiled is given for a 2-D bf16 tensor, element (c0, c1) at
+// base + c1·stride + c0 (c0 the contiguous dimension).
+struct alignas(64) BtTmaMap {
+    const void* base;
+    unsigned long long dim0, dim1;  // extents
+    unsigned long long stride1;     // bytes between consecutive c1 (a multiple of 16)
+    unsigned box0, box1;            // box extents (box0 · 2 bytes = 128 with the 128-byte swizzle)
+    int swizzle128;                 // CU_TENSOR_MAP_SWIZZLE_128B, else none
+    unsigned char pad[128 - 48];
+};
+static_assert(sizeof(BtTmaMap) == 128, "a tensor map is 128 bytes");
+
+// cuTensorMapEncodeTiled for a row-major [dim1][dim0] bf16 matrix with the given row pitch,
+// zeros for out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+inline BtTmaMap emu_tma_encode_2d(const void* base, unsigned long long dim0, unsigned long long dim1,
+                                  unsigned long long row_bytes, unsigned box0, unsigned box1, bool swizzle128) {
+    if (reinterpret_cast<uintptr_t>(base) % 16 || row_bytes % 16) { fprintf(stderr, "tensor map: base and pitch must be 16-byte aligned\n"); std::abort(); }
+    if (box0 == 0 || box1 == 0 || box0 > 256 || box1 > 256) { fprintf(stderr, "tensor map: box extents 1..256\n"); std::abort(); }
+    if (swizzle128 && box0 * 2 > 128) { fprintf(stderr, "tensor map: a 128-byte swizzle needs an inner box of at most 128 bytes\n"); std::abort(); }
+    BtTmaMap m{};
+    m.base = base; m.dim0 = dim0; m.dim1 = dim1; m.stride1 = row_bytes; m.box0 = box0; m.box1 = box1; m.swizzle128 = swizzle128;
+    return m;
+}
+
+inline void emu_tma_land(const EmuTmaLoad& l) {
+    const BtTmaMap& m = *l.map;
+    const unsigned row_bytes = m.box0 * 2;
+    for (unsigned i = 0; i < m.box1; ++i)
+        for (unsigned j = 0; j < m.box0; ++j) {
+            const long g0 = (long)l.c0 + j, g1 = (long)l.c1 + i;
+            uint16_t v = 0;  // out of bounds: zero
+            if (g0 >= 0 && g1 >= 0 && (unsigned long long)g0 < m.dim0 && (unsigned long long)g1 < m.dim1)
+                memcpy(&v, static_cast<const char*>(m.base) + g1 * m.stride1 + g0 * 2, 2);
+            unsigned a = l.dst + i * row_bytes + j * 2;
+            if (m.swizzle128) a = emu_swizzle128(a);
+            memcpy(emu_shared_ptr(a, 2), &v, 2);
+        }
+    EmuMbar& b = emu_mbar(l.bar);
+    b.tx -= (long)m.box0 * m.box1 * 2;  // out-of-bounds elements count as bytes too
+    if (b.tx < 0) emu_fail("mbarrier: more transaction bytes completed than expected");
+    emu_mbar_settle(b);
+}
+
+// cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes
+inline void bt_emu_tma_load_2d(unsigned dst, const BtTmaMap* map, int c0, int c1, unsigned bar) {
+    if (dst % (map->swizzle128 ? 1024 : 128)) emu_fail("TMA destination misaligned (1024 bytes with the 128-byte swizzle, else 128)");
+    (void)emu_mbar(bar);
+    const EmuTmaLoad l{dst, bar, map, c0, c1};
+    if (g_emu_tma_eager) emu_tma_land(l); else g_tma_inflight.push_back(l);
+}
+
+// ---- wgmma -------------------------------------------------------------------------------
+
+// A shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading- and stride-dimension byte offsets (each >> 4, 14 bits), swizzle mode in bits 62-63.
+struct EmuDesc { unsigned start, lbo, sbo, swizzle; };
+inline EmuDesc emu_desc(unsigned long long d) {
+    EmuDesc e{(unsigned)(d & 0x3fff) << 4, (unsigned)((d >> 16) & 0x3fff) << 4, (unsigned)((d >> 32) & 0x3fff) << 4,
+              (unsigned)(d >> 62)};
+    if ((d >> 49) & 7) emu_fail("wgmma descriptor: a base offset the emulator does not model");
+    if (e.swizzle != 0 && e.swizzle != 1) emu_fail("wgmma descriptor: only no swizzle and the 128-byte swizzle are emulated");
+    return e;
+}
+
+// Element (row, k) of a K-major operand (rows = M or N, 16 k of bf16) as the descriptor lays
+// it out: 8-row core groups `sbo` apart; with the 128-byte swizzle a row is 128 bytes of k
+// (8-row atoms of 1024 bytes), without it a core matrix is 8 rows of 16 bytes and the second
+// 8 k are `lbo` further.
+inline float emu_desc_elem(const EmuDesc& e, int row, int k) {
+    unsigned a;
+    if (e.swizzle == 1) a = emu_swizzle128(e.start + (row / 8) * e.sbo + (row % 8) * 128 + k * 2);
+    else a = e.start + (row / 8) * e.sbo + (k / 8) * e.lbo + (row % 8) * 16 + (k % 8) * 2;
+    uint16_t v;
+    memcpy(&v, emu_shared_ptr(a, 2), 2);
+    return __bfloat162float(__nv_bfloat16{v});
+}
+
+struct EmuWgmma {
+    unsigned long long da, db;
+    float* d;
+    int n;
+    bool scale_d;
+    long group;  // -1 until committed
+};
+struct EmuWgmmaThread { std::vector<EmuWgmma> ops; long groups = 0; bool fenced = false; };
+inline std::vector<EmuWgmmaThread> g_wgmma;  // per thread of the block
+// wgmma.wait_group is warpgroup-collective (.sync.aligned): no thread of the warpgroup leaves
+// it before every thread's retired operations are done (the hardware runs one MMA for all).
+inline std::vector<EmuBarrier> g_warpgroup_barriers;
+
+inline void emu_wgmma_check_warpgroup() {
+    if (blockDim.x % 128 || blockDim.y != 1 || blockDim.z != 1) emu_fail("wgmma needs whole warpgroups of 128 threads in x");
+}
+
+inline void bt_emu_wgmma_fence() { emu_wgmma_check_warpgroup(); g_wgmma[g_cur].fenced = true; }
+
+// wgmma.mma_async m64nNk16 f32 += bf16 × bf16, both operands K-major from descriptors.
+inline void bt_emu_wgmma(float* d, int n, unsigned long long da, unsigned long long db, bool scale_d) {
+    EmuWgmmaThread& t = g_wgmma[g_cur];
+    if (!t.fenced) emu_fail("wgmma issued without a wgmma.fence before it");
+    t.ops.push_back({da, db, d, n, scale_d, -1});
+}
+
+inline void bt_emu_wgmma_commit() {
+    EmuWgmmaThread& t = g_wgmma[g_cur];
+    for (auto& o : t.ops) if (o.group < 0) o.group = t.groups;
+    ++t.groups;
+}
+
+// This thread's part of one wgmma (the accumulator fragment layout of m64nNk16: warp w of the
+// warpgroup holds rows 16w..16w+15; lane l, value 4j + 2h + b holds row 16w + l/4 + 8h,
+// column 8j + 2·(l % 4) + b).
+inline void emu_wgmma_run(const EmuWgmma& o) {
+    const EmuDesc a = emu_desc(o.da), b = emu_desc(o.db);
+    const int lin = g_fibers[g_cur].lin, warp = (lin / 32) % 4, lane = lin % 32;
+    for (int j = 0; j < o.n / 8; ++j)
+        for (int h = 0; h < 2; ++h)
+            for (int bit = 0; bit < 2; ++bit) {
+                const int row = 16 * warp + lane / 4 + 8 * h, col = 8 * j + 2 * (lane % 4) + bit;
+                float acc = 0;
+                for (int k = 0; k < 16; ++k) acc += emu_desc_elem(a, row, k) * emu_desc_elem(b, col, k);
+                float& dst = o.d[4 * j + 2 * h + bit];
+                dst = (o.scale_d ? dst : 0.0f) + acc;
+            }
+}
+
+// wgmma.wait_group n: every committed group but the newest n is done.
+inline void bt_emu_wgmma_wait(int n) {
+    EmuBarrier& wg = g_warpgroup_barriers[g_fibers[g_cur].lin / 128];
+    wg.arrive_and_wait();
+    EmuWgmmaThread& t = g_wgmma[g_cur];
+    std::vector<EmuWgmma> keep;
+    for (const auto& o : t.ops) {
+        if (o.group >= 0 && o.group < t.groups - n) emu_wgmma_run(o);
+        else keep.push_back(o);
+    }
+    t.ops.swap(keep);
+    t.fenced = false;  // registers written: the next wgmma needs a fence first
+    wg.arrive_and_wait();
+}
+
+inline void emu_hopper_reset_block(unsigned nthreads) {
+    g_mbars.clear();
+    g_tma_inflight.clear();
+    g_wgmma.assign(nthreads, EmuWgmmaThread{});
+    g_warpgroup_barriers.assign((nthreads + 127) / 128, EmuBarrier{});
+    for (unsigned w = 0; w < g_warpgroup_barriers.size(); ++w)
+        g_warpgroup_barriers[w].expected = (int)std::min(128u, nthreads - 128 * w);
+}
+
+inline void emu_hopper_thread_exit() {
+    if (!g_wgmma.empty() && !g_wgmma[g_cur].ops.empty()) emu_fail("thread exited with wgmma in flight");
+    if (!g_warpgroup_barriers.empty()) g_warpgroup_barriers[g_fibers[g_cur].lin / 128].leave();
+}
