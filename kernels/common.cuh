@@ -172,6 +172,35 @@ __device__ __forceinline__ void bt_cp_async_wait() {
 #endif
 }
 
+// ---- bf16x8 epilogue arithmetic (conv2.cu, conv3.cu) ----------------------------------------
+
+// Eight bf16 sums of two 16-byte chunks, each in f32 and rounded once (round to nearest even).
+__device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
+    const unsigned* pa = reinterpret_cast<const unsigned*>(&a);
+    const unsigned* pb = reinterpret_cast<const unsigned*>(&b);
+    unsigned sum[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float s0 = __uint_as_float(pa[e] << 16) + __uint_as_float(pb[e] << 16);
+        const float s1 = __uint_as_float(pa[e] & 0xffff0000u) + __uint_as_float(pb[e] & 0xffff0000u);
+        sum[e] = (unsigned)__bfloat16_as_ushort(bt_to_bf16(s0)) | ((unsigned)__bfloat16_as_ushort(bt_to_bf16(s1)) << 16);
+    }
+    return make_uint4(sum[0], sum[1], sum[2], sum[3]);
+}
+
+// Each bf16 of `v` where the matching bf16 of `y` is not > 0 becomes +0 (the ReLU's backward).
+__device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
+    unsigned* pv = reinterpret_cast<unsigned*>(&v);
+    const unsigned* py = reinterpret_cast<const unsigned*>(&y);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const unsigned lo = __uint_as_float(py[e] << 16) > 0.0f ? 0x0000ffffu : 0u;
+        const unsigned hi = __uint_as_float(py[e] & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u;
+        pv[e] &= lo | hi;
+    }
+    return v;
+}
+
 // Stores a pair of floats at an 8-byte-aligned address in one 8-byte store. The emulator
 // checks the alignment the hardware demands (a misaligned pair stops the kernel with
 // CUDA_ERROR_MISALIGNED_ADDRESS).

@@ -45,11 +45,22 @@
 // cuTensorMapEncodeTiled: bf16, 2-D, box 64 × 128, 128-byte swizzle, zero fill).
 #include "common.cuh"
 
-// The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 3 ints).
+// The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 4 ints).
 struct Conv3Args {
-    int m;  // rows: pixels
-    int n;  // columns: output channels (% 8 == 0)
-    int k;  // reduction: input channels (% 8 == 0)
+    int m;           // rows: pixels
+    int n;           // columns: output channels (dgrad: input channels), % 8 == 0
+    int k;           // reduction: input channels (dgrad: output channels), % 8 == 0
+    int accumulate;  // dgrad: add into the output instead of overwriting it
+};
+
+// The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
+struct Conv3Epilogue {
+    float* part;           // the per-tile records
+    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); null: no ReLU
+    const bf16* bn_x;      // BN_GRAD: the batch norm's input
+    const float* mean;     // BN_GRAD: its saved mean and 1/sqrt(var + eps)
+    const float* invstd;
+    const bf16* residual;  // BN_GRAD: a gradient added before the mask; may be null
 };
 
 #define C3_BM 128
@@ -218,7 +229,7 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
 }
 #endif  // C3_HOPPER
 
-enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1 };
+enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2 };
 
 #ifdef BT_EMULATE
 #define C3_SMEM(name) unsigned char* name = g_emu_shared
@@ -226,9 +237,10 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1 };
 #define C3_SMEM(name) extern __shared__ __align__(1024) unsigned char name[]
 #endif
 
+// out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps.
 template <int EPI>
-__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTmaMap* map_w, bf16* __restrict__ y,
-                                               const Conv3Args& a, float* __restrict__ part) {
+__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTmaMap* map_w, bf16* y,
+                                               const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     C3_SMEM(smem_raw);
     // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
@@ -307,11 +319,19 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
         const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
         const int m = m0 + row, n = n0 + col;
         if (m >= M || n >= N) continue;
-        *reinterpret_cast<uint4*>(y + (long)m * N + n) = *reinterpret_cast<const uint4*>(Cs + row * C3_LDC + col);
+        const long o = (long)m * N + n;
+        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * C3_LDC + col);
+        if (a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
+        if (EPI == C3_EPI_BN_GRAD) {
+            if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
+            if (ep.bn_y != nullptr) v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            *reinterpret_cast<uint4*>(Cs + row * C3_LDC + col) = v;  // the final g, for the sums below
+        }
+        *reinterpret_cast<uint4*>(y + o) = v;
     }
     if (EPI == C3_EPI_NONE) return;
 
-    // ---- per-tile statistics (conv2.cu's records, by the first 256 threads) ------------------
+    // ---- per-tile records (conv2.cu's, by the first 256 threads) ---------------------------
     // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
     // in span order by span 0.
     constexpr int PAIRS = C3_BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
@@ -323,6 +343,43 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
+    if (EPI == C3_EPI_BN_GRAD) {
+        // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
+        __syncthreads();  // every g is staged
+        float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
+        if (reducer && cn < N) {
+            const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
+            for (int r = r0; r < r1; ++r) {
+                const unsigned v = cs_pair[r * (C3_LDC / 2)];
+                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + (long)(m0 + r) * N + cn);
+                const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
+                b0 += v0;
+                b1 += v1;
+                g0 += v0 * (__uint_as_float(x << 16) - mu0) * is0;
+                g1 += v1 * (__uint_as_float(x & 0xffff0000u) - mu1) * is1;
+            }
+        }
+        if (reducer) {
+            red_a[span * C3_BN + col] = b0;
+            red_a[span * C3_BN + col + 1] = b1;
+            red_b[span * C3_BN + col] = g0;
+            red_b[span * C3_BN + col + 1] = g1;
+        }
+        __syncthreads();
+        if (reducer && span == 0 && cn < N) {
+#pragma unroll
+            for (int p = 1; p < TPC; ++p) {
+                b0 += red_a[p * C3_BN + col];
+                b1 += red_a[p * C3_BN + col + 1];
+                g0 += red_b[p * C3_BN + col];
+                g1 += red_b[p * C3_BN + col + 1];
+            }
+            const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
+            bt_store2_f32(ep.part + at, b0, b1);
+            bt_store2_f32(ep.part + plane + at, g0, g1);
+        }
+        return;
+    }
     float mean0 = 0.0f, mean1 = 0.0f;
     if (reducer) {
         float s0 = 0.0f, s1 = 0.0f;
@@ -363,8 +420,8 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
             q1 += red_b[p * C3_BN + col + 1];
         }
         const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
-        bt_store2_f32(part + at, mean0, mean1);
-        bt_store2_f32(part + plane + at, q0, q1);
+        bt_store2_f32(ep.part + at, mean0, mean1);
+        bt_store2_f32(ep.part + plane + at, q0, q1);
     }
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this
@@ -372,18 +429,58 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
-// Names: conv3_fwd[_stats]_1x1 (the 128×128 tile of 384 threads). The host (src/cuda/conv3.rs)
-// passes CONV3_SMEM_BYTES of dynamic shared memory.
+// Names: conv3_{fwd,dgrad}[_stats|_bn]_1x1 (the 128×128 tile of 384 threads; the host,
+// src/cuda/conv3.rs, passes CONV3_SMEM_BYTES of dynamic shared memory) and the dgrad's weight
+// transpose conv3_transpose_weights.
 
-// y = conv1x1(x, w)
+// y = conv1x1(x, w); map_x: x as [M][K], map_w: w as [N][K]
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_fwd_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y, Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_NONE>(&map_x, &map_w, y, args, nullptr);
+    conv3_gemm_1x1<C3_EPI_NONE>(&map_x, &map_w, y, args, Conv3Epilogue{});
 }
 
 // y = conv1x1(x, w) and the tile statistics of y in part ([2][gridDim.x][N]: means, then M2)
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y,
                     Conv3Args args, float* part) {
-    conv3_gemm_1x1<C3_EPI_STATS>(&map_x, &map_w, y, args, part);
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm_1x1<C3_EPI_STATS>(&map_x, &map_w, y, args, ep);
+}
+
+// dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
+// map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_wt, bf16* dx,
+                Conv3Args args) {
+    conv3_gemm_1x1<C3_EPI_NONE>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+// dgrad finishing the gradient of the batch norm that produced x (conv2_dgrad_bn_*'s contract):
+// dx = [bn_y > 0]·(dgrad1x1(dy, w) [+ dx with args.accumulate] [+ residual]) (bn_y, residual
+// may be null), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_bn_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_wt, bf16* dx,
+                   Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv3_gemm_1x1<C3_EPI_BN_GRAD>(&map_dy, &map_wt, dx, args, ep);
+}
+
+// wt[c][k] = w[k][c] (w: [rows = K][cols = C] bf16): the dgrad's B operand, K-major. 32×32
+// tiles through shared memory (coalesced reads and writes); block (32, 8), grid
+// (ceil(C/32), ceil(K/32)). Any target (plain loads and stores).
+extern "C" __global__ void conv3_transpose_weights(const bf16* __restrict__ w, bf16* __restrict__ wt, int rows,
+                                                   int cols) {
+    __shared__ bf16 tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[i][threadIdx.x] = w[(long)r * cols + c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) wt[(long)c * rows + r] = tile[threadIdx.x][i];
+    }
 }

@@ -1,6 +1,8 @@
 // conv3_check.cpp: the Hopper kernels of conv3.cu (wgmma fed by TMA through mbarrier-guarded
 // stages) run on the host emulator (emu.h + hopper.h) against f64 references: the output of
-// every 1×1 GEMM and the per-tile statistics records. Shapes have tails in every GEMM
+// every 1×1 GEMM (forward, and dgrad through the transposed weight), the forward's per-tile
+// statistics records and the dgrad's batch-norm gradient epilogue (accumulate, residual, ReLU
+// mask, Σg and Σg·x̂ records). Shapes have tails in every GEMM
 // dimension (M, N and K not multiples of the 128 × 128 × 64 tile) and reductions long enough
 // to wrap the 4-stage ring more than once. Every case runs twice, first with TMA loads landing
 // as late as allowed and the blocks in row-major order, then landing at issue and the blocks
@@ -54,7 +56,7 @@ static Result run(const Gemm& g, const std::vector<bf16>& x, const std::vector<b
                                              (unsigned long long)g.k * 2, C3_BK, C3_BM, true);
     const BtTmaMap map_w = emu_tma_encode_2d(w.data(), (unsigned long long)g.k, (unsigned long long)g.n,
                                              (unsigned long long)g.k * 2, C3_BK, C3_BN, true);
-    const Conv3Args args{g.m, g.n, g.k};
+    const Conv3Args args{g.m, g.n, g.k, 0};
     bf16* y = r.y.data();
     float* part = r.part.data();
     if (stats)
@@ -128,6 +130,126 @@ static void check_gemm(const Gemm& g, bool stats) {
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
 }
 
+// The dgrad: dx[M][C] = dy[M][K] · w[K][C] through wt = wᵀ, with or without the batch-norm
+// epilogue; `accumulate` adds into a dx that holds values already, `residual` and `mask`
+// exercise the epilogue's optional operands (the BN epilogue only).
+struct Dgrad { int m, c, k; bool bn, accumulate, residual, mask; };
+
+static std::vector<bf16> random_bf16(std::mt19937& rng, size_t n, float scale, float offset = 0) {
+    std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+    std::vector<bf16> v(n);
+    for (auto& e : v) e = __float2bfloat16_rn(scale * U(rng) + offset);
+    return v;
+}
+
+struct DgradResult { std::vector<bf16> dx; std::vector<float> part; };
+
+static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const std::vector<bf16>& wt,
+                             const std::vector<bf16>& dx0, const std::vector<bf16>& bn_y, const std::vector<bf16>& bn_x,
+                             const std::vector<float>& mean, const std::vector<float>& invstd,
+                             const std::vector<bf16>& residual) {
+    const unsigned gx = (unsigned)((d.m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + C3_BN - 1) / C3_BN);
+    DgradResult r;
+    r.dx = dx0;
+    r.part.assign(d.bn ? 2 * (size_t)gx * d.c : 0, NAN);
+    const BtTmaMap map_dy = emu_tma_encode_2d(dy.data(), (unsigned long long)d.k, (unsigned long long)d.m,
+                                              (unsigned long long)d.k * 2, C3_BK, C3_BM, true);
+    const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)d.k, (unsigned long long)d.c,
+                                              (unsigned long long)d.k * 2, C3_BK, C3_BN, true);
+    const Conv3Args args{d.m, d.c, d.k, d.accumulate ? 1 : 0};
+    bf16* dx = r.dx.data();
+    float* part = r.part.data();
+    if (d.bn)
+        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
+            conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr);
+        });
+    else
+        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { conv3_dgrad_1x1(map_dy, map_wt, dx, args); });
+    return r;
+}
+
+static void check_dgrad(const Dgrad& d) {
+    std::mt19937 rng(d.m * 977 + d.c * 13 + d.k + 2 * d.bn + 4 * d.accumulate + 8 * d.residual + 16 * d.mask);
+    const std::string name = std::string(d.bn ? "conv3_dgrad_bn_1x1" : "conv3_dgrad_1x1") + " m" + std::to_string(d.m) +
+                             " c" + std::to_string(d.c) + " k" + std::to_string(d.k) + (d.accumulate ? " +dx" : "") +
+                             (d.residual ? " +residual" : "") + (d.mask ? " relu" : "");
+    printf("%s\n", name.c_str());
+    const auto dy = random_bf16(rng, (size_t)d.m * d.k, 1.0f);
+    const auto w = random_bf16(rng, (size_t)d.k * d.c, 0.5f);  // the convolution's [K][C] weight
+    // The transpose the dgrad reads: exact bits.
+    std::vector<bf16> wt((size_t)d.c * d.k, __float2bfloat16_rn(NAN));
+    const int rows = d.k, cols = d.c;
+    emu_launch({(unsigned)((cols + 31) / 32), (unsigned)((rows + 31) / 32), 1}, {32, 8, 1},
+               [&] { conv3_transpose_weights(w.data(), wt.data(), rows, cols); });
+    bool same = true;
+    for (int k = 0; k < d.k; ++k)
+        for (int c = 0; c < d.c; ++c) same &= wt[(size_t)c * d.k + k].bits == w[(size_t)k * d.c + c].bits;
+    check_bits("conv3_transpose_weights", same);
+
+    const auto dx0 = d.accumulate ? random_bf16(rng, (size_t)d.m * d.c, 1.0f) : std::vector<bf16>((size_t)d.m * d.c, __float2bfloat16_rn(NAN));
+    const auto residual = random_bf16(rng, (size_t)d.m * d.c, 1.0f);
+    const auto bn_y = random_bf16(rng, (size_t)d.m * d.c, 1.0f);  // about half the mask open
+    const auto bn_x = random_bf16(rng, (size_t)d.m * d.c, 2.0f, 0.5f);
+    std::vector<float> mean(d.c), invstd(d.c);
+    for (int c = 0; c < d.c; ++c) { mean[c] = 0.5f + 0.01f * (c % 7); invstd[c] = c % 3 == 0 ? -0.75f : 1.25f; }
+
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    const DgradResult r = run_dgrad(d, dy, wt, dx0, bn_y, bn_x, mean, invstd, residual);
+
+    // dx: the f64 GEMM rounded to bf16, then each addition rounded to bf16, then the mask.
+    std::vector<double> got(r.dx.size()), ref(r.dx.size());
+    for (int i = 0; i < d.m; ++i)
+        for (int c = 0; c < d.c; ++c) {
+            double s = 0;
+            for (int k = 0; k < d.k; ++k)
+                s += (double)__bfloat162float(dy[(size_t)i * d.k + k]) * __bfloat162float(w[(size_t)k * d.c + c]);
+            const size_t o = (size_t)i * d.c + c;
+            double v = rb((float)s);
+            if (d.accumulate) v = rb((float)(v + __bfloat162float(dx0[o])));
+            if (d.bn && d.residual) v = rb((float)(v + __bfloat162float(residual[o])));
+            if (d.bn && d.mask && !(__bfloat162float(bn_y[o]) > 0)) v = 0;
+            ref[o] = v;
+            got[o] = __bfloat162float(r.dx[o]);
+        }
+    check("dx", got, ref, 2e-5 * d.k, 1.0 / 64);
+
+    if (d.bn) {
+        // The records: each 128-row tile's Σg and Σg·x̂ of the dx the kernel wrote.
+        const int tiles = (d.m + C3_BM - 1) / C3_BM;
+        std::vector<double> gb, rb_, gg, rg;
+        for (int t = 0; t < tiles; ++t) {
+            const int rows_t = std::min(C3_BM, d.m - t * C3_BM);
+            for (int c = 0; c < d.c; ++c) {
+                double b = 0, g = 0;
+                for (int i = 0; i < rows_t; ++i) {
+                    const size_t o = (size_t)(t * C3_BM + i) * d.c + c;
+                    const double v = __bfloat162float(r.dx[o]);
+                    b += v;
+                    g += v * (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c];
+                }
+                rb_.push_back(b);
+                rg.push_back(g);
+                gb.push_back(r.part[(size_t)t * d.c + c]);
+                gg.push_back(r.part[(size_t)tiles * d.c + (size_t)t * d.c + c]);
+            }
+        }
+        check("tile sums of g", gb, rb_, 1e-4, 1e-5);
+        check("tile sums of g·x-hat", gg, rg, 1e-3, 1e-5);
+    }
+
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x85ebca6bu;
+    const DgradResult again = run_dgrad(d, dy, wt, dx0, bn_y, bn_x, mean, invstd, residual);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same dx", memcmp(again.dx.data(), r.dx.data(), r.dx.size() * 2) == 0);
+    if (d.bn)
+        check_bits("eager TMA, shuffled blocks: same records",
+                   memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     const Gemm cases[] = {
@@ -143,6 +265,17 @@ int main(int argc, char** argv) {
             if (first_only && failures) break;
         }
         if (first_only && failures) break;
+    }
+    const Dgrad dgrads[] = {
+        {300, 136, 200, false, false, false, false},  // tails everywhere
+        {200, 64, 520, false, true, false, false},    // the ring wraps; added into dx
+        {300, 136, 200, true, false, false, true},    // BN epilogue: mask only
+        {257, 256, 136, true, true, true, true},      // every operand
+        {5, 8, 8, true, false, true, false},          // residual, no mask (the ReLU-free input)
+    };
+    for (const Dgrad& d : dgrads) {
+        if (first_only && failures) break;
+        check_dgrad(d);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

@@ -1,5 +1,5 @@
 //! `birdtrain kernels report --arch sm_90`: what the compiler made of the convolution kernels,
-//! v1 (conv.cu) and v2 (conv2.cu) side by side: registers, spills (local memory), shared
+//! v1 (conv.cu), v2 (conv2.cu) and v3 (conv3.cu, Hopper's wgmma and TMA) side by side: registers, spills (local memory), shared
 //! memory, occupancy, and the main loop's instruction mix (non-mma instructions per 32 mma per
 //! warp; the v2 goal is < 64 and no spills).
 //!
@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::cuda::conv::{Conv2Tile, Pass};
+use crate::cuda::conv3;
 use crate::cuda::{self, GpuArch, KernelFile};
 
 /// Arguments of `birdtrain kernels report`.
@@ -276,6 +277,9 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
             .find(|t| kernel.ends_with(&format!("_{}", t.suffix())))?;
         return Some((tile.threads() as usize, tile.smem_bytes(pass)));
     }
+    if kernel.starts_with("conv3_") {
+        return Some((conv3::THREADS as usize, conv3::SMEM_BYTES));
+    }
     // v1: 256 threads, static shared memory only (src/cuda/backend.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))
 }
@@ -323,7 +327,8 @@ fn run_tool(tool: &Path, args: &[&str], cubin: &Path) -> anyhow::Result<String> 
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Compiles conv.cu and conv2.cu for `arch` and reports every convolution GEMM kernel.
+/// Compiles conv.cu, conv2.cu and conv3.cu for `arch` (conv3.cu's Hopper code only for
+/// `sm_90a`: elsewhere its kernels are stubs) and reports every convolution GEMM kernel.
 pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow>> {
     let hint = "install them with scripts/install-cuda-tools.sh and `. scripts/cuda-env.sh`, or set BIRDTRAIN_CUDA_BIN";
     let nvdisasm =
@@ -334,7 +339,7 @@ pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow
     let include = cuda::nvrtc::find_include()?;
     let dir = tempfile::tempdir()?;
     let mut rows = Vec::new();
-    for name in ["conv.cu", "conv2.cu"] {
+    for name in ["conv.cu", "conv2.cu", "conv3.cu"] {
         let file = KernelFile::by_name(name).expect("a kernel file");
         let built = cuda::nvrtc::compile_file(file, arch, &include)?;
         let cubin = dir.path().join(format!("{name}.cubin"));
@@ -370,7 +375,7 @@ pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow
 
 /// Prints the report as a table.
 pub fn print(arch: GpuArch, rows: &[ReportRow]) {
-    outln!("convolution kernels for {arch}: v1 (conv.cu) and v2 (conv2.cu); goal: < 64 other per 32 mma, no spills");
+    outln!("convolution kernels for {arch}: v1 (conv.cu), v2 (conv2.cu) and v3 (conv3.cu, wgmma on sm_90a); goal: < 64 other per 32 mma, no spills");
     outln!(
         "{:<26} {:>7} {:>5} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>4} {:>14}",
         "kernel",

@@ -141,14 +141,12 @@ impl GpuDevice {
             file: file.into(),
             kernel: String::new(),
         })?;
-        let built = self.compiler.build(source, self.arch)?;
+        let target = source.target_for(self.arch);
+        let built = self.compiler.build(source, target)?;
         let module = self
             .ctx
             .load_module(Ptx::from_binary(built.image.cubin))
-            .map_err(CudaError::driver(format!(
-                "loading {file} for {}",
-                self.arch
-            )))?;
+            .map_err(CudaError::driver(format!("loading {file} for {target}")))?;
         modules.insert(file, module.clone());
         Ok(module)
     }

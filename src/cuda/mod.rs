@@ -15,6 +15,7 @@ pub mod arch;
 pub mod backend;
 pub mod cache;
 pub mod conv;
+pub mod conv3;
 pub mod device;
 pub mod error;
 pub mod grad;

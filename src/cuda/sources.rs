@@ -6,6 +6,8 @@
 /// The shared header every kernel file includes.
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 
+use super::GpuArch;
+
 /// The line a kernel file uses to pull in [`COMMON`].
 const COMMON_INCLUDE: &str = "#include \"common.cuh\"";
 
@@ -62,6 +64,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     },
 ];
 
+/// The files whose kernels use Hopper's architecture-specific instructions (`wgmma`, TMA):
+/// compiled for `sm_90a` on compute capability 9.0.
+pub const HOPPER_FILES: &[&str] = &["conv3.cu"];
+
 impl KernelFile {
     /// Looks a kernel file up by name (`conv.cu`).
     pub fn by_name(name: &str) -> Option<KernelFile> {
@@ -71,6 +77,17 @@ impl KernelFile {
     /// The translation unit handed to NVRTC: the text with common.cuh expanded.
     pub fn expanded(&self) -> String {
         expand_common(self.text)
+    }
+
+    /// The target a device of architecture `device` compiles this file for: Hopper's own
+    /// `sm_90a` for the files with `wgmma` kernels ([`HOPPER_FILES`]) on compute capability
+    /// 9.0, the device's portable target otherwise (where those files' kernels are stubs).
+    pub fn target_for(&self, device: GpuArch) -> GpuArch {
+        if HOPPER_FILES.contains(&self.name) && (device.major, device.minor) == (9, 0) {
+            GpuArch::specific(9, 0)
+        } else {
+            device
+        }
     }
 
     /// The names of the `extern "C" __global__` kernels the file defines, in source order.
@@ -116,6 +133,19 @@ pub fn kernel_names(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hopper_files_compile_for_sm_90a_on_hopper_only() {
+        let conv3 = KernelFile::by_name("conv3.cu").unwrap();
+        let conv2 = KernelFile::by_name("conv2.cu").unwrap();
+        assert_eq!(
+            conv3.target_for(GpuArch::new(9, 0)),
+            GpuArch::specific(9, 0)
+        );
+        assert_eq!(conv2.target_for(GpuArch::new(9, 0)), GpuArch::new(9, 0));
+        assert_eq!(conv3.target_for(GpuArch::new(8, 0)), GpuArch::new(8, 0));
+        assert_eq!(conv3.target_for(GpuArch::new(10, 0)), GpuArch::new(10, 0));
+    }
 
     #[test]
     fn every_file_exposes_its_kernels() {

@@ -167,6 +167,11 @@ fn kernels_match_references_under_emulation() {
         ("(1ull << 62)", "(0ull << 62)"),
         // the k-step advanced by 8 channels instead of 16 inside the swizzle atom
         ("c3_desc(a_rows + kk * 32)", "c3_desc(a_rows + kk * 16)"),
+        // the dgrad's Σg·x̂ reading every row's x̂ at the first row of the thread's span
+        (
+            "ep.bn_x + (long)(m0 + r) * N + cn",
+            "ep.bn_x + (long)(m0 + r0) * N + cn",
+        ),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {
