@@ -100,13 +100,31 @@ pub struct LoopMix {
     pub kind: MmaKind,
     /// Bulk tensor copies (TMA, SASS `UTMALDG`) anywhere in the function.
     pub tma_loads: usize,
+    /// The loop's tensor-core work in m16n8k16 `mma.sync` units per warp: an HMMA counts 1, a
+    /// warp's HGMMA m64nNk16 N/8 (its 16 rows of the warpgroup's 64), so that kernels of both
+    /// kinds compare by overhead per unit of work.
+    pub mma_work: usize,
 }
 
 impl LoopMix {
-    /// Non-mma instructions per 32 mma (per warp: each SASS instruction is one warp's).
+    /// Non-mma instructions per 32 units of tensor-core work (`mma_work`; per warp: each SASS
+    /// instruction is one warp's).
     pub fn other_per_32_mma(&self) -> Option<f64> {
-        (self.mma > 0).then(|| self.other as f64 * 32.0 / self.mma as f64)
+        (self.mma_work > 0).then(|| self.other as f64 * 32.0 / self.mma_work as f64)
     }
+}
+
+/// A tensor-core instruction's work in m16n8k16 units per warp (see [`LoopMix::mma_work`]):
+/// `HGMMA.64x128x16…` → 16, `HMMA.16816…` → 1, anything else 0.
+fn mma_units(opcode: &str) -> usize {
+    if let Some(shape) = opcode.strip_prefix("HGMMA.") {
+        let n = shape
+            .split('x')
+            .nth(1)
+            .and_then(|n| n.parse::<usize>().ok());
+        return n.map_or(0, |n| n / 8);
+    }
+    usize::from(opcode.starts_with("HMMA"))
 }
 
 /// Parses `cuobjdump -res-usage`: `Function NAME:` followed by `REG:n STACK:n SHARED:n LOCAL:n …`.
@@ -180,6 +198,7 @@ pub fn parse_sass(text: &str) -> HashMap<String, LoopMix> {
                         MmaKind::MmaSync
                     },
                     tma_loads: 0,
+                    mma_work: body.iter().map(|i| mma_units(opcode(i))).sum(),
                 };
             }
         }
@@ -278,7 +297,9 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
         return Some((tile.threads() as usize, tile.smem_bytes(pass)));
     }
     if kernel.starts_with("conv3_") {
-        return Some((conv3::THREADS as usize, conv3::SMEM_BYTES));
+        // the weight transpose is not a GEMM
+        return (kernel != conv3::TRANSPOSE_KERNEL)
+            .then_some((conv3::THREADS as usize, conv3::SMEM_BYTES));
     }
     // v1: 256 threads, static shared memory only (src/cuda/backend.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))
@@ -464,6 +485,12 @@ mod tests {
         assert_eq!(k.kind, MmaKind::Wgmma);
         assert_eq!(k.kind.name(), "wgmma");
         assert_eq!((k.mma, k.other, k.tma_loads), (2, 5, 3));
+        // Two m64n128k16 per warp: 32 m16n8k16 units, 5 other instructions.
+        assert_eq!(k.mma_work, 32);
+        assert_eq!(k.other_per_32_mma(), Some(5.0));
+        assert_eq!(mma_units("HGMMA.64x256x16.F32.BF16"), 32);
+        assert_eq!(mma_units("HMMA.16816.F32.BF16"), 1);
+        assert_eq!(mma_units("IADD3"), 0);
         // The mma.sync kernels of conv2.cu say so.
         assert_eq!(parse_sass(SASS)["conv2_fwd_128x64"].kind.name(), "mma.sync");
     }
@@ -478,7 +505,8 @@ mod tests {
                 mma: 2,
                 other: 3,
                 kind: MmaKind::MmaSync,
-                tma_loads: 0
+                tma_loads: 0,
+                mma_work: 2
             }
         );
         assert_eq!(fwd.other_per_32_mma(), Some(48.0));
