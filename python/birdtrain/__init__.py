@@ -310,7 +310,8 @@ class Loader:
     def _tensors(batches: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor, int]]:
         """The engine's capsules as tensors viewing its buffers."""
         for images, labels, step in batches:
-            yield torch.utils.dlpack.from_dlpack(images), torch.utils.dlpack.from_dlpack(labels), step
+            from_dlpack = torch.utils.dlpack.from_dlpack
+            yield from_dlpack(images), from_dlpack(labels), step
 
     def state_dict(self) -> Dict[str, Any]:
         """The position: the next batch is ``step`` of ``epoch``. The same on every rank, so

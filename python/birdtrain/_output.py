@@ -46,7 +46,9 @@ def check_device(device: Any) -> Optional[torch.device]:
     if parsed.type != "cuda":
         raise ValueError(f"device={device!r}: the loader delivers to 'cpu' or 'cuda' devices")
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+        raise ValueError(
+            f"device={device!r}: torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+        )
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if parsed.index is None else parsed.index
     if index >= count:
@@ -88,7 +90,9 @@ class Output:
         self.device = check_device(device)
         if (mean is None) != (std is None):
             missing = "std" if std is None else "mean"
-            raise ValueError(f"{missing}=None: mean and std normalise together; give both or neither")
+            raise ValueError(
+                f"{missing}=None: mean and std normalise together; give both or neither"
+            )
         self.normalise = mean is not None
         if self.normalise:
             self.mean = _check_channel_values("mean", mean, positive=False)
@@ -97,14 +101,18 @@ class Output:
             raise ValueError(f"channels_last={channels_last!r}: expected True or False")
         if channels_last and not self.normalise:
             raise ValueError(
-                "channels_last=True: it shapes the normalised [B, 3, H, W] batch; give mean and std "
-                "(without them a batch is uint8 [B, H, W, 3], already channels-last in memory)"
+                "channels_last=True: it shapes the normalised [B, 3, H, W] batch; give mean and "
+                "std (without them a batch is uint8 [B, H, W, 3], already channels-last in memory)"
             )
         self.channels_last = channels_last
         if dtype is not None and not self.normalise:
-            raise ValueError(f"dtype={dtype!r}: the type of the normalised batch; give mean and std")
+            raise ValueError(
+                f"dtype={dtype!r}: the type of the normalised batch; give mean and std"
+            )
         if dtype is not None and dtype not in FLOAT_TYPES:
-            raise ValueError(f"dtype={dtype!r}: expected torch.float32, torch.float16 or torch.bfloat16")
+            raise ValueError(
+                f"dtype={dtype!r}: expected torch.float32, torch.float16 or torch.bfloat16"
+            )
         self.dtype = torch.float32 if dtype is None else dtype
 
     @property
@@ -117,7 +125,9 @@ class Output:
         std = torch.tensor(self.std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         return mean, std
 
-    def convert(self, images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    def convert(
+        self, images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
+    ) -> torch.Tensor:
         """uint8 ``[B, H, W, 3]`` → ``(x / 255 - mean) / std`` as ``[B, 3, H, W]``, on the
         device ``images`` is on."""
         x = images.permute(0, 3, 1, 2)  # channels-last strides already
