@@ -501,7 +501,8 @@ phase_python() {
   tail -3 "$out/python-cpu-tests.log"
   # One line for the passes, one per failure (and one if fewer than 60 ran).
   $checks pytest "$out/python-cpu-tests.log" 60 >"$out/python-cpu-checks.txt"
-  note "PASS python-default-suite: $(grep -c "^PASS " "$out/python-cpu-checks.txt") tests passed"
+  local verdict=PASS; grep -q "^FAIL " "$out/python-cpu-checks.txt" && verdict=FAIL
+  note "$verdict python-default-suite: $(grep -c "^PASS " "$out/python-cpu-checks.txt") tests passed"
   grep -v "^PASS " "$out/python-cpu-checks.txt" | tee -a "$summary"
 }
 
