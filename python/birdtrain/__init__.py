@@ -4,8 +4,8 @@
 ``<class>/``) or a CSV listing images, decodes each image once into a memory-mapped pixel
 cache, and hands out batches of ``torch.uint8 [B, H, W, 3]`` images and ``torch.int64 [B]``
 labels, or, with ``mean``/``std``, normalised float ``[B, 3, H, W]`` images, on a GPU when
-``device`` names one. Augmentation draws come from ``(seed, epoch, sample)`` alone, so a run does not
-depend on the number of workers, and ``state_dict()`` resumes an epoch exactly.
+``device`` names one. Augmentation draws come from ``(seed, epoch, sample)`` alone, so a run
+does not depend on the number of workers, and ``state_dict()`` resumes an epoch exactly.
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ class Loader:
         page_lock, page_lock_device = None, 0
         if pin_memory and torch.cuda.is_available():
             page_lock = page_lock_functions(Engine.page_lock_functions())
-            device_ = self._output.device
-            on_gpu = device_ is not None and device_.type == "cuda"
-            page_lock_device = device_.index if on_gpu else torch.cuda.current_device()
+            target = self._output.device
+            on_gpu = target is not None and target.type == "cuda"
+            page_lock_device = target.index if on_gpu else torch.cuda.current_device()
             if page_lock is None:
                 warnings.warn(
                     "birdtrain: pin_memory=True but the CUDA driver (libcuda.so.1) cannot be "
