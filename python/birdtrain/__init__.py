@@ -181,9 +181,8 @@ class Loader:
         page_lock, page_lock_device = None, 0
         if pin_memory and torch.cuda.is_available():
             page_lock = page_lock_functions(Engine.page_lock_functions())
-            target = self._output.device
-            on_gpu = target is not None and target.type == "cuda"
-            page_lock_device = target.index if on_gpu else torch.cuda.current_device()
+            output = self._output
+            page_lock_device = output.device.index if output.on_gpu else torch.cuda.current_device()
             if page_lock is None:
                 warnings.warn(
                     "birdtrain: pin_memory=True but the CUDA driver (libcuda.so.1) cannot be "
