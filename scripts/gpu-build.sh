@@ -15,6 +15,7 @@ if [ $# -gt 0 ]; then
     exit 2
 fi
 export CARGO_PROFILE_RELEASE_DEBUG=0
+. scripts/python-venv.sh
 cargo build --release --bin birdtrain
 rm -rf .gpu && mkdir -p .gpu
 cargo test --release --no-run --message-format=json --test gpu \
@@ -30,5 +31,11 @@ if [ -f "$fmnist/train-images-idx3-ubyte.gz" ]; then
 else
     echo "note: $fmnist not found (apt-get install -y dataset-fashion-mnist): gpu-run.sh tta will have no data"
 fi
+"$venv/bin/python" -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps \
+    ./python -w .gpu/
+mkdir -p .gpu/python-tests && cp python/tests/*.py .gpu/python-tests/
+"$venv/bin/python" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+    --python-version 3.9 --dest .gpu/wheels "pytest>=7,<8.4" exceptiongroup tomli \
+    || echo "note: pytest's wheels could not be downloaded: gpu-run.sh python needs pytest on the GPU machine"
 strip .gpu/birdtrain .gpu/gpu 2>/dev/null || true
 du -sh .gpu && ls .gpu

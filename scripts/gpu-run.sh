@@ -23,6 +23,10 @@
 #   bash .gpu/gpu-run.sh tta     # time to accuracy on Fashion-MNIST (< 8 min): birdtrain and the
 #                                # PyTorch peer (torch.compile, bf16) train resnet20 with one
 #                                # recipe to test accuracy 0.93 (benches/fashion_mnist/README.md)
+#   bash .gpu/gpu-run.sh python  # the Python package (birdtrain.Loader) on the GPU (< 3 min): its
+#                                # wheel pip-installed into a folder of its own, its gpu-marked
+#                                # pytest tests against the machine's PyTorch (device="cuda",
+#                                # side-stream copies, page-locked engine buffers)
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -462,6 +466,46 @@ phase_tta() {
   check $checks tta "$r/tta.json" "$goal"
 }
 
+# The Python package's GPU tests (python/tests, marked gpu; scripts/gpu-build.sh carries the
+# abi3 wheel, the tests and pytest's wheels): the wheels installed with `pip install --no-deps
+# --target` into a fresh folder (no network here; a python3 without pip unpacks them instead:
+# a wheel is a zip of what it installs), then pytest -m gpu with that folder on PYTHONPATH.
+phase_python() {
+  local py=$work/python-pkg whl
+  whl=$(ls "$here"/birdtrain-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ] || [ ! -f "$here/python-tests/test_gpu.py" ]; then
+    note "FAIL python: no birdtrain wheel or python-tests/ in $here (scripts/gpu-build.sh builds them)"
+    return
+  fi
+  rm -rf "$py"; mkdir -p "$py"
+  local wheels=("$whl")
+  python3 -c "import pytest" 2>/dev/null || wheels+=("$here"/wheels/*.whl)
+  if python3 -m pip --version >/dev/null 2>&1; then
+    step python-install 120 python3 -m pip install --no-deps --no-index --disable-pip-version-check \
+      --target "$py" "${wheels[@]}" || return
+  else
+    step python-install 60 bash -c 'py=$1; shift; for w; do python3 -m zipfile -e "$w" "$py" || exit; done' \
+      unpack "$py" "${wheels[@]}" || return
+  fi
+  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$summary"
+  # COLUMNS: the short summary keeps each failure's message (gpu_checks.py pytest reads it).
+  ( cd "$here/python-tests" && COLUMNS=400 PYTHONPATH="$py" \
+      step python-gpu-tests 200 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider . )
+  tail -5 "$out/python-gpu-tests.log"
+  check $checks pytest "$out/python-gpu-tests.log" 7
+  # The default (CPU) suite where torch has CUDA: every loader of it page-locks its buffers
+  # (pin_memory=True is the default), which the CPU machines never do.
+  ( cd "$here/python-tests" && COLUMNS=400 PYTHONPATH="$py" \
+      step python-cpu-tests 200 python3 -m pytest -v -rfE -p no:cacheprovider . )
+  tail -3 "$out/python-cpu-tests.log"
+  # One line for the passes, one per failure (and one if fewer than 60 ran).
+  $checks pytest "$out/python-cpu-tests.log" 60 >"$out/python-cpu-checks.txt"
+  local verdict=PASS; grep -q "^FAIL " "$out/python-cpu-checks.txt" && verdict=FAIL
+  note "$verdict python-default-suite: $(grep -c "^PASS " "$out/python-cpu-checks.txt") tests passed"
+  grep -v "^PASS " "$out/python-cpu-checks.txt" | tee -a "$summary"
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -473,6 +517,7 @@ phase_all() {
     step "test-$t" 150 "$test_bin" --ignored --test-threads 1 --nocapture "$t::" &
   done
   train_checks >"$out/train-checks.txt" 2>&1 &
+  phase_python >"$out/python-checks.txt" 2>&1 &
   big_set &
   wait
   for t in "${shared_tests[@]}"; do
@@ -495,9 +540,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

@@ -22,6 +22,10 @@
                                   with --show-output): PASS with the last line it printed, FAIL
                                   with its panic, or when it printed "skipped" (no GPU), never
                                   finished, or fewer than N such tests ran
+  pytest LOG N                    one line per test of a `pytest -v -rfE` log (the Python
+                                  package's GPU tests): PASS when it PASSED, FAIL with its
+                                  error when it failed, errored or skipped; FAIL when fewer
+                                  than N tests ran
   torchrun RUN LOG EPOCHS [resumed]  a run under torchrun: RUN/checkpoint.json covers EPOCHS,
                                   LOG shows a GPU run (and, with `resumed`, a worker killed and
                                   the restarted one resuming)
@@ -277,6 +281,25 @@ def tests(log, prefix, expected):
     return rc
 
 
+def pytest(log, expected):
+    """One PASS/FAIL line per test of a verbose pytest log."""
+    text = open(log, errors="replace").read()
+    verdicts = dict(re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M))
+    reasons = dict((name, why) for _, name, why in
+                   re.findall(r"^(FAILED|ERROR) (\S+::\S+) - (.*)$", text, re.M))
+    rc = 0
+    for name, verdict in verdicts.items():
+        short = name.split("/")[-1]
+        if verdict == "PASSED":
+            rc |= say(True, short, "passed")
+        else:
+            rc |= say(False, short, f"{verdict.lower()}: {reasons.get(name, 'see the log')[:300]}")
+    if len(verdicts) < int(expected):
+        tail = (text.strip().splitlines() or ["(empty log)"])[-1]
+        rc |= say(False, "pytest", f"only {len(verdicts)} of {expected} tests ran ({tail[:200]}; see {log})")
+    return rc
+
+
 def torchrun(run, log, epochs, resumed=None):
     what = "torchrun-restart" if resumed else "torchrun"
     try:
@@ -377,7 +400,7 @@ def main(argv):
         "trace": (trace, (1, 2)), "accuracy": (accuracy, (2,)),
         "same-weights": (same_weights, (2, 3)), "eval-match": (eval_match, (3,)),
         "data-wait": (data_wait, (2,)), "bench": (bench, (1,)), "top-kernels": (top_kernels, (2,)),
-        "tests": (tests, (3,)), "torchrun": (torchrun, (3, 4)),
+        "tests": (tests, (3,)), "pytest": (pytest, (2,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
         "tta": (tta, (2,)),

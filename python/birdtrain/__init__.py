@@ -3,20 +3,22 @@
 ``birdtrain.Loader`` reads an image folder (``train/valid/test/<class>/`` or flat
 ``<class>/``) or a CSV listing images, decodes each image once into a memory-mapped pixel
 cache, and hands out batches of ``torch.uint8 [B, H, W, 3]`` images and ``torch.int64 [B]``
-labels. Augmentation draws come from ``(seed, epoch, sample)`` alone, so a run does not
-depend on the number of workers, and ``state_dict()`` resumes an epoch exactly.
+labels, or, with ``mean``/``std``, normalised float ``[B, 3, H, W]`` images, on a GPU when
+``device`` names one. Augmentation draws come from ``(seed, epoch, sample)`` alone, so a run
+does not depend on the number of workers, and ``state_dict()`` resumes an epoch exactly.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.dlpack
 
 from birdtrain._engine import BadImageError, Engine, LoaderError
+from birdtrain._output import Output, page_lock_functions
 
 __all__ = ["Loader", "LoaderError", "BadImageError"]
 
@@ -75,7 +77,11 @@ class Loader:
 
     Iterating yields ``(images, labels)``: ``torch.uint8 [B, image_size, image_size, 3]``
     (RGB, NHWC) and ``torch.int64 [B]``. The images view the engine's buffer without a copy;
-    the buffer is reused only after the tensor is released. ``B`` is ``batch_size`` except
+    the buffer is reused only after the tensor is released. With ``mean`` and ``std`` (three
+    values each, in torchvision's 0-1 scale) the images are ``(x / 255 - mean) / std`` as
+    ``dtype`` (float32 by default) ``[B, 3, H, W]``, ``channels_last`` if asked; ``device``
+    (``"cpu"``, ``"cuda"``, ``"cuda:N"``) is where images and labels are delivered, a GPU's
+    copied and normalised on a side stream. ``B`` is ``batch_size`` except
     in the last batch (``last_batch="partial"``) and where a bad file was skipped (its batch
     is one image short; later batches keep their boundaries).
 
@@ -109,6 +115,11 @@ class Loader:
         on_bad_image: str = "skip",
         pin_memory: bool = True,
         valid_fraction: Optional[float] = None,
+        device: "Optional[str | torch.device]" = None,
+        mean: Optional[Sequence[float]] = None,
+        std: Optional[Sequence[float]] = None,
+        channels_last: bool = False,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path={path!r}: expected a folder or CSV file path")
@@ -164,6 +175,20 @@ class Loader:
                 raise ValueError(
                     f"valid_fraction={valid_fraction}: the held-out share is between 0 and 1"
                 )
+        self._output = Output(device, mean, std, channels_last, dtype)
+        # The engine's own buffers page-locked (no staging copy for an H2D copy); a no-op, and
+        # the engine's ordinary allocator, where torch has no CUDA.
+        page_lock, page_lock_device = None, 0
+        if pin_memory and torch.cuda.is_available():
+            page_lock = page_lock_functions(Engine.page_lock_functions())
+            output = self._output
+            page_lock_device = output.device.index if output.on_gpu else torch.cuda.current_device()
+            if page_lock is None:
+                warnings.warn(
+                    "birdtrain: pin_memory=True but the CUDA driver (libcuda.so.1) cannot be "
+                    "loaded: batch buffers stay ordinary memory",
+                    stacklevel=2,
+                )
 
         self._engine = Engine(
             os.fspath(path),
@@ -187,13 +212,15 @@ class Loader:
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             on_bad_image=on_bad_image,
             valid_fraction=valid_fraction,
+            page_lock=page_lock,
+            page_lock_device=page_lock_device,
         )
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
         self.seed = seed
         self.image_size = image_size
-        self._pin = pin_memory and torch.cuda.is_available()
+        self._page_lock_warned = page_lock is None
         self._epoch = 0
         self._step = 0
         self._warned = 0
@@ -221,7 +248,8 @@ class Loader:
 
     def stats(self) -> Dict[str, Any]:
         """The engine's counters: ``decoded``, ``cache_hits``, ``bad_files``, ``batches``,
-        ``decode_images_per_sec``, ``consumer_wait_seconds``, ``cache_fill`` (0 to 1)."""
+        ``decode_images_per_sec``, ``consumer_wait_seconds``, ``cache_fill`` (0 to 1),
+        ``page_locked_buffers`` and ``page_lock_failures`` (``pin_memory``)."""
         return self._engine.stats()
 
     def _warn_new_bad_files(self) -> None:
@@ -238,6 +266,18 @@ class Loader:
             )
         self._warned = len(files)
 
+    def _warn_page_lock_refused(self) -> None:
+        if self._page_lock_warned:
+            return
+        _, failures, message = self._engine.page_lock_report()
+        if failures:
+            self._page_lock_warned = True
+            warnings.warn(
+                f"birdtrain: pin_memory: a batch buffer could not be page-locked ({message}); "
+                "such buffers are copied to the GPU as ordinary memory",
+                stacklevel=3,
+            )
+
     def __len__(self) -> int:
         """Batches of this rank per epoch (the same on every rank)."""
         return self._engine.steps_per_epoch()
@@ -252,19 +292,25 @@ class Loader:
         if self._step >= steps:
             self._epoch, self._step = self._epoch + 1, 0
         epoch = self._epoch
-        batches = self._engine.epoch(epoch, self._step)
-        for images, labels, step in batches:
-            images = torch.utils.dlpack.from_dlpack(images)
-            labels = torch.utils.dlpack.from_dlpack(labels)
-            if self._pin:
-                # Not yet zero-copy: the engine's buffers are not page-locked.
-                images = images.pin_memory()
-            if self._epoch == epoch:
-                self._step = step + 1
-            self._warn_new_bad_files()
-            yield images, labels
+        delivered = self._output.batches(self._tensors(self._engine.epoch(epoch, self._step)))
+        try:
+            for images, labels, step in delivered:
+                if self._epoch == epoch:
+                    self._step = step + 1
+                self._warn_new_bad_files()
+                self._warn_page_lock_refused()
+                yield images, labels
+        finally:
+            delivered.close()
         if self._epoch == epoch and self._step >= steps:
             self._epoch, self._step = epoch + 1, 0
+
+    @staticmethod
+    def _tensors(batches: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor, int]]:
+        """The engine's capsules as tensors viewing its buffers."""
+        for images, labels, step in batches:
+            from_dlpack = torch.utils.dlpack.from_dlpack
+            yield from_dlpack(images), from_dlpack(labels), step
 
     def state_dict(self) -> Dict[str, Any]:
         """The position: the next batch is ``step`` of ``epoch``. The same on every rank, so

@@ -5,9 +5,12 @@
 mod dlpack;
 mod errors;
 mod mirror;
+mod page_locked;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use pipeline::{
@@ -18,6 +21,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::errors::to_py;
+use crate::page_locked::{Driver, PageLockedAllocator, PageLocker};
 
 /// How long a wait for a batch sleeps between looks at Python's signals (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
@@ -36,6 +40,8 @@ struct Engine {
     seed: u64,
     flip: bool,
     pid: u32,
+    page_locker: Option<Arc<PageLocker>>,
+    page_lock_refused: Option<String>,
 }
 
 impl Engine {
@@ -55,7 +61,7 @@ impl Engine {
     #[pyo3(signature = (
         path, *, split, image_size, batch_size, seed, shuffle, crop_scale, flip, color_jitter,
         auto_augment, store_size, resize_mode, crop_pct, last_batch, rank, world_size, workers,
-        prefetch, cache_dir, on_bad_image, valid_fraction
+        prefetch, cache_dir, on_bad_image, valid_fraction, page_lock = None, page_lock_device = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -81,6 +87,8 @@ impl Engine {
         cache_dir: Option<PathBuf>,
         on_bad_image: &str,
         valid_fraction: Option<f32>,
+        page_lock: Option<HashMap<String, usize>>,
+        page_lock_device: i32,
     ) -> PyResult<Self> {
         let split: Split = parse("split", split, "'train', 'valid' or 'test'")?;
         let resize_mode: ResizeMode =
@@ -126,6 +134,25 @@ impl Engine {
         if flip {
             builder = builder.mirrored_later(Some(mirror::mirrored_later(seed)));
         }
+        // A driver that refuses leaves the buffers ordinary: pinning is an optimisation, and
+        // the Python side warns with the message.
+        let (page_locker, page_lock_refused) = match page_lock {
+            None => (None, None),
+            Some(addresses) => {
+                // SAFETY: the Python side resolved these names in the CUDA driver torch loaded.
+                match unsafe { Driver::from_addresses(&addresses) }
+                    .and_then(|driver| PageLocker::new(driver, page_lock_device))
+                {
+                    Ok(locker) => (Some(Arc::new(locker)), None),
+                    Err(e) => (None, Some(e)),
+                }
+            }
+        };
+        if let Some(locker) = &page_locker {
+            builder = builder.allocator(Arc::new(PageLockedAllocator {
+                locker: Arc::clone(locker),
+            }));
+        }
         let pipeline = py.allow_threads(|| builder.build()).map_err(to_py)?;
         Ok(Self {
             pipeline,
@@ -133,6 +160,8 @@ impl Engine {
             seed,
             flip,
             pid: std::process::id(),
+            page_locker,
+            page_lock_refused,
         })
     }
 
@@ -174,7 +203,25 @@ impl Engine {
         stats.set_item("decode_images_per_sec", s.decode_images_per_sec)?;
         stats.set_item("consumer_wait_seconds", s.consumer_wait_seconds)?;
         stats.set_item("cache_fill", s.cache_fill)?;
+        let (locked, failures, _) = self.page_lock_report();
+        stats.set_item("page_locked_buffers", locked)?;
+        stats.set_item("page_lock_failures", failures)?;
         Ok(stats.into_any().unbind())
+    }
+
+    /// Batch buffers page-locked now, buffers the driver refused to page-lock, and the first
+    /// refusal's message (all zero and `None` when buffers are not page-locked).
+    fn page_lock_report(&self) -> (usize, usize, Option<String>) {
+        match (&self.page_locker, &self.page_lock_refused) {
+            (Some(locker), _) => locker.report(),
+            (None, refused) => (0, usize::from(refused.is_some()), refused.clone()),
+        }
+    }
+
+    /// The names of the CUDA driver functions `page_lock` maps to their addresses.
+    #[staticmethod]
+    fn page_lock_functions() -> Vec<&'static str> {
+        page_locked::DRIVER_FUNCTIONS.to_vec()
     }
 
     /// The pixel cache file.

@@ -16,6 +16,11 @@ from PIL import Image
 
 import birdtrain
 
+def python_path(here: Path) -> str:
+    """The tests' folder first, then the caller's path (where birdtrain may be installed)."""
+    return os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
+
+
 SLOW_CHILD = """
 import sys, birdtrain
 loader = birdtrain.Loader(sys.argv[1], image_size=224, batch_size=64, workers=1,
@@ -92,7 +97,7 @@ def test_rank_and_world_size_come_from_torch_distributed(dataset, tmp_path):
 
     here = Path(__file__).parent
     # The environment says otherwise: an initialised process group wins.
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", PYTHONPATH=str(here))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", PYTHONPATH=python_path(here))
     children = [
         subprocess.Popen(
             [sys.executable, str(here / "ddp_worker.py"), str(dataset),
@@ -113,7 +118,7 @@ def test_the_ranks_of_a_node_fill_one_cache_in_the_first_epoch(dataset, tmp_path
     import json
 
     here = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=str(here))
+    env = dict(os.environ, PYTHONPATH=python_path(here))
     children = [
         subprocess.Popen(
             [sys.executable, str(here / "ddp_worker.py"), str(dataset),
