@@ -51,6 +51,7 @@ struct Conv3Args {
     int n;           // columns: output channels (dgrad: input channels), % 8 == 0
     int k;           // reduction: input channels (dgrad: output channels), % 8 == 0
     int accumulate;  // dgrad: add into the output instead of overwriting it
+    int k_chunk;     // reduction per gridDim.z slice (a multiple of C3_BK; wgrad splits, else k)
 };
 
 // The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
@@ -70,6 +71,7 @@ struct Conv3Epilogue {
 #define C3_THREADS 384
 #define C3_TILE_BYTES (C3_BM * C3_BK * 2)        // A and B tiles alike: 16 KiB
 #define C3_STAGE_BYTES (2 * C3_TILE_BYTES)
+#define C3_BOX_BYTES (64 * C3_BK * 2)             // an MN-major box: 64 MN × 64 k, 8 KiB
 #define C3_BARRIERS (C3_STAGES * C3_STAGE_BYTES)  // offset of the mbarriers from the base
 #define CONV3_SMEM_BYTES (C3_BARRIERS + 2 * C3_STAGES * 8 + 1024)
 #define C3_LDC (C3_BN + 8)  // row pitch of the staged output tile, in elements
@@ -167,6 +169,16 @@ __device__ __forceinline__ unsigned long long c3_desc(unsigned addr) {
            (1ull << 62);
 }
 
+// The descriptor of an MN-major bf16 operand in the 128-byte swizzle, as TMA boxes of 64 MN
+// elements (128 bytes) × 64 k lay it out: element (mn, k) at (mn % 64)·2 + (k % 8)·128 bytes
+// in 8-k atoms 1024 bytes apart (the stride-dimension offset), the next 64 MN elements one box
+// (C3_BOX_BYTES) further (the leading-dimension offset); PTX ISA's canonical layout
+// ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in elements.
+__device__ __forceinline__ unsigned long long c3_desc_mn(unsigned addr) {
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | ((unsigned long long)(C3_BOX_BYTES >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void c3_wgmma_fence() {
 #ifdef BT_EMULATE
     bt_emu_wgmma_fence();
@@ -194,16 +206,18 @@ __device__ __forceinline__ void c3_wgmma_wait(float* d) {
 }
 
 // d (64 f32 per thread, the m64n128 accumulator fragment) = A·Bᵀ (+ d when scale_d).
+// TA / TB: 1 when A / B is MN-major (the instruction's imm-trans-a / imm-trans-b).
+template <int TA, int TB>
 __device__ __forceinline__ void c3_wgmma_m64n128k16(float* d, unsigned long long desc_a, unsigned long long desc_b,
                                                     int scale_d) {
 #ifdef BT_EMULATE
-    bt_emu_wgmma(d, 128, desc_a, desc_b, scale_d != 0);
+    bt_emu_wgmma(d, 128, desc_a, desc_b, scale_d != 0, TA != 0, TB != 0);
 #else
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -212,7 +226,7 @@ __device__ __forceinline__ void c3_wgmma_m64n128k16(float* d, unsigned long long
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
         : "memory");
 #endif
 }
@@ -229,7 +243,7 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
 }
 #endif  // C3_HOPPER
 
-enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2 };
+enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 };
 
 #ifdef BT_EMULATE
 #define C3_SMEM(name) unsigned char* name = g_emu_shared
@@ -237,9 +251,12 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2 };
 #define C3_SMEM(name) extern __shared__ __align__(1024) unsigned char name[]
 #endif
 
-// out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps.
-template <int EPI>
-__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTmaMap* map_w, bf16* y,
+// out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps, both
+// K-major (MN = 0: forward, dgrad; one box of 64 k × 128 rows per operand and stage) or both
+// MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
+// operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
+template <int EPI, int MN>
+__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_a, const BtTmaMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     C3_SMEM(smem_raw);
@@ -250,7 +267,8 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
     const unsigned full0 = base + C3_BARRIERS, empty0 = full0 + 8 * C3_STAGES;
     const int tid = threadIdx.x, wg = tid / 128;
     const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * C3_BN;
-    const int kt_count = (a.k + C3_BK - 1) / C3_BK;
+    const int k_begin = blockIdx.z * a.k_chunk, k_end = min(a.k, k_begin + a.k_chunk);
+    const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
 
     if (tid == 0) {
         for (int s = 0; s < C3_STAGES; ++s) {
@@ -266,12 +284,19 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
         // Producer: one elected thread keeps the ring full.
         if (tid == 0) {
             for (int kt = 0; kt < kt_count; ++kt) {
-                const int s = kt % C3_STAGES, round = kt / C3_STAGES;
+                const int s = kt % C3_STAGES, round = kt / C3_STAGES, k0 = k_begin + kt * C3_BK;
                 if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
                 const unsigned stage = base + s * C3_STAGE_BYTES, full = full0 + 8 * s;
                 c3_mbar_arrive_expect_tx(full, C3_STAGE_BYTES);
-                c3_tma_load(stage, map_x, kt * C3_BK, m0, full);
-                c3_tma_load(stage + C3_TILE_BYTES, map_w, kt * C3_BK, n0, full);
+                if (MN) {
+                    c3_tma_load(stage, map_a, m0, k0, full);
+                    c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
+                    c3_tma_load(stage + C3_TILE_BYTES, map_b, n0, k0, full);
+                    c3_tma_load(stage + C3_TILE_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
+                } else {
+                    c3_tma_load(stage, map_a, k0, m0, full);
+                    c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
+                }
             }
         }
     } else {
@@ -282,11 +307,18 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
             const int s = kt % C3_STAGES;
             c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);
             const unsigned stage = base + s * C3_STAGE_BYTES;
-            const unsigned a_rows = stage + c * 64 * 128, b_rows = stage + C3_TILE_BYTES;
+            // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
+            // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
+            const unsigned a_rows = stage + c * (MN ? C3_BOX_BYTES : 64 * 128), b_rows = stage + C3_TILE_BYTES;
             c3_wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < C3_BK / 16; ++kk)
-                c3_wgmma_m64n128k16(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+            for (int kk = 0; kk < C3_BK / 16; ++kk) {
+                if (MN)
+                    c3_wgmma_m64n128k16<1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
+                                              kt > 0 || kk > 0);
+                else
+                    c3_wgmma_m64n128k16<0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+            }
             c3_wgmma_commit();
             // The previous slice's wgmma are done: its stage may be refilled.
             c3_wgmma_wait<1>(acc);
@@ -294,7 +326,26 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
         }
         c3_wgmma_wait<0>(acc);
         c3_fence_acc(acc);
+        if (kt_count == 0) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;  // an empty slice: zeros
+        }
+        if (EPI == C3_EPI_WGRAD) {
+            // f32 partial sums of this reduction slice into its own plane (each element by one
+            // thread: no atomics); conv2_wgrad_reduce adds the planes in slice order.
+            float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.m * a.n;
+            const int warp = (tid / 32) % 4, lane = tid % 32, row_base = m0 + c * 64 + warp * 16 + lane / 4;
+#pragma unroll
+            for (int j = 0; j < C3_BN / 8; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = row_base + 8 * h, n = n0 + 8 * j + 2 * (lane % 4);
+                    if (m < a.m && n < a.n) bt_store2_f32(dw + (long)m * a.n + n, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
+        }
     }
+    if (EPI == C3_EPI_WGRAD) return;
+    bf16* y = reinterpret_cast<bf16*>(out);
     // Every wgmma has read its stage and every TMA load has landed (each was waited for):
     // the stages become the epilogue's staging area.
     __syncthreads();
@@ -436,7 +487,7 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_x, const BtTm
 // y = conv1x1(x, w); map_x: x as [M][K], map_w: w as [N][K]
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_fwd_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y, Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_NONE>(&map_x, &map_w, y, args, Conv3Epilogue{});
+    conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_x, &map_w, y, args, Conv3Epilogue{});
 }
 
 // y = conv1x1(x, w) and the tile statistics of y in part ([2][gridDim.x][N]: means, then M2)
@@ -445,7 +496,7 @@ conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constan
                     Conv3Args args, float* part) {
     Conv3Epilogue ep{};
     ep.part = part;
-    conv3_gemm_1x1<C3_EPI_STATS>(&map_x, &map_w, y, args, ep);
+    conv3_gemm_1x1<C3_EPI_STATS, 0>(&map_x, &map_w, y, args, ep);
 }
 
 // dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
@@ -453,7 +504,7 @@ conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constan
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_wt, bf16* dx,
                 Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_NONE>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+    conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
 }
 
 // dgrad finishing the gradient of the batch norm that produced x (conv2_dgrad_bn_*'s contract):
@@ -464,7 +515,16 @@ conv3_dgrad_bn_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constan
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
-    conv3_gemm_1x1<C3_EPI_BN_GRAD>(&map_dy, &map_wt, dx, args, ep);
+    conv3_gemm_1x1<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
+}
+
+// dw[z] = wgrad1x1(dy, x) over reduction slice z (f32 [K][C] planes, then conv2_wgrad_reduce;
+// one slice writes dw itself): the GEMM dw[K][C] = dyᵀ · x over the pixels, both operands
+// MN-major; map_dy: dy as [P][K] in boxes of 64 channels × 64 pixels, map_x: x as [P][C] alike
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_wgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_x, float* dw,
+                Conv3Args args) {
+    conv3_gemm_1x1<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
 // wt[c][k] = w[k][c] (w: [rows = K][cols = C] bf16): the dgrad's B operand, K-major. 32×32

@@ -1,6 +1,7 @@
 // conv3_check.cpp: the Hopper kernels of conv3.cu (wgmma fed by TMA through mbarrier-guarded
 // stages) run on the host emulator (emu.h + hopper.h) against f64 references: the output of
-// every 1×1 GEMM (forward, and dgrad through the transposed weight), the forward's per-tile
+// every 1×1 GEMM (forward, dgrad through the transposed weight, and the weight gradient's
+// MN-major operands in reduction slices), the forward's per-tile
 // statistics records and the dgrad's batch-norm gradient epilogue (accumulate, residual, ReLU
 // mask, Σg and Σg·x̂ records). Shapes have tails in every GEMM
 // dimension (M, N and K not multiples of the 128 × 128 × 64 tile) and reductions long enough
@@ -56,7 +57,7 @@ static Result run(const Gemm& g, const std::vector<bf16>& x, const std::vector<b
                                              (unsigned long long)g.k * 2, C3_BK, C3_BM, true);
     const BtTmaMap map_w = emu_tma_encode_2d(w.data(), (unsigned long long)g.k, (unsigned long long)g.n,
                                              (unsigned long long)g.k * 2, C3_BK, C3_BN, true);
-    const Conv3Args args{g.m, g.n, g.k, 0};
+    const Conv3Args args{g.m, g.n, g.k, 0, g.k};
     bf16* y = r.y.data();
     float* part = r.part.data();
     if (stats)
@@ -156,7 +157,7 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
                                               (unsigned long long)d.k * 2, C3_BK, C3_BM, true);
     const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)d.k, (unsigned long long)d.c,
                                               (unsigned long long)d.k * 2, C3_BK, C3_BN, true);
-    const Conv3Args args{d.m, d.c, d.k, d.accumulate ? 1 : 0};
+    const Conv3Args args{d.m, d.c, d.k, d.accumulate ? 1 : 0, d.k};
     bf16* dx = r.dx.data();
     float* part = r.part.data();
     if (d.bn)
@@ -250,6 +251,56 @@ static void check_dgrad(const Dgrad& d) {
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
 }
 
+// The weight gradient: dw[K][C] = Σ_p dy[p][K]·x[p][C] over P pixels in slices of `chunk`
+// pixels (f32 planes, summed here in slice order as conv2_wgrad_reduce does).
+struct Wgrad { int p, k, c, chunk; };
+
+static std::vector<float> run_wgrad(const Wgrad& g, const std::vector<bf16>& dy, const std::vector<bf16>& x) {
+    const int slices = (g.p + g.chunk - 1) / g.chunk;
+    std::vector<float> planes((size_t)slices * g.k * g.c, NAN);
+    const BtTmaMap map_dy = emu_tma_encode_2d(dy.data(), (unsigned long long)g.k, (unsigned long long)g.p,
+                                              (unsigned long long)g.k * 2, 64, C3_BK, true);
+    const BtTmaMap map_x = emu_tma_encode_2d(x.data(), (unsigned long long)g.c, (unsigned long long)g.p,
+                                             (unsigned long long)g.c * 2, 64, C3_BK, true);
+    const Conv3Args args{g.k, g.c, g.p, 0, g.chunk};
+    float* dw = planes.data();
+    emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((g.c + C3_BN - 1) / C3_BN), (unsigned)slices},
+               {C3_THREADS, 1, 1}, [&] { conv3_wgrad_1x1(map_dy, map_x, dw, args); });
+    return planes;
+}
+
+static void check_wgrad(const Wgrad& g) {
+    std::mt19937 rng(g.p * 31 + g.k * 17 + g.c * 3 + g.chunk);
+    const int slices = (g.p + g.chunk - 1) / g.chunk;
+    printf("conv3_wgrad_1x1 p%d k%d c%d, %d slice(s) of %d\n", g.p, g.k, g.c, slices, g.chunk);
+    const auto dy = random_bf16(rng, (size_t)g.p * g.k, 1.0f);
+    const auto x = random_bf16(rng, (size_t)g.p * g.c, 1.0f, 0.25f);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    const auto planes = run_wgrad(g, dy, x);
+    const size_t plane = (size_t)g.k * g.c;
+    std::vector<double> got(plane), ref(plane);
+    for (size_t i = 0; i < plane; ++i) {
+        float s = planes[i];
+        for (int z = 1; z < slices; ++z) s += planes[z * plane + i];
+        got[i] = s;
+    }
+    for (int o = 0; o < g.k; ++o)
+        for (int c = 0; c < g.c; ++c) {
+            double s = 0;
+            for (int p = 0; p < g.p; ++p)
+                s += (double)__bfloat162float(dy[(size_t)p * g.k + o]) * __bfloat162float(x[(size_t)p * g.c + c]);
+            ref[(size_t)o * g.c + c] = s;
+        }
+    check("dw (planes summed in order)", got, ref, 2e-6 * g.p, 1e-5);
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x27d4eb2fu;
+    const auto again = run_wgrad(g, dy, x);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same planes", memcmp(again.data(), planes.data(), planes.size() * 4) == 0);
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     const Gemm cases[] = {
@@ -276,6 +327,16 @@ int main(int argc, char** argv) {
     for (const Dgrad& d : dgrads) {
         if (first_only && failures) break;
         check_dgrad(d);
+    }
+    const Wgrad wgrads[] = {
+        {300, 136, 200, 320},  // one slice; tails in M (channels of dy), N and the pixels
+        {520, 64, 72, 128},    // five slices, the last of 8 pixels; half-empty column tile
+        {5, 8, 8, 64},         // almost all tail
+        {1000, 256, 136, 320}, // two row tiles, two column tiles, four slices (the last 40)
+    };
+    for (const Wgrad& g : wgrads) {
+        if (first_only && failures) break;
+        check_wgrad(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

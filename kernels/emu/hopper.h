@@ -172,13 +172,20 @@ inline EmuDesc emu_desc(unsigned long long d) {
     return e;
 }
 
-// Element (row, k) of a K-major operand (rows = M or N, 16 k of bf16) as the descriptor lays
-// it out: 8-row core groups `sbo` apart; with the 128-byte swizzle a row is 128 bytes of k
-// (8-row atoms of 1024 bytes), without it a core matrix is 8 rows of 16 bytes and the second
-// 8 k are `lbo` further.
-inline float emu_desc_elem(const EmuDesc& e, int row, int k) {
+// Element (row, k) of an operand (rows = M or N, 16 k of bf16) as the descriptor lays it out,
+// PTX ISA's canonical layouts in elements (T = 8 bf16 = 16 bytes):
+// - K-major, 128-byte swizzle ((8,m),(T,2k)):((8T,SBO),(1,T)): a row is 128 bytes of k, 8-row
+//   atoms `sbo` apart; without swizzle ((8,m),(T,2k)):((1T,SBO),(1,LBO)): core matrices of 8
+//   rows × 16 bytes, 8-row groups `sbo` apart, the second 8 k `lbo` further;
+// - MN-major (transposed), 128-byte swizzle ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)): 64
+//   consecutive rows in 128 bytes, the next 64 rows `lbo` further; a k row of 128 bytes, 8-k
+//   atoms `sbo` apart.
+inline float emu_desc_elem(const EmuDesc& e, int row, int k, bool mn_major) {
     unsigned a;
-    if (e.swizzle == 1) a = emu_swizzle128(e.start + (row / 8) * e.sbo + (row % 8) * 128 + k * 2);
+    if (mn_major) {
+        if (e.swizzle != 1) emu_fail("wgmma descriptor: MN-major operands are emulated with the 128-byte swizzle only");
+        a = emu_swizzle128(e.start + (row / 64) * e.lbo + (k / 8) * e.sbo + (k % 8) * 128 + (row % 64) * 2);
+    } else if (e.swizzle == 1) a = emu_swizzle128(e.start + (row / 8) * e.sbo + (row % 8) * 128 + k * 2);
     else a = e.start + (row / 8) * e.sbo + (k / 8) * e.lbo + (row % 8) * 16 + (k % 8) * 2;
     uint16_t v;
     memcpy(&v, emu_shared_ptr(a, 2), 2);
@@ -189,7 +196,7 @@ struct EmuWgmma {
     unsigned long long da, db;
     float* d;
     int n;
-    bool scale_d;
+    bool scale_d, tnsp_a, tnsp_b;
     long group;  // -1 until committed
 };
 struct EmuWgmmaThread { std::vector<EmuWgmma> ops; long groups = 0; bool fenced = false; };
@@ -204,11 +211,13 @@ inline void emu_wgmma_check_warpgroup() {
 
 inline void bt_emu_wgmma_fence() { emu_wgmma_check_warpgroup(); g_wgmma[g_cur].fenced = true; }
 
-// wgmma.mma_async m64nNk16 f32 += bf16 × bf16, both operands K-major from descriptors.
-inline void bt_emu_wgmma(float* d, int n, unsigned long long da, unsigned long long db, bool scale_d) {
+// wgmma.mma_async m64nNk16 f32 += bf16 × bf16, both operands from descriptors; tnsp_a /
+// tnsp_b: the operand is MN-major (imm-trans-a / imm-trans-b = 1).
+inline void bt_emu_wgmma(float* d, int n, unsigned long long da, unsigned long long db, bool scale_d, bool tnsp_a = false,
+                         bool tnsp_b = false) {
     EmuWgmmaThread& t = g_wgmma[g_cur];
     if (!t.fenced) emu_fail("wgmma issued without a wgmma.fence before it");
-    t.ops.push_back({da, db, d, n, scale_d, -1});
+    t.ops.push_back({da, db, d, n, scale_d, tnsp_a, tnsp_b, -1});
 }
 
 inline void bt_emu_wgmma_commit() {
@@ -228,7 +237,7 @@ inline void emu_wgmma_run(const EmuWgmma& o) {
             for (int bit = 0; bit < 2; ++bit) {
                 const int row = 16 * warp + lane / 4 + 8 * h, col = 8 * j + 2 * (lane % 4) + bit;
                 float acc = 0;
-                for (int k = 0; k < 16; ++k) acc += emu_desc_elem(a, row, k) * emu_desc_elem(b, col, k);
+                for (int k = 0; k < 16; ++k) acc += emu_desc_elem(a, row, k, o.tnsp_a) * emu_desc_elem(b, col, k, o.tnsp_b);
                 float& dst = o.d[4 * j + 2 * h + bit];
                 dst = (o.scale_d ? dst : 0.0f) + acc;
             }

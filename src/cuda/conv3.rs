@@ -43,6 +43,9 @@ pub const DGRAD_KERNEL: &str = "conv3_dgrad_1x1";
 /// The data gradient finishing the gradient of the batch norm before the convolution
 /// (residual gradient, ReLU mask, per-tile Σg and Σg·x̂ records): conv2_dgrad_bn_*'s contract.
 pub const DGRAD_BN_KERNEL: &str = "conv3_dgrad_bn_1x1";
+/// The weight gradient: f32 planes of `dyᵀ · x` per reduction slice (MN-major operands), summed
+/// in slice order by conv2.cu's `conv2_wgrad_reduce`.
+pub const WGRAD_KERNEL: &str = "conv3_wgrad_1x1";
 /// The weight transpose the data gradient reads (`[K][C]` → `[C][K]`, K-major for wgmma).
 pub const TRANSPOSE_KERNEL: &str = "conv3_transpose_weights";
 
@@ -58,6 +61,9 @@ pub struct Conv3Args {
     pub k: i32,
     /// Dgrad: 1 adds into the output instead of overwriting it.
     pub accumulate: i32,
+    /// Reduction per `gridDim.z` slice (a multiple of [`TILE_K`] when the wgrad splits it;
+    /// `k` otherwise).
+    pub k_chunk: i32,
 }
 
 // SAFETY: repr(C) plain integers, matching the kernel's struct.
@@ -86,6 +92,7 @@ pub fn forward_args(s: &ConvShape) -> Option<Conv3Args> {
         n: i32::try_from(s.c_out).ok()?,
         k: i32::try_from(s.c_in).ok()?,
         accumulate: 0,
+        k_chunk: i32::try_from(s.c_in).ok()?,
     })
 }
 
@@ -96,8 +103,32 @@ pub fn dgrad_args(s: &ConvShape, accumulate: bool) -> Option<Conv3Args> {
         n: f.k,
         k: f.n,
         accumulate: i32::from(accumulate),
+        k_chunk: f.n,
         ..f
     })
+}
+
+/// The GEMM of a 1×1 weight gradient (M = output channels, N = input channels, K = pixels) and
+/// its reduction split over `sms` SMs (one block each): conv2's wave rule
+/// ([`wgrad_splits`](super::conv::wgrad_splits)) with slices rounded up to whole 64-pixel
+/// k-slices. Returns the arguments and the number of slices (`gridDim.z`, f32 planes).
+pub fn wgrad_args(s: &ConvShape, sms: usize) -> Option<(Conv3Args, usize)> {
+    let f = forward_args(s)?;
+    let (m, n, pixels) = (s.c_out, s.c_in, f.m as usize);
+    let tiles = m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
+    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, sms);
+    let chunk = chunk.div_ceil(TILE_K) * TILE_K;
+    let slices = pixels.div_ceil(chunk);
+    Some((
+        Conv3Args {
+            m: f.n,
+            n: f.k,
+            k: f.m,
+            accumulate: 0,
+            k_chunk: i32::try_from(chunk).ok()?,
+        },
+        slices,
+    ))
 }
 
 /// conv3_transpose_weights' launch over a `[rows][cols]` weight: blocks of 32 × 8 threads,
@@ -267,10 +298,11 @@ mod tests {
                 FWD_STATS_KERNEL,
                 DGRAD_KERNEL,
                 DGRAD_BN_KERNEL,
+                WGRAD_KERNEL,
                 TRANSPOSE_KERNEL
             ]
         );
-        assert_eq!(std::mem::size_of::<Conv3Args>(), 16);
+        assert_eq!(std::mem::size_of::<Conv3Args>(), 20);
         let fields: Vec<&str> = text
             .split("struct Conv3Args {")
             .nth(1)
@@ -282,7 +314,7 @@ mod tests {
             .filter_map(|l| l.trim().strip_prefix("int "))
             .map(|l| l.split(';').next().unwrap())
             .collect();
-        assert_eq!(fields, ["m", "n", "k", "accumulate"]);
+        assert_eq!(fields, ["m", "n", "k", "accumulate", "k_chunk"]);
         assert_eq!(std::mem::size_of::<TensorMap>(), 128);
         assert!(std::mem::align_of::<TensorMap>() >= 64);
     }
@@ -305,12 +337,33 @@ mod tests {
                 m: 392,
                 n: 256,
                 k: 64,
-                accumulate: 0
+                accumulate: 0,
+                k_chunk: 64
             }
         );
         assert_eq!(grid(&a), (4, 2, 1));
         let d = dgrad_args(&shape(64, 256, 1, 1), true).unwrap();
-        assert_eq!((d.m, d.n, d.k, d.accumulate), (392, 64, 256, 1));
+        assert_eq!(
+            (d.m, d.n, d.k, d.accumulate, d.k_chunk),
+            (392, 64, 256, 1, 256)
+        );
+        // resnet50's first 1×1 at batch 256 on 132 SMs: 64 × 64 channels over 802 816 pixels,
+        // one tile, so the reduction is split into whole 64-pixel slices filling (nearly) a wave.
+        let big = ConvShape {
+            n: 256,
+            h: 56,
+            w: 56,
+            c_in: 64,
+            c_out: 64,
+            kernel: 1,
+            stride: 1,
+            padding: 0,
+        };
+        let (w, slices) = wgrad_args(&big, 132).unwrap();
+        assert_eq!((w.m, w.n, w.k), (64, 64, 802_816));
+        assert_eq!(w.k_chunk % 64, 0);
+        assert!(slices >= 120 && slices as i32 * w.k_chunk >= w.k, "{slices} × {}", w.k_chunk);
+        assert!((slices as i32 - 1) * w.k_chunk < w.k, "no empty slice");
         assert_eq!(grid(&d), (4, 1, 1));
         assert_eq!(transpose_launch(256, 64), ((2, 8, 1), (32, 8, 1)));
     }

@@ -163,10 +163,20 @@ fn kernels_match_references_under_emulation() {
         ),
         // a stage released while its wgmma may still read it
         ("c3_wgmma_wait<1>(acc);", "c3_wgmma_wait<2>(acc);"),
-        // descriptors without the 128-byte swizzle the TMA loads wrote
-        ("(1ull << 62)", "(0ull << 62)"),
+        // K-major descriptors without the 128-byte swizzle the TMA loads wrote
+        ("           (1ull << 62);", "           (0ull << 62);"),
+        // MN-major descriptors with the 8-k atoms 512 bytes apart instead of 1024
+        (
+            "((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);",
+            "((unsigned long long)(512 >> 4) << 32) | (1ull << 62);",
+        ),
         // the k-step advanced by 8 channels instead of 16 inside the swizzle atom
         ("c3_desc(a_rows + kk * 32)", "c3_desc(a_rows + kk * 16)"),
+        // the MN-major k-step advanced by 8 pixels instead of 16 (wgrad)
+        (
+            "c3_desc_mn(a_rows + kk * 2048)",
+            "c3_desc_mn(a_rows + kk * 1024)",
+        ),
         // the dgrad's Σg·x̂ reading every row's x̂ at the first row of the thread's span
         (
             "ep.bn_x + (long)(m0 + r) * N + cn",
