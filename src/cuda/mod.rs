@@ -18,6 +18,8 @@ pub mod conv;
 pub mod device;
 pub mod error;
 pub mod grad;
+mod launch;
+mod launchers;
 pub mod library;
 pub mod memory;
 pub mod nvrtc;
