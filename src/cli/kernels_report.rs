@@ -276,7 +276,7 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
             .find(|t| kernel.ends_with(&format!("_{}", t.suffix())))?;
         return Some((tile.threads() as usize, tile.smem_bytes(pass)));
     }
-    // v1: 256 threads, static shared memory only (src/cuda/backend.rs, CONV_THREADS).
+    // v1: 256 threads, static shared memory only (src/cuda/backend/conv.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))
 }
 

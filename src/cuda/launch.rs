@@ -6,9 +6,9 @@
 //! and a value parameter has its own type (`i32` for `int`, `i64` for `long`, a `#[repr(C)]`
 //! mirror for a struct). So the compiler checks each launch's arguments against its launcher,
 //! and the launchers' unit test checks each launcher against the kernel's signature in
-//! kernels/*.cu (count, order, pointer or value, element type, `const`): together they stand
-//! in for the argument check no GPU-free build can make. [`launch`] is the one place that
-//! hands arguments to the driver.
+//! kernels/*.cu (count, order, pointer or value, element type, `const`, value sizes):
+//! together they stand in for the argument check no GPU-free build can make. [`launch`] is
+//! the one place that hands arguments to the driver.
 
 use std::marker::PhantomData;
 
@@ -280,7 +280,7 @@ macro_rules! kernel_launchers {
             $(#[$doc])*
             #[derive(Debug)]
             pub(crate) struct $name $(<$lt>)? {
-                $(#[allow(missing_docs)] pub(crate) $field: $ty,)*
+                $(pub(crate) $field: $ty,)*
             }
 
             impl $(<$lt>)? $crate::cuda::launch::Kernel for $name $(<$lt>)? {

@@ -4,14 +4,8 @@
 //! A launcher that names several kernels launches any of them: they share the parameter list
 //! and differ in tile or load path, chosen at run time.
 
-use super::launch::{kernel_launchers, value_arg, In, Out};
-
-value_arg! {
-    super::backend::ConvArgs => "ConvShape",
-    super::backend::InputMix => "InputMix",
-    super::rank_reduce::RankBuffersF32 => "RankBuffersF32",
-    super::rank_reduce::RankBuffersF64 => "RankBuffersF64",
-}
+use super::kernel_types::{ConvArgs, InputMix, RankBuffersF32, RankBuffersF64};
+use super::launch::{kernel_launchers, In, Out};
 
 kernel_launchers! {
     // input.cu
@@ -22,7 +16,7 @@ kernel_launchers! {
         use_aug: i32,
         scale: In<'a, f32>,
         shift: In<'a, f32>,
-        mix: super::backend::InputMix,
+        mix: InputMix,
         dst: Out<'a, u16>,
         n: i32,
         size: i32,
@@ -34,14 +28,14 @@ kernel_launchers! {
         a: In<'a, u16>,
         b: In<'a, u16>,
         out: Out<'a, u16>,
-        shape: super::backend::ConvArgs,
+        shape: ConvArgs,
     }
     /// The v1 weight-gradient GEMMs (f32 `dw`, accumulated).
     "conv.cu" ConvWgrad<'a> ["conv_wgrad_vec", "conv_wgrad_stem", "conv_wgrad_scalar"] {
         dy: In<'a, u16>,
         x: In<'a, u16>,
         dw: Out<'a, f32>,
-        shape: super::backend::ConvArgs,
+        shape: ConvArgs,
     }
 
     // conv2.cu (v2)
@@ -460,13 +454,13 @@ kernel_launchers! {
     // collective.cu
     /// The ranks' f32 values averaged into every rank's buffer.
     "collective.cu" RankAverageF32 ["rank_average_f32"] {
-        b: super::rank_reduce::RankBuffersF32,
+        b: RankBuffersF32,
         ranks: i32,
         n: i64,
     }
     /// The ranks' f64 values summed into every rank's buffer.
     "collective.cu" RankSumF64 ["rank_sum_f64"] {
-        b: super::rank_reduce::RankBuffersF64,
+        b: RankBuffersF64,
         ranks: i32,
         n: i64,
     }
@@ -602,7 +596,12 @@ mod tests {
         let spaced = decl.replace('*', " * ").replace('&', " & ");
         let words: Vec<&str> = spaced
             .split_whitespace()
-            .filter(|w| !matches!(*w, "__restrict__" | "__restrict" | "restrict"))
+            .filter(|w| {
+                !matches!(
+                    *w,
+                    "__restrict__" | "__restrict" | "restrict" | "__grid_constant__"
+                )
+            })
             .collect();
         let stars = words.iter().filter(|w| **w == "*").count();
         if stars > 1 || words.contains(&"&") || decl.contains('[') {
@@ -635,6 +634,26 @@ mod tests {
         })
     }
 
+    /// `text` past its leading `__attribute__`-style words (`__launch_bounds__(256, 2)`,
+    /// `__cluster_dims__(2, 1, 1)`, `__noinline__`), with their arguments.
+    fn skip_attributes(mut text: &str) -> Result<&str, String> {
+        loop {
+            text = text.trim_start();
+            let word_len = text
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(text.len());
+            let word = &text[..word_len];
+            if !(word.len() > 4 && word.starts_with("__") && word.ends_with("__")) {
+                return Ok(text);
+            }
+            text = text[word_len..].trim_start();
+            if text.starts_with('(') {
+                let close = closing(text, 0).ok_or_else(|| format!("unbalanced {word}("))?;
+                text = &text[close + 1..];
+            }
+        }
+    }
+
     /// Every `extern "C" __global__` kernel of `text` and its parameters.
     fn kernel_signatures(text: &str) -> Result<BTreeMap<String, Vec<CParam>>, String> {
         let text = without_preprocessor(&strip_comments(text));
@@ -645,19 +664,11 @@ mod tests {
             let Some(after) = rest.strip_prefix("__global__") else {
                 continue; // a host or device function
             };
-            let after = after.trim_start();
+            let after = skip_attributes(after)?;
             let after = after
                 .strip_prefix("void")
-                .ok_or_else(|| format!("a kernel that does not return void: {:.60}", after))?
-                .trim_start();
-            let after = match after.strip_prefix("__launch_bounds__") {
-                Some(bounds) => {
-                    let open = bounds.find('(').ok_or("__launch_bounds__ without (")?;
-                    let close = closing(bounds, open).ok_or("unbalanced __launch_bounds__")?;
-                    bounds[close + 1..].trim_start()
-                }
-                None => after,
-            };
+                .ok_or_else(|| format!("a kernel that does not return void: {:.60}", after))?;
+            let after = skip_attributes(after)?;
             let name_len = after
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(after.len());
@@ -711,6 +722,9 @@ mod tests {
     fn c_size(text: &str, ty: &str) -> Result<usize, String> {
         if let Some(size) = scalar_size(ty) {
             return Ok(size);
+        }
+        if ty == "CUtensorMap" {
+            return Ok(128); // the driver's opaque TMA descriptor (cuda.h)
         }
         let code = without_preprocessor(&strip_comments(text));
         let head = format!("struct {ty}");
@@ -918,9 +932,11 @@ mod tests {
                     extern \"C\" __device__ float helper(float x);\n\
                     extern \"C\" __global__ void __launch_bounds__(T::THREADS, 2)\n\
                     k(const __nv_bfloat16 * __restrict__ x, /* a note, with a comma */\n\
-                      unsigned long long* p, long long n, Conv2Args args) {}";
+                      unsigned long long* p, long long n, Conv2Args args) {}\n\
+                    extern \"C\" __global__ void __cluster_dims__(2, 1, 1)\n\
+                    __launch_bounds__(384, 1) tma(const __grid_constant__ CUtensorMap map) {}";
         let kernels = kernel_signatures(text).unwrap();
-        assert_eq!(kernels.keys().collect::<Vec<_>>(), ["k"]);
+        assert_eq!(kernels.keys().collect::<Vec<_>>(), ["k", "tma"]);
         let ptr = |elem: &str, mutable| CParam::Ptr {
             elem: elem.into(),
             mutable,
@@ -935,6 +951,8 @@ mod tests {
                 value("Conv2Args")
             ]
         );
+        assert_eq!(kernels["tma"], [value("CUtensorMap")]);
+        assert_eq!(c_size(text, "CUtensorMap"), Ok(128));
         for bad in ["float** p", "int& r", "float x[4]", "const float*", "int"] {
             assert!(parse_param(bad).is_err(), "{bad}");
         }

@@ -18,6 +18,7 @@ pub mod conv;
 pub mod device;
 pub mod error;
 pub mod grad;
+mod kernel_types;
 mod launch;
 mod launchers;
 pub mod library;

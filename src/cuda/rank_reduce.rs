@@ -3,39 +3,18 @@
 //! round. Each reads element i of every rank's buffer and writes the result into every rank's
 //! buffer, in rank order, with the arithmetic the file's header states.
 
-use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 
 use super::device::GpuDevice;
 use super::error::CudaError;
+use super::kernel_types::{RankBuffersF32, RankBuffersF64};
 use super::launch::{launch, Kernel};
 use super::launchers::{RankAverageF32, RankSumF64};
 
-/// Ranks one launch reduces at most (`BT_MAX_RANKS` in kernels/collective.cu).
-pub const MAX_RANKS: usize = 8;
+pub use super::kernel_types::MAX_RANKS;
 
 /// Threads per block (the file's launch configuration).
 const THREADS: u32 = 256;
-
-/// Kernel-side mirror of `struct RankBuffersF32`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RankBuffersF32 {
-    ptr: [u64; MAX_RANKS],
-    scale: [f32; MAX_RANKS],
-}
-
-// SAFETY: plain-old-data with the C layout the kernel declares (8 pointers, 8 floats).
-unsafe impl DeviceRepr for RankBuffersF32 {}
-
-/// Kernel-side mirror of `struct RankBuffersF64`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RankBuffersF64 {
-    ptr: [u64; MAX_RANKS],
-}
-
-// SAFETY: as above (8 pointers).
-unsafe impl DeviceRepr for RankBuffersF64 {}
 
 /// One rank's part of an average: the device address of its values and its scale.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::backend::{aug_ints, CudaSums, DeviceTotalsAt, InputMix};
+use super::backend::{CudaSums, DeviceTotalsAt};
+use super::kernel_types::{aug_ints, InputMix};
 use super::launch::{launch, In, Kernel};
 use super::launchers::InputTransform;
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};

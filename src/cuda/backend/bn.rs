@@ -3,13 +3,13 @@
 //! normalisation with the residual add and ReLU; and the backward, whose reductions the fused
 //! dgrad epilogue may have done already (`prepared`).
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{bn_fused, check_len, dev_err, elementwise_cfg, ensure, to_i32, CudaBackend, THREADS};
+use super::base::{check_len, dev_err, elementwise_cfg, ensure, to_i32, CudaBackend, THREADS};
 use crate::backend::{BackendError, BnBackward, BnForward, BnMode};
 use crate::cuda::launchers::{
-    BnApply, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnStatsFinalize,
-    BnStatsPartial,
+    BnApply, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnMomentsFinalize,
+    BnStatsFinalize, BnStatsPartial,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -106,6 +106,43 @@ pub(super) fn apply_launch(
     }
 }
 
+/// The batch norm's statistics from the moments a fused convolution left
+/// ([`BnForward::moments`], see [`super::bn_fused`]): saved mean and
+/// 1/sqrt(var + eps), and the running statistics advanced with `momentum`.
+#[allow(clippy::too_many_arguments)]
+fn finalize_moments(
+    be: &CudaBackend,
+    op: &'static str,
+    moments: &CudaTensor,
+    c: usize,
+    eps: f32,
+    momentum: f32,
+    mean: &mut CudaSlice<f32>,
+    invstd: &mut CudaSlice<f32>,
+    running_mean: &mut CudaSlice<f32>,
+    running_var: &mut CudaSlice<f32>,
+) -> Result<(), BackendError> {
+    check_len(op, "moments", moments.len, 3 * c)?;
+    let m = moments.f32(op, "moments")?;
+    let c_i = to_i32(op, "channels", c)?;
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = BnMomentsFinalize {
+        moments: m.into(),
+        channels: c_i,
+        eps,
+        momentum,
+        mean_out: mean.into(),
+        invstd_out: invstd.into(),
+        running_mean: running_mean.into(),
+        running_var: running_var.into(),
+    };
+    be.launch(op, "bn_moments_finalize", cfg, args)
+}
+
 /// See [`crate::backend::Backend::bn_forward`].
 pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<(), BackendError> {
     let op = "bn_forward";
@@ -146,7 +183,7 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
         match (a.mode, a.moments) {
             (BnMode::Train, Some(moments)) => {
                 // Fused: the convolution's epilogue reduced x already.
-                bn_fused::finalize_moments(
+                finalize_moments(
                     be, op, moments, c, a.eps, a.momentum, mean, invstd, run_mean, run_var,
                 )?;
             }

@@ -24,15 +24,15 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
+use super::base::{check_len, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend};
 use super::bn::reduction_launch;
-use super::conv::{conv_args, Conv2Scratch};
-use super::{check_len, elementwise_cfg, ensure, to_i32, CudaBackend};
+use super::conv::conv_args;
 use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
-    BnBwdPartial, BnGradFinish, BnMomentsFinalize, BnStatsMerge, BnStatsPartial, BnSumsMerge,
-    Conv2DgradBn, Conv2FwdStats,
+    BnBwdPartial, BnGradFinish, BnStatsMerge, BnStatsPartial, BnSumsMerge, Conv2DgradBn,
+    Conv2FwdStats,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -449,42 +449,6 @@ fn merge_sums(
         out_g: dgamma.into(),
     };
     be.launch(op, "bn_sums_merge", merge_cfg(c, 1), groups_merged)
-}
-
-/// The batch norm's statistics from its moments ([`BnForward::moments`]): saved mean and
-/// 1/sqrt(var + eps), and the running statistics advanced with `momentum`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn finalize_moments(
-    be: &CudaBackend,
-    op: &'static str,
-    moments: &CudaTensor,
-    c: usize,
-    eps: f32,
-    momentum: f32,
-    mean: &mut CudaSlice<f32>,
-    invstd: &mut CudaSlice<f32>,
-    running_mean: &mut CudaSlice<f32>,
-    running_var: &mut CudaSlice<f32>,
-) -> Result<(), BackendError> {
-    check_len(op, "moments", moments.len, 3 * c)?;
-    let m = moments.f32(op, "moments")?;
-    let c_i = to_i32(op, "channels", c)?;
-    let cfg = LaunchConfig {
-        grid_dim: (c.div_ceil(128) as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let args = BnMomentsFinalize {
-        moments: m.into(),
-        channels: c_i,
-        eps,
-        momentum,
-        mean_out: mean.into(),
-        invstd_out: invstd.into(),
-        running_mean: running_mean.into(),
-        running_var: running_var.into(),
-    };
-    be.launch(op, "bn_moments_finalize", cfg, args)
 }
 
 #[cfg(test)]

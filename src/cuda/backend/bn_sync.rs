@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{bn, check_len, drv_err, ensure, oom_or_device, to_i32, CudaBackend};
+use super::base::{check_len, drv_err, ensure, oom_or_device, to_i32, CudaBackend};
+use super::bn;
 use crate::backend::bn_sync::{grad_sums_len, moments_len};
 use crate::backend::{BackendError, BnShape, BnSyncBackward, DeviceSums};
 use crate::cuda::launchers::{

@@ -2,11 +2,14 @@
 //! else v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the padded
 //! stem, the phase-ordered dgrad weight, the launch configuration of a plan).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, CudaBackend};
+use super::base::{
+    check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend,
+};
 use crate::backend::{BackendError, ConvShape};
 use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass};
+use crate::cuda::kernel_types::ConvArgs;
 use crate::cuda::launchers::{
     Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2Wgrad, Conv2WgradReduce, ConvGemm,
     ConvWgrad,
@@ -17,38 +20,6 @@ use crate::cuda::tensor::CudaTensor;
 const CONV_THREADS: u32 = 256;
 /// Output tile of the convolution kernels (BM = BN).
 const CONV_TILE: usize = 128;
-
-/// Kernel-side mirror of `struct ConvShape` in kernels/conv.cu.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ConvArgs {
-    n: i32,
-    h: i32,
-    w: i32,
-    c: i32,
-    k: i32,
-    r: i32,
-    s: i32,
-    p: i32,
-    q: i32,
-    stride: i32,
-    pad: i32,
-    k_chunk: i32,
-    accumulate: i32,
-}
-
-// SAFETY: plain-old-data with the C layout the kernel declares.
-unsafe impl DeviceRepr for ConvArgs {}
-
-/// Scratch of the v2 convolutions (grown, never shrunk).
-#[derive(Debug, Default)]
-pub(super) struct Conv2Scratch {
-    pub(super) x8: Option<CudaSlice<u16>>,
-    pub(super) w8: Option<CudaSlice<u16>>,
-    pub(super) wt: Option<CudaSlice<u16>>,
-    /// The split wgrad's partial sums, one weight-sized f32 plane per reduction slice.
-    pub(super) planes: Option<CudaSlice<f32>>,
-}
 
 impl CudaBackend {
     /// The v2 launch of `pass`, when v2 is selected and takes this shape (else v1 runs).

@@ -2,7 +2,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{check_len, to_i32, CudaBackend};
+use super::base::{check_len, to_i32, CudaBackend};
 use crate::backend::{BackendError, LinearShape};
 use crate::cuda::launchers::{LinearBiasGrad, LinearBwdData, LinearBwdWeight, LinearFwd};
 use crate::cuda::tensor::CudaTensor;

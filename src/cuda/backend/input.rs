@@ -1,70 +1,12 @@
 //! The input op (kernels/input.cu): the batch's u8 pixels uploaded, then cropped, mirrored,
-//! erased, normalised and mixed into bf16 in one launch; and the kernel's forms of the CPU
-//! side's [`Augment`] and [`Mix`], which the staged backend uses too.
+//! erased, normalised and mixed into bf16 in one launch.
 
-use cudarc::driver::DeviceRepr;
-
-use super::{check_len, drv_err, elementwise_cfg, ensure, to_i32, CudaBackend};
+use super::base::{check_len, drv_err, elementwise_cfg, ensure, to_i32, CudaBackend};
 use crate::backend::BackendError;
+use crate::cuda::kernel_types::{aug_ints, InputMix};
 use crate::cuda::launchers::InputTransform;
 use crate::cuda::tensor::CudaTensor;
-use crate::model::{Augment, InputBatch, Mix, PixelBox, IMAGENET_MEAN, IMAGENET_STD};
-
-/// The batch's mixing as kernels/input.cu's `InputMix` takes it, by value: kind 0 (none), 1
-/// (mixup, `lambda`) or 2 (CutMix, the box `y0..y1` × `x0..x1`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct InputMix {
-    kind: i32,
-    lambda: f32,
-    y0: i32,
-    y1: i32,
-    x0: i32,
-    x1: i32,
-}
-
-// SAFETY: plain-old-data with the C layout the kernel declares.
-unsafe impl DeviceRepr for InputMix {}
-
-impl InputMix {
-    /// The kernel's form of `mix`. The box only chooses which image a pixel is read from, so
-    /// even a box outside the image reads nothing out of bounds.
-    pub(crate) fn of(mix: Option<Mix>) -> Self {
-        match mix {
-            None => Self::default(),
-            Some(Mix::Blend { lambda }) => Self {
-                kind: 1,
-                lambda,
-                ..Self::default()
-            },
-            Some(Mix::Paste(PixelBox { y0, y1, x0, x1 })) => Self {
-                kind: 2,
-                lambda: 0.0,
-                y0: y0 as i32,
-                y1: y1 as i32,
-                x0: x0 as i32,
-                x1: x1 as i32,
-            },
-        }
-    }
-}
-
-/// One image's entry of kernels/input.cu's `aug` array: dy, dx, flip, then the erased box
-/// (rows, columns; all 0 when none). A side past i32 is clamped: the box only chooses pixels
-/// to zero, so no box reads out of bounds.
-pub(crate) fn aug_ints(a: &Augment) -> [i32; 7] {
-    let e = a.erase.unwrap_or_default();
-    let side = |v: u32| v.min(i32::MAX as u32) as i32;
-    [
-        a.dy,
-        a.dx,
-        i32::from(a.flip),
-        side(e.y0),
-        side(e.y1),
-        side(e.x0),
-        side(e.x1),
-    ]
-}
+use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
 /// See [`crate::backend::Backend::input`].
 pub(super) fn input(

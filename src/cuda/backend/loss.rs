@@ -4,7 +4,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{check_len, drv_err, ensure, to_i32, CudaBackend};
+use super::base::{check_len, drv_err, ensure, to_i32, CudaBackend};
 use crate::backend::{BackendError, LossStats, Targets};
 use crate::cuda::launch::Out;
 use crate::cuda::launchers::{LossTotals, SoftmaxXent};

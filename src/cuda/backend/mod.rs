@@ -9,18 +9,16 @@
 //! One file per op family, as in the CPU backend (`src/backend/cpu/`): `conv.rs`, `bn.rs`,
 //! `bn_sync.rs` (synchronised batch norm), `bn_fused.rs` (batch norm fused into the
 //! convolutions), `pool.rs`, `dense.rs` (the classifier head), `loss.rs`, `input.rs` and
-//! `profile.rs` (`--breakdown`'s per-launch timing); this file holds the backend, its
-//! memory and the [`Backend`] implementation that hands each op to its family. Every kernel
-//! goes through `CudaBackend::launch` with its typed launcher (`src/cuda/launchers.rs`).
+//! `profile.rs` (`--breakdown`'s per-launch timing), with what they share in `base.rs` (the
+//! backend's state, the checks, the one launch path every kernel takes with its typed
+//! launcher from `src/cuda/launchers.rs`); this file opens the backend, holds its memory ops
+//! and the [`Backend`] implementation that hands each op to its family.
 
-use std::sync::{Arc, Mutex};
-
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use std::sync::Arc;
 
 use super::conv::{ConvVersion, GpuLimits};
 use super::device::GpuDevice;
 use super::error::CudaError;
-use super::launch::{self, Kernel};
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
@@ -28,6 +26,7 @@ use crate::backend::{
 };
 use crate::model::InputBatch;
 
+mod base;
 mod bn;
 mod bn_fused;
 mod bn_sync;
@@ -38,126 +37,12 @@ mod loss;
 mod pool;
 mod profile;
 
+pub use base::CudaBackend;
+use base::{drv_err, oom_or_device};
 pub use bn_fused::{bn_fusion_from_env, parse_bn_fusion, BN_FUSION_ENV};
 pub use bn_sync::CudaSums;
-use conv::Conv2Scratch;
-pub(crate) use conv::ConvArgs;
-pub(crate) use input::{aug_ints, InputMix};
 pub use loss::DeviceTotalsAt;
 pub use profile::KernelTime;
-use profile::Profiler;
-
-/// Threads per block of the element-wise kernels.
-const THREADS: u32 = 256;
-
-/// Scratch buffers reused across steps (grown, never shrunk).
-#[derive(Debug, Default)]
-struct Workspace {
-    f32a: Option<CudaSlice<f32>>,
-    f32b: Option<CudaSlice<f32>>,
-    pixels: Option<CudaSlice<u8>>,
-    ints: Option<CudaSlice<i32>>,
-    ints2: Option<CudaSlice<i32>>,
-    norm: Option<CudaSlice<f32>>,
-    /// `norm` holds the ImageNet scale/shift (a pageable upload synchronises the stream, so
-    /// the constants go up once, not every step).
-    norm_ready: bool,
-    /// Synchronised batch norm's global reductions dgamma and dbeta (f32 [C] each).
-    sync_a: Option<CudaSlice<f32>>,
-    sync_b: Option<CudaSlice<f32>>,
-}
-
-/// The CUDA backend on one device.
-#[derive(Debug, Clone)]
-pub struct CudaBackend {
-    dev: Arc<GpuDevice>,
-    sms: u32,
-    /// Which convolution kernels run (`BIRDTRAIN_CONV`, see [`conv`]).
-    conv: ConvVersion,
-    /// What the v2 tile choice models.
-    limits: GpuLimits,
-    /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on
-    /// unless `0`, [`bn_fused`]); it takes the v2 kernels.
-    bn_fusion: bool,
-    /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
-    conv2: Arc<Mutex<Conv2Scratch>>,
-    work: Arc<Mutex<Workspace>>,
-    profiler: Arc<Mutex<Profiler>>,
-}
-
-fn dev_err(op: &'static str) -> impl Fn(CudaError) -> BackendError {
-    move |e| BackendError::Device {
-        op,
-        source: Box::new(e),
-    }
-}
-
-fn drv_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> BackendError {
-    move |e| BackendError::Device {
-        op,
-        source: Box::new(CudaError::Driver {
-            context: op.to_string(),
-            source: e,
-        }),
-    }
-}
-
-fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), BackendError> {
-    if got < want {
-        return Err(BackendError::Shape {
-            op,
-            detail: format!("{what} has {got} elements, needs at least {want}"),
-        });
-    }
-    Ok(())
-}
-
-fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, BackendError> {
-    i32::try_from(v).map_err(|_| BackendError::Shape {
-        op,
-        detail: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
-    })
-}
-
-/// Ensures `slot` holds at least `len` elements (allocating only when it must grow).
-fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    dev: &GpuDevice,
-    slot: &mut Option<CudaSlice<T>>,
-    len: usize,
-    op: &'static str,
-) -> Result<(), BackendError> {
-    if slot.as_ref().is_none_or(|s| s.len() < len) {
-        *slot = None;
-        *slot = Some(
-            dev.stream()
-                .alloc_zeros::<T>(len.max(1))
-                .map_err(|e| oom_or_device(op, len * size_of::<T>(), e))?,
-        );
-        dev.note_allocation(len.max(1) * size_of::<T>());
-    }
-    Ok(())
-}
-
-fn oom_or_device(op: &'static str, bytes: usize, e: cudarc::driver::DriverError) -> BackendError {
-    if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        BackendError::OutOfMemory {
-            bytes,
-            what: format!("{op} on the GPU"),
-            hint: "use a smaller --batch-size".into(),
-        }
-    } else {
-        drv_err(op)(e)
-    }
-}
-
-fn elementwise_cfg(total: usize) -> LaunchConfig {
-    let blocks = total.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
 
 impl CudaBackend {
     /// The backend on device `ordinal`; kernels compile (or load from the disk cache) now.
@@ -199,46 +84,6 @@ impl CudaBackend {
     /// Switches the convolution kernels (tests compare v1 and v2 on one device).
     pub fn set_conv_version(&mut self, version: ConvVersion) {
         self.conv = version;
-    }
-
-    /// The device.
-    pub fn device(&self) -> &Arc<GpuDevice> {
-        &self.dev
-    }
-
-    /// Waits for every queued op.
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.dev.synchronize()
-    }
-
-    fn work(&self) -> std::sync::MutexGuard<'_, Workspace> {
-        self.work.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Queues `kernel` (one of launcher `K`'s) on the compute stream with `args`, timed when
-    /// profiling is on.
-    fn launch<K: Kernel>(
-        &self,
-        op: &'static str,
-        kernel: &'static str,
-        cfg: LaunchConfig,
-        args: K,
-    ) -> Result<(), BackendError> {
-        if !launch::declares::<K>(kernel) {
-            return Err(dev_err(op)(CudaError::Unsupported {
-                what: format!(
-                    "{kernel} is not a kernel of the launcher {}",
-                    std::any::type_name::<K>()
-                ),
-            }));
-        }
-        let f = self.dev.function(K::FILE, kernel).map_err(dev_err(op))?;
-        let timing = self.profile_begin()?;
-        // SAFETY: `f` is one of `K`'s kernels (checked above), whose parameters `K` mirrors
-        // (the launchers' unit test checks them against kernels/*.cu); every op
-        // length-checks its buffers before it launches.
-        unsafe { launch::launch(self.dev.stream(), &f, cfg, args) }.map_err(drv_err(op))?;
-        self.profile_end(kernel, timing)
     }
 }
 

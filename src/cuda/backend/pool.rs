@@ -2,7 +2,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{check_len, elementwise_cfg, to_i32, CudaBackend};
+use super::base::{check_len, elementwise_cfg, to_i32, CudaBackend};
 use crate::backend::{BackendError, PoolShape};
 use crate::cuda::launchers::{GapBwd, GapFwd, MaxpoolBwd, MaxpoolFwd};
 use crate::cuda::tensor::CudaTensor;

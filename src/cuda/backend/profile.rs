@@ -4,26 +4,9 @@
 
 use cudarc::driver::CudaEvent;
 
-use super::{drv_err, CudaBackend};
+use super::base::{drv_err, CudaBackend, ProfiledLaunch};
 use crate::backend::BackendError;
 use crate::cuda::error::CudaError;
-
-/// Per-launch timing (the `--breakdown` of `bench step`).
-#[derive(Debug, Default)]
-pub(super) struct Profiler {
-    enabled: bool,
-    events: Vec<ProfiledLaunch>,
-}
-
-/// One timed launch and the work it did (when the op declared it).
-#[derive(Debug)]
-struct ProfiledLaunch {
-    name: &'static str,
-    start: CudaEvent,
-    end: CudaEvent,
-    bytes: f64,
-    flops: f64,
-}
 
 /// Time spent in one kernel over a profiled interval.
 #[derive(Debug, Clone, PartialEq)]
