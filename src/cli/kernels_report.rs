@@ -301,7 +301,7 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
         return (kernel != conv3::TRANSPOSE_KERNEL)
             .then_some((conv3::THREADS as usize, conv3::SMEM_BYTES));
     }
-    // v1: 256 threads, static shared memory only (src/cuda/backend.rs, CONV_THREADS).
+    // v1: 256 threads, static shared memory only (src/cuda/backend/conv.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))
 }
 

@@ -3,10 +3,12 @@
 //! instead of a cuBLAS dependency), and summing micro-batches' gradients for
 //! `--grad-accum-steps` (`grad_accumulate`).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::device::GpuDevice;
 use super::error::CudaError;
+use super::launch::{launch_on_device, Out};
+use super::launchers::{GradAccumulate, ScaleF32};
 
 /// Threads per block of `scale_f32` and `grad_accumulate`.
 const THREADS: u32 = 256;
@@ -30,14 +32,16 @@ pub fn scale_f32(dev: &GpuDevice, ptr: u64, len: usize, alpha: f32) -> Result<()
     let n = i64::try_from(len).map_err(|_| CudaError::Unsupported {
         what: format!("scaling {len} values"),
     })?;
-    let f = dev.function("optim.cu", "scale_f32")?;
-    let cfg = grid_stride(len);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(&ptr).arg(&n).arg(&alpha);
-    // SAFETY: the arguments match scale_f32(float*, long, float) in kernels/optim.cu; the
-    // caller's `ptr` addresses `len` live f32 values on this device.
-    unsafe { b.launch(cfg) }.map_err(CudaError::driver("scale_f32"))?;
-    Ok(())
+    // SAFETY: the caller's `ptr` addresses `len` live f32 values on this device, which the
+    // grid-stride loop over `len` reads and writes.
+    unsafe {
+        let args = ScaleF32 {
+            x: Out::addr(ptr),
+            n,
+            alpha,
+        };
+        launch_on_device(dev, "scale_f32", grid_stride(len), args)
+    }
 }
 
 /// What [`accumulate`] does with a micro-batch's gradient `g` (`--grad-accum-steps`), with the
@@ -86,14 +90,16 @@ pub fn accumulate(
     let n = i64::try_from(len).map_err(|_| CudaError::Unsupported {
         what: format!("accumulating {len} values"),
     })?;
-    let f = dev.function("optim.cu", "grad_accumulate")?;
-    let cfg = grid_stride(len);
-    let mode = mode as i32;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(&acc).arg(&grad).arg(&n).arg(&weight).arg(&mode);
-    // SAFETY: the arguments match grad_accumulate(float*, float*, long, float, int) in
-    // kernels/optim.cu; the caller's `acc` and `grad` address `len` live f32 values each on
-    // this device, in different allocations.
-    unsafe { b.launch(cfg) }.map_err(CudaError::driver("grad_accumulate"))?;
-    Ok(())
+    // SAFETY: the caller's `acc` and `grad` address `len` live f32 values each on this
+    // device, in different allocations; the grid-stride loop over `len` touches those.
+    unsafe {
+        let args = GradAccumulate {
+            acc: Out::addr(acc),
+            g: Out::addr(grad),
+            n,
+            w: weight,
+            mode: mode as i32,
+        };
+        launch_on_device(dev, "grad_accumulate", grid_stride(len), args)
+    }
 }

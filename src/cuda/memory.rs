@@ -87,7 +87,7 @@ fn stem_padded_values(image_size: u32) -> usize {
 }
 
 /// Bytes per image of the fused batch norm's per-tile records (`BIRDTRAIN_BN_FUSION`,
-/// src/cuda/bn_fused.rs): two f32 planes per 128 rows of the largest convolution output or
+/// src/cuda/backend/bn_fused.rs): two f32 planes per 128 rows of the largest convolution output or
 /// input, a 1/16 of its bf16 bytes, plus the first merge level's groups (1/128 of that).
 fn bn_partials_per_image(graph: &Graph, image_size: u32) -> usize {
     let largest = graph

@@ -7,10 +7,12 @@
 //! one tensor, with that tensor's weight decay and the addresses of its gradient and working
 //! copy. The rules are exactly [`crate::optim::Optimizer`]'s (checked by the GPU tests).
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::backend::CudaBackend;
 use super::error::CudaError;
+use super::launch::launch_on_device;
+use super::launchers::{AdamUpdate, GradSumsq, GradSumsqTotal, SgdUpdate};
 use super::tensor::CudaTensor;
 use crate::backend::Backend;
 use crate::model::{Network, ParamSpec};
@@ -307,7 +309,6 @@ impl DeviceOptimizer {
         }
         self.steps += 1;
         let dev = self.backend.device();
-        let stream = dev.stream();
         let cfg = LaunchConfig {
             grid_dim: (self.table.len() as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -315,78 +316,78 @@ impl DeviceOptimizer {
         };
         let h = self.hyper;
         if self.max_grad_norm > 0.0 {
-            let f = dev.function("optim.cu", "grad_sumsq")?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&self.grad_ptrs)
-                .arg(&self.lens)
-                .arg(&mut self.partial);
-            // SAFETY: argument list matches grad_sumsq in kernels/optim.cu; the address table
-            // points into live gradient tensors of the checked lengths (bind); one partial per
-            // chunk (allocated for the table in new); 256 threads, its shared array's size.
-            unsafe { b.launch(cfg) }.map_err(drv("grad_sumsq"))?;
-            let f = dev.function("optim.cu", "grad_sumsq_total")?;
-            let chunks = self.table.len() as i32;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&self.partial).arg(&chunks).arg(&mut self.sumsq);
+            let sums = GradSumsq {
+                grad_ptr: (&self.grad_ptrs).into(),
+                chunk_len: (&self.lens).into(),
+                partial: (&mut self.partial).into(),
+            };
+            // SAFETY: the address table points into live gradient tensors of the checked
+            // lengths (bind); one partial per chunk (allocated for the table in new); 256
+            // threads, its shared array's size.
+            unsafe { launch_on_device(dev, "grad_sumsq", cfg, sums) }?;
+            let total = GradSumsqTotal {
+                partial: (&self.partial).into(),
+                n: self.table.len() as i32,
+                sumsq: (&mut self.sumsq).into(),
+            };
             let one = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 ..cfg
             };
-            // SAFETY: argument list matches grad_sumsq_total; `chunks` partials were written
-            // above; one block of 256 threads, its shared array's size.
-            unsafe { b.launch(one) }.map_err(drv("grad_sumsq_total"))?;
+            // SAFETY: `n` partials were written above; one block of 256 threads, its shared
+            // array's size.
+            unsafe { launch_on_device(dev, "grad_sumsq_total", one, total) }?;
         }
         let max_norm = self.max_grad_norm;
         match self.kind {
             OptimizerKind::Sgd { momentum, nesterov } => {
-                let f = dev.function("optim.cu", "sgd_update")?;
-                let nesterov = i32::from(nesterov);
-                let mut b = stream.launch_builder(&f);
-                b.arg(&mut self.master)
-                    .arg(&mut self.m)
-                    .arg(&self.grad_ptrs)
-                    .arg(&self.work_ptrs);
-                b.arg(&self.starts)
-                    .arg(&self.lens)
-                    .arg(&self.decays)
-                    .arg(&lr)
-                    .arg(&momentum)
-                    .arg(&grad_scale)
-                    .arg(&nesterov)
-                    .arg(&max_norm)
-                    .arg(&self.sumsq);
-                // SAFETY: argument list matches sgd_update in kernels/optim.cu; the address table
-                // points into live tensors of the checked lengths (bind).
-                unsafe { b.launch(cfg) }.map_err(drv("sgd_update"))?;
+                let update = SgdUpdate {
+                    master: (&mut self.master).into(),
+                    buf: (&mut self.m).into(),
+                    grad_ptr: (&self.grad_ptrs).into(),
+                    work_ptr: (&self.work_ptrs).into(),
+                    chunk_start: (&self.starts).into(),
+                    chunk_len: (&self.lens).into(),
+                    chunk_wd: (&self.decays).into(),
+                    lr,
+                    momentum,
+                    grad_scale,
+                    nesterov: i32::from(nesterov),
+                    max_norm,
+                    sumsq: (&self.sumsq).into(),
+                };
+                // SAFETY: the address table points into live tensors of the checked lengths
+                // (bind).
+                unsafe { launch_on_device(dev, "sgd_update", cfg, update) }?;
             }
             OptimizerKind::Adam | OptimizerKind::AdamW => {
-                let f = dev.function("optim.cu", "adam_update")?;
                 let t = self.steps as i32;
                 let bc1 = (1.0 - f64::from(h.beta1).powi(t)) as f32;
                 let bc2 = (1.0 - f64::from(h.beta2).powi(t)) as f32;
                 let decoupled = i32::from(self.kind == OptimizerKind::AdamW);
                 let v = self.v.as_mut().expect("Adam state is allocated in new");
-                let mut b = stream.launch_builder(&f);
-                b.arg(&mut self.master)
-                    .arg(&mut self.m)
-                    .arg(v)
-                    .arg(&self.grad_ptrs)
-                    .arg(&self.work_ptrs);
-                b.arg(&self.starts)
-                    .arg(&self.lens)
-                    .arg(&self.decays)
-                    .arg(&lr)
-                    .arg(&h.beta1)
-                    .arg(&h.beta2)
-                    .arg(&h.eps)
-                    .arg(&grad_scale)
-                    .arg(&bc1)
-                    .arg(&bc2)
-                    .arg(&decoupled)
-                    .arg(&max_norm)
-                    .arg(&self.sumsq);
+                let update = AdamUpdate {
+                    master: (&mut self.master).into(),
+                    m: (&mut self.m).into(),
+                    v: v.into(),
+                    grad_ptr: (&self.grad_ptrs).into(),
+                    work_ptr: (&self.work_ptrs).into(),
+                    chunk_start: (&self.starts).into(),
+                    chunk_len: (&self.lens).into(),
+                    chunk_wd: (&self.decays).into(),
+                    lr,
+                    beta1: h.beta1,
+                    beta2: h.beta2,
+                    eps: h.eps,
+                    grad_scale,
+                    bias_c1: bc1,
+                    bias_c2: bc2,
+                    decoupled,
+                    max_norm,
+                    sumsq: (&self.sumsq).into(),
+                };
                 // SAFETY: as above, for adam_update.
-                unsafe { b.launch(cfg) }.map_err(drv("adam_update"))?;
+                unsafe { launch_on_device(dev, "adam_update", cfg, update) }?;
             }
         }
         Ok(())

@@ -3,37 +3,18 @@
 //! round. Each reads element i of every rank's buffer and writes the result into every rank's
 //! buffer, in rank order, with the arithmetic the file's header states.
 
-use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 
 use super::device::GpuDevice;
 use super::error::CudaError;
+use super::kernel_types::{RankBuffersF32, RankBuffersF64};
+use super::launch::{launch, Kernel};
+use super::launchers::{RankAverageF32, RankSumF64};
 
-/// Ranks one launch reduces at most (`BT_MAX_RANKS` in kernels/collective.cu).
-pub const MAX_RANKS: usize = 8;
+pub use super::kernel_types::MAX_RANKS;
 
 /// Threads per block (the file's launch configuration).
 const THREADS: u32 = 256;
-
-/// Kernel-side mirror of `struct RankBuffersF32`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct RankBuffersF32 {
-    ptr: [u64; MAX_RANKS],
-    scale: [f32; MAX_RANKS],
-}
-
-// SAFETY: plain-old-data with the C layout the kernel declares (8 pointers, 8 floats).
-unsafe impl DeviceRepr for RankBuffersF32 {}
-
-/// Kernel-side mirror of `struct RankBuffersF64`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct RankBuffersF64 {
-    ptr: [u64; MAX_RANKS],
-}
-
-// SAFETY: as above (8 pointers).
-unsafe impl DeviceRepr for RankBuffersF64 {}
 
 /// One rank's part of an average: the device address of its values and its scale.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,8 +59,8 @@ impl RankReducer {
     /// Loads `rank_average_f32` and `rank_sum_f64` on `dev` (through the kernel cache).
     pub fn new(dev: &GpuDevice) -> Result<RankReducer, CudaError> {
         Ok(RankReducer {
-            average: dev.function("collective.cu", "rank_average_f32")?,
-            sum: dev.function("collective.cu", "rank_sum_f64")?,
+            average: dev.function(RankAverageF32::FILE, RankAverageF32::NAMES[0])?,
+            sum: dev.function(RankSumF64::FILE, RankSumF64::NAMES[0])?,
         })
     }
 
@@ -109,11 +90,14 @@ impl RankReducer {
             args.ptr[r] = slice.ptr;
             args.scale[r] = slice.scale;
         }
-        let mut b = stream.launch_builder(&self.average);
-        b.arg(&args).arg(&count).arg(&n);
-        // SAFETY: the arguments match rank_average_f32(RankBuffersF32, int, long); the
-        // caller guarantees the buffers.
-        b.launch(launch_config(len))
+        let args = RankAverageF32 {
+            b: args,
+            ranks: count,
+            n,
+        };
+        // SAFETY: `average` is rank_average_f32 (loaded in new); the caller guarantees the
+        // buffers.
+        unsafe { launch(stream, &self.average, launch_config(len), args) }
             .map_err(CudaError::driver("rank_average_f32"))?;
         Ok(())
     }
@@ -138,10 +122,13 @@ impl RankReducer {
             ptr: [0; MAX_RANKS],
         };
         args.ptr[..ptrs.len()].copy_from_slice(ptrs);
-        let mut b = stream.launch_builder(&self.sum);
-        b.arg(&args).arg(&count).arg(&n);
-        // SAFETY: the arguments match rank_sum_f64(RankBuffersF64, int, long).
-        b.launch(launch_config(len))
+        let args = RankSumF64 {
+            b: args,
+            ranks: count,
+            n,
+        };
+        // SAFETY: `sum` is rank_sum_f64 (loaded in new); the caller guarantees the buffers.
+        unsafe { launch(stream, &self.sum, launch_config(len), args) }
             .map_err(CudaError::driver("rank_sum_f64"))?;
         Ok(())
     }

@@ -12,9 +12,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::backend::{aug_ints, CudaSums, DeviceTotalsAt, InputMix};
+use super::backend::{CudaSums, DeviceTotalsAt};
+use super::kernel_types::{aug_ints, InputMix};
+use super::launch::{launch, In, Kernel};
+use super::launchers::InputTransform;
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
@@ -169,7 +172,7 @@ impl StagedBackend {
             shape("the input tensor must be bf16 (TensorRole::Activation)".into())
         })?;
         let f = dev
-            .function("input.cu", "input_transform")
+            .function(InputTransform::FILE, "input_transform")
             .map_err(|e| BackendError::Device {
                 op,
                 source: Box::new(e),
@@ -180,21 +183,22 @@ impl StagedBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let src = slot.ptr;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&src)
-            .arg(&*aug)
-            .arg(&use_aug)
-            .arg(&scale)
-            .arg(&shift)
-            .arg(&mix)
-            .arg(dst)
-            .arg(&n_i)
-            .arg(&s_i);
-        // SAFETY: the arguments match input_transform(const u8*, const int*, int, const float*,
-        // const float*, InputMix, bf16*, int, int) in kernels/input.cu; `src` addresses `slot.bytes >=
-        // bytes` live bytes (set_staged's contract), `dst` at least `bytes` elements.
-        unsafe { b.launch(cfg) }.map_err(drv(op))?;
+        let args = InputTransform {
+            // SAFETY: `slot.ptr` addresses `slot.bytes >= bytes` live bytes (set_staged's
+            // contract).
+            src: unsafe { In::addr(slot.ptr) },
+            aug: (&*aug).into(),
+            use_aug,
+            scale: (&scale).into(),
+            shift: (&shift).into(),
+            mix,
+            dst: dst.into(),
+            n: n_i,
+            size: s_i,
+        };
+        // SAFETY: `f` is the launcher's kernel; `src` holds `bytes` pixels, `dst` at least
+        // `bytes` elements, `aug` 7 ints per image when `use_aug` is 1.
+        unsafe { launch(&stream, &f, cfg, args) }.map_err(drv(op))?;
         Ok(())
     }
 }

@@ -1,0 +1,363 @@
+//! The convolutions: v2 (kernels/conv2.cu, the default) where its planner takes the shape,
+//! else v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the padded
+//! stem, the phase-ordered dgrad weight, the launch configuration of a plan).
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::base::{
+    check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend,
+};
+use crate::backend::{BackendError, ConvShape};
+use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass};
+use crate::cuda::kernel_types::ConvArgs;
+use crate::cuda::launchers::{
+    Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2Wgrad, Conv2WgradReduce, ConvGemm,
+    ConvWgrad,
+};
+use crate::cuda::tensor::CudaTensor;
+
+/// Threads per block of the implicit-GEMM convolution kernels (kernels/conv.cu).
+const CONV_THREADS: u32 = 256;
+/// Output tile of the convolution kernels (BM = BN).
+const CONV_TILE: usize = 128;
+
+impl CudaBackend {
+    /// The v2 launch of `pass`, when v2 is selected and takes this shape (else v1 runs).
+    pub(super) fn conv2_plan(&self, pass: Pass, s: &ConvShape) -> Option<Conv2Launch> {
+        (self.conv == ConvVersion::V2)
+            .then(|| plan::plan(pass, s, &self.limits).ok())
+            .flatten()
+    }
+
+    /// `dst` = the `rows` rows of `src` (`c_from` channels) widened to 8 channels with zeros.
+    pub(super) fn pad_to_8(
+        &self,
+        op: &'static str,
+        src: &CudaSlice<u16>,
+        rows: usize,
+        c_from: usize,
+        dst: &mut Option<CudaSlice<u16>>,
+    ) -> Result<(), BackendError> {
+        ensure(&self.dev, dst, rows * 8, op)?;
+        let dst = dst.as_mut().expect("ensured");
+        let (rows_i, from, to) = (rows as i64, to_i32(op, "c_in", c_from)?, 8i32);
+        self.launch(
+            op,
+            "conv2_pad_channels",
+            elementwise_cfg(rows),
+            Conv2PadChannels {
+                src: src.into(),
+                dst: dst.into(),
+                rows: rows_i,
+                c_from: from,
+                c_to: to,
+            },
+        )
+    }
+
+    /// The weights as the data-gradient kernel of `l` reads them: `w` itself, or, when the
+    /// plan asks for it, `w` rearranged into the scratch's `wt` (one copy for the plain and
+    /// the batch-norm epilogue kernels).
+    pub(super) fn dgrad_weights<'a>(
+        &self,
+        op: &'static str,
+        l: &Conv2Launch,
+        s: &ConvShape,
+        w: &'a CudaSlice<u16>,
+        scratch: &'a mut Conv2Scratch,
+    ) -> Result<&'a CudaSlice<u16>, BackendError> {
+        if !l.rearrange_weight {
+            return Ok(w);
+        }
+        ensure(&self.dev, &mut scratch.wt, s.w_len(), op)?;
+        let wt = scratch.wt.as_mut().expect("ensured");
+        self.launch(
+            op,
+            "conv2_dgrad_weights",
+            elementwise_cfg(s.w_len() / 8),
+            Conv2DgradWeights {
+                w: w.into(),
+                wt: wt.into(),
+                args: l.args,
+            },
+        )?;
+        Ok(scratch.wt.as_ref().expect("ensured"))
+    }
+
+    /// Raises the kernel's dynamic shared memory limit to what `l` needs (> 48 KiB) and
+    /// returns its launch configuration.
+    pub(super) fn conv2_prepare(
+        &self,
+        op: &'static str,
+        l: &Conv2Launch,
+    ) -> Result<LaunchConfig, BackendError> {
+        self.dev
+            .function("conv2.cu", l.kernel)
+            .map_err(dev_err(op))?
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                l.smem_bytes as i32,
+            )
+            .map_err(drv_err(op))?;
+        Ok(LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: (l.tile.threads(), 1, 1),
+            shared_mem_bytes: l.smem_bytes,
+        })
+    }
+}
+
+/// The v1 kernels' shape argument, after checking the shape fits them.
+pub(super) fn conv_args(op: &'static str, s: &ConvShape) -> Result<ConvArgs, BackendError> {
+    if s.kernel == 0
+        || s.stride == 0
+        || s.h + 2 * s.padding < s.kernel
+        || s.w + 2 * s.padding < s.kernel
+    {
+        return Err(BackendError::Shape {
+            op,
+            detail: format!("{s:?}: kernel larger than the padded input, or zero kernel/stride"),
+        });
+    }
+    Ok(ConvArgs {
+        n: to_i32(op, "n", s.n)?,
+        h: to_i32(op, "h", s.h)?,
+        w: to_i32(op, "w", s.w)?,
+        c: to_i32(op, "c_in", s.c_in)?,
+        k: to_i32(op, "c_out", s.c_out)?,
+        r: to_i32(op, "kernel", s.kernel)?,
+        s: to_i32(op, "kernel", s.kernel)?,
+        p: to_i32(op, "out_h", s.out_h())?,
+        q: to_i32(op, "out_w", s.out_w())?,
+        stride: to_i32(op, "stride", s.stride)?,
+        pad: to_i32(op, "padding", s.padding)?,
+        k_chunk: 0,
+        accumulate: 0,
+    })
+    .and_then(|a| {
+        // Flat indices of every operand must fit the kernels' 32-bit GEMM coordinates.
+        to_i32(op, "x elements", s.x_len())?;
+        to_i32(op, "y elements", s.y_len())?;
+        Ok(a)
+    })
+}
+
+fn gemm_grid(m: usize, n: usize, z: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            m.div_ceil(CONV_TILE) as u32,
+            n.div_ceil(CONV_TILE) as u32,
+            z as u32,
+        ),
+        block_dim: (CONV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// See [`crate::backend::Backend::conv_forward`].
+pub(super) fn forward(
+    be: &CudaBackend,
+    s: &ConvShape,
+    x: &CudaTensor,
+    w: &CudaTensor,
+    y: &mut CudaTensor,
+) -> Result<(), BackendError> {
+    let op = "conv_forward";
+    let args = conv_args(op, s)?;
+    check_len(op, "x", x.len, s.x_len())?;
+    check_len(op, "w", w.len, s.w_len())?;
+    check_len(op, "y", y.len, s.y_len())?;
+    if let Some(l) = be.conv2_plan(Pass::Forward, s) {
+        let cfg = be.conv2_prepare(op, &l)?;
+        let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+        let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let Conv2Scratch { x8, w8, .. } = &mut *scratch;
+        let (x, w) = if l.pad_channels {
+            be.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
+            let rows_w = s.c_out * s.kernel * s.kernel;
+            be.pad_to_8(op, w, rows_w, s.c_in, w8)?;
+            (x8.as_ref().expect("padded"), w8.as_ref().expect("padded"))
+        } else {
+            (x, w)
+        };
+        let gemm = Conv2Gemm {
+            a: x.into(),
+            b: w.into(),
+            out: y.into(),
+            args: l.args,
+        };
+        be.launch(op, l.kernel, cfg, gemm)?;
+        be.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
+        return Ok(());
+    }
+    let cfg = gemm_grid(s.n * s.out_h() * s.out_w(), s.c_out, 1);
+    let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+    let kernel = if s.c_in % 8 == 0 {
+        "conv_fwd_vec"
+    } else {
+        "conv_fwd_scalar"
+    };
+    let gemm = ConvGemm {
+        a: x.into(),
+        b: w.into(),
+        out: y.into(),
+        shape: args,
+    };
+    be.launch(op, kernel, cfg, gemm)?;
+    be.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
+    Ok(())
+}
+
+/// See [`crate::backend::Backend::conv_backward_data`].
+pub(super) fn backward_data(
+    be: &CudaBackend,
+    s: &ConvShape,
+    dy: &CudaTensor,
+    w: &CudaTensor,
+    dx: &mut CudaTensor,
+    accumulate: bool,
+) -> Result<(), BackendError> {
+    let op = "conv_backward_data";
+    let mut args = conv_args(op, s)?;
+    args.accumulate = i32::from(accumulate);
+    check_len(op, "dy", dy.len, s.y_len())?;
+    check_len(op, "w", w.len, s.w_len())?;
+    check_len(op, "dx", dx.len, s.x_len())?;
+    if let Some(mut l) = be.conv2_plan(Pass::Dgrad, s) {
+        l.args.accumulate = i32::from(accumulate);
+        let cfg = be.conv2_prepare(op, &l)?;
+        let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+        let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let w = be.dgrad_weights(op, &l, s, w, &mut scratch)?;
+        let gemm = Conv2Gemm {
+            a: dy.into(),
+            b: w.into(),
+            out: dx.into(),
+            args: l.args,
+        };
+        be.launch(op, l.kernel, cfg, gemm)?;
+        be.note_work(
+            2 * (s.y_len() + s.w_len() + s.x_len() * (1 + usize::from(accumulate))),
+            s.flops(),
+        );
+        return Ok(());
+    }
+    let cfg = gemm_grid(s.n * s.h * s.w, s.c_in, 1);
+    let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+    let kernel = if s.c_in % 8 == 0 && s.c_out % 8 == 0 {
+        "conv_dgrad_vec"
+    } else {
+        "conv_dgrad_scalar"
+    };
+    let gemm = ConvGemm {
+        a: dy.into(),
+        b: w.into(),
+        out: dx.into(),
+        shape: args,
+    };
+    be.launch(op, kernel, cfg, gemm)?;
+    be.note_work(
+        2 * (s.y_len() + s.w_len() + s.x_len() * (1 + usize::from(accumulate))),
+        s.flops(),
+    );
+    Ok(())
+}
+
+/// See [`crate::backend::Backend::conv_backward_weight`].
+pub(super) fn backward_weight(
+    be: &CudaBackend,
+    s: &ConvShape,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    dw: &mut CudaTensor,
+) -> Result<(), BackendError> {
+    let op = "conv_backward_weight";
+    let mut args = conv_args(op, s)?;
+    check_len(op, "x", x.len, s.x_len())?;
+    check_len(op, "dy", dy.len, s.y_len())?;
+    check_len(op, "dw", dw.len, s.w_len())?;
+    if let Some(l) = be.conv2_plan(Pass::Wgrad, s) {
+        let cfg = be.conv2_prepare(op, &l)?;
+        let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
+        let dw = dw.f32_mut(op, "dw")?;
+        let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let Conv2Scratch { x8, planes, .. } = &mut *scratch;
+        let x = if l.pad_channels {
+            be.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
+            x8.as_ref().expect("padded")
+        } else {
+            x
+        };
+        // Every element of a slice's plane is stored once (no atomics, no zeroing): one
+        // slice writes dw itself; several write their planes, summed in slice order.
+        let slices = l.grid.2 as usize;
+        // What the GEMM itself moves: the operands read, and its planes (or dw) written.
+        let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * slices;
+        if slices == 1 {
+            let gemm = Conv2Wgrad {
+                dy: dy.into(),
+                x: x.into(),
+                dw: dw.into(),
+                args: l.args,
+            };
+            be.launch(op, l.kernel, cfg, gemm)?;
+            be.note_work(gemm_bytes, s.flops());
+        } else {
+            let len = s.w_len();
+            ensure(&be.dev, planes, slices * len, op)?;
+            let planes = planes.as_mut().expect("ensured");
+            let gemm = Conv2Wgrad {
+                dy: dy.into(),
+                x: x.into(),
+                dw: (&mut *planes).into(),
+                args: l.args,
+            };
+            be.launch(op, l.kernel, cfg, gemm)?;
+            be.note_work(gemm_bytes, s.flops());
+            let (len_i, slices_i) = (len as i64, to_i32(op, "slices", slices)?);
+            be.launch(
+                op,
+                "conv2_wgrad_reduce",
+                elementwise_cfg(len.div_ceil(4)),
+                Conv2WgradReduce {
+                    planes: (&*planes).into(),
+                    dw: dw.into(),
+                    len: len_i,
+                    slices: slices_i,
+                },
+            )?;
+            // The reduce reads every plane and writes dw once; it does no GEMM work.
+            be.note_work(4 * len * (slices + 1), 0.0);
+        }
+        return Ok(());
+    }
+    // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
+    // in f32 atomics on a zeroed gradient.
+    let reduction = s.n * s.out_h() * s.out_w();
+    let tiles = s.c_out.div_ceil(CONV_TILE) * s.w_len().div_ceil(s.c_out).div_ceil(CONV_TILE);
+    let want = (2 * be.sms as usize).div_ceil(tiles.max(1)).max(1);
+    let splits = want.min(reduction.div_ceil(256)).max(1);
+    let chunk = reduction.div_ceil(splits).div_ceil(32) * 32;
+    let splits = reduction.div_ceil(chunk);
+    args.k_chunk = to_i32(op, "k_chunk", chunk)?;
+    let cfg = gemm_grid(s.c_out, s.w_len() / s.c_out, splits);
+    let stream = be.dev.stream().clone();
+    let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
+    let dw = dw.f32_mut(op, "dw")?;
+    let mut head = dw.slice_mut(0..s.w_len());
+    stream.memset_zeros(&mut head).map_err(drv_err(op))?;
+    let kernel = match (s.c_out % 8 == 0, s.c_in % 8 == 0) {
+        (true, true) => "conv_wgrad_vec",
+        (true, false) => "conv_wgrad_stem",
+        _ => "conv_wgrad_scalar",
+    };
+    let gemm = ConvWgrad {
+        dy: dy.into(),
+        x: x.into(),
+        dw: dw.into(),
+        shape: args,
+    };
+    be.launch(op, kernel, cfg, gemm)?;
+    be.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
+    Ok(())
+}
