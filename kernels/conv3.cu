@@ -81,8 +81,9 @@ struct Conv3Epilogue {
 #endif
 
 #ifndef BT_EMULATE
-// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned (the emulator has its own).
-struct __align__(64) BtTmaMap {
+// The driver's CUtensorMap (cuda.h): 128 opaque bytes, 64-byte aligned (the emulator has its
+// own, kernels/emu/hopper.h).
+struct __align__(64) CUtensorMap {
     unsigned long long opaque[16];
 };
 #endif
@@ -151,7 +152,7 @@ __device__ __forceinline__ void c3_mbar_wait(unsigned bar, unsigned parity) {
 
 // TMA: the box at (c0, c1) of the tensor `map` into shared memory at `dst`, completing
 // its bytes on the mbarrier `bar`.
-__device__ __forceinline__ void c3_tma_load(unsigned dst, const BtTmaMap* map, int c0, int c1, unsigned bar) {
+__device__ __forceinline__ void c3_tma_load(unsigned dst, const CUtensorMap* map, int c0, int c1, unsigned bar) {
 #ifdef BT_EMULATE
     bt_emu_tma_load_2d(dst, map, c0, c1, bar);
 #else
@@ -256,7 +257,7 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 // MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
 // operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
 template <int EPI, int MN>
-__device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_a, const BtTmaMap* map_b, void* out,
+__device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     C3_SMEM(smem_raw);
@@ -486,13 +487,13 @@ __device__ __forceinline__ void conv3_gemm_1x1(const BtTmaMap* map_a, const BtTm
 
 // y = conv1x1(x, w); map_x: x as [M][K], map_w: w as [N][K]
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
-conv3_fwd_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y, Conv3Args args) {
+conv3_fwd_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
     conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_x, &map_w, y, args, Conv3Epilogue{});
 }
 
 // y = conv1x1(x, w) and the tile statistics of y in part ([2][gridDim.x][N]: means, then M2)
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
-conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constant__ BtTmaMap map_w, bf16* y,
+conv3_fwd_stats_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
                     Conv3Args args, float* part) {
     Conv3Epilogue ep{};
     ep.part = part;
@@ -502,7 +503,7 @@ conv3_fwd_stats_1x1(const __grid_constant__ BtTmaMap map_x, const __grid_constan
 // dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
 // map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights)
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
-conv3_dgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_wt, bf16* dx,
+conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                 Conv3Args args) {
     conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
 }
@@ -511,7 +512,7 @@ conv3_dgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__
 // dx = [bn_y > 0]·(dgrad1x1(dy, w) [+ dx with args.accumulate] [+ residual]) (bn_y, residual
 // may be null), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
-conv3_dgrad_bn_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_wt, bf16* dx,
+conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
@@ -522,7 +523,7 @@ conv3_dgrad_bn_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constan
 // one slice writes dw itself): the GEMM dw[K][C] = dyᵀ · x over the pixels, both operands
 // MN-major; map_dy: dy as [P][K] in boxes of 64 channels × 64 pixels, map_x: x as [P][C] alike
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
-conv3_wgrad_1x1(const __grid_constant__ BtTmaMap map_dy, const __grid_constant__ BtTmaMap map_x, float* dw,
+conv3_wgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {
     conv3_gemm_1x1<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }

@@ -27,6 +27,11 @@
 #                                # wheel pip-installed into a folder of its own, its gpu-marked
 #                                # pytest tests against the machine's PyTorch (device="cuda",
 #                                # side-stream copies, page-locked engine buffers)
+#   bash .gpu/gpu-run.sh hopper  # the v3 convolutions (kernels/conv3.cu, wgmma + TMA; < 6 min):
+#                                # sm_90a compile and report, their GPU tests against the CPU
+#                                # (ops, fused batch norm, a resnet50 step), compute-sanitizer,
+#                                # then resnet50 v3 against v2 in three alternating rounds and
+#                                # once with --breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -506,6 +511,31 @@ phase_python() {
   grep -v "^PASS " "$out/python-cpu-checks.txt" | tee -a "$summary"
 }
 
+phase_hopper() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check-90a 120 "$bin" kernels check --arch sm_90a
+  step test-conv3-ops 120 "$test_bin" --ignored --test-threads 1 --nocapture cuda_kernels::conv3_
+  $checks tests "$out/test-conv3-ops.log" cuda_kernels::conv3_ 2 | tee -a "$summary"
+  step test-conv3-step 150 "$test_bin" --ignored --test-threads 1 --nocapture \
+    cuda_step::resnet50_v3_step_matches_cpu
+  $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
+  if command -v compute-sanitizer >/dev/null; then
+    step sanitize-conv3 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$test_bin" --ignored --test-threads 1 cuda_kernels::conv3_ops
+  fi
+  local r v rounds_v3=() rounds_v2=()
+  for r in 1 2 3; do
+    for v in v3 v2; do
+      BIRDTRAIN_CONV=$v step "bench-resnet50-$v-r$r" 60 "$bin" bench step --model resnet50 \
+        --batch-size 256 --json --warmup 10 --steps 40
+    done
+    rounds_v3+=("$out/bench-resnet50-v3-r$r.log"); rounds_v2+=("$out/bench-resnet50-v2-r$r.log")
+  done
+  check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
+  BIRDTRAIN_CONV=v3 step bench-resnet50-v3-breakdown 90 "$bin" bench step --model resnet50 \
+    --batch-size 256 --json --breakdown --warmup 10 --steps 20
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -540,9 +570,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

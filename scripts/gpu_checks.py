@@ -35,6 +35,8 @@
   fusion-rounds MODEL FUSED,… SEPARATE,…  `bench step` logs (no --breakdown) of rounds run in
                                   turn, fused and separate: the median ms per step of each and
                                   every round's figure; PASS when the fused median is lower
+  conv3-rounds MODEL V3,… V2,…    the same for BIRDTRAIN_CONV=v3 (Hopper 1×1 kernels) against
+                                  v2: PASS when the v3 median is lower
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
                                   against B alone and against one batch of B·K (a measurement:
                                   PASS when all three ran and the accumulated run said so)
@@ -356,6 +358,16 @@ def fusion_rounds(model, fused_logs, separate_logs):
                f"rounds fused/separate {rounds}; {device})")
 
 
+def conv3_rounds(model, v3_logs, v2_logs):
+    v3 = [last_report(p)["ms_per_step"] for p in v3_logs.split(",")]
+    v2 = [last_report(p)["ms_per_step"] for p in v2_logs.split(",")]
+    a, b = median(v3), median(v2)
+    rounds = "; ".join(f"{x:.2f}/{y:.2f}" for x, y in zip(v3, v2))
+    device = last_report(v3_logs.split(",")[0]).get("device", "?")
+    return say(a < b, f"conv3-timing {model}",
+               f"median v3 {a:.2f} ms vs v2 {b:.2f} ms a step (x{b / a:.3f}; rounds v3/v2 {rounds}; {device})")
+
+
 def accum_cost(log_accum, log_micro, log_whole):
     rates = [last_epoch_rate(p) for p in (log_accum, log_micro, log_whole)]
     if any(r is None for r in rates):
@@ -403,6 +415,7 @@ def main(argv):
         "tests": (tests, (3,)), "pytest": (pytest, (2,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
+        "conv3-rounds": (conv3_rounds, (3,)),
         "tta": (tta, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:

@@ -119,6 +119,8 @@ struct alignas(64) BtTmaMap {
     unsigned char pad[128 - 48];
 };
 static_assert(sizeof(BtTmaMap) == 128, "a tensor map is 128 bytes");
+// The name the kernels use for the driver's type.
+typedef BtTmaMap CUtensorMap;
 
 // cuTensorMapEncodeTiled for a row-major [dim1][dim0] bf16 matrix with the given row pitch,
 // zeros for out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).

@@ -17,7 +17,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaError;
 
-/// The environment variable that selects the convolution kernels (`v1` or `v2`).
+/// The environment variable that selects the convolution kernels (`v1`, `v2` or `v3`).
 pub const CONV_ENV: &str = "BIRDTRAIN_CONV";
 
 /// Which generation of convolution kernels the backend launches.
@@ -27,6 +27,9 @@ pub enum ConvVersion {
     V1,
     /// kernels/conv2.cu: cp.async pipeline, per-layer tiles, phased dgrad, split wgrad.
     V2,
+    /// kernels/conv3.cu on Hopper (compute capability 9.0): 1×1 convolutions at stride 1 as
+    /// `wgmma` GEMMs fed by TMA; every other layer (and every layer on another GPU) as v2.
+    V3,
 }
 
 impl ConvVersion {
@@ -35,8 +38,9 @@ impl ConvVersion {
         match value.map(str::trim) {
             None | Some("") | Some("v2") => Ok(ConvVersion::V2),
             Some("v1") => Ok(ConvVersion::V1),
+            Some("v3") => Ok(ConvVersion::V3),
             Some(other) => Err(CudaError::Unsupported {
-                what: format!("{CONV_ENV}={other:?}: expected v1 or v2 (unset means v2)"),
+                what: format!("{CONV_ENV}={other:?}: expected v1, v2 or v3 (unset means v2)"),
             }),
         }
     }
@@ -508,9 +512,10 @@ mod tests {
         assert_eq!(ConvVersion::parse(None).unwrap(), ConvVersion::V2);
         assert_eq!(ConvVersion::parse(Some("v1")).unwrap(), ConvVersion::V1);
         assert_eq!(ConvVersion::parse(Some(" v2 ")).unwrap(), ConvVersion::V2);
-        let e = ConvVersion::parse(Some("v3")).unwrap_err().to_string();
+        assert_eq!(ConvVersion::parse(Some("v3")).unwrap(), ConvVersion::V3);
+        let e = ConvVersion::parse(Some("v4")).unwrap_err().to_string();
         assert!(
-            e.contains("BIRDTRAIN_CONV=\"v3\"") && e.contains("v1 or v2"),
+            e.contains("BIRDTRAIN_CONV=\"v4\"") && e.contains("v1, v2 or v3"),
             "{e}"
         );
     }

@@ -362,7 +362,11 @@ mod tests {
         let (w, slices) = wgrad_args(&big, 132).unwrap();
         assert_eq!((w.m, w.n, w.k), (64, 64, 802_816));
         assert_eq!(w.k_chunk % 64, 0);
-        assert!(slices >= 120 && slices as i32 * w.k_chunk >= w.k, "{slices} × {}", w.k_chunk);
+        assert!(
+            slices >= 120 && slices as i32 * w.k_chunk >= w.k,
+            "{slices} × {}",
+            w.k_chunk
+        );
         assert!((slices as i32 - 1) * w.k_chunk < w.k, "no empty slice");
         assert_eq!(grid(&d), (4, 1, 1));
         assert_eq!(transpose_launch(256, 64), ((2, 8, 1), (32, 8, 1)));

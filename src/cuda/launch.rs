@@ -240,6 +240,8 @@ value_arg! {
     f32 => "float",
     f64 => "double",
     super::conv::Conv2Args => "Conv2Args",
+    super::conv3::Conv3Args => "Conv3Args",
+    super::conv3::TensorMap => "CUtensorMap",
 }
 
 /// A kernel's launcher (declared by [`kernel_launchers!`]).

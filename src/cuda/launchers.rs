@@ -110,6 +110,50 @@ kernel_launchers! {
         c_to: i32,
     }
 
+    // conv3.cu (v3, Hopper: operands through TMA tensor maps)
+    /// The v3 forward and data-gradient GEMMs: `out = a · bᵀ` (+ out with `args.accumulate`).
+    "conv3.cu" Conv3Gemm<'a> ["conv3_fwd_1x1", "conv3_dgrad_1x1"] {
+        map_a: super::conv3::TensorMap,
+        map_b: super::conv3::TensorMap,
+        out: Out<'a, u16>,
+        args: super::conv3::Conv3Args,
+    }
+    /// The v3 forward GEMM with the batch-norm statistics epilogue (tile records in `part`).
+    "conv3.cu" Conv3FwdStats<'a> ["conv3_fwd_stats_1x1"] {
+        map_x: super::conv3::TensorMap,
+        map_w: super::conv3::TensorMap,
+        y: Out<'a, u16>,
+        args: super::conv3::Conv3Args,
+        part: Out<'a, f32>,
+    }
+    /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract).
+    "conv3.cu" Conv3DgradBn<'a> ["conv3_dgrad_bn_1x1"] {
+        map_dy: super::conv3::TensorMap,
+        map_wt: super::conv3::TensorMap,
+        dx: Out<'a, u16>,
+        args: super::conv3::Conv3Args,
+        part: Out<'a, f32>,
+        bn_y: Option<In<'a, u16>>,
+        bn_x: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        residual: Option<In<'a, u16>>,
+    }
+    /// The v3 weight gradient: one f32 plane per reduction slice.
+    "conv3.cu" Conv3Wgrad<'a> ["conv3_wgrad_1x1"] {
+        map_dy: super::conv3::TensorMap,
+        map_x: super::conv3::TensorMap,
+        dw: Out<'a, f32>,
+        args: super::conv3::Conv3Args,
+    }
+    /// The weight transposed for the v3 data gradient.
+    "conv3.cu" Conv3TransposeWeights<'a> ["conv3_transpose_weights"] {
+        w: In<'a, u16>,
+        wt: Out<'a, u16>,
+        rows: i32,
+        cols: i32,
+    }
+
     // bn.cu
     /// Per-slab mean and M2 of each channel.
     "bn.cu" BnStatsPartial<'a> ["bn_stats_partial", "bn_stats_partial_vec"] {

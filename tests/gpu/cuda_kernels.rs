@@ -899,3 +899,168 @@ fn fused_optimizer_matches_cpu_optimizer() {
         }
     }
 }
+
+/// The GPU backend with the Hopper convolutions (`BIRDTRAIN_CONV=v3`), or `None` (saying so)
+/// on a GPU without them (compute capability other than 9.0: v3 falls back to v2 there),
+/// saying so for `test`.
+fn hopper_v3(test: &str) -> Option<CudaBackend> {
+    let mut gb = gpu();
+    let arch = gb.device().arch();
+    if (arch.major, arch.minor) != (9, 0) {
+        eprintln!(
+            "skipped {test}: the v3 kernels need a Hopper GPU (compute capability 9.0), this is {arch}"
+        );
+        return None;
+    }
+    gb.set_conv_version(ConvVersion::V3);
+    Some(gb)
+}
+
+/// 1×1 layers at stride 1 (the ones v3 takes): tails in every GEMM dimension, rings that
+/// wrap, a weight gradient split into several reduction slices, the smallest layer.
+fn conv3_shapes() -> Vec<ConvShape> {
+    let c = |n, h, w, c_in, c_out| ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel: 1,
+        stride: 1,
+        padding: 0,
+    };
+    vec![
+        c(2, 7, 9, 64, 256),
+        c(3, 13, 13, 136, 72),
+        c(1, 5, 5, 8, 8),
+        c(2, 16, 16, 520, 64),
+        c(8, 28, 28, 256, 64),
+    ]
+}
+
+/// The bits of a GPU tensor, for the repeat checks.
+fn bits(gb: &CudaBackend, t: &birdtrain::cuda::CudaTensor) -> Vec<u32> {
+    gb.download(t)
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// The v3 forward, data-gradient and weight-gradient kernels against the CPU (the v2 tests'
+/// tolerances: bf16 outputs 1e-2 + 1/128 relative, the f32 weight gradient 2e-3 + 1e-4), each
+/// launch twice to the bit, and the v3 kernels are the ones that ran.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv3_ops_match_cpu_and_repeat_bitwise() {
+    let Some(gb) = hopper_v3("conv3_ops_match_cpu_and_repeat_bitwise") else {
+        return;
+    };
+    let cb = cpu();
+    gb.set_profiling(true);
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for s in conv3_shapes() {
+        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+        let mut yc = vec![0.0; s.y_len()];
+        cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
+        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+        let first = bits(&gb, &yg);
+        assert_close(
+            &format!("v3 conv_forward {s:?}"),
+            &gb.download(&yg).unwrap(),
+            &yc,
+            1e-2,
+            EPS_BF16,
+        );
+        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+        assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
+        for accumulate in [false, true] {
+            let dx0 = data(&mut rng, s.x_len(), 1.0);
+            let mut dxc = dx0.clone();
+            cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
+                .unwrap();
+            let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
+            gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
+                .unwrap();
+            assert_close(
+                &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
+                &gb.download(&dxg).unwrap(),
+                &dxc,
+                1e-2,
+                EPS_BF16,
+            );
+        }
+        let mut dwc = vec![0.0; s.w_len()];
+        cb.conv_backward_weight(&s, &x.c, &dy.c, &mut dwc).unwrap();
+        let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+        gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
+        let first = bits(&gb, &dwg);
+        assert_close(
+            &format!("v3 conv_backward_weight {s:?}"),
+            &gb.download(&dwg).unwrap(),
+            &dwc,
+            2e-3,
+            1e-4,
+        );
+        gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
+        assert_eq!(
+            first,
+            bits(&gb, &dwg),
+            "v3 conv_backward_weight {s:?} repeats"
+        );
+    }
+    let ran: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+    gb.set_profiling(false);
+    for kernel in [
+        "conv3_fwd_1x1",
+        "conv3_dgrad_1x1",
+        "conv3_transpose_weights",
+        "conv3_wgrad_1x1",
+        "conv2_wgrad_reduce",
+    ] {
+        assert!(ran.contains(&kernel), "{kernel} did not run: {ran:?}");
+    }
+    assert!(
+        !ran.iter()
+            .any(|k| k.starts_with("conv2_fwd") || k.starts_with("conv2_dgrad")),
+        "v2 ran a layer v3 takes: {ran:?}"
+    );
+}
+
+/// The fused batch-norm ops with v3 (its statistics and batch-norm gradient epilogues on the
+/// 1×1 layers, v2 on the others) against the CPU, with the v2 test's tolerance, then twice to
+/// the bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
+    let Some(gb) = hopper_v3("conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise") else {
+        return;
+    };
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    let mut shapes = bn_fusion_shapes();
+    shapes.extend(conv3_shapes());
+    gb.set_profiling(true);
+    let reports = check_bn_fusion(&gb, &shapes, tol).unwrap_or_else(|e| panic!("v3: {e}"));
+    for r in &reports {
+        println!("V3 {r}");
+    }
+    let kernels: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+    gb.set_profiling(false);
+    for kernel in [
+        "conv3_fwd_stats_1x1",
+        "conv3_dgrad_bn_1x1",
+        "conv2_fwd_stats_128x64",
+    ] {
+        assert!(
+            kernels.contains(&kernel),
+            "{kernel} did not run: {kernels:?}"
+        );
+    }
+    check_bn_fusion_repeatable(&gb, &shapes).unwrap_or_else(|e| panic!("v3: {e}"));
+}

@@ -4,6 +4,7 @@
 //!   batch norm in its own passes (the default), and with v2 and batch norm fused into the
 //!   convolutions (`BIRDTRAIN_BN_FUSION=1`; each test sets the sequence itself);
 //! - the fused step twice on the same batch: the same bits;
+//! - one resnet50 step with the Hopper convolutions (v3: its 1×1 layers), fused and separate;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!
 //! Tolerances. Each gradient tensor is compared as a whole (relative L2 error
@@ -87,6 +88,30 @@ fn resnet18_step_matches_cpu() {
             resnet18_step_table(version, fusion)
                 .into_iter()
                 .map(|f| format!("{version:?} bn fusion {fusion}: {f}")),
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn resnet50_v3_step_matches_cpu() {
+    // resnet50's bottlenecks hold the 1×1 layers the Hopper kernels take (conv1 and conv3 of
+    // every block): the whole step with them, batch norm fused and separate, against the CPU.
+    let backend = CudaBackend::new(0).unwrap();
+    let arch = backend.device().arch();
+    if (arch.major, arch.minor) != (9, 0) {
+        eprintln!(
+            "skipped resnet50_v3_step_matches_cpu: the v3 kernels need a Hopper GPU (compute capability 9.0), this is {arch}"
+        );
+        return;
+    }
+    let mut failures = Vec::new();
+    for fusion in [true, false] {
+        failures.extend(
+            step_table(Arch::ResNet50, ConvVersion::V3, fusion)
+                .into_iter()
+                .map(|f| format!("V3 bn fusion {fusion}: {f}")),
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -193,7 +218,12 @@ fn step_tensors<B: Backend>(
 /// f32 CPU (the reference), twice (without and with augmentation); prints every tensor's
 /// error and returns the failures.
 fn resnet18_step_table(version: ConvVersion, fusion: bool) -> Vec<String> {
-    let graph = Graph::new(Arch::ResNet18, 10);
+    step_table(Arch::ResNet18, version, fusion)
+}
+
+/// [`resnet18_step_table`] for another network.
+fn step_table(arch: Arch, version: ConvVersion, fusion: bool) -> Vec<String> {
+    let graph = Graph::new(arch, 10);
     let (n, size) = (4, 64u32);
     let mut backend = CudaBackend::new(0).unwrap();
     backend.set_conv_version(version);
@@ -205,7 +235,8 @@ fn resnet18_step_table(version: ConvVersion, fusion: bool) -> Vec<String> {
     let mut failures = Vec::new();
     for augment in [None, Some(&aug[..])] {
         let pass = format!(
-            "{version:?} bn fusion {fusion} augment={}",
+            "{} {version:?} bn fusion {fusion} augment={}",
+            arch.name(),
             augment.is_some()
         );
         let batch = InputBatch {

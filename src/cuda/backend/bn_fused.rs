@@ -27,6 +27,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::base::{check_len, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend};
 use super::bn::reduction_launch;
 use super::conv::conv_args;
+use super::conv3::DgradBn;
 use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
@@ -121,6 +122,28 @@ pub(super) fn conv_forward_moments(
     check_len(op, "y", y.len, s.y_len())?;
     check_len(op, "moments", moments.len, 3 * s.c_out)?;
     let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
+    if be.conv3_takes(s) {
+        // The v3 GEMM's epilogue writes conv2's records (128-row tiles).
+        let records = rows.div_ceil(TILE_ROWS);
+        let (xs, ws, ys) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+        let mut work = be.work();
+        let wk = &mut *work;
+        ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        be.conv3_forward(op, s, xs, ws, ys, Some(&mut *part))?;
+        let moments = moments.f32_mut(op, "moments")?;
+        return merge_moments(
+            be,
+            op,
+            part,
+            records,
+            rows,
+            c,
+            TILE_ROWS,
+            moments,
+            &mut wk.f32b,
+        );
+    }
     let Some(fwd) = epilogue_plan(be, Pass::Forward, s) else {
         // No fused kernel: the convolution, then the slab statistics of its output.
         be.conv_forward(s, x, w, y)?;
@@ -238,6 +261,29 @@ pub(super) fn conv_backward_data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
+    if be.conv3_takes(s) {
+        let records = rows.div_ceil(TILE_ROWS);
+        let mut work = be.work();
+        let wk = &mut *work;
+        ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        let (dys, ws, dxs) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+        let epilogue = DgradBn {
+            part: &mut *part,
+            bn_y,
+            bn_x: bx,
+            mean,
+            invstd,
+            residual,
+        };
+        be.conv3_backward_data(op, s, dys, ws, dxs, accumulate, Some(epilogue))?;
+        let part = wk.f32a.as_ref().expect("ensured");
+        let (dbeta, dgamma) = (
+            bn.dbeta.f32_mut(op, "dbeta")?,
+            bn.dgamma.f32_mut(op, "dgamma")?,
+        );
+        return merge_sums(be, op, part, records, c, dbeta, dgamma, &mut wk.f32b);
+    }
     let plan = epilogue_plan(be, Pass::Dgrad, s);
     if plan.is_none() {
         // No fused kernel: the plain data gradient first (before the workspace is held).

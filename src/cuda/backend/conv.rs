@@ -1,5 +1,6 @@
-//! The convolutions: v2 (kernels/conv2.cu, the default) where its planner takes the shape,
-//! else v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the padded
+//! The convolutions: with `BIRDTRAIN_CONV=v3`, the Hopper kernels where they take the layer
+//! (`conv3.rs`); v2 (kernels/conv2.cu, the default) where its planner takes the shape, else
+//! v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the padded
 //! stem, the phase-ordered dgrad weight, the launch configuration of a plan).
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
@@ -22,9 +23,10 @@ const CONV_THREADS: u32 = 256;
 const CONV_TILE: usize = 128;
 
 impl CudaBackend {
-    /// The v2 launch of `pass`, when v2 is selected and takes this shape (else v1 runs).
+    /// The v2 launch of `pass`, when v2 (or v3, for the layers its kernels leave to v2) is
+    /// selected and takes this shape (else v1 runs).
     pub(super) fn conv2_plan(&self, pass: Pass, s: &ConvShape) -> Option<Conv2Launch> {
-        (self.conv == ConvVersion::V2)
+        (self.conv != ConvVersion::V1)
             .then(|| plan::plan(pass, s, &self.limits).ok())
             .flatten()
     }
@@ -167,6 +169,10 @@ pub(super) fn forward(
     check_len(op, "x", x.len, s.x_len())?;
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "y", y.len, s.y_len())?;
+    if be.conv3_takes(s) {
+        let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+        return be.conv3_forward(op, s, x, w, y, None);
+    }
     if let Some(l) = be.conv2_plan(Pass::Forward, s) {
         let cfg = be.conv2_prepare(op, &l)?;
         let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
@@ -223,6 +229,10 @@ pub(super) fn backward_data(
     check_len(op, "dy", dy.len, s.y_len())?;
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "dx", dx.len, s.x_len())?;
+    if be.conv3_takes(s) {
+        let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+        return be.conv3_backward_data(op, s, dy, w, dx, accumulate, None);
+    }
     if let Some(mut l) = be.conv2_plan(Pass::Dgrad, s) {
         l.args.accumulate = i32::from(accumulate);
         let cfg = be.conv2_prepare(op, &l)?;
@@ -276,6 +286,10 @@ pub(super) fn backward_weight(
     check_len(op, "x", x.len, s.x_len())?;
     check_len(op, "dy", dy.len, s.y_len())?;
     check_len(op, "dw", dw.len, s.w_len())?;
+    if be.conv3_takes(s) {
+        let (dy, x, dw) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?, dw.f32_mut(op, "dw")?);
+        return be.conv3_backward_weight(op, s, x, dy, dw);
+    }
     if let Some(l) = be.conv2_plan(Pass::Wgrad, s) {
         let cfg = be.conv2_prepare(op, &l)?;
         let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);

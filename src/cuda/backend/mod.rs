@@ -8,7 +8,7 @@
 //!
 //! One file per op family, as in the CPU backend (`src/backend/cpu/`): `conv.rs`, `bn.rs`,
 //! `bn_sync.rs` (synchronised batch norm), `bn_fused.rs` (batch norm fused into the
-//! convolutions), `pool.rs`, `dense.rs` (the classifier head), `loss.rs`, `input.rs` and
+//! convolutions), `conv3.rs` (the Hopper convolutions), `pool.rs`, `dense.rs` (the classifier head), `loss.rs`, `input.rs` and
 //! `profile.rs` (`--breakdown`'s per-launch timing), with what they share in `base.rs` (the
 //! backend's state, the checks, the one launch path every kernel takes with its typed
 //! launcher from `src/cuda/launchers.rs`); this file opens the backend, holds its memory ops
@@ -31,6 +31,7 @@ mod bn;
 mod bn_fused;
 mod bn_sync;
 mod conv;
+mod conv3;
 mod dense;
 mod input;
 mod loss;
@@ -295,8 +296,9 @@ impl Backend for CudaBackend {
     }
 
     fn bn_fusion(&self) -> bool {
-        // The epilogues are v2 kernels; with v1 the fused ops would only compose the passes.
-        self.bn_fusion && self.conv == ConvVersion::V2
+        // The epilogues are v2 (and v3) kernels; with v1 the fused ops would only compose the
+        // passes.
+        self.bn_fusion && self.conv != ConvVersion::V1
     }
 
     fn conv_forward_moments(

@@ -1,0 +1,262 @@
+//! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1
+//! on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
+//! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
+//! maps (a host call, no device work) and passes them by value.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+
+use super::base::{dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend};
+use crate::backend::{BackendError, ConvShape};
+use crate::cuda::conv::ConvVersion;
+use crate::cuda::conv3::{self, Conv3Args, TensorMap};
+use crate::cuda::error::CudaError;
+use crate::cuda::launchers::{
+    Conv2WgradReduce, Conv3DgradBn, Conv3FwdStats, Conv3Gemm, Conv3TransposeWeights, Conv3Wgrad,
+};
+
+/// The batch-norm gradient epilogue's operands of a v3 data gradient (conv2's contract).
+pub(super) struct DgradBn<'a> {
+    /// The per-tile records (`[2][tiles][channels]`).
+    pub(super) part: &'a mut CudaSlice<f32>,
+    /// The batch norm's output (its ReLU's mask), or none.
+    pub(super) bn_y: Option<&'a CudaSlice<u16>>,
+    /// The batch norm's input.
+    pub(super) bn_x: &'a CudaSlice<u16>,
+    /// Its saved mean and 1/std.
+    pub(super) mean: &'a CudaSlice<f32>,
+    /// See `mean`.
+    pub(super) invstd: &'a CudaSlice<f32>,
+    /// A gradient added before the mask, or none.
+    pub(super) residual: Option<&'a CudaSlice<u16>>,
+}
+
+impl CudaBackend {
+    /// Whether v3 is selected and takes this layer on this GPU.
+    pub(super) fn conv3_takes(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes(s, self.dev.arch())
+    }
+
+    /// The launch configuration of a v3 GEMM over `grid`, after raising the kernel's dynamic
+    /// shared-memory limit to the ring's size.
+    fn conv3_prepare(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+    ) -> Result<LaunchConfig, BackendError> {
+        self.dev
+            .function(conv3::FILE, kernel)
+            .map_err(dev_err(op))?
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                conv3::SMEM_BYTES as i32,
+            )
+            .map_err(drv_err(op))?;
+        Ok(LaunchConfig {
+            grid_dim: grid,
+            block_dim: (conv3::THREADS, 1, 1),
+            shared_mem_bytes: conv3::SMEM_BYTES as u32,
+        })
+    }
+
+    /// The tensor map of `buf` as a `[rows][cols]` bf16 matrix read in boxes of `box_rows`.
+    fn tensor_map(
+        &self,
+        op: &'static str,
+        buf: &CudaSlice<u16>,
+        rows: usize,
+        cols: usize,
+        box_rows: usize,
+    ) -> Result<TensorMap, BackendError> {
+        let (ptr, _record) = buf.device_ptr(self.dev.stream());
+        TensorMap::bf16_matrix(ptr, rows, cols, box_rows).map_err(dev_err(op))
+    }
+
+    /// y = conv1x1(x, w), and with `part` the per-tile statistics records of y.
+    pub(super) fn conv3_forward(
+        &self,
+        op: &'static str,
+        s: &ConvShape,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<u16>,
+        part: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), BackendError> {
+        let args = forward_args(op, s)?;
+        let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let map_x = self.tensor_map(op, x, m, k, conv3::TILE_M)?;
+        let map_w = self.tensor_map(op, w, n, k, conv3::TILE_N)?;
+        let records = m.div_ceil(conv3::TILE_M);
+        let bytes = 2 * (s.x_len() + s.w_len() + s.y_len());
+        match part {
+            None => {
+                let cfg = self.conv3_prepare(op, conv3::FWD_KERNEL, conv3::grid(&args))?;
+                let gemm = Conv3Gemm {
+                    map_a: map_x,
+                    map_b: map_w,
+                    out: y.into(),
+                    args,
+                };
+                self.launch(op, conv3::FWD_KERNEL, cfg, gemm)?;
+                self.note_work(bytes, s.flops());
+            }
+            Some(part) => {
+                let cfg = self.conv3_prepare(op, conv3::FWD_STATS_KERNEL, conv3::grid(&args))?;
+                let gemm = Conv3FwdStats {
+                    map_x,
+                    map_w,
+                    y: y.into(),
+                    args,
+                    part: part.into(),
+                };
+                self.launch(op, conv3::FWD_STATS_KERNEL, cfg, gemm)?;
+                self.note_work(bytes + 8 * records * n, s.flops());
+            }
+        }
+        Ok(())
+    }
+
+    /// dx = dgrad1x1(dy, w) (+ dx when `accumulate`), through the transposed weight in the
+    /// scratch; with `bn`, the batch-norm gradient epilogue and its records.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn conv3_backward_data(
+        &self,
+        op: &'static str,
+        s: &ConvShape,
+        dy: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        dx: &mut CudaSlice<u16>,
+        accumulate: bool,
+        bn: Option<DgradBn<'_>>,
+    ) -> Result<(), BackendError> {
+        let args = conv3::dgrad_args(s, accumulate).ok_or_else(|| too_large(op, s))?;
+        let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let Conv2Scratch { wt, .. } = &mut *scratch;
+        ensure(&self.dev, wt, s.w_len(), op)?;
+        let wt = wt.as_mut().expect("ensured");
+        // w is [K = c_out][c_in]; the GEMM's B is wᵀ, [c_in][K] (K-major).
+        let (grid, block) = conv3::transpose_launch(k, n);
+        let transpose = Conv3TransposeWeights {
+            w: w.into(),
+            wt: (&mut *wt).into(),
+            rows: to_i32(op, "c_out", k)?,
+            cols: to_i32(op, "c_in", n)?,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        self.launch(op, conv3::TRANSPOSE_KERNEL, cfg, transpose)?;
+        self.note_work(4 * s.w_len(), 0.0);
+        let map_dy = self.tensor_map(op, dy, m, k, conv3::TILE_M)?;
+        let map_wt = self.tensor_map(op, wt, n, k, conv3::TILE_N)?;
+        let streams = 2 + usize::from(accumulate);
+        let bytes = 2 * (s.y_len() + s.w_len() + s.x_len() * streams);
+        match bn {
+            None => {
+                let cfg = self.conv3_prepare(op, conv3::DGRAD_KERNEL, conv3::grid(&args))?;
+                let gemm = Conv3Gemm {
+                    map_a: map_dy,
+                    map_b: map_wt,
+                    out: dx.into(),
+                    args,
+                };
+                self.launch(op, conv3::DGRAD_KERNEL, cfg, gemm)?;
+                self.note_work(bytes, s.flops());
+            }
+            Some(bn) => {
+                let cfg = self.conv3_prepare(op, conv3::DGRAD_BN_KERNEL, conv3::grid(&args))?;
+                let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
+                let records = m.div_ceil(conv3::TILE_M);
+                let gemm = Conv3DgradBn {
+                    map_dy,
+                    map_wt,
+                    dx: dx.into(),
+                    args,
+                    part: bn.part.into(),
+                    bn_y: bn.bn_y.map(Into::into),
+                    bn_x: bn.bn_x.into(),
+                    mean: bn.mean.into(),
+                    invstd: bn.invstd.into(),
+                    residual: bn.residual.map(Into::into),
+                };
+                self.launch(op, conv3::DGRAD_BN_KERNEL, cfg, gemm)?;
+                self.note_work(bytes + 2 * s.x_len() * extra + 8 * records * n, s.flops());
+            }
+        }
+        Ok(())
+    }
+
+    /// dw = wgrad1x1(x, dy): slices of the pixels into f32 planes, summed in slice order by
+    /// conv2.cu's reduce (one slice writes dw itself).
+    pub(super) fn conv3_backward_weight(
+        &self,
+        op: &'static str,
+        s: &ConvShape,
+        x: &CudaSlice<u16>,
+        dy: &CudaSlice<u16>,
+        dw: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        let (args, slices) =
+            conv3::wgrad_args(s, self.sms as usize).ok_or_else(|| too_large(op, s))?;
+        let (pixels, c_out, c_in) = (args.k as usize, args.m as usize, args.n as usize);
+        // Both operands MN-major: boxes of 64 channels × 64 pixels.
+        let map_dy = self.tensor_map(op, dy, pixels, c_out, conv3::TILE_K)?;
+        let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
+        let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
+        let cfg = self.conv3_prepare(op, conv3::WGRAD_KERNEL, grid)?;
+        let len = s.w_len();
+        let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * len * slices;
+        if slices == 1 {
+            let gemm = Conv3Wgrad {
+                map_dy,
+                map_x,
+                dw: dw.into(),
+                args,
+            };
+            self.launch(op, conv3::WGRAD_KERNEL, cfg, gemm)?;
+            self.note_work(gemm_bytes, s.flops());
+            return Ok(());
+        }
+        let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let Conv2Scratch { planes, .. } = &mut *scratch;
+        ensure(&self.dev, planes, slices * len, op)?;
+        let planes = planes.as_mut().expect("ensured");
+        let gemm = Conv3Wgrad {
+            map_dy,
+            map_x,
+            dw: (&mut *planes).into(),
+            args,
+        };
+        self.launch(op, conv3::WGRAD_KERNEL, cfg, gemm)?;
+        self.note_work(gemm_bytes, s.flops());
+        let reduce = Conv2WgradReduce {
+            planes: (&*planes).into(),
+            dw: dw.into(),
+            len: len as i64,
+            slices: to_i32(op, "slices", slices)?,
+        };
+        self.launch(
+            op,
+            "conv2_wgrad_reduce",
+            elementwise_cfg(len.div_ceil(4)),
+            reduce,
+        )?;
+        self.note_work(4 * len * (slices + 1), 0.0);
+        Ok(())
+    }
+}
+
+/// The forward GEMM's arguments, or the error naming a layer too large for 32-bit indices.
+fn forward_args(op: &'static str, s: &ConvShape) -> Result<Conv3Args, BackendError> {
+    conv3::forward_args(s).ok_or_else(|| too_large(op, s))
+}
+
+fn too_large(op: &'static str, s: &ConvShape) -> BackendError {
+    dev_err(op)(CudaError::Unsupported {
+        what: format!("{s:?}: an extent beyond the v3 kernels' 32-bit indices"),
+    })
+}
