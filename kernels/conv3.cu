@@ -24,6 +24,12 @@
 // releases that previous slice's stage. Everything outside the tensors (the M, N and K tails)
 // is filled with zeros by the TMA unit, so no thread tests a bound in the k-loop. The first
 // wgmma of the tile overwrites the accumulators (scale-d = 0) instead of zeroing them first.
+// 3×3 convolutions at stride 1 take the same loop (TAPS): the block's 128 output rows are a
+// tile of whole images × rows × columns of the output (powers of two that divide the batch,
+// height and width, chosen by the host), the reduction runs over (tap, channel) with the
+// weight as [K][9·C], and the A box of each k-step is the input's 4-D tile (64 channels × the
+// tile's columns × rows × images) shifted by the tap, which TMA fills with zeros where it
+// leaves the image: the padding costs nothing and no thread computes an address.
 // Epilogue (all 384 threads): the accumulators are rounded to bf16 and staged in shared
 // memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
 // tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
@@ -38,7 +44,7 @@
 // mbarriers. The epilogue reuses the stages for the staged tile ([128][128 + 8] bf16) and its
 // reduction scratch. part ([2][gridDim.x][N]: tile means, then M2) as conv2_fwd_stats_*.
 //
-// Launch configuration. grid = (ceil(M/128), ceil(N/128)), 384 threads (warpgroup 0 the
+// Launch configuration. grid = (ceil(M/128), ceil(N/128), reduction slices), 384 threads (warpgroup 0 the
 // producer, 1 and 2 the consumers), dynamic shared memory CONV3_SMEM_BYTES (4 stages of
 // 32 KiB, the barriers and 1 KiB of alignment slack: 132 KiB, one block per SM), the tensor
 // maps as `__grid_constant__` parameters (src/cuda/conv3.rs encodes them with
@@ -52,6 +58,10 @@ struct Conv3Args {
     int k;           // reduction: input channels (dgrad: output channels), % 8 == 0
     int accumulate;  // dgrad: add into the output instead of overwriting it
     int k_chunk;     // reduction per gridDim.z slice (a multiple of C3_BK; wgrad splits, else k)
+    // 3×3 forward (TAPS): the output's height and width (= the input's: stride 1), the tile's
+    // height and width in pixels (tile_h · tile_w divides 128; the rest of the 128 rows are
+    // whole images), the padding and the filter size; 0 for the 1×1 kernels.
+    int height, width, tile_h, tile_w, pad, taps;
 };
 
 // The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
@@ -163,6 +173,21 @@ __device__ __forceinline__ void c3_tma_load(unsigned dst, const CUtensorMap* map
 #endif
 }
 
+// TMA: the 4-D box at (c0, c1, c2, c3) (channels, column, row, image of an NHWC tensor);
+// coordinates outside the tensor (the padding) read as zeros.
+__device__ __forceinline__ void c3_tma_load_4d(unsigned dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                               unsigned bar) {
+#ifdef BT_EMULATE
+    bt_emu_tma_load_4d(dst, map, c0, c1, c2, c3, bar);
+#else
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+#endif
+}
+
 // The descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 bytes, 8-row
 // atoms 1024 bytes apart (the stride-dimension offset), the leading-dimension offset unused.
 __device__ __forceinline__ unsigned long long c3_desc(unsigned addr) {
@@ -256,8 +281,11 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 // K-major (MN = 0: forward, dgrad; one box of 64 k × 128 rows per operand and stage) or both
 // MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
 // operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
-template <int EPI, int MN>
-__device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
+// TAPS = 1: the 3×3 forward, whose 128 rows are a tile of tile_n images × tile_h rows ×
+// tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
+// padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step.
+template <int EPI, int MN, int TAPS = 0>
+__device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     C3_SMEM(smem_raw);
@@ -270,6 +298,22 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
     const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * C3_BN;
     const int k_begin = blockIdx.z * a.k_chunk, k_end = min(a.k, k_begin + a.k_chunk);
     const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
+    // TAPS: the tile's first image, row and column, and the channel slices of one tap.
+    int img0 = 0, h0 = 0, w0 = 0, slices = 1;
+    if (TAPS) {
+        const int wb = a.width / a.tile_w, hb = a.height / a.tile_h, bx = blockIdx.x;
+        w0 = (bx % wb) * a.tile_w;
+        h0 = (bx / wb) % hb * a.tile_h;
+        img0 = bx / (wb * hb) * (C3_BM / (a.tile_h * a.tile_w));
+        slices = a.k / (a.taps * a.taps * C3_BK);
+    }
+    // The output pixel of tile row `row` (TAPS: the tile is whole, every row is a pixel).
+    auto pixel = [&](int row) -> long {
+        if (!TAPS) return (long)m0 + row;
+        const int per_image = a.tile_h * a.tile_w;
+        const int img = img0 + row / per_image, h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;
+        return ((long)img * a.height + h) * a.width + w;
+    };
 
     if (tid == 0) {
         for (int s = 0; s < C3_STAGES; ++s) {
@@ -289,7 +333,12 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
                 if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
                 const unsigned stage = base + s * C3_STAGE_BYTES, full = full0 + 8 * s;
                 c3_mbar_arrive_expect_tx(full, C3_STAGE_BYTES);
-                if (MN) {
+                if (TAPS) {
+                    const int tap = kt / slices, c0 = kt % slices * C3_BK;
+                    const int r = tap / a.taps, t = tap % a.taps;
+                    c3_tma_load_4d(stage, map_a, c0, w0 + t - a.pad, h0 + r - a.pad, img0, full);
+                    c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
+                } else if (MN) {
                     c3_tma_load(stage, map_a, m0, k0, full);
                     c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
                     c3_tma_load(stage + C3_TILE_BYTES, map_b, n0, k0, full);
@@ -369,9 +418,9 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
     constexpr int CHUNKS_PER_ROW = C3_BN / 8;
     for (int ch = tid; ch < C3_BM * CHUNKS_PER_ROW; ch += C3_THREADS) {
         const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
-        const int m = m0 + row, n = n0 + col;
-        if (m >= M || n >= N) continue;
-        const long o = (long)m * N + n;
+        const int n = n0 + col;
+        if ((!TAPS && m0 + row >= M) || n >= N) continue;
+        const long o = pixel(row) * N + n;
         uint4 v = *reinterpret_cast<const uint4*>(Cs + row * C3_LDC + col);
         if (a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
         if (EPI == C3_EPI_BN_GRAD) {
@@ -391,7 +440,7 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
     float* red_b = red_a + TPC * C3_BN;
     const bool reducer = tid < 256;
     const int col = (tid % PAIRS) * 2, span = (tid / PAIRS) % TPC;
-    const int rows = min(C3_BM, M - m0);
+    const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
@@ -403,7 +452,7 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
             for (int r = r0; r < r1; ++r) {
                 const unsigned v = cs_pair[r * (C3_LDC / 2)];
-                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + (long)(m0 + r) * N + cn);
+                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + pixel(r) * N + cn);
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
                 b1 += v1;
@@ -488,7 +537,7 @@ __device__ __forceinline__ void conv3_gemm_1x1(const CUtensorMap* map_a, const C
 // y = conv1x1(x, w); map_x: x as [M][K], map_w: w as [N][K]
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_fwd_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_x, &map_w, y, args, Conv3Epilogue{});
+    conv3_gemm<C3_EPI_NONE, 0>(&map_x, &map_w, y, args, Conv3Epilogue{});
 }
 
 // y = conv1x1(x, w) and the tile statistics of y in part ([2][gridDim.x][N]: means, then M2)
@@ -497,7 +546,7 @@ conv3_fwd_stats_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_cons
                     Conv3Args args, float* part) {
     Conv3Epilogue ep{};
     ep.part = part;
-    conv3_gemm_1x1<C3_EPI_STATS, 0>(&map_x, &map_w, y, args, ep);
+    conv3_gemm<C3_EPI_STATS, 0>(&map_x, &map_w, y, args, ep);
 }
 
 // dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
@@ -505,7 +554,7 @@ conv3_fwd_stats_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_cons
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                 Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_NONE, 0>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+    conv3_gemm<C3_EPI_NONE, 0>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
 }
 
 // dgrad finishing the gradient of the batch norm that produced x (conv2_dgrad_bn_*'s contract):
@@ -516,7 +565,24 @@ conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_cons
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
-    conv3_gemm_1x1<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
+    conv3_gemm<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
+}
+
+// y = conv3x3(x, w) at stride 1 (padding args.pad): map_x: x as a 4-D NHWC tensor in boxes of
+// 64 channels × tile_w × tile_h × (128 / (tile_h·tile_w)) images, map_w: w as [K][9·C]
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_3x3(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+              Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 1>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+// The same with the tile statistics of y in part ([2][gridDim.x][K]; every tile is whole)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_stats_3x3(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                    Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm<C3_EPI_STATS, 0, 1>(&map_x, &map_w, y, args, ep);
 }
 
 // dw[z] = wgrad1x1(dy, x) over reduction slice z (f32 [K][C] planes, then conv2_wgrad_reduce;
@@ -525,7 +591,7 @@ conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_cons
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_wgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {
-    conv3_gemm_1x1<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+    conv3_gemm<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
 // wt[c][k] = w[k][c] (w: [rows = K][cols = C] bf16): the dgrad's B operand, K-major. 32×32

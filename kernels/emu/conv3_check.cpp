@@ -301,6 +301,107 @@ static void check_wgrad(const Wgrad& g) {
     check_bits("eager TMA, shuffled blocks: same planes", memcmp(again.data(), planes.data(), planes.size() * 4) == 0);
 }
 
+// The 3×3 forward at stride 1, padding 1: y[n][h][w][k] = Σ x[n][h+r−1][w+s−1][c]·w[k][r][s][c],
+// tiles of tile_n images × tile_h × tile_w pixels chosen as src/cuda/conv3.rs does (powers of
+// two dividing the extents, 128 pixels in all; none when the batch does not divide).
+struct Conv3x3 { int n, h, w, c, k; bool stats; };
+
+static bool tile_3x3(int n, int h, int w, int& th, int& tw, int& tn) {
+    auto pow2 = [](int v, int cap) { int p = 1; while (p * 2 <= cap && v % (p * 2) == 0) p *= 2; return p; };
+    tw = pow2(w, C3_BM);
+    th = pow2(h, C3_BM / tw);
+    tn = C3_BM / (tw * th);
+    return n % tn == 0;
+}
+
+static void check_3x3(const Conv3x3& g) {
+    int th, tw, tn;
+    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn)) { printf("  no whole tile for %d×%d×%d\n", g.n, g.h, g.w); ++failures; return; }
+    std::mt19937 rng(g.n * 7 + g.h * 11 + g.w * 13 + g.c + g.k);
+    const auto x = random_bf16(rng, (size_t)g.n * g.h * g.w * g.c, 1.0f, 0.25f);
+    const auto w = random_bf16(rng, (size_t)g.k * 9 * g.c, 0.25f);
+    const std::string name = std::string(g.stats ? "conv3_fwd_stats_3x3" : "conv3_fwd_3x3") + " n" + std::to_string(g.n) +
+                             " " + std::to_string(g.h) + "x" + std::to_string(g.w) + " c" + std::to_string(g.c) + " k" +
+                             std::to_string(g.k) + ", tiles " + std::to_string(tn) + "x" + std::to_string(th) + "x" +
+                             std::to_string(tw);
+    printf("%s\n", name.c_str());
+    const int m = g.n * g.h * g.w, tiles = m / C3_BM;
+    auto run3 = [&](std::vector<bf16>& y, std::vector<float>& part) {
+        const unsigned long long dim[4] = {(unsigned long long)g.c, (unsigned long long)g.w, (unsigned long long)g.h,
+                                           (unsigned long long)g.n};
+        const unsigned long long stride[3] = {(unsigned long long)g.c * 2, (unsigned long long)g.w * g.c * 2,
+                                              (unsigned long long)g.h * g.w * g.c * 2};
+        const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
+        const BtTmaMap map_x = emu_tma_encode(x.data(), 4, dim, stride, box, true);
+        const BtTmaMap map_w = emu_tma_encode_2d(w.data(), 9ull * g.c, (unsigned long long)g.k, 9ull * g.c * 2, C3_BK,
+                                                 C3_BN, true);
+        Conv3Args args{m, g.k, 9 * g.c, 0, 9 * g.c, g.h, g.w, th, tw, 1, 3};
+        bf16* yp = y.data();
+        float* pp = part.data();
+        const dim3e grid{(unsigned)tiles, (unsigned)((g.k + C3_BN - 1) / C3_BN), 1};
+        if (g.stats) emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp); });
+        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_fwd_3x3(map_x, map_w, yp, args); });
+    };
+    std::vector<bf16> y((size_t)m * g.k, __float2bfloat16_rn(NAN));
+    std::vector<float> part(g.stats ? 2 * (size_t)tiles * g.k : 0, NAN);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    run3(y, part);
+    std::vector<double> got(y.size()), ref(y.size());
+    for (int n = 0; n < g.n; ++n)
+        for (int h = 0; h < g.h; ++h)
+            for (int q = 0; q < g.w; ++q)
+                for (int k = 0; k < g.k; ++k) {
+                    double acc = 0;
+                    for (int r = 0; r < 3; ++r)
+                        for (int t = 0; t < 3; ++t) {
+                            const int hh = h + r - 1, ww = q + t - 1;
+                            if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
+                            for (int c = 0; c < g.c; ++c)
+                                acc += (double)__bfloat162float(x[(((size_t)n * g.h + hh) * g.w + ww) * g.c + c]) *
+                                       __bfloat162float(w[((size_t)k * 9 + r * 3 + t) * g.c + c]);
+                        }
+                    const size_t o = (((size_t)n * g.h + h) * g.w + q) * g.k + k;
+                    ref[o] = acc;
+                    got[o] = __bfloat162float(y[o]);
+                }
+    check("y", got, ref, 2e-5 * 9 * g.c, 1.0 / 256);
+    if (g.stats) {
+        // Tile b's records: the mean and M2 over its 128 pixels (tile_n images × tile_h × tile_w).
+        const int wb = g.w / tw, hb = g.h / th;
+        std::vector<double> gm, rm, gq, rq;
+        for (int b = 0; b < tiles; ++b) {
+            const int w0 = b % wb * tw, h0 = b / wb % hb * th, n0 = b / (wb * hb) * tn;
+            for (int k = 0; k < g.k; ++k) {
+                double sum = 0, q = 0;
+                std::vector<double> v;
+                for (int i = 0; i < tn; ++i)
+                    for (int hh = 0; hh < th; ++hh)
+                        for (int ww = 0; ww < tw; ++ww)
+                            v.push_back(__bfloat162float(y[(((size_t)(n0 + i) * g.h + h0 + hh) * g.w + w0 + ww) * g.k + k]));
+                for (double e : v) sum += e;
+                const double mean = sum / v.size();
+                for (double e : v) q += (e - mean) * (e - mean);
+                rm.push_back(mean);
+                rq.push_back(q);
+                gm.push_back(part[(size_t)b * g.k + k]);
+                gq.push_back(part[(size_t)tiles * g.k + (size_t)b * g.k + k]);
+            }
+        }
+        check("tile means", gm, rm, 1e-5, 1e-5);
+        check("tile M2", gq, rq, 1e-4, 1e-5);
+    }
+    std::vector<bf16> y2((size_t)m * g.k, __float2bfloat16_rn(NAN));
+    std::vector<float> part2(part.size(), NAN);
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x165667b1u;
+    run3(y2, part2);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same y", memcmp(y2.data(), y.data(), y.size() * 2) == 0);
+    if (g.stats) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     const Gemm cases[] = {
@@ -337,6 +438,16 @@ int main(int argc, char** argv) {
     for (const Wgrad& g : wgrads) {
         if (first_only && failures) break;
         check_wgrad(g);
+    }
+    const Conv3x3 convs[] = {
+        {4, 8, 8, 64, 72, false},    // tiles of 2 images × 8 × 8, a column tail
+        {2, 16, 16, 128, 136, true}, // tiles of 8 × 16 rows of one image, two taps' slices
+        {8, 4, 4, 64, 64, true},     // 8 images × 4 × 4: padding on every side of every tile
+        {128, 3, 3, 64, 8, true},    // 1 × 1 × 128 images: every tap but the centre pads
+    };
+    for (const Conv3x3& g : convs) {
+        if (first_only && failures) break;
+        check_3x3(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

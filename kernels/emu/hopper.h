@@ -48,7 +48,7 @@ inline std::map<unsigned, EmuMbar> g_mbars;
 struct EmuTmaLoad {
     unsigned dst, bar;
     const struct BtTmaMap* map;
-    int c0, c1;
+    int c[4];
 };
 inline std::vector<EmuTmaLoad> g_tma_inflight;
 inline bool g_emu_tma_eager = false;
@@ -108,57 +108,94 @@ inline bool bt_emu_mbar_try_wait(unsigned bar, unsigned parity) {
 // ---- TMA ---------------------------------------------------------------------------------
 
 // The emulator's tensor map (the GPU's is an opaque 128-byte CUtensorMap): what
-// cuTensorMapEncodeTiled is given for a 2-D bf16 tensor, element (c0, c1) at
-// base + c1·stride + c0 (c0 the contiguous dimension).
+// cuTensorMapEncodeTiled is given for a bf16 tensor of rank 2 to 4, element (c0, c1, c2, c3)
+// at base + c1·stride[0] + c2·stride[1] + c3·stride[2] (c0 the contiguous dimension).
 struct alignas(64) BtTmaMap {
     const void* base;
-    unsigned long long dim0, dim1;  // extents
-    unsigned long long stride1;     // bytes between consecutive c1 (a multiple of 16)
-    unsigned box0, box1;            // box extents (box0 · 2 bytes = 128 with the 128-byte swizzle)
-    int swizzle128;                 // CU_TENSOR_MAP_SWIZZLE_128B, else none
-    unsigned char pad[128 - 48];
+    unsigned rank;
+    unsigned box[4];                 // box extents (box[0] · 2 bytes ≤ 128 with the 128-byte swizzle)
+    unsigned long long dim[4];       // extents
+    unsigned long long stride[3];    // bytes between consecutive c1, c2, c3 (multiples of 16)
+    int swizzle128;                  // CU_TENSOR_MAP_SWIZZLE_128B, else none
 };
 static_assert(sizeof(BtTmaMap) == 128, "a tensor map is 128 bytes");
 // The name the kernels use for the driver's type.
 typedef BtTmaMap CUtensorMap;
 
-// cuTensorMapEncodeTiled for a row-major [dim1][dim0] bf16 matrix with the given row pitch,
-// zeros for out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
-inline BtTmaMap emu_tma_encode_2d(const void* base, unsigned long long dim0, unsigned long long dim1,
-                                  unsigned long long row_bytes, unsigned box0, unsigned box1, bool swizzle128) {
-    if (reinterpret_cast<uintptr_t>(base) % 16 || row_bytes % 16) { fprintf(stderr, "tensor map: base and pitch must be 16-byte aligned\n"); std::abort(); }
-    if (box0 == 0 || box1 == 0 || box0 > 256 || box1 > 256) { fprintf(stderr, "tensor map: box extents 1..256\n"); std::abort(); }
-    if (swizzle128 && box0 * 2 > 128) { fprintf(stderr, "tensor map: a 128-byte swizzle needs an inner box of at most 128 bytes\n"); std::abort(); }
+// cuTensorMapEncodeTiled for a bf16 tensor of `rank` dimensions (innermost first), zeros for
+// out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+inline BtTmaMap emu_tma_encode(const void* base, unsigned rank, const unsigned long long* dim,
+                               const unsigned long long* stride, const unsigned* box, bool swizzle128) {
+    auto refuse = [](const char* why) { fprintf(stderr, "tensor map: %s\n", why); std::abort(); };
+    if (rank < 2 || rank > 4) refuse("rank 2 to 4");
+    if (reinterpret_cast<uintptr_t>(base) % 16) refuse("the base must be 16-byte aligned");
     BtTmaMap m{};
-    m.base = base; m.dim0 = dim0; m.dim1 = dim1; m.stride1 = row_bytes; m.box0 = box0; m.box1 = box1; m.swizzle128 = swizzle128;
+    m.base = base; m.rank = rank; m.swizzle128 = swizzle128;
+    for (unsigned i = 0; i < 4; ++i) { m.dim[i] = i < rank ? dim[i] : 1; m.box[i] = i < rank ? box[i] : 1; }
+    for (unsigned i = 0; i + 1 < rank; ++i) {
+        if (stride[i] % 16) refuse("strides must be multiples of 16 bytes");
+        m.stride[i] = stride[i];
+    }
+    for (unsigned i = 0; i < rank; ++i) if (m.box[i] == 0 || m.box[i] > 256) refuse("box extents 1..256");
+    if (swizzle128 && m.box[0] * 2 > 128) refuse("a 128-byte swizzle needs an inner box of at most 128 bytes");
     return m;
 }
 
+// The 2-D case: a row-major [dim1][dim0] matrix with the given row pitch.
+inline BtTmaMap emu_tma_encode_2d(const void* base, unsigned long long dim0, unsigned long long dim1,
+                                  unsigned long long row_bytes, unsigned box0, unsigned box1, bool swizzle128) {
+    const unsigned long long dim[2] = {dim0, dim1}, stride[1] = {row_bytes};
+    const unsigned box[2] = {box0, box1};
+    return emu_tma_encode(base, 2, dim, stride, box, swizzle128);
+}
+
+// The box lands densely: element (i0, i1, i2, i3) of the box at row ((i3·box2 + i2)·box1 + i1)
+// of box0 · 2 bytes, then swizzled by its address.
 inline void emu_tma_land(const EmuTmaLoad& l) {
     const BtTmaMap& m = *l.map;
-    const unsigned row_bytes = m.box0 * 2;
-    for (unsigned i = 0; i < m.box1; ++i)
-        for (unsigned j = 0; j < m.box0; ++j) {
-            const long g0 = (long)l.c0 + j, g1 = (long)l.c1 + i;
-            uint16_t v = 0;  // out of bounds: zero
-            if (g0 >= 0 && g1 >= 0 && (unsigned long long)g0 < m.dim0 && (unsigned long long)g1 < m.dim1)
-                memcpy(&v, static_cast<const char*>(m.base) + g1 * m.stride1 + g0 * 2, 2);
-            unsigned a = l.dst + i * row_bytes + j * 2;
-            if (m.swizzle128) a = emu_swizzle128(a);
-            memcpy(emu_shared_ptr(a, 2), &v, 2);
-        }
+    const unsigned row_bytes = m.box[0] * 2;
+    unsigned row = 0;
+    for (unsigned i3 = 0; i3 < m.box[3]; ++i3)
+        for (unsigned i2 = 0; i2 < m.box[2]; ++i2)
+            for (unsigned i1 = 0; i1 < m.box[1]; ++i1, ++row)
+                for (unsigned i0 = 0; i0 < m.box[0]; ++i0) {
+                    const long g[4] = {(long)l.c[0] + i0, (long)l.c[1] + i1, (long)l.c[2] + i2, (long)l.c[3] + i3};
+                    bool inside = true;
+                    for (unsigned d = 0; d < 4; ++d) inside &= g[d] >= 0 && (unsigned long long)g[d] < m.dim[d];
+                    uint16_t v = 0;  // out of bounds: zero
+                    if (inside) {
+                        unsigned long long off = (unsigned long long)g[0] * 2;
+                        for (unsigned d = 1; d < m.rank; ++d) off += (unsigned long long)g[d] * m.stride[d - 1];
+                        memcpy(&v, static_cast<const char*>(m.base) + off, 2);
+                    }
+                    unsigned a = l.dst + row * row_bytes + i0 * 2;
+                    if (m.swizzle128) a = emu_swizzle128(a);
+                    memcpy(emu_shared_ptr(a, 2), &v, 2);
+                }
     EmuMbar& b = emu_mbar(l.bar);
-    b.tx -= (long)m.box0 * m.box1 * 2;  // out-of-bounds elements count as bytes too
+    b.tx -= (long)m.box[0] * m.box[1] * m.box[2] * m.box[3] * 2;  // out-of-bounds elements count too
     if (b.tx < 0) emu_fail("mbarrier: more transaction bytes completed than expected");
     emu_mbar_settle(b);
 }
 
-// cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes
-inline void bt_emu_tma_load_2d(unsigned dst, const BtTmaMap* map, int c0, int c1, unsigned bar) {
+// cp.async.bulk.tensor.{2d,4d}.shared::cluster.global.mbarrier::complete_tx::bytes
+inline void bt_emu_tma_load(unsigned dst, const BtTmaMap* map, const int* c, unsigned rank, unsigned bar) {
+    if (rank != map->rank) emu_fail("TMA load of another rank than its tensor map's");
     if (dst % (map->swizzle128 ? 1024 : 128)) emu_fail("TMA destination misaligned (1024 bytes with the 128-byte swizzle, else 128)");
     (void)emu_mbar(bar);
-    const EmuTmaLoad l{dst, bar, map, c0, c1};
+    EmuTmaLoad l{dst, bar, map, {0, 0, 0, 0}};
+    for (unsigned d = 0; d < rank; ++d) l.c[d] = c[d];
     if (g_emu_tma_eager) emu_tma_land(l); else g_tma_inflight.push_back(l);
+}
+
+inline void bt_emu_tma_load_2d(unsigned dst, const BtTmaMap* map, int c0, int c1, unsigned bar) {
+    const int c[2] = {c0, c1};
+    bt_emu_tma_load(dst, map, c, 2, bar);
+}
+
+inline void bt_emu_tma_load_4d(unsigned dst, const BtTmaMap* map, int c0, int c1, int c2, int c3, unsigned bar) {
+    const int c[4] = {c0, c1, c2, c3};
+    bt_emu_tma_load(dst, map, c, 4, bar);
 }
 
 // ---- wgmma -------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ pub const FWD_KERNEL: &str = "conv3_fwd_1x1";
 /// The forward kernel whose epilogue writes per-tile (mean, M2) records of y, in conv2.cu's
 /// record layout (`[2][tiles][channels]`), which bn.cu's merges read.
 pub const FWD_STATS_KERNEL: &str = "conv3_fwd_stats_1x1";
+/// The 3×3 forward at stride 1 (tiles of whole images × rows × columns, the taps as shifted
+/// 4-D TMA boxes of the input).
+pub const FWD_3X3_KERNEL: &str = "conv3_fwd_3x3";
+/// The 3×3 forward with the batch-norm statistics epilogue.
+pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
 /// The data gradient: `dx = dy · wt ᵀ` with the transposed weight (+ dx when accumulating).
 pub const DGRAD_KERNEL: &str = "conv3_dgrad_1x1";
 /// The data gradient finishing the gradient of the batch norm before the convolution
@@ -64,6 +69,18 @@ pub struct Conv3Args {
     /// Reduction per `gridDim.z` slice (a multiple of [`TILE_K`] when the wgrad splits it;
     /// `k` otherwise).
     pub k_chunk: i32,
+    /// 3×3: the output's height (= the input's at stride 1); 0 for the 1×1 kernels.
+    pub height: i32,
+    /// 3×3: the output's width.
+    pub width: i32,
+    /// 3×3: the tile's rows.
+    pub tile_h: i32,
+    /// 3×3: the tile's columns.
+    pub tile_w: i32,
+    /// 3×3: the padding.
+    pub pad: i32,
+    /// 3×3: the filter size (3).
+    pub taps: i32,
 }
 
 // SAFETY: repr(C) plain integers, matching the kernel's struct.
@@ -93,7 +110,66 @@ pub fn forward_args(s: &ConvShape) -> Option<Conv3Args> {
         k: i32::try_from(s.c_in).ok()?,
         accumulate: 0,
         k_chunk: i32::try_from(s.c_in).ok()?,
+        height: 0,
+        width: 0,
+        tile_h: 0,
+        tile_w: 0,
+        pad: 0,
+        taps: 0,
     })
+}
+
+/// The tile of a 3×3 layer's output over `n` images of `h × w`: (images, rows, columns),
+/// powers of two that divide the extents, 128 pixels in all, the widest rows first (longer
+/// contiguous runs for TMA); `None` when the batch does not divide (every tile must be whole,
+/// so that each statistics record covers 128 pixels).
+pub fn tile_3x3(n: usize, h: usize, w: usize) -> Option<(usize, usize, usize)> {
+    let pow2 = |v: usize, cap: usize| {
+        let mut p = 1;
+        while p * 2 <= cap && v % (p * 2) == 0 {
+            p *= 2;
+        }
+        p
+    };
+    let tw = pow2(w, TILE_M);
+    let th = pow2(h, TILE_M / tw);
+    let tn = TILE_M / (tw * th);
+    (n % tn == 0).then_some((tn, th, tw))
+}
+
+/// The GEMM of a 3×3 forward at stride 1 with padding 1 on Hopper: M = pixels in whole tiles,
+/// N = output channels, K = 9 × input channels (64 of one tap per k-step: input channels a
+/// multiple of 64); `None` where v3 does not take the layer.
+pub fn forward_3x3_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
+    let fits = (arch.major, arch.minor) == (9, 0)
+        && s.kernel == 3
+        && s.stride == 1
+        && s.padding == 1
+        && s.c_in % TILE_K == 0
+        && s.c_out % 8 == 0;
+    if !fits {
+        return None;
+    }
+    let (_, th, tw) = tile_3x3(s.n, s.h, s.w)?;
+    let m = s.n * s.h * s.w;
+    Some(Conv3Args {
+        m: i32::try_from(m).ok()?,
+        n: i32::try_from(s.c_out).ok()?,
+        k: i32::try_from(9 * s.c_in).ok()?,
+        accumulate: 0,
+        k_chunk: i32::try_from(9 * s.c_in).ok()?,
+        height: i32::try_from(s.h).ok()?,
+        width: i32::try_from(s.w).ok()?,
+        tile_h: th as i32,
+        tile_w: tw as i32,
+        pad: 1,
+        taps: 3,
+    })
+}
+
+/// Whether v3 takes the forward pass of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
+pub fn takes_forward(s: &ConvShape, arch: GpuArch) -> bool {
+    takes(s, arch) || forward_3x3_args(s, arch).is_some()
 }
 
 /// The GEMM of a 1×1 data gradient: M = pixels, N = input channels, K = output channels.
@@ -124,8 +200,8 @@ pub fn wgrad_args(s: &ConvShape, sms: usize) -> Option<(Conv3Args, usize)> {
             m: f.n,
             n: f.k,
             k: f.m,
-            accumulate: 0,
             k_chunk: i32::try_from(chunk).ok()?,
+            ..f
         },
         slices,
     ))
@@ -174,24 +250,40 @@ impl TensorMap {
         cols: usize,
         box_rows: usize,
     ) -> Result<TensorMap, CudaError> {
-        let geometry = MapGeometry::bf16_matrix(rows, cols, box_rows)?;
+        Self::encode(ptr, &MapGeometry::bf16_matrix(rows, cols, box_rows)?)
+    }
+
+    /// The map of an NHWC bf16 tensor at `ptr`, read in 4-D boxes of `TILE_K` channels ×
+    /// `tile` = (images, rows, columns), zeros outside it (the 3×3 forward's padding).
+    pub fn bf16_nhwc(
+        ptr: sys::CUdeviceptr,
+        shape: (usize, usize, usize, usize),
+        tile: (usize, usize, usize),
+    ) -> Result<TensorMap, CudaError> {
+        Self::encode(ptr, &MapGeometry::bf16_nhwc(shape, tile)?)
+    }
+
+    fn encode(ptr: sys::CUdeviceptr, geometry: &MapGeometry) -> Result<TensorMap, CudaError> {
+        let rank = geometry.dims.len();
         if ptr % 16 != 0 {
             return Err(CudaError::Unsupported {
-                what: format!("a TMA tensor map of a matrix at {ptr:#x}: needs 16-byte alignment"),
+                what: format!("a TMA tensor map of a tensor at {ptr:#x}: needs 16-byte alignment"),
             });
         }
+        let element_strides = [1u32; 4];
         let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-        // SAFETY: every array has the rank's length (2); the driver writes the 128-byte map.
+        // SAFETY: dims and boxes have `rank` entries, strides `rank - 1`, element strides at
+        // least `rank`; the driver writes the 128-byte map.
         let result = unsafe {
             sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
+                rank as u32,
                 ptr as *mut std::ffi::c_void,
                 geometry.dims.as_ptr(),
                 geometry.strides.as_ptr(),
                 geometry.boxes.as_ptr(),
-                [1u32, 1].as_ptr(),
+                element_strides.as_ptr(),
                 sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
                 sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -199,23 +291,24 @@ impl TensorMap {
             )
         };
         result.result().map_err(CudaError::driver(format!(
-            "cuTensorMapEncodeTiled for a {rows}×{cols} bf16 matrix"
+            "cuTensorMapEncodeTiled for a bf16 tensor of extents {:?}",
+            geometry.dims
         )))?;
         // SAFETY: the call succeeded, so the driver wrote the map.
         Ok(TensorMap(unsafe { map.assume_init() }))
     }
 }
 
-/// The extents cuTensorMapEncodeTiled is given for a row-major bf16 matrix (innermost
-/// dimension first), checked against the driver's rules without a device.
+/// The extents cuTensorMapEncodeTiled is given for a bf16 tensor (innermost dimension first),
+/// checked against the driver's rules without a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapGeometry {
-    /// Extents: columns, rows.
-    pub dims: [u64; 2],
-    /// Bytes between consecutive rows (the driver takes the strides of dimensions 1..).
-    pub strides: [u64; 1],
-    /// Box extents: `TILE_K` columns (128 bytes, the swizzle span), `box_rows` rows.
-    pub boxes: [u32; 2],
+    /// Extents: a matrix's columns and rows; an NHWC tensor's channels, columns, rows, images.
+    pub dims: Vec<u64>,
+    /// Bytes between consecutive elements of dimensions 1.. (the driver takes no first one).
+    pub strides: Vec<u64>,
+    /// Box extents: `TILE_K` channels or columns (128 bytes, the swizzle span), then the rest.
+    pub boxes: Vec<u32>,
 }
 
 impl MapGeometry {
@@ -244,9 +337,43 @@ impl MapGeometry {
             return Err(bad("a box of 1 to 256 rows"));
         }
         Ok(MapGeometry {
-            dims: [cols as u64, rows as u64],
-            strides: [pitch],
-            boxes: [TILE_K as u32, box_rows as u32],
+            dims: vec![cols as u64, rows as u64],
+            strides: vec![pitch],
+            boxes: vec![TILE_K as u32, box_rows as u32],
+        })
+    }
+
+    /// The geometry of an NHWC bf16 tensor of `shape` = (images, rows, columns, channels) read
+    /// in boxes of `TILE_K` channels × `tile` = (images, rows, columns).
+    pub fn bf16_nhwc(
+        shape: (usize, usize, usize, usize),
+        tile: (usize, usize, usize),
+    ) -> Result<MapGeometry, CudaError> {
+        let (n, h, w, c) = shape;
+        let (tn, th, tw) = tile;
+        let bad = |why: &str| CudaError::Unsupported {
+            what: format!("a TMA tensor map of a {n}×{h}×{w}×{c} bf16 tensor: {why}"),
+        };
+        if n == 0 || h == 0 || w == 0 || c == 0 {
+            return Err(bad("an empty tensor"));
+        }
+        if c % 8 != 0 {
+            return Err(bad(
+                "the pixel pitch must be a multiple of 16 bytes (channels % 8 == 0)",
+            ));
+        }
+        if [tn, th, tw].iter().any(|&b| b == 0 || b > 256) {
+            return Err(bad("boxes of 1 to 256 images, rows and columns"));
+        }
+        let (pixel, row) = (c as u64 * 2, (w * c) as u64 * 2);
+        let image = row * h as u64;
+        if image * n as u64 >= 1 << 40 {
+            return Err(bad("an extent beyond the tensor map's range"));
+        }
+        Ok(MapGeometry {
+            dims: vec![c as u64, w as u64, h as u64, n as u64],
+            strides: vec![pixel, row, image],
+            boxes: vec![TILE_K as u32, tw as u32, th as u32, tn as u32],
         })
     }
 }
@@ -298,12 +425,14 @@ mod tests {
                 FWD_STATS_KERNEL,
                 DGRAD_KERNEL,
                 DGRAD_BN_KERNEL,
+                FWD_3X3_KERNEL,
+                FWD_STATS_3X3_KERNEL,
                 WGRAD_KERNEL,
                 TRANSPOSE_KERNEL
             ]
         );
-        assert_eq!(std::mem::size_of::<Conv3Args>(), 20);
-        let fields: Vec<&str> = text
+        assert_eq!(std::mem::size_of::<Conv3Args>(), 44);
+        let multi: Vec<&str> = text
             .split("struct Conv3Args {")
             .nth(1)
             .unwrap()
@@ -312,9 +441,25 @@ mod tests {
             .unwrap()
             .lines()
             .filter_map(|l| l.trim().strip_prefix("int "))
-            .map(|l| l.split(';').next().unwrap())
+            .flat_map(|l| l.split(';').next().unwrap().split(','))
+            .map(str::trim)
             .collect();
-        assert_eq!(fields, ["m", "n", "k", "accumulate", "k_chunk"]);
+        assert_eq!(
+            multi,
+            [
+                "m",
+                "n",
+                "k",
+                "accumulate",
+                "k_chunk",
+                "height",
+                "width",
+                "tile_h",
+                "tile_w",
+                "pad",
+                "taps"
+            ]
+        );
         assert_eq!(std::mem::size_of::<TensorMap>(), 128);
         assert!(std::mem::align_of::<TensorMap>() >= 64);
     }
@@ -338,7 +483,13 @@ mod tests {
                 n: 256,
                 k: 64,
                 accumulate: 0,
-                k_chunk: 64
+                k_chunk: 64,
+                height: 0,
+                width: 0,
+                tile_h: 0,
+                tile_w: 0,
+                pad: 0,
+                taps: 0
             }
         );
         assert_eq!(grid(&a), (4, 2, 1));
@@ -370,6 +521,53 @@ mod tests {
         assert!((slices as i32 - 1) * w.k_chunk < w.k, "no empty slice");
         assert_eq!(grid(&d), (4, 1, 1));
         assert_eq!(transpose_launch(256, 64), ((2, 8, 1), (32, 8, 1)));
+    }
+
+    #[test]
+    fn three_by_three_tiles_are_whole() {
+        let hopper = GpuArch::new(9, 0);
+        // resnet50's stride-1 3×3 layers at batch 256: every tile whole.
+        assert_eq!(tile_3x3(256, 56, 56), Some((2, 8, 8)));
+        assert_eq!(tile_3x3(256, 28, 28), Some((8, 4, 4)));
+        assert_eq!(tile_3x3(256, 14, 14), Some((32, 2, 2)));
+        assert_eq!(tile_3x3(256, 7, 7), Some((128, 1, 1)));
+        assert_eq!(tile_3x3(2, 16, 16), Some((1, 8, 16)));
+        assert_eq!(
+            tile_3x3(4, 7, 7),
+            None,
+            "4 images cannot fill 128 one-pixel tiles"
+        );
+        let s = |n, hw, c_in, c_out, stride| ConvShape {
+            n,
+            h: hw,
+            w: hw,
+            c_in,
+            c_out,
+            kernel: 3,
+            stride,
+            padding: 1,
+        };
+        let a = forward_3x3_args(&s(256, 56, 64, 64, 1), hopper).unwrap();
+        assert_eq!(
+            (a.m, a.n, a.k, a.height, a.width, a.tile_h, a.tile_w, a.pad, a.taps),
+            (256 * 56 * 56, 64, 576, 56, 56, 8, 8, 1, 3)
+        );
+        assert!(takes_forward(&s(256, 56, 64, 64, 1), hopper));
+        // stride 2, channels not a multiple of 64, other GPUs, no whole tile: v2.
+        assert!(!takes_forward(&s(256, 56, 64, 64, 2), hopper));
+        assert!(!takes_forward(&s(256, 56, 72, 64, 1), hopper));
+        assert!(!takes_forward(&s(256, 56, 64, 64, 1), GpuArch::new(8, 0)));
+        assert!(!takes_forward(&s(4, 7, 64, 64, 1), hopper));
+        // Only the forward: the 3×3 data and weight gradients stay v2.
+        assert!(!takes(&s(256, 56, 64, 64, 1), hopper));
+        let g = MapGeometry::bf16_nhwc((256, 56, 56, 64), (2, 8, 8)).unwrap();
+        assert_eq!(g.dims, [64, 56, 56, 256]);
+        assert_eq!(g.strides, [128, 56 * 128, 56 * 56 * 128]);
+        assert_eq!(g.boxes, [64, 8, 8, 2]);
+        let e = MapGeometry::bf16_nhwc((2, 4, 4, 12), (1, 4, 4))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2×4×4×12") && e.contains("16 bytes"), "{e}");
     }
 
     #[test]

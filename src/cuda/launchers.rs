@@ -112,14 +112,14 @@ kernel_launchers! {
 
     // conv3.cu (v3, Hopper: operands through TMA tensor maps)
     /// The v3 forward and data-gradient GEMMs: `out = a · bᵀ` (+ out with `args.accumulate`).
-    "conv3.cu" Conv3Gemm<'a> ["conv3_fwd_1x1", "conv3_dgrad_1x1"] {
+    "conv3.cu" Conv3Gemm<'a> ["conv3_fwd_1x1", "conv3_dgrad_1x1", "conv3_fwd_3x3"] {
         map_a: super::conv3::TensorMap,
         map_b: super::conv3::TensorMap,
         out: Out<'a, u16>,
         args: super::conv3::Conv3Args,
     }
     /// The v3 forward GEMM with the batch-norm statistics epilogue (tile records in `part`).
-    "conv3.cu" Conv3FwdStats<'a> ["conv3_fwd_stats_1x1"] {
+    "conv3.cu" Conv3FwdStats<'a> ["conv3_fwd_stats_1x1", "conv3_fwd_stats_3x3"] {
         map_x: super::conv3::TensorMap,
         map_w: super::conv3::TensorMap,
         y: Out<'a, u16>,

@@ -179,8 +179,18 @@ fn kernels_match_references_under_emulation() {
         ),
         // the dgrad's Σg·x̂ reading every row's x̂ at the first row of the thread's span
         (
-            "ep.bn_x + (long)(m0 + r) * N + cn",
-            "ep.bn_x + (long)(m0 + r0) * N + cn",
+            "ep.bn_x + pixel(r) * N + cn",
+            "ep.bn_x + pixel(r0) * N + cn",
+        ),
+        // the 3×3 tile's rows mapped to pixels with the columns and rows swapped
+        (
+            "h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;",
+            "h = h0 + row % a.tile_h, w = w0 + row % per_image / a.tile_h;",
+        ),
+        // the tap's column shift of the 3×3 input box taken from its row
+        (
+            "c3_tma_load_4d(stage, map_a, c0, w0 + t - a.pad, h0 + r - a.pad, img0, full);",
+            "c3_tma_load_4d(stage, map_a, c0, w0 + r - a.pad, h0 + r - a.pad, img0, full);",
         ),
     ];
     let mut broken_conv3 = Vec::new();

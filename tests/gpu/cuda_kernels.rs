@@ -938,6 +938,29 @@ fn conv3_shapes() -> Vec<ConvShape> {
     ]
 }
 
+/// 3×3 layers at stride 1 whose forward v3 takes (whole tiles of images × rows × columns):
+/// tiles of 2 images × 8 × 8 with an output-channel tail, of 8 × 16 rows of one image with two
+/// slices per tap, of 8 images × 4 × 4, and of 128 images × 1 × 1 (every tap but the centre
+/// in the padding).
+fn conv3_3x3_shapes() -> Vec<ConvShape> {
+    let c = |n, hw, c_in, c_out| ConvShape {
+        n,
+        h: hw,
+        w: hw,
+        c_in,
+        c_out,
+        kernel: 3,
+        stride: 1,
+        padding: 1,
+    };
+    vec![
+        c(4, 8, 64, 72),
+        c(2, 16, 128, 136),
+        c(8, 4, 64, 64),
+        c(128, 3, 64, 8),
+    ]
+}
+
 /// The bits of a GPU tensor, for the repeat checks.
 fn bits(gb: &CudaBackend, t: &birdtrain::cuda::CudaTensor) -> Vec<u32> {
     gb.download(t)
@@ -1012,10 +1035,29 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
             "v3 conv_backward_weight {s:?} repeats"
         );
     }
+    for s in conv3_3x3_shapes() {
+        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
+        let mut yc = vec![0.0; s.y_len()];
+        cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
+        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+        let first = bits(&gb, &yg);
+        assert_close(
+            &format!("v3 conv_forward {s:?}"),
+            &gb.download(&yg).unwrap(),
+            &yc,
+            1e-2,
+            EPS_BF16,
+        );
+        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
+        assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
+    }
     let ran: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
     gb.set_profiling(false);
     for kernel in [
         "conv3_fwd_1x1",
+        "conv3_fwd_3x3",
         "conv3_dgrad_1x1",
         "conv3_transpose_weights",
         "conv3_wgrad_1x1",
@@ -1031,7 +1073,8 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
 }
 
 /// The fused batch-norm ops with v3 (its statistics and batch-norm gradient epilogues on the
-/// 1×1 layers, v2 on the others) against the CPU, with the v2 test's tolerance, then twice to
+/// 1×1 layers, its statistics epilogue on the 3×3 forwards in whole tiles, v2 on the rest)
+/// against the CPU, with the v2 test's tolerance, then twice to
 /// the bit.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -1045,6 +1088,7 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
     };
     let mut shapes = bn_fusion_shapes();
     shapes.extend(conv3_shapes());
+    shapes.extend(conv3_3x3_shapes());
     gb.set_profiling(true);
     let reports = check_bn_fusion(&gb, &shapes, tol).unwrap_or_else(|e| panic!("v3: {e}"));
     for r in &reports {
@@ -1054,8 +1098,10 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
     gb.set_profiling(false);
     for kernel in [
         "conv3_fwd_stats_1x1",
+        "conv3_fwd_stats_3x3",
         "conv3_dgrad_bn_1x1",
         "conv2_fwd_stats_128x64",
+        "conv2_dgrad_bn_128x64",
     ] {
         assert!(
             kernels.contains(&kernel),

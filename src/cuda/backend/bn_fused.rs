@@ -122,8 +122,9 @@ pub(super) fn conv_forward_moments(
     check_len(op, "y", y.len, s.y_len())?;
     check_len(op, "moments", moments.len, 3 * s.c_out)?;
     let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
-    if be.conv3_takes(s) {
-        // The v3 GEMM's epilogue writes conv2's records (128-row tiles).
+    if be.conv3_takes_forward(s) {
+        // The v3 GEMM's epilogue writes conv2's records (128-row tiles; a 3×3 layer's tiles
+        // are whole, so each record covers 128 rows as the merge expects).
         let records = rows.div_ceil(TILE_ROWS);
         let (xs, ws, ys) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
         let mut work = be.work();

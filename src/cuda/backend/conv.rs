@@ -169,7 +169,7 @@ pub(super) fn forward(
     check_len(op, "x", x.len, s.x_len())?;
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "y", y.len, s.y_len())?;
-    if be.conv3_takes(s) {
+    if be.conv3_takes_forward(s) {
         let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
         return be.conv3_forward(op, s, x, w, y, None);
     }

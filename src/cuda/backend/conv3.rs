@@ -1,5 +1,5 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1
-//! on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! (three passes) and the forward of 3×3 ones at stride 1 on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
 //! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
@@ -32,9 +32,15 @@ pub(super) struct DgradBn<'a> {
 }
 
 impl CudaBackend {
-    /// Whether v3 is selected and takes this layer on this GPU.
+    /// Whether v3 is selected and takes this layer's three passes on this GPU (1×1).
     pub(super) fn conv3_takes(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes(s, self.dev.arch())
+    }
+
+    /// Whether v3 is selected and takes this layer's forward pass (1×1, or 3×3 at stride 1
+    /// with whole tiles).
+    pub(super) fn conv3_takes_forward(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes_forward(s, self.dev.arch())
     }
 
     /// The launch configuration of a v3 GEMM over `grid`, after raising the kernel's dynamic
@@ -73,7 +79,8 @@ impl CudaBackend {
         TensorMap::bf16_matrix(ptr, rows, cols, box_rows).map_err(dev_err(op))
     }
 
-    /// y = conv1x1(x, w), and with `part` the per-tile statistics records of y.
+    /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1, or 3×3 in
+    /// whole tiles), and with `part` the per-tile statistics records of y.
     pub(super) fn conv3_forward(
         &self,
         op: &'static str,
@@ -83,26 +90,46 @@ impl CudaBackend {
         y: &mut CudaSlice<u16>,
         part: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), BackendError> {
-        let args = forward_args(op, s)?;
+        let (args, map_x, kernels) = if s.kernel == 1 {
+            let args = forward_args(op, s)?;
+            let (m, k) = (args.m as usize, args.k as usize);
+            let map_x = self.tensor_map(op, x, m, k, conv3::TILE_M)?;
+            (args, map_x, (conv3::FWD_KERNEL, conv3::FWD_STATS_KERNEL))
+        } else {
+            let args = conv3::forward_3x3_args(s, self.dev.arch()).ok_or_else(|| {
+                dev_err(op)(CudaError::Unsupported {
+                    what: format!("{s:?}: no whole 3×3 tile for the v3 kernels"),
+                })
+            })?;
+            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("forward_3x3_args found one");
+            let (ptr, _record) = x.device_ptr(self.dev.stream());
+            let map_x =
+                TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, s.c_in), tile).map_err(dev_err(op))?;
+            (
+                args,
+                map_x,
+                (conv3::FWD_3X3_KERNEL, conv3::FWD_STATS_3X3_KERNEL),
+            )
+        };
         let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
-        let map_x = self.tensor_map(op, x, m, k, conv3::TILE_M)?;
+        // w as [K][R·S·C]: K-major rows of the (tap, channel) reduction.
         let map_w = self.tensor_map(op, w, n, k, conv3::TILE_N)?;
         let records = m.div_ceil(conv3::TILE_M);
         let bytes = 2 * (s.x_len() + s.w_len() + s.y_len());
         match part {
             None => {
-                let cfg = self.conv3_prepare(op, conv3::FWD_KERNEL, conv3::grid(&args))?;
+                let cfg = self.conv3_prepare(op, kernels.0, conv3::grid(&args))?;
                 let gemm = Conv3Gemm {
                     map_a: map_x,
                     map_b: map_w,
                     out: y.into(),
                     args,
                 };
-                self.launch(op, conv3::FWD_KERNEL, cfg, gemm)?;
+                self.launch(op, kernels.0, cfg, gemm)?;
                 self.note_work(bytes, s.flops());
             }
             Some(part) => {
-                let cfg = self.conv3_prepare(op, conv3::FWD_STATS_KERNEL, conv3::grid(&args))?;
+                let cfg = self.conv3_prepare(op, kernels.1, conv3::grid(&args))?;
                 let gemm = Conv3FwdStats {
                     map_x,
                     map_w,
@@ -110,7 +137,7 @@ impl CudaBackend {
                     args,
                     part: part.into(),
                 };
-                self.launch(op, conv3::FWD_STATS_KERNEL, cfg, gemm)?;
+                self.launch(op, kernels.1, cfg, gemm)?;
                 self.note_work(bytes + 8 * records * n, s.flops());
             }
         }
