@@ -62,6 +62,7 @@ struct Conv3Args {
     // height and width in pixels (tile_h · tile_w divides 128; the rest of the 128 rows are
     // whole images), the padding and the filter size; 0 for the 1×1 kernels.
     int height, width, tile_h, tile_w, pad, taps;
+    int flip;  // 3×3 dgrad: the input box shifted by pad − tap instead of tap − pad
 };
 
 // The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
@@ -336,7 +337,8 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                 if (TAPS) {
                     const int tap = kt / slices, c0 = kt % slices * C3_BK;
                     const int r = tap / a.taps, t = tap % a.taps;
-                    c3_tma_load_4d(stage, map_a, c0, w0 + t - a.pad, h0 + r - a.pad, img0, full);
+                    const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
+                    c3_tma_load_4d(stage, map_a, c0, w0 + dt, h0 + dr, img0, full);
                     c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
                 } else if (MN) {
                     c3_tma_load(stage, map_a, m0, k0, full);
@@ -585,6 +587,25 @@ conv3_fwd_stats_3x3(const __grid_constant__ CUtensorMap map_x, const __grid_cons
     conv3_gemm<C3_EPI_STATS, 0, 1>(&map_x, &map_w, y, args, ep);
 }
 
+// dx = dgrad3x3(dy, w) at stride 1 (+ dx with args.accumulate): the forward's loop over the
+// taps with the input box of dy shifted by pad − tap (args.flip) and wt = the weight as
+// [C][9·K] (conv3_dgrad_weights_3x3): dx[p][c] = Σ_(tap,k) dy[p + pad − tap][k]·w[k][tap][c]
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 1>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+// The same finishing the gradient of the batch norm that produced x (conv3_dgrad_bn_1x1's
+// contract; every tile is whole)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_bn_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                   Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv3_gemm<C3_EPI_BN_GRAD, 0, 1>(&map_dy, &map_wt, dx, args, ep);
+}
+
 // dw[z] = wgrad1x1(dy, x) over reduction slice z (f32 [K][C] planes, then conv2_wgrad_reduce;
 // one slice writes dw itself): the GEMM dw[K][C] = dyᵀ · x over the pixels, both operands
 // MN-major; map_dy: dy as [P][K] in boxes of 64 channels × 64 pixels, map_x: x as [P][C] alike
@@ -592,6 +613,18 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_wgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {
     conv3_gemm<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
+// wt[c][tap·K + k] = w[k][tap][c] (w: KRSC with `taps` = R·S filter positions): the 3×3
+// data gradient's B operand, K-major over (tap, k). One thread per element; grid-stride over
+// K·taps·C (a small tensor: the weights).
+extern "C" __global__ void conv3_dgrad_weights_3x3(const bf16* __restrict__ w, bf16* __restrict__ wt, int k_out,
+                                                   int taps, int c_in) {
+    const long total = (long)k_out * taps * c_in;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % c_in), tap = (int)(i / c_in % taps), k = (int)(i / ((long)c_in * taps));
+        wt[(long)c * taps * k_out + (long)tap * k_out + k] = w[i];
+    }
 }
 
 // wt[c][k] = w[k][c] (w: [rows = K][cols = C] bf16): the dgrad's B operand, K-major. 32×32

@@ -335,7 +335,7 @@ static void check_3x3(const Conv3x3& g) {
         const BtTmaMap map_x = emu_tma_encode(x.data(), 4, dim, stride, box, true);
         const BtTmaMap map_w = emu_tma_encode_2d(w.data(), 9ull * g.c, (unsigned long long)g.k, 9ull * g.c * 2, C3_BK,
                                                  C3_BN, true);
-        Conv3Args args{m, g.k, 9 * g.c, 0, 9 * g.c, g.h, g.w, th, tw, 1, 3};
+        Conv3Args args{m, g.k, 9 * g.c, 0, 9 * g.c, g.h, g.w, th, tw, 1, 3, 0};
         bf16* yp = y.data();
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.k + C3_BN - 1) / C3_BN), 1};
@@ -402,6 +402,118 @@ static void check_3x3(const Conv3x3& g) {
     if (g.stats) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
 }
 
+// The 3×3 data gradient at stride 1, padding 1: dx[n][h][w][c] = Σ dy[n][h+1−r][w+1−s][k]·w[k][r][s][c]
+// through wt = conv3_dgrad_weights_3x3(w), with the batch-norm gradient epilogue when `bn`.
+struct Dgrad3x3 { int n, h, w, c, k; bool bn, accumulate; };
+
+static void check_dgrad_3x3(const Dgrad3x3& g) {
+    int th, tw, tn;
+    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn)) { printf("  no whole tile\n"); ++failures; return; }
+    std::mt19937 rng(g.n * 5 + g.h * 3 + g.c * 7 + g.k + g.bn + 2 * g.accumulate);
+    const size_t px = (size_t)g.n * g.h * g.w;
+    const auto dy = random_bf16(rng, px * g.k, 1.0f);
+    const auto w = random_bf16(rng, (size_t)g.k * 9 * g.c, 0.25f);
+    const auto dx0 = g.accumulate ? random_bf16(rng, px * g.c, 1.0f) : std::vector<bf16>(px * g.c, __float2bfloat16_rn(NAN));
+    const auto residual = random_bf16(rng, px * g.c, 1.0f);
+    const auto bn_y = random_bf16(rng, px * g.c, 1.0f);
+    const auto bn_x = random_bf16(rng, px * g.c, 2.0f, 0.5f);
+    std::vector<float> mean(g.c), invstd(g.c);
+    for (int c = 0; c < g.c; ++c) { mean[c] = 0.25f + 0.01f * (c % 5); invstd[c] = c % 4 == 1 ? -1.5f : 0.75f; }
+    printf("%s n%d %dx%d c%d k%d%s, tiles %dx%dx%d\n", g.bn ? "conv3_dgrad_bn_3x3" : "conv3_dgrad_3x3", g.n, g.h, g.w, g.c, g.k,
+           g.accumulate ? " +dx" : "", tn, th, tw);
+    std::vector<bf16> wt((size_t)g.c * 9 * g.k, __float2bfloat16_rn(NAN));
+    emu_launch({4, 1, 1}, {64, 1, 1}, [&] { conv3_dgrad_weights_3x3(w.data(), wt.data(), g.k, 9, g.c); });
+    bool same = true;
+    for (int k = 0; k < g.k; ++k)
+        for (int t = 0; t < 9; ++t)
+            for (int c = 0; c < g.c; ++c) same &= wt[((size_t)c * 9 + t) * g.k + k].bits == w[((size_t)k * 9 + t) * g.c + c].bits;
+    check_bits("conv3_dgrad_weights_3x3", same);
+    const int m = (int)px, tiles = m / C3_BM;
+    auto run = [&](std::vector<bf16>& dx, std::vector<float>& part) {
+        const unsigned long long dim[4] = {(unsigned long long)g.k, (unsigned long long)g.w, (unsigned long long)g.h,
+                                           (unsigned long long)g.n};
+        const unsigned long long stride[3] = {(unsigned long long)g.k * 2, (unsigned long long)g.w * g.k * 2,
+                                              (unsigned long long)g.h * g.w * g.k * 2};
+        const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
+        const BtTmaMap map_dy = emu_tma_encode(dy.data(), 4, dim, stride, box, true);
+        const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), 9ull * g.k, (unsigned long long)g.c, 9ull * g.k * 2, C3_BK,
+                                                  C3_BN, true);
+        const Conv3Args args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1};
+        bf16* dxp = dx.data();
+        float* pp = part.data();
+        const dim3e grid{(unsigned)tiles, (unsigned)((g.c + C3_BN - 1) / C3_BN), 1};
+        if (g.bn)
+            emu_launch(grid, {C3_THREADS, 1, 1}, [&] {
+                conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data());
+            });
+        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_dgrad_3x3(map_dy, map_wt, dxp, args); });
+    };
+    std::vector<bf16> dx = dx0;
+    std::vector<float> part(g.bn ? 2 * (size_t)tiles * g.c : 0, NAN);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    run(dx, part);
+    std::vector<double> got(dx.size()), ref(dx.size());
+    for (int n = 0; n < g.n; ++n)
+        for (int h = 0; h < g.h; ++h)
+            for (int q = 0; q < g.w; ++q)
+                for (int c = 0; c < g.c; ++c) {
+                    double acc = 0;
+                    for (int r = 0; r < 3; ++r)
+                        for (int t = 0; t < 3; ++t) {
+                            const int hh = h + 1 - r, ww = q + 1 - t;
+                            if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
+                            for (int k = 0; k < g.k; ++k)
+                                acc += (double)__bfloat162float(dy[(((size_t)n * g.h + hh) * g.w + ww) * g.k + k]) *
+                                       __bfloat162float(w[((size_t)k * 9 + r * 3 + t) * g.c + c]);
+                        }
+                    const size_t o = (((size_t)n * g.h + h) * g.w + q) * g.c + c;
+                    double v = rb((float)acc);
+                    if (g.accumulate) v = rb((float)(v + __bfloat162float(dx0[o])));
+                    if (g.bn) {
+                        v = rb((float)(v + __bfloat162float(residual[o])));
+                        if (!(__bfloat162float(bn_y[o]) > 0)) v = 0;
+                    }
+                    ref[o] = v;
+                    got[o] = __bfloat162float(dx[o]);
+                }
+    check("dx", got, ref, 2e-5 * 9 * g.k, 1.0 / 64);
+    if (g.bn) {
+        const int wb = g.w / tw, hb = g.h / th;
+        std::vector<double> gb, rb_, gg, rg;
+        for (int b = 0; b < tiles; ++b) {
+            const int w0 = b % wb * tw, h0 = b / wb % hb * th, n0 = b / (wb * hb) * tn;
+            for (int c = 0; c < g.c; ++c) {
+                double sb = 0, sg = 0;
+                for (int i = 0; i < tn; ++i)
+                    for (int hh = 0; hh < th; ++hh)
+                        for (int ww = 0; ww < tw; ++ww) {
+                            const size_t o = (((size_t)(n0 + i) * g.h + h0 + hh) * g.w + w0 + ww) * g.c + c;
+                            const double v = __bfloat162float(dx[o]);
+                            sb += v;
+                            sg += v * (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c];
+                        }
+                rb_.push_back(sb);
+                rg.push_back(sg);
+                gb.push_back(part[(size_t)b * g.c + c]);
+                gg.push_back(part[(size_t)tiles * g.c + (size_t)b * g.c + c]);
+            }
+        }
+        check("tile sums of g", gb, rb_, 1e-4, 1e-5);
+        check("tile sums of g·x-hat", gg, rg, 1e-3, 1e-5);
+    }
+    std::vector<bf16> dx2 = dx0;
+    std::vector<float> part2(part.size(), NAN);
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0xd3a2646cu;
+    run(dx2, part2);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same dx", memcmp(dx2.data(), dx.data(), dx.size() * 2) == 0);
+    if (g.bn) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     const Gemm cases[] = {
@@ -448,6 +560,15 @@ int main(int argc, char** argv) {
     for (const Conv3x3& g : convs) {
         if (first_only && failures) break;
         check_3x3(g);
+    }
+    const Dgrad3x3 dgrads3[] = {
+        {4, 8, 8, 72, 64, false, false},   // an input-channel tail (72 = 64 + 8)
+        {2, 16, 16, 64, 128, true, true},  // two slices per tap, added into dx, every epilogue operand
+        {128, 3, 3, 8, 64, true, false},   // one-pixel tiles: every tap but the centre pads
+    };
+    for (const Dgrad3x3& g : dgrads3) {
+        if (first_only && failures) break;
+        check_dgrad_3x3(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

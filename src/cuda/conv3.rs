@@ -43,6 +43,13 @@ pub const FWD_STATS_KERNEL: &str = "conv3_fwd_stats_1x1";
 pub const FWD_3X3_KERNEL: &str = "conv3_fwd_3x3";
 /// The 3×3 forward with the batch-norm statistics epilogue.
 pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
+/// The 3×3 data gradient at stride 1 (the forward's tiles over dx, dy's boxes shifted by
+/// pad − tap, the weight as [C][9·K]).
+pub const DGRAD_3X3_KERNEL: &str = "conv3_dgrad_3x3";
+/// The 3×3 data gradient with the batch-norm gradient epilogue.
+pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
+/// The weight rearranged for the 3×3 data gradient (`wt[c][tap·K + k] = w[k][tap][c]`).
+pub const DGRAD_WEIGHTS_3X3_KERNEL: &str = "conv3_dgrad_weights_3x3";
 /// The data gradient: `dx = dy · wt ᵀ` with the transposed weight (+ dx when accumulating).
 pub const DGRAD_KERNEL: &str = "conv3_dgrad_1x1";
 /// The data gradient finishing the gradient of the batch norm before the convolution
@@ -81,6 +88,9 @@ pub struct Conv3Args {
     pub pad: i32,
     /// 3×3: the filter size (3).
     pub taps: i32,
+    /// 3×3 data gradient: 1 shifts the input boxes by pad − tap (a correlation with the
+    /// flipped filter), 0 by tap − pad.
+    pub flip: i32,
 }
 
 // SAFETY: repr(C) plain integers, matching the kernel's struct.
@@ -116,6 +126,7 @@ pub fn forward_args(s: &ConvShape) -> Option<Conv3Args> {
         tile_w: 0,
         pad: 0,
         taps: 0,
+        flip: 0,
     })
 }
 
@@ -164,7 +175,33 @@ pub fn forward_3x3_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
         tile_w: tw as i32,
         pad: 1,
         taps: 3,
+        flip: 0,
     })
+}
+
+/// The GEMM of a 3×3 data gradient at stride 1 with padding 1 on Hopper: M = input pixels in
+/// whole tiles, N = input channels, K = 9 × output channels (a multiple of 64 per tap).
+pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<Conv3Args> {
+    if s.c_out % TILE_K != 0 || s.c_in % 8 != 0 {
+        return None;
+    }
+    // The forward's conditions with the channel roles swapped (dx has the input's extents).
+    let swapped = ConvShape {
+        c_in: s.c_out,
+        c_out: s.c_in,
+        ..*s
+    };
+    let f = forward_3x3_args(&swapped, arch)?;
+    Some(Conv3Args {
+        accumulate: i32::from(accumulate),
+        flip: 1,
+        ..f
+    })
+}
+
+/// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
+pub fn takes_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
+    takes(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
 }
 
 /// Whether v3 takes the forward pass of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
@@ -427,11 +464,14 @@ mod tests {
                 DGRAD_BN_KERNEL,
                 FWD_3X3_KERNEL,
                 FWD_STATS_3X3_KERNEL,
+                DGRAD_3X3_KERNEL,
+                DGRAD_BN_3X3_KERNEL,
                 WGRAD_KERNEL,
+                DGRAD_WEIGHTS_3X3_KERNEL,
                 TRANSPOSE_KERNEL
             ]
         );
-        assert_eq!(std::mem::size_of::<Conv3Args>(), 44);
+        assert_eq!(std::mem::size_of::<Conv3Args>(), 48);
         let multi: Vec<&str> = text
             .split("struct Conv3Args {")
             .nth(1)
@@ -457,7 +497,8 @@ mod tests {
                 "tile_h",
                 "tile_w",
                 "pad",
-                "taps"
+                "taps",
+                "flip"
             ]
         );
         assert_eq!(std::mem::size_of::<TensorMap>(), 128);
@@ -489,7 +530,8 @@ mod tests {
                 tile_h: 0,
                 tile_w: 0,
                 pad: 0,
-                taps: 0
+                taps: 0,
+                flip: 0
             }
         );
         assert_eq!(grid(&a), (4, 2, 1));
@@ -558,8 +600,18 @@ mod tests {
         assert!(!takes_forward(&s(256, 56, 72, 64, 1), hopper));
         assert!(!takes_forward(&s(256, 56, 64, 64, 1), GpuArch::new(8, 0)));
         assert!(!takes_forward(&s(4, 7, 64, 64, 1), hopper));
-        // Only the forward: the 3×3 data and weight gradients stay v2.
+        // The forward and the data gradient: the 3×3 weight gradient stays v2.
         assert!(!takes(&s(256, 56, 64, 64, 1), hopper));
+        assert!(takes_dgrad(&s(256, 56, 64, 64, 1), hopper));
+        let d = dgrad_3x3_args(&s(256, 56, 128, 64, 1), hopper, true).unwrap();
+        assert_eq!(
+            (d.m, d.n, d.k, d.accumulate, d.flip, d.tile_h, d.tile_w),
+            (256 * 56 * 56, 128, 576, 1, 1, 8, 8)
+        );
+        // The data gradient's reduction is over the output channels: 72 of them do not split
+        // into whole 64-channel slices per tap.
+        assert!(!takes_dgrad(&s(256, 56, 64, 72, 1), hopper));
+        assert!(takes_forward(&s(256, 56, 64, 72, 1), hopper));
         let g = MapGeometry::bf16_nhwc((256, 56, 56, 64), (2, 8, 8)).unwrap();
         assert_eq!(g.dims, [64, 56, 56, 256]);
         assert_eq!(g.strides, [128, 56 * 128, 56 * 56 * 128]);

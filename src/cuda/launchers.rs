@@ -112,7 +112,9 @@ kernel_launchers! {
 
     // conv3.cu (v3, Hopper: operands through TMA tensor maps)
     /// The v3 forward and data-gradient GEMMs: `out = a · bᵀ` (+ out with `args.accumulate`).
-    "conv3.cu" Conv3Gemm<'a> ["conv3_fwd_1x1", "conv3_dgrad_1x1", "conv3_fwd_3x3"] {
+    "conv3.cu" Conv3Gemm<'a> [
+        "conv3_fwd_1x1", "conv3_dgrad_1x1", "conv3_fwd_3x3", "conv3_dgrad_3x3",
+    ] {
         map_a: super::conv3::TensorMap,
         map_b: super::conv3::TensorMap,
         out: Out<'a, u16>,
@@ -127,7 +129,7 @@ kernel_launchers! {
         part: Out<'a, f32>,
     }
     /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract).
-    "conv3.cu" Conv3DgradBn<'a> ["conv3_dgrad_bn_1x1"] {
+    "conv3.cu" Conv3DgradBn<'a> ["conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3"] {
         map_dy: super::conv3::TensorMap,
         map_wt: super::conv3::TensorMap,
         dx: Out<'a, u16>,
@@ -145,6 +147,14 @@ kernel_launchers! {
         map_x: super::conv3::TensorMap,
         dw: Out<'a, f32>,
         args: super::conv3::Conv3Args,
+    }
+    /// The weight rearranged for the v3 3×3 data gradient (`[C][taps·K]`).
+    "conv3.cu" Conv3DgradWeights3x3<'a> ["conv3_dgrad_weights_3x3"] {
+        w: In<'a, u16>,
+        wt: Out<'a, u16>,
+        k_out: i32,
+        taps: i32,
+        c_in: i32,
     }
     /// The weight transposed for the v3 data gradient.
     "conv3.cu" Conv3TransposeWeights<'a> ["conv3_transpose_weights"] {

@@ -187,10 +187,15 @@ fn kernels_match_references_under_emulation() {
             "h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;",
             "h = h0 + row % a.tile_h, w = w0 + row % per_image / a.tile_h;",
         ),
+        // the 3×3 data gradient's boxes shifted like the forward's (no flip)
+        (
+            "const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;",
+            "const int dr = r - a.pad, dt = t - a.pad;",
+        ),
         // the tap's column shift of the 3×3 input box taken from its row
         (
-            "c3_tma_load_4d(stage, map_a, c0, w0 + t - a.pad, h0 + r - a.pad, img0, full);",
-            "c3_tma_load_4d(stage, map_a, c0, w0 + r - a.pad, h0 + r - a.pad, img0, full);",
+            "c3_tma_load_4d(stage, map_a, c0, w0 + dt, h0 + dr, img0, full);",
+            "c3_tma_load_4d(stage, map_a, c0, w0 + dr, h0 + dr, img0, full);",
         ),
     ];
     let mut broken_conv3 = Vec::new();

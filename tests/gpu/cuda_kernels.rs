@@ -958,6 +958,7 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
         c(2, 16, 128, 136),
         c(8, 4, 64, 64),
         c(128, 3, 64, 8),
+        c(2, 16, 64, 128),
     ]
 }
 
@@ -1052,12 +1053,32 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         );
         gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
         assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
+        // The data gradient (v3 where the output channels split into 64 per tap, else v2).
+        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+        for accumulate in [false, true] {
+            let dx0 = data(&mut rng, s.x_len(), 1.0);
+            let mut dxc = dx0.clone();
+            cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
+                .unwrap();
+            let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
+            gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
+                .unwrap();
+            assert_close(
+                &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
+                &gb.download(&dxg).unwrap(),
+                &dxc,
+                1e-2,
+                EPS_BF16,
+            );
+        }
     }
     let ran: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
     gb.set_profiling(false);
     for kernel in [
         "conv3_fwd_1x1",
         "conv3_fwd_3x3",
+        "conv3_dgrad_3x3",
+        "conv3_dgrad_weights_3x3",
         "conv3_dgrad_1x1",
         "conv3_transpose_weights",
         "conv3_wgrad_1x1",
@@ -1100,6 +1121,7 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
         "conv3_fwd_stats_1x1",
         "conv3_fwd_stats_3x3",
         "conv3_dgrad_bn_1x1",
+        "conv3_dgrad_bn_3x3",
         "conv2_fwd_stats_128x64",
         "conv2_dgrad_bn_128x64",
     ] {

@@ -262,7 +262,7 @@ pub(super) fn conv_backward_data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
-    if be.conv3_takes(s) {
+    if be.conv3_takes_dgrad(s) {
         let records = rows.div_ceil(TILE_ROWS);
         let mut work = be.work();
         let wk = &mut *work;

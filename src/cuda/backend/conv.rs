@@ -229,7 +229,7 @@ pub(super) fn backward_data(
     check_len(op, "dy", dy.len, s.y_len())?;
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "dx", dx.len, s.x_len())?;
-    if be.conv3_takes(s) {
+    if be.conv3_takes_dgrad(s) {
         let (dy, w, dx) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
         return be.conv3_backward_data(op, s, dy, w, dx, accumulate, None);
     }

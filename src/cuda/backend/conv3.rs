@@ -12,7 +12,8 @@ use crate::cuda::conv::ConvVersion;
 use crate::cuda::conv3::{self, Conv3Args, TensorMap};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
-    Conv2WgradReduce, Conv3DgradBn, Conv3FwdStats, Conv3Gemm, Conv3TransposeWeights, Conv3Wgrad,
+    Conv2WgradReduce, Conv3DgradBn, Conv3DgradWeights3x3, Conv3FwdStats, Conv3Gemm,
+    Conv3TransposeWeights, Conv3Wgrad,
 };
 
 /// The batch-norm gradient epilogue's operands of a v3 data gradient (conv2's contract).
@@ -35,6 +36,12 @@ impl CudaBackend {
     /// Whether v3 is selected and takes this layer's three passes on this GPU (1×1).
     pub(super) fn conv3_takes(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes(s, self.dev.arch())
+    }
+
+    /// Whether v3 is selected and takes this layer's data gradient (1×1, or 3×3 at stride 1
+    /// with whole tiles).
+    pub(super) fn conv3_takes_dgrad(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes_dgrad(s, self.dev.arch())
     }
 
     /// Whether v3 is selected and takes this layer's forward pass (1×1, or 3×3 at stride 1
@@ -144,8 +151,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// dx = dgrad1x1(dy, w) (+ dx when `accumulate`), through the transposed weight in the
-    /// scratch; with `bn`, the batch-norm gradient epilogue and its records.
+    /// dx = dgrad(dy, w) (+ dx when `accumulate`) for a layer [`Self::conv3_takes_dgrad`]
+    /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3) in the scratch;
+    /// with `bn`, the batch-norm gradient epilogue and its records.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn conv3_backward_data(
         &self,
@@ -157,45 +165,75 @@ impl CudaBackend {
         accumulate: bool,
         bn: Option<DgradBn<'_>>,
     ) -> Result<(), BackendError> {
-        let args = conv3::dgrad_args(s, accumulate).ok_or_else(|| too_large(op, s))?;
+        let three = s.kernel == 3;
+        let args = if three {
+            conv3::dgrad_3x3_args(s, self.dev.arch(), accumulate)
+        } else {
+            conv3::dgrad_args(s, accumulate)
+        }
+        .ok_or_else(|| too_large(op, s))?;
         let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
         let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
         let Conv2Scratch { wt, .. } = &mut *scratch;
         ensure(&self.dev, wt, s.w_len(), op)?;
         let wt = wt.as_mut().expect("ensured");
-        // w is [K = c_out][c_in]; the GEMM's B is wᵀ, [c_in][K] (K-major).
-        let (grid, block) = conv3::transpose_launch(k, n);
-        let transpose = Conv3TransposeWeights {
-            w: w.into(),
-            wt: (&mut *wt).into(),
-            rows: to_i32(op, "c_out", k)?,
-            cols: to_i32(op, "c_in", n)?,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
-        self.launch(op, conv3::TRANSPOSE_KERNEL, cfg, transpose)?;
+        if three {
+            // w is KRSC; the GEMM's B is [c_in][(tap, c_out)] (K-major over the reduction).
+            let rearrange = Conv3DgradWeights3x3 {
+                w: w.into(),
+                wt: (&mut *wt).into(),
+                k_out: to_i32(op, "c_out", s.c_out)?,
+                taps: 9,
+                c_in: to_i32(op, "c_in", s.c_in)?,
+            };
+            let kernel = conv3::DGRAD_WEIGHTS_3X3_KERNEL;
+            self.launch(op, kernel, elementwise_cfg(s.w_len()), rearrange)?;
+        } else {
+            // w is [K = c_out][c_in]; the GEMM's B is wᵀ, [c_in][K] (K-major).
+            let (grid, block) = conv3::transpose_launch(k, n);
+            let transpose = Conv3TransposeWeights {
+                w: w.into(),
+                wt: (&mut *wt).into(),
+                rows: to_i32(op, "c_out", k)?,
+                cols: to_i32(op, "c_in", n)?,
+            };
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            self.launch(op, conv3::TRANSPOSE_KERNEL, cfg, transpose)?;
+        }
         self.note_work(4 * s.w_len(), 0.0);
-        let map_dy = self.tensor_map(op, dy, m, k, conv3::TILE_M)?;
+        let map_dy = if three {
+            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
+            let (ptr, _record) = dy.device_ptr(self.dev.stream());
+            TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, s.c_out), tile).map_err(dev_err(op))?
+        } else {
+            self.tensor_map(op, dy, m, k, conv3::TILE_M)?
+        };
         let map_wt = self.tensor_map(op, wt, n, k, conv3::TILE_N)?;
+        let (plain, with_bn) = if three {
+            (conv3::DGRAD_3X3_KERNEL, conv3::DGRAD_BN_3X3_KERNEL)
+        } else {
+            (conv3::DGRAD_KERNEL, conv3::DGRAD_BN_KERNEL)
+        };
         let streams = 2 + usize::from(accumulate);
         let bytes = 2 * (s.y_len() + s.w_len() + s.x_len() * streams);
         match bn {
             None => {
-                let cfg = self.conv3_prepare(op, conv3::DGRAD_KERNEL, conv3::grid(&args))?;
+                let cfg = self.conv3_prepare(op, plain, conv3::grid(&args))?;
                 let gemm = Conv3Gemm {
                     map_a: map_dy,
                     map_b: map_wt,
                     out: dx.into(),
                     args,
                 };
-                self.launch(op, conv3::DGRAD_KERNEL, cfg, gemm)?;
+                self.launch(op, plain, cfg, gemm)?;
                 self.note_work(bytes, s.flops());
             }
             Some(bn) => {
-                let cfg = self.conv3_prepare(op, conv3::DGRAD_BN_KERNEL, conv3::grid(&args))?;
+                let cfg = self.conv3_prepare(op, with_bn, conv3::grid(&args))?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
                 let records = m.div_ceil(conv3::TILE_M);
                 let gemm = Conv3DgradBn {
@@ -210,7 +248,7 @@ impl CudaBackend {
                     invstd: bn.invstd.into(),
                     residual: bn.residual.map(Into::into),
                 };
-                self.launch(op, conv3::DGRAD_BN_KERNEL, cfg, gemm)?;
+                self.launch(op, with_bn, cfg, gemm)?;
                 self.note_work(bytes + 2 * s.x_len() * extra + 8 * records * n, s.flops());
             }
         }
