@@ -301,7 +301,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
     // TAPS: the tile's first image, row and column, and the channel slices of one tap.
     int img0 = 0, h0 = 0, w0 = 0, slices = 1;
-    if (TAPS) {
+    if (TAPS && !MN) {
         const int wb = a.width / a.tile_w, hb = a.height / a.tile_h, bx = blockIdx.x;
         w0 = (bx % wb) * a.tile_w;
         h0 = (bx / wb) % hb * a.tile_h;
@@ -334,7 +334,25 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                 if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
                 const unsigned stage = base + s * C3_STAGE_BYTES, full = full0 + 8 * s;
                 c3_mbar_arrive_expect_tx(full, C3_STAGE_BYTES);
-                if (TAPS) {
+                if (TAPS && MN) {
+                    // The 3×3 weight gradient: k-step = a whole tile of 64 pixels (images ×
+                    // rows × columns); A = dy's channels m0.., B = the input's channels of the
+                    // tile's two 64-column halves, each shifted by its own tap.
+                    const int tile = k0 / C3_BK, per_image = a.tile_h * a.tile_w;
+                    const int wb = a.width / a.tile_w, hb = a.height / a.tile_h;
+                    const int tw0 = tile % wb * a.tile_w, th0 = tile / wb % hb * a.tile_h;
+                    const int ti0 = tile / (wb * hb) * (C3_BK / per_image);
+                    const int channels = a.n / (a.taps * a.taps);
+                    c3_tma_load_4d(stage, map_a, m0, tw0, th0, ti0, full);
+                    c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
+                        const int r = tap / a.taps, t = tap % a.taps;
+                        c3_tma_load_4d(stage + C3_TILE_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 + t - a.pad, th0 + r - a.pad,
+                                       ti0, full);
+                    }
+                } else if (TAPS) {
                     const int tap = kt / slices, c0 = kt % slices * C3_BK;
                     const int r = tap / a.taps, t = tap % a.taps;
                     const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
@@ -613,6 +631,16 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_wgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {
     conv3_gemm<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
+// dw[z] = wgrad3x3(dy, x) at stride 1 over reduction slice z (f32 [K][9·C] planes, then
+// conv2_wgrad_reduce): dw[k][(tap, c)] = Σ_p dy[p][k]·x[p + tap − pad][c], the pixels in whole
+// tiles of 64 (args.tile_h × tile_w × the rest in images), both operands MN-major 4-D boxes:
+// map_dy: dy's 64 channels × the tile, map_x: x's 64 channels × the tile shifted by the tap
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_wgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_WGRAD, 1, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
 // wt[c][tap·K + k] = w[k][tap][c] (w: KRSC with `taps` = R·S filter positions): the 3×3

@@ -514,6 +514,72 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     if (g.bn) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
 }
 
+// The 3×3 weight gradient at stride 1, padding 1: dw[k][r][s][c] = Σ dy[n][h][w][k]·x[n][h+r−1][w+s−1][c]
+// over slices of `chunk` pixels (whole 64-pixel tiles), the planes summed in slice order.
+struct Wgrad3x3 { int n, h, w, c, k, chunk; };
+
+static void check_wgrad_3x3(const Wgrad3x3& g) {
+    auto pow2 = [](int v, int cap) { int p = 1; while (p * 2 <= cap && v % (p * 2) == 0) p *= 2; return p; };
+    const int tw = pow2(g.w, C3_BK), th = pow2(g.h, C3_BK / tw), tn = C3_BK / (tw * th);
+    if (g.n % tn) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
+    std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk);
+    const size_t px = (size_t)g.n * g.h * g.w;
+    const auto dy = random_bf16(rng, px * g.k, 1.0f);
+    const auto x = random_bf16(rng, px * g.c, 1.0f, 0.25f);
+    const int slices = (int)((px + g.chunk - 1) / g.chunk);
+    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k, tn, th, tw, slices,
+           g.chunk);
+    const size_t plane = (size_t)g.k * 9 * g.c;
+    auto run = [&](std::vector<float>& planes) {
+        auto map4 = [&](const std::vector<bf16>& t, int ch) {
+            const unsigned long long dim[4] = {(unsigned long long)ch, (unsigned long long)g.w, (unsigned long long)g.h,
+                                               (unsigned long long)g.n};
+            const unsigned long long stride[3] = {(unsigned long long)ch * 2, (unsigned long long)g.w * ch * 2,
+                                                  (unsigned long long)g.h * g.w * ch * 2};
+            const unsigned box[4] = {64, (unsigned)tw, (unsigned)th, (unsigned)tn};
+            return emu_tma_encode(t.data(), 4, dim, stride, box, true);
+        };
+        const BtTmaMap map_dy = map4(dy, g.k), map_x = map4(x, g.c);
+        const Conv3Args args{g.k, 9 * g.c, (int)px, 0, g.chunk, g.h, g.w, th, tw, 1, 3, 0};
+        float* dw = planes.data();
+        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((9 * g.c + C3_BN - 1) / C3_BN), (unsigned)slices},
+                   {C3_THREADS, 1, 1}, [&] { conv3_wgrad_3x3(map_dy, map_x, dw, args); });
+    };
+    std::vector<float> planes((size_t)slices * plane, NAN);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    run(planes);
+    std::vector<double> got(plane), ref(plane);
+    for (size_t i = 0; i < plane; ++i) {
+        float v = planes[i];
+        for (int z = 1; z < slices; ++z) v += planes[z * plane + i];
+        got[i] = v;
+    }
+    for (int k = 0; k < g.k; ++k)
+        for (int r = 0; r < 3; ++r)
+            for (int t = 0; t < 3; ++t)
+                for (int c = 0; c < g.c; ++c) {
+                    double acc = 0;
+                    for (int n = 0; n < g.n; ++n)
+                        for (int h = 0; h < g.h; ++h)
+                            for (int q = 0; q < g.w; ++q) {
+                                const int hh = h + r - 1, ww = q + t - 1;
+                                if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
+                                acc += (double)__bfloat162float(dy[(((size_t)n * g.h + h) * g.w + q) * g.k + k]) *
+                                       __bfloat162float(x[(((size_t)n * g.h + hh) * g.w + ww) * g.c + c]);
+                            }
+                    ref[((size_t)k * 9 + r * 3 + t) * g.c + c] = acc;
+                }
+    check("dw (planes summed in order)", got, ref, 2e-6 * px, 1e-5);
+    std::vector<float> again(planes.size(), NAN);
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x2545f491u;
+    run(again);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same planes", memcmp(again.data(), planes.data(), planes.size() * 4) == 0);
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     const Gemm cases[] = {
@@ -569,6 +635,15 @@ int main(int argc, char** argv) {
     for (const Dgrad3x3& g : dgrads3) {
         if (first_only && failures) break;
         check_dgrad_3x3(g);
+    }
+    const Wgrad3x3 wgrads3[] = {
+        {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
+        {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
+        {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
+    };
+    for (const Wgrad3x3& g : wgrads3) {
+        if (first_only && failures) break;
+        check_wgrad_3x3(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

@@ -297,9 +297,9 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
         return Some((tile.threads() as usize, tile.smem_bytes(pass)));
     }
     if kernel.starts_with("conv3_") {
-        // the weight transpose is not a GEMM
-        return (kernel != conv3::TRANSPOSE_KERNEL)
-            .then_some((conv3::THREADS as usize, conv3::SMEM_BYTES));
+        // the weight rearrangements are not GEMMs
+        let gemm = ![conv3::TRANSPOSE_KERNEL, conv3::DGRAD_WEIGHTS_3X3_KERNEL].contains(&kernel);
+        return gemm.then_some((conv3::THREADS as usize, conv3::SMEM_BYTES));
     }
     // v1: 256 threads, static shared memory only (src/cuda/backend/conv.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))

@@ -48,6 +48,8 @@ pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
 pub const DGRAD_3X3_KERNEL: &str = "conv3_dgrad_3x3";
 /// The 3×3 data gradient with the batch-norm gradient epilogue.
 pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
+/// The 3×3 weight gradient at stride 1: f32 planes per reduction slice of whole 64-pixel tiles.
+pub const WGRAD_3X3_KERNEL: &str = "conv3_wgrad_3x3";
 /// The weight rearranged for the 3×3 data gradient (`wt[c][tap·K + k] = w[k][tap][c]`).
 pub const DGRAD_WEIGHTS_3X3_KERNEL: &str = "conv3_dgrad_weights_3x3";
 /// The data gradient: `dx = dy · wt ᵀ` with the transposed weight (+ dx when accumulating).
@@ -135,6 +137,11 @@ pub fn forward_args(s: &ConvShape) -> Option<Conv3Args> {
 /// contiguous runs for TMA); `None` when the batch does not divide (every tile must be whole,
 /// so that each statistics record covers 128 pixels).
 pub fn tile_3x3(n: usize, h: usize, w: usize) -> Option<(usize, usize, usize)> {
+    tile_of(n, h, w, TILE_M)
+}
+
+/// [`tile_3x3`] for tiles of `pixels` (a power of two).
+fn tile_of(n: usize, h: usize, w: usize, pixels: usize) -> Option<(usize, usize, usize)> {
     let pow2 = |v: usize, cap: usize| {
         let mut p = 1;
         while p * 2 <= cap && v % (p * 2) == 0 {
@@ -142,9 +149,9 @@ pub fn tile_3x3(n: usize, h: usize, w: usize) -> Option<(usize, usize, usize)> {
         }
         p
     };
-    let tw = pow2(w, TILE_M);
-    let th = pow2(h, TILE_M / tw);
-    let tn = TILE_M / (tw * th);
+    let tw = pow2(w, pixels);
+    let th = pow2(h, pixels / tw);
+    let tn = pixels / (tw * th);
     (n % tn == 0).then_some((tn, th, tw))
 }
 
@@ -197,6 +204,53 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
         flip: 1,
         ..f
     })
+}
+
+/// The GEMM of a 3×3 weight gradient at stride 1 with padding 1 on Hopper (M = output
+/// channels, N = 9 × input channels (a multiple of 64 per tap), K = pixels in whole tiles of
+/// 64), its reduction split over `sms` SMs as [`wgrad_args`] does, the number of slices, and
+/// the pixel tile (images, rows, columns) of its TMA boxes.
+pub fn wgrad_3x3_args(
+    s: &ConvShape,
+    arch: GpuArch,
+    sms: usize,
+) -> Option<(Conv3Args, usize, (usize, usize, usize))> {
+    let fits = (arch.major, arch.minor) == (9, 0)
+        && s.kernel == 3
+        && s.stride == 1
+        && s.padding == 1
+        && s.c_in % TILE_K == 0
+        && s.c_out % 8 == 0;
+    if !fits {
+        return None;
+    }
+    let tile = tile_of(s.n, s.h, s.w, TILE_K)?;
+    let pixels = s.n * s.h * s.w;
+    let (m, n) = (s.c_out, 9 * s.c_in);
+    let tiles = m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
+    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, sms);
+    let chunk = chunk.div_ceil(TILE_K) * TILE_K;
+    let args = Conv3Args {
+        m: i32::try_from(m).ok()?,
+        n: i32::try_from(n).ok()?,
+        k: i32::try_from(pixels).ok()?,
+        accumulate: 0,
+        k_chunk: i32::try_from(chunk).ok()?,
+        height: i32::try_from(s.h).ok()?,
+        width: i32::try_from(s.w).ok()?,
+        tile_h: tile.1 as i32,
+        tile_w: tile.2 as i32,
+        pad: 1,
+        taps: 3,
+        flip: 0,
+    };
+    Some((args, pixels.div_ceil(chunk), tile))
+}
+
+/// Whether v3 takes the weight gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole
+/// 64-pixel tiles.
+pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
+    takes(s, arch) || wgrad_3x3_args(s, arch, 132).is_some()
 }
 
 /// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
@@ -467,6 +521,7 @@ mod tests {
                 DGRAD_3X3_KERNEL,
                 DGRAD_BN_3X3_KERNEL,
                 WGRAD_KERNEL,
+                WGRAD_3X3_KERNEL,
                 DGRAD_WEIGHTS_3X3_KERNEL,
                 TRANSPOSE_KERNEL
             ]
@@ -600,8 +655,18 @@ mod tests {
         assert!(!takes_forward(&s(256, 56, 72, 64, 1), hopper));
         assert!(!takes_forward(&s(256, 56, 64, 64, 1), GpuArch::new(8, 0)));
         assert!(!takes_forward(&s(4, 7, 64, 64, 1), hopper));
-        // The forward and the data gradient: the 3×3 weight gradient stays v2.
+        // Every pass of a stride-1 3×3 (takes() is the 1×1 rule).
         assert!(!takes(&s(256, 56, 64, 64, 1), hopper));
+        assert!(takes_wgrad(&s(256, 56, 64, 64, 1), hopper));
+        let (wa, slices, tile) = wgrad_3x3_args(&s(256, 7, 512, 512, 1), hopper, 132).unwrap();
+        assert_eq!(tile, (64, 1, 1));
+        assert_eq!((wa.m, wa.n, wa.k), (512, 4608, 256 * 49));
+        assert_eq!(wa.k_chunk % 64, 0);
+        assert!(slices as i32 * wa.k_chunk >= wa.k && (slices as i32 - 1) * wa.k_chunk < wa.k);
+        assert!(
+            !takes_wgrad(&s(2, 7, 64, 64, 1), hopper),
+            "2 images of 7×7: no 64-pixel tile"
+        );
         assert!(takes_dgrad(&s(256, 56, 64, 64, 1), hopper));
         let d = dgrad_3x3_args(&s(256, 56, 128, 64, 1), hopper, true).unwrap();
         assert_eq!(

@@ -142,7 +142,7 @@ kernel_launchers! {
         residual: Option<In<'a, u16>>,
     }
     /// The v3 weight gradient: one f32 plane per reduction slice.
-    "conv3.cu" Conv3Wgrad<'a> ["conv3_wgrad_1x1"] {
+    "conv3.cu" Conv3Wgrad<'a> ["conv3_wgrad_1x1", "conv3_wgrad_3x3"] {
         map_dy: super::conv3::TensorMap,
         map_x: super::conv3::TensorMap,
         dw: Out<'a, f32>,

@@ -65,6 +65,9 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         conv3::FWD_3X3_KERNEL,
         conv3::FWD_STATS_3X3_KERNEL,
         conv3::WGRAD_KERNEL,
+        conv3::DGRAD_3X3_KERNEL,
+        conv3::DGRAD_BN_3X3_KERNEL,
+        conv3::WGRAD_3X3_KERNEL,
     ] {
         let r = rows
             .iter()

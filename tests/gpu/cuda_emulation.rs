@@ -187,6 +187,11 @@ fn kernels_match_references_under_emulation() {
             "h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;",
             "h = h0 + row % a.tile_h, w = w0 + row % per_image / a.tile_h;",
         ),
+        // the 3×3 weight gradient's second 64 columns loaded with the first's tap and channels
+        (
+            "const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;",
+            "const int col = n0, tap = col / channels, c0 = col % channels;",
+        ),
         // the 3×3 data gradient's boxes shifted like the forward's (no flip)
         (
             "const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;",

@@ -1039,6 +1039,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     for s in conv3_3x3_shapes() {
         let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
         let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
+        let dy_w = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
         let mut yc = vec![0.0; s.y_len()];
         cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
         let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
@@ -1053,6 +1054,28 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         );
         gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
         assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
+        // The weight gradient (v3 in whole 64-pixel tiles), twice to the bit.
+        let mut dwc = vec![0.0; s.w_len()];
+        cb.conv_backward_weight(&s, &x.c, &dy_w.c, &mut dwc)
+            .unwrap();
+        let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+        gb.conv_backward_weight(&s, &x.g, &dy_w.g, &mut dwg)
+            .unwrap();
+        let first = bits(&gb, &dwg);
+        assert_close(
+            &format!("v3 conv_backward_weight {s:?}"),
+            &gb.download(&dwg).unwrap(),
+            &dwc,
+            2e-3,
+            1e-4,
+        );
+        gb.conv_backward_weight(&s, &x.g, &dy_w.g, &mut dwg)
+            .unwrap();
+        assert_eq!(
+            first,
+            bits(&gb, &dwg),
+            "v3 conv_backward_weight {s:?} repeats"
+        );
         // The data gradient (v3 where the output channels split into 64 per tap, else v2).
         let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
         for accumulate in [false, true] {
@@ -1079,6 +1102,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         "conv3_fwd_3x3",
         "conv3_dgrad_3x3",
         "conv3_dgrad_weights_3x3",
+        "conv3_wgrad_3x3",
         "conv3_dgrad_1x1",
         "conv3_transpose_weights",
         "conv3_wgrad_1x1",

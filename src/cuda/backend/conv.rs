@@ -286,7 +286,7 @@ pub(super) fn backward_weight(
     check_len(op, "x", x.len, s.x_len())?;
     check_len(op, "dy", dy.len, s.y_len())?;
     check_len(op, "dw", dw.len, s.w_len())?;
-    if be.conv3_takes(s) {
+    if be.conv3_takes_wgrad(s) {
         let (dy, x, dw) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?, dw.f32_mut(op, "dw")?);
         return be.conv3_backward_weight(op, s, x, dy, dw);
     }

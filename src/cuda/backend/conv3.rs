@@ -1,5 +1,5 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1
-//! (three passes) and the forward of 3×3 ones at stride 1 on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! and 3×3 ones at stride 1 (in whole tiles of pixels) on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
 //! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
@@ -33,9 +33,10 @@ pub(super) struct DgradBn<'a> {
 }
 
 impl CudaBackend {
-    /// Whether v3 is selected and takes this layer's three passes on this GPU (1×1).
-    pub(super) fn conv3_takes(&self, s: &ConvShape) -> bool {
-        self.conv == ConvVersion::V3 && conv3::takes(s, self.dev.arch())
+    /// Whether v3 is selected and takes this layer's weight gradient (1×1, or 3×3 at stride 1
+    /// with whole 64-pixel tiles).
+    pub(super) fn conv3_takes_wgrad(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes_wgrad(s, self.dev.arch())
     }
 
     /// Whether v3 is selected and takes this layer's data gradient (1×1, or 3×3 at stride 1
@@ -255,8 +256,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// dw = wgrad1x1(x, dy): slices of the pixels into f32 planes, summed in slice order by
-    /// conv2.cu's reduce (one slice writes dw itself).
+    /// dw = wgrad(x, dy) for a layer [`Self::conv3_takes_wgrad`] accepts: slices of the pixels
+    /// into f32 planes, summed in slice order by conv2.cu's reduce (one slice writes dw itself).
     pub(super) fn conv3_backward_weight(
         &self,
         op: &'static str,
@@ -265,14 +266,27 @@ impl CudaBackend {
         dy: &CudaSlice<u16>,
         dw: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        let (args, slices) =
-            conv3::wgrad_args(s, self.sms as usize).ok_or_else(|| too_large(op, s))?;
-        let (pixels, c_out, c_in) = (args.k as usize, args.m as usize, args.n as usize);
-        // Both operands MN-major: boxes of 64 channels × 64 pixels.
-        let map_dy = self.tensor_map(op, dy, pixels, c_out, conv3::TILE_K)?;
-        let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
+        // Both operands MN-major: boxes of 64 channels × 64 pixels (1×1: 64 consecutive rows;
+        // 3×3: a whole 64-pixel tile, x's shifted by the tap of each 64 columns of dw).
+        let (args, slices, map_dy, map_x, kernel) = if s.kernel == 3 {
+            let (args, slices, tile) = conv3::wgrad_3x3_args(s, self.dev.arch(), self.sms as usize)
+                .ok_or_else(|| too_large(op, s))?;
+            let nhwc = |t: &CudaSlice<u16>, c: usize| {
+                let (ptr, _record) = t.device_ptr(self.dev.stream());
+                TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, c), tile).map_err(dev_err(op))
+            };
+            let (map_dy, map_x) = (nhwc(dy, s.c_out)?, nhwc(x, s.c_in)?);
+            (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
+        } else {
+            let (args, slices) =
+                conv3::wgrad_args(s, self.sms as usize).ok_or_else(|| too_large(op, s))?;
+            let (pixels, c_out, c_in) = (args.k as usize, args.m as usize, args.n as usize);
+            let map_dy = self.tensor_map(op, dy, pixels, c_out, conv3::TILE_K)?;
+            let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
+            (args, slices, map_dy, map_x, conv3::WGRAD_KERNEL)
+        };
         let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
-        let cfg = self.conv3_prepare(op, conv3::WGRAD_KERNEL, grid)?;
+        let cfg = self.conv3_prepare(op, kernel, grid)?;
         let len = s.w_len();
         let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * len * slices;
         if slices == 1 {
@@ -282,7 +296,7 @@ impl CudaBackend {
                 dw: dw.into(),
                 args,
             };
-            self.launch(op, conv3::WGRAD_KERNEL, cfg, gemm)?;
+            self.launch(op, kernel, cfg, gemm)?;
             self.note_work(gemm_bytes, s.flops());
             return Ok(());
         }
@@ -296,7 +310,7 @@ impl CudaBackend {
             dw: (&mut *planes).into(),
             args,
         };
-        self.launch(op, conv3::WGRAD_KERNEL, cfg, gemm)?;
+        self.launch(op, kernel, cfg, gemm)?;
         self.note_work(gemm_bytes, s.flops());
         let reduce = Conv2WgradReduce {
             planes: (&*planes).into(),
