@@ -31,6 +31,8 @@ pub(super) struct Workspace {
     /// Synchronised batch norm's global reductions dgamma and dbeta (f32 [C] each).
     pub(super) sync_a: Option<CudaSlice<f32>>,
     pub(super) sync_b: Option<CudaSlice<f32>>,
+    /// The step's values that kernels read from device memory (labels, mixing, stop wish).
+    pub(super) step: super::step_values::StepValues,
 }
 
 /// The CUDA backend on one device.
