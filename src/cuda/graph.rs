@@ -19,6 +19,7 @@
 //! again). Every other step runs eagerly, saying nothing.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -41,6 +42,15 @@ pub fn parse_cuda_graph(value: Option<&str>) -> Result<bool, CudaError> {
             ),
         }),
     }
+}
+
+/// Graph launches in this process so far (captured steps' first launches and replays).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many steps this process has run as CUDA graphs so far: what a test reads to know
+/// that the switch took effect.
+pub fn graph_launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
 }
 
 /// Whether the environment asks for CUDA graphs.
@@ -218,7 +228,9 @@ impl StepGraphs {
             .graphs
             .get(&key)
             .ok_or_else(|| graph_error("replaying", "no graph was captured for this step"))?;
-        graph.launch().map_err(|e| graph_error("launching", e))
+        graph.launch().map_err(|e| graph_error("launching", e))?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
