@@ -271,7 +271,11 @@ mod tests {
         let mut p = GraphPolicy::new(true);
         // Two staging slots × two totals slots, in the order a run visits them.
         let keys = [(1, 10), (2, 20), (1, 20), (2, 10)];
-        assert_eq!(p.decide(case(true, 1, 10, 5)), GraphAction::Eager, "warm-up");
+        assert_eq!(
+            p.decide(case(true, 1, 10, 5)),
+            GraphAction::Eager,
+            "warm-up"
+        );
         for &(i, t) in &keys {
             assert_eq!(p.decide(case(true, i, t, 5)), GraphAction::Capture);
             p.captured(GraphKey {

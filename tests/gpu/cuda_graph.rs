@@ -179,7 +179,12 @@ fn replayed_steps_give_the_eager_steps_bits() {
     // capture, five replays.
     assert_eq!((eager.graph_steps, graph.graph_steps), (0, 6));
     let differ = bits_differing(&eager.master, &graph.master);
-    assert_eq!(differ, 0, "{differ} of {} master weights differ", eager.master.len());
+    assert_eq!(
+        differ,
+        0,
+        "{differ} of {} master weights differ",
+        eager.master.len()
+    );
 }
 
 #[test]

@@ -61,7 +61,11 @@ fn put<T: DeviceRepr + ValidAsZeroBits>(
 
 impl CudaBackend {
     /// The device address of the step's labels, uploaded now unless preloaded.
-    pub(super) fn step_labels(&self, op: &'static str, labels: &[u32]) -> Result<u64, BackendError> {
+    pub(super) fn step_labels(
+        &self,
+        op: &'static str,
+        labels: &[u32],
+    ) -> Result<u64, BackendError> {
         let ints: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
         let mut w = self.work();
         let preloaded = w.step.preloaded;

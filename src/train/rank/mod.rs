@@ -581,10 +581,10 @@ impl<D: Device> Rank<D> {
     /// the step: the buckets' bookkeeping (one rank: no collective work), the replica's and
     /// the optimizer's step counts.
     fn replay_step(&mut self, n: usize) -> Result<StepStats, TrainError> {
-        self.device
-            .replay(&mut self.net, &mut self.opt, n, true)?;
+        self.device.replay(&mut self.net, &mut self.opt, n, true)?;
         for param in self.net.grad_ready_order() {
-            self.sync.grad_ready(&mut self.comm, &mut self.grads, param)?;
+            self.sync
+                .grad_ready(&mut self.comm, &mut self.grads, param)?;
         }
         self.sync.finish_step(&mut self.comm, &mut self.grads)?;
         Ok(StepStats {
@@ -913,7 +913,10 @@ fn step_augmentation(
     shared: &Shared,
     plan: &StepPlan,
     ids: &[u64],
-) -> (Option<Vec<crate::model::Augment>>, Option<crate::model::Mix>) {
+) -> (
+    Option<Vec<crate::model::Augment>>,
+    Option<crate::model::Mix>,
+) {
     let cfg = &shared.cfg;
     let augments = cfg.augmentation().device_augments(
         cfg.random_erase,
