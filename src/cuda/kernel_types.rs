@@ -54,6 +54,12 @@ unsafe impl DeviceRepr for InputMix {}
 // SAFETY: i32 and f32 fields only: all zero bits is a valid value (kind 0, no mixing).
 unsafe impl cudarc::driver::ValidAsZeroBits for InputMix {}
 
+/// `input_transform` reads it through a `const InputMix*`.
+impl super::launch::DeviceElem for InputMix {
+    #[cfg(test)]
+    const C_NAME: &'static str = "InputMix";
+}
+
 impl InputMix {
     /// The kernel's form of `mix`. The box only chooses which image a pixel is read from, so
     /// even a box outside the image reads nothing out of bounds.

@@ -69,7 +69,6 @@ device_elem! {
     u64 => "unsigned long long",
     f32 => "float",
     f64 => "double",
-    super::kernel_types::InputMix => "InputMix",
 }
 
 /// One kernel parameter: its kind, and how it is handed to the launch.

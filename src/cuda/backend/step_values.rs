@@ -16,17 +16,6 @@ use super::base::{drv_err, ensure, CudaBackend};
 use crate::backend::BackendError;
 use crate::cuda::kernel_types::InputMix;
 
-/// The buffers of the step's values (see the module docs).
-#[derive(Debug, Default)]
-pub(crate) struct StepValues {
-    labels: Option<CudaSlice<i32>>,
-    own_weight: Option<CudaSlice<f32>>,
-    stop: Option<CudaSlice<i32>>,
-    mix: Option<CudaSlice<InputMix>>,
-    /// The values of the coming step are on the device already: the ops upload nothing.
-    preloaded: bool,
-}
-
 /// What a captured or replayed step reads, uploaded before it ([`CudaBackend::preload_step`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepInputs<'a> {
