@@ -188,14 +188,19 @@ impl StepGraphs {
         self.policy.enabled()
     }
 
-    /// How `step` runs (graphs captured before an allocation are dropped here).
-    pub fn decide(&mut self, step: StepCase) -> GraphAction {
+    /// How `step` runs (graphs captured before an allocation are dropped here, once the
+    /// stream has finished their last launch).
+    pub fn decide(&mut self, step: StepCase) -> Result<GraphAction, CudaError> {
         let action = self.policy.decide(step);
-        if action == GraphAction::Eager && step.eligible && self.policy.enabled() {
-            // A warm-up: the graphs captured before it may read buffers since moved.
+        let warm_up = action == GraphAction::Eager && step.eligible && self.policy.enabled();
+        if warm_up && !self.graphs.is_empty() {
+            // The graphs captured before it may read buffers since moved.
+            self.stream
+                .synchronize()
+                .map_err(|e| graph_error("waiting for the last replay", e))?;
             self.graphs.clear();
         }
-        action
+        Ok(action)
     }
 
     /// Starts capturing the compute stream (this thread's work on it only).

@@ -121,11 +121,13 @@ fn run(arch: Arch, batch: usize, size: u32, warm: usize, timed: usize, graphs: b
                 add: false,
             });
         }
-        let action = steps.decide(StepCase {
-            eligible: true,
-            key,
-            allocated: dev.allocated_bytes(),
-        });
+        let action = steps
+            .decide(StepCase {
+                eligible: true,
+                key,
+                allocated: dev.allocated_bytes(),
+            })
+            .unwrap();
         if action != GraphAction::Eager {
             net.backend().preload_step(&input, 0.1, false).unwrap();
             opt.preload_step(lr).unwrap();

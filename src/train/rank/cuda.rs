@@ -449,11 +449,14 @@ where
             input,
             totals: d.totals.device_slot(),
         };
-        let action = d.graphs.decide(StepCase {
-            eligible: eligible && !traced,
-            key,
-            allocated: d.device.allocated_bytes(),
-        });
+        let action = d
+            .graphs
+            .decide(StepCase {
+                eligible: eligible && !traced,
+                key,
+                allocated: d.device.allocated_bytes(),
+            })
+            .map_err(|e| graph_failure(d.ordinal, e))?;
         if action != GraphAction::Eager {
             d.graph_key = Some(key);
         }
