@@ -13,7 +13,8 @@
 // the partner's value inside the box and b's outside; λ and the box come from the trainer.
 //
 // Data layout. src: u8 [N,S,S,3]; aug: i32 [N][7] = (dy, dx, flip, ey0, ey1, ex0, ex1); scale, shift: f32 [3]
-// (1/(255·std_c) and −mean_c/std_c); mix: InputMix by value; dst: bf16 [N,S,S,3].
+// (1/(255·std_c) and −mean_c/std_c); mix: one InputMix in device memory
+// (uploaded before the step, so that a captured CUDA graph replays with each step's own); dst: bf16 [N,S,S,3].
 //
 // input_transform_pad8 does the same (without mixing) and also writes the 8-channel copy of the batch that the
 // v2 stem convolution reads with 16-byte copies (kernels/conv2.cu): channels 3..7 are zero.
@@ -24,7 +25,7 @@
 // grid-stride; each writes its 3 channels and one 16-byte padded pixel.
 #include "common.cuh"
 
-// The batch's mixing (model::Mix), passed by value: kind BT_MIX_NONE, BT_MIX_BLEND (mixup,
+// The batch's mixing (model::Mix), read from device memory: kind BT_MIX_NONE, BT_MIX_BLEND (mixup,
 // weight lambda) or BT_MIX_PASTE (CutMix, box rows y0..y1, columns x0..x1, ends excluded).
 // Ints per image in `aug`: dy, dx, flip, then the erased box ey0, ey1, ex0, ex1 (empty: 0s).
 #define BT_AUG_INTS 7
@@ -55,8 +56,9 @@ __device__ __forceinline__ float bt_input_value(const u8* __restrict__ src, cons
 
 extern "C" __global__ void input_transform(const u8* __restrict__ src, const int* __restrict__ aug,
                                            int use_aug, const float* __restrict__ scale,
-                                           const float* __restrict__ shift, InputMix mix,
+                                           const float* __restrict__ shift, const InputMix* __restrict__ mix_at,
                                            bf16* __restrict__ dst, int n, int size) {
+    const InputMix mix = *mix_at;
     const long total = (long)n * size * size * 3;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int c = (int)(i % 3);

@@ -4,7 +4,7 @@
 // lse = m + log Σ exp(z − m), loss = lse − (1−ε)·z[label] − ε·mean(z) (PyTorch's definition,
 // target = (1−ε)·onehot + ε/K), dz = (softmax(z) − target) / N (gradient of the batch mean).
 // A mixed batch (mixup, CutMix) gives row r the target w·t(label_r) + (1 − w)·t(label_{N−1−r})
-// with w = own_weight (1: no mixing; N = gridDim.x), so the loss uses w·z[label_r] +
+// with w = *own_weight_at (1: no mixing; N = gridDim.x), so the loss uses w·z[label_r] +
 // (1 − w)·z[label_partner] where it used z[label]; the rank stays that of the row's own label.
 // `rank` counts the logits strictly greater than z[label] (0 = top-1 correct, < 5 = top-5), the
 // CPU reference's rule; a row holding a NaN or infinite logit gets rank INT_MAX (never correct,
@@ -12,14 +12,15 @@
 // gradient when `dlogits` is not null. Labels are validated on the host before the launch.
 //
 // Data layout. logits, dlogits: bf16 [N,K]; labels: i32 [N]; loss: f32 [N]; rank: i32 [N];
-// probs: f32 [N,K].
+// probs: f32 [N,K]. The per-step values (own_weight_at, stop) are device values uploaded before
+// the step, so that a captured CUDA graph replays with each step's own.
 //
 // Launch configuration. One block of 128 threads per row (grid N); block-wide max and sum
 // reductions through warp shuffles, f32 throughout.
 //
 // loss_totals turns the per-row outputs into the step's figures without leaving the device:
 // totals = [Σ loss, rows with rank 0 (top-1 hits), rows with rank < 5 (top-5 hits), N, stop],
-// f64, where `stop` (0 or 1, a kernel argument) is this rank's wish to stop after the step;
+// f64, where `*stop` (0 or 1) is this rank's wish to stop after the step;
 // with N = 0 (a rank without images) the loss and rank pointers are not read. With `add` set
 // (the second and later micro-batches of a --grad-accum-steps step) the first four figures are
 // added to what `totals` holds, so the step's figures are the sum over its micro-batches.
@@ -30,10 +31,11 @@
 #include "common.cuh"
 
 extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const int* __restrict__ labels,
-                                        int k, float smoothing, float own_weight, float grad_scale,
+                                        int k, float smoothing, const float* __restrict__ own_weight_at, float grad_scale,
                                         float* __restrict__ loss, int* __restrict__ rank,
                                         bf16* __restrict__ dlogits, float* __restrict__ probs) {
     __shared__ float scratch[32];
+    const float own_weight = *own_weight_at;
     const long row = blockIdx.x;
     const bf16* z = logits + row * k;
     const int label = labels[row];
@@ -76,7 +78,7 @@ extern "C" __global__ void softmax_xent(const bf16* __restrict__ logits, const i
 #define BT_TOTALS_THREADS 256
 
 extern "C" __global__ void loss_totals(const float* __restrict__ loss, const int* __restrict__ rank,
-                                       int n, int stop, int add, double* __restrict__ totals) {
+                                       int n, const int* __restrict__ stop, int add, double* __restrict__ totals) {
     __shared__ double part[3][BT_TOTALS_THREADS];
     double l = 0.0, top1 = 0.0, top5 = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -106,6 +108,6 @@ extern "C" __global__ void loss_totals(const float* __restrict__ loss, const int
             totals[2] = part[2][0];
             totals[3] = (double)n;
         }
-        totals[4] = (double)stop;
+        totals[4] = (double)*stop;
     }
 }

@@ -108,9 +108,12 @@ extern "C" __global__ void sgd_update(float* __restrict__ master, float* __restr
                                       const unsigned long long* __restrict__ work_ptr,
                                       const long* __restrict__ chunk_start,
                                       const int* __restrict__ chunk_len,
-                                      const float* __restrict__ chunk_wd, float lr, float momentum,
+                                      const float* __restrict__ chunk_wd, const float* __restrict__ lr_at, float momentum,
                                       float grad_scale, int nesterov, float max_norm,
                                       const double* __restrict__ sumsq) {
+    // The lr is a device value (uploaded before the step), so a captured CUDA graph replays
+    // with each step's own.
+    const float lr = *lr_at;
     const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
     grad_scale = clipped_scale(grad_scale, max_norm, sumsq);
     for (int j = threadIdx.x; j < c.len; j += blockDim.x) {
@@ -131,11 +134,13 @@ extern "C" __global__ void adam_update(float* __restrict__ master, float* __rest
                                        const unsigned long long* __restrict__ work_ptr,
                                        const long* __restrict__ chunk_start,
                                        const int* __restrict__ chunk_len,
-                                       const float* __restrict__ chunk_wd, float lr, float beta1,
-                                       float beta2, float eps, float grad_scale, float bias_c1,
-                                       float bias_c2, int decoupled, float max_norm,
+                                       const float* __restrict__ chunk_wd, const float* __restrict__ lr_at, float beta1,
+                                       float beta2, float eps, float grad_scale,
+                                       const float* __restrict__ bias_c, int decoupled, float max_norm,
                                        const double* __restrict__ sumsq) {
-    // bias_c1 = 1 − β1^t and bias_c2 = 1 − β2^t, computed on the host in f64.
+    // bias_c = {1 − β1^t, 1 − β2^t}, computed on the host in f64 and uploaded with the lr before the
+    // step (device values, so that a captured CUDA graph replays with each step's own).
+    const float lr = *lr_at, bias_c1 = bias_c[0], bias_c2 = bias_c[1];
     const ChunkRef c = chunk_ref(grad_ptr, work_ptr, chunk_start, chunk_len, chunk_wd);
     grad_scale = clipped_scale(grad_scale, max_norm, sumsq);
     for (int j = threadIdx.x; j < c.len; j += blockDim.x) {

@@ -32,6 +32,10 @@
 #                                # (ops, fused batch norm, a resnet50 step), compute-sanitizer,
 #                                # then resnet50 v3 against v2 in three alternating rounds and
 #                                # once with --breakdown
+#   bash .gpu/gpu-run.sh graphs  # the training step as a CUDA graph (BIRDTRAIN_CUDA_GRAPH=1, off by
+#                                # default; < 4 min): replay against eager to the bit (library
+#                                # level, and the trainer with augmentation, mixup/CutMix, AdamW,
+#                                # a partial last batch), resnet50 b256's step eager and replayed
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -396,6 +400,20 @@ phase_fusion() {
   fusion_rounds
 }
 
+# CUDA graphs of the training step (BIRDTRAIN_CUDA_GRAPH=1, src/cuda/graph.rs; off by default
+# until this phase has passed on a GPU and measured faster): the replayed steps against the
+# eager ones to the bit (cuda_graph:: at the library's level, resnet18; train_gpu:: through the
+# trainer, resnet8 with every per-step value in use), then resnet50's b256 step eager and
+# replayed, one after the other (the graph-timing line: a measurement, no verdict).
+phase_graphs() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step test-graphs 240 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_graph:: train_gpu::graph_replay_trains_to_the_same_bits_as_eager_launches
+  $checks tests "$out/test-graphs.log" cuda_graph:: 2 | tee -a "$summary"
+  $checks tests "$out/test-graphs.log" train_gpu::graph_replay 1 | tee -a "$summary"
+  grep -h "graph-timing\|graph launches" "$out/test-graphs.log" | sed 's/^/INFO /' | tee -a "$summary"
+}
+
 # bench_pair's step for model $1 again with batch norm in its own passes
 # (BIRDTRAIN_BN_FUSION=0), the same steps, right after it on the same GPU, and the
 # fused-against-separate line (bench_pair's step is fused: the default).
@@ -570,9 +588,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

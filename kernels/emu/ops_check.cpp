@@ -281,7 +281,8 @@ void test_loss(int n, int k, float sm, float w = 1.0f) {
     std::vector<float> L(n), P((size_t)n * k);
     std::vector<int> RK(n);
     std::vector<bf16> DZ((size_t)n * k);
-    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, sm, w, 1.0f / n, L.data(), RK.data(), DZ.data(), P.data()); });
+    const float wf = (float)w;  // a device value: one float in memory
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, sm, &wf, 1.0f / n, L.data(), RK.data(), DZ.data(), P.data()); });
     check("loss", L, loss, 1e-5, 1e-5);
     check("rank", RK, rank, 0, 0);
     check("probs", P, pr, 1e-6, 1e-5);
@@ -296,16 +297,17 @@ void test_loss_totals(int n) {
     double l = 0, t1 = 0, t5 = 0;
     for (int i = 0; i < n; ++i) { l += loss[i]; t1 += rank[i] == 0; t5 += rank[i] < 5; }
     std::vector<double> tot(5, -1.0);
-    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), n, n % 2, 0, tot.data()); });
+    const int stop_n = n % 2, stop_1 = 1;  // device values: one int in memory
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), n, &stop_n, 0, tot.data()); });
     check("loss_totals", tot, std::vector<double>{l, t1, t5, (double)n, (double)(n % 2)}, 1e-9, 1e-12);
     // A second micro-batch (the first n / 3 rows again) adds its figures; stop is its own.
     const int m = n / 3;
     double l2 = 0, a1 = 0, a5 = 0;
     for (int i = 0; i < m; ++i) { l2 += loss[i]; a1 += rank[i] == 0; a5 += rank[i] < 5; }
-    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), m, 1, 1, tot.data()); });
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(loss.data(), rank.data(), m, &stop_1, 1, tot.data()); });
     check("loss_totals (added)", tot, std::vector<double>{l + l2, t1 + a1, t5 + a5, (double)(n + m), 1.0}, 1e-9, 1e-12);
     std::vector<double> none(5, -1.0);
-    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(nullptr, nullptr, 0, 1, 0, none.data()); });
+    emu_launch({1, 1, 1}, {256, 1, 1}, [&] { k_loss::loss_totals(nullptr, nullptr, 0, &stop_1, 0, none.data()); });
     check("loss_totals (no images)", none, std::vector<double>{0, 0, 0, 0, 1}, 0, 0);
 }
 
@@ -416,7 +418,8 @@ void test_loss_nonfinite() {
     auto Z = tobf(z);
     std::vector<float> L(n);
     std::vector<int> RK(n);
-    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, 0.0f, 1.0f, 1.0f / n, L.data(), RK.data(), nullptr, nullptr); });
+    const float one = 1.0f;
+    emu_launch({(unsigned)n, 1, 1}, {128, 1, 1}, [&] { k_loss::softmax_xent(Z.data(), lab.data(), k, 0.0f, &one, 1.0f / n, L.data(), RK.data(), nullptr, nullptr); });
     std::vector<double> want = {2147483647.0, 2147483647.0, 2147483647.0, 0};
     check("rank (non-finite rows)", RK, want, 0, 0);
 }
@@ -460,7 +463,7 @@ void test_input(int n, int s) {
     std::vector<bf16> out(px.size());
     // Kind none ignores lambda and the box.
     const k_input::InputMix none{BT_MIX_NONE, 0.5f, 0, s, 0, s};
-    emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, t.scale, t.shift, none, out.data(), n, s); });
+    emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, t.scale, t.shift, &none, out.data(), n, s); });
     check("input", fromb(out), ref, 1e-5, 1.0 / 256);
     // The v2 stem's 8-channel copy: the same values, zeros in channels 3..7.
     std::vector<bf16> out3(px.size()), out8((size_t)n * s * s * 8, bf16{0x7fc0});
@@ -483,7 +486,7 @@ void test_input_mix(int n, int s, k_input::InputMix mix) {
         ref[i] = mix.kind == BT_MIX_BLEND ? mix.lambda * t.ref[i] + (1.0 - mix.lambda) * t.ref[j] : inside ? t.ref[j] : t.ref[i];
     }
     std::vector<bf16> out(t.px.size());
-    emu_launch(ew(t.px.size()), {256, 1, 1}, [&] { k_input::input_transform(t.px.data(), t.aug.data(), 1, t.scale, t.shift, mix, out.data(), n, s); });
+    emu_launch(ew(t.px.size()), {256, 1, 1}, [&] { k_input::input_transform(t.px.data(), t.aug.data(), 1, t.scale, t.shift, &mix, out.data(), n, s); });
     check(mix.kind == BT_MIX_BLEND ? "input (mixup)" : "input (CutMix)", fromb(out), ref, 1e-5, 1.0 / 256);
 }
 
@@ -517,9 +520,10 @@ void test_optim(float max_norm) {
                 if (kind == 0) { double gi = g + wdd * ref[i]; m[i] = 0.9 * m[i] + gi; ref[i] -= 0.05 * m[i]; }
                 else { bool dec = kind == 2; double gi = dec ? g : g + wdd * ref[i]; if (dec) ref[i] *= 1 - 0.05 * wdd; m[i] = 0.9 * m[i] + 0.1 * gi; v[i] = 0.999 * v[i] + 0.001 * gi * gi; ref[i] -= 0.05 * (m[i] / (1 - std::pow(0.9, step))) / (std::sqrt(v[i] / (1 - std::pow(0.999, step))) + 1e-8); }
             }
-            float bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
-            if (kind == 0) emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::sgd_update(master.data(), mbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 1.0f, 0, max_norm, &sumsq); });
-            else emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::adam_update(master.data(), mbuf.data(), vbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), 0.05f, 0.9f, 0.999f, 1e-8f, 1.0f, bc1, bc2, kind == 2, max_norm, &sumsq); });
+            // lr and bias corrections are device values (one float each in memory).
+            const float lr = 0.05f, bc[2] = {(float)(1 - std::pow(0.9, step)), (float)(1 - std::pow(0.999, step))};
+            if (kind == 0) emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::sgd_update(master.data(), mbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), &lr, 0.9f, 1.0f, 0, max_norm, &sumsq); });
+            else emu_launch({(unsigned)st.size(), 1, 1}, {256, 1, 1}, [&] { k_optim::adam_update(master.data(), mbuf.data(), vbuf.data(), gp.data(), wp.data(), st.data(), ln.data(), wd.data(), &lr, 0.9f, 0.999f, 1e-8f, 1.0f, bc, kind == 2, max_norm, &sumsq); });
         }
         check(kind == 0 ? "sgd master" : kind == 1 ? "adam master" : "adamw master", master, ref, 1e-6, 1e-5);
         std::vector<float> wk; for (auto& t : work) for (auto v2 : fromb(t)) wk.push_back(v2);

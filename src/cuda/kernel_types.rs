@@ -35,8 +35,9 @@ pub(crate) struct ConvArgs {
 // SAFETY: plain-old-data with the C layout the kernel declares.
 unsafe impl DeviceRepr for ConvArgs {}
 
-/// The batch's mixing as kernels/input.cu's `InputMix` takes it, by value: kind 0 (none), 1
-/// (mixup, `lambda`) or 2 (CutMix, the box `y0..y1` × `x0..x1`).
+/// The batch's mixing as kernels/input.cu's `InputMix` reads it from device memory (uploaded
+/// before the step, so that a captured CUDA graph replays with each step's own): kind 0
+/// (none), 1 (mixup, `lambda`) or 2 (CutMix, the box `y0..y1` × `x0..x1`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct InputMix {
@@ -50,6 +51,14 @@ pub(crate) struct InputMix {
 
 // SAFETY: plain-old-data with the C layout the kernel declares.
 unsafe impl DeviceRepr for InputMix {}
+// SAFETY: i32 and f32 fields only: all zero bits is a valid value (kind 0, no mixing).
+unsafe impl cudarc::driver::ValidAsZeroBits for InputMix {}
+
+/// `input_transform` reads it through a `const InputMix*`.
+impl super::launch::DeviceElem for InputMix {
+    #[cfg(test)]
+    const C_NAME: &'static str = "InputMix";
+}
 
 impl InputMix {
     /// The kernel's form of `mix`. The box only chooses which image a pixel is read from, so

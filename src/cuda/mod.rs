@@ -5,7 +5,8 @@
 //! that reads them and leaves the loss on the device ([`staged`]), the fused optimizer with
 //! f32 master weights ([`optim`]), the gradient scale kernel ([`grad`]), the reductions over
 //! ranks sharing one GPU ([`rank_reduce`], for the rehearsal's collective), memory planning
-//! ([`memory`]) and the `--trace` timeline of stream work ([`timeline`]).
+//! ([`memory`]), the `--trace` timeline of stream work ([`timeline`]) and the CUDA graphs of
+//! the training step ([`graph`], `BIRDTRAIN_CUDA_GRAPH=1`).
 //!
 //! Nothing here needs CUDA at build time: cudarc loads libnvrtc and libcuda dynamically, and
 //! [`library`] finds and checks them first so that a missing library is an error naming every
@@ -19,6 +20,7 @@ pub mod conv3;
 pub mod device;
 pub mod error;
 pub mod grad;
+pub mod graph;
 mod kernel_types;
 mod launch;
 mod launchers;

@@ -145,6 +145,11 @@ pub struct DeviceOptimizer {
     max_grad_norm: f32,
     partial: CudaSlice<f64>,
     sumsq: CudaSlice<f64>,
+    /// The step's lr and Adam's two bias corrections, read by the update kernels from here
+    /// (so that a captured CUDA graph replays with each step's own), and whether the coming
+    /// step's are uploaded already ([`DeviceOptimizer::preload_step`]).
+    scalars: CudaSlice<f32>,
+    preloaded: bool,
 }
 
 fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + '_ {
@@ -223,6 +228,10 @@ impl DeviceOptimizer {
             sumsq: stream
                 .alloc_zeros(1)
                 .map_err(drv("allocating the gradient norm"))?,
+            scalars: stream
+                .alloc_zeros(3)
+                .map_err(drv("allocating the step's scalars"))?,
+            preloaded: false,
         })
     }
 
@@ -307,6 +316,9 @@ impl DeviceOptimizer {
         if self.table.is_empty() {
             return Ok(());
         }
+        if !std::mem::take(&mut self.preloaded) {
+            self.upload_scalars(lr)?;
+        }
         self.steps += 1;
         let dev = self.backend.device();
         let cfg = LaunchConfig {
@@ -339,6 +351,7 @@ impl DeviceOptimizer {
             unsafe { launch_on_device(dev, "grad_sumsq_total", one, total) }?;
         }
         let max_norm = self.max_grad_norm;
+        let (lr_at, bias_at) = (self.scalars.slice(0..1), self.scalars.slice(1..3));
         match self.kind {
             OptimizerKind::Sgd { momentum, nesterov } => {
                 let update = SgdUpdate {
@@ -349,7 +362,7 @@ impl DeviceOptimizer {
                     chunk_start: (&self.starts).into(),
                     chunk_len: (&self.lens).into(),
                     chunk_wd: (&self.decays).into(),
-                    lr,
+                    lr: (&lr_at).into(),
                     momentum,
                     grad_scale,
                     nesterov: i32::from(nesterov),
@@ -361,9 +374,6 @@ impl DeviceOptimizer {
                 unsafe { launch_on_device(dev, "sgd_update", cfg, update) }?;
             }
             OptimizerKind::Adam | OptimizerKind::AdamW => {
-                let t = self.steps as i32;
-                let bc1 = (1.0 - f64::from(h.beta1).powi(t)) as f32;
-                let bc2 = (1.0 - f64::from(h.beta2).powi(t)) as f32;
                 let decoupled = i32::from(self.kind == OptimizerKind::AdamW);
                 let v = self.v.as_mut().expect("Adam state is allocated in new");
                 let update = AdamUpdate {
@@ -375,13 +385,12 @@ impl DeviceOptimizer {
                     chunk_start: (&self.starts).into(),
                     chunk_len: (&self.lens).into(),
                     chunk_wd: (&self.decays).into(),
-                    lr,
+                    lr: (&lr_at).into(),
                     beta1: h.beta1,
                     beta2: h.beta2,
                     eps: h.eps,
                     grad_scale,
-                    bias_c1: bc1,
-                    bias_c2: bc2,
+                    bias_c: (&bias_at).into(),
                     decoupled,
                     max_norm,
                     sumsq: (&self.sumsq).into(),
@@ -391,6 +400,45 @@ impl DeviceOptimizer {
             }
         }
         Ok(())
+    }
+
+    /// The values the update of step `step` (counted from 1) reads: the lr and Adam's bias
+    /// corrections 1 − β1^t and 1 − β2^t (computed in f64, rounded to f32; 1 for SGD).
+    fn scalars_of(&self, step: u64, lr: f32) -> [f32; 3] {
+        match self.kind {
+            OptimizerKind::Sgd { .. } => [lr, 1.0, 1.0],
+            OptimizerKind::Adam | OptimizerKind::AdamW => {
+                let t = step as i32;
+                let h = self.hyper;
+                let bc1 = (1.0 - f64::from(h.beta1).powi(t)) as f32;
+                let bc2 = (1.0 - f64::from(h.beta2).powi(t)) as f32;
+                [lr, bc1, bc2]
+            }
+        }
+    }
+
+    /// Uploads the next step's scalars (on the compute stream, before its update).
+    fn upload_scalars(&mut self, lr: f32) -> Result<(), CudaError> {
+        let values = self.scalars_of(self.steps + 1, lr);
+        let stream = self.backend.device().stream().clone();
+        stream
+            .memcpy_htod(&values, &mut self.scalars)
+            .map_err(drv("uploading the step's lr"))
+    }
+
+    /// Uploads the next step's lr and bias corrections now, before a captured or replayed
+    /// step: its [`DeviceOptimizer::step`] (captured) uploads nothing.
+    pub fn preload_step(&mut self, lr: f32) -> Result<(), CudaError> {
+        self.upload_scalars(lr)?;
+        self.preloaded = true;
+        Ok(())
+    }
+
+    /// A step replayed from a graph: counts it as [`DeviceOptimizer::step`] does (the update
+    /// itself ran on the device).
+    pub fn replayed_step(&mut self) {
+        self.preloaded = false;
+        self.steps += 1;
     }
 
     /// Downloads the optimizer state (momentum / moments and step count, backend layout);

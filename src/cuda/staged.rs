@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::backend::{CudaSums, DeviceTotalsAt};
+use super::backend::{CudaSums, DeviceTotalsAt, StepInputs};
 use super::kernel_types::{aug_ints, InputMix};
 use super::launch::{launch, In, Kernel};
 use super::launchers::InputTransform;
@@ -110,6 +110,41 @@ impl StagedBackend {
         *lock(&self.deferred_loss) = Some(totals);
     }
 
+    /// Uploads what the coming step reads from device memory (its augmentation, mixing,
+    /// labels, the loss's mixing weight and the stop wish) before it is captured or
+    /// replayed; its ops then upload nothing until [`StagedBackend::end_preload`]. `batch`
+    /// and `smoothing` are what the step's `input` and loss ops would be given.
+    pub fn preload_step(
+        &self,
+        batch: &InputBatch<'_>,
+        smoothing: f32,
+        stop: bool,
+    ) -> Result<(), BackendError> {
+        let op = "preload step values";
+        let (params, _) = aug_params(batch, op)?;
+        let stream = self.inner.device().stream().clone();
+        {
+            let mut work = lock(&self.work);
+            ensure_aug(&mut work, &stream, params.len(), batch.len, op)?;
+            let aug = work.aug.as_mut().expect("allocated above");
+            stream
+                .memcpy_htod(&params, &mut aug.slice_mut(0..params.len()))
+                .map_err(drv(op))?;
+        }
+        let targets = Targets::of_batch(batch, smoothing);
+        self.inner.preload_step(&StepInputs {
+            labels: targets.labels,
+            own_weight: targets.own_weight,
+            stop,
+            mix: InputMix::of(batch.mix),
+        })
+    }
+
+    /// Back to each op uploading its own values (after a captured or replayed step).
+    pub fn end_preload(&self) {
+        self.inner.end_preload();
+    }
+
     fn input_from_slot(
         &self,
         slot: StagedInput,
@@ -139,6 +174,10 @@ impl StagedBackend {
         let (n_i, s_i) = (to_i32("n", n)?, to_i32("image size", s)?);
         let dev = self.inner.device();
         let stream = dev.stream().clone();
+        // A captured or replayed step's augmentation and mixing were uploaded before it
+        // (`preload_step`): nothing is uploaded inside a capture.
+        let preloaded = self.inner.step_preloaded();
+        let mix_at = self.inner.step_mix(op, InputMix::of(batch.mix))?;
         let mut work = lock(&self.work);
         if work.norm.is_none() {
             let norm: Vec<f32> = (0..3)
@@ -147,27 +186,17 @@ impl StagedBackend {
                 .collect();
             work.norm = Some(stream.clone_htod(&norm).map_err(drv(op))?);
         }
-        let (params, use_aug): (Vec<i32>, i32) = match batch.augment {
-            Some(aug) if aug.len() >= n => (aug[..n].iter().flat_map(aug_ints).collect(), 1),
-            Some(aug) => return Err(shape(format!("{} augmentations for {n} images", aug.len()))),
-            None => (vec![0], 0),
-        };
-        if work.aug.as_ref().is_none_or(|a| a.len() < params.len()) {
-            work.aug = None;
-            work.aug = Some(
-                stream
-                    .alloc_zeros::<i32>(params.len().max(7 * n).max(1))
-                    .map_err(drv(op))?,
-            );
-        }
+        let (params, use_aug) = aug_params(batch, op)?;
+        ensure_aug(&mut work, &stream, params.len(), n, op)?;
         let InputWork { norm, aug } = &mut *work;
         let aug = aug.as_mut().expect("allocated above");
-        stream
-            .memcpy_htod(&params, &mut aug.slice_mut(0..params.len()))
-            .map_err(drv(op))?;
+        if !preloaded {
+            stream
+                .memcpy_htod(&params, &mut aug.slice_mut(0..params.len()))
+                .map_err(drv(op))?;
+        }
         let norm = norm.as_ref().expect("allocated above");
         let (scale, shift) = (norm.slice(0..3), norm.slice(3..6));
-        let mix = InputMix::of(batch.mix);
         let dst = out.bf16_slice_mut().ok_or_else(|| {
             shape("the input tensor must be bf16 (TensorRole::Activation)".into())
         })?;
@@ -191,7 +220,8 @@ impl StagedBackend {
             use_aug,
             scale: (&scale).into(),
             shift: (&shift).into(),
-            mix,
+            // SAFETY: the step's mix buffer (one InputMix), alive with the backend.
+            mix: unsafe { In::addr(mix_at) },
             dst: dst.into(),
             n: n_i,
             size: s_i,
@@ -201,6 +231,38 @@ impl StagedBackend {
         unsafe { launch(&stream, &f, cfg, args) }.map_err(drv(op))?;
         Ok(())
     }
+}
+
+/// The batch's augmentation as kernels/input.cu's `aug` ints, and `use_aug`.
+fn aug_params(batch: &InputBatch<'_>, op: &'static str) -> Result<(Vec<i32>, i32), BackendError> {
+    let n = batch.len;
+    match batch.augment {
+        Some(aug) if aug.len() >= n => Ok((aug[..n].iter().flat_map(aug_ints).collect(), 1)),
+        Some(aug) => Err(BackendError::Shape {
+            op,
+            detail: format!("{} augmentations for {n} images", aug.len()),
+        }),
+        None => Ok((vec![0], 0)),
+    }
+}
+
+/// Grows the augmentation buffer to `len` ints (at least 7 per image of `n`).
+fn ensure_aug(
+    work: &mut InputWork,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    len: usize,
+    n: usize,
+    op: &'static str,
+) -> Result<(), BackendError> {
+    if work.aug.as_ref().is_none_or(|a| a.len() < len) {
+        work.aug = None;
+        work.aug = Some(
+            stream
+                .alloc_zeros::<i32>(len.max(7 * n).max(1))
+                .map_err(drv(op))?,
+        );
+    }
+    Ok(())
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

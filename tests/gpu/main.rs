@@ -6,6 +6,7 @@
 mod bf16_cpu;
 mod cuda_bench_step;
 mod cuda_emulation;
+mod cuda_graph;
 mod cuda_kernels;
 mod cuda_memory;
 mod cuda_nvrtc;

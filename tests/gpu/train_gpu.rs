@@ -9,6 +9,7 @@
 //! - Ctrl-C before the first step stops after one step with a checkpoint.
 //! - `--model-ema` leaves training alone on the GPU, and the CPU evaluates its average.
 //! - `lr-find`'s sweep runs through the GPU loop and stops at divergence.
+//! - `BIRDTRAIN_CUDA_GRAPH=1` (the step captured and replayed) trains to the eager run's bits.
 //!
 //! One GPU cannot show two ranks (NCCL refuses two ranks on one device): multi-GPU agreement
 //! is checked by the cross-rank checksum at run time on real multi-GPU machines.
@@ -493,4 +494,69 @@ fn batch_size_auto_measures_the_gpu_and_the_batch_it_picks_trains() {
     // And the run trains with it (the 96 images make one step).
     let done = train::train(&cfg, &AtomicBool::new(false)).unwrap();
     assert_eq!(done.global_step, 1);
+}
+
+/// `BIRDTRAIN_CUDA_GRAPH=1` captures the steady-state step as a CUDA graph and replays it:
+/// the same run with and without it ends with the same weights, to the bit, and the same
+/// per-epoch training figures, with augmentation (crop, mirror, random erasing), mixup and
+/// CutMix, label smoothing, Adam (its bias corrections change every step), gradient clipping
+/// and a last partial batch (eager: another shape) in every epoch, and validation between
+/// epochs (its larger loss scratch makes the graphs be captured again). Run alone
+/// (`--test-threads=1`): the switch is an environment variable of the process.
+#[test]
+#[ignore = "needs a CUDA GPU with NVRTC"]
+fn graph_replay_trains_to_the_same_bits_as_eager_launches() {
+    use birdtrain::cuda::graph::{graph_launches, CUDA_GRAPH_ENV};
+    use birdtrain::optim::OptimizerChoice;
+    let tmp = tempfile::tempdir().unwrap();
+    // 4 classes × 25 images: 6 batches of 16 and a last one of 4 each epoch.
+    let data = dataset(tmp.path(), 25, 32);
+    let cache = tmp.path().join("cache");
+    let run = |name: &str, graph: bool| {
+        let mut cfg = config(&data, &cache, &tmp.path().join(name), false);
+        cfg.epochs = 3;
+        cfg.optimizer = OptimizerChoice::AdamW;
+        cfg.lr = 0.01;
+        cfg.mixup = 0.4;
+        cfg.cutmix = 1.0;
+        cfg.random_erase = 0.5;
+        cfg.label_smoothing = 0.1;
+        cfg.clip_grad_norm = Some(1.0);
+        std::env::set_var(CUDA_GRAPH_ENV, if graph { "1" } else { "0" });
+        let before = graph_launches();
+        let outcome = train::train(&cfg, &AtomicBool::new(false));
+        std::env::remove_var(CUDA_GRAPH_ENV);
+        (outcome.unwrap(), graph_launches() - before)
+    };
+    let (eager, eager_graphs) = run("eager", false);
+    let (graph, graph_graphs) = run("graph", true);
+    println!("{}", graph.summary);
+    println!("graph launches: eager run {eager_graphs}, graph run {graph_graphs}");
+    assert_eq!(eager_graphs, 0, "the eager run launched graphs");
+    // 18 full steps: after each epoch's warm-up steps most of them run as graphs.
+    assert!(graph_graphs >= 9, "only {graph_graphs} steps ran as graphs");
+    assert_eq!(eager.global_step, graph.global_step);
+    assert_eq!(
+        eager.replica_checksums, graph.replica_checksums,
+        "the weights differ"
+    );
+    let (we, wg) = (weights(&eager.out, 4), weights(&graph.out, 4));
+    let differ = we
+        .iter()
+        .zip(&wg)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{differ} of {} weights differ", we.len());
+    let train_lines = |out: &Path| -> Vec<String> {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|v| {
+                let f = |k: &str| v[k].to_string();
+                [f("epoch"), f("split"), f("loss"), f("accuracy"), f("top5")].join(" ")
+            })
+            .collect()
+    };
+    assert_eq!(train_lines(&eager.out), train_lines(&graph.out));
 }

@@ -379,3 +379,61 @@ fn test_time_mirroring_averages_both_views() {
         .unwrap_err();
     assert!(err.to_string().contains("augmentation"), "{err}");
 }
+
+/// A step replayed from a CUDA graph keeps the host's record as the step itself does: the
+/// batch counters advance (not with frozen batch norm), the running statistics are the
+/// kernels' (here: untouched), and the gradients are there to read.
+#[test]
+fn a_replayed_step_counts_like_a_step() {
+    let graph = Graph::new(Arch::ResNet8, 4);
+    let (px, labels) = synth(4, 16, 4, 3);
+    let input = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: 4,
+        image_size: 16,
+        augment: None,
+        mix: None,
+    };
+    for freeze_bn in [false, true] {
+        let config = NetworkConfig {
+            freeze_bn,
+            ..NetworkConfig::default()
+        };
+        let make = || {
+            let mut net = Network::new(CpuBackend::new(1).unwrap(), &graph, 4, 16).unwrap();
+            net.load_state(&ModelState::init(&graph, 1)).unwrap();
+            net.set_config(config);
+            net
+        };
+        let (mut stepped, mut replayed) = (make(), make());
+        let before = replayed.buffers().unwrap();
+        stepped.train_step(&input).unwrap();
+        replayed.replayed_train_step(4);
+        let counters = |net: &Network<CpuBackend>| -> Vec<f32> {
+            let buffers = net.buffers().unwrap();
+            graph
+                .buffers()
+                .iter()
+                .zip(&buffers)
+                .filter(|(spec, _)| spec.name.ends_with("num_batches_tracked"))
+                .map(|(_, b)| b[0])
+                .collect()
+        };
+        let want = if freeze_bn { 0.0 } else { 1.0 };
+        assert!(counters(&stepped).iter().all(|&c| c == want));
+        assert_eq!(
+            counters(&replayed),
+            counters(&stepped),
+            "freeze_bn {freeze_bn}"
+        );
+        // Only the counters moved on the host.
+        let after = replayed.buffers().unwrap();
+        for ((spec, b), a) in graph.buffers().iter().zip(&before).zip(&after) {
+            if !spec.name.ends_with("num_batches_tracked") {
+                assert_eq!(b, a, "{}", spec.name);
+            }
+        }
+        assert!(replayed.grads_f32().is_ok(), "the gradients are readable");
+    }
+}

@@ -11,6 +11,7 @@ use crate::backend::BackendError;
 use crate::cuda::conv::{ConvVersion, GpuLimits};
 use crate::cuda::device::GpuDevice;
 use crate::cuda::error::CudaError;
+use crate::cuda::kernel_types::InputMix;
 use crate::cuda::launch::{self, Kernel};
 
 /// Threads per block of the element-wise kernels.
@@ -31,6 +32,20 @@ pub(super) struct Workspace {
     /// Synchronised batch norm's global reductions dgamma and dbeta (f32 [C] each).
     pub(super) sync_a: Option<CudaSlice<f32>>,
     pub(super) sync_b: Option<CudaSlice<f32>>,
+    /// The step's values that kernels read from device memory (labels, mixing, stop wish).
+    pub(super) step: StepValues,
+}
+
+/// The buffers of the step's values that kernels read from device memory (`step_values.rs`
+/// fills them): fixed addresses once grown, so a captured CUDA graph reads each step's own.
+#[derive(Debug, Default)]
+pub(super) struct StepValues {
+    pub(super) labels: Option<CudaSlice<i32>>,
+    pub(super) own_weight: Option<CudaSlice<f32>>,
+    pub(super) stop: Option<CudaSlice<i32>>,
+    pub(super) mix: Option<CudaSlice<InputMix>>,
+    /// The values of the coming step are on the device already: the ops upload nothing.
+    pub(super) preloaded: bool,
 }
 
 /// The CUDA backend on one device.

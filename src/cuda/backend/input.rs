@@ -4,6 +4,7 @@
 use super::base::{check_len, drv_err, elementwise_cfg, ensure, to_i32, CudaBackend};
 use crate::backend::BackendError;
 use crate::cuda::kernel_types::{aug_ints, InputMix};
+use crate::cuda::launch::In;
 use crate::cuda::launchers::InputTransform;
 use crate::cuda::tensor::CudaTensor;
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
@@ -20,6 +21,7 @@ pub(super) fn input(
     let bytes = n * s * s * 3;
     check_len(op, "pixels", batch.pixels.len(), bytes)?;
     check_len(op, "output", out.len, bytes)?;
+    let mix_at = be.step_mix(op, InputMix::of(batch.mix))?;
     let mut work = be.work();
     let w = &mut *work;
     ensure(&be.dev, &mut w.pixels, bytes, op)?;
@@ -54,7 +56,6 @@ pub(super) fn input(
         }
     };
     let (n_i, s_i) = (to_i32(op, "n", n)?, to_i32(op, "image size", s)?);
-    let mix = InputMix::of(batch.mix);
     let scale = norm_buf.slice(0..3);
     let shift = norm_buf.slice(3..6);
     let dst = out.bf16_mut(op, "output")?;
@@ -68,7 +69,8 @@ pub(super) fn input(
         use_aug,
         scale: (&scale).into(),
         shift: (&shift).into(),
-        mix,
+        // SAFETY: the step's mix buffer (one InputMix, uploaded above), alive with the backend.
+        mix: unsafe { In::addr(mix_at) },
         dst: dst.into(),
         n: n_i,
         size: s_i,

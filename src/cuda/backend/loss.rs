@@ -6,7 +6,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::base::{check_len, drv_err, ensure, to_i32, CudaBackend};
 use crate::backend::{BackendError, LossStats, Targets};
-use crate::cuda::launch::Out;
+use crate::cuda::launch::{In, Out};
 use crate::cuda::launchers::{LossTotals, SoftmaxXent};
 use crate::cuda::tensor::CudaTensor;
 
@@ -48,11 +48,13 @@ pub(super) fn softmax_cross_entropy(
     }
     let k = to_i32(op, "classes", classes)?;
     let scale = 1.0 / n as f32;
-    let labels_i: Vec<i32> = labels[..n].iter().map(|&l| l as i32).collect();
+    // Device values (kernels/loss.cu), each uploaded now unless a captured step preloaded it.
+    let labels_at = be.step_labels(op, &labels[..n])?;
+    let own_weight_at = be.step_own_weight(op, own_weight)?;
+    let stop_at = totals.map(|at| be.step_stop(op, at.stop)).transpose()?;
     let stream = be.dev.stream().clone();
     let mut work = be.work();
     let w = &mut *work;
-    ensure(&be.dev, &mut w.ints, n, op)?;
     ensure(&be.dev, &mut w.ints2, n, op)?;
     ensure(
         &be.dev,
@@ -60,8 +62,6 @@ pub(super) fn softmax_cross_entropy(
         n + if probs.is_some() { n * classes } else { 0 },
         op,
     )?;
-    let lab = w.ints.as_mut().expect("ensured");
-    stream.memcpy_htod(&labels_i, lab).map_err(drv_err(op))?;
     let rank = w.ints2.as_mut().expect("ensured");
     let f = w.f32a.as_mut().expect("ensured");
     let (mut loss, mut prob_buf) = f.split_at_mut(n);
@@ -75,10 +75,12 @@ pub(super) fn softmax_cross_entropy(
     let want_probs = probs.is_some();
     let args = SoftmaxXent {
         logits: z.into(),
-        labels: (&*lab).into(),
+        // SAFETY: the step's value buffers, grown to `n` labels and one weight above; they
+        // live as long as the backend (a regrown one is freed in stream order).
+        labels: unsafe { In::addr(labels_at) },
         k,
         smoothing,
-        own_weight,
+        own_weight: unsafe { In::addr(own_weight_at) },
         grad_scale: scale,
         loss: (&mut loss).into(),
         rank: (&mut *rank).into(),
@@ -88,7 +90,8 @@ pub(super) fn softmax_cross_entropy(
     be.launch(op, "softmax_xent", cfg, args)?;
     if let Some(at) = totals {
         let n_i = to_i32(op, "n", n)?;
-        let (stop, add, totals) = (i32::from(at.stop), i32::from(at.add), at.addr);
+        let (add, totals) = (i32::from(at.add), at.addr);
+        let stop_at = stop_at.expect("uploaded with the totals");
         let one_block = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (256, 1, 1),
@@ -98,7 +101,8 @@ pub(super) fn softmax_cross_entropy(
             loss: Some((&loss).into()),
             rank: Some((&*rank).into()),
             n: n_i,
-            stop,
+            // SAFETY: the step's stop buffer (one int, uploaded above).
+            stop: unsafe { In::addr(stop_at) },
             add,
             // SAFETY: `totals` comes from softmax_cross_entropy_on_device alone, whose caller
             // vouches for the address.
@@ -162,6 +166,7 @@ impl CudaBackend {
     /// As [`CudaBackend::softmax_cross_entropy_on_device`].
     pub unsafe fn empty_step_totals(&self, totals: u64, stop: bool) -> Result<(), BackendError> {
         let op = "empty step totals";
+        let stop_at = self.step_stop(op, stop)?;
         let one_block = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (256, 1, 1),
@@ -171,7 +176,8 @@ impl CudaBackend {
             loss: None,
             rank: None,
             n: 0,
-            stop: i32::from(stop),
+            // SAFETY: the step's stop buffer (one int, uploaded above).
+            stop: unsafe { In::addr(stop_at) },
             add: 0,
             // SAFETY: the caller's (this function's contract).
             totals: unsafe { Out::addr(totals) },

@@ -37,6 +37,7 @@ mod input;
 mod loss;
 mod pool;
 mod profile;
+mod step_values;
 
 pub use base::CudaBackend;
 use base::{drv_err, oom_or_device};
@@ -44,6 +45,7 @@ pub use bn_fused::{bn_fusion_from_env, parse_bn_fusion, BN_FUSION_ENV};
 pub use bn_sync::CudaSums;
 pub use loss::DeviceTotalsAt;
 pub use profile::KernelTime;
+pub(crate) use step_values::StepInputs;
 
 impl CudaBackend {
     /// The backend on device `ordinal`; kernels compile (or load from the disk cache) now.

@@ -303,6 +303,31 @@ impl<B: Backend> Network<B> {
         self.train_step_synced(input, on_grad_ready, None)
     }
 
+    /// What a training step of `n` images records on the host once its kernels are issued:
+    /// the batch counters advance (unless batch norm is frozen), the gradients are `n`'s.
+    fn count_train_step(&mut self, n: usize, mode: BnMode) {
+        if mode == BnMode::Train {
+            for (i, b) in self.graph.buffers().iter().enumerate() {
+                if b.kind == BufferKind::NumBatchesTracked {
+                    self.batches_tracked[i] += 1.0;
+                }
+            }
+        }
+        self.grads_for = Some(n);
+    }
+
+    /// A training step of `n` images whose kernels ran from a captured CUDA graph (the same
+    /// launches as [`Network::train_step`]'s, replayed): the host's record of it, as
+    /// `train_step` keeps it.
+    pub fn replayed_train_step(&mut self, n: usize) {
+        let mode = if self.config.freeze_bn {
+            BnMode::Frozen
+        } else {
+            BnMode::Train
+        };
+        self.count_train_step(n, mode);
+    }
+
     /// [`Network::train_step_with`] with synchronised batch norm when `sync_bn` is given (and
     /// BN is not frozen): every BN layer normalises with the statistics of the *global* batch
     /// (all replicas' images, each replica weighted by its rows), and its backward uses the
@@ -354,14 +379,7 @@ impl<B: Backend> Network<B> {
         self.grad_bufs[self.plan.grad_slot[logits]] = Some(dlogits);
         let loss = loss?;
         self.backward(n, mode == BnMode::Train, on_grad_ready, bn_sync)?;
-        if mode == BnMode::Train {
-            for (i, b) in self.graph.buffers().iter().enumerate() {
-                if b.kind == BufferKind::NumBatchesTracked {
-                    self.batches_tracked[i] += 1.0;
-                }
-            }
-        }
-        self.grads_for = Some(n);
+        self.count_train_step(n, mode);
         Ok(StepStats {
             loss_sum: loss.loss_sum,
             correct_top1: loss.correct_top1,

@@ -21,6 +21,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 use pipeline::{Pipeline, PipelineError};
 
 use super::{network_config, Device, MicroStep, Rank, TOTALS_LEN};
+use crate::cuda::graph::{cuda_graph_from_env, GraphAction, GraphKey, StepCase, StepGraphs};
 use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
 use crate::cuda::staged::StagedBackend;
 use crate::cuda::staging::device::CudaStaging;
@@ -34,7 +35,7 @@ use crate::dist::device_group::{DeviceCollective, HostTarget};
 use crate::dist::nccl::{self, DeviceGrads, NcclCollective};
 use crate::dist::same_gpu::SameGpuRank;
 use crate::dist::single::SingleRank;
-use crate::model::{GradHookError, Network, StepStats};
+use crate::model::{GradHookError, InputBatch, Network, StepStats};
 use crate::train::setup::Shared;
 use crate::train::TrainError;
 
@@ -107,6 +108,9 @@ pub(crate) struct CudaDevice<C> {
     /// `--grad-accum-steps` above 1: the f32 sum of the micro-batches' gradients, beside the
     /// flat buffer the backward writes (kernels/optim.cu `grad_accumulate`), and its address.
     accumulator: Option<(CudaSlice<f32>, u64)>,
+    /// `BIRDTRAIN_CUDA_GRAPH=1`: the captured steps, and the key of the step under way.
+    graphs: StepGraphs,
+    graph_key: Option<GraphKey>,
     _comm: std::marker::PhantomData<fn() -> C>,
 }
 
@@ -429,6 +433,99 @@ where
             d.prefetch_depth,
         ))
     }
+
+    fn graph_action(&mut self, comm: &mut C, eligible: bool) -> Result<GraphAction, TrainError> {
+        let d = self;
+        d.graph_key = None;
+        if !d.graphs.enabled() {
+            return Ok(GraphAction::Eager);
+        }
+        // --trace records events between the step's parts: not inside a capture.
+        let traced = comm.timeline().is_some();
+        let Some((input, _)) = d.staged else {
+            return Ok(GraphAction::Eager);
+        };
+        let key = GraphKey {
+            input,
+            totals: d.totals.device_slot(),
+        };
+        let action = d
+            .graphs
+            .decide(StepCase {
+                eligible: eligible && !traced,
+                key,
+                allocated: d.device.allocated_bytes(),
+            })
+            .map_err(|e| graph_failure(d.ordinal, e))?;
+        if action != GraphAction::Eager {
+            d.graph_key = Some(key);
+        }
+        Ok(action)
+    }
+
+    fn preload_step(
+        &mut self,
+        net: &Network<StagedBackend>,
+        opt: &mut DeviceOptimizer,
+        input: &InputBatch<'_>,
+        lr: f32,
+        stop: bool,
+    ) -> Result<(), TrainError> {
+        let smoothing = net.config().label_smoothing;
+        net.backend()
+            .preload_step(input, smoothing, stop)
+            .map_err(|e| graph_failure(self.ordinal, e))?;
+        opt.preload_step(lr)
+            .map_err(|e| graph_failure(self.ordinal, e))
+    }
+
+    fn begin_capture(&mut self) -> Result<(), TrainError> {
+        self.graphs
+            .begin_capture()
+            .map_err(|e| graph_failure(self.ordinal, e))
+    }
+
+    fn end_capture(&mut self, keep: bool) -> Result<(), TrainError> {
+        let key = self.graph_key.ok_or_else(|| {
+            TrainError::Internal("a CUDA graph capture without its step's key".into())
+        })?;
+        self.graphs
+            .end_capture(key, keep)
+            .map_err(|e| graph_failure(self.ordinal, e))
+    }
+
+    fn replay(
+        &mut self,
+        net: &mut Network<StagedBackend>,
+        opt: &mut DeviceOptimizer,
+        images: usize,
+        replayed: bool,
+    ) -> Result<(), TrainError> {
+        let key = self.graph_key.ok_or_else(|| {
+            TrainError::Internal("a CUDA graph replay without its step's key".into())
+        })?;
+        self.graphs
+            .replay(key)
+            .map_err(|e| graph_failure(self.ordinal, e))?;
+        if replayed {
+            net.replayed_train_step(images);
+            opt.replayed_step();
+        }
+        Ok(())
+    }
+
+    fn end_graph_step(&mut self, net: &Network<StagedBackend>) {
+        net.backend().end_preload();
+        self.graph_key = None;
+    }
+}
+
+/// A failure of the CUDA graph path, naming the GPU (the message names the switch).
+fn graph_failure(ordinal: usize, e: impl std::fmt::Display) -> TrainError {
+    TrainError::Device {
+        device: format!("cuda:{ordinal}"),
+        reason: e.to_string(),
+    }
 }
 
 /// What a GPU rank needs of its collective besides [`Collective`]: the device-side sum of the
@@ -570,6 +667,14 @@ where
     } = spec;
     let cfg = &shared.cfg;
     let dist = &cfg.dist;
+    let graphs = match cuda_graph_from_env() {
+        Ok(on) => on,
+        Err(e) => {
+            let e = graph_failure(ordinal, e);
+            abort_early(&format!("rank {rank} failed: {e}"));
+            return Err(e);
+        }
+    };
     let backend = match CudaBackend::new(ordinal) {
         Ok(b) => b,
         Err(e) => {
@@ -644,6 +749,8 @@ where
             deferred: false,
             staged: None,
             accumulator,
+            graphs: StepGraphs::new(device.stream().clone(), graphs),
+            graph_key: None,
             _comm: std::marker::PhantomData,
         };
         Ok((net, grads, gpu))

@@ -34,6 +34,7 @@ use super::lr_find::LrTrace;
 use super::setup::Shared;
 use super::TrainError;
 use crate::backend::{Backend, SumsMut};
+use crate::cuda::graph::GraphAction;
 use crate::cuda::staging::feed::HostBatch;
 use crate::dist::buckets::GradientSync;
 use crate::dist::collective::{broadcast_checksum, Collective, CollectiveError};
@@ -202,6 +203,60 @@ pub(crate) trait Device {
 
     /// A line on how well the input kept up, when the device measures it in detail.
     fn input_line(&self, rank: usize) -> Option<String>;
+
+    /// How the coming step runs (after [`Device::next_batch`]): eagerly, captured into a CUDA
+    /// graph, or replayed from one (`eligible`: the rank allows a graph for this step, see
+    /// [`crate::cuda::graph`]). A device without graphs runs every step eagerly.
+    fn graph_action(
+        &mut self,
+        _comm: &mut Self::Comm,
+        _eligible: bool,
+    ) -> Result<GraphAction, TrainError> {
+        Ok(GraphAction::Eager)
+    }
+
+    /// Before a captured or replayed step: uploads what its kernels read from device memory
+    /// (`input`'s augmentation, mixing and labels, the stop wish, the lr); the step's ops
+    /// upload nothing until [`Device::end_graph_step`].
+    fn preload_step(
+        &mut self,
+        _net: &Network<Self::Backend>,
+        _opt: &mut Self::Optim,
+        _input: &InputBatch<'_>,
+        _lr: f32,
+        _stop: bool,
+    ) -> Result<(), TrainError> {
+        Err(no_graphs())
+    }
+
+    /// Starts capturing the step's launches.
+    fn begin_capture(&mut self) -> Result<(), TrainError> {
+        Err(no_graphs())
+    }
+
+    /// Ends the capture; `keep`: the step was issued whole, its graph is kept (else discarded).
+    fn end_capture(&mut self, _keep: bool) -> Result<(), TrainError> {
+        Err(no_graphs())
+    }
+
+    /// Launches the step's graph (just captured, or captured earlier; `replayed`: the step's
+    /// code did not run, so the replica and optimizer count a step of `images` here).
+    fn replay(
+        &mut self,
+        _net: &mut Network<Self::Backend>,
+        _opt: &mut Self::Optim,
+        _images: usize,
+        _replayed: bool,
+    ) -> Result<(), TrainError> {
+        Err(no_graphs())
+    }
+
+    /// After a captured or replayed step: the ops upload their own values again.
+    fn end_graph_step(&mut self, _net: &Network<Self::Backend>) {}
+}
+
+fn no_graphs() -> TrainError {
+    TrainError::Internal("a CUDA graph step on a device without graphs".into())
 }
 
 /// What the loop asks of one step.
@@ -407,8 +462,22 @@ impl<D: Device> Rank<D> {
         };
         self.sync.begin_step(scale);
         let sync_bn = shared.cfg.sync_bn && !shared.cfg.freeze_bn;
+        // A CUDA graph (BIRDTRAIN_CUDA_GRAPH=1) only for a full batch of one rank alone, one
+        // micro-batch, without synchronised batch norm: the shapes and the launch sequence
+        // that were captured (the device also declines under --trace).
+        let action = if plan.micro_batches == 1 && batch.len > 0 {
+            let eligible = self.world == 1
+                && !sync_bn
+                && batch.len == self.net.max_batch()
+                && plan.global_images > 0;
+            self.device.graph_action(&mut self.comm, eligible)?
+        } else {
+            GraphAction::Eager
+        };
         let mark = self.device.mark(&mut self.comm)?;
-        let stats = if plan.micro_batches > 1 {
+        let stats = if action != GraphAction::Eager {
+            self.graph_step(shared, plan, &batch, action)?
+        } else if plan.micro_batches > 1 {
             self.accumulate(shared, plan, &batch, sync_bn)?
         } else if batch.len > 0 {
             self.device.before_compute(&self.net, plan.stop)?;
@@ -423,12 +492,8 @@ impl<D: Device> Rank<D> {
         };
         self.device
             .span(&mut self.comm, mark, "forward + backward")?;
-        self.sync.finish_step(&mut self.comm, &mut self.grads)?;
-        if plan.global_images > 0 {
-            let mark = self.device.mark(&mut self.comm)?;
-            let grads = D::host_gradients(&self.grads)?;
-            self.opt.step(&mut self.net, grads, plan.lr)?;
-            self.device.span(&mut self.comm, mark, "optimizer")?;
+        if action == GraphAction::Eager {
+            self.eager_update(plan)?;
         }
         let pending = self.device.start_totals(
             &self.net,
@@ -438,6 +503,94 @@ impl<D: Device> Rank<D> {
             batch.len > 0,
         )?;
         Ok((PendingStep { pending }, waited))
+    }
+
+    /// The step's averages finish, then the optimizer's update (a step with images anywhere).
+    fn eager_update(&mut self, plan: &StepPlan) -> Result<(), TrainError> {
+        self.sync.finish_step(&mut self.comm, &mut self.grads)?;
+        if plan.global_images > 0 {
+            let mark = self.device.mark(&mut self.comm)?;
+            let grads = D::host_gradients(&self.grads)?;
+            self.opt.step(&mut self.net, grads, plan.lr)?;
+            self.device.span(&mut self.comm, mark, "optimizer")?;
+        }
+        Ok(())
+    }
+
+    /// A step of one full batch as a CUDA graph: the values its kernels read go to the
+    /// device first; then either its launches (forward, backward, the buckets' bookkeeping,
+    /// the optimizer, exactly the eager step's) are captured and the new graph launched, or
+    /// the graph captured earlier for its addresses is launched, and the host's record of the
+    /// step (bucket bookkeeping, batch counters, optimizer steps) is kept as the eager code
+    /// keeps it. The staging slot is released after the graph.
+    fn graph_step(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+        batch: &HostBatch,
+        action: GraphAction,
+    ) -> Result<StepStats, TrainError> {
+        let n = batch.len;
+        let (augments, mix) = step_augmentation(shared, plan, &batch.sample_ids[..n]);
+        let input = InputBatch {
+            pixels: (*batch.pixels).as_ref(),
+            labels: &batch.labels,
+            len: n,
+            image_size: batch.image_size,
+            augment: augments.as_deref(),
+            mix,
+        };
+        self.device.before_compute(&self.net, plan.stop)?;
+        self.device
+            .preload_step(&self.net, &mut self.opt, &input, plan.lr, plan.stop)?;
+        let issued = match action {
+            GraphAction::Capture => self.capture_step(shared, plan, batch),
+            _ => self.replay_step(n),
+        };
+        self.device.end_graph_step(&self.net);
+        let stats = issued?;
+        self.device.after_compute(&self.net)?;
+        Ok(stats)
+    }
+
+    /// Captures the step's launches (as [`Rank::step`] issues them eagerly) and launches the
+    /// graph.
+    fn capture_step(
+        &mut self,
+        shared: &Shared,
+        plan: &StepPlan,
+        batch: &HostBatch,
+    ) -> Result<StepStats, TrainError> {
+        self.device.begin_capture()?;
+        let issued = self
+            .forward_backward(shared, plan, batch, 0..batch.len, false, None)
+            .and_then(|stats| {
+                self.sync.finish_step(&mut self.comm, &mut self.grads)?;
+                let grads = D::host_gradients(&self.grads)?;
+                self.opt.step(&mut self.net, grads, plan.lr)?;
+                Ok(stats)
+            });
+        self.device.end_capture(issued.is_ok())?;
+        let stats = issued?;
+        self.device
+            .replay(&mut self.net, &mut self.opt, batch.len, false)?;
+        Ok(stats)
+    }
+
+    /// Launches the graph captured for this step's addresses and keeps the host's record of
+    /// the step: the buckets' bookkeeping (one rank: no collective work), the replica's and
+    /// the optimizer's step counts.
+    fn replay_step(&mut self, n: usize) -> Result<StepStats, TrainError> {
+        self.device.replay(&mut self.net, &mut self.opt, n, true)?;
+        for param in self.net.grad_ready_order() {
+            self.sync
+                .grad_ready(&mut self.comm, &mut self.grads, param)?;
+        }
+        self.sync.finish_step(&mut self.comm, &mut self.grads)?;
+        Ok(StepStats {
+            count: n,
+            ..StepStats::default()
+        })
     }
 
     /// A step of several micro-batches (`--grad-accum-steps`): each of `--batch-size` of this
@@ -504,15 +657,8 @@ impl<D: Device> Rank<D> {
         sync_bn: bool,
         micro: Option<MicroStep>,
     ) -> Result<StepStats, TrainError> {
-        let cfg = &shared.cfg;
         let ids = &batch.sample_ids[images.clone()];
-        let augments = cfg.augmentation().device_augments(
-            cfg.random_erase,
-            cfg.seed,
-            plan.epoch,
-            ids,
-            cfg.image_size,
-        );
+        let (augments, mix) = step_augmentation(shared, plan, ids);
         let image_bytes = batch.image_size as usize * batch.image_size as usize * 3;
         let pixels: &[u8] = (*batch.pixels).as_ref();
         let input = InputBatch {
@@ -522,7 +668,7 @@ impl<D: Device> Rank<D> {
             len: images.len(),
             image_size: batch.image_size,
             augment: augments.as_deref(),
-            mix: cfg.mix().draw(cfg.seed, plan.epoch, ids, cfg.image_size),
+            mix,
         };
         let Rank {
             net,
@@ -760,6 +906,27 @@ impl<D: Device> Rank<D> {
     pub(crate) fn abort(&self, reason: &str) {
         self.comm.abort(reason);
     }
+}
+
+/// The device augmentation and the mixing of images `ids` in the step of `plan`.
+fn step_augmentation(
+    shared: &Shared,
+    plan: &StepPlan,
+    ids: &[u64],
+) -> (
+    Option<Vec<crate::model::Augment>>,
+    Option<crate::model::Mix>,
+) {
+    let cfg = &shared.cfg;
+    let augments = cfg.augmentation().device_augments(
+        cfg.random_erase,
+        cfg.seed,
+        plan.epoch,
+        ids,
+        cfg.image_size,
+    );
+    let mix = cfg.mix().draw(cfg.seed, plan.epoch, ids, cfg.image_size);
+    (augments, mix)
 }
 
 /// Accumulates a settled step into the epoch's figures.
