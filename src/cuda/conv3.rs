@@ -44,7 +44,7 @@ pub const FWD_3X3_KERNEL: &str = "conv3_fwd_3x3";
 /// The 3×3 forward with the batch-norm statistics epilogue.
 pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
 /// The 3×3 data gradient at stride 1 (the forward's tiles over dx, dy's boxes shifted by
-/// pad − tap, the weight as [C][9·K]).
+/// pad − tap, the weight as `[C][9·K]`).
 pub const DGRAD_3X3_KERNEL: &str = "conv3_dgrad_3x3";
 /// The 3×3 data gradient with the batch-norm gradient epilogue.
 pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
