@@ -1,4 +1,5 @@
-//! `birdtrain bench step --plan`: the step model of the v2 convolutions, without a GPU.
+//! `birdtrain bench step --plan`: the step model of the v2 convolutions (and, with
+//! `BIRDTRAIN_CONV=v3`, of the Hopper kernels where they take a pass), without a GPU.
 //!
 //! For every convolution of the model and each of its passes (forward, dgrad, wgrad; the stem
 //! has no dgrad: the image needs no gradient) it prints the GEMM the pass is, its FLOPs and
@@ -10,7 +11,8 @@
 use serde::Serialize;
 
 use crate::backend::ConvShape;
-use crate::cuda::conv::{self, GpuLimits, Pass};
+use crate::cuda::conv::{self, ConvVersion, GpuLimits, Pass};
+use crate::cuda::{conv3, GpuArch};
 use crate::model::{Arch, Graph, Node};
 
 /// One pass of one convolution in the plan.
@@ -20,7 +22,8 @@ pub struct PlanRow {
     pub layer: String,
     /// fwd, dgrad or wgrad.
     pub pass: &'static str,
-    /// The v2 kernel, or `v1:<why>` where v2 does not take the shape.
+    /// The v3 kernel (`BIRDTRAIN_CONV=v3`, where it takes the pass), the v2 kernel, or
+    /// `v1:<why>` where v2 does not take the shape.
     pub kernel: String,
     /// GEMM (M, N, reduction).
     pub gemm: (usize, usize, usize),
@@ -38,8 +41,15 @@ pub struct PlanRow {
     pub launched_flops: f64,
 }
 
-/// Every convolution pass of `arch` at `batch` images of `image_size` pixels on `gpu`.
-pub fn conv_plan(arch: Arch, batch: usize, image_size: u32, gpu: &GpuLimits) -> Vec<PlanRow> {
+/// Every convolution pass of `arch` at `batch` images of `image_size` pixels on `gpu` (a
+/// Hopper GPU: the v3 kernels take their passes with `version` v3).
+pub fn conv_plan(
+    arch: Arch,
+    batch: usize,
+    image_size: u32,
+    gpu: &GpuLimits,
+    version: ConvVersion,
+) -> Vec<PlanRow> {
     let graph = Graph::new(arch, 1000);
     let dims = graph.value_dims(image_size);
     let mut rows = Vec::new();
@@ -57,18 +67,17 @@ pub fn conv_plan(arch: Arch, batch: usize, image_size: u32, gpu: &GpuLimits) -> 
             if pass == Pass::Dgrad && *input == 0 {
                 continue;
             }
-            rows.push(row(&layer, pass, &s, gpu));
+            let v3 = (version == ConvVersion::V3)
+                .then(|| v3_row(&layer, pass, &s, gpu))
+                .flatten();
+            rows.push(v3.unwrap_or_else(|| row(&layer, pass, &s, gpu)));
         }
     }
     rows
 }
 
 fn row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> PlanRow {
-    let bf16 = 2.0;
-    let bytes = match pass {
-        Pass::Forward | Pass::Dgrad => bf16 * (s.x_len() + s.w_len() + s.y_len()) as f64,
-        Pass::Wgrad => bf16 * (s.x_len() + s.y_len()) as f64 + 4.0 * s.w_len() as f64,
-    };
+    let bytes = pass_bytes(pass, s);
     match conv::plan(pass, s, gpu) {
         Ok(l) => {
             let (bm, bn) = l.tile.dims();
@@ -112,11 +121,94 @@ fn row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> PlanRow {
     }
 }
 
+/// The bytes a pass must move at least (bf16 tensors, the f32 weight gradient).
+fn pass_bytes(pass: Pass, s: &ConvShape) -> f64 {
+    match pass {
+        Pass::Forward | Pass::Dgrad => 2.0 * (s.x_len() + s.w_len() + s.y_len()) as f64,
+        Pass::Wgrad => 2.0 * (s.x_len() + s.y_len()) as f64 + 4.0 * s.w_len() as f64,
+    }
+}
+
+/// The pass as the v3 kernels run it on a Hopper GPU (one block of 128 × 128 per SM), or
+/// `None` where they do not take it.
+fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<PlanRow> {
+    let hopper = GpuArch::new(9, 0);
+    let one = s.kernel == 1;
+    let (args, slices, kernel) = match pass {
+        Pass::Forward if conv3::takes_forward(s, hopper) => {
+            let a = if one {
+                conv3::forward_args(s)?
+            } else {
+                conv3::forward_3x3_args(s, hopper)?
+            };
+            let k = if one {
+                conv3::FWD_KERNEL
+            } else {
+                conv3::FWD_3X3_KERNEL
+            };
+            (a, 1, k)
+        }
+        Pass::Dgrad if conv3::takes_dgrad(s, hopper) => {
+            let a = if one {
+                conv3::dgrad_args(s, false)?
+            } else {
+                conv3::dgrad_3x3_args(s, hopper, false)?
+            };
+            let k = if one {
+                conv3::DGRAD_KERNEL
+            } else {
+                conv3::DGRAD_3X3_KERNEL
+            };
+            (a, 1, k)
+        }
+        Pass::Wgrad if conv3::takes_wgrad(s, hopper) => {
+            let (a, slices) = if one {
+                conv3::wgrad_args(s, gpu.sms)?
+            } else {
+                let (a, slices, _) = conv3::wgrad_3x3_args(s, hopper, gpu.sms)?;
+                (a, slices)
+            };
+            let k = if one {
+                conv3::WGRAD_KERNEL
+            } else {
+                conv3::WGRAD_3X3_KERNEL
+            };
+            (a, slices, k)
+        }
+        _ => return None,
+    };
+    let (gx, gy, _) = conv3::grid(&args);
+    let blocks = gx as usize * gy as usize * slices;
+    let tile = (conv3::TILE_M * conv3::TILE_N) as f64;
+    let red = if pass == Pass::Wgrad {
+        args.k_chunk
+    } else {
+        args.k
+    } as f64;
+    let (m, n) = (args.m as usize, args.n as usize);
+    Some(PlanRow {
+        layer: layer.to_string(),
+        pass: pass.name(),
+        kernel: kernel.to_string(),
+        gemm: (m, n, args.k as usize),
+        flops: s.flops(),
+        bytes: pass_bytes(pass, s),
+        blocks,
+        waves: blocks as f64 / gpu.sms as f64,
+        padded: 1.0 - (m * n) as f64 / (gx as f64 * gy as f64 * tile),
+        launched_flops: (blocks.div_ceil(gpu.sms) * gpu.sms) as f64 * 2.0 * tile * red,
+    })
+}
+
 /// Prints the plan as a table with a summary line.
-pub fn print(model: &str, batch: usize, image_size: u32, rows: &[PlanRow]) {
+pub fn print(model: &str, batch: usize, image_size: u32, version: ConvVersion, rows: &[PlanRow]) {
     let gpu = GpuLimits::H100;
+    let kernels = match version {
+        ConvVersion::V3 => "v3 (Hopper, where they take a pass) and v2",
+        _ => "v2",
+    };
     outln!(
-        "{model} batch {batch} at {image_size}px, v2 convolutions modelled on an H100 ({} SMs, {} KiB shared memory each)",
+        "{model} batch {batch} at {image_size}px, {kernels} convolutions modelled on an H100 ({} SMs, {} KiB shared memory each)",
         gpu.sms,
         gpu.smem_per_sm / 1024
     );
@@ -167,7 +259,7 @@ mod tests {
 
     #[test]
     fn resnet50_plan_covers_every_pass_with_v2() {
-        let rows = conv_plan(Arch::ResNet50, 256, 224, &GpuLimits::H100);
+        let rows = conv_plan(Arch::ResNet50, 256, 224, &GpuLimits::H100, ConvVersion::V2);
         // 53 convolutions × 3 passes, less the stem's dgrad.
         assert_eq!(rows.len(), 53 * 3 - 1);
         assert!(
@@ -192,5 +284,47 @@ mod tests {
             assert!(r.launched_flops >= r.flops * 0.999, "{r:?}");
             assert!(r.waves > 0.0 && (0.0..1.0).contains(&r.padded), "{r:?}");
         }
+    }
+
+    #[test]
+    fn resnet50_plan_with_v3_takes_the_stride_one_layers() {
+        let (v2, v3) = [ConvVersion::V2, ConvVersion::V3]
+            .map(|v| conv_plan(Arch::ResNet50, 256, 224, &GpuLimits::H100, v))
+            .into();
+        assert_eq!(v2.len(), v3.len());
+        let taken: f64 = v3
+            .iter()
+            .filter(|r| r.kernel.starts_with("conv3_"))
+            .map(|r| r.flops)
+            .sum();
+        let total: f64 = v3.iter().map(|r| r.flops).sum();
+        // Every pass of the stride-1 1×1 and 3×3 layers: about four fifths of the work.
+        assert!((0.75..0.9).contains(&(taken / total)), "{}", taken / total);
+        for (a, b) in v2.iter().zip(&v3) {
+            assert_eq!((&a.layer, a.pass, a.flops), (&b.layer, b.pass, b.flops));
+            if b.kernel.starts_with("conv3_") {
+                assert!(b.launched_flops >= b.flops * 0.999, "{b:?}");
+                assert!(b.waves > 0.0 && (0.0..1.0).contains(&b.padded), "{b:?}");
+            } else {
+                assert_eq!(a, b, "v2 keeps the layers v3 does not take");
+            }
+        }
+        // The stem and the stride-2 layers stay v2; a stride-1 3×3 takes all three passes.
+        let by = |layer: &str| -> Vec<&str> {
+            v3.iter()
+                .filter(|r| r.layer == layer)
+                .map(|r| r.kernel.as_str())
+                .collect()
+        };
+        assert!(by("conv1").iter().all(|k| k.starts_with("conv2_")));
+        assert!(by("layer2.0.conv2").iter().all(|k| k.starts_with("conv2_")));
+        assert_eq!(
+            by("layer1.0.conv2"),
+            [
+                conv3::FWD_3X3_KERNEL,
+                conv3::DGRAD_3X3_KERNEL,
+                conv3::WGRAD_3X3_KERNEL
+            ]
+        );
     }
 }

@@ -413,11 +413,14 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         let arch: Arch = args.model.parse()?;
         check(&args)?;
         let gpu = crate::cuda::conv::GpuLimits::H100;
-        let rows = super::bench_plan::conv_plan(arch, args.batch_size, args.image_size, &gpu);
+        let version = crate::cuda::conv::ConvVersion::from_env()?;
+        let rows =
+            super::bench_plan::conv_plan(arch, args.batch_size, args.image_size, &gpu, version);
         if args.json {
             outln!("{}", serde_json::to_string(&rows)?);
         } else {
-            super::bench_plan::print(&args.model, args.batch_size, args.image_size, &rows);
+            let (batch, size) = (args.batch_size, args.image_size);
+            super::bench_plan::print(&args.model, batch, size, version, &rows);
         }
         return Ok(());
     }
