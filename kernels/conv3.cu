@@ -85,6 +85,8 @@ struct Conv3Epilogue {
 #define C3_BOX_BYTES (64 * C3_BK * 2)             // an MN-major box: 64 MN × 64 k, 8 KiB
 #define C3_BARRIERS (C3_STAGES * C3_STAGE_BYTES)  // offset of the mbarriers from the base
 #define CONV3_SMEM_BYTES (C3_BARRIERS + 2 * C3_STAGES * 8 + 1024)
+// The _n64 kernels' stages hold a B tile of 64 rows.
+#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)
 #define C3_LDC (C3_BN + 8)  // row pitch of the staged output tile, in elements
 
 #if defined(BT_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -258,12 +260,41 @@ __device__ __forceinline__ void c3_wgmma_m64n128k16(float* d, unsigned long long
 #endif
 }
 
+// d (32 f32 per thread, the m64n64 accumulator fragment) = A·Bᵀ (+ d when scale_d).
+template <int TA, int TB>
+__device__ __forceinline__ void c3_wgmma_m64n64k16(float* d, unsigned long long desc_a, unsigned long long desc_b,
+                                                   int scale_d) {
+#ifdef BT_EMULATE
+    bt_emu_wgmma(d, 64, desc_a, desc_b, scale_d != 0, TA != 0, TB != 0);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
+        : "memory");
+#endif
+}
+
+// The wgmma of a BN-wide tile (128 or 64 columns).
+template <int BN, int TA, int TB>
+__device__ __forceinline__ void c3_wgmma(float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+    if (BN == 128) c3_wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
+    else c3_wgmma_m64n64k16<TA, TB>(d, desc_a, desc_b, scale_d);
+}
+
 // Keeps the compiler from moving accesses of the accumulators across a wgmma fence or wait
 // (the tensor cores write them asynchronously).
+template <int N>
 __device__ __forceinline__ void c3_fence_acc(float* d) {
 #ifndef BT_EMULATE
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 #else
     (void)d;
 #endif
@@ -285,18 +316,21 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 // TAPS = 1: the 3×3 forward, whose 128 rows are a tile of tile_n images × tile_h rows ×
 // tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
 // padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step.
-template <int EPI, int MN, int TAPS = 0>
+template <int EPI, int MN, int TAPS = 0, int BN = C3_BN>
 __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
+    static_assert(BN == 128 || BN == 64, "tiles of 128 or 64 columns");
+    // A stage: the A tile (128 rows × 64 k), then the B tile (BN rows × 64 k).
+    constexpr int STAGE = C3_TILE_BYTES + BN * C3_BK * 2, LDC = BN + 8, ACC = BN / 2;
     C3_SMEM(smem_raw);
     // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
     const unsigned raw = c3_shared(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (base - raw);
-    const unsigned full0 = base + C3_BARRIERS, empty0 = full0 + 8 * C3_STAGES;
+    const unsigned full0 = base + C3_STAGES * STAGE, empty0 = full0 + 8 * C3_STAGES;
     const int tid = threadIdx.x, wg = tid / 128;
-    const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * C3_BN;
+    const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * BN;
     const int k_begin = blockIdx.z * a.k_chunk, k_end = min(a.k, k_begin + a.k_chunk);
     const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
     // TAPS: the tile's first image, row and column, and the channel slices of one tap.
@@ -325,15 +359,15 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     }
     __syncthreads();
 
-    float acc[64];
+    float acc[ACC];
     if (wg == 0) {
         // Producer: one elected thread keeps the ring full.
         if (tid == 0) {
             for (int kt = 0; kt < kt_count; ++kt) {
                 const int s = kt % C3_STAGES, round = kt / C3_STAGES, k0 = k_begin + kt * C3_BK;
                 if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
-                const unsigned stage = base + s * C3_STAGE_BYTES, full = full0 + 8 * s;
-                c3_mbar_arrive_expect_tx(full, C3_STAGE_BYTES);
+                const unsigned stage = base + s * STAGE, full = full0 + 8 * s;
+                c3_mbar_arrive_expect_tx(full, STAGE);
                 if (TAPS && MN) {
                     // The 3×3 weight gradient: k-step = a whole tile of 64 pixels (images ×
                     // rows × columns); A = dy's channels m0.., B = the input's channels of the
@@ -346,7 +380,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                     c3_tma_load_4d(stage, map_a, m0, tw0, th0, ti0, full);
                     c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
+                    for (int j = 0; j < BN / 64; ++j) {
                         const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
                         const int r = tap / a.taps, t = tap % a.taps;
                         c3_tma_load_4d(stage + C3_TILE_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 + t - a.pad, th0 + r - a.pad,
@@ -362,7 +396,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                     c3_tma_load(stage, map_a, m0, k0, full);
                     c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
                     c3_tma_load(stage + C3_TILE_BYTES, map_b, n0, k0, full);
-                    c3_tma_load(stage + C3_TILE_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
+                    if (BN == 128) c3_tma_load(stage + C3_TILE_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
                 } else {
                     c3_tma_load(stage, map_a, k0, m0, full);
                     c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
@@ -372,11 +406,11 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     } else {
         // Consumer warpgroup c: rows 64c .. 64c + 63 of the tile.
         const int c = wg - 1;
-        c3_fence_acc(acc);
+        c3_fence_acc<ACC>(acc);
         for (int kt = 0; kt < kt_count; ++kt) {
             const int s = kt % C3_STAGES;
             c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);
-            const unsigned stage = base + s * C3_STAGE_BYTES;
+            const unsigned stage = base + s * STAGE;
             // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
             // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
             const unsigned a_rows = stage + c * (MN ? C3_BOX_BYTES : 64 * 128), b_rows = stage + C3_TILE_BYTES;
@@ -384,10 +418,10 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
 #pragma unroll
             for (int kk = 0; kk < C3_BK / 16; ++kk) {
                 if (MN)
-                    c3_wgmma_m64n128k16<1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
+                    c3_wgmma<BN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
                                               kt > 0 || kk > 0);
                 else
-                    c3_wgmma_m64n128k16<0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+                    c3_wgmma<BN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
             }
             c3_wgmma_commit();
             // The previous slice's wgmma are done: its stage may be refilled.
@@ -395,10 +429,10 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((kt - 1) % C3_STAGES));
         }
         c3_wgmma_wait<0>(acc);
-        c3_fence_acc(acc);
+        c3_fence_acc<ACC>(acc);
         if (kt_count == 0) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;  // an empty slice: zeros
+            for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;  // an empty slice: zeros
         }
         if (EPI == C3_EPI_WGRAD) {
             // f32 partial sums of this reduction slice into its own plane (each element by one
@@ -406,7 +440,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.m * a.n;
             const int warp = (tid / 32) % 4, lane = tid % 32, row_base = m0 + c * 64 + warp * 16 + lane / 4;
 #pragma unroll
-            for (int j = 0; j < C3_BN / 8; ++j)
+            for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int m = row_base + 8 * h, n = n0 + 8 * j + 2 * (lane % 4);
@@ -424,29 +458,29 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     if (wg > 0) {
         const int warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
-        for (int j = 0; j < C3_BN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + 8 * h, col = 8 * j + 2 * (lane % 4);
                 const unsigned lo = __bfloat16_as_ushort(bt_to_bf16(acc[4 * j + 2 * h]));
                 const unsigned hi = __bfloat16_as_ushort(bt_to_bf16(acc[4 * j + 2 * h + 1]));
-                *reinterpret_cast<unsigned*>(Cs + row * C3_LDC + col) = lo | (hi << 16);
+                *reinterpret_cast<unsigned*>(Cs + row * LDC + col) = lo | (hi << 16);
             }
     }
     __syncthreads();
     const int M = a.m, N = a.n;
-    constexpr int CHUNKS_PER_ROW = C3_BN / 8;
+    constexpr int CHUNKS_PER_ROW = BN / 8;
     for (int ch = tid; ch < C3_BM * CHUNKS_PER_ROW; ch += C3_THREADS) {
         const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
         const int n = n0 + col;
         if ((!TAPS && m0 + row >= M) || n >= N) continue;
         const long o = pixel(row) * N + n;
-        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * C3_LDC + col);
+        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
         if (a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
         if (EPI == C3_EPI_BN_GRAD) {
             if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
             if (ep.bn_y != nullptr) v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
-            *reinterpret_cast<uint4*>(Cs + row * C3_LDC + col) = v;  // the final g, for the sums below
+            *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
     }
@@ -455,9 +489,9 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     // ---- per-tile records (conv2.cu's, by the first 256 threads) ---------------------------
     // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
     // in span order by span 0.
-    constexpr int PAIRS = C3_BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
-    float* red_a = reinterpret_cast<float*>(smem + C3_BM * C3_LDC * 2);  // [TPC][BN]
-    float* red_b = red_a + TPC * C3_BN;
+    constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
+    float* red_a = reinterpret_cast<float*>(smem + C3_BM * LDC * 2);  // [TPC][BN]
+    float* red_b = red_a + TPC * BN;
     const bool reducer = tid < 256;
     const int col = (tid % PAIRS) * 2, span = (tid / PAIRS) % TPC;
     const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
@@ -471,7 +505,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         if (reducer && cn < N) {
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
             for (int r = r0; r < r1; ++r) {
-                const unsigned v = cs_pair[r * (C3_LDC / 2)];
+                const unsigned v = cs_pair[r * (LDC / 2)];
                 const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + pixel(r) * N + cn);
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
@@ -481,19 +515,19 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             }
         }
         if (reducer) {
-            red_a[span * C3_BN + col] = b0;
-            red_a[span * C3_BN + col + 1] = b1;
-            red_b[span * C3_BN + col] = g0;
-            red_b[span * C3_BN + col + 1] = g1;
+            red_a[span * BN + col] = b0;
+            red_a[span * BN + col + 1] = b1;
+            red_b[span * BN + col] = g0;
+            red_b[span * BN + col + 1] = g1;
         }
         __syncthreads();
         if (reducer && span == 0 && cn < N) {
 #pragma unroll
             for (int p = 1; p < TPC; ++p) {
-                b0 += red_a[p * C3_BN + col];
-                b1 += red_a[p * C3_BN + col + 1];
-                g0 += red_b[p * C3_BN + col];
-                g1 += red_b[p * C3_BN + col + 1];
+                b0 += red_a[p * BN + col];
+                b1 += red_a[p * BN + col + 1];
+                g0 += red_b[p * BN + col];
+                g1 += red_b[p * BN + col + 1];
             }
             const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
             bt_store2_f32(ep.part + at, b0, b1);
@@ -505,40 +539,40 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     if (reducer) {
         float s0 = 0.0f, s1 = 0.0f;
         for (int r = r0; r < r1; ++r) {
-            const unsigned v = cs_pair[r * (C3_LDC / 2)];
+            const unsigned v = cs_pair[r * (LDC / 2)];
             s0 += __uint_as_float(v << 16);
             s1 += __uint_as_float(v & 0xffff0000u);
         }
-        red_a[span * C3_BN + col] = s0;
-        red_a[span * C3_BN + col + 1] = s1;
+        red_a[span * BN + col] = s0;
+        red_a[span * BN + col + 1] = s1;
     }
     __syncthreads();
     if (reducer) {
         float t0 = 0.0f, t1 = 0.0f;
 #pragma unroll
         for (int p = 0; p < TPC; ++p) {
-            t0 += red_a[p * C3_BN + col];
-            t1 += red_a[p * C3_BN + col + 1];
+            t0 += red_a[p * BN + col];
+            t1 += red_a[p * BN + col + 1];
         }
         mean0 = t0 / (float)rows;
         mean1 = t1 / (float)rows;
         float q0 = 0.0f, q1 = 0.0f;
         for (int r = r0; r < r1; ++r) {
-            const unsigned v = cs_pair[r * (C3_LDC / 2)];
+            const unsigned v = cs_pair[r * (LDC / 2)];
             const float d0 = __uint_as_float(v << 16) - mean0, d1 = __uint_as_float(v & 0xffff0000u) - mean1;
             q0 = fmaf(d0, d0, q0);
             q1 = fmaf(d1, d1, q1);
         }
-        red_b[span * C3_BN + col] = q0;
-        red_b[span * C3_BN + col + 1] = q1;
+        red_b[span * BN + col] = q0;
+        red_b[span * BN + col + 1] = q1;
     }
     __syncthreads();
     if (reducer && span == 0 && cn < N) {
         float q0 = 0.0f, q1 = 0.0f;
 #pragma unroll
         for (int p = 0; p < TPC; ++p) {
-            q0 += red_b[p * C3_BN + col];
-            q1 += red_b[p * C3_BN + col + 1];
+            q0 += red_b[p * BN + col];
+            q1 += red_b[p * BN + col + 1];
         }
         const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
         bt_store2_f32(ep.part + at, mean0, mean1);
@@ -642,6 +676,72 @@ conv3_wgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
                 Conv3Args args) {
     conv3_gemm<C3_EPI_WGRAD, 1, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
+
+// The same GEMMs with 64-column tiles (`_n64`: one m64n64k16 wgmma per 16 of k, B tiles of 64
+// rows, CONV3_N64_SMEM_BYTES: 4 stages of 24 KiB and the slack, two blocks per SM): the host
+// picks them where the GEMM's N is at most 64 (a 128-column tile would be half padding; the 3×3
+// weight gradient's N is 9 × 64 or more, so it has no narrow twin).
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_1x1_n64(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 0, 64>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_stats_1x1_n64(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                    Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm<C3_EPI_STATS, 0, 0, 64>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 0, 64>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_bn_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                   Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv3_gemm<C3_EPI_BN_GRAD, 0, 0, 64>(&map_dy, &map_wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_3x3_n64(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+              Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 1, 64>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_stats_3x3_n64(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                    Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm<C3_EPI_STATS, 0, 1, 64>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_NONE, 0, 1, 64>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_bn_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                   Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    conv3_gemm<C3_EPI_BN_GRAD, 0, 1, 64>(&map_dy, &map_wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_wgrad_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_WGRAD, 1, 0, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
 
 // wt[c][tap·K + k] = w[k][tap][c] (w: KRSC with `taps` = R·S filter positions): the 3×3
 // data gradient's B operand, K-major over (tap, k). One thread per element; grid-stride over

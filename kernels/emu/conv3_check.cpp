@@ -18,6 +18,8 @@
 
 static int failures = 0;
 static bool first_only = false;
+// The tile width under test: 128 (conv3_*) or 64 (conv3_*_n64).
+static int g_bn = 128;
 
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -49,21 +51,21 @@ struct Result { std::vector<bf16> y; std::vector<float> part; };
 
 // One launch of conv3_fwd_1x1 (stats = false) or conv3_fwd_stats_1x1.
 static Result run(const Gemm& g, const std::vector<bf16>& x, const std::vector<bf16>& w, bool stats) {
-    const unsigned gx = (unsigned)((g.m + C3_BM - 1) / C3_BM), gy = (unsigned)((g.n + C3_BN - 1) / C3_BN);
+    const unsigned gx = (unsigned)((g.m + C3_BM - 1) / C3_BM), gy = (unsigned)((g.n + g_bn - 1) / g_bn);
     Result r;
     r.y.assign((size_t)g.m * g.n, __float2bfloat16_rn(NAN));
     r.part.assign(stats ? 2 * (size_t)gx * g.n : 0, NAN);
     const BtTmaMap map_x = emu_tma_encode_2d(x.data(), (unsigned long long)g.k, (unsigned long long)g.m,
                                              (unsigned long long)g.k * 2, C3_BK, C3_BM, true);
     const BtTmaMap map_w = emu_tma_encode_2d(w.data(), (unsigned long long)g.k, (unsigned long long)g.n,
-                                             (unsigned long long)g.k * 2, C3_BK, C3_BN, true);
+                                             (unsigned long long)g.k * 2, C3_BK, (unsigned)g_bn, true);
     const Conv3Args args{g.m, g.n, g.k, 0, g.k};
     bf16* y = r.y.data();
     float* part = r.part.data();
     if (stats)
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { conv3_fwd_stats_1x1(map_x, map_w, y, args, part); });
+        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_stats_1x1_n64(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1(map_x, map_w, y, args, part)); });
     else
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { conv3_fwd_1x1(map_x, map_w, y, args); });
+        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_1x1_n64(map_x, map_w, y, args) : conv3_fwd_1x1(map_x, map_w, y, args)); });
     return r;
 }
 
@@ -149,24 +151,25 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
                              const std::vector<bf16>& dx0, const std::vector<bf16>& bn_y, const std::vector<bf16>& bn_x,
                              const std::vector<float>& mean, const std::vector<float>& invstd,
                              const std::vector<bf16>& residual) {
-    const unsigned gx = (unsigned)((d.m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + C3_BN - 1) / C3_BN);
+    const unsigned gx = (unsigned)((d.m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + g_bn - 1) / g_bn);
     DgradResult r;
     r.dx = dx0;
     r.part.assign(d.bn ? 2 * (size_t)gx * d.c : 0, NAN);
     const BtTmaMap map_dy = emu_tma_encode_2d(dy.data(), (unsigned long long)d.k, (unsigned long long)d.m,
                                               (unsigned long long)d.k * 2, C3_BK, C3_BM, true);
     const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)d.k, (unsigned long long)d.c,
-                                              (unsigned long long)d.k * 2, C3_BK, C3_BN, true);
+                                              (unsigned long long)d.k * 2, C3_BK, (unsigned)g_bn, true);
     const Conv3Args args{d.m, d.c, d.k, d.accumulate ? 1 : 0, d.k};
     bf16* dx = r.dx.data();
     float* part = r.part.data();
     if (d.bn)
         emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
-            conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr);
+            (g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr) : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr));
         });
     else
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { conv3_dgrad_1x1(map_dy, map_wt, dx, args); });
+        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
     return r;
 }
 
@@ -264,8 +267,8 @@ static std::vector<float> run_wgrad(const Wgrad& g, const std::vector<bf16>& dy,
                                              (unsigned long long)g.c * 2, 64, C3_BK, true);
     const Conv3Args args{g.k, g.c, g.p, 0, g.chunk};
     float* dw = planes.data();
-    emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((g.c + C3_BN - 1) / C3_BN), (unsigned)slices},
-               {C3_THREADS, 1, 1}, [&] { conv3_wgrad_1x1(map_dy, map_x, dw, args); });
+    emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)slices},
+               {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_wgrad_1x1_n64(map_dy, map_x, dw, args) : conv3_wgrad_1x1(map_dy, map_x, dw, args)); });
     return planes;
 }
 
@@ -334,13 +337,13 @@ static void check_3x3(const Conv3x3& g) {
         const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
         const BtTmaMap map_x = emu_tma_encode(x.data(), 4, dim, stride, box, true);
         const BtTmaMap map_w = emu_tma_encode_2d(w.data(), 9ull * g.c, (unsigned long long)g.k, 9ull * g.c * 2, C3_BK,
-                                                 C3_BN, true);
+                                                 (unsigned)g_bn, true);
         Conv3Args args{m, g.k, 9 * g.c, 0, 9 * g.c, g.h, g.w, th, tw, 1, 3, 0};
         bf16* yp = y.data();
         float* pp = part.data();
-        const dim3e grid{(unsigned)tiles, (unsigned)((g.k + C3_BN - 1) / C3_BN), 1};
-        if (g.stats) emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp); });
-        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_fwd_3x3(map_x, map_w, yp, args); });
+        const dim3e grid{(unsigned)tiles, (unsigned)((g.k + g_bn - 1) / g_bn), 1};
+        if (g.stats) emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_stats_3x3_n64(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp)); });
+        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_3x3_n64(map_x, map_w, yp, args) : conv3_fwd_3x3(map_x, map_w, yp, args)); });
     };
     std::vector<bf16> y((size_t)m * g.k, __float2bfloat16_rn(NAN));
     std::vector<float> part(g.stats ? 2 * (size_t)tiles * g.k : 0, NAN);
@@ -437,17 +440,18 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
         const BtTmaMap map_dy = emu_tma_encode(dy.data(), 4, dim, stride, box, true);
         const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), 9ull * g.k, (unsigned long long)g.c, 9ull * g.k * 2, C3_BK,
-                                                  C3_BN, true);
+                                                  (unsigned)g_bn, true);
         const Conv3Args args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1};
         bf16* dxp = dx.data();
         float* pp = part.data();
-        const dim3e grid{(unsigned)tiles, (unsigned)((g.c + C3_BN - 1) / C3_BN), 1};
+        const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), 1};
         if (g.bn)
             emu_launch(grid, {C3_THREADS, 1, 1}, [&] {
-                conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data());
+                (g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data()) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data()));
             });
-        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { conv3_dgrad_3x3(map_dy, map_wt, dxp, args); });
+        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
     std::vector<bf16> dx = dx0;
     std::vector<float> part(g.bn ? 2 * (size_t)tiles * g.c : 0, NAN);
@@ -542,7 +546,7 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
         const BtTmaMap map_dy = map4(dy, g.k), map_x = map4(x, g.c);
         const Conv3Args args{g.k, 9 * g.c, (int)px, 0, g.chunk, g.h, g.w, th, tw, 1, 3, 0};
         float* dw = planes.data();
-        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((9 * g.c + C3_BN - 1) / C3_BN), (unsigned)slices},
+        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((9 * g.c + g_bn - 1) / g_bn), (unsigned)slices},
                    {C3_THREADS, 1, 1}, [&] { conv3_wgrad_3x3(map_dy, map_x, dw, args); });
     };
     std::vector<float> planes((size_t)slices * plane, NAN);
@@ -582,68 +586,74 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
 
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
-    const Gemm cases[] = {
-        {128, 128, 64},   // one tile, one k-slice
-        {300, 136, 200},  // tails in M, N and K (TMA zero fill)
-        {200, 64, 520},   // 9 k-slices: the 4-stage ring wraps twice
-        {5, 8, 8},        // a tile that is almost all tail
-        {257, 256, 136},  // two column tiles, a one-row last row tile
-    };
-    for (const Gemm& g : cases) {
-        for (bool stats : {false, true}) {
-            check_gemm(g, stats);
+    for (int bn : {128, 64}) {
+        g_bn = bn;
+        printf("== tiles of %d columns (%s)\n", bn, bn == 64 ? "conv3_*_n64" : "conv3_*");
+        const Gemm cases[] = {
+            {128, 128, 64},   // one tile, one k-slice
+            {300, 136, 200},  // tails in M, N and K (TMA zero fill)
+            {200, 64, 520},   // 9 k-slices: the 4-stage ring wraps twice
+            {5, 8, 8},        // a tile that is almost all tail
+            {257, 256, 136},  // two column tiles, a one-row last row tile
+        };
+        for (const Gemm& g : cases) {
+            for (bool stats : {false, true}) {
+                check_gemm(g, stats);
+                if (first_only && failures) break;
+            }
             if (first_only && failures) break;
         }
+        const Dgrad dgrads[] = {
+            {300, 136, 200, false, false, false, false},  // tails everywhere
+            {200, 64, 520, false, true, false, false},    // the ring wraps; added into dx
+            {300, 136, 200, true, false, false, true},    // BN epilogue: mask only
+            {257, 256, 136, true, true, true, true},      // every operand
+            {5, 8, 8, true, false, true, false},          // residual, no mask (the ReLU-free input)
+        };
+        for (const Dgrad& d : dgrads) {
+            if (first_only && failures) break;
+            check_dgrad(d);
+        }
+        const Wgrad wgrads[] = {
+            {300, 136, 200, 320},  // one slice; tails in M (channels of dy), N and the pixels
+            {520, 64, 72, 128},    // five slices, the last of 8 pixels; half-empty column tile
+            {5, 8, 8, 64},         // almost all tail
+            {1000, 256, 136, 320}, // two row tiles, two column tiles, four slices (the last 40)
+        };
+        for (const Wgrad& g : wgrads) {
+            if (first_only && failures) break;
+            check_wgrad(g);
+        }
+        const Conv3x3 convs[] = {
+            {4, 8, 8, 64, 72, false},    // tiles of 2 images × 8 × 8, a column tail
+            {2, 16, 16, 128, 136, true}, // tiles of 8 × 16 rows of one image, two taps' slices
+            {8, 4, 4, 64, 64, true},     // 8 images × 4 × 4: padding on every side of every tile
+            {128, 3, 3, 64, 8, true},    // 1 × 1 × 128 images: every tap but the centre pads
+        };
+        for (const Conv3x3& g : convs) {
+            if (first_only && failures) break;
+            check_3x3(g);
+        }
+        const Dgrad3x3 dgrads3[] = {
+            {4, 8, 8, 72, 64, false, false},   // an input-channel tail (72 = 64 + 8)
+            {2, 16, 16, 64, 128, true, true},  // two slices per tap, added into dx, every epilogue operand
+            {128, 3, 3, 8, 64, true, false},   // one-pixel tiles: every tap but the centre pads
+        };
+        for (const Dgrad3x3& g : dgrads3) {
+            if (first_only && failures) break;
+            check_dgrad_3x3(g);
+        }
+        // (no narrow twin: the 3×3 weight gradient's N is 9 × 64 or more)
+        const std::vector<Wgrad3x3> wgrads3 = bn == 64 ? std::vector<Wgrad3x3>{} : std::vector<Wgrad3x3>{
+            {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
+            {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
+            {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
+        };
+        for (const Wgrad3x3& g : wgrads3) {
+            if (first_only && failures) break;
+            check_wgrad_3x3(g);
+        }
         if (first_only && failures) break;
-    }
-    const Dgrad dgrads[] = {
-        {300, 136, 200, false, false, false, false},  // tails everywhere
-        {200, 64, 520, false, true, false, false},    // the ring wraps; added into dx
-        {300, 136, 200, true, false, false, true},    // BN epilogue: mask only
-        {257, 256, 136, true, true, true, true},      // every operand
-        {5, 8, 8, true, false, true, false},          // residual, no mask (the ReLU-free input)
-    };
-    for (const Dgrad& d : dgrads) {
-        if (first_only && failures) break;
-        check_dgrad(d);
-    }
-    const Wgrad wgrads[] = {
-        {300, 136, 200, 320},  // one slice; tails in M (channels of dy), N and the pixels
-        {520, 64, 72, 128},    // five slices, the last of 8 pixels; half-empty column tile
-        {5, 8, 8, 64},         // almost all tail
-        {1000, 256, 136, 320}, // two row tiles, two column tiles, four slices (the last 40)
-    };
-    for (const Wgrad& g : wgrads) {
-        if (first_only && failures) break;
-        check_wgrad(g);
-    }
-    const Conv3x3 convs[] = {
-        {4, 8, 8, 64, 72, false},    // tiles of 2 images × 8 × 8, a column tail
-        {2, 16, 16, 128, 136, true}, // tiles of 8 × 16 rows of one image, two taps' slices
-        {8, 4, 4, 64, 64, true},     // 8 images × 4 × 4: padding on every side of every tile
-        {128, 3, 3, 64, 8, true},    // 1 × 1 × 128 images: every tap but the centre pads
-    };
-    for (const Conv3x3& g : convs) {
-        if (first_only && failures) break;
-        check_3x3(g);
-    }
-    const Dgrad3x3 dgrads3[] = {
-        {4, 8, 8, 72, 64, false, false},   // an input-channel tail (72 = 64 + 8)
-        {2, 16, 16, 64, 128, true, true},  // two slices per tap, added into dx, every epilogue operand
-        {128, 3, 3, 8, 64, true, false},   // one-pixel tiles: every tap but the centre pads
-    };
-    for (const Dgrad3x3& g : dgrads3) {
-        if (first_only && failures) break;
-        check_dgrad_3x3(g);
-    }
-    const Wgrad3x3 wgrads3[] = {
-        {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
-        {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
-        {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
-    };
-    for (const Wgrad3x3& g : wgrads3) {
-        if (first_only && failures) break;
-        check_wgrad_3x3(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

@@ -129,8 +129,8 @@ fn pass_bytes(pass: Pass, s: &ConvShape) -> f64 {
     }
 }
 
-/// The pass as the v3 kernels run it on a Hopper GPU (one block of 128 × 128 per SM), or
-/// `None` where they do not take it.
+/// The pass as the v3 kernels run it on a Hopper GPU (one block of 128 × 128 per SM, or two of
+/// 128 × 64 where the GEMM's N is at most 64), or `None` where they do not take it.
 fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<PlanRow> {
     let hopper = GpuArch::new(9, 0);
     let one = s.kernel == 1;
@@ -179,7 +179,11 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
     };
     let (gx, gy, _) = conv3::grid(&args);
     let blocks = gx as usize * gy as usize * slices;
-    let tile = (conv3::TILE_M * conv3::TILE_N) as f64;
+    let bn = conv3::tile_n(&args);
+    let kernel = conv3::with_tile(kernel, bn);
+    // The narrow tiles run two blocks an SM.
+    let slots = gpu.sms * if bn == conv3::TILE_N { 1 } else { 2 };
+    let tile = (conv3::TILE_M * bn) as f64;
     let red = if pass == Pass::Wgrad {
         args.k_chunk
     } else {
@@ -194,9 +198,9 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
         flops: s.flops(),
         bytes: pass_bytes(pass, s),
         blocks,
-        waves: blocks as f64 / gpu.sms as f64,
+        waves: blocks as f64 / slots as f64,
         padded: 1.0 - (m * n) as f64 / (gx as f64 * gy as f64 * tile),
-        launched_flops: (blocks.div_ceil(gpu.sms) * gpu.sms) as f64 * 2.0 * tile * red,
+        launched_flops: (blocks.div_ceil(slots) * slots) as f64 * 2.0 * tile * red,
     })
 }
 
@@ -318,8 +322,18 @@ mod tests {
         };
         assert!(by("conv1").iter().all(|k| k.starts_with("conv2_")));
         assert!(by("layer2.0.conv2").iter().all(|k| k.starts_with("conv2_")));
+        // layer1's 64-channel 3×3: the narrow tiles for its forward and data gradient (N = 64),
+        // the wide ones for its weight gradient (N = 9 × 64).
         assert_eq!(
             by("layer1.0.conv2"),
+            [
+                "conv3_fwd_3x3_n64",
+                "conv3_dgrad_3x3_n64",
+                conv3::WGRAD_3X3_KERNEL
+            ]
+        );
+        assert_eq!(
+            by("layer3.1.conv2"),
             [
                 conv3::FWD_3X3_KERNEL,
                 conv3::DGRAD_3X3_KERNEL,

@@ -299,7 +299,7 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
     if kernel.starts_with("conv3_") {
         // the weight rearrangements are not GEMMs
         let gemm = ![conv3::TRANSPOSE_KERNEL, conv3::DGRAD_WEIGHTS_3X3_KERNEL].contains(&kernel);
-        return gemm.then_some((conv3::THREADS as usize, conv3::SMEM_BYTES));
+        return gemm.then_some((conv3::THREADS as usize, conv3::smem_bytes(kernel)));
     }
     // v1: 256 threads, static shared memory only (src/cuda/backend/conv.rs, CONV_THREADS).
     kernel.starts_with("conv_").then_some((256, 0))

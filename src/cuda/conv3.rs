@@ -32,6 +32,51 @@ pub const THREADS: u32 = 384;
 pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 2 * STAGES * 8 + 1024;
 // Within the 227 KiB a Hopper block may use.
 const _: () = assert!(SMEM_BYTES <= 227 * 1024);
+/// Columns of the narrow tiles (`_n64` kernels), for GEMMs whose N is at most 64.
+pub const TILE_N_NARROW: usize = 64;
+/// Dynamic shared memory of the `_n64` kernels (`CONV3_N64_SMEM_BYTES`): B tiles of 64 rows;
+/// two blocks fit an SM.
+pub const N64_SMEM_BYTES: usize =
+    STAGES * (TILE_M * TILE_K * 2 + TILE_N_NARROW * TILE_K * 2) + 2 * STAGES * 8 + 1024;
+
+/// The columns of a GEMM's tiles: 64 where its N is at most 64 (a 128-column tile would be
+/// half padding), else 128.
+pub fn tile_n(args: &Conv3Args) -> usize {
+    if args.n as usize <= TILE_N_NARROW {
+        TILE_N_NARROW
+    } else {
+        TILE_N
+    }
+}
+
+/// The kernel that runs `kernel`'s GEMM with `tile_n` columns: itself, or its `_n64` twin.
+pub fn with_tile(kernel: &'static str, tile_n: usize) -> &'static str {
+    if tile_n != TILE_N_NARROW {
+        return kernel;
+    }
+    match kernel {
+        FWD_KERNEL => "conv3_fwd_1x1_n64",
+        FWD_STATS_KERNEL => "conv3_fwd_stats_1x1_n64",
+        DGRAD_KERNEL => "conv3_dgrad_1x1_n64",
+        DGRAD_BN_KERNEL => "conv3_dgrad_bn_1x1_n64",
+        FWD_3X3_KERNEL => "conv3_fwd_3x3_n64",
+        FWD_STATS_3X3_KERNEL => "conv3_fwd_stats_3x3_n64",
+        DGRAD_3X3_KERNEL => "conv3_dgrad_3x3_n64",
+        DGRAD_BN_3X3_KERNEL => "conv3_dgrad_bn_3x3_n64",
+        WGRAD_KERNEL => "conv3_wgrad_1x1_n64",
+        // (the 3×3 weight gradient's N is 9 × 64 or more: no narrow twin)
+        other => other,
+    }
+}
+
+/// Dynamic shared memory of a v3 GEMM kernel.
+pub fn smem_bytes(kernel: &str) -> usize {
+    if kernel.ends_with("_n64") {
+        N64_SMEM_BYTES
+    } else {
+        SMEM_BYTES
+    }
+}
 
 /// The forward kernel: `y = x · wᵀ`.
 pub const FWD_KERNEL: &str = "conv3_fwd_1x1";
@@ -227,8 +272,8 @@ pub fn wgrad_3x3_args(
     let tile = tile_of(s.n, s.h, s.w, TILE_K)?;
     let pixels = s.n * s.h * s.w;
     let (m, n) = (s.c_out, 9 * s.c_in);
-    let tiles = m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
-    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, sms);
+    let (tiles, slots) = wgrad_slots(m, n, sms);
+    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, slots);
     let chunk = chunk.div_ceil(TILE_K) * TILE_K;
     let args = Conv3Args {
         m: i32::try_from(m).ok()?,
@@ -282,8 +327,8 @@ pub fn dgrad_args(s: &ConvShape, accumulate: bool) -> Option<Conv3Args> {
 pub fn wgrad_args(s: &ConvShape, sms: usize) -> Option<(Conv3Args, usize)> {
     let f = forward_args(s)?;
     let (m, n, pixels) = (s.c_out, s.c_in, f.m as usize);
-    let tiles = m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
-    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, sms);
+    let (tiles, slots) = wgrad_slots(m, n, sms);
+    let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, slots);
     let chunk = chunk.div_ceil(TILE_K) * TILE_K;
     let slices = pixels.div_ceil(chunk);
     Some((
@@ -298,6 +343,16 @@ pub fn wgrad_args(s: &ConvShape, sms: usize) -> Option<(Conv3Args, usize)> {
     ))
 }
 
+/// A weight gradient's output tiles (M × N in 128 × [`tile_n`]) and the blocks the GPU's `sms`
+/// hold at once (two an SM with the narrow tiles).
+fn wgrad_slots(m: usize, n: usize, sms: usize) -> (usize, usize) {
+    if n <= TILE_N_NARROW {
+        (m.div_ceil(TILE_M) * n.div_ceil(TILE_N_NARROW), 2 * sms)
+    } else {
+        (m.div_ceil(TILE_M) * n.div_ceil(TILE_N), sms)
+    }
+}
+
 /// conv3_transpose_weights' launch over a `[rows][cols]` weight: blocks of 32 × 8 threads,
 /// one per 32 × 32 tile.
 pub fn transpose_launch(rows: usize, cols: usize) -> ((u32, u32, u32), (u32, u32, u32)) {
@@ -307,11 +362,11 @@ pub fn transpose_launch(rows: usize, cols: usize) -> ((u32, u32, u32), (u32, u32
     )
 }
 
-/// The grid of a GEMM: one block per 128 × 128 output tile.
+/// The grid of a GEMM: one block per 128 × [`tile_n`] output tile.
 pub fn grid(a: &Conv3Args) -> (u32, u32, u32) {
     (
         (a.m as usize).div_ceil(TILE_M) as u32,
-        (a.n as usize).div_ceil(TILE_N) as u32,
+        (a.n as usize).div_ceil(tile_n(a)) as u32,
         1,
     )
 }
@@ -509,23 +564,37 @@ mod tests {
         assert!(text.contains("#define C3_TILE_BYTES (C3_BM * C3_BK * 2)"));
         assert_eq!(SMEM_BYTES, 4 * 32768 + 64 + 1024);
         let names = KernelFile::by_name(FILE).unwrap().kernel_names();
-        assert_eq!(
-            names,
-            [
-                FWD_KERNEL,
-                FWD_STATS_KERNEL,
-                DGRAD_KERNEL,
-                DGRAD_BN_KERNEL,
-                FWD_3X3_KERNEL,
-                FWD_STATS_3X3_KERNEL,
-                DGRAD_3X3_KERNEL,
-                DGRAD_BN_3X3_KERNEL,
-                WGRAD_KERNEL,
-                WGRAD_3X3_KERNEL,
-                DGRAD_WEIGHTS_3X3_KERNEL,
-                TRANSPOSE_KERNEL
-            ]
-        );
+        let gemms = [
+            FWD_KERNEL,
+            FWD_STATS_KERNEL,
+            DGRAD_KERNEL,
+            DGRAD_BN_KERNEL,
+            FWD_3X3_KERNEL,
+            FWD_STATS_3X3_KERNEL,
+            DGRAD_3X3_KERNEL,
+            DGRAD_BN_3X3_KERNEL,
+            WGRAD_KERNEL,
+            WGRAD_3X3_KERNEL,
+        ];
+        let narrow: Vec<&str> = gemms
+            .iter()
+            .filter(|k| **k != WGRAD_3X3_KERNEL)
+            .map(|k| with_tile(k, TILE_N_NARROW))
+            .collect();
+        let mut want: Vec<&str> = gemms.to_vec();
+        want.extend(&narrow);
+        want.extend([DGRAD_WEIGHTS_3X3_KERNEL, TRANSPOSE_KERNEL]);
+        assert_eq!(names, want);
+        assert_eq!(with_tile(WGRAD_3X3_KERNEL, TILE_N_NARROW), WGRAD_3X3_KERNEL);
+        for k in gemms.into_iter().filter(|k| *k != WGRAD_3X3_KERNEL) {
+            assert_eq!(with_tile(k, TILE_N_NARROW), format!("{k}_n64"));
+            assert_eq!(with_tile(k, TILE_N), k);
+            assert_eq!(smem_bytes(with_tile(k, TILE_N_NARROW)), N64_SMEM_BYTES);
+        }
+        assert!(text.contains(
+            "#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)"
+        ));
+        assert_eq!(N64_SMEM_BYTES, 4 * 24576 + 64 + 1024);
         assert_eq!(std::mem::size_of::<Conv3Args>(), 48);
         let multi: Vec<&str> = text
             .split("struct Conv3Args {")

@@ -114,6 +114,7 @@ kernel_launchers! {
     /// The v3 forward and data-gradient GEMMs: `out = a · bᵀ` (+ out with `args.accumulate`).
     "conv3.cu" Conv3Gemm<'a> [
         "conv3_fwd_1x1", "conv3_dgrad_1x1", "conv3_fwd_3x3", "conv3_dgrad_3x3",
+        "conv3_fwd_1x1_n64", "conv3_dgrad_1x1_n64", "conv3_fwd_3x3_n64", "conv3_dgrad_3x3_n64",
     ] {
         map_a: super::conv3::TensorMap,
         map_b: super::conv3::TensorMap,
@@ -121,7 +122,10 @@ kernel_launchers! {
         args: super::conv3::Conv3Args,
     }
     /// The v3 forward GEMM with the batch-norm statistics epilogue (tile records in `part`).
-    "conv3.cu" Conv3FwdStats<'a> ["conv3_fwd_stats_1x1", "conv3_fwd_stats_3x3"] {
+    "conv3.cu" Conv3FwdStats<'a> [
+        "conv3_fwd_stats_1x1", "conv3_fwd_stats_3x3", "conv3_fwd_stats_1x1_n64",
+        "conv3_fwd_stats_3x3_n64",
+    ] {
         map_x: super::conv3::TensorMap,
         map_w: super::conv3::TensorMap,
         y: Out<'a, u16>,
@@ -129,7 +133,10 @@ kernel_launchers! {
         part: Out<'a, f32>,
     }
     /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract).
-    "conv3.cu" Conv3DgradBn<'a> ["conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3"] {
+    "conv3.cu" Conv3DgradBn<'a> [
+        "conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3", "conv3_dgrad_bn_1x1_n64",
+        "conv3_dgrad_bn_3x3_n64",
+    ] {
         map_dy: super::conv3::TensorMap,
         map_wt: super::conv3::TensorMap,
         dx: Out<'a, u16>,
@@ -142,7 +149,9 @@ kernel_launchers! {
         residual: Option<In<'a, u16>>,
     }
     /// The v3 weight gradient: one f32 plane per reduction slice.
-    "conv3.cu" Conv3Wgrad<'a> ["conv3_wgrad_1x1", "conv3_wgrad_3x3"] {
+    "conv3.cu" Conv3Wgrad<'a> [
+        "conv3_wgrad_1x1", "conv3_wgrad_3x3", "conv3_wgrad_1x1_n64",
+    ] {
         map_dy: super::conv3::TensorMap,
         map_x: super::conv3::TensorMap,
         dw: Out<'a, f32>,

@@ -959,6 +959,7 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
         c(8, 4, 64, 64),
         c(128, 3, 64, 8),
         c(2, 16, 64, 128),
+        c(2, 8, 128, 64),
     ]
 }
 
@@ -1103,6 +1104,11 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         "conv3_dgrad_3x3",
         "conv3_dgrad_weights_3x3",
         "conv3_wgrad_3x3",
+        "conv3_fwd_1x1_n64",
+        "conv3_dgrad_1x1_n64",
+        "conv3_wgrad_1x1_n64",
+        "conv3_fwd_3x3_n64",
+        "conv3_dgrad_3x3_n64",
         "conv3_dgrad_1x1",
         "conv3_transpose_weights",
         "conv3_wgrad_1x1",
@@ -1146,6 +1152,8 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
         "conv3_fwd_stats_3x3",
         "conv3_dgrad_bn_1x1",
         "conv3_dgrad_bn_3x3",
+        "conv3_fwd_stats_1x1_n64",
+        "conv3_dgrad_bn_1x1_n64",
         "conv2_fwd_stats_128x64",
         "conv2_dgrad_bn_128x64",
     ] {

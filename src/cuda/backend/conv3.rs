@@ -64,13 +64,13 @@ impl CudaBackend {
             .map_err(dev_err(op))?
             .set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                conv3::SMEM_BYTES as i32,
+                conv3::smem_bytes(kernel) as i32,
             )
             .map_err(drv_err(op))?;
         Ok(LaunchConfig {
             grid_dim: grid,
             block_dim: (conv3::THREADS, 1, 1),
-            shared_mem_bytes: conv3::SMEM_BYTES as u32,
+            shared_mem_bytes: conv3::smem_bytes(kernel) as u32,
         })
     }
 
@@ -120,8 +120,13 @@ impl CudaBackend {
             )
         };
         let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let bn = conv3::tile_n(&args);
+        let kernels = (
+            conv3::with_tile(kernels.0, bn),
+            conv3::with_tile(kernels.1, bn),
+        );
         // w as [K][R·S·C]: K-major rows of the (tap, channel) reduction.
-        let map_w = self.tensor_map(op, w, n, k, conv3::TILE_N)?;
+        let map_w = self.tensor_map(op, w, n, k, bn)?;
         let records = m.div_ceil(conv3::TILE_M);
         let bytes = 2 * (s.x_len() + s.w_len() + s.y_len());
         match part {
@@ -213,12 +218,17 @@ impl CudaBackend {
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
-        let map_wt = self.tensor_map(op, wt, n, k, conv3::TILE_N)?;
+        let bn_cols = conv3::tile_n(&args);
+        let map_wt = self.tensor_map(op, wt, n, k, bn_cols)?;
         let (plain, with_bn) = if three {
             (conv3::DGRAD_3X3_KERNEL, conv3::DGRAD_BN_3X3_KERNEL)
         } else {
             (conv3::DGRAD_KERNEL, conv3::DGRAD_BN_KERNEL)
         };
+        let (plain, with_bn) = (
+            conv3::with_tile(plain, bn_cols),
+            conv3::with_tile(with_bn, bn_cols),
+        );
         let streams = 2 + usize::from(accumulate);
         let bytes = 2 * (s.y_len() + s.w_len() + s.x_len() * streams);
         match bn {
@@ -285,6 +295,7 @@ impl CudaBackend {
             let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_KERNEL)
         };
+        let kernel = conv3::with_tile(kernel, conv3::tile_n(&args));
         let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
         let cfg = self.conv3_prepare(op, kernel, grid)?;
         let len = s.w_len();
