@@ -309,11 +309,11 @@ static void check_wgrad(const Wgrad& g) {
 // two dividing the extents, 128 pixels in all; none when the batch does not divide).
 struct Conv3x3 { int n, h, w, c, k; bool stats; };
 
-static bool tile_3x3(int n, int h, int w, int& th, int& tw, int& tn) {
+static bool tile_3x3(int n, int h, int w, int& th, int& tw, int& tn, int pixels = C3_BM) {
     auto pow2 = [](int v, int cap) { int p = 1; while (p * 2 <= cap && v % (p * 2) == 0) p *= 2; return p; };
-    tw = pow2(w, C3_BM);
-    th = pow2(h, C3_BM / tw);
-    tn = C3_BM / (tw * th);
+    tw = pow2(w, pixels);
+    th = pow2(h, pixels / tw);
+    tn = pixels / (tw * th);
     return n % tn == 0;
 }
 
@@ -523,9 +523,8 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
 struct Wgrad3x3 { int n, h, w, c, k, chunk; };
 
 static void check_wgrad_3x3(const Wgrad3x3& g) {
-    auto pow2 = [](int v, int cap) { int p = 1; while (p * 2 <= cap && v % (p * 2) == 0) p *= 2; return p; };
-    const int tw = pow2(g.w, C3_BK), th = pow2(g.h, C3_BK / tw), tn = C3_BK / (tw * th);
-    if (g.n % tn) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
+    int th, tw, tn;
+    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn, C3_BK)) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
     std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk);
     const size_t px = (size_t)g.n * g.h * g.w;
     const auto dy = random_bf16(rng, px * g.k, 1.0f);

@@ -200,17 +200,24 @@ fn tile_of(n: usize, h: usize, w: usize, pixels: usize) -> Option<(usize, usize,
     (n % tn == 0).then_some((tn, th, tw))
 }
 
-/// The GEMM of a 3×3 forward at stride 1 with padding 1 on Hopper: M = pixels in whole tiles,
-/// N = output channels, K = 9 × input channels (64 of one tap per k-step: input channels a
-/// multiple of 64); `None` where v3 does not take the layer.
-pub fn forward_3x3_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
-    let fits = (arch.major, arch.minor) == (9, 0)
+/// Whether a layer is a 3×3 at stride 1 with padding 1 on Hopper, with input channels in whole
+/// 64-channel k-steps per tap and output channels the tensor maps take (% 8): the forward's
+/// and the weight gradient's condition before their tiles (the data gradient's with the roles
+/// swapped).
+fn fits_3x3(s: &ConvShape, arch: GpuArch) -> bool {
+    (arch.major, arch.minor) == (9, 0)
         && s.kernel == 3
         && s.stride == 1
         && s.padding == 1
         && s.c_in % TILE_K == 0
-        && s.c_out % 8 == 0;
-    if !fits {
+        && s.c_out % 8 == 0
+}
+
+/// The GEMM of a 3×3 forward at stride 1 with padding 1 on Hopper: M = pixels in whole tiles,
+/// N = output channels, K = 9 × input channels (64 of one tap per k-step: input channels a
+/// multiple of 64); `None` where v3 does not take the layer.
+pub fn forward_3x3_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
+    if !fits_3x3(s, arch) {
         return None;
     }
     let (_, th, tw) = tile_3x3(s.n, s.h, s.w)?;
@@ -260,13 +267,7 @@ pub fn wgrad_3x3_args(
     arch: GpuArch,
     sms: usize,
 ) -> Option<(Conv3Args, usize, (usize, usize, usize))> {
-    let fits = (arch.major, arch.minor) == (9, 0)
-        && s.kernel == 3
-        && s.stride == 1
-        && s.padding == 1
-        && s.c_in % TILE_K == 0
-        && s.c_out % 8 == 0;
-    if !fits {
+    if !fits_3x3(s, arch) {
         return None;
     }
     let tile = tile_of(s.n, s.h, s.w, TILE_K)?;
@@ -295,7 +296,7 @@ pub fn wgrad_3x3_args(
 /// Whether v3 takes the weight gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole
 /// 64-pixel tiles.
 pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || wgrad_3x3_args(s, arch, 132).is_some()
+    takes(s, arch) || (fits_3x3(s, arch) && tile_of(s.n, s.h, s.w, TILE_K).is_some())
 }
 
 /// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.

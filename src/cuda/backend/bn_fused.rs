@@ -122,30 +122,15 @@ pub(super) fn conv_forward_moments(
     check_len(op, "y", y.len, s.y_len())?;
     check_len(op, "moments", moments.len, 3 * s.c_out)?;
     let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
-    if be.conv3_takes_forward(s) {
-        // The v3 GEMM's epilogue writes conv2's records (128-row tiles; a 3×3 layer's tiles
-        // are whole, so each record covers 128 rows as the merge expects).
-        let records = rows.div_ceil(TILE_ROWS);
-        let (xs, ws, ys) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
-        let mut work = be.work();
-        let wk = &mut *work;
-        ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
-        let part = wk.f32a.as_mut().expect("ensured");
-        be.conv3_forward(op, s, xs, ws, ys, Some(&mut *part))?;
-        let moments = moments.f32_mut(op, "moments")?;
-        return merge_moments(
-            be,
-            op,
-            part,
-            records,
-            rows,
-            c,
-            TILE_ROWS,
-            moments,
-            &mut wk.f32b,
-        );
-    }
-    let Some(fwd) = epilogue_plan(be, Pass::Forward, s) else {
+    // The v3 GEMM's epilogue writes conv2's records (128-row tiles; a 3×3 layer's tiles are
+    // whole, so each record covers 128 rows as the merge expects).
+    let v3 = be.conv3_takes_forward(s);
+    let fwd = if v3 {
+        None
+    } else {
+        epilogue_plan(be, Pass::Forward, s)
+    };
+    if !v3 && fwd.is_none() {
         // No fused kernel: the convolution, then the slab statistics of its output.
         be.conv_forward(s, x, w, y)?;
         let (per, slabs) = be.slabs(rows);
@@ -172,19 +157,21 @@ pub(super) fn conv_forward_moments(
         }
         let moments = moments.f32_mut(op, "moments")?;
         return merge_moments(be, op, part, slabs, rows, c, per, moments, &mut w.f32b);
-    };
-    let records = fwd.launch.grid.0 as usize;
-    let launch = Conv2Launch {
-        kernel: fwd.bn_epilogue_kernel,
-        ..fwd.launch
-    };
-    let cfg = be.conv2_prepare(op, &launch)?;
+    }
+    let records = fwd
+        .as_ref()
+        .map_or(rows.div_ceil(TILE_ROWS), |f| f.launch.grid.0 as usize);
     let (xs, ws, ys) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
     let mut work = be.work();
     let wk = &mut *work;
     ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
     let part = wk.f32a.as_mut().expect("ensured");
-    {
+    if let Some(fwd) = fwd {
+        let launch = Conv2Launch {
+            kernel: fwd.bn_epilogue_kernel,
+            ..fwd.launch
+        };
+        let cfg = be.conv2_prepare(op, &launch)?;
         let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
         let Conv2Scratch { x8, w8, .. } = &mut *scratch;
         let (xs, ws) = if launch.pad_channels {
@@ -207,6 +194,8 @@ pub(super) fn conv_forward_moments(
             2 * (s.x_len() + s.w_len() + s.y_len()) + 8 * records * c,
             s.flops(),
         );
+    } else {
+        be.conv3_forward(op, s, xs, ws, ys, Some(&mut *part))?;
     }
     let moments = moments.f32_mut(op, "moments")?;
     merge_moments(
@@ -262,37 +251,36 @@ pub(super) fn conv_backward_data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
-    if be.conv3_takes_dgrad(s) {
-        let records = rows.div_ceil(TILE_ROWS);
-        let mut work = be.work();
-        let wk = &mut *work;
-        ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
-        let part = wk.f32a.as_mut().expect("ensured");
-        let (dys, ws, dxs) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
-        let epilogue = DgradBn {
-            part: &mut *part,
-            bn_y,
-            bn_x: bx,
-            mean,
-            invstd,
-            residual,
-        };
-        be.conv3_backward_data(op, s, dys, ws, dxs, accumulate, Some(epilogue))?;
-        let part = wk.f32a.as_ref().expect("ensured");
-        let (dbeta, dgamma) = (
-            bn.dbeta.f32_mut(op, "dbeta")?,
-            bn.dgamma.f32_mut(op, "dgamma")?,
-        );
-        return merge_sums(be, op, part, records, c, dbeta, dgamma, &mut wk.f32b);
-    }
-    let plan = epilogue_plan(be, Pass::Dgrad, s);
-    if plan.is_none() {
+    let v3 = be.conv3_takes_dgrad(s);
+    let plan = if v3 {
+        None
+    } else {
+        epilogue_plan(be, Pass::Dgrad, s)
+    };
+    if !v3 && plan.is_none() {
         // No fused kernel: the plain data gradient first (before the workspace is held).
         be.conv_backward_data(s, dy, w, dx, accumulate)?;
     }
     let mut work = be.work();
     let wk = &mut *work;
     let records = match plan {
+        // The v3 GEMM's batch-norm epilogue writes conv2's records (128-row tiles).
+        None if v3 => {
+            let records = rows.div_ceil(TILE_ROWS);
+            ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
+            let part = wk.f32a.as_mut().expect("ensured");
+            let (dys, ws, dxs) = (dy.bf16(op, "dy")?, w.bf16(op, "w")?, dx.bf16_mut(op, "dx")?);
+            let epilogue = DgradBn {
+                part: &mut *part,
+                bn_y,
+                bn_x: bx,
+                mean,
+                invstd,
+                residual,
+            };
+            be.conv3_backward_data(op, s, dys, ws, dxs, accumulate, Some(epilogue))?;
+            records
+        }
         Some(dgrad) => {
             let mut launch = Conv2Launch {
                 kernel: dgrad.bn_epilogue_kernel,

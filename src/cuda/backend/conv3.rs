@@ -87,6 +87,19 @@ impl CudaBackend {
         TensorMap::bf16_matrix(ptr, rows, cols, box_rows).map_err(dev_err(op))
     }
 
+    /// The tensor map of `buf` as an NHWC tensor of `shape` (images, rows, columns, channels)
+    /// read in 4-D boxes of 64 channels × `tile` (images, rows, columns).
+    fn tensor_map_nhwc(
+        &self,
+        op: &'static str,
+        buf: &CudaSlice<u16>,
+        shape: (usize, usize, usize, usize),
+        tile: (usize, usize, usize),
+    ) -> Result<TensorMap, BackendError> {
+        let (ptr, _record) = buf.device_ptr(self.dev.stream());
+        TensorMap::bf16_nhwc(ptr, shape, tile).map_err(dev_err(op))
+    }
+
     /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1, or 3×3 in
     /// whole tiles), and with `part` the per-tile statistics records of y.
     pub(super) fn conv3_forward(
@@ -110,9 +123,7 @@ impl CudaBackend {
                 })
             })?;
             let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("forward_3x3_args found one");
-            let (ptr, _record) = x.device_ptr(self.dev.stream());
-            let map_x =
-                TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, s.c_in), tile).map_err(dev_err(op))?;
+            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
             (
                 args,
                 map_x,
@@ -213,8 +224,7 @@ impl CudaBackend {
         self.note_work(4 * s.w_len(), 0.0);
         let map_dy = if three {
             let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
-            let (ptr, _record) = dy.device_ptr(self.dev.stream());
-            TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, s.c_out), tile).map_err(dev_err(op))?
+            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
@@ -281,11 +291,8 @@ impl CudaBackend {
         let (args, slices, map_dy, map_x, kernel) = if s.kernel == 3 {
             let (args, slices, tile) = conv3::wgrad_3x3_args(s, self.dev.arch(), self.sms as usize)
                 .ok_or_else(|| too_large(op, s))?;
-            let nhwc = |t: &CudaSlice<u16>, c: usize| {
-                let (ptr, _record) = t.device_ptr(self.dev.stream());
-                TensorMap::bf16_nhwc(ptr, (s.n, s.h, s.w, c), tile).map_err(dev_err(op))
-            };
-            let (map_dy, map_x) = (nhwc(dy, s.c_out)?, nhwc(x, s.c_in)?);
+            let map_dy = self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?;
+            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
         } else {
             let (args, slices) =
