@@ -972,9 +972,97 @@ fn bits(gb: &CudaBackend, t: &birdtrain::cuda::CudaTensor) -> Vec<u32> {
         .collect()
 }
 
+/// conv_forward of `s` on the GPU against the CPU (bf16 output: 1e-2 + 1/128 relative), then
+/// again to the bit.
+fn forward_matches_and_repeats(
+    gb: &CudaBackend,
+    cb: &CpuBackend,
+    s: &ConvShape,
+    x: &Pair,
+    w: &Pair,
+) {
+    let mut yc = vec![0.0; s.y_len()];
+    cb.conv_forward(s, &x.c, &w.c, &mut yc).unwrap();
+    let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+    gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
+    let first = bits(gb, &yg);
+    assert_close(
+        &format!("v3 conv_forward {s:?}"),
+        &gb.download(&yg).unwrap(),
+        &yc,
+        1e-2,
+        EPS_BF16,
+    );
+    gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
+    assert_eq!(first, bits(gb, &yg), "v3 conv_forward {s:?} repeats");
+}
+
+/// conv_backward_data of `s` on the GPU against the CPU, overwriting and accumulating.
+fn data_gradient_matches(
+    gb: &CudaBackend,
+    cb: &CpuBackend,
+    s: &ConvShape,
+    dy: &Pair,
+    w: &Pair,
+    rng: &mut ChaCha8Rng,
+) {
+    for accumulate in [false, true] {
+        let dx0 = data(rng, s.x_len(), 1.0);
+        let mut dxc = dx0.clone();
+        cb.conv_backward_data(s, &dy.c, &w.c, &mut dxc, accumulate)
+            .unwrap();
+        let mut dxg = pair(gb, &dx0, TensorRole::Activation).g;
+        gb.conv_backward_data(s, &dy.g, &w.g, &mut dxg, accumulate)
+            .unwrap();
+        assert_close(
+            &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
+            &gb.download(&dxg).unwrap(),
+            &dxc,
+            1e-2,
+            EPS_BF16,
+        );
+    }
+}
+
+/// conv_backward_weight of `s` on the GPU against the CPU (f32: 2e-3 + 1e-4 relative; garbage
+/// in the destination is overwritten), then again to the bit.
+fn weight_gradient_matches_and_repeats(
+    gb: &CudaBackend,
+    cb: &CpuBackend,
+    s: &ConvShape,
+    x: &Pair,
+    dy: &Pair,
+) {
+    let mut dwc = vec![0.0; s.w_len()];
+    cb.conv_backward_weight(s, &x.c, &dy.c, &mut dwc).unwrap();
+    let mut dwg = pair(gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+    gb.conv_backward_weight(s, &x.g, &dy.g, &mut dwg).unwrap();
+    let first = bits(gb, &dwg);
+    assert_close(
+        &format!("v3 conv_backward_weight {s:?}"),
+        &gb.download(&dwg).unwrap(),
+        &dwc,
+        2e-3,
+        1e-4,
+    );
+    gb.conv_backward_weight(s, &x.g, &dy.g, &mut dwg).unwrap();
+    assert_eq!(
+        first,
+        bits(gb, &dwg),
+        "v3 conv_backward_weight {s:?} repeats"
+    );
+}
+
+/// The kernels that ran since the last call, by name.
+fn ran(gb: &CudaBackend) -> Vec<&'static str> {
+    gb.take_profile().unwrap().iter().map(|k| k.name).collect()
+}
+
 /// The v3 forward, data-gradient and weight-gradient kernels against the CPU (the v2 tests'
 /// tolerances: bf16 outputs 1e-2 + 1/128 relative, the f32 weight gradient 2e-3 + 1e-4), each
-/// launch twice to the bit, and the v3 kernels are the ones that ran.
+/// launch twice to the bit, and the v3 kernels are the ones that ran: every pass of the 1×1
+/// layers and the forward and weight gradient of the 3×3 ones are v3's; a 3×3 data gradient
+/// is v2's where the output channels do not split into 64 per tap.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv3_ops_match_cpu_and_repeat_bitwise() {
@@ -988,138 +1076,62 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
         let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
         let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        let mut yc = vec![0.0; s.y_len()];
-        cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
-        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
-        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
-        let first = bits(&gb, &yg);
-        assert_close(
-            &format!("v3 conv_forward {s:?}"),
-            &gb.download(&yg).unwrap(),
-            &yc,
-            1e-2,
-            EPS_BF16,
-        );
-        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
-        assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
-        for accumulate in [false, true] {
-            let dx0 = data(&mut rng, s.x_len(), 1.0);
-            let mut dxc = dx0.clone();
-            cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
-                .unwrap();
-            let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
-            gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
-                .unwrap();
-            assert_close(
-                &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
-                &gb.download(&dxg).unwrap(),
-                &dxc,
-                1e-2,
-                EPS_BF16,
-            );
-        }
-        let mut dwc = vec![0.0; s.w_len()];
-        cb.conv_backward_weight(&s, &x.c, &dy.c, &mut dwc).unwrap();
-        let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
-        gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
-        let first = bits(&gb, &dwg);
-        assert_close(
-            &format!("v3 conv_backward_weight {s:?}"),
-            &gb.download(&dwg).unwrap(),
-            &dwc,
-            2e-3,
-            1e-4,
-        );
-        gb.conv_backward_weight(&s, &x.g, &dy.g, &mut dwg).unwrap();
-        assert_eq!(
-            first,
-            bits(&gb, &dwg),
-            "v3 conv_backward_weight {s:?} repeats"
+        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
+        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
+        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy);
+    }
+    let one_by_one = ran(&gb);
+    for kernel in [
+        "conv3_fwd_1x1",
+        "conv3_dgrad_1x1",
+        "conv3_transpose_weights",
+        "conv3_wgrad_1x1",
+        "conv3_fwd_1x1_n64",
+        "conv3_dgrad_1x1_n64",
+        "conv3_wgrad_1x1_n64",
+        "conv2_wgrad_reduce",
+    ] {
+        assert!(
+            one_by_one.contains(&kernel),
+            "{kernel} did not run: {one_by_one:?}"
         );
     }
+    assert!(
+        !one_by_one.iter().any(|k| k.starts_with("conv2_fwd")
+            || k.starts_with("conv2_dgrad")
+            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
+        "v2 ran a layer v3 takes: {one_by_one:?}"
+    );
     for s in conv3_3x3_shapes() {
         let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
         let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
         let dy_w = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        let mut yc = vec![0.0; s.y_len()];
-        cb.conv_forward(&s, &x.c, &w.c, &mut yc).unwrap();
-        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
-        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
-        let first = bits(&gb, &yg);
-        assert_close(
-            &format!("v3 conv_forward {s:?}"),
-            &gb.download(&yg).unwrap(),
-            &yc,
-            1e-2,
-            EPS_BF16,
-        );
-        gb.conv_forward(&s, &x.g, &w.g, &mut yg).unwrap();
-        assert_eq!(first, bits(&gb, &yg), "v3 conv_forward {s:?} repeats");
+        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
         // The weight gradient (v3 in whole 64-pixel tiles), twice to the bit.
-        let mut dwc = vec![0.0; s.w_len()];
-        cb.conv_backward_weight(&s, &x.c, &dy_w.c, &mut dwc)
-            .unwrap();
-        let mut dwg = pair(&gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
-        gb.conv_backward_weight(&s, &x.g, &dy_w.g, &mut dwg)
-            .unwrap();
-        let first = bits(&gb, &dwg);
-        assert_close(
-            &format!("v3 conv_backward_weight {s:?}"),
-            &gb.download(&dwg).unwrap(),
-            &dwc,
-            2e-3,
-            1e-4,
-        );
-        gb.conv_backward_weight(&s, &x.g, &dy_w.g, &mut dwg)
-            .unwrap();
-        assert_eq!(
-            first,
-            bits(&gb, &dwg),
-            "v3 conv_backward_weight {s:?} repeats"
-        );
+        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy_w);
         // The data gradient (v3 where the output channels split into 64 per tap, else v2).
         let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        for accumulate in [false, true] {
-            let dx0 = data(&mut rng, s.x_len(), 1.0);
-            let mut dxc = dx0.clone();
-            cb.conv_backward_data(&s, &dy.c, &w.c, &mut dxc, accumulate)
-                .unwrap();
-            let mut dxg = pair(&gb, &dx0, TensorRole::Activation).g;
-            gb.conv_backward_data(&s, &dy.g, &w.g, &mut dxg, accumulate)
-                .unwrap();
-            assert_close(
-                &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
-                &gb.download(&dxg).unwrap(),
-                &dxc,
-                1e-2,
-                EPS_BF16,
-            );
-        }
+        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
     }
-    let ran: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+    let three_by_three = ran(&gb);
     gb.set_profiling(false);
     for kernel in [
-        "conv3_fwd_1x1",
         "conv3_fwd_3x3",
         "conv3_dgrad_3x3",
         "conv3_dgrad_weights_3x3",
         "conv3_wgrad_3x3",
-        "conv3_fwd_1x1_n64",
-        "conv3_dgrad_1x1_n64",
-        "conv3_wgrad_1x1_n64",
         "conv3_fwd_3x3_n64",
         "conv3_dgrad_3x3_n64",
-        "conv3_dgrad_1x1",
-        "conv3_transpose_weights",
-        "conv3_wgrad_1x1",
-        "conv2_wgrad_reduce",
     ] {
-        assert!(ran.contains(&kernel), "{kernel} did not run: {ran:?}");
+        assert!(
+            three_by_three.contains(&kernel),
+            "{kernel} did not run: {three_by_three:?}"
+        );
     }
     assert!(
-        !ran.iter()
-            .any(|k| k.starts_with("conv2_fwd") || k.starts_with("conv2_dgrad")),
-        "v2 ran a layer v3 takes: {ran:?}"
+        !three_by_three.iter().any(|k| k.starts_with("conv2_fwd")
+            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
+        "v2 ran a 3×3 forward or weight gradient v3 takes: {three_by_three:?}"
     );
 }
 
