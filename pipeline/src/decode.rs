@@ -303,7 +303,9 @@ fn refuse_truncated_jpeg(bytes: &[u8], max_pixels: u64) -> Result<(), DecodeFail
             ));
         }
     }
-    if bytes[scan..].windows(2).any(|w| w == [0xFF, 0xD9]) {
+    // From the end: an end-of-image marker is nearly always the file's last two bytes, and
+    // scanning the whole entropy-coded data forwards cost ~2 % of a first epoch.
+    if bytes[scan..].windows(2).rev().any(|w| w == [0xFF, 0xD9]) {
         return Ok(());
     }
     let strict = DecoderOptions::default()
