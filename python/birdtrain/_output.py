@@ -159,6 +159,8 @@ class _GpuDelivery:
         self.stream = torch.cuda.Stream(self.device)
         if output.normalise:
             self.mean, self.std = output._constants(self.device)
+            # The constants were copied on the current stream; the side stream reads them.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         # (copy finished, host tensors the copy reads): released once the event completes.
         self.reading: Deque[Tuple[torch.cuda.Event, Tuple[torch.Tensor, ...]]] = collections.deque()
 
