@@ -1,5 +1,6 @@
-//! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1
-//! and 3×3 ones at stride 1 (in whole tiles of pixels) on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
+//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward of strided 3×3 and 1×1 ones
+//! on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
 //! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
@@ -45,8 +46,8 @@ impl CudaBackend {
         self.conv == ConvVersion::V3 && conv3::takes_dgrad(s, self.dev.arch())
     }
 
-    /// Whether v3 is selected and takes this layer's forward pass (1×1, or 3×3 at stride 1
-    /// with whole tiles).
+    /// Whether v3 is selected and takes this layer's forward pass (1×1 at stride 1, or through
+    /// 4-D boxes a 3×3 at stride 1 or 2 or a strided 1×1, with whole tiles).
     pub(super) fn conv3_takes_forward(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_forward(s, self.dev.arch())
     }
@@ -88,20 +89,23 @@ impl CudaBackend {
     }
 
     /// The tensor map of `buf` as an NHWC tensor of `shape` (images, rows, columns, channels)
-    /// read in 4-D boxes of 64 channels × `tile` (images, rows, columns).
+    /// read in 4-D boxes of 64 channels × `tile` (images, rows, columns), every `stride`-th
+    /// row and column.
     fn tensor_map_nhwc(
         &self,
         op: &'static str,
         buf: &CudaSlice<u16>,
         shape: (usize, usize, usize, usize),
         tile: (usize, usize, usize),
+        stride: usize,
     ) -> Result<TensorMap, BackendError> {
         let (ptr, _record) = buf.device_ptr(self.dev.stream());
-        TensorMap::bf16_nhwc(ptr, shape, tile).map_err(dev_err(op))
+        TensorMap::bf16_nhwc(ptr, shape, tile, stride).map_err(dev_err(op))
     }
 
-    /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1, or 3×3 in
-    /// whole tiles), and with `part` the per-tile statistics records of y.
+    /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1 at stride 1 as a
+    /// plain GEMM, else through 4-D boxes in whole tiles), and with `part` the per-tile
+    /// statistics records of y.
     pub(super) fn conv3_forward(
         &self,
         op: &'static str,
@@ -111,19 +115,22 @@ impl CudaBackend {
         y: &mut CudaSlice<u16>,
         part: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), BackendError> {
-        let (args, map_x, kernels) = if s.kernel == 1 {
+        let (args, map_x, kernels) = if s.kernel == 1 && s.stride == 1 {
             let args = forward_args(op, s)?;
             let (m, k) = (args.m as usize, args.k as usize);
             let map_x = self.tensor_map(op, x, m, k, conv3::TILE_M)?;
             (args, map_x, (conv3::FWD_KERNEL, conv3::FWD_STATS_KERNEL))
         } else {
-            let args = conv3::forward_3x3_args(s, self.dev.arch()).ok_or_else(|| {
+            let args = conv3::forward_4d_args(s, self.dev.arch()).ok_or_else(|| {
                 dev_err(op)(CudaError::Unsupported {
-                    what: format!("{s:?}: no whole 3×3 tile for the v3 kernels"),
+                    what: format!("{s:?}: no whole tile for the v3 kernels"),
                 })
             })?;
-            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("forward_3x3_args found one");
-            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
+            // Tiles of output pixels; the input's boxes span stride × them.
+            let tile =
+                conv3::tile_3x3(s.n, s.out_h(), s.out_w()).expect("forward_4d_args found one");
+            let shape = (s.n, s.h, s.w, s.c_in);
+            let map_x = self.tensor_map_nhwc(op, x, shape, tile, s.stride)?;
             (
                 args,
                 map_x,
@@ -224,7 +231,7 @@ impl CudaBackend {
         self.note_work(4 * s.w_len(), 0.0);
         let map_dy = if three {
             let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
-            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?
+            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
@@ -291,8 +298,8 @@ impl CudaBackend {
         let (args, slices, map_dy, map_x, kernel) = if s.kernel == 3 {
             let (args, slices, tile) = conv3::wgrad_3x3_args(s, self.dev.arch(), self.sms as usize)
                 .ok_or_else(|| too_large(op, s))?;
-            let map_dy = self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?;
-            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
+            let map_dy = self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?;
+            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile, 1)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
         } else {
             let (args, slices) =
