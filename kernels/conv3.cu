@@ -30,7 +30,8 @@
 // weight as [K][9·C], and the A box of each k-step is the input's 4-D tile (64 channels × the
 // tile's columns × rows × images) shifted by the tap, which TMA fills with zeros where it
 // leaves the image: the padding costs nothing and no thread computes an address. Strided
-// forward layers (3×3 and 1×1 at stride 2; args.stride) take it too: the input's tensor map
+// layers (3×3 and 1×1 at stride 2; args.stride) take it too, forward and weight gradient
+// (conv3_wgrad_3x3, x's boxes strided; their data gradients stay on v2): the input's tensor map
 // has traversal strides of 2 over rows and columns, so the box of a tile's tap starts at
 // (output pixel × 2 − pad + tap) and lands densely like the stride-1 one; a strided 1×1 is the
 // one-tap case (taps = 1, pad 0).

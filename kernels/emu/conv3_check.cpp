@@ -525,34 +525,39 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     if (g.bn) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
 }
 
-// The 3×3 weight gradient at stride 1, padding 1: dw[k][r][s][c] = Σ dy[n][h][w][k]·x[n][h+r−1][w+s−1][c]
-// over slices of `chunk` pixels (whole 64-pixel tiles), the planes summed in slice order.
-struct Wgrad3x3 { int n, h, w, c, k, chunk; };
+// The weight gradient through the 4-D path: a 3×3 with padding 1 at stride 1 or 2, or a 1×1 at
+// stride 2 (ks = 1): dw[k][r][t][c] = Σ dy[n][h][w][k]·x[n][h·s+r−p][w·s+t−p][c] over the
+// output's pixels in slices of `chunk` (whole 64-pixel tiles of the output), the planes summed
+// in slice order; x's tensor map traverses its columns and rows with stride s.
+struct Wgrad3x3 { int n, h, w, c, k, chunk; int ks = 3, stride = 1; };
 
 static void check_wgrad_3x3(const Wgrad3x3& g) {
+    const int pad = g.ks == 3 ? 1 : 0, taps = g.ks * g.ks, s = g.stride;
+    const int ho = (g.h + 2 * pad - g.ks) / s + 1, wo = (g.w + 2 * pad - g.ks) / s + 1;
     int th, tw, tn;
-    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn, C3_BK)) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
-    std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk);
-    const size_t px = (size_t)g.n * g.h * g.w;
+    if (!tile_3x3(g.n, ho, wo, th, tw, tn, C3_BK)) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
+    std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk + 23 * g.ks + 29 * s);
+    const size_t px = (size_t)g.n * ho * wo, in_px = (size_t)g.n * g.h * g.w;
     const auto dy = random_bf16(rng, px * g.k, 1.0f);
-    const auto x = random_bf16(rng, px * g.c, 1.0f, 0.25f);
+    const auto x = random_bf16(rng, in_px * g.c, 1.0f, 0.25f);
     const int slices = (int)((px + g.chunk - 1) / g.chunk);
-    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k, tn, th, tw, slices,
-           g.chunk);
-    const size_t plane = (size_t)g.k * 9 * g.c;
+    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d%s%s, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k,
+           g.ks == 1 ? " 1x1" : "", s > 1 ? " stride 2" : "", tn, th, tw, slices, g.chunk);
+    const size_t plane = (size_t)g.k * taps * g.c;
     auto run = [&](std::vector<float>& planes) {
-        auto map4 = [&](const std::vector<bf16>& t, int ch) {
-            const unsigned long long dim[4] = {(unsigned long long)ch, (unsigned long long)g.w, (unsigned long long)g.h,
+        auto map4 = [&](const std::vector<bf16>& t, int ch, int hh, int ww, int es) {
+            const unsigned long long dim[4] = {(unsigned long long)ch, (unsigned long long)ww, (unsigned long long)hh,
                                                (unsigned long long)g.n};
-            const unsigned long long stride[3] = {(unsigned long long)ch * 2, (unsigned long long)g.w * ch * 2,
-                                                  (unsigned long long)g.h * g.w * ch * 2};
-            const unsigned box[4] = {64, (unsigned)tw, (unsigned)th, (unsigned)tn};
-            return emu_tma_encode(t.data(), 4, dim, stride, box, true);
+            const unsigned long long stride[3] = {(unsigned long long)ch * 2, (unsigned long long)ww * ch * 2,
+                                                  (unsigned long long)hh * ww * ch * 2};
+            const unsigned box[4] = {64, (unsigned)(es * tw), (unsigned)(es * th), (unsigned)tn};
+            const unsigned traversal[4] = {1, (unsigned)es, (unsigned)es, 1};
+            return emu_tma_encode(t.data(), 4, dim, stride, box, true, traversal);
         };
-        const BtTmaMap map_dy = map4(dy, g.k), map_x = map4(x, g.c);
-        const Conv3Args args{g.k, 9 * g.c, (int)px, 0, g.chunk, g.h, g.w, th, tw, 1, 3, 0, 1};
+        const BtTmaMap map_dy = map4(dy, g.k, ho, wo, 1), map_x = map4(x, g.c, g.h, g.w, s);
+        const Conv3Args args{g.k, taps * g.c, (int)px, 0, g.chunk, ho, wo, th, tw, pad, g.ks, 0, s};
         float* dw = planes.data();
-        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((9 * g.c + g_bn - 1) / g_bn), (unsigned)slices},
+        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((taps * g.c + g_bn - 1) / g_bn), (unsigned)slices},
                    {C3_THREADS, 1, 1}, [&] { conv3_wgrad_3x3(map_dy, map_x, dw, args); });
     };
     std::vector<float> planes((size_t)slices * plane, NAN);
@@ -566,19 +571,19 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
         got[i] = v;
     }
     for (int k = 0; k < g.k; ++k)
-        for (int r = 0; r < 3; ++r)
-            for (int t = 0; t < 3; ++t)
+        for (int r = 0; r < g.ks; ++r)
+            for (int t = 0; t < g.ks; ++t)
                 for (int c = 0; c < g.c; ++c) {
                     double acc = 0;
                     for (int n = 0; n < g.n; ++n)
-                        for (int h = 0; h < g.h; ++h)
-                            for (int q = 0; q < g.w; ++q) {
-                                const int hh = h + r - 1, ww = q + t - 1;
+                        for (int h = 0; h < ho; ++h)
+                            for (int q = 0; q < wo; ++q) {
+                                const int hh = h * s + r - pad, ww = q * s + t - pad;
                                 if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
-                                acc += (double)__bfloat162float(dy[(((size_t)n * g.h + h) * g.w + q) * g.k + k]) *
+                                acc += (double)__bfloat162float(dy[(((size_t)n * ho + h) * wo + q) * g.k + k]) *
                                        __bfloat162float(x[(((size_t)n * g.h + hh) * g.w + ww) * g.c + c]);
                             }
-                    ref[((size_t)k * 9 + r * 3 + t) * g.c + c] = acc;
+                    ref[((size_t)k * taps + r * g.ks + t) * g.c + c] = acc;
                 }
     check("dw (planes summed in order)", got, ref, 2e-6 * px, 1e-5);
     std::vector<float> again(planes.size(), NAN);
@@ -660,6 +665,13 @@ int main(int argc, char** argv) {
             {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
             {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
             {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
+            // stride 2 (x's map strided): resnet50's 3×3 s2 and 1×1 s2 (downsample) layers
+            {4, 16, 16, 64, 72, 128, 3, 2},  // 16 → 8: tiles of 8 × 8, two slices, a half-empty column tile
+            {2, 15, 15, 64, 8, 64, 3, 2},    // odd 15 → 8: the last row and column pad; a row tail
+            {2, 32, 32, 64, 8, 256, 3, 2},   // 32 → 16: tiles of 4 × 16 rows, boxes starting at input row 8, 16, 24
+            {64, 7, 7, 64, 8, 192, 3, 2},    // odd 7 → 4: tiles of 4 images × 4 × 4, six slices
+            {4, 16, 16, 128, 64, 128, 1, 2}, // 1×1 s2 16 → 8: one tap, two slices
+            {2, 15, 31, 192, 72, 256, 1, 2}, // 1×1 s2 odd 15×31 → 8×16: tiles of 4 × 16, a column tail
         };
         for (const Wgrad3x3& g : wgrads3) {
             if (first_only && failures) break;

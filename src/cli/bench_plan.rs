@@ -156,18 +156,14 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
             (a, 1, k)
         }
         Pass::Wgrad if conv3::takes_wgrad(s, hopper) => {
-            let (a, slices) = if one {
-                conv3::wgrad_args(s, gpu.sms)?
+            // A strided 1×1 takes the 4-D path (one tap), as conv3_backward_weight launches it.
+            if one && s.stride == 1 {
+                let (a, slices) = conv3::wgrad_args(s, gpu.sms)?;
+                (a, slices, conv3::WGRAD_KERNEL)
             } else {
-                let (a, slices, _) = conv3::wgrad_3x3_args(s, hopper, gpu.sms)?;
-                (a, slices)
-            };
-            let k = if one {
-                conv3::WGRAD_KERNEL
-            } else {
-                conv3::WGRAD_3X3_KERNEL
-            };
-            (a, slices, k)
+                let (a, slices, _) = conv3::wgrad_4d_args(s, hopper, gpu.sms)?;
+                (a, slices, conv3::WGRAD_3X3_KERNEL)
+            }
         }
         _ => return None,
     };

@@ -97,7 +97,8 @@ pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
 pub const DGRAD_3X3_KERNEL: &str = "conv3_dgrad_3x3";
 /// The 3×3 data gradient with the batch-norm gradient epilogue.
 pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
-/// The 3×3 weight gradient: f32 planes per reduction slice of whole 64-pixel tiles.
+/// The weight gradient through 4-D boxes (3×3 at stride 1 or 2, strided 1×1 as one tap): f32
+/// planes per reduction slice of whole 64-pixel tiles of the output.
 pub const WGRAD_3X3_KERNEL: &str = "conv3_wgrad_3x3";
 /// The weight rearranged for the 3×3 data gradient (`wt[c][tap·K + k] = w[k][tap][c]`).
 pub const DGRAD_WEIGHTS_3X3_KERNEL: &str = "conv3_dgrad_weights_3x3";
@@ -208,17 +209,10 @@ fn tile_of(n: usize, h: usize, w: usize, pixels: usize) -> Option<(usize, usize,
     (n % tn == 0).then_some((tn, th, tw))
 }
 
-/// Whether a layer is a 3×3 at stride 1 with padding 1 on Hopper, with input channels in whole
-/// 64-channel k-steps per tap and output channels the tensor maps take (% 8): the weight
-/// gradient's condition before its tiles.
-fn fits_3x3(s: &ConvShape, arch: GpuArch) -> bool {
-    fits_4d(s, arch) && s.kernel == 3 && s.stride == 1
-}
-
-/// Whether the forward of a layer fits the 4-D path on Hopper: a 3×3 with padding 1 at stride
-/// 1 or 2, or a 1×1 without padding at stride 2 (the one-tap case; the stride-1 1×1 is the
-/// plain GEMM of [`takes`]), input channels in whole 64-channel k-steps per tap, output
-/// channels the tensor maps take (% 8).
+/// Whether the forward or weight gradient of a layer fits the 4-D path on Hopper: a 3×3 with
+/// padding 1 at stride 1 or 2, or a 1×1 without padding at stride 2 (the one-tap case; the
+/// stride-1 1×1 is the plain GEMM of [`takes`]), input channels in whole 64-channel k-steps
+/// per tap, output channels the tensor maps take (% 8).
 fn fits_4d(s: &ConvShape, arch: GpuArch) -> bool {
     (arch.major, arch.minor) == (9, 0)
         && matches!((s.kernel, s.stride, s.padding), (3, 1 | 2, 1) | (1, 2, 0))
@@ -280,21 +274,30 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
     })
 }
 
-/// The GEMM of a 3×3 weight gradient at stride 1 with padding 1 on Hopper (M = output
-/// channels, N = 9 × input channels (a multiple of 64 per tap), K = pixels in whole tiles of
-/// 64), its reduction split over `sms` SMs as [`wgrad_args`] does, the number of slices, and
-/// the pixel tile (images, rows, columns) of its TMA boxes.
-pub fn wgrad_3x3_args(
+/// The tile (images, rows, columns) of 64 output pixels of a weight gradient through 4-D
+/// boxes ([`fits_4d`]), whose GEMM's N (taps × input channels) needs the 128-column tiles
+/// (the 4-D weight gradient has no narrow twin); `None` where v3 does not take it.
+fn wgrad_4d_tile(s: &ConvShape, arch: GpuArch) -> Option<(usize, usize, usize)> {
+    if !fits_4d(s, arch) || s.kernel * s.kernel * s.c_in <= TILE_N_NARROW {
+        return None;
+    }
+    tile_of(s.n, s.out_h(), s.out_w(), TILE_K)
+}
+
+/// The GEMM of a weight gradient through 4-D boxes on Hopper (a 3×3 with padding 1 at stride
+/// 1 or 2, or a 1×1 at stride 2: M = output channels, N = taps × input channels (a multiple of
+/// 64 per tap), K = output pixels in whole tiles of 64), its reduction split over `sms` SMs as
+/// [`wgrad_args`] does, the number of slices, and the tile (images, rows, columns) of output
+/// pixels of its TMA boxes (x's boxes span stride × its rows and columns).
+pub fn wgrad_4d_args(
     s: &ConvShape,
     arch: GpuArch,
     sms: usize,
 ) -> Option<(Conv3Args, usize, (usize, usize, usize))> {
-    if !fits_3x3(s, arch) {
-        return None;
-    }
-    let tile = tile_of(s.n, s.h, s.w, TILE_K)?;
-    let pixels = s.n * s.h * s.w;
-    let (m, n) = (s.c_out, 9 * s.c_in);
+    let tile = wgrad_4d_tile(s, arch)?;
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let pixels = s.n * oh * ow;
+    let (m, n) = (s.c_out, s.kernel * s.kernel * s.c_in);
     let (tiles, slots) = wgrad_slots(m, n, sms);
     let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, slots);
     let chunk = chunk.div_ceil(TILE_K) * TILE_K;
@@ -304,22 +307,22 @@ pub fn wgrad_3x3_args(
         k: i32::try_from(pixels).ok()?,
         accumulate: 0,
         k_chunk: i32::try_from(chunk).ok()?,
-        height: i32::try_from(s.h).ok()?,
-        width: i32::try_from(s.w).ok()?,
+        height: i32::try_from(oh).ok()?,
+        width: i32::try_from(ow).ok()?,
         tile_h: tile.1 as i32,
         tile_w: tile.2 as i32,
-        pad: 1,
-        taps: 3,
+        pad: s.padding as i32,
+        taps: s.kernel as i32,
         flip: 0,
-        stride: 1,
+        stride: s.stride as i32,
     };
     Some((args, pixels.div_ceil(chunk), tile))
 }
 
-/// Whether v3 takes the weight gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole
-/// 64-pixel tiles.
+/// Whether v3 takes the weight gradient of a layer: a 1×1 at stride 1 ([`takes`]), or through
+/// 4-D boxes a 3×3 (stride 1 or 2) or a strided 1×1 with whole 64-pixel tiles of its output.
 pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || (fits_3x3(s, arch) && tile_of(s.n, s.h, s.w, TILE_K).is_some())
+    takes(s, arch) || wgrad_4d_tile(s, arch).is_some()
 }
 
 /// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
@@ -773,7 +776,7 @@ mod tests {
         // Every pass of a stride-1 3×3 (takes() is the 1×1 rule).
         assert!(!takes(&s(256, 56, 64, 64, 1), hopper));
         assert!(takes_wgrad(&s(256, 56, 64, 64, 1), hopper));
-        let (wa, slices, tile) = wgrad_3x3_args(&s(256, 7, 512, 512, 1), hopper, 132).unwrap();
+        let (wa, slices, tile) = wgrad_4d_args(&s(256, 7, 512, 512, 1), hopper, 132).unwrap();
         assert_eq!(tile, (64, 1, 1));
         assert_eq!((wa.m, wa.n, wa.k), (512, 4608, 256 * 49));
         assert_eq!(wa.k_chunk % 64, 0);
@@ -854,12 +857,29 @@ mod tests {
         ));
         assert!(!takes_forward(&s(256, 56, 72, 512, 1, 2), hopper));
         assert!(!takes_forward(&s(4, 13, 64, 64, 3, 2), hopper), "4 × 7 × 7");
-        // Data gradients (a scatter at stride 2) and weight gradients of strided layers: v2.
+        // Data gradients of strided layers (a scatter at stride 2): v2.
         assert!(!takes_dgrad(&s(256, 56, 128, 128, 3, 2), hopper));
         assert!(dgrad_3x3_args(&s(256, 56, 128, 128, 3, 2), hopper, false).is_none());
         assert!(!takes_dgrad(&s(256, 56, 256, 512, 1, 2), hopper));
-        assert!(!takes_wgrad(&s(256, 56, 128, 128, 3, 2), hopper));
-        assert!(!takes_wgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        // Weight gradients: 64-pixel tiles of the output, x's boxes at stride 2.
+        let (w3, slices, tile) = wgrad_4d_args(&s(256, 56, 128, 128, 3, 2), hopper, 132).unwrap();
+        assert_eq!(tile, (4, 4, 4));
+        assert_eq!((w3.m, w3.n, w3.k), (128, 1152, 256 * 28 * 28));
+        assert_eq!((w3.height, w3.width, w3.tile_h, w3.tile_w), (28, 28, 4, 4));
+        assert_eq!((w3.pad, w3.taps, w3.stride), (1, 3, 2));
+        assert!(slices as i32 * w3.k_chunk >= w3.k && (slices as i32 - 1) * w3.k_chunk < w3.k);
+        let (w1, _, tile) = wgrad_4d_args(&s(256, 14, 1024, 2048, 1, 2), hopper, 132).unwrap();
+        assert_eq!(tile, (64, 1, 1));
+        assert_eq!((w1.m, w1.n, w1.k), (2048, 1024, 256 * 49));
+        assert_eq!((w1.pad, w1.taps, w1.stride), (0, 1, 2));
+        assert!(takes_wgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        assert!(takes_wgrad(&s(256, 56, 128, 128, 3, 2), hopper));
+        // A strided 1×1 with 64 input channels: N = 64 would want the narrow tile, which the
+        // 4-D weight gradient lacks: v2.
+        assert!(!takes_wgrad(&s(256, 56, 64, 512, 1, 2), hopper));
+        assert!(takes_forward(&s(256, 56, 64, 512, 1, 2), hopper));
+        // The stride-1 1×1 stays the plain GEMM.
+        assert!(wgrad_4d_args(&s(256, 56, 256, 512, 1, 1), hopper, 132).is_none());
         // The input's map: boxes of stride × the tile's columns and rows, traversal strides 2.
         let g = MapGeometry::bf16_nhwc((256, 56, 56, 128), (8, 4, 4), 2).unwrap();
         assert_eq!(g.dims, [128, 56, 56, 256]);

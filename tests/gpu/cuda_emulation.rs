@@ -208,6 +208,12 @@ fn kernels_match_references_under_emulation() {
             "c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);",
             "c3_tma_load_4d(stage, map_a, c0, w0 + dt, h0 + dr, img0, full);",
         ),
+        // the stride ignored in the weight gradient's x box: the rows of a stride-2 tile read
+        // at the output row instead of output row × 2
+        (
+            "th0 * a.stride + r - a.pad, ti0, full);",
+            "th0 + r - a.pad, ti0, full);",
+        ),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {

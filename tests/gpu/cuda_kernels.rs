@@ -963,8 +963,9 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
     ]
 }
 
-/// Strided layers whose forward v3 takes through 4-D boxes of the input traversed with stride
-/// 2 (resnet50's first 3×3 of stages 2–4 and its downsampling 1×1 projections): 3×3 16 → 8 in
+/// Strided layers whose forward and weight gradient v3 takes through 4-D boxes of the input
+/// traversed with stride 2 (resnet50's first 3×3 of stages 2–4 and its downsampling 1×1
+/// projections): 3×3 16 → 8 in
 /// tiles of 2 images × 8 × 8 with an output-channel tail, odd 15 → 8 (the padding below and
 /// right) with 64 output channels (the `_n64` twin), 13 → 7 in one-pixel tiles of 128 images;
 /// 1×1 16 → 8 with two channel slices, odd 15 × 31 → 8 × 16 with a tail.
@@ -1159,8 +1160,9 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
             || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
         "v2 ran a 3×3 forward or weight gradient v3 takes: {three_by_three:?}"
     );
-    // Strided layers: the forward on v3 (the 4-D kernels, a strided input map), the data and
-    // weight gradients on v2, each against the CPU.
+    // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
+    // map; the 1×1 with 64 input channels' weight gradient on v2: no narrow 4-D twin), the
+    // data gradients on v2, each against the CPU.
     gb.set_profiling(true);
     for s in conv3_strided_shapes() {
         let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
@@ -1172,7 +1174,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     }
     let strided = ran(&gb);
     gb.set_profiling(false);
-    for kernel in ["conv3_fwd_3x3", "conv3_fwd_3x3_n64"] {
+    for kernel in ["conv3_fwd_3x3", "conv3_fwd_3x3_n64", "conv3_wgrad_3x3"] {
         assert!(
             strided.contains(&kernel),
             "{kernel} did not run: {strided:?}"

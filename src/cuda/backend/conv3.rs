@@ -1,6 +1,6 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
-//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward of strided 3×3 and 1×1 ones
-//! on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward and weight gradient of
+//! strided 3×3 and 1×1 ones on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
 //! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
@@ -34,8 +34,8 @@ pub(super) struct DgradBn<'a> {
 }
 
 impl CudaBackend {
-    /// Whether v3 is selected and takes this layer's weight gradient (1×1, or 3×3 at stride 1
-    /// with whole 64-pixel tiles).
+    /// Whether v3 is selected and takes this layer's weight gradient (1×1 at stride 1, or
+    /// through 4-D boxes a 3×3 at stride 1 or 2 or a strided 1×1, with whole 64-pixel tiles).
     pub(super) fn conv3_takes_wgrad(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_wgrad(s, self.dev.arch())
     }
@@ -293,21 +293,23 @@ impl CudaBackend {
         dy: &CudaSlice<u16>,
         dw: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        // Both operands MN-major: boxes of 64 channels × 64 pixels (1×1: 64 consecutive rows;
-        // 3×3: a whole 64-pixel tile, x's shifted by the tap of each 64 columns of dw).
-        let (args, slices, map_dy, map_x, kernel) = if s.kernel == 3 {
-            let (args, slices, tile) = conv3::wgrad_3x3_args(s, self.dev.arch(), self.sms as usize)
-                .ok_or_else(|| too_large(op, s))?;
-            let map_dy = self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?;
-            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile, 1)?;
-            (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
-        } else {
+        // Both operands MN-major: boxes of 64 channels × 64 pixels (1×1 at stride 1: 64
+        // consecutive rows; else a whole 64-pixel tile of dy, x's at stride × it, shifted by
+        // the tap of each 64 columns of dw).
+        let (args, slices, map_dy, map_x, kernel) = if s.kernel == 1 && s.stride == 1 {
             let (args, slices) =
                 conv3::wgrad_args(s, self.sms as usize).ok_or_else(|| too_large(op, s))?;
             let (pixels, c_out, c_in) = (args.k as usize, args.m as usize, args.n as usize);
             let map_dy = self.tensor_map(op, dy, pixels, c_out, conv3::TILE_K)?;
             let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_KERNEL)
+        } else {
+            let (args, slices, tile) = conv3::wgrad_4d_args(s, self.dev.arch(), self.sms as usize)
+                .ok_or_else(|| too_large(op, s))?;
+            let dy_shape = (s.n, s.out_h(), s.out_w(), s.c_out);
+            let map_dy = self.tensor_map_nhwc(op, dy, dy_shape, tile, 1)?;
+            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile, s.stride)?;
+            (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
         };
         let kernel = conv3::with_tile(kernel, conv3::tile_n(&args));
         let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
