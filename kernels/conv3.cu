@@ -29,7 +29,12 @@
 // height and width, chosen by the host), the reduction runs over (tap, channel) with the
 // weight as [K][9·C], and the A box of each k-step is the input's 4-D tile (64 channels × the
 // tile's columns × rows × images) shifted by the tap, which TMA fills with zeros where it
-// leaves the image: the padding costs nothing and no thread computes an address.
+// leaves the image: the padding costs nothing and no thread computes an address. Strided
+// layers (3×3 and 1×1 at stride 2; args.stride) take it too, forward and weight gradient
+// (conv3_wgrad_3x3, x's boxes strided; their data gradients stay on v2): the input's tensor map
+// has traversal strides of 2 over rows and columns, so the box of a tile's tap starts at
+// (output pixel × 2 − pad + tap) and lands densely like the stride-1 one; a strided 1×1 is the
+// one-tap case (taps = 1, pad 0).
 // Epilogue (all 384 threads): the accumulators are rounded to bf16 and staged in shared
 // memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
 // tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
@@ -51,18 +56,23 @@
 // cuTensorMapEncodeTiled: bf16, 2-D, box 64 × 128, 128-byte swizzle, zero fill).
 #include "common.cuh"
 
-// The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 4 ints).
+// The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 13 ints).
 struct Conv3Args {
     int m;           // rows: pixels
     int n;           // columns: output channels (dgrad: input channels), % 8 == 0
     int k;           // reduction: input channels (dgrad: output channels), % 8 == 0
     int accumulate;  // dgrad: add into the output instead of overwriting it
     int k_chunk;     // reduction per gridDim.z slice (a multiple of C3_BK; wgrad splits, else k)
-    // 3×3 forward (TAPS): the output's height and width (= the input's: stride 1), the tile's
-    // height and width in pixels (tile_h · tile_w divides 128; the rest of the 128 rows are
-    // whole images), the padding and the filter size; 0 for the 1×1 kernels.
+    // 4-D path (TAPS): the output's height and width, the tile's height and width in pixels
+    // (tile_h · tile_w divides 128; the rest of the 128 rows are whole images), the padding
+    // and the filter size (3, or 1 for a strided 1×1); 0 for the 2-D 1×1 kernels.
     int height, width, tile_h, tile_w, pad, taps;
     int flip;  // 3×3 dgrad: the input box shifted by pad − tap instead of tap − pad
+    // TAPS: the convolution's stride (1 or 2): output pixel (h, w) reads input row h·stride +
+    // tap row − pad. The input's tensor map walks the box with the same traversal stride
+    // (cuTensorMapEncodeTiled's elementStrides), so a box still lands as tile_w × tile_h ×
+    // images rows of 64 channels and the k-loop is the stride-1 one.
+    int stride;
 };
 
 // The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
@@ -315,7 +325,8 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 // operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
 // TAPS = 1: the 3×3 forward, whose 128 rows are a tile of tile_n images × tile_h rows ×
 // tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
-// padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step.
+// padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step; at
+// a.stride 2 the box starts at the tile's first output pixel × 2 (a strided map).
 template <int EPI, int MN, int TAPS = 0, int BN = C3_BN>
 __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
@@ -383,14 +394,15 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                     for (int j = 0; j < BN / 64; ++j) {
                         const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
                         const int r = tap / a.taps, t = tap % a.taps;
-                        c3_tma_load_4d(stage + C3_TILE_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 + t - a.pad, th0 + r - a.pad,
-                                       ti0, full);
+                        // x's box at the tile's input pixels (a strided map at stride 2)
+                        c3_tma_load_4d(stage + C3_TILE_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
+                                       th0 * a.stride + r - a.pad, ti0, full);
                     }
                 } else if (TAPS) {
                     const int tap = kt / slices, c0 = kt % slices * C3_BK;
                     const int r = tap / a.taps, t = tap % a.taps;
                     const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
-                    c3_tma_load_4d(stage, map_a, c0, w0 + dt, h0 + dr, img0, full);
+                    c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);
                     c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
                 } else if (MN) {
                     c3_tma_load(stage, map_a, m0, k0, full);
@@ -622,8 +634,10 @@ conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_cons
     conv3_gemm<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
 }
 
-// y = conv3x3(x, w) at stride 1 (padding args.pad): map_x: x as a 4-D NHWC tensor in boxes of
-// 64 channels × tile_w × tile_h × (128 / (tile_h·tile_w)) images, map_w: w as [K][9·C]
+// y = conv3x3(x, w) at stride args.stride (1 or 2; padding args.pad), or a strided 1×1
+// (args.taps = 1): map_x: x as a 4-D NHWC tensor in boxes of 64 channels × tile_w × tile_h ×
+// (128 / (tile_h·tile_w)) images (traversal strides args.stride over columns and rows),
+// map_w: w as [K][taps²·C]
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_fwd_3x3(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
               Conv3Args args) {
@@ -667,10 +681,11 @@ conv3_wgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
     conv3_gemm<C3_EPI_WGRAD, 1>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
-// dw[z] = wgrad3x3(dy, x) at stride 1 over reduction slice z (f32 [K][9·C] planes, then
-// conv2_wgrad_reduce): dw[k][(tap, c)] = Σ_p dy[p][k]·x[p + tap − pad][c], the pixels in whole
-// tiles of 64 (args.tile_h × tile_w × the rest in images), both operands MN-major 4-D boxes:
-// map_dy: dy's 64 channels × the tile, map_x: x's 64 channels × the tile shifted by the tap
+// dw[z] = wgrad3x3(dy, x) over reduction slice z (f32 [K][9·C] planes, then
+// conv2_wgrad_reduce): dw[k][(tap, c)] = Σ_p dy[p][k]·x[p·stride + tap − pad][c], the pixels
+// (of dy) in whole tiles of 64 (args.tile_h × tile_w × the rest in images), both operands
+// MN-major 4-D boxes: map_dy: dy's 64 channels × the tile, map_x: x's 64 channels × the tile
+// shifted by the tap (traversal strides args.stride over its columns and rows)
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_wgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {

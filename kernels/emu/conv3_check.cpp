@@ -304,10 +304,13 @@ static void check_wgrad(const Wgrad& g) {
     check_bits("eager TMA, shuffled blocks: same planes", memcmp(again.data(), planes.data(), planes.size() * 4) == 0);
 }
 
-// The 3×3 forward at stride 1, padding 1: y[n][h][w][k] = Σ x[n][h+r−1][w+s−1][c]·w[k][r][s][c],
-// tiles of tile_n images × tile_h × tile_w pixels chosen as src/cuda/conv3.rs does (powers of
-// two dividing the extents, 128 pixels in all; none when the batch does not divide).
-struct Conv3x3 { int n, h, w, c, k; bool stats; };
+// The forward through the 4-D path: a 3×3 with padding 1 at stride 1 or 2, or a 1×1 at
+// stride 2 (ks = 1: one tap, no padding): y[n][h][w][k] = Σ x[n][h·s+r−p][w·s+t−p][c]·w[k][r][t][c]
+// over the input n × h × w (odd extents allowed), tiles of tile_n images × tile_h × tile_w
+// output pixels chosen as src/cuda/conv3.rs does (powers of two dividing the output's extents,
+// 128 pixels in all; none when the batch does not divide); at stride 2 the input's tensor map
+// traverses its columns and rows with stride 2.
+struct Conv3x3 { int n, h, w, c, k; bool stats; int ks = 3, stride = 1; };
 
 static bool tile_3x3(int n, int h, int w, int& th, int& tw, int& tn, int pixels = C3_BM) {
     auto pow2 = [](int v, int cap) { int p = 1; while (p * 2 <= cap && v % (p * 2) == 0) p *= 2; return p; };
@@ -318,27 +321,31 @@ static bool tile_3x3(int n, int h, int w, int& th, int& tw, int& tn, int pixels 
 }
 
 static void check_3x3(const Conv3x3& g) {
+    const int pad = g.ks == 3 ? 1 : 0, taps = g.ks * g.ks, s = g.stride;
+    const int ho = (g.h + 2 * pad - g.ks) / s + 1, wo = (g.w + 2 * pad - g.ks) / s + 1;
     int th, tw, tn;
-    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn)) { printf("  no whole tile for %d×%d×%d\n", g.n, g.h, g.w); ++failures; return; }
-    std::mt19937 rng(g.n * 7 + g.h * 11 + g.w * 13 + g.c + g.k);
+    if (!tile_3x3(g.n, ho, wo, th, tw, tn)) { printf("  no whole tile for %d×%d×%d\n", g.n, ho, wo); ++failures; return; }
+    std::mt19937 rng(g.n * 7 + g.h * 11 + g.w * 13 + g.c + g.k + 17 * g.ks + 19 * s);
     const auto x = random_bf16(rng, (size_t)g.n * g.h * g.w * g.c, 1.0f, 0.25f);
-    const auto w = random_bf16(rng, (size_t)g.k * 9 * g.c, 0.25f);
+    const auto w = random_bf16(rng, (size_t)g.k * taps * g.c, 0.25f);
     const std::string name = std::string(g.stats ? "conv3_fwd_stats_3x3" : "conv3_fwd_3x3") + " n" + std::to_string(g.n) +
                              " " + std::to_string(g.h) + "x" + std::to_string(g.w) + " c" + std::to_string(g.c) + " k" +
-                             std::to_string(g.k) + ", tiles " + std::to_string(tn) + "x" + std::to_string(th) + "x" +
-                             std::to_string(tw);
+                             std::to_string(g.k) + (g.ks == 1 ? " 1x1" : "") + (s > 1 ? " stride " + std::to_string(s) : "") +
+                             ", tiles " + std::to_string(tn) + "x" + std::to_string(th) + "x" + std::to_string(tw);
     printf("%s\n", name.c_str());
-    const int m = g.n * g.h * g.w, tiles = m / C3_BM;
+    const int m = g.n * ho * wo, tiles = m / C3_BM;
     auto run3 = [&](std::vector<bf16>& y, std::vector<float>& part) {
         const unsigned long long dim[4] = {(unsigned long long)g.c, (unsigned long long)g.w, (unsigned long long)g.h,
                                            (unsigned long long)g.n};
         const unsigned long long stride[3] = {(unsigned long long)g.c * 2, (unsigned long long)g.w * g.c * 2,
                                               (unsigned long long)g.h * g.w * g.c * 2};
-        const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
-        const BtTmaMap map_x = emu_tma_encode(x.data(), 4, dim, stride, box, true);
-        const BtTmaMap map_w = emu_tma_encode_2d(w.data(), 9ull * g.c, (unsigned long long)g.k, 9ull * g.c * 2, C3_BK,
-                                                 (unsigned)g_bn, true);
-        Conv3Args args{m, g.k, 9 * g.c, 0, 9 * g.c, g.h, g.w, th, tw, 1, 3, 0};
+        // tile_w × tile_h output pixels: boxes of s·tile_w × s·tile_h input pixels traversed with stride s
+        const unsigned box[4] = {C3_BK, (unsigned)(s * tw), (unsigned)(s * th), (unsigned)tn};
+        const unsigned traversal[4] = {1, (unsigned)s, (unsigned)s, 1};
+        const BtTmaMap map_x = emu_tma_encode(x.data(), 4, dim, stride, box, true, traversal);
+        const BtTmaMap map_w = emu_tma_encode_2d(w.data(), (unsigned long long)taps * g.c, (unsigned long long)g.k,
+                                                 (unsigned long long)taps * g.c * 2, C3_BK, (unsigned)g_bn, true);
+        Conv3Args args{m, g.k, taps * g.c, 0, taps * g.c, ho, wo, th, tw, pad, g.ks, 0, s};
         bf16* yp = y.data();
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.k + g_bn - 1) / g_bn), 1};
@@ -352,26 +359,26 @@ static void check_3x3(const Conv3x3& g) {
     run3(y, part);
     std::vector<double> got(y.size()), ref(y.size());
     for (int n = 0; n < g.n; ++n)
-        for (int h = 0; h < g.h; ++h)
-            for (int q = 0; q < g.w; ++q)
+        for (int h = 0; h < ho; ++h)
+            for (int q = 0; q < wo; ++q)
                 for (int k = 0; k < g.k; ++k) {
                     double acc = 0;
-                    for (int r = 0; r < 3; ++r)
-                        for (int t = 0; t < 3; ++t) {
-                            const int hh = h + r - 1, ww = q + t - 1;
+                    for (int r = 0; r < g.ks; ++r)
+                        for (int t = 0; t < g.ks; ++t) {
+                            const int hh = h * s + r - pad, ww = q * s + t - pad;
                             if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
                             for (int c = 0; c < g.c; ++c)
                                 acc += (double)__bfloat162float(x[(((size_t)n * g.h + hh) * g.w + ww) * g.c + c]) *
-                                       __bfloat162float(w[((size_t)k * 9 + r * 3 + t) * g.c + c]);
+                                       __bfloat162float(w[((size_t)k * taps + r * g.ks + t) * g.c + c]);
                         }
-                    const size_t o = (((size_t)n * g.h + h) * g.w + q) * g.k + k;
+                    const size_t o = (((size_t)n * ho + h) * wo + q) * g.k + k;
                     ref[o] = acc;
                     got[o] = __bfloat162float(y[o]);
                 }
-    check("y", got, ref, 2e-5 * 9 * g.c, 1.0 / 256);
+    check("y", got, ref, 2e-5 * taps * g.c, 1.0 / 256);
     if (g.stats) {
-        // Tile b's records: the mean and M2 over its 128 pixels (tile_n images × tile_h × tile_w).
-        const int wb = g.w / tw, hb = g.h / th;
+        // Tile b's records: the mean and M2 over its 128 output pixels (tile_n images × tile_h × tile_w).
+        const int wb = wo / tw, hb = ho / th;
         std::vector<double> gm, rm, gq, rq;
         for (int b = 0; b < tiles; ++b) {
             const int w0 = b % wb * tw, h0 = b / wb % hb * th, n0 = b / (wb * hb) * tn;
@@ -381,7 +388,7 @@ static void check_3x3(const Conv3x3& g) {
                 for (int i = 0; i < tn; ++i)
                     for (int hh = 0; hh < th; ++hh)
                         for (int ww = 0; ww < tw; ++ww)
-                            v.push_back(__bfloat162float(y[(((size_t)(n0 + i) * g.h + h0 + hh) * g.w + w0 + ww) * g.k + k]));
+                            v.push_back(__bfloat162float(y[(((size_t)(n0 + i) * ho + h0 + hh) * wo + w0 + ww) * g.k + k]));
                 for (double e : v) sum += e;
                 const double mean = sum / v.size();
                 for (double e : v) q += (e - mean) * (e - mean);
@@ -441,7 +448,7 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         const BtTmaMap map_dy = emu_tma_encode(dy.data(), 4, dim, stride, box, true);
         const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), 9ull * g.k, (unsigned long long)g.c, 9ull * g.k * 2, C3_BK,
                                                   (unsigned)g_bn, true);
-        const Conv3Args args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1};
+        const Conv3Args args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1, 1};
         bf16* dxp = dx.data();
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), 1};
@@ -518,34 +525,39 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     if (g.bn) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
 }
 
-// The 3×3 weight gradient at stride 1, padding 1: dw[k][r][s][c] = Σ dy[n][h][w][k]·x[n][h+r−1][w+s−1][c]
-// over slices of `chunk` pixels (whole 64-pixel tiles), the planes summed in slice order.
-struct Wgrad3x3 { int n, h, w, c, k, chunk; };
+// The weight gradient through the 4-D path: a 3×3 with padding 1 at stride 1 or 2, or a 1×1 at
+// stride 2 (ks = 1): dw[k][r][t][c] = Σ dy[n][h][w][k]·x[n][h·s+r−p][w·s+t−p][c] over the
+// output's pixels in slices of `chunk` (whole 64-pixel tiles of the output), the planes summed
+// in slice order; x's tensor map traverses its columns and rows with stride s.
+struct Wgrad3x3 { int n, h, w, c, k, chunk; int ks = 3, stride = 1; };
 
 static void check_wgrad_3x3(const Wgrad3x3& g) {
+    const int pad = g.ks == 3 ? 1 : 0, taps = g.ks * g.ks, s = g.stride;
+    const int ho = (g.h + 2 * pad - g.ks) / s + 1, wo = (g.w + 2 * pad - g.ks) / s + 1;
     int th, tw, tn;
-    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn, C3_BK)) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
-    std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk);
-    const size_t px = (size_t)g.n * g.h * g.w;
+    if (!tile_3x3(g.n, ho, wo, th, tw, tn, C3_BK)) { printf("  no whole 64-pixel tile\n"); ++failures; return; }
+    std::mt19937 rng(g.n * 3 + g.h * 5 + g.c * 11 + g.k * 13 + g.chunk + 23 * g.ks + 29 * s);
+    const size_t px = (size_t)g.n * ho * wo, in_px = (size_t)g.n * g.h * g.w;
     const auto dy = random_bf16(rng, px * g.k, 1.0f);
-    const auto x = random_bf16(rng, px * g.c, 1.0f, 0.25f);
+    const auto x = random_bf16(rng, in_px * g.c, 1.0f, 0.25f);
     const int slices = (int)((px + g.chunk - 1) / g.chunk);
-    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k, tn, th, tw, slices,
-           g.chunk);
-    const size_t plane = (size_t)g.k * 9 * g.c;
+    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d%s%s, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k,
+           g.ks == 1 ? " 1x1" : "", s > 1 ? " stride 2" : "", tn, th, tw, slices, g.chunk);
+    const size_t plane = (size_t)g.k * taps * g.c;
     auto run = [&](std::vector<float>& planes) {
-        auto map4 = [&](const std::vector<bf16>& t, int ch) {
-            const unsigned long long dim[4] = {(unsigned long long)ch, (unsigned long long)g.w, (unsigned long long)g.h,
+        auto map4 = [&](const std::vector<bf16>& t, int ch, int hh, int ww, int es) {
+            const unsigned long long dim[4] = {(unsigned long long)ch, (unsigned long long)ww, (unsigned long long)hh,
                                                (unsigned long long)g.n};
-            const unsigned long long stride[3] = {(unsigned long long)ch * 2, (unsigned long long)g.w * ch * 2,
-                                                  (unsigned long long)g.h * g.w * ch * 2};
-            const unsigned box[4] = {64, (unsigned)tw, (unsigned)th, (unsigned)tn};
-            return emu_tma_encode(t.data(), 4, dim, stride, box, true);
+            const unsigned long long stride[3] = {(unsigned long long)ch * 2, (unsigned long long)ww * ch * 2,
+                                                  (unsigned long long)hh * ww * ch * 2};
+            const unsigned box[4] = {64, (unsigned)(es * tw), (unsigned)(es * th), (unsigned)tn};
+            const unsigned traversal[4] = {1, (unsigned)es, (unsigned)es, 1};
+            return emu_tma_encode(t.data(), 4, dim, stride, box, true, traversal);
         };
-        const BtTmaMap map_dy = map4(dy, g.k), map_x = map4(x, g.c);
-        const Conv3Args args{g.k, 9 * g.c, (int)px, 0, g.chunk, g.h, g.w, th, tw, 1, 3, 0};
+        const BtTmaMap map_dy = map4(dy, g.k, ho, wo, 1), map_x = map4(x, g.c, g.h, g.w, s);
+        const Conv3Args args{g.k, taps * g.c, (int)px, 0, g.chunk, ho, wo, th, tw, pad, g.ks, 0, s};
         float* dw = planes.data();
-        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((9 * g.c + g_bn - 1) / g_bn), (unsigned)slices},
+        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((taps * g.c + g_bn - 1) / g_bn), (unsigned)slices},
                    {C3_THREADS, 1, 1}, [&] { conv3_wgrad_3x3(map_dy, map_x, dw, args); });
     };
     std::vector<float> planes((size_t)slices * plane, NAN);
@@ -559,19 +571,19 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
         got[i] = v;
     }
     for (int k = 0; k < g.k; ++k)
-        for (int r = 0; r < 3; ++r)
-            for (int t = 0; t < 3; ++t)
+        for (int r = 0; r < g.ks; ++r)
+            for (int t = 0; t < g.ks; ++t)
                 for (int c = 0; c < g.c; ++c) {
                     double acc = 0;
                     for (int n = 0; n < g.n; ++n)
-                        for (int h = 0; h < g.h; ++h)
-                            for (int q = 0; q < g.w; ++q) {
-                                const int hh = h + r - 1, ww = q + t - 1;
+                        for (int h = 0; h < ho; ++h)
+                            for (int q = 0; q < wo; ++q) {
+                                const int hh = h * s + r - pad, ww = q * s + t - pad;
                                 if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
-                                acc += (double)__bfloat162float(dy[(((size_t)n * g.h + h) * g.w + q) * g.k + k]) *
+                                acc += (double)__bfloat162float(dy[(((size_t)n * ho + h) * wo + q) * g.k + k]) *
                                        __bfloat162float(x[(((size_t)n * g.h + hh) * g.w + ww) * g.c + c]);
                             }
-                    ref[((size_t)k * 9 + r * 3 + t) * g.c + c] = acc;
+                    ref[((size_t)k * taps + r * g.ks + t) * g.c + c] = acc;
                 }
     check("dw (planes summed in order)", got, ref, 2e-6 * px, 1e-5);
     std::vector<float> again(planes.size(), NAN);
@@ -628,6 +640,12 @@ int main(int argc, char** argv) {
             {2, 16, 16, 128, 136, true}, // tiles of 8 × 16 rows of one image, two taps' slices
             {8, 4, 4, 64, 64, true},     // 8 images × 4 × 4: padding on every side of every tile
             {128, 3, 3, 64, 8, true},    // 1 × 1 × 128 images: every tap but the centre pads
+            // stride 2 (strided input maps): resnet50's 3×3 s2 and 1×1 s2 (downsample) layers
+            {4, 16, 16, 64, 72, false, 3, 2},  // 16 → 8: tiles of 2 images × 8 × 8, the padding on top and left
+            {2, 15, 15, 128, 64, true, 3, 2},  // odd input 15 → 8: the last row and column pad below and right
+            {32, 7, 13, 64, 136, true, 3, 2},  // 7×13 → 4×7: tiles of 32 images × 4 × 1, a column tail in N
+            {4, 16, 16, 128, 64, true, 1, 2},  // 1×1 s2: one tap, two channel slices, 16 → 8
+            {2, 15, 31, 64, 136, false, 1, 2}, // 1×1 s2 on odd extents 15×31 → 8×16 (a box of 32 columns over 31)
         };
         for (const Conv3x3& g : convs) {
             if (first_only && failures) break;
@@ -647,6 +665,13 @@ int main(int argc, char** argv) {
             {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
             {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
             {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
+            // stride 2 (x's map strided): resnet50's 3×3 s2 and 1×1 s2 (downsample) layers
+            {4, 16, 16, 64, 72, 128, 3, 2},  // 16 → 8: tiles of 8 × 8, two slices, a half-empty column tile
+            {2, 15, 15, 64, 8, 64, 3, 2},    // odd 15 → 8: the last row and column pad; a row tail
+            {2, 32, 32, 64, 8, 256, 3, 2},   // 32 → 16: tiles of 4 × 16 rows, boxes starting at input row 8, 16, 24
+            {64, 7, 7, 64, 8, 192, 3, 2},    // odd 7 → 4: tiles of 4 images × 4 × 4, six slices
+            {4, 16, 16, 128, 64, 128, 1, 2}, // 1×1 s2 16 → 8: one tap, two slices
+            {2, 15, 31, 192, 72, 256, 1, 2}, // 1×1 s2 odd 15×31 → 8×16: tiles of 4 × 16, a column tail
         };
         for (const Wgrad3x3& g : wgrads3) {
             if (first_only && failures) break;

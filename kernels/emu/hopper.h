@@ -110,6 +110,17 @@ inline bool bt_emu_mbar_try_wait(unsigned bar, unsigned parity) {
 // The emulator's tensor map (the GPU's is an opaque 128-byte CUtensorMap): what
 // cuTensorMapEncodeTiled is given for a bf16 tensor of rank 2 to 4, element (c0, c1, c2, c3)
 // at base + c1·stride[0] + c2·stride[1] + c3·stride[2] (c0 the contiguous dimension).
+//
+// Traversal strides (cuTensorMapEncodeTiled's elementStrides; CUDA Driver API reference,
+// "Tensor Map Object Management", and the same text in cuda.h): "the iteration step along each
+// of the tensorRank dimensions, must be non-zero and less than or equal to 8"; with
+// CU_TENSOR_MAP_INTERLEAVE_NONE "the first element of this array is ignored since TMA doesn't
+// support the stride for dimension zero"; where elementStrides[i] ≠ 1 "TMA loads
+// ceil(boxDim[i] / elementStrides[i]) number of elements along i-th dimension. To load N
+// elements along i-th dimension, boxDim[i] must be set to N * elementStrides[i]" (boxDim still
+// 1..256). So a box issued at coordinate c reads elements c + j·elementStrides[i],
+// j < ceil(boxDim[i] / elementStrides[i]), each out-of-bounds one as zero, and lands densely:
+// its shared-memory footprint and transaction bytes are those of the traversed elements.
 struct alignas(64) BtTmaMap {
     const void* base;
     unsigned rank;
@@ -117,15 +128,18 @@ struct alignas(64) BtTmaMap {
     unsigned long long dim[4];       // extents
     unsigned long long stride[3];    // bytes between consecutive c1, c2, c3 (multiples of 16)
     int swizzle128;                  // CU_TENSOR_MAP_SWIZZLE_128B, else none
+    unsigned elem_stride[4];         // traversal strides (1..8; [0] ignored: always 1)
 };
 static_assert(sizeof(BtTmaMap) == 128, "a tensor map is 128 bytes");
 // The name the kernels use for the driver's type.
 typedef BtTmaMap CUtensorMap;
 
 // cuTensorMapEncodeTiled for a bf16 tensor of `rank` dimensions (innermost first), zeros for
-// out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+// out-of-bounds elements (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), traversal strides
+// `elem_stride` (null: all 1).
 inline BtTmaMap emu_tma_encode(const void* base, unsigned rank, const unsigned long long* dim,
-                               const unsigned long long* stride, const unsigned* box, bool swizzle128) {
+                               const unsigned long long* stride, const unsigned* box, bool swizzle128,
+                               const unsigned* elem_stride = nullptr) {
     auto refuse = [](const char* why) { fprintf(stderr, "tensor map: %s\n", why); std::abort(); };
     if (rank < 2 || rank > 4) refuse("rank 2 to 4");
     if (reinterpret_cast<uintptr_t>(base) % 16) refuse("the base must be 16-byte aligned");
@@ -137,6 +151,11 @@ inline BtTmaMap emu_tma_encode(const void* base, unsigned rank, const unsigned l
         m.stride[i] = stride[i];
     }
     for (unsigned i = 0; i < rank; ++i) if (m.box[i] == 0 || m.box[i] > 256) refuse("box extents 1..256");
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned e = elem_stride && i < rank ? elem_stride[i] : 1;
+        if (e == 0 || e > 8) refuse("traversal strides 1..8");
+        m.elem_stride[i] = i == 0 ? 1 : e;  // the innermost dimension's is ignored (no interleave)
+    }
     if (swizzle128 && m.box[0] * 2 > 128) refuse("a 128-byte swizzle needs an inner box of at most 128 bytes");
     return m;
 }
@@ -149,17 +168,24 @@ inline BtTmaMap emu_tma_encode_2d(const void* base, unsigned long long dim0, uns
     return emu_tma_encode(base, 2, dim, stride, box, swizzle128);
 }
 
-// The box lands densely: element (i0, i1, i2, i3) of the box at row ((i3·box2 + i2)·box1 + i1)
-// of box0 · 2 bytes, then swizzled by its address.
+// The elements a box traverses along dimension d: ceil(box / traversal stride).
+inline unsigned emu_tma_extent(const BtTmaMap& m, unsigned d) { return (m.box[d] + m.elem_stride[d] - 1) / m.elem_stride[d]; }
+
+// The box lands densely: traversed element (i0, i1, i2, i3) (global coordinate c + i·stride)
+// at row ((i3·n2 + i2)·n1 + i1) of box0 · 2 bytes (n = the traversed extents), then swizzled
+// by its address.
 inline void emu_tma_land(const EmuTmaLoad& l) {
     const BtTmaMap& m = *l.map;
     const unsigned row_bytes = m.box[0] * 2;
+    const unsigned n1 = emu_tma_extent(m, 1), n2 = emu_tma_extent(m, 2), n3 = emu_tma_extent(m, 3);
+    const unsigned* es = m.elem_stride;
     unsigned row = 0;
-    for (unsigned i3 = 0; i3 < m.box[3]; ++i3)
-        for (unsigned i2 = 0; i2 < m.box[2]; ++i2)
-            for (unsigned i1 = 0; i1 < m.box[1]; ++i1, ++row)
+    for (unsigned i3 = 0; i3 < n3; ++i3)
+        for (unsigned i2 = 0; i2 < n2; ++i2)
+            for (unsigned i1 = 0; i1 < n1; ++i1, ++row)
                 for (unsigned i0 = 0; i0 < m.box[0]; ++i0) {
-                    const long g[4] = {(long)l.c[0] + i0, (long)l.c[1] + i1, (long)l.c[2] + i2, (long)l.c[3] + i3};
+                    const long g[4] = {(long)l.c[0] + i0, (long)l.c[1] + (long)i1 * es[1], (long)l.c[2] + (long)i2 * es[2],
+                                       (long)l.c[3] + (long)i3 * es[3]};
                     bool inside = true;
                     for (unsigned d = 0; d < 4; ++d) inside &= g[d] >= 0 && (unsigned long long)g[d] < m.dim[d];
                     uint16_t v = 0;  // out of bounds: zero
@@ -173,7 +199,7 @@ inline void emu_tma_land(const EmuTmaLoad& l) {
                     memcpy(emu_shared_ptr(a, 2), &v, 2);
                 }
     EmuMbar& b = emu_mbar(l.bar);
-    b.tx -= (long)m.box[0] * m.box[1] * m.box[2] * m.box[3] * 2;  // out-of-bounds elements count too
+    b.tx -= (long)m.box[0] * n1 * n2 * n3 * 2;  // the traversed elements; out-of-bounds ones count too
     if (b.tx < 0) emu_fail("mbarrier: more transaction bytes completed than expected");
     emu_mbar_settle(b);
 }

@@ -136,17 +136,11 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
     let one = s.kernel == 1;
     let (args, slices, kernel) = match pass {
         Pass::Forward if conv3::takes_forward(s, hopper) => {
-            let a = if one {
-                conv3::forward_args(s)?
-            } else {
-                conv3::forward_3x3_args(s, hopper)?
-            };
-            let k = if one {
-                conv3::FWD_KERNEL
-            } else {
-                conv3::FWD_3X3_KERNEL
-            };
-            (a, 1, k)
+            // A strided 1×1 takes the 4-D path (one tap), as conv3_forward launches it.
+            match conv3::forward_4d_args(s, hopper) {
+                Some(a) => (a, 1, conv3::FWD_3X3_KERNEL),
+                None => (conv3::forward_args(s)?, 1, conv3::FWD_KERNEL),
+            }
         }
         Pass::Dgrad if conv3::takes_dgrad(s, hopper) => {
             let a = if one {
@@ -162,18 +156,14 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
             (a, 1, k)
         }
         Pass::Wgrad if conv3::takes_wgrad(s, hopper) => {
-            let (a, slices) = if one {
-                conv3::wgrad_args(s, gpu.sms)?
+            // A strided 1×1 takes the 4-D path (one tap), as conv3_backward_weight launches it.
+            if one && s.stride == 1 {
+                let (a, slices) = conv3::wgrad_args(s, gpu.sms)?;
+                (a, slices, conv3::WGRAD_KERNEL)
             } else {
-                let (a, slices, _) = conv3::wgrad_3x3_args(s, hopper, gpu.sms)?;
-                (a, slices)
-            };
-            let k = if one {
-                conv3::WGRAD_KERNEL
-            } else {
-                conv3::WGRAD_3X3_KERNEL
-            };
-            (a, slices, k)
+                let (a, slices, _) = conv3::wgrad_4d_args(s, hopper, gpu.sms)?;
+                (a, slices, conv3::WGRAD_3X3_KERNEL)
+            }
         }
         _ => return None,
     };

@@ -2,8 +2,11 @@
 //! take, their launch geometry, and the TMA tensor maps that feed them.
 //!
 //! conv3.cu computes 1×1 convolutions at stride 1 without padding as `wgmma` GEMMs whose
-//! operands the Tensor Memory Accelerator loads; every other layer (and every layer on a GPU
-//! other than compute capability 9.0) keeps the v2 kernels. The file is compiled for the
+//! operands the Tensor Memory Accelerator loads, and 3×3 ones (stride 1 or 2, padding 1) and
+//! strided 1×1 ones through 4-D boxes of the NHWC input, one per filter tap (at stride 2 the
+//! input's tensor map traverses rows and columns with stride 2); every other layer or pass
+//! (the stem, the data gradients of strided layers, and every layer on a GPU other than
+//! compute capability 9.0) keeps the v2 kernels. The file is compiled for the
 //! architecture-specific target `sm_90a` on Hopper ([`KernelFile::target_for`]); for any other
 //! target its kernels are stubs that trap, which the dispatch here never launches.
 //!
@@ -83,8 +86,9 @@ pub const FWD_KERNEL: &str = "conv3_fwd_1x1";
 /// The forward kernel whose epilogue writes per-tile (mean, M2) records of y, in conv2.cu's
 /// record layout (`[2][tiles][channels]`), which bn.cu's merges read.
 pub const FWD_STATS_KERNEL: &str = "conv3_fwd_stats_1x1";
-/// The 3×3 forward at stride 1 (tiles of whole images × rows × columns, the taps as shifted
-/// 4-D TMA boxes of the input).
+/// The forward through 4-D boxes: 3×3 at stride 1 or 2, and the strided 1×1 as its one-tap
+/// case (tiles of whole images × rows × columns of the output, the taps as shifted 4-D TMA
+/// boxes of the input).
 pub const FWD_3X3_KERNEL: &str = "conv3_fwd_3x3";
 /// The 3×3 forward with the batch-norm statistics epilogue.
 pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
@@ -93,7 +97,8 @@ pub const FWD_STATS_3X3_KERNEL: &str = "conv3_fwd_stats_3x3";
 pub const DGRAD_3X3_KERNEL: &str = "conv3_dgrad_3x3";
 /// The 3×3 data gradient with the batch-norm gradient epilogue.
 pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
-/// The 3×3 weight gradient at stride 1: f32 planes per reduction slice of whole 64-pixel tiles.
+/// The weight gradient through 4-D boxes (3×3 at stride 1 or 2, strided 1×1 as one tap): f32
+/// planes per reduction slice of whole 64-pixel tiles of the output.
 pub const WGRAD_3X3_KERNEL: &str = "conv3_wgrad_3x3";
 /// The weight rearranged for the 3×3 data gradient (`wt[c][tap·K + k] = w[k][tap][c]`).
 pub const DGRAD_WEIGHTS_3X3_KERNEL: &str = "conv3_dgrad_weights_3x3";
@@ -108,7 +113,7 @@ pub const WGRAD_KERNEL: &str = "conv3_wgrad_1x1";
 /// The weight transpose the data gradient reads (`[K][C]` → `[C][K]`, K-major for wgmma).
 pub const TRANSPOSE_KERNEL: &str = "conv3_transpose_weights";
 
-/// Kernel-side mirror of `struct Conv3Args` in kernels/conv3.cu (4 ints, C layout).
+/// Kernel-side mirror of `struct Conv3Args` in kernels/conv3.cu (13 ints, C layout).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv3Args {
@@ -123,7 +128,7 @@ pub struct Conv3Args {
     /// Reduction per `gridDim.z` slice (a multiple of [`TILE_K`] when the wgrad splits it;
     /// `k` otherwise).
     pub k_chunk: i32,
-    /// 3×3: the output's height (= the input's at stride 1); 0 for the 1×1 kernels.
+    /// 4-D path: the output's height; 0 for the 2-D 1×1 kernels.
     pub height: i32,
     /// 3×3: the output's width.
     pub width: i32,
@@ -133,11 +138,14 @@ pub struct Conv3Args {
     pub tile_w: i32,
     /// 3×3: the padding.
     pub pad: i32,
-    /// 3×3: the filter size (3).
+    /// 3×3: the filter size (3; 1 for a strided 1×1).
     pub taps: i32,
     /// 3×3 data gradient: 1 shifts the input boxes by pad − tap (a correlation with the
     /// flipped filter), 0 by tap − pad.
     pub flip: i32,
+    /// The convolution's stride (1 or 2): the 4-D path's box of output pixel (h, w) starts at
+    /// input pixel (h, w) × stride − pad + tap, through a tensor map with that traversal stride.
+    pub stride: i32,
 }
 
 // SAFETY: repr(C) plain integers, matching the kernel's struct.
@@ -174,6 +182,7 @@ pub fn forward_args(s: &ConvShape) -> Option<Conv3Args> {
         pad: 0,
         taps: 0,
         flip: 0,
+        stride: 1,
     })
 }
 
@@ -200,48 +209,55 @@ fn tile_of(n: usize, h: usize, w: usize, pixels: usize) -> Option<(usize, usize,
     (n % tn == 0).then_some((tn, th, tw))
 }
 
-/// Whether a layer is a 3×3 at stride 1 with padding 1 on Hopper, with input channels in whole
-/// 64-channel k-steps per tap and output channels the tensor maps take (% 8): the forward's
-/// and the weight gradient's condition before their tiles (the data gradient's with the roles
-/// swapped).
-fn fits_3x3(s: &ConvShape, arch: GpuArch) -> bool {
+/// Whether the forward or weight gradient of a layer fits the 4-D path on Hopper: a 3×3 with
+/// padding 1 at stride 1 or 2, or a 1×1 without padding at stride 2 (the one-tap case; the
+/// stride-1 1×1 is the plain GEMM of [`takes`]), input channels in whole 64-channel k-steps
+/// per tap, output channels the tensor maps take (% 8).
+fn fits_4d(s: &ConvShape, arch: GpuArch) -> bool {
     (arch.major, arch.minor) == (9, 0)
-        && s.kernel == 3
-        && s.stride == 1
-        && s.padding == 1
+        && matches!((s.kernel, s.stride, s.padding), (3, 1 | 2, 1) | (1, 2, 0))
         && s.c_in % TILE_K == 0
         && s.c_out % 8 == 0
 }
 
-/// The GEMM of a 3×3 forward at stride 1 with padding 1 on Hopper: M = pixels in whole tiles,
-/// N = output channels, K = 9 × input channels (64 of one tap per k-step: input channels a
-/// multiple of 64); `None` where v3 does not take the layer.
-pub fn forward_3x3_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
-    if !fits_3x3(s, arch) {
+/// The GEMM of a forward through 4-D boxes on Hopper (a 3×3 with padding 1 at stride 1 or 2,
+/// or a 1×1 at stride 2): M = output pixels in whole tiles, N = output channels, K = taps ×
+/// input channels (64 of one tap per k-step: input channels a multiple of 64); `None` where v3
+/// does not take the layer that way.
+pub fn forward_4d_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
+    if !fits_4d(s, arch) {
         return None;
     }
-    let (_, th, tw) = tile_3x3(s.n, s.h, s.w)?;
-    let m = s.n * s.h * s.w;
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let (_, th, tw) = tile_3x3(s.n, oh, ow)?;
+    // The input box spans stride × the tile's rows and columns: within TMA's 256.
+    if s.stride * th.max(tw) > 256 {
+        return None;
+    }
+    let taps = s.kernel * s.kernel;
     Some(Conv3Args {
-        m: i32::try_from(m).ok()?,
+        m: i32::try_from(s.n * oh * ow).ok()?,
         n: i32::try_from(s.c_out).ok()?,
-        k: i32::try_from(9 * s.c_in).ok()?,
+        k: i32::try_from(taps * s.c_in).ok()?,
         accumulate: 0,
-        k_chunk: i32::try_from(9 * s.c_in).ok()?,
-        height: i32::try_from(s.h).ok()?,
-        width: i32::try_from(s.w).ok()?,
+        k_chunk: i32::try_from(taps * s.c_in).ok()?,
+        height: i32::try_from(oh).ok()?,
+        width: i32::try_from(ow).ok()?,
         tile_h: th as i32,
         tile_w: tw as i32,
-        pad: 1,
-        taps: 3,
+        pad: s.padding as i32,
+        taps: s.kernel as i32,
         flip: 0,
+        stride: s.stride as i32,
     })
 }
 
 /// The GEMM of a 3×3 data gradient at stride 1 with padding 1 on Hopper: M = input pixels in
 /// whole tiles, N = input channels, K = 9 × output channels (a multiple of 64 per tap).
+/// Data gradients of strided layers stay on v2: dx of a stride-2 layer is a scatter (each
+/// output pixel's taps land on every other input pixel), not a box of dy per tap.
 pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<Conv3Args> {
-    if s.c_out % TILE_K != 0 || s.c_in % 8 != 0 {
+    if s.kernel != 3 || s.stride != 1 || s.c_out % TILE_K != 0 || s.c_in % 8 != 0 {
         return None;
     }
     // The forward's conditions with the channel roles swapped (dx has the input's extents).
@@ -250,7 +266,7 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
         c_out: s.c_in,
         ..*s
     };
-    let f = forward_3x3_args(&swapped, arch)?;
+    let f = forward_4d_args(&swapped, arch)?;
     Some(Conv3Args {
         accumulate: i32::from(accumulate),
         flip: 1,
@@ -258,21 +274,30 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
     })
 }
 
-/// The GEMM of a 3×3 weight gradient at stride 1 with padding 1 on Hopper (M = output
-/// channels, N = 9 × input channels (a multiple of 64 per tap), K = pixels in whole tiles of
-/// 64), its reduction split over `sms` SMs as [`wgrad_args`] does, the number of slices, and
-/// the pixel tile (images, rows, columns) of its TMA boxes.
-pub fn wgrad_3x3_args(
+/// The tile (images, rows, columns) of 64 output pixels of a weight gradient through 4-D
+/// boxes ([`fits_4d`]), whose GEMM's N (taps × input channels) needs the 128-column tiles
+/// (the 4-D weight gradient has no narrow twin); `None` where v3 does not take it.
+fn wgrad_4d_tile(s: &ConvShape, arch: GpuArch) -> Option<(usize, usize, usize)> {
+    if !fits_4d(s, arch) || s.kernel * s.kernel * s.c_in <= TILE_N_NARROW {
+        return None;
+    }
+    tile_of(s.n, s.out_h(), s.out_w(), TILE_K)
+}
+
+/// The GEMM of a weight gradient through 4-D boxes on Hopper (a 3×3 with padding 1 at stride
+/// 1 or 2, or a 1×1 at stride 2: M = output channels, N = taps × input channels (a multiple of
+/// 64 per tap), K = output pixels in whole tiles of 64), its reduction split over `sms` SMs as
+/// [`wgrad_args`] does, the number of slices, and the tile (images, rows, columns) of output
+/// pixels of its TMA boxes (x's boxes span stride × its rows and columns).
+pub fn wgrad_4d_args(
     s: &ConvShape,
     arch: GpuArch,
     sms: usize,
 ) -> Option<(Conv3Args, usize, (usize, usize, usize))> {
-    if !fits_3x3(s, arch) {
-        return None;
-    }
-    let tile = tile_of(s.n, s.h, s.w, TILE_K)?;
-    let pixels = s.n * s.h * s.w;
-    let (m, n) = (s.c_out, 9 * s.c_in);
+    let tile = wgrad_4d_tile(s, arch)?;
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let pixels = s.n * oh * ow;
+    let (m, n) = (s.c_out, s.kernel * s.kernel * s.c_in);
     let (tiles, slots) = wgrad_slots(m, n, sms);
     let (_, chunk) = super::conv::wgrad_splits(tiles, pixels, slots);
     let chunk = chunk.div_ceil(TILE_K) * TILE_K;
@@ -282,21 +307,22 @@ pub fn wgrad_3x3_args(
         k: i32::try_from(pixels).ok()?,
         accumulate: 0,
         k_chunk: i32::try_from(chunk).ok()?,
-        height: i32::try_from(s.h).ok()?,
-        width: i32::try_from(s.w).ok()?,
+        height: i32::try_from(oh).ok()?,
+        width: i32::try_from(ow).ok()?,
         tile_h: tile.1 as i32,
         tile_w: tile.2 as i32,
-        pad: 1,
-        taps: 3,
+        pad: s.padding as i32,
+        taps: s.kernel as i32,
         flip: 0,
+        stride: s.stride as i32,
     };
     Some((args, pixels.div_ceil(chunk), tile))
 }
 
-/// Whether v3 takes the weight gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole
-/// 64-pixel tiles.
+/// Whether v3 takes the weight gradient of a layer: a 1×1 at stride 1 ([`takes`]), or through
+/// 4-D boxes a 3×3 (stride 1 or 2) or a strided 1×1 with whole 64-pixel tiles of its output.
 pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || (fits_3x3(s, arch) && tile_of(s.n, s.h, s.w, TILE_K).is_some())
+    takes(s, arch) || wgrad_4d_tile(s, arch).is_some()
 }
 
 /// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
@@ -304,9 +330,10 @@ pub fn takes_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
 }
 
-/// Whether v3 takes the forward pass of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
+/// Whether v3 takes the forward pass of a layer: a 1×1 at stride 1 ([`takes`]), or through
+/// 4-D boxes a 3×3 (stride 1 or 2) or a strided 1×1 with whole tiles of output pixels.
 pub fn takes_forward(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || forward_3x3_args(s, arch).is_some()
+    takes(s, arch) || forward_4d_args(s, arch).is_some()
 }
 
 /// The GEMM of a 1×1 data gradient: M = pixels, N = input channels, K = output channels.
@@ -401,13 +428,15 @@ impl TensorMap {
     }
 
     /// The map of an NHWC bf16 tensor at `ptr`, read in 4-D boxes of `TILE_K` channels ×
-    /// `tile` = (images, rows, columns), zeros outside it (the 3×3 forward's padding).
+    /// `tile` = (images, rows, columns) taken every `stride`-th row and column, zeros outside
+    /// it (the 3×3 forward's padding).
     pub fn bf16_nhwc(
         ptr: sys::CUdeviceptr,
         shape: (usize, usize, usize, usize),
         tile: (usize, usize, usize),
+        stride: usize,
     ) -> Result<TensorMap, CudaError> {
-        Self::encode(ptr, &MapGeometry::bf16_nhwc(shape, tile)?)
+        Self::encode(ptr, &MapGeometry::bf16_nhwc(shape, tile, stride)?)
     }
 
     fn encode(ptr: sys::CUdeviceptr, geometry: &MapGeometry) -> Result<TensorMap, CudaError> {
@@ -417,10 +446,9 @@ impl TensorMap {
                 what: format!("a TMA tensor map of a tensor at {ptr:#x}: needs 16-byte alignment"),
             });
         }
-        let element_strides = [1u32; 4];
         let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-        // SAFETY: dims and boxes have `rank` entries, strides `rank - 1`, element strides at
-        // least `rank`; the driver writes the 128-byte map.
+        // SAFETY: dims, boxes and element strides have `rank` entries, strides `rank - 1`; the
+        // driver writes the 128-byte map.
         let result = unsafe {
             sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
@@ -430,7 +458,7 @@ impl TensorMap {
                 geometry.dims.as_ptr(),
                 geometry.strides.as_ptr(),
                 geometry.boxes.as_ptr(),
-                element_strides.as_ptr(),
+                geometry.element_strides.as_ptr(),
                 sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
                 sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -454,8 +482,12 @@ pub struct MapGeometry {
     pub dims: Vec<u64>,
     /// Bytes between consecutive elements of dimensions 1.. (the driver takes no first one).
     pub strides: Vec<u64>,
-    /// Box extents: `TILE_K` channels or columns (128 bytes, the swizzle span), then the rest.
+    /// Box extents: `TILE_K` channels or columns (128 bytes, the swizzle span), then the rest
+    /// (with a traversal stride, stride × the elements it loads).
     pub boxes: Vec<u32>,
+    /// Traversal strides (`elementStrides`): every `element_strides[i]`-th element of
+    /// dimension i; 1 for the innermost (the driver ignores it without interleave).
+    pub element_strides: Vec<u32>,
 }
 
 impl MapGeometry {
@@ -487,14 +519,22 @@ impl MapGeometry {
             dims: vec![cols as u64, rows as u64],
             strides: vec![pitch],
             boxes: vec![TILE_K as u32, box_rows as u32],
+            element_strides: vec![1, 1],
         })
     }
 
     /// The geometry of an NHWC bf16 tensor of `shape` = (images, rows, columns, channels) read
-    /// in boxes of `TILE_K` channels × `tile` = (images, rows, columns).
+    /// in boxes of `TILE_K` channels × `tile` = (images, rows, columns), the rows and columns
+    /// taken every `stride`-th (the input of a strided convolution).
+    ///
+    /// The driver's rules for traversal strides (CUDA Driver API, cuTensorMapEncodeTiled's
+    /// `elementStrides`): each from 1 to 8, the innermost dimension's ignored without
+    /// interleave, and a box of `boxDim` elements loads `ceil(boxDim / elementStrides)`, so a
+    /// box of `tile × stride` loads the tile; `boxDim` stays within 1 to 256.
     pub fn bf16_nhwc(
         shape: (usize, usize, usize, usize),
         tile: (usize, usize, usize),
+        stride: usize,
     ) -> Result<MapGeometry, CudaError> {
         let (n, h, w, c) = shape;
         let (tn, th, tw) = tile;
@@ -509,8 +549,14 @@ impl MapGeometry {
                 "the pixel pitch must be a multiple of 16 bytes (channels % 8 == 0)",
             ));
         }
-        if [tn, th, tw].iter().any(|&b| b == 0 || b > 256) {
-            return Err(bad("boxes of 1 to 256 images, rows and columns"));
+        if stride == 0 || stride > 8 {
+            return Err(bad("a traversal stride of 1 to 8"));
+        }
+        let (bh, bw) = (th * stride, tw * stride);
+        if [tn, bh, bw].iter().any(|&b| b == 0 || b > 256) {
+            return Err(bad(
+                "boxes of 1 to 256 images, rows and columns (stride × the tile's)",
+            ));
         }
         let (pixel, row) = (c as u64 * 2, (w * c) as u64 * 2);
         let image = row * h as u64;
@@ -520,7 +566,8 @@ impl MapGeometry {
         Ok(MapGeometry {
             dims: vec![c as u64, w as u64, h as u64, n as u64],
             strides: vec![pixel, row, image],
-            boxes: vec![TILE_K as u32, tw as u32, th as u32, tn as u32],
+            boxes: vec![TILE_K as u32, bw as u32, bh as u32, tn as u32],
+            element_strides: vec![1, stride as u32, stride as u32, 1],
         })
     }
 }
@@ -596,7 +643,7 @@ mod tests {
             "#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)"
         ));
         assert_eq!(N64_SMEM_BYTES, 4 * 24576 + 64 + 1024);
-        assert_eq!(std::mem::size_of::<Conv3Args>(), 48);
+        assert_eq!(std::mem::size_of::<Conv3Args>(), 52);
         let multi: Vec<&str> = text
             .split("struct Conv3Args {")
             .nth(1)
@@ -623,7 +670,8 @@ mod tests {
                 "tile_w",
                 "pad",
                 "taps",
-                "flip"
+                "flip",
+                "stride"
             ]
         );
         assert_eq!(std::mem::size_of::<TensorMap>(), 128);
@@ -656,7 +704,8 @@ mod tests {
                 tile_w: 0,
                 pad: 0,
                 taps: 0,
-                flip: 0
+                flip: 0,
+                stride: 1
             }
         );
         assert_eq!(grid(&a), (4, 2, 1));
@@ -714,21 +763,20 @@ mod tests {
             stride,
             padding: 1,
         };
-        let a = forward_3x3_args(&s(256, 56, 64, 64, 1), hopper).unwrap();
+        let a = forward_4d_args(&s(256, 56, 64, 64, 1), hopper).unwrap();
         assert_eq!(
-            (a.m, a.n, a.k, a.height, a.width, a.tile_h, a.tile_w, a.pad, a.taps),
-            (256 * 56 * 56, 64, 576, 56, 56, 8, 8, 1, 3)
+            (a.m, a.n, a.k, a.height, a.width, a.tile_h, a.tile_w, a.pad, a.taps, a.stride),
+            (256 * 56 * 56, 64, 576, 56, 56, 8, 8, 1, 3, 1)
         );
         assert!(takes_forward(&s(256, 56, 64, 64, 1), hopper));
-        // stride 2, channels not a multiple of 64, other GPUs, no whole tile: v2.
-        assert!(!takes_forward(&s(256, 56, 64, 64, 2), hopper));
+        // channels not a multiple of 64, other GPUs, no whole tile: v2.
         assert!(!takes_forward(&s(256, 56, 72, 64, 1), hopper));
         assert!(!takes_forward(&s(256, 56, 64, 64, 1), GpuArch::new(8, 0)));
         assert!(!takes_forward(&s(4, 7, 64, 64, 1), hopper));
         // Every pass of a stride-1 3×3 (takes() is the 1×1 rule).
         assert!(!takes(&s(256, 56, 64, 64, 1), hopper));
         assert!(takes_wgrad(&s(256, 56, 64, 64, 1), hopper));
-        let (wa, slices, tile) = wgrad_3x3_args(&s(256, 7, 512, 512, 1), hopper, 132).unwrap();
+        let (wa, slices, tile) = wgrad_4d_args(&s(256, 7, 512, 512, 1), hopper, 132).unwrap();
         assert_eq!(tile, (64, 1, 1));
         assert_eq!((wa.m, wa.n, wa.k), (512, 4608, 256 * 49));
         assert_eq!(wa.k_chunk % 64, 0);
@@ -747,14 +795,96 @@ mod tests {
         // into whole 64-channel slices per tap.
         assert!(!takes_dgrad(&s(256, 56, 64, 72, 1), hopper));
         assert!(takes_forward(&s(256, 56, 64, 72, 1), hopper));
-        let g = MapGeometry::bf16_nhwc((256, 56, 56, 64), (2, 8, 8)).unwrap();
+        let g = MapGeometry::bf16_nhwc((256, 56, 56, 64), (2, 8, 8), 1).unwrap();
         assert_eq!(g.dims, [64, 56, 56, 256]);
         assert_eq!(g.strides, [128, 56 * 128, 56 * 56 * 128]);
         assert_eq!(g.boxes, [64, 8, 8, 2]);
-        let e = MapGeometry::bf16_nhwc((2, 4, 4, 12), (1, 4, 4))
+        assert_eq!(g.element_strides, [1, 1, 1, 1]);
+        let e = MapGeometry::bf16_nhwc((2, 4, 4, 12), (1, 4, 4), 1)
             .unwrap_err()
             .to_string();
         assert!(e.contains("2×4×4×12") && e.contains("16 bytes"), "{e}");
+    }
+
+    #[test]
+    fn strided_forwards_take_the_four_d_path() {
+        let hopper = GpuArch::new(9, 0);
+        let s = |n, hw, c_in, c_out, kernel, stride| ConvShape {
+            n,
+            h: hw,
+            w: hw,
+            c_in,
+            c_out,
+            kernel,
+            stride,
+            padding: if kernel == 3 { 1 } else { 0 },
+        };
+        // resnet50's first 3×3 of stage 2 at batch 256: 56 → 28, tiles of 8 images × 4 × 4
+        // output pixels, each input box 8 × 8 pixels traversed with stride 2.
+        let a = forward_4d_args(&s(256, 56, 128, 128, 3, 2), hopper).unwrap();
+        assert_eq!(
+            (a.m, a.n, a.k, a.height, a.width, a.tile_h, a.tile_w),
+            (256 * 28 * 28, 128, 9 * 128, 28, 28, 4, 4)
+        );
+        assert_eq!((a.pad, a.taps, a.stride, a.flip), (1, 3, 2, 0));
+        // Its downsampling projection (1×1, stride 2, no padding): the one-tap case.
+        let d = forward_4d_args(&s(256, 56, 256, 512, 1, 2), hopper).unwrap();
+        assert_eq!(
+            (d.m, d.n, d.k, d.height, d.width, d.pad, d.taps, d.stride),
+            (256 * 28 * 28, 512, 256, 28, 28, 0, 1, 2)
+        );
+        assert!(takes_forward(&s(256, 56, 256, 512, 1, 2), hopper));
+        assert!(takes_forward(&s(256, 14, 1024, 2048, 1, 2), hopper));
+        assert!(takes_forward(&s(256, 14, 512, 512, 3, 2), hopper));
+        // Odd input extents: 15 → 8 (3×3 pad 1) and 15 → 8 (1×1).
+        let odd = forward_4d_args(&s(2, 15, 64, 64, 3, 2), hopper).unwrap();
+        assert_eq!(
+            (odd.height, odd.width, odd.tile_h, odd.tile_w),
+            (8, 8, 8, 8)
+        );
+        assert!(forward_4d_args(&s(2, 15, 64, 64, 1, 2), hopper).is_some());
+        // The stride-1 1×1 stays the plain GEMM; the stem (7×7, 3 channels), stride 3, a
+        // strided 1×1 with padding, 64-channel tails and batches without a whole tile: not here.
+        assert!(forward_4d_args(&s(256, 56, 64, 256, 1, 1), hopper).is_none());
+        assert!(!takes_forward(&s(256, 224, 3, 64, 7, 2), hopper));
+        assert!(!takes_forward(&s(256, 56, 64, 64, 3, 3), hopper));
+        assert!(!takes_forward(
+            &ConvShape {
+                padding: 1,
+                ..s(256, 56, 256, 512, 1, 2)
+            },
+            hopper
+        ));
+        assert!(!takes_forward(&s(256, 56, 72, 512, 1, 2), hopper));
+        assert!(!takes_forward(&s(4, 13, 64, 64, 3, 2), hopper), "4 × 7 × 7");
+        // Data gradients of strided layers (a scatter at stride 2): v2.
+        assert!(!takes_dgrad(&s(256, 56, 128, 128, 3, 2), hopper));
+        assert!(dgrad_3x3_args(&s(256, 56, 128, 128, 3, 2), hopper, false).is_none());
+        assert!(!takes_dgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        // Weight gradients: 64-pixel tiles of the output, x's boxes at stride 2.
+        let (w3, slices, tile) = wgrad_4d_args(&s(256, 56, 128, 128, 3, 2), hopper, 132).unwrap();
+        assert_eq!(tile, (4, 4, 4));
+        assert_eq!((w3.m, w3.n, w3.k), (128, 1152, 256 * 28 * 28));
+        assert_eq!((w3.height, w3.width, w3.tile_h, w3.tile_w), (28, 28, 4, 4));
+        assert_eq!((w3.pad, w3.taps, w3.stride), (1, 3, 2));
+        assert!(slices as i32 * w3.k_chunk >= w3.k && (slices as i32 - 1) * w3.k_chunk < w3.k);
+        let (w1, _, tile) = wgrad_4d_args(&s(256, 14, 1024, 2048, 1, 2), hopper, 132).unwrap();
+        assert_eq!(tile, (64, 1, 1));
+        assert_eq!((w1.m, w1.n, w1.k), (2048, 1024, 256 * 49));
+        assert_eq!((w1.pad, w1.taps, w1.stride), (0, 1, 2));
+        assert!(takes_wgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        assert!(takes_wgrad(&s(256, 56, 128, 128, 3, 2), hopper));
+        // A strided 1×1 with 64 input channels: N = 64 would want the narrow tile, which the
+        // 4-D weight gradient lacks: v2.
+        assert!(!takes_wgrad(&s(256, 56, 64, 512, 1, 2), hopper));
+        assert!(takes_forward(&s(256, 56, 64, 512, 1, 2), hopper));
+        // The stride-1 1×1 stays the plain GEMM.
+        assert!(wgrad_4d_args(&s(256, 56, 256, 512, 1, 1), hopper, 132).is_none());
+        // The input's map: boxes of stride × the tile's columns and rows, traversal strides 2.
+        let g = MapGeometry::bf16_nhwc((256, 56, 56, 128), (8, 4, 4), 2).unwrap();
+        assert_eq!(g.dims, [128, 56, 56, 256]);
+        assert_eq!(g.boxes, [64, 8, 8, 8]);
+        assert_eq!(g.element_strides, [1, 2, 2, 1]);
     }
 
     #[test]
@@ -777,5 +907,19 @@ mod tests {
                 "{e}"
             );
         }
+        assert_eq!(g.element_strides, [1, 1]);
+        // Traversal strides 1 to 8, and boxes (stride × the tile) of at most 256.
+        for (tile, stride, why) in [
+            ((1, 8, 8), 0, "traversal stride of 1 to 8"),
+            ((1, 8, 8), 9, "traversal stride of 1 to 8"),
+            ((1, 1, 128), 4, "1 to 256"),
+        ] {
+            let e = MapGeometry::bf16_nhwc((2, 16, 16, 64), tile, stride)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        let wide = MapGeometry::bf16_nhwc((2, 16, 256, 64), (1, 1, 128), 2).unwrap();
+        assert_eq!(wide.boxes, [64, 256, 2, 1]);
     }
 }

@@ -199,8 +199,20 @@ fn kernels_match_references_under_emulation() {
         ),
         // the tap's column shift of the 3×3 input box taken from its row
         (
+            "c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);",
+            "c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dr, h0 * a.stride + dr, img0, full);",
+        ),
+        // the stride ignored in the box coordinate: a stride-2 forward's tiles read the input
+        // at their output pixel instead of output pixel × 2
+        (
+            "c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);",
             "c3_tma_load_4d(stage, map_a, c0, w0 + dt, h0 + dr, img0, full);",
-            "c3_tma_load_4d(stage, map_a, c0, w0 + dr, h0 + dr, img0, full);",
+        ),
+        // the stride ignored in the weight gradient's x box: the rows of a stride-2 tile read
+        // at the output row instead of output row × 2
+        (
+            "th0 * a.stride + r - a.pad, ti0, full);",
+            "th0 + r - a.pad, ti0, full);",
         ),
     ];
     let mut broken_conv3 = Vec::new();

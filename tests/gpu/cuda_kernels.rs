@@ -963,6 +963,33 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
     ]
 }
 
+/// Strided layers whose forward and weight gradient v3 takes through 4-D boxes of the input
+/// traversed with stride 2 (resnet50's first 3×3 of stages 2–4 and its downsampling 1×1
+/// projections): 3×3 16 → 8 in
+/// tiles of 2 images × 8 × 8 with an output-channel tail, odd 15 → 8 (the padding below and
+/// right) with 64 output channels (the `_n64` twin), 13 → 7 in one-pixel tiles of 128 images;
+/// 1×1 16 → 8 with two channel slices, odd 15 × 31 → 8 × 16 with a tail.
+fn conv3_strided_shapes() -> Vec<ConvShape> {
+    let c = |n, h, w, c_in, c_out, kernel| ConvShape {
+        n,
+        h,
+        w,
+        c_in,
+        c_out,
+        kernel,
+        stride: 2,
+        padding: if kernel == 3 { 1 } else { 0 },
+    };
+    vec![
+        c(4, 16, 16, 64, 72, 3),
+        c(2, 15, 15, 128, 64, 3),
+        c(128, 13, 13, 64, 128, 3),
+        c(4, 16, 16, 128, 256, 1),
+        c(2, 15, 31, 64, 136, 1),
+        c(2, 16, 16, 64, 64, 1),
+    ]
+}
+
 /// The bits of a GPU tensor, for the repeat checks.
 fn bits(gb: &CudaBackend, t: &birdtrain::cuda::CudaTensor) -> Vec<u32> {
     gb.download(t)
@@ -1133,10 +1160,39 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
             || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
         "v2 ran a 3×3 forward or weight gradient v3 takes: {three_by_three:?}"
     );
+    // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
+    // map; the 1×1 with 64 input channels' weight gradient on v2: no narrow 4-D twin), the
+    // data gradients on v2, each against the CPU.
+    gb.set_profiling(true);
+    for s in conv3_strided_shapes() {
+        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
+        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
+        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
+        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
+        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
+        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy);
+    }
+    let strided = ran(&gb);
+    gb.set_profiling(false);
+    for kernel in ["conv3_fwd_3x3", "conv3_fwd_3x3_n64", "conv3_wgrad_3x3"] {
+        assert!(
+            strided.contains(&kernel),
+            "{kernel} did not run: {strided:?}"
+        );
+    }
+    assert!(
+        !strided.iter().any(|k| k.starts_with("conv2_fwd")),
+        "v2 ran a strided forward v3 takes: {strided:?}"
+    );
+    assert!(
+        strided.iter().any(|k| k.starts_with("conv2_dgrad")),
+        "the strided data gradients are v2's: {strided:?}"
+    );
 }
 
 /// The fused batch-norm ops with v3 (its statistics and batch-norm gradient epilogues on the
-/// 1×1 layers, its statistics epilogue on the 3×3 forwards in whole tiles, v2 on the rest)
+/// 1×1 layers, its statistics epilogue on the 3×3 and strided forwards in whole tiles, v2 on
+/// the rest)
 /// against the CPU, with the v2 test's tolerance, then twice to
 /// the bit.
 #[test]
@@ -1152,6 +1208,7 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
     let mut shapes = bn_fusion_shapes();
     shapes.extend(conv3_shapes());
     shapes.extend(conv3_3x3_shapes());
+    shapes.extend(conv3_strided_shapes());
     gb.set_profiling(true);
     let reports = check_bn_fusion(&gb, &shapes, tol).unwrap_or_else(|e| panic!("v3: {e}"));
     for r in &reports {

@@ -122,8 +122,8 @@ pub(super) fn conv_forward_moments(
     check_len(op, "y", y.len, s.y_len())?;
     check_len(op, "moments", moments.len, 3 * s.c_out)?;
     let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
-    // The v3 GEMM's epilogue writes conv2's records (128-row tiles; a 3×3 layer's tiles are
-    // whole, so each record covers 128 rows as the merge expects).
+    // The v3 GEMM's epilogue writes conv2's records (128-row tiles; the 4-D path's tiles (3×3,
+    // strided 1×1) are whole, so each record covers 128 rows as the merge expects).
     let v3 = be.conv3_takes_forward(s);
     let fwd = if v3 {
         None

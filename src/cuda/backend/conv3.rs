@@ -1,5 +1,6 @@
-//! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1
-//! and 3×3 ones at stride 1 (in whole tiles of pixels) on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
+//! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
+//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward and weight gradient of
+//! strided 3×3 and 1×1 ones on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
 //! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
@@ -33,8 +34,8 @@ pub(super) struct DgradBn<'a> {
 }
 
 impl CudaBackend {
-    /// Whether v3 is selected and takes this layer's weight gradient (1×1, or 3×3 at stride 1
-    /// with whole 64-pixel tiles).
+    /// Whether v3 is selected and takes this layer's weight gradient (1×1 at stride 1, or
+    /// through 4-D boxes a 3×3 at stride 1 or 2 or a strided 1×1, with whole 64-pixel tiles).
     pub(super) fn conv3_takes_wgrad(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_wgrad(s, self.dev.arch())
     }
@@ -45,8 +46,8 @@ impl CudaBackend {
         self.conv == ConvVersion::V3 && conv3::takes_dgrad(s, self.dev.arch())
     }
 
-    /// Whether v3 is selected and takes this layer's forward pass (1×1, or 3×3 at stride 1
-    /// with whole tiles).
+    /// Whether v3 is selected and takes this layer's forward pass (1×1 at stride 1, or through
+    /// 4-D boxes a 3×3 at stride 1 or 2 or a strided 1×1, with whole tiles).
     pub(super) fn conv3_takes_forward(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_forward(s, self.dev.arch())
     }
@@ -88,20 +89,23 @@ impl CudaBackend {
     }
 
     /// The tensor map of `buf` as an NHWC tensor of `shape` (images, rows, columns, channels)
-    /// read in 4-D boxes of 64 channels × `tile` (images, rows, columns).
+    /// read in 4-D boxes of 64 channels × `tile` (images, rows, columns), every `stride`-th
+    /// row and column.
     fn tensor_map_nhwc(
         &self,
         op: &'static str,
         buf: &CudaSlice<u16>,
         shape: (usize, usize, usize, usize),
         tile: (usize, usize, usize),
+        stride: usize,
     ) -> Result<TensorMap, BackendError> {
         let (ptr, _record) = buf.device_ptr(self.dev.stream());
-        TensorMap::bf16_nhwc(ptr, shape, tile).map_err(dev_err(op))
+        TensorMap::bf16_nhwc(ptr, shape, tile, stride).map_err(dev_err(op))
     }
 
-    /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1, or 3×3 in
-    /// whole tiles), and with `part` the per-tile statistics records of y.
+    /// y = conv(x, w) for a layer [`Self::conv3_takes_forward`] accepts (1×1 at stride 1 as a
+    /// plain GEMM, else through 4-D boxes in whole tiles), and with `part` the per-tile
+    /// statistics records of y.
     pub(super) fn conv3_forward(
         &self,
         op: &'static str,
@@ -111,19 +115,22 @@ impl CudaBackend {
         y: &mut CudaSlice<u16>,
         part: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), BackendError> {
-        let (args, map_x, kernels) = if s.kernel == 1 {
+        let (args, map_x, kernels) = if s.kernel == 1 && s.stride == 1 {
             let args = forward_args(op, s)?;
             let (m, k) = (args.m as usize, args.k as usize);
             let map_x = self.tensor_map(op, x, m, k, conv3::TILE_M)?;
             (args, map_x, (conv3::FWD_KERNEL, conv3::FWD_STATS_KERNEL))
         } else {
-            let args = conv3::forward_3x3_args(s, self.dev.arch()).ok_or_else(|| {
+            let args = conv3::forward_4d_args(s, self.dev.arch()).ok_or_else(|| {
                 dev_err(op)(CudaError::Unsupported {
-                    what: format!("{s:?}: no whole 3×3 tile for the v3 kernels"),
+                    what: format!("{s:?}: no whole tile for the v3 kernels"),
                 })
             })?;
-            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("forward_3x3_args found one");
-            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
+            // Tiles of output pixels; the input's boxes span stride × them.
+            let tile =
+                conv3::tile_3x3(s.n, s.out_h(), s.out_w()).expect("forward_4d_args found one");
+            let shape = (s.n, s.h, s.w, s.c_in);
+            let map_x = self.tensor_map_nhwc(op, x, shape, tile, s.stride)?;
             (
                 args,
                 map_x,
@@ -224,7 +231,7 @@ impl CudaBackend {
         self.note_work(4 * s.w_len(), 0.0);
         let map_dy = if three {
             let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
-            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?
+            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
@@ -286,21 +293,23 @@ impl CudaBackend {
         dy: &CudaSlice<u16>,
         dw: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        // Both operands MN-major: boxes of 64 channels × 64 pixels (1×1: 64 consecutive rows;
-        // 3×3: a whole 64-pixel tile, x's shifted by the tap of each 64 columns of dw).
-        let (args, slices, map_dy, map_x, kernel) = if s.kernel == 3 {
-            let (args, slices, tile) = conv3::wgrad_3x3_args(s, self.dev.arch(), self.sms as usize)
-                .ok_or_else(|| too_large(op, s))?;
-            let map_dy = self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile)?;
-            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile)?;
-            (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
-        } else {
+        // Both operands MN-major: boxes of 64 channels × 64 pixels (1×1 at stride 1: 64
+        // consecutive rows; else a whole 64-pixel tile of dy, x's at stride × it, shifted by
+        // the tap of each 64 columns of dw).
+        let (args, slices, map_dy, map_x, kernel) = if s.kernel == 1 && s.stride == 1 {
             let (args, slices) =
                 conv3::wgrad_args(s, self.sms as usize).ok_or_else(|| too_large(op, s))?;
             let (pixels, c_out, c_in) = (args.k as usize, args.m as usize, args.n as usize);
             let map_dy = self.tensor_map(op, dy, pixels, c_out, conv3::TILE_K)?;
             let map_x = self.tensor_map(op, x, pixels, c_in, conv3::TILE_K)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_KERNEL)
+        } else {
+            let (args, slices, tile) = conv3::wgrad_4d_args(s, self.dev.arch(), self.sms as usize)
+                .ok_or_else(|| too_large(op, s))?;
+            let dy_shape = (s.n, s.out_h(), s.out_w(), s.c_out);
+            let map_dy = self.tensor_map_nhwc(op, dy, dy_shape, tile, 1)?;
+            let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile, s.stride)?;
+            (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
         };
         let kernel = conv3::with_tile(kernel, conv3::tile_n(&args));
         let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
