@@ -54,15 +54,14 @@ fn zeroed_vec(len: usize) -> Result<Vec<u8>, PipelineError> {
     if len == 0 {
         return Ok(Vec::new());
     }
-    let refused = |source: Option<Box<dyn std::error::Error + Send + Sync>>| {
-        PipelineError::Allocator {
+    let refused =
+        |source: Option<Box<dyn std::error::Error + Send + Sync>>| PipelineError::Allocator {
             message: format!(
                 "cannot allocate a batch buffer of {}",
                 crate::limits::human_bytes(len as u64)
             ),
             source,
-        }
-    };
+        };
     let layout = std::alloc::Layout::array::<u8>(len).map_err(|e| refused(Some(Box::new(e))))?;
     // SAFETY: the layout's size is not zero.
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -154,7 +153,13 @@ mod tests {
 
     #[test]
     fn an_allocation_too_large_is_an_error_value() {
-        let err = VecAllocator.allocate(usize::MAX / 2).err().expect("refused");
-        assert!(err.to_string().contains("cannot allocate a batch buffer"), "{err}");
+        let err = VecAllocator
+            .allocate(usize::MAX / 2)
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("cannot allocate a batch buffer"),
+            "{err}"
+        );
     }
 }
