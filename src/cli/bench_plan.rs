@@ -175,10 +175,18 @@ fn v3_row(layer: &str, pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Option<Pla
         conv3::with_tile(kernel, conv3::tile_n(&args))
     };
     let (tm, tn) = conv3::kernel_tile(kernel);
-    let (gx, gy) = ((args.m as usize).div_ceil(tm), (args.n as usize).div_ceil(tn));
+    let (gx, gy) = (
+        (args.m as usize).div_ceil(tm),
+        (args.n as usize).div_ceil(tn),
+    );
     let blocks = gx * gy * slices;
     // The short tiles run two blocks an SM.
-    let slots = gpu.sms * if (tm, tn) == (conv3::TILE_M, conv3::TILE_N) { 1 } else { 2 };
+    let slots = gpu.sms
+        * if (tm, tn) == (conv3::TILE_M, conv3::TILE_N) {
+            1
+        } else {
+            2
+        };
     let tile = (tm * tn) as f64;
     let red = if pass == Pass::Wgrad {
         args.k_chunk
@@ -338,10 +346,7 @@ mod tests {
             ]
         );
         assert_eq!(by("layer1.1.conv1")[2], conv3::WGRAD_M64_KERNEL);
-        let m64: Vec<_> = v3
-            .iter()
-            .filter(|r| r.kernel.ends_with("_m64"))
-            .collect();
+        let m64: Vec<_> = v3.iter().filter(|r| r.kernel.ends_with("_m64")).collect();
         assert_eq!(m64.len(), 5, "layer1's three 3×3 and two 256 → 64 1×1");
         for r in m64 {
             assert_eq!(r.gemm.0, 64, "{r:?}");

@@ -679,10 +679,7 @@ mod tests {
             WGRAD_KERNEL,
             WGRAD_3X3_KERNEL,
         ];
-        let narrow: Vec<&str> = gemms
-            .iter()
-            .map(|k| with_tile(k, TILE_N_NARROW))
-            .collect();
+        let narrow: Vec<&str> = gemms.iter().map(|k| with_tile(k, TILE_N_NARROW)).collect();
         let mut want: Vec<&str> = gemms.to_vec();
         want.extend(&narrow);
         want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
@@ -965,7 +962,11 @@ mod tests {
         };
         assert_eq!(wgrad_tile(64, 576), (64, 128));
         assert_eq!(wgrad_tile(40, 65), (64, 128));
-        assert_eq!(wgrad_tile(64, 64), (128, 64), "both short: the 64-column twin");
+        assert_eq!(
+            wgrad_tile(64, 64),
+            (128, 64),
+            "both short: the 64-column twin"
+        );
         assert_eq!(wgrad_tile(128, 576), (128, 128));
         assert_eq!(wgrad_tile(65, 576), (128, 128));
         // resnet18's layer1 3×3 at batch 256: M = 64, N = 576 in five 128-column tiles of 64
@@ -977,7 +978,10 @@ mod tests {
         assert_eq!(kernel, WGRAD_3X3_M64_KERNEL);
         assert_eq!(wgrad_grid(kernel, &a, slices), (1, 5, slices as u32));
         let waves = (5 * slices) as f64 / 264.0;
-        assert!(waves >= 1.0 && waves.ceil() - waves < 0.05, "{slices} slices");
+        assert!(
+            waves >= 1.0 && waves.ceil() - waves < 0.05,
+            "{slices} slices"
+        );
         assert!(slices as i32 * a.k_chunk >= a.k && (slices as i32 - 1) * a.k_chunk < a.k);
         // resnet50's 1×1 of 256 → 64 channels: the 1×1 twin.
         let (b, slices) = wgrad_args(&s(256, 56, 256, 64, 1, 1), 132).unwrap();

@@ -73,16 +73,14 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
     // Every GEMM at 128 × 128 and its 64-column twin; the weight gradients' 64-row twins.
     let kernels = gemms
         .iter()
-        .flat_map(|k| {
-            [
-                *k,
-                conv3::with_tile(k, conv3::TILE_N_NARROW),
-            ]
-        })
+        .flat_map(|k| [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)])
         .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL]);
     for name in kernels {
         let wide = conv3::kernel_tile(name) == (conv3::TILE_M, conv3::TILE_N);
-        assert!(wide || name.ends_with("_n64") || name.ends_with("_m64"), "{name}");
+        assert!(
+            wide || name.ends_with("_n64") || name.ends_with("_m64"),
+            "{name}"
+        );
         let r = rows
             .iter()
             .find(|r| r.kernel == name)

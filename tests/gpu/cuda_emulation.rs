@@ -226,10 +226,7 @@ fn kernels_match_references_under_emulation() {
             "c3_mbar_arrive_expect_tx(full, C3_TILE_BYTES + BN * C3_BK * 2);",
         ),
         // the 64-row twin's consumers writing the same 64 columns of dw
-        (
-            "col_base = n0 + (SPLIT_N ? c * 64 : 0);",
-            "col_base = n0;",
-        ),
+        ("col_base = n0 + (SPLIT_N ? c * 64 : 0);", "col_base = n0;"),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {
