@@ -271,7 +271,8 @@ static std::vector<float> run_wgrad(const Wgrad& g, const std::vector<bf16>& dy,
                                              (unsigned long long)g.c * 2, 64, C3_BK, true);
     const Conv3Args args{g.k, g.c, g.p, 0, g.chunk};
     float* dw = planes.data();
-    auto* kernel = g_bm == 64 ? conv3_wgrad_1x1_m64 : g_bn == 64 ? conv3_wgrad_1x1_n64 : conv3_wgrad_1x1;
+    decltype(&conv3_wgrad_1x1) const by_tile[] = {conv3_wgrad_1x1, conv3_wgrad_1x1_n64, conv3_wgrad_1x1_m64};
+    auto* kernel = by_tile[g_bm == 64 ? 2 : g_bn == 64 ? 1 : 0];
     emu_launch({(unsigned)((g.k + g_bm - 1) / g_bm), (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)slices},
                {C3_THREADS, 1, 1}, [&] { kernel(map_dy, map_x, dw, args); });
     return planes;
@@ -564,7 +565,8 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
         const BtTmaMap map_dy = map4(dy, g.k, ho, wo, 1), map_x = map4(x, g.c, g.h, g.w, s);
         const Conv3Args args{g.k, taps * g.c, (int)px, 0, g.chunk, ho, wo, th, tw, pad, g.ks, 0, s};
         float* dw = planes.data();
-        auto* kernel = g_bm == 64 ? conv3_wgrad_3x3_m64 : g_bn == 64 ? conv3_wgrad_3x3_n64 : conv3_wgrad_3x3;
+        decltype(&conv3_wgrad_3x3) const by_tile[] = {conv3_wgrad_3x3, conv3_wgrad_3x3_n64, conv3_wgrad_3x3_m64};
+        auto* kernel = by_tile[g_bm == 64 ? 2 : g_bn == 64 ? 1 : 0];
         emu_launch({(unsigned)((g.k + g_bm - 1) / g_bm), (unsigned)((taps * g.c + g_bn - 1) / g_bn), (unsigned)slices},
                    {C3_THREADS, 1, 1}, [&] { kernel(map_dy, map_x, dw, args); });
     };
