@@ -53,7 +53,9 @@
 // producer, 1 and 2 the consumers), dynamic shared memory CONV3_SMEM_BYTES (4 stages of
 // 32 KiB, the barriers and 1 KiB of alignment slack: 132 KiB, one block per SM), the tensor
 // maps as `__grid_constant__` parameters (src/cuda/conv3.rs encodes them with
-// cuTensorMapEncodeTiled: bf16, 2-D, box 64 × 128, 128-byte swizzle, zero fill).
+// cuTensorMapEncodeTiled: bf16, 2-D, box 64 × 128, 128-byte swizzle, zero fill). The `_n64`
+// twins (64-column tiles) and the weight gradients' `_m64` twins (64-row tiles, the consumers
+// splitting the columns) have stages of 24 KiB and run two blocks an SM.
 #include "common.cuh"
 
 // The GEMM's shape; mirrors `Conv3Args` in src/cuda/conv3.rs (repr(C), 13 ints).
@@ -95,7 +97,7 @@ struct Conv3Epilogue {
 #define C3_BOX_BYTES (64 * C3_BK * 2)             // an MN-major box: 64 MN × 64 k, 8 KiB
 #define C3_BARRIERS (C3_STAGES * C3_STAGE_BYTES)  // offset of the mbarriers from the base
 #define CONV3_SMEM_BYTES (C3_BARRIERS + 2 * C3_STAGES * 8 + 1024)
-// The _n64 kernels' stages hold a B tile of 64 rows.
+// The _n64 kernels' stages hold a B tile of 64 rows; the _m64 ones an A tile of 64 rows (24 KiB alike).
 #define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)
 #define C3_LDC (C3_BN + 8)  // row pitch of the staged output tile, in elements
 
@@ -327,13 +329,20 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 // tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
 // padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step; at
 // a.stride 2 the box starts at the tile's first output pixel × 2 (a strided map).
-template <int EPI, int MN, int TAPS = 0, int BN = C3_BN>
+// BM = 64 (the weight gradients' `_m64` twins, for M ≤ 64): a tile of 64 rows × 128 columns
+// split by COLUMNS between the consumers: one A box per stage, which both read, and consumer c
+// multiplies it by B's box c (columns 64c .. 64c + 63) with m64n64k16.
+template <int EPI, int MN, int TAPS = 0, int BN = C3_BN, int BM = C3_BM>
 __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
                                                const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     static_assert(BN == 128 || BN == 64, "tiles of 128 or 64 columns");
-    // A stage: the A tile (128 rows × 64 k), then the B tile (BN rows × 64 k).
-    constexpr int STAGE = C3_TILE_BYTES + BN * C3_BK * 2, LDC = BN + 8, ACC = BN / 2;
+    static_assert(BM == C3_BM || (BM == 64 && BN == 128 && MN && EPI == C3_EPI_WGRAD),
+                  "64-row tiles: the MN-major weight gradients' column split");
+    // A stage: the A tile (BM rows × 64 k), then the B tile (BN rows × 64 k). CN: the columns
+    // of each consumer's accumulator (the whole tile's, or half of them when split by columns).
+    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2, LDC = BN + 8;
+    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
     C3_SMEM(smem_raw);
     // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
     const unsigned raw = c3_shared(smem_raw);
@@ -341,7 +350,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     unsigned char* smem = smem_raw + (base - raw);
     const unsigned full0 = base + C3_STAGES * STAGE, empty0 = full0 + 8 * C3_STAGES;
     const int tid = threadIdx.x, wg = tid / 128;
-    const int m0 = blockIdx.x * C3_BM, n0 = blockIdx.y * BN;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int k_begin = blockIdx.z * a.k_chunk, k_end = min(a.k, k_begin + a.k_chunk);
     const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
     // TAPS: the tile's first image, row and column, and the channel slices of one tap.
@@ -389,13 +398,13 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                     const int ti0 = tile / (wb * hb) * (C3_BK / per_image);
                     const int channels = a.n / (a.taps * a.taps);
                     c3_tma_load_4d(stage, map_a, m0, tw0, th0, ti0, full);
-                    c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
+                    if (BM == 128) c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
 #pragma unroll
                     for (int j = 0; j < BN / 64; ++j) {
                         const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
                         const int r = tap / a.taps, t = tap % a.taps;
                         // x's box at the tile's input pixels (a strided map at stride 2)
-                        c3_tma_load_4d(stage + C3_TILE_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
+                        c3_tma_load_4d(stage + A_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
                                        th0 * a.stride + r - a.pad, ti0, full);
                     }
                 } else if (TAPS) {
@@ -403,20 +412,21 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                     const int r = tap / a.taps, t = tap % a.taps;
                     const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
                     c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);
-                    c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
+                    c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
                 } else if (MN) {
                     c3_tma_load(stage, map_a, m0, k0, full);
-                    c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
-                    c3_tma_load(stage + C3_TILE_BYTES, map_b, n0, k0, full);
-                    if (BN == 128) c3_tma_load(stage + C3_TILE_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
+                    if (BM == 128) c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
+                    c3_tma_load(stage + A_BYTES, map_b, n0, k0, full);
+                    if (BN == 128) c3_tma_load(stage + A_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
                 } else {
                     c3_tma_load(stage, map_a, k0, m0, full);
-                    c3_tma_load(stage + C3_TILE_BYTES, map_b, k0, n0, full);
+                    c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
                 }
             }
         }
     } else {
-        // Consumer warpgroup c: rows 64c .. 64c + 63 of the tile.
+        // Consumer warpgroup c: rows 64c .. 64c + 63 of the tile (SPLIT_N: its columns
+        // 64c .. 64c + 63).
         const int c = wg - 1;
         c3_fence_acc<ACC>(acc);
         for (int kt = 0; kt < kt_count; ++kt) {
@@ -425,15 +435,17 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             const unsigned stage = base + s * STAGE;
             // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
             // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
-            const unsigned a_rows = stage + c * (MN ? C3_BOX_BYTES : 64 * 128), b_rows = stage + C3_TILE_BYTES;
+            // SPLIT_N: the one A box for both, B's box c for each.
+            const unsigned a_rows = stage + (SPLIT_N ? 0 : c * (MN ? C3_BOX_BYTES : 64 * 128));
+            const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);
             c3_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < C3_BK / 16; ++kk) {
                 if (MN)
-                    c3_wgmma<BN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
+                    c3_wgmma<CN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
                                               kt > 0 || kk > 0);
                 else
-                    c3_wgmma<BN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+                    c3_wgmma<CN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
             }
             c3_wgmma_commit();
             // The previous slice's wgmma are done: its stage may be refilled.
@@ -450,12 +462,13 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             // f32 partial sums of this reduction slice into its own plane (each element by one
             // thread: no atomics); conv2_wgrad_reduce adds the planes in slice order.
             float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.m * a.n;
-            const int warp = (tid / 32) % 4, lane = tid % 32, row_base = m0 + c * 64 + warp * 16 + lane / 4;
+            const int warp = (tid / 32) % 4, lane = tid % 32;
+            const int row_base = m0 + (SPLIT_N ? 0 : c * 64) + warp * 16 + lane / 4, col_base = n0 + (SPLIT_N ? c * 64 : 0);
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < CN / 8; ++j)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int m = row_base + 8 * h, n = n0 + 8 * j + 2 * (lane % 4);
+                    const int m = row_base + 8 * h, n = col_base + 8 * j + 2 * (lane % 4);
                     if (m < a.m && n < a.n) bt_store2_f32(dw + (long)m * a.n + n, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                 }
         }
@@ -470,7 +483,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     if (wg > 0) {
         const int warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int j = 0; j < CN / 8; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + 8 * h, col = 8 * j + 2 * (lane % 4);
@@ -694,8 +707,8 @@ conv3_wgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
 
 // The same GEMMs with 64-column tiles (`_n64`: one m64n64k16 wgmma per 16 of k, B tiles of 64
 // rows, CONV3_N64_SMEM_BYTES: 4 stages of 24 KiB and the slack, two blocks per SM): the host
-// picks them where the GEMM's N is at most 64 (a 128-column tile would be half padding; the 3×3
-// weight gradient's N is 9 × 64 or more, so it has no narrow twin).
+// picks them where the GEMM's N is at most 64 (a 128-column tile would be half padding; the 4-D
+// weight gradient's N is 64 only for a strided 1×1 of 64 input channels).
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_fwd_1x1_n64(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
     conv3_gemm<C3_EPI_NONE, 0, 0, 64>(&map_x, &map_w, y, args, Conv3Epilogue{});
@@ -755,6 +768,30 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_wgrad_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
                 Conv3Args args) {
     conv3_gemm<C3_EPI_WGRAD, 1, 0, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
+// (N = taps·C ≤ 64: the strided 1×1 weight gradient of 64 input channels, one tap)
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_wgrad_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
+                Conv3Args args) {
+    conv3_gemm<C3_EPI_WGRAD, 1, 1, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
+// The weight gradients with 64-row tiles (`_m64`: 64 output channels × 128 columns, the
+// consumers splitting the columns, each one m64n64k16 per 16 of k on the stage's one A box;
+// CONV3_N64_SMEM_BYTES, as the A box and B's two are 24 KiB a stage; two blocks per SM): the
+// host picks them where the GEMM's M (output channels) is at most 64 and N is over 64 (a
+// 128-row tile would leave one consumer multiplying zeros).
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_wgrad_1x1_m64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
+                    Conv3Args args) {
+    conv3_gemm<C3_EPI_WGRAD, 1, 0, 128, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_wgrad_3x3_m64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x, float* dw,
+                    Conv3Args args) {
+    conv3_gemm<C3_EPI_WGRAD, 1, 1, 128, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
 

@@ -7,7 +7,9 @@
 // dimension (M, N and K not multiples of the 128 × 128 × 64 tile) and reductions long enough
 // to wrap the 4-stage ring more than once. Every case runs twice, first with TMA loads landing
 // as late as allowed and the blocks in row-major order, then landing at issue and the blocks
-// shuffled: both must give the same bits (a missing wait changes one of them).
+// shuffled: both must give the same bits (a missing wait changes one of them). Every kernel
+// runs in each of its tile shapes: 128 × 128, the 64-column `_n64` twins, and the weight
+// gradients' 64-row `_m64` twins (the consumers splitting the columns).
 #include "emu.h"
 #include "conv3_x.cu"  // conv3.cu with common.cuh expanded (written by the test)
 #include <cstdio>
@@ -20,6 +22,8 @@ static int failures = 0;
 static bool first_only = false;
 // The tile width under test: 128 (conv3_*) or 64 (conv3_*_n64).
 static int g_bn = 128;
+// The weight gradients' tile height under test: 128, or 64 (conv3_wgrad_*_m64, split by columns).
+static int g_bm = 128;
 
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -267,15 +271,18 @@ static std::vector<float> run_wgrad(const Wgrad& g, const std::vector<bf16>& dy,
                                              (unsigned long long)g.c * 2, 64, C3_BK, true);
     const Conv3Args args{g.k, g.c, g.p, 0, g.chunk};
     float* dw = planes.data();
-    emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)slices},
-               {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_wgrad_1x1_n64(map_dy, map_x, dw, args) : conv3_wgrad_1x1(map_dy, map_x, dw, args)); });
+    decltype(&conv3_wgrad_1x1) const by_tile[] = {conv3_wgrad_1x1, conv3_wgrad_1x1_n64, conv3_wgrad_1x1_m64};
+    auto* kernel = by_tile[g_bm == 64 ? 2 : g_bn == 64 ? 1 : 0];
+    emu_launch({(unsigned)((g.k + g_bm - 1) / g_bm), (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)slices},
+               {C3_THREADS, 1, 1}, [&] { kernel(map_dy, map_x, dw, args); });
     return planes;
 }
 
 static void check_wgrad(const Wgrad& g) {
     std::mt19937 rng(g.p * 31 + g.k * 17 + g.c * 3 + g.chunk);
     const int slices = (g.p + g.chunk - 1) / g.chunk;
-    printf("conv3_wgrad_1x1 p%d k%d c%d, %d slice(s) of %d\n", g.p, g.k, g.c, slices, g.chunk);
+    printf("conv3_wgrad_1x1%s p%d k%d c%d, %d slice(s) of %d\n", g_bm == 64 ? "_m64" : g_bn == 64 ? "_n64" : "", g.p, g.k,
+           g.c, slices, g.chunk);
     const auto dy = random_bf16(rng, (size_t)g.p * g.k, 1.0f);
     const auto x = random_bf16(rng, (size_t)g.p * g.c, 1.0f, 0.25f);
     g_emu_tma_eager = false;
@@ -541,8 +548,9 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
     const auto dy = random_bf16(rng, px * g.k, 1.0f);
     const auto x = random_bf16(rng, in_px * g.c, 1.0f, 0.25f);
     const int slices = (int)((px + g.chunk - 1) / g.chunk);
-    printf("conv3_wgrad_3x3 n%d %dx%d c%d k%d%s%s, tiles %dx%dx%d, %d slice(s) of %d\n", g.n, g.h, g.w, g.c, g.k,
-           g.ks == 1 ? " 1x1" : "", s > 1 ? " stride 2" : "", tn, th, tw, slices, g.chunk);
+    printf("conv3_wgrad_3x3%s n%d %dx%d c%d k%d%s%s, tiles %dx%dx%d, %d slice(s) of %d\n",
+           g_bm == 64 ? "_m64" : g_bn == 64 ? "_n64" : "", g.n, g.h, g.w, g.c, g.k, g.ks == 1 ? " 1x1" : "",
+           s > 1 ? " stride 2" : "", tn, th, tw, slices, g.chunk);
     const size_t plane = (size_t)g.k * taps * g.c;
     auto run = [&](std::vector<float>& planes) {
         auto map4 = [&](const std::vector<bf16>& t, int ch, int hh, int ww, int es) {
@@ -557,8 +565,10 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
         const BtTmaMap map_dy = map4(dy, g.k, ho, wo, 1), map_x = map4(x, g.c, g.h, g.w, s);
         const Conv3Args args{g.k, taps * g.c, (int)px, 0, g.chunk, ho, wo, th, tw, pad, g.ks, 0, s};
         float* dw = planes.data();
-        emu_launch({(unsigned)((g.k + C3_BM - 1) / C3_BM), (unsigned)((taps * g.c + g_bn - 1) / g_bn), (unsigned)slices},
-                   {C3_THREADS, 1, 1}, [&] { conv3_wgrad_3x3(map_dy, map_x, dw, args); });
+        decltype(&conv3_wgrad_3x3) const by_tile[] = {conv3_wgrad_3x3, conv3_wgrad_3x3_n64, conv3_wgrad_3x3_m64};
+        auto* kernel = by_tile[g_bm == 64 ? 2 : g_bn == 64 ? 1 : 0];
+        emu_launch({(unsigned)((g.k + g_bm - 1) / g_bm), (unsigned)((taps * g.c + g_bn - 1) / g_bn), (unsigned)slices},
+                   {C3_THREADS, 1, 1}, [&] { kernel(map_dy, map_x, dw, args); });
     };
     std::vector<float> planes((size_t)slices * plane, NAN);
     g_emu_tma_eager = false;
@@ -595,6 +605,27 @@ static void check_wgrad_3x3(const Wgrad3x3& g) {
     check_bits("eager TMA, shuffled blocks: same planes", memcmp(again.data(), planes.data(), planes.size() * 4) == 0);
 }
 
+// The weight gradient cases every tile shape runs.
+static const Wgrad kWgrads[] = {
+    {300, 136, 200, 320},  // one slice; tails in M (channels of dy), N and the pixels
+    {520, 64, 72, 128},    // five slices, the last of 8 pixels; half-empty column tile
+    {5, 8, 8, 64},         // almost all tail
+    {1000, 256, 136, 320}, // two row tiles, two column tiles, four slices (the last 40)
+};
+static const Wgrad3x3 kWgrads3[] = {
+    {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
+    {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
+    {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
+    // stride 2 (x's map strided): resnet50's 3×3 s2 and 1×1 s2 (downsample) layers
+    {4, 16, 16, 64, 72, 128, 3, 2},  // 16 → 8: tiles of 8 × 8, two slices, a half-empty column tile
+    {2, 15, 15, 64, 8, 64, 3, 2},    // odd 15 → 8: the last row and column pad; a row tail
+    {2, 32, 32, 64, 8, 256, 3, 2},   // 32 → 16: tiles of 4 × 16 rows, boxes starting at input row 8, 16, 24
+    {64, 7, 7, 64, 8, 192, 3, 2},    // odd 7 → 4: tiles of 4 images × 4 × 4, six slices
+    {4, 16, 16, 128, 64, 128, 1, 2}, // 1×1 s2 16 → 8: one tap, two slices
+    {2, 15, 31, 192, 72, 256, 1, 2}, // 1×1 s2 odd 15×31 → 8×16: tiles of 4 × 16, a column tail
+    {4, 16, 16, 64, 128, 128, 1, 2}, // 1×1 s2 of 64 input channels (N = 64: the narrow twin's case)
+};
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) first_only |= std::string(argv[i]) == "--first";
     for (int bn : {128, 64}) {
@@ -625,13 +656,7 @@ int main(int argc, char** argv) {
             if (first_only && failures) break;
             check_dgrad(d);
         }
-        const Wgrad wgrads[] = {
-            {300, 136, 200, 320},  // one slice; tails in M (channels of dy), N and the pixels
-            {520, 64, 72, 128},    // five slices, the last of 8 pixels; half-empty column tile
-            {5, 8, 8, 64},         // almost all tail
-            {1000, 256, 136, 320}, // two row tiles, two column tiles, four slices (the last 40)
-        };
-        for (const Wgrad& g : wgrads) {
+        for (const Wgrad& g : kWgrads) {
             if (first_only && failures) break;
             check_wgrad(g);
         }
@@ -660,24 +685,42 @@ int main(int argc, char** argv) {
             if (first_only && failures) break;
             check_dgrad_3x3(g);
         }
-        // (no narrow twin: the 3×3 weight gradient's N is 9 × 64 or more)
-        const std::vector<Wgrad3x3> wgrads3 = bn == 64 ? std::vector<Wgrad3x3>{} : std::vector<Wgrad3x3>{
-            {4, 8, 8, 64, 72, 128},    // 64 channels: each 128-column tile spans two taps; two slices
-            {2, 16, 16, 128, 64, 512}, // one slice; column tiles within a tap
-            {64, 3, 3, 64, 8, 192},    // one-pixel tiles of 64 images, the padding on every tap
-            // stride 2 (x's map strided): resnet50's 3×3 s2 and 1×1 s2 (downsample) layers
-            {4, 16, 16, 64, 72, 128, 3, 2},  // 16 → 8: tiles of 8 × 8, two slices, a half-empty column tile
-            {2, 15, 15, 64, 8, 64, 3, 2},    // odd 15 → 8: the last row and column pad; a row tail
-            {2, 32, 32, 64, 8, 256, 3, 2},   // 32 → 16: tiles of 4 × 16 rows, boxes starting at input row 8, 16, 24
-            {64, 7, 7, 64, 8, 192, 3, 2},    // odd 7 → 4: tiles of 4 images × 4 × 4, six slices
-            {4, 16, 16, 128, 64, 128, 1, 2}, // 1×1 s2 16 → 8: one tap, two slices
-            {2, 15, 31, 192, 72, 256, 1, 2}, // 1×1 s2 odd 15×31 → 8×16: tiles of 4 × 16, a column tail
-        };
-        for (const Wgrad3x3& g : wgrads3) {
+        // The 64-column twin of the 3×3 weight gradient serves the strided 1×1 of 64 input
+        // channels (N = 64); it runs every case (N tiled by 64).
+        for (const Wgrad3x3& g : kWgrads3) {
             if (first_only && failures) break;
             check_wgrad_3x3(g);
         }
         if (first_only && failures) break;
+    }
+    // The weight gradients' 64-row twins (the consumers split the 128 columns): every weight
+    // gradient case (M tiled by 64), and the 64-channel layers they are for.
+    g_bn = 128;
+    g_bm = 64;
+    printf("== weight gradients in tiles of 64 rows (conv3_wgrad_*_m64)\n");
+    const Wgrad m64[] = {
+        {1000, 64, 200, 320},  // M = 64 (resnet50's 64-output 1×1s), a column tail, four slices
+        {130, 40, 256, 128},   // M = 40: a row tail inside the one A box; pixel tail, two slices
+    };
+    for (const Wgrad& g : kWgrads) {
+        if (first_only && failures) break;
+        check_wgrad(g);
+    }
+    for (const Wgrad& g : m64) {
+        if (first_only && failures) break;
+        check_wgrad(g);
+    }
+    const Wgrad3x3 m64_3x3[] = {
+        {4, 8, 8, 64, 64, 128},        // resnet18's layer1 3×3 (M = 64, N = 576) in small: two slices
+        {6, 16, 16, 64, 24, 256, 3, 2}, // M = 24 at stride 2, two slices (the last of two tiles)
+    };
+    for (const Wgrad3x3& g : kWgrads3) {
+        if (first_only && failures) break;
+        check_wgrad_3x3(g);
+    }
+    for (const Wgrad3x3& g : m64_3x3) {
+        if (first_only && failures) break;
+        check_wgrad_3x3(g);
     }
     printf(failures ? "FAILED: %d checks\n" : "ALL OK\n", failures);
     return failures ? 1 : 0;

@@ -38,9 +38,13 @@ const _: () = assert!(SMEM_BYTES <= 227 * 1024);
 /// Columns of the narrow tiles (`_n64` kernels), for GEMMs whose N is at most 64.
 pub const TILE_N_NARROW: usize = 64;
 /// Dynamic shared memory of the `_n64` kernels (`CONV3_N64_SMEM_BYTES`): B tiles of 64 rows;
-/// two blocks fit an SM.
+/// two blocks fit an SM. The `_m64` kernels' stages (an A tile of 64 rows, a B tile of 128)
+/// are as large.
 pub const N64_SMEM_BYTES: usize =
     STAGES * (TILE_M * TILE_K * 2 + TILE_N_NARROW * TILE_K * 2) + 2 * STAGES * 8 + 1024;
+/// Rows of the weight gradients' short tiles (`_m64` kernels, the consumers splitting the 128
+/// columns), for GEMMs whose M (output channels) is at most 64.
+pub const TILE_M_NARROW: usize = 64;
 
 /// The columns of a GEMM's tiles: 64 where its N is at most 64 (a 128-column tile would be
 /// half padding), else 128.
@@ -67,17 +71,67 @@ pub fn with_tile(kernel: &'static str, tile_n: usize) -> &'static str {
         DGRAD_3X3_KERNEL => "conv3_dgrad_3x3_n64",
         DGRAD_BN_3X3_KERNEL => "conv3_dgrad_bn_3x3_n64",
         WGRAD_KERNEL => "conv3_wgrad_1x1_n64",
-        // (the 3×3 weight gradient's N is 9 × 64 or more: no narrow twin)
+        WGRAD_3X3_KERNEL => "conv3_wgrad_3x3_n64",
         other => other,
     }
 }
 
+/// The output tile (rows, columns) of a weight gradient of `m` output channels × `n` columns:
+/// 128 × 64 where N is at most 64 (the `_n64` twins), else 64 × 128 where M is at most 64
+/// (the `_m64` twins: a 128-row tile would leave one consumer multiplying zeros), else
+/// 128 × 128. (Where both are at most 64 either short tile is half padding: `_n64`.)
+pub fn wgrad_tile(m: usize, n: usize) -> (usize, usize) {
+    if n <= TILE_N_NARROW {
+        (TILE_M, TILE_N_NARROW)
+    } else if m <= TILE_M_NARROW {
+        (TILE_M_NARROW, TILE_N)
+    } else {
+        (TILE_M, TILE_N)
+    }
+}
+
+/// The kernel that runs the weight gradient `kernel` ([`WGRAD_KERNEL`] or
+/// [`WGRAD_3X3_KERNEL`]) of `args` in its [`wgrad_tile`]: itself or its `_n64` or `_m64` twin.
+pub fn wgrad_kernel(kernel: &'static str, args: &Conv3Args) -> &'static str {
+    match wgrad_tile(args.m as usize, args.n as usize) {
+        (_, TILE_N_NARROW) => with_tile(kernel, TILE_N_NARROW),
+        (TILE_M_NARROW, _) => match kernel {
+            WGRAD_KERNEL => WGRAD_M64_KERNEL,
+            WGRAD_3X3_KERNEL => WGRAD_3X3_M64_KERNEL,
+            other => other,
+        },
+        _ => kernel,
+    }
+}
+
+/// The output tile (rows, columns) of a v3 GEMM kernel, by its name.
+pub fn kernel_tile(kernel: &str) -> (usize, usize) {
+    if kernel.ends_with("_n64") {
+        (TILE_M, TILE_N_NARROW)
+    } else if kernel.ends_with("_m64") {
+        (TILE_M_NARROW, TILE_N)
+    } else {
+        (TILE_M, TILE_N)
+    }
+}
+
+/// The grid of a weight gradient run by `kernel` ([`wgrad_kernel`]): one block per output tile
+/// and reduction slice.
+pub fn wgrad_grid(kernel: &str, args: &Conv3Args, slices: usize) -> (u32, u32, u32) {
+    let (tm, tn) = kernel_tile(kernel);
+    (
+        (args.m as usize).div_ceil(tm) as u32,
+        (args.n as usize).div_ceil(tn) as u32,
+        slices as u32,
+    )
+}
+
 /// Dynamic shared memory of a v3 GEMM kernel.
 pub fn smem_bytes(kernel: &str) -> usize {
-    if kernel.ends_with("_n64") {
-        N64_SMEM_BYTES
-    } else {
+    if kernel_tile(kernel) == (TILE_M, TILE_N) {
         SMEM_BYTES
+    } else {
+        N64_SMEM_BYTES
     }
 }
 
@@ -110,6 +164,10 @@ pub const DGRAD_BN_KERNEL: &str = "conv3_dgrad_bn_1x1";
 /// The weight gradient: f32 planes of `dyᵀ · x` per reduction slice (MN-major operands), summed
 /// in slice order by conv2.cu's `conv2_wgrad_reduce`.
 pub const WGRAD_KERNEL: &str = "conv3_wgrad_1x1";
+/// The 1×1 weight gradient in tiles of 64 rows × 128 columns, for 64 or fewer output channels.
+pub const WGRAD_M64_KERNEL: &str = "conv3_wgrad_1x1_m64";
+/// The 4-D weight gradient in tiles of 64 rows × 128 columns, for 64 or fewer output channels.
+pub const WGRAD_3X3_M64_KERNEL: &str = "conv3_wgrad_3x3_m64";
 /// The weight transpose the data gradient reads (`[K][C]` → `[C][K]`, K-major for wgmma).
 pub const TRANSPOSE_KERNEL: &str = "conv3_transpose_weights";
 
@@ -275,10 +333,9 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
 }
 
 /// The tile (images, rows, columns) of 64 output pixels of a weight gradient through 4-D
-/// boxes ([`fits_4d`]), whose GEMM's N (taps × input channels) needs the 128-column tiles
-/// (the 4-D weight gradient has no narrow twin); `None` where v3 does not take it.
+/// boxes ([`fits_4d`]); `None` where v3 does not take it.
 fn wgrad_4d_tile(s: &ConvShape, arch: GpuArch) -> Option<(usize, usize, usize)> {
-    if !fits_4d(s, arch) || s.kernel * s.kernel * s.c_in <= TILE_N_NARROW {
+    if !fits_4d(s, arch) {
         return None;
     }
     tile_of(s.n, s.out_h(), s.out_w(), TILE_K)
@@ -371,14 +428,12 @@ pub fn wgrad_args(s: &ConvShape, sms: usize) -> Option<(Conv3Args, usize)> {
     ))
 }
 
-/// A weight gradient's output tiles (M × N in 128 × [`tile_n`]) and the blocks the GPU's `sms`
-/// hold at once (two an SM with the narrow tiles).
+/// A weight gradient's output tiles (M × N in its [`wgrad_tile`]) and the blocks the GPU's
+/// `sms` hold at once (two an SM with the short tiles).
 fn wgrad_slots(m: usize, n: usize, sms: usize) -> (usize, usize) {
-    if n <= TILE_N_NARROW {
-        (m.div_ceil(TILE_M) * n.div_ceil(TILE_N_NARROW), 2 * sms)
-    } else {
-        (m.div_ceil(TILE_M) * n.div_ceil(TILE_N), sms)
-    }
+    let (tm, tn) = wgrad_tile(m, n);
+    let per_sm = if (tm, tn) == (TILE_M, TILE_N) { 1 } else { 2 };
+    (m.div_ceil(tm) * n.div_ceil(tn), per_sm * sms)
 }
 
 /// conv3_transpose_weights' launch over a `[rows][cols]` weight: blocks of 32 × 8 threads,
@@ -624,20 +679,21 @@ mod tests {
             WGRAD_KERNEL,
             WGRAD_3X3_KERNEL,
         ];
-        let narrow: Vec<&str> = gemms
-            .iter()
-            .filter(|k| **k != WGRAD_3X3_KERNEL)
-            .map(|k| with_tile(k, TILE_N_NARROW))
-            .collect();
+        let narrow: Vec<&str> = gemms.iter().map(|k| with_tile(k, TILE_N_NARROW)).collect();
         let mut want: Vec<&str> = gemms.to_vec();
         want.extend(&narrow);
+        want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
         want.extend([DGRAD_WEIGHTS_3X3_KERNEL, TRANSPOSE_KERNEL]);
         assert_eq!(names, want);
-        assert_eq!(with_tile(WGRAD_3X3_KERNEL, TILE_N_NARROW), WGRAD_3X3_KERNEL);
-        for k in gemms.into_iter().filter(|k| *k != WGRAD_3X3_KERNEL) {
+        for k in gemms {
             assert_eq!(with_tile(k, TILE_N_NARROW), format!("{k}_n64"));
             assert_eq!(with_tile(k, TILE_N), k);
             assert_eq!(smem_bytes(with_tile(k, TILE_N_NARROW)), N64_SMEM_BYTES);
+            assert_eq!(smem_bytes(k), SMEM_BYTES);
+        }
+        for k in [WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL] {
+            assert_eq!(smem_bytes(k), N64_SMEM_BYTES);
+            assert_eq!(kernel_tile(k), (64, 128));
         }
         assert!(text.contains(
             "#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)"
@@ -874,9 +930,13 @@ mod tests {
         assert_eq!((w1.pad, w1.taps, w1.stride), (0, 1, 2));
         assert!(takes_wgrad(&s(256, 56, 256, 512, 1, 2), hopper));
         assert!(takes_wgrad(&s(256, 56, 128, 128, 3, 2), hopper));
-        // A strided 1×1 with 64 input channels: N = 64 would want the narrow tile, which the
-        // 4-D weight gradient lacks: v2.
-        assert!(!takes_wgrad(&s(256, 56, 64, 512, 1, 2), hopper));
+        // A strided 1×1 with 64 input channels (resnet18's first downsampling projection):
+        // N = 64, the 3×3 weight gradient's 64-column twin.
+        assert!(takes_wgrad(&s(256, 56, 64, 128, 1, 2), hopper));
+        let (wn, _, _) = wgrad_4d_args(&s(256, 56, 64, 128, 1, 2), hopper, 132).unwrap();
+        assert_eq!((wn.m, wn.n, wn.taps), (128, 64, 1));
+        assert_eq!(wgrad_kernel(WGRAD_3X3_KERNEL, &wn), "conv3_wgrad_3x3_n64");
+        assert_eq!(wgrad_grid("conv3_wgrad_3x3_n64", &wn, 5), (1, 1, 5));
         assert!(takes_forward(&s(256, 56, 64, 512, 1, 2), hopper));
         // The stride-1 1×1 stays the plain GEMM.
         assert!(wgrad_4d_args(&s(256, 56, 256, 512, 1, 1), hopper, 132).is_none());
@@ -885,6 +945,56 @@ mod tests {
         assert_eq!(g.dims, [128, 56, 56, 256]);
         assert_eq!(g.boxes, [64, 8, 8, 8]);
         assert_eq!(g.element_strides, [1, 2, 2, 1]);
+    }
+
+    #[test]
+    fn weight_gradients_of_64_output_channels_take_the_short_tiles() {
+        let hopper = GpuArch::new(9, 0);
+        let s = |n, hw, c_in, c_out, kernel, stride| ConvShape {
+            n,
+            h: hw,
+            w: hw,
+            c_in,
+            c_out,
+            kernel,
+            stride,
+            padding: if kernel == 3 { 1 } else { 0 },
+        };
+        assert_eq!(wgrad_tile(64, 576), (64, 128));
+        assert_eq!(wgrad_tile(40, 65), (64, 128));
+        assert_eq!(
+            wgrad_tile(64, 64),
+            (128, 64),
+            "both short: the 64-column twin"
+        );
+        assert_eq!(wgrad_tile(128, 576), (128, 128));
+        assert_eq!(wgrad_tile(65, 576), (128, 128));
+        // resnet18's layer1 3×3 at batch 256: M = 64, N = 576 in five 128-column tiles of 64
+        // rows; two blocks an SM, so the reduction splits over 264 slots.
+        let l1 = s(256, 56, 64, 64, 3, 1);
+        let (a, slices, _) = wgrad_4d_args(&l1, hopper, 132).unwrap();
+        assert_eq!((a.m, a.n, a.k), (64, 576, 256 * 56 * 56));
+        let kernel = wgrad_kernel(WGRAD_3X3_KERNEL, &a);
+        assert_eq!(kernel, WGRAD_3X3_M64_KERNEL);
+        assert_eq!(wgrad_grid(kernel, &a, slices), (1, 5, slices as u32));
+        let waves = (5 * slices) as f64 / 264.0;
+        assert!(
+            waves >= 1.0 && waves.ceil() - waves < 0.05,
+            "{slices} slices"
+        );
+        assert!(slices as i32 * a.k_chunk >= a.k && (slices as i32 - 1) * a.k_chunk < a.k);
+        // resnet50's 1×1 of 256 → 64 channels: the 1×1 twin.
+        let (b, slices) = wgrad_args(&s(256, 56, 256, 64, 1, 1), 132).unwrap();
+        assert_eq!((b.m, b.n), (64, 256));
+        let kernel = wgrad_kernel(WGRAD_KERNEL, &b);
+        assert_eq!(kernel, WGRAD_M64_KERNEL);
+        assert_eq!(wgrad_grid(kernel, &b, slices), (1, 2, slices as u32));
+        // 64 → 64 (N ≤ 64 too) keeps the 64-column twin; wider layers the 128 × 128 tiles.
+        let (c, _) = wgrad_args(&s(256, 56, 64, 64, 1, 1), 132).unwrap();
+        assert_eq!(wgrad_kernel(WGRAD_KERNEL, &c), "conv3_wgrad_1x1_n64");
+        let (d, _, _) = wgrad_4d_args(&s(256, 28, 128, 128, 3, 1), hopper, 132).unwrap();
+        assert_eq!(wgrad_kernel(WGRAD_3X3_KERNEL, &d), WGRAD_3X3_KERNEL);
+        assert_eq!(wgrad_grid(WGRAD_3X3_KERNEL, &d, 3), (1, 9, 3));
     }
 
     #[test]

@@ -150,7 +150,8 @@ kernel_launchers! {
     }
     /// The v3 weight gradient: one f32 plane per reduction slice.
     "conv3.cu" Conv3Wgrad<'a> [
-        "conv3_wgrad_1x1", "conv3_wgrad_3x3", "conv3_wgrad_1x1_n64",
+        "conv3_wgrad_1x1", "conv3_wgrad_3x3", "conv3_wgrad_1x1_n64", "conv3_wgrad_3x3_n64",
+        "conv3_wgrad_1x1_m64", "conv3_wgrad_3x3_m64",
     ] {
         map_dy: super::conv3::TensorMap,
         map_x: super::conv3::TensorMap,

@@ -5,7 +5,8 @@
 //! column checks its own tap, under 96). The kernels with batch-norm epilogues
 //! (`BIRDTRAIN_BN_FUSION`) are held to the same bars as the plain ones. The v3 kernels
 //! (conv3.cu) compiled for sm_90a issue `wgmma` fed by TMA, without spills, under the same
-//! overhead bar per unit of tensor-core work (their 64-column twins under 96).
+//! overhead bar per unit of tensor-core work (their 64-column twins and the weight gradients'
+//! 64-row twins under 96, two blocks an SM).
 
 use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
 use birdtrain::cuda::conv::{V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
@@ -69,14 +70,17 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         conv3::DGRAD_BN_3X3_KERNEL,
         conv3::WGRAD_3X3_KERNEL,
     ];
-    for (name, tile_n) in gemms
+    // Every GEMM at 128 × 128 and its 64-column twin; the weight gradients' 64-row twins.
+    let kernels = gemms
         .iter()
-        .flat_map(|k| [(*k, conv3::TILE_N), (*k, conv3::TILE_N_NARROW)])
-    {
-        let name = conv3::with_tile(name, tile_n);
-        if tile_n == conv3::TILE_N_NARROW && !name.ends_with("_n64") {
-            continue; // no narrow twin (the 3×3 weight gradient)
-        }
+        .flat_map(|k| [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)])
+        .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL]);
+    for name in kernels {
+        let wide = conv3::kernel_tile(name) == (conv3::TILE_M, conv3::TILE_N);
+        assert!(
+            wide || name.ends_with("_n64") || name.ends_with("_m64"),
+            "{name}"
+        );
         let r = rows
             .iter()
             .find(|r| r.kernel == name)
@@ -86,17 +90,17 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         // Four m64nNk16 per 64-channel slice, two TMA loads (A and B) or more per slice.
         assert!(r.mix.mma >= 4 && r.mix.tma_loads >= 2, "{name}: {r:?}");
         // The k-step's bookkeeping (barrier wait, fence, descriptors, commit, release: ~80
-        // instructions) is the same for either width, over half the tensor work in the narrow
+        // instructions) is the same for either tile, over half the tensor work in the short
         // tiles; it issues while the asynchronous wgmma run (4 m64n64k16 keep the tensor
-        // cores ~256 cycles), so the narrow tiles get the small-C wgrad's bar.
-        let limit = if tile_n == conv3::TILE_N { 64.0 } else { 96.0 };
+        // cores ~256 cycles), so the short tiles get the small-C wgrad's bar.
+        let limit = if wide { 64.0 } else { 96.0 };
         let other = r.mix.other_per_32_mma().unwrap();
         assert!(
             other < limit,
             "{name}: {other:.1} other instructions per 32 mma"
         );
-        // The wide tiles fill an SM alone; the narrow ones run two blocks an SM.
-        let per_sm = if tile_n == conv3::TILE_N { 1 } else { 2 };
+        // The wide tiles fill an SM alone; the short ones run two blocks an SM.
+        let per_sm = if wide { 1 } else { 2 };
         assert_eq!(
             (r.threads, r.dynamic_smem, r.blocks_per_sm),
             (384, conv3::smem_bytes(name), per_sm),

@@ -214,6 +214,19 @@ fn kernels_match_references_under_emulation() {
             "th0 * a.stride + r - a.pad, ti0, full);",
             "th0 + r - a.pad, ti0, full);",
         ),
+        // the weight gradient's 64-row twin: consumer 1 multiplying B's first box, not its own
+        (
+            "const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);",
+            "const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? 0 : 0);",
+        ),
+        // the 64-row twin's stage announced with a 128-row A tile's bytes (a phase that never
+        // completes)
+        (
+            "c3_mbar_arrive_expect_tx(full, STAGE);",
+            "c3_mbar_arrive_expect_tx(full, C3_TILE_BYTES + BN * C3_BK * 2);",
+        ),
+        // the 64-row twin's consumers writing the same 64 columns of dw
+        ("col_base = n0 + (SPLIT_N ? c * 64 : 0);", "col_base = n0;"),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {

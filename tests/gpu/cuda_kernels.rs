@@ -967,8 +967,9 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
 /// traversed with stride 2 (resnet50's first 3×3 of stages 2–4 and its downsampling 1×1
 /// projections): 3×3 16 → 8 in
 /// tiles of 2 images × 8 × 8 with an output-channel tail, odd 15 → 8 (the padding below and
-/// right) with 64 output channels (the `_n64` twin), 13 → 7 in one-pixel tiles of 128 images;
-/// 1×1 16 → 8 with two channel slices, odd 15 × 31 → 8 × 16 with a tail.
+/// right) with 64 output channels (the `_n64` forward, the `_m64` weight gradient), 13 → 7 in
+/// one-pixel tiles of 128 images; 1×1 16 → 8 with two channel slices, odd 15 × 31 → 8 × 16
+/// with a tail, and 64 input channels (the weight gradient's `_n64` twin).
 fn conv3_strided_shapes() -> Vec<ConvShape> {
     let c = |n, h, w, c_in, c_out, kernel| ConvShape {
         n,
@@ -1116,6 +1117,8 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         "conv3_fwd_1x1_n64",
         "conv3_dgrad_1x1_n64",
         "conv3_wgrad_1x1_n64",
+        // 520 → 64 and 256 → 64 channels: 64-row tiles
+        "conv3_wgrad_1x1_m64",
         "conv2_wgrad_reduce",
     ] {
         assert!(
@@ -1149,6 +1152,8 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         "conv3_wgrad_3x3",
         "conv3_fwd_3x3_n64",
         "conv3_dgrad_3x3_n64",
+        // the 64-, 8- and 64-output-channel layers' weight gradients: 64-row tiles
+        "conv3_wgrad_3x3_m64",
     ] {
         assert!(
             three_by_three.contains(&kernel),
@@ -1161,8 +1166,8 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         "v2 ran a 3×3 forward or weight gradient v3 takes: {three_by_three:?}"
     );
     // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
-    // map; the 1×1 with 64 input channels' weight gradient on v2: no narrow 4-D twin), the
-    // data gradients on v2, each against the CPU.
+    // map; the weight gradient of 64 output channels in 64-row tiles, of the 1×1s with 64
+    // input channels in 64-column tiles), the data gradients on v2, each against the CPU.
     gb.set_profiling(true);
     for s in conv3_strided_shapes() {
         let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
@@ -1174,15 +1179,22 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     }
     let strided = ran(&gb);
     gb.set_profiling(false);
-    for kernel in ["conv3_fwd_3x3", "conv3_fwd_3x3_n64", "conv3_wgrad_3x3"] {
+    for kernel in [
+        "conv3_fwd_3x3",
+        "conv3_fwd_3x3_n64",
+        "conv3_wgrad_3x3",
+        "conv3_wgrad_3x3_m64",
+        "conv3_wgrad_3x3_n64",
+    ] {
         assert!(
             strided.contains(&kernel),
             "{kernel} did not run: {strided:?}"
         );
     }
     assert!(
-        !strided.iter().any(|k| k.starts_with("conv2_fwd")),
-        "v2 ran a strided forward v3 takes: {strided:?}"
+        !strided.iter().any(|k| k.starts_with("conv2_fwd")
+            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
+        "v2 ran a strided forward or weight gradient v3 takes: {strided:?}"
     );
     assert!(
         strided.iter().any(|k| k.starts_with("conv2_dgrad")),

@@ -311,8 +311,9 @@ impl CudaBackend {
             let map_x = self.tensor_map_nhwc(op, x, (s.n, s.h, s.w, s.c_in), tile, s.stride)?;
             (args, slices, map_dy, map_x, conv3::WGRAD_3X3_KERNEL)
         };
-        let kernel = conv3::with_tile(kernel, conv3::tile_n(&args));
-        let grid = (conv3::grid(&args).0, conv3::grid(&args).1, slices as u32);
+        // 64-column tiles where N ≤ 64, 64-row ones where M (output channels) ≤ 64.
+        let kernel = conv3::wgrad_kernel(kernel, &args);
+        let grid = conv3::wgrad_grid(kernel, &args, slices);
         let cfg = self.conv3_prepare(op, kernel, grid)?;
         let len = s.w_len();
         let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * len * slices;
