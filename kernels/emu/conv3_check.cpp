@@ -11,6 +11,7 @@
 // runs in each of its tile shapes: 128 × 128, the 64-column `_n64` twins, and the weight
 // gradients' 64-row `_m64` twins (the consumers splitting the columns).
 #include "emu.h"
+#include "hopper.h"    // mbarrier, TMA and wgmma (sm_90a)
 #include "conv3_x.cu"  // conv3.cu with common.cuh expanded (written by the test)
 #include <cstdio>
 #include <cstring>

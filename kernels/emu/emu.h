@@ -17,7 +17,8 @@
 // __shared__ arrays are function statics (one block runs at a time); dynamic shared memory is a
 // static buffer of BT_EMU_DYN_SMEM bytes. Slow next to a GPU, so the checks use small shapes;
 // tests/gpu/cuda_emulation.rs builds and runs conv_check.cpp, conv2_check.cpp, conv3_check.cpp
-// and ops_check.cpp. hopper.h adds the sm_90a instructions (mbarrier, TMA, wgmma).
+// and ops_check.cpp. hopper.h adds the sm_90a instructions (mbarrier, TMA, wgmma): a check of
+// Hopper kernels includes it after this file.
 #pragma once
 #include <algorithm>
 #include <array>
@@ -288,14 +289,18 @@ inline void bt_emu_ldmatrix(unsigned* r, const void* p, bool trans) {
     g_warp_barriers[warp].arrive_and_wait();
 }
 
-#include "hopper.h"  // mbarrier, TMA and wgmma (sm_90a kernels)
+// Extensions of the per-block state (hopper.h: mbarriers, TMA, wgmma) hook in here, so this
+// file needs none of them: called when a block starts (with its thread count) and when one of
+// its threads exits.
+inline void (*g_emu_block_start_hook)(unsigned nthreads) = nullptr;
+inline void (*g_emu_thread_exit_hook)() = nullptr;
 
 // ---- launching ---------------------------------------------------------------------------
 
 inline void emu_fiber_exit() {
     EmuFiber& f = g_fibers[g_cur];
     if (!f.copies.empty()) emu_fail("thread exited with cp.async copies in flight");
-    emu_hopper_thread_exit();
+    if (g_emu_thread_exit_hook) g_emu_thread_exit_hook();
     f.done = true;
     --g_live;
     g_block_barrier.leave();
@@ -352,7 +357,7 @@ void emu_launch(dim3e grid, dim3e block, F kernel) {
         g_shfl_f.assign(nwarps, {});
         g_shfl_i.assign(nwarps, {});
         g_ldsm.assign(nwarps, {});
-        emu_hopper_reset_block(nthreads);
+        if (g_emu_block_start_hook) g_emu_block_start_hook(nthreads);
         unsigned i = 0;
         for (unsigned tz = 0; tz < block.z; ++tz)
         for (unsigned ty = 0; ty < block.y; ++ty)

@@ -1,4 +1,4 @@
-// hopper.h: the emulator's Hopper (sm_90a) instructions, included by emu.h: the shared-memory
+// hopper.h: the emulator's Hopper (sm_90a) instructions, included after emu.h: the shared-memory
 // window, mbarrier with transaction counts, TMA tiled loads (cp.async.bulk.tensor) and the
 // warpgroup MMA (wgmma.mma_async) reading its operands through shared-memory descriptors.
 //
@@ -336,3 +336,11 @@ inline void emu_hopper_thread_exit() {
     if (!g_wgmma.empty() && !g_wgmma[g_cur].ops.empty()) emu_fail("thread exited with wgmma in flight");
     if (!g_warpgroup_barriers.empty()) g_warpgroup_barriers[g_fibers[g_cur].lin / 128].leave();
 }
+
+// Registered with emu.h's launcher before main runs: every block starts with fresh Hopper
+// state, and a thread may not exit with wgmma in flight.
+inline const bool g_emu_hopper_hooked = [] {
+    g_emu_block_start_hook = emu_hopper_reset_block;
+    g_emu_thread_exit_hook = emu_hopper_thread_exit;
+    return true;
+}();
