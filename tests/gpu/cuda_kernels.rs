@@ -20,6 +20,8 @@ use birdtrain::model::{Augment, InputBatch, Mix, PixelBox};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::mismatch::{self, Findings};
+
 /// bf16 output rounding (2 ulps) + f32 accumulation.
 const EPS_BF16: f32 = 1.0 / 128.0;
 
@@ -1000,206 +1002,318 @@ fn bits(gb: &CudaBackend, t: &birdtrain::cuda::CudaTensor) -> Vec<u32> {
         .collect()
 }
 
-/// conv_forward of `s` on the GPU against the CPU (bf16 output: 1e-2 + 1/128 relative), then
-/// again to the bit.
-fn forward_matches_and_repeats(
-    gb: &CudaBackend,
-    cb: &CpuBackend,
-    s: &ConvShape,
-    x: &Pair,
-    w: &Pair,
-) {
-    let mut yc = vec![0.0; s.y_len()];
-    cb.conv_forward(s, &x.c, &w.c, &mut yc).unwrap();
-    let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
-    gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
-    let first = bits(gb, &yg);
-    assert_close(
-        &format!("v3 conv_forward {s:?}"),
-        &gb.download(&yg).unwrap(),
-        &yc,
-        1e-2,
-        EPS_BF16,
-    );
-    gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
-    assert_eq!(first, bits(gb, &yg), "v3 conv_forward {s:?} repeats");
+/// The v3 ops against the CPU, each launch twice to the bit, kept going past a failure: every
+/// op's result (with the kernels that ran it) goes into `findings`, so one GPU run shows
+/// which kernels and shapes fail and how (tests/gpu/mismatch.rs), not only the first.
+struct V3Check {
+    gb: CudaBackend,
+    cb: CpuBackend,
+    findings: Findings,
+    /// The kernels that ran since [`V3Check::take_ran`].
+    ran: Vec<&'static str>,
 }
 
-/// conv_backward_data of `s` on the GPU against the CPU, overwriting and accumulating.
-fn data_gradient_matches(
-    gb: &CudaBackend,
-    cb: &CpuBackend,
-    s: &ConvShape,
-    dy: &Pair,
-    w: &Pair,
-    rng: &mut ChaCha8Rng,
-) {
-    for accumulate in [false, true] {
-        let dx0 = data(rng, s.x_len(), 1.0);
-        let mut dxc = dx0.clone();
-        cb.conv_backward_data(s, &dy.c, &w.c, &mut dxc, accumulate)
-            .unwrap();
-        let mut dxg = pair(gb, &dx0, TensorRole::Activation).g;
-        gb.conv_backward_data(s, &dy.g, &w.g, &mut dxg, accumulate)
-            .unwrap();
-        assert_close(
-            &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
-            &gb.download(&dxg).unwrap(),
-            &dxc,
-            1e-2,
-            EPS_BF16,
-        );
+impl V3Check {
+    fn new(gb: CudaBackend) -> Self {
+        gb.set_profiling(true);
+        Self {
+            gb,
+            cb: cpu(),
+            findings: Findings::default(),
+            ran: Vec::new(),
+        }
     }
-}
 
-/// conv_backward_weight of `s` on the GPU against the CPU (f32: 2e-3 + 1e-4 relative; garbage
-/// in the destination is overwritten), then again to the bit.
-fn weight_gradient_matches_and_repeats(
-    gb: &CudaBackend,
-    cb: &CpuBackend,
-    s: &ConvShape,
-    x: &Pair,
-    dy: &Pair,
-) {
-    let mut dwc = vec![0.0; s.w_len()];
-    cb.conv_backward_weight(s, &x.c, &dy.c, &mut dwc).unwrap();
-    let mut dwg = pair(gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
-    gb.conv_backward_weight(s, &x.g, &dy.g, &mut dwg).unwrap();
-    let first = bits(gb, &dwg);
-    assert_close(
-        &format!("v3 conv_backward_weight {s:?}"),
-        &gb.download(&dwg).unwrap(),
-        &dwc,
-        2e-3,
-        1e-4,
-    );
-    gb.conv_backward_weight(s, &x.g, &dy.g, &mut dwg).unwrap();
-    assert_eq!(
-        first,
-        bits(gb, &dwg),
-        "v3 conv_backward_weight {s:?} repeats"
-    );
-}
+    /// The kernels the last op ran, added to those of the phase.
+    fn last_op_kernels(&mut self) -> Vec<&'static str> {
+        let names: Vec<&'static str> = self
+            .gb
+            .take_profile()
+            .unwrap()
+            .iter()
+            .map(|k| k.name)
+            .collect();
+        self.ran.extend(&names);
+        names
+    }
 
-/// The kernels that ran since the last call, by name.
-fn ran(gb: &CudaBackend) -> Vec<&'static str> {
-    gb.take_profile().unwrap().iter().map(|k| k.name).collect()
+    /// The kernels that ran since the last call.
+    fn take_ran(&mut self) -> Vec<&'static str> {
+        std::mem::take(&mut self.ran)
+    }
+
+    /// Records that each of `kernels` ran in the phase whose kernels are `ran`.
+    fn expect_ran(&mut self, phase: &str, ran: &[&'static str], kernels: &[&str]) {
+        for kernel in kernels {
+            let result = if ran.contains(kernel) {
+                Ok(())
+            } else {
+                Err(format!("did not run: {ran:?}"))
+            };
+            self.findings
+                .record(&format!("{phase}: {kernel} ran"), &[], result);
+        }
+    }
+
+    /// Records whether the repeat gave the same bits.
+    fn repeats(&mut self, what: &str, kernels: &[&str], first: &[u32], second: &[u32]) {
+        let differing = first.iter().zip(second).filter(|(a, b)| a != b).count();
+        let result = if differing == 0 {
+            Ok(())
+        } else {
+            Err(format!("{differing} of {} elements differ", first.len()))
+        };
+        self.findings
+            .record(&format!("{what} repeats"), kernels, result);
+    }
+
+    /// conv_forward of `s` (bf16 output: 1e-2 + 1/128 relative), then again to the bit.
+    fn forward(&mut self, s: &ConvShape, x: &Pair, w: &Pair) {
+        let gb = &self.gb;
+        let mut yc = vec![0.0; s.y_len()];
+        self.cb.conv_forward(s, &x.c, &w.c, &mut yc).unwrap();
+        let mut yg = gb.alloc(s.y_len(), TensorRole::Activation).unwrap();
+        gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
+        let first = bits(gb, &yg);
+        let got = gb.download(&yg).unwrap();
+        let kernels = self.last_op_kernels();
+        let what = format!("v3 conv_forward {s:?}");
+        let result = mismatch::check(
+            &got,
+            &yc,
+            (s.y_len() / s.c_out, s.c_out),
+            (1e-2, EPS_BF16),
+            None,
+        );
+        self.findings.record(&what, &kernels, result);
+        self.gb.conv_forward(s, &x.g, &w.g, &mut yg).unwrap();
+        let second = bits(&self.gb, &yg);
+        let kernels = self.last_op_kernels();
+        self.repeats(&what, &kernels, &first, &second);
+    }
+
+    /// conv_backward_data of `s`, overwriting and accumulating.
+    fn data_gradient(&mut self, s: &ConvShape, dy: &Pair, w: &Pair, rng: &mut ChaCha8Rng) {
+        for accumulate in [false, true] {
+            let dx0 = data(rng, s.x_len(), 1.0);
+            let mut dxc = dx0.clone();
+            self.cb
+                .conv_backward_data(s, &dy.c, &w.c, &mut dxc, accumulate)
+                .unwrap();
+            let mut dxg = pair(&self.gb, &dx0, TensorRole::Activation).g;
+            self.gb
+                .conv_backward_data(s, &dy.g, &w.g, &mut dxg, accumulate)
+                .unwrap();
+            let got = self.gb.download(&dxg).unwrap();
+            let kernels = self.last_op_kernels();
+            let result = mismatch::check(
+                &got,
+                &dxc,
+                (s.x_len() / s.c_in, s.c_in),
+                (1e-2, EPS_BF16),
+                None,
+            );
+            self.findings.record(
+                &format!("v3 conv_backward_data {s:?} acc={accumulate}"),
+                &kernels,
+                result,
+            );
+        }
+    }
+
+    /// conv_backward_weight of `s` (f32: 2e-3 + 1e-4 relative; garbage in the destination is
+    /// overwritten), then again to the bit.
+    fn weight_gradient(&mut self, s: &ConvShape, x: &Pair, dy: &Pair) {
+        let mut dwc = vec![0.0; s.w_len()];
+        self.cb
+            .conv_backward_weight(s, &x.c, &dy.c, &mut dwc)
+            .unwrap();
+        let mut dwg = pair(&self.gb, &vec![7.0; s.w_len()], TensorRole::WeightGrad).g;
+        self.gb
+            .conv_backward_weight(s, &x.g, &dy.g, &mut dwg)
+            .unwrap();
+        let first = bits(&self.gb, &dwg);
+        let got = self.gb.download(&dwg).unwrap();
+        let kernels = self.last_op_kernels();
+        let what = format!("v3 conv_backward_weight {s:?}");
+        let result = mismatch::check(
+            &got,
+            &dwc,
+            (s.c_out, s.w_len() / s.c_out),
+            (2e-3, 1e-4),
+            Some(7.0),
+        );
+        self.findings.record(&what, &kernels, result);
+        self.gb
+            .conv_backward_weight(s, &x.g, &dy.g, &mut dwg)
+            .unwrap();
+        let second = bits(&self.gb, &dwg);
+        let kernels = self.last_op_kernels();
+        self.repeats(&what, &kernels, &first, &second);
+    }
+
+    /// Records that none of `ran` is a v2 kernel `unwanted` picks.
+    fn expect_none(&mut self, what: &str, ran: &[&'static str], unwanted: impl Fn(&str) -> bool) {
+        let v2: Vec<&&str> = ran.iter().filter(|k| unwanted(k)).collect();
+        let result = if v2.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("ran {v2:?}"))
+        };
+        self.findings.record(what, &[], result);
+    }
 }
 
 /// The v3 forward, data-gradient and weight-gradient kernels against the CPU (the v2 tests'
 /// tolerances: bf16 outputs 1e-2 + 1/128 relative, the f32 weight gradient 2e-3 + 1e-4), each
 /// launch twice to the bit, and the v3 kernels are the ones that ran: every pass of the 1×1
-/// layers and the forward and weight gradient of the 3×3 ones are v3's; a 3×3 data gradient
-/// is v2's where the output channels do not split into 64 per tap.
+/// layers and the forward and weight gradient of the 3×3 and strided ones are v3's; a 3×3 data
+/// gradient is v2's where the output channels do not split into 64 per tap, a strided one
+/// always. Every check runs and prints a PASS/FAIL line; the test fails at the end with all
+/// the failures, each with the pattern of its wrong elements.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv3_ops_match_cpu_and_repeat_bitwise() {
     let Some(gb) = hopper_v3("conv3_ops_match_cpu_and_repeat_bitwise") else {
         return;
     };
-    let cb = cpu();
-    gb.set_profiling(true);
+    let mut v3 = V3Check::new(gb);
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     for s in conv3_shapes() {
-        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
-        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
-        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
-        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
-        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy);
-    }
-    let one_by_one = ran(&gb);
-    for kernel in [
-        "conv3_fwd_1x1",
-        "conv3_dgrad_1x1",
-        "conv3_transpose_weights",
-        "conv3_wgrad_1x1",
-        "conv3_fwd_1x1_n64",
-        "conv3_dgrad_1x1_n64",
-        "conv3_wgrad_1x1_n64",
-        // 520 → 64 and 256 → 64 channels: 64-row tiles
-        "conv3_wgrad_1x1_m64",
-        "conv2_wgrad_reduce",
-    ] {
-        assert!(
-            one_by_one.contains(&kernel),
-            "{kernel} did not run: {one_by_one:?}"
+        let x = pair(
+            &v3.gb,
+            &data(&mut rng, s.x_len(), 1.0),
+            TensorRole::Activation,
         );
+        let w = pair(&v3.gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
+        let dy = pair(
+            &v3.gb,
+            &data(&mut rng, s.y_len(), 1.0),
+            TensorRole::Activation,
+        );
+        v3.forward(&s, &x, &w);
+        v3.data_gradient(&s, &dy, &w, &mut rng);
+        v3.weight_gradient(&s, &x, &dy);
     }
-    assert!(
-        !one_by_one.iter().any(|k| k.starts_with("conv2_fwd")
-            || k.starts_with("conv2_dgrad")
-            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
-        "v2 ran a layer v3 takes: {one_by_one:?}"
+    let one_by_one = v3.take_ran();
+    v3.expect_ran(
+        "1×1",
+        &one_by_one,
+        &[
+            "conv3_fwd_1x1",
+            "conv3_dgrad_1x1",
+            "conv3_transpose_weights",
+            "conv3_wgrad_1x1",
+            "conv3_fwd_1x1_n64",
+            "conv3_dgrad_1x1_n64",
+            "conv3_wgrad_1x1_n64",
+            // 520 → 64 and 256 → 64 channels: 64-row tiles
+            "conv3_wgrad_1x1_m64",
+            "conv2_wgrad_reduce",
+        ],
     );
+    v3.expect_none("1×1: v2 ran no layer v3 takes", &one_by_one, |k| {
+        k.starts_with("conv2_fwd")
+            || k.starts_with("conv2_dgrad")
+            || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
+    });
     for s in conv3_3x3_shapes() {
-        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
-        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
-        let dy_w = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
-        // The weight gradient (v3 in whole 64-pixel tiles), twice to the bit.
-        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy_w);
-        // The data gradient (v3 where the output channels split into 64 per tap, else v2).
-        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
-    }
-    let three_by_three = ran(&gb);
-    gb.set_profiling(false);
-    for kernel in [
-        "conv3_fwd_3x3",
-        "conv3_dgrad_3x3",
-        "conv3_dgrad_weights_3x3",
-        "conv3_wgrad_3x3",
-        "conv3_fwd_3x3_n64",
-        "conv3_dgrad_3x3_n64",
-        // the 64-, 8- and 64-output-channel layers' weight gradients: 64-row tiles
-        "conv3_wgrad_3x3_m64",
-    ] {
-        assert!(
-            three_by_three.contains(&kernel),
-            "{kernel} did not run: {three_by_three:?}"
+        let x = pair(
+            &v3.gb,
+            &data(&mut rng, s.x_len(), 1.0),
+            TensorRole::Activation,
         );
+        let w = pair(&v3.gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
+        let dy_w = pair(
+            &v3.gb,
+            &data(&mut rng, s.y_len(), 1.0),
+            TensorRole::Activation,
+        );
+        v3.forward(&s, &x, &w);
+        // The weight gradient (v3 in whole 64-pixel tiles), twice to the bit.
+        v3.weight_gradient(&s, &x, &dy_w);
+        // The data gradient (v3 where the output channels split into 64 per tap, else v2).
+        let dy = pair(
+            &v3.gb,
+            &data(&mut rng, s.y_len(), 1.0),
+            TensorRole::Activation,
+        );
+        v3.data_gradient(&s, &dy, &w, &mut rng);
     }
-    assert!(
-        !three_by_three.iter().any(|k| k.starts_with("conv2_fwd")
-            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
-        "v2 ran a 3×3 forward or weight gradient v3 takes: {three_by_three:?}"
+    let three_by_three = v3.take_ran();
+    v3.expect_ran(
+        "3×3",
+        &three_by_three,
+        &[
+            "conv3_fwd_3x3",
+            "conv3_dgrad_3x3",
+            "conv3_dgrad_weights_3x3",
+            "conv3_wgrad_3x3",
+            "conv3_fwd_3x3_n64",
+            "conv3_dgrad_3x3_n64",
+            // the 64-, 8- and 64-output-channel layers' weight gradients: 64-row tiles
+            "conv3_wgrad_3x3_m64",
+        ],
+    );
+    v3.expect_none(
+        "3×3: v2 ran no forward or weight gradient v3 takes",
+        &three_by_three,
+        |k| {
+            k.starts_with("conv2_fwd")
+                || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
+        },
     );
     // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
     // map; the weight gradient of 64 output channels in 64-row tiles, of the 1×1s with 64
     // input channels in 64-column tiles), the data gradients on v2, each against the CPU.
-    gb.set_profiling(true);
     for s in conv3_strided_shapes() {
-        let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
-        let w = pair(&gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
-        let dy = pair(&gb, &data(&mut rng, s.y_len(), 1.0), TensorRole::Activation);
-        forward_matches_and_repeats(&gb, &cb, &s, &x, &w);
-        data_gradient_matches(&gb, &cb, &s, &dy, &w, &mut rng);
-        weight_gradient_matches_and_repeats(&gb, &cb, &s, &x, &dy);
-    }
-    let strided = ran(&gb);
-    gb.set_profiling(false);
-    for kernel in [
-        "conv3_fwd_3x3",
-        "conv3_fwd_3x3_n64",
-        "conv3_wgrad_3x3",
-        "conv3_wgrad_3x3_m64",
-        "conv3_wgrad_3x3_n64",
-    ] {
-        assert!(
-            strided.contains(&kernel),
-            "{kernel} did not run: {strided:?}"
+        let x = pair(
+            &v3.gb,
+            &data(&mut rng, s.x_len(), 1.0),
+            TensorRole::Activation,
         );
+        let w = pair(&v3.gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
+        let dy = pair(
+            &v3.gb,
+            &data(&mut rng, s.y_len(), 1.0),
+            TensorRole::Activation,
+        );
+        v3.forward(&s, &x, &w);
+        v3.data_gradient(&s, &dy, &w, &mut rng);
+        v3.weight_gradient(&s, &x, &dy);
     }
-    assert!(
-        !strided.iter().any(|k| k.starts_with("conv2_fwd")
-            || (k.starts_with("conv2_wgrad") && *k != "conv2_wgrad_reduce")),
-        "v2 ran a strided forward or weight gradient v3 takes: {strided:?}"
+    let strided = v3.take_ran();
+    v3.expect_ran(
+        "strided",
+        &strided,
+        &[
+            "conv3_fwd_3x3",
+            "conv3_fwd_3x3_n64",
+            "conv3_wgrad_3x3",
+            "conv3_wgrad_3x3_m64",
+            "conv3_wgrad_3x3_n64",
+        ],
     );
-    assert!(
-        strided.iter().any(|k| k.starts_with("conv2_dgrad")),
-        "the strided data gradients are v2's: {strided:?}"
+    v3.expect_none(
+        "strided: v2 ran no forward or weight gradient v3 takes",
+        &strided,
+        |k| {
+            k.starts_with("conv2_fwd")
+                || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
+        },
     );
+    let v2_dgrad = strided.iter().any(|k| k.starts_with("conv2_dgrad"));
+    v3.findings.record(
+        "strided: the data gradients are v2's",
+        &[],
+        if v2_dgrad {
+            Ok(())
+        } else {
+            Err(format!("no conv2_dgrad ran: {strided:?}"))
+        },
+    );
+    v3.gb.set_profiling(false);
+    v3.findings.finish("conv3_ops_match_cpu_and_repeat_bitwise");
 }
 
 /// The fused batch-norm ops with v3 (its statistics and batch-norm gradient epilogues on the

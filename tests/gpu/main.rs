@@ -14,6 +14,7 @@ mod cuda_optim_state;
 mod cuda_step;
 mod cuda_sync_bn;
 mod dist_gpu;
+mod mismatch;
 mod support;
 mod train_gpu;
 mod train_gpu_accum;
