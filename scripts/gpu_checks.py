@@ -277,6 +277,13 @@ def tests(log, prefix, expected):
             panic = next((lines[i + 1] for i, l in enumerate(lines)
                           if "panicked at" in l and i + 1 < len(lines)), "failed (see the log)")
             rc |= say(False, name, panic[:300])
+            # A test that keeps going past failures (tests/gpu/mismatch.rs) lists each one as
+            # a `FAIL what [kernels]: pattern` line of its panic message: the first ones too.
+            details = [l for l in (block(name) or lines) if l.startswith("FAIL ")]
+            for detail in details[:16]:
+                print(f"  {detail[:400]}", flush=True)
+            if len(details) > 16:
+                print(f"  … and {len(details) - 16} more (see the log)", flush=True)
     ran = len(dict.fromkeys(started))
     if ran < int(expected):
         rc |= say(False, f"{prefix}*", f"only {ran} of {expected} tests ran (see {log})")
