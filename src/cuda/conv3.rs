@@ -632,17 +632,29 @@ mod tests {
     use super::*;
     use crate::cuda::KernelFile;
 
-    fn shape(c_in: usize, c_out: usize, kernel: usize, stride: usize) -> ConvShape {
+    /// A layer of `n` square `hw × hw` images, padded as resnet's (1 for a 3×3, else 0).
+    fn square(
+        n: usize,
+        hw: usize,
+        c_in: usize,
+        c_out: usize,
+        kernel: usize,
+        stride: usize,
+    ) -> ConvShape {
         ConvShape {
-            n: 2,
-            h: 14,
-            w: 14,
+            n,
+            h: hw,
+            w: hw,
             c_in,
             c_out,
             kernel,
             stride,
             padding: if kernel == 3 { 1 } else { 0 },
         }
+    }
+
+    fn shape(c_in: usize, c_out: usize, kernel: usize, stride: usize) -> ConvShape {
+        square(2, 14, c_in, c_out, kernel, stride)
     }
 
     /// The constants mirror conv3.cu's macros, so the host's shared memory and grid fit the kernel.
@@ -809,16 +821,7 @@ mod tests {
             None,
             "4 images cannot fill 128 one-pixel tiles"
         );
-        let s = |n, hw, c_in, c_out, stride| ConvShape {
-            n,
-            h: hw,
-            w: hw,
-            c_in,
-            c_out,
-            kernel: 3,
-            stride,
-            padding: 1,
-        };
+        let s = |n, hw, c_in, c_out, stride| square(n, hw, c_in, c_out, 3, stride);
         let a = forward_4d_args(&s(256, 56, 64, 64, 1), hopper).unwrap();
         assert_eq!(
             (a.m, a.n, a.k, a.height, a.width, a.tile_h, a.tile_w, a.pad, a.taps, a.stride),
@@ -865,16 +868,7 @@ mod tests {
     #[test]
     fn strided_forwards_take_the_four_d_path() {
         let hopper = GpuArch::new(9, 0);
-        let s = |n, hw, c_in, c_out, kernel, stride| ConvShape {
-            n,
-            h: hw,
-            w: hw,
-            c_in,
-            c_out,
-            kernel,
-            stride,
-            padding: if kernel == 3 { 1 } else { 0 },
-        };
+        let s = square;
         // resnet50's first 3×3 of stage 2 at batch 256: 56 → 28, tiles of 8 images × 4 × 4
         // output pixels, each input box 8 × 8 pixels traversed with stride 2.
         let a = forward_4d_args(&s(256, 56, 128, 128, 3, 2), hopper).unwrap();
@@ -950,16 +944,7 @@ mod tests {
     #[test]
     fn weight_gradients_of_64_output_channels_take_the_short_tiles() {
         let hopper = GpuArch::new(9, 0);
-        let s = |n, hw, c_in, c_out, kernel, stride| ConvShape {
-            n,
-            h: hw,
-            w: hw,
-            c_in,
-            c_out,
-            kernel,
-            stride,
-            padding: if kernel == 3 { 1 } else { 0 },
-        };
+        let s = square;
         assert_eq!(wgrad_tile(64, 576), (64, 128));
         assert_eq!(wgrad_tile(40, 65), (64, 128));
         assert_eq!(

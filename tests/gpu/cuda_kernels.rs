@@ -1152,6 +1152,17 @@ impl V3Check {
         self.repeats(&what, &kernels, &first, &second);
     }
 
+    /// Random x, w (scaled by `w_scale`) and dy for `s`, then its forward, data gradient and
+    /// weight gradient.
+    fn every_pass(&mut self, s: &ConvShape, w_scale: f32, rng: &mut ChaCha8Rng) {
+        let x = pair(&self.gb, &data(rng, s.x_len(), 1.0), TensorRole::Activation);
+        let w = pair(&self.gb, &data(rng, s.w_len(), w_scale), TensorRole::Weight);
+        let dy = pair(&self.gb, &data(rng, s.y_len(), 1.0), TensorRole::Activation);
+        self.forward(s, &x, &w);
+        self.data_gradient(s, &dy, &w, rng);
+        self.weight_gradient(s, &x, &dy);
+    }
+
     /// Records that none of `ran` is a v2 kernel `unwanted` picks.
     fn expect_none(&mut self, what: &str, ran: &[&'static str], unwanted: impl Fn(&str) -> bool) {
         let v2: Vec<&&str> = ran.iter().filter(|k| unwanted(k)).collect();
@@ -1162,6 +1173,13 @@ impl V3Check {
         };
         self.findings.record(what, &[], result);
     }
+}
+
+/// Whether `kernel` is a v2 forward or weight gradient (not the reduction v3's weight
+/// gradients share).
+fn v2_forward_or_weight_gradient(kernel: &str) -> bool {
+    kernel.starts_with("conv2_fwd")
+        || (kernel.starts_with("conv2_wgrad") && kernel != "conv2_wgrad_reduce")
 }
 
 /// The v3 forward, data-gradient and weight-gradient kernels against the CPU (the v2 tests'
@@ -1180,20 +1198,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     let mut v3 = V3Check::new(gb);
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     for s in conv3_shapes() {
-        let x = pair(
-            &v3.gb,
-            &data(&mut rng, s.x_len(), 1.0),
-            TensorRole::Activation,
-        );
-        let w = pair(&v3.gb, &data(&mut rng, s.w_len(), 0.2), TensorRole::Weight);
-        let dy = pair(
-            &v3.gb,
-            &data(&mut rng, s.y_len(), 1.0),
-            TensorRole::Activation,
-        );
-        v3.forward(&s, &x, &w);
-        v3.data_gradient(&s, &dy, &w, &mut rng);
-        v3.weight_gradient(&s, &x, &dy);
+        v3.every_pass(&s, 0.2, &mut rng);
     }
     let one_by_one = v3.take_ran();
     v3.expect_ran(
@@ -1213,9 +1218,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
         ],
     );
     v3.expect_none("1×1: v2 ran no layer v3 takes", &one_by_one, |k| {
-        k.starts_with("conv2_fwd")
-            || k.starts_with("conv2_dgrad")
-            || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
+        v2_forward_or_weight_gradient(k) || k.starts_with("conv2_dgrad")
     });
     for s in conv3_3x3_shapes() {
         let x = pair(
@@ -1258,29 +1261,13 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     v3.expect_none(
         "3×3: v2 ran no forward or weight gradient v3 takes",
         &three_by_three,
-        |k| {
-            k.starts_with("conv2_fwd")
-                || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
-        },
+        v2_forward_or_weight_gradient,
     );
     // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
     // map; the weight gradient of 64 output channels in 64-row tiles, of the 1×1s with 64
     // input channels in 64-column tiles), the data gradients on v2, each against the CPU.
     for s in conv3_strided_shapes() {
-        let x = pair(
-            &v3.gb,
-            &data(&mut rng, s.x_len(), 1.0),
-            TensorRole::Activation,
-        );
-        let w = pair(&v3.gb, &data(&mut rng, s.w_len(), 0.1), TensorRole::Weight);
-        let dy = pair(
-            &v3.gb,
-            &data(&mut rng, s.y_len(), 1.0),
-            TensorRole::Activation,
-        );
-        v3.forward(&s, &x, &w);
-        v3.data_gradient(&s, &dy, &w, &mut rng);
-        v3.weight_gradient(&s, &x, &dy);
+        v3.every_pass(&s, 0.1, &mut rng);
     }
     let strided = v3.take_ran();
     v3.expect_ran(
@@ -1297,10 +1284,7 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     v3.expect_none(
         "strided: v2 ran no forward or weight gradient v3 takes",
         &strided,
-        |k| {
-            k.starts_with("conv2_fwd")
-                || (k.starts_with("conv2_wgrad") && k != "conv2_wgrad_reduce")
-        },
+        v2_forward_or_weight_gradient,
     );
     let v2_dgrad = strided.iter().any(|k| k.starts_with("conv2_dgrad"));
     v3.findings.record(

@@ -80,7 +80,6 @@ fn transposed(gpu: &[f32], cpu: &[f32], n: usize, (tol, eps): (f32, f32)) -> boo
 #[derive(Default)]
 pub(crate) struct Findings {
     lines: Vec<String>,
-    failed: usize,
 }
 
 impl Findings {
@@ -89,11 +88,9 @@ impl Findings {
         let kernels = kernels.join(", ");
         match result {
             Ok(()) => self.lines.push(format!("PASS {what} [{kernels}]")),
-            Err(detail) => {
-                self.failed += 1;
-                self.lines
-                    .push(format!("FAIL {what} [{kernels}]: {detail}"));
-            }
+            Err(detail) => self
+                .lines
+                .push(format!("FAIL {what} [{kernels}]: {detail}")),
         }
     }
 
@@ -103,21 +100,18 @@ impl Findings {
         for line in &self.lines {
             println!("{test}: {line}");
         }
-        let failures: Vec<&String> = self
+        let failures: Vec<&str> = self
             .lines
             .iter()
             .filter(|l| l.starts_with("FAIL"))
+            .map(String::as_str)
             .collect();
         assert!(
-            self.failed == 0,
+            failures.is_empty(),
             "{test}: {} of {} checks failed:\n{}",
-            self.failed,
+            failures.len(),
             self.lines.len(),
-            failures
-                .iter()
-                .map(|l| l.as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
+            failures.join("\n")
         );
     }
 }
