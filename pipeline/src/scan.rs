@@ -157,6 +157,13 @@ impl DatasetSource {
     pub fn classes(&self) -> Result<Vec<String>, PipelineError> {
         scan(self, Split::Train, 0, None).map(|s| s.classes)
     }
+
+    /// The class names as [`DatasetSource::classes`] gives them, and how many image files the
+    /// train split lists (files rejected by the scan itself, such as empty ones, not counted):
+    /// one scan of the listing, no engine built.
+    pub fn train_listing(&self) -> Result<(Vec<String>, usize), PipelineError> {
+        scan(self, Split::Train, 0, None).map(|s| (s.classes, s.samples.len()))
+    }
 }
 
 /// One image file of a split.

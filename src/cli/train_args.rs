@@ -141,7 +141,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "E", help_heading = "Training")]
     pub epochs: Option<u64>,
     /// Images per replica per step (the global batch is replicas × this); `auto` on GPUs:
-    /// the most every GPU holds, measured on them.
+    /// the most every GPU holds, measured on them (at most the training set's share).
     #[arg(long, value_name = "B|auto", value_parser = batch_size_value, help_heading = "Training")]
     pub batch_size: Option<BatchSize>,
     /// Seed of initialisation, data order and augmentation.

@@ -190,14 +190,14 @@ pub(crate) fn config_for(
         (n, e) => n.or(e),
     };
     if look && args.batch_size == Some(BatchSize::Auto) {
+        let (listed, train_images) = pipeline::DatasetSource::at(&cfg.data, cfg.valid_fraction)
+            .train_listing()
+            .map_err(TrainError::from)?;
         let classes = match &resumed {
             Some(meta) => meta.classes.len(),
-            None => pipeline::DatasetSource::at(&cfg.data, cfg.valid_fraction)
-                .classes()
-                .map_err(TrainError::from)?
-                .len(),
+            None => listed.len(),
         };
-        let (batch, line) = train::largest_gpu_batch(&cfg, classes)?;
+        let (batch, line) = train::largest_gpu_batch(&cfg, classes, train_images)?;
         cfg.batch_size = batch;
         // The measured batch meets the same checks as a given one (host memory included).
         cfg.validate().map_err(CliError::Train)?;

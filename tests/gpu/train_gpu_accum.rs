@@ -149,12 +149,21 @@ fn batch_size_auto_measures_a_micro_batch_and_counts_the_accumulator() {
     cfg.device = DeviceChoice::Cuda(1);
     cfg.arch = Arch::ResNet50;
     cfg.image_size = 224;
-    let (alone, _) = train::largest_gpu_batch(&cfg, 285).unwrap();
+    // A training set far larger than any batch: the memory decides.
+    let set = 10_000_000;
+    let (alone, _) = train::largest_gpu_batch(&cfg, 285, set).unwrap();
     cfg.grad_accum_steps = 8;
-    let (micro, line) = train::largest_gpu_batch(&cfg, 285).unwrap();
+    let (micro, line) = train::largest_gpu_batch(&cfg, 285, set).unwrap();
     println!("--batch-size auto: {alone} images without accumulation; {line}");
     assert!(line.contains("per micro-batch, × 8 accumulated"), "{line}");
     // The accumulator and the slots of 8 × the micro-batch take memory: a smaller (or, in a
     // rounding step of 8, the same) micro-batch, never a larger one, and never none.
     assert!(micro > 0 && micro <= alone, "{micro} against {alone}");
+    // A set of 100 images over 8 micro-batches: 13 a micro-batch, whatever the GPU holds.
+    let (tiny, line) = train::largest_gpu_batch(&cfg, 285, 100).unwrap();
+    assert_eq!(tiny, 13, "{line}");
+    assert!(
+        line.contains("capped at the training set's 100 images"),
+        "{line}"
+    );
 }

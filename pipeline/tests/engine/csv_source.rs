@@ -228,6 +228,10 @@ fn a_source_names_the_classes_its_engine_numbers_without_building_one() {
     ] {
         let engine = builder(&fx, source.clone(), Split::Train).build().unwrap();
         assert_eq!(source.classes().unwrap(), engine.classes());
+        // The listing counts what the engine serves in an epoch: 3 classes × 4 images.
+        let (classes, images) = source.train_listing().unwrap();
+        assert_eq!(classes, engine.classes());
+        assert_eq!(images, 12);
     }
     let missing = DatasetSource::folder(fx.root().join("nowhere")).classes();
     assert!(
