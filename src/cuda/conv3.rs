@@ -214,7 +214,7 @@ unsafe impl DeviceRepr for Conv3Args {}
 /// padding, channel counts the tensor maps' 16-byte row pitches allow (multiples of 8), and
 /// extents that fit the kernel's 32-bit indices.
 pub fn takes(s: &ConvShape, arch: GpuArch) -> bool {
-    (arch.major, arch.minor) == (9, 0)
+    runs_on(arch)
         && s.kernel == 1
         && s.stride == 1
         && s.padding == 0
@@ -385,6 +385,12 @@ pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
 /// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
 pub fn takes_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
+}
+
+/// Whether the v3 kernels run on a GPU of `arch`: compute capability 9.0 only, the one that
+/// `sm_90a`'s `wgmma` and TMA instructions compile for.
+pub fn runs_on(arch: GpuArch) -> bool {
+    (arch.major, arch.minor) == (9, 0)
 }
 
 /// Whether v3 takes the forward pass of a layer: a 1×1 at stride 1 ([`takes`]), or through
@@ -756,6 +762,8 @@ mod tests {
         assert!(!takes(&shape(256, 512, 1, 2), hopper));
         assert!(!takes(&shape(12, 64, 1, 1), hopper));
         assert!(!takes(&shape(64, 256, 1, 1), GpuArch::new(8, 0)));
+        // Hopper only: not Ampere, nor a later architecture without sm_90a's instructions.
+        assert!(runs_on(hopper) && !runs_on(GpuArch::new(8, 0)) && !runs_on(GpuArch::new(10, 0)));
         assert!(!takes(&shape(64, 256, 1, 1), GpuArch::new(10, 0)));
         let a = forward_args(&shape(64, 256, 1, 1)).unwrap();
         assert_eq!(

@@ -64,10 +64,14 @@ impl CudaBackend {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )
             .map_err(CudaError::driver("reading the shared memory per SM"))? as usize;
+        let conv = ConvVersion::from_env()?;
+        if conv == ConvVersion::V3 && !crate::cuda::conv3::runs_on(dev.arch()) {
+            warn_v3_elsewhere(dev.arch());
+        }
         Ok(CudaBackend {
             dev,
             sms,
-            conv: ConvVersion::from_env()?,
+            conv,
             bn_fusion: bn_fusion_from_env()?,
             limits: GpuLimits {
                 sms: sms as usize,
@@ -88,6 +92,19 @@ impl CudaBackend {
     pub fn set_conv_version(&mut self, version: ConvVersion) {
         self.conv = version;
     }
+}
+
+/// Says once per process that `BIRDTRAIN_CONV=v3` asked for kernels this GPU cannot run, so
+/// that a timing of "v3" on it is not mistaken for one (every layer then runs v2).
+fn warn_v3_elsewhere(arch: crate::cuda::arch::GpuArch) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "{}=v3 needs a Hopper GPU (compute capability 9.0); this one is {arch}: every convolution runs the v2 kernels (hint: unset {} on this GPU)",
+            crate::cuda::conv::CONV_ENV,
+            crate::cuda::conv::CONV_ENV
+        );
+    });
 }
 
 impl Backend for CudaBackend {
