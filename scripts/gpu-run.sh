@@ -36,6 +36,9 @@
 #                                # default; < 4 min): replay against eager to the bit (library
 #                                # level, and the trainer with augmentation, mixup/CutMix, AdamW,
 #                                # a partial last batch), resnet50 b256's step eager and replayed
+#   bash .gpu/gpu-run.sh next    # what has never run on a GPU, in one call (< 6 min): the v3
+#                                # kernels, the CUDA graphs and the Python package checked side
+#                                # by side, then v3 against v2 and the graph step timed alone
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -554,6 +557,47 @@ phase_hopper() {
     --batch-size 256 --json --breakdown --warmup 10 --steps 20
 }
 
+# What has never run on a GPU, in one call (< 6 min; DEADLINE=330, timeout_s 360): first the
+# correctness of all of it side by side on the one GPU (only pass/fail is read there): the
+# sm_90a compile, every kernel test (cuda_kernels::, the v3 ones listing each op PASS/FAIL),
+# the resnet50 v3 step against the CPU, the CUDA graph replays against eager, the Python
+# package; then, with the GPU alone: resnet50 v3 against v2 in alternating rounds (only when
+# the v3 tests passed: a wrong kernel's time means nothing) and the graph's step timing. A v3
+# kernel that hangs (an mbarrier waiting for bytes that never land) ends at its step's time
+# limit without holding up the rest.
+phase_next() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check-90a 120 "$bin" kernels check --arch sm_90a &
+  step test-kernels 200 "$test_bin" --ignored --test-threads 1 --nocapture cuda_kernels:: &
+  step test-conv3-step 200 "$test_bin" --ignored --test-threads 1 --nocapture \
+    cuda_step::resnet50_v3_step_matches_cpu &
+  step test-graphs 200 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_graph::replayed_steps_give_the_eager_steps_bits \
+    train_gpu::graph_replay_trains_to_the_same_bits_as_eager_launches &
+  phase_python >"$out/python-checks.txt" 2>&1 &
+  wait
+  $checks tests "$out/test-kernels.log" cuda_kernels:: 10 | tee -a "$summary"
+  $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
+  $checks tests "$out/test-graphs.log" cuda_graph:: 1 | tee -a "$summary"
+  $checks tests "$out/test-graphs.log" train_gpu::graph_replay 1 | tee -a "$summary"
+  if grep -q "^FAIL .*conv3" "$summary"; then
+    note "SKIP conv3-rounds: a v3 kernel failed its check (the FAIL lines above name it)"
+  else
+    local r v rounds_v3=() rounds_v2=()
+    for r in 1 2 3; do
+      for v in v3 v2; do
+        BIRDTRAIN_CONV=$v step "bench-resnet50-$v-r$r" 60 "$bin" bench step --model resnet50 \
+          --batch-size 256 --json --warmup 10 --steps 40
+      done
+      rounds_v3+=("$out/bench-resnet50-v3-r$r.log"); rounds_v2+=("$out/bench-resnet50-v2-r$r.log")
+    done
+    check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
+  fi
+  step test-graph-timing 120 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_graph::resnet50_b256_step_time_with_and_without_the_graph
+  grep -h "graph-timing\|graph launches" "$out/test-graph-timing.log" | sed 's/^/INFO /' | tee -a "$summary"
+}
+
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
 # only pass/fail is read there); cuda_memory fills the GPU's memory and the timed work must
 # have the GPU alone, so they follow, most important first, until $DEADLINE.
@@ -588,9 +632,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|next|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|next|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"
