@@ -177,8 +177,8 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
 /// reduction slabs) and sizes the batch-dependent scratch, all counted into the fixed bytes;
 /// the probes of batch 1 and 2 after it then differ by one image's tensors alone (measured
 /// the other way round on an H100, the one-time buffers cancelled most of an image). The
-/// scratch that grows with the batch (the stem's copy of the input, paired or padded) is added per
-/// image, and the optimizer's state to the fixed bytes. Needs a GPU.
+/// scratch that grows with the batch (the stem's copy of the input, paired or padded) is
+/// added per image, and the optimizer's state to the fixed bytes. Needs a GPU.
 pub fn measure(
     backend: &CudaBackend,
     graph: &Graph,
@@ -295,6 +295,21 @@ mod tests {
         assert_eq!(index_limited_batch(&graph, 128), 8191);
         let stem = 64 * 64 * 64;
         assert!(index_limited_batch(&graph, 128) * stem <= i32::MAX as usize);
+    }
+
+    #[test]
+    fn the_stem_copies_follow_the_v2_layout() {
+        // resnet's stride-2 stem reads pixel pairs: 112 pairs of 8 values a row at 224 px (half
+        // the 8-channel copy), its weight 64 × 7 × 4 pairs of 8.
+        let r50 = Graph::new(Arch::ResNet50, 285);
+        assert_eq!(stem_input_copy_values(&r50, 224), 224 * 112 * 8);
+        assert_eq!(stem_weight_values(&r50, 224), 64 * 7 * 4 * 8);
+        // An odd size: 57 pairs a row, the last one's second pixel zero.
+        assert_eq!(stem_input_copy_values(&r50, 113), 113 * 57 * 8);
+        // The CIFAR resnets' stride-1 stem is padded to 8 channels.
+        let r20 = Graph::new(Arch::ResNet20, 10);
+        assert_eq!(stem_input_copy_values(&r20, 32), 32 * 32 * 8);
+        assert_eq!(stem_weight_values(&r20, 32), 16 * 3 * 3 * 8);
     }
 
     #[test]
