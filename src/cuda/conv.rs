@@ -231,7 +231,7 @@ pub enum StemCopy {
 }
 
 impl StemCopy {
-    /// The copy a shape's input needs (whether v2 takes the shape aside).
+    /// The copy a shape's input needs (whether or not v2 takes the shape).
     pub fn of(s: &ConvShape) -> StemCopy {
         if s.c_in % 8 == 0 {
             StemCopy::None
