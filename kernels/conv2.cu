@@ -27,6 +27,19 @@
 // 1×1 convolutions take plain GEMM paths: forward and dgrad move a pointer along the
 // channels (stride 2: the row bases are strided, the loop is the same; dgrad writes strided
 // rows); wgrad at stride 1 walks both operands as contiguous rows.
+// The stem (≤ 4 input channels, stride 2: resnet's 7×7 on RGB) reads its input as pixel pairs,
+// so that a 16-byte chunk holds real data: the host copies x into [N][H][⌈W/2⌉][8] (pair j of a
+// row = pixels 2j, 2j+1 of 4 channels, channel 3 and an odd width's last pixel zero) and the
+// weight into [K][R][S'][8] with lead = pad % 2 (pair j holds filter columns 2j − lead,
+// 2j + 1 − lead; zeros outside 0..S−1), both by conv2_pair_pixels. Output column q reads input
+// columns 2q − pad + s = 2(q − pad_w + j) + e for s = 2j + e − lead, pad_w = (pad + lead) / 2:
+// the GEMMs see a convolution over ⌈W/2⌉ pair-columns of 8 channels with an R × S' filter,
+// S' = (S + lead + 1) / 2, stride (2, 1) and padding (pad, pad_w) (a pair outside the row holds
+// only pixels outside the image). resnet's 7×7: reduction 7·4·8 = 224 instead of 7·7·8 = 392
+// with 8 padded channels (useful 147: 66 % instead of 38 %). The wgrad epilogue maps each
+// column back to its (r, s, c) of the real K×R×S×3 f32 gradient (c_real, s_real, pair_lead)
+// and drops the slots outside it. A 3-channel stem at stride 1 (the CIFAR resnets) is padded
+// to 8 channels instead (conv2_pad_channels), c_real = 3. The stem has no dgrad.
 // Batch-norm epilogues (BIRDTRAIN_BN_FUSION; conv2_fwd_stats_*, conv2_dgrad_bn_*: the same
 // GEMMs, see BnEpilogue): while the bf16 output tile is staged in shared memory, the forward
 // reduces each output channel's tile statistics (mean, M2) and the dgrad finishes the gradient
@@ -41,10 +54,10 @@
 // fragments from ldmatrix. Copies are 16-byte cp.async.cg with zero fill for everything outside
 // the tensors (padding, tails), so no thread ever branches around a load.
 //
-// Data layout. x, y, dx, dy: NHWC bf16, C % 8 == 0 and K % 8 == 0 (the host pads the 3-channel
-// stem input and weight to 8 channels: the input kernel writes the padded copy, the stem's
-// wgrad writes only the real channels back, see c_real). w: KRSC bf16. dw: KRSC f32 with
-// c_real channels, overwritten: plane z (z = blockIdx.z) of dw holds slice z's partial sums,
+// Data layout. x, y, dx, dy: NHWC bf16, C % 8 == 0 and K % 8 == 0 (the stem's input and weight
+// are paired or padded copies, see "The stem"; its wgrad writes only the real filter back).
+// w: KRSC bf16. dw: KRSC f32 with s_real × c_real columns per filter row, overwritten: plane z
+// (z = blockIdx.z) of dw holds slice z's partial sums,
 // so dw has gridDim.z planes (a workspace) when the reduction is split. Shared memory rows are padded by 8
 // elements (16 bytes), so ldmatrix rows and cp.async chunks are free of bank conflicts in both
 // tile orientations (reduction inner [rows][BK+8], reduction outer [BK][cols+8]).
@@ -66,15 +79,20 @@
 // grid = (ceil(M/BM), ceil(N/BN), splits or phases).
 #include "common.cuh"
 
-// Shape of one convolution; mirrors `Conv2Args` in src/cuda/conv.rs (repr(C), 14 ints).
+// Shape of one convolution; mirrors `Conv2Args` in src/cuda/conv.rs (repr(C), 18 ints).
+// The GEMM's view: for the paired stem (see "The stem" above) w, c, s, stride_w and pad_w
+// describe the pixel pairs, and c_real, s_real, pair_lead how dw's real filter maps onto them.
 struct Conv2Args {
-    int n, h, w, c;   // input batch, height, width, channels as stored (C % 8 == 0)
-    int k, r, s;      // output channels (K % 8 == 0), filter height, filter width (≤ 16)
-    int p, q;         // output height, width
-    int stride, pad;  // same in both spatial dimensions
-    int c_real;       // wgrad: channels of dw (the padded stem: 3 of 8); c otherwise
-    int k_chunk;      // wgrad: reduction pixels per gridDim.z slice (a multiple of BK)
-    int accumulate;   // dgrad: add into dx instead of overwriting
+    int n, h, w, c;       // input batch, height, width, channels as stored (C % 8 == 0)
+    int k, r, s;          // output channels (K % 8 == 0), filter height, filter width (≤ 16)
+    int p, q;             // output height, width
+    int stride, pad;      // along the rows (and the columns, unless paired; dgrad: both)
+    int stride_w, pad_w;  // along the columns (forward and wgrad)
+    int c_real;           // wgrad: channels of dw (the stem: 3 of 8 stored); c otherwise
+    int s_real;           // wgrad: filter width of dw (the paired stem: 7 for s = 4 pairs); s otherwise
+    int pair_lead;        // wgrad, paired stem: pixel slots before filter column 0 (pad % 2); -1 unpaired
+    int k_chunk;          // wgrad: reduction pixels per gridDim.z slice (a multiple of BK)
+    int accumulate;       // dgrad: add into dx instead of overwriting
 };
 
 #define BK 32
@@ -190,25 +208,31 @@ struct TapCursor {
 };
 
 // The pixel a wgrad thread gathers for: output (p, q) of some image, its top-left input
-// coordinates hy = p·stride - pad, wx = q·stride - pad, and `base`, the offset of input pixel
+// coordinates hy = p·stride - pad, wx = q·stride_w - pad_w, and `base`, the offset of input pixel
 // (image, hy, wx). A k-step moves it by BK pixels = (dn, dp, dq) in mixed radix (N, P, Q):
 // the digits carry once each, and base moves by a constant plus one correction per carry.
+// OWN_COLUMNS: whether the column stride and padding are stride_w, pad_w (the small-C gather,
+// which takes the paired stem) or stride, pad (the other gathers, whose layers have the same
+// in both dimensions: their loop keeps one stride and one padding in registers).
+template <bool OWN_COLUMNS>
 struct PixelCursor {
     int p, q, hy, wx, base;
     int dp, dq, inc, inc_q, inc_p;
+    static __device__ __forceinline__ int stride_w(const Conv2Args& a) { return OWN_COLUMNS ? a.stride_w : a.stride; }
+    static __device__ __forceinline__ int pad_w(const Conv2Args& a) { return OWN_COLUMNS ? a.pad_w : a.pad; }
     __device__ __forceinline__ void init(const Conv2Args& a, int pixel) {
         q = pixel % a.q;
         const int np = pixel / a.q;
         p = np % a.p;
         const int n = np / a.p;
         hy = p * a.stride - a.pad;
-        wx = q * a.stride - a.pad;
+        wx = q * stride_w(a) - pad_w(a);
         base = ((n * a.h + hy) * a.w + wx) * a.c;
         const int pq = a.p * a.q, dn = BK / pq, rem = BK - dn * pq;
         dp = rem / a.q;
         dq = rem - dp * a.q;
-        inc = ((dn * a.h + dp * a.stride) * a.w + dq * a.stride) * a.c;
-        inc_q = (a.stride * a.w - a.q * a.stride) * a.c;        // q wrapped: next row
+        inc = ((dn * a.h + dp * a.stride) * a.w + dq * stride_w(a)) * a.c;
+        inc_q = (a.stride * a.w - a.q * stride_w(a)) * a.c;     // q wrapped: next row
         inc_p = (a.h * a.w - a.p * a.stride * a.w) * a.c;      // p wrapped: next image
     }
     __device__ __forceinline__ void step(const Conv2Args& a) {
@@ -220,7 +244,7 @@ struct PixelCursor {
         p -= cp ? a.p : 0;
         base += inc + (cq ? inc_q : 0) + (cp ? inc_p : 0);
         hy = p * a.stride - a.pad;
-        wx = q * a.stride - a.pad;
+        wx = q * stride_w(a) - pad_w(a);
     }
 };
 
@@ -349,7 +373,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     int2 tap = make_int2(0, 0);  // the table entry of the cursor's tap
     // wgrad GENERAL: the (r, s) of each column; b_ptr[j] then points at the column's offset.
     int b_tap_r[G::CB], b_tap_s[G::CB];
-    PixelCursor pc;
+    PixelCursor<GATHER == SMALL_C> pc;
 
     if (MODE != WGRAD) {
 #pragma unroll
@@ -359,7 +383,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
             int base;
             if (MODE == FWD) {
                 const int x = m % a.q, t = m / a.q, y = t % a.p, n_ = t / a.p;
-                const int hy = y * a.stride - a.pad, wx = x * a.stride - a.pad;
+                const int hy = y * a.stride - a.pad, wx = x * a.stride_w - a.pad_w;
                 base = ((n_ * a.h + hy) * a.w + wx) * a.c;
                 a_mask[i] = ok ? bit_range(-hy, min(a.r, a.h - hy)) | bit_range(-wx, min(a.s, a.w - wx)) << 16 : 0u;
             } else {
@@ -543,9 +567,10 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     const int g = lane >> 2, t4 = lane & 3;
     if (MODE == WGRAD) {
         // f32 partial sums of this reduction slice, stored into its own plane of dw (each
-        // element by exactly one thread: no atomics, the same bits every run). The padded
-        // stem keeps only its c_real real channels: column (rs, c) → rs·c_real + c.
-        const int n_out = a.r * a.s * a.c_real;
+        // element by exactly one thread: no atomics, the same bits every run). The stem keeps
+        // only its real filter: padded, column (r, s, ch) → (r, s, ch) of c_real channels;
+        // paired, column (r, j, 4e + ch) → (r, 2j + e − pair_lead, ch) of s_real × c_real.
+        const int n_out = a.r * a.s_real * a.c_real;
         float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.k * n_out;
 #pragma unroll
         for (int i = 0; i < T::MI; ++i)
@@ -557,14 +582,19 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                     const int n = n0 + warp_n + j * 8 + 2 * t4;
                     if (m >= M || n >= N) continue;
                     if (a.c_real != a.c) {
-                        // The padded stem: c_real may be odd (3 channels), so the pair's two
+                        // The stem: c_real may be odd (3 channels), so the pair's two
                         // columns may land in different taps and its address on 4 bytes
                         // only, which a paired store refuses (misaligned address): each
-                        // column goes alone.
+                        // column goes alone. Slots outside the real filter (the paired
+                        // stem's first pixel, padded channels) are not stored.
+                        const int pix_c = a.pair_lead >= 0 ? a.c / 2 : a.c;  // channels of one pixel
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const int rs = (n + h) / a.c, c = n + h - rs * a.c;
-                            if (c < a.c_real) dw[(long)m * n_out + rs * a.c_real + c] = acc[i][j][e + h];
+                            const int rs = (n + h) / a.c, cs = n + h - rs * a.c;
+                            const int r = rs / a.s, t = rs - r * a.s, px = cs / pix_c, c = cs - px * pix_c;
+                            const int s = a.pair_lead >= 0 ? 2 * t + px - a.pair_lead : t;
+                            if (c < a.c_real && (unsigned)s < (unsigned)a.s_real)
+                                dw[(long)m * n_out + (r * a.s_real + s) * a.c_real + c] = acc[i][j][e + h];
                         }
                         continue;
                     }
@@ -891,9 +921,35 @@ extern "C" __global__ void conv2_wgrad_reduce(const float* __restrict__ planes, 
     }
 }
 
-// dst[row][0..c_to) = src[row][0..c_from) followed by zeros (c_to % 8 == 0): the 3-channel
-// stem weight (and an input whose channels are not a multiple of 8) widened for the 16-byte
-// paths. One thread per row, 16-byte stores; grid-stride over `rows`.
+// The paired stem's operands (see "The stem" above): dst[row][j] holds 8 bf16, pixels
+// 2j − lead and 2j + 1 − lead of src[row] (`width` pixels of c ≤ 4 channels), each widened to
+// 4 channels, zeros for a pixel outside 0..width−1. dst rows have (width + lead + 1) / 2 pairs.
+// The input: rows = N·H image rows, lead 0 (an odd width gets one zero pixel at the end of each
+// row). The weight: rows = K·R filter rows of width S, lead = pad % 2. One thread per pair,
+// one 16-byte store; grid-stride over rows × pairs.
+extern "C" __global__ void conv2_pair_pixels(const bf16* __restrict__ src, bf16* __restrict__ dst, long rows,
+                                             int width, int c, int lead) {
+    const int pairs = (width + lead + 1) / 2;
+    const long total = rows * pairs;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const long row = i / pairs;
+        const int j = (int)(i - row * pairs);
+        union { uint4 v; bf16 e[8]; } u;
+#pragma unroll
+        for (int px = 0; px < 2; ++px) {
+            const int s = 2 * j + px - lead;
+            const bool inside = s >= 0 && s < width;
+#pragma unroll
+            for (int ch = 0; ch < 4; ++ch)
+                u.e[4 * px + ch] = inside && ch < c ? src[(row * width + s) * c + ch] : bt_to_bf16(0.0f);
+        }
+        *reinterpret_cast<uint4*>(dst + i * 8) = u.v;
+    }
+}
+
+// dst[row][0..c_to) = src[row][0..c_from) followed by zeros (c_to % 8 == 0): the input and
+// weight of a stem that is not paired (fewer than 8 channels at stride 1) widened for the
+// 16-byte paths. One thread per row, 16-byte stores; grid-stride over `rows`.
 extern "C" __global__ void conv2_pad_channels(const bf16* __restrict__ src, bf16* __restrict__ dst,
                                               long rows, int c_from, int c_to) {
     for (long row = blockIdx.x * (long)blockDim.x + threadIdx.x; row < rows; row += (long)gridDim.x * blockDim.x) {

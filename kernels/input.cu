@@ -16,13 +16,14 @@
 // (1/(255·std_c) and −mean_c/std_c); mix: one InputMix in device memory
 // (uploaded before the step, so that a captured CUDA graph replays with each step's own); dst: bf16 [N,S,S,3].
 //
-// input_transform_pad8 does the same (without mixing) and also writes the 8-channel copy of the batch that the
-// v2 stem convolution reads with 16-byte copies (kernels/conv2.cu): channels 3..7 are zero.
+// input_transform_pairs does the same (without mixing) and also writes the copy of the batch that the v2
+// stem convolution reads with 16-byte copies (kernels/conv2.cu, "The stem"): pairs of pixels of 4
+// channels. (The host makes that copy with conv2_pair_pixels today.)
 //
 // Launch configuration. input_transform: one thread per output element, 256 threads,
 // grid-stride loop; adjacent threads write adjacent channels and pixels (coalesced stores,
-// mostly coalesced u8 reads). input_transform_pad8: one thread per pixel, 256 threads,
-// grid-stride; each writes its 3 channels and one 16-byte padded pixel.
+// mostly coalesced u8 reads). input_transform_pairs: one thread per pixel pair, 256 threads,
+// grid-stride; each writes its pixels' 3 channels and one 16-byte pair.
 #include "common.cuh"
 
 // The batch's mixing (model::Mix), read from device memory: kind BT_MIX_NONE, BT_MIX_BLEND (mixup,
@@ -79,36 +80,43 @@ extern "C" __global__ void input_transform(const u8* __restrict__ src, const int
     }
 }
 
-// dst as input_transform; dst8: bf16 [N,S,S,8], the same values in channels 0..2, zeros after.
-extern "C" __global__ void input_transform_pad8(const u8* __restrict__ src, const int* __restrict__ aug,
-                                                int use_aug, const float* __restrict__ scale,
-                                                const float* __restrict__ shift, bf16* __restrict__ dst,
-                                                bf16* __restrict__ dst8, int n, int size) {
-    const long pixels = (long)n * size * size;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pixels; i += (long)gridDim.x * blockDim.x) {
-        const int x = (int)(i % size);
-        const long rest = i / size;
+// dst as input_transform; dst_pairs: bf16 [N,S,⌈S/2⌉,8], the same values as pairs of horizontally
+// adjacent pixels of 4 channels (pixels 2j and 2j+1 of a row, channel 3 zero, and an odd S's
+// pixel S zero): the paired stem's input (kernels/conv2.cu, "The stem"; conv2_pair_pixels's layout).
+extern "C" __global__ void input_transform_pairs(const u8* __restrict__ src, const int* __restrict__ aug,
+                                                 int use_aug, const float* __restrict__ scale,
+                                                 const float* __restrict__ shift, bf16* __restrict__ dst,
+                                                 bf16* __restrict__ dst_pairs, int n, int size) {
+    const int pairs_w = (size + 1) / 2;
+    const long pairs = (long)n * size * pairs_w;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pairs; i += (long)gridDim.x * blockDim.x) {
+        const int j = (int)(i % pairs_w);
+        const long rest = i / pairs_w;
         const int y = (int)(rest % size);
         const int b = (int)(rest / size);
-        int dy = 0, dx = 0, flip = 0;
-        bool erased = false;
+        int dy = 0, dx = 0, flip = 0, ey0 = 0, ey1 = 0, ex0 = 0, ex1 = 0;
         if (use_aug) {
             const int* a = aug + b * BT_AUG_INTS;
-            dy = a[0]; dx = a[1]; flip = a[2];
-            erased = y >= a[3] && y < a[4] && x >= a[5] && x < a[6];
+            dy = a[0]; dx = a[1]; flip = a[2]; ey0 = a[3]; ey1 = a[4]; ex0 = a[5]; ex1 = a[6];
         }
-        const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
-        const bool inside = !erased && sy >= 0 && sy < size && sx >= 0 && sx < size;
-        const long from = (((long)b * size + sy) * size + sx) * 3;
         union { uint4 v; bf16 e[8]; } u;
 #pragma unroll
         for (int c = 0; c < 8; ++c) u.e[c] = bt_to_bf16(0.0f);
 #pragma unroll
-        for (int c = 0; c < 3; ++c) {
-            const bf16 v = bt_to_bf16(inside ? (float)src[from + c] * scale[c] + shift[c] : 0.0f);
-            dst[i * 3 + c] = v;
-            u.e[c] = v;
+        for (int px = 0; px < 2; ++px) {
+            const int x = 2 * j + px;
+            if (x >= size) break;  // an odd row's last pair: its second pixel stays zero
+            const bool erased = y >= ey0 && y < ey1 && x >= ex0 && x < ex1;
+            const int sy = y + dy, sx = (flip ? size - 1 - x : x) + dx;
+            const bool inside = !erased && sy >= 0 && sy < size && sx >= 0 && sx < size;
+            const long from = (((long)b * size + sy) * size + sx) * 3, to = (((long)b * size + y) * size + x) * 3;
+#pragma unroll
+            for (int c = 0; c < 3; ++c) {
+                const bf16 v = bt_to_bf16(inside ? (float)src[from + c] * scale[c] + shift[c] : 0.0f);
+                dst[to + c] = v;
+                u.e[4 * px + c] = v;
+            }
         }
-        *reinterpret_cast<uint4*>(dst8 + i * 8) = u.v;
+        *reinterpret_cast<uint4*>(dst_pairs + i * 8) = u.v;
     }
 }

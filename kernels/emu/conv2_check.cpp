@@ -3,7 +3,8 @@
 // padding helpers) run on the host emulator (emu.h, cp.async pipeline included) against a
 // direct f64 convolution. Shapes are small and odd: tails in every GEMM dimension, channel
 // counts that do not divide the 32-wide k-step (a k-step then spans several filter taps),
-// stride 2 and 3 (4 and 9 dgrad phases, some without taps), the padded 3-channel stem.
+// stride 2 and 3 (4 and 9 dgrad phases, some without taps), the stem read as pixel pairs
+// (stride 2) and padded to 8 channels (stride 1).
 #include "emu.h"
 #include "conv2_x.cu"  // conv2.cu with common.cuh expanded (written by the test)
 #include "bn_ns.cu"    // bn.cu in namespace k_bn: the merges and finalize the fused epilogues feed
@@ -221,39 +222,72 @@ static void check_dgrad_bn(const std::string& name, const Kernel& kn, DgradBnFn 
                                                 same_bits(merged[0].data(), merged[1].data(), merged[0].size() * 4));
 }
 
+static std::vector<bf16> tobf(const std::vector<float>& v) {
+    std::vector<bf16> o(v.size());
+    for (size_t i = 0; i < v.size(); ++i) o[i] = __float2bfloat16_rn(v[i]);
+    return o;
+}
+
+// The arguments of a case as the host plans a layer that is not paired (src/cuda/conv.rs):
+// the same stride and padding along both dimensions, channels as given.
+static Conv2Args unpaired_args(const Case& cs) {
+    Conv2Args a{};
+    a.n = cs.n; a.h = cs.h; a.w = cs.w; a.c = cs.c; a.k = cs.k; a.r = cs.r; a.s = cs.r;
+    a.stride = cs.stride; a.pad = cs.pad; a.stride_w = cs.stride; a.pad_w = cs.pad;
+    a.c_real = cs.c; a.s_real = cs.r; a.pair_lead = -1;
+    a.p = (cs.h + 2 * cs.pad - cs.r) / cs.stride + 1; a.q = (cs.w + 2 * cs.pad - cs.r) / cs.stride + 1;
+    return a;
+}
+
+// Random bf16-exact operands of a case (x, w, dy on the real channels) and the f64 references
+// of the three passes (a direct convolution).
+struct Operands {
+    std::vector<float> x, w, dy;
+    std::vector<bf16> X, W, DY;
+    std::vector<double> y_ref, dx_ref, dw_ref;
+};
+
+static Operands operands(const Case& cs, const Conv2Args& a, std::mt19937& rng) {
+    const long pixels_out = (long)a.n * a.p * a.q;
+    const long xl = (long)cs.n * cs.h * cs.w * cs.c, yl = pixels_out * cs.k, wl = (long)cs.k * cs.r * cs.r * cs.c;
+    Operands o;
+    std::uniform_real_distribution<float> U(-1, 1);
+    o.x.resize(xl); o.w.resize(wl); o.dy.resize(yl);
+    for (auto& v : o.x) v = rb(U(rng));
+    for (auto& v : o.w) v = rb(U(rng) * 0.3f);
+    for (auto& v : o.dy) v = rb(U(rng));
+    o.X = tobf(o.x); o.W = tobf(o.w); o.DY = tobf(o.dy);
+    o.y_ref.assign(yl, 0); o.dx_ref.assign(xl, 0); o.dw_ref.assign(wl, 0);
+    for (int n = 0; n < cs.n; ++n) for (int p = 0; p < a.p; ++p) for (int q = 0; q < a.q; ++q) for (int k = 0; k < cs.k; ++k)
+        for (int r = 0; r < cs.r; ++r) for (int s = 0; s < cs.r; ++s) {
+            const int hh = p * cs.stride - cs.pad + r, ww = q * cs.stride - cs.pad + s;
+            if (hh < 0 || hh >= cs.h || ww < 0 || ww >= cs.w) continue;
+            for (int c = 0; c < cs.c; ++c) {
+                const long xi = (((long)n * cs.h + hh) * cs.w + ww) * cs.c + c, wi = (((long)k * cs.r + r) * cs.r + s) * cs.c + c;
+                const long yi = (((long)n * a.p + p) * a.q + q) * cs.k + k;
+                o.y_ref[yi] += (double)o.x[xi] * o.w[wi];
+                o.dx_ref[xi] += (double)o.dy[yi] * o.w[wi];
+                o.dw_ref[wi] += (double)o.dy[yi] * o.x[xi];
+            }
+        }
+    return o;
+}
+
 // The phase-ordered dgrad weight has as many elements as the weight itself.
 static void run_case(Case cs, std::mt19937& rng) {
     const int cp = (cs.c + 7) / 8 * 8;  // channels as stored (the stem pads 3 to 8)
-    Conv2Args a{};
-    a.n = cs.n; a.h = cs.h; a.w = cs.w; a.c = cp; a.k = cs.k; a.r = cs.r; a.s = cs.r;
-    a.stride = cs.stride; a.pad = cs.pad; a.c_real = cs.c;
-    a.p = (cs.h + 2 * cs.pad - cs.r) / cs.stride + 1; a.q = (cs.w + 2 * cs.pad - cs.r) / cs.stride + 1;
+    Conv2Args a = unpaired_args(cs);
+    a.c = cp;
     printf("case n=%d h=%d w=%d c=%d k=%d r=%d stride=%d pad=%d\n", cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.stride, cs.pad);
     const long pixels_in = (long)a.n * a.h * a.w, pixels_out = (long)a.n * a.p * a.q;
     const long xl = pixels_in * cs.c, yl = pixels_out * a.k, wl = (long)a.k * a.r * a.s * cs.c;
+    const Operands o = operands(cs, a, rng);
     std::uniform_real_distribution<float> U(-1, 1);
-    std::vector<float> x(xl), w(wl), dy(yl), dx0(pixels_in * cp);
-    for (auto& v : x) v = rb(U(rng));
-    for (auto& v : w) v = rb(U(rng) * 0.3f);
-    for (auto& v : dy) v = rb(U(rng));
+    std::vector<float> dx0(pixels_in * cp);
     for (auto& v : dx0) v = rb(U(rng));
-    auto tobf = [](const std::vector<float>& v) { std::vector<bf16> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = __float2bfloat16_rn(v[i]); return o; };
-    auto X3 = tobf(x), W3 = tobf(w), DY = tobf(dy);
-
-    // f64 references on the real channels
-    std::vector<double> y_ref(yl, 0), dx_ref(xl, 0), dw_ref(wl, 0);
-    for (int n = 0; n < a.n; ++n) for (int p = 0; p < a.p; ++p) for (int q = 0; q < a.q; ++q) for (int k = 0; k < a.k; ++k)
-        for (int r = 0; r < a.r; ++r) for (int s = 0; s < a.s; ++s) {
-            const int hh = p * a.stride - a.pad + r, ww = q * a.stride - a.pad + s;
-            if (hh < 0 || hh >= a.h || ww < 0 || ww >= a.w) continue;
-            for (int c = 0; c < cs.c; ++c) {
-                const long xi = (((long)n * a.h + hh) * a.w + ww) * cs.c + c, wi = (((long)k * a.r + r) * a.s + s) * cs.c + c;
-                const long yi = (((long)n * a.p + p) * a.q + q) * a.k + k;
-                y_ref[yi] += (double)x[xi] * w[wi];
-                dx_ref[xi] += (double)dy[yi] * w[wi];
-                dw_ref[wi] += (double)dy[yi] * x[xi];
-            }
-        }
+    const std::vector<float>& x = o.x;
+    const std::vector<bf16>&X3 = o.X, &W3 = o.W, &DY = o.DY;
+    const std::vector<double>&y_ref = o.y_ref, &dx_ref = o.dx_ref, &dw_ref = o.dw_ref;
 
     // Inputs as the kernels see them: channels padded to a multiple of 8 by conv2_pad_channels.
     std::vector<bf16> X = X3, W = W3;
@@ -352,6 +386,80 @@ static void run_case(Case cs, std::mt19937& rng) {
     }
 }
 
+// The stem read as pixel pairs (kernels/conv2.cu, "The stem"; src/cuda/conv.rs plans it for ≤ 4
+// channels at stride 2): the input and weight paired by conv2_pair_pixels (checked element by
+// element, an odd width's zero pixel and the weight's lead slot included), the forward in both
+// tile widths with its statistics epilogue, and the weight gradient (small-C gather) mapped back
+// onto the real filter, its reduction in one slice (dw written directly) and in three; every
+// GEMM also in another block order, to the same bits.
+static void stem_pairs_case(Case cs, std::mt19937& rng) {
+    const int lead = cs.pad % 2, pairs_w = (cs.w + 1) / 2, taps = (cs.r + lead + 1) / 2;
+    Conv2Args a = unpaired_args(cs);
+    a.w = pairs_w; a.c = 8; a.s = taps; a.stride_w = 1; a.pad_w = (cs.pad + lead) / 2; a.pair_lead = lead;
+    printf("paired stem n=%d h=%d w=%d c=%d k=%d r=%d stride=%d pad=%d (GEMM: %d pair columns, %dx%d filter)\n", cs.n,
+           cs.h, cs.w, cs.c, cs.k, cs.r, cs.stride, cs.pad, pairs_w, cs.r, taps);
+    const Operands o = operands(cs, a, rng);
+    const long rows_x = (long)cs.n * cs.h, rows_w = (long)cs.k * cs.r;
+    const long yl = (long)a.n * a.p * a.q * a.k, wl = (long)cs.k * cs.r * cs.r * cs.c;
+    // The paired copies (poisoned: every element must be written) against the rule.
+    std::vector<bf16> XP(rows_x * pairs_w * 8, bf16{0x7fc0}), WP(rows_w * taps * 8, bf16{0x7fc0});
+    emu_launch({2, 1, 1}, {64, 1, 1}, [&] { conv2_pair_pixels(o.X.data(), XP.data(), rows_x, cs.w, cs.c, 0); });
+    emu_launch({2, 1, 1}, {64, 1, 1}, [&] { conv2_pair_pixels(o.W.data(), WP.data(), rows_w, cs.r, cs.c, lead); });
+    auto paired = [&](const std::vector<float>& src, long rows, int width, int ld, int pairs) {
+        std::vector<double> r((size_t)rows * pairs * 8, 0.0);
+        for (long row = 0; row < rows; ++row) for (int j = 0; j < pairs; ++j) for (int px = 0; px < 2; ++px)
+            for (int ch = 0; ch < cs.c; ++ch) {
+                const int s = 2 * j + px - ld;
+                if (s >= 0 && s < width) r[((size_t)row * pairs + j) * 8 + 4 * px + ch] = src[((size_t)row * width + s) * cs.c + ch];
+            }
+        return r;
+    };
+    check("pair_pixels x", widen(XP), paired(o.x, rows_x, cs.w, 0, pairs_w), 0, 0);
+    check("pair_pixels w", widen(WP), paired(o.w, rows_w, cs.r, lead, taps), 0, 0);
+
+    const int M = a.n * a.p * a.q;
+    const Kernel fwd[] = {{"conv2_fwd_128x128", 128, 128, 256}, {"conv2_fwd_128x64", 128, 64, 128}};
+    const FwdFn fwd_fn[] = {conv2_fwd_128x128, conv2_fwd_128x64};
+    const Kernel fwd_stats[] = {{"conv2_fwd_stats_128x128", 128, 128, 256}, {"conv2_fwd_stats_128x64", 128, 64, 128}};
+    const FwdStatsFn fwd_stats_fn[] = {conv2_fwd_stats_128x128, conv2_fwd_stats_128x64};
+    for (int v = 0; v < 2; ++v) {
+        const dim3e grid{(unsigned)((M + fwd[v].bm - 1) / fwd[v].bm), (unsigned)((a.k + fwd[v].bn - 1) / fwd[v].bn), 1};
+        std::vector<bf16> Y(yl, bf16{0x7fc0}), Y2(yl, bf16{0x7fc0});
+        run(fwd[v], grid, [&] { fwd_fn[v](XP.data(), WP.data(), Y.data(), a); });
+        const std::string name = std::string(fwd[v].name) + " paired";
+        check(name, widen(Y), o.y_ref, 1e-2, 1.0 / 128);
+        g_emu_block_order = 0x57e3;
+        run(fwd[v], grid, [&] { fwd_fn[v](XP.data(), WP.data(), Y2.data(), a); });
+        g_emu_block_order = 0;
+        check_bits(name + " again, other order", same_bits(Y.data(), Y2.data(), yl * sizeof(bf16)));
+        check_fwd_stats(fwd_stats[v].name, fwd_stats[v], fwd_stats_fn[v], XP, WP, Y, a, M, rng);
+    }
+
+    const int Nw = a.r * a.s * a.c;
+    const Kernel wg{"conv2_wgrad_c8_64x128", 64, 128, 128};
+    // Slices: the whole reduction (dw written directly), about a third, one k-step each.
+    for (int chunk : {(M + 31) / 32 * 32, ((M + 2) / 3 + 31) / 32 * 32, 32}) {
+        Conv2Args sw = a;
+        sw.k_chunk = chunk;
+        const int splits = (M + sw.k_chunk - 1) / sw.k_chunk;
+        const dim3e grid{(unsigned)((a.k + wg.bm - 1) / wg.bm), (unsigned)((Nw + wg.bn - 1) / wg.bn), (unsigned)splits};
+        std::vector<float> dw[2];
+        for (int rep = 0; rep < 2; ++rep) {
+            // Poisoned: every element of dw (one slice) or of every plane must be stored.
+            std::vector<float> planes((size_t)splits * wl, NAN);
+            dw[rep].assign(wl, NAN);
+            float* out = splits == 1 ? dw[rep].data() : planes.data();
+            g_emu_block_order = rep ? 0x57e3 : 0;
+            run(wg, grid, [&] { conv2_wgrad_c8_64x128(o.DY.data(), XP.data(), out, sw); });
+            g_emu_block_order = 0;
+            if (splits > 1) emu_launch({4, 1, 1}, {64, 1, 1}, [&] { conv2_wgrad_reduce(planes.data(), dw[rep].data(), wl, splits); });
+        }
+        const std::string name = std::string(wg.name) + " paired, " + std::to_string(splits) + " slice(s)";
+        check(name, std::vector<double>(dw[0].begin(), dw[0].end()), o.dw_ref, 1e-3, 1e-4);
+        check_bits(name + " again, other order", same_bits(dw[0].data(), dw[1].data(), wl * sizeof(float)));
+    }
+}
+
 // conv2_wgrad_reduce alone: planes summed in slice order, on the 16-byte path and the
 // element path (a length that is not a multiple of 4).
 static void reduce_case(long len, int slices, std::mt19937& rng) {
@@ -373,9 +481,21 @@ static void reduce_case(long len, int slices, std::mt19937& rng) {
 int main(int argc, char** argv) {
     const bool first = argc > 1 && std::string(argv[1]) == "--first";
     std::mt19937 rng(1);
+    // The stem as pixel pairs first (the broken copies of its paths stop there).
+    const Case stems[] = {
+        {2, 9, 7, 3, 16, 7, 2, 3},    // resnet's stem scaled down: odd height and width, batch 2
+        {2, 16, 16, 3, 64, 7, 2, 3},  // 64 filters: wgrad slices of several k-steps, N = 224 in two tiles
+        {3, 11, 13, 3, 24, 7, 2, 3},  // batch 3, odd sizes, 24 filters (forward N tails)
+        {2, 9, 10, 3, 16, 5, 2, 2},   // even padding: no lead slot, a 5×5 filter as 3 pairs
+        {1, 8, 7, 1, 8, 7, 2, 3},     // one channel
+        {1, 6, 9, 4, 8, 3, 2, 1},     // four channels (none padded), a 3×3 filter as 2 pairs
+    };
+    for (auto c : stems) {
+        stem_pairs_case(c, rng);
+        if (first && failures) break;
+    }
     const Case cases[] = {
-        {2, 9, 7, 3, 16, 7, 2, 3},    // the stem: 3 channels padded to 8, 7×7 stride 2
-        {2, 16, 16, 3, 64, 7, 2, 3},  // the stem at 64 filters, wgrad slices of several k-steps
+        {2, 7, 6, 3, 16, 3, 1, 1},    // a 3-channel stem at stride 1 (the CIFAR resnets): padded to 8
         {2, 6, 5, 16, 24, 3, 1, 1},   // 16 channels: a k-step spans two taps
         {1, 9, 11, 24, 40, 3, 2, 1},  // stride 2: four phases of 1, 2, 2, 4 taps; odd sizes
         {1, 5, 5, 8, 136, 1, 2, 0},   // 1×1 stride 2: strided rows, three tapless phases, N > 128
@@ -387,8 +507,8 @@ int main(int argc, char** argv) {
         {1, 9, 9, 16, 64, 7, 2, 3},   // 7×7 stride 2 on 16 channels, phases of 16, 12, 12, 9 taps
     };
     for (auto c : cases) {
-        run_case(c, rng);
         if (first && failures) break;
+        run_case(c, rng);
     }
     reduce_case(1000, 3, rng);
     reduce_case(999, 5, rng);

@@ -465,13 +465,16 @@ void test_input(int n, int s) {
     const k_input::InputMix none{BT_MIX_NONE, 0.5f, 0, s, 0, s};
     emu_launch(ew(px.size()), {256, 1, 1}, [&] { k_input::input_transform(px.data(), aug.data(), 1, t.scale, t.shift, &none, out.data(), n, s); });
     check("input", fromb(out), ref, 1e-5, 1.0 / 256);
-    // The v2 stem's 8-channel copy: the same values, zeros in channels 3..7.
-    std::vector<bf16> out3(px.size()), out8((size_t)n * s * s * 8, bf16{0x7fc0});
-    emu_launch(ew((long)n * s * s), {256, 1, 1}, [&] { k_input::input_transform_pad8(px.data(), aug.data(), 1, t.scale, t.shift, out3.data(), out8.data(), n, s); });
-    check("input_pad8 (3 channels)", fromb(out3), ref, 1e-5, 1.0 / 256);
-    std::vector<double> ref8(out8.size(), 0.0);
-    for (size_t p = 0; p < (size_t)n * s * s; ++p) for (int c = 0; c < 3; ++c) ref8[p * 8 + c] = ref[p * 3 + c];
-    check("input_pad8 (8 channels)", fromb(out8), ref8, 1e-5, 1.0 / 256);
+    // The paired stem's copy (odd s: each row's last pair ends in a zero pixel): the same
+    // values as pairs of 4-channel pixels, zeros in channel 3.
+    const int pairs_w = (s + 1) / 2;
+    std::vector<bf16> out3(px.size(), bf16{0x7fc0}), outp((size_t)n * s * pairs_w * 8, bf16{0x7fc0});
+    emu_launch(ew((long)n * s * pairs_w), {256, 1, 1}, [&] { k_input::input_transform_pairs(px.data(), aug.data(), 1, t.scale, t.shift, out3.data(), outp.data(), n, s); });
+    check("input_pairs (3 channels)", fromb(out3), ref, 1e-5, 1.0 / 256);
+    std::vector<double> refp(outp.size(), 0.0);
+    for (size_t row = 0; row < (size_t)n * s; ++row) for (int x = 0; x < s; ++x) for (int c = 0; c < 3; ++c)
+        refp[(row * pairs_w + x / 2) * 8 + 4 * (x % 2) + c] = ref[(row * s + x) * 3 + c];
+    check("input_pairs (pixel pairs)", fromb(outp), refp, 1e-5, 1.0 / 256);
 }
 
 // Mixup / CutMix: image b with its partner n − 1 − b, each after its own augment (odd n: the

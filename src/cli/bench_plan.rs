@@ -277,6 +277,14 @@ mod tests {
         let stem: Vec<_> = rows.iter().filter(|r| r.layer == "conv1").collect();
         assert_eq!(stem.len(), 2);
         assert_eq!(stem[1].kernel, "conv2_wgrad_c8_64x128");
+        // The stem reads pixel pairs: a reduction of 7·4·8 = 224 (147 real) instead of
+        // 7·7·8 = 392 (kernels/conv2.cu, "The stem"); 65 % and 57 % of its launched work
+        // useful, where 8 padded channels gave 37 % and 29 %.
+        assert_eq!(stem[0].gemm, (256 * 112 * 112, 64, 224));
+        assert_eq!(stem[1].gemm, (64, 224, 256 * 112 * 112));
+        let useful = |r: &PlanRow| r.flops / r.launched_flops;
+        assert!((0.64..0.66).contains(&useful(stem[0])), "{:?}", stem[0]);
+        assert!((0.56..0.58).contains(&useful(stem[1])), "{:?}", stem[1]);
         // The useful work is 3 × the forward convolutions' less the stem's dgrad.
         let graph = Graph::new(Arch::ResNet50, 1000);
         let dims = graph.value_dims(224);

@@ -51,7 +51,7 @@ impl ConvVersion {
     }
 }
 
-/// Kernel-side mirror of `struct Conv2Args` in kernels/conv2.cu (14 ints, C layout).
+/// Kernel-side mirror of `struct Conv2Args` in kernels/conv2.cu (18 ints, C layout).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2Args {
@@ -73,12 +73,21 @@ pub struct Conv2Args {
     pub p: i32,
     /// Output width.
     pub q: i32,
-    /// Stride.
+    /// Stride along the rows (and the columns, unless paired; dgrad: both).
     pub stride: i32,
-    /// Padding.
+    /// Padding along the rows (and the columns, unless paired; dgrad: both).
     pub pad: i32,
-    /// wgrad: channels of dw (3 for the padded stem), `c` otherwise.
+    /// Stride along the columns of the GEMM's pixels (the paired stem: 1 pair).
+    pub stride_w: i32,
+    /// Padding along the columns of the GEMM's pixels (the paired stem: in pairs).
+    pub pad_w: i32,
+    /// wgrad: channels of dw (3 for the stem), `c` otherwise.
     pub c_real: i32,
+    /// wgrad: filter width of dw (the paired stem: 7 where `s` counts 4 pairs), `s` otherwise.
+    pub s_real: i32,
+    /// wgrad, the paired stem: pixel slots of the first pair before filter column 0
+    /// (padding % 2); -1 when not paired.
+    pub pair_lead: i32,
     /// wgrad: reduction pixels per gridDim.z slice (a multiple of 32).
     pub k_chunk: i32,
     /// dgrad: add into dx instead of overwriting.
@@ -208,6 +217,70 @@ pub enum Gather {
     SmallC,
 }
 
+/// How a v2 launch reads a stem's few input channels (kernels/conv2.cu, "The stem").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StemCopy {
+    /// A multiple of 8 channels: x and w as they are.
+    None,
+    /// Fewer than 8 channels at a stride other than 2: x and w padded to 8 channels with
+    /// zeros (`conv2_pad_channels`).
+    PadChannels,
+    /// At most 4 channels at stride 2 (resnet's 7×7 on RGB): x and w as pairs of
+    /// horizontally adjacent pixels of 4 channels, 16 bytes a pair (`conv2_pair_pixels`).
+    Pairs,
+}
+
+impl StemCopy {
+    /// The copy a shape's input needs (whether or not v2 takes the shape).
+    pub fn of(s: &ConvShape) -> StemCopy {
+        if s.c_in % 8 == 0 {
+            StemCopy::None
+        } else if s.c_in <= 4 && s.stride == 2 {
+            StemCopy::Pairs
+        } else {
+            StemCopy::PadChannels
+        }
+    }
+
+    /// Pixel slots of a pair before filter column 0: the padding's parity (the first
+    /// input column an output reads is then the second pixel of its pair).
+    pub fn pair_lead(s: &ConvShape) -> usize {
+        s.padding % 2
+    }
+
+    /// Pairs in a filter row: (S + lead + 1) / 2.
+    pub fn filter_pairs(s: &ConvShape) -> usize {
+        (s.kernel + Self::pair_lead(s)).div_ceil(2)
+    }
+
+    /// (width, channels, filter width) of the stored copy as the GEMM sees it.
+    fn gemm_view(self, s: &ConvShape) -> (usize, usize, usize) {
+        match self {
+            StemCopy::None => (s.w, s.c_in, s.kernel),
+            StemCopy::PadChannels => (s.w, 8, s.kernel),
+            StemCopy::Pairs => (s.w.div_ceil(2), 8, Self::filter_pairs(s)),
+        }
+    }
+
+    /// bf16 elements of the copy of x (0 when none is made).
+    pub fn input_len(self, s: &ConvShape) -> usize {
+        let (w, c, _) = self.gemm_view(s);
+        match self {
+            StemCopy::None => 0,
+            _ => s.n * s.h * w * c,
+        }
+    }
+
+    /// bf16 elements of the copy of the weight (0 when none is made).
+    pub fn weight_len(self, s: &ConvShape) -> usize {
+        let (_, c, taps) = self.gemm_view(s);
+        match self {
+            StemCopy::None => 0,
+            _ => s.c_out * s.kernel * taps * c,
+        }
+    }
+}
+
 /// What a GPU offers the wave model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuLimits {
@@ -244,8 +317,8 @@ pub struct Conv2Launch {
     pub smem_bytes: u32,
     /// The kernel arguments (k_chunk set; accumulate left 0).
     pub args: Conv2Args,
-    /// Whether the channels of x and w must first be padded to 8 (the 3-channel stem).
-    pub pad_channels: bool,
+    /// How x and w must first be copied (the stem's few channels), if at all.
+    pub stem: StemCopy,
     /// dgrad: whether the weight must be rearranged per phase first (all but 1×1).
     pub rearrange_weight: bool,
     /// Blocks per SM the tile allows.
@@ -373,8 +446,8 @@ pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, S
             s.c_out
         ));
     }
-    let pad_channels = s.c_in % 8 != 0;
-    if pad_channels && (pass == Pass::Dgrad || s.c_in > 8) {
+    let stem = StemCopy::of(s);
+    if stem != StemCopy::None && (pass == Pass::Dgrad || s.c_in > 8) {
         return Err(format!(
             "{} input channels (v2 pads only up to 8, and not in dgrad)",
             s.c_in
@@ -386,25 +459,38 @@ pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, S
             s.kernel, s.kernel, s.padding
         ));
     }
-    let c = s.c_in.div_ceil(8) * 8;
+    // The GEMM's view of x: the paired stem's pixels are pairs of 8 channels, its filter
+    // columns pairs, its column stride one pair (kernels/conv2.cu, "The stem").
+    let (w, c, taps_w) = stem.gemm_view(s);
+    let (stride_w, pad_w, lead) = match stem {
+        StemCopy::Pairs => {
+            let lead = StemCopy::pair_lead(s);
+            (1, (s.padding + lead) / 2, lead as i32)
+        }
+        _ => (s.stride, s.padding, -1),
+    };
     let (p, q) = (s.out_h(), s.out_w());
-    let x_elems = s.n * s.h * s.w * c;
+    let x_elems = s.n * s.h * w * c;
     to_i32(x_elems, "input elements")?;
     to_i32(s.y_len(), "output elements")?;
     let unit = s.kernel == 1 && s.padding == 0;
     let args = Conv2Args {
         n: to_i32(s.n, "n")?,
         h: to_i32(s.h, "h")?,
-        w: to_i32(s.w, "w")?,
+        w: to_i32(w, "w")?,
         c: to_i32(c, "c")?,
         k: to_i32(s.c_out, "k")?,
         r: to_i32(s.kernel, "kernel")?,
-        s: to_i32(s.kernel, "kernel")?,
+        s: to_i32(taps_w, "kernel")?,
         p: to_i32(p, "p")?,
         q: to_i32(q, "q")?,
         stride: to_i32(s.stride, "stride")?,
         pad: to_i32(s.padding, "padding")?,
+        stride_w: to_i32(stride_w, "stride")?,
+        pad_w: to_i32(pad_w, "padding")?,
         c_real: to_i32(s.c_in, "c_in")?,
+        s_real: to_i32(s.kernel, "kernel")?,
+        pair_lead: lead,
         k_chunk: 0,
         accumulate: 0,
     };
@@ -413,7 +499,7 @@ pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, S
         Pass::Forward => (
             pixels_out,
             s.c_out,
-            s.kernel * s.kernel * c,
+            s.kernel * taps_w * c,
             1,
             if unit { Gather::Unit } else { Gather::General },
         ),
@@ -437,7 +523,7 @@ pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, S
             } else {
                 Gather::General
             };
-            (s.c_out, s.kernel * s.kernel * c, pixels_out, 1, gather)
+            (s.c_out, s.kernel * taps_w * c, pixels_out, 1, gather)
         }
     };
     let (wide, narrow) = match pass {
@@ -478,7 +564,7 @@ pub fn plan(pass: Pass, s: &ConvShape, gpu: &GpuLimits) -> Result<Conv2Launch, S
                 k_chunk: to_i32(chunk, "k_chunk")?,
                 ..args
             },
-            pad_channels,
+            stem,
             rearrange_weight: pass == Pass::Dgrad && !unit,
             blocks_per_sm: per_sm,
         };
@@ -628,20 +714,136 @@ mod tests {
         // (3.96 waves); ties keep the larger tile (more reuse per byte loaded).
         let l = plan(Pass::Forward, &shape(256, 14, 256, 256, 3, 1), &gpu).unwrap();
         assert_eq!(l.tile, Conv2Tile::T128x128);
-        // The stem: padded to 8 channels; wgrad on the small-C gather.
+        // A 3-channel stem at stride 1 (the CIFAR resnets): padded to 8 channels; wgrad on the
+        // small-C gather.
+        let cifar = shape(256, 32, 3, 16, 3, 1);
+        let f = plan(Pass::Forward, &cifar, &gpu).unwrap();
+        assert_eq!(f.stem, StemCopy::PadChannels);
+        assert_eq!((f.args.c, f.args.c_real, f.args.pair_lead), (8, 3, -1));
+        assert_eq!(f.gemm.2, 3 * 3 * 8);
+        let w = plan(Pass::Wgrad, &cifar, &gpu).unwrap();
+        assert_eq!(w.kernel, "conv2_wgrad_c8_64x128");
+        assert!(plan(Pass::Dgrad, &cifar, &gpu).is_err());
+        // Not a multiple of 8 output channels: v1 takes it.
+        assert!(plan(Pass::Forward, &shape(2, 8, 8, 10, 3, 1), &gpu).is_err());
+    }
+
+    /// resnet's stem (7×7, stride 2, padding 3, 3 → 64 channels at 224 px) read as pixel pairs:
+    /// 112 pair columns of 8 channels, a 7×4 filter at strides 2 × 1, padding 3 × 2; the
+    /// reduction 7·4·8 = 224 of which 147 real (65.6 %), against 7·7·8 = 392 padded.
+    #[test]
+    fn the_stride_two_stem_reads_pixel_pairs() {
+        let gpu = GpuLimits::H100;
         let stem = ConvShape {
             padding: 3,
             ..shape(256, 224, 3, 64, 7, 2)
         };
+        assert_eq!(StemCopy::of(&stem), StemCopy::Pairs);
         let f = plan(Pass::Forward, &stem, &gpu).unwrap();
-        assert!(f.pad_channels);
-        assert_eq!(f.args.c, 8);
-        assert_eq!(f.args.c_real, 3);
+        assert_eq!(f.stem, StemCopy::Pairs);
+        assert_eq!(f.kernel, "conv2_fwd_128x64");
+        let a = f.args;
+        assert_eq!((a.n, a.h, a.w, a.c), (256, 224, 112, 8));
+        assert_eq!((a.k, a.r, a.s, a.p, a.q), (64, 7, 4, 112, 112));
+        assert_eq!((a.stride, a.pad, a.stride_w, a.pad_w), (2, 3, 1, 2));
+        assert_eq!((a.c_real, a.s_real, a.pair_lead), (3, 7, 1));
+        assert_eq!(f.gemm, (256 * 112 * 112, 64, 224));
+        let useful = (7 * 7 * 3) as f64 / f.gemm.2 as f64;
+        assert!((useful - 0.656).abs() < 1e-3, "{useful}");
+        // The forward's output width is the real one: q reads pairs q − 2 … q + 1.
+        assert_eq!(a.q as usize, stem.out_w());
         let w = plan(Pass::Wgrad, &stem, &gpu).unwrap();
         assert_eq!(w.kernel, "conv2_wgrad_c8_64x128");
+        assert_eq!((w.gemm.0, w.gemm.1), (64, 224));
+        assert_eq!(
+            w.grid.1, 2,
+            "224 columns in two 128-wide tiles (was 392 in four)"
+        );
         assert!(plan(Pass::Dgrad, &stem, &gpu).is_err());
-        // Not a multiple of 8 output channels: v1 takes it.
-        assert!(plan(Pass::Forward, &shape(2, 8, 8, 10, 3, 1), &gpu).is_err());
+        // The copies: the input as 112 pairs a row, the weight as 4 pairs a filter row.
+        assert_eq!(StemCopy::Pairs.input_len(&stem), 256 * 224 * 112 * 8);
+        assert_eq!(StemCopy::Pairs.weight_len(&stem), 64 * 7 * 4 * 8);
+        // Odd widths: 113 pixels make 57 pairs (the last one's second pixel zero), and the
+        // output width 57 = the pair columns.
+        let odd = ConvShape { w: 113, ..stem };
+        let o = plan(Pass::Forward, &odd, &gpu).unwrap();
+        assert_eq!((o.args.w, o.args.q as usize), (57, odd.out_w()));
+        assert_eq!(odd.out_w(), 57);
+        // Even padding has no lead slot: a 5×5 filter at padding 2 is 3 pairs, padding 1 pair.
+        let five = ConvShape {
+            kernel: 5,
+            padding: 2,
+            ..stem
+        };
+        let l = plan(Pass::Forward, &five, &gpu).unwrap();
+        assert_eq!((l.args.s, l.args.pad_w, l.args.pair_lead), (3, 1, 0));
+        // A layer that is no stem keeps one stride and one padding for both dimensions.
+        let l = plan(Pass::Forward, &shape(2, 9, 24, 40, 3, 2), &gpu).unwrap();
+        assert_eq!(l.stem, StemCopy::None);
+        let a = l.args;
+        assert_eq!((a.stride_w, a.pad_w, a.s_real, a.pair_lead), (2, 1, 3, -1));
+        assert_eq!((a.w, a.c, a.s, a.c_real), (9, 24, 3, 24));
+    }
+
+    /// Conv2Args has conv2.cu's fields in conv2.cu's order (the kernels read the struct by value).
+    #[test]
+    fn conv2_args_mirror_the_kernel_struct() {
+        let text = KernelFile::by_name("conv2.cu").unwrap().text;
+        let body = &text[text.find("struct Conv2Args {").unwrap()..];
+        let body = &body[..body.find("};").unwrap()];
+        let kernel_fields: Vec<&str> = body
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.trim().strip_prefix("int "))
+            .flat_map(|l| l[..l.find(';').unwrap()].split(','))
+            .map(str::trim)
+            .collect();
+        // Every field named once, in declaration order (a field added here and not there, or
+        // moved, fails to compile or to match).
+        let Conv2Args {
+            n: _,
+            h: _,
+            w: _,
+            c: _,
+            k: _,
+            r: _,
+            s: _,
+            p: _,
+            q: _,
+            stride: _,
+            pad: _,
+            stride_w: _,
+            pad_w: _,
+            c_real: _,
+            s_real: _,
+            pair_lead: _,
+            k_chunk: _,
+            accumulate: _,
+        } = plan(Pass::Forward, &shape(1, 8, 8, 8, 3, 1), &GpuLimits::H100)
+            .unwrap()
+            .args;
+        let host_fields = [
+            "n",
+            "h",
+            "w",
+            "c",
+            "k",
+            "r",
+            "s",
+            "p",
+            "q",
+            "stride",
+            "pad",
+            "stride_w",
+            "pad_w",
+            "c_real",
+            "s_real",
+            "pair_lead",
+            "k_chunk",
+            "accumulate",
+        ];
+        assert_eq!(kernel_fields, host_fields);
+        assert_eq!(std::mem::size_of::<Conv2Args>(), 4 * host_fields.len());
     }
 
     #[test]

@@ -101,7 +101,16 @@ kernel_launchers! {
         len: i64,
         slices: i32,
     }
-    /// Rows widened to more channels with zeros (the stem's 3 → 8).
+    /// Rows of pixels as pairs of 4-channel pixels (the stem's input and weight at stride 2).
+    "conv2.cu" Conv2PairPixels<'a> ["conv2_pair_pixels"] {
+        src: In<'a, u16>,
+        dst: Out<'a, u16>,
+        rows: i64,
+        width: i32,
+        c: i32,
+        lead: i32,
+    }
+    /// Rows widened to more channels with zeros (a stem's 3 → 8 at stride 1).
     "conv2.cu" Conv2PadChannels<'a> ["conv2_pad_channels"] {
         src: In<'a, u16>,
         dst: Out<'a, u16>,

@@ -13,7 +13,10 @@
 //! differencing the driver's free memory, is not disturbed by other processes, pool caching
 //! or the driver's own reservations.
 
-use crate::model::{buffer_plan, Graph, InputBatch, Network};
+use crate::backend::ConvShape;
+use crate::model::{buffer_plan, Graph, InputBatch, Network, Node};
+
+use super::conv::StemCopy;
 
 use super::backend::CudaBackend;
 use super::error::CudaError;
@@ -81,9 +84,30 @@ impl Footprint {
     }
 }
 
-/// Values per image of the stem's input padded to 8 channels (the v2 convolutions' copy).
-fn stem_padded_values(image_size: u32) -> usize {
-    8 * (image_size as usize).pow(2)
+/// The convolutions reading the image (the stem) at one image each.
+fn stem_shapes(graph: &Graph, image_size: u32) -> impl Iterator<Item = ConvShape> + '_ {
+    let dims = graph.value_dims(image_size);
+    graph.nodes().iter().filter_map(move |node| match node {
+        Node::Conv { input: 0, .. } => graph.conv_shape(node, &dims, 1),
+        _ => None,
+    })
+}
+
+/// Values per image of the stem's input as the v2 convolutions copy it (padded to 8 channels
+/// or paired, [`StemCopy`]; 0 when they read it as it is).
+fn stem_input_copy_values(graph: &Graph, image_size: u32) -> usize {
+    stem_shapes(graph, image_size)
+        .map(|s| StemCopy::of(&s).input_len(&s))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Values of the stem's weight as the v2 convolutions copy it (0 when none is made).
+fn stem_weight_values(graph: &Graph, image_size: u32) -> usize {
+    stem_shapes(graph, image_size)
+        .map(|s| StemCopy::of(&s).weight_len(&s))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Bytes per image of the fused batch norm's per-tile records (`BIRDTRAIN_BN_FUSION`,
@@ -114,16 +138,17 @@ const SPLIT_WGRAD_PLANES: usize = 128 << 20;
 /// The footprint from the network's buffer plan: bf16 activations and activation gradients,
 /// bf16 weights and f32 gradients, f32 buffers and statistics; the optimizer's f32 master
 /// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
-/// slots and the loss rows; the v2 convolutions' scratch (the stem input and weight padded to
-/// 8 channels in bf16, the largest weight rearranged for the strided dgrad, the split weight
-/// gradient's planes); the fused batch norm's tile records; 1 MiB of kernel scratch.
+/// slots and the loss rows; the v2 convolutions' scratch (the stem's input and weight copies,
+/// paired or padded to 8 channels, in bf16, the largest weight rearranged for the strided
+/// dgrad, the split weight gradient's planes); the fused batch norm's tile records; 1 MiB of
+/// kernel scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
-    let stem_padded = 2 * stem_padded_values(image_size);
+    let stem_copy = 2 * stem_input_copy_values(graph, image_size);
     let per_image = 2 * (plan.activations_per_image + plan.activation_grads_per_image)
         + (1 + STAGING_SLOTS) * pixels
-        + stem_padded
+        + stem_copy
         + bn_partials_per_image(graph, image_size)
         + 4 * graph.num_classes();
     let optimizer = optimizer_bytes(plan.params);
@@ -133,7 +158,7 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
         .map(|p| p.shape.iter().product::<usize>())
         .max()
         .unwrap_or(0);
-    let conv2_weights = 2 * largest_weight + 2 * 8 * 7 * 7 * 64;
+    let conv2_weights = 2 * largest_weight + 2 * stem_weight_values(graph, image_size);
     let fixed = plan.params * (2 + 4)
         + optimizer
         + 4 * (plan.buffers + plan.statistics)
@@ -152,8 +177,8 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
 /// reduction slabs) and sizes the batch-dependent scratch, all counted into the fixed bytes;
 /// the probes of batch 1 and 2 after it then differ by one image's tensors alone (measured
 /// the other way round on an H100, the one-time buffers cancelled most of an image). The
-/// scratch that grows with the batch (the stem's 8-channel copy of the input) is added per
-/// image, and the optimizer's state to the fixed bytes. Needs a GPU.
+/// scratch that grows with the batch (the stem's copy of the input, paired or padded) is
+/// added per image, and the optimizer's state to the fixed bytes. Needs a GPU.
 pub fn measure(
     backend: &CudaBackend,
     graph: &Graph,
@@ -182,7 +207,7 @@ pub fn measure(
     let first = probe(2)?;
     let one = probe(1)?;
     let two = probe(2)?;
-    let stem_scratch = 2 * stem_padded_values(image_size) as u64;
+    let stem_scratch = 2 * stem_input_copy_values(graph, image_size) as u64;
     let per_image = two.saturating_sub(one).max(1) + stem_scratch;
     // The device optimizer's state (f32 master weights and up to two moments), which the
     // probes do not build, as the estimate counts it.
@@ -230,17 +255,17 @@ pub fn auto_batch_size(
 }
 
 /// The largest batch whose every tensor the kernels can index with 32 bits (`i32`): the
-/// largest per-image value of the network (the stem's output, or its input padded to 8
-/// channels) times the batch stays under 2³¹.
+/// largest per-image value of the network (the stem's output, or the v2 convolutions' copy of
+/// its input) times the batch stays under 2³¹.
 pub fn index_limited_batch(graph: &Graph, image_size: u32) -> usize {
-    let padded_input = stem_padded_values(image_size);
+    let input_copy = stem_input_copy_values(graph, image_size);
     let largest = graph
         .value_dims(image_size)
         .iter()
         .map(|d| d.per_image())
         .max()
         .unwrap_or(0)
-        .max(padded_input)
+        .max(input_copy)
         .max(1);
     i32::MAX as usize / largest
 }
@@ -270,6 +295,21 @@ mod tests {
         assert_eq!(index_limited_batch(&graph, 128), 8191);
         let stem = 64 * 64 * 64;
         assert!(index_limited_batch(&graph, 128) * stem <= i32::MAX as usize);
+    }
+
+    #[test]
+    fn the_stem_copies_follow_the_v2_layout() {
+        // resnet's stride-2 stem reads pixel pairs: 112 pairs of 8 values a row at 224 px (half
+        // the 8-channel copy), its weight 64 × 7 × 4 pairs of 8.
+        let r50 = Graph::new(Arch::ResNet50, 285);
+        assert_eq!(stem_input_copy_values(&r50, 224), 224 * 112 * 8);
+        assert_eq!(stem_weight_values(&r50, 224), 64 * 7 * 4 * 8);
+        // An odd size: 57 pairs a row, the last one's second pixel zero.
+        assert_eq!(stem_input_copy_values(&r50, 113), 113 * 57 * 8);
+        // The CIFAR resnets' stride-1 stem is padded to 8 channels.
+        let r20 = Graph::new(Arch::ResNet20, 10);
+        assert_eq!(stem_input_copy_values(&r20, 32), 32 * 32 * 8);
+        assert_eq!(stem_weight_values(&r20, 32), 16 * 3 * 3 * 8);
     }
 
     #[test]

@@ -122,7 +122,10 @@ fn gpu_bench_reports_breakdown_and_device_update() {
     for r in rows.iter().filter(|r| r.kernel.starts_with("conv")) {
         let gemm = !matches!(
             r.kernel.as_str(),
-            "conv2_wgrad_reduce" | "conv2_pad_channels" | "conv2_dgrad_weights"
+            "conv2_wgrad_reduce"
+                | "conv2_pad_channels"
+                | "conv2_pair_pixels"
+                | "conv2_dgrad_weights"
         );
         assert_eq!(r.tflops.is_some(), gemm, "{r:?}");
         assert!(

@@ -2,8 +2,9 @@
 //! emulator in kernels/emu/ (threads, barriers, warp shuffles and the bf16 `mma.sync` fragment
 //! layouts emulated) and checks every kernel against f64 references that follow the CPU
 //! backend's rules. Catches indexing, tiling, masking and reduction bugs before a GPU session.
-//! The v2 convolutions (conv2.cu) run with their cp.async pipeline emulated, and a copy with
-//! one index deliberately broken must fail, so the check is known to catch such bugs. The
+//! The v2 convolutions (conv2.cu) run with their cp.async pipeline emulated, and copies with
+//! one index deliberately broken (the epilogues, the paired stem) must fail, so the check is
+//! known to catch such bugs. The
 //! Hopper kernels (conv3.cu) run with wgmma, TMA and mbarrier emulated (kernels/emu/hopper.h),
 //! and copies with a missing wait or a wrong descriptor must fail.
 //! Skips (printing why) when no C++20 compiler is installed.
@@ -123,20 +124,41 @@ fn kernels_match_references_under_emulation() {
     )
     .unwrap();
     std::fs::write(broken.join("bn_ns.cu"), &bn_ns).unwrap();
-    // Copies with the batch-norm epilogues broken, one bug each: the forward statistics divide
-    // a tail tile's sum by the full tile height, and the dgrad sums read every row's x̂ at the
-    // first row of the thread's span. Both checks must catch theirs.
-    let epilogue_bugs = [
+    // Copies with one bug each in the batch-norm epilogues or the paired stem, which the check
+    // must catch.
+    let conv2_bugs = [
+        // the forward statistics divide a tail tile's sum by the full tile height
         ("mean0 = t0 / (float)rows", "mean0 = t0 / (float)T::BM"),
+        // the dgrad sums read every row's x̂ at the first row of the thread's span
         ("ep.bn_x + row_out[r] + c", "ep.bn_x + row_out[r0] + c"),
+        // the paired stem's weight copied without its lead slot
+        (
+            "const int s = 2 * j + px - lead;",
+            "const int s = 2 * j + px;",
+        ),
+        // the paired stem's forward reading the columns at the rows' stride and padding
+        (
+            "wx = x * a.stride_w - a.pad_w;",
+            "wx = x * a.stride - a.pad;",
+        ),
+        // the paired stem's weight gradient gathering at the rows' column padding
+        (
+            "{ return OWN_COLUMNS ? a.pad_w : a.pad; }",
+            "{ return a.pad; }",
+        ),
+        // the paired stem's weight gradient written back without the lead slot
+        (
+            "const int s = a.pair_lead >= 0 ? 2 * t + px - a.pair_lead : t;",
+            "const int s = a.pair_lead >= 0 ? 2 * t + px : t;",
+        ),
     ];
-    let mut broken_epilogues = Vec::new();
-    for (i, (right, wrong)) in epilogue_bugs.iter().enumerate() {
+    let mut broken_conv2 = Vec::new();
+    for (i, (right, wrong)) in conv2_bugs.iter().enumerate() {
         assert!(
             conv2.text.matches(right).count() == 1,
-            "conv2.cu's BN epilogue changed ({right}): update this test"
+            "conv2.cu changed ({right}): update this test"
         );
-        let d = dir.path().join(format!("broken_epilogue{i}"));
+        let d = dir.path().join(format!("broken_conv2_{i}"));
         std::fs::create_dir_all(&d).unwrap();
         std::fs::write(
             d.join("conv2_x.cu"),
@@ -144,7 +166,7 @@ fn kernels_match_references_under_emulation() {
         )
         .unwrap();
         std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
-        broken_epilogues.push(d);
+        broken_conv2.push(d);
     }
     // conv3.cu (Hopper: wgmma, TMA, mbarrier) and copies of it with one synchronisation or
     // layout bug each, which its check (run under both TMA timings) must catch.
@@ -243,14 +265,14 @@ fn kernels_match_references_under_emulation() {
         .unwrap();
         broken_conv3.push(d);
     }
-    let (conv_out, conv2_out, ops_out, (broken_ok, broken_out), epilogue_outs) =
+    let (conv_out, conv2_out, ops_out, (broken_ok, broken_out), conv2_broken) =
         std::thread::scope(|s| {
             let conv = s.spawn(|| build_and_run(dir.path(), "conv_check"));
             let conv2 = s.spawn(|| build_and_run(dir.path(), "conv2_check"));
             let ops = s.spawn(|| build_and_run(dir.path(), "ops_check"));
             // The broken copies stop at their first failing case.
             let broken = s.spawn(|| build_and_try_args(&broken, "conv2_check", &["--first"]));
-            let epilogues: Vec<_> = broken_epilogues
+            let conv2_broken: Vec<_> = broken_conv2
                 .iter()
                 .map(|d| s.spawn(move || build_and_try_args(d, "conv2_check", &["--first"])))
                 .collect();
@@ -259,7 +281,7 @@ fn kernels_match_references_under_emulation() {
                 conv2.join().unwrap(),
                 ops.join().unwrap(),
                 broken.join().unwrap(),
-                epilogues
+                conv2_broken
                     .into_iter()
                     .map(|h| h.join().unwrap())
                     .collect::<Vec<_>>(),
@@ -292,7 +314,7 @@ fn kernels_match_references_under_emulation() {
         !broken_ok && broken_out.contains("FAIL"),
         "a broken conv2.cu passed its emulated check:\n{broken_out}"
     );
-    for ((right, wrong), (ok, out)) in epilogue_bugs.iter().zip(&epilogue_outs) {
+    for ((right, wrong), (ok, out)) in conv2_bugs.iter().zip(&conv2_broken) {
         assert!(
             !ok && out.contains("FAIL"),
             "conv2.cu with `{right}` broken to `{wrong}` passed its emulated check:\n{out}"

@@ -96,12 +96,16 @@ fn conv_shapes() -> Vec<ConvShape> {
         padding,
     };
     vec![
-        c(2, 15, 13, 3, 16, 7, 2, 3), // stem-like: 3 channels (scalar gather path), odd sizes
-        c(3, 8, 8, 16, 32, 3, 1, 1),  // 3×3, vector path
+        // Stems: 3 channels (v1's scalar gather path; v2 reads pixel pairs at stride 2, odd
+        // sizes giving a zero pixel at the end of each row, and pads to 8 channels at stride 1).
+        c(2, 15, 13, 3, 16, 7, 2, 3),
+        c(3, 11, 9, 3, 24, 5, 2, 2), // even padding: no lead slot in the paired weight
+        c(2, 7, 6, 3, 16, 3, 1, 1),  // the CIFAR stem: padded to 8 channels
+        c(3, 8, 8, 16, 32, 3, 1, 1), // 3×3, vector path
         c(2, 14, 14, 64, 64, 1, 1, 0), // 1×1 = plain GEMM
         c(2, 9, 11, 24, 40, 3, 2, 1), // strided 3×3, odd spatial sizes
-        c(1, 5, 5, 8, 136, 1, 2, 0),  // 1×1 stride 2, output channels > one 128 tile
-        c(2, 6, 6, 20, 12, 3, 1, 1),  // channels not multiples of 8 (scalar path)
+        c(1, 5, 5, 8, 136, 1, 2, 0), // 1×1 stride 2, output channels > one 128 tile
+        c(2, 6, 6, 20, 12, 3, 1, 1), // channels not multiples of 8 (scalar path)
         // v2 paths (kernels/conv2.cu): a k-step spanning taps, stride-3 phases, 1×1 GEMM rows
         // with a channel tail, the 7×7 filter on 16 channels, several waves of 128×128 tiles.
         c(1, 10, 13, 72, 72, 3, 1, 1),
@@ -148,6 +152,14 @@ fn conv_forward_matches_cpu() {
         gb.set_profiling(false);
         let v2 = ran.iter().any(|k| k.starts_with("conv2_fwd"));
         assert_eq!(v2, version == ConvVersion::V2, "{version:?} ran {ran:?}");
+        // v2 took the stems: paired at stride 2, padded at stride 1.
+        for copy in ["conv2_pair_pixels", "conv2_pad_channels"] {
+            assert_eq!(
+                ran.iter().any(|k| k == copy),
+                version == ConvVersion::V2,
+                "{version:?} ran {ran:?}"
+            );
+        }
     }
 }
 
@@ -185,6 +197,7 @@ fn conv_backward_data_matches_cpu() {
 fn conv_backward_weight_matches_cpu() {
     let cb = cpu();
     for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         for s in conv_shapes() {
             let x = pair(&gb, &data(&mut rng, s.x_len(), 1.0), TensorRole::Activation);
@@ -215,6 +228,19 @@ fn conv_backward_weight_matches_cpu() {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "conv_backward_weight {s:?} is not reproducible"
                 );
+            }
+        }
+        // v2's weight gradient of the stems ran on their copies (the paired one maps its
+        // gradient back onto the 7×7×3 filter in the epilogue).
+        let ran: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+        gb.set_profiling(false);
+        if version == ConvVersion::V2 {
+            for kernel in [
+                "conv2_pair_pixels",
+                "conv2_pad_channels",
+                "conv2_wgrad_c8_64x128",
+            ] {
+                assert!(ran.contains(&kernel), "{kernel} did not run: {ran:?}");
             }
         }
     }
@@ -296,6 +322,12 @@ fn fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
             .any(|k| k.starts_with("conv2_fwd_stats_") || k.starts_with("conv2_dgrad_bn_"));
         assert_eq!(
             fused,
+            version == ConvVersion::V2,
+            "{version:?}: {kernels:?}"
+        );
+        // The 3-channel stride-2 stem's statistics came from the paired forward.
+        assert_eq!(
+            kernels.contains(&"conv2_pair_pixels"),
             version == ConvVersion::V2,
             "{version:?}: {kernels:?}"
         );

@@ -60,7 +60,7 @@ pub struct CudaBackend {
     /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on
     /// unless `0`, [`super::bn_fused`]); it takes the v2 kernels.
     pub(super) bn_fusion: bool,
-    /// v2 scratch: the 8-channel stem input and weight, the phase-ordered dgrad weight.
+    /// v2 scratch: the stem's input and weight copies, the phase-ordered dgrad weight.
     pub(super) conv2: Arc<Mutex<Conv2Scratch>>,
     pub(super) work: Arc<Mutex<Workspace>>,
     pub(super) profiler: Arc<Mutex<Profiler>>,
@@ -151,8 +151,9 @@ pub(super) fn elementwise_cfg(total: usize) -> LaunchConfig {
 /// Scratch of the v2 convolutions (grown, never shrunk).
 #[derive(Debug, Default)]
 pub(super) struct Conv2Scratch {
-    pub(super) x8: Option<CudaSlice<u16>>,
-    pub(super) w8: Option<CudaSlice<u16>>,
+    /// The stem's input and weight, padded to 8 channels or paired (`StemCopy`).
+    pub(super) x_stem: Option<CudaSlice<u16>>,
+    pub(super) w_stem: Option<CudaSlice<u16>>,
     pub(super) wt: Option<CudaSlice<u16>>,
     /// The split wgrad's partial sums, one weight-sized f32 plane per reduction slice.
     pub(super) planes: Option<CudaSlice<f32>>,

@@ -173,18 +173,11 @@ pub(super) fn conv_forward_moments(
         };
         let cfg = be.conv2_prepare(op, &launch)?;
         let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
-        let Conv2Scratch { x8, w8, .. } = &mut *scratch;
-        let (xs, ws) = if launch.pad_channels {
-            be.pad_to_8(op, xs, s.n * s.h * s.w, s.c_in, x8)?;
-            let rows_w = s.c_out * s.kernel * s.kernel;
-            be.pad_to_8(op, ws, rows_w, s.c_in, w8)?;
-            (x8.as_ref().expect("padded"), w8.as_ref().expect("padded"))
-        } else {
-            (xs, ws)
-        };
+        let Conv2Scratch { x_stem, w_stem, .. } = &mut *scratch;
+        let (xs, ws) = be.stem_operands(op, &launch, s, xs, Some(ws), (x_stem, w_stem))?;
         let gemm = Conv2FwdStats {
             x: xs.into(),
-            w: ws.into(),
+            w: ws.expect("given").into(),
             y: ys.into(),
             args: launch.args,
             part: (&mut *part).into(),

@@ -1,7 +1,7 @@
 //! The convolutions: with `BIRDTRAIN_CONV=v3`, the Hopper kernels where they take the layer
 //! (`conv3.rs`); v2 (kernels/conv2.cu, the default) where its planner takes the shape, else
-//! v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the padded
-//! stem, the phase-ordered dgrad weight, the launch configuration of a plan).
+//! v1 (kernels/conv.cu); and the v2 helpers the fused batch-norm ops share (the stem's padded
+//! or paired copies, the phase-ordered dgrad weight, the launch configuration of a plan).
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -9,11 +9,11 @@ use super::base::{
     check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend,
 };
 use crate::backend::{BackendError, ConvShape};
-use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass};
+use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass, StemCopy};
 use crate::cuda::kernel_types::ConvArgs;
 use crate::cuda::launchers::{
-    Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2Wgrad, Conv2WgradReduce, ConvGemm,
-    ConvWgrad,
+    Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2PairPixels, Conv2Wgrad, Conv2WgradReduce,
+    ConvGemm, ConvWgrad,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -31,30 +31,91 @@ impl CudaBackend {
             .flatten()
     }
 
-    /// `dst` = the `rows` rows of `src` (`c_from` channels) widened to 8 channels with zeros.
-    pub(super) fn pad_to_8(
+    /// The stem's operands as the v2 launch `l` reads them (kernels/conv2.cu, "The stem"): `x`
+    /// and `w` themselves, or their copies in the scratch, padded to 8 channels or paired
+    /// ([`StemCopy`]), into the scratch's `(x_stem, w_stem)`. The weight is copied only when
+    /// given (the weight gradient needs x alone).
+    pub(super) fn stem_operands<'a>(
         &self,
         op: &'static str,
+        l: &Conv2Launch,
+        s: &ConvShape,
+        x: &'a CudaSlice<u16>,
+        w: Option<&'a CudaSlice<u16>>,
+        (x_stem, w_stem): (
+            &'a mut Option<CudaSlice<u16>>,
+            &'a mut Option<CudaSlice<u16>>,
+        ),
+    ) -> Result<(&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>), BackendError> {
+        if l.stem == StemCopy::None {
+            return Ok((x, w));
+        }
+        let image_rows = PixelRows {
+            rows: s.n * s.h,
+            width: s.w,
+            lead: 0,
+        };
+        self.stem_copy(op, l.stem, s.c_in, x, image_rows, x_stem)?;
+        if let Some(w) = w {
+            let filter_rows = PixelRows {
+                rows: s.c_out * s.kernel,
+                width: s.kernel,
+                lead: StemCopy::pair_lead(s),
+            };
+            self.stem_copy(op, l.stem, s.c_in, w, filter_rows, w_stem)?;
+        }
+        let w = w.map(|_| w_stem.as_ref().expect("copied"));
+        Ok((x_stem.as_ref().expect("copied"), w))
+    }
+
+    /// `dst` = the rows of pixels of `src` (`c_in` channels each) padded to 8 channels, or
+    /// paired ([`PixelRows`]).
+    fn stem_copy(
+        &self,
+        op: &'static str,
+        copy: StemCopy,
+        c_in: usize,
         src: &CudaSlice<u16>,
-        rows: usize,
-        c_from: usize,
+        PixelRows { rows, width, lead }: PixelRows,
         dst: &mut Option<CudaSlice<u16>>,
     ) -> Result<(), BackendError> {
-        ensure(&self.dev, dst, rows * 8, op)?;
+        // 16 bytes a padded pixel or a pair: one thread each.
+        let chunks = rows
+            * match copy {
+                StemCopy::Pairs => (width + lead).div_ceil(2),
+                _ => width,
+            };
+        ensure(&self.dev, dst, chunks * 8, op)?;
         let dst = dst.as_mut().expect("ensured");
-        let (rows_i, from, to) = (rows as i64, to_i32(op, "c_in", c_from)?, 8i32);
-        self.launch(
-            op,
-            "conv2_pad_channels",
-            elementwise_cfg(rows),
-            Conv2PadChannels {
-                src: src.into(),
-                dst: dst.into(),
-                rows: rows_i,
-                c_from: from,
-                c_to: to,
-            },
-        )
+        let c = to_i32(op, "c_in", c_in)?;
+        match copy {
+            StemCopy::None => Ok(()),
+            StemCopy::PadChannels => self.launch(
+                op,
+                "conv2_pad_channels",
+                elementwise_cfg(chunks),
+                Conv2PadChannels {
+                    src: src.into(),
+                    dst: dst.into(),
+                    rows: chunks as i64,
+                    c_from: c,
+                    c_to: 8,
+                },
+            ),
+            StemCopy::Pairs => self.launch(
+                op,
+                "conv2_pair_pixels",
+                elementwise_cfg(chunks),
+                Conv2PairPixels {
+                    src: src.into(),
+                    dst: dst.into(),
+                    rows: rows as i64,
+                    width: to_i32(op, "width", width)?,
+                    c,
+                    lead: to_i32(op, "lead", lead)?,
+                },
+            ),
+        }
     }
 
     /// The weights as the data-gradient kernel of `l` reads them: `w` itself, or, when the
@@ -107,6 +168,15 @@ impl CudaBackend {
             shared_mem_bytes: l.smem_bytes,
         })
     }
+}
+
+/// Rows of pixels a stem copy takes: the image's rows, or the filter's (paired with `lead`
+/// empty slots before each row's first pixel).
+#[derive(Debug, Clone, Copy)]
+struct PixelRows {
+    rows: usize,
+    width: usize,
+    lead: usize,
 }
 
 /// The v1 kernels' shape argument, after checking the shape fits them.
@@ -177,18 +247,11 @@ pub(super) fn forward(
         let cfg = be.conv2_prepare(op, &l)?;
         let (x, w, y) = (x.bf16(op, "x")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
         let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
-        let Conv2Scratch { x8, w8, .. } = &mut *scratch;
-        let (x, w) = if l.pad_channels {
-            be.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
-            let rows_w = s.c_out * s.kernel * s.kernel;
-            be.pad_to_8(op, w, rows_w, s.c_in, w8)?;
-            (x8.as_ref().expect("padded"), w8.as_ref().expect("padded"))
-        } else {
-            (x, w)
-        };
+        let Conv2Scratch { x_stem, w_stem, .. } = &mut *scratch;
+        let (x, w) = be.stem_operands(op, &l, s, x, Some(w), (x_stem, w_stem))?;
         let gemm = Conv2Gemm {
             a: x.into(),
-            b: w.into(),
+            b: w.expect("given").into(),
             out: y.into(),
             args: l.args,
         };
@@ -295,13 +358,13 @@ pub(super) fn backward_weight(
         let (dy, x) = (dy.bf16(op, "dy")?, x.bf16(op, "x")?);
         let dw = dw.f32_mut(op, "dw")?;
         let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
-        let Conv2Scratch { x8, planes, .. } = &mut *scratch;
-        let x = if l.pad_channels {
-            be.pad_to_8(op, x, s.n * s.h * s.w, s.c_in, x8)?;
-            x8.as_ref().expect("padded")
-        } else {
-            x
-        };
+        let Conv2Scratch {
+            x_stem,
+            w_stem,
+            planes,
+            ..
+        } = &mut *scratch;
+        let x = be.stem_operands(op, &l, s, x, None, (x_stem, w_stem))?.0;
         // Every element of a slice's plane is stored once (no atomics, no zeroing): one
         // slice writes dw itself; several write their planes, summed in slice order.
         let slices = l.grid.2 as usize;
