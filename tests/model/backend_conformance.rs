@@ -235,6 +235,27 @@ impl Backend for Transposed {
     ) -> Result<(), BackendError> {
         self.0.maxpool_backward(s, x, dy, dx, acc)
     }
+    fn maxpool_bn_forward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.maxpool_bn_forward(s, z, bn, y)
+    }
+    fn maxpool_bn_backward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        dy: &Vec<f32>,
+        g: &mut Vec<f32>,
+        dgamma: &mut Vec<f32>,
+        dbeta: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.maxpool_bn_backward(s, z, bn, dy, g, dgamma, dbeta)
+    }
     fn gap_forward(
         &self,
         n: usize,
@@ -376,7 +397,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         beta: &beta,
         residual: Some(&res),
         relu: true,
-        y: &mut y,
+        y: Some(&mut y),
         saved_mean: &mut m,
         saved_invstd: &mut is,
         running_mean: &mut rm,
@@ -396,7 +417,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
     b.bn_backward(BnBackward {
         shape,
         x: &x,
-        y: &y,
+        y: Some(&y),
         gamma: &gamma,
         saved_mean: &m,
         saved_invstd: &is,
