@@ -24,6 +24,10 @@
 // owned pixel: the old dx (accumulate) plus the dy of each covering window it wins, windows in
 // (op, oq) order. ~1.3 window scans per output instead of 9 per 4 pixels (the scalar gather's
 // 2.25 per pixel), and 16-byte loads instead of 2-byte ones.
+// The maxpool_bn_* kernels (batch norm fused, ResNet's stem; the section at the end) are these
+// max pools over the batch norm's output of their input, computed per element as they read it
+// (bn_apply's arithmetic, so the bits of the separate passes), the backward ending in the batch
+// norm's ReLU mask: the batch norm's output is never written.
 //
 // Launch configuration. One thread per output element (max pool forward, GAP backward) or per
 // input element (max pool backward), 256 threads, grid-stride loops. maxpool_fwd_vec: one thread
