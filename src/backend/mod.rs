@@ -21,8 +21,8 @@ mod error;
 mod shapes;
 
 pub use bn_sync::{DeviceSums, SumsMut};
-pub use error::BackendError;
 pub(crate) use error::missing_mask;
+pub use error::BackendError;
 pub use shapes::{BnMode, BnShape, ConvShape, LinearShape, PoolShape};
 
 use crate::model::InputBatch;

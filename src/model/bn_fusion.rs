@@ -67,9 +67,8 @@ impl FusionPlan {
                 }
             }
             if let Node::MaxPool { input, .. } = *node {
-                let bn = producer[input].filter(|&p| {
-                    matches!(nodes[p], Node::BatchNorm { residual: None, .. })
-                });
+                let bn = producer[input]
+                    .filter(|&p| matches!(nodes[p], Node::BatchNorm { residual: None, .. }));
                 if let (Some(p), 1) = (bn, readers[input]) {
                     plan.pool_applies[k] = Some(p);
                     plan.unstored[p] = true;

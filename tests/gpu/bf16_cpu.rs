@@ -304,14 +304,14 @@ impl Backend for Bf16Cpu {
         self.0.maxpool_backward(s, &t, &dy.v, &mut g.v, false)?;
         fix(g);
         let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
-        for i in 0..rows * c {
+        for (i, (gi, &ti)) in g.v[..rows * c].iter_mut().zip(&t).enumerate() {
             let ch = i % c;
-            if bn.relu && t[i] <= 0.0 {
-                g.v[i] = 0.0;
+            if bn.relu && ti <= 0.0 {
+                *gi = 0.0;
             }
             let xhat = (z.v[i] - bn.saved_mean.v[ch]) * bn.saved_invstd.v[ch];
-            sb[ch] += f64::from(g.v[i]);
-            sg[ch] += f64::from(g.v[i] * xhat);
+            sb[ch] += f64::from(*gi);
+            sg[ch] += f64::from(*gi * xhat);
         }
         for ch in 0..c {
             dbeta.v[ch] = sb[ch] as f32;

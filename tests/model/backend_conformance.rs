@@ -61,7 +61,11 @@ fn the_max_pool_applying_a_batch_norm_conforms_to_the_bit() {
     backends.push(("reference".into(), CpuBackend::reference(2).unwrap()));
     for (name, cpu) in &backends {
         let reports = check_pool_bn(cpu, &pool_bn_shapes(), Tolerance::F32).unwrap();
-        assert_eq!(reports.len(), pool_bn_shapes().len() * 2 * 4, "checks per shape");
+        assert_eq!(
+            reports.len(),
+            pool_bn_shapes().len() * 2 * 4,
+            "checks per shape"
+        );
         for r in &reports {
             eprintln!("{name}: {r}");
         }

@@ -78,7 +78,12 @@ impl<B: Backend> Pair<'_, B> {
     }
 
     /// Requires the same bits as `want`.
-    fn check_bits(&mut self, name: String, got: &B::Tensor, want: &[f32]) -> Result<(), BackendError> {
+    fn check_bits(
+        &mut self,
+        name: String,
+        got: &B::Tensor,
+        want: &[f32],
+    ) -> Result<(), BackendError> {
         let got = self.test.download(got)?;
         if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
             return Err(BackendError::Mismatch {
@@ -107,7 +112,10 @@ impl<B: Backend> Pair<'_, B> {
         let tz = self.up(&inputs.z, act)?;
         let tdy = self.up(&inputs.dy, act)?;
         let (tmean, tinvstd) = (self.up(&inputs.mean, stat)?, self.up(&inputs.invstd, stat)?);
-        let (tgamma, tbeta) = (self.up(&inputs.gamma, weight)?, self.up(&inputs.beta, weight)?);
+        let (tgamma, tbeta) = (
+            self.up(&inputs.gamma, weight)?,
+            self.up(&inputs.beta, weight)?,
+        );
         for relu in [true, false] {
             let tag = format!(
                 "k{} s{} p{} {}x{}x{}x{} relu={relu}",

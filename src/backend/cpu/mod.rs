@@ -509,7 +509,8 @@ impl Backend for CpuBackend {
         // Without y, only the statistics.
         let reduces = a.mode == BnMode::Train && a.moments.is_none();
         let applies = 2 * usize::from(a.y.is_some());
-        let bytes = 4.0 * (r * c * (applies + a.residual.is_some() as usize + reduces as usize)) as f64;
+        let bytes =
+            4.0 * (r * c * (applies + a.residual.is_some() as usize + reduces as usize)) as f64;
         let _t = self.profiler.time(|| "bn_fwd".into(), 0.0, bytes);
         match self.kernels {
             Kernels::Fast => self.pool.install(|| bn::forward(self.level, a)),
@@ -664,7 +665,14 @@ impl Backend for CpuBackend {
         dgamma: &mut Vec<f32>,
         dbeta: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        self.pool_bn_backward(s, z, bn, dy, g, (dgamma.as_mut_slice(), dbeta.as_mut_slice()))
+        self.pool_bn_backward(
+            s,
+            z,
+            bn,
+            dy,
+            g,
+            (dgamma.as_mut_slice(), dbeta.as_mut_slice()),
+        )
     }
 
     fn gap_forward(

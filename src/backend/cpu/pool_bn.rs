@@ -72,7 +72,8 @@ impl CpuBackend {
         check_len(op, "y", y.len(), s.n * s.out_h() * s.out_w() * s.c)?;
         let _t = self.profiler.time(|| "maxpool_bn_fwd".into(), 0.0, 0.0);
         let t = self.bn_output(s, z, bn);
-        self.pool.install(|| pool::max_forward(self.level, s, &t, y));
+        self.pool
+            .install(|| pool::max_forward(self.level, s, &t, y));
         Ok(())
     }
 

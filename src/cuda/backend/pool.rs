@@ -156,7 +156,11 @@ fn backward_vec(s: &PoolShape) -> bool {
 }
 
 /// Checks a fused pool's batch norm (four vectors of `c` values).
-fn check_bn(op: &'static str, s: &PoolShape, bn: &PoolBn<'_, CudaTensor>) -> Result<(), BackendError> {
+fn check_bn(
+    op: &'static str,
+    s: &PoolShape,
+    bn: &PoolBn<'_, CudaTensor>,
+) -> Result<(), BackendError> {
     for (name, len) in [
         ("gamma", bn.gamma.len),
         ("beta", bn.beta.len),

@@ -220,10 +220,9 @@ impl<B: Backend> Network<B> {
                             self.backend
                                 .maxpool_bn_forward(&s, get(&self.acts, z), &bn, &mut y)
                         }
-                        None => {
-                            self.backend
-                                .maxpool_forward(&s, get(&self.acts, input), &mut y)
-                        }
+                        None => self
+                            .backend
+                            .maxpool_forward(&s, get(&self.acts, input), &mut y),
                     };
                     self.acts[output] = Some(y);
                     r?;
