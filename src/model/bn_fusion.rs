@@ -197,6 +197,9 @@ mod tests {
         assert_eq!(plan.residual_from[find("layer1.0.conv1")], Some(out));
         assert!(!plan.residual_in_place[find("layer2.0.bn2")]);
         assert!(!plan.residual_in_place[find("layer3.0.bn2")]);
+        // No max pool: every batch norm's output is stored.
+        assert!(plan.pool_applies.iter().all(Option::is_none));
+        assert!(!plan.unstored.iter().any(|&u| u));
     }
 
     #[test]
@@ -236,6 +239,12 @@ mod tests {
             .unwrap();
         assert_eq!(p18.finishes[conv1], None);
         assert_eq!(p18.residual_from[conv1], None);
+        // Its max pool applies the stem's batch norm, whose output is then not stored.
+        let bn1 = (0..r18.nodes().len())
+            .find(|&k| name_of(&r18, k) == "bn1")
+            .unwrap();
+        assert!(p18.unstored[bn1] && p18.prepared[bn1]);
+        assert_eq!(p18.pool_applies.iter().flatten().collect::<Vec<_>>(), [&bn1]);
     }
 
     #[test]
