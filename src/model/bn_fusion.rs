@@ -244,7 +244,10 @@ mod tests {
             .find(|&k| name_of(&r18, k) == "bn1")
             .unwrap();
         assert!(p18.unstored[bn1] && p18.prepared[bn1]);
-        assert_eq!(p18.pool_applies.iter().flatten().collect::<Vec<_>>(), [&bn1]);
+        assert_eq!(
+            p18.pool_applies.iter().flatten().collect::<Vec<_>>(),
+            [&bn1]
+        );
     }
 
     #[test]
