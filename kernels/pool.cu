@@ -288,15 +288,21 @@ __device__ __forceinline__ void maxpool_bwd_windows(const bf16* x, const bf16* d
 }
 
 // The tiles of maxpool_bwd_vec (BN: maxpool_bn_bwd_vec, whose dx is the batch norm's g: the
-// ReLU's mask at the pixel itself applied to the sum, never accumulated).
+// ReLU's mask at the pixel itself applied to the sum, never accumulated; and each tile's Σg,
+// Σg·x̂ per channel over the pixels it owns, g as stored, into record
+// (b·tiles_p + tp)·tiles_q + tq of part_b, part_g [records][C]: a thread's 8 channels
+// (its group is threadIdx.x % POOL_GB on every pass, 256 being a multiple of POOL_GB) summed
+// in registers, then the 32 threads of a group in a fixed order in shared memory. 256 threads.)
 template <bool BN>
 __device__ __forceinline__ void maxpool_bwd_tiles(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                                                   bf16* __restrict__ dx, int n, int h, int w, int c,
                                                   int p, int q, int win,
                                                   int stride, int pad, int accumulate,
-                                                  const PoolBn* bn) {
+                                                  const PoolBn* bn, float* __restrict__ part_b,
+                                                  float* __restrict__ part_g) {
     __shared__ unsigned s_at[POOL_TP + 1][POOL_TQ + 1][POOL_GB][2];
     __shared__ uint4 s_dy[POOL_TP + 1][POOL_TQ + 1][POOL_GB];
+    __shared__ float s_sum[BN ? 2 : 1][BN ? 256 / POOL_GB : 1][BN ? POOL_GB * 8 : 1];
     const int groups = c / 8;
     const int tiles_q = (q + POOL_TQ - 1) / POOL_TQ, tiles_p = (p + POOL_TP - 1) / POOL_TP;
     const int chunks = (groups + POOL_GB - 1) / POOL_GB;
@@ -313,6 +319,9 @@ __device__ __forceinline__ void maxpool_bwd_tiles(const bf16* __restrict__ x, co
         __syncthreads();
         // Phase 2: output (op, oq) owns its input cell and reads windows op − 1 + kp, oq − 1 + kq
         // (kp, kq ∈ {0, 1}) from shared memory at [tr + kp][tc + kq].
+        float sb[8], sg[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sb[e] = sg[e] = 0.0f;
         for (int it = threadIdx.x; it < POOL_TP * POOL_TQ * POOL_GB; it += blockDim.x) {
             const int gl = it % POOL_GB, tc = it / POOL_GB % POOL_TQ, tr = it / (POOL_GB * POOL_TQ);
             const int op = p0 + tr, oq = q0 + tc, g = g0 + gl;
@@ -352,10 +361,13 @@ __device__ __forceinline__ void maxpool_bwd_tiles(const bf16* __restrict__ x, co
                                 if (((a[e / 4] ^ pos4) & (0xffu << 8 * (e % 4))) == 0u) acc[e] += __uint_as_float(d[e]);
                         }
                     }
+                    unsigned zb[8];
+                    if (BN) pool_split8(pool_load16(x + (((long)b * h + ih) * w + iw) * c + g * 8), zb);
                     if (BN && p8.relu) {
                         // The mask: [bn(x) > 0] at this pixel, as bn_bwd_apply reads it from y.
                         unsigned t[8];
-                        pool_split8(pool_load16(x + (((long)b * h + ih) * w + iw) * c + g * 8), t);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) t[e] = zb[e];
                         pool_bn8(t, p8);
 #pragma unroll
                         for (int e = 0; e < 8; ++e)
@@ -365,7 +377,33 @@ __device__ __forceinline__ void maxpool_bwd_tiles(const bf16* __restrict__ x, co
 #pragma unroll
                     for (int e = 0; e < 8; ++e) out.e[e] = bt_to_bf16(acc[e]);
                     *reinterpret_cast<uint4*>(dst) = out.v;
+                    if (BN) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const float gv = bt_to_f32(out.e[e]);
+                            sb[e] += gv;
+                            sg[e] += gv * (__uint_as_float(zb[e]) - p8.mean[e]) * p8.invstd[e];
+                        }
+                    }
                 }
+            }
+        }
+        if (BN) {
+            // The tile's record: lane l = threadIdx.x / POOL_GB of group gl, then lanes summed in order.
+            const int lane = threadIdx.x / POOL_GB, gl = threadIdx.x % POOL_GB;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                s_sum[0][lane][gl * 8 + e] = sb[e];
+                s_sum[1][lane][gl * 8 + e] = sg[e];
+            }
+            __syncthreads();
+            if (threadIdx.x < 2 * POOL_GB * 8) {
+                const int which = threadIdx.x / (POOL_GB * 8), slot = threadIdx.x % (POOL_GB * 8);
+                float total = 0.0f;
+                for (int l = 0; l < 256 / POOL_GB; ++l) total += s_sum[which][l][slot];
+                const int ch = g0 * 8 + slot;
+                const long record = ((long)b * tiles_p + tp) * tiles_q + tq;
+                if (ch < c) (which ? part_g : part_b)[record * c + ch] = total;
             }
         }
         __syncthreads();
@@ -375,7 +413,8 @@ __device__ __forceinline__ void maxpool_bwd_tiles(const bf16* __restrict__ x, co
 extern "C" __global__ void maxpool_bwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                                            bf16* __restrict__ dx, int n, int h, int w, int c, int p,
                                            int q, int win, int stride, int pad, int accumulate) {
-    maxpool_bwd_tiles<false>(x, dy, dx, n, h, w, c, p, q, win, stride, pad, accumulate, nullptr);
+    maxpool_bwd_tiles<false>(x, dy, dx, n, h, w, c, p, q, win, stride, pad, accumulate, nullptr, nullptr,
+                             nullptr);
 }
 
 // ---- the max pool that applies the batch norm before it (maxpool_bn_*) -----------------------
@@ -389,9 +428,10 @@ extern "C" __global__ void maxpool_bwd_vec(const bf16* __restrict__ x, const bf1
 // a memory-bound kernel, and no argument about the sign of γ or ties made by the rounding.
 // The backward is maxpool_bwd(_vec)'s gather over the transformed windows; the pixel's own
 // transformed value gives the ReLU's mask, so the output is the batch norm's finished incoming
-// gradient g = [y > 0]·Σ dy (overwritten: the pool is y's only reader), whose Σg and Σg·x̂ the
-// host reduces with bn_bwd_partial (mask off) and bn_sums_merge; the batch norm's backward is
-// then its prepared apply pass.
+// gradient g = [y > 0]·Σ dy (overwritten: the pool is y's only reader). maxpool_bn_bwd_vec
+// also reduces Σg and Σg·x̂ per tile into records that bn_sums_merge sums in a fixed order (g
+// and z are not read again); after the scalar maxpool_bn_bwd the host reduces them with
+// bn_bwd_partial (mask off). The batch norm's backward is then its prepared apply pass.
 // z, y, dy, g: NHWC bf16 as x, y, dy, dx above; mean, invstd: f32 [C]; gamma, beta: bf16 [C].
 // Launch configuration: that of the unfused kernel of the same name without `_bn`.
 
@@ -459,14 +499,16 @@ extern "C" __global__ void maxpool_bn_fwd_vec(const bf16* __restrict__ z, const 
     }
 }
 
+// Also each tile's Σg, Σg·x̂ (see maxpool_bwd_tiles): part_b, part_g [N·⌈P/7⌉·⌈Q/7⌉][C].
 extern "C" __global__ void maxpool_bn_bwd_vec(const bf16* __restrict__ z, const float* __restrict__ mean,
                                               const float* __restrict__ invstd, const bf16* __restrict__ gamma,
                                               const bf16* __restrict__ beta, int relu,
                                               const bf16* __restrict__ dy, bf16* __restrict__ g, int n,
                                               int h, int w, int c, int p, int q, int win, int stride,
-                                              int pad) {
+                                              int pad, float* __restrict__ part_b,
+                                              float* __restrict__ part_g) {
     const PoolBn bn{mean, invstd, gamma, beta, relu};
-    maxpool_bwd_tiles<true>(z, dy, g, n, h, w, c, p, q, win, stride, pad, 0, &bn);
+    maxpool_bwd_tiles<true>(z, dy, g, n, h, w, c, p, q, win, stride, pad, 0, &bn, part_b, part_g);
 }
 
 extern "C" __global__ void gap_fwd(const bf16* __restrict__ x, bf16* __restrict__ y, int n, int hw,

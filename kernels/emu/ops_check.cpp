@@ -312,10 +312,26 @@ void test_pool_bn(int n, int h, int w, int c, int win, int st, int pad, bool rel
         check_bits("maxpool_bn_fwd_vec = separate", yv, YP);
         if (win <= 2 * st && win <= 15) {
             const long tiles = (long)n * ((p + 6) / 7) * ((q + 6) / 7) * ((c / 8 + 7) / 8);  // the host's grid
+            // Its per-tile Σg, Σg·x̂ records (every one written), summed, against f64 sums of g_sep.
+            const long records = (long)n * ((p + 6) / 7) * ((q + 6) / 7);
+            std::vector<double> sb_ref(c, 0.0), sg_ref(c, 0.0);
+            for (long i = 0; i < total; ++i) {
+                const int ch = (int)(i % c);
+                const double gv = __bfloat162float(g_sep[i]);
+                sb_ref[ch] += gv;
+                sg_ref[ch] += gv * ((double)z[i] - mean[ch]) * invstd[ch];
+            }
             for (unsigned blocks : {(unsigned)std::min<long>(tiles, 65535), 3u}) {
                 std::vector<bf16> gv(total, bf16{0x7fc0});
-                emu_launch({blocks, 1, 1}, {256, 1, 1}, [&] { k_pool::maxpool_bn_bwd_vec(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, DY.data(), gv.data(), n, h, w, c, p, q, win, st, pad); });
+                std::vector<float> pb(records * c, NAN), pg(records * c, NAN);
+                emu_launch({blocks, 1, 1}, {256, 1, 1}, [&] { k_pool::maxpool_bn_bwd_vec(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, DY.data(), gv.data(), n, h, w, c, p, q, win, st, pad, pb.data(), pg.data()); });
                 check_bits(blocks == 3 ? "maxpool_bn_bwd_vec, 3 blocks" : "maxpool_bn_bwd_vec = separate", gv, g_sep);
+                std::vector<double> sb(c, 0.0), sg(c, 0.0);
+                for (long r = 0; r < records; ++r) for (int ch = 0; ch < c; ++ch) { sb[ch] += pb[r * c + ch]; sg[ch] += pg[r * c + ch]; }
+                double scale_b = 1e-30, scale_g = 1e-30;
+                for (int ch = 0; ch < c; ++ch) { scale_b = std::max(scale_b, std::fabs(sb_ref[ch])); scale_g = std::max(scale_g, std::fabs(sg_ref[ch])); }
+                check(blocks == 3 ? "maxpool_bn Σg (records, 3 blocks)" : "maxpool_bn Σg (records)", sb, sb_ref, 1e-5 * scale_b, 1e-5);
+                check(blocks == 3 ? "maxpool_bn Σg·x̂ (records, 3 blocks)" : "maxpool_bn Σg·x̂ (records)", sg, sg_ref, 1e-5 * scale_g, 1e-5);
             }
         }
     }

@@ -389,7 +389,7 @@ kernel_launchers! {
         pad: i32,
     }
     /// Its backward: the batch norm's finished incoming gradient `g` (masked, overwritten).
-    "pool.cu" MaxpoolBnBwd<'a> ["maxpool_bn_bwd", "maxpool_bn_bwd_vec"] {
+    "pool.cu" MaxpoolBnBwd<'a> ["maxpool_bn_bwd"] {
         z: In<'a, u16>,
         mean: In<'a, f32>,
         invstd: In<'a, f32>,
@@ -407,6 +407,28 @@ kernel_launchers! {
         win: i32,
         stride: i32,
         pad: i32,
+    }
+    /// Its 16-byte backward, which also leaves each tile's Σg, Σg·x̂ (records `[tiles][c]`).
+    "pool.cu" MaxpoolBnBwdVec<'a> ["maxpool_bn_bwd_vec"] {
+        z: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+        dy: In<'a, u16>,
+        g: Out<'a, u16>,
+        n: i32,
+        h: i32,
+        w: i32,
+        c: i32,
+        p: i32,
+        q: i32,
+        win: i32,
+        stride: i32,
+        pad: i32,
+        part_b: Out<'a, f32>,
+        part_g: Out<'a, f32>,
     }
     /// Global average pool forward.
     "pool.cu" GapFwd<'a> ["gap_fwd"] {

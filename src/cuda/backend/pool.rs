@@ -7,7 +7,8 @@ use super::bn::reduction_launch;
 use super::bn_fused::merge_sums;
 use crate::backend::{BackendError, PoolBn, PoolShape};
 use crate::cuda::launchers::{
-    BnBwdPartial, GapBwd, GapFwd, MaxpoolBnBwd, MaxpoolBnFwd, MaxpoolBwd, MaxpoolFwd,
+    BnBwdPartial, GapBwd, GapFwd, MaxpoolBnBwd, MaxpoolBnBwdVec, MaxpoolBnFwd, MaxpoolBwd,
+    MaxpoolFwd,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -223,9 +224,10 @@ pub(super) fn max_bn_forward(
 }
 
 /// See [`crate::backend::Backend::maxpool_bn_backward`]: maxpool_bwd(_vec)'s gather over the
-/// transformed windows writes g masked (pool.cu, maxpool_bn_*), then the batch norm's two
-/// reductions over g and z: bn_bwd_partial with the mask off and bn_sums_merge, as
-/// conv_backward_data_bn's slab path.
+/// transformed windows writes g masked (pool.cu, maxpool_bn_*) and, in its 16-byte form, the
+/// batch norm's two reductions per tile; after the scalar form, bn_bwd_partial with the mask
+/// off reduces them per slab (conv_backward_data_bn's slab path). bn_sums_merge sums the
+/// records in a fixed order.
 pub(super) fn max_bn_backward(
     be: &CudaBackend,
     s: &PoolShape,
@@ -246,66 +248,99 @@ pub(super) fn max_bn_backward(
     check_len(op, "dgamma", dgamma.len, ch)?;
     check_len(op, "dbeta", dbeta.len, ch)?;
     let [n, h, w, c, p, q, win, stride, pad] = pool_dims(op, s)?;
-    let vec = backward_vec(s);
-    let (kernel, cfg) = if vec {
-        ("maxpool_bn_bwd_vec", maxpool_bwd_vec_cfg(s))
-    } else {
-        ("maxpool_bn_bwd", elementwise_cfg(rows * ch))
-    };
     let (zs, mean, invstd) = (
         z.bf16(op, "z")?,
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
+    let (gamma, beta) = (bn.gamma.bf16(op, "gamma")?, bn.beta.bf16(op, "beta")?);
+    let (relu, dys) = (i32::from(bn.relu), dy.bf16(op, "dy")?);
     let gs = g.bf16_mut(op, "g")?;
-    let args = MaxpoolBnBwd {
-        z: zs.into(),
-        mean: mean.into(),
-        invstd: invstd.into(),
-        gamma: bn.gamma.bf16(op, "gamma")?.into(),
-        beta: bn.beta.bf16(op, "beta")?.into(),
-        relu: i32::from(bn.relu),
-        dy: dy.bf16(op, "dy")?.into(),
-        g: (&mut *gs).into(),
-        n,
-        h,
-        w,
-        c,
-        p,
-        q,
-        win,
-        stride,
-        pad,
-    };
-    be.launch(op, kernel, cfg, args)?;
-    be.note_work(2 * (rows * ch * 3 + s.n * s.out_h() * s.out_w() * ch), 0.0);
-    // Σg and Σg·x̂ per slab of rows (g is masked already), then merged in a fixed order.
-    let (per, slabs) = be.slabs(rows);
     let mut work = be.work();
     let wk = &mut *work;
-    ensure(&be.dev, &mut wk.f32a, 2 * slabs * ch, op)?;
-    let part = wk.f32a.as_mut().expect("ensured");
-    let (mut pb, mut pg) = part.split_at_mut(slabs * ch);
-    let (partial, cfg) = reduction_launch(ch, slabs, "bn_bwd_partial");
-    let g = &*gs;
-    let reduce = BnBwdPartial {
-        dy: g.into(),
-        y: g.into(),
-        x: zs.into(),
-        mean: mean.into(),
-        invstd: invstd.into(),
-        rows: to_i32(op, "rows", rows)?,
-        channels: c,
-        rows_per_slab: to_i32(op, "rows per slab", per)?,
-        relu: 0,
-        part_dbeta: (&mut pb).into(),
-        part_dgamma: (&mut pg).into(),
+    let records = if backward_vec(s) {
+        // The 16-byte gather reduces Σg, Σg·x̂ per tile itself (records of the tiles).
+        let records = s.n * s.out_h().div_ceil(7) * s.out_w().div_ceil(7);
+        ensure(&be.dev, &mut wk.f32a, 2 * records * ch, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        let (mut pb, mut pg) = part.split_at_mut(records * ch);
+        let args = MaxpoolBnBwdVec {
+            z: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            gamma: gamma.into(),
+            beta: beta.into(),
+            relu,
+            dy: dys.into(),
+            g: gs.into(),
+            n,
+            h,
+            w,
+            c,
+            p,
+            q,
+            win,
+            stride,
+            pad,
+            part_b: (&mut pb).into(),
+            part_g: (&mut pg).into(),
+        };
+        be.launch(op, "maxpool_bn_bwd_vec", maxpool_bwd_vec_cfg(s), args)?;
+        be.note_work(
+            2 * (rows * ch * 2 + s.n * s.out_h() * s.out_w() * ch) + 8 * records * ch,
+            0.0,
+        );
+        records
+    } else {
+        let args = MaxpoolBnBwd {
+            z: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            gamma: gamma.into(),
+            beta: beta.into(),
+            relu,
+            dy: dys.into(),
+            g: (&mut *gs).into(),
+            n,
+            h,
+            w,
+            c,
+            p,
+            q,
+            win,
+            stride,
+            pad,
+        };
+        be.launch(op, "maxpool_bn_bwd", elementwise_cfg(rows * ch), args)?;
+        be.note_work(2 * (rows * ch * 2 + s.n * s.out_h() * s.out_w() * ch), 0.0);
+        // Σg and Σg·x̂ per slab of rows (g is masked already).
+        let (per, slabs) = be.slabs(rows);
+        ensure(&be.dev, &mut wk.f32a, 2 * slabs * ch, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        let (mut pb, mut pg) = part.split_at_mut(slabs * ch);
+        let (partial, cfg) = reduction_launch(ch, slabs, "bn_bwd_partial");
+        let g = &*gs;
+        let reduce = BnBwdPartial {
+            dy: g.into(),
+            y: g.into(),
+            x: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            rows: to_i32(op, "rows", rows)?,
+            channels: c,
+            rows_per_slab: to_i32(op, "rows per slab", per)?,
+            relu: 0,
+            part_dbeta: (&mut pb).into(),
+            part_dgamma: (&mut pg).into(),
+        };
+        be.launch(op, partial, cfg, reduce)?;
+        be.note_work(2 * rows * ch * 2, 0.0);
+        slabs
     };
-    be.launch(op, partial, cfg, reduce)?;
-    be.note_work(2 * rows * ch * 2, 0.0);
+    // The records merged in a fixed order.
     let part = wk.f32a.as_ref().expect("ensured");
     let (dbeta, dgamma) = (dbeta.f32_mut(op, "dbeta")?, dgamma.f32_mut(op, "dgamma")?);
-    merge_sums(be, op, part, slabs, ch, dbeta, dgamma, &mut wk.f32b)
+    merge_sums(be, op, part, records, ch, dbeta, dgamma, &mut wk.f32b)
 }
 
 /// See [`crate::backend::Backend::gap_forward`].
