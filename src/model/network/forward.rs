@@ -171,6 +171,7 @@ impl<B: Backend> Network<B> {
                     };
                     // None: not stored (the max pool after it applies it).
                     let mut y = self.acts[output].take();
+                    assert_eq!(y.is_none(), self.plan.fusion.unstored[k], "{BORROWED}");
                     let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
                     // Synchronised: the global statistics stand in for the running ones.
                     let (mut rm, mut rv) = match synced {

@@ -116,6 +116,7 @@ impl<B: Backend> Network<B> {
         let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
         // None: not stored (its max pool applies it).
         let mut y = self.acts[output].take();
+        assert_eq!(y.is_none(), self.plan.fusion.unstored[k], "{BORROWED}");
         let (mut mean_t, mut invstd_t) = self.saved[k].take().expect("bn saved stats");
         let r = self.backend.bn_forward(BnForward {
             shape,
