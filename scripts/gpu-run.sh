@@ -379,6 +379,10 @@ phase_fusion() {
   step test-fusion-ops 120 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_kernels::fused_batch_norm
   $checks tests "$out/test-fusion-ops.log" cuda_kernels::fused_batch_norm 1 | tee -a "$summary"
+  # The stem's batch norm applied inside the max pool (maxpool_bn_* kernels) against the CPU.
+  step test-fusion-pool 60 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_kernels::max_pool_applying_a_batch_norm
+  $checks tests "$out/test-fusion-pool.log" cuda_kernels::max_pool_applying 1 | tee -a "$summary"
   step test-fusion-step 150 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_step::resnet18_step_matches_cpu cuda_step::fused_resnet18_steps_repeat_bitwise
   $checks tests "$out/test-fusion-step.log" cuda_step::resnet18_step 1 | tee -a "$summary"

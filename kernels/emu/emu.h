@@ -217,6 +217,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 // Round-to-nearest arithmetic intrinsics (x86-64 SSE arithmetic is IEEE round-to-nearest; the
 // emulator is built without FMA contraction, so these are the device's exact operations).

@@ -239,6 +239,104 @@ void test_pool(int n, int h, int w, int c, int win, int st, int pad, bool all_ti
     }
 }
 
+// The max pool that applies the batch norm before it (maxpool_bn_*, pool.cu) against the
+// separate passes it replaces, to the bit: bn_apply(_vec) writes y, maxpool_fwd / maxpool_bwd
+// run over y, and the ReLU's mask is read from y as bn_bwd_apply reads it. Also against a host
+// reference over the host's own batch-norm values (first maximum of each window, f64 sums).
+// γ negative, zero and positive by channel; with ReLU and without (then some channels have
+// only negative values: a padding that became a transformed zero would win there); ties from
+// quantised inputs; every border window; the 16-byte kernels where C % 8 == 0 (the backward
+// only where win ≤ 2·stride, as the host picks), and a grid of 3 blocks for the tile loop.
+void test_pool_bn(int n, int h, int w, int c, int win, int st, int pad, bool relu) {
+    printf("maxpool_bn n=%d h=%d w=%d c=%d win=%d stride=%d pad=%d relu=%d\n", n, h, w, c, win, st, pad, relu);
+    const int p = (h + 2 * pad - win) / st + 1, q = (w + 2 * pad - win) / st + 1;
+    const long rows = (long)n * h * w, total = rows * c, out = (long)n * p * q * c;
+    auto z = rnd(total, 2.0f);
+    for (long i = 0; i < total; i += 3) z[i] = rb(std::round(z[i] * 4) / 4);
+    std::vector<float> mean(c), invstd(c), gamma(c), beta(c);
+    for (int ch = 0; ch < c; ++ch) {
+        mean[ch] = rnd32(1, 0.5f)[0];
+        invstd[ch] = 0.5f + std::fabs(rnd32(1, 1.0f)[0]);
+        const float gm = rb(0.25f + std::fabs(rnd(1, 1.0f)[0]));
+        gamma[ch] = ch % 3 == 0 ? -gm : ch % 3 == 1 ? gm : (ch % 2 ? 0.0f : gm);
+        beta[ch] = ch % 5 == 4 ? -3.0f : rb(rnd(1, 0.5f)[0]);
+    }
+    auto dy = rnd(out, 1.0f);
+    const auto Z = tobf(z), G = tobf(gamma), B = tobf(beta), DY = tobf(dy);
+    // The separate passes.
+    std::vector<bf16> Y(total), YP(out, bf16{0x7fc0}), DX(total);
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_bn::bn_apply(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), nullptr, Y.data(), total, c, relu); });
+    if (c % 8 == 0) {
+        std::vector<bf16> Yv(total);
+        emu_launch(ew(total / 8), {256, 1, 1}, [&] { k_bn::bn_apply_vec(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), nullptr, Yv.data(), total, c, relu); });
+        check_bits("bn_apply_vec = bn_apply", Yv, Y);
+    }
+    emu_launch(ew(out), {256, 1, 1}, [&] { k_pool::maxpool_fwd(Y.data(), YP.data(), n, h, w, c, p, q, win, st, pad); });
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_pool::maxpool_bwd(Y.data(), DY.data(), DX.data(), n, h, w, c, p, q, win, st, pad, 0); });
+    std::vector<bf16> g_sep = DX;
+    for (long i = 0; i < total; ++i)
+        if (relu && !(__bfloat162float(Y[i]) > 0.0f)) g_sep[i] = __float2bfloat16_rn(0.0f);
+    // The host's reference: the batch norm's values, each window's first maximum, f64 sums.
+    std::vector<double> y_host(total), yp_ref(out), g_ref(total, 0.0);
+    for (long i = 0; i < total; ++i) {
+        const int ch = (int)(i % c);
+        float v = (z[i] - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch];
+        if (relu) v = std::max(v, 0.0f);
+        y_host[i] = rb(v);
+    }
+    check("bn output (host)", fromb(Y), y_host, 0, 0);
+    for (int b = 0; b < n; ++b) for (int op = 0; op < p; ++op) for (int oq = 0; oq < q; ++oq) for (int ch = 0; ch < c; ++ch) {
+        double best = -INFINITY; long at = -1;
+        for (int r = 0; r < win; ++r) for (int s2 = 0; s2 < win; ++s2) {
+            const int ih = op * st - pad + r, iw = oq * st - pad + s2;
+            if (ih < 0 || ih >= h || iw < 0 || iw >= w) continue;
+            const long i = (((long)b * h + ih) * w + iw) * c + ch;
+            if (at < 0 || y_host[i] > best) { best = y_host[i]; at = i; }
+        }
+        const long o = (((long)b * p + op) * q + oq) * c + ch;
+        yp_ref[o] = best;
+        g_ref[at] += dy[o];
+    }
+    for (long i = 0; i < total; ++i) if (relu && !(y_host[i] > 0)) g_ref[i] = 0;
+    check("maxpool_bn y (host)", fromb(YP), yp_ref, 0, 0);
+    check("maxpool_bn g (host)", fromb(g_sep), g_ref, 1e-2, 1.0 / 128);
+    // The fused kernels: the separate passes' bits.
+    std::vector<bf16> yf(out, bf16{0x7fc0}), gf(total, bf16{0x7fc0});
+    emu_launch(ew(out), {256, 1, 1}, [&] { k_pool::maxpool_bn_fwd(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, yf.data(), n, h, w, c, p, q, win, st, pad); });
+    check_bits("maxpool_bn_fwd = separate", yf, YP);
+    emu_launch(ew(total), {256, 1, 1}, [&] { k_pool::maxpool_bn_bwd(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, DY.data(), gf.data(), n, h, w, c, p, q, win, st, pad); });
+    check_bits("maxpool_bn_bwd = separate", gf, g_sep);
+    if (c % 8 == 0) {
+        std::vector<bf16> yv(out, bf16{0x7fc0});
+        emu_launch(ew(out / 8), {256, 1, 1}, [&] { k_pool::maxpool_bn_fwd_vec(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, yv.data(), n, h, w, c, p, q, win, st, pad); });
+        check_bits("maxpool_bn_fwd_vec = separate", yv, YP);
+        if (win <= 2 * st && win <= 15) {
+            const long tiles = (long)n * ((p + 6) / 7) * ((q + 6) / 7) * ((c / 8 + 7) / 8);  // the host's grid
+            // Its per-tile Σg, Σg·x̂ records (every one written), summed, against f64 sums of g_sep.
+            const long records = (long)n * ((p + 6) / 7) * ((q + 6) / 7);
+            std::vector<double> sb_ref(c, 0.0), sg_ref(c, 0.0);
+            for (long i = 0; i < total; ++i) {
+                const int ch = (int)(i % c);
+                const double gv = __bfloat162float(g_sep[i]);
+                sb_ref[ch] += gv;
+                sg_ref[ch] += gv * ((double)z[i] - mean[ch]) * invstd[ch];
+            }
+            for (unsigned blocks : {(unsigned)std::min<long>(tiles, 65535), 3u}) {
+                std::vector<bf16> gv(total, bf16{0x7fc0});
+                std::vector<float> pb(records * c, NAN), pg(records * c, NAN);
+                emu_launch({blocks, 1, 1}, {256, 1, 1}, [&] { k_pool::maxpool_bn_bwd_vec(Z.data(), mean.data(), invstd.data(), G.data(), B.data(), relu, DY.data(), gv.data(), n, h, w, c, p, q, win, st, pad, pb.data(), pg.data()); });
+                check_bits(blocks == 3 ? "maxpool_bn_bwd_vec, 3 blocks" : "maxpool_bn_bwd_vec = separate", gv, g_sep);
+                std::vector<double> sb(c, 0.0), sg(c, 0.0);
+                for (long r = 0; r < records; ++r) for (int ch = 0; ch < c; ++ch) { sb[ch] += pb[r * c + ch]; sg[ch] += pg[r * c + ch]; }
+                double scale_b = 1e-30, scale_g = 1e-30;
+                for (int ch = 0; ch < c; ++ch) { scale_b = std::max(scale_b, std::fabs(sb_ref[ch])); scale_g = std::max(scale_g, std::fabs(sg_ref[ch])); }
+                check(blocks == 3 ? "maxpool_bn Σg (records, 3 blocks)" : "maxpool_bn Σg (records)", sb, sb_ref, 1e-5 * scale_b, 1e-5);
+                check(blocks == 3 ? "maxpool_bn Σg·x̂ (records, 3 blocks)" : "maxpool_bn Σg·x̂ (records)", sg, sg_ref, 1e-5 * scale_g, 1e-5);
+            }
+        }
+    }
+}
+
 void test_linear(int n, int in, int out) {
     printf("linear n=%d in=%d out=%d\n", n, in, out);
     auto x = rnd((size_t)n * in, 1), w = rnd((size_t)out * in, 0.1f), b = rnd(out, 0.1f), dy = rnd((size_t)n * out, 1), dx0 = rnd((size_t)n * in, 1);
@@ -804,6 +902,12 @@ int main(int argc, char** argv) {
     test_pool(1, 7, 6, 8, 3, 1, 1, true);      // win > 2·stride: scalar backward, vec forward
     test_pool(1, 5, 6, 8, 4, 2, 1);            // win = 2·stride, even window
     test_pool(2, 33, 31, 72, 3, 2, 1);         // 3×3 output tiles, 9 channel groups (2 chunks)
+    test_pool_bn(2, 9, 7, 16, 3, 2, 1, true);  // the ResNet stem: conv → BN → ReLU → max pool
+    test_pool_bn(2, 10, 12, 8, 3, 2, 1, false); // no ReLU: negative windows at the borders
+    test_pool_bn(1, 7, 7, 5, 3, 2, 1, true);   // C % 8 != 0: the scalar kernels only
+    test_pool_bn(1, 8, 9, 24, 3, 2, 0, false); // no padding: an uncovered tail row / column
+    test_pool_bn(1, 7, 6, 8, 3, 1, 1, true);   // win > 2·stride: scalar backward, vec forward
+    test_pool_bn(2, 33, 31, 72, 3, 2, 1, true); // 3×3 output tiles, 9 channel groups (2 chunks)
     test_linear(5, 37, 19);
     test_loss(5, 10, 0.0f);
     test_loss(3, 285, 0.1f);

@@ -66,3 +66,12 @@ pub(crate) fn check_len(
     }
     Ok(())
 }
+
+/// The error of a batch-norm backward asked for a ReLU's mask without the batch norm's output
+/// (an output never stored: only a prepared backward, whose gradient is masked, may omit it).
+pub(crate) fn missing_mask(op: &'static str) -> BackendError {
+    BackendError::InvalidInput {
+        op,
+        detail: "a ReLU's mask without the batch norm's output (omit it only when prepared)".into(),
+    }
+}

@@ -21,6 +21,7 @@ mod error;
 mod shapes;
 
 pub use bn_sync::{DeviceSums, SumsMut};
+pub(crate) use error::missing_mask;
 pub use error::BackendError;
 pub use shapes::{BnMode, BnShape, ConvShape, LinearShape, PoolShape};
 
@@ -133,8 +134,10 @@ pub struct BnForward<'a, T> {
     pub residual: Option<&'a T>,
     /// Apply ReLU at the end.
     pub relu: bool,
-    /// Output.
-    pub y: &'a mut T,
+    /// Output. `None`: the statistics only (saved mean and inverse std, running statistics),
+    /// for a batch norm whose reader applies them itself ([`Backend::maxpool_bn_forward`]);
+    /// then there is no residual.
+    pub y: Option<&'a mut T>,
     /// Saved mean used for normalisation (batch mean in `Train`, running mean otherwise).
     pub saved_mean: &'a mut T,
     /// Saved 1/sqrt(var + eps) used for normalisation.
@@ -166,8 +169,10 @@ pub struct BnBackward<'a, T> {
     pub shape: BnShape,
     /// The forward input.
     pub x: &'a T,
-    /// The forward output (its sign is the ReLU mask).
-    pub y: &'a T,
+    /// The forward output (its sign is the ReLU mask). `None` for an output that was never
+    /// stored (its reader applied the batch norm: [`Backend::maxpool_bn_forward`]), which
+    /// needs `prepared` or no ReLU: the mask is then not read.
+    pub y: Option<&'a T>,
     /// Scale γ.
     pub gamma: &'a T,
     /// Saved mean from the forward.
@@ -221,6 +226,24 @@ pub struct BnGradEpilogue<'a, T> {
     pub dbeta: &'a mut T,
 }
 
+/// The batch norm whose output a max pool reads, applied by the pool itself
+/// ([`Backend::maxpool_bn_forward`], [`Backend::maxpool_bn_backward`]) so that the output is
+/// never stored: the statistics its forward saved ([`BnForward`] with no `y`) and its affine
+/// parameters. No residual.
+#[derive(Debug)]
+pub struct PoolBn<'a, T> {
+    /// Scale γ.
+    pub gamma: &'a T,
+    /// Shift β.
+    pub beta: &'a T,
+    /// The saved mean the batch norm normalises with.
+    pub saved_mean: &'a T,
+    /// The saved inverse standard deviation.
+    pub saved_invstd: &'a T,
+    /// Whether the batch norm applies a ReLU.
+    pub relu: bool,
+}
+
 /// Inputs of synchronised batch norm's input gradient ([`Backend::bn_sync_backward`]): the
 /// layer's forward and the gradient of its output, as [`BnBackward`] reads them.
 #[derive(Debug)]
@@ -229,8 +252,9 @@ pub struct BnSyncBackward<'a, T> {
     pub shape: BnShape,
     /// The forward input.
     pub x: &'a T,
-    /// The forward output (its sign is the ReLU mask).
-    pub y: &'a T,
+    /// The forward output (its sign is the ReLU mask); `None` (an output never stored) only
+    /// without `relu`.
+    pub y: Option<&'a T>,
     /// Scale γ.
     pub gamma: &'a T,
     /// The global mean the forward normalised with.
@@ -469,11 +493,12 @@ pub trait Backend: Send {
     ) -> Result<(), BackendError> {
         let sums = self.sums_mut(grads).read()?;
         let (dgamma, dbeta) = bn_sync::global_reductions(a.shape.channels, &sums)?;
-        let (x, y, dy) = (
-            self.download(a.x)?,
-            self.download(a.y)?,
-            self.download(a.dy)?,
-        );
+        if a.y.is_none() && a.relu {
+            return Err(error::missing_mask("bn_sync_backward"));
+        }
+        let (x, dy) = (self.download(a.x)?, self.download(a.dy)?);
+        // No output (no ReLU): the mask is not read; any tensor of its length stands in.
+        let y = self.download(a.y.unwrap_or(a.dy))?;
         let (gamma, mean, invstd) = (
             self.download(a.gamma)?,
             self.download(a.saved_mean)?,
@@ -515,6 +540,40 @@ pub trait Backend: Send {
         dy: &Self::Tensor,
         dx: &mut Self::Tensor,
         accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// Max pooling of a batch norm's output that is never stored: `y = maxpool(bn(z))`, with
+    /// `bn(z) = [ReLU]((z − mean)·invstd·γ + β)` computed per element exactly as
+    /// [`Backend::bn_forward`] computes its output (the same arithmetic, rounded to the
+    /// storage type), so `y` has the bits of [`Backend::maxpool_forward`] over that output.
+    /// Padding never wins, as there (it is not a transformed zero). `z` has the pool's input
+    /// shape; `bn`'s statistics are those its forward saved in any mode.
+    fn maxpool_bn_forward(
+        &self,
+        s: &PoolShape,
+        z: &Self::Tensor,
+        bn: &PoolBn<'_, Self::Tensor>,
+        y: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// Backward of [`Backend::maxpool_bn_forward`], finished for the batch norm as
+    /// [`Backend::conv_backward_data_bn`] finishes a convolution's: `g` (overwritten) ←
+    /// `[bn(z) > 0]·maxpool_backward(bn(z), dy)` (the mask only with `bn.relu`; each output
+    /// gradient to the first maximum of its window over the transformed values, the tie rule
+    /// of [`Backend::maxpool_backward`]), rounded to the storage type, and its reductions
+    /// Σg·x̂ into `dgamma`, Σg into `dbeta` (x̂ = (z − mean)·invstd). The batch norm's backward
+    /// then runs [`BnBackward::prepared`] with no `y`. The pool must be the batch norm
+    /// output's only reader (its gradient is complete here).
+    #[allow(clippy::too_many_arguments)]
+    fn maxpool_bn_backward(
+        &self,
+        s: &PoolShape,
+        z: &Self::Tensor,
+        bn: &PoolBn<'_, Self::Tensor>,
+        dy: &Self::Tensor,
+        g: &mut Self::Tensor,
+        dgamma: &mut Self::Tensor,
+        dbeta: &mut Self::Tensor,
     ) -> Result<(), BackendError>;
 
     /// Global average pool: `x` is `n × hw × c` → `y` is `n × c`.

@@ -378,6 +378,67 @@ kernel_launchers! {
         pad: i32,
         accumulate: i32,
     }
+    /// Max pool over a batch norm's output, applied as the pool reads its input `z`.
+    "pool.cu" MaxpoolBnFwd<'a> ["maxpool_bn_fwd", "maxpool_bn_fwd_vec"] {
+        z: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+        y: Out<'a, u16>,
+        n: i32,
+        h: i32,
+        w: i32,
+        c: i32,
+        p: i32,
+        q: i32,
+        win: i32,
+        stride: i32,
+        pad: i32,
+    }
+    /// Its backward: the batch norm's finished incoming gradient `g` (masked, overwritten).
+    "pool.cu" MaxpoolBnBwd<'a> ["maxpool_bn_bwd"] {
+        z: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+        dy: In<'a, u16>,
+        g: Out<'a, u16>,
+        n: i32,
+        h: i32,
+        w: i32,
+        c: i32,
+        p: i32,
+        q: i32,
+        win: i32,
+        stride: i32,
+        pad: i32,
+    }
+    /// Its 16-byte backward, which also leaves each tile's Σg, Σg·x̂ (records `[tiles][c]`).
+    "pool.cu" MaxpoolBnBwdVec<'a> ["maxpool_bn_bwd_vec"] {
+        z: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+        dy: In<'a, u16>,
+        g: Out<'a, u16>,
+        n: i32,
+        h: i32,
+        w: i32,
+        c: i32,
+        p: i32,
+        q: i32,
+        win: i32,
+        stride: i32,
+        pad: i32,
+        part_b: Out<'a, f32>,
+        part_g: Out<'a, f32>,
+    }
     /// Global average pool forward.
     "pool.cu" GapFwd<'a> ["gap_fwd"] {
         x: In<'a, u16>,

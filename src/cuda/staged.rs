@@ -21,7 +21,7 @@ use super::launchers::InputTransform;
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
+    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -434,6 +434,29 @@ impl Backend for StagedBackend {
         accumulate: bool,
     ) -> Result<(), BackendError> {
         self.inner.maxpool_backward(s, x, dy, dx, accumulate)
+    }
+    fn maxpool_bn_forward(
+        &self,
+        s: &PoolShape,
+        z: &CudaTensor,
+        bn: &PoolBn<'_, CudaTensor>,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.maxpool_bn_forward(s, z, bn, y)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn maxpool_bn_backward(
+        &self,
+        s: &PoolShape,
+        z: &CudaTensor,
+        bn: &PoolBn<'_, CudaTensor>,
+        dy: &CudaTensor,
+        g: &mut CudaTensor,
+        dgamma: &mut CudaTensor,
+        dbeta: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .maxpool_bn_backward(s, z, bn, dy, g, dgamma, dbeta)
     }
     fn gap_forward(
         &self,

@@ -13,6 +13,10 @@
 //!   convolution, then adds its own data gradient to. When that reader's data gradient is
 //!   fused as well, the copy is skipped: the convolution reads g straight from the batch
 //!   norm's output gradient (`residual_grad`), which stays alive until then.
+//! - Max pool: a batch norm (no residual) whose only reader is a max pool (ResNet's stem) is
+//!   applied by the pool as it reads the batch norm's input (`maxpool_bn_forward`), so its
+//!   output is never stored; the pool's backward finishes its incoming gradient
+//!   (`maxpool_bn_backward`: mask, reductions), and its backward is `prepared`.
 
 use super::graph::{Graph, Node};
 
@@ -32,6 +36,11 @@ pub struct FusionPlan {
     /// Conv node → the value whose gradient buffer holds a residual gradient its fused data
     /// gradient adds (the output of a batch norm with `residual_in_place`).
     pub residual_from: Vec<Option<usize>>,
+    /// Max-pool node → the batch-norm node it applies to its input (whose output it alone
+    /// reads); that batch norm's output is never stored.
+    pub pool_applies: Vec<Option<usize>>,
+    /// Batch-norm node → whether its output is not stored (a max pool applies it).
+    pub unstored: Vec<bool>,
 }
 
 impl FusionPlan {
@@ -40,26 +49,30 @@ impl FusionPlan {
         let nodes = graph.nodes();
         let values = graph.value_count();
         let (mut producer, mut first_reader) = (vec![None; values], vec![None; values]);
+        let mut readers = vec![0usize; values];
         for (k, node) in nodes.iter().enumerate() {
             let (reads, output) = reads_and_output(node);
             producer[output] = Some(k);
             for v in reads {
                 first_reader[v].get_or_insert(k);
+                readers[v] += 1;
             }
         }
-        let n = nodes.len();
-        let mut plan = FusionPlan {
-            stats_for: vec![None; n],
-            finishes: vec![None; n],
-            prepared: vec![false; n],
-            residual_in_place: vec![false; n],
-            residual_from: vec![None; n],
-        };
+        let mut plan = FusionPlan::none(graph);
         for (k, node) in nodes.iter().enumerate() {
             if let Node::BatchNorm { input, .. } = *node {
                 if let Some(c) = producer[input].filter(|&c| matches!(nodes[c], Node::Conv { .. }))
                 {
                     plan.stats_for[c] = Some(k);
+                }
+            }
+            if let Node::MaxPool { input, .. } = *node {
+                let bn = producer[input]
+                    .filter(|&p| matches!(nodes[p], Node::BatchNorm { residual: None, .. }));
+                if let (Some(p), 1) = (bn, readers[input]) {
+                    plan.pool_applies[k] = Some(p);
+                    plan.unstored[p] = true;
+                    plan.prepared[p] = true;
                 }
             }
             if let Node::Conv { input, .. } = *node {
@@ -99,6 +112,8 @@ impl FusionPlan {
             prepared: vec![false; n],
             residual_in_place: vec![false; n],
             residual_from: vec![None; n],
+            pool_applies: vec![None; n],
+            unstored: vec![false; n],
         }
     }
 }
@@ -182,6 +197,9 @@ mod tests {
         assert_eq!(plan.residual_from[find("layer1.0.conv1")], Some(out));
         assert!(!plan.residual_in_place[find("layer2.0.bn2")]);
         assert!(!plan.residual_in_place[find("layer3.0.bn2")]);
+        // No max pool: every batch norm's output is stored.
+        assert!(plan.pool_applies.iter().all(Option::is_none));
+        assert!(!plan.unstored.iter().any(|&u| u));
     }
 
     #[test]
@@ -194,10 +212,18 @@ mod tests {
         // 53 batch norms: each gets its statistics from its convolution.
         assert_eq!(bns.len(), 53);
         assert_eq!(plan.stats_for.iter().flatten().count(), 53);
-        // Prepared: all but the stem's (read by the max pool), the four shortcuts' (read by
-        // the residual add) and the last block's (read by the pool).
+        // Prepared: all but the four shortcuts' (read by the residual add) and the last
+        // block's (read by the global pool); the stem's by the max pool that applies it.
         let prepared = bns.iter().filter(|&&k| plan.prepared[k]).count();
-        assert_eq!(prepared, 53 - 1 - 4 - 1);
+        assert_eq!(prepared, 53 - 4 - 1);
+        let stem = bns[0];
+        assert!(plan.unstored[stem]);
+        assert_eq!(bns.iter().filter(|&&k| plan.unstored[k]).count(), 1);
+        let pool = (0..graph.nodes().len())
+            .find(|&k| matches!(graph.nodes()[k], Node::MaxPool { .. }))
+            .unwrap();
+        assert_eq!(plan.pool_applies[pool], Some(stem));
+        assert_eq!(plan.pool_applies.iter().flatten().count(), 1);
         // In place: the identity blocks' residuals whose reader's data gradient is fused
         // (12 identity blocks; layer1.0's shortcut reads the max pool, but it is a
         // downsampling block anyway), less the last block, which is not prepared.
@@ -213,6 +239,15 @@ mod tests {
             .unwrap();
         assert_eq!(p18.finishes[conv1], None);
         assert_eq!(p18.residual_from[conv1], None);
+        // Its max pool applies the stem's batch norm, whose output is then not stored.
+        let bn1 = (0..r18.nodes().len())
+            .find(|&k| name_of(&r18, k) == "bn1")
+            .unwrap();
+        assert!(p18.unstored[bn1] && p18.prepared[bn1]);
+        assert_eq!(
+            p18.pool_applies.iter().flatten().collect::<Vec<_>>(),
+            [&bn1]
+        );
     }
 
     #[test]
@@ -222,5 +257,7 @@ mod tests {
         assert!(plan.stats_for.iter().all(Option::is_none));
         assert!(plan.finishes.iter().all(Option::is_none));
         assert!(!plan.prepared.iter().any(|&p| p) && !plan.residual_in_place.iter().any(|&p| p));
+        assert!(plan.pool_applies.iter().all(Option::is_none));
+        assert!(!plan.unstored.iter().any(|&u| u));
     }
 }

@@ -8,7 +8,7 @@
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape, GradientViews,
-    LinearShape, LossStats, PoolShape, Targets, TensorRole,
+    LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
 };
 use birdtrain::model::InputBatch;
 
@@ -20,6 +20,20 @@ pub(crate) struct Stored {
 
 /// See the module docs.
 pub(crate) struct Bf16Cpu(pub(crate) CpuBackend);
+
+/// The stored output of the batch norm a fused max pool applies, `rows × c` values of `z`:
+/// the GPU kernels' formula, `[ReLU]((z − mean)·invstd·γ + β)` rounded to bf16.
+fn pool_bn_output(z: &[f32], rows: usize, c: usize, bn: &PoolBn<'_, Stored>) -> Vec<f32> {
+    (0..rows * c)
+        .map(|i| {
+            let ch = i % c;
+            let v = (z[i] - bn.saved_mean.v[ch]) * bn.saved_invstd.v[ch] * bn.gamma.v[ch]
+                + bn.beta.v[ch];
+            let v = if bn.relu { v.max(0.0) } else { v };
+            half::bf16::from_f32(v).to_f32()
+        })
+        .collect()
+}
 
 /// Rounds `t` to bf16 (nearest, ties to even, as the GPU's conversions) when it is stored so.
 fn fix(t: &mut Stored) {
@@ -172,7 +186,7 @@ impl Backend for Bf16Cpu {
         }
         Ok(())
     }
-    fn bn_forward(&self, a: BnForward<'_, Stored>) -> Result<(), BackendError> {
+    fn bn_forward(&self, mut a: BnForward<'_, Stored>) -> Result<(), BackendError> {
         self.0.bn_forward(BnForward {
             shape: a.shape,
             x: &a.x.v,
@@ -180,7 +194,7 @@ impl Backend for Bf16Cpu {
             beta: &a.beta.v,
             residual: a.residual.map(|r| &r.v),
             relu: a.relu,
-            y: &mut a.y.v,
+            y: a.y.as_mut().map(|y| &mut y.v),
             saved_mean: &mut a.saved_mean.v,
             saved_invstd: &mut a.saved_invstd.v,
             running_mean: &mut a.running_mean.v,
@@ -190,7 +204,9 @@ impl Backend for Bf16Cpu {
             eps: a.eps,
             moments: a.moments.map(|m| &m.v),
         })?;
-        fix(a.y);
+        if let Some(y) = a.y {
+            fix(y);
+        }
         Ok(())
     }
     fn bn_backward(&self, a: BnBackward<'_, Stored>) -> Result<(), BackendError> {
@@ -218,7 +234,7 @@ impl Backend for Bf16Cpu {
         self.0.bn_backward(BnBackward {
             shape,
             x: &x.v,
-            y: &y.v,
+            y: y.map(|y| &y.v),
             gamma: &gamma.v,
             saved_mean: &saved_mean.v,
             saved_invstd: &saved_invstd.v,
@@ -258,6 +274,49 @@ impl Backend for Bf16Cpu {
         self.0
             .maxpool_backward(s, &x.v, &dy.v, &mut dx.v, accumulate)?;
         fix(dx);
+        Ok(())
+    }
+    fn maxpool_bn_forward(
+        &self,
+        s: &PoolShape,
+        z: &Stored,
+        bn: &PoolBn<'_, Stored>,
+        y: &mut Stored,
+    ) -> Result<(), BackendError> {
+        let t = pool_bn_output(&z.v, s.n * s.h * s.w, s.c, bn);
+        self.0.maxpool_forward(s, &t, &mut y.v)?;
+        fix(y);
+        Ok(())
+    }
+    fn maxpool_bn_backward(
+        &self,
+        s: &PoolShape,
+        z: &Stored,
+        bn: &PoolBn<'_, Stored>,
+        dy: &Stored,
+        g: &mut Stored,
+        dgamma: &mut Stored,
+        dbeta: &mut Stored,
+    ) -> Result<(), BackendError> {
+        // The gradient of the stored output, rounded, then masked and reduced (f64).
+        let (rows, c) = (s.n * s.h * s.w, s.c);
+        let t = pool_bn_output(&z.v, rows, c, bn);
+        self.0.maxpool_backward(s, &t, &dy.v, &mut g.v, false)?;
+        fix(g);
+        let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+        for (i, (gi, &ti)) in g.v[..rows * c].iter_mut().zip(&t).enumerate() {
+            let ch = i % c;
+            if bn.relu && ti <= 0.0 {
+                *gi = 0.0;
+            }
+            let xhat = (z.v[i] - bn.saved_mean.v[ch]) * bn.saved_invstd.v[ch];
+            sb[ch] += f64::from(*gi);
+            sg[ch] += f64::from(*gi * xhat);
+        }
+        for ch in 0..c {
+            dbeta.v[ch] = sb[ch] as f32;
+            dgamma.v[ch] = sg[ch] as f32;
+        }
         Ok(())
     }
     fn gap_forward(

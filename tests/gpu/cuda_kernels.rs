@@ -7,7 +7,8 @@
 //! Stated per kernel below; shapes include odd sizes and tiles that are not multiples of 16/128.
 
 use birdtrain::backend::conformance::{
-    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, Tolerance,
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_pool_bn,
+    check_pool_bn_repeatable, pool_bn_shapes, Tolerance,
 };
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
@@ -373,7 +374,7 @@ fn bn_forward_and_backward_match_cpu() {
             beta: &beta.c,
             residual: case.residual.then_some(&res.c),
             relu: case.relu,
-            y: &mut y.c,
+            y: Some(&mut y.c),
             saved_mean: &mut sm.c,
             saved_invstd: &mut si.c,
             running_mean: &mut rm.c,
@@ -391,7 +392,7 @@ fn bn_forward_and_backward_match_cpu() {
             beta: &beta.g,
             residual: case.residual.then_some(&res.g),
             relu: case.relu,
-            y: &mut y.g,
+            y: Some(&mut y.g),
             saved_mean: &mut sm.g,
             saved_invstd: &mut si.g,
             running_mean: &mut rm.g,
@@ -452,7 +453,7 @@ fn bn_forward_and_backward_match_cpu() {
             cb.bn_backward(BnBackward {
                 shape,
                 x: &x.c,
-                y: &yb.c,
+                y: Some(&yb.c),
                 gamma: &gamma.c,
                 saved_mean: &sm.c,
                 saved_invstd: &si.c,
@@ -470,7 +471,7 @@ fn bn_forward_and_backward_match_cpu() {
             gb.bn_backward(BnBackward {
                 shape,
                 x: &x.g,
-                y: &yb.g,
+                y: Some(&yb.g),
                 gamma: &gamma.g,
                 saved_mean: &sm.g,
                 saved_invstd: &si.g,
@@ -518,6 +519,38 @@ fn bn_forward_and_backward_match_cpu() {
             }
         }
     }
+}
+
+/// The max pool that applies the stem's batch norm (`maxpool_bn_*` in pool.cu: the scalar and
+/// 16-byte forward and backward, then the slab sums) against the CPU's separate ops: inputs on
+/// grids that make the batch norm exact, so the pooled output and the finished gradient must
+/// have the bits of bn_apply + maxpool + mask on the CPU (ties included, γ of both signs and
+/// zero, with and without ReLU, every border window); Σg, Σg·x̂ within 1 % of the largest.
+/// Then every op twice: the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn max_pool_applying_a_batch_norm_matches_cpu_to_the_bit_and_repeats() {
+    let gb = gpu();
+    gb.set_profiling(true);
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    let reports =
+        check_pool_bn(&gb, &pool_bn_shapes(), tol).unwrap_or_else(|e| panic!("maxpool_bn: {e}"));
+    for r in &reports {
+        println!("{r}");
+    }
+    let kernels: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+    for k in [
+        "maxpool_bn_fwd",
+        "maxpool_bn_fwd_vec",
+        "maxpool_bn_bwd",
+        "maxpool_bn_bwd_vec",
+    ] {
+        assert!(kernels.contains(&k), "{k} never ran: {kernels:?}");
+    }
+    check_pool_bn_repeatable(&gb, &pool_bn_shapes()).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]

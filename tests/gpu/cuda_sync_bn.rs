@@ -337,7 +337,7 @@ fn the_bn_sync_kernels_compute_the_host_arithmetic_bit_for_bit() {
             BnSyncBackward {
                 shape,
                 x: &x,
-                y: &y,
+                y: Some(&y),
                 gamma: &gamma,
                 saved_mean: &mean,
                 saved_invstd: &invstd,
@@ -353,7 +353,7 @@ fn the_bn_sync_kernels_compute_the_host_arithmetic_bit_for_bit() {
             BnSyncBackward {
                 shape,
                 x: &up(&x, TensorRole::Activation),
-                y: &up(&y, TensorRole::Activation),
+                y: Some(&up(&y, TensorRole::Activation)),
                 gamma: &up(&gamma, TensorRole::Weight),
                 saved_mean: &gmean,
                 saved_invstd: &up(&invstd, TensorRole::Statistic),

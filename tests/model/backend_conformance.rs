@@ -5,7 +5,7 @@
 
 use birdtrain::backend::conformance::{
     bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_convs, check_network,
-    check_ops, compare, Tolerance,
+    check_ops, check_pool_bn, check_pool_bn_repeatable, compare, pool_bn_shapes, Tolerance,
 };
 use birdtrain::backend::cpu::{CpuBackend, Kernels, SimdLevel};
 use birdtrain::backend::{
@@ -47,6 +47,41 @@ fn fused_batch_norm_ops_conform() {
         eprintln!("{r}");
     }
     check_bn_fusion_repeatable(&cpu, &bn_fusion_shapes()).unwrap();
+}
+
+#[test]
+fn the_max_pool_applying_a_batch_norm_conforms_to_the_bit() {
+    // The harness the GPU's maxpool_bn kernels are held to, on the CPU's fast kernels at each
+    // vector width and on its reference kernels: the output and the finished gradient to the
+    // bit (the inputs make the batch norm exact), the two reductions to f32 rounding.
+    let mut backends: Vec<(String, CpuBackend)> = levels()
+        .into_iter()
+        .map(|level| (format!("fast {level}"), fast(2, level)))
+        .collect();
+    backends.push(("reference".into(), CpuBackend::reference(2).unwrap()));
+    for (name, cpu) in &backends {
+        let reports = check_pool_bn(cpu, &pool_bn_shapes(), Tolerance::F32).unwrap();
+        assert_eq!(
+            reports.len(),
+            pool_bn_shapes().len() * 2 * 4,
+            "checks per shape"
+        );
+        for r in &reports {
+            eprintln!("{name}: {r}");
+        }
+        check_pool_bn_repeatable(cpu, &pool_bn_shapes()).unwrap();
+    }
+}
+
+#[test]
+fn the_pool_check_catches_a_missing_mask() {
+    let err = check_pool_bn(
+        &Transposed(CpuBackend::new(1).unwrap(), Fault::NoMask),
+        &pool_bn_shapes(),
+        Tolerance::F32,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("maxpool_bn_backward g"), "{err}");
 }
 
 #[test]
@@ -100,7 +135,7 @@ fn the_fused_checks_catch_a_wrong_convolution_and_a_missing_mask() {
 enum Fault {
     /// Its convolutions read OIHW weights as OHWI.
     Weights,
-    /// Its fused data gradient forgets the ReLU mask.
+    /// Its fused data gradient (and fused max pool's gradient) forgets the ReLU mask.
     NoMask,
 }
 
@@ -234,6 +269,31 @@ impl Backend for Transposed {
         acc: bool,
     ) -> Result<(), BackendError> {
         self.0.maxpool_backward(s, x, dy, dx, acc)
+    }
+    fn maxpool_bn_forward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.maxpool_bn_forward(s, z, bn, y)
+    }
+    fn maxpool_bn_backward(
+        &self,
+        s: &birdtrain::backend::PoolShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        dy: &Vec<f32>,
+        g: &mut Vec<f32>,
+        dgamma: &mut Vec<f32>,
+        dbeta: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let bn = birdtrain::backend::PoolBn {
+            relu: bn.relu && self.1 != Fault::NoMask,
+            ..*bn
+        };
+        self.0.maxpool_bn_backward(s, z, &bn, dy, g, dgamma, dbeta)
     }
     fn gap_forward(
         &self,
@@ -376,7 +436,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
         beta: &beta,
         residual: Some(&res),
         relu: true,
-        y: &mut y,
+        y: Some(&mut y),
         saved_mean: &mut m,
         saved_invstd: &mut is,
         running_mean: &mut rm,
@@ -396,7 +456,7 @@ fn op_outputs(b: &CpuBackend) -> Vec<Vec<f32>> {
     b.bn_backward(BnBackward {
         shape,
         x: &x,
-        y: &y,
+        y: Some(&y),
         gamma: &gamma,
         saved_mean: &m,
         saved_invstd: &is,

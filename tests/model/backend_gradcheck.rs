@@ -161,7 +161,7 @@ fn bn_case(case: &BnCase, seed: u64) {
             beta: &bt.to_vec(),
             residual: case.residual.then_some(&rs),
             relu: case.relu,
-            y: &mut y,
+            y: Some(&mut y),
             saved_mean: &mut m,
             saved_invstd: &mut is,
             running_mean: &mut rm,
@@ -201,7 +201,7 @@ fn bn_case(case: &BnCase, seed: u64) {
     b.bn_backward(BnBackward {
         shape,
         x: &x,
-        y: &y,
+        y: Some(&y),
         gamma: &gamma,
         saved_mean: &m,
         saved_invstd: &is,

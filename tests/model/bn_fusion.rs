@@ -271,51 +271,142 @@ fn a_fused_step_is_bitwise_repeatable() {
     assert_eq!(a.state, b.state);
 }
 
+/// One synchronised step of `arch` at `size` px on replicas of `split` images each, fused or
+/// not: each replica's outcome.
+fn synced_replicas(arch: Arch, size: u32, split: &[usize], fused: bool) -> Vec<Outcome> {
+    let graph = Graph::new(arch, 3);
+    let (px, labels) = images(split.iter().sum(), size, 21);
+    let per = (size * size * 3) as usize;
+    let mut group = LocalBnGroup::new(split.len(), Duration::from_secs(60)).into_iter();
+    std::thread::scope(|s| {
+        let mut start = 0;
+        let handles: Vec<_> = split
+            .iter()
+            .map(|&n| {
+                let (p, l) = (
+                    &px[start * per..(start + n) * per],
+                    &labels[start..start + n],
+                );
+                start += n;
+                let mut reducer = group.next().unwrap();
+                let graph = &graph;
+                s.spawn(move || {
+                    let mut net = network(graph, fused, n, size);
+                    let batch = InputBatch {
+                        pixels: p,
+                        labels: l,
+                        len: n,
+                        image_size: size,
+                        augment: None,
+                        mix: None,
+                    };
+                    run(&mut net, &batch, Some(&mut reducer))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn synchronised_replicas_fused_match_synchronised_replicas_separate() {
     // Two replicas of unequal share with synchronised batch norm: the moments from the
     // convolutions feed the cross-replica sums, the prepared backward (the dgrad epilogues'
-    // local Σg·x̂, Σg) the global reductions its input gradient is written from.
-    let graph = Graph::new(Arch::ResNet8, 3);
-    let split = [3usize, 2];
-    let (px, labels) = images(5, 8, 21);
-    let per = (8 * 8 * 3) as usize;
-    let replicas = |fused: bool| -> Vec<Outcome> {
-        let mut group = LocalBnGroup::new(split.len(), Duration::from_secs(60)).into_iter();
-        std::thread::scope(|s| {
-            let mut start = 0;
-            let handles: Vec<_> = split
-                .iter()
-                .map(|&n| {
-                    let (p, l) = (
-                        &px[start * per..(start + n) * per],
-                        &labels[start..start + n],
-                    );
-                    start += n;
-                    let mut reducer = group.next().unwrap();
-                    let graph = &graph;
-                    s.spawn(move || {
-                        let mut net = network(graph, fused, n, 8);
-                        let batch = InputBatch {
-                            pixels: p,
-                            labels: l,
-                            len: n,
-                            image_size: 8,
-                            augment: None,
-                            mix: None,
-                        };
-                        run(&mut net, &batch, Some(&mut reducer))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    };
-    let fused = replicas(true);
-    let separate = replicas(false);
-    for (f, s) in fused.iter().zip(&separate) {
-        compare(&graph, f, s, 1e-4);
+    // local Σg·x̂, Σg) the global reductions its input gradient is written from. resnet18:
+    // the stem's batch norm, applied by the max pool, normalises with the global statistics
+    // and its prepared backward (the pool's Σg·x̂, Σg) is summed over the replicas too.
+    for (arch, size, rel) in [(Arch::ResNet8, 8, 1e-4), (Arch::ResNet18, 64, 1e-4)] {
+        let graph = Graph::new(arch, 3);
+        let fused = synced_replicas(arch, size, &[3, 2], true);
+        let separate = synced_replicas(arch, size, &[3, 2], false);
+        for (f, s) in fused.iter().zip(&separate) {
+            compare(&graph, f, s, rel);
+        }
     }
+}
+
+#[test]
+fn the_max_pool_applies_the_stem_batch_norm_in_every_mode() {
+    // resnet18's stem batch norm is applied by the max pool: batch and frozen statistics in a
+    // mixed, augmented batch smaller than the network's (the eval probabilities of `compare`:
+    // eval mode). (Three images: with two, the last stage's batch norms over 8 rows amplify
+    // the moments' rounding to ~1e-2 in conv1's gradient, with or without the pool fused.)
+    both(Arch::ResNet18, 64, 3, 4, |_| {}, true, 1e-4);
+    both(Arch::ResNet18, 64, 3, 4, |c| c.freeze_bn = true, true, 1e-4);
+}
+
+#[test]
+fn the_stem_batch_norm_output_is_neither_stored_nor_written() {
+    // Fused, the max pool reads the stem convolution's output and applies the batch norm
+    // itself: the batch norm's forward only finalizes its statistics (no bytes of its own:
+    // the moments come from the convolution), the pool ops are the fused ones, and the
+    // network holds no buffer for the batch norm's output.
+    let graph = Graph::new(Arch::ResNet18, 3);
+    let (n, size) = (2usize, 32u32);
+    let (px, labels) = images(n, size, 9);
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let dims = graph.value_dims(size);
+    let bn_elements = |k: usize| match graph.nodes()[k] {
+        Node::BatchNorm {
+            input, channels, ..
+        } => n * dims[input].h * dims[input].w * channels,
+        _ => unreachable!("a batch norm"),
+    };
+    let bns: Vec<usize> = (0..graph.nodes().len())
+        .filter(|&k| matches!(graph.nodes()[k], Node::BatchNorm { .. }))
+        .collect();
+    let stem = bns[0];
+    let stem_output = match graph.nodes()[stem] {
+        Node::BatchNorm { output, .. } => dims[output].per_image(),
+        _ => unreachable!("a batch norm"),
+    };
+    let step = |fused: bool| {
+        let mut net = network(&graph, fused, n, size);
+        net.backend().set_profiling(true);
+        net.train_step(&batch).unwrap();
+        let profile = net.backend().take_profile();
+        let calls = |name: &str| {
+            profile
+                .iter()
+                .find(|o| o.name == name)
+                .map_or(0, |o| o.calls)
+        };
+        let pools = [
+            "maxpool_fwd",
+            "maxpool_bwd",
+            "maxpool_bn_fwd",
+            "maxpool_bn_bwd",
+        ]
+        .map(calls);
+        let bn_fwd_bytes: f64 = profile
+            .iter()
+            .filter(|o| o.name == "bn_fwd")
+            .map(|o| o.bytes)
+            .sum();
+        (pools, bn_fwd_bytes, net.elements_per_image())
+    };
+    let (fused, separate) = (step(true), step(false));
+    assert_eq!(fused.0, [0, 0, 1, 1], "fused pool ops");
+    assert_eq!(separate.0, [1, 1, 0, 0], "separate pool ops");
+    // Separate, every batch norm reads its input once more for its statistics, and the
+    // stem's reads its input and writes its output; fused, neither.
+    let statistics: usize = bns.iter().map(|&k| bn_elements(k)).sum();
+    let want = 4.0 * (statistics + 2 * bn_elements(stem)) as f64;
+    assert_eq!(separate.1 - fused.1, want, "bn_fwd bytes");
+    // The stem output's activation is gone (the gradient plan takes no more either).
+    assert!(
+        fused.2 + stem_output <= separate.2,
+        "elements per image: fused {}, separate {}, the stem's output {stem_output}",
+        fused.2,
+        separate.2
+    );
 }
 
 #[test]

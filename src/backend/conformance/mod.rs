@@ -14,6 +14,7 @@
 mod bn_fusion;
 mod network;
 mod ops;
+mod pool_bn;
 
 use std::fmt;
 
@@ -26,6 +27,7 @@ use super::{Backend, BackendError, ConvShape, TensorRole};
 pub use bn_fusion::{bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable};
 pub use network::check_network;
 pub use ops::{check_convs, check_ops};
+pub use pool_bn::{check_pool_bn, check_pool_bn_repeatable, pool_bn_shapes};
 
 /// Allowed difference: `atol + rtol·|ref|` per element.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -202,11 +202,53 @@ pub(super) fn forward(level: SimdLevel, a: BnForward<'_, Vec<f32>>) {
             }
         }
     }
-    let scale: Vec<f32> = (0..c).map(|ch| a.gamma[ch] * a.saved_invstd[ch]).collect();
-    let (mean, beta): (&[f32], &[f32]) = (a.saved_mean, a.beta);
-    let residual = a.residual.map(|r| &r[..rows * c]);
-    let relu = a.relu;
-    a.y[..rows * c]
+    if let Some(y) = a.y {
+        let norm = Normalise {
+            rows,
+            c,
+            x,
+            residual: a.residual.map(|r| &r[..rows * c]),
+            gamma: a.gamma,
+            beta: a.beta,
+            mean: a.saved_mean,
+            invstd: a.saved_invstd,
+            relu: a.relu,
+        };
+        normalise(level, &norm, y);
+    }
+}
+
+/// The normalisation of `rows × c` values `x` with given statistics:
+/// `y = act((x − mean)·γ·invstd + β (+ residual))` ([`normalise`]).
+pub(super) struct Normalise<'a> {
+    /// Rows.
+    pub rows: usize,
+    /// Channels.
+    pub c: usize,
+    /// The batch norm's input.
+    pub x: &'a [f32],
+    /// Added before the ReLU.
+    pub residual: Option<&'a [f32]>,
+    /// γ.
+    pub gamma: &'a [f32],
+    /// β.
+    pub beta: &'a [f32],
+    /// The mean normalised with.
+    pub mean: &'a [f32],
+    /// The inverse standard deviation normalised with.
+    pub invstd: &'a [f32],
+    /// Whether a ReLU follows.
+    pub relu: bool,
+}
+
+/// Writes the batch norm's output `n` describes into `y`: the forward's own pass, so that a
+/// reader applying the batch norm itself (the fused max pool) sees the same bits.
+pub(super) fn normalise(level: SimdLevel, n: &Normalise<'_>, y: &mut [f32]) {
+    let (rows, c) = (n.rows, n.c);
+    let scale: Vec<f32> = (0..c).map(|ch| n.gamma[ch] * n.invstd[ch]).collect();
+    let (x, mean, beta, relu) = (&n.x[..rows * c], n.mean, n.beta, n.relu);
+    let residual = n.residual.map(|r| &r[..rows * c]);
+    y[..rows * c]
         .par_chunks_mut(BLOCK_ROWS * c)
         .enumerate()
         .for_each(|(b, y)| {
@@ -417,7 +459,8 @@ impl SimdTask for InputGrad<'_> {
 pub(super) fn backward(level: SimdLevel, a: BnBackward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     let n = rows * c;
-    let (x, y, dy) = (&a.x[..n], &a.y[..n], &a.dy[..n]);
+    // No output (prepared, or no ReLU): the mask is not read; dy stands in.
+    let (x, y, dy) = (&a.x[..n], &a.y.unwrap_or(a.dy)[..n], &a.dy[..n]);
     let (mean, invstd, gamma) = (a.saved_mean, a.saved_invstd, a.gamma);
     let k: Vec<f32> = (0..c).map(|ch| gamma[ch] * invstd[ch]).collect();
     let batch = a.batch_stats;

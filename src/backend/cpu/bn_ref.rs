@@ -91,15 +91,35 @@ pub(super) fn forward(a: BnForward<'_, Vec<f32>>) {
             }
         }
     }
-    // y = x·scale + shift (+ residual) (ReLU)
-    let scale: Vec<f32> = (0..c).map(|ch| a.gamma[ch] * a.saved_invstd[ch]).collect();
+    if let Some(y) = a.y {
+        let norm = super::bn::Normalise {
+            rows,
+            c,
+            x,
+            residual: a.residual.map(|r| &r[..rows * c]),
+            gamma: a.gamma,
+            beta: a.beta,
+            mean: a.saved_mean,
+            invstd: a.saved_invstd,
+            relu: a.relu,
+        };
+        normalise(&norm, y);
+    }
+}
+
+/// The reference form of [`super::bn::normalise`]: `y = x·scale + shift (+ residual)` (ReLU)
+/// with `scale = γ·invstd`, `shift = β − mean·scale`.
+pub(super) fn normalise(n: &super::bn::Normalise<'_>, y: &mut [f32]) {
+    let (rows, c) = (n.rows, n.c);
+    let x = &n.x[..rows * c];
+    let scale: Vec<f32> = (0..c).map(|ch| n.gamma[ch] * n.invstd[ch]).collect();
     let shift: Vec<f32> = (0..c)
-        .map(|ch| a.beta[ch] - a.saved_mean[ch] * scale[ch])
+        .map(|ch| n.beta[ch] - n.mean[ch] * scale[ch])
         .collect();
-    let relu = a.relu;
-    let residual = a.residual.map(|r| &r[..rows * c]);
+    let relu = n.relu;
+    let residual = n.residual.map(|r| &r[..rows * c]);
     // Row by row so the channel index comes from the position, not a division per element.
-    a.y[..rows * c]
+    y[..rows * c]
         .par_chunks_mut(BLOCK_ROWS * c)
         .enumerate()
         .for_each(|(b, yb)| {
@@ -123,7 +143,8 @@ pub(super) fn backward(a: BnBackward<'_, Vec<f32>>) {
     let (rows, c) = (a.shape.rows, a.shape.channels);
     // Prepared: dy is the masked gradient already, and dgamma, dbeta its reductions.
     let relu = a.relu && !a.prepared;
-    let y = &a.y[..rows * c];
+    // No output (prepared, or no ReLU): the mask is not read; dy stands in.
+    let y = &a.y.unwrap_or(a.dy)[..rows * c];
     let dy = &a.dy[..rows * c];
     let x = &a.x[..rows * c];
     let mean = a.saved_mean;

@@ -25,6 +25,7 @@ mod gemm;
 mod input;
 mod optim;
 mod pool;
+mod pool_bn;
 mod profile;
 mod simd;
 mod threads;
@@ -36,10 +37,10 @@ pub use profile::OpTime;
 pub use simd::{SimdLevel, SIMD_ENV};
 pub(crate) use threads::start_pool;
 
-use super::error::check_len;
+use super::error::{check_len, missing_mask};
 use super::{
     bn_sync, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
+    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -476,7 +477,14 @@ impl Backend for CpuBackend {
             check_len(op, "moments", m.len(), 3 * c)?;
         }
         check_len(op, "x", a.x.len(), r * c)?;
-        check_len(op, "y", a.y.len(), r * c)?;
+        if let Some(y) = &a.y {
+            check_len(op, "y", y.len(), r * c)?;
+        } else if a.residual.is_some() {
+            return Err(BackendError::InvalidInput {
+                op,
+                detail: "a residual without an output to add it to".into(),
+            });
+        }
         if let Some(res) = a.residual {
             check_len(op, "residual", res.len(), r * c)?;
         }
@@ -498,8 +506,11 @@ impl Backend for CpuBackend {
         }
         // x read, y written, the residual read; in training without moments x is read once
         // more for the batch statistics (with them, the convolution reduced it already).
+        // Without y, only the statistics.
         let reduces = a.mode == BnMode::Train && a.moments.is_none();
-        let bytes = 4.0 * (r * c * (2 + a.residual.is_some() as usize + reduces as usize)) as f64;
+        let applies = 2 * usize::from(a.y.is_some());
+        let bytes =
+            4.0 * (r * c * (applies + a.residual.is_some() as usize + reduces as usize)) as f64;
         let _t = self.profiler.time(|| "bn_fwd".into(), 0.0, bytes);
         match self.kernels {
             Kernels::Fast => self.pool.install(|| bn::forward(self.level, a)),
@@ -513,11 +524,14 @@ impl Backend for CpuBackend {
         let op = "bn_backward";
         for (name, len) in [
             ("x", a.x.len()),
-            ("y", a.y.len()),
+            ("y", a.y.map_or(r * c, |y| y.len())),
             ("dy", a.dy.len()),
             ("dx", a.dx.len()),
         ] {
             check_len(op, name, len, r * c)?;
+        }
+        if a.y.is_none() && a.relu && !a.prepared {
+            return Err(missing_mask(op));
         }
         if let Some((d, _)) = &a.dresidual {
             check_len(op, "dresidual", d.len(), r * c)?;
@@ -550,11 +564,14 @@ impl Backend for CpuBackend {
         let op = "bn_sync_backward";
         for (name, len) in [
             ("x", a.x.len()),
-            ("y", a.y.len()),
+            ("y", a.y.map_or(r * c, |y| y.len())),
             ("dy", a.dy.len()),
             ("dx", a.dx.len()),
         ] {
             check_len(op, name, len, r * c)?;
+        }
+        if a.y.is_none() && a.relu {
+            return Err(missing_mask(op));
         }
         for (name, len) in [
             ("gamma", a.gamma.len()),
@@ -571,7 +588,8 @@ impl Backend for CpuBackend {
             rows: r,
             channels: c,
             x: a.x,
-            y: a.y,
+            // No output (no ReLU): the mask is not read; dy stands in.
+            y: a.y.unwrap_or(a.dy),
             dy: a.dy,
             mean: a.saved_mean,
             invstd: a.saved_invstd,
@@ -625,6 +643,36 @@ impl Backend for CpuBackend {
         self.pool
             .install(|| pool::max_backward(self.level, s, x, dy, dx, accumulate));
         Ok(())
+    }
+
+    fn maxpool_bn_forward(
+        &self,
+        s: &PoolShape,
+        z: &Vec<f32>,
+        bn: &PoolBn<'_, Vec<f32>>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.pool_bn_forward(s, z, bn, y)
+    }
+
+    fn maxpool_bn_backward(
+        &self,
+        s: &PoolShape,
+        z: &Vec<f32>,
+        bn: &PoolBn<'_, Vec<f32>>,
+        dy: &Vec<f32>,
+        g: &mut Vec<f32>,
+        dgamma: &mut Vec<f32>,
+        dbeta: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.pool_bn_backward(
+            s,
+            z,
+            bn,
+            dy,
+            g,
+            (dgamma.as_mut_slice(), dbeta.as_mut_slice()),
+        )
     }
 
     fn gap_forward(
@@ -748,7 +796,7 @@ fn check_conv(op: &'static str, s: &ConvShape) -> Result<(), BackendError> {
     Ok(())
 }
 
-fn check_pool(op: &'static str, s: &PoolShape) -> Result<(), BackendError> {
+pub(super) fn check_pool(op: &'static str, s: &PoolShape) -> Result<(), BackendError> {
     if s.kernel == 0
         || s.stride == 0
         || s.h + 2 * s.padding < s.kernel

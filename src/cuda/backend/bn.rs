@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::base::{check_len, dev_err, elementwise_cfg, ensure, to_i32, CudaBackend, THREADS};
-use crate::backend::{BackendError, BnBackward, BnForward, BnMode};
+use crate::backend::{missing_mask, BackendError, BnBackward, BnForward, BnMode};
 use crate::cuda::launchers::{
     BnApply, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnMomentsFinalize,
     BnStatsFinalize, BnStatsPartial,
@@ -154,7 +154,16 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
         });
     }
     check_len(op, "x", a.x.len, rows * c)?;
-    check_len(op, "y", a.y.len, rows * c)?;
+    match &a.y {
+        Some(y) => check_len(op, "y", y.len, rows * c)?,
+        None if a.residual.is_some() => {
+            return Err(BackendError::InvalidInput {
+                op,
+                detail: "a residual without an output to add it to".into(),
+            })
+        }
+        None => {}
+    }
     if let Some(r) = a.residual {
         check_len(op, "residual", r.len, rows * c)?;
     }
@@ -239,6 +248,10 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
             }
         }
     }
+    // No output: the statistics only (the reader applies them: maxpool_bn_forward).
+    let Some(y) = a.y else {
+        return Ok(());
+    };
     let total = (rows * c) as i64;
     let relu = i32::from(a.relu);
     let (mean, invstd) = (
@@ -246,7 +259,7 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
         a.saved_invstd.f32(op, "saved_invstd")?,
     );
     let (gamma, beta) = (a.gamma.bf16(op, "gamma")?, a.beta.bf16(op, "beta")?);
-    let y = a.y.bf16_mut(op, "y")?;
+    let y = y.bf16_mut(op, "y")?;
     // 16 bytes per thread when every row is whole groups of 8 channels.
     let (apply, cfg) = apply_launch(be, op, "bn_apply", "bn_apply_vec", rows, c)?;
     let residual = a.residual.map(|r| r.bf16(op, "residual")).transpose()?;
@@ -283,11 +296,14 @@ pub(super) fn backward(
     }
     for (name, len) in [
         ("x", a.x.len),
-        ("y", a.y.len),
+        ("y", a.y.map_or(rows * c, |y| y.len)),
         ("dy", a.dy.len),
         ("dx", a.dx.len),
     ] {
         check_len(op, name, len, rows * c)?;
+    }
+    if a.y.is_none() && a.relu && !a.prepared {
+        return Err(missing_mask(op));
     }
     if let Some((d, _)) = &a.dresidual {
         check_len(op, "dresidual", d.len, rows * c)?;
@@ -304,7 +320,9 @@ pub(super) fn backward(
     let (rows_i, c_i) = (to_i32(op, "rows", rows)?, to_i32(op, "channels", c)?);
     // Prepared (bn_fused): dy is g already, masked; dgamma and dbeta are its reductions.
     let relu = i32::from(a.relu && !a.prepared);
-    let (x, y, dy) = (a.x.bf16(op, "x")?, a.y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
+    // No output (prepared, or no ReLU): the kernels do not read the mask; dy stands in.
+    let y = a.y.unwrap_or(a.dy);
+    let (x, y, dy) = (a.x.bf16(op, "x")?, y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
     let (mean, invstd) = (
         a.saved_mean.f32(op, "saved_mean")?,
         a.saved_invstd.f32(op, "saved_invstd")?,

@@ -429,7 +429,7 @@ fn merge_moments(
 /// Sums `records` (Σg, Σg·x̂) records (planes of `records × c` at the start of `part`) into
 /// dβ and dγ, in one launch or through groups in `mid`.
 #[allow(clippy::too_many_arguments)]
-fn merge_sums(
+pub(super) fn merge_sums(
     be: &CudaBackend,
     op: &'static str,
     part: &CudaSlice<f32>,

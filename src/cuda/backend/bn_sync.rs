@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::base::{check_len, drv_err, ensure, oom_or_device, to_i32, CudaBackend};
 use super::bn;
 use crate::backend::bn_sync::{grad_sums_len, moments_len};
-use crate::backend::{BackendError, BnShape, BnSyncBackward, DeviceSums};
+use crate::backend::{missing_mask, BackendError, BnShape, BnSyncBackward, DeviceSums};
 use crate::cuda::launchers::{
     BnBwdApply, BnSyncGradSums, BnSyncMoments, BnSyncReductions, BnSyncStatistics,
 };
@@ -208,11 +208,14 @@ pub(super) fn backward(
     }
     for (what, len) in [
         ("x", a.x.len),
-        ("y", a.y.len),
+        ("y", a.y.map_or(rows * c, |y| y.len)),
         ("dy", a.dy.len),
         ("dx", a.dx.len),
     ] {
         check_len(op, what, len, rows * c)?;
+    }
+    if a.y.is_none() && a.relu {
+        return Err(missing_mask(op));
     }
     check_sums(op, grads, grad_sums_len(c))?;
     if c == 0 || rows == 0 {
@@ -238,7 +241,9 @@ pub(super) fn backward(
     // The batch-statistics backward's own element-wise pass, on the global reductions (in
     // the workspace, in stream order: no wait, no host copy); the residual's gradient was
     // written by the frozen-statistics backward before.
-    let (x, y, dy) = (a.x.bf16(op, "x")?, a.y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
+    // No output (no ReLU): the kernel does not read the mask; dy stands in.
+    let y = a.y.unwrap_or(a.dy);
+    let (x, y, dy) = (a.x.bf16(op, "x")?, y.bf16(op, "y")?, a.dy.bf16(op, "dy")?);
     let (mean, invstd) = (
         a.saved_mean.f32(op, "saved_mean")?,
         a.saved_invstd.f32(op, "saved_invstd")?,

@@ -22,7 +22,7 @@ use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
     Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
+    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, SumsMut, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -369,6 +369,29 @@ impl Backend for CudaBackend {
         accumulate: bool,
     ) -> Result<(), BackendError> {
         pool::max_backward(self, s, x, dy, dx, accumulate)
+    }
+
+    fn maxpool_bn_forward(
+        &self,
+        s: &PoolShape,
+        z: &CudaTensor,
+        bn: &PoolBn<'_, CudaTensor>,
+        y: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        pool::max_bn_forward(self, s, z, bn, y)
+    }
+
+    fn maxpool_bn_backward(
+        &self,
+        s: &PoolShape,
+        z: &CudaTensor,
+        bn: &PoolBn<'_, CudaTensor>,
+        dy: &CudaTensor,
+        g: &mut CudaTensor,
+        dgamma: &mut CudaTensor,
+        dbeta: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        pool::max_bn_backward(self, s, z, bn, dy, g, (dgamma, dbeta))
     }
 
     fn gap_forward(

@@ -2,9 +2,14 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::base::{check_len, elementwise_cfg, to_i32, CudaBackend};
-use crate::backend::{BackendError, PoolShape};
-use crate::cuda::launchers::{GapBwd, GapFwd, MaxpoolBwd, MaxpoolFwd};
+use super::base::{check_len, elementwise_cfg, ensure, to_i32, CudaBackend};
+use super::bn::reduction_launch;
+use super::bn_fused::merge_sums;
+use crate::backend::{BackendError, PoolBn, PoolShape};
+use crate::cuda::launchers::{
+    BnBwdPartial, GapBwd, GapFwd, MaxpoolBnBwd, MaxpoolBnBwdVec, MaxpoolBnFwd, MaxpoolBwd,
+    MaxpoolFwd,
+};
 use crate::cuda::tensor::CudaTensor;
 
 fn pool_check(op: &'static str, s: &PoolShape) -> Result<(), BackendError> {
@@ -110,9 +115,8 @@ pub(super) fn max_backward(
     let [n, h, w, c, p, q, win, stride, pad] = pool_dims(op, s)?;
     let acc = i32::from(accumulate);
     let (x, dy, dx) = (x.bf16(op, "x")?, dy.bf16(op, "dy")?, dx.bf16_mut(op, "dx")?);
-    // maxpool_bwd_vec: C % 8 == 0, at most 2 windows per dimension over an input cell, window
-    // positions in a byte (see pool.cu); maxpool_bwd otherwise.
-    let vec = s.c % 8 == 0 && s.kernel <= 2 * s.stride && s.kernel <= 15;
+    // maxpool_bwd_vec where it applies; maxpool_bwd otherwise.
+    let vec = backward_vec(s);
     let kernel = if vec {
         "maxpool_bwd_vec"
     } else {
@@ -144,6 +148,199 @@ pub(super) fn max_backward(
         0.0,
     );
     Ok(())
+}
+
+/// Whether maxpool_bwd_vec (and maxpool_bn_bwd_vec) takes `s`: C % 8 == 0, at most 2 windows
+/// per dimension over an input cell, window positions in a byte (see pool.cu).
+fn backward_vec(s: &PoolShape) -> bool {
+    s.c % 8 == 0 && s.kernel <= 2 * s.stride && s.kernel <= 15
+}
+
+/// Checks a fused pool's batch norm (four vectors of `c` values).
+fn check_bn(
+    op: &'static str,
+    s: &PoolShape,
+    bn: &PoolBn<'_, CudaTensor>,
+) -> Result<(), BackendError> {
+    for (name, len) in [
+        ("gamma", bn.gamma.len),
+        ("beta", bn.beta.len),
+        ("saved_mean", bn.saved_mean.len),
+        ("saved_invstd", bn.saved_invstd.len),
+    ] {
+        check_len(op, name, len, s.c)?;
+    }
+    Ok(())
+}
+
+/// See [`crate::backend::Backend::maxpool_bn_forward`]: maxpool_fwd(_vec)'s scan over the batch
+/// norm's output of each element it reads (pool.cu, maxpool_bn_*).
+pub(super) fn max_bn_forward(
+    be: &CudaBackend,
+    s: &PoolShape,
+    z: &CudaTensor,
+    bn: &PoolBn<'_, CudaTensor>,
+    y: &mut CudaTensor,
+) -> Result<(), BackendError> {
+    let op = "maxpool_bn_forward";
+    pool_check(op, s)?;
+    let out = s.n * s.out_h() * s.out_w() * s.c;
+    check_len(op, "z", z.len, s.n * s.h * s.w * s.c)?;
+    check_len(op, "y", y.len, out)?;
+    check_bn(op, s, bn)?;
+    let [n, h, w, c, p, q, win, stride, pad] = pool_dims(op, s)?;
+    let vec = s.c % 8 == 0;
+    let kernel = if vec {
+        "maxpool_bn_fwd_vec"
+    } else {
+        "maxpool_bn_fwd"
+    };
+    let args = MaxpoolBnFwd {
+        z: z.bf16(op, "z")?.into(),
+        mean: bn.saved_mean.f32(op, "saved_mean")?.into(),
+        invstd: bn.saved_invstd.f32(op, "saved_invstd")?.into(),
+        gamma: bn.gamma.bf16(op, "gamma")?.into(),
+        beta: bn.beta.bf16(op, "beta")?.into(),
+        relu: i32::from(bn.relu),
+        y: y.bf16_mut(op, "y")?.into(),
+        n,
+        h,
+        w,
+        c,
+        p,
+        q,
+        win,
+        stride,
+        pad,
+    };
+    be.launch(
+        op,
+        kernel,
+        elementwise_cfg(if vec { out / 8 } else { out }),
+        args,
+    )?;
+    be.note_work(2 * (s.n * s.h * s.w * s.c + out), 0.0);
+    Ok(())
+}
+
+/// See [`crate::backend::Backend::maxpool_bn_backward`]: maxpool_bwd(_vec)'s gather over the
+/// transformed windows writes g masked (pool.cu, maxpool_bn_*) and, in its 16-byte form, the
+/// batch norm's two reductions per tile; after the scalar form, bn_bwd_partial with the mask
+/// off reduces them per slab (conv_backward_data_bn's slab path). bn_sums_merge sums the
+/// records in a fixed order.
+pub(super) fn max_bn_backward(
+    be: &CudaBackend,
+    s: &PoolShape,
+    z: &CudaTensor,
+    bn: &PoolBn<'_, CudaTensor>,
+    dy: &CudaTensor,
+    g: &mut CudaTensor,
+    sums: (&mut CudaTensor, &mut CudaTensor),
+) -> Result<(), BackendError> {
+    let op = "maxpool_bn_backward";
+    pool_check(op, s)?;
+    let (rows, ch) = (s.n * s.h * s.w, s.c);
+    check_len(op, "z", z.len, rows * ch)?;
+    check_len(op, "g", g.len, rows * ch)?;
+    check_len(op, "dy", dy.len, s.n * s.out_h() * s.out_w() * ch)?;
+    check_bn(op, s, bn)?;
+    let (dgamma, dbeta) = sums;
+    check_len(op, "dgamma", dgamma.len, ch)?;
+    check_len(op, "dbeta", dbeta.len, ch)?;
+    let [n, h, w, c, p, q, win, stride, pad] = pool_dims(op, s)?;
+    let (zs, mean, invstd) = (
+        z.bf16(op, "z")?,
+        bn.saved_mean.f32(op, "saved_mean")?,
+        bn.saved_invstd.f32(op, "saved_invstd")?,
+    );
+    let (gamma, beta) = (bn.gamma.bf16(op, "gamma")?, bn.beta.bf16(op, "beta")?);
+    let (relu, dys) = (i32::from(bn.relu), dy.bf16(op, "dy")?);
+    let gs = g.bf16_mut(op, "g")?;
+    let mut work = be.work();
+    let wk = &mut *work;
+    let records = if backward_vec(s) {
+        // The 16-byte gather reduces Σg, Σg·x̂ per tile itself (records of the tiles).
+        let records = s.n * s.out_h().div_ceil(7) * s.out_w().div_ceil(7);
+        ensure(&be.dev, &mut wk.f32a, 2 * records * ch, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        let (mut pb, mut pg) = part.split_at_mut(records * ch);
+        let args = MaxpoolBnBwdVec {
+            z: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            gamma: gamma.into(),
+            beta: beta.into(),
+            relu,
+            dy: dys.into(),
+            g: gs.into(),
+            n,
+            h,
+            w,
+            c,
+            p,
+            q,
+            win,
+            stride,
+            pad,
+            part_b: (&mut pb).into(),
+            part_g: (&mut pg).into(),
+        };
+        be.launch(op, "maxpool_bn_bwd_vec", maxpool_bwd_vec_cfg(s), args)?;
+        be.note_work(
+            2 * (rows * ch * 2 + s.n * s.out_h() * s.out_w() * ch) + 8 * records * ch,
+            0.0,
+        );
+        records
+    } else {
+        let args = MaxpoolBnBwd {
+            z: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            gamma: gamma.into(),
+            beta: beta.into(),
+            relu,
+            dy: dys.into(),
+            g: (&mut *gs).into(),
+            n,
+            h,
+            w,
+            c,
+            p,
+            q,
+            win,
+            stride,
+            pad,
+        };
+        be.launch(op, "maxpool_bn_bwd", elementwise_cfg(rows * ch), args)?;
+        be.note_work(2 * (rows * ch * 2 + s.n * s.out_h() * s.out_w() * ch), 0.0);
+        // Σg and Σg·x̂ per slab of rows (g is masked already).
+        let (per, slabs) = be.slabs(rows);
+        ensure(&be.dev, &mut wk.f32a, 2 * slabs * ch, op)?;
+        let part = wk.f32a.as_mut().expect("ensured");
+        let (mut pb, mut pg) = part.split_at_mut(slabs * ch);
+        let (partial, cfg) = reduction_launch(ch, slabs, "bn_bwd_partial");
+        let g = &*gs;
+        let reduce = BnBwdPartial {
+            dy: g.into(),
+            y: g.into(),
+            x: zs.into(),
+            mean: mean.into(),
+            invstd: invstd.into(),
+            rows: to_i32(op, "rows", rows)?,
+            channels: c,
+            rows_per_slab: to_i32(op, "rows per slab", per)?,
+            relu: 0,
+            part_dbeta: (&mut pb).into(),
+            part_dgamma: (&mut pg).into(),
+        };
+        be.launch(op, partial, cfg, reduce)?;
+        be.note_work(2 * rows * ch * 2, 0.0);
+        slabs
+    };
+    // The records merged in a fixed order.
+    let part = wk.f32a.as_ref().expect("ensured");
+    let (dbeta, dgamma) = (dbeta.f32_mut(op, "dbeta")?, dgamma.f32_mut(op, "dgamma")?);
+    merge_sums(be, op, part, records, ch, dbeta, dgamma, &mut wk.f32b)
 }
 
 /// See [`crate::backend::Backend::gap_forward`].

@@ -90,6 +90,43 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
+    /// The backward of max-pool node `k` that applies batch-norm node `p`
+    /// ([`FusionPlan::pool_applies`]): p's incoming gradient finished (mask) and reduced into
+    /// its γ and β gradients, which p's backward then reads (`prepared`).
+    fn pool_bn_backward(&mut self, k: usize, p: usize, n: usize) -> Result<(), ModelError> {
+        let Node::MaxPool { input, output, .. } = self.graph.nodes()[k] else {
+            unreachable!("pool_bn_backward is only called for MaxPool nodes");
+        };
+        let Node::BatchNorm {
+            weight: gamma,
+            bias: beta,
+            ..
+        } = self.graph.nodes()[p]
+        else {
+            unreachable!("a max pool applies a BatchNorm node");
+        };
+        let s = self.plan.max_pool(k, n);
+        let mut g = take(&mut self.grad_bufs, self.plan.grad_slot[input]);
+        let mut dgamma = take(&mut self.param_grads, gamma);
+        let mut dbeta = take(&mut self.param_grads, beta);
+        let r = {
+            let (z, bn) = self.pool_bn(p);
+            self.backend.maxpool_bn_backward(
+                &s,
+                get(&self.acts, z),
+                &bn,
+                get(&self.grad_bufs, self.plan.grad_slot[output]),
+                &mut g,
+                &mut dgamma,
+                &mut dbeta,
+            )
+        };
+        self.grad_bufs[self.plan.grad_slot[input]] = Some(g);
+        self.param_grads[gamma] = Some(dgamma);
+        self.param_grads[beta] = Some(dbeta);
+        Ok(r?)
+    }
+
     /// Reverse pass. A value's gradient is complete before it is consumed, because every
     /// consumer comes after its producer in node order; `written` says whether a gradient
     /// buffer already holds a contribution (then the next one accumulates).
@@ -149,6 +186,13 @@ impl<B: Backend> Network<B> {
                     r?;
                     written[input] = true;
                 }
+                Node::MaxPool { input, .. } if self.plan.fusion.pool_applies[k].is_some() => {
+                    // The pool is the batch norm output's only reader: nothing written yet.
+                    debug_assert!(!written[input]);
+                    let p = self.plan.fusion.pool_applies[k].expect("matched");
+                    self.pool_bn_backward(k, p, n)?;
+                    written[input] = true;
+                }
                 Node::MaxPool { input, output, .. } => {
                     let s = self.plan.max_pool(k, n);
                     let mut dx = take(&mut self.grad_bufs, self.plan.grad_slot[input]);
@@ -189,7 +233,8 @@ impl<B: Backend> Network<B> {
                     let r = self.backend.bn_backward(BnBackward {
                         shape,
                         x: get(&self.acts, input),
-                        y: get(&self.acts, output),
+                        // None: not stored (prepared by the max pool that applied it).
+                        y: self.acts[output].as_ref(),
                         gamma: get(&self.params, weight),
                         saved_mean: mean,
                         saved_invstd: invstd,

@@ -1,6 +1,6 @@
 //! The forward pass of a [`Network`], and the inference steps built on it alone.
 
-use crate::backend::{Backend, BnForward, BnMode, Targets};
+use crate::backend::{Backend, BnForward, BnMode, PoolBn, Targets};
 use crate::model::graph::Node;
 use crate::model::{Augment, InputBatch, ModelError, StepStats};
 
@@ -8,6 +8,30 @@ use super::hooks::{reborrow, BnAllReduce};
 use super::{get, take, Network, BORROWED};
 
 impl<B: Backend> Network<B> {
+    /// Batch-norm node `p`, applied by the max pool that reads its output
+    /// ([`super::FusionPlan::pool_applies`]): its input value and what the pool applies.
+    pub(super) fn pool_bn(&self, p: usize) -> (usize, PoolBn<'_, B::Tensor>) {
+        let Node::BatchNorm {
+            input,
+            relu,
+            weight,
+            bias,
+            ..
+        } = self.graph.nodes()[p]
+        else {
+            unreachable!("a max pool applies a BatchNorm node");
+        };
+        let (mean, invstd) = self.saved[p].as_ref().expect("bn saved stats");
+        let bn = PoolBn {
+            gamma: get(&self.params, weight),
+            beta: get(&self.params, bias),
+            saved_mean: mean,
+            saved_invstd: invstd,
+            relu,
+        };
+        (input, bn)
+    }
+
     /// Inference on one batch (BN running statistics, no augmentation unless the batch
     /// carries some): loss/accuracy sums (with the configured label smoothing) and softmax
     /// probabilities (`len × classes`, row-major). For prediction without labels pass dummy
@@ -145,7 +169,9 @@ impl<B: Backend> Network<B> {
                         }
                         None => false,
                     };
-                    let mut y = take(&mut self.acts, output);
+                    // None: not stored (the max pool after it applies it).
+                    let mut y = self.acts[output].take();
+                    assert_eq!(y.is_none(), self.plan.fusion.unstored[k], "{BORROWED}");
                     let (mut mean, mut invstd) = self.saved[k].take().expect("bn saved stats");
                     // Synchronised: the global statistics stand in for the running ones.
                     let (mut rm, mut rv) = match synced {
@@ -164,7 +190,7 @@ impl<B: Backend> Network<B> {
                         beta: get(&self.params, bias),
                         residual: residual.map(|v| get(&self.acts, v)),
                         relu,
-                        y: &mut y,
+                        y: y.as_mut(),
                         saved_mean: &mut mean,
                         saved_invstd: &mut invstd,
                         running_mean: &mut rm,
@@ -175,7 +201,7 @@ impl<B: Backend> Network<B> {
                         // Synchronised: global_bn_stats read them already.
                         moments: moments.filter(|_| !synced),
                     });
-                    self.acts[output] = Some(y);
+                    self.acts[output] = y;
                     self.saved[k] = Some((mean, invstd));
                     if synced {
                         self.bn_scratch = Some((rm, rv));
@@ -188,9 +214,17 @@ impl<B: Backend> Network<B> {
                 Node::MaxPool { input, output, .. } => {
                     let s = self.plan.max_pool(k, n);
                     let mut y = take(&mut self.acts, output);
-                    let r = self
-                        .backend
-                        .maxpool_forward(&s, get(&self.acts, input), &mut y);
+                    let r = match self.plan.fusion.pool_applies[k] {
+                        // The batch norm before it, applied as the pool reads its input.
+                        Some(p) => {
+                            let (z, bn) = self.pool_bn(p);
+                            self.backend
+                                .maxpool_bn_forward(&s, get(&self.acts, z), &bn, &mut y)
+                        }
+                        None => self
+                            .backend
+                            .maxpool_forward(&s, get(&self.acts, input), &mut y),
+                    };
                     self.acts[output] = Some(y);
                     r?;
                 }

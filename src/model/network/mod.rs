@@ -152,11 +152,14 @@ impl<B: Backend> Network<B> {
             FusionPlan::none(graph)
         };
         let plan = Plan::new(graph, image_size, fusion);
+        // A batch norm's output that its max pool applies itself is never stored.
+        let unstored = plan.unstored_values(graph);
         let mut acts = Vec::with_capacity(plan.dims.len());
-        for d in &plan.dims {
-            acts.push(Some(
-                backend.alloc(max_batch * d.per_image(), TensorRole::Activation)?,
-            ));
+        for (v, d) in plan.dims.iter().enumerate() {
+            acts.push(match unstored[v] {
+                true => None,
+                false => Some(backend.alloc(max_batch * d.per_image(), TensorRole::Activation)?),
+            });
         }
         let mut grad_bufs = Vec::with_capacity(plan.grad_sizes.len());
         for &per_image in &plan.grad_sizes {
@@ -259,7 +262,12 @@ impl<B: Backend> Network<B> {
     /// of the memory that scales with the batch; parameters, gradients and optimizer state
     /// come on top). Multiply by the backend's bytes per activation element.
     pub fn elements_per_image(&self) -> usize {
-        let acts = self.graph.activation_elements(self.image_size);
+        let unstored: usize = (self.plan.unstored_values(&self.graph).iter())
+            .zip(&self.plan.dims)
+            .filter(|(&u, _)| u)
+            .map(|(_, d)| d.per_image())
+            .sum();
+        let acts = self.graph.activation_elements(self.image_size) - unstored;
         let grads: usize = self
             .grad_bufs
             .iter()

@@ -60,6 +60,18 @@ impl Plan {
         }
     }
 
+    /// Value → whether it is never stored: the output of a batch norm that a max pool applies
+    /// itself ([`FusionPlan::unstored`]).
+    pub(super) fn unstored_values(&self, graph: &Graph) -> Vec<bool> {
+        let mut unstored = vec![false; self.dims.len()];
+        for (k, node) in graph.nodes().iter().enumerate() {
+            if let (Node::BatchNorm { output, .. }, true) = (node, self.fusion.unstored[k]) {
+                unstored[*output] = true;
+            }
+        }
+        unstored
+    }
+
     /// The value holding the logits (the graph's last).
     pub(super) fn logits(&self) -> usize {
         self.dims.len() - 1

@@ -114,7 +114,9 @@ impl<B: Backend> Network<B> {
         };
         let c = shape.channels;
         let (mut tm, mut tv) = self.bn_scratch.take().expect(BORROWED);
-        let mut y = take(&mut self.acts, output);
+        // None: not stored (its max pool applies it).
+        let mut y = self.acts[output].take();
+        assert_eq!(y.is_none(), self.plan.fusion.unstored[k], "{BORROWED}");
         let (mut mean_t, mut invstd_t) = self.saved[k].take().expect("bn saved stats");
         let r = self.backend.bn_forward(BnForward {
             shape,
@@ -123,7 +125,7 @@ impl<B: Backend> Network<B> {
             beta: get(&self.params, bias),
             residual: None,
             relu: false,
-            y: &mut y,
+            y: y.as_mut(),
             saved_mean: &mut mean_t,
             saved_invstd: &mut invstd_t,
             running_mean: &mut tm,
@@ -133,7 +135,7 @@ impl<B: Backend> Network<B> {
             eps: self.config.bn_eps,
             moments: self.moments_ready[k].then(|| get(&self.bn_moments, k)),
         });
-        self.acts[output] = Some(y);
+        self.acts[output] = y;
         self.saved[k] = Some((mean_t, invstd_t));
         let sums = match r
             .map_err(ModelError::from)
@@ -337,7 +339,7 @@ impl<B: Backend> Network<B> {
                     BnSyncBackward {
                         shape,
                         x: get(&self.acts, input),
-                        y: get(&self.acts, output),
+                        y: self.acts[output].as_ref(),
                         gamma: get(&self.params, weight),
                         saved_mean: mean_t,
                         saved_invstd: invstd_t,

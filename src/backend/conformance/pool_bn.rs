@@ -1,0 +1,271 @@
+//! The max pool that applies the batch norm before it ([`Backend::maxpool_bn_forward`],
+//! [`Backend::maxpool_bn_backward`]) against the reference's separate ops: the batch norm's
+//! output stored as the tested backend stores it, the plain pool ops over it, the ReLU's mask
+//! read from it and f64 reductions; and repeatability to the bit.
+//!
+//! The inputs make the batch norm exact: z on a grid of 2⁻⁷, the mean on 2⁻⁴, invstd a power
+//! of two, γ and β on 2⁻² and 2⁻³, so `(z − mean)·invstd·γ + β` needs at most 16 significant
+//! bits and every way of writing it (the CPU's `(z − mean)·(γ·invstd) + β`, its reference's
+//! `z·scale + shift`, the GPU's) gives the same f32. The pool's output and gradient are then
+//! compared to the bit, ties included (the rounding to bf16 makes many).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{CheckReport, Pair, Tolerance};
+use crate::backend::{Backend, BackendError, PoolBn, PoolShape, TensorRole};
+
+/// Exact inputs of one check (see the module docs): z, dy, and per channel mean, invstd, γ, β.
+struct Inputs {
+    z: Vec<f32>,
+    dy: Vec<f32>,
+    mean: Vec<f32>,
+    invstd: Vec<f32>,
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+/// `n` values on the grid of `step` in `[lo, hi)`.
+fn grid(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32, step: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.random_range(lo..hi) / step).round() * step)
+        .collect()
+}
+
+impl Inputs {
+    fn new(s: &PoolShape, rng: &mut ChaCha8Rng) -> Inputs {
+        let c = s.c;
+        let z = grid(rng, s.n * s.h * s.w * c, -2.0, 2.0, 1.0 / 128.0);
+        let dy = grid(rng, s.n * s.out_h() * s.out_w() * c, -1.0, 1.0, 1.0 / 128.0);
+        let mean = grid(rng, c, -0.5, 0.5, 1.0 / 16.0);
+        let invstd = (0..c).map(|ch| [0.5, 1.0, 2.0, 4.0][ch % 4]).collect();
+        // γ negative, zero and positive by channel; some β so low that a channel without a
+        // ReLU has only negative values (a transformed zero for padding would win there).
+        let gamma = (0..c)
+            .map(|ch| [-1.5, 0.0, 1.25, -0.25, 0.5, 1.0][ch % 6])
+            .collect();
+        let beta = (0..c)
+            .map(|ch| match ch % 5 {
+                4 => -8.0,
+                _ => (rng.random_range(-1.0f32..1.0) * 8.0).round() / 8.0,
+            })
+            .collect();
+        Inputs {
+            z,
+            dy,
+            mean,
+            invstd,
+            gamma,
+            beta,
+        }
+    }
+
+    /// The batch norm's output, exact in f32.
+    fn bn_output(&self, c: usize, relu: bool) -> Vec<f32> {
+        let out = self.z.iter().enumerate().map(|(i, &z)| {
+            let ch = i % c;
+            (z - self.mean[ch]) * self.invstd[ch] * self.gamma[ch] + self.beta[ch]
+        });
+        out.map(|v| if relu { v.max(0.0) } else { v }).collect()
+    }
+}
+
+impl<B: Backend> Pair<'_, B> {
+    /// `data` as the tested backend stores an activation (a bf16 backend rounds it).
+    fn stored(&self, data: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let t = self.up(data, TensorRole::Activation)?;
+        self.test.download(&t)
+    }
+
+    /// Requires the same bits as `want`.
+    fn check_bits(
+        &mut self,
+        name: String,
+        got: &B::Tensor,
+        want: &[f32],
+    ) -> Result<(), BackendError> {
+        let got = self.test.download(got)?;
+        if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            return Err(BackendError::Mismatch {
+                check: name,
+                detail: format!("element {i}: got {}, separate ops {}", got[i], want[i]),
+            });
+        }
+        self.reports.push(CheckReport {
+            name,
+            elements: want.len(),
+            max_abs_err: 0.0,
+            worst_ratio: 0.0,
+        });
+        Ok(())
+    }
+
+    /// The fused pool at shape `s`, with and without ReLU.
+    fn pool_bn(&mut self, s: PoolShape, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
+        let (c, rows) = (s.c, s.n * s.h * s.w);
+        let inputs = Inputs::new(&s, rng);
+        let (act, stat, weight) = (
+            TensorRole::Activation,
+            TensorRole::Statistic,
+            TensorRole::Weight,
+        );
+        let tz = self.up(&inputs.z, act)?;
+        let tdy = self.up(&inputs.dy, act)?;
+        let (tmean, tinvstd) = (self.up(&inputs.mean, stat)?, self.up(&inputs.invstd, stat)?);
+        let (tgamma, tbeta) = (
+            self.up(&inputs.gamma, weight)?,
+            self.up(&inputs.beta, weight)?,
+        );
+        for relu in [true, false] {
+            let tag = format!(
+                "k{} s{} p{} {}x{}x{}x{} relu={relu}",
+                s.kernel, s.stride, s.padding, s.n, s.h, s.w, c
+            );
+            // The separate ops: the output as stored, pooled; its gradient, stored, masked.
+            let y = self.stored(&inputs.bn_output(c, relu))?;
+            let r = &self.reference;
+            let mut pooled = vec![0.0; s.n * s.out_h() * s.out_w() * c];
+            r.maxpool_forward(&s, &y, &mut pooled)?;
+            let mut g = vec![0.0; rows * c];
+            r.maxpool_backward(&s, &y, &inputs.dy, &mut g, false)?;
+            let mut g = self.stored(&g)?;
+            let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+            for (i, v) in g.iter_mut().enumerate() {
+                let ch = i % c;
+                if relu && y[i] <= 0.0 {
+                    *v = 0.0;
+                }
+                let xhat = (inputs.z[i] - inputs.mean[ch]) * inputs.invstd[ch];
+                sb[ch] += f64::from(*v);
+                sg[ch] += f64::from(*v) * f64::from(xhat);
+            }
+            let dbeta: Vec<f32> = sb.iter().map(|&v| v as f32).collect();
+            let dgamma: Vec<f32> = sg.iter().map(|&v| v as f32).collect();
+            // The fused ops.
+            let bn = PoolBn {
+                gamma: &tgamma,
+                beta: &tbeta,
+                saved_mean: &tmean,
+                saved_invstd: &tinvstd,
+                relu,
+            };
+            let mut ty = self.up(&vec![f32::NAN; pooled.len()], act)?;
+            self.test.maxpool_bn_forward(&s, &tz, &bn, &mut ty)?;
+            let mut tg = self.up(&vec![f32::NAN; rows * c], act)?;
+            let mut tdg = self.up(&vec![f32::NAN; c], TensorRole::WeightGrad)?;
+            let mut tdb = self.up(&vec![f32::NAN; c], TensorRole::WeightGrad)?;
+            self.test
+                .maxpool_bn_backward(&s, &tz, &bn, &tdy, &mut tg, &mut tdg, &mut tdb)?;
+            self.check_bits(format!("maxpool_bn_forward y {tag}"), &ty, &pooled)?;
+            self.check_bits(format!("maxpool_bn_backward g {tag}"), &tg, &g)?;
+            self.check(format!("maxpool_bn_backward dbeta {tag}"), &tdb, &dbeta)?;
+            self.check(format!("maxpool_bn_backward dgamma {tag}"), &tdg, &dgamma)?;
+        }
+        Ok(())
+    }
+}
+
+/// The shapes [`check_pool_bn`] runs: ResNet's stem pool (3×3, stride 2, padding 1) at odd
+/// and even sizes, with whole 8-channel groups (a GPU's 16-byte kernels) and without; no
+/// padding (an uncovered tail); a window wider than twice the stride (a GPU's scalar
+/// backward); and a map larger than one 7×7 output tile with two 64-channel chunks.
+pub fn pool_bn_shapes() -> Vec<PoolShape> {
+    let pool = |n, h, w, c, kernel, stride, padding| PoolShape {
+        n,
+        h,
+        w,
+        c,
+        kernel,
+        stride,
+        padding,
+    };
+    vec![
+        pool(2, 9, 7, 16, 3, 2, 1),
+        pool(2, 10, 12, 8, 3, 2, 1),
+        pool(1, 7, 7, 5, 3, 2, 1),
+        pool(1, 8, 9, 24, 3, 2, 0),
+        pool(1, 7, 6, 8, 3, 1, 1),
+        pool(2, 33, 31, 72, 3, 2, 1),
+    ]
+}
+
+/// Checks `backend`'s fused max pool ([`Backend::maxpool_bn_forward`],
+/// [`Backend::maxpool_bn_backward`]) against the CPU reference's separate ops at each of
+/// `shapes` ([`pool_bn_shapes`]): the pooled output and the finished gradient to the bit,
+/// the two reductions within `tol` (scaled by their largest magnitude).
+pub fn check_pool_bn<B: Backend>(
+    backend: &B,
+    shapes: &[PoolShape],
+    tol: Tolerance,
+) -> Result<Vec<CheckReport>, BackendError> {
+    let mut pair = Pair::new(backend, tol, true)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0x9001);
+    for &s in shapes {
+        pair.pool_bn(s, &mut rng)?;
+    }
+    Ok(pair.reports)
+}
+
+/// Runs `backend`'s fused max pool twice on the same inputs at each of `shapes` and demands
+/// the same bits (y, g, dγ, dβ).
+pub fn check_pool_bn_repeatable<B: Backend>(
+    backend: &B,
+    shapes: &[PoolShape],
+) -> Result<(), BackendError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x9002);
+    let up = |data: &[f32], role| -> Result<B::Tensor, BackendError> {
+        let mut t = backend.alloc(data.len(), role)?;
+        backend.upload(data, &mut t)?;
+        Ok(t)
+    };
+    for &s in shapes {
+        let c = s.c;
+        let inputs = Inputs::new(&s, &mut rng);
+        let (tz, tdy) = (
+            up(&inputs.z, TensorRole::Activation)?,
+            up(&inputs.dy, TensorRole::Activation)?,
+        );
+        let (mean, invstd) = (
+            up(&inputs.mean, TensorRole::Statistic)?,
+            up(&inputs.invstd, TensorRole::Statistic)?,
+        );
+        let (gamma, beta) = (
+            up(&inputs.gamma, TensorRole::Weight)?,
+            up(&inputs.beta, TensorRole::Weight)?,
+        );
+        let bn = PoolBn {
+            gamma: &gamma,
+            beta: &beta,
+            saved_mean: &mean,
+            saved_invstd: &invstd,
+            relu: true,
+        };
+        let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+        for _ in 0..2 {
+            let mut y = backend.alloc(s.n * s.out_h() * s.out_w() * c, TensorRole::Activation)?;
+            backend.maxpool_bn_forward(&s, &tz, &bn, &mut y)?;
+            let mut g = backend.alloc(s.n * s.h * s.w * c, TensorRole::Activation)?;
+            let mut dg = backend.alloc(c, TensorRole::WeightGrad)?;
+            let mut db = backend.alloc(c, TensorRole::WeightGrad)?;
+            backend.maxpool_bn_backward(&s, &tz, &bn, &tdy, &mut g, &mut dg, &mut db)?;
+            runs.push(vec![
+                backend.download(&y)?,
+                backend.download(&g)?,
+                backend.download(&dg)?,
+                backend.download(&db)?,
+            ]);
+        }
+        for (name, (a, b)) in ["y", "g", "dgamma", "dbeta"]
+            .iter()
+            .zip(runs[0].iter().zip(&runs[1]))
+        {
+            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                return Err(BackendError::Mismatch {
+                    check: format!("maxpool_bn {name} twice {}x{}x{}x{c}", s.n, s.h, s.w),
+                    detail: format!("element {i}: {} then {}", a[i], b[i]),
+                });
+            }
+        }
+    }
+    Ok(())
+}
