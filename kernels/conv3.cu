@@ -31,10 +31,13 @@
 // tile's columns × rows × images) shifted by the tap, which TMA fills with zeros where it
 // leaves the image: the padding costs nothing and no thread computes an address. Strided
 // layers (3×3 and 1×1 at stride 2; args.stride) take it too, forward and weight gradient
-// (conv3_wgrad_3x3, x's boxes strided; their data gradients stay on v2): the input's tensor map
+// (conv3_wgrad_3x3, x's boxes strided): the input's tensor map
 // has traversal strides of 2 over rows and columns, so the box of a tile's tap starts at
 // (output pixel × 2 − pad + tap) and lands densely like the stride-1 one; a strided 1×1 is the
-// one-tap case (taps = 1, pad 0).
+// one-tap case (taps = 1, pad 0). The data gradient of a strided 1×1 is the stride-1 dgrad
+// GEMM over dy's pixels with a scattered epilogue (args.stride > 1: row (n, p, q) to dx's
+// pixel (n, 2p, 2q), zeros to the rest of each 2 × 2 cell unless accumulating); the strided
+// 3×3's data gradient stays on v2 (conv2.cu's stride² phases), as does the stem.
 // Epilogue (all 384 threads): the accumulators are rounded to bf16 and staged in shared
 // memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
 // tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
@@ -67,13 +70,15 @@ struct Conv3Args {
     int k_chunk;     // reduction per gridDim.z slice (a multiple of C3_BK; wgrad splits, else k)
     // 4-D path (TAPS): the output's height and width, the tile's height and width in pixels
     // (tile_h · tile_w divides 128; the rest of the 128 rows are whole images), the padding
-    // and the filter size (3, or 1 for a strided 1×1); 0 for the 2-D 1×1 kernels.
+    // and the filter size (3, or 1 for a strided 1×1); 0 for the 2-D 1×1 kernels, except that
+    // the strided 1×1's data gradient (2-D, stride > 1) takes dx's height and width here.
     int height, width, tile_h, tile_w, pad, taps;
     int flip;  // 3×3 dgrad: the input box shifted by pad − tap instead of tap − pad
     // TAPS: the convolution's stride (1 or 2): output pixel (h, w) reads input row h·stride +
     // tap row − pad. The input's tensor map walks the box with the same traversal stride
     // (cuTensorMapEncodeTiled's elementStrides), so a box still lands as tile_w × tile_h ×
-    // images rows of 64 channels and the k-loop is the stride-1 one.
+    // images rows of 64 channels and the k-loop is the stride-1 one. The 2-D dgrad at
+    // stride > 1: the epilogue's scatter of dy's pixels to every stride-th pixel of dx.
     int stride;
 };
 
@@ -362,8 +367,17 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         img0 = bx / (wb * hb) * (C3_BM / (a.tile_h * a.tile_w));
         slices = a.k / (a.taps * a.taps * C3_BK);
     }
+    // SCATTER: the data gradient of a strided 1×1 (the plain dgrad GEMM over dy's pixels,
+    // a.stride > 1, a.height × a.width = dx's extents): GEMM row m = (image, p, q) of dy lands
+    // on dx's pixel (image, p·stride, q·stride), P = ceil(height / stride) rows of dy.
+    const bool scatter = EPI == C3_EPI_NONE && !TAPS && !MN && a.stride > 1;
     // The output pixel of tile row `row` (TAPS: the tile is whole, every row is a pixel).
     auto pixel = [&](int row) -> long {
+        if (!TAPS && scatter) {
+            const int ph = (a.height + a.stride - 1) / a.stride, pw = (a.width + a.stride - 1) / a.stride;
+            const int m = m0 + row, img = m / (ph * pw), p = m / pw % ph, q = m % pw;
+            return ((long)img * a.height + (long)p * a.stride) * a.width + (long)q * a.stride;
+        }
         if (!TAPS) return (long)m0 + row;
         const int per_image = a.tile_h * a.tile_w;
         const int img = img0 + row / per_image, h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;
@@ -508,6 +522,17 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
+        if (scatter && !a.accumulate) {
+            // The stride × stride cell's other pixels get zeros here (accumulating: left as
+            // they are). Zeros from the epilogue write each byte of dx once; a zero-fill of dx
+            // before the launch would write it all and then the GEMM's 1/stride² of it again
+            // (1.25× the bytes at stride 2, and a launch more).
+            const long px = o / N;
+            const int h = (int)(px / a.width % a.height), w = (int)(px % a.width);
+            for (int dh = 0; dh < a.stride && h + dh < a.height; ++dh)
+                for (int dw = dh == 0 ? 1 : 0; dw < a.stride && w + dw < a.width; ++dw)
+                    *reinterpret_cast<uint4*>(y + o + ((long)dh * a.width + dw) * N) = make_uint4(0u, 0u, 0u, 0u);
+        }
     }
     if (EPI == C3_EPI_NONE) return;
 
@@ -629,7 +654,10 @@ conv3_fwd_stats_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_cons
 }
 
 // dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
-// map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights)
+// map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights).
+// At args.stride > 1 (a strided 1×1, no padding; args.height × args.width = dx's extents) the
+// M rows are dy's pixels (n, p, q), each written to dx's (n, p·stride, q·stride), and without
+// args.accumulate the cell's other pixels to zero.
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                 Conv3Args args) {

@@ -1,7 +1,8 @@
 // conv3_check.cpp: the Hopper kernels of conv3.cu (wgmma fed by TMA through mbarrier-guarded
 // stages) run on the host emulator (emu.h + hopper.h) against f64 references: the output of
-// every 1×1 GEMM (forward, dgrad through the transposed weight, and the weight gradient's
-// MN-major operands in reduction slices), the forward's per-tile
+// every 1×1 GEMM (forward, dgrad through the transposed weight, the strided 1×1's dgrad with
+// its scattered epilogue, and the weight gradient's MN-major operands in reduction slices),
+// the forward's per-tile
 // statistics records and the dgrad's batch-norm gradient epilogue (accumulate, residual, ReLU
 // mask, Σg and Σg·x̂ records). Shapes have tails in every GEMM
 // dimension (M, N and K not multiples of the 128 × 128 × 64 tile) and reductions long enough
@@ -257,6 +258,75 @@ static void check_dgrad(const Dgrad& d) {
     if (d.bn)
         check_bits("eager TMA, shuffled blocks: same records",
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
+}
+
+// The data gradient of a strided 1×1 (stride 2, no padding): the dgrad GEMM over dy's
+// n × P × Q pixels (P = ceil(h / 2), Q = ceil(w / 2)) whose epilogue scatters row (i, p, q) to
+// dx's pixel (i, 2p, 2q) and, unless accumulating, zeros to the other pixels (dx starts as NaN
+// then: every pixel must be written).
+struct DgradS2 { int n, h, w, c, k; bool accumulate; };
+
+static std::vector<bf16> run_dgrad_s2(const DgradS2& d, const std::vector<bf16>& dy, const std::vector<bf16>& wt,
+                                      const std::vector<bf16>& dx0) {
+    const int ph = (d.h + 1) / 2, pw = (d.w + 1) / 2, m = d.n * ph * pw;
+    const unsigned gx = (unsigned)((m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + g_bn - 1) / g_bn);
+    std::vector<bf16> dx = dx0;
+    const BtTmaMap map_dy = emu_tma_encode_2d(dy.data(), (unsigned long long)d.k, (unsigned long long)m,
+                                              (unsigned long long)d.k * 2, C3_BK, C3_BM, true);
+    const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)d.k, (unsigned long long)d.c,
+                                              (unsigned long long)d.k * 2, C3_BK, (unsigned)g_bn, true);
+    Conv3Args args{m, d.c, d.k, d.accumulate ? 1 : 0, d.k};
+    args.height = d.h;
+    args.width = d.w;
+    args.stride = 2;
+    bf16* out = dx.data();
+    emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
+        (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, out, args) : conv3_dgrad_1x1(map_dy, map_wt, out, args));
+    });
+    return dx;
+}
+
+static void check_dgrad_s2(const DgradS2& d) {
+    std::mt19937 rng(d.n * 7919 + d.h * 131 + d.w * 17 + d.c * 3 + d.k + 5 * d.accumulate);
+    const int ph = (d.h + 1) / 2, pw = (d.w + 1) / 2;
+    printf("conv3_dgrad_1x1 stride 2: n%d %dx%d (dy %dx%d) c%d k%d%s\n", d.n, d.h, d.w, ph, pw, d.c, d.k,
+           d.accumulate ? " +dx" : "");
+    const auto dy = random_bf16(rng, (size_t)d.n * ph * pw * d.k, 1.0f);
+    const auto w = random_bf16(rng, (size_t)d.k * d.c, 0.5f);  // [K][C]
+    std::vector<bf16> wt((size_t)d.c * d.k);
+    for (int k = 0; k < d.k; ++k)
+        for (int c = 0; c < d.c; ++c) wt[(size_t)c * d.k + k] = w[(size_t)k * d.c + c];
+    const size_t len = (size_t)d.n * d.h * d.w * d.c;
+    const auto dx0 = d.accumulate ? random_bf16(rng, len, 1.0f) : std::vector<bf16>(len, __float2bfloat16_rn(NAN));
+
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    const auto dx = run_dgrad_s2(d, dy, wt, dx0);
+    std::vector<double> got(len), ref(len);
+    for (int i = 0; i < d.n; ++i)
+        for (int h = 0; h < d.h; ++h)
+            for (int x = 0; x < d.w; ++x)
+                for (int c = 0; c < d.c; ++c) {
+                    const size_t o = (((size_t)i * d.h + h) * d.w + x) * d.c + c;
+                    double v = d.accumulate ? __bfloat162float(dx0[o]) : 0.0;
+                    if (h % 2 == 0 && x % 2 == 0) {
+                        const size_t row = ((size_t)i * ph + h / 2) * pw + x / 2;
+                        double s = 0;
+                        for (int k = 0; k < d.k; ++k)
+                            s += (double)__bfloat162float(dy[row * d.k + k]) * __bfloat162float(w[(size_t)k * d.c + c]);
+                        v = d.accumulate ? rb((float)(rb((float)s) + v)) : rb((float)s);
+                    }
+                    ref[o] = v;
+                    got[o] = __bfloat162float(dx[o]);
+                }
+    check("dx", got, ref, 2e-5 * d.k, 1.0 / 64);
+
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x85ebca6bu;
+    const auto again = run_dgrad_s2(d, dy, wt, dx0);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same dx", memcmp(again.data(), dx.data(), len * 2) == 0);
 }
 
 // The weight gradient: dw[K][C] = Σ_p dy[p][K]·x[p][C] over P pixels in slices of `chunk`
@@ -656,6 +726,16 @@ int main(int argc, char** argv) {
         for (const Dgrad& d : dgrads) {
             if (first_only && failures) break;
             check_dgrad(d);
+        }
+        const DgradS2 dgrads_s2[] = {
+            {2, 16, 16, 136, 200, false},  // even extents: 2 × 8 × 8 rows of dy, tails in C and K
+            {3, 15, 13, 72, 520, false},   // odd 15 × 13 → 8 × 7: the last row and column of cells cut; the ring wraps
+            {3, 15, 13, 136, 200, true},   // the same cells added into dx
+            {1, 9, 31, 64, 64, true},      // one image, M = 5 × 16 = 80 (a tile that is mostly tail)
+        };
+        for (const DgradS2& d : dgrads_s2) {
+            if (first_only && failures) break;
+            check_dgrad_s2(d);
         }
         for (const Wgrad& g : kWgrads) {
             if (first_only && failures) break;

@@ -4,9 +4,10 @@
 //! conv3.cu computes 1×1 convolutions at stride 1 without padding as `wgmma` GEMMs whose
 //! operands the Tensor Memory Accelerator loads, and 3×3 ones (stride 1 or 2, padding 1) and
 //! strided 1×1 ones through 4-D boxes of the NHWC input, one per filter tap (at stride 2 the
-//! input's tensor map traverses rows and columns with stride 2); every other layer or pass
-//! (the stem, the data gradients of strided layers, and every layer on a GPU other than
-//! compute capability 9.0) keeps the v2 kernels. The file is compiled for the
+//! input's tensor map traverses rows and columns with stride 2); the data gradient of a
+//! strided 1×1 is the 1×1 dgrad GEMM over dy's pixels with a scattered epilogue. Every other
+//! layer or pass (the stem, the data gradients of strided 3×3 layers, and every layer on a GPU
+//! other than compute capability 9.0) keeps the v2 kernels. The file is compiled for the
 //! architecture-specific target `sm_90a` on Hopper ([`KernelFile::target_for`]); for any other
 //! target its kernels are stubs that trap, which the dispatch here never launches.
 //!
@@ -382,9 +383,33 @@ pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || wgrad_4d_tile(s, arch).is_some()
 }
 
-/// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
+/// Whether v3 takes the data gradient of a layer: a 1×1 at stride 1 ([`takes`]) or 2
+/// ([`takes_strided_dgrad`]), or a 3×3 at stride 1 with whole tiles.
 pub fn takes_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
+    takes(s, arch) || takes_strided_dgrad(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
+}
+
+/// Whether v3 takes the data gradient of a layer with the batch-norm gradient epilogue
+/// (`conv_backward_data_bn`): [`takes_dgrad`] but the strided 1×1. Its scattered epilogue
+/// writes the GEMM's pixels (every other row and column) and zeros elsewhere, while the batch
+/// norm's gradient needs the residual, the mask and the records at every pixel of dx; and no
+/// model fuses it: a downsampling projection is never the first reader of its input (the
+/// block's conv1 is, src/model/bn_fusion.rs), so it stays on v2 there.
+pub fn takes_dgrad_bn(s: &ConvShape, arch: GpuArch) -> bool {
+    takes_dgrad(s, arch) && !takes_strided_dgrad(s, arch)
+}
+
+/// Whether v3 takes the data gradient of a strided 1×1 (stride 2, no padding, the
+/// downsampling projection): the stride-1 dgrad GEMM over dy's pixels whose epilogue scatters
+/// them to every other row and column of dx ([`dgrad_args`]).
+pub fn takes_strided_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
+    runs_on(arch)
+        && s.kernel == 1
+        && s.stride == 2
+        && s.padding == 0
+        && s.c_in % 8 == 0
+        && s.c_out % 8 == 0
+        && dgrad_args(s, false).is_some()
 }
 
 /// Whether the v3 kernels run on a GPU of `arch`: compute capability 9.0 only, the one that
@@ -399,14 +424,27 @@ pub fn takes_forward(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || forward_4d_args(s, arch).is_some()
 }
 
-/// The GEMM of a 1×1 data gradient: M = pixels, N = input channels, K = output channels.
+/// The GEMM of a 1×1 data gradient: M = pixels of dy, N = input channels, K = output
+/// channels. At stride > 1 (no padding) the kernel scatters dy's pixel (n, p, q) to dx's
+/// (n, p·stride, q·stride) and, without `accumulate`, writes zeros to the other pixels: the
+/// arguments carry dx's height and width and the stride.
 pub fn dgrad_args(s: &ConvShape, accumulate: bool) -> Option<Conv3Args> {
     let f = forward_args(s)?;
+    let strided = s.stride > 1;
+    // dx's elements are addressed with 64-bit offsets; its extents must fit the arguments.
+    let (height, width) = if strided {
+        (i32::try_from(s.h).ok()?, i32::try_from(s.w).ok()?)
+    } else {
+        (0, 0)
+    };
     Some(Conv3Args {
         n: f.k,
         k: f.n,
         accumulate: i32::from(accumulate),
         k_chunk: f.n,
+        height,
+        width,
+        stride: i32::try_from(s.stride).ok()?,
         ..f
     })
 }
@@ -915,10 +953,40 @@ mod tests {
         ));
         assert!(!takes_forward(&s(256, 56, 72, 512, 1, 2), hopper));
         assert!(!takes_forward(&s(4, 13, 64, 64, 3, 2), hopper), "4 × 7 × 7");
-        // Data gradients of strided layers (a scatter at stride 2): v2.
+        // The strided 3×3's data gradient (four phases at stride 2): v2.
         assert!(!takes_dgrad(&s(256, 56, 128, 128, 3, 2), hopper));
         assert!(dgrad_3x3_args(&s(256, 56, 128, 128, 3, 2), hopper, false).is_none());
-        assert!(!takes_dgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        // The strided 1×1's: the dgrad GEMM over dy's 28 × 28 pixels, scattered to dx's
+        // 56 × 56 (the extents and stride in the arguments); without the batch-norm epilogue.
+        let down = s(256, 56, 256, 512, 1, 2);
+        assert!(takes_dgrad(&down, hopper) && takes_strided_dgrad(&down, hopper));
+        assert!(!takes_dgrad_bn(&down, hopper));
+        let d = dgrad_args(&down, true).unwrap();
+        assert_eq!(
+            (d.m, d.n, d.k, d.accumulate, d.height, d.width, d.stride),
+            (256 * 28 * 28, 256, 512, 1, 56, 56, 2)
+        );
+        assert_eq!((d.tile_h, d.tile_w, d.taps, d.pad, d.flip), (0, 0, 0, 0, 0));
+        // Odd 15 × 15 → 8 × 8 pixels of dy; 64 input channels: the 64-column twin.
+        let odd = dgrad_args(&s(2, 15, 64, 136, 1, 2), false).unwrap();
+        assert_eq!(
+            (odd.m, odd.n, odd.height, odd.stride),
+            (2 * 8 * 8, 64, 15, 2)
+        );
+        assert_eq!(with_tile(DGRAD_KERNEL, tile_n(&odd)), "conv3_dgrad_1x1_n64");
+        // Not Hopper, odd channels, padding: v2.
+        assert!(!takes_dgrad(&down, GpuArch::new(8, 0)));
+        assert!(!takes_dgrad(&s(256, 56, 256, 516, 1, 2), hopper));
+        assert!(!takes_dgrad(&ConvShape { padding: 1, ..down }, hopper));
+        // Stride-1 layers keep their epilogue (and their arguments: no scatter).
+        assert!(takes_dgrad_bn(&s(256, 56, 256, 512, 1, 1), hopper));
+        assert!(takes_dgrad_bn(&s(256, 56, 64, 64, 3, 1), hopper));
+        assert_eq!(
+            dgrad_args(&s(256, 56, 256, 512, 1, 1), false)
+                .unwrap()
+                .stride,
+            1
+        );
         // Weight gradients: 64-pixel tiles of the output, x's boxes at stride 2.
         let (w3, slices, tile) = wgrad_4d_args(&s(256, 56, 128, 128, 3, 2), hopper, 132).unwrap();
         assert_eq!(tile, (4, 4, 4));

@@ -227,6 +227,13 @@ fn kernels_match_references_under_emulation() {
         ),
         // the 64-row twin's consumers writing the same 64 columns of dw
         ("col_base = n0 + (SPLIT_N ? c * 64 : 0);", "col_base = n0;"),
+        // the strided 1×1's data gradient scattering dy's pixel (p, q) to dx's (2p, 2q + 1)
+        (
+            "* a.width + (long)q * a.stride;",
+            "* a.width + (long)q * a.stride + 1;",
+        ),
+        // the strided 1×1's data gradient leaving the cells' other pixels unwritten
+        ("if (scatter && !a.accumulate) {", "if (false) {"),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {

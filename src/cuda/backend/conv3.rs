@@ -1,7 +1,8 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
-//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward and weight gradient of
-//! strided 3×3 and 1×1 ones on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
-//! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
+//! 3×3 ones at stride 1 (in whole tiles of pixels), the forward and weight gradient of
+//! strided 3×3 and 1×1 ones and the data gradient of strided 1×1 ones on Hopper as `wgmma`
+//! GEMMs fed by TMA, with the same batch-norm epilogues and records as v2, so the fused batch
+//! norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
 
@@ -40,10 +41,16 @@ impl CudaBackend {
         self.conv == ConvVersion::V3 && conv3::takes_wgrad(s, self.dev.arch())
     }
 
-    /// Whether v3 is selected and takes this layer's data gradient (1×1, or 3×3 at stride 1
-    /// with whole tiles).
+    /// Whether v3 is selected and takes this layer's data gradient (1×1 at stride 1 or 2, or
+    /// 3×3 at stride 1 with whole tiles).
     pub(super) fn conv3_takes_dgrad(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_dgrad(s, self.dev.arch())
+    }
+
+    /// Whether v3 is selected and takes this layer's data gradient with the batch-norm
+    /// gradient epilogue ([`conv3::takes_dgrad_bn`]: not the strided 1×1's).
+    pub(super) fn conv3_takes_dgrad_bn(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes_dgrad_bn(s, self.dev.arch())
     }
 
     /// Whether v3 is selected and takes this layer's forward pass (1×1 at stride 1, or through
@@ -177,7 +184,9 @@ impl CudaBackend {
 
     /// dx = dgrad(dy, w) (+ dx when `accumulate`) for a layer [`Self::conv3_takes_dgrad`]
     /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3) in the scratch;
-    /// with `bn`, the batch-norm gradient epilogue and its records.
+    /// with `bn` (a layer [`Self::conv3_takes_dgrad_bn`] accepts), the batch-norm gradient
+    /// epilogue and its records. A strided 1×1 writes the GEMM's pixels of dx and zeros (or,
+    /// accumulating, nothing) at the others from the same epilogue.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn conv3_backward_data(
         &self,
@@ -190,6 +199,14 @@ impl CudaBackend {
         bn: Option<DgradBn<'_>>,
     ) -> Result<(), BackendError> {
         let three = s.kernel == 3;
+        let strided = !three && s.stride > 1;
+        if strided && bn.is_some() {
+            return Err(dev_err(op)(CudaError::Unsupported {
+                what: format!(
+                    "{s:?}: the strided 1×1's v3 data gradient has no batch-norm epilogue"
+                ),
+            }));
+        }
         let args = if three {
             conv3::dgrad_3x3_args(s, self.dev.arch(), accumulate)
         } else {
@@ -247,7 +264,14 @@ impl CudaBackend {
             conv3::with_tile(with_bn, bn_cols),
         );
         let streams = 2 + usize::from(accumulate);
-        let bytes = 2 * (s.y_len() + s.w_len() + s.x_len() * streams);
+        let bytes = if strided {
+            // dx written once (the GEMM's pixels and the zeros), or its GEMM pixels (dy's
+            // count of them) read and written when accumulating.
+            let dx_bytes = if accumulate { 2 * m * n } else { s.x_len() };
+            2 * (s.y_len() + s.w_len() + dx_bytes)
+        } else {
+            2 * (s.y_len() + s.w_len() + s.x_len() * streams)
+        };
         match bn {
             None => {
                 let cfg = self.conv3_prepare(op, plain, conv3::grid(&args))?;
