@@ -1,6 +1,6 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
 //! 3×3 ones at stride 1 (in whole tiles of pixels), the forward and weight gradient of
-//! strided 3×3 and 1×1 ones and the data gradient of strided 1×1 ones on Hopper as `wgmma`
+//! strided 3×3 and 1×1 ones and their data gradients (even extents for the 3×3) on Hopper as `wgmma`
 //! GEMMs fed by TMA, with the same batch-norm epilogues and records as v2, so the fused batch
 //! norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
@@ -14,8 +14,8 @@ use crate::cuda::conv::ConvVersion;
 use crate::cuda::conv3::{self, Conv3Args, TensorMap};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
-    Conv2WgradReduce, Conv3DgradBn, Conv3DgradWeights3x3, Conv3FwdStats, Conv3Gemm,
-    Conv3TransposeWeights, Conv3Wgrad,
+    Conv2WgradReduce, Conv3DgradBn, Conv3DgradWeights3x3, Conv3DgradWeightsS2, Conv3FwdStats,
+    Conv3Gemm, Conv3TransposeWeights, Conv3Wgrad,
 };
 
 /// The batch-norm gradient epilogue's operands of a v3 data gradient (conv2's contract).
@@ -183,7 +183,8 @@ impl CudaBackend {
     }
 
     /// dx = dgrad(dy, w) (+ dx when `accumulate`) for a layer [`Self::conv3_takes_dgrad`]
-    /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3) in the scratch;
+    /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3; per phase and
+    /// tap at stride 2) in the scratch;
     /// with `bn` (a layer [`Self::conv3_takes_dgrad_bn`] accepts), the batch-norm gradient
     /// epilogue and its records. A strided 1×1 writes the GEMM's pixels of dx and zeros (or,
     /// accumulating, nothing) at the others from the same epilogue.
@@ -214,11 +215,23 @@ impl CudaBackend {
         }
         .ok_or_else(|| too_large(op, s))?;
         let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let phased = conv3::is_phased(&args);
+        // The stride-2 3×3's weight per phase: [4][c_in][4 taps·c_out] (16 taps for 9).
+        let wt_rows = if phased { conv3::DGRAD_PHASES * n } else { n };
         let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
         let Conv2Scratch { wt, .. } = &mut *scratch;
-        ensure(&self.dev, wt, s.w_len(), op)?;
+        ensure(&self.dev, wt, wt_rows * k, op)?;
         let wt = wt.as_mut().expect("ensured");
-        if three {
+        if phased {
+            let rearrange = Conv3DgradWeightsS2 {
+                w: w.into(),
+                wt: (&mut *wt).into(),
+                k_out: to_i32(op, "c_out", s.c_out)?,
+                c_in: to_i32(op, "c_in", s.c_in)?,
+            };
+            let kernel = conv3::DGRAD_WEIGHTS_S2_KERNEL;
+            self.launch(op, kernel, elementwise_cfg(wt_rows * k), rearrange)?;
+        } else if three {
             // w is KRSC; the GEMM's B is [c_in][(tap, c_out)] (K-major over the reduction).
             let rearrange = Conv3DgradWeights3x3 {
                 w: w.into(),
@@ -247,13 +260,15 @@ impl CudaBackend {
         }
         self.note_work(4 * s.w_len(), 0.0);
         let map_dy = if three {
-            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
-            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?
+            // Tiles of dx's pixels at stride 1, of dy's (each phase's) at stride 2.
+            let (h, w) = (s.out_h(), s.out_w());
+            let tile = conv3::tile_3x3(s.n, h, w).expect("dgrad_3x3_args found one");
+            self.tensor_map_nhwc(op, dy, (s.n, h, w, s.c_out), tile, 1)?
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
         let bn_cols = conv3::tile_n(&args);
-        let map_wt = self.tensor_map(op, wt, n, k, bn_cols)?;
+        let map_wt = self.tensor_map(op, wt, wt_rows, k, bn_cols)?;
         let (plain, with_bn) = if three {
             (conv3::DGRAD_3X3_KERNEL, conv3::DGRAD_BN_3X3_KERNEL)
         } else {
@@ -287,7 +302,8 @@ impl CudaBackend {
             Some(bn) => {
                 let cfg = self.conv3_prepare(op, with_bn, conv3::grid(&args))?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
-                let records = m.div_ceil(conv3::TILE_M);
+                let grid = conv3::grid(&args);
+                let records = (grid.0 * grid.2) as usize;
                 let gemm = Conv3DgradBn {
                     map_dy,
                     map_wt,
