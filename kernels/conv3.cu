@@ -31,10 +31,15 @@
 // tile's columns × rows × images) shifted by the tap, which TMA fills with zeros where it
 // leaves the image: the padding costs nothing and no thread computes an address. Strided
 // layers (3×3 and 1×1 at stride 2; args.stride) take it too, forward and weight gradient
-// (conv3_wgrad_3x3, x's boxes strided; their data gradients stay on v2): the input's tensor map
+// (conv3_wgrad_3x3, x's boxes strided): the input's tensor map
 // has traversal strides of 2 over rows and columns, so the box of a tile's tap starts at
 // (output pixel × 2 − pad + tap) and lands densely like the stride-1 one; a strided 1×1 is the
-// one-tap case (taps = 1, pad 0).
+// one-tap case (taps = 1, pad 0). The data gradient of a strided 1×1 is the stride-1 dgrad
+// GEMM over dy's pixels with a scattered epilogue (args.stride > 1: row (n, p, q) to dx's
+// pixel (n, 2p, 2q), zeros to the rest of each 2 × 2 cell unless accumulating); the strided
+// 3×3's data gradient (pad 1, even extents) runs conv2.cu's stride² phases on the same loop:
+// grid.z = 4 parities of dx, each a stride-1 correlation of dy with its 1, 2 or 4 taps, its
+// tiles' pixels scattered to dx's (2h + ph, 2w + pw) (PHASES). The stem stays on v2.
 // Epilogue (all 384 threads): the accumulators are rounded to bf16 and staged in shared
 // memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
 // tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
@@ -49,7 +54,7 @@
 // mbarriers. The epilogue reuses the stages for the staged tile ([128][128 + 8] bf16) and its
 // reduction scratch. part ([2][gridDim.x][N]: tile means, then M2) as conv2_fwd_stats_*.
 //
-// Launch configuration. grid = (ceil(M/128), ceil(N/128), reduction slices), 384 threads (warpgroup 0 the
+// Launch configuration. grid = (ceil(M/128), ceil(N/128), reduction slices or the 4 phases), 384 threads (warpgroup 0 the
 // producer, 1 and 2 the consumers), dynamic shared memory CONV3_SMEM_BYTES (4 stages of
 // 32 KiB, the barriers and 1 KiB of alignment slack: 132 KiB, one block per SM), the tensor
 // maps as `__grid_constant__` parameters (src/cuda/conv3.rs encodes them with
@@ -67,13 +72,17 @@ struct Conv3Args {
     int k_chunk;     // reduction per gridDim.z slice (a multiple of C3_BK; wgrad splits, else k)
     // 4-D path (TAPS): the output's height and width, the tile's height and width in pixels
     // (tile_h · tile_w divides 128; the rest of the 128 rows are whole images), the padding
-    // and the filter size (3, or 1 for a strided 1×1); 0 for the 2-D 1×1 kernels.
+    // and the filter size (3, or 1 for a strided 1×1); 0 for the 2-D 1×1 kernels, except that
+    // the strided 1×1's data gradient (2-D, stride > 1) takes dx's height and width here.
     int height, width, tile_h, tile_w, pad, taps;
-    int flip;  // 3×3 dgrad: the input box shifted by pad − tap instead of tap − pad
+    // 3×3 dgrad: the input box shifted by pad − tap instead of tap − pad; with stride 2 the
+    // four phases (PHASES: height × width = dy's extents, k = 4·K, k_chunk = K)
+    int flip;
     // TAPS: the convolution's stride (1 or 2): output pixel (h, w) reads input row h·stride +
     // tap row − pad. The input's tensor map walks the box with the same traversal stride
     // (cuTensorMapEncodeTiled's elementStrides), so a box still lands as tile_w × tile_h ×
-    // images rows of 64 channels and the k-loop is the stride-1 one.
+    // images rows of 64 channels and the k-loop is the stride-1 one. The 2-D dgrad at
+    // stride > 1: the epilogue's scatter of dy's pixels to every stride-th pixel of dx.
     int stride;
 };
 
@@ -351,7 +360,15 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     const unsigned full0 = base + C3_STAGES * STAGE, empty0 = full0 + 8 * C3_STAGES;
     const int tid = threadIdx.x, wg = tid / 128;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-    const int k_begin = blockIdx.z * a.k_chunk, k_end = min(a.k, k_begin + a.k_chunk);
+    // PHASES: the stride-2 3×3's data gradient (pad 1), as conv2.cu's phases: blockIdx.z =
+    // (ph, pw) is the parity of dx's rows and columns, a stride-1 correlation of dy with the
+    // taps r ≡ ph + 1 (mod 2) (1 + ph of them; the same along the columns), a.height × a.width
+    // = dy's extents = the phase's (dx's halved), the reduction tr·tc·K (a.k_chunk = K) over
+    // the phase's rows of wt ([4 phases][C][4·K], conv3_dgrad_weights_s2).
+    const bool phases = TAPS && !MN && a.flip && a.stride > 1;
+    const int ph = phases ? (int)blockIdx.z / 2 : 0, pw = phases ? (int)blockIdx.z % 2 : 0, tc = 1 + pw;
+    const int k_begin = phases ? 0 : blockIdx.z * a.k_chunk;
+    const int k_end = phases ? (1 + ph) * tc * a.k_chunk : min(a.k, k_begin + a.k_chunk);
     const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
     // TAPS: the tile's first image, row and column, and the channel slices of one tap.
     int img0 = 0, h0 = 0, w0 = 0, slices = 1;
@@ -360,13 +377,23 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         w0 = (bx % wb) * a.tile_w;
         h0 = (bx / wb) % hb * a.tile_h;
         img0 = bx / (wb * hb) * (C3_BM / (a.tile_h * a.tile_w));
-        slices = a.k / (a.taps * a.taps * C3_BK);
+        slices = phases ? a.k_chunk / C3_BK : a.k / (a.taps * a.taps * C3_BK);
     }
+    // SCATTER: the data gradient of a strided 1×1 (the plain dgrad GEMM over dy's pixels,
+    // a.stride > 1, a.height × a.width = dx's extents): GEMM row m = (image, p, q) of dy lands
+    // on dx's pixel (image, p·stride, q·stride), P = ceil(height / stride) rows of dy.
+    const bool scatter = EPI == C3_EPI_NONE && !TAPS && !MN && a.stride > 1;
     // The output pixel of tile row `row` (TAPS: the tile is whole, every row is a pixel).
     auto pixel = [&](int row) -> long {
+        if (!TAPS && scatter) {
+            const int dy_h = (a.height + a.stride - 1) / a.stride, dy_w = (a.width + a.stride - 1) / a.stride;
+            const int m = m0 + row, img = m / (dy_h * dy_w), p = m / dy_w % dy_h, q = m % dy_w;
+            return ((long)img * a.height + (long)p * a.stride) * a.width + (long)q * a.stride;
+        }
         if (!TAPS) return (long)m0 + row;
         const int per_image = a.tile_h * a.tile_w;
         const int img = img0 + row / per_image, h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;
+        if (phases) return ((long)img * 2 * a.height + 2 * h + ph) * (2 * a.width) + 2 * w + pw;
         return ((long)img * a.height + h) * a.width + w;
     };
 
@@ -407,6 +434,12 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                         c3_tma_load_4d(stage + A_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
                                        th0 * a.stride + r - a.pad, ti0, full);
                     }
+                } else if (TAPS && phases) {
+                    // The phase's tap (ri, ti): filter row r = 2·ri (ph = 1) or 1 reads dy's
+                    // row h + (ph + 1 − r) / 2, i.e. the box shifted by 1 − ri or 0.
+                    const int tap = kt / slices, c0 = kt % slices * C3_BK, ri = tap / tc, ti = tap % tc;
+                    c3_tma_load_4d(stage, map_a, c0, w0 + (pw ? 1 - ti : 0), h0 + (ph ? 1 - ri : 0), img0, full);
+                    c3_tma_load(stage + A_BYTES, map_b, k0, (int)blockIdx.z * a.n + n0, full);
                 } else if (TAPS) {
                     const int tap = kt / slices, c0 = kt % slices * C3_BK;
                     const int r = tap / a.taps, t = tap % a.taps;
@@ -508,10 +541,23 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
+        if (scatter && !a.accumulate) {
+            // The stride × stride cell's other pixels get zeros here (accumulating: left as
+            // they are). Zeros from the epilogue write each byte of dx once; a zero-fill of dx
+            // before the launch would write it all and then the GEMM's 1/stride² of it again
+            // (1.25× the bytes at stride 2, and a launch more).
+            const long px = o / N;
+            const int h = (int)(px / a.width % a.height), w = (int)(px % a.width);
+            for (int dh = 0; dh < a.stride && h + dh < a.height; ++dh)
+                for (int dw = dh == 0 ? 1 : 0; dw < a.stride && w + dw < a.width; ++dw)
+                    *reinterpret_cast<uint4*>(y + o + ((long)dh * a.width + dw) * N) = make_uint4(0u, 0u, 0u, 0u);
+        }
     }
     if (EPI == C3_EPI_NONE) return;
 
     // ---- per-tile records (conv2.cu's, by the first 256 threads) ---------------------------
+    // Record blockIdx.z · gridDim.x + blockIdx.x: gridDim.z is 1 but for the phases (each
+    // phase's tiles cover a quarter of dx, every pixel once).
     // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
     // in span order by span 0.
     constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
@@ -554,7 +600,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                 g0 += red_b[p * BN + col];
                 g1 += red_b[p * BN + col + 1];
             }
-            const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
+            const long plane = (long)gridDim.x * gridDim.z * N, at = ((long)blockIdx.z * gridDim.x + blockIdx.x) * N + cn;
             bt_store2_f32(ep.part + at, b0, b1);
             bt_store2_f32(ep.part + plane + at, g0, g1);
         }
@@ -599,7 +645,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             q0 += red_b[p * BN + col];
             q1 += red_b[p * BN + col + 1];
         }
-        const long plane = (long)gridDim.x * N, at = (long)blockIdx.x * N + cn;
+        const long plane = (long)gridDim.x * gridDim.z * N, at = ((long)blockIdx.z * gridDim.x + blockIdx.x) * N + cn;
         bt_store2_f32(ep.part + at, mean0, mean1);
         bt_store2_f32(ep.part + plane + at, q0, q1);
     }
@@ -629,7 +675,10 @@ conv3_fwd_stats_1x1(const __grid_constant__ CUtensorMap map_x, const __grid_cons
 }
 
 // dx = dgrad1x1(dy, w) (+ dx with args.accumulate): the GEMM dx[M][C] = dy[M][K] · wt[C][K]ᵀ;
-// map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights)
+// map_dy: dy as [M][K], map_wt: the transposed weight wt = wᵀ as [C][K] (conv3_transpose_weights).
+// At args.stride > 1 (a strided 1×1, no padding; args.height × args.width = dx's extents) the
+// M rows are dy's pixels (n, p, q), each written to dx's (n, p·stride, q·stride), and without
+// args.accumulate the cell's other pixels to zero.
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                 Conv3Args args) {
@@ -668,7 +717,10 @@ conv3_fwd_stats_3x3(const __grid_constant__ CUtensorMap map_x, const __grid_cons
 
 // dx = dgrad3x3(dy, w) at stride 1 (+ dx with args.accumulate): the forward's loop over the
 // taps with the input box of dy shifted by pad − tap (args.flip) and wt = the weight as
-// [C][9·K] (conv3_dgrad_weights_3x3): dx[p][c] = Σ_(tap,k) dy[p + pad − tap][k]·w[k][tap][c]
+// [C][9·K] (conv3_dgrad_weights_3x3): dx[p][c] = Σ_(tap,k) dy[p + pad − tap][k]·w[k][tap][c].
+// At args.stride 2 (pad 1; dx's extents twice dy's) the phases: grid.z = 4 parities of dx's
+// rows and columns, each over tiles of dy's extents with its 1, 2 or 4 taps and its rows of wt
+// as [4][C][4·K] (conv3_dgrad_weights_s2), its pixels scattered to (2h + ph, 2w + pw).
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                 Conv3Args args) {
@@ -804,6 +856,20 @@ extern "C" __global__ void conv3_dgrad_weights_3x3(const bf16* __restrict__ w, b
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int c = (int)(i % c_in), tap = (int)(i / c_in % taps), k = (int)(i / ((long)c_in * taps));
         wt[(long)c * taps * k_out + (long)tap * k_out + k] = w[i];
+    }
+}
+
+// The stride-2 3×3 data gradient's B operand (PHASES): wt[((z·C + c)·4 + tap)·K + k] =
+// w[k][r][t][c] for phase z = (ph, pw) and its tap (ri, ti) = (tap / (1 + pw), tap % (1 + pw)),
+// r = ph ? 2·ri : 1, t = pw ? 2·ti : 1; a phase's unused taps zero (never read). One thread
+// per element of the 16·C·K; grid-stride (a small tensor: the weights).
+extern "C" __global__ void conv3_dgrad_weights_s2(const bf16* __restrict__ w, bf16* __restrict__ wt, int k_out,
+                                                  int c_in) {
+    const long total = 16L * c_in * k_out;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const int k = (int)(i % k_out), tap = (int)(i / k_out % 4), c = (int)(i / (4L * k_out) % c_in);
+        const int z = (int)(i / (4L * k_out * c_in)), ph = z / 2, pw = z % 2, ri = tap / (1 + pw), ti = tap % (1 + pw);
+        wt[i] = ri <= ph ? w[((long)k * 9 + (ph ? 2 * ri : 1) * 3 + (pw ? 2 * ti : 1)) * c_in + c] : bt_to_bf16(0.0f);
     }
 }
 

@@ -1,7 +1,8 @@
 // conv3_check.cpp: the Hopper kernels of conv3.cu (wgmma fed by TMA through mbarrier-guarded
 // stages) run on the host emulator (emu.h + hopper.h) against f64 references: the output of
-// every 1×1 GEMM (forward, dgrad through the transposed weight, and the weight gradient's
-// MN-major operands in reduction slices), the forward's per-tile
+// every 1×1 GEMM (forward, dgrad through the transposed weight, the strided 1×1's dgrad with
+// its scattered epilogue, and the weight gradient's MN-major operands in reduction slices),
+// the forward's per-tile
 // statistics records and the dgrad's batch-norm gradient epilogue (accumulate, residual, ReLU
 // mask, Σg and Σg·x̂ records). Shapes have tails in every GEMM
 // dimension (M, N and K not multiples of the 128 × 128 × 64 tile) and reductions long enough
@@ -259,6 +260,75 @@ static void check_dgrad(const Dgrad& d) {
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
 }
 
+// The data gradient of a strided 1×1 (stride 2, no padding): the dgrad GEMM over dy's
+// n × P × Q pixels (P = ceil(h / 2), Q = ceil(w / 2)) whose epilogue scatters row (i, p, q) to
+// dx's pixel (i, 2p, 2q) and, unless accumulating, zeros to the other pixels (dx starts as NaN
+// then: every pixel must be written).
+struct DgradS2 { int n, h, w, c, k; bool accumulate; };
+
+static std::vector<bf16> run_dgrad_s2(const DgradS2& d, const std::vector<bf16>& dy, const std::vector<bf16>& wt,
+                                      const std::vector<bf16>& dx0) {
+    const int ph = (d.h + 1) / 2, pw = (d.w + 1) / 2, m = d.n * ph * pw;
+    const unsigned gx = (unsigned)((m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + g_bn - 1) / g_bn);
+    std::vector<bf16> dx = dx0;
+    const BtTmaMap map_dy = emu_tma_encode_2d(dy.data(), (unsigned long long)d.k, (unsigned long long)m,
+                                              (unsigned long long)d.k * 2, C3_BK, C3_BM, true);
+    const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)d.k, (unsigned long long)d.c,
+                                              (unsigned long long)d.k * 2, C3_BK, (unsigned)g_bn, true);
+    Conv3Args args{m, d.c, d.k, d.accumulate ? 1 : 0, d.k};
+    args.height = d.h;
+    args.width = d.w;
+    args.stride = 2;
+    bf16* out = dx.data();
+    emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
+        (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, out, args) : conv3_dgrad_1x1(map_dy, map_wt, out, args));
+    });
+    return dx;
+}
+
+static void check_dgrad_s2(const DgradS2& d) {
+    std::mt19937 rng(d.n * 7919 + d.h * 131 + d.w * 17 + d.c * 3 + d.k + 5 * d.accumulate);
+    const int ph = (d.h + 1) / 2, pw = (d.w + 1) / 2;
+    printf("conv3_dgrad_1x1 stride 2: n%d %dx%d (dy %dx%d) c%d k%d%s\n", d.n, d.h, d.w, ph, pw, d.c, d.k,
+           d.accumulate ? " +dx" : "");
+    const auto dy = random_bf16(rng, (size_t)d.n * ph * pw * d.k, 1.0f);
+    const auto w = random_bf16(rng, (size_t)d.k * d.c, 0.5f);  // [K][C]
+    std::vector<bf16> wt((size_t)d.c * d.k);
+    for (int k = 0; k < d.k; ++k)
+        for (int c = 0; c < d.c; ++c) wt[(size_t)c * d.k + k] = w[(size_t)k * d.c + c];
+    const size_t len = (size_t)d.n * d.h * d.w * d.c;
+    const auto dx0 = d.accumulate ? random_bf16(rng, len, 1.0f) : std::vector<bf16>(len, __float2bfloat16_rn(NAN));
+
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    const auto dx = run_dgrad_s2(d, dy, wt, dx0);
+    std::vector<double> got(len), ref(len);
+    for (int i = 0; i < d.n; ++i)
+        for (int h = 0; h < d.h; ++h)
+            for (int x = 0; x < d.w; ++x)
+                for (int c = 0; c < d.c; ++c) {
+                    const size_t o = (((size_t)i * d.h + h) * d.w + x) * d.c + c;
+                    double v = d.accumulate ? __bfloat162float(dx0[o]) : 0.0;
+                    if (h % 2 == 0 && x % 2 == 0) {
+                        const size_t row = ((size_t)i * ph + h / 2) * pw + x / 2;
+                        double s = 0;
+                        for (int k = 0; k < d.k; ++k)
+                            s += (double)__bfloat162float(dy[row * d.k + k]) * __bfloat162float(w[(size_t)k * d.c + c]);
+                        v = d.accumulate ? rb((float)(rb((float)s) + v)) : rb((float)s);
+                    }
+                    ref[o] = v;
+                    got[o] = __bfloat162float(dx[o]);
+                }
+    check("dx", got, ref, 2e-5 * d.k, 1.0 / 64);
+
+    g_emu_tma_eager = true;
+    g_emu_block_order = 0x85ebca6bu;
+    const auto again = run_dgrad_s2(d, dy, wt, dx0);
+    g_emu_tma_eager = false;
+    g_emu_block_order = 0;
+    check_bits("eager TMA, shuffled blocks: same dx", memcmp(again.data(), dx.data(), len * 2) == 0);
+}
+
 // The weight gradient: dw[K][C] = Σ_p dy[p][K]·x[p][C] over P pixels in slices of `chunk`
 // pixels (f32 planes, summed here in slice order as conv2_wgrad_reduce does).
 struct Wgrad { int p, k, c, chunk; };
@@ -422,14 +492,18 @@ static void check_3x3(const Conv3x3& g) {
 
 // The 3×3 data gradient at stride 1, padding 1: dx[n][h][w][c] = Σ dy[n][h+1−r][w+1−s][k]·w[k][r][s][c]
 // through wt = conv3_dgrad_weights_3x3(w), with the batch-norm gradient epilogue when `bn`.
-struct Dgrad3x3 { int n, h, w, c, k; bool bn, accumulate; };
+// At stride 2 (h and w even) the four phases (grid.z): each over tiles of dy's h/2 × w/2
+// pixels with its 1, 2 or 4 taps, wt = conv3_dgrad_weights_s2(w), its rows scattered to dx's
+// (2h + ph, 2w + pw); record z·tiles + b covers tile b of phase z.
+struct Dgrad3x3 { int n, h, w, c, k; bool bn, accumulate; int stride = 1; };
 
 static void check_dgrad_3x3(const Dgrad3x3& g) {
     int th, tw, tn;
-    if (!tile_3x3(g.n, g.h, g.w, th, tw, tn)) { printf("  no whole tile\n"); ++failures; return; }
+    const int s = g.stride, dh = g.h / s, dw = g.w / s, phases = s * s;  // dy's extents
+    if (!tile_3x3(g.n, dh, dw, th, tw, tn)) { printf("  no whole tile\n"); ++failures; return; }
     std::mt19937 rng(g.n * 5 + g.h * 3 + g.c * 7 + g.k + g.bn + 2 * g.accumulate);
-    const size_t px = (size_t)g.n * g.h * g.w;
-    const auto dy = random_bf16(rng, px * g.k, 1.0f);
+    const size_t px = (size_t)g.n * g.h * g.w, dy_px = (size_t)g.n * dh * dw;
+    const auto dy = random_bf16(rng, dy_px * g.k, 1.0f);
     const auto w = random_bf16(rng, (size_t)g.k * 9 * g.c, 0.25f);
     const auto dx0 = g.accumulate ? random_bf16(rng, px * g.c, 1.0f) : std::vector<bf16>(px * g.c, __float2bfloat16_rn(NAN));
     const auto residual = random_bf16(rng, px * g.c, 1.0f);
@@ -437,29 +511,46 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     const auto bn_x = random_bf16(rng, px * g.c, 2.0f, 0.5f);
     std::vector<float> mean(g.c), invstd(g.c);
     for (int c = 0; c < g.c; ++c) { mean[c] = 0.25f + 0.01f * (c % 5); invstd[c] = c % 4 == 1 ? -1.5f : 0.75f; }
-    printf("%s n%d %dx%d c%d k%d%s, tiles %dx%dx%d\n", g.bn ? "conv3_dgrad_bn_3x3" : "conv3_dgrad_3x3", g.n, g.h, g.w, g.c, g.k,
-           g.accumulate ? " +dx" : "", tn, th, tw);
-    std::vector<bf16> wt((size_t)g.c * 9 * g.k, __float2bfloat16_rn(NAN));
-    emu_launch({4, 1, 1}, {64, 1, 1}, [&] { conv3_dgrad_weights_3x3(w.data(), wt.data(), g.k, 9, g.c); });
+    printf("%s n%d %dx%d c%d k%d%s%s, tiles %dx%dx%d\n", g.bn ? "conv3_dgrad_bn_3x3" : "conv3_dgrad_3x3", g.n, g.h, g.w, g.c,
+           g.k, g.accumulate ? " +dx" : "", s == 2 ? " stride 2 (4 phases)" : "", tn, th, tw);
+    // wt: [C][9·K] at stride 1; [4 phases][C][4 taps·K] at stride 2.
+    const int wt_cols = s == 2 ? 4 * g.k : 9 * g.k, wt_rows = phases * g.c;
+    std::vector<bf16> wt((size_t)wt_rows * wt_cols, __float2bfloat16_rn(NAN));
     bool same = true;
-    for (int k = 0; k < g.k; ++k)
-        for (int t = 0; t < 9; ++t)
-            for (int c = 0; c < g.c; ++c) same &= wt[((size_t)c * 9 + t) * g.k + k].bits == w[((size_t)k * 9 + t) * g.c + c].bits;
-    check_bits("conv3_dgrad_weights_3x3", same);
-    const int m = (int)px, tiles = m / C3_BM;
+    if (s == 2) {
+        emu_launch({4, 1, 1}, {64, 1, 1}, [&] { conv3_dgrad_weights_s2(w.data(), wt.data(), g.k, g.c); });
+        for (int z = 0; z < 4; ++z)
+            for (int c = 0; c < g.c; ++c)
+                for (int tap = 0; tap < 4; ++tap)
+                    for (int k = 0; k < g.k; ++k) {
+                        const int ph = z / 2, pw = z % 2, ri = tap / (1 + pw), ti = tap % (1 + pw);
+                        const unsigned short want =
+                            ri > ph ? 0 : w[((size_t)k * 9 + (ph ? 2 * ri : 1) * 3 + (pw ? 2 * ti : 1)) * g.c + c].bits;
+                        same &= wt[(((size_t)z * g.c + c) * 4 + tap) * g.k + k].bits == want;
+                    }
+        check_bits("conv3_dgrad_weights_s2", same);
+    } else {
+        emu_launch({4, 1, 1}, {64, 1, 1}, [&] { conv3_dgrad_weights_3x3(w.data(), wt.data(), g.k, 9, g.c); });
+        for (int k = 0; k < g.k; ++k)
+            for (int t = 0; t < 9; ++t)
+                for (int c = 0; c < g.c; ++c) same &= wt[((size_t)c * 9 + t) * g.k + k].bits == w[((size_t)k * 9 + t) * g.c + c].bits;
+        check_bits("conv3_dgrad_weights_3x3", same);
+    }
+    const int m = (int)dy_px, tiles = m / C3_BM;
     auto run = [&](std::vector<bf16>& dx, std::vector<float>& part) {
-        const unsigned long long dim[4] = {(unsigned long long)g.k, (unsigned long long)g.w, (unsigned long long)g.h,
+        const unsigned long long dim[4] = {(unsigned long long)g.k, (unsigned long long)dw, (unsigned long long)dh,
                                            (unsigned long long)g.n};
-        const unsigned long long stride[3] = {(unsigned long long)g.k * 2, (unsigned long long)g.w * g.k * 2,
-                                              (unsigned long long)g.h * g.w * g.k * 2};
+        const unsigned long long stride[3] = {(unsigned long long)g.k * 2, (unsigned long long)dw * g.k * 2,
+                                              (unsigned long long)dh * dw * g.k * 2};
         const unsigned box[4] = {C3_BK, (unsigned)tw, (unsigned)th, (unsigned)tn};
         const BtTmaMap map_dy = emu_tma_encode(dy.data(), 4, dim, stride, box, true);
-        const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), 9ull * g.k, (unsigned long long)g.c, 9ull * g.k * 2, C3_BK,
-                                                  (unsigned)g_bn, true);
-        const Conv3Args args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1, 1};
+        const BtTmaMap map_wt = emu_tma_encode_2d(wt.data(), (unsigned long long)wt_cols, (unsigned long long)wt_rows,
+                                                  (unsigned long long)wt_cols * 2, C3_BK, (unsigned)g_bn, true);
+        const Conv3Args args = s == 2 ? Conv3Args{m, g.c, 4 * g.k, g.accumulate ? 1 : 0, g.k, dh, dw, th, tw, 1, 3, 1, 2}
+                                      : Conv3Args{m, g.c, 9 * g.k, g.accumulate ? 1 : 0, 9 * g.k, g.h, g.w, th, tw, 1, 3, 1, 1};
         bf16* dxp = dx.data();
         float* pp = part.data();
-        const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), 1};
+        const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)phases};
         if (g.bn)
             emu_launch(grid, {C3_THREADS, 1, 1}, [&] {
                 (g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
@@ -469,7 +560,7 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
     std::vector<bf16> dx = dx0;
-    std::vector<float> part(g.bn ? 2 * (size_t)tiles * g.c : 0, NAN);
+    std::vector<float> part(g.bn ? 2 * (size_t)phases * tiles * g.c : 0, NAN);
     g_emu_tma_eager = false;
     g_emu_block_order = 0;
     run(dx, part);
@@ -481,10 +572,12 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
                     double acc = 0;
                     for (int r = 0; r < 3; ++r)
                         for (int t = 0; t < 3; ++t) {
-                            const int hh = h + 1 - r, ww = q + 1 - t;
-                            if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
+                            // dy's pixel whose tap (r, t) lands on (h, q): (h + 1 − r) / s
+                            if ((h + 1 - r) % s != 0 || (q + 1 - t) % s != 0) continue;
+                            const int hh = (h + 1 - r) / s, ww = (q + 1 - t) / s;
+                            if (h + 1 - r < 0 || hh >= dh || q + 1 - t < 0 || ww >= dw) continue;
                             for (int k = 0; k < g.k; ++k)
-                                acc += (double)__bfloat162float(dy[(((size_t)n * g.h + hh) * g.w + ww) * g.k + k]) *
+                                acc += (double)__bfloat162float(dy[(((size_t)n * dh + hh) * dw + ww) * g.k + k]) *
                                        __bfloat162float(w[((size_t)k * 9 + r * 3 + t) * g.c + c]);
                         }
                     const size_t o = (((size_t)n * g.h + h) * g.w + q) * g.c + c;
@@ -499,24 +592,25 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
                 }
     check("dx", got, ref, 2e-5 * 9 * g.k, 1.0 / 64);
     if (g.bn) {
-        const int wb = g.w / tw, hb = g.h / th;
+        const int wb = dw / tw, hb = dh / th;
         std::vector<double> gb, rb_, gg, rg;
-        for (int b = 0; b < tiles; ++b) {
+        for (int zb = 0; zb < phases * tiles; ++zb) {
+            const int b = zb % tiles, ph = zb / tiles / s, pw = zb / tiles % s;
             const int w0 = b % wb * tw, h0 = b / wb % hb * th, n0 = b / (wb * hb) * tn;
             for (int c = 0; c < g.c; ++c) {
                 double sb = 0, sg = 0;
                 for (int i = 0; i < tn; ++i)
                     for (int hh = 0; hh < th; ++hh)
                         for (int ww = 0; ww < tw; ++ww) {
-                            const size_t o = (((size_t)(n0 + i) * g.h + h0 + hh) * g.w + w0 + ww) * g.c + c;
+                            const size_t o = (((size_t)(n0 + i) * g.h + s * (h0 + hh) + ph) * g.w + s * (w0 + ww) + pw) * g.c + c;
                             const double v = __bfloat162float(dx[o]);
                             sb += v;
                             sg += v * (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c];
                         }
                 rb_.push_back(sb);
                 rg.push_back(sg);
-                gb.push_back(part[(size_t)b * g.c + c]);
-                gg.push_back(part[(size_t)tiles * g.c + (size_t)b * g.c + c]);
+                gb.push_back(part[(size_t)zb * g.c + c]);
+                gg.push_back(part[(size_t)phases * tiles * g.c + (size_t)zb * g.c + c]);
             }
         }
         check("tile sums of g", gb, rb_, 1e-4, 1e-5);
@@ -657,6 +751,16 @@ int main(int argc, char** argv) {
             if (first_only && failures) break;
             check_dgrad(d);
         }
+        const DgradS2 dgrads_s2[] = {
+            {2, 16, 16, 136, 200, false},  // even extents: 2 × 8 × 8 rows of dy, tails in C and K
+            {3, 15, 13, 72, 520, false},   // odd 15 × 13 → 8 × 7: the last row and column of cells cut; the ring wraps
+            {3, 15, 13, 136, 200, true},   // the same cells added into dx
+            {1, 9, 31, 64, 64, true},      // one image, M = 5 × 16 = 80 (a tile that is mostly tail)
+        };
+        for (const DgradS2& d : dgrads_s2) {
+            if (first_only && failures) break;
+            check_dgrad_s2(d);
+        }
         for (const Wgrad& g : kWgrads) {
             if (first_only && failures) break;
             check_wgrad(g);
@@ -681,6 +785,12 @@ int main(int argc, char** argv) {
             {4, 8, 8, 72, 64, false, false},   // an input-channel tail (72 = 64 + 8)
             {2, 16, 16, 64, 128, true, true},  // two slices per tap, added into dx, every epilogue operand
             {128, 3, 3, 8, 64, true, false},   // one-pixel tiles: every tap but the centre pads
+            // stride 2, the four phases: dy 8 × 8 in tiles of 2 × 8 × 8, an input-channel tail
+            {4, 16, 16, 72, 64, false, false, 2},
+            // dy 4 × 4 (tiles of 8 images × 4 × 4), two slices per tap, added into dx, the BN epilogue
+            {8, 8, 8, 64, 128, true, true, 2},
+            // dy 8 × 16 of one image (tiles of 8 × 16 rows), the BN epilogue overwriting
+            {1, 16, 32, 136, 64, true, false, 2},
         };
         for (const Dgrad3x3& g : dgrads3) {
             if (first_only && failures) break;

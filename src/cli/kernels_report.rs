@@ -298,7 +298,12 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
     }
     if kernel.starts_with("conv3_") {
         // the weight rearrangements are not GEMMs
-        let gemm = ![conv3::TRANSPOSE_KERNEL, conv3::DGRAD_WEIGHTS_3X3_KERNEL].contains(&kernel);
+        let gemm = ![
+            conv3::TRANSPOSE_KERNEL,
+            conv3::DGRAD_WEIGHTS_3X3_KERNEL,
+            conv3::DGRAD_WEIGHTS_S2_KERNEL,
+        ]
+        .contains(&kernel);
         return gemm.then_some((conv3::THREADS as usize, conv3::smem_bytes(kernel)));
     }
     // v1: 256 threads, static shared memory only (src/cuda/backend/conv.rs, CONV_THREADS).

@@ -4,9 +4,11 @@
 //! conv3.cu computes 1×1 convolutions at stride 1 without padding as `wgmma` GEMMs whose
 //! operands the Tensor Memory Accelerator loads, and 3×3 ones (stride 1 or 2, padding 1) and
 //! strided 1×1 ones through 4-D boxes of the NHWC input, one per filter tap (at stride 2 the
-//! input's tensor map traverses rows and columns with stride 2); every other layer or pass
-//! (the stem, the data gradients of strided layers, and every layer on a GPU other than
-//! compute capability 9.0) keeps the v2 kernels. The file is compiled for the
+//! input's tensor map traverses rows and columns with stride 2); the data gradient of a
+//! strided 1×1 is the 1×1 dgrad GEMM over dy's pixels with a scattered epilogue, and that of a
+//! strided 3×3 four phases of the 3×3 dgrad (conv2.cu's, on the 4-D path). Every other layer
+//! or pass (the stem, strided 3×3 data gradients of odd extents, and every layer on a GPU other
+//! than compute capability 9.0) keeps the v2 kernels. The file is compiled for the
 //! architecture-specific target `sm_90a` on Hopper ([`KernelFile::target_for`]); for any other
 //! target its kernels are stubs that trap, which the dispatch here never launches.
 //!
@@ -156,6 +158,12 @@ pub const DGRAD_BN_3X3_KERNEL: &str = "conv3_dgrad_bn_3x3";
 pub const WGRAD_3X3_KERNEL: &str = "conv3_wgrad_3x3";
 /// The weight rearranged for the 3×3 data gradient (`wt[c][tap·K + k] = w[k][tap][c]`).
 pub const DGRAD_WEIGHTS_3X3_KERNEL: &str = "conv3_dgrad_weights_3x3";
+/// The weight rearranged per phase for the stride-2 3×3 data gradient
+/// (`[4 phases][C][4 taps·K]`, a phase's unused taps zero).
+pub const DGRAD_WEIGHTS_S2_KERNEL: &str = "conv3_dgrad_weights_s2";
+/// The phases of a stride-2 3×3 data gradient (`gridDim.z`): the parities of dx's rows and
+/// columns.
+pub const DGRAD_PHASES: usize = 4;
 /// The data gradient: `dx = dy · wt ᵀ` with the transposed weight (+ dx when accumulating).
 pub const DGRAD_KERNEL: &str = "conv3_dgrad_1x1";
 /// The data gradient finishing the gradient of the batch norm before the convolution
@@ -199,7 +207,7 @@ pub struct Conv3Args {
     /// 3×3: the filter size (3; 1 for a strided 1×1).
     pub taps: i32,
     /// 3×3 data gradient: 1 shifts the input boxes by pad − tap (a correlation with the
-    /// flipped filter), 0 by tap − pad.
+    /// flipped filter), 0 by tap − pad; with stride 2, the four phases ([`dgrad_s2_args`]).
     pub flip: i32,
     /// The convolution's stride (1 or 2): the 4-D path's box of output pixel (h, w) starts at
     /// input pixel (h, w) × stride − pad + tap, through a tensor map with that traversal stride.
@@ -310,11 +318,13 @@ pub fn forward_4d_args(s: &ConvShape, arch: GpuArch) -> Option<Conv3Args> {
     })
 }
 
-/// The GEMM of a 3×3 data gradient at stride 1 with padding 1 on Hopper: M = input pixels in
-/// whole tiles, N = input channels, K = 9 × output channels (a multiple of 64 per tap).
-/// Data gradients of strided layers stay on v2: dx of a stride-2 layer is a scatter (each
-/// output pixel's taps land on every other input pixel), not a box of dy per tap.
+/// The GEMM of a 3×3 data gradient with padding 1 on Hopper. At stride 1: M = input pixels in
+/// whole tiles, N = input channels, K = 9 × output channels (a multiple of 64 per tap). At
+/// stride 2 ([`dgrad_s2_args`]) the four phases.
 pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<Conv3Args> {
+    if s.kernel == 3 && s.stride == 2 {
+        return dgrad_s2_args(s, arch, accumulate);
+    }
     if s.kernel != 3 || s.stride != 1 || s.c_out % TILE_K != 0 || s.c_in % 8 != 0 {
         return None;
     }
@@ -330,6 +340,47 @@ pub fn dgrad_3x3_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<
         flip: 1,
         ..f
     })
+}
+
+/// The GEMM of a stride-2 3×3 data gradient (padding 1, even input extents) as conv2.cu's
+/// phases: `gridDim.z` = [`DGRAD_PHASES`] parities (ph, pw) of dx's rows and columns, each a
+/// stride-1 correlation of dy with the taps r ≡ ph + 1 (mod 2) (1 + ph of them, the same along
+/// the columns) over tiles of dy's extents (each phase's pixels: dx's halved), scattered to dx's
+/// (2h + ph, 2w + pw). M = dy's pixels in whole tiles, N = input channels, K = 4 × output
+/// channels (the row of the phase's weight, `[4][C][4·K]`; a phase reduces 1, 2 or 4 taps of
+/// `k_chunk` = K, a multiple of 64).
+pub fn dgrad_s2_args(s: &ConvShape, arch: GpuArch, accumulate: bool) -> Option<Conv3Args> {
+    if !runs_on(arch)
+        || (s.kernel, s.stride, s.padding) != (3, 2, 1)
+        || s.h % 2 != 0
+        || s.w % 2 != 0
+        || s.c_out % TILE_K != 0
+        || s.c_in % 8 != 0
+    {
+        return None;
+    }
+    let (dh, dw) = (s.h / 2, s.w / 2);
+    let (_, th, tw) = tile_3x3(s.n, dh, dw)?;
+    Some(Conv3Args {
+        m: i32::try_from(s.n * dh * dw).ok()?,
+        n: i32::try_from(s.c_in).ok()?,
+        k: i32::try_from(4 * s.c_out).ok()?,
+        accumulate: i32::from(accumulate),
+        k_chunk: i32::try_from(s.c_out).ok()?,
+        height: i32::try_from(dh).ok()?,
+        width: i32::try_from(dw).ok()?,
+        tile_h: th as i32,
+        tile_w: tw as i32,
+        pad: 1,
+        taps: 3,
+        flip: 1,
+        stride: 2,
+    })
+}
+
+/// Whether `args` are a stride-2 3×3 data gradient's phases ([`dgrad_s2_args`]).
+pub fn is_phased(args: &Conv3Args) -> bool {
+    args.flip == 1 && args.stride > 1
 }
 
 /// The tile (images, rows, columns) of 64 output pixels of a weight gradient through 4-D
@@ -382,9 +433,33 @@ pub fn takes_wgrad(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || wgrad_4d_tile(s, arch).is_some()
 }
 
-/// Whether v3 takes the data gradient of a layer: a 1×1 ([`takes`]) or a 3×3 with whole tiles.
+/// Whether v3 takes the data gradient of a layer: a 1×1 at stride 1 ([`takes`]) or 2
+/// ([`takes_strided_dgrad`]), or a 3×3 at stride 1 or 2 (even extents) with whole tiles.
 pub fn takes_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
-    takes(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
+    takes(s, arch) || takes_strided_dgrad(s, arch) || dgrad_3x3_args(s, arch, false).is_some()
+}
+
+/// Whether v3 takes the data gradient of a layer with the batch-norm gradient epilogue
+/// (`conv_backward_data_bn`): [`takes_dgrad`] but the strided 1×1. Its scattered epilogue
+/// writes the GEMM's pixels (every other row and column) and zeros elsewhere, while the batch
+/// norm's gradient needs the residual, the mask and the records at every pixel of dx; and no
+/// model fuses it: a downsampling projection is never the first reader of its input (the
+/// block's conv1 is, src/model/bn_fusion.rs), so it stays on v2 there.
+pub fn takes_dgrad_bn(s: &ConvShape, arch: GpuArch) -> bool {
+    takes_dgrad(s, arch) && !takes_strided_dgrad(s, arch)
+}
+
+/// Whether v3 takes the data gradient of a strided 1×1 (stride 2, no padding, the
+/// downsampling projection): the stride-1 dgrad GEMM over dy's pixels whose epilogue scatters
+/// them to every other row and column of dx ([`dgrad_args`]).
+pub fn takes_strided_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
+    runs_on(arch)
+        && s.kernel == 1
+        && s.stride == 2
+        && s.padding == 0
+        && s.c_in % 8 == 0
+        && s.c_out % 8 == 0
+        && dgrad_args(s, false).is_some()
 }
 
 /// Whether the v3 kernels run on a GPU of `arch`: compute capability 9.0 only, the one that
@@ -399,14 +474,27 @@ pub fn takes_forward(s: &ConvShape, arch: GpuArch) -> bool {
     takes(s, arch) || forward_4d_args(s, arch).is_some()
 }
 
-/// The GEMM of a 1×1 data gradient: M = pixels, N = input channels, K = output channels.
+/// The GEMM of a 1×1 data gradient: M = pixels of dy, N = input channels, K = output
+/// channels. At stride > 1 (no padding) the kernel scatters dy's pixel (n, p, q) to dx's
+/// (n, p·stride, q·stride) and, without `accumulate`, writes zeros to the other pixels: the
+/// arguments carry dx's height and width and the stride.
 pub fn dgrad_args(s: &ConvShape, accumulate: bool) -> Option<Conv3Args> {
     let f = forward_args(s)?;
+    let strided = s.stride > 1;
+    // dx's elements are addressed with 64-bit offsets; its extents must fit the arguments.
+    let (height, width) = if strided {
+        (i32::try_from(s.h).ok()?, i32::try_from(s.w).ok()?)
+    } else {
+        (0, 0)
+    };
     Some(Conv3Args {
         n: f.k,
         k: f.n,
         accumulate: i32::from(accumulate),
         k_chunk: f.n,
+        height,
+        width,
+        stride: i32::try_from(s.stride).ok()?,
         ..f
     })
 }
@@ -451,12 +539,13 @@ pub fn transpose_launch(rows: usize, cols: usize) -> ((u32, u32, u32), (u32, u32
     )
 }
 
-/// The grid of a GEMM: one block per 128 × [`tile_n`] output tile.
+/// The grid of a GEMM: one block per 128 × [`tile_n`] output tile (and per phase of a
+/// stride-2 3×3 data gradient, [`is_phased`]).
 pub fn grid(a: &Conv3Args) -> (u32, u32, u32) {
     (
         (a.m as usize).div_ceil(TILE_M) as u32,
         (a.n as usize).div_ceil(tile_n(a)) as u32,
-        1,
+        if is_phased(a) { DGRAD_PHASES as u32 } else { 1 },
     )
 }
 
@@ -701,7 +790,11 @@ mod tests {
         let mut want: Vec<&str> = gemms.to_vec();
         want.extend(&narrow);
         want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
-        want.extend([DGRAD_WEIGHTS_3X3_KERNEL, TRANSPOSE_KERNEL]);
+        want.extend([
+            DGRAD_WEIGHTS_3X3_KERNEL,
+            DGRAD_WEIGHTS_S2_KERNEL,
+            TRANSPOSE_KERNEL,
+        ]);
         assert_eq!(names, want);
         for k in gemms {
             assert_eq!(with_tile(k, TILE_N_NARROW), format!("{k}_n64"));
@@ -915,10 +1008,59 @@ mod tests {
         ));
         assert!(!takes_forward(&s(256, 56, 72, 512, 1, 2), hopper));
         assert!(!takes_forward(&s(4, 13, 64, 64, 3, 2), hopper), "4 × 7 × 7");
-        // Data gradients of strided layers (a scatter at stride 2): v2.
-        assert!(!takes_dgrad(&s(256, 56, 128, 128, 3, 2), hopper));
-        assert!(dgrad_3x3_args(&s(256, 56, 128, 128, 3, 2), hopper, false).is_none());
-        assert!(!takes_dgrad(&s(256, 56, 256, 512, 1, 2), hopper));
+        // The strided 3×3's data gradient: four phases over tiles of dy's 28 × 28 pixels, each
+        // reducing its taps' rows of the [4][C][4·K] weight; with the batch-norm epilogue.
+        let s3 = s(256, 56, 128, 128, 3, 2);
+        assert!(takes_dgrad(&s3, hopper) && takes_dgrad_bn(&s3, hopper));
+        let p = dgrad_3x3_args(&s3, hopper, false).unwrap();
+        assert_eq!(p, dgrad_s2_args(&s3, hopper, false).unwrap());
+        assert_eq!(
+            (p.m, p.n, p.k, p.k_chunk, p.height, p.width, p.tile_h, p.tile_w),
+            (256 * 28 * 28, 128, 512, 128, 28, 28, 4, 4)
+        );
+        assert_eq!((p.pad, p.taps, p.flip, p.stride), (1, 3, 1, 2));
+        assert!(
+            is_phased(&p)
+                && !is_phased(&dgrad_3x3_args(&s(256, 56, 128, 128, 3, 1), hopper, false).unwrap())
+        );
+        assert_eq!(grid(&p), (256 * 28 * 28 / 128, 1, 4));
+        // Odd extents (phases of different sizes), output channels not in 64s, no whole tile,
+        // other GPUs: v2.
+        assert!(!takes_dgrad(&s(2, 15, 128, 128, 3, 2), hopper));
+        assert!(!takes_dgrad(&s(4, 16, 64, 72, 3, 2), hopper));
+        assert!(!takes_dgrad(&s(4, 14, 64, 64, 3, 2), hopper), "4 × 7 × 7");
+        assert!(!takes_dgrad(&s3, GpuArch::new(8, 0)));
+        // The strided 1×1's: the dgrad GEMM over dy's 28 × 28 pixels, scattered to dx's
+        // 56 × 56 (the extents and stride in the arguments); without the batch-norm epilogue.
+        let down = s(256, 56, 256, 512, 1, 2);
+        assert!(takes_dgrad(&down, hopper) && takes_strided_dgrad(&down, hopper));
+        assert!(!takes_dgrad_bn(&down, hopper));
+        let d = dgrad_args(&down, true).unwrap();
+        assert_eq!(
+            (d.m, d.n, d.k, d.accumulate, d.height, d.width, d.stride),
+            (256 * 28 * 28, 256, 512, 1, 56, 56, 2)
+        );
+        assert_eq!((d.tile_h, d.tile_w, d.taps, d.pad, d.flip), (0, 0, 0, 0, 0));
+        // Odd 15 × 15 → 8 × 8 pixels of dy; 64 input channels: the 64-column twin.
+        let odd = dgrad_args(&s(2, 15, 64, 136, 1, 2), false).unwrap();
+        assert_eq!(
+            (odd.m, odd.n, odd.height, odd.stride),
+            (2 * 8 * 8, 64, 15, 2)
+        );
+        assert_eq!(with_tile(DGRAD_KERNEL, tile_n(&odd)), "conv3_dgrad_1x1_n64");
+        // Not Hopper, odd channels, padding: v2.
+        assert!(!takes_dgrad(&down, GpuArch::new(8, 0)));
+        assert!(!takes_dgrad(&s(256, 56, 256, 516, 1, 2), hopper));
+        assert!(!takes_dgrad(&ConvShape { padding: 1, ..down }, hopper));
+        // Stride-1 layers keep their epilogue (and their arguments: no scatter).
+        assert!(takes_dgrad_bn(&s(256, 56, 256, 512, 1, 1), hopper));
+        assert!(takes_dgrad_bn(&s(256, 56, 64, 64, 3, 1), hopper));
+        assert_eq!(
+            dgrad_args(&s(256, 56, 256, 512, 1, 1), false)
+                .unwrap()
+                .stride,
+            1
+        );
         // Weight gradients: 64-pixel tiles of the output, x's boxes at stride 2.
         let (w3, slices, tile) = wgrad_4d_args(&s(256, 56, 128, 128, 3, 2), hopper, 132).unwrap();
         assert_eq!(tile, (4, 4, 4));

@@ -175,6 +175,14 @@ kernel_launchers! {
         taps: i32,
         c_in: i32,
     }
+    /// The weight rearranged per phase for the v3 stride-2 3×3 data gradient
+    /// (`[4 phases][C][4 taps·K]`).
+    "conv3.cu" Conv3DgradWeightsS2<'a> ["conv3_dgrad_weights_s2"] {
+        w: In<'a, u16>,
+        wt: Out<'a, u16>,
+        k_out: i32,
+        c_in: i32,
+    }
     /// The weight transposed for the v3 data gradient.
     "conv3.cu" Conv3TransposeWeights<'a> ["conv3_transpose_weights"] {
         w: In<'a, u16>,

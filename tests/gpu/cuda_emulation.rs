@@ -249,6 +249,18 @@ fn kernels_match_references_under_emulation() {
         ),
         // the 64-row twin's consumers writing the same 64 columns of dw
         ("col_base = n0 + (SPLIT_N ? c * 64 : 0);", "col_base = n0;"),
+        // the strided 1×1's data gradient scattering dy's pixel (p, q) to dx's (2p, 2q + 1)
+        (
+            "* a.width + (long)q * a.stride;",
+            "* a.width + (long)q * a.stride + 1;",
+        ),
+        // the strided 1×1's data gradient leaving the cells' other pixels unwritten
+        ("if (scatter && !a.accumulate) {", "if (false) {"),
+        // the stride-2 3×3 data gradient's odd-row phase reading dy's rows with the taps swapped
+        (
+            "h0 + (ph ? 1 - ri : 0), img0, full);",
+            "h0 + (ph ? ri : 0), img0, full);",
+        ),
     ];
     let mut broken_conv3 = Vec::new();
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {

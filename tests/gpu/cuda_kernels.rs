@@ -1035,8 +1035,10 @@ fn conv3_3x3_shapes() -> Vec<ConvShape> {
 /// projections): 3×3 16 → 8 in
 /// tiles of 2 images × 8 × 8 with an output-channel tail, odd 15 → 8 (the padding below and
 /// right) with 64 output channels (the `_n64` forward, the `_m64` weight gradient), 13 → 7 in
-/// one-pixel tiles of 128 images; 1×1 16 → 8 with two channel slices, odd 15 × 31 → 8 × 16
-/// with a tail, and 64 input channels (the weight gradient's `_n64` twin).
+/// one-pixel tiles of 128 images, and with even extents and output channels in 64s (the data
+/// gradient's four phases on v3: 16 → 8 with 64 input channels, the `_n64` twin; 8 → 4 in
+/// tiles of 8 images × 4 × 4 with two slices per tap); 1×1 16 → 8 with two channel slices,
+/// odd 15 × 31 → 8 × 16 with a tail, and 64 input channels (the weight gradient's `_n64` twin).
 fn conv3_strided_shapes() -> Vec<ConvShape> {
     let c = |n, h, w, c_in, c_out, kernel| ConvShape {
         n,
@@ -1052,6 +1054,8 @@ fn conv3_strided_shapes() -> Vec<ConvShape> {
         c(4, 16, 16, 64, 72, 3),
         c(2, 15, 15, 128, 64, 3),
         c(128, 13, 13, 64, 128, 3),
+        c(4, 16, 16, 64, 64, 3),
+        c(8, 8, 8, 128, 128, 3),
         c(4, 16, 16, 128, 256, 1),
         c(2, 15, 31, 64, 136, 1),
         c(2, 16, 16, 64, 64, 1),
@@ -1250,9 +1254,9 @@ fn v2_forward_or_weight_gradient(kernel: &str) -> bool {
 /// The v3 forward, data-gradient and weight-gradient kernels against the CPU (the v2 tests'
 /// tolerances: bf16 outputs 1e-2 + 1/128 relative, the f32 weight gradient 2e-3 + 1e-4), each
 /// launch twice to the bit, and the v3 kernels are the ones that ran: every pass of the 1×1
-/// layers and the forward and weight gradient of the 3×3 and strided ones are v3's; a 3×3 data
-/// gradient is v2's where the output channels do not split into 64 per tap, a strided one
-/// always. Every check runs and prints a PASS/FAIL line; the test fails at the end with all
+/// layers (strided ones too) and the forward and weight gradient of the 3×3 ones are v3's; a
+/// 3×3 data gradient is v2's where the output channels do not split into 64 per tap, or at
+/// stride 2 where the extents are odd. Every check runs and prints a PASS/FAIL line; the test fails at the end with all
 /// the failures, each with the pattern of its wrong elements.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -1330,36 +1334,66 @@ fn conv3_ops_match_cpu_and_repeat_bitwise() {
     );
     // Strided layers: the forward and weight gradient on v3 (the 4-D kernels, a strided input
     // map; the weight gradient of 64 output channels in 64-row tiles, of the 1×1s with 64
-    // input channels in 64-column tiles), the data gradients on v2, each against the CPU.
-    for s in conv3_strided_shapes() {
-        v3.every_pass(&s, 0.1, &mut rng);
+    // input channels in 64-column tiles), the strided 1×1's data gradient on v3 (the 1×1 dgrad
+    // GEMM with its scattered epilogue), the strided 3×3's on v3 in four phases where its
+    // extents are even and its output channels in 64s, else on v2, each against the CPU.
+    let (strided_3x3, strided_1x1): (Vec<ConvShape>, Vec<ConvShape>) = conv3_strided_shapes()
+        .into_iter()
+        .partition(|s| s.kernel == 3);
+    for s in &strided_3x3 {
+        v3.every_pass(s, 0.1, &mut rng);
     }
     let strided = v3.take_ran();
     v3.expect_ran(
-        "strided",
+        "strided 3×3",
         &strided,
         &[
             "conv3_fwd_3x3",
             "conv3_fwd_3x3_n64",
             "conv3_wgrad_3x3",
             "conv3_wgrad_3x3_m64",
-            "conv3_wgrad_3x3_n64",
+            // the even shapes' data gradients: four phases each
+            "conv3_dgrad_3x3",
+            "conv3_dgrad_3x3_n64",
+            "conv3_dgrad_weights_s2",
         ],
     );
     v3.expect_none(
-        "strided: v2 ran no forward or weight gradient v3 takes",
+        "strided 3×3: v2 ran no forward or weight gradient v3 takes",
         &strided,
         v2_forward_or_weight_gradient,
     );
     let v2_dgrad = strided.iter().any(|k| k.starts_with("conv2_dgrad"));
     v3.findings.record(
-        "strided: the data gradients are v2's",
+        "strided 3×3: the odd shapes' data gradients are v2's",
         &[],
         if v2_dgrad {
             Ok(())
         } else {
             Err(format!("no conv2_dgrad ran: {strided:?}"))
         },
+    );
+    for s in &strided_1x1 {
+        v3.every_pass(s, 0.1, &mut rng);
+    }
+    let strided = v3.take_ran();
+    v3.expect_ran(
+        "strided 1×1",
+        &strided,
+        &[
+            "conv3_fwd_3x3",
+            "conv3_wgrad_3x3",
+            "conv3_wgrad_3x3_n64",
+            // 128 and 64 input channels: the scattered data gradient in both tile widths
+            "conv3_dgrad_1x1",
+            "conv3_dgrad_1x1_n64",
+            "conv3_transpose_weights",
+        ],
+    );
+    v3.expect_none(
+        "strided 1×1: v2 ran none of the passes v3 takes (data gradients included)",
+        &strided,
+        |k| v2_forward_or_weight_gradient(k) || k.starts_with("conv2_dgrad"),
     );
     v3.gb.set_profiling(false);
     v3.findings.finish("conv3_ops_match_cpu_and_repeat_bitwise");

@@ -244,7 +244,8 @@ pub(super) fn conv_backward_data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
-    let v3 = be.conv3_takes_dgrad(s);
+    // The strided 1×1's v3 dgrad has no batch-norm epilogue: v2's fused kernel there.
+    let v3 = be.conv3_takes_dgrad_bn(s);
     let plan = if v3 {
         None
     } else {

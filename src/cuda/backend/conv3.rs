@@ -1,7 +1,8 @@
 //! The v3 convolutions (kernels/conv3.cu, `BIRDTRAIN_CONV=v3`): 1×1 convolutions at stride 1,
-//! 3×3 ones at stride 1 (in whole tiles of pixels) and the forward and weight gradient of
-//! strided 3×3 and 1×1 ones on Hopper as `wgmma` GEMMs fed by TMA, with the same batch-norm epilogues and records as
-//! v2, so the fused batch norm reads them unchanged. [`crate::cuda::conv3`] decides which
+//! 3×3 ones at stride 1 (in whole tiles of pixels), the forward and weight gradient of
+//! strided 3×3 and 1×1 ones and their data gradients (even extents for the 3×3) on Hopper as `wgmma`
+//! GEMMs fed by TMA, with the same batch-norm epilogues and records as v2, so the fused batch
+//! norm reads them unchanged. [`crate::cuda::conv3`] decides which
 //! layers they take; every other layer keeps v2. Each launch encodes its operands' tensor
 //! maps (a host call, no device work) and passes them by value.
 
@@ -13,8 +14,8 @@ use crate::cuda::conv::ConvVersion;
 use crate::cuda::conv3::{self, Conv3Args, TensorMap};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
-    Conv2WgradReduce, Conv3DgradBn, Conv3DgradWeights3x3, Conv3FwdStats, Conv3Gemm,
-    Conv3TransposeWeights, Conv3Wgrad,
+    Conv2WgradReduce, Conv3DgradBn, Conv3DgradWeights3x3, Conv3DgradWeightsS2, Conv3FwdStats,
+    Conv3Gemm, Conv3TransposeWeights, Conv3Wgrad,
 };
 
 /// The batch-norm gradient epilogue's operands of a v3 data gradient (conv2's contract).
@@ -40,10 +41,16 @@ impl CudaBackend {
         self.conv == ConvVersion::V3 && conv3::takes_wgrad(s, self.dev.arch())
     }
 
-    /// Whether v3 is selected and takes this layer's data gradient (1×1, or 3×3 at stride 1
-    /// with whole tiles).
+    /// Whether v3 is selected and takes this layer's data gradient (1×1 at stride 1 or 2, or
+    /// 3×3 at stride 1 with whole tiles).
     pub(super) fn conv3_takes_dgrad(&self, s: &ConvShape) -> bool {
         self.conv == ConvVersion::V3 && conv3::takes_dgrad(s, self.dev.arch())
+    }
+
+    /// Whether v3 is selected and takes this layer's data gradient with the batch-norm
+    /// gradient epilogue ([`conv3::takes_dgrad_bn`]: not the strided 1×1's).
+    pub(super) fn conv3_takes_dgrad_bn(&self, s: &ConvShape) -> bool {
+        self.conv == ConvVersion::V3 && conv3::takes_dgrad_bn(s, self.dev.arch())
     }
 
     /// Whether v3 is selected and takes this layer's forward pass (1×1 at stride 1, or through
@@ -176,8 +183,11 @@ impl CudaBackend {
     }
 
     /// dx = dgrad(dy, w) (+ dx when `accumulate`) for a layer [`Self::conv3_takes_dgrad`]
-    /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3) in the scratch;
-    /// with `bn`, the batch-norm gradient epilogue and its records.
+    /// accepts, through the weight transposed (1×1) or rearranged per tap (3×3; per phase and
+    /// tap at stride 2) in the scratch;
+    /// with `bn` (a layer [`Self::conv3_takes_dgrad_bn`] accepts), the batch-norm gradient
+    /// epilogue and its records. A strided 1×1 writes the GEMM's pixels of dx and zeros (or,
+    /// accumulating, nothing) at the others from the same epilogue.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn conv3_backward_data(
         &self,
@@ -190,6 +200,14 @@ impl CudaBackend {
         bn: Option<DgradBn<'_>>,
     ) -> Result<(), BackendError> {
         let three = s.kernel == 3;
+        let strided = !three && s.stride > 1;
+        if strided && bn.is_some() {
+            return Err(dev_err(op)(CudaError::Unsupported {
+                what: format!(
+                    "{s:?}: the strided 1×1's v3 data gradient has no batch-norm epilogue"
+                ),
+            }));
+        }
         let args = if three {
             conv3::dgrad_3x3_args(s, self.dev.arch(), accumulate)
         } else {
@@ -197,11 +215,23 @@ impl CudaBackend {
         }
         .ok_or_else(|| too_large(op, s))?;
         let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let phased = conv3::is_phased(&args);
+        // The stride-2 3×3's weight per phase: [4][c_in][4 taps·c_out] (16 taps for 9).
+        let wt_rows = if phased { conv3::DGRAD_PHASES * n } else { n };
         let mut scratch = self.conv2.lock().unwrap_or_else(|e| e.into_inner());
         let Conv2Scratch { wt, .. } = &mut *scratch;
-        ensure(&self.dev, wt, s.w_len(), op)?;
+        ensure(&self.dev, wt, wt_rows * k, op)?;
         let wt = wt.as_mut().expect("ensured");
-        if three {
+        if phased {
+            let rearrange = Conv3DgradWeightsS2 {
+                w: w.into(),
+                wt: (&mut *wt).into(),
+                k_out: to_i32(op, "c_out", s.c_out)?,
+                c_in: to_i32(op, "c_in", s.c_in)?,
+            };
+            let kernel = conv3::DGRAD_WEIGHTS_S2_KERNEL;
+            self.launch(op, kernel, elementwise_cfg(wt_rows * k), rearrange)?;
+        } else if three {
             // w is KRSC; the GEMM's B is [c_in][(tap, c_out)] (K-major over the reduction).
             let rearrange = Conv3DgradWeights3x3 {
                 w: w.into(),
@@ -230,13 +260,15 @@ impl CudaBackend {
         }
         self.note_work(4 * s.w_len(), 0.0);
         let map_dy = if three {
-            let tile = conv3::tile_3x3(s.n, s.h, s.w).expect("dgrad_3x3_args found one");
-            self.tensor_map_nhwc(op, dy, (s.n, s.h, s.w, s.c_out), tile, 1)?
+            // Tiles of dx's pixels at stride 1, of dy's (each phase's) at stride 2.
+            let (h, w) = (s.out_h(), s.out_w());
+            let tile = conv3::tile_3x3(s.n, h, w).expect("dgrad_3x3_args found one");
+            self.tensor_map_nhwc(op, dy, (s.n, h, w, s.c_out), tile, 1)?
         } else {
             self.tensor_map(op, dy, m, k, conv3::TILE_M)?
         };
         let bn_cols = conv3::tile_n(&args);
-        let map_wt = self.tensor_map(op, wt, n, k, bn_cols)?;
+        let map_wt = self.tensor_map(op, wt, wt_rows, k, bn_cols)?;
         let (plain, with_bn) = if three {
             (conv3::DGRAD_3X3_KERNEL, conv3::DGRAD_BN_3X3_KERNEL)
         } else {
@@ -247,7 +279,14 @@ impl CudaBackend {
             conv3::with_tile(with_bn, bn_cols),
         );
         let streams = 2 + usize::from(accumulate);
-        let bytes = 2 * (s.y_len() + s.w_len() + s.x_len() * streams);
+        let bytes = if strided {
+            // dx written once (the GEMM's pixels and the zeros), or its GEMM pixels (dy's
+            // count of them) read and written when accumulating.
+            let dx_bytes = if accumulate { 2 * m * n } else { s.x_len() };
+            2 * (s.y_len() + s.w_len() + dx_bytes)
+        } else {
+            2 * (s.y_len() + s.w_len() + s.x_len() * streams)
+        };
         match bn {
             None => {
                 let cfg = self.conv3_prepare(op, plain, conv3::grid(&args))?;
@@ -263,7 +302,8 @@ impl CudaBackend {
             Some(bn) => {
                 let cfg = self.conv3_prepare(op, with_bn, conv3::grid(&args))?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
-                let records = m.div_ceil(conv3::TILE_M);
+                let grid = conv3::grid(&args);
+                let records = (grid.0 * grid.2) as usize;
                 let gemm = Conv3DgradBn {
                     map_dy,
                     map_wt,
