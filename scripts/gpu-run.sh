@@ -544,6 +544,7 @@ phase_hopper() {
   step test-conv3-step 150 "$test_bin" --ignored --test-threads 1 --nocapture \
     cuda_step::resnet50_v3_step_matches_cpu
   $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
+  $checks tests "$out/test-step.log" cuda_step:: 2 | tee -a "$summary"
   if command -v compute-sanitizer >/dev/null; then
     step sanitize-conv3 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$test_bin" --ignored --test-threads 1 cuda_kernels::conv3_ops
@@ -564,7 +565,7 @@ phase_hopper() {
 # What has never run on a GPU, in one call (< 6 min; DEADLINE=330, timeout_s 360): first the
 # correctness of all of it side by side on the one GPU (only pass/fail is read there): the
 # sm_90a compile, every kernel test (cuda_kernels::, the v3 ones listing each op PASS/FAIL),
-# the resnet50 v3 step against the CPU, the CUDA graph replays against eager, the Python
+# the default path's steps and the resnet50 v3 step against the CPU, the CUDA graph replays against eager, the Python
 # package; then, with the GPU alone: resnet50 v3 against v2 in alternating rounds (only when
 # the v3 tests passed: a wrong kernel's time means nothing) and the graph's step timing.
 phase_next() {
@@ -577,6 +578,9 @@ phase_next() {
   step test-conv3-ops 150 "$test_bin" --ignored --test-threads 1 --nocapture cuda_kernels::conv3_ &
   step test-conv3-step 150 "$test_bin" --ignored --test-threads 1 --nocapture \
     cuda_step::resnet50_v3_step_matches_cpu &
+  # The default path's whole step against the CPU (the paired stem, the pool-applied stem BN).
+  step test-step 200 "$test_bin" --ignored --test-threads 1 --nocapture cuda_step:: \
+    --skip cuda_step::resnet50_v3 &
   step test-graphs 200 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_graph::replayed_steps_give_the_eager_steps_bits \
     train_gpu::graph_replay_trains_to_the_same_bits_as_eager_launches &
@@ -585,6 +589,7 @@ phase_next() {
   $checks tests "$out/test-kernels.log" cuda_kernels:: 10 | tee -a "$summary"
   $checks tests "$out/test-conv3-ops.log" cuda_kernels::conv3_ 2 | tee -a "$summary"
   $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
+  $checks tests "$out/test-step.log" cuda_step:: 2 | tee -a "$summary"
   $checks tests "$out/test-graphs.log" cuda_graph:: 1 | tee -a "$summary"
   $checks tests "$out/test-graphs.log" train_gpu::graph_replay 1 | tee -a "$summary"
   if grep -q "^FAIL .*conv3" "$summary"; then  # the tests' lines, or their steps' (a hang)
