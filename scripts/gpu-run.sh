@@ -536,19 +536,9 @@ phase_python() {
   grep -v "^PASS " "$out/python-cpu-checks.txt" | tee -a "$summary"
 }
 
-phase_hopper() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-  step kernels-check-90a 120 "$bin" kernels check --arch sm_90a
-  step test-conv3-ops 120 "$test_bin" --ignored --test-threads 1 --nocapture cuda_kernels::conv3_
-  $checks tests "$out/test-conv3-ops.log" cuda_kernels::conv3_ 2 | tee -a "$summary"
-  step test-conv3-step 150 "$test_bin" --ignored --test-threads 1 --nocapture \
-    cuda_step::resnet50_v3_step_matches_cpu
-  $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
-  $checks tests "$out/test-step.log" cuda_step:: 2 | tee -a "$summary"
-  if command -v compute-sanitizer >/dev/null; then
-    step sanitize-conv3 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$test_bin" --ignored --test-threads 1 cuda_kernels::conv3_ops
-  fi
+# resnet50's step with the v3 and the v2 convolutions in three alternating rounds, and the line
+# comparing their medians.
+conv3_rounds() {
   local r v rounds_v3=() rounds_v2=()
   for r in 1 2 3; do
     for v in v3 v2; do
@@ -558,6 +548,21 @@ phase_hopper() {
     rounds_v3+=("$out/bench-resnet50-v3-r$r.log"); rounds_v2+=("$out/bench-resnet50-v2-r$r.log")
   done
   check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
+}
+
+phase_hopper() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step kernels-check-90a 120 "$bin" kernels check --arch sm_90a
+  step test-conv3-ops 120 "$test_bin" --ignored --test-threads 1 --nocapture cuda_kernels::conv3_
+  $checks tests "$out/test-conv3-ops.log" cuda_kernels::conv3_ 2 | tee -a "$summary"
+  step test-conv3-step 150 "$test_bin" --ignored --test-threads 1 --nocapture \
+    cuda_step::resnet50_v3_step_matches_cpu
+  $checks tests "$out/test-conv3-step.log" cuda_step::resnet50_v3 1 | tee -a "$summary"
+  if command -v compute-sanitizer >/dev/null; then
+    step sanitize-conv3 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$test_bin" --ignored --test-threads 1 cuda_kernels::conv3_ops
+  fi
+  conv3_rounds
   BIRDTRAIN_CONV=v3 step bench-resnet50-v3-breakdown 90 "$bin" bench step --model resnet50 \
     --batch-size 256 --json --breakdown --warmup 10 --steps 20
 }
@@ -595,15 +600,7 @@ phase_next() {
   if grep -q "^FAIL .*conv3" "$summary"; then  # the tests' lines, or their steps' (a hang)
     note "SKIP conv3-rounds: a v3 kernel failed its check (the FAIL lines above name it)"
   else
-    local r v rounds_v3=() rounds_v2=()
-    for r in 1 2 3; do
-      for v in v3 v2; do
-        BIRDTRAIN_CONV=$v step "bench-resnet50-$v-r$r" 60 "$bin" bench step --model resnet50 \
-          --batch-size 256 --json --warmup 10 --steps 40
-      done
-      rounds_v3+=("$out/bench-resnet50-v3-r$r.log"); rounds_v2+=("$out/bench-resnet50-v2-r$r.log")
-    done
-    check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
+    conv3_rounds
   fi
   step test-graph-timing 120 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_graph::resnet50_b256_step_time_with_and_without_the_graph
