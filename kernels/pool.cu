@@ -85,20 +85,56 @@ __device__ __forceinline__ int window_argmax(const bf16* x, int b, int h, int w,
     return best_at;
 }
 
+// Output element i of the scalar forward: the window's first maximum as the scan sees it (x,
+// or with BN the batch norm's output of it).
+template <bool BN>
+__device__ __forceinline__ void maxpool_fwd1(const bf16* x, bf16* y, long i, int h, int w, int c,
+                                             int p, int q, int win, int stride, int pad,
+                                             const PoolBn* bn) {
+    const int ch = (int)(i % c);
+    long rest = i / c;
+    const int oq = (int)(rest % q); rest /= q;
+    const int op = (int)(rest % p);
+    const int b = (int)(rest / p);
+    const int at = window_argmax<BN>(x, b, h, w, c, ch, op, oq, win, stride, pad, bn);
+    const int ih = op * stride - pad + at / win, iw = oq * stride - pad + at % win;
+    const long from = (((long)b * h + ih) * w + iw) * c + ch;
+    y[i] = BN ? bt_to_bf16(pool_value<true>(x, from, ch, bn)) : x[from];
+}
+
+// Input element i of the scalar backward: `acc` plus, in window order, the gradient of every
+// window whose first maximum it is.
+template <bool BN>
+__device__ __forceinline__ float maxpool_gather1(const bf16* x, const bf16* dy, long i, int h, int w,
+                                                 int c, int p, int q, int win, int stride, int pad,
+                                                 const PoolBn* bn, float acc) {
+    const int ch = (int)(i % c);
+    long rest = i / c;
+    const int iw = (int)(rest % w); rest /= w;
+    const int ih = (int)(rest % h);
+    const int b = (int)(rest / h);
+    // Windows covering ih: op·stride − pad ≤ ih ≤ op·stride − pad + win − 1.
+    const int p_lo = max(0, (ih + pad - win + stride) / stride), p_hi = min(p - 1, (ih + pad) / stride);
+    const int q_lo = max(0, (iw + pad - win + stride) / stride), q_hi = min(q - 1, (iw + pad) / stride);
+    for (int op = p_lo; op <= p_hi; ++op) {
+        const int r = ih - (op * stride - pad);
+        if (r < 0 || r >= win) continue;
+        for (int oq = q_lo; oq <= q_hi; ++oq) {
+            const int s = iw - (oq * stride - pad);
+            if (s < 0 || s >= win) continue;
+            if (window_argmax<BN>(x, b, h, w, c, ch, op, oq, win, stride, pad, bn) == r * win + s)
+                acc += bt_to_f32(dy[(((long)b * p + op) * q + oq) * c + ch]);
+        }
+    }
+    return acc;
+}
+
 extern "C" __global__ void maxpool_fwd(const bf16* __restrict__ x, bf16* __restrict__ y, int n,
                                        int h, int w, int c, int p, int q, int win, int stride,
                                        int pad) {
     const long total = (long)n * p * q * c;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int ch = (int)(i % c);
-        long rest = i / c;
-        const int oq = (int)(rest % q); rest /= q;
-        const int op = (int)(rest % p);
-        const int b = (int)(rest / p);
-        const int at = window_argmax<false>(x, b, h, w, c, ch, op, oq, win, stride, pad, nullptr);
-        const int ih = op * stride - pad + at / win, iw = oq * stride - pad + at % win;
-        y[i] = x[(((long)b * h + ih) * w + iw) * c + ch];
-    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x)
+        maxpool_fwd1<false>(x, y, i, h, w, c, p, q, win, stride, pad, nullptr);
 }
 
 extern "C" __global__ void maxpool_bwd(const bf16* __restrict__ x, const bf16* __restrict__ dy,
@@ -106,26 +142,8 @@ extern "C" __global__ void maxpool_bwd(const bf16* __restrict__ x, const bf16* _
                                        int q, int win, int stride, int pad, int accumulate) {
     const long total = (long)n * h * w * c;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int ch = (int)(i % c);
-        long rest = i / c;
-        const int iw = (int)(rest % w); rest /= w;
-        const int ih = (int)(rest % h);
-        const int b = (int)(rest / h);
-        // Windows covering ih: op·stride − pad ≤ ih ≤ op·stride − pad + win − 1.
-        const int p_lo = max(0, (ih + pad - win + stride) / stride), p_hi = min(p - 1, (ih + pad) / stride);
-        const int q_lo = max(0, (iw + pad - win + stride) / stride), q_hi = min(q - 1, (iw + pad) / stride);
-        float acc = accumulate ? bt_to_f32(dx[i]) : 0.0f;
-        for (int op = p_lo; op <= p_hi; ++op) {
-            const int r = ih - (op * stride - pad);
-            if (r < 0 || r >= win) continue;
-            for (int oq = q_lo; oq <= q_hi; ++oq) {
-                const int s = iw - (oq * stride - pad);
-                if (s < 0 || s >= win) continue;
-                if (window_argmax<false>(x, b, h, w, c, ch, op, oq, win, stride, pad, nullptr) == r * win + s)
-                    acc += bt_to_f32(dy[(((long)b * p + op) * q + oq) * c + ch]);
-            }
-        }
-        dx[i] = bt_to_bf16(acc);
+        const float acc = accumulate ? bt_to_f32(dx[i]) : 0.0f;
+        dx[i] = bt_to_bf16(maxpool_gather1<false>(x, dy, i, h, w, c, p, q, win, stride, pad, nullptr, acc));
     }
 }
 
@@ -442,16 +460,8 @@ extern "C" __global__ void maxpool_bn_fwd(const bf16* __restrict__ z, const floa
                                           int stride, int pad) {
     const PoolBn bn{mean, invstd, gamma, beta, relu};
     const long total = (long)n * p * q * c;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int ch = (int)(i % c);
-        long rest = i / c;
-        const int oq = (int)(rest % q); rest /= q;
-        const int op = (int)(rest % p);
-        const int b = (int)(rest / p);
-        const int at = window_argmax<true>(z, b, h, w, c, ch, op, oq, win, stride, pad, &bn);
-        const int ih = op * stride - pad + at / win, iw = oq * stride - pad + at % win;
-        y[i] = bt_to_bf16(pool_value<true>(z, (((long)b * h + ih) * w + iw) * c + ch, ch, &bn));
-    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x)
+        maxpool_fwd1<true>(z, y, i, h, w, c, p, q, win, stride, pad, &bn);
 }
 
 extern "C" __global__ void maxpool_bn_bwd(const bf16* __restrict__ z, const float* __restrict__ mean,
@@ -463,25 +473,8 @@ extern "C" __global__ void maxpool_bn_bwd(const bf16* __restrict__ z, const floa
     const PoolBn bn{mean, invstd, gamma, beta, relu};
     const long total = (long)n * h * w * c;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        const int ch = (int)(i % c);
-        long rest = i / c;
-        const int iw = (int)(rest % w); rest /= w;
-        const int ih = (int)(rest % h);
-        const int b = (int)(rest / h);
-        const int p_lo = max(0, (ih + pad - win + stride) / stride), p_hi = min(p - 1, (ih + pad) / stride);
-        const int q_lo = max(0, (iw + pad - win + stride) / stride), q_hi = min(q - 1, (iw + pad) / stride);
-        float acc = 0.0f;
-        for (int op = p_lo; op <= p_hi; ++op) {
-            const int r = ih - (op * stride - pad);
-            if (r < 0 || r >= win) continue;
-            for (int oq = q_lo; oq <= q_hi; ++oq) {
-                const int s = iw - (oq * stride - pad);
-                if (s < 0 || s >= win) continue;
-                if (window_argmax<true>(z, b, h, w, c, ch, op, oq, win, stride, pad, &bn) == r * win + s)
-                    acc += bt_to_f32(dy[(((long)b * p + op) * q + oq) * c + ch]);
-            }
-        }
-        if (relu && !(pool_value<true>(z, i, ch, &bn) > 0.0f)) acc = 0.0f;
+        float acc = maxpool_gather1<true>(z, dy, i, h, w, c, p, q, win, stride, pad, &bn, 0.0f);
+        if (relu && !(pool_value<true>(z, i, (int)(i % c), &bn) > 0.0f)) acc = 0.0f;
         g[i] = bt_to_bf16(acc);
     }
 }

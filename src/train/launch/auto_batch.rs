@@ -40,10 +40,10 @@ pub fn check_auto_batch(plan: &LaunchPlan) -> Result<(), TrainError> {
 /// would only hold the whole set (each step all of it), or with `--last-batch drop` make no
 /// full batch at all. Never 0 (a set smaller than the ranks is `validate`'s to refuse).
 fn set_share(cfg: &TrainConfig, train_images: usize) -> usize {
-    let per_batch_image = cfg.replicas.max(1) * cfg.grad_accum_steps.max(1) as usize;
+    let batches_per_step = cfg.replicas.max(1) * cfg.grad_accum_steps.max(1) as usize;
     let share = match cfg.last_batch {
-        LastBatch::Drop => train_images / per_batch_image,
-        LastBatch::Partial | LastBatch::Pad => train_images.div_ceil(per_batch_image),
+        LastBatch::Drop => train_images / batches_per_step,
+        LastBatch::Partial | LastBatch::Pad => train_images.div_ceil(batches_per_step),
     };
     share.max(1)
 }
