@@ -45,6 +45,20 @@
 // reduces each output channel's tile statistics (mean, M2) and the dgrad finishes the gradient
 // of the batch norm that produced its input (residual gradient, ReLU mask) and reduces Σg,
 // Σg·x̂, each into its own per-tile record; bn.cu merges the records in a fixed order.
+// Applied batch norm (conv2_fwd_apply_*, conv2_fwd_stats_apply_*, conv2_wgrad_apply_*: the same
+// GEMMs, see AppliedBn): a convolution whose input is an inner batch norm's output
+// y = bf16(ReLU?((z − mean)·invstd·γ + β)) reads z instead, so y is never written. The gathered
+// operand (forward A, wgrad B) is copied from z as usual, and each thread, after its
+// cp.async.wait_group and before the k-step's barrier, rewrites the chunks it copied itself in
+// place with bn_apply's expression (so the GEMM sees y's bits, and no barrier is added). Zero
+// fills (padding, tails, rows past M) must stay 0, not become ReLU(BN(0)): the copy loop
+// records per stage, in a register ring indexed by the unrolled stage number, one bit per
+// chunk that was a real load, and in the forward the chunks' first channel (a thread's A
+// chunks share one reduction column, so one channel; wgrad's B columns, hence channels, are
+// fixed per chunk). The 8 channels' parameters are read through L1 per chunk group (scalar
+// loads: the parameter tensors need not be 16-byte aligned). The data gradient's batch-norm
+// epilogue likewise takes γ, β and a relu flag, to recompute the ReLU mask [y > 0] from the
+// bn_x it reads for x̂ when y is not stored.
 //
 // Pipeline. STAGES shared-memory stages, each holding one BK = 32 slice of A and B. Stages
 // 0..STAGES-2 are issued before the loop; iteration kt waits for its stage
@@ -256,8 +270,10 @@ struct PixelCursor {
 //     The tile's row count min(BM, M − m0) is implied by the record index (bn_stats_merge
 //     derives it), so it is not stored.
 //   EPI_BN_GRAD (dgrad): dx becomes the gradient g at the output of the normalisation of the
-//     batch norm that produced this convolution's input: g = [bn_y > 0]·(dgrad [+ dx] [+
-//     residual]) (bf16 roundings in that order, as the unfused kernels round them), and the
+//     batch norm that produced this convolution's input: g = [y > 0]·(dgrad [+ dx] [+
+//     residual]) (bf16 roundings in that order, as the unfused kernels round them; y = bn_y,
+//     or with bn_y null and relu set recomputed from bn_x, γ, β as bn_apply writes it; neither:
+//     no mask), and the
 //     tile's Σg and Σg·x̂ (x̂ = (bn_x − mean)·invstd) of every input channel go to record
 //     blockIdx.z·gridDim.x + blockIdx.x of part: planes [2][gridDim.z·gridDim.x][C]. A block
 //     past its phase's rows writes a zero record, so every record is written.
@@ -269,12 +285,181 @@ enum { EPI_NONE = 0, EPI_STATS = 1, EPI_BN_GRAD = 2 };
 
 struct BnEpilogue {
     float* part;           // the partial records (see above)
-    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); null: no ReLU
+    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); may be null
     const bf16* bn_x;      // BN_GRAD: the batch norm's input
     const float* mean;     // BN_GRAD: its saved mean and 1/sqrt(var + eps)
     const float* invstd;
     const bf16* residual;  // BN_GRAD: a gradient added before the mask; may be null
+    const bf16* gamma;     // BN_GRAD with relu and no bn_y: its scale and shift, to recompute y
+    const bf16* beta;
+    int relu;              // BN_GRAD: mask with [y > 0], y = bn_y, or recomputed from bn_x if null
 };
+
+// The batch norm an APPLY kernel (conv2_fwd_apply_*, conv2_fwd_stats_apply_*,
+// conv2_wgrad_apply_*) applies to its input z as it loads it: per input channel c,
+// y = bf16(ReLU?((z − mean[c])·invstd[c]·γ[c] + β[c])), bn_apply_vec's expression (bn.cu)
+// term for term, so the GEMM sees the bits the separate bn_apply pass would have written.
+struct AppliedBn {
+    const float* mean;
+    const float* invstd;
+    const bf16* gamma;
+    const bf16* beta;
+    int relu;
+};
+
+// Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low
+// half: one cvt.rn.bf16x2 instead of two conversions and a merge.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+#ifdef BT_EMULATE
+    return (unsigned)__bfloat16_as_ushort(bt_to_bf16(lo)) | ((unsigned)__bfloat16_as_ushort(bt_to_bf16(hi)) << 16);
+#else
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
+// The batch norm's output (bn_apply_vec's expression, no residual) of the 2 bf16 in word `w`,
+// channels with parameters (m, is, g, b).{x, y}.
+__device__ __forceinline__ unsigned applied_bn2(unsigned w, float2 m, float2 is, float2 g, float2 b, int relu) {
+    float v0 = (__uint_as_float(w << 16) - m.x) * is.x * g.x + b.x;
+    float v1 = (__uint_as_float(w & 0xffff0000u) - m.y) * is.y * g.y + b.y;
+    if (relu) {
+        v0 = fmaxf(v0, 0.0f);
+        v1 = fmaxf(v1, 0.0f);
+    }
+    return pack_bf16x2(v0, v1);
+}
+
+// 4 consecutive channels (words w0, w1) with parameters (m, is, g, b).{x, y, z, w}.
+__device__ __forceinline__ void applied_bn4(unsigned& w0, unsigned& w1, float4 m, float4 is, float4 g, float4 b,
+                                            int relu) {
+    float v0 = (__uint_as_float(w0 << 16) - m.x) * is.x * g.x + b.x;
+    float v1 = (__uint_as_float(w0 & 0xffff0000u) - m.y) * is.y * g.y + b.y;
+    float v2 = (__uint_as_float(w1 << 16) - m.z) * is.z * g.z + b.z;
+    float v3 = (__uint_as_float(w1 & 0xffff0000u) - m.w) * is.w * g.w + b.w;
+    if (relu) {
+        v0 = fmaxf(v0, 0.0f);
+        v1 = fmaxf(v1, 0.0f);
+        v2 = fmaxf(v2, 0.0f);
+        v3 = fmaxf(v3, 0.0f);
+    }
+    w0 = pack_bf16x2(v0, v1);
+    w1 = pack_bf16x2(v2, v3);
+}
+
+// Shared-memory loads and stores at a 32-bit shared address (bt_saddr), as the pipeline
+// computes them: no 64-bit generic pointers in the k-loop.
+__device__ __forceinline__ unsigned lds_u32(bt_saddr a) {
+#ifdef BT_EMULATE
+    return *reinterpret_cast<const unsigned*>(a);
+#else
+    unsigned v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+    return v;
+#endif
+}
+__device__ __forceinline__ void sts_u32(bt_saddr a, unsigned v) {
+#ifdef BT_EMULATE
+    *reinterpret_cast<unsigned*>(a) = v;
+#else
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+#endif
+}
+__device__ __forceinline__ uint4 lds_u32x4(bt_saddr a) {
+#ifdef BT_EMULATE
+    return *reinterpret_cast<const uint4*>(a);
+#else
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+#endif
+}
+__device__ __forceinline__ void sts_u32x4(bt_saddr a, uint4 v) {
+#ifdef BT_EMULATE
+    *reinterpret_cast<uint4*>(a) = v;
+#else
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#endif
+}
+__device__ __forceinline__ float4 lds_f32x4(bt_saddr a) {
+#ifdef BT_EMULATE
+    return *reinterpret_cast<const float4*>(a);
+#else
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+    return v;
+#endif
+}
+__device__ __forceinline__ float2 lds_f32x2(bt_saddr a) {
+#ifdef BT_EMULATE
+    return *reinterpret_cast<const float2*>(a);
+#else
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a));
+    return v;
+#endif
+}
+
+// `n` chunks (16 bytes, channels c0..c0+7 each) at shared addresses chunk0 + i·chunk_step, where
+// bit i of `live` is set,
+// replaced by the batch norm's output. The parameters come from `table`, the APPLY kernels'
+// copy in shared memory behind the pipeline stages (planes [4][C] of f32: mean, invstd, γ, β),
+// 8 / PARTS channels at a time (one 16- or 8-byte load per plane), so that only 32 / PARTS
+// registers of them are live (PARTS = 4 where registers are tight, else 2).
+template <int n, int PARTS>
+__device__ __forceinline__ void applied_bn_chunks(bt_saddr chunk0, int chunk_step, unsigned live, bt_saddr table,
+                                                  int channels, int c0, int relu) {
+    uint4 v[n];
+#pragma unroll
+    for (int i = 0; i < n; ++i) v[i] = lds_u32x4(chunk0 + i * chunk_step);
+    const bt_saddr at = table + 4 * c0, plane = 4 * channels;
+    if (PARTS == 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float4 m = lds_f32x4(at + 16 * h), is = lds_f32x4(at + plane + 16 * h);
+            const float4 g = lds_f32x4(at + 2 * plane + 16 * h), b = lds_f32x4(at + 3 * plane + 16 * h);
+#pragma unroll
+            for (int i = 0; i < n; ++i) {
+                if (h == 0) applied_bn4(v[i].x, v[i].y, m, is, g, b, relu);
+                else applied_bn4(v[i].z, v[i].w, m, is, g, b, relu);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 m = lds_f32x2(at + 8 * q), is = lds_f32x2(at + plane + 8 * q);
+            const float2 g = lds_f32x2(at + 2 * plane + 8 * q), b = lds_f32x2(at + 3 * plane + 8 * q);
+#pragma unroll
+            for (int i = 0; i < n; ++i) {
+                unsigned& w = q == 0 ? v[i].x : q == 1 ? v[i].y : q == 2 ? v[i].z : v[i].w;
+                w = applied_bn2(w, m, is, g, b, relu);
+            }
+        }
+    }
+    // Zero fills are stored back as zeros (branch-free: no divergence, fewer registers).
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+        const bool keep = live >> i & 1u;
+        sts_u32x4(chunk0 + i * chunk_step, keep ? v[i] : make_uint4(0u, 0u, 0u, 0u));
+    }
+}
+
+// The batch norm's output of the 8 bf16 of `z` at channels c0..c0+7, parameters read from
+// global memory (scalar loads: the parameter tensors need not be 16-byte aligned).
+__device__ __forceinline__ uint4 applied_bn8_global(uint4 z, const float* mean, const float* invstd,
+                                                    const bf16* gamma, const bf16* beta, int c0, int relu) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int c = c0 + 2 * q;
+        const float2 m = make_float2(mean[c], mean[c + 1]), is = make_float2(invstd[c], invstd[c + 1]);
+        const float2 g = make_float2(bt_to_f32(gamma[c]), bt_to_f32(gamma[c + 1]));
+        const float2 b = make_float2(bt_to_f32(beta[c]), bt_to_f32(beta[c + 1]));
+        unsigned& w = q == 0 ? z.x : q == 1 ? z.y : q == 2 ? z.z : z.w;
+        w = applied_bn2(w, m, is, g, b, relu);
+    }
+    return z;
+}
 
 // Hides a pointer's origin from the optimiser, so that `p + offset` in the loop stays one
 // wide multiply-add on a fixed register pair instead of being re-derived from its parts.
@@ -287,11 +472,15 @@ __device__ __forceinline__ P opaque(P p) {
 }
 
 // The GEMM with its gathers, pipeline and epilogue. One instantiation per extern "C" kernel.
-template <int MODE, int GATHER, class T, int EPI = EPI_NONE>
+// APPLY: the gathered input x (forward: A, wgrad: B) is a batch norm's input z, applied on load
+// (`bn`; see "Applied batch norm" above).
+template <int MODE, int GATHER, class T, int EPI = EPI_NONE, bool APPLY = false>
 __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const bf16* __restrict__ b_src,
-                                           void* out, const Conv2Args& a, const BnEpilogue& ep = BnEpilogue{}) {
+                                           void* out, const Conv2Args& a, const BnEpilogue& ep = BnEpilogue{},
+                                           const AppliedBn& bn = AppliedBn{}) {
     static_assert(EPI == EPI_NONE || (EPI == EPI_STATS && MODE == FWD) || (EPI == EPI_BN_GRAD && MODE == DGRAD),
                   "forward epilogues take statistics, dgrad ones the batch norm's gradient");
+    static_assert(!APPLY || MODE != DGRAD, "the data gradient reads dy, which no batch norm produced");
     typedef Geometry<MODE, T> G;
     CONV2_SMEM(smem_raw);
     __shared__ int row_out[T::BM];  // dgrad: dx offset of each tile row (phases scatter rows)
@@ -374,6 +563,22 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     // wgrad GENERAL: the (r, s) of each column; b_ptr[j] then points at the column's offset.
     int b_tap_r[G::CB], b_tap_s[G::CB];
     PixelCursor<GATHER == SMALL_C> pc;
+    // APPLY: shared memory behind the stages holds (1) per pipeline stage, what each thread
+    // copied into it, in its own word of a ring [STAGES][THREADS] (registers have no room to
+    // spare: the plain 8-warp tiles already hold 128 a thread): one bit per chunk that was a
+    // real load (not a zero fill), and in the forward the chunks' first channel above them;
+    // (2) wgrad: [CB][THREADS] words, the small-C gather's chunk channels (below); (3) the
+    // parameter table ([4][C] f32, see applied_bn_chunks). Host: `Conv2Launch::apply_smem_bytes`.
+    constexpr int RING_CHUNKS = MODE == FWD ? G::CA : G::CB;
+    const bt_saddr ring = s_base + T::STAGES * G::STAGE_ELEMS * 2 + tid * 4;
+    constexpr int APPLY_CHANS = MODE == WGRAD ? G::CB * T::THREADS * 4 : 0;  // bytes of b_chans
+    const bt_saddr bn_table = s_base + T::STAGES * G::STAGE_ELEMS * 2 + T::STAGES * T::THREADS * 4 + APPLY_CHANS;
+    // wgrad APPLY: the channel of B chunk 0; chunk j's is 8·j further (general, unit gathers:
+    // the thread's columns are consecutive channels of one tap). The small-C gather's columns
+    // may cross taps: chunk j's channel is in the thread's word of row j of [CB][THREADS]
+    // words behind the ring (and the table behind those).
+    int b_chan0 = 0;
+    const bt_saddr b_chans = s_base + T::STAGES * G::STAGE_ELEMS * 2 + T::STAGES * T::THREADS * 4 + tid * 4;
 
     if (MODE != WGRAD) {
 #pragma unroll
@@ -443,6 +648,8 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
             const int c = n % a.c, rs = n / a.c, r = rs / a.s, s = rs - r * a.s;
             b_tap_r[j] = r;
             b_tap_s[j] = s;
+            if (j == 0) b_chan0 = c;
+            if (APPLY && GATHER == SMALL_C) sts_u32(b_chans + j * (T::THREADS * 4), (unsigned)c);
             // GENERAL, SMALL_C: the column's offset from a pixel's base. UNIT (1×1, stride 1,
             // no padding): x's pixel rows are the GEMM's rows.
             b_ptr[j] = opaque(GATHER != UNIT ? b_src + (r * a.w + s) * a.c + c : b_src + (long)(kd_begin + b_row0) * a.c + n);
@@ -458,6 +665,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         const bt_saddr ad = a_dst + stage * (G::STAGE_ELEMS * 2);
         const bt_saddr bd = b_dst + stage * (G::STAGE_ELEMS * 2);
         const int a_off = GATHER == GENERAL && MODE != WGRAD ? tap.x + cur.ch : a_run;
+        unsigned loaded = 0;  // APPLY: the chunks that are real loads
 #pragma unroll
         for (int i = 0; i < G::CA; ++i) {
             int ok;
@@ -465,7 +673,12 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
             else if (GATHER == GENERAL) ok = TapCursor::valid(a_mask[i], (unsigned)tap.y);
             else ok = a_ok[i] & (a_col < left);
             bt_cp_async16(ad + i * A_DST_STEP, a_ptr[i] + a_off, ok ? 16 : 0);
+            loaded |= (ok ? 1u : 0u) << i;
         }
+        // (a stage's ring entry: chunk bits, forward: the channel above them)
+        auto ring_put = [&](unsigned entry) { sts_u32(ring + stage * (T::THREADS * 4), entry); };
+        if (APPLY && MODE == FWD) ring_put((unsigned)(GATHER == GENERAL ? cur.ch : a_run) << RING_CHUNKS | loaded);
+        loaded = 0;
         // wgrad GENERAL: the thread's chunks share chunk 0's tap and its N bound (C % 32 == 0).
         const int pixel_ok = MODE == WGRAD && GATHER == GENERAL
                                  ? (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[0]) < (unsigned)a.h) &
@@ -482,6 +695,30 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                 ok = b_ok[j] & (b_row0 < left) & ((unsigned)(pc.hy + b_tap_r[j]) < (unsigned)a.h) &
                      ((unsigned)(pc.wx + b_tap_s[j]) < (unsigned)a.w);
             bt_cp_async16(bd + j * B_DST_STEP, b_ptr[j] + (MODE == WGRAD && GATHER != UNIT ? pc.base : b_run), ok ? 16 : 0);
+            loaded |= (ok ? 1u : 0u) << j;
+        }
+        if (APPLY && MODE == WGRAD) ring_put(loaded);
+    };
+    // APPLY: the batch norm applied to this thread's own chunks of `stage` once they have landed
+    // (after its cp.async.wait_group, before the k-step's barrier publishes them); zero fills
+    // stay zero. Forward: A's chunks, all at one channel; wgrad: B's, each at its own.
+    auto apply_stage = [&](int stage) {
+        const unsigned rec = lds_u32(ring + stage * (T::THREADS * 4));
+        if (MODE == FWD) {
+            // (past the reduction the channel is out of range: clamped, every chunk is a zero fill)
+            const int c0 = min((int)(rec >> RING_CHUNKS), a.c - 8);
+            // Parameters two channels at a time (fewer registers), except in the 4-warp general
+            // gather, which has room for four (fewer loads) without spilling.
+            applied_bn_chunks<G::CA, GATHER == GENERAL && T::THREADS == 128 ? 2 : 4>(
+                a_dst + stage * (G::STAGE_ELEMS * 2), A_DST_STEP, rec, bn_table, a.c, c0, bn.relu);
+        } else {
+#pragma unroll
+            for (int j = 0; j < G::CB; ++j)
+                applied_bn_chunks<1, T::THREADS == 256 ? 4 : 2>(b_dst + stage * (G::STAGE_ELEMS * 2) + j * B_DST_STEP, 0,
+                                                                rec >> j, bn_table, a.c,
+                                                                GATHER == SMALL_C ? (int)lds_u32(b_chans + j * (T::THREADS * 4))
+                                                                                  : b_chan0 + 8 * j,
+                                                                bn.relu);
         }
     };
     // Moves every source to the next k-step.
@@ -519,6 +756,17 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                                                                   : ((lq % 2) * 8 + row8) * G::LDB + warp_n + (lq / 2) * 8));
 
     // ---- the pipeline ---------------------------------------------------------------------
+    if (APPLY) {
+        // The batch norm's parameters into shared memory, complete before the first transform.
+        float* table = reinterpret_cast<float*>(smem_raw + T::STAGES * G::STAGE_ELEMS * 2 + T::STAGES * T::THREADS * 4 + APPLY_CHANS);
+        for (int c = tid; c < a.c; c += T::THREADS) {
+            table[c] = bn.mean[c];
+            table[a.c + c] = bn.invstd[c];
+            table[2 * a.c + c] = bt_to_f32(bn.gamma[c]);
+            table[3 * a.c + c] = bt_to_f32(bn.beta[c]);
+        }
+        __syncthreads();
+    }
 #pragma unroll
     for (int st = 0; st < T::STAGES - 1; ++st) {
         load(st);
@@ -531,6 +779,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         for (int u = 0; u < T::STAGES; ++u) {
             if (k0 + u >= ksteps) break;
             bt_cp_async_wait<T::STAGES - 2>();
+            if (APPLY) apply_stage(u);
             __syncthreads();  // stage k has landed for every thread; stage k-1 is free
             load((u + T::STAGES - 1) % T::STAGES);
             advance();
@@ -632,7 +881,14 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         if (MODE == DGRAD && a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
         if (EPI == EPI_BN_GRAD) {
             if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
-            if (ep.bn_y != nullptr) v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            if (ep.bn_y != nullptr) {
+                v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            } else if (ep.relu) {
+                // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
+                const uint4 y8 = applied_bn8_global(*reinterpret_cast<const uint4*>(ep.bn_x + o), ep.mean, ep.invstd,
+                                                    ep.gamma, ep.beta, n, 1);
+                v = relu_mask_bf16x8(v, y8);
+            }
             *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
@@ -734,7 +990,8 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
 
 // ---- kernels ---------------------------------------------------------------------------------
 // Names: conv2_{fwd,dgrad,wgrad}[_1x1]_{tile}, and with a batch-norm epilogue
-// conv2_fwd_stats[_1x1]_{tile}, conv2_dgrad_bn[_1x1]_{tile}. The host (src/cuda/conv.rs) picks
+// conv2_fwd_stats[_1x1]_{tile}, conv2_dgrad_bn[_1x1]_{tile}; applying a batch norm to the
+// input, conv2_fwd[_stats]_apply[_1x1]_{tile}, conv2_wgrad_apply[_1x1,_c8]_{tile}. The host (src/cuda/conv.rs) picks
 // one per layer; dynamic shared memory = STAGES × stage bytes (`Conv2Tile::smem_bytes` there).
 
 // y = conv(x, w)
@@ -810,39 +1067,162 @@ conv2_fwd_stats_1x1_128x64(const bf16* __restrict__ x, const bf16* __restrict__ 
     conv2_gemm<FWD, UNIT, T128x64, EPI_STATS>(x, w, y, args, ep);
 }
 
-// dgrad finishing the gradient of the batch norm that produced x: dx = [bn_y > 0]·(dgrad(dy, wt)
-// [+ dx with args.accumulate] [+ residual]) (bn_y, residual may be null), and the tile sums
-// Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.z·gridDim.x][C]).
+// dgrad finishing the gradient of the batch norm that produced x: dx = [y > 0]·(dgrad(dy, wt)
+// [+ dx with args.accumulate] [+ residual]) (residual may be null) and the tile sums Σdx and
+// Σdx·(bn_x − mean)·invstd in part ([2][gridDim.z·gridDim.x][C]). The mask: with bn_y, y = bn_y;
+// else with relu, y = bf16(ReLU((bn_x − mean)·invstd·γ + β)) recomputed (bn_apply's bits);
+// else none (γ, β are read only in the second case and may be null otherwise).
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
 conv2_dgrad_bn_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
     const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
-    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv2_gemm<DGRAD, GENERAL, T128x128, EPI_BN_GRAD>(dy, wt, dx, args, ep);
 }
 
 extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_dgrad_bn_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
     const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
-    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv2_gemm<DGRAD, GENERAL, T128x64, EPI_BN_GRAD>(dy, wt, dx, args, ep);
 }
 
 extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
 conv2_dgrad_bn_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
     const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
-    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv2_gemm<DGRAD, UNIT, T128x128, EPI_BN_GRAD>(dy, wt, dx, args, ep);
 }
 
 extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
 conv2_dgrad_bn_1x1_128x64(const bf16* __restrict__ dy, const bf16* __restrict__ wt, bf16* dx, Conv2Args args, float* part,
     const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x, const float* __restrict__ mean,
-    const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+    const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const BnEpilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv2_gemm<DGRAD, UNIT, T128x64, EPI_BN_GRAD>(dy, wt, dx, args, ep);
+}
+
+// The same GEMMs applying a batch norm to the gathered input as they load it (AppliedBn; see
+// "Applied batch norm" above): z is the batch norm's input, mean/invstd its saved statistics,
+// gamma/beta its parameters, relu whether a ReLU follows it. Forward: y = conv(bn(z), w)
+// (stats: and y's tile statistics in part, as conv2_fwd_stats_*).
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_apply_128x128(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, GENERAL, T128x128, EPI_NONE, true>(z, w, y, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_apply_128x64(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, GENERAL, T128x64, EPI_NONE, true>(z, w, y, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_apply_1x1_128x128(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, UNIT, T128x128, EPI_NONE, true>(z, w, y, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_apply_1x1_128x64(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, UNIT, T128x64, EPI_NONE, true>(z, w, y, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_stats_apply_128x128(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    float* part, const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    BnEpilogue ep{};
+    ep.part = part;
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, GENERAL, T128x128, EPI_STATS, true>(z, w, y, args, ep, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_stats_apply_128x64(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    float* part, const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    BnEpilogue ep{};
+    ep.part = part;
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, GENERAL, T128x64, EPI_STATS, true>(z, w, y, args, ep, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_fwd_stats_apply_1x1_128x128(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    float* part, const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    BnEpilogue ep{};
+    ep.part = part;
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, UNIT, T128x128, EPI_STATS, true>(z, w, y, args, ep, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x64::THREADS, 3)
+conv2_fwd_stats_apply_1x1_128x64(const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* y, Conv2Args args,
+    float* part, const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    BnEpilogue ep{};
+    ep.part = part;
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<FWD, UNIT, T128x64, EPI_STATS, true>(z, w, y, args, ep, bn);
+}
+
+// Weight gradient: dw[z] = wgrad(dy, bn(z)) over slice z (as conv2_wgrad_*).
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_wgrad_apply_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ z, float* dw, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<WGRAD, GENERAL, T128x128, EPI_NONE, true>(dy, z, dw, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_apply_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ z, float* dw, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<WGRAD, GENERAL, T64x128, EPI_NONE, true>(dy, z, dw, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_apply_c8_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ z, float* dw, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<WGRAD, SMALL_C, T64x128, EPI_NONE, true>(dy, z, dw, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T128x128::THREADS, 2)
+conv2_wgrad_apply_1x1_128x128(const bf16* __restrict__ dy, const bf16* __restrict__ z, float* dw, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<WGRAD, UNIT, T128x128, EPI_NONE, true>(dy, z, dw, args, BnEpilogue{}, bn);
+}
+
+extern "C" __global__ void __launch_bounds__(T64x128::THREADS, 3)
+conv2_wgrad_apply_1x1_64x128(const bf16* __restrict__ dy, const bf16* __restrict__ z, float* dw, Conv2Args args,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+    const bf16* __restrict__ beta, int relu) {
+    const AppliedBn bn{mean, invstd, gamma, beta, relu};
+    conv2_gemm<WGRAD, UNIT, T64x128, EPI_NONE, true>(dy, z, dw, args, BnEpilogue{}, bn);
 }
 
 // dw[z] = wgrad(dy, x) over slice z (f32); grid.z = reduction slices of args.k_chunk pixels

@@ -22,7 +22,7 @@ typedef void (*FwdFn)(const bf16*, const bf16*, bf16*, Conv2Args);
 typedef void (*WgradFn)(const bf16*, const bf16*, float*, Conv2Args);
 typedef void (*FwdStatsFn)(const bf16*, const bf16*, bf16*, Conv2Args, float*);
 typedef void (*DgradBnFn)(const bf16*, const bf16*, bf16*, Conv2Args, float*, const bf16*, const bf16*,
-                          const float*, const float*, const bf16*);
+                          const float*, const float*, const bf16*, const bf16*, const bf16*, int);
 struct Kernel { const char* name; int bm, bn, threads; };
 
 template <class F>
@@ -205,7 +205,7 @@ static void check_dgrad_bn(const std::string& name, const Kernel& kn, DgradBnFn 
         std::vector<bf16> DX = DX0;
         std::vector<float> part(2 * (size_t)records * C, NAN);  // every record must be written
         g_emu_block_order = order ? 0xb10c : 0;
-        run(kn, grid, [&] { fn(DY.data(), wsrc, DX.data(), a, part.data(), relu ? BY.data() : nullptr, BX.data(), mean.data(), invstd.data(), residual ? R.data() : nullptr); });
+        run(kn, grid, [&] { fn(DY.data(), wsrc, DX.data(), a, part.data(), relu ? BY.data() : nullptr, BX.data(), mean.data(), invstd.data(), residual ? R.data() : nullptr, nullptr, nullptr, relu); });
         const auto sums1 = merge_sums(part.data(), records, C, 256, 128);
         const auto sums2 = merge_sums(part.data(), records, C, 1, 2);
         g_emu_block_order = 0;

@@ -203,6 +203,9 @@ inline void bt_emu_check_aligned(const void* p, uintptr_t bytes, const char* wha
 
 struct uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+struct alignas(8) float2 { float x, y; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct alignas(8) int2 { int x, y; };
 inline int2 make_int2(int a, int b) { return {a, b}; }

@@ -378,7 +378,47 @@ pub const V2_BN_EPILOGUE_KERNELS: &[&str] = &[
     "conv2_dgrad_bn_1x1_128x64",
 ];
 
+/// The GEMM kernels of kernels/conv2.cu that apply a batch norm to the gathered input as they
+/// load it (the input is the batch norm's input z; see `AppliedBn` there): forward ones
+/// (`(z, w, y, args, mean, invstd, gamma, beta, relu)`), forward ones with the statistics
+/// epilogue (`(z, w, y, args, part, mean, …)`) and weight-gradient ones
+/// (`(dy, z, dw, args, mean, …)`). Same tiles and gathers as the plain kernels, so
+/// [`Conv2Launch::apply_kernel`] maps one onto the other.
+pub const V2_APPLY_KERNELS: &[&str] = &[
+    "conv2_fwd_apply_128x128",
+    "conv2_fwd_apply_128x64",
+    "conv2_fwd_apply_1x1_128x128",
+    "conv2_fwd_apply_1x1_128x64",
+    "conv2_fwd_stats_apply_128x128",
+    "conv2_fwd_stats_apply_128x64",
+    "conv2_fwd_stats_apply_1x1_128x128",
+    "conv2_fwd_stats_apply_1x1_128x64",
+    "conv2_wgrad_apply_128x128",
+    "conv2_wgrad_apply_64x128",
+    "conv2_wgrad_apply_c8_64x128",
+    "conv2_wgrad_apply_1x1_128x128",
+    "conv2_wgrad_apply_1x1_64x128",
+];
+
 impl Conv2Launch {
+    /// The kernel of this launch's tile and gather that applies a batch norm to its input as
+    /// it loads it: forward `conv2_fwd_apply_*` (with `stats`: `conv2_fwd_stats_apply_*`),
+    /// wgrad `conv2_wgrad_apply_*`; `None` for dgrad (its input dy is no batch norm's output),
+    /// for wgrad with `stats`, and for the stem (its input is the image).
+    pub fn apply_kernel(&self, stats: bool) -> Option<&'static str> {
+        if self.stem != StemCopy::None {
+            return None;
+        }
+        let (plain, infix) = match (self.pass, stats) {
+            (Pass::Forward, false) => ("conv2_fwd_", "conv2_fwd_apply_"),
+            (Pass::Forward, true) => ("conv2_fwd_", "conv2_fwd_stats_apply_"),
+            (Pass::Wgrad, false) => ("conv2_wgrad_", "conv2_wgrad_apply_"),
+            _ => return None,
+        };
+        let name = format!("{infix}{}", self.kernel.strip_prefix(plain)?);
+        V2_APPLY_KERNELS.iter().copied().find(|k| *k == name)
+    }
+
     /// The kernel with the batch-norm epilogue for this launch (forward: `conv2_fwd_stats_*`,
     /// dgrad: `conv2_dgrad_bn_*`, same tile and gather); `None` for wgrad, which has none.
     pub fn bn_epilogue_kernel(&self) -> Option<&'static str> {
@@ -632,7 +672,7 @@ mod tests {
                 .find(&format!("\n{k}("))
                 .expect("kernel signature");
             let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
-            let want = if k.starts_with("conv2_fwd") { 5 } else { 10 };
+            let want = if k.starts_with("conv2_fwd") { 5 } else { 13 };
             assert_eq!(sig.split(',').count(), want, "{sig}");
         }
         let gpu = GpuLimits::H100;
@@ -667,6 +707,68 @@ mod tests {
         assert_eq!(mapped.len(), V2_BN_EPILOGUE_KERNELS.len(), "{mapped:?}");
         let w = plan(Pass::Wgrad, &shape(256, 56, 64, 64, 3, 1), &gpu).unwrap();
         assert_eq!(w.bn_epilogue_kernel(), None);
+    }
+
+    #[test]
+    fn every_apply_kernel_exists_with_its_arguments_and_pairs_with_a_plain_one() {
+        let file = KernelFile::by_name("conv2.cu").unwrap();
+        let names = file.kernel_names();
+        for k in V2_APPLY_KERNELS {
+            assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
+            let at = file
+                .text
+                .find(&format!("\n{k}("))
+                .expect("kernel signature");
+            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            let want = if k.starts_with("conv2_fwd_stats") { 10 } else { 9 };
+            assert_eq!(sig.split(',').count(), want, "{sig}");
+        }
+        let gpu = GpuLimits::H100;
+        let mut mapped = Vec::new();
+        // Forward: 3×3 and 1×1 in both tile widths; wgrad: every gather in both tile heights.
+        let shapes = [
+            shape(256, 56, 64, 64, 3, 1),
+            shape(256, 14, 256, 256, 3, 1),
+            shape(256, 56, 64, 256, 1, 1),
+            shape(256, 28, 512, 128, 1, 1),
+            shape(256, 28, 16, 32, 3, 1),
+            shape(64, 14, 1024, 512, 1, 2),
+        ];
+        for s in shapes.iter().flat_map(|s| {
+            [
+                *s,
+                ConvShape {
+                    kernel: 1,
+                    padding: 0,
+                    ..*s
+                },
+            ]
+        }) {
+            for pass in [Pass::Forward, Pass::Wgrad] {
+                let l = plan(pass, &s, &gpu).unwrap();
+                for stats in [false, true] {
+                    let Some(applied) = l.apply_kernel(stats) else {
+                        assert!(pass == Pass::Wgrad && stats, "{l:?}");
+                        continue;
+                    };
+                    assert_eq!(
+                        applied.replace("_stats", "").replace("_apply", ""),
+                        l.kernel,
+                        "{applied} is not {}'s applying form",
+                        l.kernel
+                    );
+                    mapped.push(applied);
+                }
+            }
+            let d = plan(Pass::Dgrad, &s, &gpu).unwrap();
+            assert_eq!(d.apply_kernel(false), None);
+        }
+        mapped.sort();
+        mapped.dedup();
+        assert_eq!(mapped.len(), V2_APPLY_KERNELS.len(), "{mapped:?}");
+        // The stem reads the image: nothing to apply.
+        let stem = plan(Pass::Forward, &shape(8, 32, 3, 64, 7, 2), &gpu).unwrap();
+        assert_eq!(stem.apply_kernel(true), None);
     }
 
     #[test]

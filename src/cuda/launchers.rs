@@ -71,8 +71,9 @@ kernel_launchers! {
         args: super::conv::Conv2Args,
         part: Out<'a, f32>,
     }
-    /// The v2 data-gradient GEMMs with the batch-norm gradient epilogue (`bn_y` null: no
-    /// ReLU; `residual` null: no residual gradient).
+    /// The v2 data-gradient GEMMs with the batch-norm gradient epilogue (`residual` null: no
+    /// residual gradient). The ReLU mask: from `bn_y` when given, else with `relu` recomputed
+    /// from `bn_x` with `gamma` and `beta` (read only then), else none.
     "conv2.cu" Conv2DgradBn<'a> [
         "conv2_dgrad_bn_128x128", "conv2_dgrad_bn_128x64", "conv2_dgrad_bn_1x1_128x128",
         "conv2_dgrad_bn_1x1_128x64",
@@ -87,6 +88,57 @@ kernel_launchers! {
         mean: In<'a, f32>,
         invstd: In<'a, f32>,
         residual: Option<In<'a, u16>>,
+        gamma: Option<In<'a, u16>>,
+        beta: Option<In<'a, u16>>,
+        relu: i32,
+    }
+    /// The v2 forward GEMMs reading a batch norm's input `z` and applying the batch norm
+    /// (saved `mean`, `invstd`, `gamma`, `beta`, ReLU if `relu`) as they load it.
+    "conv2.cu" Conv2FwdApply<'a> [
+        "conv2_fwd_apply_128x128", "conv2_fwd_apply_128x64", "conv2_fwd_apply_1x1_128x128",
+        "conv2_fwd_apply_1x1_128x64",
+    ] {
+        z: In<'a, u16>,
+        w: In<'a, u16>,
+        y: Out<'a, u16>,
+        args: super::conv::Conv2Args,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+    }
+    /// [`Conv2FwdApply`] with the batch-norm statistics epilogue (tile records in `part`).
+    "conv2.cu" Conv2FwdStatsApply<'a> [
+        "conv2_fwd_stats_apply_128x128", "conv2_fwd_stats_apply_128x64",
+        "conv2_fwd_stats_apply_1x1_128x128", "conv2_fwd_stats_apply_1x1_128x64",
+    ] {
+        z: In<'a, u16>,
+        w: In<'a, u16>,
+        y: Out<'a, u16>,
+        args: super::conv::Conv2Args,
+        part: Out<'a, f32>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
+    }
+    /// The v2 weight-gradient GEMMs reading a batch norm's input `z`, applied as in
+    /// [`Conv2FwdApply`] (f32 `dw`, or one plane per reduction slice).
+    "conv2.cu" Conv2WgradApply<'a> [
+        "conv2_wgrad_apply_128x128", "conv2_wgrad_apply_64x128", "conv2_wgrad_apply_c8_64x128",
+        "conv2_wgrad_apply_1x1_128x128", "conv2_wgrad_apply_1x1_64x128",
+    ] {
+        dy: In<'a, u16>,
+        z: In<'a, u16>,
+        dw: Out<'a, f32>,
+        args: super::conv::Conv2Args,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        relu: i32,
     }
     /// The weight rearranged into the phase order of the v2 data gradient.
     "conv2.cu" Conv2DgradWeights<'a> ["conv2_dgrad_weights"] {
@@ -1161,7 +1213,7 @@ mod tests {
 
     #[test]
     fn the_v2_planner_names_only_kernels_of_the_launchers_the_backend_uses() {
-        use crate::cuda::conv::{V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
+        use crate::cuda::conv::{V2_APPLY_KERNELS, V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
         for name in V2_GEMM_KERNELS {
             let launcher = if name.starts_with("conv2_wgrad") {
                 Conv2Wgrad::NAMES
@@ -1175,6 +1227,16 @@ mod tests {
                 Conv2FwdStats::NAMES
             } else {
                 Conv2DgradBn::NAMES
+            };
+            assert!(launcher.contains(name), "{name}");
+        }
+        for name in V2_APPLY_KERNELS {
+            let launcher = if name.starts_with("conv2_fwd_stats_apply") {
+                Conv2FwdStatsApply::NAMES
+            } else if name.starts_with("conv2_fwd_apply") {
+                Conv2FwdApply::NAMES
+            } else {
+                Conv2WgradApply::NAMES
             };
             assert!(launcher.contains(name), "{name}");
         }

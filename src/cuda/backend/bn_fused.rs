@@ -299,6 +299,9 @@ pub(super) fn conv_backward_data_bn(
                 mean: mean.into(),
                 invstd: invstd.into(),
                 residual: residual.map(Into::into),
+                gamma: None,
+                beta: None,
+                relu: i32::from(bn.relu),
             };
             be.launch(op, dgrad.bn_epilogue_kernel, cfg, gemm)?;
             let streams = 2
