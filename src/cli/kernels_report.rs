@@ -294,7 +294,14 @@ fn launch_geometry(kernel: &str) -> Option<(usize, usize)> {
         let tile = [Conv2Tile::T128x128, Conv2Tile::T128x64, Conv2Tile::T64x128]
             .into_iter()
             .find(|t| kernel.ends_with(&format!("_{}", t.suffix())))?;
-        return Some((tile.threads() as usize, tile.smem_bytes(pass)));
+        // The kernels applying a batch norm hold its parameters too: reported at 512 input
+        // channels, resnet50's largest inner batch norm.
+        let smem = if kernel.contains("_apply") {
+            tile.apply_smem_bytes(pass, 512)
+        } else {
+            tile.smem_bytes(pass)
+        };
+        return Some((tile.threads() as usize, smem));
     }
     if kernel.starts_with("conv3_") {
         // the weight rearrangements are not GEMMs

@@ -194,6 +194,34 @@ impl Conv2Tile {
         (STAGES * (a + b) * 2).max(epilogue)
     }
 
+    /// Bytes of the pipeline stages of `pass` (STAGES × (A + B tiles)): where the APPLY
+    /// kernels' extra shared memory begins.
+    fn stage_bytes(self, pass: Pass) -> usize {
+        let (bm, bn) = self.dims();
+        let a = match pass {
+            Pass::Wgrad => BK * (bm + SKEW),
+            _ => bm * (BK + SKEW),
+        };
+        let b = match pass {
+            Pass::Forward => bn * (BK + SKEW),
+            _ => BK * (bn + SKEW),
+        };
+        STAGES * (a + b) * 2
+    }
+
+    /// Dynamic shared memory of an APPLY kernel (kernels/conv2.cu, `AppliedBn`) of `pass` with
+    /// this tile on `channels` input channels: the stages, then a word per stage and thread
+    /// (what each thread copied), wgrad a word per B chunk and thread (the small-C gather's
+    /// channels), then the batch norm's parameters as four f32 planes of `channels`.
+    pub fn apply_smem_bytes(self, pass: Pass, channels: usize) -> usize {
+        let threads = self.threads() as usize;
+        let chans = match pass {
+            Pass::Wgrad => self.dims().1 * BK / 8 * 4,
+            _ => 0,
+        };
+        self.stage_bytes(pass) + STAGES * threads * 4 + chans + 16 * channels
+    }
+
     /// Static shared memory (row table and tap table) plus the 1 KiB the driver reserves.
     fn static_smem(self) -> usize {
         self.dims().0 * 4 + 128 * 8 + 1024
@@ -417,6 +445,12 @@ impl Conv2Launch {
         };
         let name = format!("{infix}{}", self.kernel.strip_prefix(plain)?);
         V2_APPLY_KERNELS.iter().copied().find(|k| *k == name)
+    }
+
+    /// Dynamic shared memory of this launch's [`Conv2Launch::apply_kernel`]
+    /// ([`Conv2Tile::apply_smem_bytes`] on its input channels).
+    pub fn apply_smem_bytes(&self) -> u32 {
+        self.tile.apply_smem_bytes(self.pass, self.args.c as usize) as u32
     }
 
     /// The kernel with the batch-norm epilogue for this launch (forward: `conv2_fwd_stats_*`,
@@ -720,7 +754,11 @@ mod tests {
                 .find(&format!("\n{k}("))
                 .expect("kernel signature");
             let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
-            let want = if k.starts_with("conv2_fwd_stats") { 10 } else { 9 };
+            let want = if k.starts_with("conv2_fwd_stats") {
+                10
+            } else {
+                9
+            };
             assert_eq!(sig.split(',').count(), want, "{sig}");
         }
         let gpu = GpuLimits::H100;
@@ -775,6 +813,16 @@ mod tests {
     fn shared_memory_matches_the_kernel_geometry() {
         // forward 128×128: (128·40 + 128·40) · 2 bytes · 4 stages
         assert_eq!(Conv2Tile::T128x128.smem_bytes(Pass::Forward), 81_920);
+        // ... applying a batch norm on 64 channels: + 4 · 256 ring words + 64 · 16 parameters
+        assert_eq!(
+            Conv2Tile::T128x128.apply_smem_bytes(Pass::Forward, 64),
+            81_920 + 4096 + 1024
+        );
+        // wgrad 64×128 on 16 channels: + 4 · 128 ring words + 4 · 128 channel words + 256
+        assert_eq!(
+            Conv2Tile::T64x128.apply_smem_bytes(Pass::Wgrad, 16),
+            53_248 + 2048 + 2048 + 256
+        );
         // dgrad 128×64: (128·40 + 32·72) · 2 · 4
         assert_eq!(Conv2Tile::T128x64.smem_bytes(Pass::Dgrad), 59_392);
         // wgrad 64×128: (32·72 + 32·136) · 2 · 4

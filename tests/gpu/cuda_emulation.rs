@@ -4,7 +4,8 @@
 //! backend's rules. Catches indexing, tiling, masking and reduction bugs before a GPU session.
 //! The v2 convolutions (conv2.cu) run with their cp.async pipeline emulated, and copies with
 //! one index deliberately broken (the epilogues, the paired stem) must fail, so the check is
-//! known to catch such bugs. The
+//! known to catch such bugs; the kernels that apply a batch norm as they load their input have
+//! their own test against bn_apply followed by the plain kernels. The
 //! Hopper kernels (conv3.cu) run with wgmma, TMA and mbarrier emulated (kernels/emu/hopper.h),
 //! and copies with a missing wait or a wrong descriptor must fail.
 //! Skips (printing why) when no C++20 compiler is installed.
@@ -351,7 +352,11 @@ fn kernels_match_references_under_emulation() {
         std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv2_check.cpp")
         )
-        .unwrap(),
+        .unwrap()
+            + &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv2_apply_check.cpp")
+            )
+            .unwrap(),
         std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emu/conv_check.cpp")
         )
@@ -372,5 +377,86 @@ fn kernels_match_references_under_emulation() {
                 file.name
             );
         }
+    }
+}
+
+/// The v2 kernels that apply a batch norm to their input as they load it, and the data
+/// gradient's epilogue with its ReLU mask recomputed, against their composition (bn_apply, then
+/// the plain kernel) to the bit, twice (kernels/emu/conv2_apply_check.cpp); copies with one bug
+/// each must fail.
+#[test]
+fn conv2_apply_kernels_match_their_composition_under_emulation() {
+    let dir = tempfile::tempdir().unwrap();
+    if !cxx20_available(dir.path()) {
+        eprintln!(
+            "skipped: no C++20 compiler ({}); install g++ ≥ 11 to emulate the kernels",
+            compiler()
+        );
+        return;
+    }
+    let conv2 = KernelFile::by_name("conv2.cu").unwrap();
+    let bn = KernelFile::by_name("bn.cu").unwrap();
+    let bn_ns = format!("namespace k_bn {{\n{}\n}}\n", bn.text.replace(INCLUDE, ""));
+    std::fs::write(dir.path().join("conv2_x.cu"), conv2.expanded()).unwrap();
+    std::fs::write(dir.path().join("bn_ns.cu"), &bn_ns).unwrap();
+    let bugs = [
+        // the forward transforming the zero-filled halo and tails (ReLU(BN(0)) ≠ 0)
+        (
+            "const bool keep = live >> i & 1u;",
+            "const bool keep = true;",
+        ),
+        // every chunk read with channel 0's parameters
+        (
+            "const int c0 = min((int)(rec >> RING_CHUNKS), a.c - 8);",
+            "const int c0 = 0;",
+        ),
+        // the wgrad's small-C chunks all at chunk 0's channel
+        (
+            "GATHER == SMALL_C ? (int)lds_u32(b_chans + j * (T::THREADS * 4))",
+            "GATHER == SMALL_C ? (int)lds_u32(b_chans)",
+        ),
+        // a stage transformed with the next stage's record
+        (
+            "if (APPLY) apply_stage(u);",
+            "if (APPLY) apply_stage((u + 1) % T::STAGES);",
+        ),
+        // the recomputed mask read with channel 0's parameters
+        ("ep.gamma, ep.beta, n, 1);", "ep.gamma, ep.beta, 0, 1);"),
+    ];
+    let mut broken = Vec::new();
+    for (i, (right, wrong)) in bugs.iter().enumerate() {
+        assert!(
+            conv2.text.matches(right).count() == 1,
+            "conv2.cu changed ({right}): update this test"
+        );
+        let d = dir.path().join(format!("broken_{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("conv2_x.cu"),
+            expand_common(&conv2.text.replace(right, wrong)),
+        )
+        .unwrap();
+        std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
+        broken.push(d);
+    }
+    let (good, bad) = std::thread::scope(|s| {
+        let good = s.spawn(|| build_and_run(dir.path(), "conv2_apply_check"));
+        let bad: Vec<_> = broken
+            .iter()
+            .map(|d| s.spawn(move || build_and_try_args(d, "conv2_apply_check", &["--first"])))
+            .collect();
+        (
+            good.join().unwrap(),
+            bad.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>(),
+        )
+    });
+    assert!(good.contains("ALL OK"), "{good}");
+    for ((right, wrong), (ok, out)) in bugs.iter().zip(&bad) {
+        assert!(
+            !ok && out.contains("FAIL"),
+            "conv2.cu with `{right}` broken to `{wrong}` passed its emulated check:\n{out}"
+        );
     }
 }
