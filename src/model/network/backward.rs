@@ -73,8 +73,10 @@ impl<B: Backend> Network<B> {
             written[input],
             BnGradEpilogue {
                 x: get(&self.acts, bn_input),
-                y: get(&self.acts, input),
+                y: Some(get(&self.acts, input)),
                 relu,
+                gamma: get(&self.params, gamma),
+                beta: get(&self.params, beta),
                 saved_mean: mean,
                 saved_invstd: invstd,
                 residual_grad: self.plan.fusion.residual_from[k]

@@ -1,6 +1,6 @@
 //! The forward pass of a [`Network`], and the inference steps built on it alone.
 
-use crate::backend::{Backend, BnForward, BnMode, PoolBn, Targets};
+use crate::backend::{AppliedBn, Backend, BnForward, BnMode, Targets};
 use crate::model::graph::Node;
 use crate::model::{Augment, InputBatch, ModelError, StepStats};
 
@@ -10,7 +10,7 @@ use super::{get, take, Network, BORROWED};
 impl<B: Backend> Network<B> {
     /// Batch-norm node `p`, applied by the max pool that reads its output
     /// ([`super::FusionPlan::pool_applies`]): its input value and what the pool applies.
-    pub(super) fn pool_bn(&self, p: usize) -> (usize, PoolBn<'_, B::Tensor>) {
+    pub(super) fn pool_bn(&self, p: usize) -> (usize, AppliedBn<'_, B::Tensor>) {
         let Node::BatchNorm {
             input,
             relu,
@@ -22,7 +22,7 @@ impl<B: Backend> Network<B> {
             unreachable!("a max pool applies a BatchNorm node");
         };
         let (mean, invstd) = self.saved[p].as_ref().expect("bn saved stats");
-        let bn = PoolBn {
+        let bn = AppliedBn {
             gamma: get(&self.params, weight),
             beta: get(&self.params, bias),
             saved_mean: mean,
