@@ -79,7 +79,7 @@ impl CpuBackend {
     pub(super) fn conv_bn_forward(
         &self,
         s: &ConvShape,
-        z: &Vec<f32>,
+        z: &[f32],
         bn: &AppliedBn<'_, Vec<f32>>,
         w: &Vec<f32>,
         y: &mut Vec<f32>,
@@ -96,7 +96,7 @@ impl CpuBackend {
     pub(super) fn conv_bn_backward_weight(
         &self,
         s: &ConvShape,
-        z: &Vec<f32>,
+        z: &[f32],
         bn: &AppliedBn<'_, Vec<f32>>,
         dy: &Vec<f32>,
         dw: &mut Vec<f32>,
