@@ -212,13 +212,13 @@ impl Backend for Bf16Cpu {
             }
         };
         let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
-        for i in 0..rows * c {
+        for (i, &m) in mask[..rows * c].iter().enumerate() {
             let ch = i % c;
             let mut g = dx.v[i];
             if let Some(r) = bn.residual_grad {
                 g = round(g + r.v[i]);
             }
-            if bn.relu && mask[i] <= 0.0 {
+            if bn.relu && m <= 0.0 {
                 g = 0.0;
             }
             dx.v[i] = g;
