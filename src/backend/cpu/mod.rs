@@ -470,7 +470,10 @@ impl Backend for CpuBackend {
         self.conv_backward_data(s, dy, w, dx, accumulate)?;
         // Never stored (the convolution applied the batch norm): the mask's source recomputed.
         let recomputed = match (bn.y, bn.relu) {
-            (None, true) => Some(self.bn_output(rows, c, bn.x, &bn.applied())),
+            (None, true) => {
+                let _t = self.profiler.time(|| "bn_apply".into(), 0.0, 0.0);
+                Some(self.bn_output(rows, c, bn.x, &bn.applied()))
+            }
             _ => None,
         };
         // Without a ReLU the mask is not read.
