@@ -192,7 +192,11 @@ fn applied_batch_norm_steps_have_the_fused_bits() {
         assert!(ea < ef, "{arch:?}: the inner outputs are still stored");
         assert_eq!(la.to_bits(), lf.to_bits(), "{arch:?}: loss {la} vs {lf}");
         for ((name, a), (_, f)) in ta.iter().zip(&tf) {
-            if let Some(i) = a.iter().zip(f).position(|(x, y)| x.to_bits() != y.to_bits()) {
+            if let Some(i) = a
+                .iter()
+                .zip(f)
+                .position(|(x, y)| x.to_bits() != y.to_bits())
+            {
                 panic!("{arch:?} {name}[{i}]: applied {} fused {}", a[i], f[i]);
             }
         }

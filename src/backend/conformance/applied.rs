@@ -97,3 +97,20 @@ impl<B: Backend> Pair<'_, B> {
         Ok(())
     }
 }
+
+/// Requires two runs' outputs (`runs[r][i]`, named `names[i]`) to have the same bits.
+pub(super) fn same_bits_twice(
+    check: &str,
+    names: &[&str],
+    runs: &[Vec<Vec<f32>>],
+) -> Result<(), BackendError> {
+    for (name, (a, b)) in names.iter().zip(runs[0].iter().zip(&runs[1])) {
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            return Err(BackendError::Mismatch {
+                check: format!("{check} {name} twice"),
+                detail: format!("element {i}: {} then {}", a[i], b[i]),
+            });
+        }
+    }
+    Ok(())
+}

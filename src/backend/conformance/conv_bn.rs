@@ -12,7 +12,7 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::applied::{grid, Inputs};
+use super::applied::{grid, same_bits_twice, Inputs};
 use super::{conv, CheckReport, Pair, Tolerance};
 use crate::backend::{AppliedBn, Backend, BackendError, BnGradEpilogue, ConvShape, TensorRole};
 
@@ -249,17 +249,8 @@ pub fn check_conv_bn_repeatable<B: Backend>(
                 backend.download(&dw)?,
             ]);
         }
-        for (name, (a, b)) in ["y", "moments", "dw"]
-            .iter()
-            .zip(runs[0].iter().zip(&runs[1]))
-        {
-            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-                return Err(BackendError::Mismatch {
-                    check: format!("conv_bn {name} twice {}x{}x{}x{c}", s.n, s.h, s.w),
-                    detail: format!("element {i}: {} then {}", a[i], b[i]),
-                });
-            }
-        }
+        let shape = format!("{}x{}x{}x{c}", s.n, s.h, s.w);
+        same_bits_twice(&format!("conv_bn {shape}"), &["y", "moments", "dw"], &runs)?;
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::applied::Inputs;
+use super::applied::{same_bits_twice, Inputs};
 use super::{CheckReport, Pair, Tolerance};
 use crate::backend::{AppliedBn, Backend, BackendError, PoolShape, TensorRole};
 
@@ -169,17 +169,12 @@ pub fn check_pool_bn_repeatable<B: Backend>(
                 backend.download(&db)?,
             ]);
         }
-        for (name, (a, b)) in ["y", "g", "dgamma", "dbeta"]
-            .iter()
-            .zip(runs[0].iter().zip(&runs[1]))
-        {
-            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-                return Err(BackendError::Mismatch {
-                    check: format!("maxpool_bn {name} twice {}x{}x{}x{c}", s.n, s.h, s.w),
-                    detail: format!("element {i}: {} then {}", a[i], b[i]),
-                });
-            }
-        }
+        let shape = format!("{}x{}x{}x{c}", s.n, s.h, s.w);
+        same_bits_twice(
+            &format!("maxpool_bn {shape}"),
+            &["y", "g", "dgamma", "dbeta"],
+            &runs,
+        )?;
     }
     Ok(())
 }
