@@ -20,6 +20,10 @@
 #                                # twice to the bit, synchronised BN fused, then resnet50 and
 #                                # resnet18 steps fused and separate with --breakdown, then
 #                                # resnet50's in three alternating rounds without it
+#   bash .gpu/gpu-run.sh prologue  # the inner batch norms applied by the convolutions that read
+#                                # them (BIRDTRAIN_BN_PROLOGUE=1, off by default; < 4 min): the
+#                                # applied ops and steps against the stored ones to the bit, then
+#                                # resnet50 on and off in three alternating rounds, a breakdown each
 #   bash .gpu/gpu-run.sh tta     # time to accuracy on Fashion-MNIST (< 8 min): birdtrain and the
 #                                # PyTorch peer (torch.compile, bf16) train resnet20 with one
 #                                # recipe to test accuracy 0.93 (benches/fashion_mnist/README.md)
@@ -37,8 +41,9 @@
 #                                # level, and the trainer with augmentation, mixup/CutMix, AdamW,
 #                                # a partial last batch), resnet50 b256's step eager and replayed
 #   bash .gpu/gpu-run.sh next    # what has never run on a GPU, in one call (< 6 min): the v3
-#                                # kernels, the CUDA graphs and the Python package checked side
-#                                # by side, then v3 against v2 and the graph step timed alone
+#                                # kernels, the CUDA graphs, the applied batch norms and the
+#                                # Python package checked side by side, then v3 against v2, the
+#                                # graph step and the applied batch norms timed alone
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -550,6 +555,43 @@ conv3_rounds() {
   check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
 }
 
+# resnet50's (v2) step with the inner batch norms applied by the convolutions
+# (BIRDTRAIN_BN_PROLOGUE=1) and stored (0) in three alternating rounds, and the line comparing
+# their medians.
+prologue_rounds() {
+  local r v rounds_on=() rounds_off=()
+  for r in 1 2 3; do
+    for v in 1 0; do
+      BIRDTRAIN_CONV=v2 BIRDTRAIN_BN_PROLOGUE=$v step "bench-resnet50-prologue$v-r$r" 60 "$bin" \
+        bench step --model resnet50 --batch-size 256 --json --warmup 10 --steps 40
+    done
+    rounds_on+=("$out/bench-resnet50-prologue1-r$r.log")
+    rounds_off+=("$out/bench-resnet50-prologue0-r$r.log")
+  done
+  check $checks prologue-rounds resnet50 "$(IFS=,; echo "${rounds_on[*]}")" \
+    "$(IFS=,; echo "${rounds_off[*]}")"
+}
+
+# The inner batch norms applied by the convolutions that read them (BIRDTRAIN_BN_PROLOGUE, off
+# by default until this passes and measures faster): the applied ops against the separate ones
+# to the bit, the applied steps against the fused ones to the bit, then the timing rounds and a
+# breakdown of each.
+phase_prologue() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step test-prologue-ops 150 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_kernels::convolutions_applying_a_batch_norm
+  $checks tests "$out/test-prologue-ops.log" cuda_kernels::convolutions_applying 1 | tee -a "$summary"
+  step test-prologue-step 150 "$test_bin" --ignored --test-threads 1 --show-output \
+    cuda_step::applied_batch_norm_steps_have_the_fused_bits
+  $checks tests "$out/test-prologue-step.log" cuda_step::applied_batch_norm 1 | tee -a "$summary"
+  prologue_rounds
+  local v
+  for v in 1 0; do
+    BIRDTRAIN_CONV=v2 BIRDTRAIN_BN_PROLOGUE=$v step "bench-resnet50-prologue$v-breakdown" 90 "$bin" \
+      bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
+  done
+}
+
 phase_hopper() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step kernels-check-90a 120 "$bin" kernels check --arch sm_90a
@@ -605,6 +647,12 @@ phase_next() {
   step test-graph-timing 120 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_graph::resnet50_b256_step_time_with_and_without_the_graph
   grep -h "graph-timing\|graph launches" "$out/test-graph-timing.log" | sed 's/^/INFO /' | tee -a "$summary"
+  # The applied inner batch norms (their tests ran in test-kernels and test-step above).
+  if grep -q "^FAIL .*\(convolutions_applying\|applied_batch_norm\)" "$summary"; then
+    note "SKIP prologue-rounds: an applied batch-norm check failed (the FAIL lines above name it)"
+  else
+    prologue_rounds
+  fi
 }
 
 # Everything in one call. The correctness work runs side by side (one GPU, many processes:
@@ -641,9 +689,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|next|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|tta|python|hopper|graphs|next|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

@@ -37,6 +37,8 @@
                                   every round's figure; PASS when the fused median is lower
   conv3-rounds MODEL V3,… V2,…    the same for BIRDTRAIN_CONV=v3 (Hopper 1×1 kernels) against
                                   v2: PASS when the v3 median is lower
+  prologue-rounds MODEL ON,… OFF,…  the same for BIRDTRAIN_BN_PROLOGUE=1 (the convolutions
+                                  apply the inner batch norms) against 0: PASS when on is lower
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
                                   against B alone and against one batch of B·K (a measurement:
                                   PASS when all three ran and the accumulated run said so)
@@ -365,14 +367,25 @@ def fusion_rounds(model, fused_logs, separate_logs):
                f"rounds fused/separate {rounds}; {device})")
 
 
+def paired_rounds(what, model, names, a_logs, b_logs):
+    """The median ms per step of two settings' alternating rounds: PASS when the first's is lower."""
+    a_ms = [last_report(p)["ms_per_step"] for p in a_logs.split(",")]
+    b_ms = [last_report(p)["ms_per_step"] for p in b_logs.split(",")]
+    a, b = median(a_ms), median(b_ms)
+    rounds = "; ".join(f"{x:.2f}/{y:.2f}" for x, y in zip(a_ms, b_ms))
+    device = last_report(a_logs.split(",")[0]).get("device", "?")
+    first, second = names
+    return say(a < b, f"{what} {model}",
+               f"median {first} {a:.2f} ms vs {second} {b:.2f} ms a step (x{b / a:.3f}; "
+               f"rounds {first}/{second} {rounds}; {device})")
+
+
 def conv3_rounds(model, v3_logs, v2_logs):
-    v3 = [last_report(p)["ms_per_step"] for p in v3_logs.split(",")]
-    v2 = [last_report(p)["ms_per_step"] for p in v2_logs.split(",")]
-    a, b = median(v3), median(v2)
-    rounds = "; ".join(f"{x:.2f}/{y:.2f}" for x, y in zip(v3, v2))
-    device = last_report(v3_logs.split(",")[0]).get("device", "?")
-    return say(a < b, f"conv3-timing {model}",
-               f"median v3 {a:.2f} ms vs v2 {b:.2f} ms a step (x{b / a:.3f}; rounds v3/v2 {rounds}; {device})")
+    return paired_rounds("conv3-timing", model, ("v3", "v2"), v3_logs, v2_logs)
+
+
+def prologue_rounds(model, on_logs, off_logs):
+    return paired_rounds("prologue-timing", model, ("applied", "stored"), on_logs, off_logs)
 
 
 def accum_cost(log_accum, log_micro, log_whole):
@@ -422,7 +435,7 @@ def main(argv):
         "tests": (tests, (3,)), "pytest": (pytest, (2,)), "torchrun": (torchrun, (3, 4)),
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
-        "conv3-rounds": (conv3_rounds, (3,)),
+        "conv3-rounds": (conv3_rounds, (3,)), "prologue-rounds": (prologue_rounds, (3,)),
         "tta": (tta, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:

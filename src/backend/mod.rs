@@ -208,10 +208,17 @@ pub struct BnBackward<'a, T> {
 pub struct BnGradEpilogue<'a, T> {
     /// The batch norm's input (for x̂), shaped as the convolution's input.
     pub x: &'a T,
-    /// The batch norm's output (the convolution's input): its sign is the ReLU's mask.
-    pub y: &'a T,
+    /// The batch norm's output (the convolution's input): its sign is the ReLU's mask. `None`
+    /// for an output that was never stored (the convolution applied the batch norm:
+    /// [`Backend::conv_forward_bn`]): the mask is then recomputed from `x`, `gamma` and `beta`
+    /// as that output's sign.
+    pub y: Option<&'a T>,
     /// Whether the batch norm applied a ReLU.
     pub relu: bool,
+    /// Its scale γ (read only to recompute the mask, when `y` is `None`).
+    pub gamma: &'a T,
+    /// Its shift β (as `gamma`).
+    pub beta: &'a T,
     /// Its saved mean (the statistics it normalised with).
     pub saved_mean: &'a T,
     /// Its saved inverse standard deviation.
@@ -226,12 +233,26 @@ pub struct BnGradEpilogue<'a, T> {
     pub dbeta: &'a mut T,
 }
 
-/// The batch norm whose output a max pool reads, applied by the pool itself
-/// ([`Backend::maxpool_bn_forward`], [`Backend::maxpool_bn_backward`]) so that the output is
-/// never stored: the statistics its forward saved ([`BnForward`] with no `y`) and its affine
-/// parameters. No residual.
-#[derive(Debug)]
-pub struct PoolBn<'a, T> {
+impl<'a, T> BnGradEpilogue<'a, T> {
+    /// The batch norm as its reader applies it (its output recomputed from `x`).
+    pub fn applied(&self) -> AppliedBn<'a, T> {
+        AppliedBn {
+            gamma: self.gamma,
+            beta: self.beta,
+            saved_mean: self.saved_mean,
+            saved_invstd: self.saved_invstd,
+            relu: self.relu,
+        }
+    }
+}
+
+/// A batch norm whose output is never stored because its one reader applies it as it reads
+/// the batch norm's input: a max pool ([`Backend::maxpool_bn_forward`],
+/// [`Backend::maxpool_bn_backward`]) or a convolution ([`Backend::conv_forward_bn`],
+/// [`Backend::conv_backward_weight_bn`]). The statistics its forward saved ([`BnForward`] with
+/// no `y`) and its affine parameters. No residual.
+#[derive(Debug, Clone, Copy)]
+pub struct AppliedBn<'a, T> {
     /// Scale γ.
     pub gamma: &'a T,
     /// Shift β.
@@ -353,6 +374,15 @@ pub trait Backend: Send {
     /// backend that wraps another must pass this on.
     fn bn_fusion(&self) -> bool;
 
+    /// With [`Backend::bn_fusion`], whether a network on this backend should also let a
+    /// convolution apply the batch norm before it as it reads that batch norm's input
+    /// ([`Backend::conv_forward_bn`], [`Backend::conv_backward_weight_bn`], and
+    /// [`Backend::conv_backward_data_bn`] with no stored output), for a batch norm whose
+    /// output that convolution alone reads: the output is then never stored (the CUDA
+    /// backend's `BIRDTRAIN_BN_PROLOGUE`). The ops work whatever this says; it only chooses
+    /// the sequence. No default: a backend that wraps another must pass this on.
+    fn conv_applies_bn(&self) -> bool;
+
     /// `y = conv(x, w)` as [`Backend::conv_forward`], and the batch statistics of `y` in
     /// `moments` (`3·c_out` values: the layout of [`BnForward::moments`]), for the batch norm
     /// in training mode that reads `y`.
@@ -363,6 +393,33 @@ pub trait Backend: Send {
         w: &Self::Tensor,
         y: &mut Self::Tensor,
         moments: &mut Self::Tensor,
+    ) -> Result<(), BackendError>;
+
+    /// `y = conv(bn(z), w)` for a batch norm's output that is never stored: `bn(z)` computed
+    /// per element exactly as [`Backend::bn_forward`] computes its output (the same
+    /// arithmetic, rounded to the storage type) as the convolution reads it, so `y` has the
+    /// bits of [`Backend::conv_forward`] over that output. The padding stays zero (it is not a
+    /// transformed zero). `z` has the convolution's input shape. With `moments`, the batch
+    /// statistics of `y` too, as [`Backend::conv_forward_moments`] leaves them.
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &Self::Tensor,
+        bn: &AppliedBn<'_, Self::Tensor>,
+        w: &Self::Tensor,
+        y: &mut Self::Tensor,
+        moments: Option<&mut Self::Tensor>,
+    ) -> Result<(), BackendError>;
+
+    /// Weight gradient of [`Backend::conv_forward_bn`]: `dw = wgrad(bn(z), dy)` (overwritten),
+    /// with the bits of [`Backend::conv_backward_weight`] over the batch norm's output.
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &Self::Tensor,
+        bn: &AppliedBn<'_, Self::Tensor>,
+        dy: &Self::Tensor,
+        dw: &mut Self::Tensor,
     ) -> Result<(), BackendError>;
 
     /// The data gradient of a convolution whose input is the output of a batch norm, finished
@@ -552,7 +609,7 @@ pub trait Backend: Send {
         &self,
         s: &PoolShape,
         z: &Self::Tensor,
-        bn: &PoolBn<'_, Self::Tensor>,
+        bn: &AppliedBn<'_, Self::Tensor>,
         y: &mut Self::Tensor,
     ) -> Result<(), BackendError>;
 
@@ -569,7 +626,7 @@ pub trait Backend: Send {
         &self,
         s: &PoolShape,
         z: &Self::Tensor,
-        bn: &PoolBn<'_, Self::Tensor>,
+        bn: &AppliedBn<'_, Self::Tensor>,
         dy: &Self::Tensor,
         g: &mut Self::Tensor,
         dgamma: &mut Self::Tensor,

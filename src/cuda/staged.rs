@@ -20,8 +20,8 @@ use super::launch::{launch, In, Kernel};
 use super::launchers::InputTransform;
 use super::{CudaBackend, CudaError, CudaTensor, GpuDevice};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
+    AppliedBn, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape,
+    BnSyncBackward, ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::{InputBatch, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -389,6 +389,9 @@ impl Backend for StagedBackend {
     fn bn_fusion(&self) -> bool {
         self.inner.bn_fusion()
     }
+    fn conv_applies_bn(&self) -> bool {
+        self.inner.conv_applies_bn()
+    }
     fn conv_forward_moments(
         &self,
         s: &ConvShape,
@@ -398,6 +401,27 @@ impl Backend for StagedBackend {
         moments: &mut CudaTensor,
     ) -> Result<(), BackendError> {
         self.inner.conv_forward_moments(s, x, w, y, moments)
+    }
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &CudaTensor,
+        bn: &AppliedBn<'_, CudaTensor>,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        moments: Option<&mut CudaTensor>,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_forward_bn(s, z, bn, w, y, moments)
+    }
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &CudaTensor,
+        bn: &AppliedBn<'_, CudaTensor>,
+        dy: &CudaTensor,
+        dw: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        self.inner.conv_backward_weight_bn(s, z, bn, dy, dw)
     }
     fn conv_backward_data_bn(
         &self,
@@ -439,7 +463,7 @@ impl Backend for StagedBackend {
         &self,
         s: &PoolShape,
         z: &CudaTensor,
-        bn: &PoolBn<'_, CudaTensor>,
+        bn: &AppliedBn<'_, CudaTensor>,
         y: &mut CudaTensor,
     ) -> Result<(), BackendError> {
         self.inner.maxpool_bn_forward(s, z, bn, y)
@@ -449,7 +473,7 @@ impl Backend for StagedBackend {
         &self,
         s: &PoolShape,
         z: &CudaTensor,
-        bn: &PoolBn<'_, CudaTensor>,
+        bn: &AppliedBn<'_, CudaTensor>,
         dy: &CudaTensor,
         g: &mut CudaTensor,
         dgamma: &mut CudaTensor,

@@ -17,6 +17,13 @@
 //!   applied by the pool as it reads the batch norm's input (`maxpool_bn_forward`), so its
 //!   output is never stored; the pool's backward finishes its incoming gradient
 //!   (`maxpool_bn_backward`: mask, reductions), and its backward is `prepared`.
+//! - Convolutions ([`FusionPlan::with_convs_applying`], where the backend's convolutions apply
+//!   batch norm: [`crate::backend::Backend::conv_applies_bn`]): a batch norm (no residual)
+//!   whose only reader is a convolution (a bottleneck's or a basic block's inner batch norm) is
+//!   applied by that convolution as it reads the batch norm's input (`conv_forward_bn`, and
+//!   `conv_backward_weight_bn` for its weight gradient), so its output is never stored; the
+//!   convolution's fused data gradient recomputes the ReLU's mask from that input
+//!   (`conv_backward_data_bn` with no output).
 
 use super::graph::{Graph, Node};
 
@@ -39,7 +46,11 @@ pub struct FusionPlan {
     /// Max-pool node → the batch-norm node it applies to its input (whose output it alone
     /// reads); that batch norm's output is never stored.
     pub pool_applies: Vec<Option<usize>>,
-    /// Batch-norm node → whether its output is not stored (a max pool applies it).
+    /// Conv node → the batch-norm node it applies to its input (whose output it alone
+    /// reads); that batch norm's output is never stored.
+    pub conv_applies: Vec<Option<usize>>,
+    /// Batch-norm node → whether its output is not stored (a max pool or a convolution
+    /// applies it).
     pub unstored: Vec<bool>,
 }
 
@@ -103,6 +114,27 @@ impl FusionPlan {
         plan
     }
 
+    /// This plan with every batch norm (no residual) whose only reader is a convolution
+    /// applied by that convolution ([`FusionPlan::conv_applies`]): its output is never stored.
+    /// Such a convolution already finishes the batch norm's gradient (it is its first reader).
+    pub fn with_convs_applying(mut self, graph: &Graph) -> FusionPlan {
+        let nodes = graph.nodes();
+        let (producer, readers) = producers_and_readers(graph);
+        for (k, node) in nodes.iter().enumerate() {
+            let Node::Conv { input, .. } = *node else {
+                continue;
+            };
+            let bn = producer[input]
+                .filter(|&p| matches!(nodes[p], Node::BatchNorm { residual: None, .. }));
+            if let (Some(p), 1, true) = (bn, readers[input], input != 0) {
+                debug_assert_eq!(self.finishes[k], Some(p), "the one reader finishes it");
+                self.conv_applies[k] = Some(p);
+                self.unstored[p] = true;
+            }
+        }
+        self
+    }
+
     /// The plan of a network that does not fuse: nothing moves.
     pub fn none(graph: &Graph) -> FusionPlan {
         let n = graph.nodes().len();
@@ -113,9 +145,24 @@ impl FusionPlan {
             residual_in_place: vec![false; n],
             residual_from: vec![None; n],
             pool_applies: vec![None; n],
+            conv_applies: vec![None; n],
             unstored: vec![false; n],
         }
     }
+}
+
+/// Per value: the node that writes it, and how many reads of it the nodes make.
+fn producers_and_readers(graph: &Graph) -> (Vec<Option<usize>>, Vec<usize>) {
+    let values = graph.value_count();
+    let (mut producer, mut readers) = (vec![None; values], vec![0usize; values]);
+    for (k, node) in graph.nodes().iter().enumerate() {
+        let (reads, output) = reads_and_output(node);
+        producer[output] = Some(k);
+        for v in reads {
+            readers[v] += 1;
+        }
+    }
+    (producer, readers)
 }
 
 /// The values a node reads (input, and a batch norm's residual) and the value it writes.
@@ -251,6 +298,53 @@ mod tests {
     }
 
     #[test]
+    fn convolutions_apply_every_inner_batch_norm_and_nothing_else() {
+        // (arch, inner batch norms: one per basic block, two per bottleneck, max pool)
+        for (arch, inner, pool) in [
+            (Arch::ResNet8, 3, false),
+            (Arch::ResNet18, 8, true),
+            (Arch::ResNet50, 32, true),
+        ] {
+            let graph = Graph::new(arch, 10);
+            let plain = FusionPlan::of(&graph);
+            let plan = plain.clone().with_convs_applying(&graph);
+            assert_eq!(plan.conv_applies.iter().flatten().count(), inner, "{arch}");
+            for (k, p) in plan.conv_applies.iter().enumerate() {
+                let Some(p) = *p else { continue };
+                // The batch norm just before the convolution, inside a block, no residual.
+                let (conv, bn) = (name_of(&graph, k), name_of(&graph, p));
+                assert!(
+                    conv.contains(".conv") && bn.contains(".bn"),
+                    "{conv} applies {bn}"
+                );
+                assert!(
+                    matches!(graph.nodes()[p], Node::BatchNorm { residual: None, .. }),
+                    "{bn}"
+                );
+                assert_eq!(plan.finishes[k], Some(p), "{conv} finishes {bn}");
+                assert!(plan.unstored[p] && plan.prepared[p], "{bn}");
+            }
+            let unstored = plan.unstored.iter().filter(|&&u| u).count();
+            assert_eq!(unstored, inner + usize::from(pool), "{arch}");
+            // Everything else as the plain fused plan has it.
+            assert_eq!(
+                (
+                    plan.stats_for,
+                    plan.finishes,
+                    plan.prepared,
+                    plan.pool_applies
+                ),
+                (
+                    plain.stats_for,
+                    plain.finishes,
+                    plain.prepared,
+                    plain.pool_applies
+                )
+            );
+        }
+    }
+
+    #[test]
     fn the_empty_plan_moves_nothing() {
         let graph = Graph::new(Arch::ResNet8, 10);
         let plan = FusionPlan::none(&graph);
@@ -258,6 +352,7 @@ mod tests {
         assert!(plan.finishes.iter().all(Option::is_none));
         assert!(!plan.prepared.iter().any(|&p| p) && !plan.residual_in_place.iter().any(|&p| p));
         assert!(plan.pool_applies.iter().all(Option::is_none));
+        assert!(plan.conv_applies.iter().all(Option::is_none));
         assert!(!plan.unstored.iter().any(|&u| u));
     }
 }

@@ -7,8 +7,8 @@
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape, GradientViews,
-    LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
+    AppliedBn, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, ConvShape,
+    GradientViews, LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use birdtrain::model::InputBatch;
 
@@ -21,9 +21,10 @@ pub(crate) struct Stored {
 /// See the module docs.
 pub(crate) struct Bf16Cpu(pub(crate) CpuBackend);
 
-/// The stored output of the batch norm a fused max pool applies, `rows × c` values of `z`:
-/// the GPU kernels' formula, `[ReLU]((z − mean)·invstd·γ + β)` rounded to bf16.
-fn pool_bn_output(z: &[f32], rows: usize, c: usize, bn: &PoolBn<'_, Stored>) -> Vec<f32> {
+/// The output of a batch norm its reader applies (a fused max pool or convolution), `rows ×
+/// c` values of `z`: the GPU kernels' formula, `[ReLU]((z − mean)·invstd·γ + β)` rounded to
+/// bf16.
+fn applied_output(z: &[f32], rows: usize, c: usize, bn: &AppliedBn<'_, Stored>) -> Vec<f32> {
     (0..rows * c)
         .map(|i| {
             let ch = i % c;
@@ -126,6 +127,9 @@ impl Backend for Bf16Cpu {
     fn bn_fusion(&self) -> bool {
         self.0.bn_fusion()
     }
+    fn conv_applies_bn(&self) -> bool {
+        self.0.conv_applies_bn()
+    }
     fn conv_forward_moments(
         &self,
         s: &ConvShape,
@@ -151,6 +155,38 @@ impl Backend for Bf16Cpu {
         moments.v[..3 * s.c_out].copy_from_slice(&m);
         Ok(())
     }
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &Stored,
+        bn: &AppliedBn<'_, Stored>,
+        w: &Stored,
+        y: &mut Stored,
+        moments: Option<&mut Stored>,
+    ) -> Result<(), BackendError> {
+        let x = Stored {
+            v: applied_output(&z.v, s.n * s.h * s.w, s.c_in, bn),
+            bf16: true,
+        };
+        match moments {
+            Some(m) => self.conv_forward_moments(s, &x, w, y, m),
+            None => self.conv_forward(s, &x, w, y),
+        }
+    }
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &Stored,
+        bn: &AppliedBn<'_, Stored>,
+        dy: &Stored,
+        dw: &mut Stored,
+    ) -> Result<(), BackendError> {
+        let x = Stored {
+            v: applied_output(&z.v, s.n * s.h * s.w, s.c_in, bn),
+            bf16: true,
+        };
+        self.conv_backward_weight(s, &x, dy, dw)
+    }
     fn conv_backward_data_bn(
         &self,
         s: &ConvShape,
@@ -166,14 +202,23 @@ impl Backend for Bf16Cpu {
         fix(dx);
         let (rows, c) = (s.n * s.h * s.w, s.c_in);
         let round = |v: f32| half::bf16::from_f32(v).to_f32();
+        // No stored output (the convolution applied the batch norm): its sign recomputed.
+        let recomputed;
+        let mask = match bn.y {
+            Some(y) => &y.v,
+            None => {
+                recomputed = applied_output(&bn.x.v, rows, c, &bn.applied());
+                &recomputed
+            }
+        };
         let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
-        for i in 0..rows * c {
+        for (i, &m) in mask[..rows * c].iter().enumerate() {
             let ch = i % c;
             let mut g = dx.v[i];
             if let Some(r) = bn.residual_grad {
                 g = round(g + r.v[i]);
             }
-            if bn.relu && bn.y.v[i] <= 0.0 {
+            if bn.relu && m <= 0.0 {
                 g = 0.0;
             }
             dx.v[i] = g;
@@ -280,10 +325,10 @@ impl Backend for Bf16Cpu {
         &self,
         s: &PoolShape,
         z: &Stored,
-        bn: &PoolBn<'_, Stored>,
+        bn: &AppliedBn<'_, Stored>,
         y: &mut Stored,
     ) -> Result<(), BackendError> {
-        let t = pool_bn_output(&z.v, s.n * s.h * s.w, s.c, bn);
+        let t = applied_output(&z.v, s.n * s.h * s.w, s.c, bn);
         self.0.maxpool_forward(s, &t, &mut y.v)?;
         fix(y);
         Ok(())
@@ -292,7 +337,7 @@ impl Backend for Bf16Cpu {
         &self,
         s: &PoolShape,
         z: &Stored,
-        bn: &PoolBn<'_, Stored>,
+        bn: &AppliedBn<'_, Stored>,
         dy: &Stored,
         g: &mut Stored,
         dgamma: &mut Stored,
@@ -300,7 +345,7 @@ impl Backend for Bf16Cpu {
     ) -> Result<(), BackendError> {
         // The gradient of the stored output, rounded, then masked and reduced (f64).
         let (rows, c) = (s.n * s.h * s.w, s.c);
-        let t = pool_bn_output(&z.v, rows, c, bn);
+        let t = applied_output(&z.v, rows, c, bn);
         self.0.maxpool_backward(s, &t, &dy.v, &mut g.v, false)?;
         fix(g);
         let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);

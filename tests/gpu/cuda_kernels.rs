@@ -7,8 +7,9 @@
 //! Stated per kernel below; shapes include odd sizes and tiles that are not multiples of 16/128.
 
 use birdtrain::backend::conformance::{
-    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_pool_bn,
-    check_pool_bn_repeatable, pool_bn_shapes, Tolerance,
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_conv_bn,
+    check_conv_bn_repeatable, check_pool_bn, check_pool_bn_repeatable, conv_bn_shapes,
+    pool_bn_shapes, Tolerance,
 };
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::{
@@ -551,6 +552,27 @@ fn max_pool_applying_a_batch_norm_matches_cpu_to_the_bit_and_repeats() {
         assert!(kernels.contains(&k), "{k} never ran: {kernels:?}");
     }
     check_pool_bn_repeatable(&gb, &pool_bn_shapes()).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The convolution that applies the batch norm before it (`conv_forward_bn`,
+/// `conv_backward_weight_bn`, `conv_backward_data_bn` with no stored output) against the
+/// GPU's own separate ops over the stored batch-norm output, to the bit (exact batch-norm
+/// inputs, γ of both signs and zero, with and without ReLU, padding and tails), and within
+/// 1 % of the largest value of the CPU reference; then twice: the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn convolutions_applying_a_batch_norm_match_the_separate_ops_to_the_bit_and_repeat() {
+    let gb = gpu();
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    let reports =
+        check_conv_bn(&gb, &conv_bn_shapes(), tol).unwrap_or_else(|e| panic!("conv_bn: {e}"));
+    for r in &reports {
+        println!("{r}");
+    }
+    check_conv_bn_repeatable(&gb, &conv_bn_shapes()).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]

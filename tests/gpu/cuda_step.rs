@@ -159,6 +159,50 @@ fn fused_resnet18_steps_repeat_bitwise() {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn applied_batch_norm_steps_have_the_fused_bits() {
+    // With `BIRDTRAIN_BN_PROLOGUE` (set_conv_applies_bn), the convolutions read each inner
+    // batch norm's input and apply it themselves, and their data gradients recompute its
+    // mask: the same arithmetic as the stored output's, so the same bits as the fused step
+    // (loss, every gradient, every running statistic), on basic blocks and bottlenecks.
+    for arch in [Arch::ResNet18, Arch::ResNet50] {
+        let graph = Graph::new(arch, 10);
+        let (n, size) = (4, 64u32);
+        let (pixels, labels, aug) = step_batch(n, size as usize);
+        let batch = InputBatch {
+            pixels: &pixels,
+            labels: &labels,
+            len: n,
+            image_size: size,
+            augment: Some(&aug),
+            mix: None,
+        };
+        let step = |applied: bool| {
+            let mut backend = CudaBackend::new(0).unwrap();
+            backend.set_conv_version(ConvVersion::V2);
+            backend.set_bn_fusion(true);
+            backend.set_conv_applies_bn(applied);
+            let mut net = Network::new(backend, &graph, n, size).unwrap();
+            let elements = net.elements_per_image();
+            (step_tensors(&mut net, &graph, &batch), elements)
+        };
+        let (((la, ta), ea), ((lf, tf), ef)) = (step(true), step(false));
+        println!("{arch:?}: loss applied {la} fused {lf}; elements per image {ea} vs {ef}");
+        assert!(ea < ef, "{arch:?}: the inner outputs are still stored");
+        assert_eq!(la.to_bits(), lf.to_bits(), "{arch:?}: loss {la} vs {lf}");
+        for ((name, a), (_, f)) in ta.iter().zip(&tf) {
+            if let Some(i) = a
+                .iter()
+                .zip(f)
+                .position(|(x, y)| x.to_bits() != y.to_bits())
+            {
+                panic!("{arch:?} {name}[{i}]: applied {} fused {}", a[i], f[i]);
+            }
+        }
+    }
+}
+
 /// The batch of the resnet18 step checks: `n` synthetic `size`-px images, and per-image
 /// shifts, flips and none (four kinds, in turn).
 fn step_batch(n: usize, size: usize) -> (Vec<u8>, Vec<u32>, Vec<Augment>) {

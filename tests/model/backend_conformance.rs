@@ -4,8 +4,9 @@
 //! to and at the portable fallback (the same generic code the AVX-512 instantiation is).
 
 use birdtrain::backend::conformance::{
-    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_convs, check_network,
-    check_ops, check_pool_bn, check_pool_bn_repeatable, compare, pool_bn_shapes, Tolerance,
+    bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable, check_conv_bn,
+    check_conv_bn_repeatable, check_convs, check_network, check_ops, check_pool_bn,
+    check_pool_bn_repeatable, compare, conv_bn_shapes, pool_bn_shapes, Tolerance,
 };
 use birdtrain::backend::cpu::{CpuBackend, Kernels, SimdLevel};
 use birdtrain::backend::{
@@ -85,6 +86,40 @@ fn the_pool_check_catches_a_missing_mask() {
 }
 
 #[test]
+fn convolutions_applying_a_batch_norm_match_the_separate_ops_to_the_bit_and_repeat() {
+    let mut backends: Vec<(String, CpuBackend)> = levels()
+        .into_iter()
+        .map(|l| (format!("fast {l}"), fast(2, l)))
+        .collect();
+    backends.push(("reference".into(), CpuBackend::reference(2).unwrap()));
+    for (name, cpu) in &backends {
+        let reports = check_conv_bn(cpu, &conv_bn_shapes(), Tolerance::F32).unwrap();
+        // Per ReLU setting: y (bits, reference), y and moments with moments, dw (bits,
+        // reference), then dx, dγ, dβ plain and accumulating.
+        assert_eq!(
+            reports.len(),
+            conv_bn_shapes().len() * 2 * 12,
+            "checks per shape"
+        );
+        for r in &reports {
+            eprintln!("{name}: {r}");
+        }
+        check_conv_bn_repeatable(cpu, &conv_bn_shapes()).unwrap();
+    }
+}
+
+#[test]
+fn the_applied_convolution_check_catches_a_lost_relu() {
+    let err = check_conv_bn(
+        &Transposed(CpuBackend::new(1).unwrap(), Fault::NoMask),
+        &conv_bn_shapes(),
+        Tolerance::F32,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("conv_forward_bn y"), "{err}");
+}
+
+#[test]
 fn direct_convolutions_match_im2col_at_odd_shapes() {
     for level in levels() {
         let reports = check_convs(&fast(2, level), Tolerance::F32).unwrap();
@@ -135,7 +170,8 @@ fn the_fused_checks_catch_a_wrong_convolution_and_a_missing_mask() {
 enum Fault {
     /// Its convolutions read OIHW weights as OHWI.
     Weights,
-    /// Its fused data gradient (and fused max pool's gradient) forgets the ReLU mask.
+    /// Its fused data gradient (and fused max pool's gradient) forgets the ReLU mask, and its
+    /// convolution that applies a batch norm forgets that batch norm's ReLU.
     NoMask,
 }
 
@@ -207,6 +243,35 @@ impl Backend for Transposed {
     fn bn_fusion(&self) -> bool {
         self.0.bn_fusion()
     }
+    fn conv_applies_bn(&self) -> bool {
+        self.0.conv_applies_bn()
+    }
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::AppliedBn<'_, Vec<f32>>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+        moments: Option<&mut Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        let bn = birdtrain::backend::AppliedBn {
+            relu: bn.relu && self.1 != Fault::NoMask,
+            ..*bn
+        };
+        self.0
+            .conv_forward_bn(s, z, &bn, &self.weights(s, w), y, moments)
+    }
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &Vec<f32>,
+        bn: &birdtrain::backend::AppliedBn<'_, Vec<f32>>,
+        dy: &Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.0.conv_backward_weight_bn(s, z, bn, dy, dw)
+    }
     fn conv_forward_moments(
         &self,
         s: &ConvShape,
@@ -274,7 +339,7 @@ impl Backend for Transposed {
         &self,
         s: &birdtrain::backend::PoolShape,
         z: &Vec<f32>,
-        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        bn: &birdtrain::backend::AppliedBn<'_, Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         self.0.maxpool_bn_forward(s, z, bn, y)
@@ -283,13 +348,13 @@ impl Backend for Transposed {
         &self,
         s: &birdtrain::backend::PoolShape,
         z: &Vec<f32>,
-        bn: &birdtrain::backend::PoolBn<'_, Vec<f32>>,
+        bn: &birdtrain::backend::AppliedBn<'_, Vec<f32>>,
         dy: &Vec<f32>,
         g: &mut Vec<f32>,
         dgamma: &mut Vec<f32>,
         dbeta: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let bn = birdtrain::backend::PoolBn {
+        let bn = birdtrain::backend::AppliedBn {
             relu: bn.relu && self.1 != Fault::NoMask,
             ..*bn
         };

@@ -23,16 +23,39 @@ use rand_chacha::ChaCha8Rng;
 /// separate passes and the fused sequence then differ by little more than the f32 storage of
 /// the moments, so no ReLU mask flips between them (a flip, where an activation sits within
 /// rounding of zero, changes a gradient element outright), on any processor.
-fn backend(fused: bool) -> CpuBackend {
+fn backend(seq: Sequence) -> CpuBackend {
     let mut b = CpuBackend::reference(2).unwrap();
-    b.set_bn_fusion(fused);
+    b.set_bn_fusion(seq != Sequence::Separate);
+    b.set_conv_applies_bn(seq == Sequence::Applied);
     b
+}
+
+/// How a network runs its batch norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sequence {
+    /// Each in its own passes.
+    Separate,
+    /// Fused into the convolutions around it (`set_bn_fusion`).
+    Fused,
+    /// Fused, and applied by the convolution that alone reads its output
+    /// (`set_conv_applies_bn`): that output never stored.
+    Applied,
 }
 
 /// A network with batch-norm parameters and running statistics moved off their defaults
 /// (some γ negative), so every term of the normalisation matters.
 fn network(graph: &Graph, fused: bool, max_batch: usize, size: u32) -> Network<CpuBackend> {
-    let mut net = Network::new(backend(fused), graph, max_batch, size).unwrap();
+    let seq = if fused {
+        Sequence::Fused
+    } else {
+        Sequence::Separate
+    };
+    network_in(graph, seq, max_batch, size)
+}
+
+/// [`network`] running `seq`.
+fn network_in(graph: &Graph, seq: Sequence, max_batch: usize, size: u32) -> Network<CpuBackend> {
+    let mut net = Network::new(backend(seq), graph, max_batch, size).unwrap();
     net.set_config(NetworkConfig {
         label_smoothing: 0.1,
         ..NetworkConfig::default()
@@ -274,6 +297,16 @@ fn a_fused_step_is_bitwise_repeatable() {
 /// One synchronised step of `arch` at `size` px on replicas of `split` images each, fused or
 /// not: each replica's outcome.
 fn synced_replicas(arch: Arch, size: u32, split: &[usize], fused: bool) -> Vec<Outcome> {
+    let seq = if fused {
+        Sequence::Fused
+    } else {
+        Sequence::Separate
+    };
+    synced_replicas_in(arch, size, split, seq)
+}
+
+/// [`synced_replicas`] running `seq`.
+fn synced_replicas_in(arch: Arch, size: u32, split: &[usize], seq: Sequence) -> Vec<Outcome> {
     let graph = Graph::new(arch, 3);
     let (px, labels) = images(split.iter().sum(), size, 21);
     let per = (size * size * 3) as usize;
@@ -291,7 +324,7 @@ fn synced_replicas(arch: Arch, size: u32, split: &[usize], fused: bool) -> Vec<O
                 let mut reducer = group.next().unwrap();
                 let graph = &graph;
                 s.spawn(move || {
-                    let mut net = network(graph, fused, n, size);
+                    let mut net = network_in(graph, seq, n, size);
                     let batch = InputBatch {
                         pixels: p,
                         labels: l,
@@ -475,5 +508,123 @@ fn a_synchronised_fused_step_takes_each_statistic_from_its_convolution() {
         separate - fused,
         left_out,
         "bn_fwd bytes: fused {fused}, separate {separate}"
+    );
+}
+
+/// Requires two outcomes to have the same bits: loss sums, gradients, state, probabilities.
+fn assert_same_bits(what: &str, a: &Outcome, b: &Outcome) {
+    assert_eq!(a.stats, b.stats, "{what}: step statistics");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&a.grads) == bits(&b.grads), "{what}: gradients");
+    assert_eq!(a.state, b.state, "{what}: state");
+    assert!(
+        bits(&a.probs) == bits(&b.probs),
+        "{what}: eval probabilities"
+    );
+}
+
+#[test]
+fn convolutions_applying_the_inner_batch_norms_change_no_bit_in_any_mode() {
+    // The applied sequence computes each inner batch norm's output as the convolution reads
+    // it, with the separate pass's arithmetic, and recomputes its ReLU mask from its input:
+    // on the CPU every result has the fused sequence's bits. Basic blocks (resnet8; resnet18
+    // with the max pool), bottlenecks (resnet50); batch and frozen statistics; a mixed,
+    // augmented batch smaller than the network's; eval mode (the probabilities).
+    for (arch, size, n, max_batch, freeze, mixed) in [
+        (Arch::ResNet8, 8, 4, 4, false, false),
+        (Arch::ResNet8, 8, 3, 5, false, true),
+        (Arch::ResNet8, 8, 4, 4, true, false),
+        (Arch::ResNet18, 32, 3, 4, false, true),
+        (Arch::ResNet50, 32, 2, 2, false, false),
+    ] {
+        let graph = Graph::new(arch, 3);
+        let (px, labels) = images(n, size, 13);
+        let augment: Vec<Augment> = (0..n)
+            .map(|i| Augment {
+                dy: (i % 3) as i32 - 1,
+                flip: i % 2 == 0,
+                ..Augment::default()
+            })
+            .collect();
+        let batch = InputBatch {
+            pixels: &px,
+            labels: &labels,
+            len: n,
+            image_size: size,
+            augment: mixed.then_some(&augment[..]),
+            mix: mixed.then_some(Mix::Blend { lambda: 0.6 }),
+        };
+        let out = [Sequence::Applied, Sequence::Fused].map(|seq| {
+            let mut net = network_in(&graph, seq, max_batch, size);
+            let mut c = net.config();
+            c.freeze_bn = freeze;
+            net.set_config(c);
+            run(&mut net, &batch, None)
+        });
+        assert_same_bits(
+            &format!("{arch} freeze={freeze} mixed={mixed}"),
+            &out[0],
+            &out[1],
+        );
+    }
+    // Synchronised replicas: the applied batch norms normalise with the global statistics.
+    let applied = synced_replicas_in(Arch::ResNet8, 8, &[3, 2], Sequence::Applied);
+    let fused = synced_replicas_in(Arch::ResNet8, 8, &[3, 2], Sequence::Fused);
+    for (a, f) in applied.iter().zip(&fused) {
+        assert_same_bits("synchronised resnet8", a, f);
+    }
+}
+
+#[test]
+fn the_inner_batch_norm_outputs_are_neither_stored_nor_written() {
+    // Applied, each inner batch norm's forward only finalizes its statistics (no output
+    // written), its convolution applies it on each of its three reads (forward, weight
+    // gradient, the data gradient's mask: `bn_apply`), and the network holds no buffer for
+    // its output.
+    let graph = Graph::new(Arch::ResNet8, 3);
+    let (n, size) = (2usize, 8u32);
+    let (px, labels) = images(n, size, 9);
+    let batch = InputBatch {
+        pixels: &px,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: None,
+        mix: None,
+    };
+    let plan = FusionPlan::of(&graph).with_convs_applying(&graph);
+    let inner: Vec<usize> = plan.conv_applies.iter().flatten().copied().collect();
+    assert_eq!(inner.len(), 3, "one per basic block");
+    let dims = graph.value_dims(size);
+    let outputs: usize = inner
+        .iter()
+        .map(|&k| match graph.nodes()[k] {
+            Node::BatchNorm { output, .. } => dims[output].per_image(),
+            _ => unreachable!("a batch norm"),
+        })
+        .sum();
+    let step = |seq: Sequence| {
+        let mut net = network_in(&graph, seq, n, size);
+        net.backend().set_profiling(true);
+        net.train_step(&batch).unwrap();
+        let profile = net.backend().take_profile();
+        let calls = profile
+            .iter()
+            .find(|o| o.name == "bn_apply")
+            .map_or(0, |o| o.calls);
+        (calls, net.elements_per_image())
+    };
+    let (applied, fused) = (step(Sequence::Applied), step(Sequence::Fused));
+    assert_eq!(
+        applied.0,
+        3 * inner.len() as u64,
+        "applications of the inner batch norms"
+    );
+    assert_eq!(fused.0, 0, "the fused sequence stores them");
+    assert!(
+        applied.1 + outputs <= fused.1,
+        "elements per image: applied {}, fused {}, the inner outputs {outputs}",
+        applied.1,
+        fused.1
     );
 }

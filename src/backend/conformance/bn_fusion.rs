@@ -90,6 +90,11 @@ impl<B: Backend> Pair<'_, B> {
             self.up(&invstd, stat)?,
             self.up(&res, act)?,
         );
+        // Read only where the mask is recomputed (no stored output): not here.
+        let (tgamma, tbeta) = (
+            self.up(&random_bf16(rng, c, 0.5, 1.5), TensorRole::Weight)?,
+            self.up(&random_bf16(rng, c, -0.5, 0.5), TensorRole::Weight)?,
+        );
         for (accumulate, residual, relu) in [
             (false, true, true),
             (true, false, true),
@@ -129,8 +134,10 @@ impl<B: Backend> Pair<'_, B> {
                 accumulate,
                 BnGradEpilogue {
                     x: &tbx,
-                    y: &tby,
+                    y: Some(&tby),
                     relu,
+                    gamma: &tgamma,
+                    beta: &tbeta,
                     saved_mean: &tmean,
                     saved_invstd: &tinv,
                     residual_grad: residual.then_some(&tres),
@@ -354,6 +361,11 @@ pub fn check_bn_fusion_repeatable<B: Backend>(
             up(&random(&mut rng, c, -0.5, 0.5), stat)?,
             up(&random(&mut rng, c, 0.5, 1.5), stat)?,
         );
+        // Read only where the mask is recomputed (no stored output): not here.
+        let (gamma, beta) = (
+            up(&random(&mut rng, c, 0.5, 1.5), TensorRole::Weight)?,
+            up(&random(&mut rng, c, -0.5, 0.5), TensorRole::Weight)?,
+        );
         let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
         for _ in 0..2 {
             let mut y = backend.alloc(s.y_len(), act)?;
@@ -372,8 +384,10 @@ pub fn check_bn_fusion_repeatable<B: Backend>(
                 false,
                 BnGradEpilogue {
                     x: &bx,
-                    y: &by,
+                    y: Some(&by),
                     relu: true,
+                    gamma: &gamma,
+                    beta: &beta,
                     saved_mean: &mean,
                     saved_invstd: &invstd,
                     residual_grad: Some(&res),

@@ -11,7 +11,9 @@
 //! input stage), batch norm fused into the convolutions (`bn_fusion`), and whole networks
 //! (`network`); this file holds the comparison rule and the pair of backends they share.
 
+mod applied;
 mod bn_fusion;
+mod conv_bn;
 mod network;
 mod ops;
 mod pool_bn;
@@ -25,6 +27,7 @@ use super::cpu::CpuBackend;
 use super::{Backend, BackendError, ConvShape, TensorRole};
 
 pub use bn_fusion::{bn_fusion_shapes, check_bn_fusion, check_bn_fusion_repeatable};
+pub use conv_bn::{check_conv_bn, check_conv_bn_repeatable, conv_bn_shapes};
 pub use network::check_network;
 pub use ops::{check_convs, check_ops};
 pub use pool_bn::{check_pool_bn, check_pool_bn_repeatable, pool_bn_shapes};

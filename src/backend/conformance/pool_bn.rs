@@ -3,107 +3,21 @@
 //! output stored as the tested backend stores it, the plain pool ops over it, the ReLU's mask
 //! read from it and f64 reductions; and repeatability to the bit.
 //!
-//! The inputs make the batch norm exact: z on a grid of 2⁻⁷, the mean on 2⁻⁴, invstd a power
-//! of two, γ and β on 2⁻² and 2⁻³, so `(z − mean)·invstd·γ + β` needs at most 16 significant
-//! bits and every way of writing it (the CPU's `(z − mean)·(γ·invstd) + β`, its reference's
-//! `z·scale + shift`, the GPU's) gives the same f32. The pool's output and gradient are then
-//! compared to the bit, ties included (the rounding to bf16 makes many).
+//! The inputs make the batch norm exact ([`super::applied::Inputs`]), so the pool's output and
+//! gradient are compared to the bit, ties included (the rounding to bf16 makes many).
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use super::applied::{same_bits_twice, Inputs};
 use super::{CheckReport, Pair, Tolerance};
-use crate::backend::{Backend, BackendError, PoolBn, PoolShape, TensorRole};
-
-/// Exact inputs of one check (see the module docs): z, dy, and per channel mean, invstd, γ, β.
-struct Inputs {
-    z: Vec<f32>,
-    dy: Vec<f32>,
-    mean: Vec<f32>,
-    invstd: Vec<f32>,
-    gamma: Vec<f32>,
-    beta: Vec<f32>,
-}
-
-/// `n` values on the grid of `step` in `[lo, hi)`.
-fn grid(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32, step: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| (rng.random_range(lo..hi) / step).round() * step)
-        .collect()
-}
-
-impl Inputs {
-    fn new(s: &PoolShape, rng: &mut ChaCha8Rng) -> Inputs {
-        let c = s.c;
-        let z = grid(rng, s.n * s.h * s.w * c, -2.0, 2.0, 1.0 / 128.0);
-        let dy = grid(rng, s.n * s.out_h() * s.out_w() * c, -1.0, 1.0, 1.0 / 128.0);
-        let mean = grid(rng, c, -0.5, 0.5, 1.0 / 16.0);
-        let invstd = (0..c).map(|ch| [0.5, 1.0, 2.0, 4.0][ch % 4]).collect();
-        // γ negative, zero and positive by channel; some β so low that a channel without a
-        // ReLU has only negative values (a transformed zero for padding would win there).
-        let gamma = (0..c)
-            .map(|ch| [-1.5, 0.0, 1.25, -0.25, 0.5, 1.0][ch % 6])
-            .collect();
-        let beta = (0..c)
-            .map(|ch| match ch % 5 {
-                4 => -8.0,
-                _ => (rng.random_range(-1.0f32..1.0) * 8.0).round() / 8.0,
-            })
-            .collect();
-        Inputs {
-            z,
-            dy,
-            mean,
-            invstd,
-            gamma,
-            beta,
-        }
-    }
-
-    /// The batch norm's output, exact in f32.
-    fn bn_output(&self, c: usize, relu: bool) -> Vec<f32> {
-        let out = self.z.iter().enumerate().map(|(i, &z)| {
-            let ch = i % c;
-            (z - self.mean[ch]) * self.invstd[ch] * self.gamma[ch] + self.beta[ch]
-        });
-        out.map(|v| if relu { v.max(0.0) } else { v }).collect()
-    }
-}
+use crate::backend::{AppliedBn, Backend, BackendError, PoolShape, TensorRole};
 
 impl<B: Backend> Pair<'_, B> {
-    /// `data` as the tested backend stores an activation (a bf16 backend rounds it).
-    fn stored(&self, data: &[f32]) -> Result<Vec<f32>, BackendError> {
-        let t = self.up(data, TensorRole::Activation)?;
-        self.test.download(&t)
-    }
-
-    /// Requires the same bits as `want`.
-    fn check_bits(
-        &mut self,
-        name: String,
-        got: &B::Tensor,
-        want: &[f32],
-    ) -> Result<(), BackendError> {
-        let got = self.test.download(got)?;
-        if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
-            return Err(BackendError::Mismatch {
-                check: name,
-                detail: format!("element {i}: got {}, separate ops {}", got[i], want[i]),
-            });
-        }
-        self.reports.push(CheckReport {
-            name,
-            elements: want.len(),
-            max_abs_err: 0.0,
-            worst_ratio: 0.0,
-        });
-        Ok(())
-    }
-
     /// The fused pool at shape `s`, with and without ReLU.
     fn pool_bn(&mut self, s: PoolShape, rng: &mut ChaCha8Rng) -> Result<(), BackendError> {
         let (c, rows) = (s.c, s.n * s.h * s.w);
-        let inputs = Inputs::new(&s, rng);
+        let inputs = Inputs::new(s.n * s.h * s.w, s.n * s.out_h() * s.out_w(), s.c, rng);
         let (act, stat, weight) = (
             TensorRole::Activation,
             TensorRole::Statistic,
@@ -142,7 +56,7 @@ impl<B: Backend> Pair<'_, B> {
             let dbeta: Vec<f32> = sb.iter().map(|&v| v as f32).collect();
             let dgamma: Vec<f32> = sg.iter().map(|&v| v as f32).collect();
             // The fused ops.
-            let bn = PoolBn {
+            let bn = AppliedBn {
                 gamma: &tgamma,
                 beta: &tbeta,
                 saved_mean: &tmean,
@@ -220,7 +134,7 @@ pub fn check_pool_bn_repeatable<B: Backend>(
     };
     for &s in shapes {
         let c = s.c;
-        let inputs = Inputs::new(&s, &mut rng);
+        let inputs = Inputs::new(s.n * s.h * s.w, s.n * s.out_h() * s.out_w(), s.c, &mut rng);
         let (tz, tdy) = (
             up(&inputs.z, TensorRole::Activation)?,
             up(&inputs.dy, TensorRole::Activation)?,
@@ -233,7 +147,7 @@ pub fn check_pool_bn_repeatable<B: Backend>(
             up(&inputs.gamma, TensorRole::Weight)?,
             up(&inputs.beta, TensorRole::Weight)?,
         );
-        let bn = PoolBn {
+        let bn = AppliedBn {
             gamma: &gamma,
             beta: &beta,
             saved_mean: &mean,
@@ -255,17 +169,12 @@ pub fn check_pool_bn_repeatable<B: Backend>(
                 backend.download(&db)?,
             ]);
         }
-        for (name, (a, b)) in ["y", "g", "dgamma", "dbeta"]
-            .iter()
-            .zip(runs[0].iter().zip(&runs[1]))
-        {
-            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-                return Err(BackendError::Mismatch {
-                    check: format!("maxpool_bn {name} twice {}x{}x{}x{c}", s.n, s.h, s.w),
-                    detail: format!("element {i}: {} then {}", a[i], b[i]),
-                });
-            }
-        }
+        let shape = format!("{}x{}x{}x{c}", s.n, s.h, s.w);
+        same_bits_twice(
+            &format!("maxpool_bn {shape}"),
+            &["y", "g", "dgamma", "dbeta"],
+            &runs,
+        )?;
     }
     Ok(())
 }

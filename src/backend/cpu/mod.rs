@@ -15,6 +15,7 @@
 //! [`CpuOptimizer`] updates the parameters in place; [`CpuBackend::set_profiling`] times
 //! every op (`bench step --breakdown`).
 
+mod applied_bn;
 mod bn;
 mod bn_fused;
 mod bn_ref;
@@ -39,8 +40,8 @@ pub(crate) use threads::start_pool;
 
 use super::error::{check_len, missing_mask};
 use super::{
-    bn_sync, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, Targets, TensorRole,
+    bn_sync, AppliedBn, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnMode,
+    BnSyncBackward, ConvShape, LinearShape, LossStats, PoolShape, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -76,6 +77,9 @@ pub struct CpuBackend {
     profiler: Arc<profile::Profiler>,
     /// Whether networks run batch norm fused into the convolutions ([`Backend::bn_fusion`]).
     bn_fusion: bool,
+    /// Whether their convolutions also apply the batch norm they read
+    /// ([`Backend::conv_applies_bn`]).
+    conv_applies_bn: bool,
 }
 
 impl Clone for CpuBackend {
@@ -89,6 +93,7 @@ impl Clone for CpuBackend {
             plans: Arc::clone(&self.plans),
             profiler: Arc::clone(&self.profiler),
             bn_fusion: self.bn_fusion,
+            conv_applies_bn: self.conv_applies_bn,
         }
     }
 }
@@ -100,6 +105,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("level", &self.level)
             .field("kernels", &self.kernels)
             .field("bn_fusion", &self.bn_fusion)
+            .field("conv_applies_bn", &self.conv_applies_bn)
             .finish()
     }
 }
@@ -148,6 +154,7 @@ impl CpuBackend {
             plans: Arc::default(),
             profiler: Arc::default(),
             bn_fusion: false,
+            conv_applies_bn: false,
         })
     }
 
@@ -157,6 +164,14 @@ impl CpuBackend {
     /// checked against the unfused one without a GPU. It saves nothing on the CPU.
     pub fn set_bn_fusion(&mut self, on: bool) {
         self.bn_fusion = on;
+    }
+
+    /// With batch norm fused, makes the convolutions also apply the batch norm whose output
+    /// they alone read, as they read its input (`true`), so that output is never stored, or
+    /// not (`false`, the default): the CUDA backend's `BIRDTRAIN_BN_PROLOGUE` sequence,
+    /// computed here through a scratch output (`applied_bn.rs`), to be checked without a GPU.
+    pub fn set_conv_applies_bn(&mut self, on: bool) {
+        self.conv_applies_bn = on;
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -396,6 +411,10 @@ impl Backend for CpuBackend {
         self.bn_fusion
     }
 
+    fn conv_applies_bn(&self) -> bool {
+        self.bn_fusion && self.conv_applies_bn
+    }
+
     fn conv_forward_moments(
         &self,
         s: &ConvShape,
@@ -431,8 +450,9 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let op = "conv_backward_data_bn";
         let (rows, c) = (s.n * s.h * s.w, s.c_in);
-        for (name, len) in [("x", bn.x.len()), ("y", bn.y.len())] {
-            check_len(op, name, len, rows * c)?;
+        check_len(op, "x", bn.x.len(), rows * c)?;
+        if let Some(y) = bn.y {
+            check_len(op, "y", y.len(), rows * c)?;
         }
         if let Some(r) = bn.residual_grad {
             check_len(op, "residual_grad", r.len(), rows * c)?;
@@ -440,12 +460,24 @@ impl Backend for CpuBackend {
         for (name, len) in [
             ("saved_mean", bn.saved_mean.len()),
             ("saved_invstd", bn.saved_invstd.len()),
+            ("gamma", bn.gamma.len()),
+            ("beta", bn.beta.len()),
             ("dgamma", bn.dgamma.len()),
             ("dbeta", bn.dbeta.len()),
         ] {
             check_len(op, name, len, c)?;
         }
         self.conv_backward_data(s, dy, w, dx, accumulate)?;
+        // Never stored (the convolution applied the batch norm): the mask's source recomputed.
+        let recomputed = match (bn.y, bn.relu) {
+            (None, true) => {
+                let _t = self.profiler.time(|| "bn_apply".into(), 0.0, 0.0);
+                Some(self.bn_output(rows, c, bn.x, &bn.applied()))
+            }
+            _ => None,
+        };
+        // Without a ReLU the mask is not read.
+        let y = bn.y.or(recomputed.as_ref()).unwrap_or(bn.x);
         let streams = 4 + usize::from(bn.residual_grad.is_some());
         let _t = self.profiler.time(
             || "bn_grad_finish".into(),
@@ -458,7 +490,7 @@ impl Backend for CpuBackend {
                 c,
                 dx,
                 bn.residual_grad.map(|r| &r[..]),
-                bn.y,
+                y,
                 bn.relu,
                 bn.x,
                 bn.saved_mean,
@@ -645,11 +677,34 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &Vec<f32>,
+        bn: &AppliedBn<'_, Vec<f32>>,
+        w: &Vec<f32>,
+        y: &mut Vec<f32>,
+        moments: Option<&mut Vec<f32>>,
+    ) -> Result<(), BackendError> {
+        self.conv_bn_forward(s, z, bn, w, y, moments)
+    }
+
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &Vec<f32>,
+        bn: &AppliedBn<'_, Vec<f32>>,
+        dy: &Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.conv_bn_backward_weight(s, z, bn, dy, dw)
+    }
+
     fn maxpool_bn_forward(
         &self,
         s: &PoolShape,
         z: &Vec<f32>,
-        bn: &PoolBn<'_, Vec<f32>>,
+        bn: &AppliedBn<'_, Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         self.pool_bn_forward(s, z, bn, y)
@@ -659,7 +714,7 @@ impl Backend for CpuBackend {
         &self,
         s: &PoolShape,
         z: &Vec<f32>,
-        bn: &PoolBn<'_, Vec<f32>>,
+        bn: &AppliedBn<'_, Vec<f32>>,
         dy: &Vec<f32>,
         g: &mut Vec<f32>,
         dgamma: &mut Vec<f32>,

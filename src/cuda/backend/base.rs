@@ -60,9 +60,15 @@ pub struct CudaBackend {
     /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on
     /// unless `0`, [`super::bn_fused`]); it takes the v2 kernels.
     pub(super) bn_fusion: bool,
+    /// Whether, with batch norm fused, convolutions apply the batch norm before them
+    /// (`BIRDTRAIN_BN_PROLOGUE`, off unless `1`, [`super::conv_bn`]).
+    pub(super) bn_prologue: bool,
     /// v2 scratch: the stem's input and weight copies, the phase-ordered dgrad weight.
     pub(super) conv2: Arc<Mutex<Conv2Scratch>>,
     pub(super) work: Arc<Mutex<Workspace>>,
+    /// The outputs of batch norms applied by their readers where no kernel applies them as it
+    /// loads (`conv_bn.rs`), one per size.
+    pub(super) applied: Arc<Mutex<super::conv_bn::AppliedScratch>>,
     pub(super) profiler: Arc<Mutex<Profiler>>,
 }
 

@@ -215,12 +215,45 @@ pub(super) fn conv_backward_data_bn(
     bn: BnGradEpilogue<'_, CudaTensor>,
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
+    match (bn.y, bn.relu) {
+        // Never stored (the convolution applied the batch norm): the mask's source
+        // recomputed into a scratch tensor.
+        (None, true) => {
+            let rows = s.n * s.h * s.w;
+            let applied = bn.applied();
+            let x = bn.x;
+            be.with_applied(op, rows, s.c_in, x, &applied, |y| {
+                let bn = BnGradEpilogue { y: Some(y), ..bn };
+                data_bn(be, s, dy, w, dx, accumulate, bn, y)
+            })
+        }
+        // Without a ReLU the mask is not read.
+        (y, _) => {
+            let y = y.unwrap_or(bn.x);
+            data_bn(be, s, dy, w, dx, accumulate, bn, y)
+        }
+    }
+}
+
+/// [`conv_backward_data_bn`] with the batch norm's output `bn_y` (read only with a ReLU).
+#[allow(clippy::too_many_arguments)]
+fn data_bn(
+    be: &CudaBackend,
+    s: &ConvShape,
+    dy: &CudaTensor,
+    w: &CudaTensor,
+    dx: &mut CudaTensor,
+    accumulate: bool,
+    bn: BnGradEpilogue<'_, CudaTensor>,
+    bn_y: &CudaTensor,
+) -> Result<(), BackendError> {
+    let op = "conv_backward_data_bn";
     conv_args(op, s)?;
     check_len(op, "dy", dy.len, s.y_len())?;
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "dx", dx.len, s.x_len())?;
     check_len(op, "bn x", bn.x.len, s.x_len())?;
-    check_len(op, "bn y", bn.y.len, s.x_len())?;
+    check_len(op, "bn y", bn_y.len, s.x_len())?;
     if let Some(r) = bn.residual_grad {
         check_len(op, "residual_grad", r.len, s.x_len())?;
     }
@@ -238,7 +271,7 @@ pub(super) fn conv_backward_data_bn(
         .residual_grad
         .map(|t| t.bf16(op, "residual_grad"))
         .transpose()?;
-    let bn_y = bn.relu.then(|| bn.y.bf16(op, "bn y")).transpose()?;
+    let bn_y = bn.relu.then(|| bn_y.bf16(op, "bn y")).transpose()?;
     let (bx, mean, invstd) = (
         bn.x.bf16(op, "bn x")?,
         bn.saved_mean.f32(op, "saved_mean")?,

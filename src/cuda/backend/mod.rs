@@ -21,8 +21,8 @@ use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
 use crate::backend::{
-    Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape, BnSyncBackward,
-    ConvShape, LinearShape, LossStats, PoolBn, PoolShape, SumsMut, Targets, TensorRole,
+    AppliedBn, Backend, BackendError, BnBackward, BnForward, BnGradEpilogue, BnShape,
+    BnSyncBackward, ConvShape, LinearShape, LossStats, PoolShape, SumsMut, Targets, TensorRole,
 };
 use crate::model::InputBatch;
 
@@ -32,6 +32,7 @@ mod bn_fused;
 mod bn_sync;
 mod conv;
 mod conv3;
+mod conv_bn;
 mod dense;
 mod input;
 mod loss;
@@ -43,6 +44,7 @@ pub use base::CudaBackend;
 use base::{drv_err, oom_or_device};
 pub use bn_fused::{bn_fusion_from_env, parse_bn_fusion, BN_FUSION_ENV};
 pub use bn_sync::CudaSums;
+pub use conv_bn::{parse_bn_prologue, BN_PROLOGUE_ENV};
 pub use loss::DeviceTotalsAt;
 pub use profile::KernelTime;
 pub(crate) use step_values::StepInputs;
@@ -73,12 +75,16 @@ impl CudaBackend {
             sms,
             conv,
             bn_fusion: bn_fusion_from_env()?,
+            bn_prologue: conv_bn::parse_bn_prologue(
+                std::env::var(conv_bn::BN_PROLOGUE_ENV).ok().as_deref(),
+            )?,
             limits: GpuLimits {
                 sms: sms as usize,
                 smem_per_sm,
             },
             conv2: Arc::default(),
             work: Arc::default(),
+            applied: Arc::default(),
             profiler: Arc::default(),
         })
     }
@@ -320,6 +326,10 @@ impl Backend for CudaBackend {
         self.bn_fusion && self.conv != ConvVersion::V1
     }
 
+    fn conv_applies_bn(&self) -> bool {
+        self.bn_prologue && self.bn_fusion()
+    }
+
     fn conv_forward_moments(
         &self,
         s: &ConvShape,
@@ -329,6 +339,29 @@ impl Backend for CudaBackend {
         moments: &mut CudaTensor,
     ) -> Result<(), BackendError> {
         bn_fused::conv_forward_moments(self, s, x, w, y, moments)
+    }
+
+    fn conv_forward_bn(
+        &self,
+        s: &ConvShape,
+        z: &CudaTensor,
+        bn: &AppliedBn<'_, CudaTensor>,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        moments: Option<&mut CudaTensor>,
+    ) -> Result<(), BackendError> {
+        conv_bn::forward(self, s, z, bn, w, y, moments)
+    }
+
+    fn conv_backward_weight_bn(
+        &self,
+        s: &ConvShape,
+        z: &CudaTensor,
+        bn: &AppliedBn<'_, CudaTensor>,
+        dy: &CudaTensor,
+        dw: &mut CudaTensor,
+    ) -> Result<(), BackendError> {
+        conv_bn::backward_weight(self, s, z, bn, dy, dw)
     }
 
     fn conv_backward_data_bn(
@@ -375,7 +408,7 @@ impl Backend for CudaBackend {
         &self,
         s: &PoolShape,
         z: &CudaTensor,
-        bn: &PoolBn<'_, CudaTensor>,
+        bn: &AppliedBn<'_, CudaTensor>,
         y: &mut CudaTensor,
     ) -> Result<(), BackendError> {
         pool::max_bn_forward(self, s, z, bn, y)
@@ -385,7 +418,7 @@ impl Backend for CudaBackend {
         &self,
         s: &PoolShape,
         z: &CudaTensor,
-        bn: &PoolBn<'_, CudaTensor>,
+        bn: &AppliedBn<'_, CudaTensor>,
         dy: &CudaTensor,
         g: &mut CudaTensor,
         dgamma: &mut CudaTensor,

@@ -5,7 +5,7 @@ use cudarc::driver::LaunchConfig;
 use super::base::{check_len, elementwise_cfg, ensure, to_i32, CudaBackend};
 use super::bn::reduction_launch;
 use super::bn_fused::merge_sums;
-use crate::backend::{BackendError, PoolBn, PoolShape};
+use crate::backend::{AppliedBn, BackendError, PoolShape};
 use crate::cuda::launchers::{
     BnBwdPartial, GapBwd, GapFwd, MaxpoolBnBwd, MaxpoolBnBwdVec, MaxpoolBnFwd, MaxpoolBwd,
     MaxpoolFwd,
@@ -160,7 +160,7 @@ fn backward_vec(s: &PoolShape) -> bool {
 fn check_bn(
     op: &'static str,
     s: &PoolShape,
-    bn: &PoolBn<'_, CudaTensor>,
+    bn: &AppliedBn<'_, CudaTensor>,
 ) -> Result<(), BackendError> {
     for (name, len) in [
         ("gamma", bn.gamma.len),
@@ -179,7 +179,7 @@ pub(super) fn max_bn_forward(
     be: &CudaBackend,
     s: &PoolShape,
     z: &CudaTensor,
-    bn: &PoolBn<'_, CudaTensor>,
+    bn: &AppliedBn<'_, CudaTensor>,
     y: &mut CudaTensor,
 ) -> Result<(), BackendError> {
     let op = "maxpool_bn_forward";
@@ -232,7 +232,7 @@ pub(super) fn max_bn_backward(
     be: &CudaBackend,
     s: &PoolShape,
     z: &CudaTensor,
-    bn: &PoolBn<'_, CudaTensor>,
+    bn: &AppliedBn<'_, CudaTensor>,
     dy: &CudaTensor,
     g: &mut CudaTensor,
     sums: (&mut CudaTensor, &mut CudaTensor),

@@ -73,8 +73,11 @@ impl<B: Backend> Network<B> {
             written[input],
             BnGradEpilogue {
                 x: get(&self.acts, bn_input),
-                y: get(&self.acts, input),
+                // None: not stored (this convolution applied it): the mask is recomputed.
+                y: self.acts[input].as_ref(),
                 relu,
+                gamma: get(&self.params, gamma),
+                beta: get(&self.params, beta),
                 saved_mean: mean,
                 saved_invstd: invstd,
                 residual_grad: self.plan.fusion.residual_from[k]
@@ -110,7 +113,7 @@ impl<B: Backend> Network<B> {
         let mut dgamma = take(&mut self.param_grads, gamma);
         let mut dbeta = take(&mut self.param_grads, beta);
         let r = {
-            let (z, bn) = self.pool_bn(p);
+            let (z, bn) = self.applied_bn(p);
             self.backend.maxpool_bn_backward(
                 &s,
                 get(&self.acts, z),
@@ -273,12 +276,26 @@ impl<B: Backend> Network<B> {
                 } => {
                     let s = self.plan.conv(k, n);
                     let mut dw = take(&mut self.param_grads, weight);
-                    let r = self.backend.conv_backward_weight(
-                        &s,
-                        get(&self.acts, input),
-                        get(&self.grad_bufs, self.plan.grad_slot[output]),
-                        &mut dw,
-                    );
+                    let dy = get(&self.grad_bufs, self.plan.grad_slot[output]);
+                    let r = match self.plan.fusion.conv_applies[k] {
+                        // Its input never stored: the batch norm applied again as it is read.
+                        Some(p) => {
+                            let (z, bn) = self.applied_bn(p);
+                            self.backend.conv_backward_weight_bn(
+                                &s,
+                                get(&self.acts, z),
+                                &bn,
+                                dy,
+                                &mut dw,
+                            )
+                        }
+                        None => self.backend.conv_backward_weight(
+                            &s,
+                            get(&self.acts, input),
+                            dy,
+                            &mut dw,
+                        ),
+                    };
                     self.param_grads[weight] = Some(dw);
                     r?;
                     // Reported before the data gradient is computed: the earlier the bucket

@@ -1,6 +1,6 @@
 //! The forward pass of a [`Network`], and the inference steps built on it alone.
 
-use crate::backend::{Backend, BnForward, BnMode, PoolBn, Targets};
+use crate::backend::{AppliedBn, Backend, BnForward, BnMode, Targets};
 use crate::model::graph::Node;
 use crate::model::{Augment, InputBatch, ModelError, StepStats};
 
@@ -8,9 +8,10 @@ use super::hooks::{reborrow, BnAllReduce};
 use super::{get, take, Network, BORROWED};
 
 impl<B: Backend> Network<B> {
-    /// Batch-norm node `p`, applied by the max pool that reads its output
-    /// ([`super::FusionPlan::pool_applies`]): its input value and what the pool applies.
-    pub(super) fn pool_bn(&self, p: usize) -> (usize, PoolBn<'_, B::Tensor>) {
+    /// Batch-norm node `p`, applied by the max pool or convolution that reads its output
+    /// ([`super::FusionPlan::pool_applies`], [`super::FusionPlan::conv_applies`]): its input
+    /// value and what the reader applies.
+    pub(super) fn applied_bn(&self, p: usize) -> (usize, AppliedBn<'_, B::Tensor>) {
         let Node::BatchNorm {
             input,
             relu,
@@ -19,10 +20,10 @@ impl<B: Backend> Network<B> {
             ..
         } = self.graph.nodes()[p]
         else {
-            unreachable!("a max pool applies a BatchNorm node");
+            unreachable!("a reader applies a BatchNorm node");
         };
         let (mean, invstd) = self.saved[p].as_ref().expect("bn saved stats");
-        let bn = PoolBn {
+        let bn = AppliedBn {
             gamma: get(&self.params, weight),
             beta: get(&self.params, bias),
             saved_mean: mean,
@@ -126,8 +127,28 @@ impl<B: Backend> Network<B> {
                     let mut y = take(&mut self.acts, output);
                     // Fused, in training: the batch norm's statistics come with the output.
                     let stats_for = self.plan.fusion.stats_for[k].filter(|_| mode == BnMode::Train);
-                    let r = match stats_for {
-                        Some(bn) => {
+                    let r = match (self.plan.fusion.conv_applies[k], stats_for) {
+                        // The batch norm before it, applied as the convolution reads its input.
+                        (Some(p), stats_for) => {
+                            let mut m = stats_for.map(|bn| take(&mut self.bn_moments, bn));
+                            let r = {
+                                let (z, bn) = self.applied_bn(p);
+                                self.backend.conv_forward_bn(
+                                    &s,
+                                    get(&self.acts, z),
+                                    &bn,
+                                    get(&self.params, weight),
+                                    &mut y,
+                                    m.as_mut(),
+                                )
+                            };
+                            if let (Some(bn), Some(m)) = (stats_for, m) {
+                                self.bn_moments[bn] = Some(m);
+                                self.moments_ready[bn] = r.is_ok();
+                            }
+                            r
+                        }
+                        (None, Some(bn)) => {
                             let mut m = take(&mut self.bn_moments, bn);
                             let r = self.backend.conv_forward_moments(
                                 &s,
@@ -140,7 +161,7 @@ impl<B: Backend> Network<B> {
                             self.moments_ready[bn] = r.is_ok();
                             r
                         }
-                        None => self.backend.conv_forward(
+                        (None, None) => self.backend.conv_forward(
                             &s,
                             get(&self.acts, input),
                             get(&self.params, weight),
@@ -217,7 +238,7 @@ impl<B: Backend> Network<B> {
                     let r = match self.plan.fusion.pool_applies[k] {
                         // The batch norm before it, applied as the pool reads its input.
                         Some(p) => {
-                            let (z, bn) = self.pool_bn(p);
+                            let (z, bn) = self.applied_bn(p);
                             self.backend
                                 .maxpool_bn_forward(&s, get(&self.acts, z), &bn, &mut y)
                         }

@@ -145,14 +145,16 @@ impl<B: Backend> Network<B> {
                 graph.arch()
             )));
         }
-        // Which batch-norm work the convolutions take: `Backend::bn_fusion` decides.
-        let fusion = if backend.bn_fusion() {
-            FusionPlan::of(graph)
-        } else {
-            FusionPlan::none(graph)
+        // Which batch-norm work the convolutions take: `Backend::bn_fusion` decides, and
+        // `Backend::conv_applies_bn` whether they apply the batch norms they alone read.
+        let fusion = match (backend.bn_fusion(), backend.conv_applies_bn()) {
+            (true, true) => FusionPlan::of(graph).with_convs_applying(graph),
+            (true, false) => FusionPlan::of(graph),
+            (false, _) => FusionPlan::none(graph),
         };
         let plan = Plan::new(graph, image_size, fusion);
-        // A batch norm's output that its max pool applies itself is never stored.
+        // A batch norm's output that its reader (max pool, convolution) applies itself is
+        // never stored.
         let unstored = plan.unstored_values(graph);
         let mut acts = Vec::with_capacity(plan.dims.len());
         for (v, d) in plan.dims.iter().enumerate() {
