@@ -575,6 +575,60 @@ fn convolutions_applying_a_batch_norm_match_the_separate_ops_to_the_bit_and_repe
     check_conv_bn_repeatable(&gb, &conv_bn_shapes()).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// The same check once per convolution generation, naming the kernels that ran: with v2 the
+/// kernels that apply the batch norm as they load their input did the applied ops (the
+/// forward, the forward with statistics, the weight gradient in its general, 1×1 and small-C
+/// gathers, and the data gradient's epilogue recomputing the ReLU mask from x; bn_apply runs
+/// for the separate ops the check compares with), to the bit against bn_apply followed by the
+/// plain kernels and within 1 % of the CPU; with v1 none of them (the composition). Then twice:
+/// the same bits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn v2_kernels_applying_a_batch_norm_on_load_match_bn_apply_then_the_plain_kernels() {
+    let tol = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    for (version, gb) in gpu_per_conv_version() {
+        gb.set_profiling(true);
+        let reports = check_conv_bn(&gb, &conv_bn_shapes(), tol)
+            .unwrap_or_else(|e| panic!("{version:?} conv_bn: {e}"));
+        for r in &reports {
+            println!("{version:?} {r}");
+        }
+        let kernels: Vec<&str> = gb.take_profile().unwrap().iter().map(|k| k.name).collect();
+        let v2 = version == ConvVersion::V2;
+        for family in [
+            "conv2_fwd_apply_",
+            "conv2_fwd_apply_1x1_",
+            "conv2_fwd_stats_apply_",
+            "conv2_wgrad_apply_c8_",
+            "conv2_wgrad_apply_1x1_",
+        ] {
+            assert_eq!(
+                kernels.iter().any(|k| k.starts_with(family)),
+                v2,
+                "{version:?}, {family}*: {kernels:?}"
+            );
+        }
+        // The general weight gradient (C % 32 == 0, not 1×1 at stride 1).
+        assert_eq!(
+            kernels.iter().any(|k| k.starts_with("conv2_wgrad_apply_")
+                && !k.contains("_c8_")
+                && !k.contains("_1x1_")),
+            v2,
+            "{version:?}: {kernels:?}"
+        );
+        assert_eq!(
+            kernels.iter().any(|k| k.starts_with("conv2_dgrad_bn_")),
+            v2,
+            "{version:?}: {kernels:?}"
+        );
+        check_conv_bn_repeatable(&gb, &conv_bn_shapes())
+            .unwrap_or_else(|e| panic!("{version:?}: {e}"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pools_match_cpu() {

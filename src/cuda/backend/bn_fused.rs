@@ -28,12 +28,13 @@ use super::base::{check_len, elementwise_cfg, ensure, to_i32, Conv2Scratch, Cuda
 use super::bn::reduction_launch;
 use super::conv::conv_args;
 use super::conv3::DgradBn;
-use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
+use super::conv_bn::AppliedArgs;
+use crate::backend::{AppliedBn, Backend, BackendError, BnGradEpilogue, ConvShape};
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
     BnBwdPartial, BnGradFinish, BnStatsMerge, BnStatsPartial, BnSumsMerge, Conv2DgradBn,
-    Conv2FwdStats,
+    Conv2FwdStats, Conv2FwdStatsApply,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -204,6 +205,66 @@ pub(super) fn conv_forward_moments(
     )
 }
 
+/// [`Backend::conv_forward_bn`] with moments through `l`, a `conv2_fwd_stats_apply_*` launch
+/// ([`super::conv_bn::apply_plan`]): y = conv(bn(z), w), its tile records merged into
+/// `moments` as [`conv_forward_moments`] merges them.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn conv_forward_moments_applied(
+    be: &CudaBackend,
+    s: &ConvShape,
+    z: &CudaTensor,
+    bn: &AppliedBn<'_, CudaTensor>,
+    w: &CudaTensor,
+    y: &mut CudaTensor,
+    moments: &mut CudaTensor,
+    l: &Conv2Launch,
+) -> Result<(), BackendError> {
+    let op = "conv_forward_bn";
+    conv_args(op, s)?;
+    check_len(op, "z", z.len, s.x_len())?;
+    check_len(op, "w", w.len, s.w_len())?;
+    check_len(op, "y", y.len, s.y_len())?;
+    check_len(op, "moments", moments.len, 3 * s.c_out)?;
+    let applied = AppliedArgs::of(op, bn, s.c_in)?;
+    let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
+    let records = l.grid.0 as usize;
+    let (zs, ws, ys) = (z.bf16(op, "z")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);
+    let cfg = be.conv2_prepare(op, l)?;
+    let mut work = be.work();
+    let wk = &mut *work;
+    ensure(&be.dev, &mut wk.f32a, 2 * records * c, op)?;
+    let part = wk.f32a.as_mut().expect("ensured");
+    let gemm = Conv2FwdStatsApply {
+        z: zs.into(),
+        w: ws.into(),
+        y: ys.into(),
+        args: l.args,
+        part: (&mut *part).into(),
+        mean: applied.mean.into(),
+        invstd: applied.invstd.into(),
+        gamma: applied.gamma.into(),
+        beta: applied.beta.into(),
+        relu: applied.relu,
+    };
+    be.launch(op, l.kernel, cfg, gemm)?;
+    be.note_work(
+        2 * (s.x_len() + s.w_len() + s.y_len()) + 8 * records * c,
+        s.flops(),
+    );
+    let moments = moments.f32_mut(op, "moments")?;
+    merge_moments(
+        be,
+        op,
+        part,
+        records,
+        rows,
+        c,
+        TILE_ROWS,
+        moments,
+        &mut wk.f32b,
+    )
+}
+
 /// See [`Backend::conv_backward_data_bn`].
 pub(super) fn conv_backward_data_bn(
     be: &CudaBackend,
@@ -216,26 +277,34 @@ pub(super) fn conv_backward_data_bn(
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
     match (bn.y, bn.relu) {
-        // Never stored (the convolution applied the batch norm): the mask's source
-        // recomputed into a scratch tensor.
+        // Never stored (the convolution applied the batch norm), and v2's epilogue takes the
+        // layer: it recomputes the mask from x, γ and β.
+        (None, true)
+            if !be.conv3_takes_dgrad_bn(s) && epilogue_plan(be, Pass::Dgrad, s).is_some() =>
+        {
+            data_bn(be, s, dy, w, dx, accumulate, bn, None)
+        }
+        // Never stored, elsewhere: the mask's source recomputed into a scratch tensor.
         (None, true) => {
             let rows = s.n * s.h * s.w;
             let applied = bn.applied();
             let x = bn.x;
             be.with_applied(op, rows, s.c_in, x, &applied, |y| {
                 let bn = BnGradEpilogue { y: Some(y), ..bn };
-                data_bn(be, s, dy, w, dx, accumulate, bn, y)
+                data_bn(be, s, dy, w, dx, accumulate, bn, Some(y))
             })
         }
         // Without a ReLU the mask is not read.
         (y, _) => {
             let y = y.unwrap_or(bn.x);
-            data_bn(be, s, dy, w, dx, accumulate, bn, y)
+            data_bn(be, s, dy, w, dx, accumulate, bn, Some(y))
         }
     }
 }
 
-/// [`conv_backward_data_bn`] with the batch norm's output `bn_y` (read only with a ReLU).
+/// [`conv_backward_data_bn`] with the batch norm's output `bn_y` (read only with a ReLU), or
+/// none (with a ReLU: v2's epilogue recomputes the mask from x, γ, β; its caller has checked
+/// that v2's epilogue takes the layer).
 #[allow(clippy::too_many_arguments)]
 fn data_bn(
     be: &CudaBackend,
@@ -245,7 +314,7 @@ fn data_bn(
     dx: &mut CudaTensor,
     accumulate: bool,
     bn: BnGradEpilogue<'_, CudaTensor>,
-    bn_y: &CudaTensor,
+    bn_y: Option<&CudaTensor>,
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
     conv_args(op, s)?;
@@ -253,7 +322,9 @@ fn data_bn(
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "dx", dx.len, s.x_len())?;
     check_len(op, "bn x", bn.x.len, s.x_len())?;
-    check_len(op, "bn y", bn_y.len, s.x_len())?;
+    if let Some(y) = bn_y {
+        check_len(op, "bn y", y.len, s.x_len())?;
+    }
     if let Some(r) = bn.residual_grad {
         check_len(op, "residual_grad", r.len, s.x_len())?;
     }
@@ -271,7 +342,17 @@ fn data_bn(
         .residual_grad
         .map(|t| t.bf16(op, "residual_grad"))
         .transpose()?;
-    let bn_y = bn.relu.then(|| bn_y.bf16(op, "bn y")).transpose()?;
+    let bn_y = match bn_y {
+        Some(y) if bn.relu => Some(y.bf16(op, "bn y")?),
+        _ => None,
+    };
+    // No stored output with a ReLU: the mask recomputed from x, γ, β (v2's epilogue only).
+    let recompute = bn.relu && bn_y.is_none();
+    let applied = if recompute {
+        Some(AppliedArgs::of(op, &bn.applied(), s.c_in)?)
+    } else {
+        None
+    };
     let (bx, mean, invstd) = (
         bn.x.bf16(op, "bn x")?,
         bn.saved_mean.f32(op, "saved_mean")?,
@@ -284,6 +365,14 @@ fn data_bn(
     } else {
         epilogue_plan(be, Pass::Dgrad, s)
     };
+    if recompute && plan.is_none() {
+        return Err(BackendError::Shape {
+            op,
+            detail: format!(
+                "{s:?}: no stored batch-norm output and no v2 epilogue to recompute its mask"
+            ),
+        });
+    }
     if !v3 && plan.is_none() {
         // No fused kernel: the plain data gradient first (before the workspace is held).
         be.conv_backward_data(s, dy, w, dx, accumulate)?;
@@ -332,8 +421,8 @@ fn data_bn(
                 mean: mean.into(),
                 invstd: invstd.into(),
                 residual: residual.map(Into::into),
-                gamma: None,
-                beta: None,
+                gamma: applied.as_ref().map(|a| a.gamma.into()),
+                beta: applied.as_ref().map(|a| a.beta.into()),
                 relu: i32::from(bn.relu),
             };
             be.launch(op, dgrad.bn_epilogue_kernel, cfg, gemm)?;

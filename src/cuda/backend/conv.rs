@@ -8,12 +8,13 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::base::{
     check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend,
 };
+use super::conv_bn::AppliedArgs;
 use crate::backend::{BackendError, ConvShape};
 use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass, StemCopy};
 use crate::cuda::kernel_types::ConvArgs;
 use crate::cuda::launchers::{
-    Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2PairPixels, Conv2Wgrad, Conv2WgradReduce,
-    ConvGemm, ConvWgrad,
+    Conv2DgradWeights, Conv2Gemm, Conv2PadChannels, Conv2PairPixels, Conv2Wgrad, Conv2WgradApply,
+    Conv2WgradReduce, ConvGemm, ConvWgrad,
 };
 use crate::cuda::tensor::CudaTensor;
 
@@ -365,48 +366,7 @@ pub(super) fn backward_weight(
             ..
         } = &mut *scratch;
         let x = be.stem_operands(op, &l, s, x, None, (x_stem, w_stem))?.0;
-        // Every element of a slice's plane is stored once (no atomics, no zeroing): one
-        // slice writes dw itself; several write their planes, summed in slice order.
-        let slices = l.grid.2 as usize;
-        // What the GEMM itself moves: the operands read, and its planes (or dw) written.
-        let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * slices;
-        if slices == 1 {
-            let gemm = Conv2Wgrad {
-                dy: dy.into(),
-                x: x.into(),
-                dw: dw.into(),
-                args: l.args,
-            };
-            be.launch(op, l.kernel, cfg, gemm)?;
-            be.note_work(gemm_bytes, s.flops());
-        } else {
-            let len = s.w_len();
-            ensure(&be.dev, planes, slices * len, op)?;
-            let planes = planes.as_mut().expect("ensured");
-            let gemm = Conv2Wgrad {
-                dy: dy.into(),
-                x: x.into(),
-                dw: (&mut *planes).into(),
-                args: l.args,
-            };
-            be.launch(op, l.kernel, cfg, gemm)?;
-            be.note_work(gemm_bytes, s.flops());
-            let (len_i, slices_i) = (len as i64, to_i32(op, "slices", slices)?);
-            be.launch(
-                op,
-                "conv2_wgrad_reduce",
-                elementwise_cfg(len.div_ceil(4)),
-                Conv2WgradReduce {
-                    planes: (&*planes).into(),
-                    dw: dw.into(),
-                    len: len_i,
-                    slices: slices_i,
-                },
-            )?;
-            // The reduce reads every plane and writes dw once; it does no GEMM work.
-            be.note_work(4 * len * (slices + 1), 0.0);
-        }
-        return Ok(());
+        return conv2_wgrad(be, op, s, &l, cfg, (x, dy), dw, planes, None);
     }
     // Split the huge reduction (N·P·Q) over gridDim.z so the GPU is full; partial sums meet
     // in f32 atomics on a zeroed gradient.
@@ -436,5 +396,77 @@ pub(super) fn backward_weight(
     };
     be.launch(op, kernel, cfg, gemm)?;
     be.note_work(2 * (s.x_len() + s.y_len()) + 4 * s.w_len(), s.flops());
+    Ok(())
+}
+/// The v2 weight gradient `l` (its kernel plain, or with `applied` the `conv2_wgrad_apply_*`
+/// one reading the batch norm's input as `x`): one reduction slice writes `dw` itself;
+/// several write their f32 planes (every element once: no atomics, no zeroing), summed in
+/// slice order by `conv2_wgrad_reduce`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn conv2_wgrad(
+    be: &CudaBackend,
+    op: &'static str,
+    s: &ConvShape,
+    l: &Conv2Launch,
+    cfg: LaunchConfig,
+    (x, dy): (&CudaSlice<u16>, &CudaSlice<u16>),
+    dw: &mut CudaSlice<f32>,
+    planes: &mut Option<CudaSlice<f32>>,
+    applied: Option<&AppliedArgs<'_>>,
+) -> Result<(), BackendError> {
+    let slices = l.grid.2 as usize;
+    // What the GEMM itself moves: the operands read, and its planes (or dw) written.
+    let gemm_bytes = 2 * (s.x_len() + s.y_len()) + 4 * s.w_len() * slices;
+    let len = s.w_len();
+    let out = if slices == 1 {
+        &mut *dw
+    } else {
+        ensure(&be.dev, planes, slices * len, op)?;
+        planes.as_mut().expect("ensured")
+    };
+    match applied {
+        None => {
+            let gemm = Conv2Wgrad {
+                dy: dy.into(),
+                x: x.into(),
+                dw: (&mut *out).into(),
+                args: l.args,
+            };
+            be.launch(op, l.kernel, cfg, gemm)?;
+        }
+        Some(bn) => {
+            let gemm = Conv2WgradApply {
+                dy: dy.into(),
+                z: x.into(),
+                dw: (&mut *out).into(),
+                args: l.args,
+                mean: bn.mean.into(),
+                invstd: bn.invstd.into(),
+                gamma: bn.gamma.into(),
+                beta: bn.beta.into(),
+                relu: bn.relu,
+            };
+            be.launch(op, l.kernel, cfg, gemm)?;
+        }
+    }
+    be.note_work(gemm_bytes, s.flops());
+    if slices == 1 {
+        return Ok(());
+    }
+    let (len_i, slices_i) = (len as i64, to_i32(op, "slices", slices)?);
+    let planes = planes.as_ref().expect("ensured");
+    be.launch(
+        op,
+        "conv2_wgrad_reduce",
+        elementwise_cfg(len.div_ceil(4)),
+        Conv2WgradReduce {
+            planes: planes.into(),
+            dw: dw.into(),
+            len: len_i,
+            slices: slices_i,
+        },
+    )?;
+    // The reduce reads every plane and writes dw once; it does no GEMM work.
+    be.note_work(4 * len * (slices + 1), 0.0);
     Ok(())
 }

@@ -1,20 +1,28 @@
 //! A batch norm applied by the convolution that reads its output ([`Backend::conv_forward_bn`],
 //! [`Backend::conv_backward_weight_bn`], and [`Backend::conv_backward_data_bn`]'s mask with no
-//! stored output) on [`CudaBackend`], where no kernel applies it as it loads its input: the
-//! batch norm's output is written by `bn_apply` into a scratch tensor, and the plain ops run
-//! over it (the same bits as the separate passes). The scratch tensors are kept, one per
-//! size, so a step allocates nothing after its first (and a CUDA graph replays the same
-//! addresses); a network holds at most a few distinct sizes (resnet50: one per stage and
-//! stride), not one output per layer.
+//! stored output) on [`CudaBackend`]. Where v2 runs the layer (v2 selected, or v3 leaving it
+//! to v2, and a shape v2 takes), its kernels apply the batch norm as they load their input
+//! (kernels/conv2.cu, `AppliedBn`: `conv2_fwd[_stats]_apply_*`, `conv2_wgrad_apply_*`, and
+//! the data gradient's epilogue recomputing the ReLU mask). Elsewhere (v3, v1) the batch
+//! norm's output is written by `bn_apply` into a scratch tensor, and the plain ops run over it
+//! (the same bits as the separate passes). The scratch tensors are kept, one per size, so a
+//! step allocates nothing after its first (and a CUDA graph replays the same addresses); a
+//! network holds at most a few distinct sizes (resnet50: one per stage and stride), not one
+//! output per layer.
 
 use std::collections::HashMap;
 
 use crate::cuda::error::CudaError;
 
-use super::base::{check_len, to_i32, CudaBackend};
+use cudarc::driver::CudaSlice;
+
+use super::base::{check_len, to_i32, Conv2Scratch, CudaBackend};
 use super::bn::apply_launch;
+use super::bn_fused;
+use super::conv::{conv2_wgrad, conv_args};
 use crate::backend::{AppliedBn, Backend, BackendError, ConvShape, TensorRole};
-use crate::cuda::launchers::BnApply;
+use crate::cuda::conv::{Conv2Launch, Pass};
+use crate::cuda::launchers::{BnApply, Conv2FwdApply};
 use crate::cuda::tensor::CudaTensor;
 
 /// The environment variable that lets convolutions apply the batch norm before them
@@ -111,6 +119,77 @@ fn apply(
     Ok(())
 }
 
+/// An applied batch norm's device tensors, as the v2 kernels that apply it take them.
+pub(super) struct AppliedArgs<'a> {
+    /// Its saved mean (f32, per channel).
+    pub(super) mean: &'a CudaSlice<f32>,
+    /// Its saved 1/sqrt(var + eps).
+    pub(super) invstd: &'a CudaSlice<f32>,
+    /// γ (bf16).
+    pub(super) gamma: &'a CudaSlice<u16>,
+    /// β (bf16).
+    pub(super) beta: &'a CudaSlice<u16>,
+    /// 1 with a ReLU after it.
+    pub(super) relu: i32,
+}
+
+impl<'a> AppliedArgs<'a> {
+    /// The tensors of `bn` over `c` channels (lengths checked).
+    pub(super) fn of(
+        op: &'static str,
+        bn: &AppliedBn<'a, CudaTensor>,
+        c: usize,
+    ) -> Result<Self, BackendError> {
+        for (name, t) in [
+            ("gamma", bn.gamma),
+            ("beta", bn.beta),
+            ("saved_mean", bn.saved_mean),
+            ("saved_invstd", bn.saved_invstd),
+        ] {
+            check_len(op, name, t.len, c)?;
+        }
+        Ok(Self {
+            mean: bn.saved_mean.f32(op, "saved_mean")?,
+            invstd: bn.saved_invstd.f32(op, "saved_invstd")?,
+            gamma: bn.gamma.bf16(op, "gamma")?,
+            beta: bn.beta.bf16(op, "beta")?,
+            relu: i32::from(bn.relu),
+        })
+    }
+}
+
+/// Shared memory a block keeps beside its dynamic shared memory (static tables, the driver's
+/// reserve), for the check that an APPLY kernel's parameters fit.
+const STATIC_SMEM_MARGIN: usize = 4096;
+
+/// The v2 launch of `pass` (forward, or wgrad) for `s` with its kernel that applies the batch
+/// norm as it loads its input (`stats`: the forward's statistics epilogue) and that kernel's
+/// shared memory, when v2 runs the layer (v3 selected and taking it, v1, or a shape v2 refuses:
+/// `None`, the composition runs) and the parameters fit in shared memory.
+pub(super) fn apply_plan(
+    be: &CudaBackend,
+    pass: Pass,
+    s: &ConvShape,
+    stats: bool,
+) -> Option<Conv2Launch> {
+    let v3 = match pass {
+        Pass::Forward => be.conv3_takes_forward(s),
+        Pass::Wgrad => be.conv3_takes_wgrad(s),
+        Pass::Dgrad => return None,
+    };
+    if v3 {
+        return None;
+    }
+    let l = be.conv2_plan(pass, s)?;
+    let kernel = l.apply_kernel(stats)?;
+    let smem_bytes = l.apply_smem_bytes();
+    (smem_bytes as usize + STATIC_SMEM_MARGIN <= be.limits.smem_per_sm).then_some(Conv2Launch {
+        kernel,
+        smem_bytes,
+        ..l
+    })
+}
+
 /// See [`Backend::conv_forward_bn`].
 pub(super) fn forward(
     be: &CudaBackend,
@@ -121,6 +200,12 @@ pub(super) fn forward(
     y: &mut CudaTensor,
     moments: Option<&mut CudaTensor>,
 ) -> Result<(), BackendError> {
+    if let Some(l) = apply_plan(be, Pass::Forward, s, moments.is_some()) {
+        return match moments {
+            Some(m) => bn_fused::conv_forward_moments_applied(be, s, z, bn, w, y, m, &l),
+            None => forward_applied(be, s, z, bn, w, y, &l),
+        };
+    }
     let rows = s.n * s.h * s.w;
     be.with_applied("conv_forward_bn", rows, s.c_in, z, bn, |x| match moments {
         Some(m) => be.conv_forward_moments(s, x, w, y, m),
@@ -137,10 +222,57 @@ pub(super) fn backward_weight(
     dy: &CudaTensor,
     dw: &mut CudaTensor,
 ) -> Result<(), BackendError> {
+    if let Some(l) = apply_plan(be, Pass::Wgrad, s, false) {
+        let op = "conv_backward_weight_bn";
+        conv_args(op, s)?;
+        check_len(op, "z", z.len, s.x_len())?;
+        check_len(op, "dy", dy.len, s.y_len())?;
+        check_len(op, "dw", dw.len, s.w_len())?;
+        let applied = AppliedArgs::of(op, bn, s.c_in)?;
+        let cfg = be.conv2_prepare(op, &l)?;
+        let (dy, z) = (dy.bf16(op, "dy")?, z.bf16(op, "z")?);
+        let dw = dw.f32_mut(op, "dw")?;
+        let mut scratch = be.conv2.lock().unwrap_or_else(|e| e.into_inner());
+        let Conv2Scratch { planes, .. } = &mut *scratch;
+        return conv2_wgrad(be, op, s, &l, cfg, (z, dy), dw, planes, Some(&applied));
+    }
     let rows = s.n * s.h * s.w;
     be.with_applied("conv_backward_weight_bn", rows, s.c_in, z, bn, |x| {
         be.conv_backward_weight(s, x, dy, dw)
     })
+}
+
+/// [`Backend::conv_forward_bn`] without moments through `l`, a `conv2_fwd_apply_*` launch.
+fn forward_applied(
+    be: &CudaBackend,
+    s: &ConvShape,
+    z: &CudaTensor,
+    bn: &AppliedBn<'_, CudaTensor>,
+    w: &CudaTensor,
+    y: &mut CudaTensor,
+    l: &Conv2Launch,
+) -> Result<(), BackendError> {
+    let op = "conv_forward_bn";
+    conv_args(op, s)?;
+    check_len(op, "z", z.len, s.x_len())?;
+    check_len(op, "w", w.len, s.w_len())?;
+    check_len(op, "y", y.len, s.y_len())?;
+    let applied = AppliedArgs::of(op, bn, s.c_in)?;
+    let cfg = be.conv2_prepare(op, l)?;
+    let gemm = Conv2FwdApply {
+        z: z.bf16(op, "z")?.into(),
+        w: w.bf16(op, "w")?.into(),
+        y: y.bf16_mut(op, "y")?.into(),
+        args: l.args,
+        mean: applied.mean.into(),
+        invstd: applied.invstd.into(),
+        gamma: applied.gamma.into(),
+        beta: applied.beta.into(),
+        relu: applied.relu,
+    };
+    be.launch(op, l.kernel, cfg, gemm)?;
+    be.note_work(2 * (s.x_len() + s.w_len() + s.y_len()), s.flops());
+    Ok(())
 }
 
 #[cfg(test)]
