@@ -52,13 +52,15 @@
 // cp.async.wait_group and before the k-step's barrier, rewrites the chunks it copied itself in
 // place with bn_apply's expression (so the GEMM sees y's bits, and no barrier is added). Zero
 // fills (padding, tails, rows past M) must stay 0, not become ReLU(BN(0)): the copy loop
-// records per stage, in a register ring indexed by the unrolled stage number, one bit per
-// chunk that was a real load, and in the forward the chunks' first channel (a thread's A
-// chunks share one reduction column, so one channel; wgrad's B columns, hence channels, are
-// fixed per chunk). The 8 channels' parameters are read through L1 per chunk group (scalar
-// loads: the parameter tensors need not be 16-byte aligned). The data gradient's batch-norm
-// epilogue likewise takes γ, β and a relu flag, to recompute the ReLU mask [y > 0] from the
-// bn_x it reads for x̂ when y is not stored.
+// records per stage, in the thread's own word of a ring in shared memory behind the stages
+// (the plain 8-warp tiles have no register to spare), one bit per chunk that was a real load
+// and, in the forward, the chunks' first channel (a thread's A chunks share one reduction
+// column, so one channel; wgrad's B columns, hence channels, are fixed per chunk). The
+// prologue copies the parameters into shared memory too, four f32 planes [4][C] (so any C,
+// and 4 channels of a plane in one load); the rewrite reads them two or four channels at a
+// time, as registers allow. The data gradient's batch-norm epilogue likewise takes γ, β and
+// a relu flag, to recompute the ReLU mask [y > 0] from the bn_x it reads for x̂ when y is not
+// stored.
 //
 // Pipeline. STAGES shared-memory stages, each holding one BK = 32 slice of A and B. Stages
 // 0..STAGES-2 are issued before the loop; iteration kt waits for its stage
