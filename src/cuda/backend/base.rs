@@ -3,16 +3,18 @@
 //! profiler), the one launch path every kernel takes (`CudaBackend::launch`), and the checks
 //! and conversions the ops make before they launch.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig};
 
-use crate::backend::BackendError;
+use crate::backend::{AppliedBn, BackendError};
 use crate::cuda::conv::{ConvVersion, GpuLimits};
 use crate::cuda::device::GpuDevice;
 use crate::cuda::error::CudaError;
 use crate::cuda::kernel_types::InputMix;
 use crate::cuda::launch::{self, Kernel};
+use crate::cuda::tensor::CudaTensor;
 
 /// Threads per block of the element-wise kernels.
 pub(super) const THREADS: u32 = 256;
@@ -61,14 +63,14 @@ pub struct CudaBackend {
     /// unless `0`, [`super::bn_fused`]); it takes the v2 kernels.
     pub(super) bn_fusion: bool,
     /// Whether, with batch norm fused, convolutions apply the batch norm before them
-    /// (`BIRDTRAIN_BN_PROLOGUE`, off unless `1`, [`super::conv_bn`]).
+    /// (`BIRDTRAIN_BN_PROLOGUE`, off unless `1`, `conv_bn.rs`).
     pub(super) bn_prologue: bool,
     /// v2 scratch: the stem's input and weight copies, the phase-ordered dgrad weight.
     pub(super) conv2: Arc<Mutex<Conv2Scratch>>,
     pub(super) work: Arc<Mutex<Workspace>>,
     /// The outputs of batch norms applied by their readers where no kernel applies them as it
     /// loads (`conv_bn.rs`), one per size.
-    pub(super) applied: Arc<Mutex<super::conv_bn::AppliedScratch>>,
+    pub(super) applied: Arc<Mutex<AppliedScratch>>,
     pub(super) profiler: Arc<Mutex<Profiler>>,
 }
 
@@ -180,6 +182,48 @@ pub(super) struct ProfiledLaunch {
     pub(super) end: CudaEvent,
     pub(super) bytes: f64,
     pub(super) flops: f64,
+}
+
+/// The scratch outputs of applied batch norms, by element count (`conv_bn.rs`).
+pub(super) type AppliedScratch = HashMap<usize, CudaTensor>;
+
+/// An applied batch norm's device tensors, as the v2 kernels that apply it take them.
+pub(super) struct AppliedArgs<'a> {
+    /// Its saved mean (f32, per channel).
+    pub(super) mean: &'a CudaSlice<f32>,
+    /// Its saved 1/sqrt(var + eps).
+    pub(super) invstd: &'a CudaSlice<f32>,
+    /// γ (bf16).
+    pub(super) gamma: &'a CudaSlice<u16>,
+    /// β (bf16).
+    pub(super) beta: &'a CudaSlice<u16>,
+    /// 1 with a ReLU after it.
+    pub(super) relu: i32,
+}
+
+impl<'a> AppliedArgs<'a> {
+    /// The tensors of `bn` over `c` channels (lengths checked).
+    pub(super) fn of(
+        op: &'static str,
+        bn: &AppliedBn<'a, CudaTensor>,
+        c: usize,
+    ) -> Result<Self, BackendError> {
+        for (name, t) in [
+            ("gamma", bn.gamma),
+            ("beta", bn.beta),
+            ("saved_mean", bn.saved_mean),
+            ("saved_invstd", bn.saved_invstd),
+        ] {
+            check_len(op, name, t.len, c)?;
+        }
+        Ok(Self {
+            mean: bn.saved_mean.f32(op, "saved_mean")?,
+            invstd: bn.saved_invstd.f32(op, "saved_invstd")?,
+            gamma: bn.gamma.bf16(op, "gamma")?,
+            beta: bn.beta.bf16(op, "beta")?,
+            relu: i32::from(bn.relu),
+        })
+    }
 }
 
 impl CudaBackend {

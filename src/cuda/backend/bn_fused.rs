@@ -24,11 +24,12 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::base::{check_len, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend};
+use super::base::{
+    check_len, elementwise_cfg, ensure, to_i32, AppliedArgs, Conv2Scratch, CudaBackend,
+};
 use super::bn::reduction_launch;
 use super::conv::conv_args;
 use super::conv3::DgradBn;
-use super::conv_bn::AppliedArgs;
 use crate::backend::{AppliedBn, Backend, BackendError, BnGradEpilogue, ConvShape};
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
@@ -206,7 +207,7 @@ pub(super) fn conv_forward_moments(
 }
 
 /// [`Backend::conv_forward_bn`] with moments through `l`, a `conv2_fwd_stats_apply_*` launch
-/// ([`super::conv_bn::apply_plan`]): y = conv(bn(z), w), its tile records merged into
+/// (`conv_bn.rs`'s `apply_plan`): y = conv(bn(z), w), its tile records merged into
 /// `moments` as [`conv_forward_moments`] merges them.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn conv_forward_moments_applied(

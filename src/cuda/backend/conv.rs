@@ -6,9 +6,9 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::base::{
-    check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, Conv2Scratch, CudaBackend,
+    check_len, dev_err, drv_err, elementwise_cfg, ensure, to_i32, AppliedArgs, Conv2Scratch,
+    CudaBackend,
 };
-use super::conv_bn::AppliedArgs;
 use crate::backend::{BackendError, ConvShape};
 use crate::cuda::conv::{self as plan, Conv2Launch, ConvVersion, Pass, StemCopy};
 use crate::cuda::kernel_types::ConvArgs;

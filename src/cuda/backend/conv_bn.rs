@@ -10,13 +10,9 @@
 //! network holds at most a few distinct sizes (resnet50: one per stage and stride), not one
 //! output per layer.
 
-use std::collections::HashMap;
-
 use crate::cuda::error::CudaError;
 
-use cudarc::driver::CudaSlice;
-
-use super::base::{check_len, to_i32, Conv2Scratch, CudaBackend};
+use super::base::{check_len, to_i32, AppliedArgs, AppliedScratch, Conv2Scratch, CudaBackend};
 use super::bn::apply_launch;
 use super::bn_fused;
 use super::conv::{conv2_wgrad, conv_args};
@@ -43,9 +39,6 @@ pub fn parse_bn_prologue(value: Option<&str>) -> Result<bool, CudaError> {
         }),
     }
 }
-
-/// The scratch outputs of applied batch norms, by element count.
-pub(super) type AppliedScratch = HashMap<usize, CudaTensor>;
 
 impl CudaBackend {
     /// Lets convolutions apply the batch norm before them (`true`) or not, for networks built
@@ -117,45 +110,6 @@ fn apply(
     be.launch(op, apply, cfg, args)?;
     be.note_work(4 * rows * c, 0.0);
     Ok(())
-}
-
-/// An applied batch norm's device tensors, as the v2 kernels that apply it take them.
-pub(super) struct AppliedArgs<'a> {
-    /// Its saved mean (f32, per channel).
-    pub(super) mean: &'a CudaSlice<f32>,
-    /// Its saved 1/sqrt(var + eps).
-    pub(super) invstd: &'a CudaSlice<f32>,
-    /// γ (bf16).
-    pub(super) gamma: &'a CudaSlice<u16>,
-    /// β (bf16).
-    pub(super) beta: &'a CudaSlice<u16>,
-    /// 1 with a ReLU after it.
-    pub(super) relu: i32,
-}
-
-impl<'a> AppliedArgs<'a> {
-    /// The tensors of `bn` over `c` channels (lengths checked).
-    pub(super) fn of(
-        op: &'static str,
-        bn: &AppliedBn<'a, CudaTensor>,
-        c: usize,
-    ) -> Result<Self, BackendError> {
-        for (name, t) in [
-            ("gamma", bn.gamma),
-            ("beta", bn.beta),
-            ("saved_mean", bn.saved_mean),
-            ("saved_invstd", bn.saved_invstd),
-        ] {
-            check_len(op, name, t.len, c)?;
-        }
-        Ok(Self {
-            mean: bn.saved_mean.f32(op, "saved_mean")?,
-            invstd: bn.saved_invstd.f32(op, "saved_invstd")?,
-            gamma: bn.gamma.bf16(op, "gamma")?,
-            beta: bn.beta.bf16(op, "beta")?,
-            relu: i32::from(bn.relu),
-        })
-    }
 }
 
 /// Shared memory a block keeps beside its dynamic shared memory (static tables, the driver's
