@@ -309,30 +309,6 @@ struct AppliedBn {
     int relu;
 };
 
-// Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low
-// half: one cvt.rn.bf16x2 instead of two conversions and a merge.
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-#ifdef BT_EMULATE
-    return (unsigned)__bfloat16_as_ushort(bt_to_bf16(lo)) | ((unsigned)__bfloat16_as_ushort(bt_to_bf16(hi)) << 16);
-#else
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#endif
-}
-
-// The batch norm's output (bn_apply_vec's expression, no residual) of the 2 bf16 in word `w`,
-// channels with parameters (m, is, g, b).{x, y}.
-__device__ __forceinline__ unsigned applied_bn2(unsigned w, float2 m, float2 is, float2 g, float2 b, int relu) {
-    float v0 = (__uint_as_float(w << 16) - m.x) * is.x * g.x + b.x;
-    float v1 = (__uint_as_float(w & 0xffff0000u) - m.y) * is.y * g.y + b.y;
-    if (relu) {
-        v0 = fmaxf(v0, 0.0f);
-        v1 = fmaxf(v1, 0.0f);
-    }
-    return pack_bf16x2(v0, v1);
-}
-
 // 4 consecutive channels (words w0, w1) with parameters (m, is, g, b).{x, y, z, w}.
 __device__ __forceinline__ void applied_bn4(unsigned& w0, unsigned& w1, float4 m, float4 is, float4 g, float4 b,
                                             int relu) {
@@ -447,21 +423,6 @@ __device__ __forceinline__ void applied_bn_chunks(bt_saddr chunk0, int chunk_ste
     }
 }
 
-// The batch norm's output of the 8 bf16 of `z` at channels c0..c0+7, parameters read from
-// global memory (scalar loads: the parameter tensors need not be 16-byte aligned).
-__device__ __forceinline__ uint4 applied_bn8_global(uint4 z, const float* mean, const float* invstd,
-                                                    const bf16* gamma, const bf16* beta, int c0, int relu) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int c = c0 + 2 * q;
-        const float2 m = make_float2(mean[c], mean[c + 1]), is = make_float2(invstd[c], invstd[c + 1]);
-        const float2 g = make_float2(bt_to_f32(gamma[c]), bt_to_f32(gamma[c + 1]));
-        const float2 b = make_float2(bt_to_f32(beta[c]), bt_to_f32(beta[c + 1]));
-        unsigned& w = q == 0 ? z.x : q == 1 ? z.y : q == 2 ? z.z : z.w;
-        w = applied_bn2(w, m, is, g, b, relu);
-    }
-    return z;
-}
 
 // Hides a pointer's origin from the optimiser, so that `p + offset` in the loop stays one
 // wide multiply-add on a fixed register pair instead of being re-derived from its parts.

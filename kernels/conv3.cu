@@ -86,14 +86,18 @@ struct Conv3Args {
     int stride;
 };
 
-// The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records).
+// The batch-norm epilogues' operands (conv2.cu's BnEpilogue, the same records and the same mask:
+// from bn_y, or recomputed from bn_x, γ, β when the batch norm's output is not stored).
 struct Conv3Epilogue {
     float* part;           // the per-tile records
-    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); null: no ReLU
+    const bf16* bn_y;      // BN_GRAD: the batch norm's output (this convolution's input); may be null
     const bf16* bn_x;      // BN_GRAD: the batch norm's input
     const float* mean;     // BN_GRAD: its saved mean and 1/sqrt(var + eps)
     const float* invstd;
     const bf16* residual;  // BN_GRAD: a gradient added before the mask; may be null
+    const bf16* gamma;     // BN_GRAD with relu and no bn_y: its scale and shift, to recompute y
+    const bf16* beta;
+    int relu;              // BN_GRAD: mask with [y > 0], y = bn_y, or recomputed from bn_x if null
 };
 
 #define C3_BM 128
@@ -537,7 +541,14 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         if (a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
         if (EPI == C3_EPI_BN_GRAD) {
             if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
-            if (ep.bn_y != nullptr) v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            if (ep.bn_y != nullptr) {
+                v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+            } else if (ep.relu) {
+                // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
+                const uint4 y8 = applied_bn8_global(*reinterpret_cast<const uint4*>(ep.bn_x + o), ep.mean, ep.invstd,
+                                                    ep.gamma, ep.beta, n, 1);
+                v = relu_mask_bf16x8(v, y8);
+            }
             *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         }
         *reinterpret_cast<uint4*>(y + o) = v;
@@ -686,13 +697,15 @@ conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
 }
 
 // dgrad finishing the gradient of the batch norm that produced x (conv2_dgrad_bn_*'s contract):
-// dx = [bn_y > 0]·(dgrad1x1(dy, w) [+ dx with args.accumulate] [+ residual]) (bn_y, residual
-// may be null), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
+// dx = [y > 0]·(dgrad1x1(dy, w) [+ dx with args.accumulate] [+ residual]) (residual may be
+// null; y = bn_y, or with bn_y null and relu set recomputed from bn_x, γ, β; neither: no
+// mask), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
-                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                   const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv3_gemm<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -732,8 +745,9 @@ conv3_dgrad_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_bn_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
-                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                   const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 1>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -783,8 +797,9 @@ conv3_dgrad_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_con
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
-                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                   const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 0, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -811,8 +826,9 @@ conv3_dgrad_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_con
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
-                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual};
+                   const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                   const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 1, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 

@@ -156,7 +156,11 @@ struct DgradResult { std::vector<bf16> dx; std::vector<float> part; };
 static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const std::vector<bf16>& wt,
                              const std::vector<bf16>& dx0, const std::vector<bf16>& bn_y, const std::vector<bf16>& bn_x,
                              const std::vector<float>& mean, const std::vector<float>& invstd,
-                             const std::vector<bf16>& residual) {
+                             const std::vector<bf16>& residual, const bf16* gamma = nullptr,
+                             const bf16* beta = nullptr) {
+    // gamma given: the mask recomputed from bn_x (bn_y not passed)
+    const bf16* y = d.mask && gamma == nullptr ? bn_y.data() : nullptr;
+    const int relu = d.mask ? 1 : 0;
     const unsigned gx = (unsigned)((d.m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + g_bn - 1) / g_bn);
     DgradResult r;
     r.dx = dx0;
@@ -170,9 +174,10 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
     float* part = r.part.data();
     if (d.bn)
         emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
-            (g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr) : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, d.mask ? bn_y.data() : nullptr, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr));
+            (g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
+                        : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu));
         });
     else
         emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
@@ -258,6 +263,25 @@ static void check_dgrad(const Dgrad& d) {
     if (d.bn)
         check_bits("eager TMA, shuffled blocks: same records",
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
+    if (d.bn && d.mask) {
+        // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from y =
+        // bn_apply's bits of the same (γ of both signs and zero): the same dx and records.
+        std::vector<bf16> gamma(d.c), beta(d.c), y((size_t)d.m * d.c);
+        for (int c = 0; c < d.c; ++c) {
+            gamma[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.0f : (c % 2 ? -0.75f : 1.5f) * (1 + c % 3));
+            beta[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.5f : 0.125f * (c % 4) - 0.25f);
+        }
+        for (size_t o = 0; o < y.size(); ++o) {
+            const int c = (int)(o % d.c);
+            float v = (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c] * __bfloat162float(gamma[c]) + __bfloat162float(beta[c]);
+            y[o] = __float2bfloat16_rn(fmaxf(v, 0.0f));
+        }
+        const DgradResult stored = run_dgrad(d, dy, wt, dx0, y, bn_x, mean, invstd, residual);
+        const DgradResult recomputed = run_dgrad(d, dy, wt, dx0, y, bn_x, mean, invstd, residual, gamma.data(), beta.data());
+        check_bits("mask recomputed from x: same dx", memcmp(recomputed.dx.data(), stored.dx.data(), r.dx.size() * 2) == 0);
+        check_bits("mask recomputed from x: same records",
+                   memcmp(recomputed.part.data(), stored.part.data(), r.part.size() * 4) == 0);
+    }
 }
 
 // The data gradient of a strided 1×1 (stride 2, no padding): the dgrad GEMM over dy's
@@ -554,8 +578,8 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         if (g.bn)
             emu_launch(grid, {C3_THREADS, 1, 1}, [&] {
                 (g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data()) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data()));
+                                   residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), nullptr, nullptr, 1));
             });
         else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };

@@ -193,7 +193,8 @@ kernel_launchers! {
         args: super::conv3::Conv3Args,
         part: Out<'a, f32>,
     }
-    /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract).
+    /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract,
+    /// [`Conv2DgradBn`]'s mask: from `bn_y`, or with `relu` recomputed from `bn_x`).
     "conv3.cu" Conv3DgradBn<'a> [
         "conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3", "conv3_dgrad_bn_1x1_n64",
         "conv3_dgrad_bn_3x3_n64",
@@ -208,6 +209,9 @@ kernel_launchers! {
         mean: In<'a, f32>,
         invstd: In<'a, f32>,
         residual: Option<In<'a, u16>>,
+        gamma: Option<In<'a, u16>>,
+        beta: Option<In<'a, u16>>,
+        relu: i32,
     }
     /// The v3 weight gradient: one f32 plane per reduction slice.
     "conv3.cu" Conv3Wgrad<'a> [

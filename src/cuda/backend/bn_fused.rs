@@ -278,10 +278,10 @@ pub(super) fn conv_backward_data_bn(
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
     match (bn.y, bn.relu) {
-        // Never stored (the convolution applied the batch norm), and v2's epilogue takes the
-        // layer: it recomputes the mask from x, γ and β.
+        // Never stored (the convolution applied the batch norm), and the v3 or v2 epilogue
+        // takes the layer: it recomputes the mask from x, γ and β.
         (None, true)
-            if !be.conv3_takes_dgrad_bn(s) && epilogue_plan(be, Pass::Dgrad, s).is_some() =>
+            if be.conv3_takes_dgrad_bn(s) || epilogue_plan(be, Pass::Dgrad, s).is_some() =>
         {
             data_bn(be, s, dy, w, dx, accumulate, bn, None)
         }
@@ -304,8 +304,8 @@ pub(super) fn conv_backward_data_bn(
 }
 
 /// [`conv_backward_data_bn`] with the batch norm's output `bn_y` (read only with a ReLU), or
-/// none (with a ReLU: v2's epilogue recomputes the mask from x, γ, β; its caller has checked
-/// that v2's epilogue takes the layer).
+/// none (with a ReLU: the v2 or v3 epilogue recomputes the mask from x, γ, β; its caller has
+/// checked that one of them takes the layer).
 #[allow(clippy::too_many_arguments)]
 fn data_bn(
     be: &CudaBackend,
@@ -347,7 +347,7 @@ fn data_bn(
         Some(y) if bn.relu => Some(y.bf16(op, "bn y")?),
         _ => None,
     };
-    // No stored output with a ReLU: the mask recomputed from x, γ, β (v2's epilogue only).
+    // No stored output with a ReLU: the mask recomputed from x, γ, β (the v2 and v3 epilogues).
     let recompute = bn.relu && bn_y.is_none();
     let applied = if recompute {
         Some(AppliedArgs::of(op, &bn.applied(), s.c_in)?)
@@ -366,7 +366,7 @@ fn data_bn(
     } else {
         epilogue_plan(be, Pass::Dgrad, s)
     };
-    if recompute && plan.is_none() {
+    if recompute && !v3 && plan.is_none() {
         return Err(BackendError::Shape {
             op,
             detail: format!(
@@ -394,6 +394,8 @@ fn data_bn(
                 mean,
                 invstd,
                 residual,
+                gamma_beta: applied.as_ref().map(|a| (a.gamma, a.beta)),
+                relu: bn.relu,
             };
             be.conv3_backward_data(op, s, dys, ws, dxs, accumulate, Some(epilogue))?;
             records

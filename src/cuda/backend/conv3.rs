@@ -32,6 +32,10 @@ pub(super) struct DgradBn<'a> {
     pub(super) invstd: &'a CudaSlice<f32>,
     /// A gradient added before the mask, or none.
     pub(super) residual: Option<&'a CudaSlice<u16>>,
+    /// γ and β where the mask is recomputed from `bn_x` (no `bn_y`, `relu` set).
+    pub(super) gamma_beta: Option<(&'a CudaSlice<u16>, &'a CudaSlice<u16>)>,
+    /// Whether the batch norm has a ReLU (the mask: from `bn_y`, else recomputed).
+    pub(super) relu: bool,
 }
 
 impl CudaBackend {
@@ -315,6 +319,9 @@ impl CudaBackend {
                     mean: bn.mean.into(),
                     invstd: bn.invstd.into(),
                     residual: bn.residual.map(Into::into),
+                    gamma: bn.gamma_beta.map(|(g, _)| g.into()),
+                    beta: bn.gamma_beta.map(|(_, b)| b.into()),
+                    relu: i32::from(bn.relu),
                 };
                 self.launch(op, with_bn, cfg, gemm)?;
                 self.note_work(bytes + 2 * s.x_len() * extra + 8 * records * n, s.flops());
