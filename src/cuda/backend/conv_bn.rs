@@ -3,7 +3,8 @@
 //! stored output) on [`CudaBackend`]. Where v2 runs the layer (v2 selected, or v3 leaving it
 //! to v2, and a shape v2 takes), its kernels apply the batch norm as they load their input
 //! (kernels/conv2.cu, `AppliedBn`: `conv2_fwd[_stats]_apply_*`, `conv2_wgrad_apply_*`, and
-//! the data gradient's epilogue recomputing the ReLU mask). Elsewhere (v3, v1) the batch
+//! the data gradient's epilogue recomputing the ReLU mask, as v3's does where v3 runs the data
+//! gradient: `bn_fused.rs`). Elsewhere (v3, v1) the batch
 //! norm's output is written by `bn_apply` into a scratch tensor, and the plain ops run over it
 //! (the same bits as the separate passes). The scratch tensors are kept, one per size, so a
 //! step allocates nothing after its first (and a CUDA graph replays the same addresses); a
