@@ -579,8 +579,11 @@ prologue_rounds() {
 phase_prologue() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step test-prologue-ops 150 "$test_bin" --ignored --test-threads 1 --show-output \
-    cuda_kernels::convolutions_applying_a_batch_norm
+    cuda_kernels::convolutions_applying_a_batch_norm cuda_kernels::v2_kernels_applying \
+    cuda_kernels::conv3_dgrad_recomputes_the_mask
   $checks tests "$out/test-prologue-ops.log" cuda_kernels::convolutions_applying 1 | tee -a "$summary"
+  $checks tests "$out/test-prologue-ops.log" cuda_kernels::v2_kernels_applying 1 | tee -a "$summary"
+  $checks tests "$out/test-prologue-ops.log" cuda_kernels::conv3_dgrad_recomputes 1 | tee -a "$summary"
   step test-prologue-step 150 "$test_bin" --ignored --test-threads 1 --show-output \
     cuda_step::applied_batch_norm_steps_have_the_fused_bits
   $checks tests "$out/test-prologue-step.log" cuda_step::applied_batch_norm 1 | tee -a "$summary"
@@ -648,7 +651,7 @@ phase_next() {
     cuda_graph::resnet50_b256_step_time_with_and_without_the_graph
   grep -h "graph-timing\|graph launches" "$out/test-graph-timing.log" | sed 's/^/INFO /' | tee -a "$summary"
   # The applied inner batch norms (their tests ran in test-kernels and test-step above).
-  if grep -q "^FAIL .*\(convolutions_applying\|applied_batch_norm\)" "$summary"; then
+  if grep -q "^FAIL .*\(convolutions_applying\|v2_kernels_applying\|applied_batch_norm\)" "$summary"; then
     note "SKIP prologue-rounds: an applied batch-norm check failed (the FAIL lines above name it)"
   else
     prologue_rounds

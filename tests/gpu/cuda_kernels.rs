@@ -1525,9 +1525,8 @@ fn conv3_fused_batch_norm_ops_match_cpu_and_repeat_bitwise() {
 /// bit and within 1 % of the CPU on the layers v3 takes, then twice: the same bits.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn v3_data_gradient_recomputes_the_mask_of_an_unstored_batch_norm() {
-    let Some(gb) = hopper_v3("v3_data_gradient_recomputes_the_mask_of_an_unstored_batch_norm")
-    else {
+fn conv3_dgrad_recomputes_the_mask_of_an_unstored_batch_norm() {
+    let Some(gb) = hopper_v3("conv3_dgrad_recomputes_the_mask_of_an_unstored_batch_norm") else {
         return;
     };
     let tol = Tolerance {
