@@ -30,7 +30,7 @@ use super::base::{
 use super::bn::reduction_launch;
 use super::conv::conv_args;
 use super::conv3::DgradBn;
-use crate::backend::{AppliedBn, Backend, BackendError, BnGradEpilogue, ConvShape};
+use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
@@ -208,25 +208,21 @@ pub(super) fn conv_forward_moments(
 
 /// [`Backend::conv_forward_bn`] with moments through `l`, a `conv2_fwd_stats_apply_*` launch
 /// (`conv_bn.rs`'s `apply_plan`): y = conv(bn(z), w), its tile records merged into
-/// `moments` as [`conv_forward_moments`] merges them.
+/// `moments` as [`conv_forward_moments`] merges them (z, w, y and the batch norm checked by
+/// the caller).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn conv_forward_moments_applied(
     be: &CudaBackend,
     s: &ConvShape,
     z: &CudaTensor,
-    bn: &AppliedBn<'_, CudaTensor>,
+    applied: &AppliedArgs<'_>,
     w: &CudaTensor,
     y: &mut CudaTensor,
     moments: &mut CudaTensor,
     l: &Conv2Launch,
 ) -> Result<(), BackendError> {
     let op = "conv_forward_bn";
-    conv_args(op, s)?;
-    check_len(op, "z", z.len, s.x_len())?;
-    check_len(op, "w", w.len, s.w_len())?;
-    check_len(op, "y", y.len, s.y_len())?;
     check_len(op, "moments", moments.len, 3 * s.c_out)?;
-    let applied = AppliedArgs::of(op, bn, s.c_in)?;
     let (rows, c) = (s.n * s.out_h() * s.out_w(), s.c_out);
     let records = l.grid.0 as usize;
     let (zs, ws, ys) = (z.bf16(op, "z")?, w.bf16(op, "w")?, y.bf16_mut(op, "y")?);

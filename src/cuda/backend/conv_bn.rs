@@ -61,21 +61,14 @@ impl CudaBackend {
     ) -> Result<R, BackendError> {
         let len = rows * c;
         check_len(op, "z", z.len, len)?;
-        for (name, t) in [
-            ("gamma", bn.gamma),
-            ("beta", bn.beta),
-            ("saved_mean", bn.saved_mean),
-            ("saved_invstd", bn.saved_invstd),
-        ] {
-            check_len(op, name, t.len, c)?;
-        }
+        let params = AppliedArgs::of(op, bn, c)?;
         // Taken out while in use (the lock is not held across `f`, which launches kernels).
         let kept = self.applied_scratch().remove(&len);
         let mut y = match kept {
             Some(t) => t,
             None => self.alloc(len, TensorRole::Activation)?,
         };
-        let r = apply(self, op, rows, c, z, bn, &mut y).and_then(|()| f(&y));
+        let r = apply(self, op, rows, c, z, &params, &mut y).and_then(|()| f(&y));
         self.applied_scratch().insert(len, y);
         r
     }
@@ -92,21 +85,21 @@ fn apply(
     rows: usize,
     c: usize,
     z: &CudaTensor,
-    bn: &AppliedBn<'_, CudaTensor>,
+    bn: &AppliedArgs<'_>,
     y: &mut CudaTensor,
 ) -> Result<(), BackendError> {
     let (apply, cfg) = apply_launch(be, op, "bn_apply", "bn_apply_vec", rows, c)?;
     let args = BnApply {
         x: z.bf16(op, "z")?.into(),
-        mean: bn.saved_mean.f32(op, "saved_mean")?.into(),
-        invstd: bn.saved_invstd.f32(op, "saved_invstd")?.into(),
-        gamma: bn.gamma.bf16(op, "gamma")?.into(),
-        beta: bn.beta.bf16(op, "beta")?.into(),
+        mean: bn.mean.into(),
+        invstd: bn.invstd.into(),
+        gamma: bn.gamma.into(),
+        beta: bn.beta.into(),
         residual: None,
         y: y.bf16_mut(op, "y")?.into(),
         total: (rows * c) as i64,
         channels: to_i32(op, "channels", c)?,
-        relu: i32::from(bn.relu),
+        relu: bn.relu,
     };
     be.launch(op, apply, cfg, args)?;
     be.note_work(4 * rows * c, 0.0);
@@ -156,9 +149,15 @@ pub(super) fn forward(
     moments: Option<&mut CudaTensor>,
 ) -> Result<(), BackendError> {
     if let Some(l) = apply_plan(be, Pass::Forward, s, moments.is_some()) {
+        let op = "conv_forward_bn";
+        conv_args(op, s)?;
+        check_len(op, "z", z.len, s.x_len())?;
+        check_len(op, "w", w.len, s.w_len())?;
+        check_len(op, "y", y.len, s.y_len())?;
+        let applied = AppliedArgs::of(op, bn, s.c_in)?;
         return match moments {
-            Some(m) => bn_fused::conv_forward_moments_applied(be, s, z, bn, w, y, m, &l),
-            None => forward_applied(be, s, z, bn, w, y, &l),
+            Some(m) => bn_fused::conv_forward_moments_applied(be, s, z, &applied, w, y, m, &l),
+            None => forward_applied(be, s, z, &applied, w, y, &l),
         };
     }
     let rows = s.n * s.h * s.w;
@@ -197,22 +196,18 @@ pub(super) fn backward_weight(
     })
 }
 
-/// [`Backend::conv_forward_bn`] without moments through `l`, a `conv2_fwd_apply_*` launch.
+/// [`Backend::conv_forward_bn`] without moments through `l`, a `conv2_fwd_apply_*` launch
+/// (the tensors' lengths checked by the caller).
 fn forward_applied(
     be: &CudaBackend,
     s: &ConvShape,
     z: &CudaTensor,
-    bn: &AppliedBn<'_, CudaTensor>,
+    applied: &AppliedArgs<'_>,
     w: &CudaTensor,
     y: &mut CudaTensor,
     l: &Conv2Launch,
 ) -> Result<(), BackendError> {
     let op = "conv_forward_bn";
-    conv_args(op, s)?;
-    check_len(op, "z", z.len, s.x_len())?;
-    check_len(op, "w", w.len, s.w_len())?;
-    check_len(op, "y", y.len, s.y_len())?;
-    let applied = AppliedArgs::of(op, bn, s.c_in)?;
     let cfg = be.conv2_prepare(op, l)?;
     let gemm = Conv2FwdApply {
         z: z.bf16(op, "z")?.into(),
