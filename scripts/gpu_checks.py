@@ -385,6 +385,12 @@ def conv3_rounds(model, v3_logs, v2_logs):
 
 
 def prologue_rounds(model, on_logs, off_logs):
+    # Each report names the batch-norm sequence that ran: a setting that did not take is no timing.
+    for logs, want in ((on_logs, "applied"), (off_logs, "fused")):
+        for p in logs.split(","):
+            got = last_report(p).get("batch_norm")
+            if got != want:
+                return say(False, f"prologue-timing {model}", f"{p} ran batch norm {got!r}, not {want!r}")
     return paired_rounds("prologue-timing", model, ("applied", "stored"), on_logs, off_logs)
 
 

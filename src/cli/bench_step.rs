@@ -99,6 +99,10 @@ pub struct StepReport {
     pub mfu: Option<f64>,
     /// The backend's description.
     pub device: String,
+    /// How batch norm ran: `"separate"` (its own passes), `"fused"` (into the convolutions
+    /// around it) or `"applied"` (fused, and each inner batch norm applied by the convolution
+    /// that reads it: `BIRDTRAIN_BN_PROLOGUE=1`).
+    pub batch_norm: String,
     /// Where the optimizer update ran.
     pub optimizer: String,
     /// Mean loss of the last timed step.
@@ -272,6 +276,11 @@ fn run_steps<B: Backend>(
     let (n, size) = (args.batch_size, args.image_size);
     let mut net = Network::new(backend, &graph, n, size)?;
     let device = net.backend().name();
+    let batch_norm = match (net.backend().bn_fusion(), net.backend().conv_applies_bn()) {
+        (false, _) => "separate",
+        (true, false) => "fused",
+        (true, true) => "applied",
+    };
     let host_pixels: Vec<u8>;
     let pixels = match gpu.as_ref().map(|g| g.pixels) {
         Some(p) => p,
@@ -360,6 +369,7 @@ fn run_steps<B: Backend>(
         update_ms_per_step: update_s * 1e3 / args.steps as f64,
         mfu,
         device,
+        batch_norm: batch_norm.to_string(),
         optimizer: optimizer.to_string(),
         final_loss: loss,
         breakdown,

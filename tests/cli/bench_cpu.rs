@@ -44,6 +44,8 @@ fn cpu_breakdown_lists_every_op_with_its_share() {
         String::from_utf8_lossy(&out.stderr)
     );
     let report: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+    // The CPU runs batch norm in its own passes (the fused sequence is a test reference there).
+    assert_eq!(report["batch_norm"], "separate", "{report}");
     let rows = report["breakdown"].as_array().expect("a breakdown");
     let row = |name: &str| {
         rows.iter()
