@@ -680,17 +680,19 @@ mod tests {
         );
     }
 
+    /// Kernel `k`'s declaration in `text`, from its name to the closing parenthesis.
+    fn signature<'a>(text: &'a str, k: &str) -> &'a str {
+        let at = text.find(&format!("\n{k}(")).expect("kernel signature");
+        &text[at..at + text[at..].find(')').unwrap()]
+    }
+
     #[test]
     fn every_named_kernel_exists_and_takes_four_arguments() {
         let file = KernelFile::by_name("conv2.cu").unwrap();
         let names = file.kernel_names();
         for k in V2_GEMM_KERNELS {
             assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
-            let at = file
-                .text
-                .find(&format!("\n{k}("))
-                .expect("kernel signature");
-            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            let sig = signature(file.text, k);
             assert_eq!(sig.split(',').count(), 4, "{sig}");
         }
     }
@@ -701,11 +703,7 @@ mod tests {
         let names = file.kernel_names();
         for k in V2_BN_EPILOGUE_KERNELS {
             assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
-            let at = file
-                .text
-                .find(&format!("\n{k}("))
-                .expect("kernel signature");
-            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            let sig = signature(file.text, k);
             let want = if k.starts_with("conv2_fwd") { 5 } else { 13 };
             assert_eq!(sig.split(',').count(), want, "{sig}");
         }
@@ -749,11 +747,7 @@ mod tests {
         let names = file.kernel_names();
         for k in V2_APPLY_KERNELS {
             assert!(names.iter().any(|n| n == k), "{k} missing from conv2.cu");
-            let at = file
-                .text
-                .find(&format!("\n{k}("))
-                .expect("kernel signature");
-            let sig = &file.text[at..at + file.text[at..].find(')').unwrap()];
+            let sig = signature(file.text, k);
             let want = if k.starts_with("conv2_fwd_stats") {
                 10
             } else {

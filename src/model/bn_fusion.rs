@@ -58,17 +58,11 @@ impl FusionPlan {
     /// The plan of `graph`.
     pub fn of(graph: &Graph) -> FusionPlan {
         let nodes = graph.nodes();
-        let values = graph.value_count();
-        let (mut producer, mut first_reader) = (vec![None; values], vec![None; values]);
-        let mut readers = vec![0usize; values];
-        for (k, node) in nodes.iter().enumerate() {
-            let (reads, output) = reads_and_output(node);
-            producer[output] = Some(k);
-            for v in reads {
-                first_reader[v].get_or_insert(k);
-                readers[v] += 1;
-            }
-        }
+        let ValueUses {
+            producer,
+            first_reader,
+            readers,
+        } = ValueUses::of(graph);
         let mut plan = FusionPlan::none(graph);
         for (k, node) in nodes.iter().enumerate() {
             if let Node::BatchNorm { input, .. } = *node {
@@ -119,7 +113,9 @@ impl FusionPlan {
     /// Such a convolution already finishes the batch norm's gradient (it is its first reader).
     pub fn with_convs_applying(mut self, graph: &Graph) -> FusionPlan {
         let nodes = graph.nodes();
-        let (producer, readers) = producers_and_readers(graph);
+        let ValueUses {
+            producer, readers, ..
+        } = ValueUses::of(graph);
         for (k, node) in nodes.iter().enumerate() {
             let Node::Conv { input, .. } = *node else {
                 continue;
@@ -151,18 +147,32 @@ impl FusionPlan {
     }
 }
 
-/// Per value: the node that writes it, and how many reads of it the nodes make.
-fn producers_and_readers(graph: &Graph) -> (Vec<Option<usize>>, Vec<usize>) {
-    let values = graph.value_count();
-    let (mut producer, mut readers) = (vec![None; values], vec![0usize; values]);
-    for (k, node) in graph.nodes().iter().enumerate() {
-        let (reads, output) = reads_and_output(node);
-        producer[output] = Some(k);
-        for v in reads {
-            readers[v] += 1;
+/// Per value of a graph: the node that writes it, the first node that reads it, and how many
+/// reads of it the nodes make.
+struct ValueUses {
+    producer: Vec<Option<usize>>,
+    first_reader: Vec<Option<usize>>,
+    readers: Vec<usize>,
+}
+
+impl ValueUses {
+    fn of(graph: &Graph) -> ValueUses {
+        let values = graph.value_count();
+        let mut uses = ValueUses {
+            producer: vec![None; values],
+            first_reader: vec![None; values],
+            readers: vec![0; values],
+        };
+        for (k, node) in graph.nodes().iter().enumerate() {
+            let (reads, output) = reads_and_output(node);
+            uses.producer[output] = Some(k);
+            for v in reads {
+                uses.first_reader[v].get_or_insert(k);
+                uses.readers[v] += 1;
+            }
         }
+        uses
     }
-    (producer, readers)
 }
 
 /// The values a node reads (input, and a batch norm's residual) and the value it writes.

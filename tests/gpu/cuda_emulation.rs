@@ -79,6 +79,34 @@ fn build_and_run(dir: &Path, check: &str) -> String {
     text
 }
 
+/// One folder per bug under `dir` (`{prefix}_{i}`), each with conv2.cu's `text` where the one
+/// occurrence of `right` becomes `wrong`, expanded, beside bn.cu's namespace `bn_ns`.
+fn broken_conv2_copies(
+    dir: &Path,
+    prefix: &str,
+    text: &str,
+    bugs: &[(&str, &str)],
+    bn_ns: &str,
+) -> Vec<std::path::PathBuf> {
+    let mut broken = Vec::new();
+    for (i, (right, wrong)) in bugs.iter().enumerate() {
+        assert!(
+            text.matches(right).count() == 1,
+            "conv2.cu changed ({right}): update this test"
+        );
+        let d = dir.join(format!("{prefix}_{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("conv2_x.cu"),
+            expand_common(&text.replace(right, wrong)),
+        )
+        .unwrap();
+        std::fs::write(d.join("bn_ns.cu"), bn_ns).unwrap();
+        broken.push(d);
+    }
+    broken
+}
+
 /// The v1, v2 and v3 convolution files are emulated alone (they share helper names).
 const ALONE: [&str; 3] = ["conv.cu", "conv2.cu", "conv3.cu"];
 
@@ -153,22 +181,8 @@ fn kernels_match_references_under_emulation() {
             "const int s = a.pair_lead >= 0 ? 2 * t + px : t;",
         ),
     ];
-    let mut broken_conv2 = Vec::new();
-    for (i, (right, wrong)) in conv2_bugs.iter().enumerate() {
-        assert!(
-            conv2.text.matches(right).count() == 1,
-            "conv2.cu changed ({right}): update this test"
-        );
-        let d = dir.path().join(format!("broken_conv2_{i}"));
-        std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(
-            d.join("conv2_x.cu"),
-            expand_common(&conv2.text.replace(right, wrong)),
-        )
-        .unwrap();
-        std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
-        broken_conv2.push(d);
-    }
+    let broken_conv2 =
+        broken_conv2_copies(dir.path(), "broken_conv2", conv2.text, &conv2_bugs, &bn_ns);
     // conv3.cu (Hopper: wgmma, TMA, mbarrier) and copies of it with one synchronisation or
     // layout bug each, which its check (run under both TMA timings) must catch.
     let conv3 = KernelFile::by_name("conv3.cu").unwrap();
@@ -425,22 +439,7 @@ fn conv2_apply_kernels_match_their_composition_under_emulation() {
         // the recomputed mask read with channel 0's parameters
         ("ep.gamma, ep.beta, n, 1);", "ep.gamma, ep.beta, 0, 1);"),
     ];
-    let mut broken = Vec::new();
-    for (i, (right, wrong)) in bugs.iter().enumerate() {
-        assert!(
-            conv2.text.matches(right).count() == 1,
-            "conv2.cu changed ({right}): update this test"
-        );
-        let d = dir.path().join(format!("broken_{i}"));
-        std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(
-            d.join("conv2_x.cu"),
-            expand_common(&conv2.text.replace(right, wrong)),
-        )
-        .unwrap();
-        std::fs::write(d.join("bn_ns.cu"), &bn_ns).unwrap();
-        broken.push(d);
-    }
+    let broken = broken_conv2_copies(dir.path(), "broken", conv2.text, &bugs, &bn_ns);
     let (good, bad) = std::thread::scope(|s| {
         let good = s.spawn(|| build_and_run(dir.path(), "conv2_apply_check"));
         let bad: Vec<_> = broken

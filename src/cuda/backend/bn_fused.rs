@@ -274,35 +274,28 @@ pub(super) fn conv_backward_data_bn(
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
     match (bn.y, bn.relu) {
-        // Never stored (the convolution applied the batch norm), and the v3 or v2 epilogue
-        // takes the layer: it recomputes the mask from x, γ and β.
+        // Never stored (the convolution applied the batch norm) and no v3 or v2 epilogue to
+        // recompute the mask: its source recomputed into a scratch tensor.
         (None, true)
-            if be.conv3_takes_dgrad_bn(s) || epilogue_plan(be, Pass::Dgrad, s).is_some() =>
+            if !be.conv3_takes_dgrad_bn(s) && epilogue_plan(be, Pass::Dgrad, s).is_none() =>
         {
-            data_bn(be, s, dy, w, dx, accumulate, bn, None)
-        }
-        // Never stored, elsewhere: the mask's source recomputed into a scratch tensor.
-        (None, true) => {
             let rows = s.n * s.h * s.w;
             let applied = bn.applied();
             let x = bn.x;
             be.with_applied(op, rows, s.c_in, x, &applied, |y| {
                 let bn = BnGradEpilogue { y: Some(y), ..bn };
-                data_bn(be, s, dy, w, dx, accumulate, bn, Some(y))
+                data_bn(be, s, dy, w, dx, accumulate, bn)
             })
         }
-        // Without a ReLU the mask is not read.
-        (y, _) => {
-            let y = y.unwrap_or(bn.x);
-            data_bn(be, s, dy, w, dx, accumulate, bn, Some(y))
-        }
+        // Stored, no ReLU (the mask is not read), or an epilogue that recomputes it from x, γ
+        // and β.
+        _ => data_bn(be, s, dy, w, dx, accumulate, bn),
     }
 }
 
-/// [`conv_backward_data_bn`] with the batch norm's output `bn_y` (read only with a ReLU), or
+/// [`conv_backward_data_bn`] with the batch norm's output `bn.y` (read only with a ReLU), or
 /// none (with a ReLU: the v2 or v3 epilogue recomputes the mask from x, γ, β; its caller has
 /// checked that one of them takes the layer).
-#[allow(clippy::too_many_arguments)]
 fn data_bn(
     be: &CudaBackend,
     s: &ConvShape,
@@ -311,7 +304,6 @@ fn data_bn(
     dx: &mut CudaTensor,
     accumulate: bool,
     bn: BnGradEpilogue<'_, CudaTensor>,
-    bn_y: Option<&CudaTensor>,
 ) -> Result<(), BackendError> {
     let op = "conv_backward_data_bn";
     conv_args(op, s)?;
@@ -319,7 +311,7 @@ fn data_bn(
     check_len(op, "w", w.len, s.w_len())?;
     check_len(op, "dx", dx.len, s.x_len())?;
     check_len(op, "bn x", bn.x.len, s.x_len())?;
-    if let Some(y) = bn_y {
+    if let Some(y) = bn.y {
         check_len(op, "bn y", y.len, s.x_len())?;
     }
     if let Some(r) = bn.residual_grad {
@@ -339,7 +331,7 @@ fn data_bn(
         .residual_grad
         .map(|t| t.bf16(op, "residual_grad"))
         .transpose()?;
-    let bn_y = match bn_y {
+    let bn_y = match bn.y {
         Some(y) if bn.relu => Some(y.bf16(op, "bn y")?),
         _ => None,
     };
