@@ -44,6 +44,10 @@
 #                                # kernels, the CUDA graphs, the applied batch norms and the
 #                                # Python package checked side by side, then v3 against v2, the
 #                                # graph step and the applied batch norms timed alone
+#   bash .gpu/gpu-run.sh verify  # after a change of the default path (< 4 min): every GPU test
+#                                # module side by side, the Python package, the default step
+#   bash .gpu/gpu-run.sh timing  # issue 31's timed work alone (< 5 min): v3 against v2, breakdowns,
+#                                # resnet18, the PyTorch peer eager and compiled
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -612,6 +616,51 @@ phase_hopper() {
     --batch-size 256 --json --breakdown --warmup 10 --steps 20
 }
 
+# After a change of the default path (< 4 min; DEADLINE=185, timeout_s 220): every GPU test
+# module but cuda_memory side by side, one PASS/FAIL line per test, and the Python package; then
+# resnet50's default step against BIRDTRAIN_CONV=v2 once each (what the default runs).
+phase_verify() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  local t
+  for t in "${shared_tests[@]}"; do
+    step "test-$t" 150 "$test_bin" --ignored --test-threads 1 --nocapture "$t::" &
+  done
+  phase_python >"$out/python-checks.txt" 2>&1 &
+  wait
+  for t in "${shared_tests[@]}"; do
+    $checks tests "$out/test-$t.log" "$t::" 1 | tee -a "$summary"
+  done
+  step bench-resnet50-default 60 "$bin" bench step --model resnet50 --batch-size 256 --json \
+    --warmup 10 --steps 40
+  BIRDTRAIN_CONV=v2 step bench-resnet50-v2 60 "$bin" bench step --model resnet50 --batch-size 256 \
+    --json --warmup 10 --steps 40
+  grep -h '"ms_per_step"' "$out/bench-resnet50-default.log" "$out/bench-resnet50-v2.log" \
+    | python3 -c 'import json,sys; [print("INFO step", r["ms_per_step"], r["batch_norm"]) for r in map(json.loads, sys.stdin)]' \
+    | tee -a "$summary"
+}
+
+# The timed work of issue 31 alone, for a call after `next` has checked correctness (< 5 min;
+# DEADLINE=270, timeout_s 300): resnet50 v3 against v2 in alternating rounds, a breakdown of
+# each sequence (v2, v3, v2 with the applied batch norms), resnet18 v3 against v2, then the
+# PyTorch peer eager and compiled right after birdtrain's default step on the same GPU.
+phase_timing() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  conv3_rounds
+  local v
+  for v in v2 v3; do
+    BIRDTRAIN_CONV=$v step "bench-resnet50-$v-breakdown" 60 "$bin" bench step --model resnet50 \
+      --batch-size 256 --json --breakdown --warmup 10 --steps 20
+  done
+  BIRDTRAIN_CONV=v2 BIRDTRAIN_BN_PROLOGUE=1 step bench-resnet50-prologue1-breakdown 60 "$bin" \
+    bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
+  for v in v3 v2; do
+    BIRDTRAIN_CONV=$v step "bench-resnet18-$v" 60 "$bin" bench step --model resnet18 \
+      --batch-size 256 --json --warmup 10 --steps 40
+  done
+  BENCH_STEPS=30 bench_pair resnet50
+  bench_compiled_peer
+}
+
 # What has never run on a GPU, in one call (< 6 min; DEADLINE=330, timeout_s 360): first the
 # correctness of all of it side by side on the one GPU (only pass/fail is read there): the
 # sm_90a compile, every kernel test (cuda_kernels::, the v3 ones listing each op PASS/FAIL),
@@ -692,9 +741,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|verify|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|verify|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

@@ -18,7 +18,7 @@ import torch
 import torch.utils.dlpack
 
 from birdtrain._engine import BadImageError, Engine, LoaderError
-from birdtrain._output import Output, page_lock_functions
+from birdtrain._output import Output, cuda_forked, page_lock_functions
 
 __all__ = ["Loader", "LoaderError", "BadImageError"]
 
@@ -179,7 +179,15 @@ class Loader:
         # The engine's own buffers page-locked (no staging copy for an H2D copy); a no-op, and
         # the engine's ordinary allocator, where torch has no CUDA.
         page_lock, page_lock_device = None, 0
-        if pin_memory and torch.cuda.is_available():
+        if pin_memory and torch.cuda.is_available() and cuda_forked():
+            # torch refuses CUDA in such a child (its DataLoader's pinning would raise): the
+            # buffers stay ordinary memory, which is what pin_memory does without CUDA.
+            warnings.warn(
+                "birdtrain: pin_memory=True in a process forked after its parent initialised "
+                "CUDA: batch buffers stay ordinary memory (start the process with 'spawn' to pin)",
+                stacklevel=2,
+            )
+        elif pin_memory and torch.cuda.is_available():
             page_lock = page_lock_functions(Engine.page_lock_functions())
             output = self._output
             page_lock_device = output.device.index if output.on_gpu else torch.cuda.current_device()

@@ -28,6 +28,13 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 Batch = Tuple[torch.Tensor, torch.Tensor, int]
 
 
+def cuda_forked() -> bool:
+    """Whether this process was forked after its parent initialised CUDA: torch then refuses
+    every CUDA call, so nothing here may page-lock or copy to a GPU."""
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    return bool(in_bad_fork and in_bad_fork())
+
+
 def check_device(device: Any) -> Optional[torch.device]:
     """``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``; a bare ``"cuda"``
     means torch's current GPU when the loader is built."""
@@ -48,6 +55,11 @@ def check_device(device: Any) -> Optional[torch.device]:
     if not torch.cuda.is_available():
         raise ValueError(
             f"device={device!r}: torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+        )
+    if cuda_forked():
+        raise ValueError(
+            f"device={device!r}: this process was forked after its parent initialised CUDA, "
+            "and CUDA cannot be used again here; start it with the 'spawn' method"
         )
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if parsed.index is None else parsed.index

@@ -93,7 +93,8 @@ def test_pin_memory_page_locks_the_engines_own_buffers(dataset, cache_dir):
     assert all(x.is_pinned() and x.device.type == "cpu" for x, _ in kept)
     stats = pinned.stats()
     assert stats["page_lock_failures"] == 0 and stats["page_locked_buffers"] >= len(kept)
-    plain = loader(dataset, cache_dir, pin_memory=False)
+    # One pass over the plain loader: a second would be its next epoch.
+    plain = list(loader(dataset, cache_dir, pin_memory=False))
     assert not any(x.is_pinned() for x, _ in plain)
     assert [digest(x, y) for x, y in kept] == [digest(x, y) for x, y in plain]
 

@@ -92,6 +92,28 @@ def test_a_loader_used_after_fork_refuses_with_a_clear_error(dataset, cache_dir)
     assert sum(x.shape[0] for x, _ in loader) == 33
 
 
+def test_a_child_forked_after_cuda_was_initialised_builds_without_pinning(
+    dataset, cache_dir, monkeypatch
+):
+    # What torch reports in such a child on a GPU machine (any CUDA call there raises): the
+    # loader is built with ordinary buffers and says so; a GPU device is refused by name.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True, raising=False)
+
+    def no_cuda(*args, **kwargs):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    with pytest.warns(UserWarning, match="forked after its parent initialised CUDA"):
+        loader = birdtrain.Loader(dataset, image_size=16, batch_size=4, cache_dir=cache_dir)
+    assert sum(x.shape[0] for x, _ in loader) == 33
+    assert loader.stats()["page_locked_buffers"] == 0
+    with pytest.raises(ValueError, match="device='cuda'.*spawn"):
+        birdtrain.Loader(dataset, image_size=16, batch_size=4, device="cuda")
+
+
 def test_rank_and_world_size_come_from_torch_distributed(dataset, tmp_path):
     import json
 

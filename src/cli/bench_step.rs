@@ -423,7 +423,9 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         let arch: Arch = args.model.parse()?;
         check(&args)?;
         let gpu = crate::cuda::conv::GpuLimits::H100;
-        let version = crate::cuda::conv::ConvVersion::from_env()?;
+        // The plan is an H100's (Hopper), so an unset BIRDTRAIN_CONV plans v3.
+        let version =
+            crate::cuda::conv::ConvVersion::from_env(crate::cuda::arch::GpuArch::new(9, 0))?;
         let rows =
             super::bench_plan::conv_plan(arch, args.batch_size, args.image_size, &gpu, version);
         if args.json {

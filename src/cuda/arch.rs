@@ -52,6 +52,12 @@ impl GpuArch {
         }
     }
 
+    /// Whether this is Hopper's compute capability (9.0), the one whose `wgmma` and TMA the
+    /// v3 convolutions use.
+    pub fn is_hopper(self) -> bool {
+        (self.major, self.minor) == (9, 0)
+    }
+
     /// The NVRTC option that targets this architecture.
     pub fn nvrtc_option(self) -> String {
         format!("--gpu-architecture={self}")

@@ -15,6 +15,7 @@
 use crate::backend::ConvShape;
 use cudarc::driver::DeviceRepr;
 
+use super::arch::GpuArch;
 use super::CudaError;
 
 /// The environment variable that selects the convolution kernels (`v1`, `v2` or `v3`).
@@ -33,21 +34,36 @@ pub enum ConvVersion {
 }
 
 impl ConvVersion {
-    /// Parses the value of `BIRDTRAIN_CONV` (unset: v2).
-    pub fn parse(value: Option<&str>) -> Result<ConvVersion, CudaError> {
+    /// The kernels a GPU of `arch` runs unless `BIRDTRAIN_CONV` says otherwise: v3 on Hopper,
+    /// where resnet50's step took 53.46 ms against v2's 60.85 ms and resnet18's 17.90 against
+    /// 22.95 (H100, 2026-11-27, docs/performance.md), and v2 elsewhere.
+    pub fn default_for(arch: GpuArch) -> ConvVersion {
+        if arch.is_hopper() {
+            ConvVersion::V3
+        } else {
+            ConvVersion::V2
+        }
+    }
+
+    /// Parses the value of `BIRDTRAIN_CONV` for a GPU of `arch` (unset:
+    /// [`ConvVersion::default_for`]).
+    pub fn parse(value: Option<&str>, arch: GpuArch) -> Result<ConvVersion, CudaError> {
         match value.map(str::trim) {
-            None | Some("") | Some("v2") => Ok(ConvVersion::V2),
+            None | Some("") => Ok(ConvVersion::default_for(arch)),
             Some("v1") => Ok(ConvVersion::V1),
+            Some("v2") => Ok(ConvVersion::V2),
             Some("v3") => Ok(ConvVersion::V3),
             Some(other) => Err(CudaError::Unsupported {
-                what: format!("{CONV_ENV}={other:?}: expected v1, v2 or v3 (unset means v2)"),
+                what: format!(
+                    "{CONV_ENV}={other:?}: expected v1, v2 or v3 (unset means v3 on Hopper, v2 elsewhere)"
+                ),
             }),
         }
     }
 
-    /// The version selected by the environment.
-    pub fn from_env() -> Result<ConvVersion, CudaError> {
-        ConvVersion::parse(std::env::var(CONV_ENV).ok().as_deref())
+    /// The version the environment selects for a GPU of `arch`.
+    pub fn from_env(arch: GpuArch) -> Result<ConvVersion, CudaError> {
+        ConvVersion::parse(std::env::var(CONV_ENV).ok().as_deref(), arch)
     }
 }
 
@@ -669,11 +685,34 @@ mod tests {
 
     #[test]
     fn version_parses_and_rejects_with_the_variable_named() {
-        assert_eq!(ConvVersion::parse(None).unwrap(), ConvVersion::V2);
-        assert_eq!(ConvVersion::parse(Some("v1")).unwrap(), ConvVersion::V1);
-        assert_eq!(ConvVersion::parse(Some(" v2 ")).unwrap(), ConvVersion::V2);
-        assert_eq!(ConvVersion::parse(Some("v3")).unwrap(), ConvVersion::V3);
-        let e = ConvVersion::parse(Some("v4")).unwrap_err().to_string();
+        let (hopper, ampere) = (GpuArch::new(9, 0), GpuArch::new(8, 0));
+        assert_eq!(ConvVersion::parse(None, hopper).unwrap(), ConvVersion::V3);
+        assert_eq!(
+            ConvVersion::parse(Some(""), hopper).unwrap(),
+            ConvVersion::V3
+        );
+        assert_eq!(ConvVersion::parse(None, ampere).unwrap(), ConvVersion::V2);
+        assert_eq!(
+            ConvVersion::parse(None, GpuArch::new(10, 0)).unwrap(),
+            ConvVersion::V2
+        );
+        for arch in [hopper, ampere] {
+            assert_eq!(
+                ConvVersion::parse(Some("v1"), arch).unwrap(),
+                ConvVersion::V1
+            );
+            assert_eq!(
+                ConvVersion::parse(Some(" v2 "), arch).unwrap(),
+                ConvVersion::V2
+            );
+            assert_eq!(
+                ConvVersion::parse(Some("v3"), arch).unwrap(),
+                ConvVersion::V3
+            );
+        }
+        let e = ConvVersion::parse(Some("v4"), hopper)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("BIRDTRAIN_CONV=\"v4\"") && e.contains("v1, v2 or v3"),
             "{e}"

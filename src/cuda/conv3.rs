@@ -465,7 +465,7 @@ pub fn takes_strided_dgrad(s: &ConvShape, arch: GpuArch) -> bool {
 /// Whether the v3 kernels run on a GPU of `arch`: compute capability 9.0 only, the one that
 /// `sm_90a`'s `wgmma` and TMA instructions compile for.
 pub fn runs_on(arch: GpuArch) -> bool {
-    (arch.major, arch.minor) == (9, 0)
+    arch.is_hopper()
 }
 
 /// Whether v3 takes the forward pass of a layer: a 1×1 at stride 1 ([`takes`]), or through

@@ -79,10 +79,12 @@ fn resnet18_step_matches_cpu() {
     // assertion, once per convolution generation: a wrong kernel shows as the first layer (in
     // backward order) whose error jumps, and in the generation it belongs to.
     let mut failures = Vec::new();
+    // v3 (the default on Hopper; v2's kernels elsewhere) with batch norm fused, the default.
     for (version, fusion) in [
         (ConvVersion::V1, false),
         (ConvVersion::V2, false),
         (ConvVersion::V2, true),
+        (ConvVersion::V3, true),
     ] {
         failures.extend(
             resnet18_step_table(version, fusion)
@@ -295,8 +297,13 @@ fn step_table(arch: Arch, version: ConvVersion, fusion: bool) -> Vec<String> {
         let (lb, tb) = step_tensors(&mut bf16, &graph, &batch);
         let (lf, tf) = step_tensors(&mut f32cpu, &graph, &batch);
         println!("{pass}: loss GPU {lg} CPU bf16 storage {lb} CPU f32 {lf}");
-        if (lg - lb).abs() > 0.01 + 0.01 * lb.abs() {
-            failures.push(format!("{pass}: loss {lg} vs {lb}"));
+        // The loss by the rule of the tensors below: from the f32 CPU, as far as bf16 storage
+        // alone moves it with 50 % and 1 % of slack (resnet50's 53 layers move it by 0.08, and
+        // two bf16 computations land on either side of the f32 loss: 2026-11-27, H100).
+        if (lg - lf).abs() > 1.5 * (lb - lf).abs() + 0.01 + 0.01 * lf.abs() {
+            failures.push(format!(
+                "{pass}: loss {lg} vs {lf} (bf16 storage alone {lb})"
+            ));
         }
         println!(
             "{pass}: tensor                 GPU vs bf16-CPU (rel, cos) | GPU vs f32 | bf16-CPU vs f32"
@@ -309,12 +316,9 @@ fn step_table(arch: Arch, version: ConvVersion, fusion: bool) -> Vec<String> {
             // storage brings (`floor`, up to ~0.5 in the first layers, see
             // bf16_storage_alone_keeps_the_last_layers_and_moves_the_first): the GPU may be
             // that far from the f32 CPU, with 50 % and 0.02 of slack for summation order, but
-            // a wrong kernel (error ≳ 1) is not. Statistics: 2 % of the f32 ones.
-            let bad = if name.starts_with("buffer ") {
-                rel_f > 0.02
-            } else {
-                rel_f > 1.5 * floor + 0.02
-            };
+            // a wrong kernel (error ≳ 1) is not. The running statistics by the same rule: in
+            // resnet50's last stages bf16 storage alone moves them by up to 17 % (2026-11-27).
+            let bad = rel_f > 1.5 * floor + 0.02;
             println!(
                 "  {name:<34} {rel:>8.4} {cos:>8.5} | {rel_f:>8.4} | {floor:>8.4}{}",
                 if bad { "  <-- off" } else { "" }

@@ -108,6 +108,13 @@ impl<B: Backend> Pair<'_, B> {
             self.reference
                 .conv_backward_data(&s, &dy, &w, &mut g, accumulate)?;
             let (mut sb, mut sg) = (vec![0.0f64; c], vec![0.0f64; c]);
+            // What storing g in bf16 before the sums may move them: each term by up to two
+            // half-ulps (the product's rounding and the accumulation's), b = 2⁻⁸·|term|, as
+            // independent errors: 4·√Σb² (about 7 standard deviations). A bf16 backend that
+            // reduces its stored g is that far from f32 sums: the 3-channel stem's dβ by 0.39
+            // at a tolerance of 0.35, on an H100 and on the bf16 CPU model alike, 2026-11-27.
+            // A wrong mask still fails the check of g itself, above the sums'.
+            let (mut rb, mut rg) = (vec![0.0f64; c], vec![0.0f64; c]);
             for (i, v) in g.iter_mut().enumerate() {
                 if residual {
                     *v += res[i];
@@ -116,11 +123,16 @@ impl<B: Backend> Pair<'_, B> {
                     *v = 0.0;
                 }
                 let ch = i % c;
+                let xhat = f64::from(bn_x[i] - mean[ch]) * f64::from(invstd[ch]);
                 sb[ch] += f64::from(*v);
-                sg[ch] += f64::from(*v) * f64::from(bn_x[i] - mean[ch]) * f64::from(invstd[ch]);
+                sg[ch] += f64::from(*v) * xhat;
+                rb[ch] += (f64::from(*v) / 256.0).powi(2);
+                rg[ch] += (f64::from(*v) * xhat / 256.0).powi(2);
             }
-            let sb: Vec<f32> = sb.iter().map(|&v| v as f32).collect();
-            let sg: Vec<f32> = sg.iter().map(|&v| v as f32).collect();
+            let to_f32 = |v: &[f64]| -> Vec<f32> { v.iter().map(|&v| v as f32).collect() };
+            let bound =
+                |v: &[f64]| -> Vec<f32> { v.iter().map(|&v| (4.0 * v.sqrt()) as f32).collect() };
+            let (sb, sg, rb, rg) = (to_f32(&sb), to_f32(&sg), bound(&rb), bound(&rg));
             let mut tdx = self.up(if accumulate { &dx0 } else { &res }, act)?;
             let (mut tdg, mut tdb) = (
                 self.test.alloc(c, TensorRole::WeightGrad)?,
@@ -151,8 +163,8 @@ impl<B: Backend> Pair<'_, B> {
                 &tdx,
                 &g[..rows_in * c],
             )?;
-            self.check(format!("conv_backward_data_bn dbeta {v}"), &tdb, &sb)?;
-            self.check(format!("conv_backward_data_bn dgamma {v}"), &tdg, &sg)?;
+            self.check_with_allowance(format!("conv_backward_data_bn dbeta {v}"), &tdb, &sb, &rb)?;
+            self.check_with_allowance(format!("conv_backward_data_bn dgamma {v}"), &tdg, &sg, &rg)?;
         }
 
         // The batch norm of y from the moments, and its prepared backward.

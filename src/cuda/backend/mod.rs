@@ -66,7 +66,7 @@ impl CudaBackend {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )
             .map_err(CudaError::driver("reading the shared memory per SM"))? as usize;
-        let conv = ConvVersion::from_env()?;
+        let conv = ConvVersion::from_env(dev.arch())?;
         if conv == ConvVersion::V3 && !crate::cuda::conv3::runs_on(dev.arch()) {
             warn_v3_elsewhere(dev.arch());
         }
