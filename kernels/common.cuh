@@ -201,6 +201,25 @@ __device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
     return v;
 }
 
+// The global operands of a thread's COUNT epilogue chunks (16 bytes each), all loaded before
+// any chunk is stored: loads after a store to the output may not be moved above it (the
+// pointers may alias), so a chunk-at-a-time loop waits one global latency per chunk. Per chunk:
+// the output's prior value (accumulating), a residual gradient, and the ReLU mask's source (the
+// batch norm's output y, or its input to recompute y from); a null source loads nothing.
+template <int COUNT_>
+struct EpilogueInputs {
+    static constexpr int COUNT = COUNT_;
+    uint4 prior[COUNT], residual[COUNT], mask[COUNT];
+
+    __device__ __forceinline__ void load(int i, bool live, long o, const bf16* prior_src, const bf16* residual_src,
+                                         const bf16* mask_src) {
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        prior[i] = live && prior_src != nullptr ? *reinterpret_cast<const uint4*>(prior_src + o) : zero;
+        residual[i] = live && residual_src != nullptr ? *reinterpret_cast<const uint4*>(residual_src + o) : zero;
+        mask[i] = live && mask_src != nullptr ? *reinterpret_cast<const uint4*>(mask_src + o) : zero;
+    }
+};
+
 // Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low
 // half: one cvt.rn.bf16x2 instead of two conversions and a merge.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {

@@ -835,26 +835,56 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     __syncthreads();
     bf16* y = reinterpret_cast<bf16*>(out);
     constexpr int CHUNKS_PER_ROW = T::BN / 8;
-    for (int ch = tid; ch < T::BM * CHUNKS_PER_ROW; ch += T::THREADS) {
-        const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
-        const int m = m0 + row, n = n0 + col;
-        if (m >= M || n >= N) continue;
-        const long o = MODE == FWD ? (long)m * N + n : (long)row_out[row] + n;
-        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
-        if (MODE == DGRAD && a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
-        if (EPI == EPI_BN_GRAD) {
-            if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
-            if (ep.bn_y != nullptr) {
-                v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
-            } else if (ep.relu) {
-                // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
-                const uint4 y8 = applied_bn8_global(*reinterpret_cast<const uint4*>(ep.bn_x + o), ep.mean, ep.invstd,
-                                                    ep.gamma, ep.beta, n, 1);
-                v = relu_mask_bf16x8(v, y8);
-            }
-            *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+    // The data gradient's global operands, a batch of chunks at a time, loaded before any of the
+    // batch is stored (EpilogueInputs; batches of 4 keep the 8-warp tiles within their registers).
+    constexpr int CHUNKS = T::BM * CHUNKS_PER_ROW, PER_THREAD = (CHUNKS + T::THREADS - 1) / T::THREADS;
+    constexpr int BATCH = PER_THREAD < 4 ? PER_THREAD : 4;
+    const bf16* mask_src =
+        EPI == EPI_BN_GRAD ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
+    // The forward reads nothing but the staged tile: its chunk loop stays rolled (unrolled, the
+    // plain 128×128 forward spilled 8 bytes on sm_90a).
+    if (MODE == FWD) {
+        for (int ch = tid; ch < CHUNKS; ch += T::THREADS) {
+            const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+            const int m = m0 + row, n = n0 + col;
+            if (m >= M || n >= N) continue;
+            *reinterpret_cast<uint4*>(y + (long)m * N + n) = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
         }
-        *reinterpret_cast<uint4*>(y + o) = v;
+    }
+#pragma unroll
+    for (int b = 0; MODE == DGRAD && b < PER_THREAD; b += BATCH) {
+        EpilogueInputs<BATCH> in;
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int ch = tid + (b + i) * T::THREADS, row = ch / CHUNKS_PER_ROW;
+            const int m = m0 + row, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
+            const bool live = b + i < PER_THREAD && ch < CHUNKS && m < M && n < N;
+            const long o = live ? (long)row_out[row] + n : 0;
+            in.load(i, live, o, a.accumulate ? y : nullptr,
+                    EPI == EPI_BN_GRAD ? ep.residual : nullptr, mask_src);
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int ch = tid + (b + i) * T::THREADS;
+            const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+            const int m = m0 + row, n = n0 + col;
+            if (b + i >= PER_THREAD || ch >= CHUNKS || m >= M || n >= N) continue;
+            const long o = (long)row_out[row] + n;
+            uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
+            if (a.accumulate) v = add_bf16x8(v, in.prior[i]);
+            if (EPI == EPI_BN_GRAD) {
+                if (ep.residual != nullptr) v = add_bf16x8(v, in.residual[i]);
+                if (ep.bn_y != nullptr) {
+                    v = relu_mask_bf16x8(v, in.mask[i]);
+                } else if (ep.relu) {
+                    // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
+                    const uint4 y8 = applied_bn8_global(in.mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1);
+                    v = relu_mask_bf16x8(v, y8);
+                }
+                *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+            }
+            *reinterpret_cast<uint4*>(y + o) = v;
+        }
     }
     if (EPI == EPI_NONE) return;
 
@@ -919,10 +949,18 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (c < N) {
             const float mu0 = ep.mean[c], mu1 = ep.mean[c + 1], is0 = ep.invstd[c], is1 = ep.invstd[c + 1];
-#pragma unroll 2
-            for (int r = r0; r < r1; ++r) {
+            // The span's x first, every load in flight at once, then the sums in row order (the
+            // same bits): one load at a time, a tile waited SPAN global latencies here.
+            unsigned xs[SPAN];
+#pragma unroll
+            for (int i = 0; i < SPAN; ++i)
+                xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + row_out[r0 + i] + c) : 0u;
+#pragma unroll
+            for (int i = 0; i < SPAN; ++i) {
+                const int r = r0 + i;
+                if (r >= r1) break;
                 const unsigned v = cs_pair[r * (LDC / 2)];
-                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + row_out[r] + c);
+                const unsigned x = xs[i];
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
                 b1 += v1;

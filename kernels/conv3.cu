@@ -532,21 +532,33 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     __syncthreads();
     const int M = a.m, N = a.n;
     constexpr int CHUNKS_PER_ROW = BN / 8;
-    for (int ch = tid; ch < C3_BM * CHUNKS_PER_ROW; ch += C3_THREADS) {
+    // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs).
+    EpilogueInputs<(C3_BM * CHUNKS_PER_ROW + C3_THREADS - 1) / C3_THREADS> in;
+    const bool bn_grad = EPI == C3_EPI_BN_GRAD;
+    const bf16* mask_src = bn_grad ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
+#pragma unroll
+    for (int i = 0; i < in.COUNT; ++i) {
+        const int ch = tid + i * C3_THREADS, row = ch / CHUNKS_PER_ROW, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
+        const bool live = ch < C3_BM * CHUNKS_PER_ROW && (TAPS || m0 + row < M) && n < N;
+        const long o = live ? pixel(row) * N + n : 0;
+        in.load(i, live, o, a.accumulate ? y : nullptr, bn_grad ? ep.residual : nullptr, mask_src);
+    }
+#pragma unroll
+    for (int i = 0; i < in.COUNT; ++i) {
+        const int ch = tid + i * C3_THREADS;
         const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
         const int n = n0 + col;
-        if ((!TAPS && m0 + row >= M) || n >= N) continue;
+        if (ch >= C3_BM * CHUNKS_PER_ROW || (!TAPS && m0 + row >= M) || n >= N) continue;
         const long o = pixel(row) * N + n;
         uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
-        if (a.accumulate) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(y + o));
+        if (a.accumulate) v = add_bf16x8(v, in.prior[i]);
         if (EPI == C3_EPI_BN_GRAD) {
-            if (ep.residual != nullptr) v = add_bf16x8(v, *reinterpret_cast<const uint4*>(ep.residual + o));
+            if (ep.residual != nullptr) v = add_bf16x8(v, in.residual[i]);
             if (ep.bn_y != nullptr) {
-                v = relu_mask_bf16x8(v, *reinterpret_cast<const uint4*>(ep.bn_y + o));
+                v = relu_mask_bf16x8(v, in.mask[i]);
             } else if (ep.relu) {
                 // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
-                const uint4 y8 = applied_bn8_global(*reinterpret_cast<const uint4*>(ep.bn_x + o), ep.mean, ep.invstd,
-                                                    ep.gamma, ep.beta, n, 1);
+                const uint4 y8 = applied_bn8_global(in.mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1);
                 v = relu_mask_bf16x8(v, y8);
             }
             *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
@@ -586,9 +598,18 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
-            for (int r = r0; r < r1; ++r) {
+            // The span's x first, every load in flight at once, then the sums in row order (the
+            // same bits): one load at a time, a tile waited SPAN global latencies here.
+            unsigned xs[SPAN];
+#pragma unroll
+            for (int i = 0; i < SPAN; ++i)
+                xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + pixel(r0 + i) * N + cn) : 0u;
+#pragma unroll
+            for (int i = 0; i < SPAN; ++i) {
+                const int r = r0 + i;
+                if (r >= r1) break;
                 const unsigned v = cs_pair[r * (LDC / 2)];
-                const unsigned x = *reinterpret_cast<const unsigned*>(ep.bn_x + pixel(r) * N + cn);
+                const unsigned x = xs[i];
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
                 b1 += v1;

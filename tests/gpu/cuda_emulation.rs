@@ -159,7 +159,7 @@ fn kernels_match_references_under_emulation() {
         // the forward statistics divide a tail tile's sum by the full tile height
         ("mean0 = t0 / (float)rows", "mean0 = t0 / (float)T::BM"),
         // the dgrad sums read every row's x̂ at the first row of the thread's span
-        ("ep.bn_x + row_out[r] + c", "ep.bn_x + row_out[r0] + c"),
+        ("ep.bn_x + row_out[r0 + i] + c", "ep.bn_x + row_out[r0] + c"),
         // the paired stem's weight copied without its lead slot
         (
             "const int s = 2 * j + px - lead;",
@@ -216,7 +216,7 @@ fn kernels_match_references_under_emulation() {
         ),
         // the dgrad's Σg·x̂ reading every row's x̂ at the first row of the thread's span
         (
-            "ep.bn_x + pixel(r) * N + cn",
+            "ep.bn_x + pixel(r0 + i) * N + cn",
             "ep.bn_x + pixel(r0) * N + cn",
         ),
         // the 3×3 tile's rows mapped to pixels with the columns and rows swapped
