@@ -483,7 +483,9 @@ accum_cost() {
 # ($TTA_PYTHON: an interpreter with torch and torchvision, default python3; here that is
 # /usr/bin/python3, Debian's python3-torch).
 phase_tta() {
-  local src=$here/fashion-mnist d=$work/fmnist r=$work/tta
+  # The idx files: .gpu-data/ beside .gpu/ (gpu-build.sh), or in .gpu/ itself.
+  local src=$here/../.gpu-data/fashion-mnist d=$work/fmnist r=$work/tta
+  [ -f "$src/train-images-idx3-ubyte.gz" ] || src=$here/fashion-mnist
   if [ ! -f "$src/train-images-idx3-ubyte.gz" ]; then
     note "FAIL tta: no idx files in $src (scripts/gpu-build.sh copies them where dataset-fashion-mnist is installed)"
     return
@@ -639,10 +641,11 @@ phase_verify() {
     | tee -a "$summary"
 }
 
-# The timed work of issue 31 alone, for a call after `next` has checked correctness (< 5 min;
-# DEADLINE=270, timeout_s 300): resnet50 v3 against v2 in alternating rounds, a breakdown of
+# The timed work of issue 31 alone, for a call after the correctness checks (< 5 min;
+# DEADLINE=300, timeout_s 330): resnet50 v3 against v2 in alternating rounds, a breakdown of
 # each sequence (v2, v3, v2 with the applied batch norms), resnet18 v3 against v2, then the
-# PyTorch peer eager and compiled right after birdtrain's default step on the same GPU.
+# PyTorch peer eager and compiled right after birdtrain's default resnet50 step on the same
+# GPU, and resnet18's default step against the eager peer.
 phase_timing() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   conv3_rounds
@@ -659,6 +662,7 @@ phase_timing() {
   done
   BENCH_STEPS=30 bench_pair resnet50
   bench_compiled_peer
+  BENCH_STEPS=30 bench_pair resnet18
 }
 
 # What has never run on a GPU, in one call (< 6 min; DEADLINE=330, timeout_s 360): first the
