@@ -35,8 +35,9 @@
   fusion-rounds MODEL FUSED,… SEPARATE,…  `bench step` logs (no --breakdown) of rounds run in
                                   turn, fused and separate: the median ms per step of each and
                                   every round's figure; PASS when the fused median is lower
-  conv3-rounds MODEL V3,… V2,…    the same for BIRDTRAIN_CONV=v3 (Hopper 1×1 kernels) against
-                                  v2: PASS when the v3 median is lower
+  conv3-rounds MODEL V3,… V2,…    the same for BIRDTRAIN_CONV=v3 (the Hopper kernels) against
+                                  v2: PASS when the v3 median is lower (FAIL when a report
+                                  names other convolutions than its setting's)
   prologue-rounds MODEL ON,… OFF,…  the same for BIRDTRAIN_BN_PROLOGUE=1 (the convolutions
                                   apply the inner batch norms) against 0: PASS when on is lower
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
@@ -381,6 +382,12 @@ def paired_rounds(what, model, names, a_logs, b_logs):
 
 
 def conv3_rounds(model, v3_logs, v2_logs):
+    # Each report names the convolutions that ran: v3 asked of a GPU without it runs v2.
+    for logs, want in ((v3_logs, "v3"), (v2_logs, "v2")):
+        for p in logs.split(","):
+            got = last_report(p).get("convolutions")
+            if got != want:
+                return say(False, f"conv3-timing {model}", f"{p} ran convolutions {got!r}, not {want!r}")
     return paired_rounds("conv3-timing", model, ("v3", "v2"), v3_logs, v2_logs)
 
 

@@ -103,6 +103,10 @@ pub struct StepReport {
     /// around it) or `"applied"` (fused, and each inner batch norm applied by the convolution
     /// that reads it: `BIRDTRAIN_BN_PROLOGUE=1`).
     pub batch_norm: String,
+    /// Which convolution kernels ran: on a GPU `"v1"`, `"v2"` or `"v3"` (kernels/conv.cu,
+    /// conv2.cu, conv3.cu: `BIRDTRAIN_CONV`, unset v3 on Hopper and v2 elsewhere; v3 asked of
+    /// another GPU runs v2), on the CPU `"cpu"`.
+    pub convolutions: String,
     /// Where the optimizer update ran.
     pub optimizer: String,
     /// Mean loss of the last timed step.
@@ -281,6 +285,12 @@ fn run_steps<B: Backend>(
         (true, false) => "fused",
         (true, true) => "applied",
     };
+    let convolutions = gpu.as_ref().map_or("cpu", |g| {
+        g.profiler
+            .conv_version()
+            .on(g.profiler.device().arch())
+            .name()
+    });
     let host_pixels: Vec<u8>;
     let pixels = match gpu.as_ref().map(|g| g.pixels) {
         Some(p) => p,
@@ -370,6 +380,7 @@ fn run_steps<B: Backend>(
         mfu,
         device,
         batch_norm: batch_norm.to_string(),
+        convolutions: convolutions.to_string(),
         optimizer: optimizer.to_string(),
         final_loss: loss,
         breakdown,

@@ -61,6 +61,25 @@ impl ConvVersion {
         }
     }
 
+    /// The name `BIRDTRAIN_CONV` gives it: `v1`, `v2` or `v3`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvVersion::V1 => "v1",
+            ConvVersion::V2 => "v2",
+            ConvVersion::V3 => "v3",
+        }
+    }
+
+    /// What runs on a GPU of `arch`: v3 where it runs at all (Hopper), v2 in its place
+    /// elsewhere.
+    pub fn on(self, arch: GpuArch) -> ConvVersion {
+        if self == ConvVersion::V3 && !arch.is_hopper() {
+            ConvVersion::V2
+        } else {
+            self
+        }
+    }
+
     /// The version the environment selects for a GPU of `arch`.
     pub fn from_env(arch: GpuArch) -> Result<ConvVersion, CudaError> {
         ConvVersion::parse(std::env::var(CONV_ENV).ok().as_deref(), arch)
@@ -710,6 +729,9 @@ mod tests {
                 ConvVersion::V3
             );
         }
+        assert_eq!(ConvVersion::V3.on(ampere), ConvVersion::V2);
+        assert_eq!(ConvVersion::V3.on(hopper).name(), "v3");
+        assert_eq!(ConvVersion::V1.on(ampere).name(), "v1");
         let e = ConvVersion::parse(Some("v4"), hopper)
             .unwrap_err()
             .to_string();

@@ -46,6 +46,7 @@ fn cpu_breakdown_lists_every_op_with_its_share() {
     let report: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
     // The CPU runs batch norm in its own passes (the fused sequence is a test reference there).
     assert_eq!(report["batch_norm"], "separate", "{report}");
+    assert_eq!(report["convolutions"], "cpu", "{report}");
     let rows = report["breakdown"].as_array().expect("a breakdown");
     let row = |name: &str| {
         rows.iter()

@@ -31,6 +31,9 @@ fn cpu_bench_reports_a_full_json_line() {
     assert!(report.device.starts_with("cpu"), "{}", report.device);
     assert_eq!(report.mfu, None, "no bf16 peak is claimed for a CPU");
     assert!(report.update_ms_per_step > 0.0);
+    // The generation that ran: the default, v3 on Hopper and v2 on other GPUs.
+    let hopper = report.device.contains("(sm_90");
+    assert_eq!(report.convolutions, if hopper { "v3" } else { "v2" });
     assert!(report.fwd_bwd_ms_per_step + report.update_ms_per_step <= report.ms_per_step * 1.01);
     assert!(
         report.optimizer.starts_with("fused in-place CPU"),
