@@ -201,25 +201,6 @@ __device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
     return v;
 }
 
-// The global operands of a thread's COUNT epilogue chunks (16 bytes each), all loaded before
-// any chunk is stored: loads after a store to the output may not be moved above it (the
-// pointers may alias), so a chunk-at-a-time loop waits one global latency per chunk. Per chunk:
-// the output's prior value (accumulating), a residual gradient, and the ReLU mask's source (the
-// batch norm's output y, or its input to recompute y from); a null source loads nothing.
-template <int COUNT_>
-struct EpilogueInputs {
-    static constexpr int COUNT = COUNT_;
-    uint4 prior[COUNT], residual[COUNT], mask[COUNT];
-
-    __device__ __forceinline__ void load(int i, bool live, long o, const bf16* prior_src, const bf16* residual_src,
-                                         const bf16* mask_src) {
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-        prior[i] = live && prior_src != nullptr ? *reinterpret_cast<const uint4*>(prior_src + o) : zero;
-        residual[i] = live && residual_src != nullptr ? *reinterpret_cast<const uint4*>(residual_src + o) : zero;
-        mask[i] = live && mask_src != nullptr ? *reinterpret_cast<const uint4*>(mask_src + o) : zero;
-    }
-};
-
 // Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low
 // half: one cvt.rn.bf16x2 instead of two conversions and a merge.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
@@ -259,6 +240,39 @@ __device__ __forceinline__ uint4 applied_bn8_global(uint4 z, const float* mean, 
     }
     return z;
 }
+
+// The global operands of a thread's COUNT epilogue chunks (16 bytes each), all loaded before
+// any chunk is stored: loads after a store to the output may not be moved above it (the
+// pointers may alias), so a chunk-at-a-time loop waits one global latency per chunk. Per chunk:
+// the output's prior value (accumulating), a residual gradient, and the ReLU mask's source (the
+// batch norm's output y, or its input to recompute y from); a null source loads nothing.
+template <int COUNT_>
+struct EpilogueInputs {
+    static constexpr int COUNT = COUNT_;
+    uint4 prior[COUNT], residual[COUNT], mask[COUNT];
+
+    __device__ __forceinline__ void load(int i, bool live, long o, const bf16* prior_src, const bf16* residual_src,
+                                         const bf16* mask_src) {
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        prior[i] = live && prior_src != nullptr ? *reinterpret_cast<const uint4*>(prior_src + o) : zero;
+        residual[i] = live && residual_src != nullptr ? *reinterpret_cast<const uint4*>(residual_src + o) : zero;
+        mask[i] = live && mask_src != nullptr ? *reinterpret_cast<const uint4*>(mask_src + o) : zero;
+    }
+
+    // Chunk i (output channels n..n+7) finished from the GEMM's staged value v: the prior
+    // value added when accumulating, then for a batch norm's backward (`bn_grad`, `ep` its
+    // BnEpilogue or Conv3Epilogue) the residual gradient added and the ReLU's mask applied,
+    // from y or from y recomputed from x as bn_apply wrote it.
+    template <typename Ep>
+    __device__ __forceinline__ uint4 finish(int i, uint4 v, bool accumulate, bool bn_grad, const Ep& ep, int n) const {
+        if (accumulate) v = add_bf16x8(v, prior[i]);
+        if (!bn_grad) return v;
+        if (ep.residual != nullptr) v = add_bf16x8(v, residual[i]);
+        if (ep.bn_y != nullptr) return relu_mask_bf16x8(v, mask[i]);
+        if (ep.relu) return relu_mask_bf16x8(v, applied_bn8_global(mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1));
+        return v;
+    }
+};
 
 // Stores a pair of floats at an 8-byte-aligned address in one 8-byte store. The emulator
 // checks the alignment the hardware demands (a misaligned pair stops the kernel with

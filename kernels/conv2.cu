@@ -870,19 +870,9 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
             const int m = m0 + row, n = n0 + col;
             if (b + i >= PER_THREAD || ch >= CHUNKS || m >= M || n >= N) continue;
             const long o = (long)row_out[row] + n;
-            uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
-            if (a.accumulate) v = add_bf16x8(v, in.prior[i]);
-            if (EPI == EPI_BN_GRAD) {
-                if (ep.residual != nullptr) v = add_bf16x8(v, in.residual[i]);
-                if (ep.bn_y != nullptr) {
-                    v = relu_mask_bf16x8(v, in.mask[i]);
-                } else if (ep.relu) {
-                    // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
-                    const uint4 y8 = applied_bn8_global(in.mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1);
-                    v = relu_mask_bf16x8(v, y8);
-                }
-                *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
-            }
+            const uint4 v =
+                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, EPI == EPI_BN_GRAD, ep, n);
+            if (EPI == EPI_BN_GRAD) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
             *reinterpret_cast<uint4*>(y + o) = v;
         }
     }

@@ -550,19 +550,9 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         const int n = n0 + col;
         if (ch >= C3_BM * CHUNKS_PER_ROW || (!TAPS && m0 + row >= M) || n >= N) continue;
         const long o = pixel(row) * N + n;
-        uint4 v = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
-        if (a.accumulate) v = add_bf16x8(v, in.prior[i]);
-        if (EPI == C3_EPI_BN_GRAD) {
-            if (ep.residual != nullptr) v = add_bf16x8(v, in.residual[i]);
-            if (ep.bn_y != nullptr) {
-                v = relu_mask_bf16x8(v, in.mask[i]);
-            } else if (ep.relu) {
-                // y recomputed from the batch norm's input as bn_apply wrote it (channels n..n+7)
-                const uint4 y8 = applied_bn8_global(in.mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1);
-                v = relu_mask_bf16x8(v, y8);
-            }
-            *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
-        }
+        const uint4 v =
+            in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep, n);
+        if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
         *reinterpret_cast<uint4*>(y + o) = v;
         if (scatter && !a.accumulate) {
             // The stride × stride cell's other pixels get zeros here (accumulating: left as

@@ -79,8 +79,9 @@ fn build_and_run(dir: &Path, check: &str) -> String {
     text
 }
 
-/// One folder per bug under `dir` (`{prefix}_{i}`), each with conv2.cu's `text` where the one
-/// occurrence of `right` becomes `wrong`, expanded, beside bn.cu's namespace `bn_ns`.
+/// One folder per bug under `dir` (`{prefix}_{i}`), each with conv2.cu's `text` expanded (its
+/// common.cuh included) where the one occurrence of `right` becomes `wrong`, beside bn.cu's
+/// namespace `bn_ns`.
 fn broken_conv2_copies(
     dir: &Path,
     prefix: &str,
@@ -89,18 +90,15 @@ fn broken_conv2_copies(
     bn_ns: &str,
 ) -> Vec<std::path::PathBuf> {
     let mut broken = Vec::new();
+    let expanded = expand_common(text);
     for (i, (right, wrong)) in bugs.iter().enumerate() {
         assert!(
-            text.matches(right).count() == 1,
-            "conv2.cu changed ({right}): update this test"
+            expanded.matches(right).count() == 1,
+            "conv2.cu or common.cuh changed ({right}): update this test"
         );
         let d = dir.join(format!("{prefix}_{i}"));
         std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(
-            d.join("conv2_x.cu"),
-            expand_common(&text.replace(right, wrong)),
-        )
-        .unwrap();
+        std::fs::write(d.join("conv2_x.cu"), expanded.replace(right, wrong)).unwrap();
         std::fs::write(d.join("bn_ns.cu"), bn_ns).unwrap();
         broken.push(d);
     }
@@ -272,26 +270,24 @@ fn kernels_match_references_under_emulation() {
         // the strided 1×1's data gradient leaving the cells' other pixels unwritten
         ("if (scatter && !a.accumulate) {", "if (false) {"),
         // the data gradient's mask recomputed from x with channel 0's parameters
-        ("ep.gamma, ep.beta, n, 1);", "ep.gamma, ep.beta, 0, 1);"),
+        ("ep.gamma, ep.beta, n, 1))", "ep.gamma, ep.beta, 0, 1))"),
         // the stride-2 3×3 data gradient's odd-row phase reading dy's rows with the taps swapped
         (
             "h0 + (ph ? 1 - ri : 0), img0, full);",
             "h0 + (ph ? ri : 0), img0, full);",
         ),
     ];
+    // (in conv3.cu with its common.cuh included: the epilogue's mask is common.cuh's)
     let mut broken_conv3 = Vec::new();
+    let conv3_expanded = expand_common(conv3.text);
     for (i, (right, wrong)) in conv3_bugs.iter().enumerate() {
         assert!(
-            conv3.text.matches(right).count() == 1,
-            "conv3.cu changed ({right}): update this test"
+            conv3_expanded.matches(right).count() == 1,
+            "conv3.cu or common.cuh changed ({right}): update this test"
         );
         let d = dir.path().join(format!("broken_conv3_{i}"));
         std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(
-            d.join("conv3_x.cu"),
-            expand_common(&conv3.text.replace(right, wrong)),
-        )
-        .unwrap();
+        std::fs::write(d.join("conv3_x.cu"), conv3_expanded.replace(right, wrong)).unwrap();
         broken_conv3.push(d);
     }
     let (conv_out, conv2_out, ops_out, (broken_ok, broken_out), conv2_broken) =
@@ -437,7 +433,7 @@ fn conv2_apply_kernels_match_their_composition_under_emulation() {
             "if (APPLY) apply_stage((u + 1) % T::STAGES);",
         ),
         // the recomputed mask read with channel 0's parameters
-        ("ep.gamma, ep.beta, n, 1);", "ep.gamma, ep.beta, 0, 1);"),
+        ("ep.gamma, ep.beta, n, 1))", "ep.gamma, ep.beta, 0, 1))"),
     ];
     let broken = broken_conv2_copies(dir.path(), "broken", conv2.text, &bugs, &bn_ns);
     let (good, bad) = std::thread::scope(|s| {
