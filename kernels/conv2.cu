@@ -835,45 +835,47 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     __syncthreads();
     bf16* y = reinterpret_cast<bf16*>(out);
     constexpr int CHUNKS_PER_ROW = T::BN / 8;
-    // The data gradient's global operands, a batch of chunks at a time, loaded before any of the
-    // batch is stored (EpilogueInputs; batches of 4 keep the 8-warp tiles within their registers).
-    constexpr int CHUNKS = T::BM * CHUNKS_PER_ROW, PER_THREAD = (CHUNKS + T::THREADS - 1) / T::THREADS;
-    constexpr int BATCH = PER_THREAD < 4 ? PER_THREAD : 4;
-    const bf16* mask_src =
-        EPI == EPI_BN_GRAD ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
-    // The forward reads nothing but the staged tile: its chunk loop stays rolled (unrolled, the
-    // plain 128×128 forward spilled 8 bytes on sm_90a).
+    constexpr int CHUNKS = T::BM * CHUNKS_PER_ROW;
     if (MODE == FWD) {
+        // The forward reads nothing but the staged tile: its chunk loop stays rolled (unrolled,
+        // the plain 128×128 forward spilled 8 bytes on sm_90a).
         for (int ch = tid; ch < CHUNKS; ch += T::THREADS) {
             const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
             const int m = m0 + row, n = n0 + col;
             if (m >= M || n >= N) continue;
             *reinterpret_cast<uint4*>(y + (long)m * N + n) = *reinterpret_cast<const uint4*>(Cs + row * LDC + col);
         }
-    }
+    } else {
+        // The data gradient's global operands, a batch of chunks at a time, loaded before any of
+        // the batch is stored (EpilogueInputs; batches of 4 keep the 8-warp tiles within their
+        // registers).
+        constexpr int PER_THREAD = (CHUNKS + T::THREADS - 1) / T::THREADS;
+        constexpr int BATCH = PER_THREAD < 4 ? PER_THREAD : 4;
+        const bf16* mask_src =
+            EPI == EPI_BN_GRAD ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
 #pragma unroll
-    for (int b = 0; MODE == DGRAD && b < PER_THREAD; b += BATCH) {
-        EpilogueInputs<BATCH> in;
+        for (int b = 0; b < PER_THREAD; b += BATCH) {
+            EpilogueInputs<BATCH> in;
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            const int ch = tid + (b + i) * T::THREADS, row = ch / CHUNKS_PER_ROW;
-            const int m = m0 + row, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
-            const bool live = b + i < PER_THREAD && ch < CHUNKS && m < M && n < N;
-            const long o = live ? (long)row_out[row] + n : 0;
-            in.load(i, live, o, a.accumulate ? y : nullptr,
-                    EPI == EPI_BN_GRAD ? ep.residual : nullptr, mask_src);
-        }
+            for (int i = 0; i < BATCH; ++i) {
+                const int ch = tid + (b + i) * T::THREADS, row = ch / CHUNKS_PER_ROW;
+                const int m = m0 + row, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
+                const bool live = b + i < PER_THREAD && ch < CHUNKS && m < M && n < N;
+                const long o = live ? (long)row_out[row] + n : 0;
+                in.load(i, live, o, a.accumulate ? y : nullptr, EPI == EPI_BN_GRAD ? ep.residual : nullptr, mask_src);
+            }
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            const int ch = tid + (b + i) * T::THREADS;
-            const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
-            const int m = m0 + row, n = n0 + col;
-            if (b + i >= PER_THREAD || ch >= CHUNKS || m >= M || n >= N) continue;
-            const long o = (long)row_out[row] + n;
-            const uint4 v =
-                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, EPI == EPI_BN_GRAD, ep, n);
-            if (EPI == EPI_BN_GRAD) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
-            *reinterpret_cast<uint4*>(y + o) = v;
+            for (int i = 0; i < BATCH; ++i) {
+                const int ch = tid + (b + i) * T::THREADS;
+                const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+                const int m = m0 + row, n = n0 + col;
+                if (b + i >= PER_THREAD || ch >= CHUNKS || m >= M || n >= N) continue;
+                const long o = (long)row_out[row] + n;
+                const uint4 v = in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate,
+                                          EPI == EPI_BN_GRAD, ep, n);
+                if (EPI == EPI_BN_GRAD) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+                *reinterpret_cast<uint4*>(y + o) = v;
+            }
         }
     }
     if (EPI == EPI_NONE) return;
