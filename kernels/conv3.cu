@@ -324,6 +324,25 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
     (void)d;
 #endif
 }
+
+// setmaxnreg (PTX ISA 8.0, sm_90a): the warpgroup gives registers back to the block's pool
+// (dec) or takes them from it (inc), so a persistent block's producer, one thread issuing
+// TMA loads, runs on 40 registers a thread and its consumers, which hold the accumulators and
+// the epilogue's operands, on 232 (128·40 + 256·232 = 64 512 of the 65 536, what the launch's
+// 168 a thread allocated). Every thread of the warpgroup executes it.
+template <int REGS>
+__device__ __forceinline__ void c3_setmaxnreg_dec() {
+#ifndef BT_EMULATE
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+
+template <int REGS>
+__device__ __forceinline__ void c3_setmaxnreg_inc() {
+#ifndef BT_EMULATE
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
 #endif  // C3_HOPPER
 
 enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 };
@@ -334,193 +353,200 @@ enum { C3_EPI_NONE = 0, C3_EPI_STATS = 1, C3_EPI_BN_GRAD = 2, C3_EPI_WGRAD = 3 }
 #define C3_SMEM(name) extern __shared__ __align__(1024) unsigned char name[]
 #endif
 
-// out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps, both
-// K-major (MN = 0: forward, dgrad; one box of 64 k × 128 rows per operand and stage) or both
-// MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
-// operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
-// TAPS = 1: the 3×3 forward, whose 128 rows are a tile of tile_n images × tile_h rows ×
-// tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
-// padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step; at
-// a.stride 2 the box starts at the tile's first output pixel × 2 (a strided map).
-// BM = 64 (the weight gradients' `_m64` twins, for M ≤ 64): a tile of 64 rows × 128 columns
-// split by COLUMNS between the consumers: one A box per stage, which both read, and consumer c
-// multiplies it by B's box c (columns 64c .. 64c + 63) with m64n64k16.
-template <int EPI, int MN, int TAPS = 0, int BN = C3_BN, int BM = C3_BM>
-__device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
-                                               const Conv3Args& a, const Conv3Epilogue& ep) {
-#ifdef C3_HOPPER
-    static_assert(BN == 128 || BN == 64, "tiles of 128 or 64 columns");
-    static_assert(BM == C3_BM || (BM == 64 && BN == 128 && MN && EPI == C3_EPI_WGRAD),
-                  "64-row tiles: the MN-major weight gradients' column split");
-    // A stage: the A tile (BM rows × 64 k), then the B tile (BN rows × 64 k). CN: the columns
-    // of each consumer's accumulator (the whole tile's, or half of them when split by columns).
-    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2, LDC = BN + 8;
-    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
-    C3_SMEM(smem_raw);
-    // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
-    const unsigned raw = c3_shared(smem_raw);
-    const unsigned base = (raw + 1023u) & ~1023u;
-    unsigned char* smem = smem_raw + (base - raw);
-    const unsigned full0 = base + C3_STAGES * STAGE, empty0 = full0 + 8 * C3_STAGES;
-    const int tid = threadIdx.x, wg = tid / 128;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-    // PHASES: the stride-2 3×3's data gradient (pad 1), as conv2.cu's phases: blockIdx.z =
-    // (ph, pw) is the parity of dx's rows and columns, a stride-1 correlation of dy with the
-    // taps r ≡ ph + 1 (mod 2) (1 + ph of them; the same along the columns), a.height × a.width
-    // = dy's extents = the phase's (dx's halved), the reduction tr·tc·K (a.k_chunk = K) over
-    // the phase's rows of wt ([4 phases][C][4·K], conv3_dgrad_weights_s2).
-    const bool phases = TAPS && !MN && a.flip && a.stride > 1;
-    const int ph = phases ? (int)blockIdx.z / 2 : 0, pw = phases ? (int)blockIdx.z % 2 : 0, tc = 1 + pw;
-    const int k_begin = phases ? 0 : blockIdx.z * a.k_chunk;
-    const int k_end = phases ? (1 + ph) * tc * a.k_chunk : min(a.k, k_begin + a.k_chunk);
-    const int kt_count = (k_end - k_begin + C3_BK - 1) / C3_BK;
-    // TAPS: the tile's first image, row and column, and the channel slices of one tap.
-    int img0 = 0, h0 = 0, w0 = 0, slices = 1;
+// One output tile: its first row and column, its reduction slice or phase z, its record
+// (z · the row tiles + its row tile: the per-tile statistics' index), the k-steps it runs and,
+// on the 4-D forward and data-gradient path, its first image, row and column of the output.
+struct C3Tile {
+    int m0, n0, z, record;
+    int k_begin, kt_count;
+    int img0, h0, w0, slices;
+    // PHASES: the stride-2 3×3's data gradient (pad 1), as conv2.cu's phases: z = (ph, pw) is
+    // the parity of dx's rows and columns, a stride-1 correlation of dy with the taps
+    // r ≡ ph + 1 (mod 2) (1 + ph of them; tc = 1 + pw along the columns), a.height × a.width =
+    // dy's extents = the phase's (dx's halved), the reduction tr·tc·K (a.k_chunk = K) over the
+    // phase's rows of wt ([4 phases][C][4·K], conv3_dgrad_weights_s2).
+    int ph, pw, tc;
+    bool phases;
+};
+
+// The tile of row tile mt, column tile nt and slice (or phase) z of a GEMM of m_tiles row tiles.
+template <int MN, int TAPS, int BM, int BN>
+__device__ __forceinline__ C3Tile c3_tile(const Conv3Args& a, int mt, int nt, int z, int m_tiles) {
+    C3Tile t;
+    t.m0 = mt * BM;
+    t.n0 = nt * BN;
+    t.z = z;
+    t.record = z * m_tiles + mt;
+    t.phases = TAPS && !MN && a.flip && a.stride > 1;
+    t.ph = t.phases ? z / 2 : 0;
+    t.pw = t.phases ? z % 2 : 0;
+    t.tc = 1 + t.pw;
+    t.k_begin = t.phases ? 0 : z * a.k_chunk;
+    const int k_end = t.phases ? (1 + t.ph) * t.tc * a.k_chunk : min(a.k, t.k_begin + a.k_chunk);
+    t.kt_count = (k_end - t.k_begin + C3_BK - 1) / C3_BK;
+    t.img0 = 0, t.h0 = 0, t.w0 = 0, t.slices = 1;
     if (TAPS && !MN) {
-        const int wb = a.width / a.tile_w, hb = a.height / a.tile_h, bx = blockIdx.x;
-        w0 = (bx % wb) * a.tile_w;
-        h0 = (bx / wb) % hb * a.tile_h;
-        img0 = bx / (wb * hb) * (C3_BM / (a.tile_h * a.tile_w));
-        slices = phases ? a.k_chunk / C3_BK : a.k / (a.taps * a.taps * C3_BK);
+        // The tile's first image, row and column, and the channel slices of one tap.
+        const int wb = a.width / a.tile_w, hb = a.height / a.tile_h;
+        t.w0 = (mt % wb) * a.tile_w;
+        t.h0 = (mt / wb) % hb * a.tile_h;
+        t.img0 = mt / (wb * hb) * (C3_BM / (a.tile_h * a.tile_w));
+        t.slices = t.phases ? a.k_chunk / C3_BK : a.k / (a.taps * a.taps * C3_BK);
     }
-    // SCATTER: the data gradient of a strided 1×1 (the plain dgrad GEMM over dy's pixels,
-    // a.stride > 1, a.height × a.width = dx's extents): GEMM row m = (image, p, q) of dy lands
-    // on dx's pixel (image, p·stride, q·stride), P = ceil(height / stride) rows of dy.
-    const bool scatter = EPI == C3_EPI_NONE && !TAPS && !MN && a.stride > 1;
-    // The output pixel of tile row `row` (TAPS: the tile is whole, every row is a pixel).
-    auto pixel = [&](int row) -> long {
-        if (!TAPS && scatter) {
-            const int dy_h = (a.height + a.stride - 1) / a.stride, dy_w = (a.width + a.stride - 1) / a.stride;
-            const int m = m0 + row, img = m / (dy_h * dy_w), p = m / dy_w % dy_h, q = m % dy_w;
-            return ((long)img * a.height + (long)p * a.stride) * a.width + (long)q * a.stride;
-        }
-        if (!TAPS) return (long)m0 + row;
-        const int per_image = a.tile_h * a.tile_w;
-        const int img = img0 + row / per_image, h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;
-        if (phases) return ((long)img * 2 * a.height + 2 * h + ph) * (2 * a.width) + 2 * w + pw;
-        return ((long)img * a.height + h) * a.width + w;
-    };
+    return t;
+}
 
-    if (tid == 0) {
-        for (int s = 0; s < C3_STAGES; ++s) {
-            c3_mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx
-            c3_mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
-        }
-        c3_fence_barrier_init();
+// The output pixel of tile row `row` (TAPS: the tile is whole, every row is a pixel). SCATTER:
+// the data gradient of a strided 1×1 (the plain dgrad GEMM over dy's pixels, a.stride > 1,
+// a.height × a.width = dx's extents): GEMM row m = (image, p, q) of dy lands on dx's pixel
+// (image, p·stride, q·stride), P = ceil(height / stride) rows of dy.
+template <int TAPS>
+__device__ __forceinline__ long c3_pixel(const Conv3Args& a, const C3Tile& t, bool scatter, int row) {
+    const int m0 = t.m0, img0 = t.img0, h0 = t.h0, w0 = t.w0;
+    if (!TAPS && scatter) {
+        const int dy_h = (a.height + a.stride - 1) / a.stride, dy_w = (a.width + a.stride - 1) / a.stride;
+        const int m = m0 + row, img = m / (dy_h * dy_w), p = m / dy_w % dy_h, q = m % dy_w;
+        return ((long)img * a.height + (long)p * a.stride) * a.width + (long)q * a.stride;
     }
-    __syncthreads();
+    if (!TAPS) return (long)m0 + row;
+    const int per_image = a.tile_h * a.tile_w;
+    const int img = img0 + row / per_image, h = h0 + row % per_image / a.tile_w, w = w0 + row % a.tile_w;
+    if (t.phases) return ((long)img * 2 * a.height + 2 * h + t.ph) * (2 * a.width) + 2 * w + t.pw;
+    return ((long)img * a.height + h) * a.width + w;
+}
 
-    float acc[ACC];
-    if (wg == 0) {
-        // Producer: one elected thread keeps the ring full.
-        if (tid == 0) {
-            for (int kt = 0; kt < kt_count; ++kt) {
-                const int s = kt % C3_STAGES, round = kt / C3_STAGES, k0 = k_begin + kt * C3_BK;
-                if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
-                const unsigned stage = base + s * STAGE, full = full0 + 8 * s;
-                c3_mbar_arrive_expect_tx(full, STAGE);
-                if (TAPS && MN) {
-                    // The 3×3 weight gradient: k-step = a whole tile of 64 pixels (images ×
-                    // rows × columns); A = dy's channels m0.., B = the input's channels of the
-                    // tile's two 64-column halves, each shifted by its own tap.
-                    const int tile = k0 / C3_BK, per_image = a.tile_h * a.tile_w;
-                    const int wb = a.width / a.tile_w, hb = a.height / a.tile_h;
-                    const int tw0 = tile % wb * a.tile_w, th0 = tile / wb % hb * a.tile_h;
-                    const int ti0 = tile / (wb * hb) * (C3_BK / per_image);
-                    const int channels = a.n / (a.taps * a.taps);
-                    c3_tma_load_4d(stage, map_a, m0, tw0, th0, ti0, full);
-                    if (BM == 128) c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
+#ifdef C3_HOPPER
+// The producer's elected thread: the output tile's k-steps into the ring, `ring` counting the stages
+// filled so far by this block (a persistent block's ring runs on from tile to tile).
+template <int MN, int TAPS, int BM, int BN>
+__device__ __forceinline__ void c3_produce(const CUtensorMap* map_a, const CUtensorMap* map_b, const Conv3Args& a,
+                                           const C3Tile& out_tile, unsigned base, unsigned full0, unsigned empty0, int& ring) {
+    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
+    // (`t` below is a filter tap's column, as in the kernel file's other 3×3 code.)
+    const int m0 = out_tile.m0, n0 = out_tile.n0, img0 = out_tile.img0, h0 = out_tile.h0, w0 = out_tile.w0;
+    const int slices = out_tile.slices, ph = out_tile.ph, pw = out_tile.pw, tc = out_tile.tc;
+    const bool phases = out_tile.phases;
+    for (int kt = 0; kt < out_tile.kt_count; ++kt, ++ring) {
+        const int s = ring % C3_STAGES, round = ring / C3_STAGES, k0 = out_tile.k_begin + kt * C3_BK;
+        if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
+        const unsigned stage = base + s * STAGE, full = full0 + 8 * s;
+        c3_mbar_arrive_expect_tx(full, STAGE);
+        if (TAPS && MN) {
+            // The 3×3 weight gradient: k-step = a whole tile of 64 pixels (images ×
+            // rows × columns); A = dy's channels m0.., B = the input's channels of the
+            // tile's two 64-column halves, each shifted by its own tap.
+            const int tile = k0 / C3_BK, per_image = a.tile_h * a.tile_w;
+            const int wb = a.width / a.tile_w, hb = a.height / a.tile_h;
+            const int tw0 = tile % wb * a.tile_w, th0 = tile / wb % hb * a.tile_h;
+            const int ti0 = tile / (wb * hb) * (C3_BK / per_image);
+            const int channels = a.n / (a.taps * a.taps);
+            c3_tma_load_4d(stage, map_a, m0, tw0, th0, ti0, full);
+            if (BM == 128) c3_tma_load_4d(stage + C3_BOX_BYTES, map_a, m0 + 64, tw0, th0, ti0, full);
 #pragma unroll
-                    for (int j = 0; j < BN / 64; ++j) {
-                        const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
-                        const int r = tap / a.taps, t = tap % a.taps;
-                        // x's box at the tile's input pixels (a strided map at stride 2)
-                        c3_tma_load_4d(stage + A_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
-                                       th0 * a.stride + r - a.pad, ti0, full);
-                    }
-                } else if (TAPS && phases) {
-                    // The phase's tap (ri, ti): filter row r = 2·ri (ph = 1) or 1 reads dy's
-                    // row h + (ph + 1 − r) / 2, i.e. the box shifted by 1 − ri or 0.
-                    const int tap = kt / slices, c0 = kt % slices * C3_BK, ri = tap / tc, ti = tap % tc;
-                    c3_tma_load_4d(stage, map_a, c0, w0 + (pw ? 1 - ti : 0), h0 + (ph ? 1 - ri : 0), img0, full);
-                    c3_tma_load(stage + A_BYTES, map_b, k0, (int)blockIdx.z * a.n + n0, full);
-                } else if (TAPS) {
-                    const int tap = kt / slices, c0 = kt % slices * C3_BK;
-                    const int r = tap / a.taps, t = tap % a.taps;
-                    const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
-                    c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);
-                    c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
-                } else if (MN) {
-                    c3_tma_load(stage, map_a, m0, k0, full);
-                    if (BM == 128) c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
-                    c3_tma_load(stage + A_BYTES, map_b, n0, k0, full);
-                    if (BN == 128) c3_tma_load(stage + A_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
-                } else {
-                    c3_tma_load(stage, map_a, k0, m0, full);
-                    c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
-                }
+            for (int j = 0; j < BN / 64; ++j) {
+                const int col = n0 + 64 * j, tap = col / channels, c0 = col % channels;
+                const int r = tap / a.taps, t = tap % a.taps;
+                // x's box at the tile's input pixels (a strided map at stride 2)
+                c3_tma_load_4d(stage + A_BYTES + j * C3_BOX_BYTES, map_b, c0, tw0 * a.stride + t - a.pad,
+                               th0 * a.stride + r - a.pad, ti0, full);
             }
-        }
-    } else {
-        // Consumer warpgroup c: rows 64c .. 64c + 63 of the tile (SPLIT_N: its columns
-        // 64c .. 64c + 63).
-        const int c = wg - 1;
-        c3_fence_acc<ACC>(acc);
-        for (int kt = 0; kt < kt_count; ++kt) {
-            const int s = kt % C3_STAGES;
-            c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);
-            const unsigned stage = base + s * STAGE;
-            // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
-            // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
-            // SPLIT_N: the one A box for both, B's box c for each.
-            const unsigned a_rows = stage + (SPLIT_N ? 0 : c * (MN ? C3_BOX_BYTES : 64 * 128));
-            const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);
-            c3_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < C3_BK / 16; ++kk) {
-                if (MN)
-                    c3_wgmma<CN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
-                                              kt > 0 || kk > 0);
-                else
-                    c3_wgmma<CN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
-            }
-            c3_wgmma_commit();
-            // The previous slice's wgmma are done: its stage may be refilled.
-            c3_wgmma_wait<1>(acc);
-            if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((kt - 1) % C3_STAGES));
-        }
-        c3_wgmma_wait<0>(acc);
-        c3_fence_acc<ACC>(acc);
-        if (kt_count == 0) {
-#pragma unroll
-            for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;  // an empty slice: zeros
-        }
-        if (EPI == C3_EPI_WGRAD) {
-            // f32 partial sums of this reduction slice into its own plane (each element by one
-            // thread: no atomics); conv2_wgrad_reduce adds the planes in slice order.
-            float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.m * a.n;
-            const int warp = (tid / 32) % 4, lane = tid % 32;
-            const int row_base = m0 + (SPLIT_N ? 0 : c * 64) + warp * 16 + lane / 4, col_base = n0 + (SPLIT_N ? c * 64 : 0);
-#pragma unroll
-            for (int j = 0; j < CN / 8; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int m = row_base + 8 * h, n = col_base + 8 * j + 2 * (lane % 4);
-                    if (m < a.m && n < a.n) bt_store2_f32(dw + (long)m * a.n + n, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                }
+        } else if (TAPS && phases) {
+            // The phase's tap (ri, ti): filter row r = 2·ri (ph = 1) or 1 reads dy's
+            // row h + (ph + 1 − r) / 2, i.e. the box shifted by 1 − ri or 0.
+            const int tap = kt / slices, c0 = kt % slices * C3_BK, ri = tap / tc, ti = tap % tc;
+            c3_tma_load_4d(stage, map_a, c0, w0 + (pw ? 1 - ti : 0), h0 + (ph ? 1 - ri : 0), img0, full);
+            c3_tma_load(stage + A_BYTES, map_b, k0, out_tile.z * a.n + n0, full);
+        } else if (TAPS) {
+            const int tap = kt / slices, c0 = kt % slices * C3_BK;
+            const int r = tap / a.taps, t = tap % a.taps;
+            const int dr = a.flip ? a.pad - r : r - a.pad, dt = a.flip ? a.pad - t : t - a.pad;
+            c3_tma_load_4d(stage, map_a, c0, w0 * a.stride + dt, h0 * a.stride + dr, img0, full);
+            c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
+        } else if (MN) {
+            c3_tma_load(stage, map_a, m0, k0, full);
+            if (BM == 128) c3_tma_load(stage + C3_BOX_BYTES, map_a, m0 + 64, k0, full);
+            c3_tma_load(stage + A_BYTES, map_b, n0, k0, full);
+            if (BN == 128) c3_tma_load(stage + A_BYTES + C3_BOX_BYTES, map_b, n0 + 64, k0, full);
+        } else {
+            c3_tma_load(stage, map_a, k0, m0, full);
+            c3_tma_load(stage + A_BYTES, map_b, k0, n0, full);
         }
     }
-    if (EPI == C3_EPI_WGRAD) return;
-    bf16* y = reinterpret_cast<bf16*>(out);
-    // Every wgmma has read its stage and every TMA load has landed (each was waited for):
-    // the stages become the epilogue's staging area.
-    __syncthreads();
+}
 
-    bf16* Cs = reinterpret_cast<bf16*>(smem);
+// Consumer warpgroup c: tile t's accumulators (rows 64c .. 64c + 63 of the tile; SPLIT_N: its
+// columns 64c .. 64c + 63), `ring` counting the stages consumed so far by this block. Each
+// stage is released once its wgmma are done; the tile's last one here when `release_last`
+// (a persistent block's producer refills it for the next tile; a one-tile block has no next).
+template <int MN, int BM, int BN>
+__device__ __forceinline__ void c3_consume(float* acc, const C3Tile& t, unsigned base, unsigned full0, unsigned empty0,
+                                           int c, int tid, int& ring, bool release_last) {
+    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
+    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
+    c3_fence_acc<ACC>(acc);
+    for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {
+        const int s = ring % C3_STAGES;
+        c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / C3_STAGES) & 1u);
+        const unsigned stage = base + s * STAGE;
+        // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
+        // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
+        // SPLIT_N: the one A box for both, B's box c for each.
+        const unsigned a_rows = stage + (SPLIT_N ? 0 : c * (MN ? C3_BOX_BYTES : 64 * 128));
+        const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);
+        c3_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < C3_BK / 16; ++kk) {
+            if (MN)
+                c3_wgmma<CN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
+                                   kt > 0 || kk > 0);
+            else
+                c3_wgmma<CN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+        }
+        c3_wgmma_commit();
+        // The previous slice's wgmma are done: its stage may be refilled.
+        c3_wgmma_wait<1>(acc);
+        if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % C3_STAGES));
+    }
+    c3_wgmma_wait<0>(acc);
+    c3_fence_acc<ACC>(acc);
+    if (release_last && t.kt_count > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % C3_STAGES));
+    if (t.kt_count == 0) {
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;  // an empty slice: zeros
+    }
+}
+
+// The epilogue's barrier: the whole block's, or (PERSIST) the two consumer warpgroups' alone
+// (named barrier 1 of 256 threads), as a persistent block's producer is loading the next tile.
+template <int PERSIST>
+__device__ __forceinline__ void c3_epi_sync() {
+    if (!PERSIST) {
+        __syncthreads();
+        return;
+    }
+#ifdef BT_EMULATE
+    bt_emu_bar_sync(1, 256);
+#else
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#endif
+}
+
+// Tile t's epilogue (every epilogue but the weight gradient's) by ETHREADS threads, `etid` this
+// thread's index among them (the consumer warpgroups are the last 256 of them): the
+// accumulators (wg > 0) rounded to bf16 and staged in `epi` ([128][BN + 8] bf16, then the
+// reduction scratch), written to y in whole 16-byte chunks with what the epilogue adds, and
+// the per-tile records. The caller has made the staging area free (the barrier before it).
+template <int EPI, int TAPS, int BN, int PERSIST>
+__device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int records,
+                                            bf16* y, unsigned char* epi, const float* acc, int etid, int wg) {
+    constexpr int ETHREADS = PERSIST ? 256 : C3_THREADS, LDC = BN + 8;
+    const int m0 = t.m0, n0 = t.n0;
+    const bool scatter = EPI == C3_EPI_NONE && !TAPS && a.stride > 1;
+    bf16* Cs = reinterpret_cast<bf16*>(epi);
     if (wg > 0) {
-        const int warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
+        const int tid = (int)threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
-        for (int j = 0; j < CN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + 8 * h, col = 8 * j + 2 * (lane % 4);
@@ -529,62 +555,69 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                 *reinterpret_cast<unsigned*>(Cs + row * LDC + col) = lo | (hi << 16);
             }
     }
-    __syncthreads();
+    c3_epi_sync<PERSIST>();
     const int M = a.m, N = a.n;
-    constexpr int CHUNKS_PER_ROW = BN / 8;
-    // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs).
-    EpilogueInputs<(C3_BM * CHUNKS_PER_ROW + C3_THREADS - 1) / C3_THREADS> in;
+    constexpr int CHUNKS_PER_ROW = BN / 8, CHUNKS = C3_BM * CHUNKS_PER_ROW;
+    // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs), in
+    // rounds of at most 6 chunks a thread (the registers that hold them).
+    constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS, ROUNDS = (PER_THREAD + 5) / 6;
+    constexpr int PER_ROUND = (PER_THREAD + ROUNDS - 1) / ROUNDS;
     const bool bn_grad = EPI == C3_EPI_BN_GRAD;
     const bf16* mask_src = bn_grad ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
 #pragma unroll
-    for (int i = 0; i < in.COUNT; ++i) {
-        const int ch = tid + i * C3_THREADS, row = ch / CHUNKS_PER_ROW, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
-        const bool live = ch < C3_BM * CHUNKS_PER_ROW && (TAPS || m0 + row < M) && n < N;
-        const long o = live ? pixel(row) * N + n : 0;
-        in.load(i, live, o, a.accumulate ? y : nullptr, bn_grad ? ep.residual : nullptr, mask_src);
-    }
+    for (int round = 0; round < ROUNDS; ++round) {
+        EpilogueInputs<PER_ROUND> in;
 #pragma unroll
-    for (int i = 0; i < in.COUNT; ++i) {
-        const int ch = tid + i * C3_THREADS;
-        const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
-        const int n = n0 + col;
-        if (ch >= C3_BM * CHUNKS_PER_ROW || (!TAPS && m0 + row >= M) || n >= N) continue;
-        const long o = pixel(row) * N + n;
-        const uint4 v =
-            in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep, n);
-        if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
-        *reinterpret_cast<uint4*>(y + o) = v;
-        if (scatter && !a.accumulate) {
-            // The stride × stride cell's other pixels get zeros here (accumulating: left as
-            // they are). Zeros from the epilogue write each byte of dx once; a zero-fill of dx
-            // before the launch would write it all and then the GEMM's 1/stride² of it again
-            // (1.25× the bytes at stride 2, and a launch more).
-            const long px = o / N;
-            const int h = (int)(px / a.width % a.height), w = (int)(px % a.width);
-            for (int dh = 0; dh < a.stride && h + dh < a.height; ++dh)
-                for (int dw = dh == 0 ? 1 : 0; dw < a.stride && w + dw < a.width; ++dw)
-                    *reinterpret_cast<uint4*>(y + o + ((long)dh * a.width + dw) * N) = make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < in.COUNT; ++i) {
+            const int ch = etid + (round * PER_ROUND + i) * ETHREADS, row = ch / CHUNKS_PER_ROW, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
+            const bool live = ch < CHUNKS && (TAPS || m0 + row < M) && n < N;
+            const long o = live ? c3_pixel<TAPS>(a, t, scatter, row) * N + n : 0;
+            in.load(i, live, o, a.accumulate ? y : nullptr, bn_grad ? ep.residual : nullptr, mask_src);
+        }
+#pragma unroll
+        for (int i = 0; i < in.COUNT; ++i) {
+            const int ch = etid + (round * PER_ROUND + i) * ETHREADS;
+            const int row = ch / CHUNKS_PER_ROW, col = (ch % CHUNKS_PER_ROW) * 8;
+            const int n = n0 + col;
+            if (ch >= CHUNKS || (!TAPS && m0 + row >= M) || n >= N) continue;
+            const long o = c3_pixel<TAPS>(a, t, scatter, row) * N + n;
+            const uint4 v =
+                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep, n);
+            if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+            *reinterpret_cast<uint4*>(y + o) = v;
+            if (scatter && !a.accumulate) {
+                // The stride × stride cell's other pixels get zeros here (accumulating: left as
+                // they are). Zeros from the epilogue write each byte of dx once; a zero-fill of dx
+                // before the launch would write it all and then the GEMM's 1/stride² of it again
+                // (1.25× the bytes at stride 2, and a launch more).
+                const long px = o / N;
+                const int h = (int)(px / a.width % a.height), w = (int)(px % a.width);
+                for (int dh = 0; dh < a.stride && h + dh < a.height; ++dh)
+                    for (int dw = dh == 0 ? 1 : 0; dw < a.stride && w + dw < a.width; ++dw)
+                        *reinterpret_cast<uint4*>(y + o + ((long)dh * a.width + dw) * N) = make_uint4(0u, 0u, 0u, 0u);
+            }
         }
     }
     if (EPI == C3_EPI_NONE) return;
 
     // ---- per-tile records (conv2.cu's, by the first 256 threads) ---------------------------
-    // Record blockIdx.z · gridDim.x + blockIdx.x: gridDim.z is 1 but for the phases (each
-    // phase's tiles cover a quarter of dx, every pixel once).
+    // Record t.record of `records`: gridDim.z is 1 but for the phases (each phase's tiles
+    // cover a quarter of dx, every pixel once).
     // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
     // in span order by span 0.
     constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
-    float* red_a = reinterpret_cast<float*>(smem + C3_BM * LDC * 2);  // [TPC][BN]
+    float* red_a = reinterpret_cast<float*>(epi + C3_BM * LDC * 2);  // [TPC][BN]
     float* red_b = red_a + TPC * BN;
-    const bool reducer = tid < 256;
-    const int col = (tid % PAIRS) * 2, span = (tid / PAIRS) % TPC;
+    const bool reducer = etid < 256;
+    const int col = (etid % PAIRS) * 2, span = (etid / PAIRS) % TPC;
     const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
+    const long plane = (long)records * N, at = (long)t.record * N + cn;
     if (EPI == C3_EPI_BN_GRAD) {
         // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
-        __syncthreads();  // every g is staged
+        c3_epi_sync<PERSIST>();  // every g is staged
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
@@ -593,7 +626,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             unsigned xs[SPAN];
 #pragma unroll
             for (int i = 0; i < SPAN; ++i)
-                xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + pixel(r0 + i) * N + cn) : 0u;
+                xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn) : 0u;
 #pragma unroll
             for (int i = 0; i < SPAN; ++i) {
                 const int r = r0 + i;
@@ -613,7 +646,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             red_b[span * BN + col] = g0;
             red_b[span * BN + col + 1] = g1;
         }
-        __syncthreads();
+        c3_epi_sync<PERSIST>();
         if (reducer && span == 0 && cn < N) {
 #pragma unroll
             for (int p = 1; p < TPC; ++p) {
@@ -622,7 +655,6 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
                 g0 += red_b[p * BN + col];
                 g1 += red_b[p * BN + col + 1];
             }
-            const long plane = (long)gridDim.x * gridDim.z * N, at = ((long)blockIdx.z * gridDim.x + blockIdx.x) * N + cn;
             bt_store2_f32(ep.part + at, b0, b1);
             bt_store2_f32(ep.part + plane + at, g0, g1);
         }
@@ -639,7 +671,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         red_a[span * BN + col] = s0;
         red_a[span * BN + col + 1] = s1;
     }
-    __syncthreads();
+    c3_epi_sync<PERSIST>();
     if (reducer) {
         float t0 = 0.0f, t1 = 0.0f;
 #pragma unroll
@@ -659,7 +691,7 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
         red_b[span * BN + col] = q0;
         red_b[span * BN + col + 1] = q1;
     }
-    __syncthreads();
+    c3_epi_sync<PERSIST>();
     if (reducer && span == 0 && cn < N) {
         float q0 = 0.0f, q1 = 0.0f;
 #pragma unroll
@@ -667,15 +699,155 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
             q0 += red_b[p * BN + col];
             q1 += red_b[p * BN + col + 1];
         }
-        const long plane = (long)gridDim.x * gridDim.z * N, at = ((long)blockIdx.z * gridDim.x + blockIdx.x) * N + cn;
         bt_store2_f32(ep.part + at, mean0, mean1);
         bt_store2_f32(ep.part + plane + at, q0, q1);
     }
+}
+#endif  // C3_HOPPER
+
+// out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps, both
+// K-major (MN = 0: forward, dgrad; one box of 64 k × 128 rows per operand and stage) or both
+// MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
+// operand and stage). The reduction covers [z·k_chunk, min(k, (z + 1)·k_chunk)), z = blockIdx.z.
+// TAPS = 1: the 3×3 forward, whose 128 rows are a tile of tile_n images × tile_h rows ×
+// tile_w columns of the output, A a 4-D box of the input shifted by the k-step's tap (the
+// padding read as zeros), k = (tap, channel) with 64 channels of one tap per k-step; at
+// a.stride 2 the box starts at the tile's first output pixel × 2 (a strided map).
+// BM = 64 (the weight gradients' `_m64` twins, for M ≤ 64): a tile of 64 rows × 128 columns
+// split by COLUMNS between the consumers: one A box per stage, which both read, and consumer c
+// multiplies it by B's box c (columns 64c .. 64c + 63) with m64n64k16.
+// One block per tile (grid = row tiles × column tiles × slices or phases); the epilogue by all
+// 384 threads in the stages' memory, after the last k-step. Persistent blocks: conv3_gemm_p.
+template <int EPI, int MN, int TAPS = 0, int BN = C3_BN, int BM = C3_BM>
+__device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUtensorMap* map_b, void* out,
+                                               const Conv3Args& a, const Conv3Epilogue& ep) {
+#ifdef C3_HOPPER
+    static_assert(BN == 128 || BN == 64, "tiles of 128 or 64 columns");
+    static_assert(BM == C3_BM || (BM == 64 && BN == 128 && MN && EPI == C3_EPI_WGRAD),
+                  "64-row tiles: the MN-major weight gradients' column split");
+    // A stage: the A tile (BM rows × 64 k), then the B tile (BN rows × 64 k). CN: the columns
+    // of each consumer's accumulator (the whole tile's, or half of them when split by columns).
+    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
+    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
+    C3_SMEM(smem_raw);
+    // The stages need 1024-byte alignment (the swizzle atoms); the host adds 1 KiB of slack.
+    const unsigned raw = c3_shared(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const unsigned full0 = base + C3_STAGES * STAGE, empty0 = full0 + 8 * C3_STAGES;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const C3Tile t = c3_tile<MN, TAPS, BM, BN>(a, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.x);
+
+    if (tid == 0) {
+        for (int s = 0; s < C3_STAGES; ++s) {
+            c3_mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx
+            c3_mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
+        }
+        c3_fence_barrier_init();
+    }
+    __syncthreads();
+
+    float acc[ACC];
+    int ring = 0;
+    if (wg == 0) {
+        // Producer: one elected thread keeps the ring full.
+        if (tid == 0) c3_produce<MN, TAPS, BM, BN>(map_a, map_b, a, t, base, full0, empty0, ring);
+    } else {
+        const int c = wg - 1;
+        c3_consume<MN, BM, BN>(acc, t, base, full0, empty0, c, tid, ring, false);
+        if (EPI == C3_EPI_WGRAD) {
+            // f32 partial sums of this reduction slice into its own plane (each element by one
+            // thread: no atomics); conv2_wgrad_reduce adds the planes in slice order.
+            float* dw = reinterpret_cast<float*>(out) + (long)blockIdx.z * a.m * a.n;
+            const int warp = (tid / 32) % 4, lane = tid % 32, m0 = t.m0, n0 = t.n0;
+            const int row_base = m0 + (SPLIT_N ? 0 : c * 64) + warp * 16 + lane / 4, col_base = n0 + (SPLIT_N ? c * 64 : 0);
+#pragma unroll
+            for (int j = 0; j < CN / 8; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = row_base + 8 * h, n = col_base + 8 * j + 2 * (lane % 4);
+                    if (m < a.m && n < a.n) bt_store2_f32(dw + (long)m * a.n + n, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
+        }
+    }
+    if (EPI == C3_EPI_WGRAD) return;
+    // Every wgmma has read its stage and every TMA load has landed (each was waited for):
+    // the stages become the epilogue's staging area.
+    __syncthreads();
+    c3_epilogue<EPI, TAPS, BN, 0>(a, ep, t, (int)(gridDim.x * gridDim.z), reinterpret_cast<bf16*>(out), smem, acc,
+                                  tid, wg);
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this
 #endif
 }
 
+// The same GEMMs (forward and data gradient, 128 × 128 tiles) by persistent blocks: grid.x
+// blocks (the host launches one per SM, or one per tile) walk the tiles t = blockIdx.x,
+// blockIdx.x + gridDim.x, … in the order (phase z, row tile, column tile), the column tiles
+// innermost, so the blocks that run at once share their rows of A (the activations, read from
+// memory once instead of once per column tile; B, the weights, stays in L2). The producer runs
+// on into the next tile's stages while the consumers finish this one: the epilogue has its own
+// shared memory (after the stages and barriers: CONV3_P_SMEM_BYTES) and runs on the two
+// consumer warpgroups alone, synchronised by named barrier 1, so the next tile's loads overlap
+// it. Each tile computes what conv3_gemm's block for it computes, in the same order: the same
+// bits.
+#define C3_P_EPI (C3_STAGES * C3_STAGE_BYTES + 128)  // offset of the epilogue's area from the base
+#define CONV3_P_SMEM_BYTES (C3_P_EPI + C3_BM * C3_LDC * 2 + 2 * 4 * C3_BN * 4 + 1024)
+
+// Tile i of a persistent block's walk: the phase z outermost, then the row tile, the column
+// tile innermost.
+template <int TAPS>
+__device__ __forceinline__ C3Tile c3_tile_p(const Conv3Args& a, int i, int m_tiles, int n_tiles) {
+    const int z = i / (m_tiles * n_tiles), mt = i / n_tiles % m_tiles, nt = i % n_tiles;
+    return c3_tile<0, TAPS, C3_BM, C3_BN>(a, mt, nt, z, m_tiles);
+}
+
+template <int EPI, int TAPS>
+__device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUtensorMap* map_b, bf16* out,
+                                             const Conv3Args& a, const Conv3Epilogue& ep) {
+#ifdef C3_HOPPER
+    static_assert(EPI != C3_EPI_WGRAD, "persistent blocks: the forward and data-gradient GEMMs");
+    C3_SMEM(smem_raw);
+    const unsigned raw = c3_shared(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const unsigned full0 = base + C3_STAGES * C3_STAGE_BYTES, empty0 = full0 + 8 * C3_STAGES;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const bool phases = TAPS && a.flip && a.stride > 1;
+    const int m_tiles = (a.m + C3_BM - 1) / C3_BM, n_tiles = (a.n + C3_BN - 1) / C3_BN, z_count = phases ? 4 : 1;
+    const int tiles = m_tiles * n_tiles * z_count;
+
+    if (tid == 0) {
+        for (int s = 0; s < C3_STAGES; ++s) {
+            c3_mbar_init(full0 + 8 * s, 1);
+            c3_mbar_init(empty0 + 8 * s, 2);
+        }
+        c3_fence_barrier_init();
+    }
+    __syncthreads();
+    // From here on the producer and the consumers go their own ways: no __syncthreads.
+    int ring = 0;
+    if (wg == 0) {
+        c3_setmaxnreg_dec<40>();
+        if (tid != 0) return;
+        for (int i = blockIdx.x; i < tiles; i += gridDim.x)
+            c3_produce<0, TAPS, C3_BM, C3_BN>(map_a, map_b, a, c3_tile_p<TAPS>(a, i, m_tiles, n_tiles), base, full0,
+                                              empty0, ring);
+        return;
+    }
+    c3_setmaxnreg_inc<232>();
+    float acc[C3_BN / 2];
+    for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
+        const C3Tile t = c3_tile_p<TAPS>(a, i, m_tiles, n_tiles);
+        c3_consume<0, C3_BM, C3_BN>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
+        // The previous tile's epilogue is done with the staging area.
+        c3_epi_sync<1>();
+        c3_epilogue<EPI, TAPS, C3_BN, 1>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI, acc, tid - 128, wg);
+    }
+#else
+    __trap();  // compiled for a target without wgmma: the host never launches this
+#endif
+}
 // ---- kernels ---------------------------------------------------------------------------------
 // Names: conv3_{fwd,dgrad}[_stats|_bn]_1x1 (the 128×128 tile of 384 threads; the host,
 // src/cuda/conv3.rs, passes CONV3_SMEM_BYTES of dynamic shared memory) and the dgrad's weight
@@ -873,6 +1045,69 @@ conv3_wgrad_3x3_m64(const __grid_constant__ CUtensorMap map_dy, const __grid_con
     conv3_gemm<C3_EPI_WGRAD, 1, 1, 128, 64>(&map_dy, &map_x, dw, args, Conv3Epilogue{});
 }
 
+
+// The forward and data-gradient kernels of 128 × 128 tiles by persistent blocks (`_p`,
+// conv3_gemm_p: the same arguments and results as their one-tile-per-block originals; grid
+// (blocks, 1, 1), CONV3_P_SMEM_BYTES of dynamic shared memory, one block per SM).
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_1x1_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 0>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_stats_1x1_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                      Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm_p<C3_EPI_STATS, 0>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_1x1_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                  Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 0>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_bn_1x1_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                     const float* __restrict__ mean, const float* __restrict__ invstd,
+                     const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                     const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    conv3_gemm_p<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_3x3_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 1>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_fwd_stats_3x3_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+                      Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm_p<C3_EPI_STATS, 1>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_3x3_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                  Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 1>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
+conv3_dgrad_bn_3x3_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+                     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+                     const float* __restrict__ mean, const float* __restrict__ invstd,
+                     const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
+                     const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    conv3_gemm_p<C3_EPI_BN_GRAD, 1>(&map_dy, &map_wt, dx, args, ep);
+}
 
 // wt[c][tap·K + k] = w[k][tap][c] (w: KRSC with `taps` = R·S filter positions): the 3×3
 // data gradient's B operand, K-major over (tap, k). One thread per element; grid-stride over

@@ -27,6 +27,13 @@ static int g_bn = 128;
 // The weight gradients' tile height under test: 128, or 64 (conv3_wgrad_*_m64, split by columns).
 static int g_bm = 128;
 
+// 0: the one-tile-per-block kernels; else the persistent twins (`_p`, 128-column tiles) in
+// that many blocks.
+static unsigned g_persistent = 0;
+
+// The grid of a launch over `tiles` (one block per tile), or the persistent blocks.
+static dim3e grid_for(dim3e tiles) { return g_persistent ? dim3e{g_persistent, 1, 1} : tiles; }
+
 static float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 static int check(const std::string& what, const std::vector<double>& got, const std::vector<double>& ref, double tol,
@@ -51,6 +58,23 @@ static void check_bits(const std::string& what, bool same) {
     failures += !same;
 }
 
+// Runs a case again with the persistent twins (128-column tiles only): 3 blocks with TMA landing
+// lazily, then 2 blocks with TMA landing at issue (each block walks several tiles, its ring
+// running on from tile to tile); `same` compares a run's result with the one-tile-per-block
+// run's bits.
+template <class Run, class Same>
+static void check_persistent(const char* what, Run run, Same same) {
+    if (g_bn != 128) return;
+    for (int pass = 0; pass < 2; ++pass) {
+        g_persistent = pass == 0 ? 3 : 2;
+        g_emu_tma_eager = pass == 1;
+        const bool ok = same(run());
+        check_bits(std::string(pass == 0 ? "persistent, 3 blocks: same " : "persistent, 2 blocks, eager TMA: same ") + what, ok);
+    }
+    g_persistent = 0;
+    g_emu_tma_eager = false;
+}
+
 struct Gemm { int m, n, k; };
 
 struct Result { std::vector<bf16> y; std::vector<float> part; };
@@ -69,9 +93,9 @@ static Result run(const Gemm& g, const std::vector<bf16>& x, const std::vector<b
     bf16* y = r.y.data();
     float* part = r.part.data();
     if (stats)
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_stats_1x1_n64(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1(map_x, map_w, y, args, part)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_stats_1x1_p(map_x, map_w, y, args, part) : g_bn == 64 ? conv3_fwd_stats_1x1_n64(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1(map_x, map_w, y, args, part)); });
     else
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_1x1_n64(map_x, map_w, y, args) : conv3_fwd_1x1(map_x, map_w, y, args)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_1x1_p(map_x, map_w, y, args) : g_bn == 64 ? conv3_fwd_1x1_n64(map_x, map_w, y, args) : conv3_fwd_1x1(map_x, map_w, y, args)); });
     return r;
 }
 
@@ -137,6 +161,10 @@ static void check_gemm(const Gemm& g, bool stats) {
     if (stats)
         check_bits("eager TMA, shuffled blocks: same records",
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
+    check_persistent(stats ? "y and records" : "y", [&] { return run(g, x, w, stats); }, [&](const Result& p) {
+        return memcmp(p.y.data(), r.y.data(), r.y.size() * 2) == 0 &&
+               memcmp(p.part.data(), r.part.data(), r.part.size() * 4) == 0;
+    });
 }
 
 // The dgrad: dx[M][C] = dy[M][K] · w[K][C] through wt = wᵀ, with or without the batch-norm
@@ -173,14 +201,16 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
     bf16* dx = r.dx.data();
     float* part = r.part.data();
     if (d.bn)
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
-            (g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] {
+            (g_persistent ? conv3_dgrad_bn_1x1_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
+             : g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
                                invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
                         : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
                                invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu));
         });
     else
-        emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_dgrad_1x1_p(map_dy, map_wt, dx, args) : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
     return r;
 }
 
@@ -263,6 +293,12 @@ static void check_dgrad(const Dgrad& d) {
     if (d.bn)
         check_bits("eager TMA, shuffled blocks: same records",
                    memcmp(again.part.data(), r.part.data(), r.part.size() * 4) == 0);
+    check_persistent(d.bn ? "dx and records" : "dx",
+                     [&] { return run_dgrad(d, dy, wt, dx0, bn_y, bn_x, mean, invstd, residual); },
+                     [&](const DgradResult& p) {
+                         return memcmp(p.dx.data(), r.dx.data(), r.dx.size() * 2) == 0 &&
+                                memcmp(p.part.data(), r.part.data(), r.part.size() * 4) == 0;
+                     });
     if (d.bn && d.mask) {
         // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from y =
         // bn_apply's bits of the same (γ of both signs and zero): the same dx and records.
@@ -304,8 +340,9 @@ static std::vector<bf16> run_dgrad_s2(const DgradS2& d, const std::vector<bf16>&
     args.width = d.w;
     args.stride = 2;
     bf16* out = dx.data();
-    emu_launch({gx, gy, 1}, {C3_THREADS, 1, 1}, [&] {
-        (g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, out, args) : conv3_dgrad_1x1(map_dy, map_wt, out, args));
+    emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] {
+        (g_persistent ? conv3_dgrad_1x1_p(map_dy, map_wt, out, args)
+         : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, out, args) : conv3_dgrad_1x1(map_dy, map_wt, out, args));
     });
     return dx;
 }
@@ -351,6 +388,8 @@ static void check_dgrad_s2(const DgradS2& d) {
     g_emu_tma_eager = false;
     g_emu_block_order = 0;
     check_bits("eager TMA, shuffled blocks: same dx", memcmp(again.data(), dx.data(), len * 2) == 0);
+    check_persistent("dx", [&] { return run_dgrad_s2(d, dy, wt, dx0); },
+                     [&](const std::vector<bf16>& p) { return memcmp(p.data(), dx.data(), len * 2) == 0; });
 }
 
 // The weight gradient: dw[K][C] = Σ_p dy[p][K]·x[p][C] over P pixels in slices of `chunk`
@@ -451,8 +490,8 @@ static void check_3x3(const Conv3x3& g) {
         bf16* yp = y.data();
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.k + g_bn - 1) / g_bn), 1};
-        if (g.stats) emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_stats_3x3_n64(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp)); });
-        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_fwd_3x3_n64(map_x, map_w, yp, args) : conv3_fwd_3x3(map_x, map_w, yp, args)); });
+        if (g.stats) emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_stats_3x3_p(map_x, map_w, yp, args, pp) : g_bn == 64 ? conv3_fwd_stats_3x3_n64(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp)); });
+        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_3x3_p(map_x, map_w, yp, args) : g_bn == 64 ? conv3_fwd_3x3_n64(map_x, map_w, yp, args) : conv3_fwd_3x3(map_x, map_w, yp, args)); });
     };
     std::vector<bf16> y((size_t)m * g.k, __float2bfloat16_rn(NAN));
     std::vector<float> part(g.stats ? 2 * (size_t)tiles * g.k : 0, NAN);
@@ -512,6 +551,17 @@ static void check_3x3(const Conv3x3& g) {
     g_emu_block_order = 0;
     check_bits("eager TMA, shuffled blocks: same y", memcmp(y2.data(), y.data(), y.size() * 2) == 0);
     if (g.stats) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
+    check_persistent(g.stats ? "y and records" : "y",
+                     [&] {
+                         std::pair<std::vector<bf16>, std::vector<float>> p{std::vector<bf16>(y.size(), __float2bfloat16_rn(NAN)),
+                                                                            std::vector<float>(part.size(), NAN)};
+                         run3(p.first, p.second);
+                         return p;
+                     },
+                     [&](const std::pair<std::vector<bf16>, std::vector<float>>& p) {
+                         return memcmp(p.first.data(), y.data(), y.size() * 2) == 0 &&
+                                memcmp(p.second.data(), part.data(), part.size() * 4) == 0;
+                     });
 }
 
 // The 3×3 data gradient at stride 1, padding 1: dx[n][h][w][c] = Σ dy[n][h+1−r][w+1−s][k]·w[k][r][s][c]
@@ -576,12 +626,14 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)phases};
         if (g.bn)
-            emu_launch(grid, {C3_THREADS, 1, 1}, [&] {
-                (g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+            emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] {
+                (g_persistent ? conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), nullptr, nullptr, 1)
+                 : g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
                                    residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
                                    residual.data(), nullptr, nullptr, 1));
             });
-        else emu_launch(grid, {C3_THREADS, 1, 1}, [&] { (g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
+        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_dgrad_3x3_p(map_dy, map_wt, dxp, args) : g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
     std::vector<bf16> dx = dx0;
     std::vector<float> part(g.bn ? 2 * (size_t)phases * tiles * g.c : 0, NAN);
@@ -649,6 +701,16 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     g_emu_block_order = 0;
     check_bits("eager TMA, shuffled blocks: same dx", memcmp(dx2.data(), dx.data(), dx.size() * 2) == 0);
     if (g.bn) check_bits("eager TMA, shuffled blocks: same records", memcmp(part2.data(), part.data(), part.size() * 4) == 0);
+    check_persistent(g.bn ? "dx and records" : "dx",
+                     [&] {
+                         std::pair<std::vector<bf16>, std::vector<float>> p{dx0, std::vector<float>(part.size(), NAN)};
+                         run(p.first, p.second);
+                         return p;
+                     },
+                     [&](const std::pair<std::vector<bf16>, std::vector<float>>& p) {
+                         return memcmp(p.first.data(), dx.data(), dx.size() * 2) == 0 &&
+                                memcmp(p.second.data(), part.data(), part.size() * 4) == 0;
+                     });
 }
 
 // The weight gradient through the 4-D path: a 3×3 with padding 1 at stride 1 or 2, or a 1×1 at

@@ -160,6 +160,18 @@ inline int emu_warp() { return g_fibers[g_cur].lin / 32; }
 
 inline void __syncthreads() { g_block_barrier.arrive_and_wait(); }
 
+// bar.sync id, count: named barrier `id` (1..15; 0 is __syncthreads') completes when `count`
+// threads have arrived, whichever they are; a block starts with all of them empty.
+inline std::array<EmuBarrier, 16> g_named_barriers;
+inline void bt_emu_bar_sync(unsigned id, int count) {
+    if (id == 0 || id >= g_named_barriers.size()) emu_fail("bar.sync with a barrier id outside 1..15");
+    if (count <= 0 || count % 32) emu_fail("bar.sync with a thread count that is not a multiple of 32");
+    EmuBarrier& b = g_named_barriers[id];
+    if (b.arrived > 0 && b.expected != count) emu_fail("bar.sync: threads of one phase named different counts");
+    b.expected = count;
+    b.arrive_and_wait();
+}
+
 // ---- cp.async ----------------------------------------------------------------------------
 
 inline void emu_copy_now(const EmuCopy& c) {
@@ -355,6 +367,7 @@ void emu_launch(dim3e grid, dim3e block, F kernel) {
         blockIdx = b;
         g_fibers.assign(nthreads, EmuFiber{});
         g_block_barrier = EmuBarrier{(int)nthreads, 0, 0};
+        g_named_barriers.fill(EmuBarrier{});
         g_warp_barriers.assign(nwarps, EmuBarrier{});
         for (unsigned w = 0; w < nwarps; ++w) g_warp_barriers[w].expected = (int)std::min(32u, nthreads - 32 * w);
         g_warp_mma.assign(nwarps, WarpMma{});

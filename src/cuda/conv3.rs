@@ -37,6 +37,16 @@ pub const THREADS: u32 = 384;
 pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 2 * STAGES * 8 + 1024;
 // Within the 227 KiB a Hopper block may use.
 const _: () = assert!(SMEM_BYTES <= 227 * 1024);
+/// Dynamic shared memory of the persistent kernels (`CONV3_P_SMEM_BYTES`, the `_p` twins of
+/// [`super::conv3_schedule`]): the stages and barriers (128 bytes), then the epilogue's own
+/// staged tile (`TILE_M × (TILE_N + 8)` bf16) and reduction scratch (2 × 4 × `TILE_N` f32),
+/// and the alignment slack. One block per SM.
+pub const P_SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2
+    + 128
+    + TILE_M * (TILE_N + 8) * 2
+    + 2 * 4 * TILE_N * 4
+    + 1024;
+const _: () = assert!(P_SMEM_BYTES <= 227 * 1024);
 /// Columns of the narrow tiles (`_n64` kernels), for GEMMs whose N is at most 64.
 pub const TILE_N_NARROW: usize = 64;
 /// Dynamic shared memory of the `_n64` kernels (`CONV3_N64_SMEM_BYTES`): B tiles of 64 rows;
@@ -130,7 +140,9 @@ pub fn wgrad_grid(kernel: &str, args: &Conv3Args, slices: usize) -> (u32, u32, u
 
 /// Dynamic shared memory of a v3 GEMM kernel.
 pub fn smem_bytes(kernel: &str) -> usize {
-    if kernel_tile(kernel) == (TILE_M, TILE_N) {
+    if super::conv3_schedule::is_persistent(kernel) {
+        P_SMEM_BYTES
+    } else if kernel_tile(kernel) == (TILE_M, TILE_N) {
         SMEM_BYTES
     } else {
         N64_SMEM_BYTES
@@ -549,6 +561,13 @@ pub fn grid(a: &Conv3Args) -> (u32, u32, u32) {
     )
 }
 
+/// The per-tile records of a forward or data-gradient GEMM (`[2][records][N]`): one per row
+/// tile and phase, whichever kernel and schedule runs it.
+pub fn records(a: &Conv3Args) -> usize {
+    let (m_tiles, _, phases) = grid(a);
+    (m_tiles * phases) as usize
+}
+
 /// A `CUtensorMap`: the 128-byte description of a global tensor that a TMA load reads (64-byte
 /// aligned, 128 in CUDA 13's headers), passed to the kernel by value (`__grid_constant__`).
 #[repr(C)]
@@ -790,6 +809,11 @@ mod tests {
         let mut want: Vec<&str> = gemms.to_vec();
         want.extend(&narrow);
         want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
+        want.extend(
+            gemms
+                .iter()
+                .filter_map(|k| crate::cuda::conv3_schedule::persistent_twin(k)),
+        );
         want.extend([
             DGRAD_WEIGHTS_3X3_KERNEL,
             DGRAD_WEIGHTS_S2_KERNEL,
@@ -810,6 +834,12 @@ mod tests {
             "#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)"
         ));
         assert_eq!(N64_SMEM_BYTES, 4 * 24576 + 64 + 1024);
+        assert!(text.contains("#define C3_P_EPI (C3_STAGES * C3_STAGE_BYTES + 128)"));
+        assert!(text.contains(
+            "#define CONV3_P_SMEM_BYTES (C3_P_EPI + C3_BM * C3_LDC * 2 + 2 * 4 * C3_BN * 4 + 1024)"
+        ));
+        assert!(text.contains("#define C3_LDC (C3_BN + 8)"));
+        assert_eq!(P_SMEM_BYTES, 4 * 32768 + 128 + 128 * 136 * 2 + 4096 + 1024);
         assert_eq!(std::mem::size_of::<Conv3Args>(), 52);
         let multi: Vec<&str> = text
             .split("struct Conv3Args {")

@@ -17,6 +17,7 @@ pub mod backend;
 pub mod cache;
 pub mod conv;
 pub mod conv3;
+pub mod conv3_schedule;
 pub mod device;
 pub mod error;
 pub mod grad;

@@ -11,7 +11,7 @@
 
 use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
 use birdtrain::cuda::conv::{V2_APPLY_KERNELS, V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
-use birdtrain::cuda::conv3;
+use birdtrain::cuda::{conv3, conv3_schedule};
 use birdtrain::cuda::GpuArch;
 
 #[test]
@@ -89,11 +89,14 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         conv3::DGRAD_BN_3X3_KERNEL,
         conv3::WGRAD_3X3_KERNEL,
     ];
-    // Every GEMM at 128 × 128 and its 64-column twin; the weight gradients' 64-row twins.
+    // Every GEMM at 128 × 128 and its 64-column twin; the weight gradients' 64-row twins; the
+    // persistent twins of the forward and data-gradient GEMMs (no spill: their consumers run
+    // on the registers the producer gives back).
     let kernels = gemms
         .iter()
         .flat_map(|k| [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)])
-        .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL]);
+        .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL])
+        .chain(gemms.iter().filter_map(|k| conv3_schedule::persistent_twin(k)));
     for name in kernels {
         let wide = conv3::kernel_tile(name) == (conv3::TILE_M, conv3::TILE_N);
         assert!(

@@ -188,7 +188,7 @@ fn kernels_match_references_under_emulation() {
     let conv3_bugs = [
         // a consumer that reads a stage without waiting for its TMA loads
         (
-            "c3_mbar_wait(full0 + 8 * s, (unsigned)(kt / C3_STAGES) & 1u);",
+            "c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / C3_STAGES) & 1u);",
             "",
         ),
         // a producer that refills a stage its consumers have not released
@@ -214,8 +214,8 @@ fn kernels_match_references_under_emulation() {
         ),
         // the dgrad's Σg·x̂ reading every row's x̂ at the first row of the thread's span
         (
-            "ep.bn_x + pixel(r0 + i) * N + cn",
-            "ep.bn_x + pixel(r0) * N + cn",
+            "ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn",
+            "ep.bn_x + c3_pixel<TAPS>(a, t, false, r0) * N + cn",
         ),
         // the 3×3 tile's rows mapped to pixels with the columns and rows swapped
         (
@@ -275,6 +275,20 @@ fn kernels_match_references_under_emulation() {
         (
             "h0 + (ph ? 1 - ri : 0), img0, full);",
             "h0 + (ph ? ri : 0), img0, full);",
+        ),
+        // a persistent block that never releases a tile's last stage (its producer waits
+        // forever for it once the ring comes round)
+        (
+            "if (release_last && t.kt_count > 0 && tid % 128 == 0)",
+            "if (false && t.kt_count > 0 && tid % 128 == 0)",
+        ),
+        // a persistent block whose consumers restart the ring's count at every tile (the
+        // stage and parity of the next tile's first k-step are not the ones its producer filled)
+        ("for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {", "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) { if (kt == 0) ring = 0;"),
+        // a persistent walk that takes every tile's columns from the first column tile
+        (
+            "mt = i / n_tiles % m_tiles, nt = i % n_tiles;",
+            "mt = i / n_tiles % m_tiles, nt = 0;",
         ),
     ];
     // (in conv3.cu with its common.cuh included: the epilogue's mask is common.cuh's)

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig};
 
 use crate::backend::{AppliedBn, BackendError};
 use crate::cuda::conv::{ConvVersion, GpuLimits};
+use crate::cuda::conv3_schedule::TileSchedule;
 use crate::cuda::device::GpuDevice;
 use crate::cuda::error::CudaError;
 use crate::cuda::kernel_types::InputMix;
@@ -57,6 +58,9 @@ pub struct CudaBackend {
     pub(super) sms: u32,
     /// Which convolution kernels run (`BIRDTRAIN_CONV`, see [`crate::cuda::conv`]).
     pub(super) conv: ConvVersion,
+    /// How the v3 GEMMs of 128-column tiles walk them (`BIRDTRAIN_CONV3_TILES`, see
+    /// [`crate::cuda::conv3_schedule`]).
+    pub(super) conv3_tiles: TileSchedule,
     /// What the v2 tile choice models.
     pub(super) limits: GpuLimits,
     /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on

@@ -148,19 +148,20 @@ impl CudaBackend {
                 (conv3::FWD_3X3_KERNEL, conv3::FWD_STATS_3X3_KERNEL),
             )
         };
-        let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
+        let (n, k) = (args.n as usize, args.k as usize);
         let bn = conv3::tile_n(&args);
         let kernels = (
-            conv3::with_tile(kernels.0, bn),
-            conv3::with_tile(kernels.1, bn),
+            self.conv3_tiles.kernel(conv3::with_tile(kernels.0, bn)),
+            self.conv3_tiles.kernel(conv3::with_tile(kernels.1, bn)),
         );
         // w as [K][R·S·C]: K-major rows of the (tap, channel) reduction.
         let map_w = self.tensor_map(op, w, n, k, bn)?;
-        let records = m.div_ceil(conv3::TILE_M);
+        let records = conv3::records(&args);
         let bytes = 2 * (s.x_len() + s.w_len() + s.y_len());
         match part {
             None => {
-                let cfg = self.conv3_prepare(op, kernels.0, conv3::grid(&args))?;
+                let grid = self.conv3_tiles.grid(kernels.0, &args, self.sms);
+                let cfg = self.conv3_prepare(op, kernels.0, grid)?;
                 let gemm = Conv3Gemm {
                     map_a: map_x,
                     map_b: map_w,
@@ -171,7 +172,8 @@ impl CudaBackend {
                 self.note_work(bytes, s.flops());
             }
             Some(part) => {
-                let cfg = self.conv3_prepare(op, kernels.1, conv3::grid(&args))?;
+                let grid = self.conv3_tiles.grid(kernels.1, &args, self.sms);
+                let cfg = self.conv3_prepare(op, kernels.1, grid)?;
                 let gemm = Conv3FwdStats {
                     map_x,
                     map_w,
@@ -279,8 +281,8 @@ impl CudaBackend {
             (conv3::DGRAD_KERNEL, conv3::DGRAD_BN_KERNEL)
         };
         let (plain, with_bn) = (
-            conv3::with_tile(plain, bn_cols),
-            conv3::with_tile(with_bn, bn_cols),
+            self.conv3_tiles.kernel(conv3::with_tile(plain, bn_cols)),
+            self.conv3_tiles.kernel(conv3::with_tile(with_bn, bn_cols)),
         );
         let streams = 2 + usize::from(accumulate);
         let bytes = if strided {
@@ -293,7 +295,8 @@ impl CudaBackend {
         };
         match bn {
             None => {
-                let cfg = self.conv3_prepare(op, plain, conv3::grid(&args))?;
+                let grid = self.conv3_tiles.grid(plain, &args, self.sms);
+                let cfg = self.conv3_prepare(op, plain, grid)?;
                 let gemm = Conv3Gemm {
                     map_a: map_dy,
                     map_b: map_wt,
@@ -304,10 +307,10 @@ impl CudaBackend {
                 self.note_work(bytes, s.flops());
             }
             Some(bn) => {
-                let cfg = self.conv3_prepare(op, with_bn, conv3::grid(&args))?;
+                let grid = self.conv3_tiles.grid(with_bn, &args, self.sms);
+                let cfg = self.conv3_prepare(op, with_bn, grid)?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
-                let grid = conv3::grid(&args);
-                let records = (grid.0 * grid.2) as usize;
+                let records = conv3::records(&args);
                 let gemm = Conv3DgradBn {
                     map_dy,
                     map_wt,

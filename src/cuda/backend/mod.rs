@@ -17,6 +17,7 @@
 use std::sync::Arc;
 
 use super::conv::{ConvVersion, GpuLimits};
+use super::conv3_schedule::TileSchedule;
 use super::device::GpuDevice;
 use super::error::CudaError;
 use super::tensor::{from_bf16_bits, to_bf16_bits, CudaTensor, DType, Storage};
@@ -74,6 +75,7 @@ impl CudaBackend {
             dev,
             sms,
             conv,
+            conv3_tiles: TileSchedule::from_env()?,
             bn_fusion: bn_fusion_from_env()?,
             bn_prologue: conv_bn::parse_bn_prologue(
                 std::env::var(conv_bn::BN_PROLOGUE_ENV).ok().as_deref(),
@@ -97,6 +99,16 @@ impl CudaBackend {
     /// Switches the convolution kernels (tests compare v1 and v2 on one device).
     pub fn set_conv_version(&mut self, version: ConvVersion) {
         self.conv = version;
+    }
+
+    /// How the v3 GEMMs of 128-column tiles walk their tiles.
+    pub fn conv3_tiles(&self) -> TileSchedule {
+        self.conv3_tiles
+    }
+
+    /// Switches the v3 tile schedule (tests compare the schedules on one device, bit for bit).
+    pub fn set_conv3_tiles(&mut self, schedule: TileSchedule) {
+        self.conv3_tiles = schedule;
     }
 }
 
