@@ -48,6 +48,9 @@
 #                                # module side by side, the Python package, the default step
 #   bash .gpu/gpu-run.sh timing  # issue 31's timed work alone (< 5 min): v3 against v2, breakdowns,
 #                                # resnet18, the PyTorch peer eager and compiled
+#   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES; < 3 min): the
+#                                # step under each tile schedule to the bit, then the schedules
+#                                # in alternating rounds and the persistent one's breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -561,6 +564,43 @@ conv3_rounds() {
   check $checks conv3-rounds resnet50 "$(IFS=,; echo "${rounds_v3[*]}")" "$(IFS=,; echo "${rounds_v2[*]}")"
 }
 
+# resnet50's default (v3) step under the three tile schedules of its 128-column GEMMs
+# (BIRDTRAIN_CONV3_TILES: blocks, the default; raster; persistent) in three alternating rounds,
+# and a line comparing each of the persistent kernels' medians with the default's.
+tiles_rounds() {
+  local r t rounds_blocks=() rounds_raster=() rounds_persistent=()
+  for r in 1 2 3; do
+    for t in blocks raster persistent; do
+      BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t step "bench-resnet50-tiles-$t-r$r" 60 "$bin" bench step \
+        --model resnet50 --batch-size 256 --json --warmup 10 --steps 40
+    done
+    rounds_blocks+=("$out/bench-resnet50-tiles-blocks-r$r.log")
+    rounds_raster+=("$out/bench-resnet50-tiles-raster-r$r.log")
+    rounds_persistent+=("$out/bench-resnet50-tiles-persistent-r$r.log")
+  done
+  local blocks; blocks=$(IFS=,; echo "${rounds_blocks[*]}")
+  check $checks tiles-rounds resnet50 persistent "$(IFS=,; echo "${rounds_persistent[*]}")" "$blocks"
+  check $checks tiles-rounds resnet50 raster "$(IFS=,; echo "${rounds_raster[*]}")" "$blocks"
+}
+
+# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 3 min; DEADLINE=170, timeout_s 200): the
+# resnet50 step under each schedule to the bit (one GPU test, which also checks that the `_p`
+# kernels ran), then, only if it passed, the three schedules in alternating rounds and a
+# breakdown of the persistent one (compare its conv3_*_p rows with the default's).
+phase_tiles() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+  step test-conv3-tiles 120 "$test_bin" --ignored --test-threads 1 --nocapture \
+    cuda_step::conv3_tile_schedules_give_the_same_step_bits
+  check $checks tests "$out/test-conv3-tiles.log" cuda_step::conv3_tile_schedules 1
+  if grep -q "^FAIL .*conv3-tiles\|^FAIL .*conv3_tile_schedules" "$summary"; then
+    note "SKIP tiles-rounds: the schedules' bits differ or the test did not finish (above)"
+    return
+  fi
+  tiles_rounds
+  BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=persistent step bench-resnet50-persistent-breakdown 60 "$bin" \
+    bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
+}
+
 # resnet50's (v2) step with the inner batch norms applied by the convolutions
 # (BIRDTRAIN_BN_PROLOGUE=1) and stored (0) in three alternating rounds, and the line comparing
 # their medians.
@@ -745,9 +785,9 @@ phase_all() {
 }
 
 case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|verify|all) ;;
+  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all) ;;
   torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|verify|all (one per device call)" >&2; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all (one per device call)" >&2; exit 2 ;;
 esac
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"

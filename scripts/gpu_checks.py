@@ -40,6 +40,9 @@
                                   names other convolutions than its setting's)
   prologue-rounds MODEL ON,… OFF,…  the same for BIRDTRAIN_BN_PROLOGUE=1 (the convolutions
                                   apply the inner batch norms) against 0: PASS when on is lower
+  tiles-rounds MODEL SCHEDULE LOGS,… BLOCKS,…  the same for BIRDTRAIN_CONV3_TILES=SCHEDULE
+                                  (raster or persistent) against blocks: PASS when SCHEDULE's
+                                  median is lower (FAIL when a report names another schedule)
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
                                   against B alone and against one batch of B·K (a measurement:
                                   PASS when all three ran and the accumulated run said so)
@@ -391,6 +394,16 @@ def conv3_rounds(model, v3_logs, v2_logs):
     return paired_rounds("conv3-timing", model, ("v3", "v2"), v3_logs, v2_logs)
 
 
+def tiles_rounds(model, schedule, logs, blocks_logs):
+    # Each report names the v3 tile schedule that ran: a setting that did not take is no timing.
+    for paths, want in ((logs, schedule), (blocks_logs, "blocks")):
+        for p in paths.split(","):
+            got = last_report(p).get("conv3_tiles")
+            if got != want:
+                return say(False, f"tiles-timing {model} {schedule}", f"{p} ran tile schedule {got!r}, not {want!r}")
+    return paired_rounds(f"tiles-timing {schedule}", model, (schedule, "blocks"), logs, blocks_logs)
+
+
 def prologue_rounds(model, on_logs, off_logs):
     # Each report names the batch-norm sequence that ran: a setting that did not take is no timing.
     for logs, want in ((on_logs, "applied"), (off_logs, "fused")):
@@ -449,6 +462,7 @@ def main(argv):
         "sync-bn-cost": (sync_bn_cost, (2,)), "fusion-bench": (fusion_bench, (3,)),
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
         "conv3-rounds": (conv3_rounds, (3,)), "prologue-rounds": (prologue_rounds, (3,)),
+        "tiles-rounds": (tiles_rounds, (4,)),
         "tta": (tta, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:

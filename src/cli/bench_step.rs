@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::backend::cpu::{CpuBackend, CpuOptimizer, OpTime, UpdateRule};
 use crate::backend::Backend;
+use crate::cuda::conv::ConvVersion;
 use crate::cuda::optim::{to_backend_layout, DeviceOptimizer};
 use crate::cuda::{CudaBackend, KernelTime};
 use crate::model::{Arch, Graph, InputBatch, Network};
@@ -107,6 +108,9 @@ pub struct StepReport {
     /// conv2.cu, conv3.cu: `BIRDTRAIN_CONV`, unset v3 on Hopper and v2 elsewhere; v3 asked of
     /// another GPU runs v2), on the CPU `"cpu"`.
     pub convolutions: String,
+    /// How the v3 GEMMs of 128-column tiles walked their tiles (`BIRDTRAIN_CONV3_TILES`:
+    /// `"blocks"`, `"raster"` or `"persistent"`); `null` where v3 did not run.
+    pub conv3_tiles: Option<String>,
     /// Where the optimizer update ran.
     pub optimizer: String,
     /// Mean loss of the last timed step.
@@ -291,6 +295,10 @@ fn run_steps<B: Backend>(
             .on(g.profiler.device().arch())
             .name()
     });
+    let conv3_tiles = gpu
+        .as_ref()
+        .filter(|_| convolutions == ConvVersion::V3.name())
+        .map(|g| g.profiler.conv3_tiles().name().to_string());
     let host_pixels: Vec<u8>;
     let pixels = match gpu.as_ref().map(|g| g.pixels) {
         Some(p) => p,
@@ -381,6 +389,7 @@ fn run_steps<B: Backend>(
         device,
         batch_norm: batch_norm.to_string(),
         convolutions: convolutions.to_string(),
+        conv3_tiles,
         optimizer: optimizer.to_string(),
         final_loss: loss,
         breakdown,

@@ -41,11 +41,8 @@ const _: () = assert!(SMEM_BYTES <= 227 * 1024);
 /// [`super::conv3_schedule`]): the stages and barriers (128 bytes), then the epilogue's own
 /// staged tile (`TILE_M × (TILE_N + 8)` bf16) and reduction scratch (2 × 4 × `TILE_N` f32),
 /// and the alignment slack. One block per SM.
-pub const P_SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2
-    + 128
-    + TILE_M * (TILE_N + 8) * 2
-    + 2 * 4 * TILE_N * 4
-    + 1024;
+pub const P_SMEM_BYTES: usize =
+    STAGES * 2 * TILE_M * TILE_K * 2 + 128 + TILE_M * (TILE_N + 8) * 2 + 2 * 4 * TILE_N * 4 + 1024;
 const _: () = assert!(P_SMEM_BYTES <= 227 * 1024);
 /// Columns of the narrow tiles (`_n64` kernels), for GEMMs whose N is at most 64.
 pub const TILE_N_NARROW: usize = 64;

@@ -131,7 +131,9 @@ mod tests {
             TileSchedule::parse(Some(" persistent ")).unwrap(),
             TileSchedule::Persistent
         );
-        let e = TileSchedule::parse(Some("pingpong")).unwrap_err().to_string();
+        let e = TileSchedule::parse(Some("pingpong"))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("BIRDTRAIN_CONV3_TILES=\"pingpong\"") && e.contains("expected blocks"),
             "{e}"

@@ -47,6 +47,7 @@ fn cpu_breakdown_lists_every_op_with_its_share() {
     // The CPU runs batch norm in its own passes (the fused sequence is a test reference there).
     assert_eq!(report["batch_norm"], "separate", "{report}");
     assert_eq!(report["convolutions"], "cpu", "{report}");
+    assert!(report["conv3_tiles"].is_null(), "{report}");
     let rows = report["breakdown"].as_array().expect("a breakdown");
     let row = |name: &str| {
         rows.iter()

@@ -284,7 +284,10 @@ fn kernels_match_references_under_emulation() {
         ),
         // a persistent block whose consumers restart the ring's count at every tile (the
         // stage and parity of the next tile's first k-step are not the ones its producer filled)
-        ("for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {", "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) { if (kt == 0) ring = 0;"),
+        (
+            "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {",
+            "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) { if (kt == 0) ring = 0;",
+        ),
         // a persistent walk that takes every tile's columns from the first column tile
         (
             "mt = i / n_tiles % m_tiles, nt = i % n_tiles;",

@@ -5,6 +5,7 @@
 //!   convolutions (`BIRDTRAIN_BN_FUSION=1`; each test sets the sequence itself);
 //! - the fused step twice on the same batch: the same bits;
 //! - one resnet50 step with the Hopper convolutions (v3: its 1×1 layers), fused and separate;
+//! - the resnet50 step under each v3 tile schedule (`BIRDTRAIN_CONV3_TILES`): the same bits;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!
 //! Tolerances. Each gradient tensor is compared as a whole (relative L2 error
@@ -17,6 +18,7 @@
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
 use birdtrain::cuda::conv::ConvVersion;
+use birdtrain::cuda::conv3_schedule::{self, TileSchedule};
 use birdtrain::cuda::CudaBackend;
 
 use crate::bf16_cpu;
@@ -200,6 +202,77 @@ fn applied_batch_norm_steps_have_the_fused_bits() {
                 .position(|(x, y)| x.to_bits() != y.to_bits())
             {
                 panic!("{arch:?} {name}[{i}]: applied {} fused {}", a[i], f[i]);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv3_tile_schedules_give_the_same_step_bits() {
+    // The v3 GEMMs of 128-column tiles run one block per tile (`blocks`, conv3_gemm), in the
+    // persistent kernels one block per tile (`raster`) and one block per SM walking several
+    // tiles each (`persistent`: resnet50 at 8 × 224 px has 392 such tiles in its first 1×1
+    // data gradients, three a block on 132 SMs). Each tile is computed the same way under all
+    // three, so the step's loss, gradients and running statistics have the same bits.
+    if !CudaBackend::new(0).unwrap().device().arch().is_hopper() {
+        eprintln!("skipped conv3_tile_schedules_give_the_same_step_bits: v3 needs a Hopper GPU");
+        return;
+    }
+    let graph = Graph::new(Arch::ResNet50, 10);
+    let (n, size) = (8, 224u32);
+    let (pixels, labels, aug) = step_batch(n, size as usize);
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: Some(&aug),
+        mix: None,
+    };
+    let step = |schedule: TileSchedule| {
+        let mut backend = CudaBackend::new(0).unwrap();
+        backend.set_conv_version(ConvVersion::V3);
+        backend.set_bn_fusion(true);
+        backend.set_conv3_tiles(schedule);
+        backend.set_profiling(true);
+        let mut net = Network::new(backend, &graph, n, size).unwrap();
+        let tensors = step_tensors(&mut net, &graph, &batch);
+        let kernels: Vec<&'static str> = net
+            .backend()
+            .take_profile()
+            .unwrap()
+            .iter()
+            .map(|k| k.name)
+            .collect();
+        (tensors, kernels)
+    };
+    let ((lb, tb), blocks) = step(TileSchedule::Blocks);
+    assert!(
+        !blocks.iter().any(|k| conv3_schedule::is_persistent(k)),
+        "blocks ran a persistent kernel: {blocks:?}"
+    );
+    for schedule in [TileSchedule::Raster, TileSchedule::Persistent] {
+        let ((l, t), kernels) = step(schedule);
+        for k in [
+            "conv3_fwd_stats_1x1_p",
+            "conv3_dgrad_bn_1x1_p",
+            "conv3_fwd_stats_3x3_p",
+        ] {
+            assert!(
+                kernels.contains(&k),
+                "{schedule:?}: {k} did not run: {kernels:?}"
+            );
+        }
+        println!("{schedule:?}: loss {l} (blocks {lb})");
+        assert_eq!(l.to_bits(), lb.to_bits(), "{schedule:?}: loss {l} vs {lb}");
+        for ((name, a), (_, b)) in t.iter().zip(&tb) {
+            if let Some(i) = a
+                .iter()
+                .zip(b)
+                .position(|(x, y)| x.to_bits() != y.to_bits())
+            {
+                panic!("{schedule:?} {name}[{i}]: {} vs blocks {}", a[i], b[i]);
             }
         }
     }
