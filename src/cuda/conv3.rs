@@ -38,8 +38,7 @@ pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 2 * STAGES * 8 
 // Within the 227 KiB a Hopper block may use.
 const _: () = assert!(SMEM_BYTES <= 227 * 1024);
 /// Dynamic shared memory of the persistent kernels (`CONV3_P_SMEM_BYTES`, the `_p` twins of
-/// [`super::conv3_schedule`]): the stages and barriers (128 bytes), then the epilogue's own
-/// staged tile (`TILE_M × (TILE_N + 8)` bf16) and reduction scratch (2 × 4 × `TILE_N` f32),
+/// [`persistent_twin`]): the stages and barriers (128 bytes), then the epilogue's own staged tile (`TILE_M × (TILE_N + 8)` bf16) and reduction scratch (2 × 4 × `TILE_N` f32),
 /// and the alignment slack. One block per SM.
 pub const P_SMEM_BYTES: usize =
     STAGES * 2 * TILE_M * TILE_K * 2 + 128 + TILE_M * (TILE_N + 8) * 2 + 2 * 4 * TILE_N * 4 + 1024;
@@ -135,9 +134,31 @@ pub fn wgrad_grid(kernel: &str, args: &Conv3Args, slices: usize) -> (u32, u32, u
     )
 }
 
+/// The persistent twin (`_p`, `conv3_gemm_p`) of a 128 × 128 forward or data-gradient kernel:
+/// the same arguments and results, its tiles walked by fewer blocks (which schedule launches
+/// which is `BIRDTRAIN_CONV3_TILES`'s, src/cuda/conv3_schedule.rs).
+pub fn persistent_twin(kernel: &str) -> Option<&'static str> {
+    Some(match kernel {
+        FWD_KERNEL => "conv3_fwd_1x1_p",
+        FWD_STATS_KERNEL => "conv3_fwd_stats_1x1_p",
+        DGRAD_KERNEL => "conv3_dgrad_1x1_p",
+        DGRAD_BN_KERNEL => "conv3_dgrad_bn_1x1_p",
+        FWD_3X3_KERNEL => "conv3_fwd_3x3_p",
+        FWD_STATS_3X3_KERNEL => "conv3_fwd_stats_3x3_p",
+        DGRAD_3X3_KERNEL => "conv3_dgrad_3x3_p",
+        DGRAD_BN_3X3_KERNEL => "conv3_dgrad_bn_3x3_p",
+        _ => return None,
+    })
+}
+
+/// Whether `kernel` is one of the persistent (`_p`) kernels.
+pub fn is_persistent(kernel: &str) -> bool {
+    kernel.starts_with("conv3_") && kernel.ends_with("_p")
+}
+
 /// Dynamic shared memory of a v3 GEMM kernel.
 pub fn smem_bytes(kernel: &str) -> usize {
-    if super::conv3_schedule::is_persistent(kernel) {
+    if is_persistent(kernel) {
         P_SMEM_BYTES
     } else if kernel_tile(kernel) == (TILE_M, TILE_N) {
         SMEM_BYTES
@@ -806,11 +827,7 @@ mod tests {
         let mut want: Vec<&str> = gemms.to_vec();
         want.extend(&narrow);
         want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
-        want.extend(
-            gemms
-                .iter()
-                .filter_map(|k| crate::cuda::conv3_schedule::persistent_twin(k)),
-        );
+        want.extend(gemms.iter().filter_map(|k| persistent_twin(k)));
         want.extend([
             DGRAD_WEIGHTS_3X3_KERNEL,
             DGRAD_WEIGHTS_S2_KERNEL,

@@ -71,7 +71,7 @@ impl TileSchedule {
         match self {
             TileSchedule::Blocks => kernel,
             TileSchedule::Raster | TileSchedule::Persistent => {
-                persistent_twin(kernel).unwrap_or(kernel)
+                conv3::persistent_twin(kernel).unwrap_or(kernel)
             }
         }
     }
@@ -80,7 +80,7 @@ impl TileSchedule {
     /// of `sms` multiprocessors.
     pub fn grid(self, kernel: &str, args: &Conv3Args, sms: u32) -> (u32, u32, u32) {
         let blocks = conv3::grid(args);
-        if !is_persistent(kernel) {
+        if !conv3::is_persistent(kernel) {
             return blocks;
         }
         let tiles = blocks.0 * blocks.1 * blocks.2;
@@ -91,29 +91,10 @@ impl TileSchedule {
     }
 }
 
-/// The persistent twin (`_p`) of a 128 × 128 forward or data-gradient kernel.
-pub fn persistent_twin(kernel: &str) -> Option<&'static str> {
-    Some(match kernel {
-        conv3::FWD_KERNEL => "conv3_fwd_1x1_p",
-        conv3::FWD_STATS_KERNEL => "conv3_fwd_stats_1x1_p",
-        conv3::DGRAD_KERNEL => "conv3_dgrad_1x1_p",
-        conv3::DGRAD_BN_KERNEL => "conv3_dgrad_bn_1x1_p",
-        conv3::FWD_3X3_KERNEL => "conv3_fwd_3x3_p",
-        conv3::FWD_STATS_3X3_KERNEL => "conv3_fwd_stats_3x3_p",
-        conv3::DGRAD_3X3_KERNEL => "conv3_dgrad_3x3_p",
-        conv3::DGRAD_BN_3X3_KERNEL => "conv3_dgrad_bn_3x3_p",
-        _ => return None,
-    })
-}
-
-/// Whether `kernel` is one of the persistent (`_p`) kernels.
-pub fn is_persistent(kernel: &str) -> bool {
-    kernel.starts_with("conv3_") && kernel.ends_with("_p")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::conv3::{is_persistent, persistent_twin};
     use crate::cuda::KernelFile;
 
     #[test]

@@ -11,8 +11,8 @@
 
 use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
 use birdtrain::cuda::conv::{V2_APPLY_KERNELS, V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
+use birdtrain::cuda::conv3;
 use birdtrain::cuda::GpuArch;
-use birdtrain::cuda::{conv3, conv3_schedule};
 
 #[test]
 fn v2_kernels_meet_the_instruction_and_spill_goals() {
@@ -96,11 +96,7 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         .iter()
         .flat_map(|k| [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)])
         .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL])
-        .chain(
-            gemms
-                .iter()
-                .filter_map(|k| conv3_schedule::persistent_twin(k)),
-        );
+        .chain(gemms.iter().filter_map(|k| conv3::persistent_twin(k)));
     for name in kernels {
         let wide = conv3::kernel_tile(name) == (conv3::TILE_M, conv3::TILE_N);
         assert!(

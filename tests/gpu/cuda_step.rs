@@ -18,7 +18,8 @@
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
 use birdtrain::cuda::conv::ConvVersion;
-use birdtrain::cuda::conv3_schedule::{self, TileSchedule};
+use birdtrain::cuda::conv3;
+use birdtrain::cuda::conv3_schedule::TileSchedule;
 use birdtrain::cuda::CudaBackend;
 
 use crate::bf16_cpu;
@@ -249,7 +250,7 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
     };
     let ((lb, tb), blocks) = step(TileSchedule::Blocks);
     assert!(
-        !blocks.iter().any(|k| conv3_schedule::is_persistent(k)),
+        !blocks.iter().any(|k| conv3::is_persistent(k)),
         "blocks ran a persistent kernel: {blocks:?}"
     );
     for schedule in [TileSchedule::Raster, TileSchedule::Persistent] {
