@@ -540,9 +540,30 @@ template <int EPI, int TAPS, int BN, int PERSIST>
 __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int records,
                                             bf16* y, unsigned char* epi, const float* acc, int etid, int wg) {
     constexpr int ETHREADS = PERSIST ? 256 : C3_THREADS, LDC = BN + 8;
-    const int m0 = t.m0, n0 = t.n0;
+    const int m0 = t.m0, n0 = t.n0, M = a.m, N = a.n;
     const bool scatter = EPI == C3_EPI_NONE && !TAPS && a.stride > 1;
     bf16* Cs = reinterpret_cast<bf16*>(epi);
+    // The per-tile records' work (conv2.cu's, by the first 256 threads): a thread owns a column
+    // pair and a span of SPAN rows; the TPC spans of a pair are added in span order by span 0.
+    constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
+    const bool reducer = etid < 256;
+    const int col = (etid % PAIRS) * 2, span = (etid / PAIRS) % TPC;
+    const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
+    const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
+    const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
+    // BN_GRAD: the span's x for Σg·x̂, every load in flight at once (one at a time, a tile
+    // waited SPAN global latencies). A persistent block's consumers load it first, so that it
+    // arrives during the staging and the chunks (they have the registers: setmaxnreg); a
+    // one-tile block's threads load it after the chunks.
+    unsigned xs[EPI == C3_EPI_BN_GRAD ? SPAN : 1];
+    auto load_x = [&]() {
+#pragma unroll
+        for (int i = 0; i < SPAN; ++i)
+            xs[i] = reducer && cn < N && r0 + i < r1
+                        ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn)
+                        : 0u;
+    };
+    if (EPI == C3_EPI_BN_GRAD && PERSIST) load_x();
     if (wg > 0) {
         const int tid = (int)threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
@@ -556,7 +577,6 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             }
     }
     c3_epi_sync<PERSIST>();
-    const int M = a.m, N = a.n;
     constexpr int CHUNKS_PER_ROW = BN / 8, CHUNKS = C3_BM * CHUNKS_PER_ROW;
     // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs), in
     // rounds of at most 6 chunks a thread (the registers that hold them).
@@ -600,33 +620,21 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     }
     if (EPI == C3_EPI_NONE) return;
 
-    // ---- per-tile records (conv2.cu's, by the first 256 threads) ---------------------------
+    // ---- per-tile records ---------------------------------------------------------------------
     // Record t.record of `records`: gridDim.z is 1 but for the phases (each phase's tiles
     // cover a quarter of dx, every pixel once).
-    // A thread owns a column pair and a span of SPAN rows; the TPC spans of a pair are added
-    // in span order by span 0.
-    constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
     float* red_a = reinterpret_cast<float*>(epi + C3_BM * LDC * 2);  // [TPC][BN]
     float* red_b = red_a + TPC * BN;
-    const bool reducer = etid < 256;
-    const int col = (etid % PAIRS) * 2, span = (etid / PAIRS) % TPC;
-    const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
-    const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
-    const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
     const long plane = (long)records * N, at = (long)t.record * N + cn;
     if (EPI == C3_EPI_BN_GRAD) {
         // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
+        if (!PERSIST) load_x();
         c3_epi_sync<PERSIST>();  // every g is staged
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
-            // The span's x first, every load in flight at once, then the sums in row order (the
-            // same bits): one load at a time, a tile waited SPAN global latencies here.
-            unsigned xs[SPAN];
-#pragma unroll
-            for (int i = 0; i < SPAN; ++i)
-                xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn) : 0u;
+            // The sums in row order (the same bits whenever x was loaded).
 #pragma unroll
             for (int i = 0; i < SPAN; ++i) {
                 const int r = r0 + i;
