@@ -856,6 +856,7 @@ __device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUt
     __trap();  // compiled for a target without wgmma: the host never launches this
 #endif
 }
+
 // ---- kernels ---------------------------------------------------------------------------------
 // Names: conv3_{fwd,dgrad}[_stats|_bn]_1x1 (the 128×128 tile of 384 threads; the host,
 // src/cuda/conv3.rs, passes CONV3_SMEM_BYTES of dynamic shared memory) and the dgrad's weight
