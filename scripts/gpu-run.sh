@@ -48,7 +48,7 @@
 #                                # module side by side, the Python package, the default step
 #   bash .gpu/gpu-run.sh timing  # issue 31's timed work alone (< 5 min): v3 against v2, breakdowns,
 #                                # resnet18, the PyTorch peer eager and compiled
-#   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES; < 3 min): the
+#   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES; < 4 min): the
 #                                # step under each tile schedule to the bit, then the schedules
 #                                # in alternating rounds and the persistent one's breakdown
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
@@ -583,16 +583,21 @@ tiles_rounds() {
   check $checks tiles-rounds resnet50 raster "$(IFS=,; echo "${rounds_raster[*]}")" "$blocks"
 }
 
-# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 3 min; DEADLINE=170, timeout_s 200): the
+# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 4 min; DEADLINE=200, timeout_s 230): the
 # resnet50 step under each schedule to the bit (one GPU test, which also checks that the `_p`
-# kernels ran), then, only if it passed, the three schedules in alternating rounds and a
+# kernels ran) beside every v3 op test run on the persistent kernels, then, only if both passed, the three schedules in alternating rounds and a
 # breakdown of the persistent one (compare its conv3_*_p rows with the default's).
 phase_tiles() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step test-conv3-tiles 120 "$test_bin" --ignored --test-threads 1 --nocapture \
-    cuda_step::conv3_tile_schedules_give_the_same_step_bits
+    cuda_step::conv3_tile_schedules_give_the_same_step_bits &
+  # Every v3 op test (odd shapes, tails, the fused batch norm) on the persistent kernels.
+  BIRDTRAIN_CONV3_TILES=persistent step test-conv3-ops-persistent 150 "$test_bin" --ignored \
+    --test-threads 1 --nocapture cuda_kernels::conv3_ &
+  wait
   check $checks tests "$out/test-conv3-tiles.log" cuda_step::conv3_tile_schedules 1
-  if grep -q "^FAIL .*conv3-tiles\|^FAIL .*conv3_tile_schedules" "$summary"; then
+  check $checks tests "$out/test-conv3-ops-persistent.log" cuda_kernels::conv3_ 2
+  if grep -q "^FAIL .*conv3-tiles\|^FAIL .*conv3_tile_schedules\|^FAIL .*conv3-ops-persistent\|^FAIL .*cuda_kernels::conv3_" "$summary"; then
     note "SKIP tiles-rounds: the schedules' bits differ or the test did not finish (above)"
     return
   fi
