@@ -51,6 +51,7 @@
 #   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES; < 4 min): the
 #                                # step under each tile schedule to the bit, then the schedules
 #                                # in alternating rounds and the persistent one's breakdown
+#   bash .gpu/gpu-run.sh tiles,all  # several phases in turn in one call, under one DEADLINE
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
 #                                # there), then the timed work alone, most important first
@@ -789,14 +790,24 @@ phase_all() {
   bench_compiled_peer
 }
 
-case "$phase" in
-  tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all) ;;
-  torchrun-kill) trap - EXIT; shift; torchrun_kill "$@"; exit ;;
-  *) echo "usage: gpu-run.sh tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all (one per device call)" >&2; exit 2 ;;
-esac
+if [ "$phase" = torchrun-kill ]; then trap - EXIT; shift; torchrun_kill "$@"; exit; fi
+# One phase, or several separated by commas (`tiles,timing`), run in turn under the one
+# $DEADLINE: one device call instead of several (each call may find the machine released and
+# start a fresh one), one summary and one tarball.
+IFS=, read -ra phases <<<"$phase"
+[ "${#phases[@]}" -gt 0 ] || phases=("")
+for p in "${phases[@]}"; do
+  case "$p" in
+    tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all) ;;
+    *) echo "usage: gpu-run.sh PHASE[,PHASE…]: tests|bench|train|auto|syncbn|ncu|multi|fusion|prologue|tta|python|hopper|graphs|next|timing|tiles|verify|all (one call runs them in turn)" >&2; exit 2 ;;
+  esac
+done
 : >"$summary"
 note "== gpu-run.sh $phase on $(hostname) $(date -u +%FT%TZ) (GPUS=$gpus, BIRDTRAIN_BN_FUSION=${BIRDTRAIN_BN_FUSION:-unset: on})"
 discover
 shift
-"phase_$phase" "$@"
+for p in "${phases[@]}"; do
+  [ "${#phases[@]}" -eq 1 ] || note "== phase $p ($((deadline - SECONDS)) s left)"
+  "phase_$p" "$@"
+done
 echo; echo "== summary ($summary)"; cat "$summary"
