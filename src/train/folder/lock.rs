@@ -29,19 +29,36 @@ impl RunLock {
                 what: "open the run folder's lock file",
                 source,
             })?;
-        match file.try_lock() {
-            Ok(()) => Ok(RunLock { _file: file }),
-            Err(std::fs::TryLockError::WouldBlock) => Err(FolderError::InUse {
-                path: root.to_path_buf(),
-            }),
-            Err(std::fs::TryLockError::Error(source)) => Err(FolderError::Io {
-                path,
-                what: "lock",
-                source,
-            }),
+        // A lock released a moment ago may still be held for an instant: a child process that
+        // another thread of this process is starting shares every open file (ours are
+        // close-on-exec) from its fork until its exec. So a folder is in use only when the
+        // lock stays taken for a while; a run in another process holds it for its whole life.
+        let deadline = std::time::Instant::now() + IN_USE_AFTER;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(RunLock { _file: file }),
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(FolderError::InUse {
+                        path: root.to_path_buf(),
+                    })
+                }
+                Err(std::fs::TryLockError::Error(source)) => {
+                    return Err(FolderError::Io {
+                        path,
+                        what: "lock",
+                        source,
+                    })
+                }
+            }
         }
     }
 }
+
+/// How long the lock must stay taken before the folder counts as in use.
+const IN_USE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Whether a process holds `dir`'s run-folder lock now (a run, resume or `lr-find` writing
 /// into it). Probed with a shared lock taken and dropped at once, so a run starting at that

@@ -394,6 +394,22 @@ mod tests {
     }
 
     #[test]
+    fn a_lock_released_a_moment_later_is_taken_not_called_in_use() {
+        // What a child process started by another thread does for an instant: hold the lock
+        // a finished run released (its copy of the open file lives until its exec).
+        let tmp = tempfile::tempdir().unwrap();
+        let folder = RunFolder::new(tmp.path().join("run"));
+        folder.create().unwrap();
+        let held = folder.lock().unwrap();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(held);
+        });
+        let _taken = folder.lock().expect("the lock, once released");
+        releaser.join().unwrap();
+    }
+
+    #[test]
     fn a_resumed_folder_keeps_the_epochs_before_and_a_fresh_one_starts_empty() {
         let tmp = tempfile::tempdir().unwrap();
         let first = RunFolder::new(tmp.path().join("first"));
