@@ -327,9 +327,11 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
 
 // setmaxnreg (PTX ISA 8.0, sm_90a): the warpgroup gives registers back to the block's pool
 // (dec) or takes them from it (inc), so a persistent block's producer, one thread issuing
-// TMA loads, runs on 40 registers a thread and its consumers, which hold the accumulators and
-// the epilogue's operands, on 232 (128·40 + 256·232 = 64 512 of the 65 536, what the launch's
-// 168 a thread allocated). Every thread of the warpgroup executes it.
+// TMA loads, runs on few registers and its consumers, which hold the accumulators and the
+// epilogue's operands, on more: one block an SM (168 a thread at launch): 40 and 232
+// (128·40 + 256·232 = 64 512 = 384·168); two (80 at launch): 32 and 104 (128·32 + 256·104 =
+// 30 720 = 384·80). An inc beyond what the decs freed would wait forever. Every thread of
+// the warpgroup executes it.
 template <int REGS>
 __device__ __forceinline__ void c3_setmaxnreg_dec() {
 #ifndef BT_EMULATE
@@ -416,9 +418,10 @@ __device__ __forceinline__ long c3_pixel(const Conv3Args& a, const C3Tile& t, bo
 }
 
 #ifdef C3_HOPPER
-// The producer's elected thread: the output tile's k-steps into the ring, `ring` counting the stages
-// filled so far by this block (a persistent block's ring runs on from tile to tile).
-template <int MN, int TAPS, int BM, int BN>
+// The producer's elected thread: the output tile's k-steps into the ring of STAGES stages, `ring`
+// counting the stages filled so far by this block (a persistent block's ring runs on from tile
+// to tile).
+template <int MN, int TAPS, int BM, int BN, int STAGES = C3_STAGES>
 __device__ __forceinline__ void c3_produce(const CUtensorMap* map_a, const CUtensorMap* map_b, const Conv3Args& a,
                                            const C3Tile& out_tile, unsigned base, unsigned full0, unsigned empty0, int& ring) {
     constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
@@ -427,7 +430,7 @@ __device__ __forceinline__ void c3_produce(const CUtensorMap* map_a, const CUten
     const int slices = out_tile.slices, ph = out_tile.ph, pw = out_tile.pw, tc = out_tile.tc;
     const bool phases = out_tile.phases;
     for (int kt = 0; kt < out_tile.kt_count; ++kt, ++ring) {
-        const int s = ring % C3_STAGES, round = ring / C3_STAGES, k0 = out_tile.k_begin + kt * C3_BK;
+        const int s = ring % STAGES, round = ring / STAGES, k0 = out_tile.k_begin + kt * C3_BK;
         if (round > 0) c3_mbar_wait(empty0 + 8 * s, (unsigned)(round - 1) & 1u);
         const unsigned stage = base + s * STAGE, full = full0 + 8 * s;
         c3_mbar_arrive_expect_tx(full, STAGE);
@@ -478,15 +481,15 @@ __device__ __forceinline__ void c3_produce(const CUtensorMap* map_a, const CUten
 // columns 64c .. 64c + 63), `ring` counting the stages consumed so far by this block. Each
 // stage is released once its wgmma are done; the tile's last one here when `release_last`
 // (a persistent block's producer refills it for the next tile; a one-tile block has no next).
-template <int MN, int BM, int BN>
+template <int MN, int BM, int BN, int STAGES = C3_STAGES>
 __device__ __forceinline__ void c3_consume(float* acc, const C3Tile& t, unsigned base, unsigned full0, unsigned empty0,
                                            int c, int tid, int& ring, bool release_last) {
     constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
     constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
     c3_fence_acc<ACC>(acc);
     for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {
-        const int s = ring % C3_STAGES;
-        c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / C3_STAGES) & 1u);
+        const int s = ring % STAGES;
+        c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / STAGES) & 1u);
         const unsigned stage = base + s * STAGE;
         // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
         // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
@@ -505,11 +508,11 @@ __device__ __forceinline__ void c3_consume(float* acc, const C3Tile& t, unsigned
         c3_wgmma_commit();
         // The previous slice's wgmma are done: its stage may be refilled.
         c3_wgmma_wait<1>(acc);
-        if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % C3_STAGES));
+        if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % STAGES));
     }
     c3_wgmma_wait<0>(acc);
     c3_fence_acc<ACC>(acc);
-    if (release_last && t.kt_count > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % C3_STAGES));
+    if (release_last && t.kt_count > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % STAGES));
     if (t.kt_count == 0) {
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;  // an empty slice: zeros
@@ -552,9 +555,11 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     // BN_GRAD: the span's x for Σg·x̂, every load in flight at once (one at a time, a tile
-    // waited SPAN global latencies). A persistent block's consumers load it first, so that it
-    // arrives during the staging and the chunks (they have the registers: setmaxnreg); a
-    // one-tile block's threads load it after the chunks.
+    // waited SPAN global latencies). The consumers of a persistent block of 128 columns load
+    // it first, so that it arrives during the staging and the chunks (they have the registers:
+    // setmaxnreg); the others (a one-tile block, or two persistent blocks an SM on 104
+    // registers a consumer, which would spill) load it after the chunks.
+    constexpr bool X_FIRST = PERSIST && BN == 128;
     unsigned xs[EPI == C3_EPI_BN_GRAD ? SPAN : 1];
     auto load_x = [&]() {
 #pragma unroll
@@ -563,7 +568,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
                         ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn)
                         : 0u;
     };
-    if (EPI == C3_EPI_BN_GRAD && PERSIST) load_x();
+    if (EPI == C3_EPI_BN_GRAD && X_FIRST) load_x();
     if (wg > 0) {
         const int tid = (int)threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
@@ -579,8 +584,10 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     c3_epi_sync<PERSIST>();
     constexpr int CHUNKS_PER_ROW = BN / 8, CHUNKS = C3_BM * CHUNKS_PER_ROW;
     // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs), in
-    // rounds of at most 6 chunks a thread (the registers that hold them).
-    constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS, ROUNDS = (PER_THREAD + 5) / 6;
+    // rounds of at most 6 chunks a thread (the registers that hold them; 2 where two persistent
+    // blocks share an SM's registers).
+    constexpr int MOST = PERSIST && BN == 64 ? 2 : 6;
+    constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS, ROUNDS = (PER_THREAD + MOST - 1) / MOST;
     constexpr int PER_ROUND = (PER_THREAD + ROUNDS - 1) / ROUNDS;
     const bool bn_grad = EPI == C3_EPI_BN_GRAD;
     const bf16* mask_src = bn_grad ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
@@ -629,7 +636,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     const long plane = (long)records * N, at = (long)t.record * N + cn;
     if (EPI == C3_EPI_BN_GRAD) {
         // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
-        if (!PERSIST) load_x();
+        if (!X_FIRST) load_x();
         c3_epi_sync<PERSIST>();  // every g is staged
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
@@ -789,44 +796,51 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
 #endif
 }
 
-// The same GEMMs (forward and data gradient, 128 × 128 tiles) by persistent blocks: grid.x
-// blocks (the host launches one per SM, or one per tile) walk the tiles t = blockIdx.x,
-// blockIdx.x + gridDim.x, … in the order (phase z, row tile, column tile), the column tiles
-// innermost, so the blocks that run at once share their rows of A (the activations, read from
-// memory once instead of once per column tile; B, the weights, stays in L2). The producer runs
-// on into the next tile's stages while the consumers finish this one: the epilogue has its own
-// shared memory (after the stages and barriers: CONV3_P_SMEM_BYTES) and runs on the two
-// consumer warpgroups alone, synchronised by named barrier 1, so the next tile's loads overlap
-// it. Each tile computes what conv3_gemm's block for it computes, in the same order: the same
-// bits.
-#define C3_P_EPI (C3_STAGES * C3_STAGE_BYTES + 128)  // offset of the epilogue's area from the base
-#define CONV3_P_SMEM_BYTES (C3_P_EPI + C3_BM * C3_LDC * 2 + 2 * 4 * C3_BN * 4 + 1024)
+// The same GEMMs (forward and data gradient; tiles of 128 rows × BN = 128 or 64 columns) by
+// persistent blocks: grid.x blocks (the host launches one per SM, two for BN = 64, or one per
+// tile) walk the tiles t = blockIdx.x, blockIdx.x + gridDim.x, … in the order (phase z, row
+// tile, column tile), the column tiles innermost, so the blocks that run at once share their
+// rows of A (the activations, read from memory once instead of once per column tile; B, the
+// weights, stays in L2). The producer runs on into the next tile's stages while the consumers
+// finish this one: the epilogue has its own shared memory (after the stages and barriers) and
+// runs on the two consumer warpgroups alone, synchronised by named barrier 1, so the next
+// tile's loads overlap it. Each tile computes what conv3_gemm's block for it computes, in the
+// same order: the same bits. BN = 128: 4 stages, 167 KiB (CONV3_P_SMEM_BYTES), one block an
+// SM; BN = 64: 3 stages of 24 KiB, 95 KiB (CONV3_N64_P_SMEM_BYTES), two blocks an SM. Either
+// way the producer warpgroup gives its registers to the consumers (setmaxnreg).
+#define C3_P_STAGES(BN) ((BN) == 128 ? 4 : 3)
+#define C3_P_EPI(BN) (C3_P_STAGES(BN) * (C3_TILE_BYTES + (BN) * C3_BK * 2) + 128)  // the epilogue's offset
+#define C3_P_SMEM(BN) (C3_P_EPI(BN) + C3_BM * ((BN) + 8) * 2 + 2 * (256 / ((BN) / 2)) * (BN) * 4 + 1024)
+#define CONV3_P_SMEM_BYTES C3_P_SMEM(128)
+#define CONV3_N64_P_SMEM_BYTES C3_P_SMEM(64)
 
 // Tile i of a persistent block's walk: the phase z outermost, then the row tile, the column
 // tile innermost.
-template <int TAPS>
+template <int TAPS, int BN>
 __device__ __forceinline__ C3Tile c3_tile_p(const Conv3Args& a, int i, int m_tiles, int n_tiles) {
     const int z = i / (m_tiles * n_tiles), mt = i / n_tiles % m_tiles, nt = i % n_tiles;
-    return c3_tile<0, TAPS, C3_BM, C3_BN>(a, mt, nt, z, m_tiles);
+    return c3_tile<0, TAPS, C3_BM, BN>(a, mt, nt, z, m_tiles);
 }
 
-template <int EPI, int TAPS>
+template <int EPI, int TAPS, int BN = C3_BN>
 __device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUtensorMap* map_b, bf16* out,
                                              const Conv3Args& a, const Conv3Epilogue& ep) {
 #ifdef C3_HOPPER
     static_assert(EPI != C3_EPI_WGRAD, "persistent blocks: the forward and data-gradient GEMMs");
+    static_assert(BN == 128 || BN == 64, "tiles of 128 or 64 columns");
+    constexpr int STAGES = C3_P_STAGES(BN), STAGE = C3_TILE_BYTES + BN * C3_BK * 2;
     C3_SMEM(smem_raw);
     const unsigned raw = c3_shared(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (base - raw);
-    const unsigned full0 = base + C3_STAGES * C3_STAGE_BYTES, empty0 = full0 + 8 * C3_STAGES;
+    const unsigned full0 = base + STAGES * STAGE, empty0 = full0 + 8 * STAGES;
     const int tid = threadIdx.x, wg = tid / 128;
     const bool phases = TAPS && a.flip && a.stride > 1;
-    const int m_tiles = (a.m + C3_BM - 1) / C3_BM, n_tiles = (a.n + C3_BN - 1) / C3_BN, z_count = phases ? 4 : 1;
+    const int m_tiles = (a.m + C3_BM - 1) / C3_BM, n_tiles = (a.n + BN - 1) / BN, z_count = phases ? 4 : 1;
     const int tiles = m_tiles * n_tiles * z_count;
 
     if (tid == 0) {
-        for (int s = 0; s < C3_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             c3_mbar_init(full0 + 8 * s, 1);
             c3_mbar_init(empty0 + 8 * s, 2);
         }
@@ -836,21 +850,21 @@ __device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUt
     // From here on the producer and the consumers go their own ways: no __syncthreads.
     int ring = 0;
     if (wg == 0) {
-        c3_setmaxnreg_dec<40>();
+        c3_setmaxnreg_dec<BN == 128 ? 40 : 32>();
         if (tid != 0) return;
         for (int i = blockIdx.x; i < tiles; i += gridDim.x)
-            c3_produce<0, TAPS, C3_BM, C3_BN>(map_a, map_b, a, c3_tile_p<TAPS>(a, i, m_tiles, n_tiles), base, full0,
-                                              empty0, ring);
+            c3_produce<0, TAPS, C3_BM, BN, STAGES>(map_a, map_b, a, c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles), base,
+                                                   full0, empty0, ring);
         return;
     }
-    c3_setmaxnreg_inc<232>();
-    float acc[C3_BN / 2];
+    c3_setmaxnreg_inc<BN == 128 ? 232 : 104>();
+    float acc[BN / 2];
     for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-        const C3Tile t = c3_tile_p<TAPS>(a, i, m_tiles, n_tiles);
-        c3_consume<0, C3_BM, C3_BN>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
+        const C3Tile t = c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles);
+        c3_consume<0, C3_BM, BN, STAGES>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
         // The previous tile's epilogue is done with the staging area.
         c3_epi_sync<1>();
-        c3_epilogue<EPI, TAPS, C3_BN, 1>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI, acc, tid - 128, wg);
+        c3_epilogue<EPI, TAPS, BN, 1>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI(BN), acc, tid - 128, wg);
     }
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this
@@ -1116,6 +1130,64 @@ conv3_dgrad_bn_3x3_p(const __grid_constant__ CUtensorMap map_dy, const __grid_co
                      const bf16* __restrict__ beta, int relu) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
     conv3_gemm_p<C3_EPI_BN_GRAD, 1>(&map_dy, &map_wt, dx, args, ep);
+}
+
+// The persistent twins of the 64-column kernels (`_n64_p`: conv3_gemm_p with BN = 64,
+// CONV3_N64_P_SMEM_BYTES, two blocks an SM).
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_1x1_n64_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 0, 64>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_stats_1x1_n64_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+    Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm_p<C3_EPI_STATS, 0, 64>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_1x1_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+    Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 0, 64>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_bn_1x1_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
+    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    conv3_gemm_p<C3_EPI_BN_GRAD, 0, 64>(&map_dy, &map_wt, dx, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_3x3_n64_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y, Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 1, 64>(&map_x, &map_w, y, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_fwd_stats_3x3_n64_p(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w, bf16* y,
+    Conv3Args args, float* part) {
+    Conv3Epilogue ep{};
+    ep.part = part;
+    conv3_gemm_p<C3_EPI_STATS, 1, 64>(&map_x, &map_w, y, args, ep);
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_3x3_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+    Conv3Args args) {
+    conv3_gemm_p<C3_EPI_NONE, 1, 64>(&map_dy, &map_wt, dx, args, Conv3Epilogue{});
+}
+
+extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
+conv3_dgrad_bn_3x3_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
+    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
+    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
+    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    conv3_gemm_p<C3_EPI_BN_GRAD, 1, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 
 // wt[c][tap·K + k] = w[k][tap][c] (w: KRSC with `taps` = R·S filter positions): the 3×3

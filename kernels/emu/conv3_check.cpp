@@ -10,7 +10,9 @@
 // as late as allowed and the blocks in row-major order, then landing at issue and the blocks
 // shuffled: both must give the same bits (a missing wait changes one of them). Every kernel
 // runs in each of its tile shapes: 128 × 128, the 64-column `_n64` twins, and the weight
-// gradients' 64-row `_m64` twins (the consumers splitting the columns).
+// gradients' 64-row `_m64` twins (the consumers splitting the columns). Every forward and
+// data-gradient case runs again on the persistent twins (`_p`, `_n64_p`: fewer blocks than
+// tiles, each walking several), which must give the same bits.
 #include "emu.h"
 #include "hopper.h"    // mbarrier, TMA and wgmma (sm_90a)
 #include "conv3_x.cu"  // conv3.cu with common.cuh expanded (written by the test)
@@ -27,8 +29,8 @@ static int g_bn = 128;
 // The weight gradients' tile height under test: 128, or 64 (conv3_wgrad_*_m64, split by columns).
 static int g_bm = 128;
 
-// 0: the one-tile-per-block kernels; else the persistent twins (`_p`, 128-column tiles) in
-// that many blocks.
+// 0: the one-tile-per-block kernels; else the persistent twins (`_p`, `_n64_p`) in that many
+// blocks.
 static unsigned g_persistent = 0;
 
 // The grid of a launch over `tiles` (one block per tile), or the persistent blocks.
@@ -58,13 +60,12 @@ static void check_bits(const std::string& what, bool same) {
     failures += !same;
 }
 
-// Runs a case again with the persistent twins (128-column tiles only): 3 blocks with TMA landing
+// Runs a case again with the persistent twins (`_p`, `_n64_p`): 3 blocks with TMA landing
 // lazily, then 2 blocks with TMA landing at issue (each block walks several tiles, its ring
 // running on from tile to tile); `same` compares a run's result with the one-tile-per-block
 // run's bits.
 template <class Run, class Same>
 static void check_persistent(const char* what, Run run, Same same) {
-    if (g_bn != 128) return;
     for (int pass = 0; pass < 2; ++pass) {
         g_persistent = pass == 0 ? 3 : 2;
         g_emu_tma_eager = pass == 1;
@@ -93,9 +94,9 @@ static Result run(const Gemm& g, const std::vector<bf16>& x, const std::vector<b
     bf16* y = r.y.data();
     float* part = r.part.data();
     if (stats)
-        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_stats_1x1_p(map_x, map_w, y, args, part) : g_bn == 64 ? conv3_fwd_stats_1x1_n64(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1(map_x, map_w, y, args, part)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_fwd_stats_1x1_n64_p(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1_p(map_x, map_w, y, args, part)) : g_bn == 64 ? conv3_fwd_stats_1x1_n64(map_x, map_w, y, args, part) : conv3_fwd_stats_1x1(map_x, map_w, y, args, part)); });
     else
-        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_1x1_p(map_x, map_w, y, args) : g_bn == 64 ? conv3_fwd_1x1_n64(map_x, map_w, y, args) : conv3_fwd_1x1(map_x, map_w, y, args)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_fwd_1x1_n64_p(map_x, map_w, y, args) : conv3_fwd_1x1_p(map_x, map_w, y, args)) : g_bn == 64 ? conv3_fwd_1x1_n64(map_x, map_w, y, args) : conv3_fwd_1x1(map_x, map_w, y, args)); });
     return r;
 }
 
@@ -202,15 +203,16 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
     float* part = r.part.data();
     if (d.bn)
         emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] {
-            (g_persistent ? conv3_dgrad_bn_1x1_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
+            (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_1x1_n64_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu) : conv3_dgrad_bn_1x1_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu))
              : g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
                                invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
                         : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
                                invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu));
         });
     else
-        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_dgrad_1x1_p(map_dy, map_wt, dx, args) : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
+        emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_dgrad_1x1_n64_p(map_dy, map_wt, dx, args) : conv3_dgrad_1x1_p(map_dy, map_wt, dx, args)) : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
     return r;
 }
 
@@ -341,7 +343,7 @@ static std::vector<bf16> run_dgrad_s2(const DgradS2& d, const std::vector<bf16>&
     args.stride = 2;
     bf16* out = dx.data();
     emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] {
-        (g_persistent ? conv3_dgrad_1x1_p(map_dy, map_wt, out, args)
+        (g_persistent ? (g_bn == 64 ? conv3_dgrad_1x1_n64_p(map_dy, map_wt, out, args) : conv3_dgrad_1x1_p(map_dy, map_wt, out, args))
          : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, out, args) : conv3_dgrad_1x1(map_dy, map_wt, out, args));
     });
     return dx;
@@ -490,8 +492,8 @@ static void check_3x3(const Conv3x3& g) {
         bf16* yp = y.data();
         float* pp = part.data();
         const dim3e grid{(unsigned)tiles, (unsigned)((g.k + g_bn - 1) / g_bn), 1};
-        if (g.stats) emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_stats_3x3_p(map_x, map_w, yp, args, pp) : g_bn == 64 ? conv3_fwd_stats_3x3_n64(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp)); });
-        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_fwd_3x3_p(map_x, map_w, yp, args) : g_bn == 64 ? conv3_fwd_3x3_n64(map_x, map_w, yp, args) : conv3_fwd_3x3(map_x, map_w, yp, args)); });
+        if (g.stats) emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_fwd_stats_3x3_n64_p(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3_p(map_x, map_w, yp, args, pp)) : g_bn == 64 ? conv3_fwd_stats_3x3_n64(map_x, map_w, yp, args, pp) : conv3_fwd_stats_3x3(map_x, map_w, yp, args, pp)); });
+        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_fwd_3x3_n64_p(map_x, map_w, yp, args) : conv3_fwd_3x3_p(map_x, map_w, yp, args)) : g_bn == 64 ? conv3_fwd_3x3_n64(map_x, map_w, yp, args) : conv3_fwd_3x3(map_x, map_w, yp, args)); });
     };
     std::vector<bf16> y((size_t)m * g.k, __float2bfloat16_rn(NAN));
     std::vector<float> part(g.stats ? 2 * (size_t)tiles * g.k : 0, NAN);
@@ -627,13 +629,14 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)phases};
         if (g.bn)
             emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] {
-                (g_persistent ? conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), nullptr, nullptr, 1)
+                (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_3x3_n64_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), nullptr, nullptr, 1))
                  : g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
                                    residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
                                    residual.data(), nullptr, nullptr, 1));
             });
-        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? conv3_dgrad_3x3_p(map_dy, map_wt, dxp, args) : g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
+        else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_dgrad_3x3_n64_p(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3_p(map_dy, map_wt, dxp, args)) : g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
     std::vector<bf16> dx = dx0;
     std::vector<float> part(g.bn ? 2 * (size_t)phases * tiles * g.c : 0, NAN);

@@ -37,14 +37,28 @@ pub const THREADS: u32 = 384;
 pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 2 * STAGES * 8 + 1024;
 // Within the 227 KiB a Hopper block may use.
 const _: () = assert!(SMEM_BYTES <= 227 * 1024);
-/// Dynamic shared memory of the persistent kernels (`CONV3_P_SMEM_BYTES`, the `_p` twins of
-/// [`persistent_twin`]): the stages and barriers (128 bytes), then the epilogue's own staged tile (`TILE_M × (TILE_N + 8)` bf16) and reduction scratch (2 × 4 × `TILE_N` f32),
-/// and the alignment slack. One block per SM.
-pub const P_SMEM_BYTES: usize =
-    STAGES * 2 * TILE_M * TILE_K * 2 + 128 + TILE_M * (TILE_N + 8) * 2 + 2 * 4 * TILE_N * 4 + 1024;
+/// Dynamic shared memory of a persistent kernel (`C3_P_SMEM` in conv3.cu, the twins of
+/// [`persistent_twin`]) of `tile_n` columns: its ring of stages (4 for 128 columns, 3 for 64)
+/// and their barriers (128 bytes), then the epilogue's own staged tile (`TILE_M × (tile_n + 8)`
+/// bf16) and reduction scratch (2 × 4 × 128 f32 either way), and the alignment slack.
+const fn p_smem_bytes(tile_n: usize) -> usize {
+    let stages = if tile_n == TILE_N { 4 } else { 3 };
+    stages * (TILE_M + tile_n) * TILE_K * 2
+        + 128
+        + TILE_M * (tile_n + 8) * 2
+        + 2 * 4 * 128 * 4
+        + 1024
+}
+/// Dynamic shared memory of the 128-column persistent kernels (`CONV3_P_SMEM_BYTES`): one
+/// block an SM.
+pub const P_SMEM_BYTES: usize = p_smem_bytes(TILE_N);
 const _: () = assert!(P_SMEM_BYTES <= 227 * 1024);
 /// Columns of the narrow tiles (`_n64` kernels), for GEMMs whose N is at most 64.
 pub const TILE_N_NARROW: usize = 64;
+/// Dynamic shared memory of the 64-column persistent kernels (`CONV3_N64_P_SMEM_BYTES`): two
+/// blocks fit an SM.
+pub const N64_P_SMEM_BYTES: usize = p_smem_bytes(TILE_N_NARROW);
+const _: () = assert!(2 * (N64_P_SMEM_BYTES + 1024) <= 228 * 1024);
 /// Dynamic shared memory of the `_n64` kernels (`CONV3_N64_SMEM_BYTES`): B tiles of 64 rows;
 /// two blocks fit an SM. The `_m64` kernels' stages (an A tile of 64 rows, a B tile of 128)
 /// are as large.
@@ -114,7 +128,7 @@ pub fn wgrad_kernel(kernel: &'static str, args: &Conv3Args) -> &'static str {
 
 /// The output tile (rows, columns) of a v3 GEMM kernel, by its name.
 pub fn kernel_tile(kernel: &str) -> (usize, usize) {
-    if kernel.ends_with("_n64") {
+    if kernel.ends_with("_n64") || kernel.ends_with("_n64_p") {
         (TILE_M, TILE_N_NARROW)
     } else if kernel.ends_with("_m64") {
         (TILE_M_NARROW, TILE_N)
@@ -134,7 +148,7 @@ pub fn wgrad_grid(kernel: &str, args: &Conv3Args, slices: usize) -> (u32, u32, u
     )
 }
 
-/// The persistent twin (`_p`, `conv3_gemm_p`) of a 128 × 128 forward or data-gradient kernel:
+/// The persistent twin (`_p`, `_n64_p`: `conv3_gemm_p`) of a forward or data-gradient kernel:
 /// the same arguments and results, its tiles walked by fewer blocks (which schedule launches
 /// which is `BIRDTRAIN_CONV3_TILES`'s, src/cuda/conv3_schedule.rs).
 pub fn persistent_twin(kernel: &str) -> Option<&'static str> {
@@ -147,6 +161,14 @@ pub fn persistent_twin(kernel: &str) -> Option<&'static str> {
         FWD_STATS_3X3_KERNEL => "conv3_fwd_stats_3x3_p",
         DGRAD_3X3_KERNEL => "conv3_dgrad_3x3_p",
         DGRAD_BN_3X3_KERNEL => "conv3_dgrad_bn_3x3_p",
+        "conv3_fwd_1x1_n64" => "conv3_fwd_1x1_n64_p",
+        "conv3_fwd_stats_1x1_n64" => "conv3_fwd_stats_1x1_n64_p",
+        "conv3_dgrad_1x1_n64" => "conv3_dgrad_1x1_n64_p",
+        "conv3_dgrad_bn_1x1_n64" => "conv3_dgrad_bn_1x1_n64_p",
+        "conv3_fwd_3x3_n64" => "conv3_fwd_3x3_n64_p",
+        "conv3_fwd_stats_3x3_n64" => "conv3_fwd_stats_3x3_n64_p",
+        "conv3_dgrad_3x3_n64" => "conv3_dgrad_3x3_n64_p",
+        "conv3_dgrad_bn_3x3_n64" => "conv3_dgrad_bn_3x3_n64_p",
         _ => return None,
     })
 }
@@ -159,7 +181,7 @@ pub fn is_persistent(kernel: &str) -> bool {
 /// Dynamic shared memory of a v3 GEMM kernel.
 pub fn smem_bytes(kernel: &str) -> usize {
     if is_persistent(kernel) {
-        P_SMEM_BYTES
+        p_smem_bytes(kernel_tile(kernel).1)
     } else if kernel_tile(kernel) == (TILE_M, TILE_N) {
         SMEM_BYTES
     } else {
@@ -828,6 +850,7 @@ mod tests {
         want.extend(&narrow);
         want.extend([WGRAD_M64_KERNEL, WGRAD_3X3_M64_KERNEL]);
         want.extend(gemms.iter().filter_map(|k| persistent_twin(k)));
+        want.extend(narrow.iter().filter_map(|k| persistent_twin(k)));
         want.extend([
             DGRAD_WEIGHTS_3X3_KERNEL,
             DGRAD_WEIGHTS_S2_KERNEL,
@@ -848,12 +871,20 @@ mod tests {
             "#define CONV3_N64_SMEM_BYTES (C3_STAGES * (C3_TILE_BYTES + 64 * C3_BK * 2) + 2 * C3_STAGES * 8 + 1024)"
         ));
         assert_eq!(N64_SMEM_BYTES, 4 * 24576 + 64 + 1024);
-        assert!(text.contains("#define C3_P_EPI (C3_STAGES * C3_STAGE_BYTES + 128)"));
-        assert!(text.contains(
-            "#define CONV3_P_SMEM_BYTES (C3_P_EPI + C3_BM * C3_LDC * 2 + 2 * 4 * C3_BN * 4 + 1024)"
-        ));
-        assert!(text.contains("#define C3_LDC (C3_BN + 8)"));
+        for line in [
+            "#define C3_P_STAGES(BN) ((BN) == 128 ? 4 : 3)",
+            "#define C3_P_EPI(BN) (C3_P_STAGES(BN) * (C3_TILE_BYTES + (BN) * C3_BK * 2) + 128)",
+            "#define C3_P_SMEM(BN) (C3_P_EPI(BN) + C3_BM * ((BN) + 8) * 2 + 2 * (256 / ((BN) / 2)) * (BN) * 4 + 1024)",
+            "#define CONV3_P_SMEM_BYTES C3_P_SMEM(128)",
+            "#define CONV3_N64_P_SMEM_BYTES C3_P_SMEM(64)",
+        ] {
+            assert!(text.contains(line), "conv3.cu changed: {line}");
+        }
         assert_eq!(P_SMEM_BYTES, 4 * 32768 + 128 + 128 * 136 * 2 + 4096 + 1024);
+        assert_eq!(
+            N64_P_SMEM_BYTES,
+            3 * 24576 + 128 + 128 * 72 * 2 + 4096 + 1024
+        );
         assert_eq!(std::mem::size_of::<Conv3Args>(), 52);
         let multi: Vec<&str> = text
             .split("struct Conv3Args {")

@@ -1,7 +1,7 @@
-//! How the v3 forward and data-gradient GEMMs (128 × 128 tiles) walk their tiles
-//! (`BIRDTRAIN_CONV3_TILES`): one block per tile in row-major grid order (`blocks`, the
-//! default), or the persistent kernels of kernels/conv3.cu (`_p`, `conv3_gemm_p`) with one
-//! block per tile (`raster`) or one block per SM (`persistent`).
+//! How the v3 forward and data-gradient GEMMs walk their tiles (`BIRDTRAIN_CONV3_TILES`): one
+//! block per tile in row-major grid order (`blocks`, the default), or the persistent kernels of
+//! kernels/conv3.cu (`_p`, `_n64_p`: `conv3_gemm_p`) with one block per tile (`raster`, the
+//! 128-column tiles) or one block per SM (`persistent`; two for the 64-column tiles).
 //!
 //! Why: a one-tile block's grid runs its row tiles first, so the column tiles of one row of
 //! A (the activations) run a whole wave of row tiles apart and each reads A from memory again;
@@ -10,8 +10,9 @@
 //! that run at once share their rows of A) and, with fewer blocks than tiles, load the next
 //! tile's stages during the epilogue, which has its own shared memory and runs on the two
 //! consumer warpgroups. Every schedule computes each tile the same way, so all three give the
-//! same bits; the 64-column (`_n64`) kernels, two blocks per SM, and the weight gradients keep
-//! one block per tile.
+//! same bits. The 64-column tiles (one column tile per GEMM: their order is the grid's) run
+//! persistent only under `persistent`, two blocks an SM on a ring of 3 stages; the weight
+//! gradients keep one block per tile under every schedule.
 
 use super::conv3::{self, Conv3Args};
 use super::CudaError;
@@ -20,16 +21,17 @@ use super::CudaError;
 /// `persistent`. `blocks` stays the default until a GPU has measured another one faster.
 pub const TILES_ENV: &str = "BIRDTRAIN_CONV3_TILES";
 
-/// How the v3 forward and data-gradient GEMMs of 128-column tiles walk their tiles.
+/// How the v3 forward and data-gradient GEMMs walk their tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TileSchedule {
     /// One block per tile, the grid's row tiles first (`conv3_gemm`).
     #[default]
     Blocks,
-    /// The `_p` kernels with one block per tile: the column tiles innermost.
+    /// The 128-column `_p` kernels with one block per tile: the column tiles innermost.
     Raster,
-    /// The `_p` kernels with one block per SM, each walking a tile every `blocks` tiles and
-    /// loading the next tile's stages during the current one's epilogue.
+    /// The `_p` and `_n64_p` kernels with one block per SM (two for the 64-column tiles), each
+    /// walking a tile every `blocks` tiles and loading the next tile's stages during the
+    /// current one's epilogue.
     Persistent,
 }
 
@@ -65,11 +67,13 @@ impl TileSchedule {
     }
 
     /// The kernel that runs the GEMM of `kernel` (a v3 kernel chosen by tile shape,
-    /// [`conv3::with_tile`]) under this schedule: its persistent twin where it has one and the
-    /// schedule is not `blocks`, else itself.
+    /// [`conv3::with_tile`]) under this schedule: its persistent twin where it has one (under
+    /// `raster`, the 128-column kernels' only), else itself.
     pub fn kernel(self, kernel: &'static str) -> &'static str {
+        let wide = conv3::kernel_tile(kernel) == (conv3::TILE_M, conv3::TILE_N);
         match self {
             TileSchedule::Blocks => kernel,
+            TileSchedule::Raster if !wide => kernel,
             TileSchedule::Raster | TileSchedule::Persistent => {
                 conv3::persistent_twin(kernel).unwrap_or(kernel)
             }
@@ -84,8 +88,14 @@ impl TileSchedule {
             return blocks;
         }
         let tiles = blocks.0 * blocks.1 * blocks.2;
+        // As many blocks as fit the SMs at once: two of the 64-column kernels an SM.
+        let per_sm = if conv3::kernel_tile(kernel).1 == conv3::TILE_N {
+            1
+        } else {
+            2
+        };
         match self {
-            TileSchedule::Persistent => (tiles.min(sms.max(1)), 1, 1),
+            TileSchedule::Persistent => (tiles.min(per_sm * sms.max(1)), 1, 1),
             TileSchedule::Blocks | TileSchedule::Raster => (tiles, 1, 1),
         }
     }
@@ -121,8 +131,9 @@ mod tests {
         );
     }
 
-    /// Every 128-column forward and data-gradient kernel has a twin in conv3.cu; the narrow
-    /// tiles and the weight gradients have none and keep their kernel under every schedule.
+    /// Every forward and data-gradient kernel has a twin in conv3.cu (`raster` takes the
+    /// 128-column ones only); the weight gradients have none and keep their kernel under every
+    /// schedule.
     #[test]
     fn the_persistent_twins_exist_and_only_for_the_wide_gemms() {
         let names = KernelFile::by_name(conv3::FILE).unwrap().kernel_names();
@@ -146,17 +157,33 @@ mod tests {
             assert_eq!(TileSchedule::Persistent.kernel(k), twin);
             assert_eq!(conv3::smem_bytes(twin), conv3::P_SMEM_BYTES);
         }
+        let narrow: Vec<&'static str> = wide
+            .iter()
+            .map(|k| conv3::with_tile(k, conv3::TILE_N_NARROW))
+            .collect();
+        for &k in &narrow {
+            let twin = persistent_twin(k).unwrap();
+            assert_eq!(twin, format!("{k}_p"));
+            assert!(names.iter().any(|n| n == twin), "{twin} is not in conv3.cu");
+            assert_eq!(TileSchedule::Raster.kernel(k), k);
+            assert_eq!(TileSchedule::Persistent.kernel(k), twin);
+            assert_eq!(conv3::smem_bytes(twin), conv3::N64_P_SMEM_BYTES);
+            assert_eq!(conv3::kernel_tile(twin), (128, 64));
+        }
         for k in [
-            conv3::with_tile(conv3::FWD_KERNEL, conv3::TILE_N_NARROW),
-            conv3::with_tile(conv3::DGRAD_BN_3X3_KERNEL, conv3::TILE_N_NARROW),
             conv3::WGRAD_KERNEL,
+            conv3::with_tile(conv3::WGRAD_KERNEL, conv3::TILE_N_NARROW),
             conv3::WGRAD_3X3_M64_KERNEL,
         ] {
             assert_eq!(persistent_twin(k), None);
             assert_eq!(TileSchedule::Persistent.kernel(k), k);
         }
         // Every `_p` kernel of the file is somebody's twin.
-        let twins: Vec<&str> = wide.iter().filter_map(|k| persistent_twin(k)).collect();
+        let twins: Vec<&str> = wide
+            .iter()
+            .chain(&narrow)
+            .filter_map(|k| persistent_twin(k))
+            .collect();
         for n in names.iter().filter(|n| is_persistent(n)) {
             assert!(twins.contains(&n.as_str()), "{n} has no original");
         }
@@ -189,6 +216,15 @@ mod tests {
         // Fewer tiles than SMs: one block per tile.
         let small = Conv3Args { m: 300, ..args };
         assert_eq!(TileSchedule::Persistent.grid(twin, &small, 132), (6, 1, 1));
+        // 64 columns (its data gradient to 64 channels): two blocks an SM.
+        let narrow = Conv3Args { n: 64, ..args };
+        let twin =
+            TileSchedule::Persistent.kernel(conv3::with_tile(kernel, conv3::tile_n(&narrow)));
+        assert_eq!(twin, "conv3_dgrad_bn_1x1_n64_p");
+        assert_eq!(
+            TileSchedule::Persistent.grid(twin, &narrow, 132),
+            (264, 1, 1)
+        );
         // The phases of a stride-2 3×3 data gradient are tiles too.
         let s2 = conv3::dgrad_s2_args(
             &crate::backend::ConvShape {

@@ -177,6 +177,8 @@ kernel_launchers! {
         "conv3_fwd_1x1", "conv3_dgrad_1x1", "conv3_fwd_3x3", "conv3_dgrad_3x3",
         "conv3_fwd_1x1_n64", "conv3_dgrad_1x1_n64", "conv3_fwd_3x3_n64", "conv3_dgrad_3x3_n64",
         "conv3_fwd_1x1_p", "conv3_dgrad_1x1_p", "conv3_fwd_3x3_p", "conv3_dgrad_3x3_p",
+        "conv3_fwd_1x1_n64_p", "conv3_dgrad_1x1_n64_p", "conv3_fwd_3x3_n64_p",
+        "conv3_dgrad_3x3_n64_p",
     ] {
         map_a: super::conv3::TensorMap,
         map_b: super::conv3::TensorMap,
@@ -187,6 +189,7 @@ kernel_launchers! {
     "conv3.cu" Conv3FwdStats<'a> [
         "conv3_fwd_stats_1x1", "conv3_fwd_stats_3x3", "conv3_fwd_stats_1x1_n64",
         "conv3_fwd_stats_3x3_n64", "conv3_fwd_stats_1x1_p", "conv3_fwd_stats_3x3_p",
+        "conv3_fwd_stats_1x1_n64_p", "conv3_fwd_stats_3x3_n64_p",
     ] {
         map_x: super::conv3::TensorMap,
         map_w: super::conv3::TensorMap,
@@ -199,6 +202,7 @@ kernel_launchers! {
     "conv3.cu" Conv3DgradBn<'a> [
         "conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3", "conv3_dgrad_bn_1x1_n64",
         "conv3_dgrad_bn_3x3_n64", "conv3_dgrad_bn_1x1_p", "conv3_dgrad_bn_3x3_p",
+        "conv3_dgrad_bn_1x1_n64_p", "conv3_dgrad_bn_3x3_n64_p",
     ] {
         map_dy: super::conv3::TensorMap,
         map_wt: super::conv3::TensorMap,

@@ -96,11 +96,15 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
         .iter()
         .flat_map(|k| [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)])
         .chain([conv3::WGRAD_M64_KERNEL, conv3::WGRAD_3X3_M64_KERNEL])
-        .chain(gemms.iter().filter_map(|k| conv3::persistent_twin(k)));
+        .chain(gemms.iter().flat_map(|k| {
+            [*k, conv3::with_tile(k, conv3::TILE_N_NARROW)]
+                .into_iter()
+                .filter_map(conv3::persistent_twin)
+        }));
     for name in kernels {
         let wide = conv3::kernel_tile(name) == (conv3::TILE_M, conv3::TILE_N);
         assert!(
-            wide || name.ends_with("_n64") || name.ends_with("_m64"),
+            wide || name.ends_with("_n64") || name.ends_with("_m64") || name.ends_with("_n64_p"),
             "{name}"
         );
         let r = rows
