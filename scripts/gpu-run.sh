@@ -584,10 +584,11 @@ tiles_rounds() {
   check $checks tiles-rounds resnet50 raster "$(IFS=,; echo "${rounds_raster[*]}")" "$blocks"
 }
 
-# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 4 min; DEADLINE=200, timeout_s 230): the
+# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 4 min; DEADLINE=220, timeout_s 250): the
 # resnet50 step under each schedule to the bit (one GPU test, which also checks that the `_p`
-# kernels ran) beside every v3 op test run on the persistent kernels, then, only if both passed, the three schedules in alternating rounds and a
-# breakdown of the persistent one (compare its conv3_*_p rows with the default's).
+# kernels ran) beside every v3 op test run on the persistent kernels; then, only if both
+# passed, the three schedules in alternating rounds, and a breakdown of `persistent` and of
+# `blocks` (compare each conv3_*_p and conv3_*_n64_p row with its original's).
 phase_tiles() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step test-conv3-tiles 120 "$test_bin" --ignored --test-threads 1 --nocapture \
@@ -603,8 +604,11 @@ phase_tiles() {
     return
   fi
   tiles_rounds
-  BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=persistent step bench-resnet50-persistent-breakdown 60 "$bin" \
-    bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
+  local t
+  for t in persistent blocks; do
+    BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t step "bench-resnet50-$t-breakdown" 60 "$bin" \
+      bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
+  done
 }
 
 # resnet50's (v2) step with the inner batch norms applied by the convolutions

@@ -211,11 +211,12 @@ fn applied_batch_norm_steps_have_the_fused_bits() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn conv3_tile_schedules_give_the_same_step_bits() {
-    // The v3 GEMMs of 128-column tiles run one block per tile (`blocks`, conv3_gemm), in the
-    // persistent kernels one block per tile (`raster`) and one block per SM walking several
-    // tiles each (`persistent`: resnet50 at 8 × 224 px has 392 such tiles in its first 1×1
-    // data gradients, three a block on 132 SMs). Each tile is computed the same way under all
-    // three, so the step's loss, gradients and running statistics have the same bits.
+    // The v3 forward and data-gradient GEMMs run one block per tile (`blocks`, conv3_gemm), in
+    // the persistent kernels one block per tile (`raster`, the 128-column tiles) and one block
+    // per SM walking several tiles each (`persistent`, two blocks an SM for 64 columns:
+    // resnet50 at 8 × 224 px has 392 128-column tiles in its first 1×1 data gradients, three
+    // a block on 132 SMs). Each tile is computed the same way under all three, so the step's
+    // loss, gradients and running statistics have the same bits.
     if !CudaBackend::new(0).unwrap().device().arch().is_hopper() {
         eprintln!("skipped conv3_tile_schedules_give_the_same_step_bits: v3 needs a Hopper GPU");
         return;
@@ -263,6 +264,14 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
             assert!(
                 kernels.contains(&k),
                 "{schedule:?}: {k} did not run: {kernels:?}"
+            );
+        }
+        // The 64-column tiles (layer1's) run persistent under `persistent` alone.
+        for k in ["conv3_fwd_stats_1x1_n64_p", "conv3_dgrad_bn_1x1_n64_p"] {
+            assert_eq!(
+                kernels.contains(&k),
+                schedule == TileSchedule::Persistent,
+                "{schedule:?}: {k}: {kernels:?}"
             );
         }
         println!("{schedule:?}: loss {l} (blocks {lb})");
