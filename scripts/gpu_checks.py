@@ -384,33 +384,37 @@ def paired_rounds(what, model, names, a_logs, b_logs):
                f"rounds {first}/{second} {rounds}; {device})")
 
 
-def conv3_rounds(model, v3_logs, v2_logs):
-    # Each report names the convolutions that ran: v3 asked of a GPU without it runs v2.
-    for logs, want in ((v3_logs, "v3"), (v2_logs, "v2")):
+def setting_not_taken(field, expected):
+    """The first report of `expected` ((comma-separated logs, wanted value) pairs) whose `field`
+    is not the value its setting asked for, as a sentence; None when every setting took (a
+    round whose setting did not take is no timing)."""
+    for logs, want in expected:
         for p in logs.split(","):
-            got = last_report(p).get("convolutions")
+            got = last_report(p).get(field)
             if got != want:
-                return say(False, f"conv3-timing {model}", f"{p} ran convolutions {got!r}, not {want!r}")
+                return f"{p} ran {field} {got!r}, not {want!r}"
+    return None
+
+
+def conv3_rounds(model, v3_logs, v2_logs):
+    # v3 asked of a GPU without it runs v2.
+    wrong = setting_not_taken("convolutions", ((v3_logs, "v3"), (v2_logs, "v2")))
+    if wrong:
+        return say(False, f"conv3-timing {model}", wrong)
     return paired_rounds("conv3-timing", model, ("v3", "v2"), v3_logs, v2_logs)
 
 
 def tiles_rounds(model, schedule, logs, blocks_logs):
-    # Each report names the v3 tile schedule that ran: a setting that did not take is no timing.
-    for paths, want in ((logs, schedule), (blocks_logs, "blocks")):
-        for p in paths.split(","):
-            got = last_report(p).get("conv3_tiles")
-            if got != want:
-                return say(False, f"tiles-timing {model} {schedule}", f"{p} ran tile schedule {got!r}, not {want!r}")
+    wrong = setting_not_taken("conv3_tiles", ((logs, schedule), (blocks_logs, "blocks")))
+    if wrong:
+        return say(False, f"tiles-timing {model} {schedule}", wrong)
     return paired_rounds(f"tiles-timing {schedule}", model, (schedule, "blocks"), logs, blocks_logs)
 
 
 def prologue_rounds(model, on_logs, off_logs):
-    # Each report names the batch-norm sequence that ran: a setting that did not take is no timing.
-    for logs, want in ((on_logs, "applied"), (off_logs, "fused")):
-        for p in logs.split(","):
-            got = last_report(p).get("batch_norm")
-            if got != want:
-                return say(False, f"prologue-timing {model}", f"{p} ran batch norm {got!r}, not {want!r}")
+    wrong = setting_not_taken("batch_norm", ((on_logs, "applied"), (off_logs, "fused")))
+    if wrong:
+        return say(False, f"prologue-timing {model}", wrong)
     return paired_rounds("prologue-timing", model, ("applied", "stored"), on_logs, off_logs)
 
 

@@ -86,6 +86,18 @@ impl CudaBackend {
         })
     }
 
+    /// The launch configuration of the forward or data-gradient GEMM of `args` run by `kernel`
+    /// (what the tile schedule chose, `BIRDTRAIN_CONV3_TILES`), over the schedule's grid.
+    fn conv3_gemm_cfg(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        args: &Conv3Args,
+    ) -> Result<LaunchConfig, BackendError> {
+        let grid = self.conv3_tiles.grid(kernel, args, self.sms);
+        self.conv3_prepare(op, kernel, grid)
+    }
+
     /// The tensor map of `buf` as a `[rows][cols]` bf16 matrix read in boxes of `box_rows`.
     fn tensor_map(
         &self,
@@ -160,8 +172,7 @@ impl CudaBackend {
         let bytes = 2 * (s.x_len() + s.w_len() + s.y_len());
         match part {
             None => {
-                let grid = self.conv3_tiles.grid(kernels.0, &args, self.sms);
-                let cfg = self.conv3_prepare(op, kernels.0, grid)?;
+                let cfg = self.conv3_gemm_cfg(op, kernels.0, &args)?;
                 let gemm = Conv3Gemm {
                     map_a: map_x,
                     map_b: map_w,
@@ -172,8 +183,7 @@ impl CudaBackend {
                 self.note_work(bytes, s.flops());
             }
             Some(part) => {
-                let grid = self.conv3_tiles.grid(kernels.1, &args, self.sms);
-                let cfg = self.conv3_prepare(op, kernels.1, grid)?;
+                let cfg = self.conv3_gemm_cfg(op, kernels.1, &args)?;
                 let gemm = Conv3FwdStats {
                     map_x,
                     map_w,
@@ -295,8 +305,7 @@ impl CudaBackend {
         };
         match bn {
             None => {
-                let grid = self.conv3_tiles.grid(plain, &args, self.sms);
-                let cfg = self.conv3_prepare(op, plain, grid)?;
+                let cfg = self.conv3_gemm_cfg(op, plain, &args)?;
                 let gemm = Conv3Gemm {
                     map_a: map_dy,
                     map_b: map_wt,
@@ -307,8 +316,7 @@ impl CudaBackend {
                 self.note_work(bytes, s.flops());
             }
             Some(bn) => {
-                let grid = self.conv3_tiles.grid(with_bn, &args, self.sms);
-                let cfg = self.conv3_prepare(op, with_bn, grid)?;
+                let cfg = self.conv3_gemm_cfg(op, with_bn, &args)?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
                 let records = conv3::records(&args);
                 let gemm = Conv3DgradBn {
