@@ -44,7 +44,12 @@
 // memory, written as whole 16-byte chunks, and (conv3_fwd_stats_1x1) each output channel's
 // tile statistics (mean, M2 over the tile's rows, two passes over the staged bf16 tile,
 // summed in a fixed order) are written as per-tile records in conv2.cu's layout, which bn.cu
-// merges (bn_stats_merge): the same bits every run, in any block order.
+// merges (bn_stats_merge): the same bits every run, in any block order. The data gradients'
+// batch-norm epilogue (BN_GRAD) takes the ReLU's mask from the batch norm's stored output y, or,
+// given none (null bn_y: BIRDTRAIN_BN_MASK=recomputed, or an output never stored), recomputes
+// it from x in the sums of Σg·x̂, which hold the column pair's x, statistics, γ and β in
+// registers; it then writes g after them (per chunk, the recomputation would cost a 16-byte
+// load of x and 32 scalar loads of the parameters).
 //
 // Data layout. x: NHWC bf16 viewed as [M][K]; w: [N][K] bf16; y: [M][N] bf16; K % 8 == 0 and
 // N % 8 == 0 (the tensor maps need 16-byte row pitches). Shared memory, from a 1024-byte
@@ -590,7 +595,13 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS, ROUNDS = (PER_THREAD + MOST - 1) / MOST;
     constexpr int PER_ROUND = (PER_THREAD + ROUNDS - 1) / ROUNDS;
     const bool bn_grad = EPI == C3_EPI_BN_GRAD;
-    const bf16* mask_src = bn_grad ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
+    // BN_GRAD whose batch norm's output is not read (null bn_y, a ReLU): the mask is recomputed
+    // in the sums below from the span's x, which they load anyway, and g goes out after them.
+    // Per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters.
+    const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.relu;
+    Conv3Epilogue chunk_ep = ep;
+    if (mask_late) chunk_ep.relu = 0;
+    const bf16* mask_src = bn_grad ? ep.bn_y : nullptr;
 #pragma unroll
     for (int round = 0; round < ROUNDS; ++round) {
         EpilogueInputs<PER_ROUND> in;
@@ -609,8 +620,9 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             if (ch >= CHUNKS || (!TAPS && m0 + row >= M) || n >= N) continue;
             const long o = c3_pixel<TAPS>(a, t, scatter, row) * N + n;
             const uint4 v =
-                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep, n);
+                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, chunk_ep, n);
             if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+            if (mask_late) continue;  // stored after the sums have masked it
             *reinterpret_cast<uint4*>(y + o) = v;
             if (scatter && !a.accumulate) {
                 // The stride × stride cell's other pixels get zeros here (accumulating: left as
@@ -632,7 +644,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // cover a quarter of dx, every pixel once).
     float* red_a = reinterpret_cast<float*>(epi + C3_BM * LDC * 2);  // [TPC][BN]
     float* red_b = red_a + TPC * BN;
-    const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);
+    unsigned* cs_pair = reinterpret_cast<unsigned*>(Cs + col);
     const long plane = (long)records * N, at = (long)t.record * N + cn;
     if (EPI == C3_EPI_BN_GRAD) {
         // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
@@ -641,13 +653,26 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
             const float mu0 = ep.mean[cn], mu1 = ep.mean[cn + 1], is0 = ep.invstd[cn], is1 = ep.invstd[cn + 1];
+            float2 ga = make_float2(0.0f, 0.0f), be = ga;
+            if (mask_late) {
+                ga = make_float2(bt_to_f32(ep.gamma[cn]), bt_to_f32(ep.gamma[cn + 1]));
+                be = make_float2(bt_to_f32(ep.beta[cn]), bt_to_f32(ep.beta[cn + 1]));
+            }
             // The sums in row order (the same bits whenever x was loaded).
 #pragma unroll
             for (int i = 0; i < SPAN; ++i) {
                 const int r = r0 + i;
                 if (r >= r1) break;
-                const unsigned v = cs_pair[r * (LDC / 2)];
+                unsigned v = cs_pair[r * (LDC / 2)];
                 const unsigned x = xs[i];
+                if (mask_late) {
+                    // y as bn_apply wrote it (applied_bn2, EpilogueInputs' recomputed mask), its
+                    // sign the mask; the masked g staged again for the store below.
+                    const unsigned yb = applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1);
+                    v &= (__uint_as_float(yb << 16) > 0.0f ? 0x0000ffffu : 0u) |
+                         (__uint_as_float(yb & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u);
+                    cs_pair[r * (LDC / 2)] = v;
+                }
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
                 b1 += v1;
@@ -662,6 +687,15 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             red_b[span * BN + col + 1] = g1;
         }
         c3_epi_sync<PERSIST>();
+        if (mask_late) {
+            // The masked g, staged by the sums above, in whole 16-byte chunks.
+            for (int ch = etid; ch < CHUNKS; ch += ETHREADS) {
+                const int row = ch / CHUNKS_PER_ROW, c8 = (ch % CHUNKS_PER_ROW) * 8, n = n0 + c8;
+                if ((!TAPS && m0 + row >= M) || n >= N) continue;
+                *reinterpret_cast<uint4*>(y + c3_pixel<TAPS>(a, t, false, row) * N + n) =
+                    *reinterpret_cast<const uint4*>(Cs + row * LDC + c8);
+            }
+        }
         if (reducer && span == 0 && cn < N) {
 #pragma unroll
             for (int p = 1; p < TPC; ++p) {

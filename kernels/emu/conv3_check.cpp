@@ -216,6 +216,24 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
     return r;
 }
 
+// γ and β of both signs and zero, and y = bn_apply's bits of ReLU(BN(x)) with them: what the
+// data gradients recompute their mask from when no stored y is passed.
+static void applied_output(const std::vector<bf16>& bn_x, const std::vector<float>& mean, const std::vector<float>& invstd,
+                           int c_count, std::vector<bf16>& gamma, std::vector<bf16>& beta, std::vector<bf16>& y) {
+    gamma.resize(c_count);
+    beta.resize(c_count);
+    y.resize(bn_x.size());
+    for (int c = 0; c < c_count; ++c) {
+        gamma[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.0f : (c % 2 ? -0.75f : 1.5f) * (1 + c % 3));
+        beta[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.5f : 0.125f * (c % 4) - 0.25f);
+    }
+    for (size_t o = 0; o < y.size(); ++o) {
+        const int c = (int)(o % c_count);
+        float v = (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c] * __bfloat162float(gamma[c]) + __bfloat162float(beta[c]);
+        y[o] = __float2bfloat16_rn(fmaxf(v, 0.0f));
+    }
+}
+
 static void check_dgrad(const Dgrad& d) {
     std::mt19937 rng(d.m * 977 + d.c * 13 + d.k + 2 * d.bn + 4 * d.accumulate + 8 * d.residual + 16 * d.mask);
     const std::string name = std::string(d.bn ? "conv3_dgrad_bn_1x1" : "conv3_dgrad_1x1") + " m" + std::to_string(d.m) +
@@ -304,23 +322,22 @@ static void check_dgrad(const Dgrad& d) {
     if (d.bn && d.mask) {
         // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from y =
         // bn_apply's bits of the same (γ of both signs and zero): the same dx and records.
-        std::vector<bf16> gamma(d.c), beta(d.c), y((size_t)d.m * d.c);
-        for (int c = 0; c < d.c; ++c) {
-            gamma[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.0f : (c % 2 ? -0.75f : 1.5f) * (1 + c % 3));
-            beta[c] = __float2bfloat16_rn(c % 5 == 2 ? 0.5f : 0.125f * (c % 4) - 0.25f);
-        }
-        for (size_t o = 0; o < y.size(); ++o) {
-            const int c = (int)(o % d.c);
-            float v = (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c] * __bfloat162float(gamma[c]) + __bfloat162float(beta[c]);
-            y[o] = __float2bfloat16_rn(fmaxf(v, 0.0f));
-        }
+        std::vector<bf16> gamma, beta, y;
+        applied_output(bn_x, mean, invstd, d.c, gamma, beta, y);
         const DgradResult stored = run_dgrad(d, dy, wt, dx0, y, bn_x, mean, invstd, residual);
         const DgradResult recomputed = run_dgrad(d, dy, wt, dx0, y, bn_x, mean, invstd, residual, gamma.data(), beta.data());
         check_bits("mask recomputed from x: same dx", memcmp(recomputed.dx.data(), stored.dx.data(), r.dx.size() * 2) == 0);
         check_bits("mask recomputed from x: same records",
                    memcmp(recomputed.part.data(), stored.part.data(), r.part.size() * 4) == 0);
+        check_persistent("dx and records, mask recomputed from x",
+                         [&] { return run_dgrad(d, dy, wt, dx0, y, bn_x, mean, invstd, residual, gamma.data(), beta.data()); },
+                         [&](const DgradResult& p) {
+                             return memcmp(p.dx.data(), stored.dx.data(), r.dx.size() * 2) == 0 &&
+                                    memcmp(p.part.data(), stored.part.data(), r.part.size() * 4) == 0;
+                         });
     }
 }
+
 
 // The data gradient of a strided 1×1 (stride 2, no padding): the dgrad GEMM over dy's
 // n × P × Q pixels (P = ceil(h / 2), Q = ceil(w / 2)) whose epilogue scatters row (i, p, q) to
@@ -613,7 +630,11 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         check_bits("conv3_dgrad_weights_3x3", same);
     }
     const int m = (int)dy_px, tiles = m / C3_BM;
-    auto run = [&](std::vector<bf16>& dx, std::vector<float>& part) {
+    // y_in: the stored output the mask is read from (bn_y if null); gamma, beta given: no stored
+    // output, the mask recomputed from bn_x.
+    auto run = [&](std::vector<bf16>& dx, std::vector<float>& part, const bf16* y_in = nullptr,
+                   const bf16* gamma = nullptr, const bf16* beta = nullptr) {
+        const bf16* ys = gamma != nullptr ? nullptr : y_in != nullptr ? y_in : bn_y.data();
         const unsigned long long dim[4] = {(unsigned long long)g.k, (unsigned long long)dw, (unsigned long long)dh,
                                            (unsigned long long)g.n};
         const unsigned long long stride[3] = {(unsigned long long)g.k * 2, (unsigned long long)dw * g.k * 2,
@@ -629,12 +650,12 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         const dim3e grid{(unsigned)tiles, (unsigned)((g.c + g_bn - 1) / g_bn), (unsigned)phases};
         if (g.bn)
             emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] {
-                (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_3x3_n64_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), nullptr, nullptr, 1))
-                 : g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), nullptr, nullptr, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, bn_y.data(), bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), nullptr, nullptr, 1));
+                (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_3x3_n64_p(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1) : conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1))
+                 : g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1));
             });
         else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_dgrad_3x3_n64_p(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3_p(map_dy, map_wt, dxp, args)) : g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
@@ -713,6 +734,27 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
                      [&](const std::pair<std::vector<bf16>, std::vector<float>>& p) {
                          return memcmp(p.first.data(), dx.data(), dx.size() * 2) == 0 &&
                                 memcmp(p.second.data(), part.data(), part.size() * 4) == 0;
+                     });
+    if (!g.bn) return;
+    // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from bn_apply's y
+    // of the same: the same dx and records, one tile a block and persistent.
+    std::vector<bf16> gamma, beta, y;
+    applied_output(bn_x, mean, invstd, g.c, gamma, beta, y);
+    std::vector<bf16> dx_stored = dx0, dx_late = dx0;
+    std::vector<float> part_stored(part.size(), NAN), part_late(part.size(), NAN);
+    run(dx_stored, part_stored, y.data());
+    run(dx_late, part_late, nullptr, gamma.data(), beta.data());
+    check_bits("mask recomputed from x: same dx", memcmp(dx_late.data(), dx_stored.data(), dx.size() * 2) == 0);
+    check_bits("mask recomputed from x: same records", memcmp(part_late.data(), part_stored.data(), part.size() * 4) == 0);
+    check_persistent("dx and records, mask recomputed from x",
+                     [&] {
+                         std::pair<std::vector<bf16>, std::vector<float>> p{dx0, std::vector<float>(part.size(), NAN)};
+                         run(p.first, p.second, nullptr, gamma.data(), beta.data());
+                         return p;
+                     },
+                     [&](const std::pair<std::vector<bf16>, std::vector<float>>& p) {
+                         return memcmp(p.first.data(), dx_stored.data(), dx.size() * 2) == 0 &&
+                                memcmp(p.second.data(), part_stored.data(), part.size() * 4) == 0;
                      });
 }
 

@@ -213,6 +213,10 @@ pub struct BnGradEpilogue<'a, T> {
     /// [`Backend::conv_forward_bn`]): the mask is then recomputed from `x`, `gamma` and `beta`
     /// as that output's sign.
     pub y: Option<&'a T>,
+    /// `y` is ReLU(BN(x)) alone (no residual added before the ReLU), so a backend may
+    /// recompute the mask from `x`, `gamma` and `beta` instead of reading a stored `y`
+    /// (`BIRDTRAIN_BN_MASK`); false where a residual entered it or `y` is not that output.
+    pub y_recomputable: bool,
     /// Whether the batch norm applied a ReLU.
     pub relu: bool,
     /// Its scale γ (read only to recompute the mask, when `y` is `None`).

@@ -14,6 +14,7 @@
 
 pub mod arch;
 pub mod backend;
+pub mod bn_mask;
 pub mod cache;
 pub mod conv;
 pub mod conv3;

@@ -48,6 +48,7 @@ fn cpu_breakdown_lists_every_op_with_its_share() {
     assert_eq!(report["batch_norm"], "separate", "{report}");
     assert_eq!(report["convolutions"], "cpu", "{report}");
     assert!(report["conv3_tiles"].is_null(), "{report}");
+    assert!(report["bn_mask"].is_null(), "{report}");
     let rows = report["breakdown"].as_array().expect("a breakdown");
     let row = |name: &str| {
         rows.iter()

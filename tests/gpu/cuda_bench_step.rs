@@ -33,6 +33,7 @@ fn cpu_bench_reports_a_full_json_line() {
     assert!(report.update_ms_per_step > 0.0);
     assert_eq!(report.convolutions, "cpu");
     assert_eq!(report.conv3_tiles, None);
+    assert_eq!(report.bn_mask, None);
     assert!(report.fwd_bwd_ms_per_step + report.update_ms_per_step <= report.ms_per_step * 1.01);
     assert!(
         report.optimizer.starts_with("fused in-place CPU"),
@@ -111,6 +112,8 @@ fn gpu_bench_reports_breakdown_and_device_update() {
     assert_eq!(report.convolutions, if hopper { "v3" } else { "v2" });
     // v3's tile schedule, the default (`BIRDTRAIN_CONV3_TILES` unset), where v3 ran.
     assert_eq!(report.conv3_tiles.as_deref(), hopper.then_some("blocks"));
+    // And where its data gradients take the ReLU's mask from (`BIRDTRAIN_BN_MASK` unset).
+    assert_eq!(report.bn_mask.as_deref(), hopper.then_some("stored"));
     let rows = report.breakdown.expect("--breakdown");
     // The forward convolution of any generation (conv_fwd_vec, conv2_fwd_128x64, conv3_fwd…).
     let conv = rows

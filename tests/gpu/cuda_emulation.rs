@@ -269,8 +269,14 @@ fn kernels_match_references_under_emulation() {
         ),
         // the strided 1×1's data gradient leaving the cells' other pixels unwritten
         ("if (scatter && !a.accumulate) {", "if (false) {"),
-        // the data gradient's mask recomputed from x with channel 0's parameters
-        ("ep.gamma, ep.beta, n, 1))", "ep.gamma, ep.beta, 0, 1))"),
+        // the data gradient's mask recomputed from x with the pair's first channel's statistics
+        // for both
+        (
+            "applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1)",
+            "applied_bn2(x, make_float2(mu0, mu0), make_float2(is0, is0), ga, be, 1)",
+        ),
+        // the recomputed mask kept out of the staged g that goes to dx (only the sums see it)
+        ("                    cs_pair[r * (LDC / 2)] = v;\n", "\n"),
         // the stride-2 3×3 data gradient's odd-row phase reading dy's rows with the taps swapped
         (
             "h0 + (ph ? 1 - ri : 0), img0, full);",

@@ -6,6 +6,8 @@
 //! - the fused step twice on the same batch: the same bits;
 //! - one resnet50 step with the Hopper convolutions (v3: its 1×1 layers), fused and separate;
 //! - the resnet50 step under each v3 tile schedule (`BIRDTRAIN_CONV3_TILES`): the same bits;
+//! - the resnet50 step with the inner batch norms' masks recomputed (`BIRDTRAIN_BN_MASK`): the
+//!   same bits;
 //! - training resnet8 on a synthetic 32×32 set to the CPU test's bar (0.90 valid accuracy).
 //!
 //! Tolerances. Each gradient tensor is compared as a whole (relative L2 error
@@ -19,8 +21,9 @@ use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
 use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::conv3;
+use birdtrain::cuda::bn_mask::MaskSource;
 use birdtrain::cuda::conv3_schedule::TileSchedule;
-use birdtrain::cuda::CudaBackend;
+use birdtrain::cuda::{CudaBackend, KernelTime};
 
 use crate::bf16_cpu;
 use bf16_cpu::Bf16Cpu;
@@ -221,41 +224,15 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
         eprintln!("skipped conv3_tile_schedules_give_the_same_step_bits: v3 needs a Hopper GPU");
         return;
     }
-    let graph = Graph::new(Arch::ResNet50, 10);
-    let (n, size) = (8, 224u32);
-    let (pixels, labels, aug) = step_batch(n, size as usize);
-    let batch = InputBatch {
-        pixels: &pixels,
-        labels: &labels,
-        len: n,
-        image_size: size,
-        augment: Some(&aug),
-        mix: None,
-    };
-    let step = |schedule: TileSchedule| {
-        let mut backend = CudaBackend::new(0).unwrap();
-        backend.set_conv_version(ConvVersion::V3);
-        backend.set_bn_fusion(true);
-        backend.set_conv3_tiles(schedule);
-        backend.set_profiling(true);
-        let mut net = Network::new(backend, &graph, n, size).unwrap();
-        let tensors = step_tensors(&mut net, &graph, &batch);
-        let kernels: Vec<&'static str> = net
-            .backend()
-            .take_profile()
-            .unwrap()
-            .iter()
-            .map(|k| k.name)
-            .collect();
-        (tensors, kernels)
-    };
-    let ((lb, tb), blocks) = step(TileSchedule::Blocks);
+    let (first, blocks) = resnet50_v3_step(TileSchedule::Blocks, MaskSource::Stored);
     assert!(
-        !blocks.iter().any(|k| conv3::is_persistent(k)),
-        "blocks ran a persistent kernel: {blocks:?}"
+        !blocks.iter().any(|k| conv3::is_persistent(k.name)),
+        "blocks ran a persistent kernel: {:?}",
+        names(&blocks)
     );
     for schedule in [TileSchedule::Raster, TileSchedule::Persistent] {
-        let ((l, t), kernels) = step(schedule);
+        let (got, kernels) = resnet50_v3_step(schedule, MaskSource::Stored);
+        let kernels = names(&kernels);
         for k in [
             "conv3_fwd_stats_1x1_p",
             "conv3_dgrad_bn_1x1_p",
@@ -274,16 +251,86 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
                 "{schedule:?}: {k}: {kernels:?}"
             );
         }
-        println!("{schedule:?}: loss {l} (blocks {lb})");
-        assert_eq!(l.to_bits(), lb.to_bits(), "{schedule:?}: loss {l} vs {lb}");
-        for ((name, a), (_, b)) in t.iter().zip(&tb) {
-            if let Some(i) = a
-                .iter()
-                .zip(b)
-                .position(|(x, y)| x.to_bits() != y.to_bits())
-            {
-                panic!("{schedule:?} {name}[{i}]: {} vs blocks {}", a[i], b[i]);
-            }
+        assert_same_step_bits(&format!("{schedule:?}"), &got, &first);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn recomputed_masks_give_the_stored_masks_step_bits() {
+    // `BIRDTRAIN_BN_MASK=recomputed`: the v3 data gradients after an inner batch norm (no
+    // residual) recompute its ReLU's mask from x, γ and β in their sums instead of reading y.
+    // It is bn_apply's expression rounded as bn_apply rounds it, so the step keeps its bits,
+    // one tile a block and persistent; and the data gradients with a batch-norm epilogue
+    // declare fewer bytes (y not read), which shows that the setting took.
+    if !CudaBackend::new(0).unwrap().device().arch().is_hopper() {
+        eprintln!("skipped recomputed_masks_give_the_stored_masks_step_bits: v3 needs a Hopper GPU");
+        return;
+    }
+    let dgrad_bn_bytes = |kernels: &[KernelTime]| -> f64 {
+        kernels
+            .iter()
+            .filter(|k| k.name.starts_with("conv3_dgrad_bn_"))
+            .map(|k| k.bytes)
+            .sum()
+    };
+    for schedule in [TileSchedule::Blocks, TileSchedule::Persistent] {
+        let (stored, stored_kernels) = resnet50_v3_step(schedule, MaskSource::Stored);
+        let (recomputed, kernels) = resnet50_v3_step(schedule, MaskSource::Recomputed);
+        let (before, after) = (dgrad_bn_bytes(&stored_kernels), dgrad_bn_bytes(&kernels));
+        println!("{schedule:?}: the data gradients' batch-norm epilogues read {after:.0} bytes, {before:.0} with y");
+        assert!(
+            after < before,
+            "{schedule:?}: recomputed masks declared {after} bytes, stored {before}"
+        );
+        assert_same_step_bits(&format!("{schedule:?} recomputed"), &recomputed, &stored);
+    }
+}
+
+/// The loss, gradients and running statistics of one step.
+type StepBits = (f64, Vec<(String, Vec<f32>)>);
+
+/// One resnet50 step at 8 × 224 px on v3 with batch norm fused, under a tile schedule and a
+/// mask source: its results and the kernels it ran.
+fn resnet50_v3_step(schedule: TileSchedule, mask: MaskSource) -> (StepBits, Vec<KernelTime>) {
+    let graph = Graph::new(Arch::ResNet50, 10);
+    let (n, size) = (8, 224u32);
+    let (pixels, labels, aug) = step_batch(n, size as usize);
+    let batch = InputBatch {
+        pixels: &pixels,
+        labels: &labels,
+        len: n,
+        image_size: size,
+        augment: Some(&aug),
+        mix: None,
+    };
+    let mut backend = CudaBackend::new(0).unwrap();
+    backend.set_conv_version(ConvVersion::V3);
+    backend.set_bn_fusion(true);
+    backend.set_conv3_tiles(schedule);
+    backend.set_bn_mask(mask);
+    backend.set_profiling(true);
+    let mut net = Network::new(backend, &graph, n, size).unwrap();
+    let tensors = step_tensors(&mut net, &graph, &batch);
+    (tensors, net.backend().take_profile().unwrap())
+}
+
+fn names(kernels: &[KernelTime]) -> Vec<&'static str> {
+    kernels.iter().map(|k| k.name).collect()
+}
+
+/// Panics, naming `what` and the first tensor that differs, unless `got` has `want`'s bits.
+fn assert_same_step_bits(what: &str, got: &StepBits, want: &StepBits) {
+    let ((l, t), (lw, tw)) = (got, want);
+    println!("{what}: loss {l} (against {lw})");
+    assert_eq!(l.to_bits(), lw.to_bits(), "{what}: loss {l} vs {lw}");
+    for ((name, a), (_, b)) in t.iter().zip(tw) {
+        if let Some(i) = a
+            .iter()
+            .zip(b)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            panic!("{what} {name}[{i}]: {} vs {}", a[i], b[i]);
         }
     }
 }

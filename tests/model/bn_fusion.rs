@@ -27,6 +27,7 @@ fn backend(seq: Sequence) -> CpuBackend {
     let mut b = CpuBackend::reference(2).unwrap();
     b.set_bn_fusion(seq != Sequence::Separate);
     b.set_conv_applies_bn(seq == Sequence::Applied);
+    b.set_recompute_masks(seq == Sequence::Recomputed);
     b
 }
 
@@ -40,6 +41,9 @@ enum Sequence {
     /// Fused, and applied by the convolution that alone reads its output
     /// (`set_conv_applies_bn`): that output never stored.
     Applied,
+    /// Fused, the data gradients recomputing the ReLU's mask of the batch norms without a
+    /// residual from their input (`set_recompute_masks`): their output stored, not read there.
+    Recomputed,
 }
 
 /// A network with batch-norm parameters and running statistics moved off their defaults
@@ -572,6 +576,62 @@ fn convolutions_applying_the_inner_batch_norms_change_no_bit_in_any_mode() {
     let fused = synced_replicas_in(Arch::ResNet8, 8, &[3, 2], Sequence::Fused);
     for (a, f) in applied.iter().zip(&fused) {
         assert_same_bits("synchronised resnet8", a, f);
+    }
+}
+
+#[test]
+fn recomputed_masks_change_no_bit_and_are_recomputed_only_without_a_residual() {
+    // The data gradient after a batch norm recomputes its mask from x, γ and β where the
+    // network marks the stored output recomputable (`y_recomputable`: no residual entered
+    // it), with the separate pass's arithmetic: every result has the fused sequence's bits.
+    // A residual batch norm marked recomputable would lose its residual from the mask.
+    for (arch, size, n, max_batch, freeze, mixed) in [
+        (Arch::ResNet8, 8, 3, 5, false, true),
+        (Arch::ResNet8, 8, 4, 4, true, false),
+        (Arch::ResNet50, 32, 2, 2, false, false),
+    ] {
+        let graph = Graph::new(arch, 3);
+        let (px, labels) = images(n, size, 17);
+        let batch = InputBatch {
+            pixels: &px,
+            labels: &labels,
+            len: n,
+            image_size: size,
+            augment: None,
+            mix: mixed.then_some(Mix::Blend { lambda: 0.6 }),
+        };
+        let out = [Sequence::Recomputed, Sequence::Fused].map(|seq| {
+            let mut net = network_in(&graph, seq, max_batch, size);
+            let mut c = net.config();
+            c.freeze_bn = freeze;
+            net.set_config(c);
+            net.backend().set_profiling(true);
+            let outcome = run(&mut net, &batch, None);
+            let recomputations = net
+                .backend()
+                .take_profile()
+                .iter()
+                .find(|o| o.name == "bn_apply")
+                .map_or(0, |o| o.calls);
+            (outcome, recomputations)
+        });
+        assert_same_bits(
+            &format!("{arch} freeze={freeze} mixed={mixed}"),
+            &out[0].0,
+            &out[1].0,
+        );
+        // One recomputation per batch norm without a residual that a data gradient finishes:
+        // resnet8's basic blocks have one each (bn1) and its stem's is read by layer1.0.conv1;
+        // resnet50's bottlenecks have two (bn1, bn2), its stem's is the max pool's.
+        let inner = match arch {
+            Arch::ResNet8 => 3 + 1,
+            _ => 2 * 16,
+        };
+        assert_eq!(
+            (out[0].1, out[1].1),
+            (inner, 0),
+            "{arch}: masks recomputed (recomputed, fused)"
+        );
     }
 }
 

@@ -147,6 +147,7 @@ impl<B: Backend> Pair<'_, B> {
                 BnGradEpilogue {
                     x: &tbx,
                     y: Some(&tby),
+                    y_recomputable: false,
                     relu,
                     gamma: &tgamma,
                     beta: &tbeta,
@@ -397,6 +398,7 @@ pub fn check_bn_fusion_repeatable<B: Backend>(
                 BnGradEpilogue {
                     x: &bx,
                     y: Some(&by),
+                    y_recomputable: false,
                     relu: true,
                     gamma: &gamma,
                     beta: &beta,

@@ -132,6 +132,7 @@ impl<B: Backend> Pair<'_, B> {
                         BnGradEpilogue {
                             x: &t.z,
                             y: stored.then_some(&tx),
+                            y_recomputable: false,
                             relu,
                             gamma: &t.gamma,
                             beta: &t.beta,

@@ -80,6 +80,9 @@ pub struct CpuBackend {
     /// Whether their convolutions also apply the batch norm they read
     /// ([`Backend::conv_applies_bn`]).
     conv_applies_bn: bool,
+    /// Whether the fused data gradients recompute the ReLU's mask of a batch norm whose output
+    /// is ReLU(BN(x)) alone instead of reading that output.
+    recompute_masks: bool,
 }
 
 impl Clone for CpuBackend {
@@ -94,6 +97,7 @@ impl Clone for CpuBackend {
             profiler: Arc::clone(&self.profiler),
             bn_fusion: self.bn_fusion,
             conv_applies_bn: self.conv_applies_bn,
+            recompute_masks: self.recompute_masks,
         }
     }
 }
@@ -155,6 +159,7 @@ impl CpuBackend {
             profiler: Arc::default(),
             bn_fusion: false,
             conv_applies_bn: false,
+            recompute_masks: false,
         })
     }
 
@@ -172,6 +177,15 @@ impl CpuBackend {
     /// computed here through a scratch output (`applied_bn.rs`), to be checked without a GPU.
     pub fn set_conv_applies_bn(&mut self, on: bool) {
         self.conv_applies_bn = on;
+    }
+
+    /// With batch norm fused, makes the data gradients recompute the ReLU's mask of a batch
+    /// norm whose output is ReLU(BN(x)) alone from its input (`true`,
+    /// [`BnGradEpilogue::y_recomputable`]) instead of reading the stored output (`false`, the
+    /// default): the CUDA backend's `BIRDTRAIN_BN_MASK=recomputed`, to be checked without a
+    /// GPU (a mask recomputed where a residual entered the output would be wrong).
+    pub fn set_recompute_masks(&mut self, on: bool) {
+        self.recompute_masks = on;
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -468,8 +482,14 @@ impl Backend for CpuBackend {
             check_len(op, name, len, c)?;
         }
         self.conv_backward_data(s, dy, w, dx, accumulate)?;
-        // Never stored (the convolution applied the batch norm): the mask's source recomputed.
-        let recomputed = match (bn.y, bn.relu) {
+        let stored = if self.recompute_masks && bn.y_recomputable {
+            None
+        } else {
+            bn.y
+        };
+        // Never stored (the convolution applied the batch norm), or not read: the mask's source
+        // recomputed.
+        let recomputed = match (stored, bn.relu) {
             (None, true) => {
                 let _t = self.profiler.time(|| "bn_apply".into(), 0.0, 0.0);
                 Some(self.bn_output(rows, c, bn.x, &bn.applied()))
@@ -477,7 +497,7 @@ impl Backend for CpuBackend {
             _ => None,
         };
         // Without a ReLU the mask is not read.
-        let y = bn.y.or(recomputed.as_ref()).unwrap_or(bn.x);
+        let y = stored.or(recomputed.as_ref()).unwrap_or(bn.x);
         let streams = 4 + usize::from(bn.residual_grad.is_some());
         let _t = self.profiler.time(
             || "bn_grad_finish".into(),

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig};
 
 use crate::backend::{AppliedBn, BackendError};
 use crate::cuda::conv::{ConvVersion, GpuLimits};
+use crate::cuda::bn_mask::MaskSource;
 use crate::cuda::conv3_schedule::TileSchedule;
 use crate::cuda::device::GpuDevice;
 use crate::cuda::error::CudaError;
@@ -61,6 +62,9 @@ pub struct CudaBackend {
     /// How the v3 GEMMs of 128-column tiles walk them (`BIRDTRAIN_CONV3_TILES`, see
     /// [`crate::cuda::conv3_schedule`]).
     pub(super) conv3_tiles: TileSchedule,
+    /// Where the v3 data gradients take a ReLU's mask from (`BIRDTRAIN_BN_MASK`, see
+    /// [`crate::cuda::bn_mask`]).
+    pub(super) bn_mask: MaskSource,
     /// What the v2 tile choice models.
     pub(super) limits: GpuLimits,
     /// Whether networks run batch norm fused into the convolutions (`BIRDTRAIN_BN_FUSION`, on

@@ -31,6 +31,7 @@ use super::bn::reduction_launch;
 use super::conv::conv_args;
 use super::conv3::DgradBn;
 use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
+use crate::cuda::bn_mask::MaskSource;
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
@@ -331,8 +332,13 @@ fn data_bn(
         .residual_grad
         .map(|t| t.bf16(op, "residual_grad"))
         .transpose()?;
+    // The strided 1×1's v3 dgrad has no batch-norm epilogue: v2's fused kernel there.
+    let v3 = be.conv3_takes_dgrad_bn(s);
+    // v3 recomputes the mask of ReLU(BN(x)) from x rather than read y where BIRDTRAIN_BN_MASK
+    // says so (its epilogue loads x anyway, for Σg·x̂).
+    let skip_y = v3 && bn.y_recomputable && be.bn_mask == MaskSource::Recomputed;
     let bn_y = match bn.y {
-        Some(y) if bn.relu => Some(y.bf16(op, "bn y")?),
+        Some(y) if bn.relu && !skip_y => Some(y.bf16(op, "bn y")?),
         _ => None,
     };
     // No stored output with a ReLU: the mask recomputed from x, γ, β (the v2 and v3 epilogues).
@@ -347,8 +353,6 @@ fn data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
-    // The strided 1×1's v3 dgrad has no batch-norm epilogue: v2's fused kernel there.
-    let v3 = be.conv3_takes_dgrad_bn(s);
     let plan = if v3 {
         None
     } else {

@@ -17,6 +17,7 @@
 use std::sync::Arc;
 
 use super::conv::{ConvVersion, GpuLimits};
+use super::bn_mask::MaskSource;
 use super::conv3_schedule::TileSchedule;
 use super::device::GpuDevice;
 use super::error::CudaError;
@@ -76,6 +77,7 @@ impl CudaBackend {
             sms,
             conv,
             conv3_tiles: TileSchedule::from_env()?,
+            bn_mask: MaskSource::from_env()?,
             bn_fusion: bn_fusion_from_env()?,
             bn_prologue: conv_bn::parse_bn_prologue(
                 std::env::var(conv_bn::BN_PROLOGUE_ENV).ok().as_deref(),
@@ -109,6 +111,16 @@ impl CudaBackend {
     /// Switches the v3 tile schedule (tests compare the schedules on one device, bit for bit).
     pub fn set_conv3_tiles(&mut self, schedule: TileSchedule) {
         self.conv3_tiles = schedule;
+    }
+
+    /// Where the v3 data gradients take a ReLU's mask from.
+    pub fn bn_mask(&self) -> MaskSource {
+        self.bn_mask
+    }
+
+    /// Switches the mask's source (tests compare both on one device, bit for bit).
+    pub fn set_bn_mask(&mut self, source: MaskSource) {
+        self.bn_mask = source;
     }
 }
 

@@ -53,6 +53,7 @@ impl<B: Backend> Network<B> {
         };
         let Node::BatchNorm {
             input: bn_input,
+            residual: bn_residual,
             relu,
             weight: gamma,
             bias: beta,
@@ -75,6 +76,7 @@ impl<B: Backend> Network<B> {
                 x: get(&self.acts, bn_input),
                 // None: not stored (this convolution applied it): the mask is recomputed.
                 y: self.acts[input].as_ref(),
+                y_recomputable: bn_residual.is_none(),
                 relu,
                 gamma: get(&self.params, gamma),
                 beta: get(&self.params, beta),

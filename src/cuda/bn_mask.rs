@@ -1,0 +1,78 @@
+//! Where the v3 data gradients with a batch-norm epilogue take the ReLU's mask from
+//! (`BIRDTRAIN_BN_MASK`): the batch norm's stored output y (`stored`, the default), or, for a
+//! batch norm whose output is ReLU(BN(x)) alone (no residual added before the ReLU: the inner
+//! ones of a block), y's sign recomputed from x, γ and β (`recomputed`).
+//!
+//! Why: the epilogue reads x anyway, for Σg·x̂, so recomputing the mask spares the read of y:
+//! for resnet50 at batch 256 the inner batch norms' outputs are about 1.7 GB a step (a model of
+//! the shapes, ~0.6 ms at 3 TB/s). The recomputation is bn_apply's own expression, rounded to
+//! bf16 as bn_apply rounds it, so both give the same mask and the same bits (the emulator
+//! checks this for every v3 data gradient, one tile a block and persistent; kernels/conv3.cu
+//! applies it in the sums, where x is in registers, not per chunk). The v2 kernels (Ampere, or
+//! `BIRDTRAIN_CONV=v2`) keep reading y: their recomputation costs a load of x and scalar loads
+//! of the parameters per 16-byte chunk. `stored` stays the default until a GPU has measured
+//! `recomputed` faster.
+
+use super::CudaError;
+
+/// The environment variable that picks the mask's source: `stored` (unset) or `recomputed`.
+pub const MASK_ENV: &str = "BIRDTRAIN_BN_MASK";
+
+/// Where the v3 data gradients take a ReLU's mask from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MaskSource {
+    /// The batch norm's stored output y (its sign).
+    #[default]
+    Stored,
+    /// y's sign recomputed from x, γ and β, where y is ReLU(BN(x)) alone; y otherwise.
+    Recomputed,
+}
+
+impl MaskSource {
+    /// Parses the value of `BIRDTRAIN_BN_MASK` (unset or empty: `stored`).
+    pub fn parse(value: Option<&str>) -> Result<MaskSource, CudaError> {
+        match value.map(str::trim) {
+            None | Some("") | Some("stored") => Ok(MaskSource::Stored),
+            Some("recomputed") => Ok(MaskSource::Recomputed),
+            Some(other) => Err(CudaError::Unsupported {
+                what: format!(
+                    "{MASK_ENV}={other:?}: expected stored (the data gradients read the batch \
+                     norm's output for the ReLU's mask) or recomputed (they recompute it from \
+                     the batch norm's input); unset means stored"
+                ),
+            }),
+        }
+    }
+
+    /// The source `BIRDTRAIN_BN_MASK` asks for.
+    pub fn from_env() -> Result<MaskSource, CudaError> {
+        MaskSource::parse(std::env::var(MASK_ENV).ok().as_deref())
+    }
+
+    /// Its name in `BIRDTRAIN_BN_MASK`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MaskSource::Stored => "stored",
+            MaskSource::Recomputed => "recomputed",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mask_source_parses_its_two_names_and_refuses_others_by_name() {
+        assert_eq!(MaskSource::parse(None).unwrap(), MaskSource::Stored);
+        assert_eq!(MaskSource::parse(Some(" ")).unwrap(), MaskSource::Stored);
+        for m in [MaskSource::Stored, MaskSource::Recomputed] {
+            assert_eq!(MaskSource::parse(Some(m.name())).unwrap(), m);
+        }
+        let e = MaskSource::parse(Some("x")).unwrap_err().to_string();
+        assert!(
+            e.contains("BIRDTRAIN_BN_MASK=\"x\"") && e.contains("expected stored"),
+            "{e}"
+        );
+    }
+}
