@@ -48,9 +48,9 @@
 #                                # module side by side, the Python package, the default step
 #   bash .gpu/gpu-run.sh timing  # issue 31's timed work alone (< 5 min): v3 against v2, breakdowns,
 #                                # resnet18, the PyTorch peer eager and compiled
-#   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES; < 4 min): the
-#                                # step under each tile schedule to the bit, then the schedules
-#                                # in alternating rounds and the persistent one's breakdown
+#   bash .gpu/gpu-run.sh tiles   # v3's persistent kernels (BIRDTRAIN_CONV3_TILES) and recomputed
+#                                # masks (BIRDTRAIN_BN_MASK; < 7 min): the step under each to the
+#                                # bit, then the settings in alternating rounds and breakdowns
 #   bash .gpu/gpu-run.sh tiles,all  # several phases in turn in one call, under one DEADLINE
 #   bash .gpu/gpu-run.sh all     # all of them in one call, for a short lease: the correctness
 #                                # work side by side on the shared GPU (no timing is read
@@ -566,47 +566,56 @@ conv3_rounds() {
 }
 
 # resnet50's default (v3) step under the three tile schedules of its 128-column GEMMs
-# (BIRDTRAIN_CONV3_TILES: blocks, the default; raster; persistent) in three alternating rounds,
-# and a line comparing each of the persistent kernels' medians with the default's.
+# (BIRDTRAIN_CONV3_TILES: blocks, the default; raster; persistent), and under blocks and
+# persistent with the inner batch norms' masks recomputed (BIRDTRAIN_BN_MASK=recomputed), in
+# three alternating rounds: a line comparing each schedule's median with the default's, and
+# one comparing each schedule's recomputed masks with its stored ones.
 tiles_rounds() {
-  local r t rounds_blocks=() rounds_raster=() rounds_persistent=()
+  local r t m setting
+  local -A rounds=()
   for r in 1 2 3; do
-    for t in blocks raster persistent; do
-      BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t step "bench-resnet50-tiles-$t-r$r" 60 "$bin" bench step \
+    for setting in blocks:stored raster:stored persistent:stored blocks:recomputed persistent:recomputed; do
+      t=${setting%%:*}; m=${setting##*:}
+      BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t BIRDTRAIN_BN_MASK=$m \
+        step "bench-resnet50-tiles-$t-$m-r$r" 60 "$bin" bench step \
         --model resnet50 --batch-size 256 --json --warmup 10 --steps 40
+      rounds[$setting]+="${rounds[$setting]:+,}$out/bench-resnet50-tiles-$t-$m-r$r.log"
     done
-    rounds_blocks+=("$out/bench-resnet50-tiles-blocks-r$r.log")
-    rounds_raster+=("$out/bench-resnet50-tiles-raster-r$r.log")
-    rounds_persistent+=("$out/bench-resnet50-tiles-persistent-r$r.log")
   done
-  local blocks; blocks=$(IFS=,; echo "${rounds_blocks[*]}")
-  check $checks tiles-rounds resnet50 persistent "$(IFS=,; echo "${rounds_persistent[*]}")" "$blocks"
-  check $checks tiles-rounds resnet50 raster "$(IFS=,; echo "${rounds_raster[*]}")" "$blocks"
+  check $checks tiles-rounds resnet50 persistent "${rounds[persistent:stored]}" "${rounds[blocks:stored]}"
+  check $checks tiles-rounds resnet50 raster "${rounds[raster:stored]}" "${rounds[blocks:stored]}"
+  for t in blocks persistent; do
+    check $checks mask-rounds resnet50 "$t" "${rounds[$t:recomputed]}" "${rounds[$t:stored]}"
+  done
 }
 
-# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES, < 4 min; DEADLINE=220, timeout_s 250): the
-# resnet50 step under each schedule to the bit (one GPU test, which also checks that the `_p`
-# kernels ran) beside every v3 op test run on the persistent kernels; then, only if both
-# passed, the three schedules in alternating rounds, and a breakdown of `persistent` and of
-# `blocks` (compare each conv3_*_p and conv3_*_n64_p row with its original's).
+# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES) and the recomputed masks
+# (BIRDTRAIN_BN_MASK; < 7 min; DEADLINE=400, timeout_s 430): the resnet50 step under each
+# schedule and each mask source to the bit (two GPU tests, which also check that the `_p`
+# kernels ran and that y was not read) beside every v3 op test run on the persistent kernels;
+# then, only if they passed, the settings in alternating rounds, and a breakdown of
+# `persistent`, of `blocks` and of `blocks` with recomputed masks (compare each conv3_*_p and
+# conv3_*_n64_p row with its original's, and the conv3_dgrad_bn_* rows across the masks).
 phase_tiles() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-  step test-conv3-tiles 120 "$test_bin" --ignored --test-threads 1 --nocapture \
-    cuda_step::conv3_tile_schedules_give_the_same_step_bits &
+  step test-conv3-tiles 150 "$test_bin" --ignored --test-threads 1 --nocapture \
+    cuda_step::conv3_tile_schedules_give_the_same_step_bits \
+    cuda_step::recomputed_masks_give_the_stored_masks_step_bits &
   # Every v3 op test (odd shapes, tails, the fused batch norm) on the persistent kernels.
   BIRDTRAIN_CONV3_TILES=persistent step test-conv3-ops-persistent 150 "$test_bin" --ignored \
     --test-threads 1 --nocapture cuda_kernels::conv3_ &
   wait
-  check $checks tests "$out/test-conv3-tiles.log" cuda_step::conv3_tile_schedules 1
+  check $checks tests "$out/test-conv3-tiles.log" cuda_step:: 2
   check $checks tests "$out/test-conv3-ops-persistent.log" cuda_kernels::conv3_ 2
-  if grep -q "^FAIL .*conv3-tiles\|^FAIL .*conv3_tile_schedules\|^FAIL .*conv3-ops-persistent\|^FAIL .*cuda_kernels::conv3_" "$summary"; then
-    note "SKIP tiles-rounds: the schedules' bits differ or the test did not finish (above)"
+  if grep -q "^FAIL .*conv3-tiles\|^FAIL .*cuda_step::\|^FAIL .*conv3-ops-persistent\|^FAIL .*cuda_kernels::conv3_" "$summary"; then
+    note "SKIP tiles-rounds: the schedules' or the masks' bits differ, or a test did not finish (above)"
     return
   fi
   tiles_rounds
-  local t
-  for t in persistent blocks; do
-    BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t step "bench-resnet50-$t-breakdown" 60 "$bin" \
+  local setting
+  for setting in persistent:stored blocks:stored blocks:recomputed; do
+    BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=${setting%%:*} BIRDTRAIN_BN_MASK=${setting##*:} \
+      step "bench-resnet50-${setting%%:*}-${setting##*:}-breakdown" 60 "$bin" \
       bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20
   done
 }
