@@ -19,9 +19,9 @@
 
 use birdtrain::backend::cpu::CpuBackend;
 use birdtrain::backend::Backend;
+use birdtrain::cuda::bn_mask::MaskSource;
 use birdtrain::cuda::conv::ConvVersion;
 use birdtrain::cuda::conv3;
-use birdtrain::cuda::bn_mask::MaskSource;
 use birdtrain::cuda::conv3_schedule::TileSchedule;
 use birdtrain::cuda::{CudaBackend, KernelTime};
 
@@ -264,7 +264,9 @@ fn recomputed_masks_give_the_stored_masks_step_bits() {
     // one tile a block and persistent; and the data gradients with a batch-norm epilogue
     // declare fewer bytes (y not read), which shows that the setting took.
     if !CudaBackend::new(0).unwrap().device().arch().is_hopper() {
-        eprintln!("skipped recomputed_masks_give_the_stored_masks_step_bits: v3 needs a Hopper GPU");
+        eprintln!(
+            "skipped recomputed_masks_give_the_stored_masks_step_bits: v3 needs a Hopper GPU"
+        );
         return;
     }
     let dgrad_bn_bytes = |kernels: &[KernelTime]| -> f64 {

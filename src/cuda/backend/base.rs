@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig};
 
 use crate::backend::{AppliedBn, BackendError};
-use crate::cuda::conv::{ConvVersion, GpuLimits};
 use crate::cuda::bn_mask::MaskSource;
+use crate::cuda::conv::{ConvVersion, GpuLimits};
 use crate::cuda::conv3_schedule::TileSchedule;
 use crate::cuda::device::GpuDevice;
 use crate::cuda::error::CudaError;

@@ -16,8 +16,8 @@
 
 use std::sync::Arc;
 
-use super::conv::{ConvVersion, GpuLimits};
 use super::bn_mask::MaskSource;
+use super::conv::{ConvVersion, GpuLimits};
 use super::conv3_schedule::TileSchedule;
 use super::device::GpuDevice;
 use super::error::CudaError;
