@@ -225,27 +225,11 @@ __device__ __forceinline__ unsigned applied_bn2(unsigned w, float2 m, float2 is,
     return pack_bf16x2(v0, v1);
 }
 
-// The batch norm's output of the 8 bf16 of `z` at channels c0..c0+7, parameters read from
-// global memory (scalar loads: the parameter tensors need not be 16-byte aligned).
-__device__ __forceinline__ uint4 applied_bn8_global(uint4 z, const float* mean, const float* invstd,
-                                                    const bf16* gamma, const bf16* beta, int c0, int relu) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int c = c0 + 2 * q;
-        const float2 m = make_float2(mean[c], mean[c + 1]), is = make_float2(invstd[c], invstd[c + 1]);
-        const float2 g = make_float2(bt_to_f32(gamma[c]), bt_to_f32(gamma[c + 1]));
-        const float2 b = make_float2(bt_to_f32(beta[c]), bt_to_f32(beta[c + 1]));
-        unsigned& w = q == 0 ? z.x : q == 1 ? z.y : q == 2 ? z.z : z.w;
-        w = applied_bn2(w, m, is, g, b, relu);
-    }
-    return z;
-}
-
 // The global operands of a thread's COUNT epilogue chunks (16 bytes each), all loaded before
 // any chunk is stored: loads after a store to the output may not be moved above it (the
 // pointers may alias), so a chunk-at-a-time loop waits one global latency per chunk. Per chunk:
 // the output's prior value (accumulating), a residual gradient, and the ReLU mask's source (the
-// batch norm's output y, or its input to recompute y from); a null source loads nothing.
+// batch norm's stored output y); a null source loads nothing.
 template <int COUNT_>
 struct EpilogueInputs {
     static constexpr int COUNT = COUNT_;
@@ -259,17 +243,17 @@ struct EpilogueInputs {
         mask[i] = live && mask_src != nullptr ? *reinterpret_cast<const uint4*>(mask_src + o) : zero;
     }
 
-    // Chunk i (output channels n..n+7) finished from the GEMM's staged value v: the prior
-    // value added when accumulating, then for a batch norm's backward (`bn_grad`, `ep` its
-    // BnEpilogue or Conv3Epilogue) the residual gradient added and the ReLU's mask applied,
-    // from y or from y recomputed from x as bn_apply wrote it.
+    // Chunk i finished from the GEMM's staged value v: the prior value added when
+    // accumulating, then for a batch norm's backward (`bn_grad`, `ep` its BnEpilogue or
+    // Conv3Epilogue) the residual gradient added and the ReLU's mask of the stored y applied.
+    // Without a stored y the caller recomputes the mask from x in its sums, where the
+    // parameters of its column pair are in registers (per chunk: 32 scalar loads).
     template <typename Ep>
-    __device__ __forceinline__ uint4 finish(int i, uint4 v, bool accumulate, bool bn_grad, const Ep& ep, int n) const {
+    __device__ __forceinline__ uint4 finish(int i, uint4 v, bool accumulate, bool bn_grad, const Ep& ep) const {
         if (accumulate) v = add_bf16x8(v, prior[i]);
         if (!bn_grad) return v;
         if (ep.residual != nullptr) v = add_bf16x8(v, residual[i]);
         if (ep.bn_y != nullptr) return relu_mask_bf16x8(v, mask[i]);
-        if (ep.relu) return relu_mask_bf16x8(v, applied_bn8_global(mask[i], ep.mean, ep.invstd, ep.gamma, ep.beta, n, 1));
         return v;
     }
 };

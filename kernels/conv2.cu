@@ -836,6 +836,10 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     bf16* y = reinterpret_cast<bf16*>(out);
     constexpr int CHUNKS_PER_ROW = T::BN / 8;
     constexpr int CHUNKS = T::BM * CHUNKS_PER_ROW;
+    // BN_GRAD whose batch norm's output is not read (null bn_y, a ReLU): the mask is recomputed
+    // in the sums below from the span's x, which they load anyway, and g goes out after them
+    // (per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters).
+    const bool mask_late = EPI == EPI_BN_GRAD && ep.bn_y == nullptr && ep.relu;
     if (MODE == FWD) {
         // The forward reads nothing but the staged tile: its chunk loop stays rolled (unrolled,
         // the plain 128×128 forward spilled 8 bytes on sm_90a).
@@ -851,8 +855,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         // registers).
         constexpr int PER_THREAD = (CHUNKS + T::THREADS - 1) / T::THREADS;
         constexpr int BATCH = PER_THREAD < 4 ? PER_THREAD : 4;
-        const bf16* mask_src =
-            EPI == EPI_BN_GRAD ? (ep.bn_y != nullptr ? ep.bn_y : (ep.relu ? ep.bn_x : nullptr)) : nullptr;
+        const bf16* mask_src = EPI == EPI_BN_GRAD ? ep.bn_y : nullptr;
 #pragma unroll
         for (int b = 0; b < PER_THREAD; b += BATCH) {
             EpilogueInputs<BATCH> in;
@@ -872,8 +875,9 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                 if (b + i >= PER_THREAD || ch >= CHUNKS || m >= M || n >= N) continue;
                 const long o = (long)row_out[row] + n;
                 const uint4 v = in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate,
-                                          EPI == EPI_BN_GRAD, ep, n);
+                                          EPI == EPI_BN_GRAD, ep);
                 if (EPI == EPI_BN_GRAD) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
+                if (mask_late) continue;  // stored after the sums have masked it
                 *reinterpret_cast<uint4*>(y + o) = v;
             }
         }
@@ -893,7 +897,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
     const int rows = min(T::BM, M - m0);
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int c = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
-    const unsigned* cs_pair = reinterpret_cast<const unsigned*>(Cs + col);  // row r at [r * LDC / 2]
+    unsigned* cs_pair = reinterpret_cast<unsigned*>(Cs + col);  // row r at [r * LDC / 2]
     if (EPI == EPI_STATS) {
         // Two passes over the staged bf16 tile: the tile mean, then Σ(v − mean)².
         float s0 = 0.0f, s1 = 0.0f;
@@ -947,12 +951,25 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
 #pragma unroll
             for (int i = 0; i < SPAN; ++i)
                 xs[i] = r0 + i < r1 ? *reinterpret_cast<const unsigned*>(ep.bn_x + row_out[r0 + i] + c) : 0u;
+            float2 ga = make_float2(0.0f, 0.0f), be = ga;
+            if (mask_late) {
+                ga = make_float2(bt_to_f32(ep.gamma[c]), bt_to_f32(ep.gamma[c + 1]));
+                be = make_float2(bt_to_f32(ep.beta[c]), bt_to_f32(ep.beta[c + 1]));
+            }
 #pragma unroll
             for (int i = 0; i < SPAN; ++i) {
                 const int r = r0 + i;
                 if (r >= r1) break;
-                const unsigned v = cs_pair[r * (LDC / 2)];
+                unsigned v = cs_pair[r * (LDC / 2)];
                 const unsigned x = xs[i];
+                if (mask_late) {
+                    // y as bn_apply wrote it (applied_bn2), its sign the mask; the masked g
+                    // staged again for the store below.
+                    const unsigned yb = applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1);
+                    v &= (__uint_as_float(yb << 16) > 0.0f ? 0x0000ffffu : 0u) |
+                         (__uint_as_float(yb & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u);
+                    cs_pair[r * (LDC / 2)] = v;
+                }
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
                 b0 += v0;
                 b1 += v1;
@@ -965,6 +982,15 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
         red_b[span * T::BN + col] = g0;
         red_b[span * T::BN + col + 1] = g1;
         __syncthreads();
+        if (mask_late) {
+            // The masked g, staged by the sums above, in whole 16-byte chunks.
+            for (int ch = tid; ch < CHUNKS; ch += T::THREADS) {
+                const int row = ch / CHUNKS_PER_ROW, c8 = (ch % CHUNKS_PER_ROW) * 8;
+                const int m = m0 + row, n = n0 + c8;
+                if (m >= M || n >= N) continue;
+                *reinterpret_cast<uint4*>(y + (long)row_out[row] + n) = *reinterpret_cast<const uint4*>(Cs + row * LDC + c8);
+            }
+        }
         if (span == 0 && c < N) {
 #pragma unroll
             for (int p = 1; p < TPC; ++p) {

@@ -599,8 +599,6 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // in the sums below from the span's x, which they load anyway, and g goes out after them.
     // Per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters.
     const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.relu;
-    Conv3Epilogue chunk_ep = ep;
-    if (mask_late) chunk_ep.relu = 0;
     const bf16* mask_src = bn_grad ? ep.bn_y : nullptr;
 #pragma unroll
     for (int round = 0; round < ROUNDS; ++round) {
@@ -620,7 +618,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             if (ch >= CHUNKS || (!TAPS && m0 + row >= M) || n >= N) continue;
             const long o = c3_pixel<TAPS>(a, t, scatter, row) * N + n;
             const uint4 v =
-                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, chunk_ep, n);
+                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep);
             if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
             if (mask_late) continue;  // stored after the sums have masked it
             *reinterpret_cast<uint4*>(y + o) = v;
@@ -666,7 +664,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
                 unsigned v = cs_pair[r * (LDC / 2)];
                 const unsigned x = xs[i];
                 if (mask_late) {
-                    // y as bn_apply wrote it (applied_bn2, EpilogueInputs' recomputed mask), its
+                    // y as bn_apply wrote it (applied_bn2: bn_apply_vec's expression and rounding), its
                     // sign the mask; the masked g staged again for the store below.
                     const unsigned yb = applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1);
                     v &= (__uint_as_float(yb << 16) > 0.0f ? 0x0000ffffu : 0u) |

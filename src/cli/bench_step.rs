@@ -111,8 +111,8 @@ pub struct StepReport {
     /// How the v3 GEMMs of 128-column tiles walked their tiles (`BIRDTRAIN_CONV3_TILES`:
     /// `"blocks"`, `"raster"` or `"persistent"`); `null` where v3 did not run.
     pub conv3_tiles: Option<String>,
-    /// Where the v3 data gradients took the ReLU's mask from (`BIRDTRAIN_BN_MASK`: `"stored"`
-    /// or `"recomputed"`); `null` where v3 did not run.
+    /// Where the fused data gradients took an inner batch norm's ReLU mask from
+    /// (`BIRDTRAIN_BN_MASK`: `"stored"` or `"recomputed"`); `null` on the CPU.
     pub bn_mask: Option<String>,
     /// Where the optimizer update ran.
     pub optimizer: String,
@@ -304,7 +304,6 @@ fn run_steps<B: Backend>(
         .map(|g| g.profiler.conv3_tiles().name().to_string());
     let bn_mask = gpu
         .as_ref()
-        .filter(|_| convolutions == ConvVersion::V3.name())
         .map(|g| g.profiler.bn_mask().name().to_string());
     let host_pixels: Vec<u8>;
     let pixels = match gpu.as_ref().map(|g| g.pixels) {

@@ -1,4 +1,4 @@
-//! Where the v3 data gradients with a batch-norm epilogue take the ReLU's mask from
+//! Where the data gradients with a batch-norm epilogue (v3 and v2) take the ReLU's mask from
 //! (`BIRDTRAIN_BN_MASK`): the batch norm's stored output y (`stored`, the default), or, for a
 //! batch norm whose output is ReLU(BN(x)) alone (no residual added before the ReLU: the inner
 //! ones of a block), y's sign recomputed from x, γ and β (`recomputed`).
@@ -7,18 +7,17 @@
 //! for resnet50 at batch 256 the inner batch norms' outputs are about 1.7 GB a step (a model of
 //! the shapes, ~0.6 ms at 3 TB/s). The recomputation is bn_apply's own expression, rounded to
 //! bf16 as bn_apply rounds it, so both give the same mask and the same bits (the emulator
-//! checks this for every v3 data gradient, one tile a block and persistent; kernels/conv3.cu
-//! applies it in the sums, where x is in registers, not per chunk). The v2 kernels (Ampere, or
-//! `BIRDTRAIN_CONV=v2`) keep reading y: their recomputation costs a load of x and scalar loads
-//! of the parameters per 16-byte chunk. `stored` stays the default until a GPU has measured
-//! `recomputed` faster.
+//! checks this for every v3 and v2 data gradient with the epilogue, v3's one tile a block and
+//! persistent). The kernels recompute it in their sums, where the column pair's x and
+//! parameters are in registers, and write dx after them. `stored` stays the default until a
+//! GPU has measured `recomputed` faster.
 
 use super::CudaError;
 
 /// The environment variable that picks the mask's source: `stored` (unset) or `recomputed`.
 pub const MASK_ENV: &str = "BIRDTRAIN_BN_MASK";
 
-/// Where the v3 data gradients take a ReLU's mask from.
+/// Where the fused data gradients take a ReLU's mask from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MaskSource {
     /// The batch norm's stored output y (its sign).

@@ -461,8 +461,17 @@ fn conv2_apply_kernels_match_their_composition_under_emulation() {
             "if (APPLY) apply_stage(u);",
             "if (APPLY) apply_stage((u + 1) % T::STAGES);",
         ),
-        // the recomputed mask read with channel 0's parameters
-        ("ep.gamma, ep.beta, n, 1))", "ep.gamma, ep.beta, 0, 1))"),
+        // the data gradient's mask recomputed with the column pair's first channel's γ and β
+        // for both
+        (
+            "ga = make_float2(bt_to_f32(ep.gamma[c]), bt_to_f32(ep.gamma[c + 1]));",
+            "ga = make_float2(bt_to_f32(ep.gamma[c]), bt_to_f32(ep.gamma[c]));",
+        ),
+        // the masked g of a recomputed mask never written to dx
+        (
+            "if (mask_late) {\n            // The masked g, staged by the sums above",
+            "if (false) {\n            // The masked g, staged by the sums above",
+        ),
     ];
     let broken = broken_conv2_copies(dir.path(), "broken", conv2.text, &bugs, &bn_ns);
     let (good, bad) = std::thread::scope(|s| {

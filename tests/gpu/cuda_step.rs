@@ -224,14 +224,14 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
         eprintln!("skipped conv3_tile_schedules_give_the_same_step_bits: v3 needs a Hopper GPU");
         return;
     }
-    let (first, blocks) = resnet50_v3_step(TileSchedule::Blocks, MaskSource::Stored);
+    let (first, blocks) = resnet50_step(ConvVersion::V3, TileSchedule::Blocks, MaskSource::Stored);
     assert!(
         !blocks.iter().any(|k| conv3::is_persistent(k.name)),
         "blocks ran a persistent kernel: {:?}",
         names(&blocks)
     );
     for schedule in [TileSchedule::Raster, TileSchedule::Persistent] {
-        let (got, kernels) = resnet50_v3_step(schedule, MaskSource::Stored);
+        let (got, kernels) = resnet50_step(ConvVersion::V3, schedule, MaskSource::Stored);
         let kernels = names(&kernels);
         for k in [
             "conv3_fwd_stats_1x1_p",
@@ -258,43 +258,60 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn recomputed_masks_give_the_stored_masks_step_bits() {
-    // `BIRDTRAIN_BN_MASK=recomputed`: the v3 data gradients after an inner batch norm (no
+    // `BIRDTRAIN_BN_MASK=recomputed`: the data gradients after an inner batch norm (no
     // residual) recompute its ReLU's mask from x, γ and β in their sums instead of reading y.
-    // It is bn_apply's expression rounded as bn_apply rounds it, so the step keeps its bits,
-    // one tile a block and persistent; and the data gradients with a batch-norm epilogue
-    // declare fewer bytes (y not read), which shows that the setting took.
-    if !CudaBackend::new(0).unwrap().device().arch().is_hopper() {
+    // It is bn_apply's expression rounded as bn_apply rounds it, so the step keeps its bits:
+    // v3 one tile a block and persistent, and v2; and the data gradients with a batch-norm
+    // epilogue declare fewer bytes (y not read), which shows that the setting took.
+    let hopper = CudaBackend::new(0).unwrap().device().arch().is_hopper();
+    let mut cases = vec![(ConvVersion::V2, TileSchedule::Blocks)];
+    if hopper {
+        cases.push((ConvVersion::V3, TileSchedule::Blocks));
+        cases.push((ConvVersion::V3, TileSchedule::Persistent));
+    } else {
         eprintln!(
-            "skipped recomputed_masks_give_the_stored_masks_step_bits: v3 needs a Hopper GPU"
+            "recomputed_masks_give_the_stored_masks_step_bits: v2 only (v3 needs a Hopper GPU)"
         );
-        return;
     }
-    let dgrad_bn_bytes = |kernels: &[KernelTime]| -> f64 {
-        kernels
-            .iter()
-            .filter(|k| k.name.starts_with("conv3_dgrad_bn_"))
-            .map(|k| k.bytes)
-            .sum()
-    };
-    for schedule in [TileSchedule::Blocks, TileSchedule::Persistent] {
-        let (stored, stored_kernels) = resnet50_v3_step(schedule, MaskSource::Stored);
-        let (recomputed, kernels) = resnet50_v3_step(schedule, MaskSource::Recomputed);
+    for (conv, schedule) in cases {
+        let prefix = format!(
+            "{}_dgrad_bn_",
+            if conv == ConvVersion::V3 {
+                "conv3"
+            } else {
+                "conv2"
+            }
+        );
+        let dgrad_bn_bytes = |kernels: &[KernelTime]| -> f64 {
+            kernels
+                .iter()
+                .filter(|k| k.name.starts_with(&prefix))
+                .map(|k| k.bytes)
+                .sum()
+        };
+        let (stored, stored_kernels) = resnet50_step(conv, schedule, MaskSource::Stored);
+        let (recomputed, kernels) = resnet50_step(conv, schedule, MaskSource::Recomputed);
         let (before, after) = (dgrad_bn_bytes(&stored_kernels), dgrad_bn_bytes(&kernels));
-        println!("{schedule:?}: the data gradients' batch-norm epilogues read {after:.0} bytes, {before:.0} with y");
+        let what = format!("{conv:?} {schedule:?}");
+        println!("{what}: the data gradients with a batch-norm epilogue declare {after:.0} bytes, {before:.0} reading y");
         assert!(
             after < before,
-            "{schedule:?}: recomputed masks declared {after} bytes, stored {before}"
+            "{what}: recomputed masks declared {after} bytes, stored {before}"
         );
-        assert_same_step_bits(&format!("{schedule:?} recomputed"), &recomputed, &stored);
+        assert_same_step_bits(&format!("{what} recomputed"), &recomputed, &stored);
     }
 }
 
 /// The loss, gradients and running statistics of one step.
 type StepBits = (f64, Vec<(String, Vec<f32>)>);
 
-/// One resnet50 step at 8 × 224 px on v3 with batch norm fused, under a tile schedule and a
-/// mask source: its results and the kernels it ran.
-fn resnet50_v3_step(schedule: TileSchedule, mask: MaskSource) -> (StepBits, Vec<KernelTime>) {
+/// One resnet50 step at 8 × 224 px with batch norm fused, on convolutions `conv` under a v3
+/// tile schedule and a mask source: its results and the kernels it ran.
+fn resnet50_step(
+    conv: ConvVersion,
+    schedule: TileSchedule,
+    mask: MaskSource,
+) -> (StepBits, Vec<KernelTime>) {
     let graph = Graph::new(Arch::ResNet50, 10);
     let (n, size) = (8, 224u32);
     let (pixels, labels, aug) = step_batch(n, size as usize);
@@ -307,7 +324,7 @@ fn resnet50_v3_step(schedule: TileSchedule, mask: MaskSource) -> (StepBits, Vec<
         mix: None,
     };
     let mut backend = CudaBackend::new(0).unwrap();
-    backend.set_conv_version(ConvVersion::V3);
+    backend.set_conv_version(conv);
     backend.set_bn_fusion(true);
     backend.set_conv3_tiles(schedule);
     backend.set_bn_mask(mask);

@@ -62,7 +62,7 @@ pub struct CudaBackend {
     /// How the v3 GEMMs of 128-column tiles walk them (`BIRDTRAIN_CONV3_TILES`, see
     /// [`crate::cuda::conv3_schedule`]).
     pub(super) conv3_tiles: TileSchedule,
-    /// Where the v3 data gradients take a ReLU's mask from (`BIRDTRAIN_BN_MASK`, see
+    /// Where the fused data gradients take a ReLU's mask from (`BIRDTRAIN_BN_MASK`, see
     /// [`crate::cuda::bn_mask`]).
     pub(super) bn_mask: MaskSource,
     /// What the v2 tile choice models.

@@ -334,9 +334,15 @@ fn data_bn(
         .transpose()?;
     // The strided 1×1's v3 dgrad has no batch-norm epilogue: v2's fused kernel there.
     let v3 = be.conv3_takes_dgrad_bn(s);
-    // v3 recomputes the mask of ReLU(BN(x)) from x rather than read y where BIRDTRAIN_BN_MASK
-    // says so (its epilogue loads x anyway, for Σg·x̂).
-    let skip_y = v3 && bn.y_recomputable && be.bn_mask == MaskSource::Recomputed;
+    let plan = if v3 {
+        None
+    } else {
+        epilogue_plan(be, Pass::Dgrad, s)
+    };
+    // A fused epilogue recomputes the mask of ReLU(BN(x)) from x rather than read y where
+    // BIRDTRAIN_BN_MASK says so (it loads x anyway, for Σg·x̂).
+    let skip_y =
+        (v3 || plan.is_some()) && bn.y_recomputable && be.bn_mask == MaskSource::Recomputed;
     let bn_y = match bn.y {
         Some(y) if bn.relu && !skip_y => Some(y.bf16(op, "bn y")?),
         _ => None,
@@ -353,11 +359,6 @@ fn data_bn(
         bn.saved_mean.f32(op, "saved_mean")?,
         bn.saved_invstd.f32(op, "saved_invstd")?,
     );
-    let plan = if v3 {
-        None
-    } else {
-        epilogue_plan(be, Pass::Dgrad, s)
-    };
     if recompute && !v3 && plan.is_none() {
         return Err(BackendError::Shape {
             op,
@@ -421,10 +422,11 @@ fn data_bn(
                 relu: i32::from(bn.relu),
             };
             be.launch(op, dgrad.bn_epilogue_kernel, cfg, gemm)?;
+            // dx written, x read for Σg·x̂, the prior dx, the residual's gradient, y for the mask.
             let streams = 2
                 + usize::from(accumulate)
                 + usize::from(bn.residual_grad.is_some())
-                + usize::from(bn.relu);
+                + usize::from(bn_y.is_some());
             be.note_work(
                 2 * (s.y_len() + s.w_len() + s.x_len() * streams) + 8 * records * c,
                 s.flops(),

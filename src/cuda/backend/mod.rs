@@ -113,7 +113,7 @@ impl CudaBackend {
         self.conv3_tiles = schedule;
     }
 
-    /// Where the v3 data gradients take a ReLU's mask from.
+    /// Where the fused data gradients take an inner batch norm's ReLU mask from.
     pub fn bn_mask(&self) -> MaskSource {
         self.bn_mask
     }
