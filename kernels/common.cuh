@@ -188,17 +188,18 @@ __device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
     return make_uint4(sum[0], sum[1], sum[2], sum[3]);
 }
 
-// Each bf16 of `v` where the matching bf16 of `y` is not > 0 becomes +0 (the ReLU's backward).
+// Each bf16 of the pair `v` where the matching bf16 of `y` is not > 0 becomes +0 (the ReLU's
+// backward).
+__device__ __forceinline__ unsigned relu_mask_bf16x2(unsigned v, unsigned y) {
+    const unsigned lo = __uint_as_float(y << 16) > 0.0f ? 0x0000ffffu : 0u;
+    const unsigned hi = __uint_as_float(y & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u;
+    return v & (lo | hi);
+}
+
+// relu_mask_bf16x2 over 8 bf16.
 __device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
-    unsigned* pv = reinterpret_cast<unsigned*>(&v);
-    const unsigned* py = reinterpret_cast<const unsigned*>(&y);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const unsigned lo = __uint_as_float(py[e] << 16) > 0.0f ? 0x0000ffffu : 0u;
-        const unsigned hi = __uint_as_float(py[e] & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u;
-        pv[e] &= lo | hi;
-    }
-    return v;
+    return make_uint4(relu_mask_bf16x2(v.x, y.x), relu_mask_bf16x2(v.y, y.y), relu_mask_bf16x2(v.z, y.z),
+                      relu_mask_bf16x2(v.w, y.w));
 }
 
 // Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low

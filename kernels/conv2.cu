@@ -965,9 +965,7 @@ __device__ __forceinline__ void conv2_gemm(const bf16* __restrict__ a_src, const
                 if (mask_late) {
                     // y as bn_apply wrote it (applied_bn2), its sign the mask; the masked g
                     // staged again for the store below.
-                    const unsigned yb = applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1);
-                    v &= (__uint_as_float(yb << 16) > 0.0f ? 0x0000ffffu : 0u) |
-                         (__uint_as_float(yb & 0xffff0000u) > 0.0f ? 0xffff0000u : 0u);
+                    v = relu_mask_bf16x2(v, applied_bn2(x, make_float2(mu0, mu1), make_float2(is0, is1), ga, be, 1));
                     cs_pair[r * (LDC / 2)] = v;
                 }
                 const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
