@@ -12,7 +12,8 @@
 //      the saved mean and 1/sqrt(var + eps) (biased variance, as PyTorch normalises with) and
 //      updates the running statistics with the unbiased variance and `momentum` (PyTorch's
 //      convention: running = (1 - momentum)·running + momentum·batch);
-//   3. bn_apply: y = [relu]((x - mean)·invstd·gamma + beta [+ residual]).
+//   3. bn_apply: y = [relu]((x - mean)·invstd·gamma + beta [+ residual]) (bn_apply_signs_vec
+//      also packs y's signs a bit per element, for a data gradient that reads its mask).
 // Frozen statistics and inference use bn_eval_prepare (running stats → saved mean, invstd)
 // followed by bn_apply.
 // Backward mirrors it: bn_bwd_partial reduces dbeta = Σ g and dgamma = Σ g·x̂ per slab, where
@@ -367,10 +368,14 @@ __device__ __forceinline__ void load_params(ApplyParams& p, const float* __restr
     }
 }
 
-extern "C" __global__ void bn_apply_vec(const bf16* __restrict__ x, const float* __restrict__ mean,
-                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
-                                        const bf16* __restrict__ beta, const bf16* __restrict__ residual,
-                                        bf16* __restrict__ y, long total, int channels, int relu) {
+// bn_apply's output for C % 8 == 0, 16 bytes a thread; with SIGNS, also the output's signs
+// packed a bit per element (bn_apply_signs_vec).
+template <bool SIGNS>
+__device__ __forceinline__ void bn_apply_vec_body(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                                  const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                                  const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                                  bf16* __restrict__ y, unsigned char* __restrict__ signs, long total,
+                                                  int channels, int relu) {
     const long groups = total / 8, cg = channels / 8, step = (long)gridDim.x * blockDim.x;
     ApplyParams p;
     int loaded = -1;
@@ -384,15 +389,38 @@ extern "C" __global__ void bn_apply_vec(const bf16* __restrict__ x, const float*
         const Bf16x8 xv = load8(x + i);
         Bf16x8 rv, out;
         if (residual != nullptr) rv = load8(residual + i);
+        unsigned bits = 0;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             float v = (bt_to_f32(xv.e[e]) - p.mean[e]) * p.invstd[e] * p.gamma[e] + p.beta[e];
             if (residual != nullptr) v += bt_to_f32(rv.e[e]);
             if (relu) v = fmaxf(v, 0.0f);
             out.e[e] = bt_to_bf16(v);
+            // The stored value's sign, as a reader of y tests it (y > 0 after the rounding).
+            if (SIGNS && bt_to_f32(out.e[e]) > 0.0f) bits |= 1u << e;
         }
         *reinterpret_cast<uint4*>(y + i) = out.v;
+        if (SIGNS) signs[gi] = (unsigned char)bits;
     }
+}
+
+extern "C" __global__ void bn_apply_vec(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                        const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                        const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                        bf16* __restrict__ y, long total, int channels, int relu) {
+    bn_apply_vec_body<false>(x, mean, invstd, gamma, beta, residual, y, nullptr, total, channels, relu);
+}
+
+// bn_apply_vec that also writes y's signs packed a bit per element: bit e of signs[i / 8] is
+// [y[i] > 0] for i = 8·(i / 8) + e (total / 8 bytes). A data gradient whose epilogue takes the
+// ReLU's mask from them reads 1/16 of the bytes of y (BIRDTRAIN_BN_MASK=packed: the outputs of
+// the batch norms with a residual, whose mask cannot be recomputed from their input alone).
+extern "C" __global__ void bn_apply_signs_vec(const bf16* __restrict__ x, const float* __restrict__ mean,
+                                              const float* __restrict__ invstd, const bf16* __restrict__ gamma,
+                                              const bf16* __restrict__ beta, const bf16* __restrict__ residual,
+                                              bf16* __restrict__ y, unsigned char* __restrict__ signs, long total,
+                                              int channels, int relu) {
+    bn_apply_vec_body<true>(x, mean, invstd, gamma, beta, residual, y, signs, total, channels, relu);
 }
 
 // Parameters as in bn_apply_vec; `beta` holds dbeta here and the fourth set dgamma.

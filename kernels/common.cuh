@@ -202,6 +202,16 @@ __device__ __forceinline__ uint4 relu_mask_bf16x8(uint4 v, uint4 y) {
                       relu_mask_bf16x2(v.w, y.w));
 }
 
+// v's 8 bf16 where bit e of `signs` is set (bit e: element e of the chunk is positive, as
+// bn_apply_signs_vec packs a ReLU output's signs), zero elsewhere.
+__device__ __forceinline__ uint4 relu_mask_bits_bf16x8(uint4 v, unsigned signs) {
+    unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        w[k] &= ((signs >> (2 * k)) & 1u ? 0x0000ffffu : 0u) | ((signs >> (2 * k + 1)) & 1u ? 0xffff0000u : 0u);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Two floats rounded to bf16 (round to nearest even, as bt_to_bf16) and packed, lo in the low
 // half: one cvt.rn.bf16x2 instead of two conversions and a merge.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {

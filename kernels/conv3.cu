@@ -49,7 +49,9 @@
 // given none (null bn_y: BIRDTRAIN_BN_MASK=recomputed, or an output never stored), recomputes
 // it from x in the sums of Σg·x̂, which hold the column pair's x, statistics, γ and β in
 // registers; it then writes g after them (per chunk, the recomputation would cost a 16-byte
-// load of x and 32 scalar loads of the parameters).
+// load of x and 32 scalar loads of the parameters). Given y's signs packed a bit per element
+// (bn_signs, from bn_apply_signs_vec: the batch norms with a residual, whose mask x alone does
+// not give) instead of y, it reads a byte of them per 16-byte chunk: 1/16 of y's bytes.
 //
 // Data layout. x: NHWC bf16 viewed as [M][K]; w: [N][K] bf16; y: [M][N] bf16; K % 8 == 0 and
 // N % 8 == 0 (the tensor maps need 16-byte row pitches). Shared memory, from a 1024-byte
@@ -103,6 +105,9 @@ struct Conv3Epilogue {
     const bf16* gamma;     // BN_GRAD with relu and no bn_y: its scale and shift, to recompute y
     const bf16* beta;
     int relu;              // BN_GRAD: mask with [y > 0], y = bn_y, or recomputed from bn_x if null
+    // BN_GRAD: y's signs packed a bit per element (bn_apply_signs_vec), read for the mask
+    // instead of y (bn_y null); may be null
+    const unsigned char* bn_signs;
 };
 
 #define C3_BM 128
@@ -598,17 +603,22 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // BN_GRAD whose batch norm's output is not read (null bn_y, a ReLU): the mask is recomputed
     // in the sums below from the span's x, which they load anyway, and g goes out after them.
     // Per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters.
-    const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.relu;
+    const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.bn_signs == nullptr && ep.relu;
     const bf16* mask_src = bn_grad ? ep.bn_y : nullptr;
+    // BN_GRAD with packed signs: a byte of them a chunk (its 8 elements' offset is a multiple
+    // of 8: N % 8 == 0), 1/16 of the bytes of y.
+    const unsigned char* signs_src = bn_grad && ep.bn_y == nullptr && ep.relu ? ep.bn_signs : nullptr;
 #pragma unroll
     for (int round = 0; round < ROUNDS; ++round) {
         EpilogueInputs<PER_ROUND> in;
+        unsigned signs[PER_ROUND];
 #pragma unroll
         for (int i = 0; i < in.COUNT; ++i) {
             const int ch = etid + (round * PER_ROUND + i) * ETHREADS, row = ch / CHUNKS_PER_ROW, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
             const bool live = ch < CHUNKS && (TAPS || m0 + row < M) && n < N;
             const long o = live ? c3_pixel<TAPS>(a, t, scatter, row) * N + n : 0;
             in.load(i, live, o, a.accumulate ? y : nullptr, bn_grad ? ep.residual : nullptr, mask_src);
+            signs[i] = live && signs_src != nullptr ? (unsigned)signs_src[o >> 3] : 0u;
         }
 #pragma unroll
         for (int i = 0; i < in.COUNT; ++i) {
@@ -617,8 +627,8 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             const int n = n0 + col;
             if (ch >= CHUNKS || (!TAPS && m0 + row >= M) || n >= N) continue;
             const long o = c3_pixel<TAPS>(a, t, scatter, row) * N + n;
-            const uint4 v =
-                in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep);
+            uint4 v = in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep);
+            if (signs_src != nullptr) v = relu_mask_bits_bf16x8(v, signs[i]);
             if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
             if (mask_late) continue;  // stored after the sums have masked it
             *reinterpret_cast<uint4*>(y + o) = v;
@@ -935,13 +945,15 @@ conv3_dgrad_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constan
 // dgrad finishing the gradient of the batch norm that produced x (conv2_dgrad_bn_*'s contract):
 // dx = [y > 0]·(dgrad1x1(dy, w) [+ dx with args.accumulate] [+ residual]) (residual may be
 // null; y = bn_y, or with bn_y null and relu set recomputed from bn_x, γ, β; neither: no
-// mask), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
+// mask; bn_signs, when given with bn_y null: y's packed signs, bit e of byte i / 8 for element
+// i = 8·(i / 8) + e), and the tile sums Σdx and Σdx·(bn_x − mean)·invstd in part ([2][gridDim.x][C])
 extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_bn_1x1(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                   const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                   const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -982,8 +994,9 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 1)
 conv3_dgrad_bn_3x3(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                   const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                   const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 1>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1034,8 +1047,9 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_1x1_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                   const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                   const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 0, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1063,8 +1077,9 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_3x3_n64(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
                    Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                    const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                   const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                   const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm<C3_EPI_BN_GRAD, 0, 1, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1127,8 +1142,9 @@ conv3_dgrad_bn_1x1_p(const __grid_constant__ CUtensorMap map_dy, const __grid_co
                      Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                     const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                     const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1157,8 +1173,9 @@ conv3_dgrad_bn_3x3_p(const __grid_constant__ CUtensorMap map_dy, const __grid_co
                      Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
-                     const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+                     const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 1>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1187,8 +1204,9 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_1x1_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
     const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
-    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 0, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 
@@ -1215,8 +1233,9 @@ extern "C" __global__ void __launch_bounds__(C3_THREADS, 2)
 conv3_dgrad_bn_3x3_n64_p(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_wt, bf16* dx,
     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
     const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
-    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu) {
-    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu};
+    const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu,
+                   const unsigned char* __restrict__ bn_signs) {
+    const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 1, 64>(&map_dy, &map_wt, dx, args, ep);
 }
 

@@ -186,9 +186,10 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
                              const std::vector<bf16>& dx0, const std::vector<bf16>& bn_y, const std::vector<bf16>& bn_x,
                              const std::vector<float>& mean, const std::vector<float>& invstd,
                              const std::vector<bf16>& residual, const bf16* gamma = nullptr,
-                             const bf16* beta = nullptr) {
-    // gamma given: the mask recomputed from bn_x (bn_y not passed)
-    const bf16* y = d.mask && gamma == nullptr ? bn_y.data() : nullptr;
+                             const bf16* beta = nullptr, const unsigned char* signs = nullptr) {
+    // gamma given: the mask recomputed from bn_x; signs given: read from y's packed signs
+    // (bn_y not passed either way)
+    const bf16* y = d.mask && gamma == nullptr && signs == nullptr ? bn_y.data() : nullptr;
     const int relu = d.mask ? 1 : 0;
     const unsigned gx = (unsigned)((d.m + C3_BM - 1) / C3_BM), gy = (unsigned)((d.c + g_bn - 1) / g_bn);
     DgradResult r;
@@ -204,12 +205,12 @@ static DgradResult run_dgrad(const Dgrad& d, const std::vector<bf16>& dy, const 
     if (d.bn)
         emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] {
             (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_1x1_n64_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu) : conv3_dgrad_bn_1x1_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu))
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu, signs) : conv3_dgrad_bn_1x1_p(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu, signs))
              : g_bn == 64 ? conv3_dgrad_bn_1x1_n64(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu)
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu, signs)
                         : conv3_dgrad_bn_1x1(map_dy, map_wt, dx, args, part, y, bn_x.data(), mean.data(),
-                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu));
+                               invstd.data(), d.residual ? residual.data() : nullptr, gamma, beta, relu, signs));
         });
     else
         emu_launch(grid_for({gx, gy, 1}), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_dgrad_1x1_n64_p(map_dy, map_wt, dx, args) : conv3_dgrad_1x1_p(map_dy, map_wt, dx, args)) : g_bn == 64 ? conv3_dgrad_1x1_n64(map_dy, map_wt, dx, args) : conv3_dgrad_1x1(map_dy, map_wt, dx, args)); });
@@ -232,6 +233,14 @@ static void applied_output(const std::vector<bf16>& bn_x, const std::vector<floa
         float v = (__bfloat162float(bn_x[o]) - mean[c]) * invstd[c] * __bfloat162float(gamma[c]) + __bfloat162float(beta[c]);
         y[o] = __float2bfloat16_rn(fmaxf(v, 0.0f));
     }
+}
+
+// y's signs as bn_apply_signs_vec packs them: bit e of byte o / 8 is [y[o] > 0], o = 8·(o / 8) + e.
+static std::vector<unsigned char> packed_signs(const std::vector<bf16>& y) {
+    std::vector<unsigned char> bits(y.size() / 8, 0);
+    for (size_t o = 0; o < y.size(); ++o)
+        if (__bfloat162float(y[o]) > 0) bits[o / 8] |= (unsigned char)(1u << (o % 8));
+    return bits;
 }
 
 static void check_dgrad(const Dgrad& d) {
@@ -319,6 +328,20 @@ static void check_dgrad(const Dgrad& d) {
                          return memcmp(p.dx.data(), r.dx.data(), r.dx.size() * 2) == 0 &&
                                 memcmp(p.part.data(), r.part.data(), r.part.size() * 4) == 0;
                      });
+    if (d.bn && d.mask) {
+        // The mask read from y's packed signs (no stored y) against the mask read from y: the
+        // same dx and records.
+        const auto signs = packed_signs(bn_y);
+        const DgradResult packed = run_dgrad(d, dy, wt, dx0, bn_y, bn_x, mean, invstd, residual, nullptr, nullptr, signs.data());
+        check_bits("mask from packed signs: same dx", memcmp(packed.dx.data(), r.dx.data(), r.dx.size() * 2) == 0);
+        check_bits("mask from packed signs: same records", memcmp(packed.part.data(), r.part.data(), r.part.size() * 4) == 0);
+        check_persistent("dx and records, mask from packed signs",
+                         [&] { return run_dgrad(d, dy, wt, dx0, bn_y, bn_x, mean, invstd, residual, nullptr, nullptr, signs.data()); },
+                         [&](const DgradResult& p) {
+                             return memcmp(p.dx.data(), r.dx.data(), r.dx.size() * 2) == 0 &&
+                                    memcmp(p.part.data(), r.part.data(), r.part.size() * 4) == 0;
+                         });
+    }
     if (d.bn && d.mask) {
         // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from y =
         // bn_apply's bits of the same (γ of both signs and zero): the same dx and records.
@@ -633,8 +656,8 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
     // y_in: the stored output the mask is read from (bn_y if null); gamma, beta given: no stored
     // output, the mask recomputed from bn_x.
     auto run = [&](std::vector<bf16>& dx, std::vector<float>& part, const bf16* y_in = nullptr,
-                   const bf16* gamma = nullptr, const bf16* beta = nullptr) {
-        const bf16* ys = gamma != nullptr ? nullptr : y_in != nullptr ? y_in : bn_y.data();
+                   const bf16* gamma = nullptr, const bf16* beta = nullptr, const unsigned char* signs = nullptr) {
+        const bf16* ys = gamma != nullptr || signs != nullptr ? nullptr : y_in != nullptr ? y_in : bn_y.data();
         const unsigned long long dim[4] = {(unsigned long long)g.k, (unsigned long long)dw, (unsigned long long)dh,
                                            (unsigned long long)g.n};
         const unsigned long long stride[3] = {(unsigned long long)g.k * 2, (unsigned long long)dw * g.k * 2,
@@ -651,11 +674,11 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
         if (g.bn)
             emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] {
                 (g_persistent ? (g_bn == 64 ? conv3_dgrad_bn_3x3_n64_p(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), gamma, beta, 1) : conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), gamma, beta, 1))
+                                   residual.data(), gamma, beta, 1, signs) : conv3_dgrad_bn_3x3_p(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1, signs))
                  : g_bn == 64 ? conv3_dgrad_bn_3x3_n64(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), gamma, beta, 1) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
-                                   residual.data(), gamma, beta, 1));
+                                   residual.data(), gamma, beta, 1, signs) : conv3_dgrad_bn_3x3(map_dy, map_wt, dxp, args, pp, ys, bn_x.data(), mean.data(), invstd.data(),
+                                   residual.data(), gamma, beta, 1, signs));
             });
         else emu_launch(grid_for(grid), {C3_THREADS, 1, 1}, [&] { (g_persistent ? (g_bn == 64 ? conv3_dgrad_3x3_n64_p(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3_p(map_dy, map_wt, dxp, args)) : g_bn == 64 ? conv3_dgrad_3x3_n64(map_dy, map_wt, dxp, args) : conv3_dgrad_3x3(map_dy, map_wt, dxp, args)); });
     };
@@ -736,6 +759,23 @@ static void check_dgrad_3x3(const Dgrad3x3& g) {
                                 memcmp(p.second.data(), part.data(), part.size() * 4) == 0;
                      });
     if (!g.bn) return;
+    // The mask read from y's packed signs (no stored y) against the mask read from y.
+    const auto signs = packed_signs(bn_y);
+    std::vector<bf16> dx_packed = dx0;
+    std::vector<float> part_packed(part.size(), NAN);
+    run(dx_packed, part_packed, nullptr, nullptr, nullptr, signs.data());
+    check_bits("mask from packed signs: same dx", memcmp(dx_packed.data(), dx.data(), dx.size() * 2) == 0);
+    check_bits("mask from packed signs: same records", memcmp(part_packed.data(), part.data(), part.size() * 4) == 0);
+    check_persistent("dx and records, mask from packed signs",
+                     [&] {
+                         std::pair<std::vector<bf16>, std::vector<float>> p{dx0, std::vector<float>(part.size(), NAN)};
+                         run(p.first, p.second, nullptr, nullptr, nullptr, signs.data());
+                         return p;
+                     },
+                     [&](const std::pair<std::vector<bf16>, std::vector<float>>& p) {
+                         return memcmp(p.first.data(), dx.data(), dx.size() * 2) == 0 &&
+                                memcmp(p.second.data(), part.data(), part.size() * 4) == 0;
+                     });
     // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from bn_apply's y
     // of the same: the same dx and records, one tile a block and persistent.
     std::vector<bf16> gamma, beta, y;

@@ -86,6 +86,22 @@ void test_bn(int rows, int C, bool residual, bool relu, bool train, int per = 37
         std::vector<bf16> Yl(x.size());
         emu_launch({2, 1, 1}, {256, 1, 1}, [&] { k_bn::bn_apply_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Yl.data(), total, C, relu); });
         check_bits("y (vec, 2 blocks) = scalar", Yl, Y);
+        // bn_apply_signs_vec: the same y, and its signs packed a bit per element (bit e of
+        // byte i / 8: y[8·(i / 8) + e] > 0), 2 blocks walking many rows.
+        std::vector<bf16> Ys(x.size());
+        std::vector<unsigned char> signs(total / 8, 0xa5);
+        emu_launch({2, 1, 1}, {256, 1, 1}, [&] { k_bn::bn_apply_signs_vec(X.data(), sm.data(), si.data(), G.data(), B.data(), residual ? R.data() : nullptr, Ys.data(), signs.data(), total, C, relu); });
+        check_bits("y (signs) = scalar", Ys, Y);
+        bool packed = true;
+        long positive = 0;
+        for (long i = 0; i < total; ++i) {
+            const bool bit = (signs[i / 8] >> (i % 8)) & 1u, pos = __bfloat162float(Y[i]) > 0.0f;
+            packed &= bit == pos;
+            positive += pos;
+        }
+        const bool ok = packed && positive > 0 && positive < total;
+        printf("  %-28s %s (%ld of %ld positive)\n", "signs packed = [y > 0]", ok ? "ok" : "FAIL", positive, total);
+        fails += !ok;
     }
     check("saved_mean", sm, m_use, 1e-5, 1e-4);
     check("saved_invstd", si, is_use, 1e-5, 1e-3);

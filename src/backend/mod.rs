@@ -325,6 +325,15 @@ pub trait Backend: Send {
         role: TensorRole,
     ) -> Result<Option<GradientViews<Self::Tensor>>, BackendError>;
 
+    /// A hint for `y`, a tensor that will hold the output of a batch norm with a residual
+    /// and a ReLU whose incoming gradient a convolution's data gradient finishes
+    /// ([`Backend::conv_backward_data_bn`], reading the ReLU's mask from that output): the
+    /// backend may keep y's signs packed beside it, written with it by [`Backend::bn_forward`]
+    /// and read for the mask instead of y (the CUDA backend's `BIRDTRAIN_BN_MASK=packed`). The
+    /// results are the same bits either way. No default: a backend that wraps another must
+    /// pass this on.
+    fn keep_relu_signs(&self, y: &mut Self::Tensor) -> Result<(), BackendError>;
+
     /// Element count of a tensor.
     fn len(&self, t: &Self::Tensor) -> usize;
 

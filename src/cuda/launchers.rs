@@ -198,7 +198,8 @@ kernel_launchers! {
         part: Out<'a, f32>,
     }
     /// The v3 data-gradient GEMM with the batch-norm gradient epilogue (conv2's contract,
-    /// [`Conv2DgradBn`]'s mask: from `bn_y`, or with `relu` recomputed from `bn_x`).
+    /// [`Conv2DgradBn`]'s mask: from `bn_y`, from `bn_signs` (y's signs packed a bit per
+    /// element, [`BnApplySigns`]), or with `relu` recomputed from `bn_x`).
     "conv3.cu" Conv3DgradBn<'a> [
         "conv3_dgrad_bn_1x1", "conv3_dgrad_bn_3x3", "conv3_dgrad_bn_1x1_n64",
         "conv3_dgrad_bn_3x3_n64", "conv3_dgrad_bn_1x1_p", "conv3_dgrad_bn_3x3_p",
@@ -217,6 +218,7 @@ kernel_launchers! {
         gamma: Option<In<'a, u16>>,
         beta: Option<In<'a, u16>>,
         relu: i32,
+        bn_signs: Option<In<'a, u8>>,
     }
     /// The v3 weight gradient: one f32 plane per reduction slice.
     "conv3.cu" Conv3Wgrad<'a> [
@@ -295,6 +297,21 @@ kernel_launchers! {
         beta: In<'a, u16>,
         residual: Option<In<'a, u16>>,
         y: Out<'a, u16>,
+        total: i64,
+        channels: i32,
+        relu: i32,
+    }
+    /// [`BnApply`]'s 16-byte kernel that also packs y's signs a bit per element (bit e of
+    /// `signs[i / 8]`: y[8·(i / 8) + e] > 0), for the data gradients that read the ReLU's mask.
+    "bn.cu" BnApplySigns<'a> ["bn_apply_signs_vec"] {
+        x: In<'a, u16>,
+        mean: In<'a, f32>,
+        invstd: In<'a, f32>,
+        gamma: In<'a, u16>,
+        beta: In<'a, u16>,
+        residual: Option<In<'a, u16>>,
+        y: Out<'a, u16>,
+        signs: Out<'a, u8>,
         total: i64,
         channels: i32,
         relu: i32,

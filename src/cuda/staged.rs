@@ -341,6 +341,9 @@ impl Backend for StagedBackend {
     ) -> Result<Option<crate::backend::GradientViews<CudaTensor>>, BackendError> {
         self.inner.alloc_views(total, ranges, role)
     }
+    fn keep_relu_signs(&self, y: &mut CudaTensor) -> Result<(), BackendError> {
+        self.inner.keep_relu_signs(y)
+    }
     fn len(&self, t: &CudaTensor) -> usize {
         self.inner.len(t)
     }

@@ -45,6 +45,20 @@ pub(crate) enum Storage {
     F32(CudaSlice<f32>),
 }
 
+/// A ReLU output's signs packed a bit per element beside it (bit e of byte i: element
+/// 8·i + e is positive), written by the kernel that writes the output
+/// (`bn_apply_signs_vec`) and read by a data gradient for the ReLU's mask instead of the
+/// output itself: 1/16 of its bytes (`BIRDTRAIN_BN_MASK=packed`,
+/// [`crate::cuda::bn_mask::MaskSource::Packed`]).
+#[derive(Debug)]
+pub(crate) struct PackedSigns {
+    pub(crate) bits: CudaSlice<u8>,
+    /// Whether `bits` are the signs of the tensor's current values: set after the kernel
+    /// that wrote both, cleared by every other write (the tensor's mutable accessors and
+    /// uploads clear it first, so a stale mask is never read).
+    current: bool,
+}
+
 /// A flat device tensor.
 #[derive(Debug)]
 pub struct CudaTensor {
@@ -54,6 +68,9 @@ pub struct CudaTensor {
     /// Set for a view into a larger allocation ([`crate::backend::Backend::alloc_views`]):
     /// keeps that allocation alive; the view's own slice must not free anything.
     pub(crate) view_of: Option<Arc<CudaSlice<f32>>>,
+    /// The packed signs kept beside a ReLU output, when the backend keeps them
+    /// ([`crate::backend::Backend::keep_relu_signs`]).
+    signs: Option<PackedSigns>,
 }
 
 impl Drop for CudaTensor {
@@ -87,6 +104,69 @@ impl CudaTensor {
             dtype: DType::F32,
             storage: Storage::F32(view),
             view_of: Some(arena.clone()),
+            signs: None,
+        }
+    }
+
+    /// A tensor of `len` elements of `dtype` in `storage` (no packed signs).
+    pub(crate) fn new(len: usize, dtype: DType, storage: Storage) -> CudaTensor {
+        CudaTensor {
+            len,
+            dtype,
+            storage,
+            view_of: None,
+            signs: None,
+        }
+    }
+
+    /// Keeps `bits` (at least `len / 8` bytes) beside the tensor for its packed signs, not yet
+    /// current.
+    pub(crate) fn attach_signs(&mut self, bits: CudaSlice<u8>) {
+        self.signs = Some(PackedSigns {
+            bits,
+            current: false,
+        });
+    }
+
+    /// Whether packed signs are kept beside the tensor (current or not).
+    pub fn keeps_signs(&self) -> bool {
+        self.signs.is_some()
+    }
+
+    /// The packed signs of the tensor's current values, if the last write packed them.
+    pub(crate) fn current_signs(&self) -> Option<&CudaSlice<u8>> {
+        self.signs.as_ref().filter(|s| s.current).map(|s| &s.bits)
+    }
+
+    /// The bf16 buffer and the packed signs' buffer to write together (a write that packs
+    /// the signs: [`CudaTensor::signs_written`] after it); the signs stop being current.
+    pub(crate) fn bf16_and_signs_mut(
+        &mut self,
+        op: &'static str,
+        what: &str,
+    ) -> Result<(&mut CudaSlice<u16>, Option<&mut CudaSlice<u8>>), BackendError> {
+        let (len, dtype) = (self.len, self.dtype);
+        if let Some(s) = &mut self.signs {
+            s.current = false;
+        }
+        match &mut self.storage {
+            Storage::Bf16(b) => Ok((b, self.signs.as_mut().map(|s| &mut s.bits))),
+            _ => Err(wrong_type(op, what, "bf16", len, dtype)),
+        }
+    }
+
+    /// Marks the packed signs as those of the current values: the kernel launched on
+    /// [`CudaTensor::bf16_and_signs_mut`]'s buffers wrote both.
+    pub(crate) fn signs_written(&mut self) {
+        if let Some(s) = &mut self.signs {
+            s.current = true;
+        }
+    }
+
+    /// Forgets that the packed signs are current (every write but the one that packs them).
+    pub(crate) fn stale_signs(&mut self) {
+        if let Some(s) = &mut self.signs {
+            s.current = false;
         }
     }
 
@@ -126,6 +206,7 @@ impl CudaTensor {
 
     /// The bf16 device buffer as raw bits (`None` for f32 or empty tensors).
     pub fn bf16_slice_mut(&mut self) -> Option<&mut CudaSlice<u16>> {
+        self.stale_signs();
         match &mut self.storage {
             Storage::Bf16(s) => Some(s),
             _ => None,
@@ -152,6 +233,7 @@ impl CudaTensor {
         what: &str,
     ) -> Result<&mut CudaSlice<u16>, BackendError> {
         let (len, dtype) = (self.len, self.dtype);
+        self.stale_signs();
         match &mut self.storage {
             Storage::Bf16(s) => Ok(s),
             _ => Err(wrong_type(op, what, "bf16", len, dtype)),

@@ -73,6 +73,9 @@ impl Backend for Bf16Cpu {
     ) -> Result<Option<GradientViews<Stored>>, BackendError> {
         Ok(None)
     }
+    fn keep_relu_signs(&self, y: &mut Stored) -> Result<(), BackendError> {
+        self.0.keep_relu_signs(&mut y.v)
+    }
     fn len(&self, t: &Stored) -> usize {
         t.v.len()
     }

@@ -277,6 +277,16 @@ fn kernels_match_references_under_emulation() {
         ),
         // the recomputed mask kept out of the staged g that goes to dx (only the sums see it)
         ("                    cs_pair[r * (LDC / 2)] = v;\n", "\n"),
+        // a chunk's packed signs read from another chunk's byte (its index halved)
+        (
+            "(unsigned)signs_src[o >> 3] : 0u;",
+            "(unsigned)signs_src[o >> 4] : 0u;",
+        ),
+        // the packed signs' bits taken in the wrong order within a bf16 pair
+        (
+            "((signs >> (2 * k)) & 1u ? 0x0000ffffu : 0u)",
+            "((signs >> (2 * k + 1)) & 1u ? 0x0000ffffu : 0u)",
+        ),
         // the stride-2 3×3 data gradient's odd-row phase reading dy's rows with the taps swapped
         (
             "h0 + (ph ? 1 - ri : 0), img0, full);",

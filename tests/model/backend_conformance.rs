@@ -205,6 +205,9 @@ impl Backend for Transposed {
     ) -> Result<Option<birdtrain::backend::GradientViews<Vec<f32>>>, BackendError> {
         self.0.alloc_views(total, ranges, role)
     }
+    fn keep_relu_signs(&self, y: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.0.keep_relu_signs(y)
+    }
     fn len(&self, t: &Vec<f32>) -> usize {
         t.len()
     }

@@ -277,6 +277,10 @@ impl Backend for CpuBackend {
         Ok(None)
     }
 
+    /// The CPU reads y for the mask: nothing to keep.
+    fn keep_relu_signs(&self, _y: &mut Vec<f32>) -> Result<(), BackendError> {
+        Ok(())
+    }
     fn len(&self, t: &Vec<f32>) -> usize {
         t.len()
     }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::base::{check_len, dev_err, elementwise_cfg, ensure, to_i32, CudaBackend, THREADS};
 use crate::backend::{missing_mask, BackendError, BnBackward, BnForward, BnMode};
 use crate::cuda::launchers::{
-    BnApply, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnMomentsFinalize,
+    BnApply, BnApplySigns, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnMomentsFinalize,
     BnStatsFinalize, BnStatsPartial,
 };
 use crate::cuda::tensor::CudaTensor;
@@ -259,25 +259,52 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
         a.saved_invstd.f32(op, "saved_invstd")?,
     );
     let (gamma, beta) = (a.gamma.bf16(op, "gamma")?, a.beta.bf16(op, "beta")?);
-    let y = y.bf16_mut(op, "y")?;
-    // 16 bytes per thread when every row is whole groups of 8 channels.
-    let (apply, cfg) = apply_launch(be, op, "bn_apply", "bn_apply_vec", rows, c)?;
     let residual = a.residual.map(|r| r.bf16(op, "residual")).transpose()?;
     let streams = 4 + 2 * usize::from(residual.is_some());
-    let args = BnApply {
-        x: x.into(),
-        mean: mean.into(),
-        invstd: invstd.into(),
-        gamma: gamma.into(),
-        beta: beta.into(),
-        residual: residual.map(Into::into),
-        y: y.into(),
-        total,
-        channels: c_i,
-        relu,
-    };
-    be.launch(op, apply, cfg, args)?;
-    be.note_work(streams * rows * c, 0.0);
+    // y's signs packed beside it, where the network asked the backend to keep them
+    // (`Backend::keep_relu_signs`, BIRDTRAIN_BN_MASK=packed) and the 16-byte kernel runs.
+    let pack = be.bn_mask.packs() && y.keeps_signs() && c % 8 == 0;
+    let (ys, signs) = y.bf16_and_signs_mut(op, "y")?;
+    match signs {
+        Some(signs) if pack => {
+            let vec = "bn_apply_signs_vec";
+            let args = BnApplySigns {
+                x: x.into(),
+                mean: mean.into(),
+                invstd: invstd.into(),
+                gamma: gamma.into(),
+                beta: beta.into(),
+                residual: residual.map(Into::into),
+                y: ys.into(),
+                signs: signs.into(),
+                total,
+                channels: c_i,
+                relu,
+            };
+            let cfg = be.channel_rows_cfg(op, vec, rows * c / 8)?;
+            be.launch(op, vec, cfg, args)?;
+            be.note_work(streams * rows * c + rows * c / 8, 0.0);
+            y.signs_written();
+        }
+        _ => {
+            // 16 bytes per thread when every row is whole groups of 8 channels.
+            let (apply, cfg) = apply_launch(be, op, "bn_apply", "bn_apply_vec", rows, c)?;
+            let args = BnApply {
+                x: x.into(),
+                mean: mean.into(),
+                invstd: invstd.into(),
+                gamma: gamma.into(),
+                beta: beta.into(),
+                residual: residual.map(Into::into),
+                y: ys.into(),
+                total,
+                channels: c_i,
+                relu,
+            };
+            be.launch(op, apply, cfg, args)?;
+            be.note_work(streams * rows * c, 0.0);
+        }
+    }
     Ok(())
 }
 

@@ -31,7 +31,6 @@ use super::bn::reduction_launch;
 use super::conv::conv_args;
 use super::conv3::DgradBn;
 use crate::backend::{Backend, BackendError, BnGradEpilogue, ConvShape};
-use crate::cuda::bn_mask::MaskSource;
 use crate::cuda::conv::{Conv2Launch, Pass};
 use crate::cuda::error::CudaError;
 use crate::cuda::launchers::{
@@ -341,14 +340,20 @@ fn data_bn(
     };
     // A fused epilogue recomputes the mask of ReLU(BN(x)) from x rather than read y where
     // BIRDTRAIN_BN_MASK says so (it loads x anyway, for Σg·x̂).
-    let skip_y =
-        (v3 || plan.is_some()) && bn.y_recomputable && be.bn_mask == MaskSource::Recomputed;
-    let bn_y = match bn.y {
-        Some(y) if bn.relu && !skip_y => Some(y.bf16(op, "bn y")?),
+    let skip_y = (v3 || plan.is_some()) && bn.y_recomputable && be.bn_mask.recomputes();
+    // With `packed`, v3 reads the mask of an output with a residual from the signs its
+    // forward packed beside it, when they are those of its current values.
+    let signs = match bn.y {
+        Some(y) if v3 && bn.relu && !skip_y && be.bn_mask.packs() => y.current_signs(),
         _ => None,
     };
-    // No stored output with a ReLU: the mask recomputed from x, γ, β (the v2 and v3 epilogues).
-    let recompute = bn.relu && bn_y.is_none();
+    let bn_y = match bn.y {
+        Some(y) if bn.relu && !skip_y && signs.is_none() => Some(y.bf16(op, "bn y")?),
+        _ => None,
+    };
+    // No stored output (or its signs) with a ReLU: the mask recomputed from x, γ, β (the v2
+    // and v3 epilogues).
+    let recompute = bn.relu && bn_y.is_none() && signs.is_none();
     let applied = if recompute {
         Some(AppliedArgs::of(op, &bn.applied(), s.c_in)?)
     } else {
@@ -389,6 +394,7 @@ fn data_bn(
                 residual,
                 gamma_beta: applied.as_ref().map(|a| (a.gamma, a.beta)),
                 relu: bn.relu,
+                bn_signs: signs,
             };
             be.conv3_backward_data(op, s, dys, ws, dxs, accumulate, Some(epilogue))?;
             records

@@ -34,8 +34,12 @@ pub(super) struct DgradBn<'a> {
     pub(super) residual: Option<&'a CudaSlice<u16>>,
     /// γ and β where the mask is recomputed from `bn_x` (no `bn_y`, `relu` set).
     pub(super) gamma_beta: Option<(&'a CudaSlice<u16>, &'a CudaSlice<u16>)>,
-    /// Whether the batch norm has a ReLU (the mask: from `bn_y`, else recomputed).
+    /// Whether the batch norm has a ReLU (the mask: from `bn_y`, else from `bn_signs`, else
+    /// recomputed).
     pub(super) relu: bool,
+    /// y's signs packed a bit per element (`bn_apply_signs_vec`), read for the mask instead
+    /// of `bn_y` (which is then none).
+    pub(super) bn_signs: Option<&'a CudaSlice<u8>>,
 }
 
 impl CudaBackend {
@@ -318,6 +322,8 @@ impl CudaBackend {
             Some(bn) => {
                 let cfg = self.conv3_gemm_cfg(op, with_bn, &args)?;
                 let extra = usize::from(bn.residual.is_some()) + usize::from(bn.bn_y.is_some());
+                // A byte of packed signs per 8 elements of dx.
+                let signs_bytes = bn.bn_signs.map_or(0, |_| s.x_len() / 8);
                 let records = conv3::records(&args);
                 let gemm = Conv3DgradBn {
                     map_dy,
@@ -333,9 +339,13 @@ impl CudaBackend {
                     gamma: bn.gamma_beta.map(|(g, _)| g.into()),
                     beta: bn.gamma_beta.map(|(_, b)| b.into()),
                     relu: i32::from(bn.relu),
+                    bn_signs: bn.bn_signs.map(Into::into),
                 };
                 self.launch(op, with_bn, cfg, gemm)?;
-                self.note_work(bytes + 2 * s.x_len() * extra + 8 * records * n, s.flops());
+                self.note_work(
+                    bytes + 2 * s.x_len() * extra + signs_bytes + 8 * records * n,
+                    s.flops(),
+                );
             }
         }
         Ok(())

@@ -230,12 +230,7 @@ impl Backend for CudaBackend {
                 ),
             }
         };
-        Ok(CudaTensor {
-            len,
-            dtype,
-            storage,
-            view_of: None,
-        })
+        Ok(CudaTensor::new(len, dtype, storage))
     }
 
     fn alloc_views(
@@ -277,6 +272,23 @@ impl Backend for CudaBackend {
         Ok(Some((base, views)))
     }
 
+    /// With `BIRDTRAIN_BN_MASK=packed`, a byte per 8 elements beside `y` for its packed signs
+    /// (`bn_apply_signs_vec` writes them, the v3 data gradients read them).
+    fn keep_relu_signs(&self, y: &mut CudaTensor) -> Result<(), BackendError> {
+        if !self.bn_mask.packs() || y.dtype != DType::Bf16 || y.len % 8 != 0 || y.len == 0 {
+            return Ok(());
+        }
+        let bytes = y.len / 8;
+        self.dev.note_allocation(bytes);
+        let bits = self
+            .dev
+            .stream()
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| oom_or_device("alloc", bytes, e))?;
+        y.attach_signs(bits);
+        Ok(())
+    }
+
     fn len(&self, t: &CudaTensor) -> usize {
         t.len
     }
@@ -289,6 +301,7 @@ impl Backend for CudaBackend {
             });
         }
         let stream = self.dev.stream().clone();
+        dst.stale_signs();
         match &mut dst.storage {
             Storage::Empty => Ok(()),
             Storage::Bf16(d) => stream

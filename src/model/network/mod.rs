@@ -163,6 +163,13 @@ impl<B: Backend> Network<B> {
                 false => Some(backend.alloc(max_batch * d.per_image(), TensorRole::Activation)?),
             });
         }
+        // The outputs whose ReLU mask a data gradient reads and no input recomputes: the
+        // backend may keep their signs packed beside them.
+        for (v, marked) in plan.residual_relu_outputs(graph).into_iter().enumerate() {
+            if let (true, Some(y)) = (marked, acts[v].as_mut()) {
+                backend.keep_relu_signs(y)?;
+            }
+        }
         let mut grad_bufs = Vec::with_capacity(plan.grad_sizes.len());
         for &per_image in &plan.grad_sizes {
             grad_bufs.push(Some(

@@ -72,6 +72,26 @@ impl Plan {
         unstored
     }
 
+    /// Value → whether it is the stored output of a batch norm with a residual and a ReLU
+    /// whose incoming gradient a convolution's data gradient finishes: the mask that data
+    /// gradient reads from it cannot be recomputed from the batch norm's input alone
+    /// ([`Backend::keep_relu_signs`](crate::backend::Backend::keep_relu_signs)).
+    pub(super) fn residual_relu_outputs(&self, graph: &Graph) -> Vec<bool> {
+        let mut marked = vec![false; self.dims.len()];
+        for (k, node) in graph.nodes().iter().enumerate() {
+            if let Node::BatchNorm {
+                output,
+                residual: Some(_),
+                relu: true,
+                ..
+            } = node
+            {
+                marked[*output] = self.fusion.prepared[k] && !self.fusion.unstored[k];
+            }
+        }
+        marked
+    }
+
     /// The value holding the logits (the graph's last).
     pub(super) fn logits(&self) -> usize {
         self.dims.len() - 1
@@ -396,6 +416,40 @@ mod tests {
                     ),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_residual_relu_outputs_are_the_blocks_outputs_a_convolution_finishes() {
+        // Every block's output but the last, which the global average pool reads: resnet8 has
+        // 3 blocks, resnet18 8, resnet50 16. Unfused, no convolution reads a mask.
+        for (arch, blocks) in [
+            (Arch::ResNet8, 3),
+            (Arch::ResNet18, 8),
+            (Arch::ResNet50, 16),
+        ] {
+            let graph = Graph::new(arch, 10);
+            let fused = Plan::new(&graph, 64, FusionPlan::of(&graph));
+            let marked = fused.residual_relu_outputs(&graph);
+            let outputs: Vec<usize> = graph
+                .nodes()
+                .iter()
+                .filter_map(|node| match node {
+                    Node::BatchNorm {
+                        output,
+                        residual: Some(_),
+                        relu: true,
+                        ..
+                    } => Some(*output),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(outputs.len(), blocks, "{arch}");
+            let want: Vec<usize> = outputs[..blocks - 1].to_vec();
+            let got: Vec<usize> = (0..marked.len()).filter(|&v| marked[v]).collect();
+            assert_eq!(got, want, "{arch}");
+            let unfused = Plan::new(&graph, 64, FusionPlan::none(&graph));
+            assert!(!unfused.residual_relu_outputs(&graph).contains(&true), "{arch}");
         }
     }
 
