@@ -574,7 +574,8 @@ tiles_rounds() {
   local r t m setting
   local -A rounds=()
   for r in 1 2 3; do
-    for setting in blocks:stored raster:stored persistent:stored blocks:recomputed persistent:recomputed; do
+    for setting in blocks:stored raster:stored persistent:stored blocks:recomputed blocks:packed \
+      persistent:packed; do
       t=${setting%%:*}; m=${setting##*:}
       BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=$t BIRDTRAIN_BN_MASK=$m \
         step "bench-resnet50-tiles-$t-$m-r$r" 60 "$bin" bench step \
@@ -584,23 +585,25 @@ tiles_rounds() {
   done
   check $checks tiles-rounds resnet50 persistent "${rounds[persistent:stored]}" "${rounds[blocks:stored]}"
   check $checks tiles-rounds resnet50 raster "${rounds[raster:stored]}" "${rounds[blocks:stored]}"
-  for t in blocks persistent; do
-    check $checks mask-rounds resnet50 "$t" "${rounds[$t:recomputed]}" "${rounds[$t:stored]}"
+  for setting in blocks:recomputed blocks:packed persistent:packed; do
+    t=${setting%%:*}; m=${setting##*:}
+    check $checks mask-rounds resnet50 "$t" "$m" "${rounds[$setting]}" "${rounds[$t:stored]}"
   done
 }
 
-# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES) and the recomputed masks
+# The persistent v3 kernels (BIRDTRAIN_CONV3_TILES) and the masks' sources
 # (BIRDTRAIN_BN_MASK; < 7 min; DEADLINE=400, timeout_s 430): the resnet50 step under each
 # schedule and each mask source to the bit (two GPU tests, which also check that the `_p`
-# kernels ran and that y was not read) beside every v3 op test run on the persistent kernels;
-# then, only if they passed, the settings in alternating rounds, and a breakdown of
-# `persistent`, of `blocks` and of `blocks` with recomputed masks (compare each conv3_*_p and
-# conv3_*_n64_p row with its original's, and the conv3_dgrad_bn_* rows across the masks).
+# kernels ran, that y was not read and that the signs were packed) beside every v3 op test
+# run on the persistent kernels; then, only if they passed, the settings in alternating
+# rounds, and a breakdown of `persistent`, of `blocks` and of `blocks` with packed signs
+# (compare each conv3_*_p and conv3_*_n64_p row with its original's, the conv3_dgrad_bn_*
+# rows across the masks, and bn_apply_signs_vec with bn_apply_vec).
 phase_tiles() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   step test-conv3-tiles 150 "$test_bin" --ignored --test-threads 1 --nocapture \
     cuda_step::conv3_tile_schedules_give_the_same_step_bits \
-    cuda_step::recomputed_masks_give_the_stored_masks_step_bits &
+    cuda_step::mask_sources_give_the_stored_masks_step_bits &
   # Every v3 op test (odd shapes, tails, the fused batch norm) on the persistent kernels.
   BIRDTRAIN_CONV3_TILES=persistent step test-conv3-ops-persistent 150 "$test_bin" --ignored \
     --test-threads 1 --nocapture cuda_kernels::conv3_ &
@@ -613,7 +616,7 @@ phase_tiles() {
   fi
   tiles_rounds
   local setting
-  for setting in persistent:stored blocks:stored blocks:recomputed; do
+  for setting in persistent:stored blocks:stored blocks:packed; do
     BIRDTRAIN_CONV=v3 BIRDTRAIN_CONV3_TILES=${setting%%:*} BIRDTRAIN_BN_MASK=${setting##*:} \
       step "bench-resnet50-${setting%%:*}-${setting##*:}-breakdown" 60 "$bin" \
       bench step --model resnet50 --batch-size 256 --json --breakdown --warmup 10 --steps 20

@@ -43,9 +43,9 @@
   tiles-rounds MODEL SCHEDULE LOGS,… BLOCKS,…  the same for BIRDTRAIN_CONV3_TILES=SCHEDULE
                                   (raster or persistent) against blocks: PASS when SCHEDULE's
                                   median is lower (FAIL when a report names another schedule)
-  mask-rounds MODEL SCHEDULE LOGS,… STORED,…  the same for BIRDTRAIN_BN_MASK=recomputed against
-                                  stored, both under BIRDTRAIN_CONV3_TILES=SCHEDULE: PASS when
-                                  the recomputed masks' median is lower
+  mask-rounds MODEL SCHEDULE MASK LOGS,… STORED,…  the same for BIRDTRAIN_BN_MASK=MASK
+                                  (recomputed or packed) against stored, both under
+                                  BIRDTRAIN_CONV3_TILES=SCHEDULE: PASS when MASK's median is lower
   accum-cost LOG_ACCUM LOG_MICRO LOG_WHOLE  the last epoch's images/s of B × K accumulated
                                   against B alone and against one batch of B·K (a measurement:
                                   PASS when all three ran and the accumulated run said so)
@@ -414,13 +414,12 @@ def tiles_rounds(model, schedule, logs, blocks_logs):
     return paired_rounds(f"tiles-timing {schedule}", model, (schedule, "blocks"), logs, blocks_logs)
 
 
-def mask_rounds(model, schedule, recomputed_logs, stored_logs):
-    wrong = setting_not_taken("conv3_tiles", ((recomputed_logs, schedule), (stored_logs, schedule))) \
-        or setting_not_taken("bn_mask", ((recomputed_logs, "recomputed"), (stored_logs, "stored")))
+def mask_rounds(model, schedule, mask, mask_logs, stored_logs):
+    wrong = setting_not_taken("conv3_tiles", ((mask_logs, schedule), (stored_logs, schedule))) \
+        or setting_not_taken("bn_mask", ((mask_logs, mask), (stored_logs, "stored")))
     if wrong:
-        return say(False, f"mask-timing {model} {schedule}", wrong)
-    return paired_rounds(f"mask-timing {schedule}", model, ("recomputed", "stored"), recomputed_logs,
-                         stored_logs)
+        return say(False, f"mask-timing {model} {schedule} {mask}", wrong)
+    return paired_rounds(f"mask-timing {schedule}", model, (mask, "stored"), mask_logs, stored_logs)
 
 
 def prologue_rounds(model, on_logs, off_logs):
@@ -479,7 +478,7 @@ def main(argv):
         "fusion-rounds": (fusion_rounds, (3,)), "accum-cost": (accum_cost, (3,)),
         "conv3-rounds": (conv3_rounds, (3,)), "prologue-rounds": (prologue_rounds, (3,)),
         "tiles-rounds": (tiles_rounds, (4,)),
-        "mask-rounds": (mask_rounds, (4,)),
+        "mask-rounds": (mask_rounds, (5,)),
         "tta": (tta, (2,)),
     }
     if len(argv) < 2 or argv[1] not in commands or len(argv) - 2 not in commands[argv[1]][1]:

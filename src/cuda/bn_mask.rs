@@ -89,7 +89,11 @@ mod tests {
     fn the_mask_source_parses_its_names_and_refuses_others_by_name() {
         assert_eq!(MaskSource::parse(None).unwrap(), MaskSource::Stored);
         assert_eq!(MaskSource::parse(Some(" ")).unwrap(), MaskSource::Stored);
-        for m in [MaskSource::Stored, MaskSource::Recomputed, MaskSource::Packed] {
+        for m in [
+            MaskSource::Stored,
+            MaskSource::Recomputed,
+            MaskSource::Packed,
+        ] {
             assert_eq!(MaskSource::parse(Some(m.name())).unwrap(), m);
         }
         let e = MaskSource::parse(Some("x")).unwrap_err().to_string();

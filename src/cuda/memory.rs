@@ -140,8 +140,8 @@ const SPLIT_WGRAD_PLANES: usize = 128 << 20;
 /// weights and moments (Adam's two, the larger case); per image, the u8 pixels of the staging
 /// slots and the loss rows; the v2 convolutions' scratch (the stem's input and weight copies,
 /// paired or padded to 8 channels, in bf16, the largest weight rearranged for the strided
-/// dgrad, the split weight gradient's planes); the fused batch norm's tile records; 1 MiB of
-/// kernel scratch.
+/// dgrad, the split weight gradient's planes); the fused batch norm's tile records; the
+/// blocks' outputs' packed signs; 1 MiB of kernel scratch.
 pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
     let plan = buffer_plan(graph, image_size);
     let pixels = (image_size as usize).pow(2) * 3;
@@ -150,7 +150,10 @@ pub fn estimate(graph: &Graph, image_size: u32) -> Footprint {
         + (1 + STAGING_SLOTS) * pixels
         + stem_copy
         + bn_partials_per_image(graph, image_size)
-        + 4 * graph.num_classes();
+        + 4 * graph.num_classes()
+        // the packed signs of BIRDTRAIN_BN_MASK=packed (counted whatever the setting: a bit an
+        // element of the blocks' outputs, under 1 % of the rest)
+        + plan.residual_relu_outputs_per_image.div_ceil(8);
     let optimizer = optimizer_bytes(plan.params);
     let largest_weight = graph
         .params()

@@ -257,21 +257,22 @@ fn conv3_tile_schedules_give_the_same_step_bits() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn recomputed_masks_give_the_stored_masks_step_bits() {
+fn mask_sources_give_the_stored_masks_step_bits() {
     // `BIRDTRAIN_BN_MASK=recomputed`: the data gradients after an inner batch norm (no
     // residual) recompute its ReLU's mask from x, γ and β in their sums instead of reading y.
     // It is bn_apply's expression rounded as bn_apply rounds it, so the step keeps its bits:
     // v3 one tile a block and persistent, and v2; and the data gradients with a batch-norm
     // epilogue declare fewer bytes (y not read), which shows that the setting took.
+    // `packed` (v3): besides, the blocks' outputs but the last keep their signs packed by
+    // `bn_apply_signs_vec` (15 of resnet50's), which the data gradients read instead of y:
+    // the same bits again, and fewer bytes still. v2 reads y there (no signs are packed).
     let hopper = CudaBackend::new(0).unwrap().device().arch().is_hopper();
     let mut cases = vec![(ConvVersion::V2, TileSchedule::Blocks)];
     if hopper {
         cases.push((ConvVersion::V3, TileSchedule::Blocks));
         cases.push((ConvVersion::V3, TileSchedule::Persistent));
     } else {
-        eprintln!(
-            "recomputed_masks_give_the_stored_masks_step_bits: v2 only (v3 needs a Hopper GPU)"
-        );
+        eprintln!("mask_sources_give_the_stored_masks_step_bits: v2 only (v3 needs a Hopper GPU)");
     }
     for (conv, schedule) in cases {
         let prefix = format!(
@@ -289,6 +290,12 @@ fn recomputed_masks_give_the_stored_masks_step_bits() {
                 .map(|k| k.bytes)
                 .sum()
         };
+        let packing = |kernels: &[KernelTime]| -> usize {
+            kernels
+                .iter()
+                .filter(|k| k.name == "bn_apply_signs_vec")
+                .count()
+        };
         let (stored, stored_kernels) = resnet50_step(conv, schedule, MaskSource::Stored);
         let (recomputed, kernels) = resnet50_step(conv, schedule, MaskSource::Recomputed);
         let (before, after) = (dgrad_bn_bytes(&stored_kernels), dgrad_bn_bytes(&kernels));
@@ -298,7 +305,27 @@ fn recomputed_masks_give_the_stored_masks_step_bits() {
             after < before,
             "{what}: recomputed masks declared {after} bytes, stored {before}"
         );
+        assert_eq!(packing(&stored_kernels) + packing(&kernels), 0, "{what}");
         assert_same_step_bits(&format!("{what} recomputed"), &recomputed, &stored);
+        let (packed, packed_kernels) = resnet50_step(conv, schedule, MaskSource::Packed);
+        let packed_bytes = dgrad_bn_bytes(&packed_kernels);
+        println!("{what}: {packed_bytes:.0} bytes with packed signs");
+        if conv == ConvVersion::V3 {
+            assert_eq!(
+                packing(&packed_kernels),
+                15,
+                "{what}: {:?}",
+                names(&packed_kernels)
+            );
+            assert!(
+                packed_bytes < after,
+                "{what}: packed signs declared {packed_bytes} bytes, recomputed {after}"
+            );
+        } else {
+            assert_eq!(packing(&packed_kernels), 0, "{what}");
+            assert_eq!(packed_bytes, after, "{what}");
+        }
+        assert_same_step_bits(&format!("{what} packed"), &packed, &stored);
     }
 }
 

@@ -8,8 +8,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::base::{check_len, dev_err, elementwise_cfg, ensure, to_i32, CudaBackend, THREADS};
 use crate::backend::{missing_mask, BackendError, BnBackward, BnForward, BnMode};
 use crate::cuda::launchers::{
-    BnApply, BnApplySigns, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare, BnMomentsFinalize,
-    BnStatsFinalize, BnStatsPartial,
+    BnApply, BnApplySigns, BnBwdApply, BnBwdFinalize, BnBwdPartial, BnEvalPrepare,
+    BnMomentsFinalize, BnStatsFinalize, BnStatsPartial,
 };
 use crate::cuda::tensor::CudaTensor;
 

@@ -272,10 +272,12 @@ impl Backend for CudaBackend {
         Ok(Some((base, views)))
     }
 
-    /// With `BIRDTRAIN_BN_MASK=packed`, a byte per 8 elements beside `y` for its packed signs
-    /// (`bn_apply_signs_vec` writes them, the v3 data gradients read them).
+    /// With `BIRDTRAIN_BN_MASK=packed` and v3, a byte per 8 elements beside `y` for its packed
+    /// signs (`bn_apply_signs_vec` writes them, the v3 data gradients read them).
     fn keep_relu_signs(&self, y: &mut CudaTensor) -> Result<(), BackendError> {
-        if !self.bn_mask.packs() || y.dtype != DType::Bf16 || y.len % 8 != 0 || y.len == 0 {
+        // v3's data gradients alone read them (v2's read y).
+        let reads = self.conv == ConvVersion::V3 && self.bn_mask.packs();
+        if !reads || y.dtype != DType::Bf16 || y.len % 8 != 0 || y.len == 0 {
             return Ok(());
         }
         let bytes = y.len / 8;

@@ -287,6 +287,9 @@ pub struct BufferPlan {
     /// Saved batch mean and inverse std of every BN layer, its moments where the backend
     /// fuses batch norm into the convolutions, and the synchronised-BN scratch.
     pub statistics: usize,
+    /// Elements per image of the outputs a backend may keep packed signs beside
+    /// ([`Backend::keep_relu_signs`](crate::backend::Backend::keep_relu_signs)): a bit each.
+    pub residual_relu_outputs_per_image: usize,
 }
 
 /// The [`BufferPlan`] of `graph` at images of side `image_size`: the larger of the unfused
@@ -306,6 +309,14 @@ pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
         })
         .collect();
     let widest = channels.iter().copied().max().unwrap_or(1);
+    let fused = Plan::new(graph, image_size, FusionPlan::of(graph));
+    let residual_relu_outputs_per_image = fused
+        .residual_relu_outputs(graph)
+        .iter()
+        .zip(&dims)
+        .filter(|(marked, _)| **marked)
+        .map(|(_, d)| d.per_image())
+        .sum();
     BufferPlan {
         activations_per_image: dims.iter().map(|d| d.per_image()).sum(),
         activation_grads_per_image,
@@ -313,6 +324,7 @@ pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
         buffers: graph.buffers().iter().map(|b| b.numel()).sum(),
         // saved mean and invstd, the fused path's moments, the synchronised-BN scratch
         statistics: (2 + 3) * channels.iter().sum::<usize>() + 2 * widest,
+        residual_relu_outputs_per_image,
     }
 }
 
@@ -449,7 +461,10 @@ mod tests {
             let got: Vec<usize> = (0..marked.len()).filter(|&v| marked[v]).collect();
             assert_eq!(got, want, "{arch}");
             let unfused = Plan::new(&graph, 64, FusionPlan::none(&graph));
-            assert!(!unfused.residual_relu_outputs(&graph).contains(&true), "{arch}");
+            assert!(
+                !unfused.residual_relu_outputs(&graph).contains(&true),
+                "{arch}"
+            );
         }
     }
 
