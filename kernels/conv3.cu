@@ -565,11 +565,11 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
     // BN_GRAD: the span's x for Σg·x̂, every load in flight at once (one at a time, a tile
-    // waited SPAN global latencies). The consumers of a persistent block of 128 columns load
-    // it first, so that it arrives during the staging and the chunks (they have the registers:
-    // setmaxnreg); the others (a one-tile block, or two persistent blocks an SM on 104
-    // registers a consumer, which would spill) load it after the chunks.
-    constexpr bool X_FIRST = PERSIST && BN == 128;
+    // waited SPAN global latencies). Blocks of 128 columns, one an SM, load it first, so that
+    // it arrives during the staging and the chunks instead of after them (a latency less per
+    // tile; the registers are there: a one-tile block's 384 threads may take 168 each, a
+    // persistent block's consumers 232 through setmaxnreg); 64-column blocks, two an SM on 80
+    // registers a thread (104 a persistent consumer), would spill, and load it after the chunks.
     unsigned xs[EPI == C3_EPI_BN_GRAD ? SPAN : 1];
     auto load_x = [&]() {
 #pragma unroll
