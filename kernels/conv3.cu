@@ -570,6 +570,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // tile; the registers are there: a one-tile block's 384 threads may take 168 each, a
     // persistent block's consumers 232 through setmaxnreg); 64-column blocks, two an SM on 80
     // registers a thread (104 a persistent consumer), would spill, and load it after the chunks.
+    constexpr bool X_FIRST = BN == 128;
     unsigned xs[EPI == C3_EPI_BN_GRAD ? SPAN : 1];
     auto load_x = [&]() {
 #pragma unroll
