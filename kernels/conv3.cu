@@ -51,7 +51,9 @@
 // registers; it then writes g after them (per chunk, the recomputation would cost a 16-byte
 // load of x and 32 scalar loads of the parameters). Given y's signs packed a bit per element
 // (bn_signs, from bn_apply_signs_vec: the batch norms with a residual, whose mask x alone does
-// not give) instead of y, it reads a byte of them per 16-byte chunk: 1/16 of y's bytes.
+// not give) instead of y, it reads a byte of them per 16-byte chunk: 1/16 of y's bytes. In a
+// one-tile block the producer warpgroup's idle threads prefetch those operands into L2 while
+// the tile's loads and GEMM run (c3_prefetch_epilogue).
 //
 // Data layout. x: NHWC bf16 viewed as [M][K]; w: [N][K] bf16; y: [M][N] bf16; K % 8 == 0 and
 // N % 8 == 0 (the tensor maps need 16-byte row pitches). Shared memory, from a 1024-byte
@@ -761,6 +763,40 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
 }
 #endif  // C3_HOPPER
 
+// A hint to the memory system: the 128-byte line at p into L2 (no value changes and nothing
+// faults; the emulator, which has no caches, skips it).
+__device__ __forceinline__ void c3_prefetch_l2(const void* p) {
+#ifdef BT_EMULATE
+    (void)p;
+#else
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#endif
+}
+
+// BN_GRAD, a one-tile block: the producer warpgroup's threads but the TMA issuer (`lane` of
+// `lanes`) ask L2 for what tile t's epilogue will read from memory (x; the residual's gradient,
+// y or its packed signs, and dx's prior value, each where given), row by row, while the
+// block's TMA loads and GEMM run: its loads then meet L2 instead of memory, and the requests
+// reach memory a mainloop earlier. The rows are the epilogue's own (c3_pixel).
+template <int TAPS, int BN>
+__device__ __forceinline__ void c3_prefetch_epilogue(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t,
+                                                     const bf16* dx, int lane, int lanes) {
+    const int rows = TAPS ? C3_BM : min(C3_BM, a.m - t.m0), bytes = 2 * min(BN, a.n - t.n0);
+    if (bytes <= 0) return;
+    const bf16* spans[4] = {ep.bn_x, ep.residual, ep.bn_y, a.accumulate ? dx : nullptr};
+    for (int r = lane; r < rows; r += lanes) {
+        const long o = c3_pixel<TAPS>(a, t, false, r) * a.n + t.n0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (spans[k] == nullptr) continue;
+            const char* row = reinterpret_cast<const char*>(spans[k] + o);
+            for (int b = 0; b < bytes; b += 128) c3_prefetch_l2(row + b);
+            c3_prefetch_l2(row + bytes - 1);  // the last line, where the row starts mid-line
+        }
+        if (ep.bn_signs != nullptr && ep.bn_y == nullptr) c3_prefetch_l2(ep.bn_signs + (o >> 3));
+    }
+}
+
 // out[M][N] = A[M][K] · B[N][K]ᵀ with its epilogue; A and B through their tensor maps, both
 // K-major (MN = 0: forward, dgrad; one box of 64 k × 128 rows per operand and stage) or both
 // MN-major (MN = 1: wgrad, whose reduction runs over pixels; two boxes of 64 MN × 64 k per
@@ -806,8 +842,11 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     float acc[ACC];
     int ring = 0;
     if (wg == 0) {
-        // Producer: one elected thread keeps the ring full.
+        // Producer: one elected thread keeps the ring full; the others prefetch the epilogue's
+        // operands.
         if (tid == 0) c3_produce<MN, TAPS, BM, BN>(map_a, map_b, a, t, base, full0, empty0, ring);
+        else if (EPI == C3_EPI_BN_GRAD)
+            c3_prefetch_epilogue<TAPS, BN>(a, ep, t, reinterpret_cast<const bf16*>(out), tid - 1, 127);
     } else {
         const int c = wg - 1;
         c3_consume<MN, BM, BN>(acc, t, base, full0, empty0, c, tid, ring, false);
