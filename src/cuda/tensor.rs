@@ -52,7 +52,7 @@ pub(crate) enum Storage {
 /// [`crate::cuda::bn_mask::MaskSource::Packed`]).
 #[derive(Debug)]
 pub(crate) struct PackedSigns {
-    pub(crate) bits: CudaSlice<u8>,
+    bits: CudaSlice<u8>,
     /// Whether `bits` are the signs of the tensor's current values: set after the kernel
     /// that wrote both, cleared by every other write (the tensor's mutable accessors and
     /// uploads clear it first, so a stale mask is never read).
@@ -146,9 +146,7 @@ impl CudaTensor {
         what: &str,
     ) -> Result<(&mut CudaSlice<u16>, Option<&mut CudaSlice<u8>>), BackendError> {
         let (len, dtype) = (self.len, self.dtype);
-        if let Some(s) = &mut self.signs {
-            s.current = false;
-        }
+        self.stale_signs();
         match &mut self.storage {
             Storage::Bf16(b) => Ok((b, self.signs.as_mut().map(|s| &mut s.bits))),
             _ => Err(wrong_type(op, what, "bf16", len, dtype)),
