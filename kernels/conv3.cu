@@ -1183,7 +1183,7 @@ conv3_dgrad_bn_1x1_p(const __grid_constant__ CUtensorMap map_dy, const __grid_co
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
                      const bf16* __restrict__ beta, int relu,
-                   const unsigned char* __restrict__ bn_signs) {
+                     const unsigned char* __restrict__ bn_signs) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 0>(&map_dy, &map_wt, dx, args, ep);
 }
@@ -1214,7 +1214,7 @@ conv3_dgrad_bn_3x3_p(const __grid_constant__ CUtensorMap map_dy, const __grid_co
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      const bf16* __restrict__ residual, const bf16* __restrict__ gamma,
                      const bf16* __restrict__ beta, int relu,
-                   const unsigned char* __restrict__ bn_signs) {
+                     const unsigned char* __restrict__ bn_signs) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 1>(&map_dy, &map_wt, dx, args, ep);
 }
@@ -1245,7 +1245,7 @@ conv3_dgrad_bn_1x1_n64_p(const __grid_constant__ CUtensorMap map_dy, const __gri
     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
     const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
     const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu,
-                   const unsigned char* __restrict__ bn_signs) {
+    const unsigned char* __restrict__ bn_signs) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 0, 64>(&map_dy, &map_wt, dx, args, ep);
 }
@@ -1274,7 +1274,7 @@ conv3_dgrad_bn_3x3_n64_p(const __grid_constant__ CUtensorMap map_dy, const __gri
     Conv3Args args, float* part, const bf16* __restrict__ bn_y, const bf16* __restrict__ bn_x,
     const float* __restrict__ mean, const float* __restrict__ invstd, const bf16* __restrict__ residual,
     const bf16* __restrict__ gamma, const bf16* __restrict__ beta, int relu,
-                   const unsigned char* __restrict__ bn_signs) {
+    const unsigned char* __restrict__ bn_signs) {
     const Conv3Epilogue ep{part, bn_y, bn_x, mean, invstd, residual, gamma, beta, relu, bn_signs};
     conv3_gemm_p<C3_EPI_BN_GRAD, 1, 64>(&map_dy, &map_wt, dx, args, ep);
 }

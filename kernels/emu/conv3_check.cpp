@@ -341,8 +341,6 @@ static void check_dgrad(const Dgrad& d) {
                              return memcmp(p.dx.data(), r.dx.data(), r.dx.size() * 2) == 0 &&
                                     memcmp(p.part.data(), r.part.data(), r.part.size() * 4) == 0;
                          });
-    }
-    if (d.bn && d.mask) {
         // The mask recomputed from bn_x, γ, β (no stored y) against the mask read from y =
         // bn_apply's bits of the same (γ of both signs and zero): the same dx and records.
         std::vector<bf16> gamma, beta, y;

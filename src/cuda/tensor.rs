@@ -128,11 +128,6 @@ impl CudaTensor {
         });
     }
 
-    /// Whether packed signs are kept beside the tensor (current or not).
-    pub fn keeps_signs(&self) -> bool {
-        self.signs.is_some()
-    }
-
     /// The packed signs of the tensor's current values, if the last write packed them.
     pub(crate) fn current_signs(&self) -> Option<&CudaSlice<u8>> {
         self.signs.as_ref().filter(|s| s.current).map(|s| &s.bits)

@@ -131,6 +131,26 @@ impl FusionPlan {
         self
     }
 
+    /// Value → whether it is the stored output of a batch norm with a residual and a ReLU
+    /// whose incoming gradient a convolution's data gradient finishes: the mask that data
+    /// gradient reads from it cannot be recomputed from the batch norm's input alone
+    /// ([`Backend::keep_relu_signs`](crate::backend::Backend::keep_relu_signs)).
+    pub fn residual_relu_outputs(&self, graph: &Graph) -> Vec<bool> {
+        let mut marked = vec![false; graph.value_count()];
+        for (k, node) in graph.nodes().iter().enumerate() {
+            if let Node::BatchNorm {
+                output,
+                residual: Some(_),
+                relu: true,
+                ..
+            } = node
+            {
+                marked[*output] = self.prepared[k] && !self.unstored[k];
+            }
+        }
+        marked
+    }
+
     /// The plan of a network that does not fuse: nothing moves.
     pub fn none(graph: &Graph) -> FusionPlan {
         let n = graph.nodes().len();

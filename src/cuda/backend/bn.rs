@@ -263,7 +263,7 @@ pub(super) fn forward(be: &CudaBackend, a: BnForward<'_, CudaTensor>) -> Result<
     let streams = 4 + 2 * usize::from(residual.is_some());
     // y's signs packed beside it, where the network asked the backend to keep them
     // (`Backend::keep_relu_signs`, BIRDTRAIN_BN_MASK=packed) and the 16-byte kernel runs.
-    let pack = be.bn_mask.packs() && y.keeps_signs() && c % 8 == 0;
+    let pack = be.bn_mask.packs() && c % 8 == 0;
     let (ys, signs) = y.bf16_and_signs_mut(op, "y")?;
     match signs {
         Some(signs) if pack => {

@@ -165,7 +165,12 @@ impl<B: Backend> Network<B> {
         }
         // The outputs whose ReLU mask a data gradient reads and no input recomputes: the
         // backend may keep their signs packed beside them.
-        for (v, marked) in plan.residual_relu_outputs(graph).into_iter().enumerate() {
+        for (v, marked) in plan
+            .fusion
+            .residual_relu_outputs(graph)
+            .into_iter()
+            .enumerate()
+        {
             if let (true, Some(y)) = (marked, acts[v].as_mut()) {
                 backend.keep_relu_signs(y)?;
             }

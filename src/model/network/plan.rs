@@ -72,26 +72,6 @@ impl Plan {
         unstored
     }
 
-    /// Value → whether it is the stored output of a batch norm with a residual and a ReLU
-    /// whose incoming gradient a convolution's data gradient finishes: the mask that data
-    /// gradient reads from it cannot be recomputed from the batch norm's input alone
-    /// ([`Backend::keep_relu_signs`](crate::backend::Backend::keep_relu_signs)).
-    pub(super) fn residual_relu_outputs(&self, graph: &Graph) -> Vec<bool> {
-        let mut marked = vec![false; self.dims.len()];
-        for (k, node) in graph.nodes().iter().enumerate() {
-            if let Node::BatchNorm {
-                output,
-                residual: Some(_),
-                relu: true,
-                ..
-            } = node
-            {
-                marked[*output] = self.fusion.prepared[k] && !self.fusion.unstored[k];
-            }
-        }
-        marked
-    }
-
     /// The value holding the logits (the graph's last).
     pub(super) fn logits(&self) -> usize {
         self.dims.len() - 1
@@ -298,8 +278,8 @@ pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
     let dims = graph.value_dims(image_size);
     let grads =
         |fusion: &FusionPlan| -> usize { plan_grad_buffers(graph, &dims, fusion).1.iter().sum() };
-    let activation_grads_per_image =
-        grads(&FusionPlan::none(graph)).max(grads(&FusionPlan::of(graph)));
+    let fused = FusionPlan::of(graph);
+    let activation_grads_per_image = grads(&FusionPlan::none(graph)).max(grads(&fused));
     let channels: Vec<usize> = graph
         .nodes()
         .iter()
@@ -309,7 +289,6 @@ pub fn buffer_plan(graph: &Graph, image_size: u32) -> BufferPlan {
         })
         .collect();
     let widest = channels.iter().copied().max().unwrap_or(1);
-    let fused = Plan::new(graph, image_size, FusionPlan::of(graph));
     let residual_relu_outputs_per_image = fused
         .residual_relu_outputs(graph)
         .iter()
@@ -441,8 +420,7 @@ mod tests {
             (Arch::ResNet50, 16),
         ] {
             let graph = Graph::new(arch, 10);
-            let fused = Plan::new(&graph, 64, FusionPlan::of(&graph));
-            let marked = fused.residual_relu_outputs(&graph);
+            let marked = FusionPlan::of(&graph).residual_relu_outputs(&graph);
             let outputs: Vec<usize> = graph
                 .nodes()
                 .iter()
@@ -460,9 +438,10 @@ mod tests {
             let want: Vec<usize> = outputs[..blocks - 1].to_vec();
             let got: Vec<usize> = (0..marked.len()).filter(|&v| marked[v]).collect();
             assert_eq!(got, want, "{arch}");
-            let unfused = Plan::new(&graph, 64, FusionPlan::none(&graph));
             assert!(
-                !unfused.residual_relu_outputs(&graph).contains(&true),
+                !FusionPlan::none(&graph)
+                    .residual_relu_outputs(&graph)
+                    .contains(&true),
                 "{arch}"
             );
         }
