@@ -340,9 +340,11 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
 // setmaxnreg (PTX ISA 8.0, sm_90a): the warpgroup gives registers back to the block's pool
 // (dec) or takes them from it (inc), so a persistent block's producer, one thread issuing
 // TMA loads, runs on few registers and its consumers, which hold the accumulators and the
-// epilogue's operands, on more: one block an SM (168 a thread at launch): 40 and 232
-// (128·40 + 256·232 = 64 512 = 384·168); two (80 at launch): 32 and 104 (128·32 + 256·104 =
-// 30 720 = 384·80). An inc beyond what the decs freed would wait forever. Every thread of
+// epilogue's operands, on more: one block an SM (168 a thread at launch): 24, the least the
+// instruction takes and enough for the producer's loop, and 240 (128·24 + 256·240 = 64 512 =
+// 384·168), which the 128-column data gradients' consumers need to hold a whole tile's
+// epilogue operands beside the accumulators (C3EpiOperands); two (80 at launch): 32 and 104
+// (128·32 + 256·104 = 30 720 = 384·80). An inc beyond what the decs freed would wait forever. Every thread of
 // the warpgroup executes it.
 template <int REGS>
 __device__ __forceinline__ void c3_setmaxnreg_dec() {
@@ -546,42 +548,113 @@ __device__ __forceinline__ void c3_epi_sync() {
 #endif
 }
 
+// The epilogue's division of work among ETHREADS threads (the consumer warpgroups are the last
+// 256 of them). The per-tile records (conv2.cu's, by the first 256 threads): a thread owns a
+// column pair and a span of SPAN rows; the TPC spans of a pair are added in span order by span 0.
+// The chunks: 16 bytes of a row each, chunk ch to thread ch % ETHREADS, their global operands
+// loaded in ROUNDS rounds of PER_ROUND chunks a thread (at most MOST: the registers that hold
+// them; 2 where two persistent blocks share an SM's registers; all at once when EARLY).
+template <int BN, int PERSIST, int EARLY = 0>
+struct C3EpiShape {
+    static constexpr int ETHREADS = PERSIST ? 256 : C3_THREADS;
+    static constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
+    static constexpr int CHUNKS_PER_ROW = BN / 8, CHUNKS = C3_BM * CHUNKS_PER_ROW;
+    static constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS;
+    static constexpr int MOST = EARLY ? PER_THREAD : PERSIST && BN == 64 ? 2 : 6;
+    static constexpr int ROUNDS = (PER_THREAD + MOST - 1) / MOST, PER_ROUND = (PER_THREAD + ROUNDS - 1) / ROUNDS;
+};
+
+// What a thread's share of tile t's epilogue reads from memory: its chunks' prior value (when
+// accumulating), residual gradient and mask (y, or its packed signs), one round at a time, and
+// (BN_GRAD) its span's x for Σg·x̂, every load in flight at once. The epilogue loads them itself
+// (EARLY = 0) or finds them loaded: a persistent block's 128-column consumers, which hold 240
+// registers a thread, load the whole tile's before its mainloop (conv3_gemm_p), so that they
+// arrive while the tensor cores run instead of while the epilogue waits.
+template <int EPI, int TAPS, int BN, int PERSIST, int EARLY = 0>
+struct C3EpiOperands {
+    using S = C3EpiShape<BN, PERSIST, EARLY>;
+    static constexpr bool BN_GRAD = EPI == C3_EPI_BN_GRAD;
+    EpilogueInputs<S::PER_ROUND> in;
+    unsigned xs[BN_GRAD ? S::SPAN : 1];
+
+    // BN_GRAD: the rows r0 .. r1 − 1 of the column pair cn of thread etid's span.
+    __device__ __forceinline__ void load_x(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int etid) {
+        const int col = (etid % S::PAIRS) * 2, span = (etid / S::PAIRS) % S::TPC, cn = t.n0 + col, N = a.n;
+        const int rows = TAPS ? C3_BM : min(C3_BM, a.m - t.m0), r0 = span * S::SPAN, r1 = min(rows, r0 + S::SPAN);
+        const bool reducer = etid < 256;
+#pragma unroll
+        for (int i = 0; i < S::SPAN; ++i)
+            xs[i] = reducer && cn < N && r0 + i < r1
+                        ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn)
+                        : 0u;
+    }
+
+    // The chunks of round `round` (dx's prior value read from `y`, the output, when accumulating;
+    // PRIOR = 2: that alone, PRIOR = 0: all but that).
+    template <int PRIOR = 1>
+    __device__ __forceinline__ void load_chunks(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t,
+                                                const bf16* y, int etid, int round) {
+        const bool scatter = EPI == C3_EPI_NONE && !TAPS && a.stride > 1;
+        const bf16* mask_src = BN_GRAD ? ep.bn_y : nullptr;
+        // BN_GRAD with packed signs: a byte of them a chunk (its 8 elements' offset is a
+        // multiple of 8: N % 8 == 0), 1/16 of the bytes of y.
+        const unsigned char* signs_src = BN_GRAD && ep.bn_y == nullptr && ep.relu ? ep.bn_signs : nullptr;
+#pragma unroll
+        for (int i = 0; i < in.COUNT; ++i) {
+            const int ch = etid + (round * S::PER_ROUND + i) * S::ETHREADS, row = ch / S::CHUNKS_PER_ROW;
+            const int n = t.n0 + (ch % S::CHUNKS_PER_ROW) * 8;
+            const bool live = ch < S::CHUNKS && (TAPS || t.m0 + row < a.m) && n < a.n;
+            const long o = live ? c3_pixel<TAPS>(a, t, scatter, row) * a.n + n : 0;
+            if (PRIOR == 2) {
+                in.prior[i] = live ? *reinterpret_cast<const uint4*>(y + o) : make_uint4(0u, 0u, 0u, 0u);
+                continue;
+            }
+            in.load(i, live, o, PRIOR && a.accumulate ? y : nullptr, BN_GRAD ? ep.residual : nullptr, mask_src);
+            // Packed signs take the place of y's chunk (the registers of mask[i], whose .x holds
+            // the byte): the two never come together.
+            if (signs_src != nullptr) in.mask[i].x = live ? (unsigned)signs_src[o >> 3] : 0u;
+        }
+    }
+
+    // What the epilogue reads before the tile's mainloop (EARLY: a single round), but dx's
+    // prior value: 32 registers more than the consumers have, and read only when a layer's data
+    // gradient adds to another's, so the epilogue loads it (load_chunks<2>).
+    __device__ __forceinline__ void load_early(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int etid) {
+        static_assert(S::ROUNDS == 1, "loaded early: every chunk in one round");
+        if (BN_GRAD) load_x(a, ep, t, etid);
+        load_chunks<0>(a, ep, t, nullptr, etid, 0);
+    }
+};
+
 // Tile t's epilogue (every epilogue but the weight gradient's) by ETHREADS threads, `etid` this
 // thread's index among them (the consumer warpgroups are the last 256 of them): the
 // accumulators (wg > 0) rounded to bf16 and staged in `epi` ([128][BN + 8] bf16, then the
 // reduction scratch), written to y in whole 16-byte chunks with what the epilogue adds, and
 // the per-tile records. The caller has made the staging area free (the barrier before it).
-template <int EPI, int TAPS, int BN, int PERSIST>
+// `ops` holds the global operands when EARLY (C3EpiOperands::load_early), and is the epilogue's
+// own otherwise.
+template <int EPI, int TAPS, int BN, int PERSIST, int EARLY = 0>
 __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int records,
-                                            bf16* y, unsigned char* epi, const float* acc, int etid, int wg) {
-    constexpr int ETHREADS = PERSIST ? 256 : C3_THREADS, LDC = BN + 8;
+                                            bf16* y, unsigned char* epi, const float* acc, int etid, int wg,
+                                            C3EpiOperands<EPI, TAPS, BN, PERSIST, EARLY>& ops) {
+    using S = C3EpiShape<BN, PERSIST, EARLY>;
+    constexpr int ETHREADS = S::ETHREADS, LDC = BN + 8;
     const int m0 = t.m0, n0 = t.n0, M = a.m, N = a.n;
     const bool scatter = EPI == C3_EPI_NONE && !TAPS && a.stride > 1;
     bf16* Cs = reinterpret_cast<bf16*>(epi);
-    // The per-tile records' work (conv2.cu's, by the first 256 threads): a thread owns a column
-    // pair and a span of SPAN rows; the TPC spans of a pair are added in span order by span 0.
-    constexpr int PAIRS = BN / 2, TPC = 256 / PAIRS, SPAN = C3_BM / TPC;
+    constexpr int PAIRS = S::PAIRS, TPC = S::TPC, SPAN = S::SPAN;
     const bool reducer = etid < 256;
     const int col = (etid % PAIRS) * 2, span = (etid / PAIRS) % TPC;
     const int rows = TAPS ? C3_BM : min(C3_BM, M - m0);
     const int r0 = span * SPAN, r1 = min(rows, r0 + SPAN);
     const int cn = n0 + col;  // N % 8 == 0: both columns of a pair are in range, or neither
-    // BN_GRAD: the span's x for Σg·x̂, every load in flight at once (one at a time, a tile
-    // waited SPAN global latencies). Blocks of 128 columns, one an SM, load it first, so that
-    // it arrives during the staging and the chunks instead of after them (a latency less per
-    // tile; the registers are there: a one-tile block's 384 threads may take 168 each, a
-    // persistent block's consumers 232 through setmaxnreg); 64-column blocks, two an SM on 80
-    // registers a thread (104 a persistent consumer), would spill, and load it after the chunks.
+    // BN_GRAD: the span's x. Blocks of 128 columns, one an SM, load it first, so that it arrives
+    // during the staging and the chunks instead of after them (a latency less per tile; the
+    // registers are there: a one-tile block's 384 threads may take 168 each, a persistent
+    // block's consumers 240 through setmaxnreg); 64-column blocks, two an SM on 80 registers a
+    // thread (104 a persistent consumer), would spill, and load it after the chunks.
     constexpr bool X_FIRST = BN == 128;
-    unsigned xs[EPI == C3_EPI_BN_GRAD ? SPAN : 1];
-    auto load_x = [&]() {
-#pragma unroll
-        for (int i = 0; i < SPAN; ++i)
-            xs[i] = reducer && cn < N && r0 + i < r1
-                        ? *reinterpret_cast<const unsigned*>(ep.bn_x + c3_pixel<TAPS>(a, t, false, r0 + i) * N + cn)
-                        : 0u;
-    };
-    if (EPI == C3_EPI_BN_GRAD && X_FIRST) load_x();
+    if (EPI == C3_EPI_BN_GRAD && X_FIRST && !EARLY) ops.load_x(a, ep, t, etid);
     if (wg > 0) {
         const int tid = (int)threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
@@ -595,34 +668,20 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             }
     }
     c3_epi_sync<PERSIST>();
-    constexpr int CHUNKS_PER_ROW = BN / 8, CHUNKS = C3_BM * CHUNKS_PER_ROW;
-    // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs), in
-    // rounds of at most 6 chunks a thread (the registers that hold them; 2 where two persistent
-    // blocks share an SM's registers).
-    constexpr int MOST = PERSIST && BN == 64 ? 2 : 6;
-    constexpr int PER_THREAD = (CHUNKS + ETHREADS - 1) / ETHREADS, ROUNDS = (PER_THREAD + MOST - 1) / MOST;
-    constexpr int PER_ROUND = (PER_THREAD + ROUNDS - 1) / ROUNDS;
+    constexpr int CHUNKS_PER_ROW = S::CHUNKS_PER_ROW, CHUNKS = S::CHUNKS;
+    // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs).
+    constexpr int ROUNDS = S::ROUNDS, PER_ROUND = S::PER_ROUND;
     const bool bn_grad = EPI == C3_EPI_BN_GRAD;
     // BN_GRAD whose batch norm's output is not read (null bn_y, a ReLU): the mask is recomputed
     // in the sums below from the span's x, which they load anyway, and g goes out after them.
     // Per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters.
     const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.bn_signs == nullptr && ep.relu;
-    const bf16* mask_src = bn_grad ? ep.bn_y : nullptr;
-    // BN_GRAD with packed signs: a byte of them a chunk (its 8 elements' offset is a multiple
-    // of 8: N % 8 == 0), 1/16 of the bytes of y.
-    const unsigned char* signs_src = bn_grad && ep.bn_y == nullptr && ep.relu ? ep.bn_signs : nullptr;
+    const bool packed_signs = bn_grad && ep.bn_y == nullptr && ep.relu && ep.bn_signs != nullptr;
 #pragma unroll
     for (int round = 0; round < ROUNDS; ++round) {
-        EpilogueInputs<PER_ROUND> in;
-        unsigned signs[PER_ROUND];
-#pragma unroll
-        for (int i = 0; i < in.COUNT; ++i) {
-            const int ch = etid + (round * PER_ROUND + i) * ETHREADS, row = ch / CHUNKS_PER_ROW, n = n0 + (ch % CHUNKS_PER_ROW) * 8;
-            const bool live = ch < CHUNKS && (TAPS || m0 + row < M) && n < N;
-            const long o = live ? c3_pixel<TAPS>(a, t, scatter, row) * N + n : 0;
-            in.load(i, live, o, a.accumulate ? y : nullptr, bn_grad ? ep.residual : nullptr, mask_src);
-            signs[i] = live && signs_src != nullptr ? (unsigned)signs_src[o >> 3] : 0u;
-        }
+        if (!EARLY) ops.load_chunks(a, ep, t, y, etid, round);
+        else if (a.accumulate) ops.template load_chunks<2>(a, ep, t, y, etid, round);
+        const auto& in = ops.in;
 #pragma unroll
         for (int i = 0; i < in.COUNT; ++i) {
             const int ch = etid + (round * PER_ROUND + i) * ETHREADS;
@@ -631,7 +690,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
             if (ch >= CHUNKS || (!TAPS && m0 + row >= M) || n >= N) continue;
             const long o = c3_pixel<TAPS>(a, t, scatter, row) * N + n;
             uint4 v = in.finish(i, *reinterpret_cast<const uint4*>(Cs + row * LDC + col), a.accumulate, bn_grad, ep);
-            if (signs_src != nullptr) v = relu_mask_bits_bf16x8(v, signs[i]);
+            if (packed_signs) v = relu_mask_bits_bf16x8(v, in.mask[i].x);
             if (bn_grad) *reinterpret_cast<uint4*>(Cs + row * LDC + col) = v;  // the final g, for the sums below
             if (mask_late) continue;  // stored after the sums have masked it
             *reinterpret_cast<uint4*>(y + o) = v;
@@ -659,7 +718,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     const long plane = (long)records * N, at = (long)t.record * N + cn;
     if (EPI == C3_EPI_BN_GRAD) {
         // Σg and Σg·x̂ of the staged final g (x̂ from the batch norm's input and statistics).
-        if (!X_FIRST) load_x();
+        if (!X_FIRST && !EARLY) ops.load_x(a, ep, t, etid);
         c3_epi_sync<PERSIST>();  // every g is staged
         float b0 = 0.0f, b1 = 0.0f, g0 = 0.0f, g1 = 0.0f;
         if (reducer && cn < N) {
@@ -675,7 +734,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
                 const int r = r0 + i;
                 if (r >= r1) break;
                 unsigned v = cs_pair[r * (LDC / 2)];
-                const unsigned x = xs[i];
+                const unsigned x = ops.xs[i];
                 if (mask_late) {
                     // y as bn_apply wrote it (applied_bn2: bn_apply_vec's expression and rounding), its
                     // sign the mask; the masked g staged again for the store below.
@@ -869,8 +928,9 @@ __device__ __forceinline__ void conv3_gemm(const CUtensorMap* map_a, const CUten
     // Every wgmma has read its stage and every TMA load has landed (each was waited for):
     // the stages become the epilogue's staging area.
     __syncthreads();
+    C3EpiOperands<EPI, TAPS, BN, 0> ops;
     c3_epilogue<EPI, TAPS, BN, 0>(a, ep, t, (int)(gridDim.x * gridDim.z), reinterpret_cast<bf16*>(out), smem, acc,
-                                  tid, wg);
+                                  tid, wg, ops);
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this
 #endif
@@ -930,21 +990,28 @@ __device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUt
     // From here on the producer and the consumers go their own ways: no __syncthreads.
     int ring = 0;
     if (wg == 0) {
-        c3_setmaxnreg_dec<BN == 128 ? 40 : 32>();
+        c3_setmaxnreg_dec<BN == 128 ? 24 : 32>();
         if (tid != 0) return;
         for (int i = blockIdx.x; i < tiles; i += gridDim.x)
             c3_produce<0, TAPS, C3_BM, BN, STAGES>(map_a, map_b, a, c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles), base,
                                                    full0, empty0, ring);
         return;
     }
-    c3_setmaxnreg_inc<BN == 128 ? 232 : 104>();
+    c3_setmaxnreg_inc<BN == 128 ? 240 : 104>();
+    // The 128-column data gradients with the batch-norm epilogue load its operands before the
+    // tile's mainloop (the consumers' 240 registers hold them beside the accumulators); the
+    // 64-column ones, on 104, load them in the epilogue.
+    constexpr int EARLY = EPI == C3_EPI_BN_GRAD && BN == 128;
     float acc[BN / 2];
     for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
         const C3Tile t = c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles);
+        C3EpiOperands<EPI, TAPS, BN, 1, EARLY> ops;
+        if constexpr (EARLY) ops.load_early(a, ep, t, tid - 128);
         c3_consume<0, C3_BM, BN, STAGES>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
         // The previous tile's epilogue is done with the staging area.
         c3_epi_sync<1>();
-        c3_epilogue<EPI, TAPS, BN, 1>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI(BN), acc, tid - 128, wg);
+        c3_epilogue<EPI, TAPS, BN, 1, EARLY>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI(BN), acc, tid - 128,
+                                             wg, ops);
     }
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this

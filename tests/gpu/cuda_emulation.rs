@@ -310,6 +310,12 @@ fn kernels_match_references_under_emulation() {
             "* (C3_TILE_BYTES + (BN) * C3_BK * 2) + 128)",
             "* (C3_TILE_BYTES + (BN) * C3_BK * 2) - 16384)",
         ),
+        // a persistent data gradient that loads its epilogue's operands before the mainloop but
+        // never dx's prior value, which that early load leaves out (accumulating, it adds zeros)
+        (
+            "else if (a.accumulate) ops.template load_chunks<2>",
+            "else if (false) ops.template load_chunks<2>",
+        ),
         // a persistent walk that takes every tile's columns from the first column tile
         (
             "mt = i / n_tiles % m_tiles, nt = i % n_tiles;",
