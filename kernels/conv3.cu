@@ -344,8 +344,8 @@ __device__ __forceinline__ void c3_fence_acc(float* d) {
 // instruction takes and enough for the producer's loop, and 240 (128·24 + 256·240 = 64 512 =
 // 384·168), which the 128-column data gradients' consumers need to hold a whole tile's
 // epilogue operands beside the accumulators (C3EpiOperands); two (80 at launch): 32 and 104
-// (128·32 + 256·104 = 30 720 = 384·80). An inc beyond what the decs freed would wait forever. Every thread of
-// the warpgroup executes it.
+// (128·32 + 256·104 = 30 720 = 384·80). An inc beyond what the decs freed would wait forever.
+// Every thread of the warpgroup executes it.
 template <int REGS>
 __device__ __forceinline__ void c3_setmaxnreg_dec() {
 #ifndef BT_EMULATE
@@ -589,6 +589,12 @@ struct C3EpiOperands {
                         : 0u;
     }
 
+    // BN_GRAD with packed signs (y not stored, a ReLU): a byte of them a chunk (its 8 elements'
+    // offset is a multiple of 8: N % 8 == 0), 1/16 of the bytes of y; null otherwise.
+    static __device__ __forceinline__ const unsigned char* signs_of(const Conv3Epilogue& ep) {
+        return BN_GRAD && ep.bn_y == nullptr && ep.relu ? ep.bn_signs : nullptr;
+    }
+
     // The chunks of round `round` (dx's prior value read from `y`, the output, when accumulating;
     // PRIOR = 2: that alone, PRIOR = 0: all but that).
     template <int PRIOR = 1>
@@ -596,9 +602,7 @@ struct C3EpiOperands {
                                                 const bf16* y, int etid, int round) {
         const bool scatter = EPI == C3_EPI_NONE && !TAPS && a.stride > 1;
         const bf16* mask_src = BN_GRAD ? ep.bn_y : nullptr;
-        // BN_GRAD with packed signs: a byte of them a chunk (its 8 elements' offset is a
-        // multiple of 8: N % 8 == 0), 1/16 of the bytes of y.
-        const unsigned char* signs_src = BN_GRAD && ep.bn_y == nullptr && ep.relu ? ep.bn_signs : nullptr;
+        const unsigned char* signs_src = signs_of(ep);
 #pragma unroll
         for (int i = 0; i < in.COUNT; ++i) {
             const int ch = etid + (round * S::PER_ROUND + i) * S::ETHREADS, row = ch / S::CHUNKS_PER_ROW;
@@ -676,7 +680,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // in the sums below from the span's x, which they load anyway, and g goes out after them.
     // Per chunk it would cost a 16-byte load of x and 32 scalar loads of the parameters.
     const bool mask_late = bn_grad && ep.bn_y == nullptr && ep.bn_signs == nullptr && ep.relu;
-    const bool packed_signs = bn_grad && ep.bn_y == nullptr && ep.relu && ep.bn_signs != nullptr;
+    const bool packed_signs = ops.signs_of(ep) != nullptr;
 #pragma unroll
     for (int round = 0; round < ROUNDS; ++round) {
         if (!EARLY) ops.load_chunks(a, ep, t, y, etid, round);
