@@ -160,8 +160,12 @@ pub fn parse_res_usage(text: &str) -> HashMap<String, ResUsage> {
 }
 
 /// Parses `nvdisasm` output into each function's main loop: for every backward branch to a
-/// label, the instructions from the label to the branch; the loop with the most tensor-core
-/// instructions (HMMA for `mma.sync`, HGMMA for `wgmma`) wins; and the function's TMA loads.
+/// label, the instructions from the label to the branch; among the loops with tensor-core
+/// instructions (HMMA for `mma.sync`, HGMMA for `wgmma`) that hold no other such loop (a
+/// persistent kernel's tile loop holds its k-step loops), the one with the most wins, the
+/// first on a tie (its branch first in the code: the k-step loop, ahead of the branches back
+/// from the barrier waits' retries placed at the function's end); and the function's TMA
+/// loads.
 pub fn parse_sass(text: &str) -> HashMap<String, LoopMix> {
     let mut out = HashMap::new();
     let mut name: Option<String> = None;
@@ -169,24 +173,32 @@ pub fn parse_sass(text: &str) -> HashMap<String, LoopMix> {
     let mut labels: HashMap<String, usize> = HashMap::new();
     let mut finish = |name: Option<String>, instrs: &[String], labels: &HashMap<String, usize>| {
         let Some(name) = name else { return };
+        let mma_count = |body: &[String], prefix: &str| {
+            body.iter()
+                .filter(|i| opcode(i).starts_with(prefix))
+                .count()
+        };
+        // Every loop with mma: (label, backward branch).
+        let loops: Vec<(usize, usize)> = instrs
+            .iter()
+            .enumerate()
+            .filter_map(|(at, ins)| {
+                let start = *labels.get(branch_target(ins)?)?;
+                let body = &instrs[start.min(at)..=at];
+                (start <= at && mma_count(body, "HMMA") + mma_count(body, "HGMMA") > 0)
+                    .then_some((start, at))
+            })
+            .collect();
         let mut best = LoopMix::default();
-        for (at, ins) in instrs.iter().enumerate() {
-            let Some(target) = branch_target(ins) else {
+        for &(start, at) in &loops {
+            let holds_another = loops
+                .iter()
+                .any(|&(s, a)| (s, a) != (start, at) && s >= start && a <= at);
+            if holds_another {
                 continue;
-            };
-            let Some(&start) = labels.get(target) else {
-                continue;
-            };
-            if start > at {
-                continue; // a forward branch
             }
             let body = &instrs[start..=at];
-            let count = |prefix: &str| {
-                body.iter()
-                    .filter(|i| opcode(i).starts_with(prefix))
-                    .count()
-            };
-            let (sync, group) = (count("HMMA"), count("HGMMA"));
+            let (sync, group) = (mma_count(body, "HMMA"), mma_count(body, "HGMMA"));
             let mma = sync + group;
             if mma > best.mma {
                 best = LoopMix {
@@ -273,6 +285,18 @@ pub struct ReportRow {
     pub mix: LoopMix,
     /// Resident blocks per SM.
     pub blocks_per_sm: usize,
+    /// ptxas's notes on this kernel from NVRTC's log (such as a `wgmma` it waited for or
+    /// serialised: C7510–C7520), one a line.
+    pub ptxas_notes: Vec<String>,
+}
+
+/// The lines of NVRTC's `log` that name `kernel` (ptxas writes "… in function 'NAME'").
+pub fn ptxas_notes(log: &str, kernel: &str) -> Vec<String> {
+    let quoted = format!("function '{kernel}'");
+    log.lines()
+        .filter(|l| l.contains(&quoted))
+        .map(|l| l.trim().to_string())
+        .collect()
 }
 
 impl ReportRow {
@@ -395,6 +419,7 @@ pub fn report(arch: GpuArch, smem_per_sm: usize) -> anyhow::Result<Vec<ReportRow
                     usage.shared + dynamic_smem,
                     smem_per_sm,
                 ),
+                ptxas_notes: ptxas_notes(&built.image.log, &kernel),
                 kernel,
                 threads,
                 dynamic_smem,
@@ -440,6 +465,11 @@ pub fn print(arch: GpuArch, rows: &[ReportRow]) {
                 .other_per_32_mma()
                 .map_or("-".to_string(), |v| format!("{v:.1}"))
         );
+    }
+    for r in rows {
+        for note in &r.ptxas_notes {
+            outln!("{}: {note}", r.kernel);
+        }
     }
 }
 
@@ -507,6 +537,37 @@ mod tests {
         assert_eq!(parse_sass(SASS)["conv2_fwd_128x64"].kind.name(), "mma.sync");
     }
 
+    // A persistent kernel's shape: a tile loop holding the k-step loop and, after the
+    // staging, the next tile's head start (a k-step loop without the wait and release).
+    const SASS_PERSISTENT: &str = "\
+\t.section\t.text.conv3_fwd_1x1_p,\"ax\",@progbits
+.L_x_1:
+        /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R3 ;
+.L_x_2:
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0050*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR6] ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   STS [R2], R24 ;
+.L_x_3:
+        /*0080*/                   WARPGROUP.ARRIVE ;
+        /*0090*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*00a0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*00b0*/               @P2 BRA `(.L_x_3) ;
+        /*00c0*/                   STG.E.128 desc[UR4][R2.64], R8 ;
+        /*00d0*/               @P3 BRA `(.L_x_1) ;
+        /*00e0*/                   EXIT ;
+";
+
+    #[test]
+    fn sass_main_loop_of_a_persistent_kernel_is_its_first_innermost_mma_loop() {
+        // The tile loop has the most HGMMA but holds the others; the k-step loop comes first.
+        let k = &parse_sass(SASS_PERSISTENT)["conv3_fwd_1x1_p"];
+        assert_eq!((k.mma, k.other, k.kind), (2, 4, MmaKind::Wgmma));
+    }
+
     #[test]
     fn sass_main_loop_is_the_backward_branch_with_most_mma() {
         let m = parse_sass(SASS);
@@ -524,6 +585,16 @@ mod tests {
         assert_eq!(fwd.other_per_32_mma(), Some(48.0));
         assert_eq!(m["conv2_pad_channels"], LoopMix::default());
         assert_eq!(m["conv2_pad_channels"].other_per_32_mma(), None);
+    }
+
+    #[test]
+    fn ptxas_notes_are_the_log_lines_naming_the_kernel() {
+        let log = "ptxas info    : (C7517) warpgroup.wait is injected in around line 7 by compiler to allow use of registers defined by GMMA in function 'conv3_fwd_1x1_p'\nptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.DP in divergent path in the function 'conv3_fwd_1x1_p_x'\n";
+        let notes = ptxas_notes(log, "conv3_fwd_1x1_p");
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].contains("C7517"), "{notes:?}");
+        assert!(ptxas_notes(log, "conv3_fwd_1x1").is_empty());
+        assert_eq!(ptxas_notes(log, "conv3_fwd_1x1_p_x").len(), 1);
     }
 
     #[test]

@@ -84,6 +84,7 @@ impl KernelCache {
         Some(CompiledImage {
             ptx: String::from_utf8(ptx.to_vec()).ok()?,
             cubin: cubin.to_vec(),
+            log: String::new(), // not kept: only `kernels report` reads it, from a fresh build
         })
     }
 
@@ -302,6 +303,7 @@ mod tests {
         let image = CompiledImage {
             ptx: ".version 9.0".into(),
             cubin: vec![0x7f, b'E', b'L', b'F', 0, 1],
+            log: String::new(),
         };
         assert!(cache.load("abc").is_none());
         cache.store("abc", &image).unwrap();
@@ -327,6 +329,7 @@ mod race_tests {
         let image = CompiledImage {
             ptx: "x".repeat(64 * 1024),
             cubin: (0..128 * 1024).map(|i| (i % 251) as u8).collect(),
+            log: String::new(),
         };
         let stop = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -407,6 +410,7 @@ mod unwritable_tests {
         CompiledImage {
             ptx: ".version 9.0".into(),
             cubin: vec![1, 2, 3],
+            log: String::new(),
         }
     }
 

@@ -77,6 +77,9 @@ pub struct CompiledImage {
     pub ptx: String,
     /// The cubin for the target architecture (what the driver loads, no JIT).
     pub cubin: Vec<u8>,
+    /// NVRTC's log of the compilation, ptxas's notes among it (such as a `wgmma` it had to
+    /// wait for or serialise); empty for an image read from the cache.
+    pub log: String,
 }
 
 /// An NVRTC program, destroyed on drop.
@@ -175,6 +178,7 @@ pub fn compile(
     Ok(CompiledImage {
         ptx: nul_to_string(&ptx_raw),
         cubin,
+        log,
     })
 }
 

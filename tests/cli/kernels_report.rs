@@ -7,7 +7,8 @@
 //! norm to their input as they load it to no spills and the transform's own work. The v3 kernels
 //! (conv3.cu) compiled for sm_90a issue `wgmma` fed by TMA, without spills, under the same
 //! overhead bar per unit of tensor-core work (their 64-column twins and the weight gradients'
-//! 64-row twins under 96, two blocks an SM).
+//! 64-row twins under 96, two blocks an SM), and with no note from ptxas (a `wgmma` it waited
+//! for early or serialised).
 
 use birdtrain::cli::kernels_report::{find_tool, report, smem_per_sm};
 use birdtrain::cuda::conv::{V2_APPLY_KERNELS, V2_BN_EPILOGUE_KERNELS, V2_GEMM_KERNELS};
@@ -113,6 +114,9 @@ fn v3_kernels_issue_wgmma_fed_by_tma_on_sm_90a() {
             .unwrap_or_else(|| panic!("{name} missing from the report"));
         assert_eq!(r.mix.kind.name(), "wgmma", "{name}: {r:?}");
         assert_eq!(r.usage.local + r.usage.stack, 0, "{name} spills: {r:?}");
+        // ptxas kept every wgmma asynchronous: none waited for early or serialised (a
+        // persistent kernel's head start lost that way before its issue and wait shared a pass).
+        assert!(r.ptxas_notes.is_empty(), "{name}: {:?}", r.ptxas_notes);
         // Four m64nNk16 per 64-channel slice, two TMA loads (A and B) or more per slice.
         assert!(r.mix.mma >= 4 && r.mix.tma_loads >= 2, "{name}: {r:?}");
         // The k-step's bookkeeping (barrier wait, fence, descriptors, commit, release: ~80
