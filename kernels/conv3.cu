@@ -491,42 +491,68 @@ __device__ __forceinline__ void c3_produce(const CUtensorMap* map_a, const CUten
     }
 }
 
-// Consumer warpgroup c: tile t's accumulators (rows 64c .. 64c + 63 of the tile; SPLIT_N: its
-// columns 64c .. 64c + 63), `ring` counting the stages consumed so far by this block. Each
+// Consumer warpgroup c: k-step kt of tile t (the stage `ring` counts to) into its accumulators
+// (rows 64c .. 64c + 63 of the tile; SPLIT_N: its columns 64c .. 64c + 63), once the stage has
+// landed: four wgmma committed as one group, not waited for.
+template <int MN, int BM, int BN, int STAGES = C3_STAGES>
+__device__ __forceinline__ void c3_issue_kstep(float* acc, int kt, int ring, unsigned base, unsigned full0, int c) {
+    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
+    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN;
+    const int s = ring % STAGES;
+    c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / STAGES) & 1u);
+    const unsigned stage = base + s * STAGE;
+    // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
+    // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
+    // SPLIT_N: the one A box for both, B's box c for each.
+    const unsigned a_rows = stage + (SPLIT_N ? 0 : c * (MN ? C3_BOX_BYTES : 64 * 128));
+    const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);
+    c3_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C3_BK / 16; ++kk) {
+        if (MN)
+            c3_wgmma<CN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048), kt > 0 || kk > 0);
+        else
+            c3_wgmma<CN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
+    }
+    c3_wgmma_commit();
+}
+
+// A persistent consumer's head start on tile t: its first k-steps (at most `most`) issued while
+// the previous tile's epilogue runs from shared memory, so the tensor cores work through it.
+// Returns how many; c3_consume goes on from there.
+template <int MN, int BM, int BN, int STAGES = C3_STAGES>
+__device__ __forceinline__ int c3_consume_head(float* acc, const C3Tile& t, unsigned base, unsigned full0, int c,
+                                               int& ring, int most) {
+    constexpr int ACC = (BM == 64 ? BN / 2 : BN) / 2;
+    c3_fence_acc<ACC>(acc);
+    const int issued = min(most, t.kt_count);
+    for (int kt = 0; kt < issued; ++kt, ++ring) c3_issue_kstep<MN, BM, BN, STAGES>(acc, kt, ring, base, full0, c);
+    return issued;
+}
+
+// Consumer warpgroup c: tile t's accumulators, from k-step `issued` on (the ones before it
+// issued by c3_consume_head), `ring` counting the stages consumed so far by this block. Each
 // stage is released once its wgmma are done; the tile's last one here when `release_last`
 // (a persistent block's producer refills it for the next tile; a one-tile block has no next).
 template <int MN, int BM, int BN, int STAGES = C3_STAGES>
 __device__ __forceinline__ void c3_consume(float* acc, const C3Tile& t, unsigned base, unsigned full0, unsigned empty0,
-                                           int c, int tid, int& ring, bool release_last) {
-    constexpr int A_BYTES = BM * C3_BK * 2, STAGE = A_BYTES + BN * C3_BK * 2;
-    constexpr int SPLIT_N = BM == 64, CN = SPLIT_N ? BN / 2 : BN, ACC = CN / 2;
+                                           int c, int tid, int& ring, bool release_last, int issued = 0) {
+    constexpr int ACC = (BM == 64 ? BN / 2 : BN) / 2;
     c3_fence_acc<ACC>(acc);
-    for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {
-        const int s = ring % STAGES;
-        c3_mbar_wait(full0 + 8 * s, (unsigned)(ring / STAGES) & 1u);
-        const unsigned stage = base + s * STAGE;
-        // K-major: 64 rows of 128 bytes per warpgroup, k advances 32 bytes inside the
-        // swizzle atom; MN-major: one box per warpgroup, k advances 16 rows of 128 bytes.
-        // SPLIT_N: the one A box for both, B's box c for each.
-        const unsigned a_rows = stage + (SPLIT_N ? 0 : c * (MN ? C3_BOX_BYTES : 64 * 128));
-        const unsigned b_rows = stage + A_BYTES + (SPLIT_N ? c * C3_BOX_BYTES : 0);
-        c3_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < C3_BK / 16; ++kk) {
-            if (MN)
-                c3_wgmma<CN, 1, 1>(acc, c3_desc_mn(a_rows + kk * 2048), c3_desc_mn(b_rows + kk * 2048),
-                                   kt > 0 || kk > 0);
-            else
-                c3_wgmma<CN, 0, 0>(acc, c3_desc(a_rows + kk * 32), c3_desc(b_rows + kk * 32), kt > 0 || kk > 0);
-        }
-        c3_wgmma_commit();
-        // The previous slice's wgmma are done: its stage may be refilled.
+    // The k-steps issued and not yet released, before the current one.
+    int pending = issued;
+    for (int kt = issued; kt < t.kt_count; ++kt, ++ring) {
+        c3_issue_kstep<MN, BM, BN, STAGES>(acc, kt, ring, base, full0, c);
+        // Every k-step before this one is done: their stages may be refilled.
         c3_wgmma_wait<1>(acc);
-        if (kt > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % STAGES));
+        if (tid % 128 == 0)
+            for (int j = pending; j > 0; --j) c3_mbar_arrive(empty0 + 8 * ((ring - j) % STAGES));
+        pending = 1;
     }
     c3_wgmma_wait<0>(acc);
     c3_fence_acc<ACC>(acc);
-    if (release_last && t.kt_count > 0 && tid % 128 == 0) c3_mbar_arrive(empty0 + 8 * ((ring - 1) % STAGES));
+    if (release_last && tid % 128 == 0)
+        for (int j = pending; j > 0; --j) c3_mbar_arrive(empty0 + 8 * ((ring - j) % STAGES));
     if (t.kt_count == 0) {
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;  // an empty slice: zeros
@@ -636,8 +662,9 @@ struct C3EpiOperands {
 // reduction scratch), written to y in whole 16-byte chunks with what the epilogue adds, and
 // the per-tile records. The caller has made the staging area free (the barrier before it).
 // `ops` holds the global operands when EARLY (C3EpiOperands::load_early), and is the epilogue's
-// own otherwise.
-template <int EPI, int TAPS, int BN, int PERSIST, int EARLY = 0>
+// own otherwise. PART 1 stages the accumulators and returns, PART 2 does the rest (a persistent
+// consumer issues the next tile's first k-steps between the two), PART 0 both.
+template <int EPI, int TAPS, int BN, int PERSIST, int EARLY = 0, int PART = 0>
 __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilogue& ep, const C3Tile& t, int records,
                                             bf16* y, unsigned char* epi, const float* acc, int etid, int wg,
                                             C3EpiOperands<EPI, TAPS, BN, PERSIST, EARLY>& ops) {
@@ -658,8 +685,8 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
     // block's consumers 240 through setmaxnreg); 64-column blocks, two an SM on 80 registers a
     // thread (104 a persistent consumer), would spill, and load it after the chunks.
     constexpr bool X_FIRST = BN == 128;
-    if (EPI == C3_EPI_BN_GRAD && X_FIRST && !EARLY) ops.load_x(a, ep, t, etid);
-    if (wg > 0) {
+    if (EPI == C3_EPI_BN_GRAD && X_FIRST && !EARLY && PART != 2) ops.load_x(a, ep, t, etid);
+    if (wg > 0 && PART != 2) {
         const int tid = (int)threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, row_base = (wg - 1) * 64 + warp * 16 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
@@ -671,6 +698,7 @@ __device__ __forceinline__ void c3_epilogue(const Conv3Args& a, const Conv3Epilo
                 *reinterpret_cast<unsigned*>(Cs + row * LDC + col) = lo | (hi << 16);
             }
     }
+    if (PART == 1) return;
     c3_epi_sync<PERSIST>();
     constexpr int CHUNKS_PER_ROW = S::CHUNKS_PER_ROW, CHUNKS = S::CHUNKS;
     // Every chunk's global operands loaded before any chunk is stored (EpilogueInputs).
@@ -1002,20 +1030,54 @@ __device__ __forceinline__ void conv3_gemm_p(const CUtensorMap* map_a, const CUt
         return;
     }
     c3_setmaxnreg_inc<BN == 128 ? 240 : 104>();
-    // The 128-column data gradients with the batch-norm epilogue load its operands before the
-    // tile's mainloop (the consumers' 240 registers hold them beside the accumulators); the
-    // 64-column ones, on 104, load them in the epilogue.
-    constexpr int EARLY = EPI == C3_EPI_BN_GRAD && BN == 128;
     float acc[BN / 2];
-    for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-        const C3Tile t = c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles);
-        C3EpiOperands<EPI, TAPS, BN, 1, EARLY> ops;
-        if constexpr (EARLY) ops.load_early(a, ep, t, tid - 128);
-        c3_consume<0, C3_BM, BN, STAGES>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
-        // The previous tile's epilogue is done with the staging area.
+    const int records = m_tiles * z_count, etid = tid - 128;
+    unsigned char* epi = smem + C3_P_EPI(BN);
+    if constexpr (EPI == C3_EPI_BN_GRAD) {
+        // The data gradients with the batch-norm epilogue, a tile a pass. The 128-column ones
+        // load its operands before the tile's mainloop (the consumers' 240 registers hold them
+        // beside the accumulators); the 64-column ones, on 104, load them in the epilogue.
+        // Either way those registers are not there for a head start (below).
+        constexpr int EARLY = BN == 128;
+        for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
+            const C3Tile t = c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles);
+            C3EpiOperands<EPI, TAPS, BN, 1, EARLY> ops;
+            if constexpr (EARLY) ops.load_early(a, ep, t, etid);
+            c3_consume<0, C3_BM, BN, STAGES>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
+            // The previous tile's epilogue is done with the staging area.
+            c3_epi_sync<1>();
+            c3_epilogue<EPI, TAPS, BN, 1, EARLY>(a, ep, t, records, out, epi, acc, etid, wg, ops);
+        }
+        return;
+    }
+    // The others give the next tile's first HEAD k-steps a head start: issued once this tile's
+    // accumulators are staged (c3_epilogue's PART 1), they run on the tensor cores while the rest
+    // of its epilogue (PART 2) runs from shared memory; the producer filled their stages during
+    // this tile's last k-steps. A pass of the loop issues the wgmma and waits for them (split
+    // across passes, the compiler waits for them at once, or serialises every wgmma).
+    constexpr int HEAD = 2;
+    int i = blockIdx.x;
+    if (i >= tiles) return;
+    C3Tile t = c3_tile_p<TAPS, BN>(a, i, m_tiles, n_tiles);
+    C3EpiOperands<EPI, TAPS, BN, 1> ops;
+    c3_consume<0, C3_BM, BN, STAGES>(acc, t, base, full0, empty0, wg - 1, tid, ring, true);
+    c3_epilogue<EPI, TAPS, BN, 1, 0, 1>(a, ep, t, records, out, epi, acc, etid, wg, ops);
+    for (;;) {
+        const int next = i + (int)gridDim.x;
+        const C3Tile tn = c3_tile_p<TAPS, BN>(a, next < tiles ? next : i, m_tiles, n_tiles);
+        const int issued =
+            c3_consume_head<0, C3_BM, BN, STAGES>(acc, tn, base, full0, wg - 1, ring, next < tiles ? HEAD : 0);
+        c3_epilogue<EPI, TAPS, BN, 1, 0, 2>(a, ep, t, records, out, epi, acc, etid, wg, ops);
+        if (next >= tiles) {
+            c3_wgmma_wait<0>(acc);  // nothing in flight, which the compiler cannot tell
+            break;
+        }
+        c3_consume<0, C3_BM, BN, STAGES>(acc, tn, base, full0, empty0, wg - 1, tid, ring, true, issued);
+        // This tile's epilogue is done with the staging area.
         c3_epi_sync<1>();
-        c3_epilogue<EPI, TAPS, BN, 1, EARLY>(a, ep, t, m_tiles * z_count, out, smem + C3_P_EPI(BN), acc, tid - 128,
-                                             wg, ops);
+        c3_epilogue<EPI, TAPS, BN, 1, 0, 1>(a, ep, tn, records, out, epi, acc, etid, wg, ops);
+        i = next;
+        t = tn;
     }
 #else
     __trap();  // compiled for a target without wgmma: the host never launches this

@@ -295,14 +295,15 @@ fn kernels_match_references_under_emulation() {
         // a persistent block that never releases a tile's last stage (its producer waits
         // forever for it once the ring comes round)
         (
-            "if (release_last && t.kt_count > 0 && tid % 128 == 0)",
-            "if (false && t.kt_count > 0 && tid % 128 == 0)",
+            "if (release_last && tid % 128 == 0)",
+            "if (false && tid % 128 == 0)",
         ),
-        // a persistent block whose consumers restart the ring's count at every tile (the
-        // stage and parity of the next tile's first k-step are not the ones its producer filled)
+        // a persistent block whose consumers restart the ring's count at every tile they start
+        // without a head start (the stage and parity of its first k-step are not the ones its
+        // producer filled)
         (
-            "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) {",
-            "for (int kt = 0; kt < t.kt_count; ++kt, ++ring) { if (kt == 0) ring = 0;",
+            "for (int kt = issued; kt < t.kt_count; ++kt, ++ring) {",
+            "for (int kt = issued; kt < t.kt_count; ++kt, ++ring) { if (kt == 0) ring = 0;",
         ),
         // a persistent block's epilogue area laid over its last stage (the next tile's loads
         // overwrite the staged tile)
@@ -315,6 +316,12 @@ fn kernels_match_references_under_emulation() {
         (
             "else if (a.accumulate) ops.template load_chunks<2>",
             "else if (false) ops.template load_chunks<2>",
+        ),
+        // a persistent consumer that releases only one of the stages its head start consumed
+        // (the producer waits forever for the others once the ring comes round)
+        (
+            "    int pending = issued;",
+            "    int pending = issued > 0 ? 1 : 0;",
         ),
         // a persistent walk that takes every tile's columns from the first column tile
         (
